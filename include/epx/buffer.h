@@ -1,0 +1,88 @@
+// epx/buffer.h — communication buffer for the ht and ll modes (DeepEP-style).
+//
+// A Buffer is created collectively by every rank of a Group with the same MoeShape. It allocates
+// symmetric memory sized from the shape (never from a user guess): Buffer::bytes_needed() says how
+// much each mode takes. All operations are collective unless marked local: every rank must call
+// the same operations in the same order. Operations run on the given stream (cuda) and never
+// synchronise the device behind the caller's back, except where a method says it waits on the
+// host. On the cpu backend every operation runs synchronously on the calling thread.
+//
+// Thread-safety: a Buffer is used by one host thread at a time.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "epx/group.h"
+#include "epx/ht.h"
+#include "epx/ll.h"
+#include "epx/shape.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+namespace detail {
+class BufferImpl;
+}
+
+struct BufferConfig {
+  bool enable_ht = true;
+  bool enable_ll = false;
+};
+
+class Buffer {
+ public:
+  // Collective. Validates the shape against the group (E % R == 0, ...) and allocates.
+  Buffer(const Group& group, const MoeShape& shape, const BufferConfig& config = {});
+  ~Buffer();
+  Buffer(Buffer&&) noexcept;
+  Buffer& operator=(Buffer&&) noexcept;
+
+  // Symmetric bytes per rank that `mode` (kHt or kLl) needs for `shape` on `num_ranks` ranks of
+  // `backend`.
+  static size_t bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend);
+  // Symmetric bytes per rank this buffer allocated, all modes together.
+  size_t bytes_allocated() const;
+
+  const Group& group() const;
+  const MoeShape& shape() const;
+  Device device() const;  // cpu, or the group's GPU
+  uint64_t id() const;    // unique per buffer within a process
+
+  // Raises a pending asynchronous error (device timeout, out-of-range expert id, worst-case
+  // overflow) recorded by an earlier operation. Local; cuda waits for nothing.
+  void check() const;
+
+  // ---- ht ----------------------------------------------------------------------------------
+  // Local (no communication). topk_idx [T, K] int64/int32.
+  HtLayout ht_layout(const TensorView& topk_idx, Stream stream = nullptr,
+                     const Allocator& allocator = default_allocator()) const;
+  // Collective. Exact mode waits on the host once to learn N (the count exchange); worst-case
+  // and cached modes do not.
+  HtDispatchResult ht_dispatch(const HtDispatchArgs& args,
+                               const Allocator& allocator = default_allocator());
+  // Collective.
+  HtCombineResult ht_combine(const HtCombineArgs& args,
+                             const Allocator& allocator = default_allocator());
+
+  // ---- ll ----------------------------------------------------------------------------------
+  // Collective; needs BufferConfig::enable_ll.
+  LlDispatchResult ll_dispatch(const LlDispatchArgs& args,
+                               const Allocator& allocator = default_allocator());
+  // Collective.
+  LlCombineResult ll_combine(const LlCombineArgs& args,
+                             const Allocator& allocator = default_allocator());
+  // Local. The bf16 [L, R*T_max, H] view to write expert outputs into before
+  // ll_combine(zero_copy = true) with this handle. Valid until the next ll_dispatch.
+  TensorView ll_next_combine_buffer(const LlHandle& handle);
+  // Collective. Resets ll state (after ht used the memory, or after an error).
+  void ll_clean();
+
+  // Internal.
+  detail::BufferImpl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<detail::BufferImpl> impl_;
+};
+
+}  // namespace epx

@@ -1,0 +1,98 @@
+// epx/group.h — the EP group: who the ranks are and how they reach each other.
+//
+// A Group is a cheap, copyable handle on a shared transport (SPEC 4). Every rank of the EP group
+// creates its own Group with the same size and rendezvous name; creation is collective.
+//
+// Backends:
+//   cpu, threads     — ranks are threads of one process (tests, single-process simulation).
+//   cpu, processes   — ranks are processes on one host, exchanging through POSIX shared memory
+//                      (what the Python layer uses under torch.distributed + gloo).
+//   cuda             — one process per GPU, NCCL communicator + symmetric windows over NVLink.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace epx {
+
+enum class Backend { kCpu, kCuda };
+const char* backend_name(Backend backend);
+
+struct GroupOptions {
+  // Bound on every wait for a peer (host barriers on cpu, device spin-waits on cuda).
+  // Default 30 s; the EPX_TIMEOUT_MS environment variable overrides the default.
+  std::chrono::milliseconds timeout{0};  // 0 = default
+  // SMs the cuda kernels may use; 0 = auto (resolved in one place per mode).
+  int num_sms = 0;
+};
+
+// The 128 opaque bytes of an ncclUniqueId.
+struct UniqueId {
+  std::array<char, 128> bytes{};
+};
+
+namespace detail {
+class Transport;
+}
+
+class Group {
+ public:
+  // Threads of one process. All `size` ranks call this with the same `world_name`; it returns
+  // once every rank has joined (or throws Timeout naming the missing ranks).
+  static Group cpu_threads(int rank, int size, const std::string& world_name,
+                           GroupOptions options = {});
+
+  // Processes on one host over POSIX shared memory. `name` must be unique per live group (for
+  // example a UUID chosen by rank 0 and broadcast); segments are unlinked once all ranks mapped
+  // them, so nothing is left in /dev/shm after a crash-free run.
+  static Group cpu_processes(int rank, int size, const std::string& name,
+                             GroupOptions options = {});
+
+  // One process per GPU from an ncclUniqueId created by rank 0 (new_unique_id) and shared by
+  // the caller (launch_local does this for one host). Binds `cuda_device`.
+  // Throws Unsupported in a build without CUDA/NCCL.
+  static Group cuda(int rank, int size, const UniqueId& id, int cuda_device,
+                    GroupOptions options = {});
+
+  // Adopts an existing ncclComm_t (passed as void*), e.g. PyTorch's ProcessGroupNCCL comm.
+  // epx does not destroy it.
+  static Group cuda_from_comm(void* nccl_comm, int cuda_device, GroupOptions options = {});
+
+  int rank() const;
+  int size() const;
+  Backend backend() const;
+  std::chrono::milliseconds timeout() const;
+  const GroupOptions& options() const;
+
+  // Host barrier over the group, bounded by the timeout (collective; cpu backend only, the cuda
+  // backend synchronises on the device).
+  void barrier() const;
+
+  // Internal: the transport shared by the buffers of this group.
+  const std::shared_ptr<detail::Transport>& transport() const { return transport_; }
+
+ private:
+  explicit Group(std::shared_ptr<detail::Transport> t, GroupOptions options);
+  std::shared_ptr<detail::Transport> transport_;
+  GroupOptions options_;
+};
+
+// Creates an ncclUniqueId (rank 0 calls this). Throws Unsupported without NCCL.
+UniqueId new_unique_id();
+
+// File rendezvous for several hosts: rank 0 writes `id` to `path` atomically; other ranks read
+// it, waiting up to `timeout`.
+UniqueId exchange_unique_id_via_file(const std::string& path, int rank,
+                                     std::chrono::milliseconds timeout);
+
+// Forks one process per rank (`num_ranks` of them, one per local GPU when used with cuda),
+// runs `body(rank)` in each and waits for all. Returns 0 if every child returned 0, else the first
+// non-zero status (a child killed by a signal counts as 128 + signal). Children that outlive
+// `timeout` are killed. The parent does nothing else, so `body` may create groups freely.
+int launch_local(int num_ranks, const std::function<int(int rank)>& body,
+                 std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+}  // namespace epx

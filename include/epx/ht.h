@@ -1,0 +1,85 @@
+// epx/ht.h — high-throughput dispatch/combine (prefill, training). SPEC 3.1–3.3.
+//
+// Data flow on rank r (R ranks, T tokens here, N tokens received):
+//   ht_layout(topk_idx)   -> num_tokens_per_rank[R], num_tokens_per_expert[E], is_token_in_rank[T, R]
+//   ht_dispatch(x, topk)  -> recv_x[N, H]: rows grouped by source rank ascending, then by source
+//                            token index ascending (deterministic)
+//   ht_combine(y[N, H])   -> out[T, H] = bias0 + bias1 + sum over destination ranks d ascending of
+//                            y_d[pos_d(t)], float32 accumulation, one rounding to bf16
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "epx/tensor.h"
+
+namespace epx {
+
+struct HtLayout {
+  Tensor num_tokens_per_rank;    // [R] int32: tokens that go to each rank
+  Tensor num_tokens_per_expert;  // [E] int32: (token, k) selections per expert
+  Tensor is_token_in_rank;       // [T, R] bool
+};
+
+// What combine and cached dispatch need; produced by ht_dispatch. Tensors live on the buffer's
+// device. Opaque to callers apart from the fields documented here.
+struct HtHandle {
+  Tensor rank_prefix_matrix;  // [R, R] int32: [s][d] = tokens received by d from ranks 0..s
+  Tensor recv_src_idx;        // [rows] int32: source token index of each received row
+  Tensor is_token_in_rank;    // [T, R] bool, this rank's tokens
+  Tensor send_pos;            // [T, R] int32: row of token t in rank d's recv_x, -1 if not sent
+  int64_t num_tokens = 0;     // T of the dispatch on this rank
+  int64_t num_recv_tokens = -1;  // N; -1 when not known on the host (worst-case mode on cuda)
+  int64_t num_worst_tokens = 0;  // rows of the outputs in worst-case mode, else 0
+  int top_k = 0;
+  uint64_t buffer_id = 0;     // the buffer that made it (checked on use)
+};
+
+struct HtDispatchArgs {
+  // [T, H] bf16, or fp8 e4m3 with x_scales. Rows may be strided (stride(1) must be 1).
+  TensorView x;
+  // fp8 only: [T, H/128] float32 or [T, H/512] int32 (packed UE8M0), any strides
+  // (column-major scales are accepted). Moved with their rows, never re-quantised.
+  TensorView x_scales;
+  // [T, K] int64 or int32, values in [-1, E). Absent in cached mode.
+  TensorView topk_idx;
+  // [T, K] float32. Optional (absent in cached mode).
+  TensorView topk_weights;
+  // Each per-expert count in num_recv_tokens_per_expert is rounded up to this (>= 1).
+  int expert_alignment = 1;
+  // > 0: worst-case mode. Outputs have exactly this many rows, no host synchronisation; rows past
+  // N have recv_topk_idx = -1. N > num_worst_tokens raises OutOfCapacity (never truncates).
+  int64_t num_worst_tokens = 0;
+  // Cached mode: reuse the routing of an earlier dispatch with the same topk_idx. No layout or
+  // count exchange; only recv_x (and recv_x_scales) are returned.
+  const HtHandle* handle = nullptr;
+  Stream stream = nullptr;
+};
+
+struct HtDispatchResult {
+  Tensor recv_x;             // [rows, H], dtype of x (rows = N, or num_worst_tokens)
+  Tensor recv_x_scales;      // [rows, H/128] f32 or [rows, H/512] i32, fp8 only
+  Tensor recv_topk_idx;      // [rows, K], dtype of topk_idx: local expert index or -1
+  Tensor recv_topk_weights;  // [rows, K] f32: weight where local, else 0 (if weights given)
+  Tensor recv_src_idx;       // [rows] int32 (same tensor as handle.recv_src_idx)
+  // Per local expert, received selections rounded up to expert_alignment. Empty in worst-case
+  // mode (no host synchronisation) and in cached mode.
+  std::vector<int> num_recv_tokens_per_expert;
+  HtHandle handle;
+};
+
+struct HtCombineArgs {
+  TensorView y;                 // [N or num_worst_tokens, H] bf16, in recv_x order
+  const HtHandle* handle = nullptr;
+  TensorView topk_weights;      // optional [rows, K] f32: summed back into combined_topk_weights
+  TensorView bias0;             // optional [T, H] bf16
+  TensorView bias1;             // optional [T, H] bf16
+  Stream stream = nullptr;
+};
+
+struct HtCombineResult {
+  Tensor out;                    // [T, H] bf16
+  Tensor combined_topk_weights;  // [T, K] f32, only if topk_weights was given
+};
+
+}  // namespace epx

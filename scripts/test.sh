@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every test: GoogleTest (CPU tier, plus the GPU tier where GPUs exist) and pytest.
+# Installs what it needs where it can (Debian: apt), skips what is already there.
+# Usage: bash scripts/test.sh            (build dir: build/, override with EPX_BUILD_DIR)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/common.sh
+epx_setup_env
+epx_install_deps
+epx_configure_and_build
+echo "== GoogleTest (ctest) =="
+(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}")
+if [ -d tests/python ] && epx_python_ready; then
+  echo "== pytest =="
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python
+else
+  echo "== pytest: SKIPPED (no Python package or no torch/pytest for $EPX_PYTHON) =="
+fi

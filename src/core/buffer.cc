@@ -1,0 +1,96 @@
+// epx::Buffer: validation, then the backend.
+#include "epx/buffer.h"
+
+#include <atomic>
+
+#include "core/buffer_impl.h"
+#include "core/check.h"
+#include "core/validate.h"
+
+namespace epx {
+
+static uint64_t next_buffer_id() {
+  static std::atomic<uint64_t> next{1};
+  return next++;
+}
+
+Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& config) {
+  detail::validate_shape(shape, group.size(), "Buffer");
+  EPX_CHECK_ARG(config.enable_ht || config.enable_ll,
+                "Buffer: config enables neither ht nor ll, expected at least one");
+  const uint64_t id = next_buffer_id();
+  impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_buffer(group, shape, config, id)
+                                           : detail::make_cuda_buffer(group, shape, config, id);
+}
+
+Buffer::~Buffer() = default;
+Buffer::Buffer(Buffer&&) noexcept = default;
+Buffer& Buffer::operator=(Buffer&&) noexcept = default;
+
+size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend) {
+  EPX_CHECK_ARG(num_ranks >= 1, "Buffer::bytes_needed: 'num_ranks' is ", num_ranks,
+                ", expected >= 1");
+  detail::validate_shape(shape, num_ranks, "Buffer::bytes_needed");
+  const bool cpu = backend == Backend::kCpu;
+  switch (mode) {
+    case Mode::kHt:
+      return cpu ? detail::cpu_ht_bytes(shape, num_ranks) : detail::cuda_ht_bytes(shape, num_ranks);
+    case Mode::kLl:
+      return cpu ? detail::cpu_ll_bytes(shape, num_ranks) : detail::cuda_ll_bytes(shape, num_ranks);
+    case Mode::kA2a: break;
+  }
+  detail::throw_error(ErrorCode::kInvalidArgument,
+                      "Buffer::bytes_needed: 'mode' is a2a, expected ht or ll (use "
+                      "A2a::workspace_bytes)");
+}
+
+size_t Buffer::bytes_allocated() const { return impl_->bytes_allocated(); }
+const Group& Buffer::group() const { return impl_->group; }
+const MoeShape& Buffer::shape() const { return impl_->shape; }
+Device Buffer::device() const { return impl_->device(); }
+uint64_t Buffer::id() const { return impl_->id; }
+void Buffer::check() const { impl_->check(); }
+
+HtLayout Buffer::ht_layout(const TensorView& topk_idx, Stream stream,
+                           const Allocator& allocator) const {
+  impl_->check();
+  detail::validate_ht_layout(*impl_, topk_idx);
+  return impl_->ht_layout(topk_idx, stream, allocator);
+}
+
+HtDispatchResult Buffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& allocator) {
+  impl_->check();
+  detail::validate_ht_dispatch(*impl_, args);
+  return impl_->ht_dispatch(args, allocator);
+}
+
+HtCombineResult Buffer::ht_combine(const HtCombineArgs& args, const Allocator& allocator) {
+  impl_->check();
+  detail::validate_ht_combine(*impl_, args);
+  return impl_->ht_combine(args, allocator);
+}
+
+LlDispatchResult Buffer::ll_dispatch(const LlDispatchArgs& args, const Allocator& allocator) {
+  impl_->check();
+  detail::validate_ll_dispatch(*impl_, args);
+  return impl_->ll_dispatch(args, allocator);
+}
+
+LlCombineResult Buffer::ll_combine(const LlCombineArgs& args, const Allocator& allocator) {
+  impl_->check();
+  detail::validate_ll_combine(*impl_, args);
+  return impl_->ll_combine(args, allocator);
+}
+
+TensorView Buffer::ll_next_combine_buffer(const LlHandle& handle) {
+  detail::validate_ll_handle(*impl_, handle, "ll_next_combine_buffer");
+  return impl_->ll_next_combine_buffer(handle);
+}
+
+void Buffer::ll_clean() {
+  EPX_CHECK_ARG(impl_->config.enable_ll,
+                "ll_clean: this buffer was created with enable_ll = false, expected true");
+  impl_->ll_clean();
+}
+
+}  // namespace epx

@@ -1,0 +1,77 @@
+// src/core/buffer_impl.h — what a backend implements behind epx::Buffer and epx::A2a.
+//
+// The public classes validate every argument (src/core/*_validate.cc) before calling in here, so
+// implementations may assume well-formed inputs: shapes, dtypes, devices and ranges checked,
+// topk ids in [-1, E) where the host can see them (the cuda backend checks device tensors on the
+// device).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "epx/a2a.h"
+#include "epx/buffer.h"
+
+namespace epx::detail {
+
+class BufferImpl {
+ public:
+  BufferImpl(const Group& group, const MoeShape& shape, const BufferConfig& config, uint64_t id)
+      : group(group), shape(shape), config(config), id(id) {}
+  virtual ~BufferImpl() = default;
+
+  virtual size_t bytes_allocated() const = 0;
+  virtual Device device() const = 0;
+  virtual void check() = 0;
+
+  virtual HtLayout ht_layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) = 0;
+  virtual HtDispatchResult ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) = 0;
+  virtual HtCombineResult ht_combine(const HtCombineArgs& args, const Allocator& alloc) = 0;
+
+  virtual LlDispatchResult ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) = 0;
+  virtual LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) = 0;
+  virtual TensorView ll_next_combine_buffer(const LlHandle& handle) = 0;
+  virtual void ll_clean() = 0;
+
+  const Group group;
+  const MoeShape shape;
+  const BufferConfig config;
+  const uint64_t id;
+};
+
+class A2aImpl {
+ public:
+  A2aImpl(const Group& group, const A2aShape& shape) : group(group), shape(shape) {}
+  virtual ~A2aImpl() = default;
+  virtual size_t bytes_allocated() const = 0;
+  virtual void check() = 0;
+  virtual A2aDispatchResult dispatch(const A2aDispatchArgs& args) = 0;
+  virtual TensorView combine_payload_view(int64_t runtime_max, int64_t hidden, DType dtype) = 0;
+  virtual Tensor combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
+                         Stream stream, const Allocator& alloc) = 0;
+
+  const Group group;
+  const A2aShape shape;
+  // The dispatch -> combine -> dispatch state machine (checked by epx::A2a).
+  bool dispatched = false;
+  int64_t last_runtime_max = 0;
+  int64_t last_num_tokens = 0;
+};
+
+// Backend factories. The cuda ones throw Unsupported in a build without CUDA.
+std::unique_ptr<BufferImpl> make_cpu_buffer(const Group& group, const MoeShape& shape,
+                                            const BufferConfig& config, uint64_t id);
+std::unique_ptr<BufferImpl> make_cuda_buffer(const Group& group, const MoeShape& shape,
+                                             const BufferConfig& config, uint64_t id);
+std::unique_ptr<A2aImpl> make_cpu_a2a(const Group& group, const A2aShape& shape);
+std::unique_ptr<A2aImpl> make_cuda_a2a(const Group& group, const A2aShape& shape);
+
+// Symmetric bytes per rank of each mode, per backend (each backend owns its buffer layout).
+size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks);
+size_t cpu_ll_bytes(const MoeShape& shape, int num_ranks);
+size_t cpu_a2a_bytes(const A2aShape& shape, int num_ranks);
+size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks);
+size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks);
+size_t cuda_a2a_bytes(const A2aShape& shape, int num_ranks);
+
+}  // namespace epx::detail

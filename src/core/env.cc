@@ -1,0 +1,22 @@
+#include "core/env.h"
+
+#include <cstdlib>
+#include <string>
+
+namespace epx::detail {
+
+static long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return (end && *end == '\0' && x >= 0) ? x : fallback;
+}
+
+std::chrono::milliseconds env_default_timeout() {
+  return std::chrono::milliseconds(env_long("EPX_TIMEOUT_MS", 30000));
+}
+
+int env_default_num_sms() { return static_cast<int>(env_long("EPX_NUM_SMS", 0)); }
+
+}  // namespace epx::detail

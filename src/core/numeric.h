@@ -1,0 +1,138 @@
+// src/core/numeric.h — the number formats and the quantisation formula, one definition for the
+// cpu backend and the cuda kernels (host + device), so results agree bit for bit.
+//
+//   bf16:  round-to-nearest-even from float32; NaN -> 0x7FC0.
+//   fp8 e4m3fn: round-to-nearest-even, saturating to +-448 (inf and overflow saturate; NaN -> 0x7F).
+//   Quantisation of one 128-channel group of a token (SPEC 3.4):
+//     amax  = max(max_i |x_i|, 1e-4f)
+//     scale = amax / 448.0f                      (float32 division)
+//     round_scale: scale = next power of two >= scale (exact, on the bits)
+//     inv   = 1.0f / scale;  q_i = e4m3(x_i * inv)
+//     UE8M0 byte = biased exponent of the (power-of-two) scale; 4 bytes per int32, group g in
+//     byte g % 4 of int g / 4 (little endian).
+//   Reductions are plain float32 adds / fmaf in a fixed order; device code must not be compiled
+//   with fast-math.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define EPX_HD __host__ __device__ __forceinline__
+#else
+#define EPX_HD inline
+#endif
+
+namespace epx::detail {
+
+inline constexpr float kFp8Max = 448.0f;
+inline constexpr float kAmaxFloor = 1e-4f;
+inline constexpr int kQuantGroup = 128;
+
+EPX_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+EPX_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+EPX_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+EPX_HD uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+EPX_HD float fp8_e4m3_to_f32(uint8_t v) {
+  const uint32_t sign = (v & 0x80u) << 24;
+  const uint32_t e = (v >> 3) & 0xFu, m = v & 0x7u;
+  if (e == 0xF && m == 0x7) return bits_f32(sign | 0x7FC00000u);  // NaN
+  float mag;
+  if (e == 0) {
+    mag = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  } else {
+    mag = bits_f32(((e + 120u) << 23) | (m << 20));  // (1 + m/8) * 2^(e-7)
+  }
+  return bits_f32(f32_bits(mag) | sign);
+}
+
+// Round-to-nearest-even, saturate to finite (matches cvt.rn.satfinite.e4m3x2.f32).
+EPX_HD uint8_t f32_to_fp8_e4m3(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7F;                      // NaN
+  if (a >= 0x43E00000u) return sign | 0x7E;              // >= 448 (incl. inf): saturate
+  if (a < 0x3C800000u) {                                 // < 2^-6: subnormal grid m * 2^-9
+    // Exact RNE of a * 2^9 in [0, 8]: a * 512 is exact; round the fraction by hand.
+    const float s = bits_f32(a) * 512.0f;
+    uint32_t q = static_cast<uint32_t>(s);  // truncation
+    const float frac = s - static_cast<float>(q);
+    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) ++q;
+    return sign | static_cast<uint8_t>(q);  // q == 8 encodes the smallest normal 2^-6
+  }
+  int32_t e = static_cast<int32_t>(a >> 23) - 127;  // -6..8
+  uint32_t m = (a >> 20) & 0x7u;
+  const uint32_t rem = a & 0xFFFFFu;
+  if (rem > 0x80000u || (rem == 0x80000u && (m & 1u))) {
+    if (++m == 8) {
+      m = 0;
+      ++e;
+    }
+  }
+  if (e > 8 || (e == 8 && m == 7)) return sign | 0x7E;
+  return sign | static_cast<uint8_t>(((e + 7) << 3) | static_cast<int32_t>(m));
+}
+
+// Smallest power of two >= x (x > 0, finite, normal).
+EPX_HD float round_up_pow2(float x) {
+  uint32_t u = f32_bits(x);
+  if (u & 0x7FFFFFu) u = (u & 0xFF800000u) + 0x800000u;
+  return bits_f32(u & 0xFF800000u);
+}
+
+// Scale of one group from its amax, per the formula above.
+EPX_HD float fp8_scale_from_amax(float amax, bool round_scale) {
+  float scale = (amax > kAmaxFloor ? amax : kAmaxFloor) / kFp8Max;
+  return round_scale ? round_up_pow2(scale) : scale;
+}
+
+EPX_HD uint8_t ue8m0_of_scale(float pow2_scale) {
+  return static_cast<uint8_t>((f32_bits(pow2_scale) >> 23) & 0xFFu);
+}
+
+// Host reference: quantise one token row of `hidden` bf16 values.
+// q[hidden] fp8 bytes, scales[hidden / 128] float32 (the scale, i.e. amax / 448 possibly rounded).
+inline void quantize_row_fp8(const uint16_t* x, int64_t hidden, bool round_scale, uint8_t* q,
+                             float* scales) {
+  for (int64_t g = 0; g < hidden / kQuantGroup; ++g) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQuantGroup; ++i) {
+      float v = bf16_to_f32(x[g * kQuantGroup + i]);
+      v = v < 0 ? -v : v;
+      amax = v > amax ? v : amax;
+    }
+    const float scale = fp8_scale_from_amax(amax, round_scale);
+    const float inv = 1.0f / scale;
+    for (int i = 0; i < kQuantGroup; ++i)
+      q[g * kQuantGroup + i] = f32_to_fp8_e4m3(bf16_to_f32(x[g * kQuantGroup + i]) * inv);
+    scales[g] = scale;
+  }
+}
+
+}  // namespace epx::detail

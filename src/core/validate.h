@@ -1,0 +1,28 @@
+// src/core/validate.h — argument validation of every public operation, shared by all backends.
+// Each function throws epx::Error (InvalidArgument / OutOfCapacity / Unsupported) with a message
+// naming the operation, the argument, the value and what was expected.
+#pragma once
+
+#include "core/buffer_impl.h"
+
+namespace epx::detail {
+
+void validate_shape(const MoeShape& shape, int num_ranks, const char* op);
+// topk_idx [T, K] int64/int32 on `device`; when readable on the host, every value in [-1, E).
+void validate_topk_idx(const TensorView& topk_idx, int top_k, int num_experts, Device device,
+                       const char* op, const char* name = "topk_idx");
+
+void validate_ht_layout(const BufferImpl& b, const TensorView& topk_idx);
+void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& args);
+void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& args);
+
+void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args);
+void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args);
+void validate_ll_handle(const BufferImpl& b, const LlHandle& handle, const char* op);
+
+void validate_a2a_shape(const A2aShape& shape, int num_ranks);
+void validate_a2a_dispatch(const A2aImpl& a, const A2aDispatchArgs& args);
+void validate_a2a_combine(const A2aImpl& a, const TensorView& y, int64_t runtime_max,
+                          bool payload_in_workspace);
+
+}  // namespace epx::detail

@@ -1,0 +1,268 @@
+// src/transport/cpu_transport.cc — shared-memory transport of the cpu backend.
+//
+// Synchronisation: a control block (in process memory for threads, in a POSIX shared memory
+// segment for processes) holds one arrival counter per rank. barrier() bumps this rank's counter
+// to its next epoch (release) and waits until every counter reaches it (acquire), so a barrier
+// names exactly the ranks that did not arrive when it times out. All-zero is the initial state,
+// so every process can create-or-open the segment without an initialiser race.
+//
+// Symmetric memory: threads — each rank allocates its own block and publishes the pointer;
+// processes — each rank creates "/<name>.<seq>.<rank>", maps every peer's, and unlinks its own
+// once all ranks mapped it (nothing stays in /dev/shm).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/check.h"
+#include "transport/transport.h"
+
+namespace epx::detail {
+namespace {
+
+struct alignas(64) ArriveSlot {
+  std::atomic<uint64_t> epoch;
+};
+
+struct ControlBlock {
+  std::atomic<int32_t> aborted_by;  // rank + 1 of the first rank that aborted, 0 = none
+  char abort_message[512];
+  ArriveSlot arrive[kMaxRanks];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "needs address-free atomics");
+
+std::string fmt_ranks(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+// Barrier logic shared by both flavours.
+class CpuTransportBase : public Transport {
+ public:
+  CpuTransportBase(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::kCpu; }
+  Device device() const override { return Device::cpu(); }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
+  void barrier(const char* what) override {
+    ControlBlock* c = control_;
+    const uint64_t target = ++epoch_;
+    // Pairs with the acquire loads of every peer waiting for this epoch.
+    c->arrive[rank_].epoch.store(target, std::memory_order_release);
+    const auto start = std::chrono::steady_clock::now();
+    for (uint64_t spins = 0;; ++spins) {
+      bool all = true;
+      for (int p = 0; p < size_ && all; ++p)
+        all = c->arrive[p].epoch.load(std::memory_order_acquire) >= target;
+      if (all) return;
+      int32_t aborted = c->aborted_by.load(std::memory_order_acquire);
+      if (aborted != 0) {
+        throw_error(ErrorCode::kInternal,
+                    cat(what, ": rank ", aborted - 1, " aborted the collective (",
+                        std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
+      }
+      if (spins < 64) continue;
+      if (spins < 2048) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout_) {
+        std::vector<int> missing;
+        for (int p = 0; p < size_; ++p)
+          if (c->arrive[p].epoch.load(std::memory_order_acquire) < target) missing.push_back(p);
+        throw_error(ErrorCode::kTimeout,
+                    cat(what, ": rank ", rank_, " waited ", timeout_.count(),
+                        " ms for ranks ", fmt_ranks(missing),
+                        " to arrive (timeout; set GroupOptions::timeout or EPX_TIMEOUT_MS)"));
+      }
+    }
+  }
+
+  void abort(const std::string& why) override {
+    std::strncpy(control_->abort_message, why.c_str(), sizeof(control_->abort_message) - 1);
+    int32_t expected = 0;
+    control_->aborted_by.compare_exchange_strong(expected, rank_ + 1, std::memory_order_acq_rel);
+  }
+
+ protected:
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  uint64_t epoch_ = 0;
+  ControlBlock* control_ = nullptr;
+};
+
+// ---- threads ---------------------------------------------------------------------------------
+
+struct ThreadWorld {
+  explicit ThreadWorld(int size) : size(size), slots(size) {
+    std::memset(static_cast<void*>(&control), 0, sizeof(control));
+  }
+  int size;
+  ControlBlock control;
+  std::vector<std::shared_ptr<void>> slots;  // allocation exchange, one per rank
+};
+
+class HostSymmetricMemory : public SymmetricMemory {
+ public:
+  HostSymmetricMemory(int rank, size_t bytes, std::vector<std::shared_ptr<void>> blocks)
+      : blocks_(std::move(blocks)) {
+    rank_ = rank;
+    bytes_ = bytes;
+    for (auto& b : blocks_) ptrs_.push_back(b.get());
+  }
+
+ private:
+  std::vector<std::shared_ptr<void>> blocks_;  // keeps every rank's block alive
+};
+
+class ThreadTransport : public CpuTransportBase {
+ public:
+  ThreadTransport(int rank, int size, std::shared_ptr<ThreadWorld> world,
+                  std::chrono::milliseconds timeout)
+      : CpuTransportBase(rank, size, timeout), world_(std::move(world)) {
+    control_ = &world_->control;
+  }
+
+  std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
+    size_t rounded = (bytes + 4095) / 4096 * 4096;
+    void* p = std::calloc(1, rounded ? rounded : 4096);  // 16-byte aligned, zero-filled
+    if (!p) throw_error(ErrorCode::kOutOfCapacity, cat("allocate: cannot allocate ", bytes, " bytes of host memory"));
+    world_->slots[rank_] = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+    barrier("allocate");
+    std::vector<std::shared_ptr<void>> blocks = world_->slots;
+    barrier("allocate");  // every rank copied the slots before anyone reuses them
+    return std::make_shared<HostSymmetricMemory>(rank_, bytes, std::move(blocks));
+  }
+
+ private:
+  std::shared_ptr<ThreadWorld> world_;
+};
+
+std::mutex g_worlds_mutex;
+std::map<std::string, std::weak_ptr<ThreadWorld>> g_worlds;
+
+// ---- processes -------------------------------------------------------------------------------
+
+void* map_shm(const std::string& name, size_t bytes, bool create, const char* what) {
+  int fd = shm_open(name.c_str(), create ? (O_CREAT | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0)
+    throw_error(ErrorCode::kInternal, cat(what, ": shm_open(", name, ") failed: ", std::strerror(errno)));
+  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int e = errno;
+    close(fd);
+    throw_error(ErrorCode::kOutOfCapacity, cat(what, ": cannot size shared memory ", name, " to ",
+                                               bytes, " bytes: ", std::strerror(e)));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED)
+    throw_error(ErrorCode::kInternal, cat(what, ": mmap(", name, ", ", bytes, ") failed: ", std::strerror(errno)));
+  return p;
+}
+
+class ShmSymmetricMemory : public SymmetricMemory {
+ public:
+  ShmSymmetricMemory(int rank, size_t bytes, size_t mapped, std::vector<void*> ptrs)
+      : mapped_(mapped) {
+    rank_ = rank;
+    bytes_ = bytes;
+    ptrs_ = std::move(ptrs);
+  }
+  ~ShmSymmetricMemory() override {
+    for (void* p : ptrs_)
+      if (p) munmap(p, mapped_);
+  }
+
+ private:
+  size_t mapped_;
+};
+
+class ProcessTransport : public CpuTransportBase {
+ public:
+  ProcessTransport(int rank, int size, const std::string& name, std::chrono::milliseconds timeout)
+      : CpuTransportBase(rank, size, timeout), name_("/" + name) {
+    // Create-or-open: the segment starts all-zero, which is the valid initial state.
+    control_ = static_cast<ControlBlock*>(map_shm(name_ + ".ctl", sizeof(ControlBlock), true, "cpu_processes"));
+  }
+  ~ProcessTransport() override { munmap(control_, sizeof(ControlBlock)); }
+
+  void joined() {
+    // Everyone mapped the control block before arriving here.
+    if (rank_ == 0) shm_unlink((name_ + ".ctl").c_str());
+  }
+
+  std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
+    const size_t mapped = (bytes + 4095) / 4096 * 4096 + 4096;
+    const uint64_t seq = alloc_seq_++;
+    auto seg = [&](int r) { return cat(name_, ".", seq, ".", r); };
+    std::vector<void*> ptrs(size_, nullptr);
+    shm_unlink(seg(rank_).c_str());  // a stale segment of a crashed run must not be reused
+    ptrs[rank_] = map_shm(seg(rank_), mapped, true, "allocate");
+    barrier("allocate");
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) ptrs[p] = map_shm(seg(p), mapped, false, "allocate");
+    barrier("allocate");
+    shm_unlink(seg(rank_).c_str());
+    return std::make_shared<ShmSymmetricMemory>(rank_, bytes, mapped, std::move(ptrs));
+  }
+
+ private:
+  std::string name_;
+  uint64_t alloc_seq_ = 0;
+};
+
+void check_rank_size(int rank, int size, const char* what) {
+  EPX_CHECK_ARG(size >= 1 && size <= kMaxRanks, what, ": argument 'size' is ", size,
+                ", expected 1..", kMaxRanks);
+  EPX_CHECK_ARG(rank >= 0 && rank < size, what, ": argument 'rank' is ", rank, ", expected 0..",
+                size - 1);
+}
+
+}  // namespace
+
+std::shared_ptr<Transport> make_cpu_thread_transport(int rank, int size,
+                                                     const std::string& world_name,
+                                                     std::chrono::milliseconds timeout) {
+  check_rank_size(rank, size, "Group::cpu_threads");
+  std::shared_ptr<ThreadWorld> world;
+  {
+    std::lock_guard<std::mutex> lock(g_worlds_mutex);
+    auto& slot = g_worlds[world_name];
+    world = slot.lock();
+    if (!world) {
+      world = std::make_shared<ThreadWorld>(size);
+      slot = world;
+    }
+  }
+  EPX_CHECK_ARG(world->size == size, "Group::cpu_threads: argument 'size' is ", size,
+                " but world '", world_name, "' was created with size ", world->size);
+  auto t = std::make_shared<ThreadTransport>(rank, size, world, timeout);
+  t->barrier("Group::cpu_threads (join)");
+  return t;
+}
+
+std::shared_ptr<Transport> make_cpu_process_transport(int rank, int size, const std::string& name,
+                                                      std::chrono::milliseconds timeout) {
+  check_rank_size(rank, size, "Group::cpu_processes");
+  EPX_CHECK_ARG(!name.empty() && name.size() < 200 && name.find('/') == std::string::npos,
+                "Group::cpu_processes: argument 'name' is '", name,
+                "', expected 1..199 characters without '/'");
+  auto t = std::make_shared<ProcessTransport>(rank, size, name, timeout);
+  t->barrier("Group::cpu_processes (join)");
+  t->joined();
+  return t;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,20 @@
+// src/transport/nccl_transport.h — the cuda backend's transport factory (NCCL communicator +
+// symmetric windows + LSA pointers). Implemented in nccl_transport.cc when built with CUDA and
+// NCCL; otherwise src/core/cuda_stub.cc throws Unsupported.
+#pragma once
+
+#include <chrono>
+#include <memory>
+
+#include "epx/group.h"
+#include "transport/transport.h"
+
+namespace epx::detail {
+
+UniqueId nccl_new_unique_id();
+std::shared_ptr<Transport> make_nccl_transport(int rank, int size, const UniqueId& id,
+                                               int cuda_device, std::chrono::milliseconds timeout);
+std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cuda_device,
+                                                         std::chrono::milliseconds timeout);
+
+}  // namespace epx::detail

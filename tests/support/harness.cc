@@ -1,0 +1,46 @@
+#include "support/harness.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace epx::testing {
+
+std::string unique_group_name(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  return "epx-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + "-" + tag;
+}
+
+void run_threads(int R, const std::function<void(const Group&)>& body, GroupOptions options) {
+  const std::string name = unique_group_name("thr");
+  std::exception_ptr first;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Group g = Group::cpu_threads(r, R, name, options);
+        body(g);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+int run_processes(int R, const std::function<int(const Group&)>& body, GroupOptions options) {
+  const std::string name = unique_group_name("proc");
+  return launch_local(R, [&](int r) {
+    Group g = Group::cpu_processes(r, R, name, options);
+    return body(g);
+  });
+}
+
+}  // namespace epx::testing
