@@ -294,6 +294,8 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.x = s.ll.recv_x;
     out.x_scale = s.ll.recv_scales;
     out.masked_m = s.ll.recv_count;
+    out.topk_idx = Tensor{s.topk_idx, nullptr};  // ll experts see the original routing
+    out.topk_weights = Tensor{s.topk_weights, nullptr};
     out.expected_m = (s.num_tokens * R * K + c.num_experts) / c.num_experts;
     if (s.ll.recv_count.device.type == DeviceType::kCpu)
       for (int l = 0; l < L; ++l) s.load[l] += s.ll.recv_count.ptr<int32_t>()[l];
