@@ -3,6 +3,7 @@
 
 #include "epx/a2a.h"
 #include "epx/buffer.h"
+#include "epx/dispatcher.h"
 #include "epx/error.h"
 #include "epx/group.h"
 #include "epx/ht.h"

@@ -1,0 +1,124 @@
+// epx/dispatcher.h — the layer an engine's MoE layer talks to (SPEC 3.7).
+//
+// One Dispatcher per MoE layer group. It owns the mode buffers (ht + ll, or a2a), picks the mode
+// per call (normal -> ht, low_latency -> ll, auto: extend batches -> ht, decode batches -> ll),
+// quantises activations for the expert GEMMs, runs registered hooks between the two dispatch
+// stages and records expert load.
+//
+//   dispatch_a(x, topk) -> [hooks] -> dispatch_b() -> DispatchOutput
+//   (experts run on DispatchOutput)
+//   combine_a(CombineInput) -> combine_b() -> out[T, H] bf16
+//
+// Stage machine: initial -> after_dispatch_a -> after_dispatch_b -> after_combine_a -> initial.
+// A stage called out of order raises InvalidArgument naming the stage that was expected.
+// dispatch() and combine() are dispatch_a + dispatch_b and combine_a + combine_b.
+// All calls are collective over the group (every rank calls the same sequence).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "epx/a2a.h"
+#include "epx/buffer.h"
+#include "epx/group.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+enum class DispatcherBackend { kDeepEp /* ht + ll */, kA2a };
+enum class DispatchMode { kNormal, kLowLatency, kAuto };
+// What the experts receive: bf16, fp8 e4m3 per token per 128 channels with f32 scales or with
+// UE8M0 scales (column-major, TMA-aligned), or NVFP4 (e2m1 pairs + e4m3 scale per 16 values and
+// a float32 global scale).
+enum class DispatchQuant { kBf16, kFp8, kFp8Ue8m0, kNvfp4 };
+enum class ForwardMode { kExtend, kDecode };
+enum class OutputFormat { kHt, kLl, kA2a };
+
+const char* dispatch_mode_name(DispatchMode m);
+const char* dispatch_quant_name(DispatchQuant q);
+const char* output_format_name(OutputFormat f);
+
+struct DispatcherConfig {
+  int num_experts = 0;             // E
+  int64_t hidden = 0;              // H
+  int top_k = 0;                   // K
+  int64_t max_tokens_per_rank = 0; // largest T of any call (ll T_max, a2a max tokens)
+  DispatcherBackend backend = DispatcherBackend::kDeepEp;
+  DispatchMode mode = DispatchMode::kAuto;
+  DispatchQuant quant = DispatchQuant::kBf16;
+  // ht worst-case rows (0 = exact mode with one host sync per dispatch).
+  int64_t num_worst_tokens = 0;
+  // ll: dispatch_a only sends; dispatch_b (after the hooks) receives.
+  bool return_recv_hook = true;
+};
+
+struct DispatchOutput {
+  OutputFormat format = OutputFormat::kHt;
+  // ht:  x [N, H], x_scale, topk_idx [N, K] local ids or -1, topk_weights [N, K],
+  //      num_recv_tokens_per_expert (host list).
+  // ll:  x [L, R*T_max, H], x_scale, masked_m [L] int32, expected_m.
+  // a2a: x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx [R, M, K] int32 global ids
+  //      (padding rows -1), topk_weights [R, M, K], moe_output_view [R, M, H] bf16 to write into.
+  Tensor x;
+  Tensor x_scale;
+  Tensor topk_idx;
+  Tensor topk_weights;
+  std::vector<int> num_recv_tokens_per_expert;
+  Tensor masked_m;
+  int64_t expected_m = 0;
+  TensorView moe_output_view;
+};
+
+struct CombineInput {
+  // ht: [N, H] bf16 (weighted by the caller, as in DeepEP); ll: [L, R*T_max, H] bf16 (combine
+  // applies topk weights); a2a: ignored when the experts wrote into moe_output_view, else
+  // [R, M, H] bf16 (each rank's local experts already weighted and summed).
+  TensorView y;
+  bool y_in_output_view = false;  // a2a: the experts wrote into DispatchOutput::moe_output_view
+};
+
+class Dispatcher {
+ public:
+  // Collective.
+  Dispatcher(const Group& group, const DispatcherConfig& config);
+  ~Dispatcher();
+  Dispatcher(Dispatcher&&) noexcept;
+  Dispatcher& operator=(Dispatcher&&) noexcept;
+
+  // x [T, H] bf16, topk_idx [T, K] int64/int32, topk_weights [T, K] f32.
+  // kNvfp4 needs `global_scale` (float32 scalar; dequant = e2m1 * scale_e4m3 / global_scale).
+  void dispatch_a(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                  ForwardMode forward_mode = ForwardMode::kExtend,
+                  std::optional<float> global_scale = std::nullopt);
+  DispatchOutput dispatch_b();
+  void combine_a(const CombineInput& input);
+  Tensor combine_b();
+
+  DispatchOutput dispatch(const TensorView& x, const TensorView& topk_idx,
+                          const TensorView& topk_weights,
+                          ForwardMode forward_mode = ForwardMode::kExtend,
+                          std::optional<float> global_scale = std::nullopt);
+  Tensor combine(const CombineInput& input);
+
+  // Hooks run, in registration order, between dispatch_a and dispatch_b.
+  void register_hook(std::function<void()> hook);
+  void clear_hooks();
+
+  // Expert-load recording: received (token, local expert) selections per local expert,
+  // accumulated over dispatches since the last reset. [L] int64 copy. Local.
+  std::vector<int64_t> expert_load() const;
+  void reset_expert_load();
+
+  // The mode the last dispatch_a resolved to.
+  OutputFormat last_format() const;
+  const char* stage_name() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace epx

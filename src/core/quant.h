@@ -1,0 +1,85 @@
+// src/core/quant.h — dispatch quantisation for the expert GEMMs (SPEC 3.7), one definition for
+// the cpu backend and the cuda kernels.
+//
+// fp8 (per token, per 128 channels): src/core/numeric.h's formula. Scales are float32 [T, H/128]
+// row-major, or with UE8M0 int32 [T, ceil(H/512)] (4 exponent bytes per int, group g in byte g%4
+// of int g/4) stored column-major with the token dimension padded to a multiple of 4 (16 bytes,
+// the TMA alignment grouped-GEMM kernels need): storage [ceil(H/512), align4(T)], view strides
+// {1, align4(T)}.
+//
+// NVFP4 (per token, per 16 values), with a float32 global scale g (engines pass 448*6/amax):
+//   sf   = e4m3( (amax_16 / 6.0f) * g )            block scale, fp8 e4m3 byte
+//   inv  = f32(sf) == 0 ? 0 : g / f32(sf)
+//   q_i  = e2m1( x_i * inv )                        round-to-nearest-even, saturating at 6
+//   dequant: x_i ~= e2m1_value(q_i) * f32(sf) / g
+//   Values packed two per byte, element 2j in the low nibble. Output: values u8 [T, H/2],
+//   scales u8 [T, H/16] (row-major).
+#pragma once
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "epx/tensor.h"
+
+namespace epx::detail {
+
+inline constexpr int kNvfp4Block = 16;
+
+// e2m1 code (sign in bit 3) of x, round-to-nearest-even on {0, .5, 1, 1.5, 2, 3, 4, 6};
+// NaN -> 0.
+EPX_HD uint8_t f32_to_e2m1(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 28) & 0x8u);
+  const float a = bits_f32(u & 0x7FFFFFFFu);
+  uint8_t m;
+  if (!(a == a)) return 0;
+  if (a <= 0.25f) m = 0;
+  else if (a < 0.75f) m = 1;
+  else if (a <= 1.25f) m = 2;
+  else if (a < 1.75f) m = 3;
+  else if (a <= 2.5f) m = 4;
+  else if (a < 3.5f) m = 5;
+  else if (a <= 5.0f) m = 6;
+  else m = 7;
+  return sign | m;
+}
+
+EPX_HD float e2m1_to_f32(uint8_t code) {
+  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = mags[code & 7];
+  return (code & 8) ? -v : v;
+}
+
+// One token row of `hidden` bf16 values (hidden % 16 == 0).
+inline void quantize_row_nvfp4(const uint16_t* x, int64_t hidden, float global_scale,
+                               uint8_t* q, uint8_t* scales) {
+  for (int64_t b = 0; b < hidden / kNvfp4Block; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      float v = bf16_to_f32(x[b * kNvfp4Block + i]);
+      v = v < 0 ? -v : v;
+      amax = v > amax ? v : amax;
+    }
+    const uint8_t sf = f32_to_fp8_e4m3((amax / 6.0f) * global_scale);
+    const float sf_f = fp8_e4m3_to_f32(sf);
+    const float inv = sf_f == 0.0f ? 0.0f : global_scale / sf_f;
+    for (int i = 0; i < kNvfp4Block; i += 2) {
+      const uint8_t lo = f32_to_e2m1(bf16_to_f32(x[b * kNvfp4Block + i]) * inv);
+      const uint8_t hi = f32_to_e2m1(bf16_to_f32(x[b * kNvfp4Block + i + 1]) * inv);
+      q[(b * kNvfp4Block + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+    scales[b] = sf;
+  }
+}
+
+struct QuantizedTensor {
+  Tensor values;  // fp8 [T, H] or u8 [T, H/2]
+  Tensor scales;  // see the layouts above
+};
+
+// x [T, H] bf16 (innermost stride 1). cpu tensors are quantised here; cuda tensors by
+// src/cuda's kernel (Unsupported in a build without it).
+QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc);
+QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc);
+
+}  // namespace epx::detail

@@ -1,0 +1,380 @@
+// src/dispatcher/dispatcher.cc — epx::Dispatcher over Buffer (ht + ll) or A2a.
+//
+// Data flow per call:
+//   dispatch_a: resolve the mode (normal -> ht, low_latency -> ll, auto: extend -> ht,
+//               decode -> ll; ht -> ll switches clean the ll state), quantise when the mode
+//               moves quantised rows (ht: fp8 rows + scales; a2a: fp8 or NVFP4 payloads; ll
+//               quantises inside its kernel), start the dispatch (ll with the hook: send only).
+//   hooks:      run in registration order.
+//   dispatch_b: finish the receive (ll: call the hook), record expert load, build the output.
+//   combine_a:  start the combine (ll with the hook: send only).
+//   combine_b:  finish it and return out [T, H] bf16.
+// Expert load counts, per local expert, the received tokens that selected it (a token that
+// selected the same local expert twice counts once).
+#include "epx/dispatcher.h"
+
+#include <cstring>
+
+#include "core/check.h"
+#include "core/quant.h"
+
+namespace epx {
+
+const char* dispatch_mode_name(DispatchMode m) {
+  switch (m) {
+    case DispatchMode::kNormal: return "normal";
+    case DispatchMode::kLowLatency: return "low_latency";
+    case DispatchMode::kAuto: return "auto";
+  }
+  return "?";
+}
+
+const char* dispatch_quant_name(DispatchQuant q) {
+  switch (q) {
+    case DispatchQuant::kBf16: return "bf16";
+    case DispatchQuant::kFp8: return "fp8";
+    case DispatchQuant::kFp8Ue8m0: return "fp8_ue8m0";
+    case DispatchQuant::kNvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
+const char* output_format_name(OutputFormat f) {
+  switch (f) {
+    case OutputFormat::kHt: return "ht";
+    case OutputFormat::kLl: return "ll";
+    case OutputFormat::kA2a: return "a2a";
+  }
+  return "?";
+}
+
+namespace {
+
+enum class Stage { kInitial, kAfterDispatchA, kAfterDispatchB, kAfterCombineA };
+
+const char* stage_str(Stage s) {
+  switch (s) {
+    case Stage::kInitial: return "initial";
+    case Stage::kAfterDispatchA: return "after_dispatch_a";
+    case Stage::kAfterDispatchB: return "after_dispatch_b";
+    case Stage::kAfterCombineA: return "after_combine_a";
+  }
+  return "?";
+}
+
+// Distinct local experts of one row of local ids (-1 = none) into `load`.
+template <typename Idx>
+void count_row(const Idx* row, int K, int L, std::vector<int64_t>& load) {
+  for (int k = 0; k < K; ++k) {
+    const int64_t l = row[k];
+    if (l < 0 || l >= L) continue;
+    bool seen = false;
+    for (int j = 0; j < k && !seen; ++j) seen = row[j] == row[k];
+    if (!seen) ++load[l];
+  }
+}
+
+}  // namespace
+
+struct Dispatcher::State {
+  Group group;
+  DispatcherConfig config;
+  int num_ranks = 1;
+  int num_local_experts = 1;
+  std::unique_ptr<Buffer> buffer;  // backend kDeepEp
+  std::unique_ptr<A2a> a2a;        // backend kA2a
+  std::vector<std::function<void()>> hooks;
+  std::vector<int64_t> load;
+  Stage stage = Stage::kInitial;
+  OutputFormat format = OutputFormat::kHt;
+  bool last_was_ht = false;
+
+  // In-flight call state.
+  int64_t num_tokens = 0;
+  TensorView topk_idx, topk_weights;
+  HtDispatchResult ht;
+  LlDispatchResult ll;
+  LlCombineResult ll_combine;
+  HtCombineResult ht_combine;
+  A2aDispatchResult a2a_recv;
+  Tensor a2a_out;
+  std::vector<Tensor> keep_alive;  // quantised payloads and index copies used by a2a
+  Tensor out;
+
+  State(const Group& g, const DispatcherConfig& c) : group(g), config(c) {}
+
+  void expect(Stage want, const char* call) {
+    EPX_CHECK_ARG(stage == want, "Dispatcher::", call, ": called in stage ", stage_str(stage),
+                  ", expected stage ", stage_str(want),
+                  " (order: dispatch_a -> dispatch_b -> combine_a -> combine_b)");
+  }
+};
+
+Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
+    : s_(std::make_unique<State>(group, c)) {
+  const int R = group.size();
+  EPX_CHECK_ARG(c.num_experts > 0 && c.num_experts % R == 0, "Dispatcher: 'num_experts' is ",
+                c.num_experts, ", expected a positive multiple of the group size ", R);
+  EPX_CHECK_ARG(c.hidden > 0 && c.hidden % 128 == 0, "Dispatcher: 'hidden' is ", c.hidden,
+                ", expected a positive multiple of 128");
+  EPX_CHECK_ARG(c.top_k >= 1 && c.top_k <= 32, "Dispatcher: 'top_k' is ", c.top_k,
+                ", expected 1..32");
+  EPX_CHECK_ARG(c.max_tokens_per_rank >= 1, "Dispatcher: 'max_tokens_per_rank' is ",
+                c.max_tokens_per_rank, ", expected >= 1");
+  s_->num_ranks = R;
+  s_->num_local_experts = c.num_experts / R;
+  s_->load.assign(s_->num_local_experts, 0);
+  if (c.backend == DispatcherBackend::kDeepEp) {
+    EPX_CHECK(c.quant != DispatchQuant::kNvfp4, ErrorCode::kUnsupported,
+              "Dispatcher: 'quant' nvfp4 needs backend a2a (ht and ll move bf16 or fp8)");
+    MoeShape shape{c.hidden, c.top_k, c.num_experts, c.max_tokens_per_rank};
+    BufferConfig bc;
+    bc.enable_ht = c.mode != DispatchMode::kLowLatency;
+    bc.enable_ll = c.mode != DispatchMode::kNormal;
+    s_->buffer = std::make_unique<Buffer>(group, shape, bc);
+  } else {
+    EPX_CHECK_ARG(c.mode != DispatchMode::kLowLatency,
+                  "Dispatcher: 'mode' low_latency needs backend deepep, expected normal or auto "
+                  "with backend a2a");
+    A2aShape shape;
+    shape.max_tokens_per_rank = c.max_tokens_per_rank;
+    shape.top_k = c.top_k;
+    shape.num_experts = c.num_experts;
+    const size_t H = static_cast<size_t>(c.hidden);
+    switch (c.quant) {
+      case DispatchQuant::kBf16: shape.payload_bytes_per_token = {H * 2}; break;
+      case DispatchQuant::kFp8: shape.payload_bytes_per_token = {H, H / 128 * 4}; break;
+      case DispatchQuant::kFp8Ue8m0:
+        shape.payload_bytes_per_token = {H, (H / 128 + 3) / 4 * 4};
+        break;
+      case DispatchQuant::kNvfp4: shape.payload_bytes_per_token = {H / 2, H / 16}; break;
+    }
+    shape.payload_bytes_per_token.push_back(c.top_k * 4);  // expert ids, int32
+    shape.payload_bytes_per_token.push_back(c.top_k * 4);  // weights, f32
+    shape.combine_bytes_per_token = H * 2;
+    s_->a2a = std::make_unique<A2a>(group, shape);
+  }
+}
+
+Dispatcher::~Dispatcher() = default;
+Dispatcher::Dispatcher(Dispatcher&&) noexcept = default;
+Dispatcher& Dispatcher::operator=(Dispatcher&&) noexcept = default;
+
+void Dispatcher::register_hook(std::function<void()> hook) { s_->hooks.push_back(std::move(hook)); }
+void Dispatcher::clear_hooks() { s_->hooks.clear(); }
+std::vector<int64_t> Dispatcher::expert_load() const { return s_->load; }
+void Dispatcher::reset_expert_load() { std::fill(s_->load.begin(), s_->load.end(), 0); }
+OutputFormat Dispatcher::last_format() const { return s_->format; }
+const char* Dispatcher::stage_name() const { return stage_str(s_->stage); }
+
+void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
+                            const TensorView& topk_weights, ForwardMode forward_mode,
+                            std::optional<float> global_scale) {
+  State& s = *s_;
+  s.expect(Stage::kInitial, "dispatch_a");
+  const DispatcherConfig& c = s.config;
+  detail::check_defined(x, "Dispatcher::dispatch_a", "x");
+  detail::check_dtype(x, "Dispatcher::dispatch_a", "x", {DType::kBF16});
+  detail::check_shape(x, "Dispatcher::dispatch_a", "x", {-1, c.hidden});
+  detail::check_defined(topk_weights, "Dispatcher::dispatch_a", "topk_weights");
+  detail::check_shape(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {x.shape[0], c.top_k});
+  EPX_CHECK_ARG(c.quant != DispatchQuant::kNvfp4 || global_scale.has_value(),
+                "Dispatcher::dispatch_a: argument 'global_scale' is required with quant nvfp4");
+  const Allocator alloc = default_allocator();
+  s.num_tokens = x.shape[0];
+  s.topk_idx = topk_idx;
+  s.topk_weights = topk_weights;
+  s.keep_alive.clear();
+
+  if (c.backend == DispatcherBackend::kA2a) {
+    s.format = OutputFormat::kA2a;
+    // Payloads: [x (or quantised values), (scales), expert ids int32, weights f32].
+    std::vector<TensorView> payloads;
+    if (c.quant == DispatchQuant::kBf16) {
+      payloads.push_back(x);
+    } else {
+      detail::QuantizedTensor q =
+          c.quant == DispatchQuant::kNvfp4
+              ? detail::quantize_nvfp4(x, *global_scale, alloc)
+              : detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc);
+      if (c.quant == DispatchQuant::kFp8Ue8m0) {
+        // The payload moves contiguous per-token rows; re-pack the column-major scales.
+        Tensor rows = alloc(DType::kI32, {q.scales.shape[0], q.scales.shape[1]}, x.device);
+        for (int64_t t = 0; t < rows.shape[0]; ++t)
+          for (int64_t w = 0; w < rows.shape[1]; ++w)
+            rows.ptr<int32_t>()[t * rows.shape[1] + w] =
+                q.scales.ptr<int32_t>()[t * q.scales.strides[0] + w * q.scales.strides[1]];
+        q.scales = rows;
+      }
+      s.keep_alive.push_back(q.values);
+      s.keep_alive.push_back(q.scales);
+      payloads.push_back(q.values);
+      payloads.push_back(q.scales);
+    }
+    // Expert ids travel as int32 (the a2a routing input too).
+    Tensor ids = alloc(DType::kI32, {s.num_tokens, c.top_k}, x.device);
+    detail::check_dtype(topk_idx, "Dispatcher::dispatch_a", "topk_idx", {DType::kI64, DType::kI32});
+    for (int64_t t = 0; t < s.num_tokens; ++t)
+      for (int k = 0; k < c.top_k; ++k) {
+        const int64_t off = t * topk_idx.strides[0] + k;
+        ids.ptr<int32_t>()[t * c.top_k + k] = static_cast<int32_t>(
+            topk_idx.dtype == DType::kI64 ? topk_idx.ptr<int64_t>()[off]
+                                          : topk_idx.ptr<int32_t>()[off]);
+      }
+    s.keep_alive.push_back(ids);
+    payloads.push_back(ids);
+    payloads.push_back(topk_weights);
+    A2aDispatchArgs args;
+    args.topk_idx = ids;
+    args.payloads = payloads;
+    args.runtime_max_tokens_per_rank = c.max_tokens_per_rank;
+    args.invalid_expert_id = -1;
+    args.expert_id_payload_index = static_cast<int>(payloads.size()) - 2;
+    s.a2a_recv = s.a2a->dispatch(args);
+  } else {
+    const bool use_ll = c.mode == DispatchMode::kLowLatency ||
+                        (c.mode == DispatchMode::kAuto && forward_mode == ForwardMode::kDecode);
+    if (use_ll) {
+      s.format = OutputFormat::kLl;
+      if (s.last_was_ht) s.buffer->ll_clean();
+      s.last_was_ht = false;
+      LlDispatchArgs args;
+      args.x = x;
+      args.topk_idx = topk_idx;
+      args.use_fp8 = c.quant != DispatchQuant::kBf16;
+      args.round_scale = c.quant == DispatchQuant::kFp8Ue8m0;
+      args.use_ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
+      args.return_recv_hook = c.return_recv_hook;
+      s.ll = s.buffer->ll_dispatch(args, alloc);
+    } else {
+      s.format = OutputFormat::kHt;
+      s.last_was_ht = true;
+      HtDispatchArgs args;
+      args.topk_idx = topk_idx;
+      args.topk_weights = topk_weights;
+      args.num_worst_tokens = c.num_worst_tokens;
+      if (c.quant == DispatchQuant::kBf16) {
+        args.x = x;
+        s.ht = s.buffer->ht_dispatch(args, alloc);
+      } else {
+        detail::QuantizedTensor q =
+            detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc);
+        args.x = q.values;
+        args.x_scales = q.scales;
+        s.ht = s.buffer->ht_dispatch(args, alloc);
+      }
+    }
+  }
+  s.stage = Stage::kAfterDispatchA;
+  for (auto& hook : s.hooks) hook();
+}
+
+DispatchOutput Dispatcher::dispatch_b() {
+  State& s = *s_;
+  s.expect(Stage::kAfterDispatchA, "dispatch_b");
+  const DispatcherConfig& c = s.config;
+  const int L = s.num_local_experts, R = s.num_ranks, K = c.top_k;
+  DispatchOutput out;
+  out.format = s.format;
+  if (s.format == OutputFormat::kHt) {
+    out.x = s.ht.recv_x;
+    out.x_scale = s.ht.recv_x_scales;
+    out.topk_idx = s.ht.recv_topk_idx;
+    out.topk_weights = s.ht.recv_topk_weights;
+    out.num_recv_tokens_per_expert = s.ht.num_recv_tokens_per_expert;
+    const Tensor& idx = s.ht.recv_topk_idx;
+    if (idx.device.type == DeviceType::kCpu) {
+      for (int64_t row = 0; row < idx.shape[0]; ++row) {
+        if (idx.dtype == DType::kI64) count_row(idx.ptr<int64_t>() + row * K, K, L, s.load);
+        else count_row(idx.ptr<int32_t>() + row * K, K, L, s.load);
+      }
+    }
+  } else if (s.format == OutputFormat::kLl) {
+    if (s.ll.hook) s.ll.hook();
+    out.x = s.ll.recv_x;
+    out.x_scale = s.ll.recv_scales;
+    out.masked_m = s.ll.recv_count;
+    out.topk_idx = Tensor{s.topk_idx, nullptr};  // ll experts see the original routing
+    out.topk_weights = Tensor{s.topk_weights, nullptr};
+    out.expected_m = (s.num_tokens * R * K + c.num_experts) / c.num_experts;
+    if (s.ll.recv_count.device.type == DeviceType::kCpu)
+      for (int l = 0; l < L; ++l) s.load[l] += s.ll.recv_count.ptr<int32_t>()[l];
+  } else {
+    const auto& recv = s.a2a_recv.recv;
+    const size_t n = recv.size();
+    out.x = Tensor{recv[0], nullptr};
+    if (n == 4) out.x_scale = Tensor{recv[1], nullptr};
+    out.topk_idx = Tensor{recv[n - 2], nullptr};
+    out.topk_weights = Tensor{recv[n - 1], nullptr};
+    out.moe_output_view =
+        s.a2a->combine_payload_view(c.max_tokens_per_rank, c.hidden, DType::kBF16);
+    const int rank = s.group.rank();
+    const TensorView& ids = recv[n - 2];
+    const int32_t* counts = s.a2a_recv.recv_counts.ptr<int32_t>();
+    std::vector<int32_t> local(K);
+    for (int src = 0; src < R; ++src)
+      for (int64_t j = 0; j < counts[src]; ++j) {
+        const int32_t* row = ids.ptr<int32_t>() + (src * ids.shape[1] + j) * K;
+        for (int k = 0; k < K; ++k)
+          local[k] = (row[k] >= 0 && row[k] / L == rank) ? row[k] % L : -1;
+        count_row(local.data(), K, L, s.load);
+      }
+  }
+  s.stage = Stage::kAfterDispatchB;
+  return out;
+}
+
+void Dispatcher::combine_a(const CombineInput& input) {
+  State& s = *s_;
+  s.expect(Stage::kAfterDispatchB, "combine_a");
+  const Allocator alloc = default_allocator();
+  if (s.format == OutputFormat::kHt) {
+    HtCombineArgs args;
+    args.y = input.y;
+    args.handle = &s.ht.handle;
+    s.out = s.buffer->ht_combine(args, alloc).out;
+  } else if (s.format == OutputFormat::kLl) {
+    LlCombineArgs args;
+    args.y = input.y;
+    args.topk_idx = s.topk_idx;
+    args.topk_weights = s.topk_weights;
+    args.handle = &s.ll.handle;
+    args.return_recv_hook = s.config.return_recv_hook;
+    s.ll_combine = s.buffer->ll_combine(args, alloc);
+    s.out = s.ll_combine.out;
+  } else {
+    const int64_t M = s.config.max_tokens_per_rank;
+    if (input.y_in_output_view) {
+      TensorView view = s.a2a->combine_payload_view(M, s.config.hidden, DType::kBF16);
+      s.out = s.a2a->combine(view, M, /*payload_in_workspace=*/true, nullptr, alloc);
+    } else {
+      s.out = s.a2a->combine(input.y, M, false, nullptr, alloc);
+    }
+  }
+  s.stage = Stage::kAfterCombineA;
+}
+
+Tensor Dispatcher::combine_b() {
+  State& s = *s_;
+  s.expect(Stage::kAfterCombineA, "combine_b");
+  if (s.format == OutputFormat::kLl && s.ll_combine.hook) s.ll_combine.hook();
+  s.stage = Stage::kInitial;
+  s.keep_alive.clear();
+  Tensor out = s.out;
+  s.out = Tensor{};
+  return out;
+}
+
+DispatchOutput Dispatcher::dispatch(const TensorView& x, const TensorView& topk_idx,
+                                    const TensorView& topk_weights, ForwardMode forward_mode,
+                                    std::optional<float> global_scale) {
+  dispatch_a(x, topk_idx, topk_weights, forward_mode, global_scale);
+  return dispatch_b();
+}
+
+Tensor Dispatcher::combine(const CombineInput& input) {
+  combine_a(input);
+  return combine_b();
+}
+
+}  // namespace epx
