@@ -85,7 +85,7 @@ void validate_a2a_dispatch(const A2aImpl& a, const A2aDispatchArgs& args) {
     EPX_CHECK_ARG(p.ndim >= 1 && p.ndim <= kMaxDims - 1, kDispatchOp, ": argument '", name,
                   "' has ", p.ndim, " dims, expected 1..", kMaxDims - 1, " ([T, ...])");
     check_device(p, kDispatchOp, name.c_str(), device);
-    check_contiguous(p, kDispatchOp, name.c_str());
+    if (p.numel() != 0) check_contiguous(p, kDispatchOp, name.c_str());  // empty: any strides
     EPX_CHECK_ARG(p.shape[0] == T, kDispatchOp, ": argument '", name, "' has shape ", shape_str(p),
                   ", expected dim 0 == T = ", T, " (the tokens of 'topk_idx')");
     const size_t row = row_bytes_of(p);
@@ -141,7 +141,8 @@ void validate_a2a_combine(const A2aImpl& a, const TensorView& y, int64_t runtime
                 "combine_payload_view(",
                 runtime_max, ", ", H, ", ", dtype_name(y.dtype),
                 "), or payload_in_workspace = false to copy y");
-  EPX_CHECK_ARG(y.is_contiguous(), kCombineOp,
+  // (An empty y, M = 0, is contiguous whatever its strides.)
+  EPX_CHECK_ARG(y.numel() == 0 || y.is_contiguous(), kCombineOp,
                 ": 'payload_in_workspace' is true but argument 'y' is ", y.describe(),
                 ", expected the contiguous view returned by combine_payload_view");
 }
