@@ -66,6 +66,8 @@ void validate_a2a_dispatch(const A2aImpl& a, const A2aDispatchArgs& args) {
   EPX_CHECK(T <= s.max_tokens_per_rank, ErrorCode::kOutOfCapacity, kDispatchOp,
             ": argument 'topk_idx' has T = ", T, " tokens, more than A2aShape::max_tokens_per_rank",
             " = ", s.max_tokens_per_rank, " the workspace was sized for");
+  EPX_CHECK_ARG(M >= 0, kDispatchOp, ": argument 'runtime_max_tokens_per_rank' is ", M,
+                ", expected 0..", s.max_tokens_per_rank, " and >= T on every rank");
   EPX_CHECK(M >= T, ErrorCode::kOutOfCapacity, kDispatchOp,
             ": argument 'runtime_max_tokens_per_rank' is ", M, ", less than this rank's T = ", T,
             " tokens; expected runtime_max_tokens_per_rank >= T on every rank (no truncation)");

@@ -67,6 +67,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // as in PyTorch: an empty view is contiguous
   int64_t expected = 1;
   for (int i = ndim - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != expected) return false;
