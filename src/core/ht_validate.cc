@@ -10,7 +10,8 @@
 //   max_tokens x_scales      fp8 only and required with it: [T, H/128] f32 or [T, ceil(H/512)] i32
 //   (packed
 //                 UE8M0, 4 exponent bytes per int), any strides; fp8 needs H % 128 == 0
-//   topk_idx      [T, K] int64/int32 in [-1, E) (validate_topk_idx); absent in cached mode
+//   topk_idx      [T, K] int64/int32 in [-1, E) (validate_topk_idx); cached mode ignores it and
+//                 topk_weights (the routing comes from the handle)
 //   topk_weights  optional [T, K] f32, any strides
 //   handle        buffer_id == this buffer; rank_prefix_matrix [R, R] i32, recv_src_idx [rows] i32,
 //                 send_pos [T, R] i32, is_token_in_rank [T, R] bool, all contiguous on the device;
