@@ -37,12 +37,13 @@
 //   combine     out[t][h] = f32_to_bf16(acc) with float32 acc computed in exactly this order:
 //                 acc = 0.0f; if bias0: acc += bf16_to_f32(bias0[t][h]);
 //                 if bias1: acc += bf16_to_f32(bias1[t][h]);
-//                 for d = 0..R-1 with send_pos[t][d] >= 0: acc +=
-//                 bf16_to_f32(y_d[send_pos[t][d]][h])
+//                 for d = 0..R-1 with send_pos[t][d] >= 0:
+//                   acc += bf16_to_f32(y_d[send_pos[t][d]][h])
 //               combined_topk_weights[t][k] = acc with acc = 0.0f; for d ascending as above:
 //                 acc += w_d[send_pos[t][d]][k]
 //               (f32_to_bf16: round to nearest even, numeric.h). A token that went nowhere gets
-//               0.0f + biases.
+//               0.0f + biases. Starting from 0.0f matters: 0.0f + -0.0f is +0.0f, so a kernel
+//               that starts from bias0 (or from the first y row) differs on signed zeros.
 #include <sys/mman.h>
 #include <unistd.h>
 
