@@ -1,0 +1,209 @@
+// bench/epx_bench_ll.cc — epx-bench ll: low-latency dispatch (fp8 or bf16) and combine (bf16).
+//
+// Workload on every rank (T tokens, T_max = T, L = E / R, RT = R * T_max, G = H / 128):
+//   ll_dispatch(x [T, H] bf16, topk_idx [T, K] int64, use_fp8) ->
+//     recv_x [L, RT, H], recv_scales f32 [L, RT, G] (fp8), recv_count [L], handle
+//   ll_combine(y [L, RT, H] bf16, topk_idx, topk_weights, handle) -> out [T, H] bf16
+//     y = fill_hash_bf16 on the rows < recv_count[l] of each local expert, zeros elsewhere
+// Rows: (token, distinct expert) pairs — a token selecting the same expert twice gets one row.
+// Dispatch bytes per row: fp8 H + 4G (values + scales), bf16 2H; combine bytes per row 2H.
+// Timing: repeated ll_dispatch (no hooks), then repeated ll_combine with the last handle; both
+// legal in any order on every backend (ll double-buffers, see src/cpu/ll.cc).
+// --check compares with tests/support/oracle_ll.h before and after timing.
+#include <cstring>
+
+#include "bench/epx_bench.h"
+#include "core/check.h"
+#include "support/oracle_ll.h"
+
+namespace epx::bench {
+
+namespace {
+
+// counts[d][l]: rows local expert l of rank d receives, from every rank's routing.
+std::vector<std::vector<int32_t>> ll_counts(const std::vector<RankData>& data, int R, int L,
+                                            int K) {
+  std::vector<std::vector<int32_t>> counts(R, std::vector<int32_t>(L, 0));
+  for (const RankData& d : data) {
+    const int64_t T = static_cast<int64_t>(d.topk_idx.size()) / K;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t* row = d.topk_idx.data() + t * K;
+      for (int k = 0; k < K; ++k) {
+        if (row[k] < 0 || std::find(row, row + k, row[k]) != row + k) continue;
+        counts[row[k] / L][row[k] % L]++;
+      }
+    }
+  }
+  return counts;
+}
+
+struct LlBytes {
+  double dispatch_cross = 0, dispatch_recv = 0, combine_cross = 0, combine_recv = 0;
+};
+
+// Group means per rank. dispatch_row: bytes of one dispatched row.
+LlBytes ll_bytes(const std::vector<RankData>& data, int R, int L, int K, double dispatch_row,
+                 double combine_row) {
+  LlBytes b;
+  for (int s = 0; s < R; ++s) {
+    const int64_t T = static_cast<int64_t>(data[s].topk_idx.size()) / K;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t* row = data[s].topk_idx.data() + t * K;
+      for (int k = 0; k < K; ++k) {
+        if (row[k] < 0 || std::find(row, row + k, row[k]) != row + k) continue;
+        const bool cross = row[k] / L != s;
+        b.dispatch_recv += dispatch_row;
+        b.combine_recv += combine_row;
+        if (cross) {
+          b.dispatch_cross += dispatch_row;
+          b.combine_cross += combine_row;
+        }
+      }
+    }
+  }
+  b.dispatch_cross /= R;
+  b.dispatch_recv /= R;
+  b.combine_cross /= R;
+  b.combine_recv /= R;
+  return b;
+}
+
+// Rank d's expert outputs [L, RT, H]: hash rows below recv_count, zeros elsewhere.
+std::vector<uint16_t> make_y(const Options& o, int d, int L, int64_t RT,
+                             const std::vector<int32_t>& counts) {
+  std::vector<uint16_t> y(static_cast<size_t>(L * RT * o.hidden), 0);
+  for (int l = 0; l < L; ++l)
+    fill_hash_bf16(y.data() + l * RT * o.hidden, counts[l] * o.hidden,
+                   (o.seed << 20) ^ (static_cast<uint64_t>(d) << 12) ^ (l << 4) ^ kSaltLl);
+  return y;
+}
+
+LlDispatchResult to_host(const LlDispatchResult& r) {
+  LlDispatchResult h;
+  h.recv_x = host_copy(r.recv_x);
+  h.recv_scales = host_copy(r.recv_scales);
+  h.recv_count = host_copy(r.recv_count);
+  h.handle = r.handle;
+  h.handle.src_info = host_copy(r.handle.src_info);
+  h.handle.layout_range = host_copy(r.handle.layout_range);
+  return h;
+}
+
+}  // namespace
+
+void run_ll(Ctx& ctx, int64_t T) {
+  const Options& o = ctx.opt;
+  const int R = ctx.num_ranks(), rank = ctx.rank(), K = o.top_k;
+  const int L = o.num_experts / R;
+  const int64_t T_max = std::max<int64_t>(T, 1), RT = R * T_max, H = o.hidden;
+  const std::string tag = "ll T=" + std::to_string(T);
+  progress(ctx, tag + ": building inputs");
+
+  // Every rank's routing (for counts and bytes); data for this rank, or all ranks with --check.
+  std::vector<RankData> data(R);
+  for (int r = 0; r < R; ++r) data[r] = make_rank_data(o, r, R, T, kSaltLl, o.check || r == rank);
+  const auto counts = ll_counts(data, R, L, K);
+
+  MoeShape shape;
+  shape.hidden = H;
+  shape.top_k = K;
+  shape.num_experts = o.num_experts;
+  shape.max_tokens_per_rank = T_max;
+  BufferConfig config;
+  config.enable_ht = false;
+  config.enable_ll = true;
+  Buffer buffer(ctx.group, shape, config);
+  const int64_t sym_bytes = static_cast<int64_t>(buffer.bytes_allocated());
+
+  Tensor x = upload(data[rank].x, DType::kBF16, {T, H}, ctx.device);
+  Tensor topk = upload(data[rank].topk_idx, DType::kI64, {T, K}, ctx.device);
+  Tensor weights = upload(data[rank].topk_weights, DType::kF32, {T, K}, ctx.device);
+  const std::vector<uint16_t> y_host = make_y(o, rank, L, RT, counts[rank]);
+  Tensor y = upload(y_host, DType::kBF16, {L, RT, H}, ctx.device);
+
+  testing::LlProblem p;
+  p.num_ranks = R;
+  p.max_tokens = T_max;
+  p.hidden = H;
+  p.top_k = K;
+  p.num_experts = o.num_experts;
+  std::vector<testing::LlRankInput> inputs;
+  std::vector<std::vector<uint16_t>> ys;
+  std::vector<uint16_t> want_out;
+  if (o.check) {
+    for (int r = 0; r < R; ++r) {
+      testing::LlRankInput in;
+      in.num_tokens = T;
+      in.x = data[r].x;
+      in.topk_idx = data[r].topk_idx;
+      in.topk_weights = data[r].topk_weights;
+      inputs.push_back(std::move(in));
+      ys.push_back(r == rank ? y_host : make_y(o, r, L, RT, counts[r]));
+    }
+    want_out = testing::oracle_ll_combine(p, inputs, ys, rank);
+    ys.clear();
+  }
+
+  std::vector<bool> fp8s;
+  if (o.dtype != DTypeChoice::kBf16) fp8s.push_back(true);
+  if (o.dtype == DTypeChoice::kBf16) fp8s.push_back(false);
+  for (bool fp8 : fp8s) {
+    const char* dt = fp8 ? "fp8" : "bf16";
+    p.use_fp8 = fp8;
+    LlDispatchArgs dargs;
+    dargs.x = x;
+    dargs.topk_idx = topk;
+    dargs.use_fp8 = fp8;
+    dargs.stream = ctx.stream;
+    LlDispatchResult recv;
+    LlCombineResult combined;
+    auto dispatch = [&] { recv = buffer.ll_dispatch(dargs); };
+    auto combine = [&] {
+      LlCombineArgs cargs;
+      cargs.y = y;
+      cargs.topk_idx = topk;
+      cargs.topk_weights = weights;
+      cargs.handle = &recv.handle;
+      cargs.stream = ctx.stream;
+      combined = buffer.ll_combine(cargs);
+    };
+
+    Check check_dispatch, check_combine;
+    testing::LlExpectedDispatch want;
+    auto verify = [&](const char* when) {
+      device_synchronize(ctx.device);
+      const std::string d = testing::check_ll_dispatch(p, want, to_host(recv));
+      if (!d.empty()) check_dispatch.fail(std::string(when) + ": " + d);
+      const std::string c = testing::check_ll_combine(p, want_out, host_copy(combined.out));
+      if (!c.empty()) check_combine.fail(std::string(when) + ": " + c);
+    };
+    if (o.check) {
+      progress(ctx, tag + " " + dt + ": checking against the oracle");
+      want = testing::oracle_ll_dispatch(p, inputs, rank);
+      check_dispatch.run = check_combine.run = true;
+      dispatch();
+      combine();
+      verify("first call");
+    }
+
+    progress(ctx, tag + " " + dt + ": timing " + std::to_string(ctx.iters) + " iterations");
+    const double G = static_cast<double>(H / 128);
+    const LlBytes bytes = ll_bytes(data, R, L, K, fp8 ? H + 4 * G : 2.0 * H, 2.0 * H);
+    Timing t_dispatch, t_combine;
+    if (ctx.is_cuda()) {
+      t_dispatch = time_op(ctx, dispatch);
+      t_combine = time_op(ctx, combine);
+    } else {
+      const std::vector<Timing> t = time_sequence(ctx, {dispatch, combine});
+      t_dispatch = t[0];
+      t_combine = t[1];
+    }
+    if (o.check) verify("after timing");
+    add_result(ctx, std::string("ll.dispatch ") + dt, T, t_dispatch, bytes.dispatch_cross,
+               bytes.dispatch_recv, sym_bytes, check_dispatch);
+    add_result(ctx, "ll.combine", T, t_combine, bytes.combine_cross, bytes.combine_recv, sym_bytes,
+               check_combine);
+  }
+}
+
+}  // namespace epx::bench
