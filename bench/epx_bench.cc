@@ -115,9 +115,12 @@ int64_t parse_int(const std::string& flag, const std::string& v, int64_t lo, int
 // does not survive fork, and the ranks are forked later).
 int count_gpus() {
   if (!kBuiltWithCuda) return 0;
-  int rc = launch_local(
-      1, [](int) { return std::min(detail::cuda_device_count(), 100); }, std::chrono::minutes(2));
-  return rc >= 0 && rc <= 100 ? rc : 0;
+  // The child exits with 100 + count; anything else (an exception: 1, a signal: 128 + n) means
+  // no usable GPU.
+  const int rc = launch_local(
+      1, [](int) { return 100 + std::min(detail::cuda_device_count(), 100); },
+      std::chrono::minutes(2));
+  return rc >= 100 && rc <= 200 ? rc - 100 : 0;
 }
 
 Options parse(int argc, char** argv) {
