@@ -77,6 +77,8 @@ FLAGS:
 COLUMNS:
   median/min/max us   time per call over --iters calls. cpu: wall clock of rank 0, all ranks
                       meeting at a barrier before each call. cuda: CUDA events around each call.
+                      Outputs come from a caching pool (as with PyTorch's allocator), so no
+                      timed call pays cudaMalloc/cudaFree or fresh host pages.
   cross MB            bytes a rank receives from OTHER ranks (its own tokens excluded), per
                       rank, averaged over ranks: the payload rows (hidden plus fp8 scales; a2a:
                       all payloads) that must cross between GPUs. Routing metadata not counted.
@@ -242,7 +244,14 @@ int run_rank(const Options& opt, const Group& group, RankReport& report) {
   std::memset(static_cast<void*>(&report), 0, sizeof(report));
   const Device device = opt.backend == Backend::kCuda ? Device::cuda(group.rank()) : Device::cpu();
   try {
-    Ctx ctx{opt, group, report, device, make_stream(device), opt.iters, opt.warmup};
+    Ctx ctx{opt,
+            group,
+            report,
+            device,
+            make_stream(device),
+            opt.iters,
+            opt.warmup,
+            make_caching_allocator()};
     for (const std::string& mode : opt.modes) {
       const std::vector<int64_t> tokens =
           opt.tokens.empty() ? default_tokens(mode, opt.backend) : opt.tokens;

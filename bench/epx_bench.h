@@ -98,6 +98,7 @@ struct Ctx {
   Stream stream;  // cuda stream (nullptr on cpu)
   int iters;
   int warmup;
+  Allocator alloc;  // outputs: a caching pool (make_caching_allocator)
   bool is_cuda() const { return device.type == DeviceType::kCuda; }
   int rank() const { return group.rank(); }
   int num_ranks() const { return group.size(); }
@@ -131,6 +132,11 @@ void fill_hash_bf16(uint16_t* dst, int64_t n, uint64_t key);
 
 // The distinct ranks token row `row[K]` goes to (ascending), for experts on L per rank.
 std::vector<int> ranks_of(const int64_t* row, int top_k, int num_local_experts);
+
+// An allocator that keeps freed blocks and hands them out again for the same size and device,
+// as engines do with PyTorch's caching allocator: timed calls then pay neither cudaMalloc /
+// cudaFree (cudaFree synchronises the device) nor the page faults of fresh host memory.
+Allocator make_caching_allocator();
 
 // A tensor on `device` holding a copy of `bytes` (host memory, contiguous).
 Tensor upload(const void* bytes, DType dtype, const std::vector<int64_t>& shape, Device device);

@@ -157,7 +157,7 @@ void run_a2a(Ctx& ctx, int64_t T) {
   };
   auto combine = [&] {
     TensorView view = a2a.combine_payload_view(T, o.hidden, DType::kBF16);
-    out = a2a.combine(view, T, /*payload_in_workspace=*/true, ctx.stream);
+    out = a2a.combine(view, T, /*payload_in_workspace=*/true, ctx.stream, ctx.alloc);
   };
 
   Check check_dispatch, check_combine;

@@ -148,12 +148,12 @@ void run_ht(Ctx& ctx, int64_t T) {
     args.topk_weights = weights;
     args.stream = ctx.stream;
     HtDispatchResult recv, cached;
-    auto dispatch = [&] { recv = buffer.ht_dispatch(args); };
+    auto dispatch = [&] { recv = buffer.ht_dispatch(args, ctx.alloc); };
     HtDispatchArgs cargs;
     cargs.x = x;
     cargs.x_scales = scales;
     cargs.stream = ctx.stream;
-    auto dispatch_cached = [&] { cached = buffer.ht_dispatch(cargs); };
+    auto dispatch_cached = [&] { cached = buffer.ht_dispatch(cargs, ctx.alloc); };
 
     Check check_exact, check_cached;
     testing::HtExpectedDispatch want;
@@ -224,7 +224,7 @@ void run_ht(Ctx& ctx, int64_t T) {
   cargs.handle = &combine_handle;
   cargs.stream = ctx.stream;
   HtCombineResult combined;
-  auto combine = [&] { combined = buffer.ht_combine(cargs); };
+  auto combine = [&] { combined = buffer.ht_combine(cargs, ctx.alloc); };
   Check check_combine;
   std::vector<uint16_t> want_out;
   if (o.check) {

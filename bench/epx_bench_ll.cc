@@ -157,7 +157,7 @@ void run_ll(Ctx& ctx, int64_t T) {
     dargs.stream = ctx.stream;
     LlDispatchResult recv;
     LlCombineResult combined;
-    auto dispatch = [&] { recv = buffer.ll_dispatch(dargs); };
+    auto dispatch = [&] { recv = buffer.ll_dispatch(dargs, ctx.alloc); };
     auto combine = [&] {
       LlCombineArgs cargs;
       cargs.y = y;
@@ -165,7 +165,7 @@ void run_ll(Ctx& ctx, int64_t T) {
       cargs.topk_weights = weights;
       cargs.handle = &recv.handle;
       cargs.stream = ctx.stream;
-      combined = buffer.ll_combine(cargs);
+      combined = buffer.ll_combine(cargs, ctx.alloc);
     };
 
     Check check_dispatch, check_combine;

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "bench/epx_bench.h"
 #include "core/check.h"
@@ -116,6 +118,45 @@ std::vector<int> ranks_of(const int64_t* row, int top_k, int num_local_experts) 
   }
   std::sort(ranks.begin(), ranks.end());
   return ranks;
+}
+
+Allocator make_caching_allocator() {
+  struct Block {
+    std::shared_ptr<void> storage;  // the base allocator's ownership
+    void* data;
+  };
+  struct Pool {
+    std::mutex mu;
+    std::multimap<std::pair<int, size_t>, Block> free;  // (device, bytes) -> block
+  };
+  auto pool = std::make_shared<Pool>();
+  const Allocator base = default_allocator();
+  return [pool, base](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const size_t bytes = std::max<size_t>(256, (numel * dtype_size(dtype) + 255) / 256 * 256);
+    const std::pair<int, size_t> key{device.type == DeviceType::kCpu ? -1 : device.index, bytes};
+    Block block{nullptr, nullptr};
+    {
+      std::lock_guard<std::mutex> lock(pool->mu);
+      auto it = pool->free.find(key);
+      if (it != pool->free.end()) {
+        block = std::move(it->second);
+        pool->free.erase(it);
+      }
+    }
+    if (!block.data) {
+      Tensor t = base(DType::kU8, {static_cast<int64_t>(bytes)}, device);
+      block = Block{t.storage, t.data};
+    }
+    Tensor out;
+    static_cast<TensorView&>(out) = TensorView::contiguous(block.data, dtype, shape, device);
+    out.storage = std::shared_ptr<void>(block.data, [pool, key, block](void*) {
+      std::lock_guard<std::mutex> lock(pool->mu);
+      pool->free.emplace(key, block);
+    });
+    return out;
+  };
 }
 
 Tensor upload(const void* bytes, DType dtype, const std::vector<int64_t>& shape, Device device) {
