@@ -22,12 +22,15 @@ echo "== build: $(( $(date +%s) - t0 )) s"
 TESTS=${TESTS:-"HtReference.* HtGpu.OneRankMatchesReference HtGpu.TwoRanksMatchReference HtGpu.WorstCaseGraphReplaysOneRank HtGpu.WorstCaseGraphReplaysTwoRanks HtGpu.DeviceErrorsAreReportedAndRecoverable HtGpu.MissingPeerTimesOut"}
 for t in $TESTS; do
   s=$(date +%s)
-  timeout 240 "$BUILD/tests/gpu/gpu_ht_test" --gtest_filter="$t" > "$OUT/test_${t//[^A-Za-z0-9]/_}.log" 2>&1
+  echo "==== $t" >> "$OUT/tests.log"
+  timeout 240 "$BUILD/tests/gpu/gpu_ht_test" --gtest_filter="$t" > "$OUT/one.log" 2>&1
   rc=$?
+  cat "$OUT/one.log" >> "$OUT/tests.log"
   echo "== test $t: rc=$rc ($(( $(date +%s) - s )) s)"
-  [ $rc -ne 0 ] && grep -E "FAIL|rank [0-9]\]|Failure|error" "$OUT/test_${t//[^A-Za-z0-9]/_}.log" | head -15
+  [ $rc -ne 0 ] && grep -E "FAIL|rank [0-9]\]|Failure|error|Skipped" "$OUT/one.log" | head -15
 done
-if [ -n "${BENCH_ARGS+x}" ] || [ "${RUN_BENCH:-1}" = 1 ]; then
+rm -f "$OUT/one.log"
+if [ "${RUN_BENCH:-1}" = 1 ]; then
   s=$(date +%s)
   timeout 240 "$BUILD/tests/gpu/epx_ht_gpu_bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "== bench rc=${PIPESTATUS[0]} ($(( $(date +%s) - s )) s)"
