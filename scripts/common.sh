@@ -1,6 +1,6 @@
 # Shared by scripts/test.sh and scripts/run.sh. One place that decides the build.
 #   EPX_BUILD_DIR   build directory (default build)
-#   EPX_WITH_CUDA   ON/OFF (default: ON when nvidia-smi sees a GPU and nvcc exists)
+#   EPX_WITH_CUDA   ON/OFF (default: ON when nvcc exists; GPU tests skip without a GPU)
 
 epx_setup_env() {
   export EPX_BUILD_DIR="${EPX_BUILD_DIR:-build}"
@@ -13,8 +13,8 @@ epx_setup_env() {
   fi
   export EPX_PYTHON
   if [ -z "${EPX_WITH_CUDA:-}" ]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
-       { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+    # Compile the cuda backend wherever nvcc exists (CI too); GPU tests skip without a GPU.
+    if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
       EPX_WITH_CUDA=ON
     else
       EPX_WITH_CUDA=OFF

@@ -17,4 +17,8 @@ std::shared_ptr<Transport> make_nccl_transport(int rank, int size, const UniqueI
 std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cuda_device,
                                                          std::chrono::milliseconds timeout);
 
+// CUDA builds only (no stub): the ncclComm_t behind a cuda group's transport (nullptr for any
+// other transport). For baselines that need NCCL collectives on the group's communicator.
+void* nccl_comm_of(const Transport& transport);
+
 }  // namespace epx::detail

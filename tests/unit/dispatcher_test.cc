@@ -109,8 +109,9 @@ TEST(Dispatcher, AutoSwitchesBetweenHtAndLlAndRecordsLoad) {
       if (out.format == OutputFormat::kLl) {
         EXPECT_EQ(out.expected_m, (T * R * K + E) / E);
         CombineInput ci;
-        ci.y = default_allocator()(DType::kBF16, {L, out.x.shape[1], 128}, Device::cpu());
-        std::memset(ci.y.data, 0, ci.y.nbytes());
+        Tensor y = default_allocator()(DType::kBF16, {L, out.x.shape[1], 128}, Device::cpu());
+        std::memset(y.data, 0, y.nbytes());
+        ci.y = y;
         d.combine(ci);
       } else {
         CombineInput ci;

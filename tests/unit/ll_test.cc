@@ -7,6 +7,7 @@
 // caller-provided output is poisoned. Then every SPEC 5 ll error case, and timeouts.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -218,6 +219,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
 }
 
 // Runs the case on threads (or processes) and reports the failures of every rank.
+// EPX_LL_TEST_TIMES=1 prints each case's wall time (for keeping the suite fast).
 void run_case(const Case& c, bool processes) {
   SCOPED_TRACE(c.describe());
   const auto t0 = std::chrono::steady_clock::now();

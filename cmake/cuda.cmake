@@ -1,0 +1,80 @@
+# cmake/cuda.cmake — the cuda backend: CUDA language, NCCL (>= 2.28 with the device API), the
+# sources under src/cuda/ and the NCCL transport. Included by the root CMakeLists.txt when
+# EPX_WITH_CUDA is ON (the default whenever a CUDA compiler is found).
+#
+#   CMAKE_CUDA_ARCHITECTURES  default 90 (H100/H200); override on the command line
+#   EPX_NCCL_ROOT             NCCL with include/{nccl.h,nccl_device.h} and lib{,64}/libnccl.so*;
+#                             default: the torch venv's pip NCCL when present (the GPU machines),
+#                             else the CUDA toolkit's copy. Device code is built against these
+#                             headers, so they must match the libnccl loaded at run time (2.28's
+#                             device structs are unversioned; checked when a group is created).
+
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 90)
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+
+# C++20 for .cu files (the public headers are C++20; nvcc >= 12 supports it). Older CMake
+# (3.25) does not know nvcc's C++20 flag, so pass it directly there.
+if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.0)
+  message(FATAL_ERROR "EPX_WITH_CUDA needs nvcc >= 12 (C++20 device code); found "
+                      "${CMAKE_CUDA_COMPILER_VERSION}")
+endif()
+
+if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+endif()
+
+# Applies the cuda build settings to a target that has .cu sources (epx, tests, benchmarks).
+function(epx_cuda_target target)
+  set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}"
+                                             CUDA_SEPARABLE_COMPILATION OFF)
+  set_target_properties(${target} PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
+  # No fast-math anywhere: float32 reductions must match the cpu backend bit for bit.
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo
+                                           --expt-relaxed-constexpr -Xcompiler=-Wall>)
+endfunction()
+
+set(_epx_pip_nccl /opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl)
+if(NOT EPX_NCCL_ROOT)
+  if(EXISTS ${_epx_pip_nccl}/include/nccl.h)
+    set(EPX_NCCL_ROOT ${_epx_pip_nccl})
+  else()
+    set(EPX_NCCL_ROOT ${CUDAToolkit_LIBRARY_ROOT})
+  endif()
+endif()
+set(EPX_NCCL_ROOT ${EPX_NCCL_ROOT} CACHE PATH "NCCL installation (include/, lib/)" FORCE)
+
+find_path(EPX_NCCL_INCLUDE_DIR nccl_device.h PATHS ${EPX_NCCL_ROOT}/include NO_DEFAULT_PATH)
+# The pip wheel ships only libnccl.so.2 (no libnccl.so symlink).
+find_library(EPX_NCCL_LIBRARY NAMES libnccl.so.2 nccl
+             PATHS ${EPX_NCCL_ROOT}/lib ${EPX_NCCL_ROOT}/lib64
+                   ${EPX_NCCL_ROOT}/targets/x86_64-linux/lib
+             NO_DEFAULT_PATH)
+if(NOT EPX_NCCL_INCLUDE_DIR OR NOT EPX_NCCL_LIBRARY)
+  message(FATAL_ERROR "EPX_WITH_CUDA: no NCCL with the device API under '${EPX_NCCL_ROOT}' "
+                      "(need include/nccl_device.h and lib/libnccl.so.2); set EPX_NCCL_ROOT")
+endif()
+get_filename_component(EPX_NCCL_LIBDIR ${EPX_NCCL_LIBRARY} DIRECTORY)
+message(STATUS "epx: cuda backend ON, arch ${CMAKE_CUDA_ARCHITECTURES}, "
+               "NCCL ${EPX_NCCL_INCLUDE_DIR} / ${EPX_NCCL_LIBRARY}")
+
+file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS
+     ${PROJECT_SOURCE_DIR}/src/cuda/*.cu ${PROJECT_SOURCE_DIR}/src/cuda/*.cc
+     ${PROJECT_SOURCE_DIR}/src/transport/nccl_*.cc)
+target_sources(epx PRIVATE ${EPX_CUDA_SOURCES})
+target_compile_definitions(epx PUBLIC EPX_WITH_CUDA=1)
+# Only GIN device code needs the DOCA headers some NCCL packages lack; epx has no GIN kernels.
+if(NOT EXISTS ${EPX_NCCL_INCLUDE_DIR}/nccl_device/gin/gdaki/doca_gpunetio/doca_gpunetio_device.h)
+  target_compile_definitions(epx PRIVATE NCCL_GIN_GDAKI_ENABLE=0)
+endif()
+target_include_directories(epx PRIVATE ${EPX_NCCL_INCLUDE_DIR})
+set(EPX_NCCL_INCLUDE_DIR ${EPX_NCCL_INCLUDE_DIR} CACHE INTERNAL "")
+target_include_directories(epx SYSTEM PUBLIC ${CUDAToolkit_INCLUDE_DIRS})
+epx_cuda_target(epx)
+# DT_RPATH (not RUNPATH) to the NCCL the headers came from, so LD_LIBRARY_PATH cannot swap in
+# another libnccl under the unversioned device structs.
+target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
+                      "-Wl,--disable-new-dtags,-rpath,${EPX_NCCL_LIBDIR}")

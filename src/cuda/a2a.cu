@@ -1,0 +1,418 @@
+// src/cuda/a2a.cu — the cuda backend of the a2a mode (SPEC 3.6): CudaA2a (set-up, the shape
+// agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device code
+// is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
+//
+// Data flow, rank r of R, C CTAs per kernel (GroupOptions::num_sms, auto 64):
+//   construction  symmetric workspace (transport allocate: collective, zeroed) -> header {shape,
+//                 C} published -> barrier -> every peer's header read on the device -> barrier ->
+//                 every rank compares with rank 0 (InvalidArgument on all ranks on a mismatch)
+//   dispatch      ONE kernel on the caller's stream: routing + push of every payload row into the
+//                 destinations' receive rows + counts + completion counters + wait for all
+//                 sources + sanitising; returns views of the workspace. No host synchronisation.
+//   combine       ONE kernel on the caller's stream: (copy y into the region) + signal + wait +
+//                 pull and reduce in ascending rank order into out [T, H] from the allocator.
+// Both are CUDA-graph capturable: epochs live on the device and advance in the kernels; T, M,
+// pointers and vector widths are fixed at capture like any kernel argument.
+//
+// View lifetime: a peer pushes its next dispatch into this rank's receive rows only after this
+// rank entered that dispatch (entry flags), so views stay valid until this rank's next dispatch.
+// Errors found on the device (out-of-range expert ids, geometry differing across ranks,
+// timeouts) are raised by check(), which epx::A2a calls at the start of every operation. After
+// a timeout the object is unusable.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/buffer_impl.h"
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/a2a/combine.cuh"
+#include "cuda/kernels/a2a/dispatch.cuh"
+#include "transport/transport.h"
+
+namespace epx::detail {
+
+namespace {
+
+constexpr const char* kShapeFieldNames[] = {"max_tokens_per_rank", "top_k", "num_experts",
+                                            "combine_bytes_per_token", "payload_bytes_per_token"};
+constexpr int kNumShapeFields = 4 + kMaxA2aPayloads;
+
+// Auto tuning of the a2a kernels, in one place: C CTAs of 512 threads for both kernels. 64 is
+// enough to keep NVLink busy at EP2 in both directions (reference/nvlink.md: pushes saturate
+// from 8-16 CTAs, pulls from 32) while small calls still spread over many SMs.
+int resolve_a2a_ctas(int requested, int device_sms) {
+  const int c = requested > 0 ? requested : kA2aDefaultCtas;
+  return std::clamp(c, 1, std::min(kMaxA2aCtas, std::max(1, device_sms)));
+}
+
+// Largest copy unit (16/8/4/2/1 bytes) dividing every address and byte size given.
+int vector_bytes(std::initializer_list<uint64_t> values) {
+  uint64_t acc = 0;
+  for (uint64_t v : values) acc |= v;
+  for (int b : {16, 8, 4, 2})
+    if (acc % b == 0) return b;
+  return 1;
+}
+
+void shape_fields(const A2aShape& s, int64_t* f) {
+  f[0] = s.max_tokens_per_rank;
+  f[1] = s.top_k;
+  f[2] = s.num_experts;
+  f[3] = static_cast<int64_t>(s.combine_bytes_per_token);
+  for (int i = 0; i < kMaxA2aPayloads; ++i)
+    f[4 + i] = i < static_cast<int>(s.payload_bytes_per_token.size())
+                   ? static_cast<int64_t>(s.payload_bytes_per_token[i])
+                   : 0;
+}
+
+// out[p] = rank p's header (construction only, after a barrier: nothing writes headers then).
+__global__ void a2a_gather_headers_kernel(A2aSymm symm, A2aHeader* out) {
+  constexpr int kWords = sizeof(A2aHeader) / sizeof(int64_t);
+  const int p = blockIdx.x;
+  const auto* src = reinterpret_cast<const int64_t*>(symm.layout.header(symm.peers[p]));
+  if (threadIdx.x < kWords)
+    reinterpret_cast<int64_t*>(out + p)[threadIdx.x] =
+        __ldcg(reinterpret_cast<const long long*>(src) + threadIdx.x);
+}
+
+struct PinnedDeleter {
+  void operator()(DeviceErrorRecord* p) const {
+    if (p) cudaFreeHost(p);
+  }
+};
+
+class CudaA2a final : public A2aImpl {
+ public:
+  CudaA2a(const Group& group, const A2aShape& shape);
+  ~CudaA2a() override;
+
+  size_t bytes_allocated() const override { return mem_->bytes(); }
+  void check() override;
+  A2aDispatchResult dispatch(const A2aDispatchArgs& args) override;
+  TensorView combine_payload_view(int64_t runtime_max, int64_t hidden, DType dtype) override {
+    return TensorView::contiguous(layout_.combine(local()), dtype,
+                                  {group.size(), runtime_max, hidden}, Device::cuda(device_));
+  }
+  Tensor combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace, Stream stream,
+                 const Allocator& alloc) override;
+
+ private:
+  char* local() const { return static_cast<char*>(mem_->local()); }
+  A2aSymm symm() const;
+  WaitContext wait_context(uint32_t op) const {
+    return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group.rank(), op};
+  }
+  void require_usable(const char* op) const {
+    EPX_CHECK(!broken_, ErrorCode::kInternal, op, ": this A2a is unusable after an earlier error (",
+              broken_why_, ")");
+  }
+  template <typename V, bool kBf16>
+  void launch_combine(const A2aCombineParams& p, cudaStream_t stream);
+
+  int device_ = 0;
+  int num_ctas_ = 1;
+  uint32_t peer_ctas_[kMaxRanks] = {};
+  uint64_t timeout_ns_ = 0;
+  A2aLayout layout_;
+  std::shared_ptr<SymmetricMemory> mem_;
+  std::unique_ptr<DeviceErrorRecord, PinnedDeleter> error_host_;  // mapped pinned memory
+  DeviceErrorRecord* error_dev_ = nullptr;
+  bool broken_ = false;
+  std::string broken_why_;
+  // The last dispatch (combine reduces its tokens).
+  int64_t num_tokens_ = 0;
+  int64_t runtime_max_ = 0;
+  int64_t row_bytes_[kMaxA2aPayloads] = {};
+};
+
+CudaA2a::CudaA2a(const Group& group, const A2aShape& shape) : A2aImpl(group, shape) {
+  const int R = group.size(), me = group.rank();
+  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "A2a: the group has ", R,
+            " ranks; the cuda a2a kernels support at most ", kMaxRanks);
+  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
+            "A2a: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
+            " ranks; the cuda a2a kernels support at most 2^30 receive rows per rank");
+  device_ = group.transport()->device().index;
+  DeviceGuard guard(device_);
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "A2a");
+  num_ctas_ = resolve_a2a_ctas(group.options().num_sms, sms);
+  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  layout_ = A2aLayout::make(shape, R);
+
+  DeviceErrorRecord* rec = nullptr;
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&rec), sizeof(DeviceErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "A2a");
+  error_host_.reset(rec);
+  *rec = DeviceErrorRecord{};
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), rec, 0), "A2a");
+
+  mem_ = group.transport()->allocate(layout_.total_bytes);  // collective; zeroed
+
+  // Every rank must have built the same layout: publish the shape (and C), read every peer's.
+  A2aHeader header{};
+  shape_fields(shape, header.shape);
+  header.num_ctas = num_ctas_;
+  EPX_CUDA_CHECK(
+      cudaMemcpy(layout_.header(local()), &header, sizeof(header), cudaMemcpyHostToDevice), "A2a");
+  group.transport()->barrier("A2a (publish shape)");
+  A2aHeader* gathered = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&gathered, sizeof(A2aHeader) * R), "A2a");
+  std::vector<A2aHeader> headers(R);
+  a2a_gather_headers_kernel<<<R, 32>>>(symm(), gathered);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess)
+    e = cudaMemcpy(headers.data(), gathered, sizeof(A2aHeader) * R, cudaMemcpyDeviceToHost);
+  cudaFree(gathered);
+  if (e != cudaSuccess) throw_cuda(e, "reading the peers' headers", "A2a");
+  group.transport()->barrier("A2a (check shape)");  // nobody frees a header a peer still reads
+  for (int f = 0; f < kNumShapeFields; ++f) {
+    for (int p = 1; p < R; ++p) {
+      if (headers[p].shape[f] == headers[0].shape[f]) continue;
+      throw_error(ErrorCode::kInvalidArgument,
+                  cat("A2a: A2aShape field ", kShapeFieldNames[f < 4 ? f : 4],
+                      f < 4 ? std::string() : cat("[", f - 4, "]"),
+                      " differs across ranks: rank 0 has ", headers[0].shape[f], ", rank ", p,
+                      " has ", headers[p].shape[f], "; expected the same value on every rank"));
+    }
+  }
+  for (int p = 0; p < R; ++p) {
+    EPX_CHECK(headers[p].num_ctas >= 1 && headers[p].num_ctas <= kMaxA2aCtas, ErrorCode::kInternal,
+              "A2a: rank ", p, " published ", headers[p].num_ctas, " CTAs (rank ", me, ")");
+    peer_ctas_[p] = static_cast<uint32_t>(headers[p].num_ctas);
+  }
+}
+
+CudaA2a::~CudaA2a() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  // Kernels are bounded, so this returns; then no rank frees memory a peer may still read.
+  cudaDeviceSynchronize();
+  try {
+    group.transport()->barrier("A2a destruction");
+  } catch (const std::exception&) {
+    // The group already failed (timeout / abort): nothing more to coordinate.
+  }
+  mem_.reset();
+  error_host_.reset();
+  cudaSetDevice(previous);
+}
+
+A2aSymm CudaA2a::symm() const {
+  A2aSymm s{};
+  s.local = local();
+  for (int p = 0; p < group.size(); ++p) {
+    s.peers[p] = static_cast<char*>(mem_->peer(p));
+    s.peer_ctas[p] = peer_ctas_[p];
+  }
+  s.layout = layout_;
+  return s;
+}
+
+void CudaA2a::check() {
+  require_usable("a2a");
+  volatile DeviceErrorRecord* rec = error_host_.get();
+  if (rec->code == kDevErrNone) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
+  const bool is_dispatch = e.op == kOpA2aDispatch;
+  const char* op = is_dispatch ? "a2a dispatch" : "a2a combine";
+  if (e.code == kDevErrTimeout) {
+    broken_ = true;
+    broken_why_ = cat(op, " timed out on rank ", e.rank);
+    const char* what = e.a == kWaitReady ? "the peer to enter the same dispatch"
+                       : is_dispatch     ? "the rows and counts the peer sends"
+                                         : "the peer's combine payload";
+    throw_error(
+        ErrorCode::kTimeout,
+        cat(op, ": rank ", e.rank, " waited ", group.timeout().count(), " ms for ", what, " (rank ",
+            e.peer, "); this A2a is unusable (every rank must call dispatch and ",
+            "combine in the same order)"));
+  }
+  // Not fatal: the collective completed. Let the device report the next error.
+  rec->code = kDevErrNone;
+  {
+    DeviceGuard guard(device_);
+    const uint32_t zero = 0;
+    EPX_CUDA_CHECK(cudaMemcpy(&layout_.state(local())->dev.error_claim, &zero, sizeof(zero),
+                              cudaMemcpyHostToDevice),
+                   "check");
+  }
+  if (e.code == kDevErrBadExpert) {
+    throw_error(
+        ErrorCode::kInvalidArgument,
+        cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
+            "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
+            shape.num_experts, "); that selection was dropped"));
+  }
+  if (e.code == kDevErrA2aGeometry) {
+    const int64_t field = e.a >> 32;
+    const auto mine = static_cast<int32_t>(static_cast<uint32_t>(e.a & 0xffffffff));
+    std::string what;
+    auto show = [&](int64_t v) {
+      return field == kGeomCombineDtype ? std::string(dtype_name(static_cast<DType>(v)))
+                                        : std::to_string(v);
+    };
+    if (field == kGeomRuntimeMax) {
+      what = "argument 'runtime_max_tokens_per_rank'";
+    } else if (field >= kGeomRowBytes && field < kGeomRowBytes + kMaxA2aPayloads) {
+      what = cat("the bytes per token of argument 'payloads[", field - kGeomRowBytes, "]'");
+    } else if (field == kGeomCombineHidden) {
+      what = "the hidden size (dim 2) of argument 'y'";
+    } else {
+      what = "the dtype of argument 'y'";
+    }
+    throw_error(ErrorCode::kInvalidArgument,
+                cat(op, ": ", what, " differs across ranks: rank ", e.rank, " has ", show(mine),
+                    ", rank ", e.peer, " has ", show(e.b),
+                    "; expected the same value on every rank (the outputs of this call are "
+                    "undefined)"));
+  }
+  throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+}
+
+A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
+  require_usable("a2a dispatch");
+  DeviceGuard guard(device_);
+  const int R = group.size(), me = group.rank();
+  const TensorView& idx = args.topk_idx;
+  const int64_t T = idx.shape[0], M = args.runtime_max_tokens_per_rank;
+  const int P = static_cast<int>(args.payloads.size());
+
+  A2aDispatchParams p{};
+  p.topk_idx = idx.data;
+  p.topk_stride = idx.strides[0];
+  p.topk_is_i64 = idx.dtype == DType::kI64;
+  p.num_tokens = static_cast<int32_t>(T);
+  p.top_k = shape.top_k;
+  p.num_experts = shape.num_experts;
+  p.num_local_experts = shape.num_experts / R;
+  p.num_ranks = R;
+  p.rank = me;
+  p.runtime_max = static_cast<int32_t>(M);
+  p.num_payloads = P;
+  for (int i = 0; i < P; ++i) {
+    const TensorView& v = args.payloads[i];
+    int64_t row = static_cast<int64_t>(dtype_size(v.dtype));  // dims 1.. (works for T = 0)
+    for (int d = 1; d < v.ndim; ++d) row *= v.shape[d];
+    row_bytes_[i] = row;
+    p.payloads[i].src = static_cast<const char*>(v.data);
+    p.payloads[i].row_bytes = row;
+    p.payloads[i].vec_bytes =
+        vector_bytes({reinterpret_cast<uint64_t>(v.data), static_cast<uint64_t>(row)});
+  }
+  p.sanitise_index = args.invalid_expert_id.has_value() ? args.expert_id_payload_index : -1;
+  p.invalid_expert_id = args.invalid_expert_id.value_or(0);
+  p.symm = symm();
+  p.wait = wait_context(kOpA2aDispatch);
+  a2a_dispatch_kernel<<<num_ctas_, kA2aThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), "a2a dispatch");
+  num_tokens_ = T;
+  runtime_max_ = M;
+
+  A2aDispatchResult result;
+  for (int i = 0; i < P; ++i) {
+    const TensorView& v = args.payloads[i];
+    std::vector<int64_t> dims = {R, M};
+    for (int d = 1; d < v.ndim; ++d) dims.push_back(v.shape[d]);
+    result.recv.push_back(
+        TensorView::contiguous(layout_.recv(local(), i), v.dtype, dims, Device::cuda(device_)));
+  }
+  result.recv_counts =
+      TensorView::contiguous(layout_.counts(local()), DType::kI32, {R}, Device::cuda(device_));
+  return result;
+}
+
+template <typename V, bool kBf16>
+void CudaA2a::launch_combine(const A2aCombineParams& p, cudaStream_t stream) {
+  a2a_combine_kernel<V, kBf16><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+}
+
+Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
+                        Stream stream_handle, const Allocator& alloc) {
+  require_usable("a2a combine");
+  DeviceGuard guard(device_);
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  const int R = group.size(), me = group.rank();
+  const int64_t H = y.shape[2], M = runtime_max;
+  const bool bf16 = y.dtype == DType::kBF16;
+  const int64_t elem = static_cast<int64_t>(dtype_size(y.dtype));
+  char* region = layout_.combine(local());
+
+  A2aCombineParams p{};
+  p.y = payload_in_workspace ? region : static_cast<const char*>(y.data);
+  p.y_stride0 = payload_in_workspace ? M * H * elem : y.strides[0] * elem;
+  p.y_stride1 = payload_in_workspace ? H * elem : y.strides[1] * elem;
+  p.hidden_bytes = H * elem;
+  p.hidden = static_cast<int32_t>(H);
+  p.dtype = static_cast<int32_t>(y.dtype);
+  p.num_tokens = static_cast<int32_t>(num_tokens_);
+  p.num_ranks = R;
+  p.rank = me;
+  p.runtime_max = static_cast<int32_t>(M);
+  p.in_workspace = payload_in_workspace;
+  p.symm = symm();
+  p.wait = wait_context(kOpA2aCombine);
+
+  // The output first. If the allocator fails, still run the collective part (publish, signal,
+  // wait; no reduction) so the peers complete, then report.
+  Tensor out;
+  std::exception_ptr failed;
+  try {
+    out = alloc(y.dtype, {num_tokens_, H}, Device::cuda(device_));
+    EPX_CHECK(num_tokens_ * H == 0 || (out.data != nullptr && out.is_contiguous() &&
+                                       out.device == Device::cuda(device_)),
+              ErrorCode::kInvalidArgument, "a2a combine: the allocator returned ", out.describe(),
+              ", expected a contiguous tensor [", num_tokens_, ", ", H, "] on cuda:", device_);
+    p.out = static_cast<char*>(out.data);
+  } catch (...) {
+    failed = std::current_exception();
+    p.out = nullptr;
+    p.num_tokens = 0;
+  }
+
+  int vb = vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride0),
+                         static_cast<uint64_t>(p.y_stride1), static_cast<uint64_t>(p.hidden_bytes),
+                         reinterpret_cast<uint64_t>(p.out), reinterpret_cast<uint64_t>(region)});
+  if (!bf16) vb = std::max(vb, 4);  // f32 rows: 4-byte aligned (validated element type)
+  switch (vb) {
+    case 16:
+      bf16 ? launch_combine<uint4, true>(p, stream) : launch_combine<uint4, false>(p, stream);
+      break;
+    case 8:
+      bf16 ? launch_combine<uint2, true>(p, stream) : launch_combine<uint2, false>(p, stream);
+      break;
+    case 4:
+      bf16 ? launch_combine<uint32_t, true>(p, stream) : launch_combine<uint32_t, false>(p, stream);
+      break;
+    default:
+      launch_combine<uint16_t, true>(p, stream);
+      break;
+  }
+  EPX_CUDA_CHECK(cudaGetLastError(), "a2a combine");
+  if (failed) std::rethrow_exception(failed);
+  return out;
+}
+
+}  // namespace
+
+// Called by make_cuda_a2a / cuda_a2a_bytes (src/cuda/cuda_buffer.cc).
+std::unique_ptr<A2aImpl> cuda_a2a_create(const Group& group, const A2aShape& shape) {
+  EPX_CHECK(group.backend() == Backend::kCuda, ErrorCode::kInvalidArgument,
+            "A2a: the cuda backend needs a cuda group");
+  return std::make_unique<CudaA2a>(group, shape);
+}
+
+size_t cuda_a2a_layout_bytes(const A2aShape& shape, int num_ranks) {
+  return A2aLayout::make(shape, num_ranks).total_bytes;
+}
+
+}  // namespace epx::detail

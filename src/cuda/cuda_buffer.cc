@@ -1,0 +1,239 @@
+// src/cuda/cuda_buffer.cc — CudaBuffer set-up, teardown, device-error reporting, the cuda
+// sizing functions and factories, and the tuning resolution. The ht operations are in ht.cu.
+//
+// Buffer memory per rank: one symmetric allocation of HtRegion::total_bytes (see
+// kernels/ht/ht_region.cuh for its layout), plus two small mapped pinned host blocks: the
+// DeviceErrorRecord kernels write on failure and the HtHostResult of the exact-mode count exchange.
+#include "cuda/cuda_buffer.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+
+namespace epx::detail {
+
+const char* device_op_name(uint32_t op) {
+  switch (op) {
+    case kOpHtLayout:
+      return "ht_layout";
+    case kOpHtNotify:
+      return "ht_dispatch (count exchange)";
+    case kOpHtDispatch:
+      return "ht_dispatch";
+    case kOpHtCombine:
+      return "ht_combine";
+    case kOpBarrier:
+      return "barrier";
+    default:
+      return "device operation";
+  }
+}
+
+const char* device_wait_name(uint32_t what) {
+  switch (what) {
+    case kWaitReady:
+      return "the peer to finish its previous operation";
+    case kWaitCounts:
+      return "the peer's token counts";
+    case kWaitRows:
+      return "rows from the peer";
+    case kWaitBarrier:
+      return "the peer at a barrier";
+    default:
+      return "the peer";
+  }
+}
+
+// ---- tuning ------------------------------------------------------------------------------------
+
+static std::atomic<int> g_num_sms_override{0};
+static std::atomic<int> g_dispatch_send_percent{0};
+static std::atomic<int> g_combine_send_percent{0};
+
+void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent) {
+  g_num_sms_override = num_sms;
+  g_dispatch_send_percent = dispatch_send_percent;
+  g_combine_send_percent = combine_send_percent;
+}
+
+HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
+  HtTuning t;
+  t.num_sms = g_num_sms_override > 0 ? g_num_sms_override.load()
+              : requested_sms > 0    ? requested_sms
+                                     : 16;
+  t.num_sms = std::max(2, std::min(t.num_sms, std::max(2, device_sms)));
+  auto split = [&](int percent) {
+    const int p = percent > 0 ? percent : 50;
+    return std::clamp((t.num_sms * p + 50) / 100, 1, t.num_sms - 1);
+  };
+  t.dispatch_send_ctas = num_ranks == 1 ? t.num_sms : split(g_dispatch_send_percent.load());
+  t.combine_send_ctas = num_ranks == 1 ? 0 : split(g_combine_send_percent.load());
+  return t;
+}
+
+// ---- CudaBuffer --------------------------------------------------------------------------------
+
+CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferConfig& config,
+                       uint64_t id)
+    : BufferImpl(group, shape, config, id) {
+  const int R = group.size();
+  EPX_CHECK(!config.enable_ll, ErrorCode::kUnsupported,
+            "Buffer: BufferConfig::enable_ll is true, but ll is not implemented on cuda yet");
+  EPX_CHECK(R <= kMaxHtRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
+            " ranks; the cuda ht kernels support at most ", kMaxHtRanks);
+  device_ = group.transport()->device().index;
+  DeviceGuard guard(device_);
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
+  tuning_ = resolve_ht_tuning(group.options().num_sms, sms, R);
+  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  region_ =
+      HtRegion::make(shape.hidden, shape.top_k, shape.num_experts, shape.max_tokens_per_rank, R);
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "Buffer");
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 "Buffer");
+  *error_host_ = DeviceErrorRecord{};
+  const size_t result_bytes =
+      sizeof(HtHostResult) + 4 * static_cast<size_t>(region_.num_local_experts);
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&result_host_), result_bytes,
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "Buffer");
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&result_dev_), result_host_, 0),
+                 "Buffer");
+  result_host_->ticket = 0;
+  if (config.enable_ht) ht_mem_ = group.transport()->allocate(region_.total_bytes);
+}
+
+CudaBuffer::~CudaBuffer() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  // Kernels are bounded, so this returns; then no rank frees memory a peer may still write.
+  cudaDeviceSynchronize();
+  if (!broken_ && ht_mem_) {
+    try {
+      group.transport()->barrier("Buffer destruction");
+    } catch (const std::exception&) {
+      broken_ = true;
+    }
+  }
+  ht_mem_.reset();
+  if (error_host_) cudaFreeHost(error_host_);
+  if (result_host_) cudaFreeHost(result_host_);
+  cudaSetDevice(previous);
+}
+
+size_t CudaBuffer::bytes_allocated() const {
+  return ht_mem_ ? ht_mem_->bytes() : 0;
+}
+
+DeviceState* CudaBuffer::device_state() const {
+  return reinterpret_cast<DeviceState*>(ht_local() + region_.state_off);
+}
+
+void CudaBuffer::require_usable(const char* op) const {
+  EPX_CHECK(!broken_, ErrorCode::kInternal, op,
+            ": this buffer is unusable after an earlier error (", broken_why_, ")");
+  EPX_CHECK(ht_mem_ != nullptr, ErrorCode::kInvalidArgument, op,
+            ": this buffer was created with BufferConfig::enable_ht = false, expected true");
+}
+
+void CudaBuffer::check() {
+  if (broken_) require_usable("check");
+  volatile DeviceErrorRecord* rec = error_host_;
+  if (rec->code == kDevErrNone) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
+  raise_device_error();  // clears the record; may mark the buffer broken
+  const char* op = device_op_name(e.op);
+  const int64_t E = shape.num_experts;
+  switch (e.code) {
+    case kDevErrTimeout:
+      throw_error(ErrorCode::kTimeout,
+                  cat(op, ": rank ", e.rank, " waited ", group.timeout().count(), " ms for ",
+                      device_wait_name(static_cast<uint32_t>(e.a)), " (rank ", e.peer,
+                      "); the buffer is unusable (every rank must call the same operations in the "
+                      "same order)"));
+    case kDevErrBadExpert:
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
+              "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
+              E, "); that selection was dropped"));
+    case kDevErrOutOfCapacity:
+      throw_error(
+          ErrorCode::kOutOfCapacity,
+          cat(op, ": rank ", e.rank, " receives ", e.a, " rows but num_worst_tokens is ", e.b,
+              "; expected num_worst_tokens >= received rows (rows past it were not "
+              "written)"));
+    default:
+      throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+  }
+}
+
+void CudaBuffer::raise_device_error() {
+  volatile DeviceErrorRecord* rec = error_host_;
+  const uint32_t code = rec->code;
+  if (code == kDevErrTimeout) {
+    broken_ = true;
+    broken_why_ = "a device wait timed out";
+    return;  // the device state is inconsistent; keep the record
+  }
+  rec->code = kDevErrNone;
+  // Let the device report the next error (synchronous: an error path only).
+  DeviceGuard guard(device_);
+  const uint32_t zero = 0;
+  EPX_CUDA_CHECK(
+      cudaMemcpy(&device_state()->error_claim, &zero, sizeof(zero), cudaMemcpyHostToDevice),
+      "check");
+}
+
+LlDispatchResult CudaBuffer::ll_dispatch(const LlDispatchArgs&, const Allocator&) {
+  throw_error(ErrorCode::kUnsupported, "ll_dispatch: not implemented on cuda yet");
+}
+LlCombineResult CudaBuffer::ll_combine(const LlCombineArgs&, const Allocator&) {
+  throw_error(ErrorCode::kUnsupported, "ll_combine: not implemented on cuda yet");
+}
+TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle&) {
+  throw_error(ErrorCode::kUnsupported, "ll_next_combine_buffer: not implemented on cuda yet");
+}
+void CudaBuffer::ll_clean() {
+  throw_error(ErrorCode::kUnsupported, "ll_clean: not implemented on cuda yet");
+}
+
+// ---- factories and sizing ----------------------------------------------------------------------
+
+std::unique_ptr<BufferImpl> make_cuda_buffer(const Group& group, const MoeShape& shape,
+                                             const BufferConfig& config, uint64_t id) {
+  EPX_CHECK(group.backend() == Backend::kCuda, ErrorCode::kInvalidArgument,
+            "Buffer: the cuda backend needs a cuda group");
+  return std::make_unique<CudaBuffer>(group, shape, config, id);
+}
+
+std::unique_ptr<A2aImpl> make_cuda_a2a(const Group& group, const A2aShape& shape) {
+  std::unique_ptr<A2aImpl> cuda_a2a_create(const Group&, const A2aShape&);  // src/cuda/a2a.cu
+  return cuda_a2a_create(group, shape);
+}
+
+size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks) {
+  return HtRegion::make(shape.hidden, shape.top_k, shape.num_experts, shape.max_tokens_per_rank,
+                        num_ranks)
+      .total_bytes;
+}
+size_t cuda_ll_bytes(const MoeShape&, int) {
+  throw_error(ErrorCode::kUnsupported,
+              "Buffer::bytes_needed(ll, cuda): not implemented on cuda yet");
+}
+size_t cuda_a2a_bytes(const A2aShape& shape, int num_ranks) {
+  size_t cuda_a2a_layout_bytes(const A2aShape&, int);  // src/cuda/a2a.cu
+  return cuda_a2a_layout_bytes(shape, num_ranks);
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,66 @@
+// src/cuda/cuda_buffer.h — the cuda backend behind epx::Buffer.
+//
+// State per buffer: the ht symmetric region (HtRegion: count slots, block counters, per-source
+// row slots; sized from the MoeShape by cuda_ht_bytes), a DeviceErrorRecord and an HtHostResult
+// in mapped pinned host memory, and the host ticket of the last exact-mode count exchange.
+// Mode code: ht.cu (ht_layout / ht_dispatch / ht_combine launchers). ll is not implemented on
+// cuda yet (Unsupported).
+//
+// Errors found on the device (timeouts, out-of-range expert ids, worst-case overflow) are raised
+// by the next host call on the buffer or by check(). After a timeout the buffer is unusable.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/buffer_impl.h"
+#include "cuda/device_error.h"
+#include "cuda/kernels/ht/ht_region.cuh"
+#include "cuda/tuning.h"
+#include "transport/transport.h"
+
+namespace epx::detail {
+
+class CudaBuffer final : public BufferImpl {
+ public:
+  CudaBuffer(const Group& group, const MoeShape& shape, const BufferConfig& config, uint64_t id);
+  ~CudaBuffer() override;
+
+  size_t bytes_allocated() const override;
+  Device device() const override { return Device::cuda(device_); }
+  void check() override;
+
+  HtLayout ht_layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) override;
+  HtDispatchResult ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) override;
+  HtCombineResult ht_combine(const HtCombineArgs& args, const Allocator& alloc) override;
+
+  LlDispatchResult ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) override;
+  LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;
+  TensorView ll_next_combine_buffer(const LlHandle& handle) override;
+  void ll_clean() override;
+
+  const HtTuning& tuning() const { return tuning_; }
+
+ private:
+  // Pieces shared by the ht launchers (ht.cu).
+  void require_usable(const char* op) const;
+  char* ht_local() const { return static_cast<char*>(ht_mem_->local()); }
+  DeviceState* device_state() const;
+  void raise_device_error();
+
+  int device_ = 0;
+  HtTuning tuning_;
+  uint64_t timeout_ns_ = 0;
+  HtRegion region_;
+  std::shared_ptr<SymmetricMemory> ht_mem_;
+  DeviceErrorRecord* error_host_ = nullptr;  // mapped pinned memory
+  DeviceErrorRecord* error_dev_ = nullptr;
+  HtHostResult* result_host_ = nullptr;  // mapped pinned memory
+  HtHostResult* result_dev_ = nullptr;
+  uint32_t ticket_ = 0;
+  bool broken_ = false;
+  std::string broken_why_;
+};
+
+}  // namespace epx::detail

@@ -1,0 +1,58 @@
+// src/cuda/device_error.h — how kernels report failures to the host (SPEC 5): a record in mapped
+// pinned host memory, written once per error by the first device thread that claims it.
+//
+// Protocol: a thread that detects an error claims the device-side word HtState::error_claim with
+// atomicCAS (device memory: host-memory atomics are not native over PCIe), writes the fields of
+// DeviceErrorRecord, __threadfence_system(), then stores `code` last. The host reads `code`
+// (volatile); non-zero means the fields are complete. After raising, the host clears both.
+// Timeouts also set HtState::abort so every other wait of the kernel stops promptly.
+#pragma once
+
+#include <cstdint>
+
+namespace epx::detail {
+
+enum DeviceOp : uint32_t {
+  kOpNone = 0,
+  kOpHtLayout = 1,
+  kOpHtNotify = 2,  // ht count exchange (first half of an exact / worst-case dispatch)
+  kOpHtDispatch = 3,
+  kOpHtCombine = 4,
+  kOpBarrier = 5,
+};
+
+enum DeviceErrorCode : uint32_t {
+  kDevErrNone = 0,
+  kDevErrTimeout = 1,        // a = what was awaited (DeviceWait), b = value seen
+  kDevErrBadExpert = 2,      // a = token index * 64 + k, b = expert id seen
+  kDevErrOutOfCapacity = 3,  // a = rows needed (N), b = rows available (num_worst_tokens)
+};
+
+enum DeviceWait : uint32_t {
+  kWaitReady = 1,    // the peer finishing its previous operation (its region free again)
+  kWaitCounts = 2,   // the peer's token counts (count exchange)
+  kWaitRows = 3,     // rows from the peer (dispatch / combine data)
+  kWaitBarrier = 4,  // the peer arriving at a device barrier
+};
+
+struct DeviceErrorRecord {
+  uint32_t code;  // DeviceErrorCode; written last
+  uint32_t op;    // DeviceOp
+  int32_t rank;   // the rank that detected it
+  int32_t peer;   // the peer waited for, or -1
+  int64_t a;
+  int64_t b;
+};
+
+// Per-rank device state of one buffer (device memory, zeroed at allocation).
+struct DeviceState {
+  uint32_t seq;          // operations completed on this rank (all ranks advance in lock-step)
+  uint32_t finished;     // CTAs of the running operation that have finished (last-CTA pattern)
+  uint32_t abort;        // set by a timed-out wait: every other wait of this rank stops
+  uint32_t error_claim;  // first device error wins the host record
+};
+
+const char* device_op_name(uint32_t op);
+const char* device_wait_name(uint32_t what);
+
+}  // namespace epx::detail

@@ -1,0 +1,301 @@
+// src/cuda/ht.cu — host side of the cuda ht mode: allocation of outputs, kernel parameters,
+// launches (kernels in kernels/ht/*.cuh, instantiated in ht_{notify,dispatch,combine}.cu).
+//
+//   ht_layout          notify kernel, layout only (no communication)
+//   ht_dispatch exact  notify (count exchange, ticket) -> ONE bounded host wait for N and the
+//                      per-expert counts (mapped memory) -> allocate N rows -> dispatch kernel
+//   ht_dispatch worst  notify -> dispatch with num_worst_tokens rows; no host wait (graph-safe)
+//   ht_dispatch cached dispatch kernel only, routing from the handle
+//   ht_combine         combine kernel
+// Every launch is on the caller's stream; nothing else synchronises the device.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "core/check.h"
+#include "cuda/cuda_buffer.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ht_launch.h"
+
+namespace epx::detail {
+
+namespace {
+
+// Largest copy unit (16/8/4/2/1 bytes) dividing every address and byte stride given.
+int vector_bytes(std::initializer_list<uint64_t> values) {
+  uint64_t acc = 0;
+  for (uint64_t v : values) acc |= v;
+  for (int b : {16, 8, 4, 2}) {
+    if (acc % b == 0) return b;
+  }
+  return 1;
+}
+
+Tensor alloc(const Allocator& a, DType dtype, std::vector<int64_t> shape, int device) {
+  return a(dtype, shape, Device::cuda(device));
+}
+
+}  // namespace
+
+// Fills the parts every ht kernel shares.
+static HtSymm make_symm(const SymmetricMemory& mem, const HtRegion& region, int R) {
+  HtSymm s{};
+  s.local = static_cast<char*>(mem.local());
+  for (int p = 0; p < R; ++p) s.peers[p] = static_cast<char*>(mem.peer(p));
+  s.region = region;
+  return s;
+}
+
+static WaitContext make_wait(DeviceState* state, DeviceErrorRecord* error, uint64_t timeout_ns,
+                             int rank, uint32_t op) {
+  return WaitContext{state, error, timeout_ns, rank, op};
+}
+
+static void fill_topk(HtNotifyParams& p, const TensorView& topk_idx) {
+  p.topk_idx = topk_idx.data;
+  p.topk_stride = topk_idx.ndim == 2 ? topk_idx.strides[0] : 0;
+  p.topk_is_i64 = topk_idx.dtype == DType::kI64;
+}
+
+HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
+                               const Allocator& alloc_fn) {
+  require_usable("ht_layout");
+  DeviceGuard guard(device_);
+  const int R = group.size();
+  const int64_t T = topk_idx.shape[0];
+  HtLayout out;
+  out.num_tokens_per_rank = alloc(alloc_fn, DType::kI32, {R}, device_);
+  out.num_tokens_per_expert = alloc(alloc_fn, DType::kI32, {shape.num_experts}, device_);
+  out.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, device_);
+  HtNotifyParams p{};
+  fill_topk(p, topk_idx);
+  p.num_tokens = static_cast<int>(T);
+  p.top_k = shape.top_k;
+  p.num_experts = shape.num_experts;
+  p.num_local_experts = shape.num_experts / R;
+  p.num_ranks = R;
+  p.rank = group.rank();
+  p.expert_alignment = 1;
+  p.exchange = 0;
+  p.num_tokens_per_rank = out.num_tokens_per_rank.ptr<int32_t>();
+  p.num_tokens_per_expert = out.num_tokens_per_expert.ptr<int32_t>();
+  p.is_token_in_rank = out.is_token_in_rank.ptr<bool>();
+  p.symm = make_symm(*ht_mem_, region_, R);
+  p.wait = make_wait(device_state(), error_dev_, timeout_ns_, group.rank(), kOpHtLayout);
+  launch_ht_notify(p, static_cast<cudaStream_t>(stream));
+  return out;
+}
+
+HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
+  require_usable("ht_dispatch");
+  DeviceGuard guard(device_);
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  const int R = group.size(), me = group.rank(), K = shape.top_k;
+  const int64_t H = shape.hidden;
+  const bool cached = args.handle != nullptr;
+  const TensorView& x = args.x;
+  const int64_t T = x.shape[0];
+  EPX_CHECK(T <= shape.max_tokens_per_rank, ErrorCode::kOutOfCapacity, "ht_dispatch: x has ", T,
+            " tokens, expected at most max_tokens_per_rank = ", shape.max_tokens_per_rank);
+  const bool fp8 = x.dtype == DType::kF8E4M3;
+  const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
+
+  HtDispatchResult res;
+  HtHandle& h = res.handle;
+  int64_t num_rows = 0;
+  bool worst_case = false;
+  const DType idx_dtype = cached ? DType::kI32 : args.topk_idx.dtype;
+
+  if (cached) {
+    EPX_CHECK_ARG(args.handle->buffer_id == id, "ht_dispatch: argument 'handle' comes from buffer ",
+                  args.handle->buffer_id, ", expected one made by this buffer (", id, ")");
+    EPX_CHECK_ARG(args.handle->num_tokens == T, "ht_dispatch: x has ", T,
+                  " tokens but the cached handle was made for ", args.handle->num_tokens);
+    h = *args.handle;
+    worst_case = h.num_worst_tokens > 0;
+    num_rows = worst_case ? h.num_worst_tokens : h.num_recv_tokens;
+  } else {
+    h.rank_prefix_matrix = alloc(alloc_fn, DType::kI32, {R, R}, device_);
+    h.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, device_);
+    h.send_pos = alloc(alloc_fn, DType::kI32, {T, R}, device_);
+    h.num_tokens = T;
+    h.top_k = K;
+    h.buffer_id = id;
+    worst_case = args.num_worst_tokens > 0;
+    HtNotifyParams np{};
+    fill_topk(np, args.topk_idx);
+    np.num_tokens = static_cast<int>(T);
+    np.top_k = K;
+    np.num_experts = shape.num_experts;
+    np.num_local_experts = shape.num_experts / R;
+    np.num_ranks = R;
+    np.rank = me;
+    np.expert_alignment = args.expert_alignment > 0 ? args.expert_alignment : 1;
+    np.exchange = 1;
+    np.is_token_in_rank = h.is_token_in_rank.ptr<bool>();
+    np.send_pos = h.send_pos.ptr<int32_t>();
+    np.rank_prefix_matrix = h.rank_prefix_matrix.ptr<int32_t>();
+    np.host = result_dev_;
+    if (!worst_case && ++ticket_ == 0) ++ticket_;  // 0 means "do not publish"
+    np.ticket = worst_case ? 0u : ticket_;
+    np.symm = make_symm(*ht_mem_, region_, R);
+    np.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtNotify);
+    launch_ht_notify(np, stream);
+    if (worst_case) {
+      num_rows = args.num_worst_tokens;
+      h.num_recv_tokens = -1;
+      h.num_worst_tokens = args.num_worst_tokens;
+    } else {
+      // The one host synchronisation of exact mode: wait for this launch's ticket. Bounded: the
+      // device gives up after the timeout and reports; we allow it a few seconds more.
+      volatile HtHostResult* r = result_host_;
+      const auto deadline =
+          std::chrono::steady_clock::now() + group.timeout() + std::chrono::seconds(5);
+      for (uint32_t spins = 0; r->ticket != np.ticket; ++spins) {
+        if (spins % 1024 == 1023) {
+          if (error_host_->code == kDevErrTimeout) check();
+          const cudaError_t q = cudaStreamQuery(stream);
+          if (q != cudaSuccess && q != cudaErrorNotReady)
+            throw_cuda(q, "count exchange", "ht_dispatch");
+          if (std::chrono::steady_clock::now() > deadline) {
+            broken_ = true;
+            broken_why_ = "the count exchange did not complete in time";
+            throw_error(ErrorCode::kTimeout,
+                        cat("ht_dispatch: rank ", me, " waited ", group.timeout().count(),
+                            " ms (+5 s) for the count ", "exchange to finish on its stream"));
+          }
+          std::this_thread::yield();
+        }
+      }
+      std::atomic_thread_fence(std::memory_order_acquire);
+      num_rows = r->num_recv_tokens;
+      const volatile int32_t* per_expert =
+          reinterpret_cast<const volatile int32_t*>(result_host_ + 1);
+      res.num_recv_tokens_per_expert.resize(region_.num_local_experts);
+      for (int l = 0; l < region_.num_local_experts; ++l)
+        res.num_recv_tokens_per_expert[l] = per_expert[l];
+      h.num_recv_tokens = num_rows;
+      h.num_worst_tokens = 0;
+    }
+  }
+
+  // Outputs.
+  res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
+  int num_scales = 0;
+  if (fp8 && args.x_scales.defined()) {
+    num_scales = static_cast<int>(args.x_scales.shape[1]);
+    res.recv_x_scales = alloc(alloc_fn, args.x_scales.dtype, {num_rows, num_scales}, device_);
+  }
+  if (!cached) {
+    res.recv_topk_idx = alloc(alloc_fn, idx_dtype, {num_rows, K}, device_);
+    if (args.topk_weights.defined())
+      res.recv_topk_weights = alloc(alloc_fn, DType::kF32, {num_rows, K}, device_);
+    res.recv_src_idx = alloc(alloc_fn, DType::kI32, {num_rows}, device_);
+    h.recv_src_idx = res.recv_src_idx;
+  }
+
+  HtDispatchParams p{};
+  p.x = static_cast<const char*>(x.data);
+  p.x_stride = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+  p.row_bytes = row_bytes;
+  if (num_scales > 0) {
+    p.scales = static_cast<const char*>(args.x_scales.data);
+    p.scale_stride0 = args.x_scales.strides[0];
+    p.scale_stride1 = args.x_scales.strides[1];
+    p.num_scales = num_scales;
+    p.recv_scales = res.recv_x_scales.ptr<uint32_t>();
+  }
+  if (!cached) {
+    p.topk_idx = args.topk_idx.data;
+    p.topk_stride = args.topk_idx.strides[0];
+    p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
+    if (args.topk_weights.defined()) {
+      p.topk_weights = args.topk_weights.ptr<const float>();
+      p.weights_stride = args.topk_weights.strides[0];
+      p.recv_topk_weights = res.recv_topk_weights.ptr<float>();
+    }
+    p.recv_topk_idx = res.recv_topk_idx.data;
+    p.recv_src_idx = res.recv_src_idx.ptr<int32_t>();
+  }
+  p.send_pos = h.send_pos.ptr<const int32_t>();
+  p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<const int32_t>();
+  p.num_tokens = static_cast<int>(T);
+  p.top_k = K;
+  p.num_local_experts = shape.num_experts / R;
+  p.num_ranks = R;
+  p.rank = me;
+  p.cached = cached;
+  p.recv_x = static_cast<char*>(res.recv_x.data);
+  p.num_rows = num_rows;
+  p.worst_case = worst_case;
+  p.num_send_ctas = tuning_.dispatch_send_ctas;
+  p.symm = make_symm(*ht_mem_, region_, R);
+  p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
+  const int vb =
+      vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
+                    static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
+  const int grid = tuning_.num_sms;
+  launch_ht_dispatch(p, vb, grid, stream);
+  EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
+  // Exact mode already waited for the count exchange: an out-of-range expert id it found is
+  // raised now, after the dispatch kernel was launched, so every peer's collective completes.
+  if (!cached && !worst_case && error_host_->code != kDevErrNone) check();
+  return res;
+}
+
+HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocator& alloc_fn) {
+  require_usable("ht_combine");
+  DeviceGuard guard(device_);
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  const HtHandle& h = *args.handle;
+  EPX_CHECK_ARG(h.buffer_id == id, "ht_combine: argument 'handle' comes from buffer ", h.buffer_id,
+                ", expected one made by this buffer (", id, ")");
+  const int R = group.size(), me = group.rank(), K = shape.top_k;
+  const int64_t H = shape.hidden, T = h.num_tokens;
+  HtCombineResult res;
+  res.out = alloc(alloc_fn, DType::kBF16, {T, H}, device_);
+  const bool with_weights = args.topk_weights.defined();
+  if (with_weights) res.combined_topk_weights = alloc(alloc_fn, DType::kF32, {T, K}, device_);
+
+  HtCombineParams p{};
+  p.y = static_cast<const char*>(args.y.data);
+  p.y_stride = args.y.strides[0] * 2;
+  p.num_y_rows = args.y.shape[0];
+  p.row_bytes = H * 2;
+  if (with_weights) {
+    p.weights = args.topk_weights.ptr<const float>();
+    p.weights_stride = args.topk_weights.strides[0];
+    p.combined_weights = res.combined_topk_weights.ptr<float>();
+  }
+  if (args.bias0.defined()) {
+    p.bias0 = static_cast<const char*>(args.bias0.data);
+    p.bias0_stride = args.bias0.strides[0] * 2;
+  }
+  if (args.bias1.defined()) {
+    p.bias1 = static_cast<const char*>(args.bias1.data);
+    p.bias1_stride = args.bias1.strides[0] * 2;
+  }
+  p.send_pos = h.send_pos.ptr<const int32_t>();
+  p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<const int32_t>();
+  p.num_tokens = static_cast<int>(T);
+  p.top_k = K;
+  p.num_ranks = R;
+  p.rank = me;
+  p.out = static_cast<char*>(res.out.data);
+  p.num_send_ctas = tuning_.combine_send_ctas;
+  p.symm = make_symm(*ht_mem_, region_, R);
+  p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
+  const int vb =
+      vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
+                    static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),
+                    reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
+                    reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
+  const int grid = tuning_.num_sms;
+  launch_ht_combine(p, vb, grid, stream);
+  EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+  return res;
+}
+
+}  // namespace epx::detail

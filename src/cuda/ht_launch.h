@@ -1,0 +1,16 @@
+// src/cuda/ht_launch.h — launchers of the ht kernels, one translation unit per kernel family
+// (ht_notify.cu, ht_dispatch.cu, ht_combine.cu) so they compile in parallel. `vec_bytes` picks
+// the copy unit (16/8/4/2/1 bytes) the row addresses and strides allow.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/kernels/ht/ht_params.cuh"
+
+namespace epx::detail {
+
+void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
+void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream);
+void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream);
+
+}  // namespace epx::detail

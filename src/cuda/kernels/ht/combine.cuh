@@ -1,0 +1,223 @@
+// src/cuda/kernels/ht/combine.cuh — ht combine: expert outputs back to their source ranks.
+//
+// Grid: num_send_ctas sender CTAs, then reducer CTAs; 512 threads each.
+// Senders (rank r holds y[rows, H] in recv_x order): items (32-row block b, source s != r),
+//   block-major. Rows j of block b are y[rpm[s-1][r] + j] (the j-th token s sent to r); they go
+//   to row j of s's slot for r (x region; weights [K] in the meta region when given). Then one
+//   fence and counter[s's slot for r][b] += rows: pairs with the reducer's wait.
+// Reducers (rank r, one warp per token t, tokens interleaved over warps): the sources of t are
+//   the ranks d with send_pos[t][d] >= 0, in ascending d: d == r reads y[send_pos[t][r]]
+//   locally; d != r reads row j = send_pos[t][d] - rpm[r-1][d] of the slot for d once its
+//   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
+//     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
+//   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
+// End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
+#pragma once
+
+#include "core/numeric.h"
+#include "cuda/kernels/ht/common.cuh"
+
+namespace epx::detail {
+
+inline constexpr int kReduceUnroll = 4;  // vectors per lane per step
+
+template <typename V>
+union Bf16Pack {
+  V v;
+  uint16_t h[sizeof(V) / 2];
+};
+
+template <typename V>
+__device__ __forceinline__ void accumulate(float* acc, const V& v) {
+  Bf16Pack<V> pk;
+  pk.v = v;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 2); ++i) acc[i] = acc[i] + bf16_to_f32(pk.h[i]);
+}
+
+template <typename V>
+__device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
+  const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const HtRegion& g = p.symm.region;
+  const WaitContext& w = p.wait;
+  __shared__ int32_t s_cnt[kMaxHtRanks], s_excl[kMaxHtRanks];
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  if (threadIdx.x < R) {
+    s_cnt[threadIdx.x] = rows_between(p.rank_prefix_matrix, R, threadIdx.x, me);
+    s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, threadIdx.x, me);
+    if (threadIdx.x != me && !wait_peer_ready(p.symm, w, threadIdx.x, cur)) s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  int64_t max_blocks = 0;
+  for (int s = 0; s < R; ++s) {
+    if (s != me)
+      max_blocks =
+          max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
+  }
+  const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t num_items = max_blocks * (R - 1);
+  for (int64_t item = blockIdx.x; item < num_items; item += p.num_send_ctas) {
+    const int64_t b = item / (R - 1);
+    const int si = static_cast<int>(item % (R - 1));
+    const int s = si < me ? si : si + 1;
+    const int rows = min(static_cast<int64_t>(kHtRowsPerBlock), s_cnt[s] - b * kHtRowsPerBlock);
+    if (rows <= 0) continue;
+    const int slot = HtRegion::slot_of(me, s);
+    char* peer = p.symm.peers[s];
+    for (int r = warp; r < rows; r += kHtWarps) {
+      const int64_t j = b * kHtRowsPerBlock + r;
+      const int64_t y_row = s_excl[s] + j;
+      if (y_row >= p.num_y_rows) continue;  // worst-case overflow: reported at dispatch
+      const V* src = reinterpret_cast<const V*>(p.y + y_row * p.y_stride);
+      V* dst = reinterpret_cast<V*>(g.x_row(peer, slot, j));
+      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+        V v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) v[u] = ld_input(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) dst[i] = v[u];
+        }
+      }
+      // Weights (0 when this rank passed none, so the sum stays deterministic).
+      float* wr = reinterpret_cast<float*>(g.meta_row(peer, slot, j));
+      for (int k = lane; k < p.top_k; k += 32)
+        wr[k] = p.weights ? p.weights[y_row * p.weights_stride + k] : 0.0f;
+    }
+    __syncthreads();
+    // Pairs with the reducer's wait_flag on counter[slot me][b] on rank s.
+    if (threadIdx.x == 0) {
+      fence_acq_rel_sys();
+      red_add_relaxed_sys(g.counter(peer, slot, b), static_cast<uint32_t>(rows));
+    }
+  }
+}
+
+template <typename V>
+__device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, const V** s_src,
+                               const float** s_wsrc) {
+  constexpr int kPerVec = sizeof(V) / 2;
+  const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const HtRegion& g = p.symm.region;
+  const WaitContext& w = p.wait;
+  int32_t* last_block = s_last_block + warp * kMaxHtRanks;
+  const V** src = s_src + warp * kMaxHtRanks;
+  const float** wsrc = s_wsrc + warp * kMaxHtRanks;
+  if (lane < kMaxHtRanks) last_block[lane] = -1;
+  __syncwarp();
+  // This rank as the source: rows it sent to d start after rows from ranks before it.
+  const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
+  const int32_t cnt = lane < R ? rows_between(p.rank_prefix_matrix, R, me, lane) : 0;
+  const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
+  for (int64_t t = gw; t < p.num_tokens; t += G) {
+    const int32_t pos = lane < R ? p.send_pos[t * R + lane] : -1;
+    bool use = pos >= 0;
+    bool ok = true;
+    int64_t j = 0;
+    if (use && lane != me) {
+      j = pos - excl;
+      const int32_t b = static_cast<int32_t>(j / kHtRowsPerBlock);
+      if (last_block[lane] != b) {
+        const int rows = min(kHtRowsPerBlock, cnt - b * kHtRowsPerBlock);
+        ok = wait_flag<false>(g.counter(p.symm.local, HtRegion::slot_of(lane, me), b),
+                              static_cast<uint32_t>(rows), w, kWaitRows, lane);
+        last_block[lane] = b;
+      }
+    }
+    if (!__all_sync(0xffffffffu, ok)) return;
+    if (use && lane == me && pos >= p.num_y_rows) use = false;  // worst-case overflow
+    const uint32_t smask = __ballot_sync(0xffffffffu, use);
+    if (use) {
+      const int slot = __popc(smask & ((1u << lane) - 1u));
+      if (lane == me) {
+        src[slot] = reinterpret_cast<const V*>(p.y + pos * p.y_stride);
+        wsrc[slot] = p.weights ? p.weights + pos * p.weights_stride : nullptr;
+      } else {
+        const int from = HtRegion::slot_of(lane, me);
+        src[slot] = reinterpret_cast<const V*>(g.x_row(p.symm.local, from, j));
+        wsrc[slot] = reinterpret_cast<const float*>(g.meta_row(p.symm.local, from, j));
+      }
+    }
+    __syncwarp();
+    const int num_src = __popc(smask);
+    const int self_slot = (smask >> me) & 1u ? __popc(smask & ((1u << me) - 1u)) : -1;
+    const V* b0 = p.bias0 ? reinterpret_cast<const V*>(p.bias0 + t * p.bias0_stride) : nullptr;
+    const V* b1 = p.bias1 ? reinterpret_cast<const V*>(p.bias1 + t * p.bias1_stride) : nullptr;
+    V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
+    for (int64_t v0 = 0; v0 < nv; v0 += 32 * kReduceUnroll) {
+      float acc[kReduceUnroll][kPerVec];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.0f;
+      V in[kReduceUnroll];
+      auto add_from = [&](const V* base, bool landed) {
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) in[u] = landed ? ld_landed(base + i) : ld_input(base + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (v0 + u * 32 + lane < nv) accumulate(acc[u], in[u]);
+        }
+      };
+      if (b0) add_from(b0, false);
+      if (b1) add_from(b1, false);
+      for (int k = 0; k < num_src; ++k) add_from(src[k], k != self_slot);
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int64_t i = v0 + u * 32 + lane;
+        if (i >= nv) continue;
+        Bf16Pack<V> pk;
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
+        o[i] = pk.v;
+      }
+    }
+    if (p.combined_weights) {
+      for (int k = lane; k < p.top_k; k += 32) {
+        float a = 0.0f;
+        for (int q = 0; q < num_src; ++q)
+          a = a + (q == self_slot ? wsrc[q][k] : ld_landed(wsrc[q] + k));
+        p.combined_weights[t * p.top_k + k] = a;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
+  __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
+  __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
+  __shared__ const float* s_wsrc[kHtWarps * kMaxHtRanks];
+  const uint32_t cur = p.wait.state->seq + 1;
+  const int R = p.num_ranks, me = p.rank;
+  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
+    combine_send<V>(p, cur);
+  } else {
+    combine_reduce<V>(p, s_last_block, s_src, s_wsrc);
+  }
+  finish_operation(p.symm, p.wait, cur, R, [&] {
+    const HtRegion& g = p.symm.region;
+    for (int d = 0; d < R; ++d) {
+      if (d == me) continue;
+      const int64_t nb =
+          (rows_between(p.rank_prefix_matrix, R, me, d) + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
+      for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
+        *g.counter(p.symm.local, HtRegion::slot_of(d, me), b) = 0u;
+    }
+  });
+}
+
+}  // namespace epx::detail

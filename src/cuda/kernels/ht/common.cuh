@@ -1,0 +1,77 @@
+// src/cuda/kernels/ht/common.cuh — small device pieces shared by the ht kernels: typed loads,
+// prefix-matrix arithmetic, and the end-of-operation protocol (last CTA resets the block
+// counters, advances the sequence number and tells every peer its region is free again).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/kernels/ht/ht_params.cuh"
+
+namespace epx::detail {
+
+inline constexpr int kHtThreads = 512;  // dispatch / combine CTA size (16 warps)
+inline constexpr int kHtWarps = kHtThreads / 32;
+inline constexpr int kNotifyThreads = 1024;
+inline constexpr int kCopyUnroll = 8;  // 16-byte vectors in flight per lane in row copies
+
+// Read-only input (not written during the kernel): non-coherent path.
+template <typename V>
+__device__ __forceinline__ V ld_input(const V* p) {
+  return __ldg(p);
+}
+// Data written by a peer during this kernel (after an acquire): L2, never a stale L1 line.
+template <typename V>
+__device__ __forceinline__ V ld_landed(const V* p) {
+  return __ldcg(p);
+}
+
+// Rows rank d receives from ranks before s (exclusive prefix), and from s alone.
+__device__ __forceinline__ int32_t prefix_before(const int32_t* rpm, int R, int s, int d) {
+  return s > 0 ? rpm[(s - 1) * R + d] : 0;
+}
+__device__ __forceinline__ int32_t rows_between(const int32_t* rpm, int R, int s, int d) {
+  return rpm[s * R + d] - prefix_before(rpm, R, s, d);
+}
+
+__device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
+  w.op = op;
+  return w;
+}
+
+// Called by every thread of every CTA at the very end of an operation that used the symmetric
+// region. The last CTA to arrive runs `reset_counters` (all its threads), then publishes
+// seq = cur locally and ready[rank] = cur on every peer: the release that pairs with the
+// wait_flag<true>(ready[rank], cur) of the peer's next operation before it writes to us.
+template <typename ResetFn>
+__device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
+                                 int num_ranks, ResetFn reset_counters) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(&w.state->finished, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  reset_counters();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    w.state->finished = 0;
+    w.state->seq = cur;
+    __threadfence();
+    for (int p = 0; p < num_ranks; ++p) {
+      if (p == w.rank) continue;
+      st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, cur);
+    }
+  }
+}
+
+// Before the first write into peer p's region in operation `cur`: p finished operation cur - 1
+// (pairs with the st_release_sys in p's finish_operation). One thread per peer.
+__device__ __forceinline__ bool wait_peer_ready(const HtSymm& symm, const WaitContext& w, int p,
+                                                uint32_t cur) {
+  return wait_flag<true>(symm.region.ready(symm.local) + p, cur - 1, w, kWaitReady, p);
+}
+
+}  // namespace epx::detail

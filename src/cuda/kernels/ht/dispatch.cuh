@@ -1,0 +1,284 @@
+// src/cuda/kernels/ht/dispatch.cuh — ht dispatch: rows to the ranks that hold their experts.
+//
+// Grid: num_send_ctas sender CTAs, then receiver CTAs (none when R = 1); 512 threads each.
+// Sender warps (rank r, warp gw of G): batches of kBatch consecutive tokens, batch i at tokens
+//   [(i*G + gw) * kBatch, ...), so all warps advance through the tokens together and the
+//   receiver's 32-row blocks fill roughly in order. Per token t, each destination d with
+//   pos = send_pos[t][d] >= 0 gets the row, loaded once and stored to every destination:
+//     d == r: recv_x[pos] (+ scales, src_idx, local topk idx / weights) directly;
+//     d != r: row j = pos - rpm[r-1][d] of d's slot for r (x, scales, meta) through the LSA
+//             pointer; after the batch: fence, then counter[d's slot for r][j / 32] += rows.
+// Receiver CTAs (rank r): items (32-row block b, source s != r), block-major; one thread waits
+//   until counter[slot s][b] == rows in that block, then the CTA copies the rows to
+//   recv_*[rpm[s-1][r] + j], which is SPEC 3.2's order (source rank, then source token).
+// Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
+//   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
+// End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
+#pragma once
+
+#include "cuda/kernels/ht/common.cuh"
+
+namespace epx::detail {
+
+inline constexpr int kDispatchBatch = 4;  // tokens per warp between two signals
+
+__device__ __forceinline__ void store_topk_idx(void* out, int is_i64, int64_t i, int32_t v) {
+  if (is_i64) {
+    static_cast<int64_t*>(out)[i] = v;
+  } else {
+    static_cast<int32_t*>(out)[i] = v;
+  }
+}
+
+// Word i of a dispatch meta row for destination d: {src_idx, local idx [K], weight [K]}.
+__device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p, int64_t t, int d,
+                                                       int i) {
+  if (i == 0) return static_cast<uint32_t>(t);
+  const int K = p.top_k, L = p.num_local_experts;
+  const int k = i <= K ? i - 1 : i - 1 - K;
+  const int64_t e = p.topk_is_i64 ? static_cast<const int64_t*>(p.topk_idx)[t * p.topk_stride + k]
+                                  : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
+  const bool local = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
+  if (i <= K) return static_cast<uint32_t>(local ? static_cast<int32_t>(e - d * L) : -1);
+  const float w = (local && p.topk_weights) ? p.topk_weights[t * p.weights_stride + k] : 0.0f;
+  return __float_as_uint(w);
+}
+
+template <typename V>
+__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, V** s_dst) {
+  const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const HtRegion& g = p.symm.region;
+  const WaitContext& w = p.wait;
+  __shared__ int32_t s_excl[kMaxHtRanks];  // rows d receives from ranks before me
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  if (threadIdx.x < R) {
+    s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, me, threadIdx.x);
+    if (threadIdx.x != me && !wait_peer_ready(p.symm, w, threadIdx.x, cur)) s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+
+  const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
+  V** dst = s_dst + warp * kMaxHtRanks;
+  const int meta_words = 1 + 2 * p.top_k;
+  for (int64_t t0 = gw * kDispatchBatch; t0 < p.num_tokens; t0 += G * kDispatchBatch) {
+    for (int i = 0; i < kDispatchBatch; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= p.num_tokens) break;
+      const int32_t pos = lane < R ? p.send_pos[t * R + lane] : -1;
+      // A self row past num_rows (worst-case overflow, reported by the receiver side) is dropped.
+      const bool go = pos >= 0 && (lane != me || pos < p.num_rows);
+      const uint32_t dmask = __ballot_sync(0xffffffffu, go);
+      if (go) {
+        const int slot = __popc(dmask & ((1u << lane) - 1u));
+        dst[slot] = lane == me
+                        ? reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes)
+                        : reinterpret_cast<V*>(g.x_row(
+                              p.symm.peers[lane], HtRegion::slot_of(me, lane), pos - s_excl[lane]));
+      }
+      __syncwarp();
+      const int num_dst = __popc(dmask);
+      const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
+      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+        V r[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t v = v0 + u * 32 + lane;
+          if (v < nv) r[u] = ld_input(src + v);
+        }
+        for (int k = 0; k < num_dst; ++k) {
+          V* o = dst[k];
+#pragma unroll
+          for (int u = 0; u < kCopyUnroll; ++u) {
+            const int64_t v = v0 + u * 32 + lane;
+            if (v < nv) o[v] = r[u];
+          }
+        }
+      }
+      // Scales and metadata: lanes write consecutive words (coalesced, also across NVLink).
+      for (uint32_t m = dmask; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int32_t dpos = __shfl_sync(0xffffffffu, pos, d);
+        if (d == me) {
+          for (int s = lane; s < p.num_scales; s += 32) {
+            p.recv_scales[dpos * static_cast<int64_t>(p.num_scales) + s] =
+                reinterpret_cast<const uint32_t*>(
+                    p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+          }
+          if (!p.cached) {
+            if (lane == 0) p.recv_src_idx[dpos] = static_cast<int32_t>(t);
+            for (int k = lane; k < p.top_k; k += 32) {
+              const int64_t o = dpos * static_cast<int64_t>(p.top_k) + k;
+              store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                             static_cast<int32_t>(dispatch_meta_word(p, t, d, 1 + k)));
+              if (p.recv_topk_weights)
+                p.recv_topk_weights[o] =
+                    __uint_as_float(dispatch_meta_word(p, t, d, 1 + p.top_k + k));
+            }
+          }
+        } else {
+          const int slot = HtRegion::slot_of(me, d);
+          const int64_t j = dpos - s_excl[d];
+          char* peer = p.symm.peers[d];
+          uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
+          for (int s = lane; s < p.num_scales; s += 32)
+            sc[s] = reinterpret_cast<const uint32_t*>(
+                p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+          if (!p.cached) {
+            uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
+            for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
+          }
+        }
+      }
+      __syncwarp();
+    }
+    // Signal the batch: this warp's stores above, then one release per (destination, block).
+    // Pairs with the receiver's wait_flag on counter[slot me][block].
+    __syncwarp();
+    fence_acq_rel_sys();
+    if (lane < R && lane != me) {
+      int64_t block = -1;
+      uint32_t rows = 0;
+      for (int i = 0; i < kDispatchBatch && t0 + i < p.num_tokens; ++i) {
+        const int32_t pos = p.send_pos[(t0 + i) * R + lane];
+        if (pos < 0) continue;
+        const int64_t b = (pos - s_excl[lane]) / kHtRowsPerBlock;
+        if (b != block && rows) {
+          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
+                              rows);
+          rows = 0;
+        }
+        block = b;
+        ++rows;
+      }
+      if (rows)
+        red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
+                            rows);
+    }
+  }
+}
+
+template <typename V>
+__device__ void dispatch_receive(const HtDispatchParams& p) {
+  const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const HtRegion& g = p.symm.region;
+  const WaitContext& w = p.wait;
+  __shared__ int32_t s_cnt[kMaxHtRanks], s_excl[kMaxHtRanks];
+  __shared__ int s_ok;
+  if (threadIdx.x < R) {
+    s_cnt[threadIdx.x] = rows_between(p.rank_prefix_matrix, R, threadIdx.x, me);
+    s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, threadIdx.x, me);
+  }
+  __syncthreads();
+  int64_t max_blocks = 0;
+  for (int s = 0; s < R; ++s) {
+    if (s != me)
+      max_blocks =
+          max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
+  }
+  const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int num_recv = gridDim.x - p.num_send_ctas;
+  const int64_t num_items = max_blocks * (R - 1);
+  for (int64_t item = blockIdx.x - p.num_send_ctas; item < num_items; item += num_recv) {
+    const int64_t b = item / (R - 1);
+    const int slot = static_cast<int>(item % (R - 1));
+    const int s = slot < me ? slot : slot + 1;
+    const int rows = min(static_cast<int64_t>(kHtRowsPerBlock), s_cnt[s] - b * kHtRowsPerBlock);
+    if (rows <= 0) continue;
+    if (threadIdx.x == 0) {
+      s_ok = wait_flag<false>(g.counter(p.symm.local, slot, b), static_cast<uint32_t>(rows), w,
+                              kWaitRows, s);
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    for (int r = warp; r < rows; r += kHtWarps) {
+      const int64_t j = b * kHtRowsPerBlock + r;
+      const int64_t out = s_excl[s] + j;
+      if (out >= p.num_rows) continue;  // worst-case overflow, reported below
+      const V* src = reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j));
+      V* dst = reinterpret_cast<V*>(p.recv_x + out * p.row_bytes);
+      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+        V v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) v[u] = ld_landed(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) dst[i] = v[u];
+        }
+      }
+      const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
+      for (int q = lane; q < p.num_scales; q += 32)
+        p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
+      if (!p.cached) {
+        const uint32_t* meta = reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, j));
+        if (lane == 0) p.recv_src_idx[out] = static_cast<int32_t>(ld_landed(meta));
+        for (int k = lane; k < p.top_k; k += 32) {
+          const int64_t o = out * p.top_k + k;
+          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                         static_cast<int32_t>(ld_landed(meta + 1 + k)));
+          if (p.recv_topk_weights)
+            p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
+  __shared__ V* s_dst[kHtWarps * kMaxHtRanks];
+  const uint32_t cur = p.wait.state->seq + 1;
+  const int R = p.num_ranks, me = p.rank;
+  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
+    dispatch_send<V>(p, cur, s_dst);
+  } else {
+    dispatch_receive<V>(p);
+  }
+  // Worst-case mode: overflow report and padding rows [N, num_rows) (any CTA, grid-stride):
+  // x and scales 0, topk -1, weights 0, src_idx -1 (as the cpu backend).
+  const int64_t n = p.rank_prefix_matrix[(R - 1) * R + me];
+  if (p.worst_case) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && n > p.num_rows)
+      record_error(p.wait, kDevErrOutOfCapacity, -1, n, p.num_rows);
+    const int64_t pad = p.num_rows - n;
+    const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t gsize = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    if (pad > 0) {
+      const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+      V* x0 = reinterpret_cast<V*>(p.recv_x + n * p.row_bytes);
+      for (int64_t i = gtid; i < pad * nv; i += gsize) x0[i] = V{};
+      for (int64_t i = gtid; i < pad * p.num_scales; i += gsize)
+        p.recv_scales[n * p.num_scales + i] = 0u;
+      if (!p.cached) {
+        for (int64_t row = n + gtid; row < p.num_rows; row += gsize) {
+          p.recv_src_idx[row] = -1;
+          for (int k = 0; k < p.top_k; ++k) {
+            store_topk_idx(p.recv_topk_idx, p.topk_is_i64, row * p.top_k + k, -1);
+            if (p.recv_topk_weights) p.recv_topk_weights[row * p.top_k + k] = 0.0f;
+          }
+        }
+      }
+    }
+  }
+  finish_operation(p.symm, p.wait, cur, R, [&] {
+    const HtRegion& g = p.symm.region;
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      const int64_t nb =
+          (rows_between(p.rank_prefix_matrix, R, s, me) + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
+      for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
+        *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
+    }
+  });
+}
+
+}  // namespace epx::detail

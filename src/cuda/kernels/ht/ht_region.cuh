@@ -1,0 +1,125 @@
+// src/cuda/kernels/ht/ht_region.cuh — the ht symmetric buffer: one struct, used on the host to
+// size the allocation (cuda_ht_bytes) and in the kernels to find every field. Host + device.
+//
+// Per rank (offsets identical on every rank; R ranks, L = E / R, K, H, T_max = max tokens):
+//   state    DeviceState                          local only: op sequence, last-CTA count, abort
+//   ready    uint32 [kMaxHtRanks]                 ready[p] = last op rank p finished (p writes)
+//   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
+//                                                 {flag, tokens per rank [R], tokens per expert of
+//                                                  this rank's experts [L]}
+//   counters uint32 [R-1][num_blocks]             rows landed per 32-row block, per source slot
+//   x        [R-1][T_max][x_row_bytes]            row payloads (bf16/fp8 dispatch, bf16 combine)
+//   scales   [R-1][T_max][scale_row_bytes]        fp8 scales moved with their rows
+//   meta     [R-1][T_max][meta_row_bytes]         dispatch: {src_idx, local topk idx [K],
+//                                                  weights [K]}; combine: weights [K]
+// A sender s writes into receiver d's "source slot" slot_of(s, d) (its own slot is never used:
+// a rank copies its own rows straight to its outputs). Row j of a slot is the j-th token (in
+// source order) that s sends to d, so the receiver's output row is prefix(s, d) + j.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EPX_HT_HD __host__ __device__ __forceinline__
+#else
+#define EPX_HT_HD inline
+#endif
+
+namespace epx::detail {
+
+inline constexpr int kMaxHtRanks = 32;  // one lane per rank in the kernels
+inline constexpr int kHtRowsPerBlock = 32;
+
+EPX_HT_HD size_t ht_round_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+struct HtCountMsg {
+  uint32_t flag;  // op sequence number, stored last (release)
+  uint32_t pad[3];
+  // int32 tokens_per_rank[R]; int32 tokens_per_expert[L] follow
+};
+
+struct HtRegion {
+  int num_ranks = 1;
+  int num_local_experts = 1;
+  int top_k = 1;
+  int64_t max_tokens = 0;
+  int64_t num_blocks = 0;  // per slot
+  int64_t x_row_bytes = 0;
+  int64_t scale_row_bytes = 0;
+  int64_t meta_row_bytes = 0;
+  size_t count_slot_bytes = 0;
+  size_t state_off = 0, ready_off = 0, count_off = 0, counter_off = 0;
+  size_t x_off = 0, scale_off = 0, meta_off = 0, total_bytes = 0;
+
+  static HtRegion make(int64_t hidden, int top_k, int num_experts, int64_t max_tokens,
+                       int num_ranks) {
+    HtRegion g;
+    g.num_ranks = num_ranks;
+    g.num_local_experts = num_experts / num_ranks;
+    g.top_k = top_k;
+    g.max_tokens = max_tokens;
+    g.num_blocks = (max_tokens + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
+    g.x_row_bytes = static_cast<int64_t>(ht_round_up(static_cast<size_t>(hidden) * 2, 16));
+    g.scale_row_bytes =
+        static_cast<int64_t>(ht_round_up(static_cast<size_t>((hidden + 127) / 128) * 4, 16));
+    g.meta_row_bytes =
+        static_cast<int64_t>(ht_round_up((1 + 2 * static_cast<size_t>(top_k)) * 4, 16));
+    g.count_slot_bytes = ht_round_up(
+        sizeof(HtCountMsg) + 4 * static_cast<size_t>(num_ranks + g.num_local_experts), 16);
+    const size_t slots = static_cast<size_t>(num_ranks - 1);
+    const size_t rows = slots * static_cast<size_t>(max_tokens);
+    size_t off = 0;
+    g.state_off = off;
+    off += 64;
+    g.ready_off = off;
+    off += ht_round_up(4 * kMaxHtRanks, 64);
+    g.count_off = off;
+    off += ht_round_up(g.count_slot_bytes * num_ranks, 256);
+    g.counter_off = off;
+    off += ht_round_up(4 * slots * g.num_blocks, 256);
+    g.x_off = off = ht_round_up(off, 4096);
+    off += rows * g.x_row_bytes;
+    g.scale_off = off = ht_round_up(off, 256);
+    off += rows * g.scale_row_bytes;
+    g.meta_off = off = ht_round_up(off, 256);
+    off += rows * g.meta_row_bytes;
+    g.total_bytes = ht_round_up(off, 4096);
+    return g;
+  }
+
+  // Slot on `receiver` that holds what `sender` sends it (sender != receiver).
+  EPX_HT_HD static int slot_of(int sender, int receiver) {
+    return sender < receiver ? sender : sender - 1;
+  }
+  EPX_HT_HD uint32_t* ready(char* base) const {
+    return reinterpret_cast<uint32_t*>(base + ready_off);
+  }
+  EPX_HT_HD HtCountMsg* count_msg(char* base, int source) const {
+    return reinterpret_cast<HtCountMsg*>(base + count_off + count_slot_bytes * source);
+  }
+  EPX_HT_HD uint32_t* counter(char* base, int slot, int64_t block) const {
+    return reinterpret_cast<uint32_t*>(base + counter_off) + slot * num_blocks + block;
+  }
+  EPX_HT_HD char* x_row(char* base, int slot, int64_t row) const {
+    return base + x_off + (static_cast<size_t>(slot) * max_tokens + row) * x_row_bytes;
+  }
+  EPX_HT_HD char* scale_row(char* base, int slot, int64_t row) const {
+    return base + scale_off + (static_cast<size_t>(slot) * max_tokens + row) * scale_row_bytes;
+  }
+  EPX_HT_HD char* meta_row(char* base, int slot, int64_t row) const {
+    return base + meta_off + (static_cast<size_t>(slot) * max_tokens + row) * meta_row_bytes;
+  }
+};
+
+// Results the exact-mode host path reads after the count exchange (mapped pinned host memory).
+struct HtHostResult {
+  uint32_t ticket;  // written last: the host's ticket of the notify launch that wrote the rest
+  int32_t num_recv_tokens;
+  int32_t pad[2];
+  // int32 num_recv_tokens_per_expert[L] (rounded up to expert_alignment) follows
+};
+
+}  // namespace epx::detail

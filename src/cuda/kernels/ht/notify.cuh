@@ -1,0 +1,180 @@
+// src/cuda/kernels/ht/notify.cuh — ht layout and count exchange. One CTA of 1024 threads.
+//
+// Data flow on rank r (T tokens, K, E experts, L = E / R):
+//   pass 1  topk_idx[T, K] -> per token a mask of destination ranks (bit d: some expert of the
+//           token lives on d); num_tokens_per_rank[R], num_tokens_per_expert[E] (selections),
+//           is_token_in_rank[T, R]. Ids outside [-1, E) are reported (InvalidArgument) and
+//           routed nowhere.
+//   (layout-only calls stop here; no communication)
+//   exchange  rank r writes {flag, tokens_per_rank[R], tokens_per_expert[d's L experts]} into
+//           rank d's count slot r, for every d != r, then waits for every peer's message in its
+//           own slots. Result: the count matrix cnt[s][d], rank_prefix_matrix[s][d] =
+//           sum_{s' <= s} cnt[s'][d], N = rpm[R-1][r], per-local-expert received selections
+//           rounded up to expert_alignment (published to mapped host memory under `ticket`).
+//   pass 2  send_pos[t][d] = rpm[r-1][d] + (tokens before t that go to d), or -1: the row of
+//           token t in rank d's recv_x, which is the order SPEC 3.2 requires (source rank, then
+//           source token index, ascending).
+#pragma once
+
+#include "cuda/kernels/ht/common.cuh"
+
+namespace epx::detail {
+
+__device__ __forceinline__ int64_t ht_load_expert(const void* topk, int64_t stride, int is_i64,
+                                                  int64_t t, int k) {
+  return is_i64 ? static_cast<const int64_t*>(topk)[t * stride + k]
+                : static_cast<const int32_t*>(topk)[t * stride + k];
+}
+
+// Destination-rank mask of token t; reports out-of-range ids when `report`.
+__device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64_t t, int* s_expert,
+                                                  bool report) {
+  uint32_t mask = 0;
+  for (int k = 0; k < p.top_k; ++k) {
+    const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
+    if (e < -1 || e >= p.num_experts) {
+      if (report) record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, e);
+      continue;
+    }
+    if (e < 0) continue;
+    if (s_expert) atomicAdd(&s_expert[e], 1);
+    mask |= 1u << static_cast<uint32_t>(e / p.num_local_experts);
+  }
+  return mask;
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyParams p) {
+  const int R = p.num_ranks, me = p.rank, L = p.num_local_experts;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kWarps = kNotifyThreads / 32;
+  extern __shared__ int s_dyn[];
+  int* s_expert = s_dyn;                          // [E] selections per expert (this rank's tokens)
+  int* s_recv_expert = s_expert + p.num_experts;  // [L] selections received per local expert
+  int* s_matrix = s_recv_expert + L;              // [R][R] cnt[s][d]
+  int* s_warp = s_matrix + R * R;                 // [kWarps][R] per-warp counts, then offsets
+  __shared__ int s_rank_count[kMaxHtRanks];
+  __shared__ int s_run[kMaxHtRanks];
+  __shared__ int s_offset[kMaxHtRanks];
+
+  for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
+  for (int i = tid; i < L; i += kNotifyThreads) s_recv_expert[i] = 0;
+  if (tid < kMaxHtRanks) s_rank_count[tid] = s_run[tid] = 0;
+  __syncthreads();
+
+  // ---- pass 1: masks and counts ---------------------------------------------------------------
+  for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
+    const int64_t t = base + tid;
+    const uint32_t mask = t < p.num_tokens ? ht_token_mask(p, t, s_expert, true) : 0u;
+    if (t < p.num_tokens && p.is_token_in_rank) {
+      for (int d = 0; d < R; ++d) p.is_token_in_rank[t * R + d] = (mask >> d) & 1u;
+    }
+    for (int d = 0; d < R; ++d) {
+      const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      if (lane == 0 && bits) atomicAdd(&s_rank_count[d], __popc(bits));
+    }
+  }
+  __syncthreads();
+  if (p.num_tokens_per_rank && tid < R) p.num_tokens_per_rank[tid] = s_rank_count[tid];
+  if (p.num_tokens_per_expert) {
+    for (int e = tid; e < p.num_experts; e += kNotifyThreads)
+      p.num_tokens_per_expert[e] = s_expert[e];
+  }
+  if (!p.exchange) return;
+
+  // ---- exchange --------------------------------------------------------------------------------
+  const WaitContext& w = p.wait;
+  const uint32_t cur = w.state->seq + 1;
+  const HtRegion& g = p.symm.region;
+  for (int q = warp; q < R; q += kWarps) {  // send to q
+    if (q == me) continue;
+    bool ok = true;
+    if (lane == 0) ok = wait_peer_ready(p.symm, w, q, cur);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (!ok) continue;
+    HtCountMsg* msg = g.count_msg(p.symm.peers[q], me);
+    int32_t* body = reinterpret_cast<int32_t*>(msg + 1);
+    for (int i = lane; i < R + L; i += 32)
+      body[i] = i < R ? s_rank_count[i] : s_expert[q * L + i - R];
+    __syncwarp();
+    // Pairs with the wait_flag on count_msg(local, me)->flag in rank q's notify.
+    if (lane == 0) st_release_sys(&msg->flag, cur);
+  }
+  for (int q = warp; q < R; q += kWarps) {  // receive from q
+    if (q == me) {
+      for (int i = lane; i < R; i += 32) s_matrix[me * R + i] = s_rank_count[i];
+      for (int l = lane; l < L; l += 32) atomicAdd(&s_recv_expert[l], s_expert[me * L + l]);
+      continue;
+    }
+    HtCountMsg* msg = g.count_msg(p.symm.local, q);
+    bool ok = true;
+    if (lane == 0) ok = wait_flag<true>(&msg->flag, cur, w, kWaitCounts, q);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    const int32_t* body = reinterpret_cast<const int32_t*>(msg + 1);
+    for (int i = lane; i < R; i += 32) s_matrix[q * R + i] = ok ? ld_landed(body + i) : 0;
+    for (int l = lane; l < L; l += 32)
+      atomicAdd(&s_recv_expert[l], ok ? ld_landed(body + R + l) : 0);
+  }
+  __syncthreads();
+
+  // Prefix matrix, N, per-expert counts.
+  if (tid < R) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s == me) s_offset[tid] = acc;  // rows rank tid receives from ranks before me
+      acc += s_matrix[s * R + tid];
+      p.rank_prefix_matrix[s * R + tid] = acc;
+      s_matrix[s * R + tid] = acc;
+    }
+  }
+  __syncthreads();
+  if (p.ticket != 0) {
+    volatile int32_t* per_expert = reinterpret_cast<volatile int32_t*>(p.host + 1);
+    const int a = p.expert_alignment;
+    for (int l = tid; l < L; l += kNotifyThreads)
+      per_expert[l] = (s_recv_expert[l] + a - 1) / a * a;
+    if (tid == 0)
+      reinterpret_cast<volatile HtHostResult*>(p.host)->num_recv_tokens =
+          s_matrix[(R - 1) * R + me];
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence_system();
+      // Read by the host's bounded poll in the exact-mode dispatch.
+      reinterpret_cast<volatile HtHostResult*>(p.host)->ticket = p.ticket;
+      __threadfence_system();
+    }
+  }
+
+  // ---- pass 2: send positions ------------------------------------------------------------------
+  for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
+    const int64_t t = base + tid;
+    const uint32_t mask = t < p.num_tokens ? ht_token_mask(p, t, nullptr, false) : 0u;
+    for (int d = 0; d < R; ++d) {
+      const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      if (lane == 0) s_warp[warp * R + d] = __popc(bits);
+    }
+    __syncthreads();
+    if (tid < R) {  // exclusive scan over warps, carried across rounds
+      int run = s_run[tid];
+      for (int v = 0; v < kWarps; ++v) {
+        const int c = s_warp[v * R + tid];
+        s_warp[v * R + tid] = run;
+        run += c;
+      }
+      s_run[tid] = run;
+    }
+    __syncthreads();
+    const uint32_t lt = (1u << lane) - 1u;
+    for (int d = 0; d < R; ++d) {
+      const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      if (t < p.num_tokens) {
+        p.send_pos[t * R + d] =
+            (mask >> d) & 1u ? s_offset[d] + s_warp[warp * R + d] + __popc(bits & lt) : -1;
+      }
+    }
+    __syncthreads();
+  }
+
+  finish_operation(p.symm, w, cur, R, [] {});
+}
+
+}  // namespace epx::detail

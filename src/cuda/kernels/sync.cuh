@@ -1,0 +1,105 @@
+// src/cuda/kernels/sync.cuh — the memory-ordering vocabulary of every epx kernel, and the bounded
+// wait. All cross-GPU signalling goes through these few helpers so each write can be paired with
+// the read that consumes it:
+//
+//   producer: plain stores of the payload (any threads of the warp/CTA)
+//             -> __syncwarp()/__syncthreads()   (orders the other threads' stores before ...)
+//             -> fence_acq_rel_sys() + red_add_relaxed_sys(flag)   or   st_release_sys(flag)
+//   consumer: wait_until(ld_acquire_sys(flag) ...) by one thread
+//             -> __syncthreads()/__syncwarp()    (... the other threads' loads after it)
+//             -> plain loads of the payload
+//
+// Flags are 32-bit and compared wrap-safely (seq_reached). Waits are bounded by the group timeout
+// (ns, %globaltimer); on timeout the waiter records who it waited for (DeviceErrorRecord), sets
+// the kernel-wide abort word so other waits stop too, and returns false. No trap.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device_error.h"
+
+namespace epx::detail {
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+// With a preceding fence_acq_rel_sys() in the same thread this is a release (PTX "release
+// pattern"); the fence is cumulative over stores ordered before it by __syncwarp/__syncthreads.
+__device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Sequence numbers wrap at 2^32: `seen` has reached `want` if it is not behind it.
+__device__ __forceinline__ bool seq_reached(uint32_t seen, uint32_t want) {
+  return static_cast<int32_t>(seen - want) >= 0;
+}
+
+// Everything a bounded wait and the error path need; part of every kernel's params.
+struct WaitContext {
+  DeviceState* state;
+  DeviceErrorRecord* error;  // mapped pinned host memory (device pointer)
+  uint64_t timeout_ns;
+  int32_t rank;
+  uint32_t op;  // DeviceOp
+};
+
+__device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t code, int32_t peer,
+                                             int64_t a, int64_t b) {
+  if (atomicCAS(&ctx.state->error_claim, 0u, 1u) != 0u) return;  // someone else reported first
+  volatile DeviceErrorRecord* rec = ctx.error;
+  rec->op = ctx.op;
+  rec->rank = ctx.rank;
+  rec->peer = peer;
+  rec->a = a;
+  rec->b = b;
+  __threadfence_system();
+  rec->code = code;  // read by BufferImpl::check() on the host
+  __threadfence_system();
+}
+
+// Spins until *flag (read with acquire) satisfies seq_reached(*flag, want) for kSeq, or equals
+// `want` otherwise. Returns false on timeout or abort; never traps.
+template <bool kSeq>
+__device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext& ctx,
+                          uint32_t what, int32_t peer) {
+  auto ok = [&](uint32_t v) { return kSeq ? seq_reached(v, want) : v == want; };
+  uint32_t v = ld_acquire_sys(flag);
+  if (ok(v)) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spins = 0;; ++spins) {
+    v = ld_acquire_sys(flag);
+    if (ok(v)) return true;
+    if ((spins & 63u) == 63u) {
+      if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
+      if (globaltimer_ns() - start > ctx.timeout_ns) {
+        record_error(ctx, kDevErrTimeout, peer, what, v);
+        atomicExch(&ctx.state->abort, 1u);
+        return false;
+      }
+    }
+  }
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,300 @@
+// src/transport/nccl_transport.cc — the cuda backend's transport (SPEC 4): one NCCL communicator
+// per group, symmetric memory from NCCL windows, LSA peer pointers, a bounded device barrier.
+//
+// Data flow of allocate(bytes), collective, same sizes in the same order on every rank:
+//   ncclMemAlloc (cuMem, exportable) -> zero-fill + sync -> ncclCommWindowRegister (collective;
+//   NCCL maps every peer's allocation into one flat LSA range) -> one tiny kernel reads
+//   ncclGetLsaPointer(window, 0, p) for every p -> SymmetricMemory::peer(p) are plain device
+//   pointers usable by any kernel -> a device barrier, so no peer writes before we zeroed.
+// The devComm is created before any window: in NCCL 2.28 ncclCommWindowRegister "succeeds" with
+// an unusable handle when symmetric memory is unsupported, ncclDevCommCreate fails loudly.
+// Never asks for NVLS/multicast or GIN (NCCL_WIN_DEFAULT windows, no lsaMultimem, no GIN fields).
+//
+// Barrier: a window of BarrierSlots per transport; see nccl_device_ops.h. Bounded by timeout().
+#include "transport/nccl_transport.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstring>
+#include <string>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "transport/nccl_device_ops.h"
+
+namespace epx::detail {
+
+namespace {
+
+[[noreturn]] void throw_nccl(ncclResult_t r, const char* call, const char* where) {
+  const char* last = ncclGetLastError(nullptr);
+  throw_error(ErrorCode::kNccl, cat(where, ": ", call, " failed: ", ncclGetErrorString(r),
+                                    (last && last[0]) ? cat(" (", last, ")") : std::string()));
+}
+
+#define EPX_NCCL_CHECK(call, where)                                             \
+  do {                                                                          \
+    ncclResult_t epx_r_ = (call);                                               \
+    if (epx_r_ != ncclSuccess) ::epx::detail::throw_nccl(epx_r_, #call, where); \
+  } while (0)
+
+constexpr size_t kWindowGranularity = size_t(2) << 20;
+
+// The communicator and its device communicator; shared by the transport and every window so the
+// comm outlives the last window.
+struct NcclComm {
+  ncclComm_t comm = nullptr;
+  bool owned = false;
+  int device = 0;
+  ncclDevComm dev_comm{};
+  bool dev_comm_created = false;
+  bool failed = false;  // a barrier timed out or abort() was called: abort instead of finalize
+
+  ~NcclComm() {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (dev_comm_created && !failed) ncclDevCommDestroy(comm, &dev_comm);
+    if (owned && comm) {
+      if (failed) {
+        ncclCommAbort(comm);
+      } else {
+        ncclCommFinalize(comm);
+        ncclCommDestroy(comm);
+      }
+    }
+    cudaSetDevice(previous);
+  }
+};
+
+class NcclSymmetricMemory final : public SymmetricMemory {
+ public:
+  NcclSymmetricMemory(std::shared_ptr<NcclComm> comm, size_t bytes, int rank, int size,
+                      cudaStream_t stream)
+      : comm_(std::move(comm)) {
+    DeviceGuard guard(comm_->device);
+    const size_t alloc = (std::max<size_t>(bytes, 1) + kWindowGranularity - 1) /
+                         kWindowGranularity * kWindowGranularity;
+    EPX_NCCL_CHECK(ncclMemAlloc(&base_, alloc), "symmetric allocation");
+    EPX_CUDA_CHECK(cudaMemsetAsync(base_, 0, alloc, stream), "symmetric allocation");
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "symmetric allocation");
+    EPX_NCCL_CHECK(ncclCommWindowRegister(comm_->comm, base_, alloc, &window_, NCCL_WIN_DEFAULT),
+                   "symmetric allocation");
+    std::vector<void*> lsa;
+    nccl_lsa_pointers(window_, size, stream, lsa);
+    ptrs_.assign(size, nullptr);
+    for (int p = 0; p < size; ++p) {
+      EPX_CHECK(lsa[p] != nullptr, ErrorCode::kInternal,
+                "symmetric allocation: LSA pointer of rank ", p, " is null");
+      ptrs_[p] = p == rank ? base_ : lsa[p];
+    }
+    bytes_ = bytes;
+    rank_ = rank;
+  }
+
+  ~NcclSymmetricMemory() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(comm_->device);
+    if (window_ && !comm_->failed) ncclCommWindowDeregister(comm_->comm, window_);
+    if (base_ && !comm_->failed) ncclMemFree(base_);
+    cudaSetDevice(previous);
+  }
+
+ private:
+  std::shared_ptr<NcclComm> comm_;
+  void* base_ = nullptr;
+  ncclWindow_t window_ = nullptr;
+};
+
+class NcclTransport final : public Transport {
+ public:
+  NcclTransport(std::shared_ptr<NcclComm> comm, std::chrono::milliseconds timeout)
+      : comm_(std::move(comm)), timeout_(timeout) {
+    DeviceGuard guard(comm_->device);
+    EPX_NCCL_CHECK(ncclCommUserRank(comm_->comm, &rank_), "Group::cuda");
+    EPX_NCCL_CHECK(ncclCommCount(comm_->comm, &size_), "Group::cuda");
+    EPX_CHECK(size_ <= kMaxRanks, ErrorCode::kUnsupported, "Group::cuda: ", size_,
+              " ranks, expected at most ", kMaxRanks);
+    int runtime = 0;
+    EPX_NCCL_CHECK(ncclGetVersion(&runtime), "Group::cuda");
+    EPX_CHECK(runtime == NCCL_VERSION_CODE, ErrorCode::kUnsupported,
+              "Group::cuda: the loaded libnccl is version ", runtime, " but epx was built against ",
+              "NCCL headers ", NCCL_VERSION_CODE,
+              "; NCCL 2.28's device structs are unversioned, rebuild epx against the loaded NCCL "
+              "(EPX_NCCL_ROOT)");
+    const ncclTeam_t lsa = ncclTeamLsa(comm_->comm);
+    EPX_CHECK(lsa.nRanks == size_ && lsa.rank == rank_, ErrorCode::kUnsupported,
+              "Group::cuda: the ", size_,
+              " ranks do not form one NVLink (LSA) domain (LSA team has ", lsa.nRanks,
+              " ranks); the cuda backend needs every rank on one node with CUDA P2P");
+    // Device communicator first: fails loudly where symmetric memory is unsupported.
+    ncclDevCommRequirements reqs;
+    std::memset(&reqs, 0, sizeof(reqs));
+    reqs.lsaBarrierCount = 1;
+    ncclResult_t r = ncclDevCommCreate(comm_->comm, &reqs, &comm_->dev_comm);
+    if (r != ncclSuccess) {
+      const char* last = ncclGetLastError(nullptr);
+      throw_error(ErrorCode::kUnsupported,
+                  cat("Group::cuda: NCCL symmetric memory is unavailable (ncclDevCommCreate: ",
+                      ncclGetErrorString(r), (last && last[0]) ? cat(": ", last) : std::string(),
+                      "); it needs CUDA P2P between all GPUs, CUDA VMM, NCCL_CUMEM_ENABLE != 0 and "
+                      "NCCL_WIN_ENABLE != 0"));
+    }
+    comm_->dev_comm_created = true;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "Group::cuda");
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status_), sizeof(int32_t) * kMaxRanks,
+                                 cudaHostAllocMapped | cudaHostAllocPortable),
+                   "Group::cuda");
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_dev_), status_, 0),
+                   "Group::cuda");
+    slots_ =
+        std::make_shared<NcclSymmetricMemory>(comm_, sizeof(BarrierSlots), rank_, size_, stream_);
+  }
+
+  ~NcclTransport() override {
+    slots_.reset();
+    if (stream_) cudaStreamDestroy(stream_);
+    if (status_) cudaFreeHost(status_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::kCuda; }
+  Device device() const override { return Device::cuda(comm_->device); }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+  ncclComm_t comm() const { return comm_->comm; }
+
+  std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
+    check_usable("allocate");
+    auto mem = std::make_shared<NcclSymmetricMemory>(comm_, bytes, rank_, size_, stream_);
+    barrier("symmetric allocation");
+    return mem;
+  }
+
+  void barrier(const char* what) override {
+    check_usable(what);
+    DeviceGuard guard(comm_->device);
+    DeviceBarrierArgs args = barrier_args();
+    args.epoch = ++epoch_;
+    launch_device_barrier(args, stream_);
+    // Bounded: the kernel gives up after timeout_ns.
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_), what);
+    std::string missing, aborted;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const int32_t s = reinterpret_cast<volatile int32_t*>(status_)[p];
+      if (s == 1) missing += cat(missing.empty() ? "" : ", ", p);
+      if (s == 2) aborted += cat(aborted.empty() ? "" : ", ", p);
+    }
+    if (!aborted.empty()) {
+      comm_->failed = true;
+      throw_error(ErrorCode::kInternal,
+                  cat(what, ": rank ", rank_, ": peer rank(s) [", aborted, "] aborted the group"));
+    }
+    if (!missing.empty()) {
+      comm_->failed = true;
+      throw_error(ErrorCode::kTimeout,
+                  cat(what, ": rank ", rank_, " waited ", timeout_.count(),
+                      " ms at a barrier for rank(s) [", missing, "] that did not arrive"));
+    }
+  }
+
+  void abort(const std::string& why) override {
+    if (comm_->failed) return;
+    abort_reason_ = why;
+    DeviceGuard guard(comm_->device);
+    DeviceBarrierArgs args = barrier_args();
+    args.abort = true;
+    launch_device_barrier(args, stream_);
+    cudaStreamSynchronize(stream_);
+    comm_->failed = true;
+  }
+
+ private:
+  void check_usable(const char* what) const {
+    EPX_CHECK(!comm_->failed, ErrorCode::kInternal, what, ": the cuda group is unusable after an ",
+              "earlier timeout or abort",
+              abort_reason_.empty() ? "" : cat(" (", abort_reason_, ")"));
+  }
+
+  DeviceBarrierArgs barrier_args() const {
+    DeviceBarrierArgs args;
+    args.local = static_cast<BarrierSlots*>(slots_->local());
+    for (int p = 0; p < size_; ++p) args.peers[p] = static_cast<BarrierSlots*>(slots_->peer(p));
+    args.rank = rank_;
+    args.size = size_;
+    args.timeout_ns = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
+    args.status = status_dev_;
+    return args;
+  }
+
+  std::shared_ptr<NcclComm> comm_;
+  std::chrono::milliseconds timeout_;
+  int rank_ = 0;
+  int size_ = 1;
+  cudaStream_t stream_ = nullptr;
+  int32_t* status_ = nullptr;      // mapped pinned host memory
+  int32_t* status_dev_ = nullptr;  // its device address
+  std::shared_ptr<SymmetricMemory> slots_;
+  uint32_t epoch_ = 0;
+  std::string abort_reason_;
+};
+
+std::shared_ptr<NcclComm> bind_comm(ncclComm_t comm, bool owned, int device) {
+  auto c = std::make_shared<NcclComm>();
+  c->comm = comm;
+  c->owned = owned;
+  c->device = device;
+  return c;
+}
+
+}  // namespace
+
+UniqueId nccl_new_unique_id() {
+  ncclUniqueId id;
+  EPX_NCCL_CHECK(ncclGetUniqueId(&id), "new_unique_id");
+  static_assert(sizeof(id.internal) == sizeof(UniqueId::bytes), "ncclUniqueId is 128 bytes");
+  UniqueId out;
+  std::memcpy(out.bytes.data(), id.internal, sizeof(id.internal));
+  return out;
+}
+
+std::shared_ptr<Transport> make_nccl_transport(int rank, int size, const UniqueId& id,
+                                               int cuda_device, std::chrono::milliseconds timeout) {
+  EPX_CHECK_ARG(size >= 1 && size <= kMaxRanks, "Group::cuda: argument 'size' is ", size,
+                ", expected 1..", kMaxRanks);
+  EPX_CHECK_ARG(rank >= 0 && rank < size, "Group::cuda: argument 'rank' is ", rank,
+                ", expected 0..", size - 1);
+  int num_devices = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&num_devices), "Group::cuda");
+  EPX_CHECK_ARG(cuda_device >= 0 && cuda_device < num_devices, "Group::cuda: argument ",
+                "'cuda_device' is ", cuda_device, ", expected 0..", num_devices - 1, " (",
+                num_devices, " GPUs visible)");
+  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), "Group::cuda");  // binds this thread's device
+  ncclUniqueId nid;
+  std::memcpy(nid.internal, id.bytes.data(), sizeof(nid.internal));
+  ncclComm_t comm = nullptr;
+  EPX_NCCL_CHECK(ncclCommInitRank(&comm, size, nid, rank), "Group::cuda");
+  return std::make_shared<NcclTransport>(bind_comm(comm, true, cuda_device), timeout);
+}
+
+std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cuda_device,
+                                                         std::chrono::milliseconds timeout) {
+  auto comm = static_cast<ncclComm_t>(nccl_comm);
+  int comm_device = -1;
+  EPX_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device), "Group::cuda_from_comm");
+  EPX_CHECK_ARG(comm_device == cuda_device, "Group::cuda_from_comm: argument 'cuda_device' is ",
+                cuda_device, " but the communicator is bound to cuda:", comm_device);
+  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), "Group::cuda_from_comm");
+  return std::make_shared<NcclTransport>(bind_comm(comm, false, cuda_device), timeout);
+}
+
+void* nccl_comm_of(const Transport& transport) {
+  auto* t = dynamic_cast<const NcclTransport*>(&transport);
+  return t ? static_cast<void*>(t->comm()) : nullptr;
+}
+
+}  // namespace epx::detail

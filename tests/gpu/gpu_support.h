@@ -1,0 +1,53 @@
+// tests/gpu/gpu_support.h — what the GPU tier needs around GoogleTest: counting GPUs without
+// initialising CUDA in the test process (CUDA does not survive fork, and every cuda test forks
+// its ranks), running a body on R forked ranks of a cuda group, and host <-> device copies.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "epx/group.h"
+#include "epx/tensor.h"
+
+namespace epx::gpu_testing {
+
+// GPUs visible to CUDA, counted in a throw-away child process (0 when CUDA fails there).
+int visible_gpus();
+
+// Skips the current test, with the reason, unless `n` GPUs are visible.
+#define EPX_REQUIRE_GPUS(n)                                                                 \
+  do {                                                                                      \
+    const int epx_have_ = ::epx::gpu_testing::visible_gpus();                               \
+    if (epx_have_ < (n))                                                                    \
+      GTEST_SKIP() << "needs " << (n) << " GPU(s), " << epx_have_ << " visible (GPU tier)"; \
+  } while (0)
+
+// Forks R ranks; rank r binds GPU r and joins a cuda group (unique id through a temp file made
+// by rank 0). Returns 0 when every rank's body returned 0.
+int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
+                   GroupOptions options = {});
+
+// Device copies (synchronous; the caller owns nothing but the returned Tensor).
+Tensor to_device(const void* host, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
+                 int device);
+template <typename T>
+Tensor to_device(const std::vector<T>& host, DType dtype, const std::vector<int64_t>& shape,
+                 int device) {
+  return to_device(host.data(), host.size() * sizeof(T), dtype, shape, device);
+}
+// The whole tensor (contiguous) as bytes, after synchronising the device.
+std::vector<uint8_t> to_host_bytes(const TensorView& t);
+template <typename T>
+std::vector<T> to_host(const TensorView& t) {
+  std::vector<uint8_t> b = to_host_bytes(t);
+  std::vector<T> out(b.size() / sizeof(T));
+  if (!b.empty()) std::memcpy(out.data(), b.data(), out.size() * sizeof(T));
+  return out;
+}
+
+}  // namespace epx::gpu_testing

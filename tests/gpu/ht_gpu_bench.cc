@@ -1,0 +1,209 @@
+// tests/gpu/ht_gpu_bench.cc — a standalone cuda ht benchmark (until epx-bench drives the cuda
+// backend): the SPEC 6 standard ht workload, epx's dispatch/combine times next to NCCL's
+// all-to-all of the same bytes and the NVLink copy ceiling of the same bytes, same run, same SMs.
+//
+//   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
+//                    [--sms 8,16,24,32] [--send-pct 50] [--warmup 5] [--iters 30]
+// Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
+// prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/baselines.h"
+#include "cuda/tuning.h"
+#include "epx/buffer.h"
+#include "gpu/gpu_support.h"
+#include "support/routing.h"
+
+namespace {
+
+using namespace epx;
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  std::string str(s);
+  size_t p = 0;
+  while (p < str.size()) {
+    size_t q = str.find(',', p);
+    if (q == std::string::npos) q = str.size();
+    v.push_back(std::atoi(str.substr(p, q - p).c_str()));
+    p = q + 1;
+  }
+  return v;
+}
+
+struct Options {
+  int ranks = 0;
+  int64_t tokens = 4096, hidden = 7168;
+  int topk = 8, experts = 256;
+  std::vector<int> sms = {16};
+  std::vector<int> send_pct = {50};
+  int warmup = 5, iters = 30;
+};
+
+int run_rank(const Group& g, const Options& o) {
+  const int R = g.size(), r = g.rank(), dev = r;
+  const int64_t T = o.tokens, H = o.hidden;
+  const int K = o.topk;
+  std::mt19937_64 rng(1234 + r);
+  auto topk = epx::testing::make_topk_idx(epx::testing::Routing::kUniform, T, K, o.experts, R, rng);
+  auto weights = epx::testing::make_topk_weights(topk, rng);
+  auto xb = epx::testing::make_bf16(T, H, rng);
+  auto x8 = epx::testing::make_bytes(static_cast<size_t>(T * H), rng);
+  std::vector<float> sc(static_cast<size_t>(T * (H / 128)));
+  for (auto& v : sc) v = std::uniform_real_distribution<float>(0.001f, 1.0f)(rng);
+  Tensor d_topk = gpu_testing::to_device(topk, DType::kI64, {T, K}, dev);
+  Tensor d_w = gpu_testing::to_device(weights, DType::kF32, {T, K}, dev);
+  Tensor d_xb = gpu_testing::to_device(xb, DType::kBF16, {T, H}, dev);
+  Tensor d_x8 = gpu_testing::to_device(x8, DType::kF8E4M3, {T, H}, dev);
+  Tensor d_sc = gpu_testing::to_device(sc, DType::kF32, {T, H / 128}, dev);
+  MoeShape shape;
+  shape.hidden = H;
+  shape.top_k = K;
+  shape.num_experts = o.experts;
+  shape.max_tokens_per_rank = T;
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (r == 0)
+    std::printf("ht T=%lld H=%lld K=%d E=%d R=%d uniform routing; buffer %.1f MB/rank\n",
+                static_cast<long long>(T), static_cast<long long>(H), K, o.experts, R,
+                Buffer::bytes_needed(Mode::kHt, shape, R, Backend::kCuda) / 1e6);
+  for (int sms : o.sms) {
+    for (int pct : o.send_pct) {
+      detail::set_ht_tuning_override(sms, pct, pct);
+      Buffer buf(g, shape);
+      HtDispatchArgs a;
+      a.x = d_xb;
+      a.topk_idx = d_topk;
+      a.topk_weights = d_w;
+      a.stream = stream;
+      HtDispatchResult res = buf.ht_dispatch(a);
+      HtDispatchArgs a8 = a;
+      a8.x = d_x8;
+      a8.x_scales = d_sc;
+      HtDispatchResult res8 = buf.ht_dispatch(a8);
+      // Rows this rank sends to each remote peer (largest), for the baselines' byte counts.
+      std::vector<int32_t> rpm = gpu_testing::to_host<int32_t>(res.handle.rank_prefix_matrix);
+      int64_t remote_rows = 0, self_rows = 0;
+      for (int d = 0; d < R; ++d) {
+        const int64_t c = rpm[r * R + d] - (r > 0 ? rpm[(r - 1) * R + d] : 0);
+        if (d == r)
+          self_rows = c;
+        else
+          remote_rows = std::max(remote_rows, c);
+      }
+      const size_t bf16_bytes = static_cast<size_t>(remote_rows * H * 2);
+      const size_t fp8_bytes = static_cast<size_t>(remote_rows * (H + 4 * (H / 128)));
+
+      HtDispatchArgs cached = a;
+      cached.handle = &res.handle;
+      cached.topk_idx = TensorView();
+      cached.topk_weights = TensorView();
+      HtDispatchArgs cached8 = a8;
+      cached8.handle = &res8.handle;
+      cached8.topk_idx = TensorView();
+      cached8.topk_weights = TensorView();
+      HtDispatchArgs worst = a;
+      worst.num_worst_tokens = T * R;
+      HtCombineArgs ca;
+      ca.y = res.recv_x;
+      ca.handle = &res.handle;
+      ca.stream = stream;
+
+      auto t_disp =
+          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(cached); });
+      auto t_disp8 =
+          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(cached8); });
+      auto t_exact =
+          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(a); });
+      auto t_worst =
+          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(worst); });
+      auto t_comb =
+          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_combine(ca); });
+      buf.check();
+      auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
+      auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);
+      auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
+      auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
+      if (r == 0) {
+        std::printf(
+            "\nSMs %d (senders %d%%): remote rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows "
+            "%lld\n",
+            sms, pct, static_cast<long long>(remote_rows), bf16_bytes / 1e6, fp8_bytes / 1e6,
+            static_cast<long long>(self_rows));
+        std::printf("  %-26s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
+                    "ceil us", "epx/nccl", "ceil/epx");
+        auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,
+                       const bench::Timing& c) {
+          std::printf("  %-26s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
+                      e.min_us, n.median_us, c.median_us, e.median_us / n.median_us,
+                      c.median_us / e.median_us);
+        };
+        row("dispatch bf16 (cached)", t_disp, n_bf16, c_bf16);
+        row("dispatch fp8 (cached)", t_disp8, n_fp8, c_fp8);
+        row("dispatch bf16 (exact)", t_exact, n_bf16, c_bf16);
+        row("dispatch bf16 (worst-case)", t_worst, n_bf16, c_bf16);
+        row("combine bf16", t_comb, n_bf16, c_bf16);
+        std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
+                    bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
+        std::fflush(stdout);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "missing value for %s\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--ranks")
+      o.ranks = std::atoi(next());
+    else if (a == "--tokens")
+      o.tokens = std::atoll(next());
+    else if (a == "--hidden")
+      o.hidden = std::atoll(next());
+    else if (a == "--topk")
+      o.topk = std::atoi(next());
+    else if (a == "--experts")
+      o.experts = std::atoi(next());
+    else if (a == "--sms")
+      o.sms = parse_list(next());
+    else if (a == "--send-pct")
+      o.send_pct = parse_list(next());
+    else if (a == "--warmup")
+      o.warmup = std::atoi(next());
+    else if (a == "--iters")
+      o.iters = std::atoi(next());
+    else {
+      std::fprintf(stderr,
+                   "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
+                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N]\n",
+                   argv[0]);
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  const int gpus = gpu_testing::visible_gpus();
+  if (gpus == 0) {
+    std::printf("epx_ht_gpu_bench: no GPU visible, nothing to measure\n");
+    return 0;
+  }
+  const int R = o.ranks > 0 ? o.ranks : gpus;
+  return gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return run_rank(g, o); });
+}
