@@ -101,12 +101,7 @@ void run_ht(Ctx& ctx, int64_t T) {
   const int L = o.num_experts / R;
   const int64_t H = o.hidden, G = H / 128;
   const std::string tag = "ht T=" + std::to_string(T);
-  progress(ctx, tag + ": building inputs");
-
-  std::vector<RankData> data(R);
-  for (int r = 0; r < R; ++r) data[r] = make_rank_data(o, r, R, T, kSaltHt, o.check || r == rank);
-  const HtBytes rows = ht_rows(data, R, L, K);
-
+  // The buffer first: a backend without ht says so (Unsupported) before inputs are built.
   MoeShape shape;
   shape.hidden = H;
   shape.top_k = K;
@@ -114,6 +109,12 @@ void run_ht(Ctx& ctx, int64_t T) {
   shape.max_tokens_per_rank = std::max<int64_t>(T, 1);
   Buffer buffer(ctx.group, shape);
   const int64_t sym_bytes = static_cast<int64_t>(buffer.bytes_allocated());
+
+  progress(ctx, tag + ": building inputs");
+
+  std::vector<RankData> data(R);
+  for (int r = 0; r < R; ++r) data[r] = make_rank_data(o, r, R, T, kSaltHt, o.check || r == rank);
+  const HtBytes rows = ht_rows(data, R, L, K);
 
   Tensor topk = upload(data[rank].topk_idx, DType::kI64, {T, K}, ctx.device);
   Tensor weights = upload(data[rank].topk_weights, DType::kF32, {T, K}, ctx.device);

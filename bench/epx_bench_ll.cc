@@ -99,11 +99,6 @@ void run_ll(Ctx& ctx, int64_t T) {
   const std::string tag = "ll T=" + std::to_string(T);
   progress(ctx, tag + ": building inputs");
 
-  // Every rank's routing (for counts and bytes); data for this rank, or all ranks with --check.
-  std::vector<RankData> data(R);
-  for (int r = 0; r < R; ++r) data[r] = make_rank_data(o, r, R, T, kSaltLl, o.check || r == rank);
-  const auto counts = ll_counts(data, R, L, K);
-
   MoeShape shape;
   shape.hidden = H;
   shape.top_k = K;
@@ -114,6 +109,12 @@ void run_ll(Ctx& ctx, int64_t T) {
   config.enable_ll = true;
   Buffer buffer(ctx.group, shape, config);
   const int64_t sym_bytes = static_cast<int64_t>(buffer.bytes_allocated());
+
+  progress(ctx, tag + ": building inputs");
+  // Every rank's routing (for counts and bytes); data for this rank, or all ranks with --check.
+  std::vector<RankData> data(R);
+  for (int r = 0; r < R; ++r) data[r] = make_rank_data(o, r, R, T, kSaltLl, o.check || r == rank);
+  const auto counts = ll_counts(data, R, L, K);
 
   Tensor x = upload(data[rank].x, DType::kBF16, {T, H}, ctx.device);
   Tensor topk = upload(data[rank].topk_idx, DType::kI64, {T, K}, ctx.device);
