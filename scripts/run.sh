@@ -42,7 +42,7 @@ if have_gpus; then
   # not implement yet is reported by epx-bench as SKIPPED with the backend's reason.
   for mode in ht ll a2a; do
     extra=()
-    [ "$mode" = a2a ] && extra=(--tokens 1,128,4096)   # SPEC 6: a2a at T = 1, 128, 4096
+    [ "$mode" = a2a ] && extra=(--tokens "1,128,4096")   # SPEC 6: a2a at T = 1, 128, 4096
     # shellcheck disable=SC2086
     "$BENCH" "$mode" --backend cuda --check --json "$RESULTS/bench-cuda-$mode.json" \
       "${extra[@]}" ${EPX_BENCH_ARGS:-} || { echo "== epx-bench $mode: FAILED =="; status=1; }
