@@ -84,6 +84,12 @@ std::vector<PayloadSet> payload_sets() {
           {"nvfp4", {{DType::kU8, {kHidden / 2}}, {DType::kU8, {kHidden / 16}}, ids, weights}}};
 }
 
+int ids_index(const PayloadSet& set) {
+  for (size_t i = 0; i < set.specs.size(); ++i)
+    if (set.specs[i].fill == et::A2aPayloadSpec::Fill::kExpertIds) return static_cast<int>(i);
+  return -1;
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -200,7 +206,7 @@ int check_once(A2a& a2a, const Group& g, const PayloadSet& set, cudaStream_t s) 
   p.top_k = kTopK;
   p.num_experts = kExperts;
   p.payloads = set.specs;
-  p.expert_id_payload_index = 2;
+  p.expert_id_payload_index = ids_index(set);
   p.invalid_expert_id = kExperts;
   p.hidden = kHidden;
   p.max_tokens_per_rank = 4096;
@@ -220,7 +226,7 @@ int check_once(A2a& a2a, const Group& g, const PayloadSet& set, cudaStream_t s) 
   }
   args.runtime_max_tokens_per_rank = 128;
   args.invalid_expert_id = p.invalid_expert_id;
-  args.expert_id_payload_index = 2;
+  args.expert_id_payload_index = ids_index(set);
   args.stream = s;
   A2aDispatchResult res = a2a.dispatch(args);
   CK(cudaStreamSynchronize(s));
@@ -271,7 +277,7 @@ Row run_workload(A2a& a2a, const Group& g, const PayloadSet& set, int64_t T, cud
     dims.insert(dims.end(), set.specs[i].row_shape.begin(), set.specs[i].row_shape.end());
     const size_t n = static_cast<size_t>(T) * set.specs[i].row_bytes();
     std::vector<uint8_t> b;
-    if (i == 2) {  // expert ids: the routing itself
+    if (static_cast<int>(i) == ids_index(set)) {  // expert ids: the routing itself
       b.assign(reinterpret_cast<uint8_t*>(idx.data()), reinterpret_cast<uint8_t*>(idx.data()) + n);
     } else if (set.specs[i].dtype == DType::kBF16) {
       b = fast_bf16(n / 2, 11 + i + r);
@@ -289,7 +295,7 @@ Row run_workload(A2a& a2a, const Group& g, const PayloadSet& set, int64_t T, cud
   }
   args.runtime_max_tokens_per_rank = T;
   args.invalid_expert_id = kExperts;
-  args.expert_id_payload_index = 2;
+  args.expert_id_payload_index = ids_index(set);
   args.stream = s;
 
   // Bytes over NVLink from this rank: tokens going to a peer, once per peer.

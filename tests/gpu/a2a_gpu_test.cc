@@ -677,7 +677,7 @@ TEST(A2aGpuErrors, RuntimeMaxDifferingAcrossRanks) {
       }
     }
     const int64_t M = args.runtime_max_tokens_per_rank;
-    TensorView ws = a2a.combine_payload_view(M, p.hidden, DType::kF32);
+    TensorView ws = a2a.combine_payload_view(M, p.hidden, p.combine_dtype);
     a2a.combine(ws, M, true, stream, poison_allocator());
     CUDA_OK(cudaStreamSynchronize(stream));
     a2a.check();
