@@ -71,7 +71,7 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
     const int p = percent > 0 ? percent : 50;
     return std::clamp((t.num_sms * p + 50) / 100, 1, t.num_sms - 1);
   };
-  t.dispatch_send_ctas = num_ranks == 1 ? t.num_sms : split(g_dispatch_send_percent.load());
+  t.dispatch_send_ctas = num_ranks == 1 ? 0 : split(g_dispatch_send_percent.load());
   t.combine_send_ctas = num_ranks == 1 ? 0 : split(g_combine_send_percent.load());
   return t;
 }

@@ -12,7 +12,7 @@ struct HtTuning {
 };
 
 // Auto: 16 SMs (enough to saturate NVLink at EP2 with the copy-out alongside), clamped to the
-// device; senders take half of the CTAs (all of them for dispatch when R = 1, none for combine).
+// device; senders take half of the CTAs (none when R = 1: nothing leaves the rank).
 HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 
 // Benchmark hook (never set by the library itself): values > 0 replace the SM count and the

@@ -486,7 +486,14 @@ TEST_P(A2aGpu, GraphReplayOnNewInputs) {
                                          {R, M, H}, device);
     Tensor out_buf = default_allocator()(DType::kBF16, {T, H}, Device::cuda(device));
     const Allocator fixed = [&](DType, const std::vector<int64_t>&, Device) { return out_buf; };
+    // Snapshots of the views, allocated before capture (no cudaMalloc while capturing).
     std::vector<Tensor> snap;
+    for (const A2aPayloadSpec& spec : config.payloads) {
+      std::vector<int64_t> dims = {R, M};
+      dims.insert(dims.end(), spec.row_shape.begin(), spec.row_shape.end());
+      snap.push_back(default_allocator()(spec.dtype, dims, Device::cuda(device)));
+    }
+    snap.push_back(default_allocator()(DType::kI32, {R}, Device::cuda(device)));
     int bad = 0;
     for (int mode = 0; mode < 2; ++mode) {
       const bool in_ws = mode == 0;
@@ -494,11 +501,6 @@ TEST_P(A2aGpu, GraphReplayOnNewInputs) {
       cudaGraph_t graph = nullptr;
       CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       A2aDispatchResult res = a2a.dispatch(dispatch_args(problems[0], in, stream));
-      if (snap.empty()) {
-        for (const TensorView& v : res.recv)
-          snap.push_back(default_allocator()(v.dtype, dims_of(v), Device::cuda(device)));
-        snap.push_back(default_allocator()(DType::kI32, {R}, Device::cuda(device)));
-      }
       for (size_t i = 0; i < res.recv.size(); ++i)
         CUDA_OK(cudaMemcpyAsync(snap[i].data, res.recv[i].data, res.recv[i].nbytes(),
                                 cudaMemcpyDeviceToDevice, stream));
@@ -675,7 +677,7 @@ TEST(A2aGpuErrors, RuntimeMaxDifferingAcrossRanks) {
       }
     }
     const int64_t M = args.runtime_max_tokens_per_rank;
-    TensorView ws = a2a.combine_payload_view(M, p.hidden, DType::kF32);
+    TensorView ws = a2a.combine_payload_view(M, p.hidden, p.combine_dtype);
     a2a.combine(ws, M, true, stream, poison_allocator());
     CUDA_OK(cudaStreamSynchronize(stream));
     a2a.check();
@@ -767,15 +769,20 @@ TEST(A2aGpuErrors, MissingPeerIsTimeout) {
   EXPECT_EQ(rc, 0);
 }
 
-// Workspace size: what A2a::workspace_bytes promises is what a rank allocates, and it stays
-// within FlashInfer's formula R * max * (D + C) plus a small auxiliary part (SPEC 6).
-TEST(A2aGpuWorkspace, BytesMatchAndStayNearFlashInferFormula) {
+// Workspace size: within FlashInfer's formula R * max * (D + C) plus a small auxiliary part
+// (SPEC 6). Host arithmetic only; no GPU needed.
+A2aShape engine_shape() {
   A2aShape s;
   s.max_tokens_per_rank = 4096;
   s.top_k = 8;
   s.num_experts = 256;
   s.payload_bytes_per_token = {7168 * 2, 32, 32};
   s.combine_bytes_per_token = 7168 * 2;
+  return s;
+}
+
+TEST(A2aGpuWorkspace, BytesStayNearFlashInferFormula) {
+  const A2aShape s = engine_shape();
   for (int R : {1, 2, 8}) {
     const size_t bytes = A2a::workspace_bytes(s, R, Backend::kCuda);
     const size_t D = 7168 * 2 + 64, C = 7168 * 2;
@@ -783,7 +790,12 @@ TEST(A2aGpuWorkspace, BytesMatchAndStayNearFlashInferFormula) {
     EXPECT_GE(bytes, formula) << "R=" << R;
     EXPECT_LE(bytes, formula + 4096 * (8 + 4 * static_cast<size_t>(R)) + (64 << 10)) << "R=" << R;
   }
+}
+
+// What A2a::workspace_bytes promises is what a rank allocates.
+TEST(A2aGpuWorkspace, BytesAllocatedMatchWorkspaceBytes) {
   EPX_REQUIRE_GPUS(1);
+  const A2aShape s = engine_shape();
   const int rc = run_cuda_ranks(1, [&](const Group& g) {
     A2a a2a(g, s);
     return a2a.bytes_allocated() == A2a::workspace_bytes(s, 1, Backend::kCuda) ? 0 : 1;

@@ -47,6 +47,33 @@ struct Options {
   int warmup = 5, iters = 30;
 };
 
+// Hands back the same device storage for the i-th allocation of every call (reset() between
+// calls), so timed calls neither cudaMalloc nor cudaFree (which would synchronise the device).
+struct ReuseAllocator {
+  std::vector<Tensor> slots;
+  size_t next = 0;
+  void reset() { next = 0; }
+  Allocator get() {
+    return [this](DType dtype, const std::vector<int64_t>& shape, Device device) {
+      Tensor t;
+      static_cast<TensorView&>(t) = TensorView::contiguous(nullptr, dtype, shape, device);
+      if (next >= slots.size() || slots[next].nbytes() < t.nbytes()) {
+        Tensor fresh =
+            default_allocator()(DType::kU8, {static_cast<int64_t>(t.nbytes()) + 16}, device);
+        if (next >= slots.size()) {
+          slots.push_back(fresh);
+        } else {
+          slots[next] = fresh;
+        }
+      }
+      t.storage = slots[next].storage;
+      t.data = slots[next].data;
+      ++next;
+      return t;
+    };
+  }
+};
+
 int run_rank(const Group& g, const Options& o) {
   const int R = g.size(), r = g.rank(), dev = r;
   const int64_t T = o.tokens, H = o.hidden;
@@ -116,16 +143,18 @@ int run_rank(const Group& g, const Options& o) {
       ca.handle = &res.handle;
       ca.stream = stream;
 
-      auto t_disp =
-          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(cached); });
-      auto t_disp8 =
-          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(cached8); });
-      auto t_exact =
-          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(a); });
-      auto t_worst =
-          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_dispatch(worst); });
-      auto t_comb =
-          bench::time_on_device(g, stream, o.warmup, o.iters, [&] { buf.ht_combine(ca); });
+      ReuseAllocator pool;
+      auto timed = [&](auto&& op) {
+        return bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
+          pool.reset();
+          op(pool.get());
+        });
+      };
+      auto t_disp = timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); });
+      auto t_disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(cached8, al); });
+      auto t_exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+      auto t_worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
+      auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
       buf.check();
       auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
       auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);

@@ -14,7 +14,8 @@
 //                                          = t goes to rank d
 //   slot      int32 [max, R]               local: slot_d(t) (row of t in d's [r] block) or -1
 //   recv_i    [R, max, cap_i] capacity     rows written by the senders; for a call it is viewed as
-//                                          [R, M, row_i] contiguous (row [s][j] at (s*M + j) * row_i)
+//                                          [R, M, row_i] contiguous (row [s][j] at (s*M + j) *
+//                                          row_i)
 //   combine   [R, max, cap_c] capacity     this rank's MoE output y, viewed as [R, M, H]
 //                                          contiguous; peers pull their rows from it
 // Bytes per rank = R * max * (sum cap_i + cap_c) + max * (8 + 4R) + ~10 KB: FlashInfer's
@@ -73,7 +74,7 @@ struct A2aHeader {
 
 // Local only (zeroed at allocation).
 struct A2aState {
-  DeviceState dev;                     // abort + error_claim (seq / finished unused)
+  DeviceState dev;                       // abort + error_claim (seq / finished unused)
   uint32_t dispatch_epoch[kMaxA2aCtas];  // CTA b of every dispatch: ++dispatch_epoch[b]
   uint32_t combine_epoch[kMaxA2aCtas];   // CTA b of every combine: ++combine_epoch[b]
 };
@@ -87,7 +88,9 @@ struct A2aSync {
   int32_t combine_geom[kMaxRanks][2];               // H, DType
 };
 
-EPX_A2A_HD size_t a2a_round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+EPX_A2A_HD size_t a2a_round_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
 
 struct A2aLayout {
   int num_ranks = 1;
@@ -141,9 +144,7 @@ struct A2aLayout {
   EPX_A2A_HD uint64_t* mask(char* base) const {
     return reinterpret_cast<uint64_t*>(base + mask_off);
   }
-  EPX_A2A_HD int32_t* slot(char* base) const {
-    return reinterpret_cast<int32_t*>(base + slot_off);
-  }
+  EPX_A2A_HD int32_t* slot(char* base) const { return reinterpret_cast<int32_t*>(base + slot_off); }
   EPX_A2A_HD char* recv(char* base, int payload) const { return base + recv_off[payload]; }
   EPX_A2A_HD char* combine(char* base) const { return base + combine_off; }
 };

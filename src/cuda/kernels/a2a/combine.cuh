@@ -33,10 +33,10 @@ namespace epx::detail {
 inline constexpr int kReduceUnroll = 4;
 
 struct A2aCombineParams {
-  const char* y;      // copy mode: the caller's y; row [s][j] at s * y_stride0 + j * y_stride1
-  int64_t y_stride0;  // bytes
-  int64_t y_stride1;  // bytes
-  char* out;          // [T, H] contiguous
+  const char* y;         // copy mode: the caller's y; row [s][j] at s * y_stride0 + j * y_stride1
+  int64_t y_stride0;     // bytes
+  int64_t y_stride1;     // bytes
+  char* out;             // [T, H] contiguous
   int64_t hidden_bytes;  // hb: bytes of a row of y, of out and of the region
   int32_t hidden;        // H (geometry check)
   int32_t dtype;         // DType of y (geometry check)
@@ -102,7 +102,8 @@ __device__ void a2a_stage_y(const A2aCombineParams& p) {
       for (int u = 0; u < kReduceUnroll; ++u) {
         row[u] = j_begin + w.row;
         vec[u] = w.vec;
-        if (w.row < num_rows) val[u] = a2a_ld_input<V>(src + row[u] * p.y_stride1 + vec[u] * sizeof(V));
+        if (w.row < num_rows)
+          val[u] = a2a_ld_input<V>(src + row[u] * p.y_stride1 + vec[u] * sizeof(V));
         w.advance();
       }
 #pragma unroll

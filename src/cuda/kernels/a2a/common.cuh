@@ -21,7 +21,7 @@ namespace epx::detail {
 // The workspace of every rank plus what the flag targets need. Part of every a2a params struct.
 struct A2aSymm {
   char* local;
-  char* peers[kMaxRanks];      // peers[rank] == local
+  char* peers[kMaxRanks];         // peers[rank] == local
   uint32_t peer_ctas[kMaxRanks];  // C_p: CTAs of rank p's kernels
   A2aLayout layout;
 };
@@ -69,7 +69,7 @@ __device__ __forceinline__ bool a2a_wait_all(const uint32_t* counter, const A2aS
 // pair i = threadIdx.x + k * blockDim.x. Advancing by blockDim.x pairs is one add and one
 // compare (the stride is split into whole rows + remainder once).
 struct RowWalker {
-  int64_t row, vec;        // current pair
+  int64_t row, vec;  // current pair
   int64_t step_rows, step_vecs;
   int64_t nv;
   __device__ __forceinline__ RowWalker(int64_t nv_, int64_t start) : nv(nv_) {

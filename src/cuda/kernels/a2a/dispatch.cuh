@@ -163,15 +163,25 @@ __device__ void a2a_push_rows(const A2aDispatchParams& p, const A2aPayloadDesc& 
   }
 }
 
-__device__ __forceinline__ void a2a_push_payload(const A2aDispatchParams& p, int i,
-                                                 int64_t t_begin, int64_t t_end) {
+__device__ __forceinline__ void a2a_push_payload(const A2aDispatchParams& p, int i, int64_t t_begin,
+                                                 int64_t t_end) {
   const A2aPayloadDesc& pl = p.payloads[i];
   switch (pl.vec_bytes) {
-    case 16: a2a_push_rows<uint4>(p, pl, i, t_begin, t_end); break;
-    case 8: a2a_push_rows<uint2>(p, pl, i, t_begin, t_end); break;
-    case 4: a2a_push_rows<uint32_t>(p, pl, i, t_begin, t_end); break;
-    case 2: a2a_push_rows<uint16_t>(p, pl, i, t_begin, t_end); break;
-    default: a2a_push_rows<uint8_t>(p, pl, i, t_begin, t_end); break;
+    case 16:
+      a2a_push_rows<uint4>(p, pl, i, t_begin, t_end);
+      break;
+    case 8:
+      a2a_push_rows<uint2>(p, pl, i, t_begin, t_end);
+      break;
+    case 4:
+      a2a_push_rows<uint32_t>(p, pl, i, t_begin, t_end);
+      break;
+    case 2:
+      a2a_push_rows<uint16_t>(p, pl, i, t_begin, t_end);
+      break;
+    default:
+      a2a_push_rows<uint8_t>(p, pl, i, t_begin, t_end);
+      break;
   }
 }
 
@@ -193,7 +203,8 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   const int64_t chunk = (T + gridDim.x - 1) / gridDim.x;
   const int64_t t_begin = min(static_cast<int64_t>(blockIdx.x) * chunk, T);
   const int64_t t_end = min(t_begin + chunk, T);
-  a2a_route(p, t_begin, t_end, s_count);
+  // A CTA without tokens routes nothing, except the last one, which counts every token.
+  if (t_begin < t_end || blockIdx.x == gridDim.x - 1) a2a_route(p, t_begin, t_end, s_count);
 
   // 3. Every peer entered this call.
   if (!a2a_wait_all(g.sync(symm.local)->entered, symm, R, me, e, false, w, kWaitReady)) return;
@@ -207,7 +218,8 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
     g.counts(peer)[me] = static_cast<int32_t>(s_count[threadIdx.x]);
     int32_t* geom = g.sync(peer)->dispatch_geom[me];
     geom[0] = p.runtime_max;
-    for (int i = 0; i < p.num_payloads; ++i) geom[1 + i] = static_cast<int32_t>(p.payloads[i].row_bytes);
+    for (int i = 0; i < p.num_payloads; ++i)
+      geom[1 + i] = static_cast<int32_t>(p.payloads[i].row_bytes);
   }
   __syncthreads();
 

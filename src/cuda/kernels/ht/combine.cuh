@@ -20,6 +20,7 @@
 namespace epx::detail {
 
 inline constexpr int kReduceUnroll = 4;  // vectors per lane per step
+inline constexpr int kReduceGroup = 4;   // row sources loaded together before their adds
 
 template <typename V>
 union Bf16Pack {
@@ -102,7 +103,7 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
 
 template <typename V>
 __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, const V** s_src,
-                               const float** s_wsrc) {
+                               const float** s_wsrc, const V** s_rsrc) {
   constexpr int kPerVec = sizeof(V) / 2;
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const HtRegion& g = p.symm.region;
@@ -110,6 +111,7 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
   int32_t* last_block = s_last_block + warp * kMaxHtRanks;
   const V** src = s_src + warp * kMaxHtRanks;
   const float** wsrc = s_wsrc + warp * kMaxHtRanks;
+  const V** rsrc = s_rsrc + warp * (kMaxHtRanks + 2);
   if (lane < kMaxHtRanks) last_block[lane] = -1;
   __syncwarp();
   // This rank as the source: rows it sent to d start after rows from ranks before it.
@@ -147,11 +149,22 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
         wsrc[slot] = reinterpret_cast<const float*>(g.meta_row(p.symm.local, from, j));
       }
     }
-    __syncwarp();
+    // Row sources in accumulation order: bias0, bias1, then y_d for d ascending (src[] above).
     const int num_src = __popc(smask);
     const int self_slot = (smask >> me) & 1u ? __popc(smask & ((1u << me) - 1u)) : -1;
-    const V* b0 = p.bias0 ? reinterpret_cast<const V*>(p.bias0 + t * p.bias0_stride) : nullptr;
-    const V* b1 = p.bias1 ? reinterpret_cast<const V*>(p.bias1 + t * p.bias1_stride) : nullptr;
+    const int nb = (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0);
+    if (lane == 0) {
+      int q = 0;
+      if (p.bias0) rsrc[q++] = reinterpret_cast<const V*>(p.bias0 + t * p.bias0_stride);
+      if (p.bias1) rsrc[q++] = reinterpret_cast<const V*>(p.bias1 + t * p.bias1_stride);
+    }
+    if (use) rsrc[nb + __popc(smask & ((1u << lane) - 1u))] = src[__popc(smask & ((1u << lane) - 1u))];
+    __syncwarp();
+    const int num_rs = nb + num_src;
+    // Bit q set: row source q landed from a peer during this kernel (read through L2).
+    uint64_t landed = 0;
+    for (int k = 0; k < num_src; ++k)
+      if (k != self_slot) landed |= 1ull << (nb + k);
     V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
     for (int64_t v0 = 0; v0 < nv; v0 += 32 * kReduceUnroll) {
       float acc[kReduceUnroll][kPerVec];
@@ -159,21 +172,29 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
       for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
         for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.0f;
-      V in[kReduceUnroll];
-      auto add_from = [&](const V* base, bool landed) {
+      // Up to kReduceGroup sources' loads in flight at once; adds stay in source order.
+      for (int g0 = 0; g0 < num_rs; g0 += kReduceGroup) {
+        V in[kReduceGroup][kReduceUnroll];
 #pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          const int64_t i = v0 + u * 32 + lane;
-          if (i < nv) in[u] = landed ? ld_landed(base + i) : ld_input(base + i);
+        for (int q = 0; q < kReduceGroup; ++q) {
+          if (g0 + q >= num_rs) break;
+          const V* base = rsrc[g0 + q];
+          const bool from_peer = (landed >> (g0 + q)) & 1u;
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            const int64_t i = v0 + u * 32 + lane;
+            if (i < nv) in[q][u] = from_peer ? ld_landed(base + i) : ld_input(base + i);
+          }
         }
 #pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (v0 + u * 32 + lane < nv) accumulate(acc[u], in[u]);
+        for (int q = 0; q < kReduceGroup; ++q) {
+          if (g0 + q >= num_rs) break;
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            if (v0 + u * 32 + lane < nv) accumulate(acc[u], in[q][u]);
+          }
         }
-      };
-      if (b0) add_from(b0, false);
-      if (b1) add_from(b1, false);
-      for (int k = 0; k < num_src; ++k) add_from(src[k], k != self_slot);
+      }
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
         const int64_t i = v0 + u * 32 + lane;
@@ -201,12 +222,13 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
   __shared__ const float* s_wsrc[kHtWarps * kMaxHtRanks];
+  __shared__ const V* s_rsrc[kHtWarps * (kMaxHtRanks + 2)];
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V>(p, s_last_block, s_src, s_wsrc);
+    combine_reduce<V>(p, s_last_block, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(p.symm, p.wait, cur, R, [&] {
     const HtRegion& g = p.symm.region;

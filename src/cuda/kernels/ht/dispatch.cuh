@@ -1,16 +1,16 @@
 // src/cuda/kernels/ht/dispatch.cuh — ht dispatch: rows to the ranks that hold their experts.
 //
-// Grid: num_send_ctas sender CTAs, then receiver CTAs (none when R = 1); 512 threads each.
-// Sender warps (rank r, warp gw of G): batches of kBatch consecutive tokens, batch i at tokens
-//   [(i*G + gw) * kBatch, ...), so all warps advance through the tokens together and the
-//   receiver's 32-row blocks fill roughly in order. Per token t, each destination d with
-//   pos = send_pos[t][d] >= 0 gets the row, loaded once and stored to every destination:
-//     d == r: recv_x[pos] (+ scales, src_idx, local topk idx / weights) directly;
-//     d != r: row j = pos - rpm[r-1][d] of d's slot for r (x, scales, meta) through the LSA
-//             pointer; after the batch: fence, then counter[d's slot for r][j / 32] += rows.
-// Receiver CTAs (rank r): items (32-row block b, source s != r), block-major; one thread waits
-//   until counter[slot s][b] == rows in that block, then the CTA copies the rows to
-//   recv_*[rpm[s-1][r] + j], which is SPEC 3.2's order (source rank, then source token).
+// Grid: num_send_ctas sender CTAs, then receiver CTAs; 512 threads each. (R = 1: receivers only.)
+// Sender warps (rank r, warp gw of G) push rows to the OTHER ranks: batches of kBatch consecutive
+//   tokens, batch i at tokens [(i*G + gw) * kBatch, ...), so all warps advance through the
+//   tokens together and the receivers' 32-row blocks fill roughly in order. Token t goes to
+//   every d != r with pos = send_pos[t][d] >= 0: row j = pos - rpm[r-1][d] of d's slot for r
+//   (x, scales, meta) through the LSA pointer; after the batch: fence, then
+//   counter[d's slot for r][j / 32] += rows.
+// Receiver CTAs (rank r): first the rows r keeps, x[t] -> recv_*[send_pos[t][r]] (no waiting;
+//   this overlaps the peers' pushes), then items (32-row block b, source s != r), block-major:
+//   one thread waits until counter[slot s][b] == rows in that block, then the CTA copies the
+//   rows to recv_*[rpm[s-1][r] + j]: SPEC 3.2's order (source rank, then source token).
 // Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
 //   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
@@ -44,8 +44,28 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   return __float_as_uint(w);
 }
 
+// Copies one row of nv vectors: kCopyUnroll independent loads per lane in flight, then the stores.
+template <typename V, bool kLanded>
+__device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int lane) {
+  for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+    V r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      if (v < nv) r[u] = kLanded ? ld_landed(src + v) : ld_input(src + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      if (v < nv) dst[v] = r[u];
+    }
+  }
+}
+
+// Sender warps push this rank's rows to the OTHER ranks only (the receiver CTAs copy the rows
+// this rank keeps): NVLink stores are the senders' whole job.
 template <typename V>
-__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, V** s_dst) {
+__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
@@ -63,78 +83,31 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, V** s_dst
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
-  V** dst = s_dst + warp * kMaxHtRanks;
   const int meta_words = 1 + 2 * p.top_k;
   for (int64_t t0 = gw * kDispatchBatch; t0 < p.num_tokens; t0 += G * kDispatchBatch) {
-    for (int i = 0; i < kDispatchBatch; ++i) {
-      const int64_t t = t0 + i;
-      if (t >= p.num_tokens) break;
-      const int32_t pos = lane < R ? p.send_pos[t * R + lane] : -1;
-      // A self row past num_rows (worst-case overflow, reported by the receiver side) is dropped.
-      const bool go = pos >= 0 && (lane != me || pos < p.num_rows);
-      const uint32_t dmask = __ballot_sync(0xffffffffu, go);
-      if (go) {
-        const int slot = __popc(dmask & ((1u << lane) - 1u));
-        dst[slot] = lane == me
-                        ? reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes)
-                        : reinterpret_cast<V*>(g.x_row(
-                              p.symm.peers[lane], HtRegion::slot_of(me, lane), pos - s_excl[lane]));
-      }
-      __syncwarp();
-      const int num_dst = __popc(dmask);
+    const int64_t t_end = min(t0 + kDispatchBatch, static_cast<int64_t>(p.num_tokens));
+    // pos of the next token is loaded while the current one is copied.
+    int32_t pos = lane < R && lane != me ? p.send_pos[t0 * R + lane] : -1;
+    for (int64_t t = t0; t < t_end; ++t) {
+      const int32_t next = (t + 1 < t_end && lane < R && lane != me) ? p.send_pos[(t + 1) * R + lane] : -1;
+      const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
-      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
-        V r[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int64_t v = v0 + u * 32 + lane;
-          if (v < nv) r[u] = ld_input(src + v);
-        }
-        for (int k = 0; k < num_dst; ++k) {
-          V* o = dst[k];
-#pragma unroll
-          for (int u = 0; u < kCopyUnroll; ++u) {
-            const int64_t v = v0 + u * 32 + lane;
-            if (v < nv) o[v] = r[u];
-          }
-        }
-      }
-      // Scales and metadata: lanes write consecutive words (coalesced, also across NVLink).
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int32_t dpos = __shfl_sync(0xffffffffu, pos, d);
-        if (d == me) {
-          for (int s = lane; s < p.num_scales; s += 32) {
-            p.recv_scales[dpos * static_cast<int64_t>(p.num_scales) + s] =
-                reinterpret_cast<const uint32_t*>(
-                    p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-          }
-          if (!p.cached) {
-            if (lane == 0) p.recv_src_idx[dpos] = static_cast<int32_t>(t);
-            for (int k = lane; k < p.top_k; k += 32) {
-              const int64_t o = dpos * static_cast<int64_t>(p.top_k) + k;
-              store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                             static_cast<int32_t>(dispatch_meta_word(p, t, d, 1 + k)));
-              if (p.recv_topk_weights)
-                p.recv_topk_weights[o] =
-                    __uint_as_float(dispatch_meta_word(p, t, d, 1 + p.top_k + k));
-            }
-          }
-        } else {
-          const int slot = HtRegion::slot_of(me, d);
-          const int64_t j = dpos - s_excl[d];
-          char* peer = p.symm.peers[d];
-          uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
-          for (int s = lane; s < p.num_scales; s += 32)
-            sc[s] = reinterpret_cast<const uint32_t*>(
-                p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-          if (!p.cached) {
-            uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
-            for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
-          }
+        const int64_t j = __shfl_sync(0xffffffffu, pos, d) - s_excl[d];
+        const int slot = HtRegion::slot_of(me, d);
+        char* peer = p.symm.peers[d];
+        copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+        // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
+        uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
+        for (int s = lane; s < p.num_scales; s += 32)
+          sc[s] = reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+        if (!p.cached) {
+          uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
+          for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
         }
       }
-      __syncwarp();
+      pos = next;
     }
     // Signal the batch: this warp's stores above, then one release per (destination, block).
     // Pairs with the receiver's wait_flag on counter[slot me][block].
@@ -143,28 +116,58 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, V** s_dst
     if (lane < R && lane != me) {
       int64_t block = -1;
       uint32_t rows = 0;
-      for (int i = 0; i < kDispatchBatch && t0 + i < p.num_tokens; ++i) {
-        const int32_t pos = p.send_pos[(t0 + i) * R + lane];
-        if (pos < 0) continue;
-        const int64_t b = (pos - s_excl[lane]) / kHtRowsPerBlock;
+      for (int64_t t = t0; t < t_end; ++t) {
+        const int32_t q = p.send_pos[t * R + lane];
+        if (q < 0) continue;
+        const int64_t b = (q - s_excl[lane]) / kHtRowsPerBlock;
         if (b != block && rows) {
-          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
-                              rows);
+          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
           rows = 0;
         }
         block = b;
         ++rows;
       }
-      if (rows)
-        red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
-                            rows);
+      if (rows) red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
     }
   }
 }
 
+// The rows this rank keeps: x[t] -> recv_x[send_pos[t][me]] (+ scales, src_idx, local ids).
+template <typename V>
+__device__ void dispatch_self(const HtDispatchParams& p) {
+  const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
+  for (int64_t t = gw; t < p.num_tokens; t += G) {
+    const int32_t pos = p.send_pos[t * R + me];
+    if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
+    copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
+                       reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
+    for (int s = lane; s < p.num_scales; s += 32) {
+      p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
+          reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+    }
+    if (!p.cached) {
+      if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
+      for (int k = lane; k < p.top_k; k += 32) {
+        const int64_t o = pos * static_cast<int64_t>(p.top_k) + k;
+        store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                       static_cast<int32_t>(dispatch_meta_word(p, t, me, 1 + k)));
+        if (p.recv_topk_weights)
+          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, me, 1 + p.top_k + k));
+      }
+    }
+  }
+}
+
+// Receiver CTAs: first the rows this rank keeps (no waiting), then the rows from the peers as
+// their 32-row blocks complete.
 template <typename V>
 __device__ void dispatch_receive(const HtDispatchParams& p) {
+  dispatch_self<V>(p);
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (R == 1) return;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
   __shared__ int32_t s_cnt[kMaxHtRanks], s_excl[kMaxHtRanks];
@@ -176,9 +179,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
   __syncthreads();
   int64_t max_blocks = 0;
   for (int s = 0; s < R; ++s) {
-    if (s != me)
-      max_blocks =
-          max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
+    if (s != me) max_blocks = max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
   }
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int num_recv = gridDim.x - p.num_send_ctas;
@@ -198,22 +199,9 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
     for (int r = warp; r < rows; r += kHtWarps) {
       const int64_t j = b * kHtRowsPerBlock + r;
       const int64_t out = s_excl[s] + j;
-      if (out >= p.num_rows) continue;  // worst-case overflow, reported below
-      const V* src = reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j));
-      V* dst = reinterpret_cast<V*>(p.recv_x + out * p.row_bytes);
-      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
-        V v[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int64_t i = v0 + u * 32 + lane;
-          if (i < nv) v[u] = ld_landed(src + i);
-        }
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int64_t i = v0 + u * 32 + lane;
-          if (i < nv) dst[i] = v[u];
-        }
-      }
+      if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
+      copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
+                        reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
       for (int q = lane; q < p.num_scales; q += 32)
         p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
@@ -222,10 +210,8 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
         if (lane == 0) p.recv_src_idx[out] = static_cast<int32_t>(ld_landed(meta));
         for (int k = lane; k < p.top_k; k += 32) {
           const int64_t o = out * p.top_k + k;
-          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                         static_cast<int32_t>(ld_landed(meta + 1 + k)));
-          if (p.recv_topk_weights)
-            p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
+          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o, static_cast<int32_t>(ld_landed(meta + 1 + k)));
+          if (p.recv_topk_weights) p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
         }
       }
     }
@@ -235,11 +221,10 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
 
 template <typename V>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
-  __shared__ V* s_dst[kHtWarps * kMaxHtRanks];
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
-    dispatch_send<V>(p, cur, s_dst);
+    dispatch_send<V>(p, cur);
   } else {
     dispatch_receive<V>(p);
   }
