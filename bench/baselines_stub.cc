@@ -12,7 +12,9 @@ static Error no_cuda(const char* what) {
 Timing time_on_device(const Group&, void*, int, int, const std::function<void()>&) {
   throw no_cuda("time_on_device");
 }
-Timing nccl_all_to_all(const Group&, size_t, int, int) { throw no_cuda("nccl_all_to_all"); }
+Timing nccl_all_to_all(const Group&, size_t, int, int) {
+  throw no_cuda("nccl_all_to_all");
+}
 Timing nvlink_copy_ceiling(const Group&, size_t, int, int, int) {
   throw no_cuda("nvlink_copy_ceiling");
 }

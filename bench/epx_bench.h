@@ -172,6 +172,8 @@ std::string compare_tensor(const char* name, const TensorView& got, const std::v
 // Copies `bytes` of host memory into a (contiguous) view, on host or device.
 void copy_into(const TensorView& dst, const void* bytes, size_t num_bytes);
 void device_synchronize(Device device);
+// Waits for the work enqueued on `stream` (nothing on cpu).
+void stream_synchronize(Device device, Stream stream);
 Stream make_stream(Device device);  // nullptr on cpu
 
 // Times `step` (iters times after warmup). cpu: barrier before each call, wall clock of this rank.

@@ -265,6 +265,16 @@ void device_synchronize(Device device) {
 #endif
 }
 
+void stream_synchronize(Device device, Stream stream) {
+  if (device.type == DeviceType::kCpu) return;
+#if defined(EPX_BENCH_CUDA)
+  cuda_ok(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+#else
+  (void)stream;
+  no_cuda("stream_synchronize");
+#endif
+}
+
 Stream make_stream(Device device) {
   if (device.type == DeviceType::kCpu) return nullptr;
 #if defined(EPX_BENCH_CUDA)
