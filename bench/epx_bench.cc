@@ -287,7 +287,7 @@ int run_rank(const Options& opt, const Group& group, RankReport& report) {
     group.transport()->abort(std::string("epx-bench rank ") + std::to_string(group.rank()) + ": " +
                              e.what());
   }
-  return report.failed ? 1 : 0;
+  return report.error[0] ? 1 : 0;  // check failures are reported per row
 }
 
 GroupOptions group_options(const Options& opt) {
@@ -297,44 +297,62 @@ GroupOptions group_options(const Options& opt) {
   return g;
 }
 
-// Runs every rank; the reports land in `reports[R]` (shared with forked children).
-void run_all(const Options& opt, RankReport* reports) {
+// Records an error that happened outside run_rank (group creation) in the rank's report.
+int rank_error(RankReport& report, int rank, const std::exception& e) {
+  std::snprintf(report.error, sizeof(report.error), "%s", e.what());
+  report.failed = 1;
+  std::fprintf(stderr, "[epx-bench rank %d] error: %s\n", rank, e.what());
+  return 1;
+}
+
+// Runs every rank; the reports land in `reports[R]` (shared with forked children). Returns 0 when
+// every rank finished without error (forked ranks: their exit status, so a crash counts too).
+int run_all(const Options& opt, RankReport* reports) {
   const int R = opt.num_ranks;
   const GroupOptions gopt = group_options(opt);
   const std::string name = "epx-bench-" + std::to_string(getpid());
   const auto limit = std::chrono::hours(2);
   if (opt.backend == Backend::kCuda) {
     const UniqueId id = new_unique_id();  // before the fork: every child gets the same id
-    launch_local(
+    return launch_local(
         R,
         [&](int r) {
-          Group g = Group::cuda(r, R, id, r, gopt);
-          return run_rank(opt, g, reports[r]);
+          try {
+            Group g = Group::cuda(r, R, id, r, gopt);
+            return run_rank(opt, g, reports[r]);
+          } catch (const std::exception& e) {
+            return rank_error(reports[r], r, e);
+          }
         },
         limit);
-  } else if (opt.procs) {
-    launch_local(
-        R,
-        [&](int r) {
-          Group g = Group::cpu_processes(r, R, name, gopt);
-          return run_rank(opt, g, reports[r]);
-        },
-        limit);
-  } else {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < R; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          Group g = Group::cpu_threads(r, R, name, gopt);
-          run_rank(opt, g, reports[r]);
-        } catch (const std::exception& e) {
-          std::snprintf(reports[r].error, sizeof(reports[r].error), "%s", e.what());
-          reports[r].failed = 1;
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
   }
+  if (opt.procs) {
+    return launch_local(
+        R,
+        [&](int r) {
+          try {
+            Group g = Group::cpu_processes(r, R, name, gopt);
+            return run_rank(opt, g, reports[r]);
+          } catch (const std::exception& e) {
+            return rank_error(reports[r], r, e);
+          }
+        },
+        limit);
+  }
+  std::vector<int> rc(R, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Group g = Group::cpu_threads(r, R, name, gopt);
+        rc[r] = run_rank(opt, g, reports[r]);
+      } catch (const std::exception& e) {
+        rc[r] = rank_error(reports[r], r, e);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return *std::max_element(rc.begin(), rc.end());
 }
 
 // ---- report -------------------------------------------------------------------------------------
@@ -516,11 +534,15 @@ int main_impl(int argc, char** argv) {
   for (const auto& m : opt.modes) std::fprintf(stderr, " %s", m.c_str());
   std::fprintf(stderr, "%s\n", opt.check ? " (with --check)" : "");
 
-  run_all(opt, reports);
+  const int ranks_status = run_all(opt, reports);
 
   const std::vector<Row> rows = merge(opt, reports);
   print_table(opt, rows);
   int status = 0;
+  if (ranks_status != 0) {
+    std::printf("ERROR: a rank exited with status %d\n", ranks_status);
+    status = 1;
+  }
   for (int r = 0; r < opt.num_ranks; ++r) {
     if (reports[r].error[0]) {
       std::printf("ERROR rank %d: %s\n", r, reports[r].error);
