@@ -9,7 +9,9 @@ epx_setup_env
 epx_install_deps
 epx_configure_and_build
 echo "== GoogleTest (ctest) =="
-(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}")
+# Timing assertions (the *Perf* tests) run alone, after everything else.
+(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf' &&
+  ctest --output-on-failure -R 'Perf')
 if [ -d tests/python ] && epx_python_ready; then
   echo "== pytest =="
   PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python

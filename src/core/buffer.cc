@@ -18,6 +18,8 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
   detail::validate_shape(shape, group.size(), "Buffer");
   EPX_CHECK_ARG(config.enable_ht || config.enable_ll,
                 "Buffer: config enables neither ht nor ll, expected at least one");
+  EPX_CHECK_ARG(!config.enable_ll || shape.hidden % 128 == 0, "Buffer: shape.hidden is ",
+                shape.hidden, ", expected a multiple of 128 when ll is enabled (fp8 groups)");
   const uint64_t id = next_buffer_id();
   impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_buffer(group, shape, config, id)
                                            : detail::make_cuda_buffer(group, shape, config, id);
