@@ -6,36 +6,19 @@
 
 namespace epx::detail {
 
-namespace {
-
-// The cp.async staging (16-byte rows only) is dynamic shared memory above 48 KB: opt in once
-// per instantiation.
-template <typename V>
-void launch(const HtCombineParams& p, int grid, cudaStream_t stream) {
-  const size_t smem = sizeof(V) == 16 ? kCombineSmemBytes : 0;
-  if (smem > 48 * 1024) {
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        ht_combine_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    EPX_CUDA_CHECK(attr, "ht kernel: shared memory opt-in");
-  }
-  ht_combine_kernel<V><<<grid, kHtThreads, smem, stream>>>(p);
-}
-
-}  // namespace
-
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
-      launch<uint4>(p, grid, stream);
+      ht_combine_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 8:
-      launch<uint2>(p, grid, stream);
+      ht_combine_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 4:
-      launch<uint32_t>(p, grid, stream);
+      ht_combine_kernel<uint32_t><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     default:
-      launch<uint16_t>(p, grid, stream);
+      ht_combine_kernel<uint16_t><<<grid, kHtThreads, 0, stream>>>(p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine: launch");

@@ -5,39 +5,22 @@
 
 namespace epx::detail {
 
-namespace {
-
-// The cp.async staging (16-byte rows only) is dynamic shared memory above 48 KB: opt in once
-// per instantiation.
-template <typename V>
-void launch(const HtDispatchParams& p, int grid, cudaStream_t stream) {
-  const size_t smem = sizeof(V) == 16 ? kCopySmemBytes : 0;
-  if (smem > 48 * 1024) {
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        ht_dispatch_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    EPX_CUDA_CHECK(attr, "ht kernel: shared memory opt-in");
-  }
-  ht_dispatch_kernel<V><<<grid, kHtThreads, smem, stream>>>(p);
-}
-
-}  // namespace
-
 void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
-      launch<uint4>(p, grid, stream);
+      ht_dispatch_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 8:
-      launch<uint2>(p, grid, stream);
+      ht_dispatch_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 4:
-      launch<uint32_t>(p, grid, stream);
+      ht_dispatch_kernel<uint32_t><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 2:
-      launch<uint16_t>(p, grid, stream);
+      ht_dispatch_kernel<uint16_t><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     default:
-      launch<uint8_t>(p, grid, stream);
+      ht_dispatch_kernel<uint8_t><<<grid, kHtThreads, 0, stream>>>(p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: launch");

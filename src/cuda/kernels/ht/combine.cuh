@@ -15,11 +15,11 @@
 #pragma once
 
 #include "core/numeric.h"
-#include "cuda/kernels/ht/row_copy.cuh"
+#include "cuda/kernels/ht/common.cuh"
 
 namespace epx::detail {
 
-inline constexpr int kReduceUnroll = 4;  // vectors per lane per step (register path)
+inline constexpr int kReduceUnroll = 4;  // vectors per lane per step
 inline constexpr int kReduceGroup = 4;   // row sources loaded together before their adds
 
 template <typename V>
@@ -37,8 +37,7 @@ __device__ __forceinline__ void accumulate(float* acc, const V& v) {
 }
 
 template <typename V>
-__device__ void combine_send(const HtCombineParams& p, uint32_t cur, uint4* stage,
-                             const V** list_src, V** list_dst) {
+__device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
@@ -69,30 +68,30 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur, uint4* stag
     if (rows <= 0) continue;
     const int slot = HtRegion::slot_of(me, s);
     char* peer = p.symm.peers[s];
-    // This warp's rows of the block: r = warp, warp + kHtWarps, ...
-    const int r = warp + lane * kHtWarps;
-    const int64_t j = b * kHtRowsPerBlock + r;
-    const int64_t y_row = s_excl[s] + j;
-    // y_row >= num_y_rows: worst-case overflow, reported at dispatch; nothing to send.
-    const bool mine = lane < kMaxListRows && r < rows && y_row < p.num_y_rows;
-    const uint32_t m = __ballot_sync(0xffffffffu, mine);
-    if (mine) {
-      const int q = __popc(m & ((1u << lane) - 1u));
-      list_src[q] = reinterpret_cast<const V*>(p.y + y_row * p.y_stride);
-      list_dst[q] = reinterpret_cast<V*>(g.x_row(peer, slot, j));
-    }
-    __syncwarp();
-    warp_copy_rows<V, false>(list_src, list_dst, __popc(m), nv, lane, stage);
-    for (int rr = warp; rr < rows; rr += kHtWarps) {
-      const int64_t jj = b * kHtRowsPerBlock + rr;
-      const int64_t yr = s_excl[s] + jj;
-      if (yr >= p.num_y_rows) continue;
+    for (int r = warp; r < rows; r += kHtWarps) {
+      const int64_t j = b * kHtRowsPerBlock + r;
+      const int64_t y_row = s_excl[s] + j;
+      if (y_row >= p.num_y_rows) continue;  // worst-case overflow: reported at dispatch
+      const V* src = reinterpret_cast<const V*>(p.y + y_row * p.y_stride);
+      V* dst = reinterpret_cast<V*>(g.x_row(peer, slot, j));
+      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+        V v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) v[u] = ld_input(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) dst[i] = v[u];
+        }
+      }
       // Weights (0 when this rank passed none, so the sum stays deterministic).
-      float* wr = reinterpret_cast<float*>(g.meta_row(peer, slot, jj));
+      float* wr = reinterpret_cast<float*>(g.meta_row(peer, slot, j));
       for (int k = lane; k < p.top_k; k += 32)
-        wr[k] = p.weights ? p.weights[yr * p.weights_stride + k] : 0.0f;
+        wr[k] = p.weights ? p.weights[y_row * p.weights_stride + k] : 0.0f;
     }
-    __syncwarp();
     __syncthreads();
     // Pairs with the reducer's wait_flag on counter[slot me][b] on rank s.
     if (threadIdx.x == 0) {
@@ -102,65 +101,9 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur, uint4* stag
   }
 }
 
-// One output row from up to kReduceGroup row sources (16-byte vectors) through a
-// kRedStages-deep cp.async pipeline: chunk k = kRedVecs vectors per lane of every source; the
-// adds run in source order (bias0, bias1, y_d ascending) on chunk k while later chunks load.
-// (All sources go through L2 (.cg): valid for peer-written rows after the acquire.)
-inline constexpr int kRedStages = 3;
-inline constexpr int kRedVecs = 2;
-inline constexpr int kRedStageVecs = kRedStages * kReduceGroup * kRedVecs * 32;  // uint4 per warp
-static_assert(kRedStageVecs >= kCopyStageVecs, "the reducer's staging also serves the copier");
-inline constexpr size_t kCombineSmemBytes = size_t(kHtWarps) * kRedStageVecs * 16;
-
-__device__ __forceinline__ void reduce_row_pipelined(const uint4* const* src, int num_src,
-                                                     uint64_t /*landed*/, uint4* out, int64_t nv,
-                                                     int lane, uint4* stage) {
-  const int chunks = static_cast<int>((nv + 32 * kRedVecs - 1) / (32 * kRedVecs));
-  auto slot = [&](int k, int q, int u) {
-    return stage + (((k % kRedStages) * kReduceGroup + q) * kRedVecs + u) * 32 + lane;
-  };
-  auto issue = [&](int k) {
-    if (k < chunks) {
-      for (int q = 0; q < num_src; ++q) {
-#pragma unroll
-        for (int u = 0; u < kRedVecs; ++u) {
-          const int64_t i = static_cast<int64_t>(k) * 32 * kRedVecs + u * 32 + lane;
-          if (i < nv) cp_async16(slot(k, q, u), src[q] + i);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int k = 0; k < kRedStages - 1; ++k) issue(k);
-  for (int k = 0; k < chunks; ++k) {
-    issue(k + kRedStages - 1);
-    cp_async_wait<kRedStages - 1>();
-    float acc[kRedVecs][8];
-#pragma unroll
-    for (int u = 0; u < kRedVecs; ++u)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-    for (int q = 0; q < num_src; ++q) {
-#pragma unroll
-      for (int u = 0; u < kRedVecs; ++u) accumulate(acc[u], *slot(k, q, u));
-    }
-#pragma unroll
-    for (int u = 0; u < kRedVecs; ++u) {
-      const int64_t i = static_cast<int64_t>(k) * 32 * kRedVecs + u * 32 + lane;
-      if (i >= nv) continue;
-      Bf16Pack<uint4> pk;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
-      out[i] = pk.v;
-    }
-  }
-  cp_async_wait<0>();
-}
-
 template <typename V>
 __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, const V** s_src,
-                               const float** s_wsrc, const V** s_rsrc, uint4* stage) {
+                               const float** s_wsrc, const V** s_rsrc) {
   constexpr int kPerVec = sizeof(V) / 2;
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const HtRegion& g = p.symm.region;
@@ -215,8 +158,7 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
       if (p.bias0) rsrc[q++] = reinterpret_cast<const V*>(p.bias0 + t * p.bias0_stride);
       if (p.bias1) rsrc[q++] = reinterpret_cast<const V*>(p.bias1 + t * p.bias1_stride);
     }
-    if (use)
-      rsrc[nb + __popc(smask & ((1u << lane) - 1u))] = src[__popc(smask & ((1u << lane) - 1u))];
+    if (use) rsrc[nb + __popc(smask & ((1u << lane) - 1u))] = src[__popc(smask & ((1u << lane) - 1u))];
     __syncwarp();
     const int num_rs = nb + num_src;
     // Bit q set: row source q landed from a peer during this kernel (read through L2).
@@ -224,14 +166,7 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
     V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
-    bool done = false;
-    if constexpr (sizeof(V) == 16) {
-      if (num_rs <= kReduceGroup) {
-        reduce_row_pipelined(rsrc, num_rs, landed, o, nv, lane, stage);
-        done = true;
-      }
-    }
-    for (int64_t v0 = 0; !done && v0 < nv; v0 += 32 * kReduceUnroll) {
+    for (int64_t v0 = 0; v0 < nv; v0 += 32 * kReduceUnroll) {
       float acc[kReduceUnroll][kPerVec];
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u)
@@ -288,16 +223,12 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
   __shared__ const float* s_wsrc[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_rsrc[kHtWarps * (kMaxHtRanks + 2)];
-  extern __shared__ uint4 s_stage[];  // kCombineSmemBytes: one cp.async pipeline per warp
   const uint32_t cur = p.wait.state->seq + 1;
-  const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5;
-  uint4* stage = s_stage + warp * kRedStageVecs;
+  const int R = p.num_ranks, me = p.rank;
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
-    combine_send<V>(
-        p, cur, stage, s_src + warp * kMaxHtRanks,
-        const_cast<V**>(reinterpret_cast<const V**>(s_rsrc + warp * (kMaxHtRanks + 2))));
+    combine_send<V>(p, cur);
   } else {
-    combine_reduce<V>(p, s_last_block, s_src, s_wsrc, s_rsrc, stage);
+    combine_reduce<V>(p, s_last_block, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(p.symm, p.wait, cur, R, [&] {
     const HtRegion& g = p.symm.region;

@@ -16,11 +16,11 @@
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
 #pragma once
 
-#include "cuda/kernels/ht/row_copy.cuh"
+#include "cuda/kernels/ht/common.cuh"
 
 namespace epx::detail {
 
-inline constexpr int kDispatchBatch = 8;  // tokens per warp between two signals
+inline constexpr int kDispatchBatch = 4;  // tokens per warp between two signals
 
 __device__ __forceinline__ void store_topk_idx(void* out, int is_i64, int64_t i, int32_t v) {
   if (is_i64) {
@@ -44,40 +44,28 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   return __float_as_uint(w);
 }
 
-// Per-warp row list (shared memory): what warp_copy_rows moves next, and for each row the token,
-// the destination rank and the row index there (for its scales and metadata).
-template <typename V>
-struct RowList {
-  const V* src[kMaxListRows];
-  V* dst[kMaxListRows];
-  int32_t token[kMaxListRows];
-  int32_t rank[kMaxListRows];
-  int32_t row[kMaxListRows];
-};
-
-// Scales and metadata of a row this rank keeps: straight to the outputs.
-__device__ __forceinline__ void write_self_meta(const HtDispatchParams& p, int64_t t, int64_t pos,
-                                                int lane) {
-  for (int s = lane; s < p.num_scales; s += 32) {
-    p.recv_scales[pos * p.num_scales + s] =
-        reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-  }
-  if (p.cached) return;
-  if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
-  for (int k = lane; k < p.top_k; k += 32) {
-    const int64_t o = pos * p.top_k + k;
-    store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                   static_cast<int32_t>(dispatch_meta_word(p, t, p.rank, 1 + k)));
-    if (p.recv_topk_weights)
-      p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, p.rank, 1 + p.top_k + k));
+// Copies one row of nv vectors: kCopyUnroll independent loads per lane in flight, then the stores.
+template <typename V, bool kLanded>
+__device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int lane) {
+  for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+    V r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      if (v < nv) r[u] = kLanded ? ld_landed(src + v) : ld_input(src + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      if (v < nv) dst[v] = r[u];
+    }
   }
 }
 
 // Sender warps push this rank's rows to the OTHER ranks only (the receiver CTAs copy the rows
 // this rank keeps): NVLink stores are the senders' whole job.
 template <typename V>
-__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, uint4* stage,
-                              RowList<V>& list) {
+__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
@@ -96,113 +84,88 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, uint4* st
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
-  auto flush = [&](int n) {
-    __syncwarp();
-    warp_copy_rows<V, false>(list.src, list.dst, n, nv, lane, stage);
-    for (int q = 0; q < n; ++q) {  // scales and metadata: coalesced words across NVLink
-      const int64_t t = list.token[q];
-      const int d = list.rank[q];
-      const int slot = HtRegion::slot_of(me, d);
-      char* peer = p.symm.peers[d];
-      uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, list.row[q]));
-      for (int s = lane; s < p.num_scales; s += 32)
-        sc[s] =
-            reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-      if (!p.cached) {
-        uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, list.row[q]));
-        for (int m = lane; m < meta_words; m += 32) meta[m] = dispatch_meta_word(p, t, d, m);
-      }
-    }
-    __syncwarp();
-  };
   for (int64_t t0 = gw * kDispatchBatch; t0 < p.num_tokens; t0 += G * kDispatchBatch) {
-    // Lane d holds send_pos[t][d] of the batch's tokens (all loads in flight together).
-    int32_t pos[kDispatchBatch];
-#pragma unroll
-    for (int i = 0; i < kDispatchBatch; ++i)
-      pos[i] =
-          (t0 + i < p.num_tokens && lane < R && lane != me) ? p.send_pos[(t0 + i) * R + lane] : -1;
-    int n = 0;
-#pragma unroll
-    for (int i = 0; i < kDispatchBatch; ++i) {
-      const uint32_t m = __ballot_sync(0xffffffffu, pos[i] >= 0);
-      if (n + __popc(m) > kMaxListRows) {
-        flush(n);
-        n = 0;
+    const int64_t t_end = min(t0 + kDispatchBatch, static_cast<int64_t>(p.num_tokens));
+    // pos of the next token is loaded while the current one is copied.
+    int32_t pos = lane < R && lane != me ? p.send_pos[t0 * R + lane] : -1;
+    for (int64_t t = t0; t < t_end; ++t) {
+      const int32_t next = (t + 1 < t_end && lane < R && lane != me) ? p.send_pos[(t + 1) * R + lane] : -1;
+      const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
+      const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
+      for (uint32_t m = dmask; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int64_t j = __shfl_sync(0xffffffffu, pos, d) - s_excl[d];
+        const int slot = HtRegion::slot_of(me, d);
+        char* peer = p.symm.peers[d];
+        copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+        // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
+        uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
+        for (int s = lane; s < p.num_scales; s += 32)
+          sc[s] = reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+        if (!p.cached) {
+          uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
+          for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
+        }
       }
-      if (pos[i] >= 0) {
-        const int q = n + __popc(m & ((1u << lane) - 1u));
-        const int64_t j = pos[i] - s_excl[lane];
-        list.src[q] = reinterpret_cast<const V*>(p.x + (t0 + i) * p.x_stride);
-        list.dst[q] =
-            reinterpret_cast<V*>(g.x_row(p.symm.peers[lane], HtRegion::slot_of(me, lane), j));
-        list.token[q] = static_cast<int32_t>(t0 + i);
-        list.rank[q] = lane;
-        list.row[q] = static_cast<int32_t>(j);
-      }
-      n += __popc(m);
+      pos = next;
     }
-    flush(n);
     // Signal the batch: this warp's stores above, then one release per (destination, block).
     // Pairs with the receiver's wait_flag on counter[slot me][block].
+    __syncwarp();
     fence_acq_rel_sys();
     if (lane < R && lane != me) {
       int64_t block = -1;
       uint32_t rows = 0;
-#pragma unroll
-      for (int i = 0; i < kDispatchBatch; ++i) {
-        if (pos[i] < 0) continue;
-        const int64_t b = (pos[i] - s_excl[lane]) / kHtRowsPerBlock;
+      for (int64_t t = t0; t < t_end; ++t) {
+        const int32_t q = p.send_pos[t * R + lane];
+        if (q < 0) continue;
+        const int64_t b = (q - s_excl[lane]) / kHtRowsPerBlock;
         if (b != block && rows) {
-          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
-                              rows);
+          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
           rows = 0;
         }
         block = b;
         ++rows;
       }
-      if (rows)
-        red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
-                            rows);
+      if (rows) red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
     }
   }
 }
 
 // The rows this rank keeps: x[t] -> recv_x[send_pos[t][me]] (+ scales, src_idx, local ids).
-// Warps take batches of kDispatchBatch consecutive tokens.
 template <typename V>
-__device__ void dispatch_self(const HtDispatchParams& p, uint4* stage, RowList<V>& list) {
+__device__ void dispatch_self(const HtDispatchParams& p) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
-  static_assert(kDispatchBatch <= kMaxListRows, "a batch fits one list");
-  for (int64_t t0 = gw * kDispatchBatch; t0 < p.num_tokens; t0 += G * kDispatchBatch) {
-    const int64_t t = t0 + lane;
-    const int32_t pos = (lane < kDispatchBatch && t < p.num_tokens) ? p.send_pos[t * R + me] : -1;
-    // Past num_rows: worst-case overflow (reported by the kernel); dropped.
-    const bool keep = pos >= 0 && pos < p.num_rows;
-    const uint32_t m = __ballot_sync(0xffffffffu, keep);
-    if (keep) {
-      const int q = __popc(m & ((1u << lane) - 1u));
-      list.src[q] = reinterpret_cast<const V*>(p.x + t * p.x_stride);
-      list.dst[q] = reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes);
-      list.token[q] = static_cast<int32_t>(t);
-      list.row[q] = pos;
+  for (int64_t t = gw; t < p.num_tokens; t += G) {
+    const int32_t pos = p.send_pos[t * R + me];
+    if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
+    copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
+                       reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
+    for (int s = lane; s < p.num_scales; s += 32) {
+      p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
+          reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
     }
-    __syncwarp();
-    const int n = __popc(m);
-    warp_copy_rows<V, false>(list.src, list.dst, n, nv, lane, stage);
-    for (int q = 0; q < n; ++q) write_self_meta(p, list.token[q], list.row[q], lane);
-    __syncwarp();
+    if (!p.cached) {
+      if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
+      for (int k = lane; k < p.top_k; k += 32) {
+        const int64_t o = pos * static_cast<int64_t>(p.top_k) + k;
+        store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                       static_cast<int32_t>(dispatch_meta_word(p, t, me, 1 + k)));
+        if (p.recv_topk_weights)
+          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, me, 1 + p.top_k + k));
+      }
+    }
   }
 }
 
 // Receiver CTAs: first the rows this rank keeps (no waiting), then the rows from the peers as
 // their 32-row blocks complete.
 template <typename V>
-__device__ void dispatch_receive(const HtDispatchParams& p, uint4* stage, RowList<V>& list) {
-  dispatch_self<V>(p, stage, list);
+__device__ void dispatch_receive(const HtDispatchParams& p) {
+  dispatch_self<V>(p);
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (R == 1) return;
   const HtRegion& g = p.symm.region;
@@ -216,15 +179,11 @@ __device__ void dispatch_receive(const HtDispatchParams& p, uint4* stage, RowLis
   __syncthreads();
   int64_t max_blocks = 0;
   for (int s = 0; s < R; ++s) {
-    if (s != me)
-      max_blocks =
-          max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
+    if (s != me) max_blocks = max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
   }
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int num_recv = gridDim.x - p.num_send_ctas;
   const int64_t num_items = max_blocks * (R - 1);
-  static_assert(kHtRowsPerBlock / kHtWarps <= kMaxListRows,
-                "a warp's rows of a block fit one list");
   for (int64_t item = blockIdx.x - p.num_send_ctas; item < num_items; item += num_recv) {
     const int64_t b = item / (R - 1);
     const int slot = static_cast<int>(item % (R - 1));
@@ -237,38 +196,22 @@ __device__ void dispatch_receive(const HtDispatchParams& p, uint4* stage, RowLis
     }
     __syncthreads();
     if (!s_ok) return;
-    // This warp's rows of the block: r = warp, warp + kHtWarps, ...
-    const int r = warp + lane * kHtWarps;
-    const int64_t j = b * kHtRowsPerBlock + r;
-    const int64_t out = s_excl[s] + j;
-    const bool mine =
-        lane < kMaxListRows && r < rows && out < p.num_rows;  // out >= num_rows: overflow
-    const uint32_t m = __ballot_sync(0xffffffffu, mine);
-    if (mine) {
-      const int q = __popc(m & ((1u << lane) - 1u));
-      list.src[q] = reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j));
-      list.dst[q] = reinterpret_cast<V*>(p.recv_x + out * p.row_bytes);
-      list.token[q] = static_cast<int32_t>(j);
-      list.row[q] = static_cast<int32_t>(out);
-    }
-    __syncwarp();
-    const int n = __popc(m);
-    warp_copy_rows<V, true>(list.src, list.dst, n, nv, lane, stage);
-    for (int q = 0; q < n; ++q) {
-      const int64_t jj = list.token[q], o = list.row[q];
-      const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, jj));
-      for (int e = lane; e < p.num_scales; e += 32)
-        p.recv_scales[o * p.num_scales + e] = ld_landed(sc + e);
+    for (int r = warp; r < rows; r += kHtWarps) {
+      const int64_t j = b * kHtRowsPerBlock + r;
+      const int64_t out = s_excl[s] + j;
+      if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
+      copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
+                        reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
+      const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
+      for (int q = lane; q < p.num_scales; q += 32)
+        p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
       if (!p.cached) {
-        const uint32_t* meta =
-            reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, jj));
-        if (lane == 0) p.recv_src_idx[o] = static_cast<int32_t>(ld_landed(meta));
+        const uint32_t* meta = reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, j));
+        if (lane == 0) p.recv_src_idx[out] = static_cast<int32_t>(ld_landed(meta));
         for (int k = lane; k < p.top_k; k += 32) {
-          const int64_t oi = o * p.top_k + k;
-          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, oi,
-                         static_cast<int32_t>(ld_landed(meta + 1 + k)));
-          if (p.recv_topk_weights)
-            p.recv_topk_weights[oi] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
+          const int64_t o = out * p.top_k + k;
+          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o, static_cast<int32_t>(ld_landed(meta + 1 + k)));
+          if (p.recv_topk_weights) p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
         }
       }
     }
@@ -278,15 +221,12 @@ __device__ void dispatch_receive(const HtDispatchParams& p, uint4* stage, RowLis
 
 template <typename V>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
-  extern __shared__ uint4 s_stage[];  // kCopySmemBytes: one cp.async pipeline per warp
-  __shared__ RowList<V> s_lists[kHtWarps];
   const uint32_t cur = p.wait.state->seq + 1;
-  const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5;
-  uint4* stage = s_stage + warp * kCopyStageVecs;
+  const int R = p.num_ranks, me = p.rank;
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
-    dispatch_send<V>(p, cur, stage, s_lists[warp]);
+    dispatch_send<V>(p, cur);
   } else {
-    dispatch_receive<V>(p, stage, s_lists[warp]);
+    dispatch_receive<V>(p);
   }
   // Worst-case mode: overflow report and padding rows [N, num_rows) (any CTA, grid-stride):
   // x and scales 0, topk -1, weights 0, src_idx -1 (as the cpu backend).
