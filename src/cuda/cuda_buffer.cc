@@ -52,6 +52,14 @@ const char* device_wait_name(uint32_t what) {
 // ---- tuning ------------------------------------------------------------------------------------
 
 static std::atomic<int> g_num_sms_override{0};
+static std::atomic<int> g_ablation{0};
+
+void set_ht_ablation(int bits) {
+  g_ablation = bits;
+}
+int ht_ablation() {
+  return g_ablation.load();
+}
 static std::atomic<int> g_dispatch_send_percent{0};
 static std::atomic<int> g_combine_send_percent{0};
 

@@ -231,6 +231,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   p.num_rows = num_rows;
   p.worst_case = worst_case;
   p.num_send_ctas = tuning_.dispatch_send_ctas;
+  p.ablate = ht_ablation();
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
   const int vb =
@@ -285,6 +286,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.rank = me;
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
+  p.ablate = ht_ablation();
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
   const int vb =

@@ -5,6 +5,14 @@
 
 namespace epx::detail {
 
+// Benchmark-only ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest.
+// Outputs are wrong when set; the protocol (waits, counters, sequence numbers) still runs.
+enum HtAblate : int {
+  kAblateSelf = 1,        // dispatch receivers skip the rows the rank keeps
+  kAblateRemoteCopy = 2,  // dispatch receivers wait for blocks but do not copy them out
+  kAblateReduce = 8,      // combine reducers wait for blocks but do not reduce
+};
+
 struct HtTuning {
   int num_sms = 16;            // CTAs of the dispatch and combine kernels (one per SM)
   int dispatch_send_ctas = 8;  // of which send (the rest receive)
@@ -18,5 +26,10 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 // Benchmark hook (never set by the library itself): values > 0 replace the SM count and the
 // senders' share (percent) of the CTAs for buffers created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);
+
+// Benchmark hook: stage ablations (HtAblate bits above) applied to every ht
+// launch in this process while non-zero. Outputs are wrong while set. 0 in the library.
+void set_ht_ablation(int bits);
+int ht_ablation();
 
 }  // namespace epx::detail

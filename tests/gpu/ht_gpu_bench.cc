@@ -45,6 +45,7 @@ struct Options {
   std::vector<int> sms = {16};
   std::vector<int> send_pct = {50};
   int warmup = 5, iters = 30;
+  bool ablate = false;  // also time stage ablations (cuda/tuning.h HtAblate)
 };
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
@@ -156,6 +157,23 @@ int run_rank(const Group& g, const Options& o) {
       auto t_worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
       auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
       buf.check();
+      std::vector<std::pair<std::string, bench::Timing>> ablations;
+      if (o.ablate) {
+        const std::pair<const char*, int> cases[] = {
+            {"dispatch bf16 cached, no kept-row copy", detail::kAblateSelf},
+            {"dispatch bf16 cached, no received-row copy", detail::kAblateRemoteCopy},
+            {"dispatch bf16 cached, senders only", detail::kAblateSelf | detail::kAblateRemoteCopy},
+        };
+        for (const auto& [name, bits] : cases) {
+          detail::set_ht_ablation(bits);
+          ablations.emplace_back(name,
+                                 timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); }));
+        }
+        detail::set_ht_ablation(detail::kAblateReduce);
+        ablations.emplace_back("combine, senders only (reducers wait)",
+                               timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
+        detail::set_ht_ablation(0);
+      }
       auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
       auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);
       auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
@@ -179,6 +197,11 @@ int run_rank(const Group& g, const Options& o) {
         row("dispatch bf16 (exact)", t_exact, n_bf16, c_bf16);
         row("dispatch bf16 (worst-case)", t_worst, n_bf16, c_bf16);
         row("combine bf16", t_comb, n_bf16, c_bf16);
+        if (o.ablate) {
+          std::printf("  ablations (same run; outputs wrong):\n");
+          for (const auto& [name, t] : ablations)
+            std::printf("  %-40s %10.1f %10.1f\n", name.c_str(), t.median_us, t.min_us);
+        }
         std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
                     bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
         std::fflush(stdout);

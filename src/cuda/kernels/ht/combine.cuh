@@ -136,6 +136,7 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
       }
     }
     if (!__all_sync(0xffffffffu, ok)) return;
+    if (p.ablate & kAblateReduce) continue;                     // benchmark ablation: waits only
     if (use && lane == me && pos >= p.num_y_rows) use = false;  // worst-case overflow
     const uint32_t smask = __ballot_sync(0xffffffffu, use);
     if (use) {
@@ -158,7 +159,8 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
       if (p.bias0) rsrc[q++] = reinterpret_cast<const V*>(p.bias0 + t * p.bias0_stride);
       if (p.bias1) rsrc[q++] = reinterpret_cast<const V*>(p.bias1 + t * p.bias1_stride);
     }
-    if (use) rsrc[nb + __popc(smask & ((1u << lane) - 1u))] = src[__popc(smask & ((1u << lane) - 1u))];
+    if (use)
+      rsrc[nb + __popc(smask & ((1u << lane) - 1u))] = src[__popc(smask & ((1u << lane) - 1u))];
     __syncwarp();
     const int num_rs = nb + num_src;
     // Bit q set: row source q landed from a peer during this kernel (read through L2).

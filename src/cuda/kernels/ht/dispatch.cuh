@@ -89,7 +89,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
     // pos of the next token is loaded while the current one is copied.
     int32_t pos = lane < R && lane != me ? p.send_pos[t0 * R + lane] : -1;
     for (int64_t t = t0; t < t_end; ++t) {
-      const int32_t next = (t + 1 < t_end && lane < R && lane != me) ? p.send_pos[(t + 1) * R + lane] : -1;
+      const int32_t next =
+          (t + 1 < t_end && lane < R && lane != me) ? p.send_pos[(t + 1) * R + lane] : -1;
       const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
@@ -101,7 +102,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
         uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
         for (int s = lane; s < p.num_scales; s += 32)
-          sc[s] = reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+          sc[s] = reinterpret_cast<const uint32_t*>(
+              p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
         if (!p.cached) {
           uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
           for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
@@ -121,13 +123,16 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
         if (q < 0) continue;
         const int64_t b = (q - s_excl[lane]) / kHtRowsPerBlock;
         if (b != block && rows) {
-          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
+          red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
+                              rows);
           rows = 0;
         }
         block = b;
         ++rows;
       }
-      if (rows) red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block), rows);
+      if (rows)
+        red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
+                            rows);
     }
   }
 }
@@ -165,7 +170,7 @@ __device__ void dispatch_self(const HtDispatchParams& p) {
 // their 32-row blocks complete.
 template <typename V>
 __device__ void dispatch_receive(const HtDispatchParams& p) {
-  dispatch_self<V>(p);
+  if (!(p.ablate & kAblateSelf)) dispatch_self<V>(p);
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (R == 1) return;
   const HtRegion& g = p.symm.region;
@@ -179,7 +184,9 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
   __syncthreads();
   int64_t max_blocks = 0;
   for (int s = 0; s < R; ++s) {
-    if (s != me) max_blocks = max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
+    if (s != me)
+      max_blocks =
+          max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
   }
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int num_recv = gridDim.x - p.num_send_ctas;
@@ -196,7 +203,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
     }
     __syncthreads();
     if (!s_ok) return;
-    for (int r = warp; r < rows; r += kHtWarps) {
+    for (int r = warp; r < rows && !(p.ablate & kAblateRemoteCopy); r += kHtWarps) {
       const int64_t j = b * kHtRowsPerBlock + r;
       const int64_t out = s_excl[s] + j;
       if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
@@ -210,8 +217,10 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
         if (lane == 0) p.recv_src_idx[out] = static_cast<int32_t>(ld_landed(meta));
         for (int k = lane; k < p.top_k; k += 32) {
           const int64_t o = out * p.top_k + k;
-          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o, static_cast<int32_t>(ld_landed(meta + 1 + k)));
-          if (p.recv_topk_weights) p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
+          store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                         static_cast<int32_t>(ld_landed(meta + 1 + k)));
+          if (p.recv_topk_weights)
+            p.recv_topk_weights[o] = __uint_as_float(ld_landed(meta + 1 + p.top_k + k));
         }
       }
     }

@@ -6,6 +6,7 @@
 
 #include "cuda/kernels/ht/ht_region.cuh"
 #include "cuda/kernels/sync.cuh"
+#include "cuda/tuning.h"
 
 namespace epx::detail {
 
@@ -60,6 +61,7 @@ struct HtDispatchParams {
   int64_t num_rows;          // N (exact / cached) or num_worst_tokens
   int worst_case;            // rows past N get topk -1, weight 0, src -1; N > num_rows is an error
   int num_send_ctas;         // CTAs [0, num_send_ctas) send, the rest receive
+  int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
   HtSymm symm;
   WaitContext wait;
 };
@@ -82,6 +84,7 @@ struct HtCombineParams {
   char* out;                // [T, H] bf16 contiguous
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
+  int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
   HtSymm symm;
   WaitContext wait;
 };
