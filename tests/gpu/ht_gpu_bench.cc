@@ -243,6 +243,8 @@ int main(int argc, char** argv) {
       o.warmup = std::atoi(next());
     else if (a == "--iters")
       o.iters = std::atoi(next());
+    else if (a == "--ablate")
+      o.ablate = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
