@@ -17,6 +17,17 @@
 
 namespace epx::detail {
 
+// The ll mode (src/cuda/ll.cu).
+std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape);
+size_t cuda_ll_allocated(const CudaLl* ll);
+void cuda_ll_check(CudaLl& ll);
+LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const Allocator& alloc,
+                                  uint64_t buffer_id);
+LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc);
+TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
+void cuda_ll_clean(CudaLl& ll);
+size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
+
 const char* device_op_name(uint32_t op) {
   switch (op) {
     case kOpHtLayout:
@@ -76,7 +87,9 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
                                      : 16;
   t.num_sms = std::max(2, std::min(t.num_sms, std::max(2, device_sms)));
   auto split = [&](int percent) {
-    const int p = percent > 0 ? percent : 50;
+    // 38% senders measured best at 16 and 24 SMs (docs/perf-cuda-ht.md, runs 2 and 5): the
+    // receivers also copy the rows a rank keeps, so both sides then take about as long.
+    const int p = percent > 0 ? percent : 38;
     return std::clamp((t.num_sms * p + 50) / 100, 1, t.num_sms - 1);
   };
   t.dispatch_send_ctas = num_ranks == 1 ? 0 : split(g_dispatch_send_percent.load());
@@ -90,8 +103,6 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
                        uint64_t id)
     : BufferImpl(group, shape, config, id) {
   const int R = group.size();
-  EPX_CHECK(!config.enable_ll, ErrorCode::kUnsupported,
-            "Buffer: BufferConfig::enable_ll is true, but ll is not implemented on cuda yet");
   EPX_CHECK(R <= kMaxHtRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
             " ranks; the cuda ht kernels support at most ", kMaxHtRanks);
   device_ = group.transport()->device().index;
@@ -117,6 +128,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
                  "Buffer");
   result_host_->ticket = 0;
   if (config.enable_ht) ht_mem_ = group.transport()->allocate(region_.total_bytes);
+  if (config.enable_ll) ll_ = cuda_ll_create(group, shape);  // collective, like the ht region
 }
 
 CudaBuffer::~CudaBuffer() {
@@ -139,7 +151,7 @@ CudaBuffer::~CudaBuffer() {
 }
 
 size_t CudaBuffer::bytes_allocated() const {
-  return ht_mem_ ? ht_mem_->bytes() : 0;
+  return (ht_mem_ ? ht_mem_->bytes() : 0) + cuda_ll_allocated(ll_.get());
 }
 
 DeviceState* CudaBuffer::device_state() const {
@@ -155,6 +167,7 @@ void CudaBuffer::require_usable(const char* op) const {
 
 void CudaBuffer::check() {
   if (broken_) require_usable("check");
+  if (ll_) cuda_ll_check(*ll_);
   volatile DeviceErrorRecord* rec = error_host_;
   if (rec->code == kDevErrNone) return;
   std::atomic_thread_fence(std::memory_order_acquire);
@@ -203,17 +216,18 @@ void CudaBuffer::raise_device_error() {
       "check");
 }
 
-LlDispatchResult CudaBuffer::ll_dispatch(const LlDispatchArgs&, const Allocator&) {
-  throw_error(ErrorCode::kUnsupported, "ll_dispatch: not implemented on cuda yet");
+// ll: validated by epx::Buffer (enable_ll, so ll_ exists); the mode lives in ll.cu.
+LlDispatchResult CudaBuffer::ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
+  return cuda_ll_dispatch(*ll_, args, alloc, id);
 }
-LlCombineResult CudaBuffer::ll_combine(const LlCombineArgs&, const Allocator&) {
-  throw_error(ErrorCode::kUnsupported, "ll_combine: not implemented on cuda yet");
+LlCombineResult CudaBuffer::ll_combine(const LlCombineArgs& args, const Allocator& alloc) {
+  return cuda_ll_combine(*ll_, args, alloc);
 }
-TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle&) {
-  throw_error(ErrorCode::kUnsupported, "ll_next_combine_buffer: not implemented on cuda yet");
+TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle& handle) {
+  return cuda_ll_next_combine_buffer(*ll_, handle);
 }
 void CudaBuffer::ll_clean() {
-  throw_error(ErrorCode::kUnsupported, "ll_clean: not implemented on cuda yet");
+  cuda_ll_clean(*ll_);
 }
 
 // ---- factories and sizing ----------------------------------------------------------------------
@@ -235,9 +249,8 @@ size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks) {
                         num_ranks)
       .total_bytes;
 }
-size_t cuda_ll_bytes(const MoeShape&, int) {
-  throw_error(ErrorCode::kUnsupported,
-              "Buffer::bytes_needed(ll, cuda): not implemented on cuda yet");
+size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks) {
+  return cuda_ll_layout_bytes(shape, num_ranks);
 }
 size_t cuda_a2a_bytes(const A2aShape& shape, int num_ranks) {
   size_t cuda_a2a_layout_bytes(const A2aShape&, int);  // src/cuda/a2a.cu

@@ -15,12 +15,12 @@ enum HtAblate : int {
 
 struct HtTuning {
   int num_sms = 16;            // CTAs of the dispatch and combine kernels (one per SM)
-  int dispatch_send_ctas = 8;  // of which send (the rest receive)
-  int combine_send_ctas = 8;
+  int dispatch_send_ctas = 6;  // of which send (the rest receive)
+  int combine_send_ctas = 6;
 };
 
 // Auto: 16 SMs (enough to saturate NVLink at EP2 with the copy-out alongside), clamped to the
-// device; senders take half of the CTAs (none when R = 1: nothing leaves the rank).
+// device; senders take 38% of the CTAs (none when R = 1: nothing leaves the rank).
 HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 
 // Benchmark hook (never set by the library itself): values > 0 replace the SM count and the

@@ -3,7 +3,7 @@
 // all-to-all of the same bytes and the NVLink copy ceiling of the same bytes, same run, same SMs.
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
-//                    [--sms 8,16,24,32] [--send-pct 50] [--warmup 5] [--iters 30]
+//                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bench/baselines.h"
+#include "cuda/cuda_buffer.h"
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "gpu/gpu_support.h"
@@ -43,7 +44,7 @@ struct Options {
   int64_t tokens = 4096, hidden = 7168;
   int topk = 8, experts = 256;
   std::vector<int> sms = {16};
-  std::vector<int> send_pct = {50};
+  std::vector<int> send_pct = {0};  // 0: the library's default split
   int warmup = 5, iters = 30;
   bool ablate = false;  // also time stage ablations (cuda/tuning.h HtAblate)
 };
@@ -179,11 +180,12 @@ int run_rank(const Group& g, const Options& o) {
       auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
       auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
       if (r == 0) {
+        const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
         std::printf(
-            "\nSMs %d (senders %d%%): remote rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows "
-            "%lld\n",
-            sms, pct, static_cast<long long>(remote_rows), bf16_bytes / 1e6, fp8_bytes / 1e6,
-            static_cast<long long>(self_rows));
+            "\nSMs %d (sender CTAs: dispatch %d, combine %d): remote rows/peer %lld (%.1f MB bf16, "
+            "%.1f MB fp8), self rows %lld\n",
+            sms, tu.dispatch_send_ctas, tu.combine_send_ctas, static_cast<long long>(remote_rows),
+            bf16_bytes / 1e6, fp8_bytes / 1e6, static_cast<long long>(self_rows));
         std::printf("  %-26s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
                     "ceil us", "epx/nccl", "ceil/epx");
         auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,
@@ -248,7 +250,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N]\n",
+                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
