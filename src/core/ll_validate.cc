@@ -1,8 +1,119 @@
-// STUB — replaced by the ll validation.
+// src/core/ll_validate.cc — argument validation of the ll mode (SPEC 3.4, 3.5, 5), shared by every
+// backend. Runs on the host before any communication, so a bad argument on one rank fails that
+// rank's call without touching the symmetric buffer.
+//
+//   ll_dispatch: x bf16 [T, H] (H == shape.hidden, H % 128 == 0, innermost stride 1),
+//                T <= T_max = shape.max_tokens_per_rank (else OutOfCapacity),
+//                topk_idx [T, K] int64/int32 in [-1, E), use_ue8m0 => use_fp8 && round_scale,
+//                cumulative_local_expert_recv_stats int32 [L] when given.
+//   ll_combine:  a handle of this buffer, topk_idx/topk_weights [T, K] with T == handle.num_tokens,
+//                y bf16 [L, R * T_max, H] unless zero_copy, out bf16 [T, H] when given.
+#include "core/check.h"
+#include "core/numeric.h"
 #include "core/validate.h"
 
 namespace epx::detail {
-void validate_ll_dispatch(const BufferImpl&, const LlDispatchArgs&) {}
-void validate_ll_combine(const BufferImpl&, const LlCombineArgs&) {}
-void validate_ll_handle(const BufferImpl&, const LlHandle&, const char*) {}
+namespace {
+
+void check_ll_enabled(const BufferImpl& b, const char* op) {
+  EPX_CHECK_ARG(b.config.enable_ll, op, ": this buffer was created with enable_ll = false, ",
+                "expected BufferConfig::enable_ll = true");
+}
+
+void check_ll_hidden(const BufferImpl& b, const char* op) {
+  EPX_CHECK_ARG(b.shape.hidden % kQuantGroup == 0, op, ": shape.hidden is ", b.shape.hidden,
+                ", expected a multiple of ", kQuantGroup, " in ll mode");
+}
+
+// A required tensor of `dtype` and `shape` on the buffer's device with innermost stride 1.
+void check_tensor(const BufferImpl& b, const TensorView& t, const char* op, const char* name,
+                  DType dtype, std::initializer_list<int64_t> shape) {
+  check_defined(t, op, name);
+  check_dtype(t, op, name, {dtype});
+  check_shape(t, op, name, shape);
+  check_device(t, op, name, b.device());
+  check_inner_contiguous(t, op, name);
+}
+
+}  // namespace
+
+void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args) {
+  const char* op = "ll_dispatch";
+  check_ll_enabled(b, op);
+  check_ll_hidden(b, op);
+  const int64_t H = b.shape.hidden;
+  const int64_t max_tokens = b.shape.max_tokens_per_rank;
+  const int L = b.shape.num_local_experts(b.group.size());
+
+  check_tensor(b, args.x, op, "x", DType::kBF16, {-1, H});
+  const int64_t T = args.x.shape[0];
+  EPX_CHECK(T <= max_tokens, ErrorCode::kOutOfCapacity, op, ": argument 'x' has T = ", T,
+            " tokens, more than T_max = ", max_tokens,
+            " (the buffer's shape.max_tokens_per_rank bounds the tokens of one ll call; create the "
+            "buffer with a larger max_tokens_per_rank)");
+
+  validate_topk_idx(args.topk_idx, b.shape.top_k, b.shape.num_experts, b.device(), op);
+  EPX_CHECK_ARG(args.topk_idx.shape[0] == T, op, ": argument 'topk_idx' has ",
+                args.topk_idx.shape[0], " rows, expected T = ", T, " (the rows of 'x')");
+
+  EPX_CHECK_ARG(!args.use_ue8m0 || args.use_fp8, op,
+                ": argument 'use_ue8m0' is true but use_fp8 is false, expected use_fp8 = true "
+                "(UE8M0 packs fp8 scales)");
+  EPX_CHECK_ARG(!args.use_ue8m0 || args.round_scale, op,
+                ": argument 'use_ue8m0' is true but round_scale is false, expected round_scale = "
+                "true (UE8M0 holds power-of-two scales only)");
+
+  const TensorView& stats = args.cumulative_local_expert_recv_stats;
+  if (stats.defined())
+    check_tensor(b, stats, op, "cumulative_local_expert_recv_stats", DType::kI32, {L});
+}
+
+void validate_ll_handle(const BufferImpl& b, const LlHandle& h, const char* op) {
+  check_ll_enabled(b, op);
+  const int R = b.group.size();
+  const int L = b.shape.num_local_experts(R);
+  const int64_t max_tokens = b.shape.max_tokens_per_rank;
+  EPX_CHECK_ARG(h.buffer_id == b.id, op, ": argument 'handle' comes from buffer ", h.buffer_id,
+                ", expected a handle returned by ll_dispatch of this buffer (id ", b.id, ")");
+  EPX_CHECK_ARG(h.max_tokens == max_tokens, op, ": argument 'handle' has T_max = ", h.max_tokens,
+                ", expected this buffer's ", max_tokens);
+  EPX_CHECK_ARG(h.hidden == b.shape.hidden, op, ": argument 'handle' has H = ", h.hidden,
+                ", expected this buffer's ", b.shape.hidden);
+  EPX_CHECK_ARG(h.num_experts == b.shape.num_experts, op,
+                ": argument 'handle' has E = ", h.num_experts, ", expected this buffer's ",
+                b.shape.num_experts);
+  EPX_CHECK_ARG(h.num_tokens >= 0 && h.num_tokens <= max_tokens, op,
+                ": argument 'handle' has num_tokens = ", h.num_tokens, ", expected 0..",
+                max_tokens);
+  EPX_CHECK_ARG(h.slot == 0 || h.slot == 1, op, ": argument 'handle' has slot = ", h.slot,
+                ", expected 0 or 1");
+  check_tensor(b, h.src_info, op, "handle.src_info", DType::kI32, {L, R * max_tokens});
+  check_tensor(b, h.layout_range, op, "handle.layout_range", DType::kI64, {L, R});
+}
+
+void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args) {
+  const char* op = "ll_combine";
+  check_ll_enabled(b, op);
+  check_ll_hidden(b, op);
+  EPX_CHECK_ARG(args.handle != nullptr, op,
+                ": argument 'handle' is null, expected the handle of an ll_dispatch");
+  const LlHandle& h = *args.handle;
+  validate_ll_handle(b, h, op);
+  const int R = b.group.size();
+  const int L = b.shape.num_local_experts(R);
+  const int64_t H = b.shape.hidden;
+  const int K = b.shape.top_k;
+  const int64_t T = h.num_tokens;
+
+  if (!args.zero_copy)
+    check_tensor(b, args.y, op, "y", DType::kBF16, {L, R * b.shape.max_tokens_per_rank, H});
+
+  validate_topk_idx(args.topk_idx, K, b.shape.num_experts, b.device(), op);
+  EPX_CHECK_ARG(args.topk_idx.shape[0] == T, op, ": argument 'topk_idx' has ",
+                args.topk_idx.shape[0], " rows, expected T = ", T,
+                " (the tokens of the dispatch that made 'handle')");
+  check_tensor(b, args.topk_weights, op, "topk_weights", DType::kF32, {T, K});
+  if (args.out.defined()) check_tensor(b, args.out, op, "out", DType::kBF16, {T, H});
+}
+
 }  // namespace epx::detail

@@ -1,11 +1,507 @@
-// STUB — replaced by the ll implementation.
+// src/cpu/ll.cc — the ll mode of the cpu reference backend (SPEC 3.4, 3.5).
+//
+// Data flow on rank r (R ranks, L = E / R local experts, T_max = shape.max_tokens_per_rank,
+// G = H / 128 quantisation groups, RT = R * T_max rows per local expert):
+//
+//   ll_dispatch, send (publish): write this rank's T, topk_idx (as int32) and one message per
+//     token into dispatch slot s of its own region. A message is the token's bf16 row, or with
+//     use_fp8 its e4m3 row followed by its G float32 scales (quantize_row_fp8 of core/numeric.h,
+//     quantised once per token on the sender, as the cuda kernel does).
+//   ll_dispatch, receive (inline, or in the hook): barrier; for each source rank src ascending,
+//     for each source token t ascending, for each local expert l the token selects (a token that
+//     lists the same expert several times in its row counts ONCE for that expert and gets one
+//     row): copy message t to recv_x[l][row_l++], src_info[l][row] = t; then
+//     layout_range[l][src] = (begin << 32) | count of that source's block; recv_count[l] = row_l;
+//     barrier (no rank reuses slot s before every peer finished reading it).
+//       recv_x      [L, RT, H]  fp8 e4m3 or bf16, rows >= recv_count[l] are not written
+//       recv_scales f32 [L, RT, G], or UE8M0 int32 [L, RT, ceil(G / 4)] (group g in byte g % 4 of
+//                   int g / 4, unused bytes 0); storage [L, G', RT], so the view has strides
+//                   {G' * RT, 1, RT} (column-major in the last two dims)
+//   ll_combine, send (publish): copy y's valid rows into combine slot handle.slot of this rank's
+//     region (skipped with zero_copy: the caller wrote them through ll_next_combine_buffer), and
+//     publish handle.layout_range next to them.
+//   ll_combine, receive (inline, or in the hook): barrier; for each token t and each k,
+//     y(t, k) is row  begin + j  of local expert l = e % L on rank d = e / L (e = topk_idx[t][k]),
+//     where begin comes from rank d's published layout_range[l][r] and j counts this rank's
+//     tokens before t that select e (duplicates of e in one row read the same row). Then, in this
+//     exact order (the cuda kernel uses __fmaf_rn for std::fmaf):
+//         acc = 0.0f;
+//         for k = 0 .. K-1:  if topk_idx[t][k] != -1:  acc = std::fmaf(w[t][k], f32(y(t, k)), acc);
+//         out[t] = bf16_rne(acc)            (tokens with no expert get +0)
+//     barrier.
+//
+// Region of one rank (cpu_ll_bytes; every offset a multiple of 64 bytes):
+//   dispatch slot 0, dispatch slot 1:
+//     DispatchHeader                 {seq, num_tokens, use_fp8, round_scale}
+//     topk   int32 [T_max, K]
+//     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16
+//   combine slot 0, combine slot 1:
+//     CombineHeader                  {seq}
+//     layout int64 [L, R]            the expert rank's handle.layout_range
+//     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns
+//
+// Double buffering. Each ll_dispatch takes dispatch slot (number of dispatches so far) % 2; its
+// handle records it and ll_combine uses the combine slot of the same number. Headers carry a
+// per-kind sequence number, so ranks that called ll operations in different orders get an error,
+// not wrong data. Legal interleavings (every rank calls the same operations and hooks in the
+// same order):
+//   - any sequence of calls without hooks;
+//   - at most two dispatches waiting for their hooks, e.g. dispatch(A, hook); dispatch(B, hook);
+//     hookA(); hookB() (or hookB(); hookA()); other calls (combines, non-hook dispatches into the
+//     other slot) may come in between;
+//   - at most one combine per slot waiting for its hook; writing into ll_next_combine_buffer(h)
+//     only after the previous combine through h.slot has finished;
+//   - the views a hook fills (outputs, cumulative_local_expert_recv_stats, out) must stay alive
+//     until the hook ran. A third dispatch into a slot still waiting for its hook, a combine or an
+//     ll_next_combine_buffer on a combine slot still waiting, a second call of a hook and a hook
+//     called after ll_clean are InvalidArgument errors.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
 #include "core/check.h"
+#include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
 namespace epx::detail {
-size_t cpu_ll_bytes(const MoeShape&, int) { return 4096; }
-LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs&, const Allocator&) { throw_error(ErrorCode::kUnsupported, "ll_dispatch: not implemented yet"); }
-LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs&, const Allocator&) { throw_error(ErrorCode::kUnsupported, "ll_combine: not implemented yet"); }
-TensorView CpuBuffer::ll_next_combine_buffer(const LlHandle&) { throw_error(ErrorCode::kUnsupported, "ll_next_combine_buffer: not implemented yet"); }
-void CpuBuffer::ll_clean() {}
+
+// Per-buffer ll state, local to each rank (equal on all ranks that follow the same sequence).
+struct CpuLlState {
+  uint64_t num_dispatches = 0;                  // sequence number of the last dispatch
+  uint64_t num_combines = 0;                    // sequence number of the last combine
+  uint64_t generation = 0;                      // bumped by ll_clean; older hooks refuse to run
+  bool dispatch_in_flight[2] = {false, false};  // published, hook not called yet
+  bool combine_in_flight[2] = {false, false};
+};
+
+namespace {
+
+constexpr size_t kAlign = 64;
+size_t align_up(size_t n, size_t a = kAlign) {
+  return (n + a - 1) / a * a;
+}
+
+struct DispatchHeader {
+  uint64_t seq;  // 1, 2, ... per dispatch; 0 = nothing published
+  int64_t num_tokens;
+  int32_t use_fp8;
+  int32_t round_scale;
+};
+
+struct CombineHeader {
+  uint64_t seq;  // 1, 2, ... per combine
+};
+
+// The ll region of one rank: used for sizing and for every pointer.
+struct LlLayout {
+  int num_ranks, num_local_experts, top_k;
+  int64_t max_tokens, hidden, num_groups, rows_per_expert;
+  size_t msg_bytes, topk_off, msgs_off, dispatch_slot_bytes;
+  size_t layout_off, y_off, combine_slot_bytes;
+
+  LlLayout(const MoeShape& s, int R)
+      : num_ranks(R),
+        num_local_experts(s.num_local_experts(R)),
+        top_k(s.top_k),
+        max_tokens(s.max_tokens_per_rank),
+        hidden(s.hidden),
+        num_groups((s.hidden + kQuantGroup - 1) / kQuantGroup),
+        rows_per_expert(R * s.max_tokens_per_rank) {
+    const size_t H = static_cast<size_t>(hidden), G = static_cast<size_t>(num_groups);
+    msg_bytes = align_up(std::max(2 * H, H + 4 * G), 16);
+    topk_off = align_up(sizeof(DispatchHeader));
+    msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k);
+    dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens);
+    layout_off = align_up(sizeof(CombineHeader));
+    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R);
+    combine_slot_bytes =
+        y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H);
+  }
+  size_t dispatch_off(int slot) const { return slot * dispatch_slot_bytes; }
+  size_t combine_off(int slot) const { return 2 * dispatch_slot_bytes + slot * combine_slot_bytes; }
+  size_t total_bytes() const { return 2 * dispatch_slot_bytes + 2 * combine_slot_bytes; }
+};
+
+int64_t topk_at(const TensorView& t, int64_t i, int k) {
+  const int64_t off = i * t.strides[0] + k * t.strides[1];
+  return t.dtype == DType::kI64 ? t.ptr<int64_t>()[off] : t.ptr<int32_t>()[off];
+}
+
+CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
+  if (!p) p = std::make_shared<CpuLlState>();
+  return *p;
+}
+
+// Wraps a receive half into the hook handed to the caller: once only, not after ll_clean, and
+// frees its slot whatever happens.
+LlHook make_hook(std::shared_ptr<CpuLlState> st, bool is_dispatch, int slot,
+                 std::function<void()> receive) {
+  const uint64_t generation = st->generation;
+  auto called = std::make_shared<bool>(false);
+  return [st, is_dispatch, slot, receive = std::move(receive), called, generation]() {
+    const char* op = is_dispatch ? "ll_dispatch hook" : "ll_combine hook";
+    EPX_CHECK_ARG(!*called, op, ": called a second time, expected exactly one call per operation");
+    EPX_CHECK_ARG(st->generation == generation, op,
+                  ": its operation was discarded by ll_clean, expected the hook to be called "
+                  "before ll_clean");
+    *called = true;
+    bool& in_flight = is_dispatch ? st->dispatch_in_flight[slot] : st->combine_in_flight[slot];
+    struct Release {
+      bool& flag;
+      ~Release() { flag = false; }
+    } release{in_flight};
+    receive();
+  };
+}
+
+// ---- dispatch ------------------------------------------------------------------------------
+
+// Everything the receive half of a dispatch needs; copied into the hook.
+struct DispatchRecv {
+  std::shared_ptr<Transport> transport;
+  std::shared_ptr<SymmetricMemory> mem;
+  LlLayout lay;
+  int slot;
+  uint64_t seq;
+  bool use_fp8, round_scale, use_ue8m0;
+  Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
+  TensorView stats;  // optional, caller-owned
+
+  void operator()() const;
+};
+
+void DispatchRecv::operator()() const {
+  transport->barrier("ll_dispatch (receive)");
+  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
+  const int r = mem->rank();
+  const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
+  const int64_t packed_groups = (G + 3) / 4;
+  const size_t row_bytes = use_fp8 ? H : 2 * H;
+  std::string error;  // reported after the release barrier, so peers are not left waiting
+
+  auto* out_x = static_cast<uint8_t*>(recv_x.data);
+  auto* out_src = src_info.ptr<int32_t>();
+  auto* out_range = layout_range.ptr<int64_t>();
+  std::vector<int64_t> num_rows(L, 0);
+  std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
+  std::vector<float> scales(G);                    // one message's scales
+
+  for (int src = 0; src < R; ++src) {
+    const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
+    DispatchHeader h;
+    std::memcpy(&h, region, sizeof(h));
+    for (auto& v : tokens_of) v.clear();
+    if (error.empty() && h.seq != seq)
+      error = cat("ll_dispatch: rank ", src, " published dispatch #", h.seq, " in slot ", slot,
+                  " but this rank expected #", seq,
+                  "; every rank must call the same ll operations in the same order");
+    else if (error.empty() && (h.use_fp8 != use_fp8 || h.round_scale != round_scale))
+      error = cat("ll_dispatch: rank ", src, " called with use_fp8 = ", h.use_fp8,
+                  ", round_scale = ", h.round_scale, " but this rank with use_fp8 = ", use_fp8,
+                  ", round_scale = ", round_scale, "; expected the same on every rank");
+    else if (error.empty() && (h.num_tokens < 0 || h.num_tokens > lay.max_tokens))
+      error = cat("ll_dispatch: rank ", src, " published T = ", h.num_tokens, ", expected 0..",
+                  lay.max_tokens);
+    if (error.empty()) {
+      const auto* topk = reinterpret_cast<const int32_t*>(region + lay.topk_off);
+      for (int64_t t = 0; t < h.num_tokens; ++t) {
+        const int32_t* row = topk + t * K;
+        for (int k = 0; k < K; ++k) {
+          const int32_t e = row[k];
+          if (e < 0 || e / L != r) continue;
+          if (std::find(row, row + k, e) != row + k) continue;  // duplicate: one row
+          tokens_of[e % L].push_back(static_cast<int32_t>(t));
+        }
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      const int64_t begin = num_rows[l];
+      for (int32_t t : tokens_of[l]) {
+        const int64_t row = num_rows[l]++;
+        const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
+        std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
+        out_src[l * RT + row] = t;
+        if (!use_fp8) continue;
+        std::memcpy(scales.data(), msg + H, sizeof(float) * G);
+        if (!use_ue8m0) {
+          for (int64_t g = 0; g < G; ++g)
+            recv_scales.ptr<float>()[(l * G + g) * RT + row] = scales[g];
+        } else {
+          for (int64_t p = 0; p < packed_groups; ++p) {
+            uint32_t word = 0;
+            for (int64_t g = 4 * p; g < std::min(G, 4 * p + 4); ++g)
+              word |= static_cast<uint32_t>(ue8m0_of_scale(scales[g])) << (8 * (g % 4));
+            recv_scales.ptr<int32_t>()[(l * packed_groups + p) * RT + row] =
+                static_cast<int32_t>(word);
+          }
+        }
+      }
+      out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
+    if (stats.defined())
+      stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
+  }
+  transport->barrier("ll_dispatch (release)");
+  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+}
+
+// ---- combine -------------------------------------------------------------------------------
+
+struct CombineRecv {
+  std::shared_ptr<Transport> transport;
+  std::shared_ptr<SymmetricMemory> mem;
+  LlLayout lay;
+  int slot;
+  uint64_t seq;
+  int64_t num_tokens;
+  int num_experts;
+  std::vector<int32_t> topk;   // [T, K], copied at send time
+  std::vector<float> weights;  // [T, K]
+  Tensor out;                  // [T, H] bf16 (allocated, or the caller's without storage)
+
+  void operator()() const;
+};
+
+void CombineRecv::operator()() const {
+  transport->barrier("ll_combine (receive)");
+  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
+  const int r = mem->rank();
+  const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
+  std::string error;
+
+  for (int d = 0; d < R && error.empty(); ++d) {
+    CombineHeader h;
+    std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
+    if (h.seq != seq)
+      error = cat("ll_combine: rank ", d, " published combine #", h.seq, " in slot ", slot,
+                  " but this rank expected #", seq,
+                  "; every rank must call the same ll operations in the same order");
+  }
+  // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
+  std::vector<int64_t> row_in_block(T * K, -1);
+  std::vector<int64_t> num_selected(E, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = topk[t * K + k];
+      if (e < 0) continue;
+      int k0 = 0;
+      while (topk[t * K + k0] != e) ++k0;
+      row_in_block[t * K + k] = k0 < k ? row_in_block[t * K + k0] : num_selected[e]++;
+    }
+  }
+  // begin of this rank's block in every expert, checked against what the expert rank received.
+  std::vector<int64_t> begin(E, 0);
+  for (int e = 0; e < E && error.empty(); ++e) {
+    const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
+    int64_t range;
+    std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + r),
+                sizeof(range));
+    begin[e] = range >> 32;
+    const int64_t count = range & 0xFFFFFFFF;
+    if (count != num_selected[e] || begin[e] + count > RT)
+      error = cat("ll_combine: argument 'topk_idx' selects expert ", e, " with ", num_selected[e],
+                  " tokens but rank ", e / L, " received ", count,
+                  " from this rank; expected the topk_idx of the dispatch that made 'handle'");
+  }
+  if (error.empty()) {
+    std::vector<float> acc(H);
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = topk[t * K + k];
+        if (e == -1) continue;
+        const int64_t row = begin[e] + row_in_block[t * K + k];
+        const auto* y =
+            reinterpret_cast<const uint16_t*>(static_cast<const char*>(mem->peer(e / L)) +
+                                              lay.combine_off(slot) + lay.y_off) +
+            ((e % L) * RT + row) * H;
+        const float w = weights[t * K + k];
+        for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, bf16_to_f32(y[c]), acc[c]);
+      }
+      uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
+      for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
+    }
+  }
+  transport->barrier("ll_combine (release)");
+  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+}
+
+}  // namespace
+
+size_t cpu_ll_bytes(const MoeShape& shape, int num_ranks) {
+  return LlLayout(shape, num_ranks).total_bytes();
+}
+
+LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
+  CpuLlState& st = state_of(ll_state_);
+  const int R = group.size();
+  const LlLayout lay(shape, R);
+  const int L = lay.num_local_experts, K = lay.top_k;
+  const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
+  const int64_t T = args.x.shape[0];
+  const int slot = static_cast<int>(st.num_dispatches % 2);
+  EPX_CHECK_ARG(!st.dispatch_in_flight[slot], "ll_dispatch: dispatch slot ", slot,
+                " still holds a dispatch whose hook was not called; expected at most two "
+                "dispatches waiting for their hooks (call the older hook first)");
+  const uint64_t seq = ++st.num_dispatches;
+
+  // Publish: header, topk as int32, one message per token.
+  char* region = static_cast<char*>(ll_mem_->local()) + lay.dispatch_off(slot);
+  const DispatchHeader header{seq, T, args.use_fp8, args.round_scale};
+  std::memcpy(region, &header, sizeof(header));
+  auto* topk = reinterpret_cast<int32_t*>(region + lay.topk_off);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k)
+      topk[t * K + k] = static_cast<int32_t>(topk_at(args.topk_idx, t, k));
+  for (int64_t t = 0; t < T; ++t) {
+    const auto* x = args.x.ptr<uint16_t>() + t * args.x.strides[0];
+    char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
+    if (args.use_fp8) {
+      quantize_row_fp8(x, H, args.round_scale, reinterpret_cast<uint8_t*>(msg),
+                       reinterpret_cast<float*>(msg + H));
+    } else {
+      std::memcpy(msg, x, sizeof(uint16_t) * H);
+    }
+  }
+
+  // Outputs, allocated now, filled by the receive half.
+  LlDispatchResult res;
+  res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
+  if (args.use_fp8) {
+    const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
+    res.recv_scales =
+        alloc(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, Device::cpu());
+    res.recv_scales.shape = {L, RT, cols};
+    res.recv_scales.strides = {cols * RT, 1, RT};
+  }
+  res.recv_count = alloc(DType::kI32, {L}, Device::cpu());
+  res.handle.src_info = alloc(DType::kI32, {L, RT}, Device::cpu());
+  res.handle.layout_range = alloc(DType::kI64, {L, R}, Device::cpu());
+  res.handle.max_tokens = lay.max_tokens;
+  res.handle.hidden = H;
+  res.handle.num_experts = shape.num_experts;
+  res.handle.num_tokens = T;
+  res.handle.slot = slot;
+  res.handle.buffer_id = id;
+
+  DispatchRecv recv{group.transport(),
+                    ll_mem_,
+                    lay,
+                    slot,
+                    seq,
+                    args.use_fp8,
+                    args.round_scale,
+                    args.use_ue8m0,
+                    res.recv_x,
+                    res.recv_scales,
+                    res.recv_count,
+                    res.handle.src_info,
+                    res.handle.layout_range,
+                    args.cumulative_local_expert_recv_stats};
+  if (args.return_recv_hook) {
+    st.dispatch_in_flight[slot] = true;
+    res.hook = make_hook(ll_state_, true, slot, std::move(recv));
+  } else {
+    recv();
+  }
+  return res;
+}
+
+LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator& alloc) {
+  CpuLlState& st = state_of(ll_state_);
+  const LlHandle& h = *args.handle;
+  const int R = group.size();
+  const LlLayout lay(shape, R);
+  const int L = lay.num_local_experts, K = lay.top_k;
+  const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = h.num_tokens;
+  const int slot = h.slot;
+  EPX_CHECK_ARG(!st.combine_in_flight[slot], "ll_combine: combine slot ", slot,
+                " still holds a combine whose hook was not called; expected its hook to be called "
+                "before another combine through a handle of slot ",
+                slot);
+  const uint64_t seq = ++st.num_combines;
+
+  // Publish: header, this rank's layout_range, y's valid rows (unless already there).
+  char* region = static_cast<char*>(ll_mem_->local()) + lay.combine_off(slot);
+  const CombineHeader header{seq};
+  std::memcpy(region, &header, sizeof(header));
+  auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
+  const TensorView& range = h.layout_range;
+  for (int l = 0; l < L; ++l)
+    for (int s = 0; s < R; ++s) layout[l * R + s] = range.ptr<int64_t>()[l * range.strides[0] + s];
+  if (!args.zero_copy) {
+    auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
+    for (int l = 0; l < L; ++l) {
+      int64_t num_rows = 0;
+      for (int s = 0; s < R; ++s) {
+        const int64_t v = layout[l * R + s];
+        num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+      }
+      for (int64_t row = 0; row < num_rows; ++row)
+        std::memcpy(y + (l * RT + row) * H,
+                    args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1],
+                    sizeof(uint16_t) * H);
+    }
+  }
+
+  LlCombineResult res;
+  if (args.out.defined()) {
+    static_cast<TensorView&>(res.out) = args.out;
+  } else {
+    res.out = alloc(DType::kBF16, {T, H}, Device::cpu());
+  }
+  CombineRecv recv{group.transport(), ll_mem_, lay, slot,   seq, T,
+                   shape.num_experts, {},      {},  res.out};
+  recv.topk.resize(T * K);
+  recv.weights.resize(T * K);
+  const TensorView& w = args.topk_weights;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      recv.topk[t * K + k] = static_cast<int32_t>(topk_at(args.topk_idx, t, k));
+      recv.weights[t * K + k] = w.ptr<float>()[t * w.strides[0] + k * w.strides[1]];
+    }
+  }
+  if (args.return_recv_hook) {
+    st.combine_in_flight[slot] = true;
+    res.hook = make_hook(ll_state_, false, slot, std::move(recv));
+  } else {
+    recv();
+  }
+  return res;
+}
+
+TensorView CpuBuffer::ll_next_combine_buffer(const LlHandle& handle) {
+  CpuLlState& st = state_of(ll_state_);
+  const LlLayout lay(shape, group.size());
+  EPX_CHECK_ARG(!st.combine_in_flight[handle.slot], "ll_next_combine_buffer: combine slot ",
+                handle.slot,
+                " still holds a combine whose hook was not called; expected its "
+                "hook to be called before writing the next expert outputs there");
+  char* y = static_cast<char*>(ll_mem_->local()) + lay.combine_off(handle.slot) + lay.y_off;
+  return TensorView::contiguous(y, DType::kBF16,
+                                {lay.num_local_experts, lay.rows_per_expert, lay.hidden});
+}
+
+void CpuBuffer::ll_clean() {
+  CpuLlState& st = state_of(ll_state_);
+  transport().barrier("ll_clean");  // every rank finished its earlier operations
+  const LlLayout lay(shape, group.size());
+  char* base = static_cast<char*>(ll_mem_->local());
+  for (int slot = 0; slot < 2; ++slot) {
+    std::memset(base + lay.dispatch_off(slot), 0, sizeof(DispatchHeader));
+    std::memset(base + lay.combine_off(slot), 0, sizeof(CombineHeader));
+  }
+  st.num_dispatches = 0;
+  st.num_combines = 0;
+  ++st.generation;
+  for (int slot = 0; slot < 2; ++slot)
+    st.dispatch_in_flight[slot] = st.combine_in_flight[slot] = false;
+  // Peers read these headers only after the barrier of their next operation, which this rank
+  // reaches after clearing them and publishing anew.
+}
+
 }  // namespace epx::detail
