@@ -42,8 +42,11 @@ def routing(kind, num_tokens, top_k, num_experts, num_ranks, g, drop=0.1):
         return idx
     if kind == "skewed":
         weights = torch.arange(E, 0, -1, dtype=torch.float64) ** 3
-        idx = torch.stack([torch.multinomial(weights, K, replacement=False, generator=g)
+        kk = min(K, E)
+        idx = torch.stack([torch.multinomial(weights, kk, replacement=False, generator=g)
                            for _ in range(T)])
+        if kk < K:
+            idx = torch.cat([idx, torch.full((T, K - kk), -1, dtype=torch.int64)], dim=1)
     elif kind == "empty_rank":
         L = E // num_ranks
         allowed = E - L if num_ranks > 1 else E  # nothing to the last rank's experts
