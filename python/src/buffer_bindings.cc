@@ -8,8 +8,6 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
-
 #include "epx/buffer.h"
 #include "torch_bridge.h"
 
@@ -174,32 +172,6 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine"));
 }
 
-// Per-iteration nanoseconds of ll_dispatch + ll_combine called from C++ with the default
-// allocator: the baseline for the Python call overhead (docs/perf-python.md).
-double time_ll_cpp(const BufferPtr& b, py::handle x, py::handle topk_idx, py::handle weights,
-                   bool use_fp8, int iters) {
-  LlDispatchArgs d;
-  d.x = to_view(x, "x");
-  d.topk_idx = to_view(topk_idx, "topk_idx");
-  d.use_fp8 = use_fp8;
-  LlCombineArgs c;
-  c.topk_idx = d.topk_idx;
-  c.topk_weights = to_view(weights, "topk_weights");
-  py::gil_scoped_release nogil;
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) {
-    LlDispatchResult r = b->ll_dispatch(d, default_allocator());
-    Tensor y = default_allocator()(
-        DType::kBF16, {r.recv_x.shape[0], r.recv_x.shape[1], r.recv_x.shape[2]}, r.recv_x.device);
-    c.y = y;
-    c.handle = &r.handle;
-    LlCombineResult o = b->ll_combine(c, default_allocator());
-  }
-  const auto ns =
-      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start);
-  return ns.count() / (iters > 0 ? iters : 1);
-}
-
 }  // namespace
 
 void bind_buffer(py::module_& m) {
@@ -284,9 +256,7 @@ void bind_buffer(py::module_& m) {
             return view_to_torch(b->ll_next_combine_buffer(handle), owner_of(b));
           },
           py::arg("handle"))
-      .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>())
-      .def("_time_ll_cpp", &time_ll_cpp, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("use_fp8"), py::arg("iters"));
+      .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace epx::python

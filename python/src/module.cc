@@ -16,6 +16,7 @@
 namespace epx::python {
 void bind_buffer(py::module_& m);
 void bind_a2a(py::module_& m);
+void bind_timing(py::module_& m);
 }  // namespace epx::python
 
 namespace {
@@ -146,4 +147,5 @@ PYBIND11_MODULE(_epx, m) {
 
   bind_buffer(m);
   bind_a2a(m);
+  bind_timing(m);
 }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <vector>
 
 namespace epx::python {
@@ -110,6 +111,37 @@ py::object device_object(Device device) {
   return api.device_ctor("cuda", device.index);
 }
 
+// Interned attribute names (built once; attribute lookups by PyObject* skip re-encoding).
+struct Names {
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* get_device = PyUnicode_InternFromString("get_device");
+};
+
+const Names& names() {
+  static const Names* n = new Names();  // never freed (lives as long as the interpreter)
+  return *n;
+}
+
+// {"dtype": ..., "device": ...} for torch.empty, one dict per (dtype, device), built once.
+const py::dict& empty_kwargs(DType dtype, Device device) {
+  static auto* cache = new std::map<int, py::dict>();
+  const int key =
+      static_cast<int>(dtype) * 4096 + (device.type == DeviceType::kCpu ? 0 : 1 + device.index);
+  auto it = cache->find(key);
+  if (it == cache->end()) {
+    py::dict kwargs;
+    kwargs["dtype"] = torch_api().dtype_of[static_cast<int>(dtype)];
+    kwargs["device"] = device_object(device);
+    it = cache->emplace(key, std::move(kwargs)).first;
+  }
+  return it->second;
+}
+
 }  // namespace
 
 TorchApi& torch_api() {
@@ -129,36 +161,54 @@ TensorView to_view(py::handle t, const char* what) {
   if (t.is_none()) return v;
   TorchApi& api = torch_api();
   if (!api.ready) throw_epx(ErrorCode::kInternal, "epx._epx used before epx was imported");
-  if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "stride")) {
-    bad(std::string(what) + " must be a torch.Tensor, got " +
-        std::string(py::str(py::type::handle_of(t).attr("__name__"))));
-  }
-  py::object dtype = t.attr("dtype");
+  const Names& n = names();
+  PyObject* o = t.ptr();
+  auto not_a_tensor = [&]() {
+    PyErr_Clear();
+    bad(std::string(what) + " is a " + Py_TYPE(o)->tp_name + ", expected a torch.Tensor");
+  };
+  py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.dtype));
+  if (!dtype) not_a_tensor();
   PyObject* code = PyDict_GetItem(api.dtype_code.ptr(), dtype.ptr());  // borrowed
   if (code == nullptr) {
+    if (!PyObject_HasAttr(o, n.data_ptr)) not_a_tensor();
     bad(std::string(what) + " has dtype " + std::string(py::str(dtype)) +
         ", which epx does not support (bfloat16, float16, float32, float8_e4m3fn, int32, int64, "
         "uint8, bool)");
   }
   v.dtype = static_cast<DType>(PyLong_AsLong(code));
-  py::tuple shape = py::reinterpret_steal<py::tuple>(PySequence_Tuple(t.attr("shape").ptr()));
-  py::tuple strides = t.attr("stride")();
-  if (shape.size() > static_cast<size_t>(kMaxDims)) {
-    bad(std::string(what) + " has " + std::to_string(shape.size()) + " dims, epx accepts at most " +
+  py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.shape));
+  py::object strides = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.stride));
+  py::object data = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.data_ptr));
+  if (!shape || !strides || !data || !PyTuple_Check(shape.ptr()) || !PyTuple_Check(strides.ptr()))
+    not_a_tensor();
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+  if (ndim > kMaxDims) {
+    bad(std::string(what) + " has " + std::to_string(ndim) + " dims, epx accepts at most " +
         std::to_string(kMaxDims));
   }
-  v.ndim = static_cast<int>(shape.size());
+  v.ndim = static_cast<int>(ndim);
   for (int i = 0; i < v.ndim; ++i) {
-    v.shape[i] = shape[i].cast<int64_t>();
-    v.strides[i] = strides[i].cast<int64_t>();
+    v.shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    v.strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides.ptr(), i));
   }
-  v.data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());
-  if (t.attr("is_cuda").cast<bool>()) {
-    v.device = Device::cuda(t.attr("get_device")().cast<int>());
-  } else if (!py::str(t.attr("device").attr("type")).equal(py::str("cpu"))) {
-    bad(std::string(what) + " is on " + std::string(py::str(t.attr("device"))) +
-        ", epx accepts cpu and cuda tensors");
+  v.data = PyLong_AsVoidPtr(data.ptr());
+  py::object is_cuda = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.is_cuda));
+  if (!is_cuda) not_a_tensor();
+  if (is_cuda.ptr() == Py_True) {
+    py::object index =
+        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.get_device));
+    if (!index) not_a_tensor();
+    v.device = Device::cuda(static_cast<int>(PyLong_AsLong(index.ptr())));
+  } else {
+    py::object is_cpu = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.is_cpu));
+    if (!is_cpu) PyErr_Clear();
+    if (is_cpu && is_cpu.ptr() != Py_True) {
+      bad(std::string(what) + " is on " + std::string(py::str(t.attr("device"))) +
+          ", epx accepts cpu and cuda tensors");
+    }
   }
+  if (PyErr_Occurred()) not_a_tensor();
   return v;
 }
 
@@ -166,12 +216,18 @@ const Allocator& torch_allocator() {
   static const Allocator alloc = [](DType dtype, const std::vector<int64_t>& shape,
                                     Device device) -> Tensor {
     py::gil_scoped_acquire gil;
-    TorchApi& api = torch_api();
     py::tuple sizes(shape.size());
-    for (size_t i = 0; i < shape.size(); ++i) sizes[i] = py::int_(shape[i]);
-    py::object t = api.empty(sizes, py::arg("dtype") = api.dtype_of[static_cast<int>(dtype)],
-                             py::arg("device") = device_object(device));
-    void* data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());
+    for (size_t i = 0; i < shape.size(); ++i) {
+      PyTuple_SET_ITEM(sizes.ptr(), i, PyLong_FromLongLong(shape[i]));
+    }
+    py::tuple args = py::make_tuple(sizes);
+    py::object t = py::reinterpret_steal<py::object>(
+        PyObject_Call(torch_api().empty.ptr(), args.ptr(), empty_kwargs(dtype, device).ptr()));
+    if (!t) throw py::error_already_set();
+    py::object ptr =
+        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), names().data_ptr));
+    if (!ptr) throw py::error_already_set();
+    void* data = PyLong_AsVoidPtr(ptr.ptr());
     Tensor out;
     static_cast<TensorView&>(out) = TensorView::contiguous(data, dtype, shape, device);
     out.storage = std::shared_ptr<void>(data, PyRef{t.release().ptr(), dtype, shape});
