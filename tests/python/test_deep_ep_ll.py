@@ -48,6 +48,7 @@ def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0,
     assert (t_max, hidden, num_experts) == (T_max, H, E), what
     assert list(src_info.shape) == [L, R * T_max] and src_info.dtype == torch.int32
     assert list(layout_range.shape) == [L, R] and layout_range.dtype == torch.int64
+    count, src_info, layout_range = count.cpu(), src_info.cpu(), layout_range.cpu()
     if use_fp8:
         recv_x, scales = recv
         assert recv_x.dtype == epx.fp8_dtype and list(recv_x.shape) == [L, R * T_max, H], what
@@ -59,8 +60,9 @@ def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0,
             assert scales.dtype == torch.float32 and list(scales.shape) == [L, R * T_max, G]
         # Column-major in the last two dims (what grouped-GEMM kernels read with TMA).
         assert scales.stride(1) == 1 and scales.stride(2) == R * T_max, (what, scales.stride())
+        recv_x, scales = recv_x.cpu(), scales.cpu()
     else:
-        recv_x, scales = recv, None
+        recv_x, scales = recv.cpu(), None
         assert recv_x.dtype == torch.bfloat16 and list(recv_x.shape) == [L, R * T_max, H], what
     for l in range(L):
         n = want[l]["count"]
@@ -81,14 +83,14 @@ def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0,
 def body_ll_roundtrip(ctx, seed):
     """bf16 and fp8 (plain, round_scale, UE8M0) dispatch; combine; stats; handle; several
     routings and T = 0 on a rank."""
-    R, r = ctx.world_size, ctx.rank
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = 4 * R
     L = E // R
     T_max = 24
     buf = deep_ep.Buffer(ctx.group, low_latency_mode=True,
                          num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
                              T_max, H, R, E))
-    stats = torch.zeros(L, dtype=torch.int32)
+    stats = torch.zeros(L, dtype=torch.int32, device=dev)
     expected_stats = torch.zeros(L, dtype=torch.int64)
     cases = [(kind, fp8, rs, ue) for kind in ref.ROUTINGS
              for fp8, rs, ue in ((False, False, False), (True, False, False))]
@@ -100,7 +102,7 @@ def body_ll_roundtrip(ctx, seed):
         inputs = _inputs(s, R, E, lambda src: 0 if (i % 3 == 1 and src == 0) else
                          (T_max if i % 4 == 0 else 7 + src), kind)
         mine = inputs[r]
-        res = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], T_max, E,
+        res = buf.low_latency_dispatch(mine["x"].to(dev), mine["topk_idx"].to(dev), T_max, E,
                                        cumulative_local_expert_recv_stats=stats,
                                        use_fp8=use_fp8, round_scale=round_scale,
                                        use_ue8m0=use_ue8m0)
@@ -108,28 +110,30 @@ def body_ll_roundtrip(ctx, seed):
         _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0, what)
         want = ref.ll_dispatch(inputs, r, E, R, T_max, use_fp8, round_scale)
         expected_stats += torch.tensor([w["count"] for w in want])
-        assert torch.equal(stats.to(torch.int64), expected_stats), what
+        assert torch.equal(stats.cpu().to(torch.int64), expected_stats), what
         ys = [_y(s, d, L, R, T_max) for d in range(R)]
-        out, event, hook = buf.low_latency_combine(ys[r], mine["topk_idx"], mine["topk_weights"],
-                                                   res[2])
+        out, event, hook = buf.low_latency_combine(ys[r].to(dev), mine["topk_idx"].to(dev),
+                                                   mine["topk_weights"].to(dev), res[2])
         assert hook is None and isinstance(event, deep_ep.EventOverlap)
         assert out.dtype == torch.bfloat16 and list(out.shape) == [mine["x"].shape[0], H]
-        assert torch.equal(out, ref.ll_combine(inputs, ys, r, E, R)), what
+        assert torch.equal(out.cpu(), ref.ll_combine(inputs, ys, r, E, R)), what
 
 
 def body_ll_hook_zero_copy_out(ctx, seed):
     """return_recv_hook (two dispatches in flight), zero_copy through
     get_next_low_latency_combine_buffer, `out=`, int32 topk_idx, clean_low_latency_buffer."""
-    R, r = ctx.world_size, ctx.rank
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = 2 * R
     L = E // R
     T_max = 16
     buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
     a = _inputs(seed, R, E, lambda s: 5 + 2 * s)
     b = _inputs(seed + 1, R, E, lambda s: T_max - s)
-    ra = buf.low_latency_dispatch(a[r]["x"], a[r]["topk_idx"], T_max, E, use_fp8=True,
+    ad = {k: v.to(dev) for k, v in a[r].items()}
+    bd = {k: v.to(dev) for k, v in b[r].items()}
+    ra = buf.low_latency_dispatch(ad["x"], ad["topk_idx"], T_max, E, use_fp8=True,
                                   return_recv_hook=True)
-    rb = buf.low_latency_dispatch(b[r]["x"], b[r]["topk_idx"].to(torch.int32), T_max, E,
+    rb = buf.low_latency_dispatch(bd["x"], bd["topk_idx"].to(torch.int32), T_max, E,
                                   use_fp8=False, return_recv_hook=True)
     assert callable(ra[4]) and callable(rb[4])
     ra[4]()
@@ -143,26 +147,26 @@ def body_ll_hook_zero_copy_out(ctx, seed):
     ys = [_y(seed, d, L, R, T_max) for d in range(R)]
     view = buf.get_next_low_latency_combine_buffer(ra[2])
     assert view.dtype == torch.bfloat16 and list(view.shape) == [L, R * T_max, H]
-    view.copy_(ys[r])
-    out, _, hook = buf.low_latency_combine(view, a[r]["topk_idx"], a[r]["topk_weights"], ra[2],
+    view.copy_(ys[r].to(dev))
+    out, _, hook = buf.low_latency_combine(view, ad["topk_idx"], ad["topk_weights"], ra[2],
                                            zero_copy=True, return_recv_hook=True)
     assert callable(hook)
     hook()
-    assert torch.equal(out, ref.ll_combine(a, ys, r, E, R)), f"seed={seed} zero_copy"
+    assert torch.equal(out.cpu(), ref.ll_combine(a, ys, r, E, R)), f"seed={seed} zero_copy"
 
     # out=: poisoned caller tensor, returned as the result.
     ys = [_y(seed + 7, d, L, R, T_max) for d in range(R)]
-    Tb = b[r]["x"].shape[0]
-    dst = torch.full((Tb, H), float("nan"), dtype=torch.bfloat16)
-    out, _, _ = buf.low_latency_combine(ys[r], b[r]["topk_idx"].to(torch.int32),
-                                        b[r]["topk_weights"], rb[2], out=dst)
+    Tb = bd["x"].shape[0]
+    dst = torch.full((Tb, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    out, _, _ = buf.low_latency_combine(ys[r].to(dev), bd["topk_idx"].to(torch.int32),
+                                        bd["topk_weights"], rb[2], out=dst)
     assert out is dst
-    assert torch.equal(dst, ref.ll_combine(b, ys, r, E, R)), f"seed={seed} out="
+    assert torch.equal(dst.cpu(), ref.ll_combine(b, ys, r, E, R)), f"seed={seed} out="
 
     # Clean, then the buffer works as before.
     buf.clean_low_latency_buffer(T_max, H, E)
     buf.clean_low_latency_buffer(T_max + 1, H, E)  # no buffer of that shape: nothing to clean
-    rc = buf.low_latency_dispatch(a[r]["x"], a[r]["topk_idx"], T_max, E, use_fp8=False)
+    rc = buf.low_latency_dispatch(ad["x"], ad["topk_idx"], T_max, E, use_fp8=False)
     _check_dispatch(ctx, a, rc, E, T_max, False, False, False, f"seed={seed} after clean")
 
 

@@ -35,6 +35,14 @@ def _inputs(seed, R, E, T_of, kind="uniform"):
     return out
 
 
+def _backend(ctx):
+    return "cpu" if ctx.device.type == "cpu" else "cuda"
+
+
+def _on(inp, dev):
+    return inp["topk_idx"].to(dev), [p.to(dev) for p in inp["payloads"]]
+
+
 def _mapping(ctx):
     return fi.Mapping(world_size=ctx.world_size, rank=ctx.rank, tp_size=ctx.world_size,
                       moe_ep_size=ctx.world_size)
@@ -50,21 +58,22 @@ def _check_recv(ctx, inputs, recv, M, E, invalid_id, what):
         assert list(view.shape) == [R, M] + list(p.shape[1:]), (what, i, view.shape)
         for s in range(R):
             n = counts[s]
-            assert torch.equal(view[s, :n], want[s][i]), (what, i, s)
+            assert torch.equal(view[s, :n].cpu(), want[s][i]), (what, i, s)
             if invalid_id is not None and i == 1:
                 assert bool((view[s, n:] == invalid_id).all()), (what, "sanitised", s)
     return counts
 
 
 def body_a2a_roundtrip(ctx, seed):
-    R, r = ctx.world_size, ctx.rank
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = 2 * R
     max_tokens = 12
     ws = fi.moe_a2a_get_workspace_size_per_rank(R, max_tokens, H * 2 + K * 4 + K * 4 + 32,
                                                 H * 4)
     a2a = fi.MoeAlltoAll(_mapping(ctx), max_tokens, K, E, workspace_size_per_rank=ws,
                          hidden_size=H, mnnvl_config=fi.MnnvlConfig(
-                             comm_backend=fi.TorchDistBackend(ctx.group)))
+                             comm_backend=fi.TorchDistBackend(ctx.group)),
+                         backend=_backend(ctx))
     assert (a2a.ep_rank, a2a.ep_size) == (r, R)
     for i, kind in enumerate(ref.ROUTINGS):
         for j, (sanitise, in_ws, dtype) in enumerate(((None, False, torch.bfloat16),
@@ -77,24 +86,25 @@ def body_a2a_roundtrip(ctx, seed):
                 (lambda src: max_tokens - src)
             inputs = _inputs(s, R, E, T_of, kind)
             M = min(max(T_of(src) for src in range(R)) + (j % 2), max_tokens)
-            recv = a2a.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M,
+            idx, payloads = _on(inputs[r], dev)
+            recv = a2a.dispatch(idx, payloads, M,
                                 invalid_token_expert_id=sanitise,
                                 expert_id_payload_index=1 if sanitise is not None else None)
             counts = _check_recv(ctx, inputs, recv, M, E, sanitise, what)
-            assert a2a.recv_counts.tolist() == counts, what
+            assert a2a.recv_counts.cpu().tolist() == counts, what
             # The MoE kernel's output per received row: rank d's y_d[s][j].
             ys = [ref.rand_bf16((R, M, H), ref.generator(s, d, "y"), 2.0).to(dtype)
                   for d in range(R)]
             if in_ws:
                 view = a2a.get_combine_payload_tensor_in_workspace(M, H, dtype)
                 assert list(view.shape) == [R, M, H] and view.dtype == dtype, what
-                view.copy_(ys[r])
+                view.copy_(ys[r].to(dev))
                 out = a2a.combine(view, M, payload_in_workspace=True)
             else:
-                out = a2a.combine(ys[r], M)
+                out = a2a.combine(ys[r].to(dev), M)
             T = inputs[r]["topk_idx"].shape[0]
             assert out.dtype == dtype and list(out.shape) == [T, H], what
-            assert torch.equal(out, ref.a2a_combine(inputs, ys, r, E, R)), what
+            assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), what
 
 
 def body_a2a_lazy_workspace(ctx, seed):
@@ -102,7 +112,7 @@ def body_a2a_lazy_workspace(ctx, seed):
     the workspace; the default group is used without mnnvl_config."""
     R, r = ctx.world_size, ctx.rank
     E = R
-    a2a = fi.MoeAlltoAll(_mapping(ctx), 6, K, E, hidden_size=H)
+    a2a = fi.MoeAlltoAll(_mapping(ctx), 6, K, E, hidden_size=H, backend=_backend(ctx))
     for step, width in enumerate((8, 32)):
         inputs = []
         for s in range(R):
@@ -118,7 +128,7 @@ def body_a2a_lazy_workspace(ctx, seed):
 def body_a2a_errors(ctx, seed):
     R, r = ctx.world_size, ctx.rank
     E = 2 * R
-    a2a = fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H)
+    a2a = fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, backend=_backend(ctx))
     inp = _inputs(seed, R, E, lambda s: 4)[r]
     idx, payloads = inp["topk_idx"], inp["payloads"]
     y = torch.zeros(R, 4, H, dtype=torch.bfloat16)
