@@ -10,7 +10,15 @@ Drop-in compatibility layers: ``epx.compat.deep_ep`` (DeepEP's Buffer) and
 ``epx.compat.flashinfer`` (FlashInfer's MoeAlltoAll).
 """
 
-from . import _epx, _torch  # _torch registers torch with the C++ extension
+try:
+    from . import _epx
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "epx: the C++ extension epx._epx is not built for this interpreter "
+        f"({e}). Build it with `bash scripts/test.sh` (or cmake -DEPX_BUILD_PYTHON=ON "
+        "-DPython3_EXECUTABLE=<python> and the target _epx) and use PYTHONPATH=python, or install "
+        "with `pip install --no-build-isolation ./python`.") from e
+from . import _torch  # noqa: E402  (registers torch with the C++ extension)
 from .buffer import (A2a, A2aDispatchResult, Buffer, HtCombineResult, HtDispatchResult,
                      HtHandle, HtLayout, LlCombineResult, LlDispatchResult, LlHandle)
 from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError,
