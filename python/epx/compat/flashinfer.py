@@ -21,6 +21,8 @@ How it maps, and what differs:
   enable_rank_mask=True.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -260,6 +262,7 @@ class MoeAlltoAll:
         device = "cpu" if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
         self._group = _EpxGroup.from_comm(comm, device)
         self._a2a = None
+        self._a2a_bytes = []
         self._state = "idle"  # idle -> dispatched -> idle
         self._runtime_max = 0
         self._num_tokens = 0
@@ -294,21 +297,25 @@ class MoeAlltoAll:
         return lo
 
     def _workspace(self, payloads):
-        payload_bytes = []
+        """The A2a for these payloads: the current one when they fit (the per-call fast path),
+        else a new one sized for them (collective: every rank passes the same row sizes)."""
+        try:
+            payload_bytes = [p.element_size() * math.prod(p.shape[1:]) for p in payloads]
+        except (AttributeError, TypeError):
+            payload_bytes = None
+        a2a = self._a2a
+        if a2a is not None and payload_bytes is not None:
+            have = self._a2a_bytes
+            if len(have) == len(payload_bytes) and all(
+                    n <= h for n, h in zip(payload_bytes, have)):
+                return a2a
         for i, p in enumerate(payloads):
             if not isinstance(p, torch.Tensor) or p.dim() < 1:
                 raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads[{i}]' "
                                      "must be a torch.Tensor [T, ...]")
-            payload_bytes.append(max(_round4(p.element_size() *
-                                             int(torch.Size(p.shape[1:]).numel())), 4))
-        a2a = self._a2a
-        if a2a is not None:
-            have = a2a.payload_bytes_per_token
-            if len(have) == len(payload_bytes) and all(
-                    n <= h for n, h in zip(payload_bytes, have)):
-                return a2a
-            if len(have) == len(payload_bytes):
-                payload_bytes = [max(n, h) for n, h in zip(payload_bytes, have)]
+        payload_bytes = [max(_round4(n), 4) for n in payload_bytes]
+        if a2a is not None and len(self._a2a_bytes) == len(payload_bytes):
+            payload_bytes = [max(n, h) for n, h in zip(payload_bytes, self._a2a_bytes)]
         if not 1 <= len(payload_bytes) <= _epx.kMaxA2aPayloads:
             raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads' has "
                                  f"{len(payload_bytes)} tensors, expected 1.."
@@ -316,6 +323,7 @@ class MoeAlltoAll:
         self._a2a = None
         self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
                             payload_bytes, self._combine_bytes(payload_bytes))
+        self._a2a_bytes = payload_bytes
         return self._a2a
 
     # ---- API ---------------------------------------------------------------------------------
