@@ -25,7 +25,8 @@ def _inputs(seed, R, E, T_of, kind="uniform", fmt="bf16"):
     for s in range(R):
         g = ref.generator(seed, s)
         T = T_of(s)
-        inp = dict(topk_idx=ref.routing(kind, T, K, E, R, g), topk_weights=ref.rand_weights(T, K, g))
+        inp = dict(topk_idx=ref.routing(kind, T, K, E, R, g),
+                   topk_weights=ref.rand_weights(T, K, g))
         if fmt == "bf16":
             inp["x"] = ref.rand_bf16((T, H), g)
         else:
