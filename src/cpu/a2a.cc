@@ -8,7 +8,9 @@
 //
 // Workspace (one symmetric allocation of cpu_a2a_bytes per rank; every region starts on a
 // kRegionAlign boundary; "publish" regions are written by their owner and read by peers):
-//   header            CpuA2aHeader                   publish: T, M, row_bytes_i, combine H/dtype
+//   header            CpuA2aHeader                   publish: the A2aShape (checked equal on all
+//                                                    ranks at construction), T, M, row_bytes_i,
+//                                                    combine H/dtype
 //   send_mask         uint64 [max]                   publish: bit d of token t = t goes to rank d
 //   send_payload_i    [max, payload_bytes_per_token_i]  publish: this rank's payload i, rows
 //                                                    packed at row_bytes_i (i = 0..P-1)
@@ -79,12 +81,27 @@ size_t align_up(size_t n) {
 
 // Published by each rank; read by peers between the two barriers of an operation.
 struct CpuA2aHeader {
+  int64_t shape[4 + kMaxA2aPayloads];  // construction: the A2aShape (see shape_fields)
   int64_t num_tokens;                  // dispatch: T
   int64_t runtime_max;                 // dispatch: M
   int64_t row_bytes[kMaxA2aPayloads];  // dispatch: bytes per token of each payload
   int64_t combine_hidden;              // combine: H
   int64_t combine_dtype;               // combine: DType of y
 };
+
+constexpr const char* kShapeFieldNames[] = {"max_tokens_per_rank", "top_k", "num_experts",
+                                            "combine_bytes_per_token", "payload_bytes_per_token"};
+
+// The A2aShape as the numbers every rank must agree on (unused payload entries are 0).
+std::vector<int64_t> shape_fields(const A2aShape& s) {
+  std::vector<int64_t> f = {s.max_tokens_per_rank, s.top_k, s.num_experts,
+                            static_cast<int64_t>(s.combine_bytes_per_token)};
+  for (int i = 0; i < kMaxA2aPayloads; ++i)
+    f.push_back(i < static_cast<int>(s.payload_bytes_per_token.size())
+                    ? static_cast<int64_t>(s.payload_bytes_per_token[i])
+                    : 0);
+  return f;
+}
 
 // Offsets of every region; used both to size the workspace and to address it.
 struct CpuA2aLayout {
@@ -119,6 +136,17 @@ class CpuA2a final : public A2aImpl {
   CpuA2a(const Group& group, const A2aShape& shape)
       : A2aImpl(group, shape), layout_(shape, group.size()) {
     mem_ = transport().allocate(layout_.total_bytes);
+    // Every rank must have built the same layout: publish the shape and compare (the header sits
+    // at offset 0, inside every peer's allocation whatever its size).
+    std::vector<int64_t> fields = shape_fields(shape);
+    std::copy(fields.begin(), fields.end(), header(group.rank())->shape);
+    transport().barrier("A2a (publish shape)");
+    for (size_t f = 0; f < fields.size(); ++f)
+      agree("A2a",
+            cat("A2aShape field ", kShapeFieldNames[f < 4 ? f : 4],
+                f < 4 ? std::string() : cat("[", f - 4, "]")),
+            [f](const CpuA2aHeader& h) { return h.shape[f]; });
+    transport().barrier("A2a (check shape)");
   }
 
   size_t bytes_allocated() const override { return mem_->bytes(); }

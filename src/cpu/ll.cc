@@ -41,20 +41,24 @@
 //     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns
 //
 // Double buffering. Each ll_dispatch takes dispatch slot (number of dispatches so far) % 2; its
-// handle records it and ll_combine uses the combine slot of the same number. Headers carry a
-// per-kind sequence number, so ranks that called ll operations in different orders get an error,
-// not wrong data. Legal interleavings (every rank calls the same operations and hooks in the
-// same order):
-//   - any sequence of calls without hooks;
+// handle records it (handle.slot) and ll_combine(handle) publishes into combine slot handle.slot.
+// Headers carry a per-kind sequence number, so ranks that called ll operations in different
+// orders get an error, not wrong data. Legal interleavings (every rank calls the same operations
+// and hooks in the same order):
+//   - any sequence of calls without hooks, e.g. dispatch; combine; dispatch; combine;
 //   - at most two dispatches waiting for their hooks, e.g. dispatch(A, hook); dispatch(B, hook);
-//     hookA(); hookB() (or hookB(); hookA()); other calls (combines, non-hook dispatches into the
-//     other slot) may come in between;
-//   - at most one combine per slot waiting for its hook; writing into ll_next_combine_buffer(h)
-//     only after the previous combine through h.slot has finished;
-//   - the views a hook fills (outputs, cumulative_local_expert_recv_stats, out) must stay alive
-//     until the hook ran. A third dispatch into a slot still waiting for its hook, a combine or an
-//     ll_next_combine_buffer on a combine slot still waiting, a second call of a hook and a hook
-//     called after ll_clean are InvalidArgument errors.
+//     hookA(); hookB() (or hookB(); hookA()), with any other calls in between (combines, a
+//     non-hook dispatch when only one hook is pending), e.g. the two-batch overlap
+//     dispatch(A); hookA; dispatch(B); combine(A); hookB; combine(B); hook_cA; hook_cB;
+//   - at most one combine per combine slot waiting for its hook;
+//   - zero_copy: ll_next_combine_buffer(h) is the same memory for every handle of slot h.slot
+//     (dispatches 2 apart): write it for one handle at a time, and only once the previous combine
+//     through that slot has finished (its hook ran);
+//   - caller-owned views a hook writes (cumulative_local_expert_recv_stats, out) must stay alive
+//     until the hook ran (the outputs the library allocated are kept alive by the hook).
+// Misuse is reported, never silently wrong: a third dispatch while two wait for their hooks, a
+// combine or ll_next_combine_buffer on a combine slot whose combine still waits, a second call of
+// a hook and a hook called after ll_clean throw InvalidArgument.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

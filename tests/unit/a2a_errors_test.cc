@@ -386,6 +386,24 @@ TEST(A2aErrors, RanksDisagree) {
   }
 }
 
+TEST(A2aErrors, RanksConstructDifferentShapes) {
+  testing::run_threads(3, [](const Group& g) {
+    A2aShape s;
+    s.max_tokens_per_rank = 8;
+    s.top_k = 2;
+    s.num_experts = 6;
+    s.payload_bytes_per_token = {32, 8};
+    s.combine_bytes_per_token = 64;
+    if (g.rank() == 2) s.payload_bytes_per_token[1] = 12;
+    expect_error([&] { A2a a2a(g, s); }, ErrorCode::kInvalidArgument, "payload_bytes_per_token[1]",
+                 "different shapes");
+    // The group is still usable: the same shape everywhere works.
+    s.payload_bytes_per_token[1] = 8;
+    A2a ok(g, s);
+    EXPECT_EQ(ok.bytes_allocated(), A2a::workspace_bytes(s, 3, Backend::kCpu));
+  });
+}
+
 // ---- timeouts --------------------------------------------------------------------------------
 
 A2aShape tiny_shape() {

@@ -1,0 +1,73 @@
+// tests/support/oracle_ll.h — a naive, independent oracle of the ll mode (SPEC 3.4, 3.5).
+//
+// Given every rank's inputs, computes what one rank must receive from ll_dispatch and what its
+// ll_combine must return, with plain loops over experts, ranks and tokens (no code shared with
+// src/cpu/ll.cc; the fp8/bf16 conversions of core/numeric.h are the reference formats). Used by
+// tests/unit/ll_test.cc and by epx-bench --check; check_* compare a backend's result (host-readable
+// tensors: copy device tensors to the host first) bit for bit on every row the spec defines.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/ll.h"
+#include "epx/tensor.h"
+
+namespace epx::testing {
+
+struct LlProblem {
+  int num_ranks = 1;       // R
+  int64_t max_tokens = 1;  // T_max
+  int64_t hidden = 128;    // H, a multiple of 128
+  int top_k = 1;           // K
+  int num_experts = 1;     // E, a multiple of R
+  bool use_fp8 = false;
+  bool round_scale = false;
+  bool use_ue8m0 = false;
+
+  int num_local_experts() const { return num_experts / num_ranks; }
+  int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
+  int64_t num_groups() const { return hidden / 128; }                 // G
+  std::string describe() const;
+};
+
+// One rank's inputs, row-major.
+struct LlRankInput {
+  int64_t num_tokens = 0;           // T
+  std::vector<uint16_t> x;          // [T, H] bf16 bits
+  std::vector<int64_t> topk_idx;    // [T, K], values in [-1, E)
+  std::vector<float> topk_weights;  // [T, K]
+};
+
+// What one rank receives, in logical row-major layouts; rows >= recv_count[l] are undefined and
+// hold zeros here.
+struct LlExpectedDispatch {
+  std::vector<int32_t> recv_count;    // [L]
+  std::vector<uint8_t> recv_x;        // [L, R*T_max, H * (fp8 ? 1 : 2)] bytes
+  std::vector<float> recv_scales;     // [L, R*T_max, G]            fp8 without ue8m0
+  std::vector<int32_t> recv_packed;   // [L, R*T_max, ceil(G / 4)]  fp8 with ue8m0
+  std::vector<int32_t> src_info;      // [L, R*T_max]
+  std::vector<int64_t> layout_range;  // [L, R]
+};
+
+LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRankInput>& inputs,
+                                      int rank);
+
+// y[d]: rank d's expert outputs, bf16 [L, R*T_max, H] (only rows < rank d's recv_count are read).
+// Returns rank `rank`'s out [T, H] bf16.
+std::vector<uint16_t> oracle_ll_combine(const LlProblem& p, const std::vector<LlRankInput>& inputs,
+                                        const std::vector<std::vector<uint16_t>>& y, int rank);
+// Every rank's out at once (walks the routing once for all ranks).
+std::vector<std::vector<uint16_t>> oracle_ll_combine_all(
+    const LlProblem& p, const std::vector<LlRankInput>& inputs,
+    const std::vector<std::vector<uint16_t>>& y);
+
+// "" when `got` matches `want` on every defined element, else a description of the first
+// mismatch (and how many there were). Tensors are read through their strides.
+std::string check_ll_dispatch(const LlProblem& p, const LlExpectedDispatch& want,
+                              const LlDispatchResult& got);
+std::string check_ll_combine(const LlProblem& p, const std::vector<uint16_t>& want,
+                             const TensorView& out);
+
+}  // namespace epx::testing

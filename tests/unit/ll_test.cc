@@ -1,0 +1,681 @@
+// ll mode of the cpu backend against the naive oracle (tests/support/oracle_ll.h), bit for bit on
+// every defined element: recv_x bytes, recv_scales (f32 or packed UE8M0, column-major), recv_count,
+// src_info, layout_range, cumulative stats, combine out. Random cases cover R, T per rank
+// (0..T_max), H, K, E, every routing, bf16/fp8/round_scale/ue8m0, hooks (two dispatches in
+// flight, reversed hook order), zero_copy, caller-provided out, padded strides, int32 topk, threads
+// and processes. Every output the library allocates comes from a poisoning allocator; every
+// caller-provided output is poisoned. Then every SPEC 5 ll error case, and timeouts.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "core/numeric.h"
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "support/harness.h"
+#include "support/oracle_ll.h"
+#include "support/routing.h"
+
+namespace epx {
+namespace {
+
+using testing::LlExpectedDispatch;
+using testing::LlProblem;
+using testing::LlRankInput;
+using testing::Routing;
+
+Allocator poison_allocator() {
+  return [base = default_allocator()](DType d, const std::vector<int64_t>& s, Device dev) {
+    Tensor t = base(d, s, dev);
+    if (t.nbytes()) std::memset(t.data, 0xA5, t.nbytes());
+    return t;
+  };
+}
+
+constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong row read shows up in the combine sum
+
+struct Case {
+  LlProblem p;
+  Routing routing = Routing::kUniform;
+  bool topk_i32 = false, hook = false, reverse_hooks = false, zero_copy = false;
+  bool out_given = false, stats = false, padded = false;
+  int num_batches = 1;  // dispatches in flight together
+  int num_iters = 1;    // dispatch+combine rounds on one buffer
+  uint64_t seed = 0;
+
+  std::string describe() const {
+    return p.describe() + " routing=" + testing::routing_name(routing) +
+           (topk_i32 ? " topk_i32" : "") + (hook ? " hook" : "") +
+           (reverse_hooks ? " reverse_hooks" : "") + (zero_copy ? " zero_copy" : "") +
+           (out_given ? " out" : "") + (stats ? " stats" : "") + (padded ? " padded" : "") +
+           " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
+           " seed=" + std::to_string(seed);
+  }
+};
+
+// One dispatch + combine: every rank's inputs and what every rank must get.
+struct Batch {
+  std::vector<LlRankInput> in;                  // [R]
+  std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
+  std::vector<LlExpectedDispatch> want;         // [R]
+  std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
+  std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
+};
+
+Batch make_batch(const Case& c, std::mt19937_64& rng) {
+  const LlProblem& p = c.p;
+  const int R = p.num_ranks, L = p.num_local_experts();
+  const int64_t RT = p.rows_per_expert(), H = p.hidden;
+  Batch b;
+  for (int r = 0; r < R; ++r) {
+    LlRankInput in;
+    const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
+    in.num_tokens = pick == 0   ? 0
+                    : pick == 1 ? p.max_tokens
+                                : std::uniform_int_distribution<int64_t>(0, p.max_tokens)(rng);
+    in.x = testing::make_bf16(in.num_tokens, H, rng);
+    const int target = std::uniform_int_distribution<int>(0, p.num_experts - 1)(rng);
+    in.topk_idx =
+        testing::make_topk_idx(c.routing, in.num_tokens, p.top_k, p.num_experts, R, rng, target);
+    in.topk_weights = testing::make_topk_weights(in.topk_idx, rng);
+    b.in.push_back(std::move(in));
+    std::vector<int32_t> s(L);
+    for (auto& v : s) v = std::uniform_int_distribution<int32_t>(-1000, 1000)(rng);
+    b.stats0.push_back(s);
+  }
+  for (int r = 0; r < R; ++r) {
+    b.want.push_back(testing::oracle_ll_dispatch(p, b.in, r));
+    std::vector<uint16_t> y(L * RT * H, kPoisonBf16);
+    for (int l = 0; l < L; ++l) {
+      const std::vector<uint16_t> rows = testing::make_bf16(b.want[r].recv_count[l], H, rng);
+      std::copy(rows.begin(), rows.end(), y.begin() + l * RT * H);
+    }
+    b.y.push_back(std::move(y));
+  }
+  b.want_out = testing::oracle_ll_combine_all(p, b.in, b.y);
+  return b;
+}
+
+// A copy of rows [n, H] with row stride H + pad (pad 0 when !padded).
+struct Rows {
+  std::vector<uint16_t> data;
+  int64_t stride;
+};
+Rows padded_copy(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded) {
+  Rows r{std::vector<uint16_t>(), padded ? H + 64 : H};
+  r.data.assign(std::max<int64_t>(n, 1) * r.stride, 0xDEAD);
+  for (int64_t i = 0; i < n; ++i)
+    std::copy_n(src.begin() + i * H, H, r.data.begin() + i * r.stride);
+  return r;
+}
+
+// Runs the case on this rank; returns "" or the first failure.
+std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Group& g) {
+  const LlProblem& p = c.p;
+  const int r = g.rank(), K = p.top_k, L = p.num_local_experts();
+  const int64_t H = p.hidden, RT = p.rows_per_expert();
+  MoeShape shape{H, K, p.num_experts, p.max_tokens};
+  BufferConfig config;
+  config.enable_ht = false;
+  config.enable_ll = true;
+  Buffer buf(g, shape, config);
+  const Allocator alloc = poison_allocator();
+  std::string err;
+  auto fail = [&](const std::string& where, const std::string& what) {
+    if (err.empty() && !what.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + what;
+  };
+  const int nb = c.num_batches;
+  for (int iter = 0; iter < c.num_iters; ++iter) {
+    std::vector<const Batch*> bs;
+    for (int b = 0; b < nb; ++b) bs.push_back(&batches[iter * nb + b]);
+    // Dispatch every batch, then run the hooks.
+    std::vector<Rows> xs;
+    std::vector<std::vector<int32_t>> topk32(nb), stats(nb);
+    std::vector<LlDispatchResult> d(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlRankInput& in = bs[b]->in[r];
+      const int64_t T = in.num_tokens;
+      xs.push_back(padded_copy(in.x, T, H, c.padded));
+      LlDispatchArgs a;
+      a.x = TensorView::contiguous(xs[b].data.data(), DType::kBF16, {T, H});
+      a.x.strides[0] = xs[b].stride;
+      if (c.topk_i32) {
+        topk32[b].assign(in.topk_idx.begin(), in.topk_idx.end());
+        a.topk_idx = TensorView::contiguous(topk32[b].data(), DType::kI32, {T, K});
+      } else {
+        a.topk_idx =
+            TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64, {T, K});
+      }
+      a.use_fp8 = p.use_fp8;
+      a.round_scale = p.round_scale;
+      a.use_ue8m0 = p.use_ue8m0;
+      a.return_recv_hook = c.hook;
+      if (c.stats) {
+        stats[b] = bs[b]->stats0[r];
+        a.cumulative_local_expert_recv_stats =
+            TensorView::contiguous(stats[b].data(), DType::kI32, {L});
+      }
+      d[b] = buf.ll_dispatch(a, alloc);
+      if (static_cast<bool>(d[b].hook) != c.hook) fail("dispatch", "hook presence is wrong");
+    }
+    if (c.hook)
+      for (int i = 0; i < nb; ++i) d[c.reverse_hooks ? nb - 1 - i : i].hook();
+    for (int b = 0; b < nb; ++b) {
+      const std::string where = "iter " + std::to_string(iter) + " batch " + std::to_string(b);
+      fail(where + " dispatch", testing::check_ll_dispatch(p, bs[b]->want[r], d[b]));
+      for (int l = 0; l < L && c.stats; ++l)
+        if (stats[b][l] != bs[b]->stats0[r][l] + bs[b]->want[r].recv_count[l])
+          fail(where + " stats", "cumulative_local_expert_recv_stats[" + std::to_string(l) +
+                                     "] = " + std::to_string(stats[b][l]));
+    }
+    // Combine every batch, then run the hooks.
+    std::vector<Rows> ys(nb);
+    std::vector<std::vector<uint16_t>> outs(nb);
+    std::vector<LlCombineResult> cr(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlRankInput& in = bs[b]->in[r];
+      const int64_t T = in.num_tokens;
+      LlCombineArgs a;
+      a.handle = &d[b].handle;
+      a.topk_idx =
+          TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64, {T, K});
+      a.topk_weights =
+          TensorView::contiguous(const_cast<float*>(in.topk_weights.data()), DType::kF32, {T, K});
+      if (c.zero_copy) {
+        TensorView v = buf.ll_next_combine_buffer(d[b].handle);
+        if (v.dtype != DType::kBF16 || v.ndim != 3 || v.shape[0] != L || v.shape[1] != RT ||
+            v.shape[2] != H)
+          fail("next_combine_buffer", "view is " + v.describe());
+        for (int l = 0; l < L; ++l)
+          for (int64_t row = 0; row < RT; ++row)
+            std::memcpy(v.ptr<uint16_t>() + l * v.strides[0] + row * v.strides[1],
+                        bs[b]->y[r].data() + (l * RT + row) * H, 2 * H);
+        a.zero_copy = true;
+      } else {
+        ys[b] = padded_copy(bs[b]->y[r], L * RT, H, c.padded);
+        a.y = TensorView::contiguous(ys[b].data.data(), DType::kBF16, {L, RT, H});
+        a.y.strides = {RT * ys[b].stride, ys[b].stride, 1};
+      }
+      if (c.out_given) {
+        outs[b].assign(std::max<int64_t>(T, 1) * H, 0xFFFF);
+        a.out = TensorView::contiguous(outs[b].data(), DType::kBF16, {T, H});
+      }
+      a.return_recv_hook = c.hook;
+      cr[b] = buf.ll_combine(a, alloc);
+      if (static_cast<bool>(cr[b].hook) != c.hook) fail("combine", "hook presence is wrong");
+      if (c.out_given && cr[b].out.data != outs[b].data())
+        fail("combine", "out given but the result does not alias it");
+    }
+    if (c.hook)
+      for (int i = 0; i < nb; ++i) cr[c.reverse_hooks ? nb - 1 - i : i].hook();
+    for (int b = 0; b < nb; ++b)
+      fail("iter " + std::to_string(iter) + " batch " + std::to_string(b) + " combine",
+           testing::check_ll_combine(p, bs[b]->want_out[r], cr[b].out));
+  }
+  return err;
+}
+
+// Runs the case on threads (or processes) and reports the failures of every rank.
+// EPX_LL_TEST_TIMES=1 prints each case's wall time (for keeping the suite fast).
+void run_case(const Case& c, bool processes) {
+  SCOPED_TRACE(c.describe());
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Timer {
+    const Case& c;
+    std::chrono::steady_clock::time_point t0;
+    ~Timer() {
+      if (getenv("EPX_LL_TEST_TIMES"))
+        std::fprintf(
+            stderr, "%8.1f ms  %s\n",
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count(),
+            c.describe().c_str());
+    }
+  } timer{c, t0};
+  std::mt19937_64 rng(c.seed);
+  std::vector<Batch> batches;
+  for (int i = 0; i < c.num_iters * c.num_batches; ++i) batches.push_back(make_batch(c, rng));
+  if (processes) {
+    int rc = testing::run_processes(c.p.num_ranks, [&](const Group& g) {
+      std::string e = run_rank(c, batches, g);
+      if (!e.empty()) std::fprintf(stderr, "%s\n", e.c_str());
+      return e.empty() ? 0 : 1;
+    });
+    EXPECT_EQ(rc, 0);
+    return;
+  }
+  std::vector<std::string> errors(c.p.num_ranks);
+  testing::run_threads(c.p.num_ranks,
+                       [&](const Group& g) { errors[g.rank()] = run_rank(c, batches, g); });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+Case random_case(uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + 17);
+  auto pick = [&](auto... v) {
+    const std::vector<std::common_type_t<decltype(v)...>> all{v...};
+    return all[std::uniform_int_distribution<size_t>(0, all.size() - 1)(rng)];
+  };
+  auto coin = [&](double prob) { return std::uniform_real_distribution<>(0, 1)(rng) < prob; };
+  Case c;
+  c.seed = seed;
+  const auto routings = testing::all_routings();
+  while (true) {
+    LlProblem& p = c.p;
+    p.num_ranks = pick(1, 2, 3, 4, 8);
+    p.num_experts = p.num_ranks * pick(1, 2, 3, 4, 8, 9, 16, 36);
+    p.top_k = pick(1, 8, 9, 16);
+    p.max_tokens = pick(int64_t{1}, int64_t{7}, int64_t{64}, int64_t{512});
+    p.hidden = coin(0.1) ? 7168 : pick(int64_t{128}, int64_t{384});
+    c.num_batches = coin(0.3) ? 2 : 1;
+    // Keep each case's memory (~16 bytes per [E, T_max, H] element per batch) and time modest.
+    const double elems = double(p.num_experts) * p.max_tokens * p.hidden * c.num_batches;
+    const double work = double(p.num_ranks) * p.max_tokens * p.top_k * p.hidden;
+    if (p.num_experts <= 288 && elems <= 4e6 && work <= 2e7) break;
+  }
+  c.p.use_fp8 = coin(0.6);
+  c.p.round_scale = c.p.use_fp8 && coin(0.5);
+  c.p.use_ue8m0 = c.p.round_scale && coin(0.5);
+  c.routing = routings[std::uniform_int_distribution<size_t>(0, routings.size() - 1)(rng)];
+  c.topk_i32 = coin(0.25);
+  c.hook = coin(0.5);
+  c.reverse_hooks = c.hook && c.num_batches == 2 && coin(0.5);
+  c.zero_copy = coin(0.5);
+  c.out_given = coin(0.5);
+  c.stats = coin(0.5);
+  c.padded = coin(0.25);
+  c.num_iters = coin(0.3) ? 2 : 1;
+  return c;
+}
+
+constexpr int kNumRandomCases = 240;
+constexpr int kNumShards = 4;
+
+class LlRandom : public ::testing::TestWithParam<int> {};
+
+TEST_P(LlRandom, MatchesOracleOnThreads) {
+  for (int i = GetParam(); i < kNumRandomCases; i += kNumShards) run_case(random_case(i), false);
+}
+INSTANTIATE_TEST_SUITE_P(Shards, LlRandom, ::testing::Range(0, kNumShards));
+
+TEST(Ll, MatchesOracleOnProcesses) {
+  for (int i = 0; i < 8; ++i) {
+    Case c = random_case(100000 + i);
+    if (c.p.num_ranks == 1) c.p.num_ranks = 2, c.p.num_experts *= 2;
+    run_case(c, true);
+  }
+}
+
+// Edge shapes every run: DeepSeek-like H, T = T_max on all ranks, K > E, all routings.
+TEST(Ll, FixedCases) {
+  int seed = 500000;
+  for (Routing routing : testing::all_routings()) {
+    Case c;
+    c.p = {4, 7, 7168, 8, 16, true, true, true};
+    c.routing = routing;
+    c.hook = true;
+    c.num_batches = 2;
+    c.seed = seed++;
+    run_case(c, false);
+    c.p = {2, 64, 128, 16, 4, false, false, false};  // K > E: rows end in -1
+    c.zero_copy = true;
+    c.out_given = true;
+    c.seed = seed++;
+    run_case(c, false);
+  }
+}
+
+// Two-batch overlap: dispatch(A); hookA; dispatch(B); combine(A); hookB; combine(B); hooks.
+TEST(Ll, TwoBatchOverlapSequence) {
+  Case c;
+  c.p = {3, 33, 256, 8, 12, true, false, false};
+  c.seed = 777;
+  std::mt19937_64 rng(c.seed);
+  const Batch A = make_batch(c, rng), B = make_batch(c, rng);
+  std::vector<std::string> errors(3);
+  testing::run_threads(3, [&](const Group& g) {
+    const int r = g.rank();
+    const LlProblem& p = c.p;
+    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, {false, true});
+    auto dispatch = [&](const Batch& b) {
+      LlDispatchArgs a;
+      const LlRankInput& in = b.in[r];
+      a.x = TensorView::contiguous(const_cast<uint16_t*>(in.x.data()), DType::kBF16,
+                                   {in.num_tokens, p.hidden});
+      a.topk_idx = TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64,
+                                          {in.num_tokens, p.top_k});
+      a.use_fp8 = p.use_fp8;
+      a.return_recv_hook = true;
+      return buf.ll_dispatch(a);
+    };
+    auto combine = [&](const Batch& b, const LlDispatchResult& d) {
+      LlCombineArgs a;
+      const LlRankInput& in = b.in[r];
+      a.y = TensorView::contiguous(const_cast<uint16_t*>(b.y[r].data()), DType::kBF16,
+                                   {p.num_local_experts(), p.rows_per_expert(), p.hidden});
+      a.topk_idx = TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64,
+                                          {in.num_tokens, p.top_k});
+      a.topk_weights = TensorView::contiguous(const_cast<float*>(in.topk_weights.data()),
+                                              DType::kF32, {in.num_tokens, p.top_k});
+      a.handle = &d.handle;
+      a.return_recv_hook = true;
+      return buf.ll_combine(a);
+    };
+    for (int layer = 0; layer < 3; ++layer) {
+      auto da = dispatch(A);
+      da.hook();
+      auto db = dispatch(B);
+      auto ca = combine(A, da);
+      db.hook();
+      auto cb = combine(B, db);
+      ca.hook();
+      cb.hook();
+      std::string e = testing::check_ll_dispatch(p, A.want[r], da) +
+                      testing::check_ll_dispatch(p, B.want[r], db) +
+                      testing::check_ll_combine(p, A.want_out[r], ca.out) +
+                      testing::check_ll_combine(p, B.want_out[r], cb.out);
+      if (errors[r].empty()) errors[r] = e;
+    }
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// ---- errors (SPEC 5) ---------------------------------------------------------------------
+
+void expect_error(const std::function<void()>& f, ErrorCode code,
+                  std::initializer_list<const char*> needles) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an epx::Error " << error_code_name(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const char* n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "message lacks '" << n << "': " << e.what();
+  }
+}
+
+// Small valid inputs of one rank for MoeShape{256, 4, 8, 16}.
+struct Small {
+  static constexpr int64_t kH = 256, kTMax = 16;
+  static constexpr int kK = 4, kE = 8;
+  MoeShape shape{kH, kK, kE, kTMax};
+  int64_t T = 5;
+  std::vector<uint16_t> x = std::vector<uint16_t>(kTMax * 2 * kH, 0x3F80);
+  std::vector<int64_t> topk = std::vector<int64_t>(kTMax * 2 * kK, 1);
+  std::vector<float> w = std::vector<float>(kTMax * 2 * kK, 0.5f);
+  std::vector<int32_t> stats = std::vector<int32_t>(kE, 0);
+
+  LlDispatchArgs dispatch_args() {
+    LlDispatchArgs a;
+    a.x = TensorView::contiguous(x.data(), DType::kBF16, {T, kH});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {T, kK});
+    return a;
+  }
+  LlCombineArgs combine_args(const LlHandle& h, std::vector<uint16_t>& y, int R) {
+    LlCombineArgs a;
+    a.y = TensorView::contiguous(y.data(), DType::kBF16, {kE / R, R * kTMax, kH});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {T, kK});
+    a.topk_weights = TensorView::contiguous(w.data(), DType::kF32, {T, kK});
+    a.handle = &h;
+    return a;
+  }
+};
+
+BufferConfig ll_only() {
+  BufferConfig c;
+  c.enable_ht = false;
+  c.enable_ll = true;
+  return c;
+}
+
+TEST(LlErrors, DispatchArguments) {
+  testing::run_threads(2, [](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    const auto IA = ErrorCode::kInvalidArgument;
+    auto dispatch_with = [&](const std::function<void(LlDispatchArgs&)>& edit) {
+      return [&, edit] {
+        LlDispatchArgs a = s.dispatch_args();
+        edit(a);
+        buf.ll_dispatch(a);
+      };
+    };
+    expect_error(dispatch_with([](auto& a) { a.x.dtype = DType::kF32; }), IA, {"'x'", "bf16"});
+    expect_error(dispatch_with([](auto& a) { a.x.shape[1] = 128; }), IA, {"'x'", "[5, 128]"});
+    expect_error(dispatch_with([&](auto& a) {
+                   a.x = TensorView::contiguous(s.x.data(), DType::kBF16, {5 * 256});
+                 }),
+                 IA, {"'x'"});
+    expect_error(dispatch_with([](auto& a) { a.x.strides = {512, 2}; }), IA, {"'x'", "stride"});
+    expect_error(dispatch_with([](auto& a) { a.x.device = Device::cuda(0); }), IA,
+                 {"'x'", "cuda:0"});
+    expect_error(dispatch_with([](auto& a) { a.x = TensorView(); }), IA, {"'x'"});
+    expect_error(dispatch_with([&](auto& a) {
+                   a.x = TensorView::contiguous(s.x.data(), DType::kBF16, {17, 256});
+                   a.topk_idx = TensorView::contiguous(s.topk.data(), DType::kI64, {17, 4});
+                 }),
+                 ErrorCode::kOutOfCapacity, {"'x'", "T = 17", "T_max = 16", "max_tokens_per_rank"});
+    expect_error(dispatch_with([](auto& a) { a.topk_idx.dtype = DType::kF32; }), IA,
+                 {"'topk_idx'", "i64"});
+    expect_error(dispatch_with([](auto& a) { a.topk_idx.shape[1] = 3; }), IA, {"'topk_idx'"});
+    expect_error(dispatch_with([](auto& a) { a.topk_idx.shape[0] = 4; }), IA,
+                 {"'topk_idx'", "T = 5"});
+    expect_error(dispatch_with([](auto& a) { a.topk_idx = TensorView(); }), IA, {"'topk_idx'"});
+    s.topk[2 * 4 + 3] = 8;  // == E
+    expect_error(dispatch_with([](auto&) {}), IA, {"'topk_idx'", "value 8", "[2, 3]"});
+    s.topk[2 * 4 + 3] = -2;
+    expect_error(dispatch_with([](auto&) {}), IA, {"'topk_idx'", "value -2"});
+    s.topk[2 * 4 + 3] = 1;
+    expect_error(dispatch_with([](auto& a) { a.use_fp8 = true, a.use_ue8m0 = true; }), IA,
+                 {"'use_ue8m0'", "round_scale"});
+    expect_error(
+        dispatch_with([](auto& a) { a.use_fp8 = false, a.round_scale = true, a.use_ue8m0 = true; }),
+        IA, {"'use_ue8m0'", "use_fp8"});
+    expect_error(dispatch_with([&](auto& a) {
+                   a.cumulative_local_expert_recv_stats =
+                       TensorView::contiguous(s.stats.data(), DType::kI64, {4});
+                 }),
+                 IA, {"'cumulative_local_expert_recv_stats'", "i32"});
+    expect_error(dispatch_with([&](auto& a) {
+                   a.cumulative_local_expert_recv_stats =
+                       TensorView::contiguous(s.stats.data(), DType::kI32, {5});
+                 }),
+                 IA, {"'cumulative_local_expert_recv_stats'", "[4]"});
+    // Errors are local and leave no state behind: a valid round trip still works.
+    LlDispatchResult d = buf.ll_dispatch(s.dispatch_args());
+    EXPECT_EQ(d.recv_count.ptr<int32_t>()[1],
+              g.rank() == 0 ? 10 : 0);              // both ranks' 5 tokens on expert 1
+    std::vector<uint16_t> y(4 * 32 * 256, 0x3F80);  // 1.0
+    LlCombineResult c = buf.ll_combine(s.combine_args(d.handle, y, 2));
+    for (int64_t i = 0; i < 5 * 256; ++i) ASSERT_EQ(c.out.ptr<uint16_t>()[i], 0x4000);  // 4*.5*1
+  });
+}
+
+TEST(LlErrors, BufferWithoutLlOrBadHidden) {
+  testing::run_threads(1, [](const Group& g) {
+    Small s;
+    BufferConfig ht_only;
+    ht_only.enable_ht = true;
+    ht_only.enable_ll = false;
+    Buffer buf(g, s.shape, ht_only);
+    const auto IA = ErrorCode::kInvalidArgument;
+    expect_error([&] { buf.ll_dispatch(s.dispatch_args()); }, IA, {"ll_dispatch", "enable_ll"});
+    LlHandle h;
+    h.buffer_id = buf.id();
+    std::vector<uint16_t> y;
+    expect_error([&] { buf.ll_combine(s.combine_args(h, y, 1)); }, IA, {"ll_combine", "enable_ll"});
+    expect_error([&] { buf.ll_next_combine_buffer(h); }, IA, {"enable_ll"});
+    expect_error([&] { buf.ll_clean(); }, IA, {"enable_ll"});
+    MoeShape odd = s.shape;
+    odd.hidden = 200;
+    Buffer buf2(g, odd, ll_only());
+    LlDispatchArgs a = s.dispatch_args();
+    a.x.shape[1] = 200;
+    expect_error([&] { buf2.ll_dispatch(a); }, IA, {"shape.hidden", "200", "multiple of 128"});
+  });
+}
+
+TEST(LlErrors, CombineArguments) {
+  testing::run_threads(2, [](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    Buffer other(g, s.shape, ll_only());
+    const LlDispatchResult d = buf.ll_dispatch(s.dispatch_args());
+    std::vector<uint16_t> y(4 * 32 * 256, 0x3F80), out(5 * 256);
+    const auto IA = ErrorCode::kInvalidArgument;
+    auto combine_with = [&](const std::function<void(LlCombineArgs&, LlHandle&)>& edit) {
+      return [&, edit] {
+        LlHandle h = d.handle;
+        LlCombineArgs a = s.combine_args(h, y, 2);
+        edit(a, h);
+        buf.ll_combine(a);
+      };
+    };
+    expect_error(combine_with([](auto& a, auto&) { a.handle = nullptr; }), IA, {"'handle'"});
+    expect_error(combine_with([&](auto&, auto& h) { h.buffer_id = other.id(); }), IA,
+                 {"'handle'", "buffer"});
+    expect_error(combine_with([](auto&, auto& h) { h.hidden = 512; }), IA, {"'handle'", "H"});
+    expect_error(combine_with([](auto&, auto& h) { h.num_experts = 16; }), IA, {"'handle'", "E"});
+    expect_error(combine_with([](auto&, auto& h) { h.max_tokens = 8; }), IA, {"'handle'", "T_max"});
+    expect_error(combine_with([](auto&, auto& h) { h.slot = 2; }), IA, {"'handle'", "slot"});
+    expect_error(combine_with([](auto&, auto& h) { h.src_info = Tensor(); }), IA,
+                 {"'handle.src_info'"});
+    expect_error(combine_with([](auto& a, auto&) { a.y.dtype = DType::kF32; }), IA, {"'y'"});
+    expect_error(combine_with([](auto& a, auto&) { a.y.shape[1] = 16; }), IA, {"'y'"});
+    expect_error(combine_with([](auto& a, auto&) { a.y = TensorView(); }), IA, {"'y'"});
+    expect_error(combine_with([](auto& a, auto&) { a.topk_idx.shape[0] = 4; }), IA,
+                 {"'topk_idx'", "T = 5"});
+    expect_error(combine_with([](auto& a, auto&) { a.topk_idx.dtype = DType::kF32; }), IA,
+                 {"'topk_idx'"});
+    expect_error(combine_with([](auto& a, auto&) { a.topk_weights.dtype = DType::kBF16; }), IA,
+                 {"'topk_weights'", "f32"});
+    expect_error(combine_with([](auto& a, auto&) { a.topk_weights.shape[1] = 3; }), IA,
+                 {"'topk_weights'"});
+    expect_error(combine_with([](auto& a, auto&) { a.topk_weights = TensorView(); }), IA,
+                 {"'topk_weights'"});
+    expect_error(combine_with([&](auto& a, auto&) {
+                   a.out = TensorView::contiguous(out.data(), DType::kBF16, {4, 256});
+                 }),
+                 IA, {"'out'"});
+    expect_error(combine_with([&](auto& a, auto&) {
+                   a.out = TensorView::contiguous(out.data(), DType::kF32, {5, 256});
+                 }),
+                 IA, {"'out'", "bf16"});
+    expect_error([&] { buf.ll_next_combine_buffer(other.ll_dispatch(s.dispatch_args()).handle); },
+                 IA, {"ll_next_combine_buffer", "'handle'"});
+    // Still usable: a valid combine.
+    LlCombineResult c = buf.ll_combine(s.combine_args(d.handle, y, 2));
+    EXPECT_EQ(c.out.ptr<uint16_t>()[0], 0x4000);  // 4 * 0.5 * 1.0
+  });
+}
+
+TEST(LlErrors, CallOrder) {
+  testing::run_threads(2, [](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    const auto IA = ErrorCode::kInvalidArgument;
+    LlDispatchArgs a = s.dispatch_args();
+    a.return_recv_hook = true;
+    // Hook twice.
+    LlDispatchResult d1 = buf.ll_dispatch(a);
+    d1.hook();
+    expect_error([&] { d1.hook(); }, IA, {"hook", "second time"});
+    // Three dispatches in flight; after the hooks the third goes through.
+    LlDispatchResult d2 = buf.ll_dispatch(a), d3 = buf.ll_dispatch(a);
+    expect_error([&] { buf.ll_dispatch(a); }, IA, {"ll_dispatch", "at most two"});
+    d2.hook();
+    d3.hook();
+    LlDispatchResult d4 = buf.ll_dispatch(a);
+    d4.hook();
+    EXPECT_EQ(d4.recv_count.ptr<int32_t>()[1], g.rank() == 0 ? 10 : 0);
+    // A combine waiting for its hook blocks its slot.
+    std::vector<uint16_t> y(4 * 32 * 256, 0x3F80);
+    LlCombineArgs ca = s.combine_args(d4.handle, y, 2);
+    ca.return_recv_hook = true;
+    LlCombineResult c = buf.ll_combine(ca);
+    expect_error([&] { buf.ll_next_combine_buffer(d4.handle); }, IA,
+                 {"ll_next_combine_buffer", "hook"});
+    expect_error([&] { buf.ll_combine(ca); }, IA, {"ll_combine", "hook"});
+    c.hook();
+    EXPECT_EQ(c.out.ptr<uint16_t>()[0], 0x4000);
+    // ll_clean discards operations waiting for their hooks.
+    LlDispatchResult d5 = buf.ll_dispatch(a);
+    buf.ll_clean();
+    expect_error([&] { d5.hook(); }, IA, {"ll_clean"});
+    LlDispatchResult d6 = buf.ll_dispatch(s.dispatch_args());
+    EXPECT_EQ(d6.handle.slot, 0);
+    EXPECT_EQ(d6.recv_count.ptr<int32_t>()[1], g.rank() == 0 ? 10 : 0);
+  });
+}
+
+TEST(LlErrors, RanksDisagreeOnFp8) {
+  std::vector<std::string> msgs(2);
+  testing::run_threads(2, [&](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    LlDispatchArgs a = s.dispatch_args();
+    a.use_fp8 = g.rank() == 0;
+    expect_error([&] { buf.ll_dispatch(a); }, ErrorCode::kInvalidArgument,
+                 {"ll_dispatch", "use_fp8", "same on every rank"});
+    buf.ll_clean();
+    EXPECT_EQ(buf.ll_dispatch(s.dispatch_args()).recv_count.ptr<int32_t>()[1],
+              g.rank() == 0 ? 10 : 0);
+  });
+}
+
+TEST(LlErrors, CombineTopkDiffersFromDispatch) {
+  testing::run_threads(2, [&](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    std::fill(s.topk.begin(), s.topk.end(), -1);
+    const LlDispatchResult d = buf.ll_dispatch(s.dispatch_args());
+    std::vector<uint16_t> y(4 * 32 * 256, 0x3F80);
+    if (g.rank() == 0) s.topk[0] = 0;  // a selection the dispatch did not send
+    auto combine = [&] { buf.ll_combine(s.combine_args(d.handle, y, 2)); };
+    if (g.rank() == 0)
+      expect_error(combine, ErrorCode::kInvalidArgument, {"ll_combine", "'topk_idx'", "expert 0"});
+    else
+      combine();
+  });
+}
+
+// A rank that never makes the call: the others get Timeout naming the operation, quickly.
+TEST(LlErrors, RankThatNeverCallsTimesOut) {
+  GroupOptions o;
+  o.timeout = std::chrono::milliseconds(300);
+  for (int variant = 0; variant < 3; ++variant) {
+    const auto start = std::chrono::steady_clock::now();
+    testing::run_threads(
+        2,
+        [&](const Group& g) {
+          Small s;
+          Buffer buf(g, s.shape, ll_only());
+          LlDispatchArgs a = s.dispatch_args();
+          if (variant == 2) {
+            const LlDispatchResult d = buf.ll_dispatch(a);  // both ranks
+            if (g.rank() == 1) return;
+            std::vector<uint16_t> y(4 * 32 * 256, 0x3F80);
+            expect_error([&] { buf.ll_combine(s.combine_args(d.handle, y, 2)); },
+                         ErrorCode::kTimeout, {"ll_combine", "[1]"});
+            return;
+          }
+          if (g.rank() == 1) return;
+          a.return_recv_hook = variant == 1;
+          expect_error(
+              [&] {
+                LlDispatchResult d = buf.ll_dispatch(a);
+                if (d.hook) d.hook();
+              },
+              ErrorCode::kTimeout, {"ll_dispatch", "[1]"});
+        },
+        o);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  }
+}
+
+}  // namespace
+}  // namespace epx
