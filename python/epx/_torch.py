@@ -1,0 +1,54 @@
+"""The torch side of the bridge: dtype tables, streams, and registering both with epx._epx.
+
+epx's C++ core never includes torch; at import this module hands the extension torch.empty (the
+allocator every op uses for its outputs), torch.utils.dlpack.from_dlpack (for workspace views),
+the dtype tables and the exception classes.
+"""
+
+import torch
+import torch.utils.dlpack
+
+from . import _epx, errors
+
+# epx::DType order (include/epx/tensor.h): bf16, f16, f32, fp8_e4m3, i32, i64, u8, bool.
+BF16, F16, F32, FP8, I32, I64, U8, BOOL = range(8)
+
+#: True when this torch has float8_e4m3fn. Without it (torch 1.13) fp8 data travels as uint8
+#: tensors holding e4m3 bit patterns, in both directions.
+HAS_FP8 = hasattr(torch, "float8_e4m3fn")
+FP8_DTYPE = torch.float8_e4m3fn if HAS_FP8 else torch.uint8
+
+DTYPE_OF = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE, torch.int32, torch.int64,
+            torch.uint8, torch.bool)
+CODE_OF = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32, torch.int32: I32,
+           torch.int64: I64, torch.uint8: U8, torch.bool: BOOL}
+if HAS_FP8:
+    CODE_OF[torch.float8_e4m3fn] = FP8
+
+assert list(_epx.dtype_names) == ["bf16", "f16", "f32", "fp8_e4m3", "i32", "i64", "u8", "bool"]
+assert list(_epx.error_code_names) == [c.code for c in errors.BY_CODE]
+
+_epx._init_torch(torch.empty, torch.utils.dlpack.from_dlpack, torch.device, CODE_OF,
+                 list(DTYPE_OF), list(errors.BY_CODE))
+
+
+def is_fp8(t):
+    """An fp8 e4m3 tensor (or, on a torch without fp8, a uint8 tensor standing for one)."""
+    return t.dtype is FP8_DTYPE
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_of(t):
+    """The current stream of t's device as an integer cudaStream_t (0 on CPU)."""
+    if not getattr(t, "is_cuda", False):
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def device_key(t):
+    """'cpu' or 'cuda:<index>' for the device tensors live on."""
+    return "cpu" if not t.is_cuda else f"cuda:{t.get_device()}"

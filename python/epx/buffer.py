@@ -1,0 +1,166 @@
+"""epx.Buffer (ht and ll modes) and epx.A2a: the C++ classes, taking torch tensors.
+
+Data flow: tensors go to C++ as views (pointer, dtype, shape, strides, device) on the current
+stream of their device; outputs are torch tensors that PyTorch's allocator made (the caching
+allocator on GPU). Views into the communication workspace (a2a receive views, the ll zero-copy
+combine buffer) keep their Buffer/A2a alive. Semantics: SPEC 3 (docs/semantics.md).
+"""
+
+from collections import namedtuple
+
+from . import _epx, _torch, errors
+from .group import Group
+
+HtLayout = namedtuple("HtLayout", "num_tokens_per_rank num_tokens_per_expert is_token_in_rank")
+HtDispatchResult = namedtuple(
+    "HtDispatchResult", "recv_x recv_x_scales recv_topk_idx recv_topk_weights recv_src_idx "
+    "num_recv_tokens_per_expert handle")
+HtCombineResult = namedtuple("HtCombineResult", "out combined_topk_weights")
+LlDispatchResult = namedtuple("LlDispatchResult", "recv_x recv_scales recv_count handle hook")
+LlCombineResult = namedtuple("LlCombineResult", "out hook")
+A2aDispatchResult = namedtuple("A2aDispatchResult", "recv recv_counts")
+
+HtHandle = _epx.HtHandle
+LlHandle = _epx.LlHandle
+
+
+def _native_group(group):
+    if isinstance(group, Group):
+        return group._native
+    if isinstance(group, _epx.Group):
+        return group
+    raise errors.invalid("Buffer", f"argument 'group' is a {type(group).__name__}, expected "
+                         "epx.Group (see epx.Group.from_process_group)")
+
+
+def _stream(t):
+    return 0 if t is None else _torch.stream_of(t)
+
+
+class Buffer:
+    """Communication buffer for ht and ll, sized from the MoE shape. Collective to create.
+
+    `max_tokens_per_rank`: ht, the largest T of any call; ll, T_max (equal on every rank).
+    """
+
+    def __init__(self, group, hidden, top_k, num_experts, max_tokens_per_rank, enable_ht=True,
+                 enable_ll=False):
+        self.group = group if isinstance(group, Group) else Group(_native_group(group))
+        self._native = _epx.Buffer(_native_group(group), int(hidden), int(top_k),
+                                   int(num_experts), int(max_tokens_per_rank), bool(enable_ht),
+                                   bool(enable_ll))
+
+    @staticmethod
+    def bytes_needed(mode, hidden, top_k, num_experts, max_tokens_per_rank, num_ranks,
+                     backend="cpu"):
+        """Symmetric bytes per rank `mode` ('ht' or 'll') takes on `backend`."""
+        return _epx.Buffer.bytes_needed(mode, hidden, top_k, num_experts, max_tokens_per_rank,
+                                        num_ranks, backend)
+
+    hidden = property(lambda self: self._native.hidden)
+    top_k = property(lambda self: self._native.top_k)
+    num_experts = property(lambda self: self._native.num_experts)
+    max_tokens_per_rank = property(lambda self: self._native.max_tokens_per_rank)
+    bytes_allocated = property(lambda self: self._native.bytes_allocated)
+    id = property(lambda self: self._native.id)
+
+    def check(self):
+        """Raises a pending asynchronous error recorded by an earlier op."""
+        self._native.check()
+
+    # ---- ht ----------------------------------------------------------------------------------
+    def ht_layout(self, topk_idx):
+        """Local. -> HtLayout(num_tokens_per_rank[R] i32, num_tokens_per_expert[E] i32,
+        is_token_in_rank[T, R] bool)."""
+        return HtLayout(*self._native.ht_layout(topk_idx, _stream(topk_idx)))
+
+    def ht_dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, expert_alignment=1,
+                    num_worst_tokens=0, handle=None):
+        """Collective. x [T, H] bf16, or fp8 with x_scales [T, H/128] f32 / [T, H/512] i32.
+        With `handle` (cached mode) only recv_x (and recv_x_scales) are returned."""
+        r = self._native.ht_dispatch(x, x_scales, x_scales is not None and _torch.is_fp8(x),
+                                     topk_idx, topk_weights, int(expert_alignment),
+                                     int(num_worst_tokens), handle, _stream(x))
+        return HtDispatchResult(*r)
+
+    def ht_combine(self, y, handle, topk_weights=None, bias0=None, bias1=None):
+        """Collective. y [rows, H] bf16 in recv_x order -> HtCombineResult(out[T, H], weights)."""
+        return HtCombineResult(*self._native.ht_combine(y, handle, topk_weights, bias0, bias1,
+                                                        _stream(y)))
+
+    # ---- ll ----------------------------------------------------------------------------------
+    def ll_dispatch(self, x, topk_idx, use_fp8=True, round_scale=False, use_ue8m0=False,
+                    return_recv_hook=False, cumulative_local_expert_recv_stats=None):
+        """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
+        handle, hook). With return_recv_hook the outputs are valid once hook() returned."""
+        return LlDispatchResult(*self._native.ll_dispatch(
+            x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _stream(x)))
+
+    def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
+                   return_recv_hook=False, out=None):
+        """Collective. -> LlCombineResult(out[T, H] bf16, hook)."""
+        return LlCombineResult(*self._native.ll_combine(
+            y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
+            _stream(topk_weights)))
+
+    def ll_next_combine_buffer(self, handle):
+        """Local. The bf16 [L, R*T_max, H] view to write expert outputs into for zero_copy."""
+        return self._native.ll_next_combine_buffer(handle)
+
+    def ll_clean(self):
+        """Collective. Resets ll state."""
+        self._native.ll_clean()
+
+
+class A2a:
+    """Fixed-geometry multi-payload all-to-all (SPEC 3.6). Collective to create.
+
+    `payload_bytes_per_token`: bytes of one row of each dispatch payload (up to 8);
+    `combine_bytes_per_token`: bytes of one row of the combine payload (H * element size).
+    """
+
+    def __init__(self, group, max_tokens_per_rank, top_k, num_experts, payload_bytes_per_token,
+                 combine_bytes_per_token):
+        self.group = group if isinstance(group, Group) else Group(_native_group(group))
+        self._native = _epx.A2a(_native_group(group), int(max_tokens_per_rank), int(top_k),
+                                int(num_experts), [int(b) for b in payload_bytes_per_token],
+                                int(combine_bytes_per_token))
+
+    @staticmethod
+    def workspace_bytes(max_tokens_per_rank, top_k, num_experts, payload_bytes_per_token,
+                        combine_bytes_per_token, num_ranks, backend="cpu"):
+        return _epx.A2a.workspace_bytes(max_tokens_per_rank, top_k, num_experts,
+                                        list(payload_bytes_per_token), combine_bytes_per_token,
+                                        num_ranks, backend)
+
+    bytes_allocated = property(lambda self: self._native.bytes_allocated)
+    max_tokens_per_rank = property(lambda self: self._native.max_tokens_per_rank)
+    payload_bytes_per_token = property(lambda self: self._native.payload_bytes_per_token)
+    combine_bytes_per_token = property(lambda self: self._native.combine_bytes_per_token)
+
+    def check(self):
+        self._native.check()
+
+    def dispatch(self, topk_idx, payloads, runtime_max_tokens_per_rank, invalid_expert_id=None,
+                 expert_id_payload_index=None):
+        """Collective. -> A2aDispatchResult(recv: list of [R, M, ...] workspace views,
+        recv_counts[R] i32). Views stay valid until the next dispatch."""
+        idx = -1 if expert_id_payload_index is None else int(expert_id_payload_index)
+        return A2aDispatchResult(*self._native.dispatch(
+            topk_idx, list(payloads), int(runtime_max_tokens_per_rank), invalid_expert_id, idx,
+            _stream(topk_idx)))
+
+    def combine_payload_view(self, runtime_max_tokens_per_rank, hidden, dtype):
+        """Local. The [R, M, hidden] workspace view for combine(payload_in_workspace=True)."""
+        code = _torch.CODE_OF.get(dtype)
+        if code is None:
+            raise errors.invalid("a2a combine_payload_view",
+                                 f"argument 'dtype' is {dtype}, expected bfloat16 or float32")
+        return self._native.combine_payload_view(int(runtime_max_tokens_per_rank), int(hidden),
+                                                 code)
+
+    def combine(self, y, runtime_max_tokens_per_rank, payload_in_workspace=False):
+        """Collective. y [R, M, H] -> out [T, H]."""
+        return self._native.combine(y, int(runtime_max_tokens_per_rank),
+                                    bool(payload_in_workspace), _stream(y))

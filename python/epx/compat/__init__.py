@@ -1,0 +1,1 @@
+"""Drop-in compatibility layers: ``epx.compat.deep_ep`` and ``epx.compat.flashinfer``."""

@@ -1,0 +1,589 @@
+"""Drop-in for DeepEP's legacy (V1) Python API, implemented on epx: ``import epx.compat.deep_ep
+as deep_ep``. Names, defaults, return shapes and meanings follow DeepEP's ``deep_ep.Buffer``;
+semantics are SPEC 3 (normal mode = epx ht, low-latency mode = epx ll).
+
+How it differs, and why:
+
+* Sizing. DeepEP's Buffer takes byte sizes; epx sizes every buffer from the MoE shape. The byte
+  counts are accepted (and kept as attributes) but not used. The epx buffers are created lazily,
+  collectively, on first use, from the call's shapes:
+    - low latency: (num_max_dispatch_tokens_per_rank, hidden, top-k, num_experts) of the call;
+      a call with another shape re-creates the ll buffer (every rank passes the same values).
+    - normal mode: (T, H, K, E). H, K and E come from the call; the token capacity is the
+      largest T over the ranks (agreed through the group with one small all-reduce per
+      non-cached dispatch, skipped while a CUDA graph is being captured), rounded up to a power
+      of two. A later call needing more re-creates the buffer collectively. Handles keep the
+      buffer that made them alive, so an older handle stays usable.
+    - The epx group itself is created at the first op from the group given here (tensors on CPU:
+      the cpu backend over shared memory; on a GPU: the cuda backend, adopting an NCCL group's
+      communicator or bootstrapping one through the group).
+* Streams. epx runs on the caller's current stream (no separate communication stream):
+  ``previous_event`` is waited on first, ``async_finish`` returns an event recorded after the op,
+  ``allocate_on_comm_stream`` is accepted and has nothing to change, ``get_comm_stream()``
+  returns the current stream (None on CPU). On CPU every op is synchronous.
+* Handles. The normal-mode handle is a 6-tuple ``(rank_prefix_matrix, None, None,
+  recv_src_idx, is_token_in_rank, send_pos)``: handle[0] is the [R, R] int32 inclusive prefix
+  over source ranks of the tokens each rank receives (DeepEP's meaning); epx has no channels, so
+  the two channel matrices are None. The low-latency handle is ``(src_info, layout_range,
+  num_max_dispatch_tokens_per_rank, hidden, num_experts)`` as in DeepEP.
+* fp8 on torch without ``float8_e4m3fn`` (1.13): fp8 tensors are uint8 tensors holding e4m3 bit
+  patterns, in both directions.
+* ``num_tokens_per_rank``, ``is_token_in_rank``, ``num_tokens_per_expert`` given to dispatch are
+  shape-checked only: epx derives the routing from ``topk_idx`` (``num_tokens_per_expert`` tells
+  E). A dispatch without ``topk_idx`` and without a handle raises Unsupported.
+* Options epx cannot honour raise ``epx.Unsupported`` naming them: allow_mnnvl=True,
+  enable_shrink=True (and the mask-buffer API), comm=, allow_nvlink_for_low_latency_mode=False,
+  use_logfmt=True, use_nvfp4=True / x_global_scale, dispatch/combine_wait_recv_cost_stats.
+* ``num_sms`` (class attribute, set_num_sms, Config.num_sms) is the SM budget handed to the
+  cuda kernels through the epx group; a Config whose num_sms differs re-creates the group.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .. import _epx, _torch, errors
+from ..buffer import Buffer as _EpxBuffer
+from ..group import Group as _EpxGroup
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+#: dtype of topk_idx in DeepEP.
+topk_idx_t = torch.int64
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_int(op, name, value, minimum=0):
+    if not _is_int(value) or value < minimum:
+        raise errors.invalid(op, f"argument '{name}' is {value!r}, expected an int >= {minimum}")
+    return value
+
+
+def _align(n, a=128):
+    return (n + a - 1) // a * a
+
+
+def _next_pow2(n):
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _backend_name():
+    return "cuda" if _epx.built_with_cuda else "cpu"
+
+
+class Config:
+    """Tuning of a normal-mode call. epx keeps ``num_sms`` (SMs the kernels use) and accepts the
+    chunk sizes, which its kernels do not use."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        op = "Config"
+        self.num_sms = _check_int(op, "num_sms", num_sms, 1)
+        if num_sms % 2:
+            raise errors.invalid(op, f"argument 'num_sms' is {num_sms}, expected an even number")
+        self.num_max_nvl_chunked_send_tokens = _check_int(
+            op, "num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
+        self.num_max_nvl_chunked_recv_tokens = _check_int(
+            op, "num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
+        self.num_max_rdma_chunked_send_tokens = _check_int(
+            op, "num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
+        self.num_max_rdma_chunked_recv_tokens = _check_int(
+            op, "num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk
+        of num_max_nvl_chunked_recv_tokens rows of hidden_bytes per rank and SM pair. epx sizes
+        its buffers itself, so the value only has to be accepted back."""
+        _check_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        _check_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks, 1)
+        rows = self.num_max_nvl_chunked_recv_tokens * num_ranks * max(self.num_sms // 2, 1)
+        return _align(rows * (hidden_bytes + 64))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """0: epx moves data over NVLink within a node only (no RDMA buffer)."""
+        _check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        _check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
+        return 0
+
+    def __repr__(self):
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
+                f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
+                f"{self.num_max_nvl_chunked_recv_tokens}, num_max_rdma_chunked_send_tokens="
+                f"{self.num_max_rdma_chunked_send_tokens}, num_max_rdma_chunked_recv_tokens="
+                f"{self.num_max_rdma_chunked_recv_tokens})")
+
+
+class _CudaEvent:
+    """A torch.cuda.Event recorded on the current stream (DeepEP's EventHandle)."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """An event (or None) plus tensors kept alive until it completes. ``with`` waits on exit."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        """Makes the current stream wait for the event (nothing to wait for on CPU)."""
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.current_stream_wait()
+
+
+class _HtHandle(tuple):
+    """DeepEP's normal-mode handle; also carries the epx handle and the buffer that made it."""
+
+    def __new__(cls, native, buffer):
+        self = super().__new__(cls, (native.rank_prefix_matrix, None, None, native.recv_src_idx,
+                                     native.is_token_in_rank, native.send_pos))
+        self._native = native
+        self._buffer = buffer
+        return self
+
+
+class _LlHandle(tuple):
+    """DeepEP's low-latency handle (src_info, layout_range, T_max, hidden, num_experts); also
+    carries the epx handle and the buffer that made it."""
+
+    def __new__(cls, native, buffer):
+        self = super().__new__(cls, (native.src_info, native.layout_range, native.max_tokens,
+                                     native.hidden, native.num_experts))
+        self._native = native
+        self._buffer = buffer
+        return self
+
+
+def _ht_state(op, handle):
+    if not isinstance(handle, _HtHandle):
+        raise errors.invalid(op, f"argument 'handle' is a {type(handle).__name__}, expected the "
+                             "handle returned by Buffer.dispatch")
+    return handle._native, handle._buffer
+
+
+def _ll_state(op, handle):
+    if not isinstance(handle, _LlHandle):
+        raise errors.invalid(op, f"argument 'handle' is a {type(handle).__name__}, expected the "
+                             "handle returned by Buffer.low_latency_dispatch")
+    return handle._native, handle._buffer
+
+
+def _tensor(op, name, value, ndim=None):
+    if not isinstance(value, torch.Tensor):
+        raise errors.invalid(op, f"argument '{name}' is a {type(value).__name__}, expected a "
+                             "torch.Tensor")
+    if ndim is not None and value.dim() != ndim:
+        raise errors.invalid(op, f"argument '{name}' has shape {list(value.shape)}, expected "
+                             f"{ndim} dims")
+    return value
+
+
+class Buffer:
+    """DeepEP's communication buffer, on epx. Collective to create (as in DeepEP)."""
+
+    #: SMs the normal-mode kernels use (DeepEP's class attribute).
+    num_sms = 20
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None):
+        op = "Buffer"
+        if allow_mnnvl:
+            raise errors.unsupported(op, "allow_mnnvl=True: epx has no multi-node NVLink path")
+        if enable_shrink:
+            raise errors.unsupported(op, "enable_shrink=True: epx has no fault-tolerant masking")
+        if comm is not None:
+            raise errors.unsupported(op, "comm= (an MPI communicator): pass a torch "
+                                     "ProcessGroup as 'group'")
+        if not allow_nvlink_for_low_latency_mode:
+            raise errors.unsupported(op, "allow_nvlink_for_low_latency_mode=False: epx's "
+                                     "low-latency mode always uses NVLink within the node")
+        if group is None:
+            raise errors.invalid(op, "argument 'group' is None, expected a torch ProcessGroup")
+        _check_int(op, "num_nvl_bytes", num_nvl_bytes)
+        _check_int(op, "num_rdma_bytes", num_rdma_bytes)
+        _check_int(op, "num_qps_per_rank", num_qps_per_rank)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = False
+        self._destroyed = False
+        self._groups = {}       # (device, num_sms) -> epx Group
+        self._ht = None         # epx Buffer for normal mode
+        self._ht_key = None     # (device, num_sms, H, K, E)
+        self._ll = None         # epx Buffer for low-latency mode
+        self._ll_key = None     # (device, num_sms, T_max, H, K, E)
+        self._device = None     # 'cpu' / 'cuda:i' of the last op
+
+    # ---- class-level API ---------------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Sets the SM budget of normal-mode kernels (an even number)."""
+        _check_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, 2)
+        if new_num_sms % 2:
+            raise errors.invalid("Buffer.set_num_sms",
+                                 f"argument 'new_num_sms' is {new_num_sms}, expected even")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True when epx's cuda kernels are built and run on a Hopper (sm90+) GPU."""
+        return bool(_epx.built_with_cuda and torch.cuda.is_available() and
+                    torch.cuda.get_device_capability()[0] >= 9)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        _check_int("Buffer.get_dispatch_config", "num_ranks", num_ranks, 1)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        _check_int("Buffer.get_combine_config", "num_ranks", num_ranks, 1)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        """Bytes per rank epx's low-latency buffer takes for this shape (at top-k = min(E, 32),
+        the largest the formula allows, since the call does not give it), a multiple of 128."""
+        op = "Buffer.get_low_latency_rdma_size_hint"
+        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _check_int(op, "hidden", hidden, 1)
+        _check_int(op, "num_ranks", num_ranks, 1)
+        _check_int(op, "num_experts", num_experts, 1)
+        top_k = min(num_experts, 32)
+        return _align(_EpxBuffer.bytes_needed("ll", hidden, top_k, num_experts,
+                                              num_max_dispatch_tokens_per_rank, num_ranks,
+                                              _backend_name()))
+
+    # ---- life cycle and streams --------------------------------------------------------------
+    def destroy(self):
+        """Releases the epx buffers (requires explicitly_destroy=True, as in DeepEP)."""
+        if not self.explicitly_destroy:
+            raise errors.invalid("Buffer.destroy", "the Buffer was created with "
+                                 "explicitly_destroy=False, expected True")
+        self._ht = self._ll = None
+        self._groups.clear()
+        self._destroyed = True
+
+    def get_comm_stream(self):
+        """epx runs on the caller's current stream: that stream (None for CPU tensors)."""
+        if self._device is not None and self._device.startswith("cuda"):
+            return torch.cuda.current_stream(torch.device(self._device))
+        return None
+
+    def capture(self):
+        """An EventOverlap recorded on the current stream (no event on CPU)."""
+        if self._device is not None and self._device.startswith("cuda"):
+            return EventOverlap(_CudaEvent())
+        return EventOverlap(None)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _check_alive(self, op):
+        if self._destroyed:
+            raise errors.invalid(op, "the Buffer was destroyed")
+
+    def _group_for(self, device, num_sms):
+        key = (device, num_sms)
+        group = self._groups.get(key)
+        if group is None:
+            group = _EpxGroup.from_process_group(self.group, device=device, num_sms=num_sms)
+            self._groups[key] = group
+        return group
+
+    def _capturing(self, device):
+        return device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
+
+    def _agree_max(self, value, device):
+        """Max of `value` over the ranks (one small all-reduce through the ProcessGroup)."""
+        if self.group_size == 1:
+            return value
+        on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
+        t = torch.tensor([value], dtype=torch.int64, device=device if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms):
+        """The normal-mode epx buffer for this shape, created or grown collectively when the
+        largest T over the ranks exceeds its capacity."""
+        key = (device, num_sms, hidden, top_k, num_experts)
+        buf = self._ht if self._ht_key == key else None
+        if self._capturing(device):
+            if buf is None:
+                raise errors.invalid(op, "the first normal-mode call of a shape cannot run inside"
+                                     " CUDA graph capture (epx sizes its buffer then); run it "
+                                     "once before capturing")
+            if num_tokens > buf.max_tokens_per_rank:
+                raise errors.out_of_capacity(
+                    op, f"T = {num_tokens} tokens exceeds the normal-mode buffer's capacity of "
+                    f"{buf.max_tokens_per_rank}, and the buffer cannot grow during CUDA graph "
+                    "capture; run a call with the largest T before capturing")
+            return buf
+        need = self._agree_max(num_tokens, device)
+        if buf is not None and need <= buf.max_tokens_per_rank:
+            return buf
+        self._ht = None  # release before allocating the replacement
+        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts,
+                              _next_pow2(max(need, 1)), enable_ht=True, enable_ll=False)
+        self._ht_key = key
+        return self._ht
+
+    def _ll_buffer(self, device, max_tokens, hidden, top_k, num_experts):
+        key = (device, Buffer.num_sms, max_tokens, hidden, top_k, num_experts)
+        if self._ll is None or self._ll_key != key:
+            self._ll = None
+            self._ll = _EpxBuffer(self._group_for(device, Buffer.num_sms), hidden, top_k,
+                                  num_experts, max_tokens, enable_ht=False, enable_ll=True)
+            self._ll_key = key
+        return self._ll
+
+    def _begin(self, op, t, previous_event):
+        self._check_alive(op)
+        self._device = _torch.device_key(t)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        return self._device
+
+    def _event(self, async_finish, tensors):
+        if async_finish and self._device.startswith("cuda"):
+            return EventOverlap(_CudaEvent(), tensors)
+        return EventOverlap(None, tensors if async_finish else None)
+
+    # ---- normal mode (epx ht) ----------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """-> (num_tokens_per_rank[R] i32, None, num_tokens_per_expert[E] i32,
+        is_token_in_rank[T, R] bool, event). Local, except that the first call of a shape
+        creates the epx buffer collectively."""
+        op = "get_dispatch_layout"
+        _tensor(op, "topk_idx", topk_idx, 2)
+        _check_int(op, "num_experts", num_experts, 1)
+        device = self._begin(op, topk_idx, previous_event)
+        buf = self._ht
+        key = self._ht_key
+        top_k = topk_idx.shape[1]
+        if buf is None or key[0] != device or key[3] != top_k or key[4] != num_experts:
+            hidden = key[2] if key is not None else 128  # H is unknown until dispatch
+            buf = self._ht_buffer(op, device, topk_idx.shape[0], hidden, top_k, num_experts,
+                                  Buffer.num_sms)
+        per_rank, per_expert, in_rank = buf._native.ht_layout(topk_idx, _torch.stream_of(topk_idx))
+        return (per_rank, None, per_expert, in_rank,
+                self._event(async_finish, (topk_idx, per_rank, per_expert, in_rank)))
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """Normal-mode dispatch (SPEC 3.2).
+
+        -> (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event); cached mode (handle given):
+        (recv_x, None, None, None, None, event).
+        """
+        op = "dispatch"
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise errors.invalid(op, f"argument 'x' is a tuple of {len(x)}, expected "
+                                     "(fp8 x [T, H], scales)")
+            x_data, x_scales = x
+            _tensor(op, "x[1] (scales)", x_scales, 2)
+        else:
+            x_data, x_scales = x, None
+        _tensor(op, "x", x_data, 2)
+        if x_scales is not None and not _torch.is_fp8(x_data):
+            raise errors.invalid(op, f"argument 'x' is a tuple with scales but x[0] has dtype "
+                                 f"{x_data.dtype}, expected {_torch.FP8_DTYPE} (fp8 e4m3)")
+        if config is not None and not isinstance(config, Config):
+            raise errors.invalid(op, f"argument 'config' is a {type(config).__name__}, expected "
+                                 "deep_ep.Config")
+        _check_int(op, "expert_alignment", expert_alignment, 1)
+        _check_int(op, "num_worst_tokens", num_worst_tokens, 0)
+        if num_tokens_per_rdma_rank is not None:
+            raise errors.unsupported(op, "num_tokens_per_rdma_rank: epx is intranode only (the "
+                                     "layout returns None for it)")
+        device = self._begin(op, x_data, previous_event)
+        stream = _torch.stream_of(x_data)
+        fp8 = x_scales is not None
+
+        if handle is not None:  # cached mode
+            native, buf = _ht_state(op, handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise errors.invalid(op, "cached dispatch (handle given) takes no topk_idx / "
+                                     "topk_weights: the routing is the handle's")
+            r = buf._native.ht_dispatch(x_data, x_scales, fp8, None, None, 1, 0, native, stream)
+            recv_x = (r[0], r[1]) if fp8 else r[0]
+            return recv_x, None, None, None, None, self._event(async_finish, (x, recv_x))
+
+        if topk_idx is None:
+            raise errors.unsupported(op, "dispatch without topk_idx (routing from "
+                                     "is_token_in_rank only) -- pass topk_idx, or a handle for "
+                                     "cached mode")
+        _tensor(op, "topk_idx", topk_idx, 2)
+        T, H = x_data.shape
+        K = topk_idx.shape[1]
+        R = self.group_size
+        if num_tokens_per_expert is not None:
+            num_experts = _tensor(op, "num_tokens_per_expert", num_tokens_per_expert, 1).numel()
+        elif self._ht_key is not None:
+            num_experts = self._ht_key[4]
+        else:
+            raise errors.invalid(op, "argument 'num_tokens_per_expert' is required on the first "
+                                 "dispatch (it tells the number of experts)")
+        if num_tokens_per_rank is not None and tuple(num_tokens_per_rank.shape) != (R,):
+            raise errors.invalid(op, f"argument 'num_tokens_per_rank' has shape "
+                                 f"{list(num_tokens_per_rank.shape)}, expected [{R}]")
+        if is_token_in_rank is not None and tuple(is_token_in_rank.shape) != (T, R):
+            raise errors.invalid(op, f"argument 'is_token_in_rank' has shape "
+                                 f"{list(is_token_in_rank.shape)}, expected [{T}, {R}]")
+        num_sms = config.num_sms if config is not None else Buffer.num_sms
+        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms)
+        r = buf._native.ht_dispatch(x_data, x_scales, fp8, topk_idx, topk_weights,
+                                    expert_alignment, num_worst_tokens, None, stream)
+        recv_x = (r[0], r[1]) if fp8 else r[0]
+        new_handle = _HtHandle(r[6], buf)
+        event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r[2], r[3]))
+        return recv_x, r[2], r[3], list(r[5]), new_handle, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """Normal-mode combine (SPEC 3.3): unweighted sum over the ranks each token went to,
+        plus bias. -> (combined_x[T, H], combined_topk_weights or None, event)."""
+        op = "combine"
+        _tensor(op, "x", x, 2)
+        native, buf = _ht_state(op, handle)
+        if bias is None:
+            bias0 = bias1 = None
+        elif isinstance(bias, torch.Tensor):
+            bias0, bias1 = bias, None
+        elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
+            bias0, bias1 = (tuple(bias) + (None, None))[:2]
+        else:
+            raise errors.invalid(op, "argument 'bias' must be a tensor or a tuple of up to two "
+                                 "tensors [T, H]")
+        self._begin(op, x, previous_event)
+        out, weights = buf._native.ht_combine(x, native, topk_weights, bias0, bias1,
+                                              _torch.stream_of(x))
+        return out, weights, self._event(async_finish, (x, topk_weights, bias0, bias1, out))
+
+    # ---- low-latency mode (epx ll) -----------------------------------------------------------
+    def _check_ll(self, op):
+        if not self.low_latency_mode:
+            raise errors.invalid(op, "the Buffer was created with low_latency_mode=False, "
+                                 "expected True")
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False,
+                             use_nvfp4=False, x_global_scale=None):
+        """Low-latency dispatch (SPEC 3.4).
+
+        -> (recv_x or (recv_x, recv_scales), recv_count[L] i32, handle, event, hook); recv_x
+        [L, R*T_max, H] (fp8 or bf16), recv_scales column-major in the last two dims; hook is
+        None unless return_recv_hook.
+        """
+        op = "low_latency_dispatch"
+        self._check_ll(op)
+        if use_nvfp4:
+            raise errors.unsupported(op, "use_nvfp4=True: epx has no NVFP4 path yet")
+        if x_global_scale is not None:
+            raise errors.unsupported(op, "x_global_scale (NVFP4 global scale): epx has no NVFP4 "
+                                     "path yet")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise errors.unsupported(op, "dispatch_wait_recv_cost_stats: epx does not measure "
+                                     "per-rank receive wait times")
+        if async_finish and return_recv_hook:
+            raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
+                                 "at most one")
+        _tensor(op, "x", x, 2)
+        _tensor(op, "topk_idx", topk_idx, 2)
+        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _check_int(op, "num_experts", num_experts, 1)
+        device = self._begin(op, x, None)
+        buf = self._ll_buffer(device, num_max_dispatch_tokens_per_rank, x.shape[1],
+                              topk_idx.shape[1], num_experts)
+        recv_x, scales, count, native, hook = buf._native.ll_dispatch(
+            x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x))
+        handle = _LlHandle(native, buf)
+        packed = (recv_x, scales) if use_fp8 else recv_x
+        return packed, count, handle, self._event(async_finish, (x, topk_idx, recv_x, scales,
+                                                                 count)), hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """Low-latency combine (SPEC 3.5): out[t] = sum_k w[t][k] * x(t, k).
+        -> (combined_x[T, H], event, hook)."""
+        op = "low_latency_combine"
+        self._check_ll(op)
+        if use_logfmt:
+            raise errors.unsupported(op, "use_logfmt=True: epx combines in bf16 only")
+        if combine_wait_recv_cost_stats is not None:
+            raise errors.unsupported(op, "combine_wait_recv_cost_stats: epx does not measure "
+                                     "per-rank receive wait times")
+        if async_finish and return_recv_hook:
+            raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
+                                 "at most one")
+        native, buf = _ll_state(op, handle)
+        self._begin(op, topk_weights, None)
+        combined, hook = buf._native.ll_combine(x, topk_idx, topk_weights, native,
+                                                bool(zero_copy), bool(return_recv_hook), out,
+                                                _torch.stream_of(topk_weights))
+        return combined, self._event(async_finish, (x, topk_idx, topk_weights, combined)), hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 [L, R*T_max, H] view to write expert outputs into before
+        low_latency_combine(..., zero_copy=True)."""
+        op = "get_next_low_latency_combine_buffer"
+        self._check_ll(op)
+        self._check_alive(op)
+        native, buf = _ll_state(op, handle)
+        return buf._native.ll_next_combine_buffer(native)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Collective. Resets the low-latency buffer of this shape (a no-op when none exists:
+        a fresh buffer is clean)."""
+        op = "clean_low_latency_buffer"
+        self._check_ll(op)
+        self._check_alive(op)
+        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _check_int(op, "hidden", hidden, 1)
+        _check_int(op, "num_experts", num_experts, 1)
+        key = self._ll_key
+        if self._ll is not None and key[2:4] == (num_max_dispatch_tokens_per_rank, hidden) and \
+                key[5] == num_experts:
+            self._ll.ll_clean()
+
+    # ---- fault tolerance (enable_shrink), not supported -------------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        raise errors.unsupported("low_latency_update_mask_buffer", "needs enable_shrink=True, "
+                                 "which epx does not support")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise errors.unsupported("low_latency_query_mask_buffer", "needs enable_shrink=True, "
+                                 "which epx does not support")
+
+    def low_latency_clean_mask_buffer(self):
+        raise errors.unsupported("low_latency_clean_mask_buffer", "needs enable_shrink=True, "
+                                 "which epx does not support")

@@ -1,0 +1,180 @@
+"""epx groups over torch.distributed (SPEC 4).
+
+A Group is created collectively by every rank of a torch ProcessGroup (or of any object with
+``Get_rank()``, ``Get_size()`` and ``allgather(obj)``, FlashInfer's CommBackend interface):
+
+* cpu backend (tensors on CPU): rank 0 picks a unique name (a UUID), every rank learns it through
+  the group, and every rank calls ``Group::cpu_processes`` -- the ranks then exchange data over
+  POSIX shared memory, not through the ProcessGroup.
+* cuda backend (tensors on a GPU): an NCCL ProcessGroup lends its communicator
+  (``Group::cuda_from_comm``); any other group bootstraps a dedicated NCCL communicator from an
+  ncclUniqueId that rank 0 creates and the group broadcasts. A build without CUDA raises
+  ``Unsupported`` saying so.
+"""
+
+import datetime
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from . import _epx, errors
+
+
+def _timeout_ms(timeout):
+    if timeout is None:
+        return 0  # epx default: EPX_TIMEOUT_MS or 30 s
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    ms = int(round(float(timeout) * 1000))
+    if ms <= 0:
+        raise errors.invalid("Group", f"argument 'timeout' is {timeout!r} s, expected > 0")
+    return ms
+
+
+def _as_device(device):
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise errors.invalid("Group", f"argument 'device' is {device}, expected cpu or cuda")
+    return device
+
+
+class _ProcessGroupComm:
+    """Get_rank / Get_size / allgather over a torch ProcessGroup."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def Get_rank(self):
+        return dist.get_rank(self.pg)
+
+    def Get_size(self):
+        return dist.get_world_size(self.pg)
+
+    def allgather(self, obj):
+        out = [None] * self.Get_size()
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+
+def _pg_backend(pg):
+    try:
+        return str(dist.get_backend(pg)).lower()
+    except Exception:  # not a registered group (a custom object): treat as non-NCCL
+        return ""
+
+
+def _nccl_comm_ptr(pg, device):
+    """The ncclComm_t PyTorch's ProcessGroupNCCL holds for `device` (0 when not exposed)."""
+    backend = pg
+    if hasattr(pg, "_get_backend"):
+        try:
+            backend = pg._get_backend(device)
+        except Exception:
+            backend = pg
+    getter = getattr(backend, "_comm_ptr", None)
+    if getter is None:
+        return 0
+    ptr = getter()
+    if not ptr:
+        # Communicators are created lazily: one collective on the device creates it.
+        dist.all_reduce(torch.zeros(1, device=device), group=pg)
+        torch.cuda.synchronize(device)
+        ptr = getter()
+    return int(ptr or 0)
+
+
+class Group:
+    """An EP group: rank, size, backend ('cpu' or 'cuda'), and the wait bound ``timeout`` (s)."""
+
+    def __init__(self, native):
+        self._native = native
+
+    # ---- construction ------------------------------------------------------------------------
+    @staticmethod
+    def from_process_group(group=None, device=None, timeout=None, num_sms=0):
+        """Collective over `group` (default: the default ProcessGroup).
+
+        `device`: 'cpu' (cpu backend) or a CUDA device (cuda backend). Default: cuda on the
+        current device for an NCCL group, cpu otherwise. `timeout` (seconds or timedelta) bounds
+        every wait for a peer; `num_sms` caps the SMs of the cuda kernels (0 = auto).
+        """
+        if group is None:
+            if not dist.is_initialized():
+                raise errors.invalid("Group.from_process_group",
+                                     "no group given and torch.distributed is not initialised")
+            group = dist.group.WORLD
+        device = _as_device(device)
+        backend = _pg_backend(group)
+        if device is None:
+            device = _as_device("cuda") if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda" and backend == "nccl":
+            if not _epx.built_with_cuda:
+                raise errors.unsupported(
+                    "Group.from_process_group",
+                    "an NCCL process group drives the cuda backend, but epx was built without "
+                    "CUDA (EPX_WITH_CUDA=OFF); use a gloo group and CPU tensors for the cpu "
+                    "backend")
+            ptr = _nccl_comm_ptr(group, device)
+            if ptr:
+                return Group(_epx.Group.cuda_from_comm(ptr, device.index, _timeout_ms(timeout),
+                                                       num_sms))
+        return Group.from_comm(_ProcessGroupComm(group), device, timeout, num_sms)
+
+    @staticmethod
+    def from_comm(comm, device="cpu", timeout=None, num_sms=0):
+        """Collective over `comm`, anything with Get_rank(), Get_size() and allgather(obj)
+        (FlashInfer's CommBackend, mpi4py's communicators)."""
+        device = _as_device(device) or torch.device("cpu")
+        rank, size = int(comm.Get_rank()), int(comm.Get_size())
+        ms = _timeout_ms(timeout)
+        if device.type == "cpu":
+            name = f"epx-{uuid.uuid4().hex}" if rank == 0 else None
+            name = comm.allgather(name)[0]
+            return Group(_epx.Group.cpu_processes(rank, size, name, ms, num_sms))
+        if not _epx.built_with_cuda:
+            raise errors.unsupported(
+                "Group.from_comm", f"device {device} needs the cuda backend, but epx was built "
+                "without CUDA (EPX_WITH_CUDA=OFF); use CPU tensors for the cpu backend")
+        uid = _epx.new_unique_id() if rank == 0 else None
+        uid = comm.allgather(uid)[0]
+        return Group(_epx.Group.cuda(rank, size, uid, device.index, ms, num_sms))
+
+    @staticmethod
+    def cuda_from_comm(nccl_comm, device, timeout=None, num_sms=0):
+        """Adopts an existing ncclComm_t (an int pointer); epx does not destroy it."""
+        return Group(_epx.Group.cuda_from_comm(int(nccl_comm), int(device), _timeout_ms(timeout),
+                                               num_sms))
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def rank(self):
+        return self._native.rank
+
+    @property
+    def size(self):
+        return self._native.size
+
+    @property
+    def backend(self):
+        return self._native.backend
+
+    @property
+    def timeout(self):
+        return self._native.timeout_ms / 1000.0
+
+    @property
+    def num_sms(self):
+        return self._native.num_sms
+
+    def barrier(self):
+        """Host barrier over the group, bounded by the timeout (cpu backend)."""
+        self._native.barrier()
+
+    def __repr__(self):
+        return (f"epx.Group(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
+                f"timeout={self.timeout:g}s)")

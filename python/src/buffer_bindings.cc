@@ -1,0 +1,262 @@
+// python/src/buffer_bindings.cc — epx::Buffer (ht and ll modes) for Python.
+//
+// Data flow of every op: torch tensors -> to_view() (GIL held) -> the C++ op with the GIL released
+// (outputs allocated as torch tensors through torch_allocator(), which re-takes the GIL) ->
+// to_torch() on each result (GIL held). Handles stay C++ objects (HtHandle / LlHandle) whose
+// tensor fields read back as the torch tensors that were allocated for them. Hooks (ll
+// return_recv_hook) are callable objects that keep their Buffer alive and run exactly once.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include "epx/buffer.h"
+#include "torch_bridge.h"
+
+namespace epx::python {
+
+namespace {
+
+using BufferPtr = std::shared_ptr<Buffer>;
+
+// A recv hook: calls the C++ hook once, without the GIL.
+struct Hook {
+  LlHook fn;
+  BufferPtr owner;
+  const char* op = "hook";
+  bool called = false;
+  void call() {
+    if (called) {
+      throw_epx(ErrorCode::kInvalidArgument,
+                std::string(op) + " hook: called a second time, expected exactly one call");
+    }
+    called = true;
+    py::gil_scoped_release nogil;
+    fn();
+  }
+};
+
+py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op) {
+  if (!fn) return py::none();
+  return py::cast(std::make_shared<Hook>(Hook{std::move(fn), owner, op}));
+}
+
+std::shared_ptr<void> owner_of(const BufferPtr& b) {
+  return std::static_pointer_cast<void>(b);
+}
+
+MoeShape make_shape(int64_t hidden, int top_k, int num_experts, int64_t max_tokens) {
+  MoeShape s;
+  s.hidden = hidden;
+  s.top_k = top_k;
+  s.num_experts = num_experts;
+  s.max_tokens_per_rank = max_tokens;
+  return s;
+}
+
+Mode parse_mode(const std::string& mode) {
+  if (mode == "ht") return Mode::kHt;
+  if (mode == "ll") return Mode::kLl;
+  throw_epx(ErrorCode::kInvalidArgument,
+            "Buffer.bytes_needed: argument 'mode' is '" + mode + "', expected 'ht' or 'll'");
+}
+
+Backend parse_backend(const std::string& backend) {
+  if (backend == "cpu") return Backend::kCpu;
+  if (backend == "cuda") return Backend::kCuda;
+  throw_epx(ErrorCode::kInvalidArgument,
+            "argument 'backend' is '" + backend + "', expected 'cpu' or 'cuda'");
+}
+
+Stream as_stream(uintptr_t stream) {
+  return reinterpret_cast<Stream>(stream);
+}
+
+py::tuple ht_layout(const BufferPtr& b, py::handle topk_idx, uintptr_t stream) {
+  TensorView idx = to_view(topk_idx, "ht_layout: argument 'topk_idx'");
+  HtLayout r;
+  {
+    py::gil_scoped_release nogil;
+    r = b->ht_layout(idx, as_stream(stream), torch_allocator());
+  }
+  return py::make_tuple(to_torch(r.num_tokens_per_rank), to_torch(r.num_tokens_per_expert),
+                        to_torch(r.is_token_in_rank));
+}
+
+py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, bool x_is_fp8,
+                      py::handle topk_idx, py::handle topk_weights, int expert_alignment,
+                      int64_t num_worst_tokens, const HtHandle* handle, uintptr_t stream) {
+  HtDispatchArgs args;
+  args.x = to_view(x, "ht_dispatch: argument 'x'");
+  if (x_is_fp8 && args.x.dtype == DType::kU8) args.x.dtype = DType::kF8E4M3;
+  args.x_scales = to_view(x_scales, "ht_dispatch: argument 'x_scales'");
+  args.topk_idx = to_view(topk_idx, "ht_dispatch: argument 'topk_idx'");
+  args.topk_weights = to_view(topk_weights, "ht_dispatch: argument 'topk_weights'");
+  args.expert_alignment = expert_alignment;
+  args.num_worst_tokens = num_worst_tokens;
+  args.handle = handle;
+  args.stream = as_stream(stream);
+  HtDispatchResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = b->ht_dispatch(args, torch_allocator());
+  }
+  const auto owner = owner_of(b);
+  py::object h = handle ? py::none() : py::cast(std::make_shared<HtHandle>(std::move(r.handle)));
+  return py::make_tuple(to_torch(r.recv_x, owner), to_torch(r.recv_x_scales, owner),
+                        to_torch(r.recv_topk_idx, owner), to_torch(r.recv_topk_weights, owner),
+                        to_torch(r.recv_src_idx, owner), py::cast(r.num_recv_tokens_per_expert), h);
+}
+
+py::tuple ht_combine(const BufferPtr& b, py::handle y, const HtHandle& handle,
+                     py::handle topk_weights, py::handle bias0, py::handle bias1,
+                     uintptr_t stream) {
+  HtCombineArgs args;
+  args.y = to_view(y, "ht_combine: argument 'y'");
+  args.handle = &handle;
+  args.topk_weights = to_view(topk_weights, "ht_combine: argument 'topk_weights'");
+  args.bias0 = to_view(bias0, "ht_combine: argument 'bias[0]'");
+  args.bias1 = to_view(bias1, "ht_combine: argument 'bias[1]'");
+  args.stream = as_stream(stream);
+  HtCombineResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = b->ht_combine(args, torch_allocator());
+  }
+  const auto owner = owner_of(b);
+  return py::make_tuple(to_torch(r.out, owner), to_torch(r.combined_topk_weights, owner));
+}
+
+py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, bool use_fp8,
+                      bool round_scale, bool use_ue8m0, bool return_recv_hook, py::handle stats,
+                      uintptr_t stream) {
+  LlDispatchArgs args;
+  args.x = to_view(x, "ll_dispatch: argument 'x'");
+  args.topk_idx = to_view(topk_idx, "ll_dispatch: argument 'topk_idx'");
+  args.use_fp8 = use_fp8;
+  args.round_scale = round_scale;
+  args.use_ue8m0 = use_ue8m0;
+  args.return_recv_hook = return_recv_hook;
+  args.cumulative_local_expert_recv_stats =
+      to_view(stats, "ll_dispatch: argument 'cumulative_local_expert_recv_stats'");
+  args.stream = as_stream(stream);
+  LlDispatchResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = b->ll_dispatch(args, torch_allocator());
+  }
+  const auto owner = owner_of(b);
+  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch");
+  return py::make_tuple(to_torch(r.recv_x, owner), to_torch(r.recv_scales, owner),
+                        to_torch(r.recv_count, owner),
+                        py::cast(std::make_shared<LlHandle>(std::move(r.handle))), hook);
+}
+
+py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::handle topk_weights,
+                     const LlHandle& handle, bool zero_copy, bool return_recv_hook, py::handle out,
+                     uintptr_t stream) {
+  LlCombineArgs args;
+  args.y = to_view(y, "ll_combine: argument 'y'");
+  args.topk_idx = to_view(topk_idx, "ll_combine: argument 'topk_idx'");
+  args.topk_weights = to_view(topk_weights, "ll_combine: argument 'topk_weights'");
+  args.handle = &handle;
+  args.zero_copy = zero_copy;
+  args.return_recv_hook = return_recv_hook;
+  args.out = to_view(out, "ll_combine: argument 'out'");
+  args.stream = as_stream(stream);
+  LlCombineResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = b->ll_combine(args, torch_allocator());
+  }
+  py::object result =
+      out.is_none() ? to_torch(r.out, owner_of(b)) : py::reinterpret_borrow<py::object>(out);
+  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine"));
+}
+
+}  // namespace
+
+void bind_buffer(py::module_& m) {
+  py::class_<HtHandle, std::shared_ptr<HtHandle>>(m, "HtHandle",
+                                                  "What ht combine and cached dispatch need.")
+      .def_property_readonly("rank_prefix_matrix",
+                             [](const HtHandle& h) { return to_torch(h.rank_prefix_matrix); })
+      .def_property_readonly("recv_src_idx",
+                             [](const HtHandle& h) { return to_torch(h.recv_src_idx); })
+      .def_property_readonly("is_token_in_rank",
+                             [](const HtHandle& h) { return to_torch(h.is_token_in_rank); })
+      .def_property_readonly("send_pos", [](const HtHandle& h) { return to_torch(h.send_pos); })
+      .def_readonly("num_tokens", &HtHandle::num_tokens)
+      .def_readonly("num_recv_tokens", &HtHandle::num_recv_tokens)
+      .def_readonly("num_worst_tokens", &HtHandle::num_worst_tokens)
+      .def_readonly("top_k", &HtHandle::top_k)
+      .def_readonly("buffer_id", &HtHandle::buffer_id);
+
+  py::class_<LlHandle, std::shared_ptr<LlHandle>>(m, "LlHandle",
+                                                  "What ll combine needs (from ll_dispatch).")
+      .def_property_readonly("src_info", [](const LlHandle& h) { return to_torch(h.src_info); })
+      .def_property_readonly("layout_range",
+                             [](const LlHandle& h) { return to_torch(h.layout_range); })
+      .def_readonly("max_tokens", &LlHandle::max_tokens)
+      .def_readonly("hidden", &LlHandle::hidden)
+      .def_readonly("num_experts", &LlHandle::num_experts)
+      .def_readonly("num_tokens", &LlHandle::num_tokens)
+      .def_readonly("buffer_id", &LlHandle::buffer_id);
+
+  py::class_<Hook, std::shared_ptr<Hook>>(m, "Hook",
+                                          "Finishes the receive half of an ll op; call once.")
+      .def("__call__", &Hook::call)
+      .def_readonly("called", &Hook::called);
+
+  py::class_<Buffer, BufferPtr>(m, "Buffer")
+      .def(py::init([](const Group& group, int64_t hidden, int top_k, int num_experts,
+                       int64_t max_tokens_per_rank, bool enable_ht, bool enable_ll) {
+             BufferConfig config;
+             config.enable_ht = enable_ht;
+             config.enable_ll = enable_ll;
+             MoeShape shape = make_shape(hidden, top_k, num_experts, max_tokens_per_rank);
+             py::gil_scoped_release nogil;
+             return std::make_shared<Buffer>(group, shape, config);
+           }),
+           py::arg("group"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
+           py::arg("max_tokens_per_rank"), py::arg("enable_ht") = true,
+           py::arg("enable_ll") = false)
+      .def_static(
+          "bytes_needed",
+          [](const std::string& mode, int64_t hidden, int top_k, int num_experts,
+             int64_t max_tokens, int num_ranks, const std::string& backend) {
+            return Buffer::bytes_needed(parse_mode(mode),
+                                        make_shape(hidden, top_k, num_experts, max_tokens),
+                                        num_ranks, parse_backend(backend));
+          },
+          py::arg("mode"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
+          py::arg("max_tokens_per_rank"), py::arg("num_ranks"), py::arg("backend"))
+      .def_property_readonly("bytes_allocated", &Buffer::bytes_allocated)
+      .def_property_readonly("id", &Buffer::id)
+      .def_property_readonly("hidden", [](const Buffer& b) { return b.shape().hidden; })
+      .def_property_readonly("top_k", [](const Buffer& b) { return b.shape().top_k; })
+      .def_property_readonly("num_experts", [](const Buffer& b) { return b.shape().num_experts; })
+      .def_property_readonly("max_tokens_per_rank",
+                             [](const Buffer& b) { return b.shape().max_tokens_per_rank; })
+      .def_property_readonly("device", [](const Buffer& b) { return b.device().str(); })
+      .def("check", &Buffer::check, py::call_guard<py::gil_scoped_release>())
+      .def("ht_layout", &ht_layout, py::arg("topk_idx"), py::arg("stream") = 0)
+      .def("ht_dispatch", &ht_dispatch, py::arg("x"), py::arg("x_scales"), py::arg("x_is_fp8"),
+           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("expert_alignment"),
+           py::arg("num_worst_tokens"), py::arg("handle").none(true), py::arg("stream") = 0)
+      .def("ht_combine", &ht_combine, py::arg("y"), py::arg("handle"), py::arg("topk_weights"),
+           py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0)
+      .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
+           py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("return_recv_hook"),
+           py::arg("cumulative_local_expert_recv_stats"), py::arg("stream") = 0)
+      .def("ll_combine", &ll_combine, py::arg("y"), py::arg("topk_idx"), py::arg("topk_weights"),
+           py::arg("handle"), py::arg("zero_copy"), py::arg("return_recv_hook"), py::arg("out"),
+           py::arg("stream") = 0)
+      .def(
+          "ll_next_combine_buffer",
+          [](const BufferPtr& b, const LlHandle& handle) {
+            return view_to_torch(b->ll_next_combine_buffer(handle), owner_of(b));
+          },
+          py::arg("handle"))
+      .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace epx::python

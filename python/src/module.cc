@@ -1,0 +1,151 @@
+// python/src/module.cc — the `epx._epx` extension: groups, errors and the torch bridge set-up.
+//
+// Data flow at import: epx/_torch.py calls _init_torch(...) once with torch.empty, from_dlpack,
+// the dtype tables and the Python exception classes; from then on every epx::Error raised in C++
+// reaches Python as the class registered for its code (epx.InvalidArgument, ...) with the C++
+// message unchanged. The C++ core stays torch-free: this module sees torch only through Python
+// objects handed to it.
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <string>
+
+#include "epx/epx.h"
+#include "torch_bridge.h"
+
+namespace epx::python {
+void bind_buffer(py::module_& m);
+void bind_a2a(py::module_& m);
+void bind_timing(py::module_& m);
+}  // namespace epx::python
+
+namespace {
+
+namespace py = pybind11;
+using namespace epx;
+using namespace epx::python;
+
+GroupOptions make_options(int64_t timeout_ms, int num_sms) {
+  GroupOptions o;
+  o.timeout = std::chrono::milliseconds(timeout_ms);
+  o.num_sms = num_sms;
+  return o;
+}
+
+void init_torch(py::object empty, py::object from_dlpack, py::object device_ctor,
+                py::dict dtype_code, py::list dtype_of, py::list error_classes) {
+  TorchApi& api = torch_api();
+  if (dtype_of.size() != kNumDTypes || error_classes.size() != kNumErrorCodes) {
+    throw_epx(ErrorCode::kInternal, "_init_torch: expected " + std::to_string(kNumDTypes) +
+                                        " dtypes and " + std::to_string(kNumErrorCodes) +
+                                        " error classes");
+  }
+  api.empty = std::move(empty);
+  api.from_dlpack = std::move(from_dlpack);
+  api.device_ctor = device_ctor;
+  api.cpu_device = device_ctor("cpu");
+  api.dtype_code = std::move(dtype_code);
+  for (int i = 0; i < kNumDTypes; ++i) api.dtype_of[i] = dtype_of[i];
+  for (int i = 0; i < kNumErrorCodes; ++i) api.error_class[i] = error_classes[i];
+  api.ready = true;
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const Error& e) {
+    TorchApi& api = torch_api();
+    const int code = static_cast<int>(e.code());
+    PyObject* cls = api.ready && code >= 0 && code < kNumErrorCodes ? api.error_class[code].ptr()
+                                                                    : PyExc_RuntimeError;
+    PyErr_SetString(cls, e.what());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_epx, m) {
+  m.doc() = "epx C++ core (torch-free); use the `epx` package, not this module directly";
+  py::register_exception_translator(&translate);
+
+  m.def("_init_torch", &init_torch, py::arg("empty"), py::arg("from_dlpack"),
+        py::arg("device_ctor"), py::arg("dtype_code"), py::arg("dtype_of"),
+        py::arg("error_classes"));
+
+#if defined(EPX_WITH_CUDA)
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+  py::list codes;
+  for (int i = 0; i < kNumErrorCodes; ++i) codes.append(error_code_name(static_cast<ErrorCode>(i)));
+  m.attr("error_code_names") = codes;
+  py::list dtypes;
+  for (int i = 0; i < kNumDTypes; ++i) dtypes.append(dtype_name(static_cast<DType>(i)));
+  m.attr("dtype_names") = dtypes;
+
+  // Raises the error of `code` with `message` through the same path C++ errors take (tests).
+  m.def("_raise", [](int code, const std::string& message) {
+    throw Error(static_cast<ErrorCode>(code), message);
+  });
+
+  py::class_<Group>(m, "Group", "An EP group (SPEC 4). Creation is collective.")
+      .def_static(
+          "cpu_processes",
+          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms) {
+            py::gil_scoped_release nogil;
+            return Group::cpu_processes(rank, size, name, make_options(timeout_ms, num_sms));
+          },
+          py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("timeout_ms") = 0,
+          py::arg("num_sms") = 0)
+      .def_static(
+          "cpu_threads",
+          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms) {
+            py::gil_scoped_release nogil;
+            return Group::cpu_threads(rank, size, name, make_options(timeout_ms, num_sms));
+          },
+          py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("timeout_ms") = 0,
+          py::arg("num_sms") = 0)
+      .def_static(
+          "cuda",
+          [](int rank, int size, const py::bytes& id, int device, int64_t timeout_ms, int num_sms) {
+            std::string raw = id;
+            UniqueId uid;
+            if (raw.size() != uid.bytes.size()) {
+              throw_epx(ErrorCode::kInvalidArgument, "Group.cuda: argument 'unique_id' has " +
+                                                         std::to_string(raw.size()) +
+                                                         " bytes, expected 128");
+            }
+            std::copy(raw.begin(), raw.end(), uid.bytes.begin());
+            py::gil_scoped_release nogil;
+            return Group::cuda(rank, size, uid, device, make_options(timeout_ms, num_sms));
+          },
+          py::arg("rank"), py::arg("size"), py::arg("unique_id"), py::arg("device"),
+          py::arg("timeout_ms") = 0, py::arg("num_sms") = 0)
+      .def_static(
+          "cuda_from_comm",
+          [](uintptr_t comm, int device, int64_t timeout_ms, int num_sms) {
+            py::gil_scoped_release nogil;
+            return Group::cuda_from_comm(reinterpret_cast<void*>(comm), device,
+                                         make_options(timeout_ms, num_sms));
+          },
+          py::arg("nccl_comm"), py::arg("device"), py::arg("timeout_ms") = 0,
+          py::arg("num_sms") = 0)
+      .def_property_readonly("rank", &Group::rank)
+      .def_property_readonly("size", &Group::size)
+      .def_property_readonly("backend",
+                             [](const Group& g) { return std::string(backend_name(g.backend())); })
+      .def_property_readonly(
+          "timeout_ms", [](const Group& g) { return static_cast<int64_t>(g.timeout().count()); })
+      .def_property_readonly("num_sms", [](const Group& g) { return g.options().num_sms; })
+      .def("barrier", &Group::barrier, py::call_guard<py::gil_scoped_release>());
+
+  m.def("new_unique_id", []() {
+    UniqueId id = new_unique_id();
+    return py::bytes(id.bytes.data(), id.bytes.size());
+  });
+
+  bind_buffer(m);
+  bind_a2a(m);
+  bind_timing(m);
+}

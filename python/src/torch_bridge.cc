@@ -1,0 +1,306 @@
+// python/src/torch_bridge.cc — PyTorch <-> epx tensors (see torch_bridge.h for the data flow).
+//
+// Ownership: a tensor made by torch_allocator() carries, in its shared storage, a PyRef deleter
+// that owns one reference to the torch tensor; std::get_deleter finds it again in to_torch(), so a
+// result maps back to the very tensor PyTorch allocated. Workspace views leave through DLPack
+// capsules ("dltensor", laid out per the DLPack ABI) whose context owns a shared_ptr to the
+// Buffer/A2a, so the symmetric memory outlives every torch view of it.
+#include "torch_bridge.h"
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <vector>
+
+namespace epx::python {
+
+namespace {
+
+// Never destroyed: its Python references must not be released after the interpreter is gone.
+TorchApi* g_api = new TorchApi();
+
+// Owns one reference to a torch tensor; the deleter of an allocated Tensor's storage.
+struct PyRef {
+  PyObject* obj = nullptr;
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  void operator()(void*) const {
+    if (obj == nullptr || !Py_IsInitialized()) return;
+    PyGILState_STATE state = PyGILState_Ensure();
+    Py_DECREF(obj);
+    PyGILState_Release(state);
+  }
+};
+
+[[noreturn]] void bad(const std::string& message) {
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
+
+// ---- DLPack (the ABI torch.utils.dlpack.from_dlpack reads) ---------------------------------
+namespace dl {
+struct Device {
+  int32_t device_type;  // 1 = CPU, 2 = CUDA
+  int32_t device_id;
+};
+struct DataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct Tensor {
+  void* data;
+  Device device;
+  int32_t ndim;
+  DataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct ManagedTensor {
+  Tensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+};
+}  // namespace dl
+
+struct ExportContext {
+  dl::ManagedTensor managed{};
+  std::array<int64_t, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> strides{};
+  std::shared_ptr<void> owner;
+};
+
+void delete_export(dl::ManagedTensor* m) {
+  delete static_cast<ExportContext*>(m->manager_ctx);
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // Not consumed by a framework: free it here. A consumer renames it "used_dltensor".
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (m) m->deleter(m);
+  } else {
+    PyErr_Clear();
+  }
+}
+
+// The DLPack type we export `dtype` as; fp8 and bool travel as uint8 and are re-viewed.
+dl::DataType dl_type(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return {4, 16, 1};
+    case DType::kF16:
+      return {2, 16, 1};
+    case DType::kF32:
+      return {2, 32, 1};
+    case DType::kI32:
+      return {0, 32, 1};
+    case DType::kI64:
+      return {0, 64, 1};
+    case DType::kF8E4M3:
+    case DType::kU8:
+    case DType::kBool:
+      return {1, 8, 1};
+  }
+  return {1, 8, 1};
+}
+
+py::object device_object(Device device) {
+  TorchApi& api = torch_api();
+  if (device.type == DeviceType::kCpu) return api.cpu_device;
+  return api.device_ctor("cuda", device.index);
+}
+
+// Interned attribute names (built once; attribute lookups by PyObject* skip re-encoding).
+struct Names {
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* get_device = PyUnicode_InternFromString("get_device");
+};
+
+const Names& names() {
+  static const Names* n = new Names();  // never freed (lives as long as the interpreter)
+  return *n;
+}
+
+// {"dtype": ..., "device": ...} for torch.empty, one dict per (dtype, device), built once.
+const py::dict& empty_kwargs(DType dtype, Device device) {
+  static auto* cache = new std::map<int, py::dict>();
+  const int key =
+      static_cast<int>(dtype) * 4096 + (device.type == DeviceType::kCpu ? 0 : 1 + device.index);
+  auto it = cache->find(key);
+  if (it == cache->end()) {
+    py::dict kwargs;
+    kwargs["dtype"] = torch_api().dtype_of[static_cast<int>(dtype)];
+    kwargs["device"] = device_object(device);
+    it = cache->emplace(key, std::move(kwargs)).first;
+  }
+  return it->second;
+}
+
+}  // namespace
+
+TorchApi& torch_api() {
+  return *g_api;
+}
+
+py::object torch_dtype(DType dtype) {
+  return torch_api().dtype_of[static_cast<int>(dtype)];
+}
+
+void throw_epx(ErrorCode code, const std::string& message) {
+  throw Error(code, message);
+}
+
+TensorView to_view(py::handle t, const char* what) {
+  TensorView v;
+  if (t.is_none()) return v;
+  TorchApi& api = torch_api();
+  if (!api.ready) throw_epx(ErrorCode::kInternal, "epx._epx used before epx was imported");
+  const Names& n = names();
+  PyObject* o = t.ptr();
+  auto not_a_tensor = [&]() {
+    PyErr_Clear();
+    bad(std::string(what) + " is a " + Py_TYPE(o)->tp_name + ", expected a torch.Tensor");
+  };
+  py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.dtype));
+  if (!dtype) not_a_tensor();
+  PyObject* code = PyDict_GetItem(api.dtype_code.ptr(), dtype.ptr());  // borrowed
+  if (code == nullptr) {
+    if (!PyObject_HasAttr(o, n.data_ptr)) not_a_tensor();
+    bad(std::string(what) + " has dtype " + std::string(py::str(dtype)) +
+        ", which epx does not support (bfloat16, float16, float32, float8_e4m3fn, int32, int64, "
+        "uint8, bool)");
+  }
+  v.dtype = static_cast<DType>(PyLong_AsLong(code));
+  py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.shape));
+  py::object strides = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.stride));
+  py::object data = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.data_ptr));
+  if (!shape || !strides || !data || !PyTuple_Check(shape.ptr()) || !PyTuple_Check(strides.ptr()))
+    not_a_tensor();
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+  if (ndim > kMaxDims) {
+    bad(std::string(what) + " has " + std::to_string(ndim) + " dims, epx accepts at most " +
+        std::to_string(kMaxDims));
+  }
+  v.ndim = static_cast<int>(ndim);
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    v.strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides.ptr(), i));
+  }
+  v.data = PyLong_AsVoidPtr(data.ptr());
+  py::object is_cuda = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.is_cuda));
+  if (!is_cuda) not_a_tensor();
+  if (is_cuda.ptr() == Py_True) {
+    py::object index =
+        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(o, n.get_device));
+    if (!index) not_a_tensor();
+    v.device = Device::cuda(static_cast<int>(PyLong_AsLong(index.ptr())));
+  } else {
+    py::object is_cpu = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, n.is_cpu));
+    if (!is_cpu) PyErr_Clear();
+    if (is_cpu && is_cpu.ptr() != Py_True) {
+      bad(std::string(what) + " is on " + std::string(py::str(t.attr("device"))) +
+          ", epx accepts cpu and cuda tensors");
+    }
+  }
+  if (PyErr_Occurred()) not_a_tensor();
+  return v;
+}
+
+const Allocator& torch_allocator() {
+  static const Allocator alloc = [](DType dtype, const std::vector<int64_t>& shape,
+                                    Device device) -> Tensor {
+    py::gil_scoped_acquire gil;
+    py::tuple sizes(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) {
+      PyTuple_SET_ITEM(sizes.ptr(), i, PyLong_FromLongLong(shape[i]));
+    }
+    py::tuple args = py::make_tuple(sizes);
+    py::object t = py::reinterpret_steal<py::object>(
+        PyObject_Call(torch_api().empty.ptr(), args.ptr(), empty_kwargs(dtype, device).ptr()));
+    if (!t) throw py::error_already_set();
+    py::object ptr =
+        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), names().data_ptr));
+    if (!ptr) throw py::error_already_set();
+    void* data = PyLong_AsVoidPtr(ptr.ptr());
+    Tensor out;
+    static_cast<TensorView&>(out) = TensorView::contiguous(data, dtype, shape, device);
+    out.storage = std::shared_ptr<void>(data, PyRef{t.release().ptr(), dtype, shape});
+    return out;
+  };
+  return alloc;
+}
+
+py::object view_to_torch(const TensorView& v, std::shared_ptr<void> owner) {
+  if (!v.defined()) return py::none();
+  auto* ctx = new ExportContext();
+  ctx->owner = std::move(owner);
+  for (int i = 0; i < v.ndim; ++i) {
+    ctx->shape[i] = v.shape[i];
+    ctx->strides[i] = v.strides[i];
+  }
+  dl::Tensor& t = ctx->managed.dl_tensor;
+  t.data = v.data;
+  t.device = {v.device.type == DeviceType::kCpu ? 1 : 2,
+              v.device.type == DeviceType::kCpu ? 0 : v.device.index};
+  t.ndim = v.ndim;
+  t.dtype = dl_type(v.dtype);
+  t.shape = ctx->shape.data();
+  t.strides = ctx->strides.data();
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx;
+  ctx->managed.deleter = delete_export;
+  PyObject* capsule = PyCapsule_New(&ctx->managed, "dltensor", capsule_destructor);
+  if (capsule == nullptr) {
+    delete ctx;
+    throw py::error_already_set();
+  }
+  py::object out = torch_api().from_dlpack(py::reinterpret_steal<py::object>(capsule));
+  if (v.dtype == DType::kF8E4M3 || v.dtype == DType::kBool) {
+    py::object want = torch_dtype(v.dtype);
+    if (!want.is(out.attr("dtype"))) out = out.attr("view")(want);
+  }
+  return out;
+}
+
+py::object to_torch(const Tensor& t, const std::shared_ptr<void>& fallback_owner) {
+  if (!t.defined()) return py::none();
+  const PyRef* ref = std::get_deleter<PyRef>(t.storage);
+  if (ref == nullptr || ref->obj == nullptr) {
+    return view_to_torch(t, t.storage ? t.storage : fallback_owner);
+  }
+  py::handle base(ref->obj);
+  char* base_ptr = static_cast<char*>(t.storage.get());
+  bool same_shape = t.ndim == static_cast<int>(ref->shape.size());
+  for (int i = 0; same_shape && i < t.ndim; ++i) same_shape = t.shape[i] == ref->shape[i];
+  if (t.data == base_ptr && t.dtype == ref->dtype && same_shape && t.is_contiguous()) {
+    return py::reinterpret_borrow<py::object>(base);
+  }
+  // A view of the allocation with other shape, strides, offset or dtype (column-major scales).
+  py::object storage = py::reinterpret_borrow<py::object>(base);
+  if (t.dtype != ref->dtype) {
+    storage = storage.attr("reshape")(-1)
+                  .attr("view")(torch_dtype(DType::kU8))
+                  .attr("view")(torch_dtype(t.dtype));
+  }
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  const int64_t offset_bytes = static_cast<char*>(t.data) - base_ptr;
+  if (offset_bytes % elem != 0) {
+    throw_epx(ErrorCode::kInternal, "to_torch: result view at byte offset " +
+                                        std::to_string(offset_bytes) +
+                                        " is not aligned to its element size");
+  }
+  py::tuple sizes(t.ndim), strides(t.ndim);
+  for (int i = 0; i < t.ndim; ++i) {
+    sizes[i] = py::int_(t.shape[i]);
+    strides[i] = py::int_(t.strides[i]);
+  }
+  return storage.attr("as_strided")(sizes, strides, offset_bytes / elem);
+}
+
+}  // namespace epx::python

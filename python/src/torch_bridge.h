@@ -1,0 +1,71 @@
+// python/src/torch_bridge.h — how tensors cross between PyTorch and the torch-free epx core.
+//
+// Data flow (no torch header is included anywhere in epx; the bridge speaks only the Python
+// attribute protocol of torch.Tensor and DLPack):
+//   torch.Tensor --to_view()--> epx::TensorView   data_ptr(), dtype, shape, stride(), device read
+//                                                  through Python attributes; nothing is copied
+//   epx op --Allocator--> torch.empty(shape, dtype, device)  outputs come from PyTorch's allocator
+//                                                  (the caching allocator on GPU); the Tensor's
+//                                                  storage holds a reference to the torch tensor
+//   epx::Tensor --to_torch()--> torch.Tensor       the allocated torch tensor itself, or
+//                                                  as_strided() on it when the op returned a view
+//                                                  with other strides (column-major scales)
+//   epx::TensorView --view_to_torch()--> torch.Tensor  workspace views (a2a recv, ll zero-copy
+//                                                  buffer) exported through a DLPack capsule that
+//                                                  keeps the owning Buffer/A2a alive
+// The GIL is released while an op runs; the allocator and the deleters take it back.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <array>
+#include <memory>
+#include <string>
+
+#include "epx/error.h"
+#include "epx/tensor.h"
+
+namespace epx::python {
+
+namespace py = pybind11;
+
+inline constexpr int kNumDTypes = 8;
+inline constexpr int kNumErrorCodes = 7;
+
+// What the Python package registers once at import (epx/_torch.py calls _epx._init_torch).
+struct TorchApi {
+  bool ready = false;
+  py::object empty;        // torch.empty
+  py::object from_dlpack;  // torch.utils.dlpack.from_dlpack
+  py::dict dtype_code;     // torch.dtype -> int(epx::DType)
+  std::array<py::object, kNumDTypes>
+      dtype_of;            // epx::DType -> torch.dtype (fp8: uint8 on old torch)
+  py::object cpu_device;   // torch.device("cpu")
+  py::object device_ctor;  // torch.device
+  std::array<py::object, kNumErrorCodes> error_class;  // epx::ErrorCode -> Python class
+};
+
+TorchApi& torch_api();
+
+// torch.Tensor (or None: an absent optional argument) -> view. `what` names the argument in
+// error messages ("ll_dispatch: argument 'x'").
+TensorView to_view(py::handle tensor, const char* what);
+
+// An Allocator returning torch tensors; safe to call without the GIL.
+const Allocator& torch_allocator();
+
+// epx::Tensor -> torch.Tensor (None when undefined). Tensors that were not made by
+// torch_allocator() are exported through DLPack, kept alive by `fallback_owner` (or their own
+// storage when they have one).
+py::object to_torch(const Tensor& tensor, const std::shared_ptr<void>& fallback_owner = nullptr);
+
+// A non-owning view (workspace memory) -> torch.Tensor that keeps `owner` alive.
+py::object view_to_torch(const TensorView& view, std::shared_ptr<void> owner);
+
+// The torch.dtype of an epx dtype.
+py::object torch_dtype(DType dtype);
+
+// Raises the Python exception class registered for `code`.
+[[noreturn]] void throw_epx(ErrorCode code, const std::string& message);
+
+}  // namespace epx::python

@@ -1,0 +1,253 @@
+"""epx.compat.deep_ep, low-latency mode (epx ll) on the cpu backend, against reference.py.
+
+Every rank regenerates every rank's inputs from the test's seed, so it knows what it must receive;
+outputs the caller provides are poisoned first; every valid element is compared bit for bit.
+"""
+
+import random
+
+import pytest
+import torch
+
+import epx
+import epx.compat.deep_ep as deep_ep
+import reference as ref
+
+H = 256  # two fp8 groups of 128; ll needs H % 128 == 0
+K = 4
+
+
+def _seed():
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def _inputs(seed, R, E, T_of, kind="uniform"):
+    out = []
+    for s in range(R):
+        g = ref.generator(seed, s)
+        T = T_of(s)
+        out.append(dict(x=ref.rand_bf16((T, H), g, scale=3.0),
+                        topk_idx=ref.routing(kind, T, K, E, R, g),
+                        topk_weights=ref.rand_weights(T, K, g)))
+    return out
+
+
+def _y(seed, d, L, R, T_max):
+    return ref.rand_bf16((L, R * T_max, H), ref.generator(seed, d, "y"))
+
+
+def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0, what):
+    R, r = ctx.world_size, ctx.rank
+    L = E // R
+    recv, count, handle, event, hook = res
+    want = ref.ll_dispatch(inputs, r, E, R, T_max, use_fp8, round_scale)
+    assert isinstance(event, deep_ep.EventOverlap)
+    assert count.dtype == torch.int32 and list(count.shape) == [L], what
+    assert count.tolist() == [w["count"] for w in want], what
+    src_info, layout_range, t_max, hidden, num_experts = handle
+    assert (t_max, hidden, num_experts) == (T_max, H, E), what
+    assert list(src_info.shape) == [L, R * T_max] and src_info.dtype == torch.int32
+    assert list(layout_range.shape) == [L, R] and layout_range.dtype == torch.int64
+    count, src_info, layout_range = count.cpu(), src_info.cpu(), layout_range.cpu()
+    if use_fp8:
+        recv_x, scales = recv
+        assert recv_x.dtype == epx.fp8_dtype and list(recv_x.shape) == [L, R * T_max, H], what
+        G = H // 128
+        if use_ue8m0:
+            assert scales.dtype == torch.int32
+            assert list(scales.shape) == [L, R * T_max, (G + 3) // 4], what
+        else:
+            assert scales.dtype == torch.float32 and list(scales.shape) == [L, R * T_max, G]
+        # Column-major in the last two dims (what grouped-GEMM kernels read with TMA).
+        assert scales.stride(1) == 1 and scales.stride(2) == R * T_max, (what, scales.stride())
+        recv_x, scales = recv_x.cpu(), scales.cpu()
+    else:
+        recv_x, scales = recv.cpu(), None
+        assert recv_x.dtype == torch.bfloat16 and list(recv_x.shape) == [L, R * T_max, H], what
+    for l in range(L):
+        n = want[l]["count"]
+        assert torch.equal(layout_range[l], want[l]["layout_range"]), (what, l)
+        assert torch.equal(src_info[l, :n], want[l]["src_info"]), (what, l)
+        if n == 0:
+            continue
+        got = recv_x[l, :n]
+        if use_fp8:
+            assert torch.equal(got.view(torch.uint8), want[l]["x"]), (what, l)
+            s = want[l]["scales"]
+            exp = ref.ue8m0_pack(s) if use_ue8m0 else s
+            assert torch.equal(scales[l, :n], exp), (what, l)
+        else:
+            assert torch.equal(got, want[l]["x"]), (what, l)
+
+
+def body_ll_roundtrip(ctx, seed):
+    """bf16 and fp8 (plain, round_scale, UE8M0) dispatch; combine; stats; handle; several
+    routings and T = 0 on a rank."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 4 * R
+    L = E // R
+    T_max = 24
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True,
+                         num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+                             T_max, H, R, E))
+    stats = torch.zeros(L, dtype=torch.int32, device=dev)
+    expected_stats = torch.zeros(L, dtype=torch.int64)
+    cases = [(kind, fp8, rs, ue) for kind in ref.ROUTINGS
+             for fp8, rs, ue in ((False, False, False), (True, False, False))]
+    cases += [("uniform", True, True, False), ("uniform", True, True, True),
+              ("duplicates", True, True, True)]
+    for i, (kind, use_fp8, round_scale, use_ue8m0) in enumerate(cases):
+        what = f"seed={seed} case={i} kind={kind} fp8={use_fp8} rs={round_scale} ue={use_ue8m0}"
+        s = seed + i
+        inputs = _inputs(s, R, E, lambda src: 0 if (i % 3 == 1 and src == 0) else
+                         (T_max if i % 4 == 0 else 7 + src), kind)
+        mine = inputs[r]
+        res = buf.low_latency_dispatch(mine["x"].to(dev), mine["topk_idx"].to(dev), T_max, E,
+                                       cumulative_local_expert_recv_stats=stats,
+                                       use_fp8=use_fp8, round_scale=round_scale,
+                                       use_ue8m0=use_ue8m0)
+        assert res[4] is None  # no hook unless asked
+        _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0, what)
+        want = ref.ll_dispatch(inputs, r, E, R, T_max, use_fp8, round_scale)
+        expected_stats += torch.tensor([w["count"] for w in want])
+        assert torch.equal(stats.cpu().to(torch.int64), expected_stats), what
+        ys = [_y(s, d, L, R, T_max) for d in range(R)]
+        out, event, hook = buf.low_latency_combine(ys[r].to(dev), mine["topk_idx"].to(dev),
+                                                   mine["topk_weights"].to(dev), res[2])
+        assert hook is None and isinstance(event, deep_ep.EventOverlap)
+        assert out.dtype == torch.bfloat16 and list(out.shape) == [mine["x"].shape[0], H]
+        assert torch.equal(out.cpu(), ref.ll_combine(inputs, ys, r, E, R)), what
+
+
+def body_ll_hook_zero_copy_out(ctx, seed):
+    """return_recv_hook (two dispatches in flight), zero_copy through
+    get_next_low_latency_combine_buffer, `out=`, int32 topk_idx, clean_low_latency_buffer."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    L = E // R
+    T_max = 16
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    a = _inputs(seed, R, E, lambda s: 5 + 2 * s)
+    b = _inputs(seed + 1, R, E, lambda s: T_max - s)
+    ad = {k: v.to(dev) for k, v in a[r].items()}
+    bd = {k: v.to(dev) for k, v in b[r].items()}
+    ra = buf.low_latency_dispatch(ad["x"], ad["topk_idx"], T_max, E, use_fp8=True,
+                                  return_recv_hook=True)
+    rb = buf.low_latency_dispatch(bd["x"], bd["topk_idx"].to(torch.int32), T_max, E,
+                                  use_fp8=False, return_recv_hook=True)
+    assert callable(ra[4]) and callable(rb[4])
+    ra[4]()
+    rb[4]()
+    with pytest.raises(epx.InvalidArgument, match="second time"):
+        ra[4]()
+    _check_dispatch(ctx, a, ra, E, T_max, True, False, False, f"seed={seed} hook a")
+    _check_dispatch(ctx, b, rb, E, T_max, False, False, False, f"seed={seed} hook b")
+
+    # zero_copy: expert outputs written straight into the buffer's combine view.
+    ys = [_y(seed, d, L, R, T_max) for d in range(R)]
+    view = buf.get_next_low_latency_combine_buffer(ra[2])
+    assert view.dtype == torch.bfloat16 and list(view.shape) == [L, R * T_max, H]
+    view.copy_(ys[r].to(dev))
+    out, _, hook = buf.low_latency_combine(view, ad["topk_idx"], ad["topk_weights"], ra[2],
+                                           zero_copy=True, return_recv_hook=True)
+    assert callable(hook)
+    hook()
+    assert torch.equal(out.cpu(), ref.ll_combine(a, ys, r, E, R)), f"seed={seed} zero_copy"
+
+    # out=: poisoned caller tensor, returned as the result.
+    ys = [_y(seed + 7, d, L, R, T_max) for d in range(R)]
+    Tb = bd["x"].shape[0]
+    dst = torch.full((Tb, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    out, _, _ = buf.low_latency_combine(ys[r].to(dev), bd["topk_idx"].to(torch.int32),
+                                        bd["topk_weights"], rb[2], out=dst)
+    assert out is dst
+    assert torch.equal(dst.cpu(), ref.ll_combine(b, ys, r, E, R)), f"seed={seed} out="
+
+    # Clean, then the buffer works as before.
+    buf.clean_low_latency_buffer(T_max, H, E)
+    buf.clean_low_latency_buffer(T_max + 1, H, E)  # no buffer of that shape: nothing to clean
+    rc = buf.low_latency_dispatch(ad["x"], ad["topk_idx"], T_max, E, use_fp8=False)
+    _check_dispatch(ctx, a, rc, E, T_max, False, False, False, f"seed={seed} after clean")
+
+
+def body_ll_errors(ctx, seed):
+    """Every bad input or unsupported option raises its mapped class with a clear message (on
+    every rank alike, so no rank is left waiting)."""
+    R, r = ctx.world_size, ctx.rank
+    E = 2 * R
+    T_max = 8
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    inp = _inputs(seed, R, E, lambda s: 4)[r]
+    x, idx, w = inp["x"], inp["topk_idx"], inp["topk_weights"]
+    res = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=False)
+    handle = res[2]
+    y = torch.zeros(E // R, R * T_max, H, dtype=torch.bfloat16)
+    cases = [
+        (epx.Unsupported, "use_nvfp4", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_nvfp4=True)),
+        (epx.Unsupported, "x_global_scale", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, x_global_scale=torch.ones(1))),
+        (epx.Unsupported, "dispatch_wait_recv_cost_stats", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
+        (epx.Unsupported, "use_logfmt", lambda: buf.low_latency_combine(
+            y, idx, w, handle, use_logfmt=True)),
+        (epx.Unsupported, "combine_wait_recv_cost_stats", lambda: buf.low_latency_combine(
+            y, idx, w, handle, combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
+        (epx.InvalidArgument, "async_finish", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, async_finish=True, return_recv_hook=True)),
+        (epx.OutOfCapacity, "T_max", lambda: buf.low_latency_dispatch(
+            torch.zeros(T_max + 1, H, dtype=torch.bfloat16),
+            torch.zeros(T_max + 1, K, dtype=torch.int64), T_max, E)),
+        (epx.InvalidArgument, "'x' has dtype f32", lambda: buf.low_latency_dispatch(
+            x.float(), idx, T_max, E)),
+        (epx.InvalidArgument, f"value {E}", lambda: buf.low_latency_dispatch(
+            x, torch.full_like(idx, E), T_max, E)),
+        (epx.InvalidArgument, "value -2", lambda: buf.low_latency_dispatch(
+            x, torch.full_like(idx, -2), T_max, E)),
+        (epx.InvalidArgument, "round_scale", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_fp8=True, use_ue8m0=True)),
+        (epx.InvalidArgument, "cumulative_local_expert_recv_stats", lambda:
+            buf.low_latency_dispatch(x, idx, T_max, E,
+                                     cumulative_local_expert_recv_stats=torch.zeros(
+                                         E // R, dtype=torch.int64))),
+        (epx.InvalidArgument, "handle", lambda: buf.low_latency_combine(
+            y, idx, w, (1, 2, 3, 4, 5))),
+        (epx.InvalidArgument, "'topk_weights'", lambda: buf.low_latency_combine(
+            y, idx, w[:, :1], handle)),
+        (epx.InvalidArgument, "'y'", lambda: buf.low_latency_combine(y[:, :1], idx, w, handle)),
+        (epx.InvalidArgument, "expected a torch.Tensor", lambda: buf.low_latency_dispatch(
+            x.tolist(), idx, T_max, E)),
+    ]
+    for cls, needle, call in cases:
+        with pytest.raises(cls) as info:
+            call()
+        assert needle in str(info.value), (needle, str(info.value))
+        assert isinstance(info.value, epx.EpxError)
+    # After all those failures the buffer still works (nothing was half-sent).
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    assert out.shape == (4, H)
+
+    normal = deep_ep.Buffer(ctx.group)  # low_latency_mode=False
+    with pytest.raises(epx.InvalidArgument, match="low_latency_mode=False"):
+        normal.low_latency_dispatch(x, idx, T_max, E)
+
+
+def test_ll_dispatch_combine(pool):
+    pool.run(body_ll_roundtrip, _seed())
+
+
+def test_ll_hook_zero_copy_out_clean(pool):
+    pool.run(body_ll_hook_zero_copy_out, _seed())
+
+
+def test_ll_errors(pool):
+    pool.run(body_ll_errors, _seed())
+
+
+def test_low_latency_rdma_size_hint():
+    n = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
+    assert isinstance(n, int) and n > 0 and n % 128 == 0
+    assert n >= epx.Buffer.bytes_needed("ll", 7168, 8, 256, 128, 2,
+                                        "cuda" if epx.built_with_cuda else "cpu")
+    with pytest.raises(epx.InvalidArgument, match="hidden"):
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 0, 2, 256)

@@ -1,0 +1,191 @@
+"""The epx package itself: exception mapping, groups over torch.distributed, the native Buffer and
+A2a classes with torch tensors, the GIL being released while a rank waits, views keeping their
+buffer alive, bounded waits (a rank left alone raises Timeout instead of hanging)."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import epx
+from epx import _epx
+import reference as ref
+
+
+def _seed():
+    return random.SystemRandom().randrange(1 << 30)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,cls,base", [
+    (0, epx.InvalidArgument, ValueError), (1, epx.Unsupported, NotImplementedError),
+    (2, epx.OutOfCapacity, epx.EpxError), (3, epx.Timeout, TimeoutError),
+    (4, epx.CudaError, epx.EpxError), (5, epx.NcclError, epx.EpxError),
+    (6, epx.InternalError, epx.EpxError)])
+def test_error_mapping(code, cls, base):
+    msg = f"op: argument 'thing' is {code}, expected something else"
+    with pytest.raises(cls) as info:
+        _epx._raise(code, msg)
+    assert isinstance(info.value, base) and isinstance(info.value, epx.EpxError)
+    assert isinstance(info.value, RuntimeError)
+    assert str(info.value) == f"epx {cls.code}: {msg}"  # the C++ message, unchanged
+
+
+def test_unsupported_cuda_without_cuda_build():
+    if epx.built_with_cuda:
+        pytest.skip("epx was built with CUDA")
+    with pytest.raises(epx.Unsupported, match="without CUDA"):
+        epx.Group.cuda_from_comm(0x1234, 0)
+    with pytest.raises(epx.Unsupported, match="without CUDA"):
+        _epx.new_unique_id()
+
+
+# ---- groups, native Buffer / A2a ----------------------------------------------------------------
+
+def body_group(ctx, seed):
+    g = epx.Group.from_process_group(ctx.group, timeout=5)
+    assert (g.rank, g.size, g.backend) == (ctx.rank, ctx.world_size, "cpu")
+    assert g.timeout == 5.0
+    g.barrier()
+    assert "epx.Group(rank=" in repr(g)
+    g2 = epx.Group.from_process_group()  # default group, default timeout
+    assert g2.size == ctx.world_size and g2.timeout > 0
+    if not epx.built_with_cuda:
+        with pytest.raises(epx.Unsupported, match="without CUDA"):
+            epx.Group.from_process_group(ctx.group, device="cuda:0")
+    with pytest.raises(epx.InvalidArgument, match="timeout"):
+        epx.Group.from_process_group(ctx.group, timeout=0)
+
+
+def body_native_ll(ctx, seed):
+    """epx.Buffer (ll) with torch tensors: outputs are torch tensors from torch's allocator; the
+    column-major scales are a strided view of their allocation; the zero-copy view outlives the
+    Python Buffer object; bytes_needed / bytes_allocated; the C++ timing hook runs."""
+    R, r = ctx.world_size, ctx.rank
+    H, K, E, T_max = 256, 2, 2 * R, 8
+    group = epx.Group.from_process_group(ctx.group)
+    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
+                     enable_ht=False, enable_ll=True)
+    assert buf.bytes_allocated >= epx.Buffer.bytes_needed("ll", H, K, E, T_max, R, "cpu") > 0
+    g = ref.generator(seed, r)
+    x = ref.rand_bf16((5, H), g)
+    idx = ref.routing("uniform", 5, K, E, R, g)
+    res = buf.ll_dispatch(x, idx, use_fp8=True)
+    assert isinstance(res, epx.LlDispatchResult) and isinstance(res.handle, epx.LlHandle)
+    assert type(res.recv_x) is torch.Tensor and res.recv_x.dtype == epx.fp8_dtype
+    s = res.recv_scales
+    assert s.stride() == (s.shape[1] * s.shape[2], 1, s.shape[1]) and not s.is_contiguous()
+    assert res.handle.max_tokens == T_max and res.handle.num_tokens == 5
+    assert torch.equal(res.handle.src_info, res.handle.src_info)
+    view = buf.ll_next_combine_buffer(res.handle)
+    handle = res.handle
+    del buf, res
+    view.fill_(1.0)  # the view keeps the symmetric memory alive
+    assert float(view.float().sum()) == view.numel()
+    del view, handle
+
+
+def body_native_a2a(ctx, seed):
+    R, r = ctx.world_size, ctx.rank
+    E, K, H, M = R, 1, 32, 4
+    group = epx.Group.from_process_group(ctx.group)
+    a2a = epx.A2a(group, max_tokens_per_rank=M, top_k=K, num_experts=E,
+                  payload_bytes_per_token=[H * 4], combine_bytes_per_token=H * 2)
+    assert a2a.bytes_allocated >= epx.A2a.workspace_bytes(M, K, E, [H * 4], H * 2, R)
+    inputs = []
+    for s in range(R):
+        g = ref.generator(seed, s)
+        idx = ref.routing("uniform", 3, K, E, R, g, drop=0.0).to(torch.int32)
+        inputs.append(dict(topk_idx=idx, payloads=[torch.randn(3, H, generator=g)]))
+    res = a2a.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M)
+    want, counts = ref.a2a_dispatch(inputs, r, E, R)
+    assert res.recv_counts.tolist() == counts
+    for s in range(R):
+        assert torch.equal(res.recv[0][s, :counts[s]], want[s][0])
+    ys = [ref.rand_bf16((R, M, H), ref.generator(seed, d, "y")) for d in range(R)]
+    view = a2a.combine_payload_view(M, H, torch.bfloat16)
+    view.copy_(ys[r])
+    out = a2a.combine(view, M, payload_in_workspace=True)
+    assert torch.equal(out, ref.a2a_combine(inputs, ys, r, E, R))
+    with pytest.raises(epx.InvalidArgument, match="dtype"):
+        a2a.combine_payload_view(M, H, torch.int8)
+
+
+def body_gil_released(ctx, seed):
+    """While rank 0 waits in a collective for a late rank 1, another Python thread of rank 0 keeps
+    running (the op does not hold the GIL)."""
+    R, r = ctx.world_size, ctx.rank
+    H, K, E = 128, 1, R
+    group = epx.Group.from_process_group(ctx.group)
+    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=4,
+                     enable_ht=False, enable_ll=True)
+    x = torch.zeros(2, H, dtype=torch.bfloat16)
+    idx = torch.zeros(2, K, dtype=torch.int64)
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    if r == 1:
+        time.sleep(0.5)
+        buf.ll_dispatch(x, idx, use_fp8=False)
+        return None
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        res = buf.ll_dispatch(x, idx, use_fp8=False)
+    finally:
+        stop.set()
+        t.join()
+    assert ticks[0] > 50, f"the other thread ran only {ticks[0]} times during a 0.5 s wait"
+    # Results released from another thread: their storage deleters take the GIL themselves.
+    holder = [res]
+    del res
+    t = threading.Thread(target=holder.clear)
+    t.start()
+    t.join()
+
+
+def body_timeout(ctx, seed):
+    """Rank 0 never joins the collective: every other rank raises Timeout naming it, within the
+    group's timeout, instead of hanging."""
+    R, r = ctx.world_size, ctx.rank
+    group = epx.Group.from_process_group(ctx.group, timeout=1.0)
+    buf = epx.Buffer(group, hidden=128, top_k=1, num_experts=R, max_tokens_per_rank=4,
+                     enable_ht=False, enable_ll=True)
+    if r == 0:
+        return None
+    start = time.monotonic()
+    with pytest.raises(epx.Timeout) as info:
+        buf.ll_dispatch(torch.zeros(1, 128, dtype=torch.bfloat16),
+                        torch.zeros(1, 1, dtype=torch.int64), use_fp8=False)
+    elapsed = time.monotonic() - start
+    assert 0.9 < elapsed < 5.0, elapsed
+    assert "[0]" in str(info.value) and "1000 ms" in str(info.value), str(info.value)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_group_from_process_group(pool):
+    pool.run(body_group, _seed())
+
+
+def test_native_ll_buffer(pool):
+    pool.run(body_native_ll, _seed())
+
+
+def test_native_a2a(pool):
+    pool.run(body_native_a2a, _seed())
+
+
+def test_gil_released_while_waiting(pool2):
+    pool2.run(body_gil_released, _seed())
+
+
+def test_timeout_instead_of_hang(pool2):
+    pool2.run(body_timeout, _seed())

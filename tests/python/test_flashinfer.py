@@ -1,0 +1,218 @@
+"""epx.compat.flashinfer (MoeAlltoAll on epx a2a) on the cpu backend, against reference.py:
+multi-payload dispatch, sanitising padding rows, combine with and without payload_in_workspace,
+T = 0, the dispatch -> combine state machine, and bad inputs."""
+
+import random
+
+import pytest
+import torch
+
+import epx
+import epx.compat.flashinfer as fi
+import reference as ref
+
+H = 64
+K = 3
+
+
+def _seed():
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def _inputs(seed, R, E, T_of, kind="uniform"):
+    """Per rank: topk_idx (int32) and four payloads of different dtypes and shapes; payload 1 is
+    the expert ids (int32 [T, K])."""
+    out = []
+    for s in range(R):
+        g = ref.generator(seed, s)
+        T = T_of(s)
+        idx = ref.routing(kind, T, K, E, R, g).to(torch.int32)
+        payloads = [ref.rand_bf16((T, H), g),                         # hidden states
+                    idx.clone(),                                       # expert ids
+                    ref.rand_weights(T, K, g),                         # weights, f32 [T, K]
+                    ref.rand_fp8_bits((T, 2, 16), g)]                  # 3-d uint8 payload
+        out.append(dict(topk_idx=idx, payloads=payloads))
+    return out
+
+
+def _backend(ctx):
+    return "cpu" if ctx.device.type == "cpu" else "cuda"
+
+
+def _on(inp, dev):
+    return inp["topk_idx"].to(dev), [p.to(dev) for p in inp["payloads"]]
+
+
+def _mapping(ctx):
+    return fi.Mapping(world_size=ctx.world_size, rank=ctx.rank, tp_size=ctx.world_size,
+                      moe_ep_size=ctx.world_size)
+
+
+def _check_recv(ctx, inputs, recv, M, E, invalid_id, what):
+    R, r = ctx.world_size, ctx.rank
+    want, counts = ref.a2a_dispatch(inputs, r, E, R)
+    assert len(recv) == len(inputs[r]["payloads"]), what
+    for i, view in enumerate(recv):
+        p = inputs[r]["payloads"][i]
+        assert view.dtype == p.dtype, (what, i)
+        assert list(view.shape) == [R, M] + list(p.shape[1:]), (what, i, view.shape)
+        for s in range(R):
+            n = counts[s]
+            assert torch.equal(view[s, :n].cpu(), want[s][i]), (what, i, s)
+            if invalid_id is not None and i == 1:
+                assert bool((view[s, n:] == invalid_id).all()), (what, "sanitised", s)
+    return counts
+
+
+def body_a2a_roundtrip(ctx, seed):
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    max_tokens = 12
+    ws = fi.moe_a2a_get_workspace_size_per_rank(R, max_tokens, H * 2 + K * 4 + K * 4 + 32,
+                                                H * 4)
+    a2a = fi.MoeAlltoAll(_mapping(ctx), max_tokens, K, E, workspace_size_per_rank=ws,
+                         hidden_size=H, mnnvl_config=fi.MnnvlConfig(
+                             comm_backend=fi.TorchDistBackend(ctx.group)),
+                         backend=_backend(ctx))
+    assert (a2a.ep_rank, a2a.ep_size) == (r, R)
+    for i, kind in enumerate(ref.ROUTINGS):
+        for j, (sanitise, in_ws, dtype) in enumerate(((None, False, torch.bfloat16),
+                                                      (E + 5, True, torch.bfloat16),
+                                                      (-1, False, torch.float32),
+                                                      (E, True, torch.float32))):
+            s = seed + 10 * i + j
+            what = f"seed={s} kind={kind} sanitise={sanitise} in_ws={in_ws} dtype={dtype}"
+            T_of = (lambda src: 0 if src == R - 1 else 3 + 4 * src) if j == 1 else \
+                (lambda src: max_tokens - src)
+            inputs = _inputs(s, R, E, T_of, kind)
+            M = min(max(T_of(src) for src in range(R)) + (j % 2), max_tokens)
+            idx, payloads = _on(inputs[r], dev)
+            recv = a2a.dispatch(idx, payloads, M,
+                                invalid_token_expert_id=sanitise,
+                                expert_id_payload_index=1 if sanitise is not None else None)
+            counts = _check_recv(ctx, inputs, recv, M, E, sanitise, what)
+            assert a2a.recv_counts.cpu().tolist() == counts, what
+            # The MoE kernel's output per received row: rank d's y_d[s][j].
+            ys = [ref.rand_bf16((R, M, H), ref.generator(s, d, "y"), 2.0).to(dtype)
+                  for d in range(R)]
+            if in_ws:
+                view = a2a.get_combine_payload_tensor_in_workspace(M, H, dtype)
+                assert list(view.shape) == [R, M, H] and view.dtype == dtype, what
+                view.copy_(ys[r].to(dev))
+                out = a2a.combine(view, M, payload_in_workspace=True)
+            else:
+                out = a2a.combine(ys[r].to(dev), M)
+            T = inputs[r]["topk_idx"].shape[0]
+            assert out.dtype == dtype and list(out.shape) == [T, H], what
+            assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), what
+
+
+def body_a2a_lazy_workspace(ctx, seed):
+    """Only hidden_size given (no workspace size); a later dispatch with longer rows re-creates
+    the workspace; the default group is used without mnnvl_config."""
+    R, r = ctx.world_size, ctx.rank
+    E = R
+    a2a = fi.MoeAlltoAll(_mapping(ctx), 6, K, E, hidden_size=H, backend=_backend(ctx))
+    for step, width in enumerate((8, 32)):
+        inputs = []
+        for s in range(R):
+            g = ref.generator(seed + step, s)
+            idx = ref.routing("uniform", 5, K, E, R, g).to(torch.int32)
+            inputs.append(dict(topk_idx=idx, payloads=[torch.randn(5, width, generator=g)]))
+        recv = a2a.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], 6)
+        _check_recv(ctx, inputs, recv, 6, E, None, f"seed={seed} width={width}")
+        ys = [ref.rand_bf16((R, 6, H), ref.generator(seed, d, step)) for d in range(R)]
+        assert torch.equal(a2a.combine(ys[r], 6), ref.a2a_combine(inputs, ys, r, E, R))
+
+
+def body_a2a_errors(ctx, seed):
+    R, r = ctx.world_size, ctx.rank
+    E = 2 * R
+    a2a = fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, backend=_backend(ctx))
+    inp = _inputs(seed, R, E, lambda s: 4)[r]
+    idx, payloads = inp["topk_idx"], inp["payloads"]
+    y = torch.zeros(R, 4, H, dtype=torch.bfloat16)
+
+    with pytest.raises(epx.InvalidArgument, match="without a preceding dispatch"):
+        a2a.combine(y, 4)
+    with pytest.raises(epx.InvalidArgument, match="before dispatch"):
+        a2a.get_combine_payload_tensor_in_workspace(4, H, torch.bfloat16)
+    with pytest.raises(epx.OutOfCapacity, match="max_num_tokens"):
+        a2a.dispatch(idx, payloads, 9)
+    with pytest.raises(epx.OutOfCapacity, match="runtime_max_tokens_per_rank"):
+        a2a.dispatch(idx, payloads, 3)  # T = 4 > runtime_max: never truncates
+    with pytest.raises(epx.InvalidArgument, match=f"value {E}"):
+        a2a.dispatch(torch.full_like(idx, E), payloads, 4)
+    with pytest.raises(epx.InvalidArgument, match="expert_id_payload_index"):
+        a2a.dispatch(idx, payloads, 4, invalid_token_expert_id=-1, expert_id_payload_index=7)
+    with pytest.raises(epx.InvalidArgument, match="expert-id payload"):
+        a2a.dispatch(idx, payloads, 4, invalid_token_expert_id=-1, expert_id_payload_index=0)
+
+    a2a.dispatch(idx, payloads, 4)
+    with pytest.raises(epx.InvalidArgument, match="twice without combine"):
+        a2a.dispatch(idx, payloads, 4)
+    with pytest.raises(epx.InvalidArgument, match="preceding dispatch, 4"):
+        a2a.combine(torch.zeros(R, 5, H, dtype=torch.bfloat16), 5)
+    with pytest.raises(epx.InvalidArgument, match="dtype"):
+        a2a.combine(y.to(torch.int32), 4)
+    with pytest.raises(epx.InvalidArgument, match="does not point into"):
+        a2a.combine(y, 4, payload_in_workspace=True)
+    out = a2a.combine(y, 4)  # the state machine is back at "dispatched -> combine"
+    assert out.shape == (4, H)
+
+    with pytest.raises(epx.Unsupported, match="enable_rank_mask"):
+        fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, enable_rank_mask=True)
+    with pytest.raises(epx.Unsupported, match="eplb_stats_num_experts"):
+        fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, eplb_stats_num_experts=E)
+    with pytest.raises(epx.InvalidArgument, match="hidden_size"):
+        fi.MoeAlltoAll(_mapping(ctx), 8, K, E)
+    if R > 1:
+        wrong = fi.Mapping(world_size=R, rank=(r + 1) % R, tp_size=R, moe_ep_size=R)
+        with pytest.raises(epx.InvalidArgument, match="moe_ep_rank"):
+            fi.MoeAlltoAll(wrong, 8, K, E, hidden_size=H)
+
+
+def test_a2a_dispatch_combine(pool):
+    pool.run(body_a2a_roundtrip, _seed())
+
+
+def test_a2a_lazy_workspace(pool):
+    pool.run(body_a2a_lazy_workspace, _seed())
+
+
+def test_a2a_errors(pool):
+    pool.run(body_a2a_errors, _seed())
+
+
+def test_mapping():
+    m = fi.Mapping(world_size=8, rank=5, tp_size=8, moe_ep_size=8)
+    assert (m.moe_ep_rank, m.moe_ep_size, m.moe_tp_size, m.tp_rank) == (5, 8, 1, 5)
+    m = fi.Mapping(8, 6, 8, tp_size=4, pp_size=2, moe_ep_size=2)  # vLLM passes these positionally
+    assert (m.tp_rank, m.pp_rank, m.moe_ep_rank, m.moe_tp_rank, m.moe_tp_size) == (2, 1, 0, 1, 2)
+    m = fi.Mapping(world_size=2, rank=1, tp_size=2)
+    assert (m.moe_ep_size, m.moe_tp_size, m.moe_ep_rank) == (1, 2, 0)
+    with pytest.raises(epx.InvalidArgument, match="world_size"):
+        fi.Mapping(world_size=4, rank=0, tp_size=2)
+    with pytest.raises(epx.InvalidArgument, match="moe_tp_size"):
+        fi.Mapping(world_size=4, rank=0, tp_size=4, moe_ep_size=3, moe_tp_size=1)
+
+
+def test_config_objects():
+    cfg = fi.MnnvlConfig(comm_backend=None, fabric_page_size=1 << 20)
+    assert cfg.comm_backend is None and cfg.fabric_page_size == 1 << 20
+    assert issubclass(fi.TorchDistBackend, fi.CommBackend)
+    with pytest.raises(NotImplementedError):
+        fi.CommBackend().Get_rank()
+
+
+def test_workspace_size_per_rank():
+    R, T, D, C = 2, 128, 7168 + 56 + 32 + 32, 7168 * 2
+    n = fi.moe_a2a_get_workspace_size_per_rank(R, T, D, C)
+    backend = "cuda" if epx.built_with_cuda and torch.cuda.is_available() else "cpu"
+    # Enough for the same bytes split into several payloads (what dispatch then sees).
+    assert n >= epx.A2a.workspace_bytes(T, 8, 256, [7168, 56, 32, 32], C, R, backend)
+    # Monotone in every argument.
+    assert fi.moe_a2a_get_workspace_size_per_rank(R, T, D, 2 * C) > n
+    assert fi.moe_a2a_get_workspace_size_per_rank(R, 2 * T, D, C) > n
+    with pytest.raises(epx.InvalidArgument, match="ep_size"):
+        fi.moe_a2a_get_workspace_size_per_rank(0, T, D, C)

@@ -1,0 +1,68 @@
+"""GPU tier: the same rank bodies as the CPU tier, on one GPU per rank over an NCCL group (epx's
+cuda backend). Collected everywhere; skipped with the reason where there is no GPU or epx was
+built without CUDA (conftest.py)."""
+
+import random
+
+import pytest
+import torch
+
+import epx
+import test_deep_ep_ht as ht
+import test_deep_ep_ll as ll
+import test_flashinfer as a2a
+from conftest import get_pool, gpu_skip_reason
+
+pytestmark = pytest.mark.gpu
+
+
+def _seed():
+    return random.SystemRandom().randrange(1 << 30)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda r: f"R{r}")
+def gpu_pool(request):
+    reason = gpu_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return get_pool(request.param, "nccl")
+
+
+def body_group(ctx, seed):
+    g = epx.Group.from_process_group(ctx.group)
+    assert (g.rank, g.size, g.backend) == (ctx.rank, ctx.world_size, "cuda")
+
+
+def test_gpu_group_from_nccl(gpu_pool):
+    gpu_pool.run(body_group, _seed())
+
+
+@pytest.mark.parametrize("body", [ht.body_ht_layout, ht.body_ht_roundtrip, ht.body_ht_worst_case,
+                                  ht.body_ht_growth_and_events, ht.body_ht_errors],
+                         ids=lambda b: b.__name__)
+def test_gpu_deep_ep_normal(gpu_pool, body):
+    gpu_pool.run(body, _seed())
+
+
+@pytest.mark.parametrize("body", [ll.body_ll_roundtrip, ll.body_ll_hook_zero_copy_out],
+                         ids=lambda b: b.__name__)
+def test_gpu_deep_ep_low_latency(gpu_pool, body):
+    gpu_pool.run(body, _seed())
+
+
+def test_gpu_flashinfer_a2a(gpu_pool):
+    gpu_pool.run(a2a.body_a2a_roundtrip, _seed())
+
+
+def test_gpu_tensor_bridge():
+    """CUDA tensors cross as device views on the current stream; outputs come from the caching
+    allocator (torch.cuda.memory_allocated grows by the output sizes)."""
+    reason = gpu_skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    from epx import _torch
+    x = torch.zeros(4, 8, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert _torch.stream_of(x) == s.cuda_stream
+    assert _torch.device_key(x) == f"cuda:{torch.cuda.current_device()}"
