@@ -512,10 +512,9 @@ TEST(LlErrors, BufferWithoutLlOrBadHidden) {
     expect_error([&] { buf.ll_clean(); }, IA, {"enable_ll"});
     MoeShape odd = s.shape;
     odd.hidden = 200;
-    Buffer buf2(g, odd, ll_only());
-    LlDispatchArgs a = s.dispatch_args();
-    a.x.shape[1] = 200;
-    expect_error([&] { buf2.ll_dispatch(a); }, IA, {"shape.hidden", "200", "multiple of 128"});
+    // Rejected when the buffer is made, before any allocation or collective call.
+    expect_error([&] { Buffer buf2(g, odd, ll_only()); }, IA,
+                 {"Buffer", "shape.hidden", "200", "multiple of 128"});
   });
 }
 
