@@ -3,8 +3,8 @@
 // State per buffer: the ht symmetric region (HtRegion: count slots, block counters, per-source
 // row slots; sized from the MoeShape by cuda_ht_bytes), a DeviceErrorRecord and an HtHostResult
 // in mapped pinned host memory, and the host ticket of the last exact-mode count exchange.
-// Mode code: ht.cu (ht_layout / ht_dispatch / ht_combine launchers). ll is not implemented on
-// cuda yet (Unsupported).
+// Mode code: ht.cu (ht_layout / ht_dispatch / ht_combine launchers); ll.cu (CudaLl: the ll region,
+// its state and launchers, created with the buffer when enable_ll).
 //
 // Errors found on the device (timeouts, out-of-range expert ids, worst-case overflow) are raised
 // by the next host call on the buffer or by check(). After a timeout the buffer is unusable.
@@ -21,6 +21,8 @@
 #include "transport/transport.h"
 
 namespace epx::detail {
+
+class CudaLl;  // src/cuda/ll.cu
 
 class CudaBuffer final : public BufferImpl {
  public:
@@ -61,6 +63,7 @@ class CudaBuffer final : public BufferImpl {
   uint32_t ticket_ = 0;
   bool broken_ = false;
   std::string broken_why_;
+  std::shared_ptr<CudaLl> ll_;  // enable_ll: the ll mode (ll.cu)
 };
 
 }  // namespace epx::detail

@@ -1,0 +1,289 @@
+// src/cuda/kernels/ll/combine.cuh — ll combine (SPEC 3.5): every source pulls, for each of its
+// tokens, the expert rows of its selections from the experts' ranks and reduces them in k order.
+//
+// Rank r, T tokens (the dispatch's), C CTAs, slot q = handle.slot, epoch
+// e = state.combine_epoch[q] + 1 (advanced by the last CTA of the receive half).
+//
+// send half (ll_combine_send_kernel, or the first half of ll_combine_kernel), the expert side:
+//   1. Copy mode (not zero_copy): rows y[l][begin_s .. begin_s + count_s) of every source s != r
+//      (handle.layout_range) into comb_y(r, q) — what the sources pull; units (l, sub) as in
+//      dispatch. zero_copy: the caller already wrote comb_y(r, q) (ll_next_combine_buffer).
+//   2. CTA 0: handle.layout_range -> comb_layout(r, q).
+//   3. Every CTA: release +1 into combine_ready[q][r] of every peer.
+// receive half (ll_combine_recv_kernel, or the second half of ll_combine_kernel), the source:
+//   Tokens in C contiguous chunks. A CTA with tokens:
+//   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
+//   5. waits combine_ready[q][d] >= e * C for every peer d, then reads begin/count of its block
+//      in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r);
+//   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
+//      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
+//      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode);
+//   7. EXACT ORDER of the cpu backend (src/cpu/ll.cc), token t, element c:
+//        acc = 0.0f;
+//        for k = 0 .. K-1 with topk_idx[t][k] != -1:  acc = __fmaf_rn(w[t][k], f32(y(t, k)[c]),
+//        acc); out[t][c] = f32_to_bf16(acc)                         (core/numeric.h, one rounding)
+//      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
+//   Finish: the last CTA releases combine_pulled[q][r] = e on every peer (this rank's pulls are
+//   done), then waits combine_pulled[q][d] >= e for every peer d (nobody reads this rank's
+//   comb_y(r, q) any more) and sets state.combine_epoch[q] = e. So when a combine completes on a
+//   rank (stream order), its slot-q buffer is free to be rewritten: by the caller through
+//   ll_next_combine_buffer, or by the next copy.
+// Ids outside [-1, E) are reported (InvalidArgument) and skipped; a selection whose row lies past
+// what its expert received from this rank (topk_idx is not the dispatch's) is reported and skipped.
+#pragma once
+
+#include "cuda/kernels/ll/common.cuh"
+
+namespace epx::detail {
+
+struct LlCombineParams {
+  // Expert side.
+  const uint16_t* y;  // copy mode: the caller's [L, RT, H] bf16, strides y_stride0/1 (elements)
+  int64_t y_stride0;
+  int64_t y_stride1;
+  int32_t y_vec16;              // y rows 16-byte aligned
+  int32_t zero_copy;            // y is comb_y(r, q)
+  const int64_t* layout_range;  // this rank's handle.layout_range [L, R], row stride below
+  int64_t layout_stride;
+  int32_t units_per_expert;  // S
+  // Source side.
+  int32_t topk_is_i64;
+  const void* topk_idx;  // [T, K], row stride topk_stride elements
+  int64_t topk_stride;
+  const float* weights;  // [T, K] f32, row stride weights_stride elements
+  int64_t weights_stride;
+  uint16_t* out;  // [T, H] bf16, row stride out_stride elements (or null)
+  int64_t out_stride;
+  int32_t out_vec16;
+  int32_t num_tokens;  // T
+  int32_t slot;        // q
+  int32_t rank;        // r
+  LlSymm symm;
+  WaitContext wait;
+};
+
+// Steps 1-3.
+__device__ void ll_combine_send(const LlCombineParams& p) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, L = g.num_local_experts, me = p.rank, q = p.slot;
+  const int64_t H = g.hidden, RT = g.rows_per_expert;
+  uint16_t* buf = g.comb_y(symm.local, q);
+
+  if (!p.zero_copy && p.y) {
+    const int S = p.units_per_expert;
+    const int64_t nv = H / 8;
+    for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
+      const int l = u / S, sub = u - l * S;
+      for (int s = 0; s < R; ++s) {
+        if (s == me) continue;  // read straight from y by this rank's own pulls
+        const int64_t range =
+            __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
+        const int64_t begin = range >> 32;
+        int64_t count = range & 0xFFFFFFFF;
+        if (begin + count > RT) count = begin < RT ? RT - begin : 0;
+        const int64_t n_mine = count > sub ? (count - sub + S - 1) / S : 0;
+        for (int64_t i = threadIdx.x; i < n_mine * nv; i += blockDim.x) {
+          const int64_t m = i / nv, v = i - m * nv;
+          const int64_t row = begin + sub + m * S;
+          const uint4 val =
+              ll_ld_input8(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
+          *reinterpret_cast<uint4*>(buf + (l * RT + row) * H + 8 * v) = val;
+        }
+      }
+    }
+  }
+  if (blockIdx.x == 0) {
+    int64_t* layout = g.comb_layout(symm.local, q);
+    for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+      const int l = i / R, s = i - l * R;
+      layout[i] =
+          __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
+    }
+  }
+  // 3. Pairs with step 5 of every peer's receive.
+  __syncthreads();
+  ll_signal(R, me, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+}
+
+// 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
+__device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
+  const auto* p = reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v;
+  if (!(src & 1)) return ll_ld_landed<uint4>(p);
+  uint16_t h[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = __ldcg(p + i);
+  uint4 r;
+  memcpy(&r, h, 16);
+  return r;
+}
+
+// Steps 4-7 and the finish. False when a wait failed.
+__device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
+  constexpr int kSlots = kLlCombineTokens * kLlMaxTopK;
+  __shared__ int32_t s_cnt[kLlMaxExperts];      // tokens so far per expert (step 4, 6)
+  __shared__ long long s_range[kLlMaxExperts];  // begin << 32 | count of this rank's block
+  __shared__ int32_t s_ids[kSlots];
+  __shared__ int32_t s_row[kSlots];
+  __shared__ uintptr_t s_src[kSlots];
+  __shared__ float s_w[kSlots];
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
+  const int me = p.rank, q = p.slot;
+  const int64_t H = g.hidden, RT = g.rows_per_expert, T = p.num_tokens;
+  const int64_t chunk = (T + gridDim.x - 1) / gridDim.x;
+  const int64_t t_begin = min(static_cast<int64_t>(blockIdx.x) * chunk, T);
+  const int64_t t_end = min(t_begin + chunk, T);
+  auto id_at = [&](int64_t t, int k) {
+    return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
+  };
+
+  if (t_begin < t_end) {
+    // 4.
+    for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
+    __syncthreads();
+    for (int64_t t = threadIdx.x; t < t_begin; t += blockDim.x) {
+      for (int k = 0; k < K; ++k) {
+        const int64_t id = id_at(t, k);
+        if (id < 0 || id >= E) continue;
+        bool dup = false;
+        for (int k2 = 0; k2 < k && !dup; ++k2) dup = id_at(t, k2) == id;
+        if (!dup) atomicAdd(&s_cnt[id], 1);
+      }
+    }
+    // 5. Pairs with step 3 of every peer.
+    if (!ll_wait_all(g.sync(symm.local)->combine_ready[q], R, me, e * gridDim.x, p.wait, kWaitRows))
+      return false;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+      const int d = i / L, l = i - d * L;
+      s_range[i] =
+          d == me
+              ? __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + me)
+              : ll_ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
+    }
+    __syncthreads();
+
+    const int64_t nv = H / 8;
+    for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
+      const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
+      // 6. Ids, then rows token by token (a token's distinct experts in parallel).
+      for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
+        const int tl = i / K, k = i - tl * K;
+        int64_t id = id_at(c0 + tl, k);
+        if (id < -1 || id >= E) {
+          record_error(p.wait, kDevErrBadExpert, -1, (c0 + tl) * 64 + k, id);
+          id = -1;
+        }
+        s_ids[i] = static_cast<int32_t>(id);
+      }
+      __syncthreads();
+      for (int tl = 0; tl < n; ++tl) {
+        if (threadIdx.x < K) {
+          const int* ids = s_ids + tl * K;
+          const int id = ids[threadIdx.x];
+          bool first = id >= 0;
+          for (int k2 = 0; k2 < static_cast<int>(threadIdx.x) && first; ++k2) first = ids[k2] != id;
+          if (first) s_row[tl * K + threadIdx.x] = s_cnt[id]++;
+        }
+        __syncthreads();  // the next token sees the counts
+      }
+      for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
+        const int tl = i / K, k = i - tl * K;
+        const int* ids = s_ids + tl * K;
+        const int id = ids[k];
+        uintptr_t src = 0;
+        float w = 0.0f;
+        if (id >= 0) {
+          int k0 = 0;
+          while (ids[k0] != id) ++k0;
+          const int64_t j = s_row[tl * K + k0];
+          const int64_t range = s_range[id];
+          const int64_t begin = range >> 32, count = range & 0xFFFFFFFF;
+          const int d = id / L, l = id - d * L;
+          if (j >= count || begin + j >= RT) {
+            record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
+          } else {
+            const int64_t row = begin + j;
+            if (d == me && !p.zero_copy) {
+              src = reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
+                    (p.y_vec16 ? 0 : 1);
+            } else {
+              src = reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
+            }
+            w = __ldg(p.weights + (c0 + tl) * p.weights_stride + k);
+          }
+        }
+        s_src[i] = src;
+        s_w[i] = w;
+      }
+      __syncthreads();
+      // 7.
+      for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
+        const int tl = static_cast<int>(i / nv);
+        const int64_t v = i - tl * nv;
+        const uintptr_t* src = s_src + tl * K;
+        const float* w = s_w + tl * K;
+        float acc[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+        for (int kb = 0; kb < K; kb += kLlLoadBatch) {
+          uint4 val[kLlLoadBatch];
+#pragma unroll
+          for (int kk = 0; kk < kLlLoadBatch; ++kk)
+            if (kb + kk < K && src[kb + kk]) val[kk] = ll_ld_expert_row8(src[kb + kk], v);
+#pragma unroll
+          for (int kk = 0; kk < kLlLoadBatch; ++kk) {
+            if (kb + kk >= K || !src[kb + kk]) continue;
+            float f[8];
+            ll_bf16x8_to_f32(val[kk], f);
+            const float wk = w[kb + kk];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[c] = __fmaf_rn(wk, f[c], acc[c]);
+          }
+        }
+        if (p.out) {
+          uint16_t h[8];
+#pragma unroll
+          for (int c = 0; c < 8; ++c) h[c] = f32_to_bf16(acc[c]);
+          uint4 packed;
+          memcpy(&packed, h, 16);
+          ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
+        }
+      }
+      __syncthreads();  // s_* are rewritten by the next group of tokens
+    }
+  }
+
+  // Finish (see the file comment): pairs with the same code on every peer.
+  if (ll_last_cta(&g.state(symm.local)->combine_finished[q])) {
+    if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me)
+      st_release_sys(&g.sync(symm.peers[threadIdx.x])->combine_pulled[q][me], e);
+    if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e, p.wait, kWaitBarrier))
+      return false;
+    if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q] = e;
+  }
+  return true;
+}
+
+__device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
+  const LlState* st = p.symm.layout.state(p.symm.local);
+  return *reinterpret_cast<const volatile uint32_t*>(&st->combine_epoch[p.slot]) + 1;
+}
+
+// Without a hook: publish, then pull and reduce, in one launch.
+__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombineParams p) {
+  const uint32_t e = ll_combine_epoch(p);
+  ll_combine_send(p);
+  ll_combine_recv(p, e);
+}
+
+// With a hook: the call launches the send, the hook the receive.
+__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_send_kernel(LlCombineParams p) {
+  ll_combine_send(p);
+}
+__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_recv_kernel(LlCombineParams p) {
+  ll_combine_recv(p, ll_combine_epoch(p));
+}
+
+}  // namespace epx::detail

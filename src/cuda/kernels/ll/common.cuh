@@ -1,0 +1,138 @@
+// src/cuda/kernels/ll/common.cuh — device pieces shared by the ll kernels: the region as the
+// kernels see it (LlSymm), 8-element bf16 loads and stores with an unaligned fallback, an ordered
+// block-wide compaction, the per-CTA signal / wait helpers and the "last CTA" finish.
+//
+// Signalling (sync.cuh vocabulary):
+//   all threads: plain stores to rank p            -> __syncthreads()
+//   thread p:    fence_acq_rel_sys() + red_add_relaxed_sys(&sync(p)->X[q][rank], 1)   (release)
+//   receiver:    thread s waits ld_acquire_sys(&sync(local)->X[q][s]) >= e * C
+//                -> __syncthreads() -> plain (L2) loads of what s wrote.
+// Every CTA adds exactly once per operation of slot q, so after the e-th it is e * C (mod 2^32,
+// compared with seq_reached); nothing is ever reset.
+#pragma once
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "cuda/kernels/ll/ll_layout.cuh"
+#include "cuda/kernels/sync.cuh"
+
+namespace epx::detail {
+
+// Every rank's region. Part of every ll params struct.
+struct LlSymm {
+  char* local;
+  char* peers[kMaxRanks];  // peers[rank] == local
+  LlLayout layout;
+};
+
+// ---- loads and stores ----------------------------------------------------------------------
+
+// Read-only input of the kernel (x, y, topk_idx, weights): non-coherent path.
+// 8 bf16 at p; `vec16`: p is 16-byte aligned.
+__device__ __forceinline__ uint4 ll_ld_input8(const uint16_t* p, bool vec16) {
+  if (vec16) return __ldg(reinterpret_cast<const uint4*>(p));
+  uint16_t h[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = __ldg(p + i);
+  uint4 v;
+  memcpy(&v, h, 16);
+  return v;
+}
+
+// Data another rank (or another CTA) wrote during this operation, or peer memory: L2, never a
+// stale L1 line.
+template <typename V>
+__device__ __forceinline__ V ll_ld_landed(const void* p) {
+  return __ldcg(static_cast<const V*>(p));
+}
+
+__device__ __forceinline__ void ll_st8(uint16_t* p, const uint4& v, bool vec16) {
+  if (vec16) {
+    *reinterpret_cast<uint4*>(p) = v;
+    return;
+  }
+  uint16_t h[8];
+  memcpy(h, &v, 16);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = h[i];
+}
+
+__device__ __forceinline__ void ll_bf16x8_to_f32(const uint4& v, float* f) {
+  uint16_t h[8];
+  memcpy(h, &v, 16);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = bf16_to_f32(h[i]);
+}
+
+// Expert id k of token t, widened; `is_i64` selects the element type (row stride in elements,
+// innermost stride 1).
+__device__ __forceinline__ int64_t ll_topk_at(const void* topk, bool is_i64, int64_t stride,
+                                              int64_t t, int k) {
+  return is_i64 ? static_cast<int64_t>(__ldg(static_cast<const long long*>(topk) + t * stride + k))
+                : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(topk) + t * stride + k));
+}
+
+// ---- block-wide helpers (every thread of the CTA must call them) ------------------------------
+
+// Exclusive prefix of `flag` over the CTA in thread order; *total = flags set in the CTA.
+__device__ __forceinline__ int ll_block_scan(bool flag, int* total) {
+  __shared__ int s_warp[kLlWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t b = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) s_warp[warp] = __popc(b);
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kLlWarps; ++w) {
+    const int c = s_warp[w];
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  __syncthreads();  // s_warp may be rewritten by the next call
+  *total = all;
+  return before + __popc(b & ((1u << lane) - 1u));
+}
+
+// Thread p < R (p != skip) releases this CTA's earlier stores to rank p: *counter_of(p) += 1.
+// Call after __syncthreads() so the fence covers every thread's stores (cumulativity).
+template <typename CounterOf>
+__device__ __forceinline__ void ll_signal(int num_ranks, int skip, CounterOf counter_of) {
+  const int p = threadIdx.x;
+  if (p < num_ranks && p != skip) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(counter_of(p), 1u);
+  }
+}
+
+// Thread s < R (s != skip) waits until local flag[s] reached `want`; false on the whole CTA when
+// a wait timed out or the kernel aborted (then the CTA must leave). Also the barrier that
+// orders the CTA's later loads after the acquire.
+__device__ __forceinline__ bool ll_wait_all(const uint32_t* flag, int num_ranks, int skip,
+                                            uint32_t want, const WaitContext& w, uint32_t what) {
+  bool ok = true;
+  const int s = threadIdx.x;
+  if (s < num_ranks && s != skip) ok = wait_flag<true>(flag + s, want, w, what, s);
+  return __syncthreads_and(ok) != 0;
+}
+
+// The last-CTA pattern: every CTA calls this once at its end; true on all threads of the one CTA
+// that finished last (all other CTAs' earlier memory operations are then visible to it).
+// `finished` is reset to 0 for the next operation.
+__device__ __forceinline__ bool ll_last_cta(uint32_t* finished) {
+  __shared__ uint32_t s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t prev = atomicAdd(finished, 1u);
+    s_last = prev == gridDim.x - 1;
+    if (s_last) {
+      __threadfence();
+      *finished = 0;
+    }
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,300 @@
+// src/cuda/kernels/ll/dispatch.cuh — ll dispatch (SPEC 3.4): every rank sends each token ONCE to
+// every rank that holds one of its experts (quantised once, on the sender), then every rank
+// expands what it received into the expert-major outputs.
+//
+// Rank r, T tokens, C CTAs of kLlThreads, slot q (the host's call parity), epoch
+// e = state.dispatch_epoch[q] + 1 (read by every CTA at its start; advanced by the last CTA of
+// the receive half, so send and receive kernels of one dispatch agree on it).
+//
+// send half (ll_dispatch_send_kernel, or the first half of ll_dispatch_kernel):
+//   1. Threads d < R wait dispatch_freed[q][d] >= e - 1: rank d finished reading its slot-q
+//      staging of the previous dispatch through q (normally long ago: a local flag read).
+//   2. CTA 0: header {T, format} into staging(d, q, src = r) on every rank d.
+//   3. CTA b, tokens t = b, b + C, ...: the routing row (ids outside [-1, E) are reported as
+//      InvalidArgument and become -1) into topk(d, q, r)[t] on EVERY rank d, and the message into
+//      msg(d, q, r, t) on every rank d that holds one of t's experts:
+//        fp8:  per 128-channel group g (16 lanes of 8 elements): amax (core/numeric.h order),
+//              scale = fp8_scale_from_amax, q_i = f32_to_fp8_e4m3(x_i * (1 / scale)); bytes [H]
+//              then f32 scales [G];   bf16: the row as is.
+//   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
+// receive half (ll_dispatch_recv_kernel, or the second half of ll_dispatch_kernel):
+//   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
+//   b, b + C, ...  A unit waits dispatch_sent[q][s] >= e * C for every s, then for s = 0..R-1,
+//   tokens t < T_s in order, 512 at a time: t selects expert r * L + l (once, however often its
+//   row lists it) -> row = rows so far (an ordered block-wide compaction); the unit's share of
+//   rows (entries i = sub, sub + S, ...) is written:
+//     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
+//     [l][g / 4][row]) = scales, src_info[l][row] = t;
+//   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
+//   The last CTA to finish sets state.dispatch_epoch[q] = e and releases dispatch_freed[q][r] = e
+//   on every rank (the senders may overwrite the staging).
+// Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
+// host passes null when the allocator failed, so the collective still completes).
+#pragma once
+
+#include "cuda/kernels/ll/common.cuh"
+
+namespace epx::detail {
+
+struct LlDispatchParams {
+  const uint16_t* x;  // [T, H] bf16, row stride x_stride elements, innermost 1
+  int64_t x_stride;
+  const void* topk_idx;  // [T, K] int32 / int64, row stride topk_stride elements
+  int64_t topk_stride;
+  int32_t topk_is_i64;
+  int32_t num_tokens;  // T
+  int32_t x_vec16;     // x rows are 16-byte aligned
+  int32_t use_fp8;
+  int32_t round_scale;
+  int32_t use_ue8m0;
+  int32_t slot;              // q
+  int32_t rank;              // r
+  int32_t units_per_expert;  // S
+  int32_t pad;
+  uint8_t* recv_x;        // [L, RT, H] e4m3 or bf16, contiguous (or null)
+  void* recv_scales;      // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32 (or null)
+  int32_t* recv_count;    // [L]
+  int32_t* src_info;      // [L, RT]
+  int64_t* layout_range;  // [L, R]
+  int32_t* stats;         // optional [L], element stride stats_stride
+  int64_t stats_stride;
+  LlSymm symm;
+  WaitContext wait;
+};
+
+// Send steps 1-4. False when a wait failed (the CTA must leave).
+__device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
+  __shared__ int32_t s_ids[kLlMaxTopK];
+  __shared__ int32_t s_dest[kLlMaxTopK];
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
+  const int me = p.rank, q = p.slot;
+  const int64_t H = g.hidden;
+  const int lane = threadIdx.x & 31;
+
+  // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
+  if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))
+    return false;
+
+  // 2. Header.
+  if (blockIdx.x == 0 && threadIdx.x < R) {
+    LlSourceHeader* h = g.header(symm.peers[threadIdx.x], q, me);
+    h->num_tokens = p.num_tokens;
+    h->format = p.use_fp8 | (p.round_scale << 1);
+  }
+
+  // 3. Tokens.
+  for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's s_ids / s_dest are no longer read
+    if (threadIdx.x < K) {
+      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
+      if (id < -1 || id >= E) {
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
+        id = -1;
+      }
+      s_ids[threadIdx.x] = static_cast<int32_t>(id);
+      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
+    }
+    __syncthreads();
+    uint64_t mask = 0;  // ranks t goes to
+    for (int k = 0; k < K; ++k) {
+      const int d = s_dest[k];
+      if (d >= 0) mask |= uint64_t{1} << d;
+    }
+    for (int i = threadIdx.x; i < R * K; i += blockDim.x) {
+      const int d = i / K, k = i - d * K;
+      g.topk(symm.peers[d], q, me)[t * K + k] = s_ids[k];
+    }
+    if (mask == 0) continue;
+    const uint16_t* xrow = p.x + t * p.x_stride;
+    const int nv = static_cast<int>(H / 8);  // 8-element vectors
+    if (p.use_fp8) {
+      // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (nv is a multiple of 16,
+      // so a half-warp is active or not as a whole); every lane takes part in the shuffles.
+      for (int base = threadIdx.x - lane; base < nv; base += blockDim.x) {
+        const int v = base + lane;
+        const bool active = v < nv;
+        float f[8];
+        if (active) {
+          ll_bf16x8_to_f32(ll_ld_input8(xrow + 8 * v, p.x_vec16), f);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) f[i] = 0.0f;
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float a = f[i] < 0 ? -f[i] : f[i];
+          amax = a > amax ? a : amax;
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) {
+          const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+          amax = o > amax ? o : amax;
+        }
+        const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
+        const float inv = 1.0f / scale;
+        uint8_t b[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
+        uint2 packed;
+        memcpy(&packed, b, 8);
+        if (!active) continue;
+        for (uint64_t m = mask; m != 0; m &= m - 1) {
+          const int d = __ffsll(static_cast<long long>(m)) - 1;
+          char* msg = g.msg(symm.peers[d], q, me, t);
+          *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
+          if ((lane & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
+        }
+      }
+    } else {
+      for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+        const uint4 raw = ll_ld_input8(xrow + 8 * v, p.x_vec16);
+        for (uint64_t m = mask; m != 0; m &= m - 1) {
+          const int d = __ffsll(static_cast<long long>(m)) - 1;
+          *reinterpret_cast<uint4*>(g.msg(symm.peers[d], q, me, t) + 16 * v) = raw;
+        }
+      }
+    }
+  }
+
+  // 4. Release this CTA's stores to every rank.
+  __syncthreads();
+  ll_signal(R, -1, [&](int d) { return &g.sync(symm.peers[d])->dispatch_sent[q][me]; });
+  return true;
+}
+
+// Receive: writes the unit's share of the rows of source s's block (entries i = sub, sub + S,
+// ... of the `total` tokens in s_list, at rows running + i).
+__device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* s_list, int l,
+                                      int s, int64_t running, int total, int sub, int S) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden, G = g.num_groups, RT = g.rows_per_expert;
+  const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
+  if (n_mine == 0) return;
+  const int q = p.slot;
+  const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
+  const int64_t nv = row_bytes / 16;
+  if (p.recv_x) {
+    for (int64_t i = threadIdx.x; i < n_mine * nv; i += blockDim.x) {
+      const int64_t m = i / nv, v = i - m * nv;
+      const int64_t idx = sub + m * S;
+      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
+      const uint4 val = ll_ld_landed<uint4>(msg + 16 * v);
+      *reinterpret_cast<uint4*>(p.recv_x + (l * RT + running + idx) * row_bytes + 16 * v) = val;
+    }
+  }
+  if (p.src_info) {
+    for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
+      const int64_t idx = sub + static_cast<int64_t>(m) * S;
+      p.src_info[l * RT + running + idx] = s_list[idx];
+    }
+  }
+  if (!p.use_fp8 || !p.recv_scales) return;
+  // Scales: group-major over the CTA, so consecutive threads write consecutive rows.
+  if (!p.use_ue8m0) {
+    auto* out = static_cast<float*>(p.recv_scales);
+    for (int64_t i = threadIdx.x; i < n_mine * G; i += blockDim.x) {
+      const int64_t gi = i / n_mine, m = i - gi * n_mine;
+      const int64_t idx = sub + m * S;
+      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
+      out[(l * G + gi) * RT + running + idx] = ll_ld_landed<float>(msg + H + 4 * gi);
+    }
+  } else {
+    const int64_t P = (G + 3) / 4;
+    auto* out = static_cast<int32_t*>(p.recv_scales);
+    for (int64_t i = threadIdx.x; i < n_mine * P; i += blockDim.x) {
+      const int64_t pi = i / n_mine, m = i - pi * n_mine;
+      const int64_t idx = sub + m * S;
+      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
+      uint32_t word = 0;
+      for (int64_t gi = 4 * pi; gi < G && gi < 4 * pi + 4; ++gi)
+        word |= static_cast<uint32_t>(ue8m0_of_scale(ll_ld_landed<float>(msg + H + 4 * gi)))
+                << (8 * (gi % 4));
+      out[(l * P + pi) * RT + running + idx] = static_cast<int32_t>(word);
+    }
+  }
+}
+
+// Receive half. False when a wait failed.
+__device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
+  __shared__ int32_t s_list[kLlThreads];
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
+  const int me = p.rank, q = p.slot, S = p.units_per_expert;
+  const int units = L * S;
+
+  if (static_cast<int>(blockIdx.x) < units) {
+    // Every source's tokens for this slot landed (pairs with step 4 of the send).
+    if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
+      return false;
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+      const int s = threadIdx.x;
+      const int32_t theirs = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
+      const int32_t mine = p.use_fp8 | (p.round_scale << 1);
+      if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
+    }
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const int l = u / S, sub = u - l * S;
+      const int32_t expert = me * L + l;
+      int64_t running = 0;
+      for (int s = 0; s < R; ++s) {
+        const int32_t* topk = g.topk(symm.local, q, s);
+        int64_t T_s = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->num_tokens);
+        T_s = T_s < 0 ? 0 : (T_s > g.max_tokens ? g.max_tokens : T_s);
+        const int64_t begin = running;
+        for (int64_t base = 0; base < T_s; base += blockDim.x) {
+          const int64_t t = base + threadIdx.x;
+          bool sel = false;
+          if (t < T_s)
+            for (int k = 0; k < K && !sel; ++k)
+              sel = ll_ld_landed<int32_t>(topk + t * K + k) == expert;
+          int total = 0;
+          const int pos = ll_block_scan(sel, &total);
+          if (sel) s_list[pos] = static_cast<int32_t>(t);
+          __syncthreads();
+          ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
+          running += total;
+          __syncthreads();  // s_list is rewritten by the next group
+        }
+        if (sub == 0 && threadIdx.x == 0 && p.layout_range)
+          p.layout_range[l * R + s] = (begin << 32) | (running - begin);
+      }
+      if (sub == 0 && threadIdx.x == 0) {
+        if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
+        if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
+      }
+    }
+  }
+
+  // Finish: the staging of slot q may be overwritten (pairs with step 1 of the send).
+  if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
+    if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
+    if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
+  }
+  return true;
+}
+
+// The epoch of the running dispatch of slot q (see the file comment).
+__device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p) {
+  const LlState* st = p.symm.layout.state(p.symm.local);
+  return *reinterpret_cast<const volatile uint32_t*>(&st->dispatch_epoch[p.slot]) + 1;
+}
+
+// Without a hook: send, then receive, in one launch.
+__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchParams p) {
+  const uint32_t e = ll_dispatch_epoch(p);
+  if (ll_dispatch_send(p, e)) ll_dispatch_recv(p, e);
+}
+
+// With a hook: the call launches the send, the hook the receive.
+__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_send_kernel(LlDispatchParams p) {
+  ll_dispatch_send(p, ll_dispatch_epoch(p));
+}
+__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_recv_kernel(LlDispatchParams p) {
+  ll_dispatch_recv(p, ll_dispatch_epoch(p));
+}
+
+}  // namespace epx::detail

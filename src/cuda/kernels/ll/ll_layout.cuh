@@ -1,0 +1,171 @@
+// src/cuda/kernels/ll/ll_layout.cuh — the ll symmetric region of the cuda backend: one struct,
+// used on the host to size the allocation (cuda_ll_bytes) and in the kernels to find every part.
+// Host + device.
+//
+// Per rank (offsets identical on every rank; R ranks, L = E / R local experts, T_max, H,
+// G = H / 128 groups, RT = R * T_max rows per local expert, msg = max(2H, H + 4G) rounded to 16):
+//   state     LlState                          local only: abort / error claim, per-slot epochs
+//                                              and finished-CTA counters
+//   sync      LlSync                           written by peers (column p by rank p): the flags
+//   dispatch staging, slot 0 and slot 1:       what every source sent to this rank
+//     for each source s (block of src_bytes):
+//       header  LlSourceHeader                 {T_s, use_fp8, round_scale}
+//       topk    int32 [T_max, K]               s's routing row of every token (ids out of [0, E)
+//                                              already replaced by -1), for every token < T_s
+//       msgs    [T_max, msg]                   token t's row: e4m3 [H] + f32 scales [G], or
+//                                              bf16 [H]; written only for tokens going here
+//   combine, slot 0 and slot 1:
+//     layout  int64 [L, R]                     this rank's handle.layout_range of the combine
+//                                              (begin << 32 | count), read by the sources
+//     y       bf16 [L, RT, H]                  the expert outputs the sources pull; the view
+//                                              ll_next_combine_buffer returns
+// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * 2H): at EP2, T_max = 128, H = 7168,
+// E = 256 that is 7.4 MB of staging + 940 MB of combine buffers.
+//
+// Flags (32-bit, never reset by the host; epochs count the operations of each slot):
+//   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
+//                          slot q landed: e * C when the e-th dispatch of slot q is complete
+//   dispatch_freed[q][d]   = e once rank d finished reading its slot-q staging for epoch e (a
+//                          sender waits for e - 1 on every d before writing slot q again)
+//   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
+//                          and its layout: e * C when ready
+//   combine_pulled[q][s]   = e once source s finished pulling its rows of combine e from here
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/device_error.h"
+#include "epx/shape.h"
+#include "transport/transport.h"
+
+#if defined(__CUDACC__)
+#define EPX_LL_HD __host__ __device__ __forceinline__
+#else
+#define EPX_LL_HD inline
+#endif
+
+namespace epx::detail {
+
+inline constexpr int kLlThreads = 512;  // every ll kernel: CTAs of 16 warps
+inline constexpr int kLlWarps = kLlThreads / 32;
+inline constexpr int kLlMaxCtas = 128;      // per kernel (auto tuning: see resolve_ll_ctas)
+inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in shared memory
+inline constexpr int kLlMaxTopK = 32;       // K
+inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
+inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
+
+// The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
+enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };
+enum LlDeviceError : uint32_t {
+  // A source used other fp8 options in the same dispatch. a = the source's (use_fp8 |
+  // round_scale << 1), b = this rank's, peer = the source.
+  kDevErrLlFormat = 32,
+  // combine: topk_idx selects expert b more often than its rank received from this rank (a =
+  // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is
+  // skipped.
+  kDevErrLlCombineRows = 33,
+};
+
+struct LlState {
+  DeviceState dev;                // abort + error_claim (seq / finished unused)
+  uint32_t dispatch_epoch[2];     // dispatches of slot q completed on this rank
+  uint32_t dispatch_finished[2];  // receive CTAs done in the running dispatch of slot q
+  uint32_t combine_epoch[2];
+  uint32_t combine_finished[2];
+};
+
+struct LlSync {
+  uint32_t dispatch_sent[2][kMaxRanks];
+  uint32_t dispatch_freed[2][kMaxRanks];
+  uint32_t combine_ready[2][kMaxRanks];
+  uint32_t combine_pulled[2][kMaxRanks];
+};
+
+struct LlSourceHeader {
+  int32_t num_tokens;
+  int32_t format;  // use_fp8 | round_scale << 1
+  int32_t pad[14];
+};
+
+EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+struct LlLayout {
+  int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
+  int64_t max_tokens = 0, hidden = 0, num_groups = 0, rows_per_expert = 0, msg_bytes = 0;
+  size_t state_off = 0, sync_off = 0;
+  size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
+  size_t dispatch_off[2] = {};
+  size_t comb_layout_off = 0, comb_y_off = 0;  // within one combine slot
+  size_t combine_off[2] = {};
+  size_t total_bytes = 0;
+
+  // Host: the layout of `shape` on `num_ranks` ranks (shape already validated).
+  static LlLayout make(const MoeShape& shape, int num_ranks) {
+    LlLayout g;
+    const size_t R = static_cast<size_t>(num_ranks);
+    g.num_ranks = num_ranks;
+    g.num_experts = shape.num_experts;
+    g.num_local_experts = shape.num_experts / num_ranks;
+    g.top_k = shape.top_k;
+    g.max_tokens = shape.max_tokens_per_rank;
+    g.hidden = shape.hidden;
+    g.num_groups = shape.hidden / 128;
+    g.rows_per_expert = num_ranks * shape.max_tokens_per_rank;
+    const size_t H = static_cast<size_t>(g.hidden), G = static_cast<size_t>(g.num_groups);
+    const size_t T = static_cast<size_t>(g.max_tokens),
+                 L = static_cast<size_t>(g.num_local_experts);
+    g.msg_bytes = static_cast<int64_t>(ll_round_up(2 * H > H + 4 * G ? 2 * H : H + 4 * G, 16));
+    g.src_topk_off = ll_round_up(sizeof(LlSourceHeader), 64);
+    g.src_msgs_off = g.src_topk_off + ll_round_up(4 * T * g.top_k, 64);
+    g.src_bytes = ll_round_up(g.src_msgs_off + T * g.msg_bytes, 256);
+    g.comb_layout_off = 0;
+    g.comb_y_off = ll_round_up(8 * L * R, 256);
+    const size_t comb_bytes = ll_round_up(g.comb_y_off + 2 * L * g.rows_per_expert * H, 256);
+    size_t off = 0;
+    g.state_off = off;
+    off += ll_round_up(sizeof(LlState), 256);
+    g.sync_off = off;
+    off += ll_round_up(sizeof(LlSync), 256);
+    for (int q = 0; q < 2; ++q) {
+      g.dispatch_off[q] = off;
+      off += R * g.src_bytes;
+    }
+    for (int q = 0; q < 2; ++q) {
+      g.combine_off[q] = off;
+      off += comb_bytes;
+    }
+    g.total_bytes = off;
+    return g;
+  }
+
+  // state + sync: what ll_clean zeroes.
+  EPX_LL_HD size_t control_bytes() const { return dispatch_off[0]; }
+
+  EPX_LL_HD LlState* state(char* base) const {
+    return reinterpret_cast<LlState*>(base + state_off);
+  }
+  EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + sync_off); }
+  EPX_LL_HD char* staging(char* base, int slot, int src) const {
+    return base + dispatch_off[slot] + static_cast<size_t>(src) * src_bytes;
+  }
+  EPX_LL_HD LlSourceHeader* header(char* base, int slot, int src) const {
+    return reinterpret_cast<LlSourceHeader*>(staging(base, slot, src));
+  }
+  EPX_LL_HD int32_t* topk(char* base, int slot, int src) const {
+    return reinterpret_cast<int32_t*>(staging(base, slot, src) + src_topk_off);
+  }
+  EPX_LL_HD char* msg(char* base, int slot, int src, int64_t t) const {
+    return staging(base, slot, src) + src_msgs_off + static_cast<size_t>(t) * msg_bytes;
+  }
+  EPX_LL_HD int64_t* comb_layout(char* base, int slot) const {
+    return reinterpret_cast<int64_t*>(base + combine_off[slot] + comb_layout_off);
+  }
+  EPX_LL_HD uint16_t* comb_y(char* base, int slot) const {
+    return reinterpret_cast<uint16_t*>(base + combine_off[slot] + comb_y_off);
+  }
+};
+
+}  // namespace epx::detail

@@ -1,0 +1,482 @@
+// src/cuda/ll.cu — the cuda backend of the ll mode (SPEC 3.4, 3.5): CudaLl (set-up, the host
+// state machine of hooks and slots, device-error reporting, ll_clean, teardown) and the dispatch
+// / combine launchers. Device code is in kernels/ll/ (region layout: ll_layout.cuh; protocols:
+// dispatch.cuh, combine.cuh). CudaBuffer (cuda_buffer.cc) owns one CudaLl when enable_ll and
+// forwards its ll_* methods here.
+//
+// Data flow, rank r of R, C CTAs of 512 threads per kernel (resolve_ll_ctas), on the caller's
+// stream, no host synchronisation:
+//   construction  symmetric region (transport allocate: collective, zeroed; part of the Buffer's
+//                 collective construction, so no ll call ever allocates)
+//   ll_dispatch   outputs from the allocator; ONE kernel (send + receive), or with
+//                 return_recv_hook the send kernel now and the receive kernel when the hook runs
+//   ll_combine    out from the allocator (or the caller's); ONE kernel (publish + pull/reduce),
+//                 or with the hook the publish now and the pull/reduce when the hook runs
+// Both are CUDA-graph capturable: epochs live on the device and advance in the kernels; slots,
+// T, pointers and flags are fixed at capture like any kernel argument.
+//
+// Double buffering: dispatch i uses slot i % 2 (host count), and its combine uses the handle's
+// slot. The legal interleavings and the misuse errors are those of the cpu backend (src/cpu/ll.cc):
+// at most two dispatches waiting for their hooks, at most one combine per slot waiting for its
+// hook, hooks once each and not after ll_clean. A combine completes on a rank only once every
+// peer finished pulling from it, so when its hook ran (stream order) the slot's combine buffer
+// may be rewritten. Hooks launch on the stream of their call.
+//
+// Errors found on the device (timeouts, out-of-range expert ids, ranks disagreeing on the fp8
+// options, a combine topk_idx that is not the dispatch's) are raised by the next host call on the
+// Buffer or by check(). After a timeout ll is unusable until ll_clean() (collective) resets it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "core/buffer_impl.h"
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/ll/combine.cuh"
+#include "cuda/kernels/ll/dispatch.cuh"
+#include "transport/transport.h"
+
+namespace epx::detail {
+
+namespace {
+
+// Auto tuning of the ll kernels, in one place: C CTAs of 512 threads, one per token and one per
+// local expert where possible (T = 128 at EP2: 128 tokens, 128 local experts), at most 128 and
+// at most the device's SMs (every CTA of a kernel must be resident at once: CTAs wait for each
+// other through the peers). Every rank must resolve the same C (the flag targets are e * C):
+// ranks use the same GPU model and the same GroupOptions::num_sms.
+int resolve_ll_ctas(const MoeShape& shape, int num_ranks, int requested, int device_sms) {
+  const int64_t L = shape.num_experts / num_ranks;
+  int64_t c = std::max<int64_t>({shape.max_tokens_per_rank, L, 1});
+  c = std::min<int64_t>({c, kLlMaxCtas, std::max(1, device_sms)});
+  if (requested > 0) c = std::min<int64_t>(c, requested);
+  return static_cast<int>(std::max<int64_t>(c, 1));
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+}  // namespace
+
+class CudaLl : public std::enable_shared_from_this<CudaLl> {
+ public:
+  CudaLl(const Group& group, const MoeShape& shape);
+  ~CudaLl();
+  CudaLl(const CudaLl&) = delete;
+  CudaLl& operator=(const CudaLl&) = delete;
+
+  size_t bytes() const { return mem_ ? mem_->bytes() : 0; }
+  void check();
+  LlDispatchResult dispatch(const LlDispatchArgs& args, const Allocator& alloc, uint64_t id);
+  LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
+  TensorView next_combine_buffer(const LlHandle& handle);
+  void clean();
+
+ private:
+  char* local() const { return static_cast<char*>(mem_->local()); }
+  WaitContext wait_context(uint32_t op) const {
+    return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group_.rank(), op};
+  }
+  void require_usable(const char* op) const {
+    EPX_CHECK(!broken_, ErrorCode::kInternal, op,
+              ": the ll state of this buffer is unusable after ", broken_why_,
+              "; call ll_clean() on every rank to reset it");
+  }
+  Tensor allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
+                  const char* op, const char* name) const;
+  LlHook make_hook(bool is_dispatch, int slot, std::function<void()> launch);
+
+  Group group_;
+  MoeShape shape_;
+  int device_ = 0;
+  int num_ctas_ = 1;
+  int units_per_expert_ = 1;
+  uint64_t timeout_ns_ = 0;
+  LlLayout layout_;
+  LlSymm symm_{};
+  std::shared_ptr<SymmetricMemory> mem_;
+  DeviceErrorRecord* error_host_ = nullptr;  // mapped pinned memory
+  DeviceErrorRecord* error_dev_ = nullptr;
+  bool broken_ = false;
+  std::string broken_why_;
+  // Host state machine (equal on every rank that follows the same sequence), as on cpu.
+  uint64_t num_dispatches_ = 0;
+  uint64_t generation_ = 0;  // bumped by ll_clean; older hooks refuse to run
+  bool dispatch_in_flight_[2] = {false, false};
+  bool combine_in_flight_[2] = {false, false};
+};
+
+CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape_(shape) {
+  const int R = group.size();
+  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
+            " ranks; the cuda ll kernels support at most ", kMaxRanks);
+  EPX_CHECK(shape.num_experts <= kLlMaxExperts, ErrorCode::kUnsupported,
+            "Buffer: shape.num_experts is ", shape.num_experts,
+            "; the cuda ll kernels support at most ", kLlMaxExperts);
+  EPX_CHECK(shape.top_k >= 1 && shape.top_k <= kLlMaxTopK, ErrorCode::kUnsupported,
+            "Buffer: shape.top_k is ", shape.top_k, "; the cuda ll kernels support 1..",
+            kLlMaxTopK);
+  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
+            "Buffer: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
+            " ranks; the cuda ll kernels support at most 2^30 rows per local expert");
+  device_ = group.transport()->device().index;
+  DeviceGuard guard(device_);
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
+  num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
+  const int L = shape.num_experts / R;
+  units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
+  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  layout_ = LlLayout::make(shape, R);
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "Buffer");
+  *error_host_ = DeviceErrorRecord{};
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 "Buffer");
+  mem_ = group.transport()->allocate(layout_.total_bytes);  // collective; zeroed
+  symm_.local = local();
+  for (int p = 0; p < R; ++p) symm_.peers[p] = static_cast<char*>(mem_->peer(p));
+  symm_.layout = layout_;
+}
+
+CudaLl::~CudaLl() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  // Kernels are bounded, so this returns; then no rank frees memory a peer may still use.
+  cudaDeviceSynchronize();
+  if (mem_) {
+    try {
+      group_.transport()->barrier("Buffer destruction (ll)");
+    } catch (const std::exception&) {
+      // The group already failed (timeout / abort): nothing more to coordinate.
+    }
+  }
+  mem_.reset();
+  if (error_host_) cudaFreeHost(error_host_);
+  cudaSetDevice(previous);
+}
+
+void CudaLl::check() {
+  require_usable("ll");
+  volatile DeviceErrorRecord* rec = error_host_;
+  if (rec->code == kDevErrNone) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
+  const bool is_dispatch = e.op == kOpLlDispatch;
+  const char* op = is_dispatch ? "ll_dispatch" : "ll_combine";
+  if (e.code == kDevErrTimeout) {
+    broken_ = true;
+    broken_why_ = cat("a device wait of ", op, " timed out on rank ", e.rank);
+    const char* what = e.a == kWaitReady  ? "the peer to finish reading the previous dispatch of "
+                                            "this slot"
+                       : e.a == kWaitRows ? (is_dispatch ? "the tokens the peer sends"
+                                                         : "the peer's expert outputs")
+                       : e.a == kWaitBarrier ? "the peer to finish pulling its rows of this combine"
+                                             : "the peer";
+    throw_error(ErrorCode::kTimeout,
+                cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(), " ms for ", what,
+                    " (rank ", e.peer,
+                    "); the ll state of this buffer is unusable until ll_clean() (every rank must "
+                    "call the same ll operations and hooks in the same order)"));
+  }
+  // Not fatal: the collective completed. Let the device report the next error.
+  rec->code = kDevErrNone;
+  {
+    DeviceGuard guard(device_);
+    const uint32_t zero = 0;
+    EPX_CUDA_CHECK(cudaMemcpy(&layout_.state(local())->dev.error_claim, &zero, sizeof(zero),
+                              cudaMemcpyHostToDevice),
+                   "check");
+  }
+  switch (e.code) {
+    case kDevErrBadExpert:
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
+              "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
+              shape_.num_experts, "); that selection was dropped"));
+    case kDevErrLlFormat:
+      throw_error(ErrorCode::kInvalidArgument,
+                  cat(op, ": rank ", e.peer, " called with use_fp8 = ", e.a & 1,
+                      ", round_scale = ", (e.a >> 1) & 1, " but rank ", e.rank,
+                      " with use_fp8 = ", e.b & 1, ", round_scale = ", (e.b >> 1) & 1,
+                      "; expected the same on every rank (the outputs of this call are "
+                      "undefined)"));
+    case kDevErrLlCombineRows:
+      throw_error(ErrorCode::kInvalidArgument,
+                  cat(op, ": argument 'topk_idx' selects expert ", e.b, " at [", e.a / 64, ", ",
+                      e.a % 64, "] more often than rank ", e.peer, " received from rank ", e.rank,
+                      "; expected the topk_idx of the dispatch that made 'handle' (that selection "
+                      "was skipped)"));
+    default:
+      throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+  }
+}
+
+Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
+                        const char* op, const char* name) const {
+  Tensor t = alloc(dtype, shape, Device::cuda(device_));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  bool ok = t.dtype == dtype && t.ndim == static_cast<int>(shape.size()) && t.is_contiguous() &&
+            t.device == Device::cuda(device_) && (n == 0 || (t.data && aligned16(t.data)));
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.shape[i] == shape[i];
+  if (!ok) {
+    std::string dims;
+    for (size_t i = 0; i < shape.size(); ++i) dims += cat(i ? ", " : "", shape[i]);
+    throw_error(ErrorCode::kInvalidArgument,
+                cat(op, ": the allocator returned ", t.describe(), " for '", name,
+                    "', expected a contiguous 16-byte aligned ", dtype_name(dtype), "[", dims,
+                    "] on cuda:", device_));
+  }
+  return t;
+}
+
+// Wraps a receive launch into the hook handed to the caller: once only, not after ll_clean, not
+// after the Buffer was destroyed; frees its slot whatever happens.
+LlHook CudaLl::make_hook(bool is_dispatch, int slot, std::function<void()> launch) {
+  std::weak_ptr<CudaLl> weak = weak_from_this();
+  const uint64_t generation = generation_;
+  auto called = std::make_shared<bool>(false);
+  return [weak, is_dispatch, slot, launch = std::move(launch), called, generation]() {
+    const char* op = is_dispatch ? "ll_dispatch hook" : "ll_combine hook";
+    std::shared_ptr<CudaLl> self = weak.lock();
+    EPX_CHECK_ARG(self != nullptr, op,
+                  ": its Buffer was destroyed, expected the hook to be called while it lives");
+    EPX_CHECK_ARG(!*called, op, ": called a second time, expected exactly one call per operation");
+    EPX_CHECK_ARG(self->generation_ == generation, op,
+                  ": its operation was discarded by ll_clean, expected the hook to be called "
+                  "before ll_clean");
+    *called = true;
+    bool& in_flight =
+        is_dispatch ? self->dispatch_in_flight_[slot] : self->combine_in_flight_[slot];
+    in_flight = false;
+    self->require_usable(op);
+    DeviceGuard guard(self->device_);
+    launch();
+    EPX_CUDA_CHECK(cudaGetLastError(), op);
+  };
+}
+
+LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& alloc,
+                                  uint64_t buffer_id) {
+  const char* op = "ll_dispatch";
+  require_usable(op);
+  const int slot = static_cast<int>(num_dispatches_ % 2);
+  EPX_CHECK_ARG(!dispatch_in_flight_[slot], op, ": dispatch slot ", slot,
+                " still holds a dispatch whose hook was not called; expected at most two "
+                "dispatches waiting for their hooks (call the older hook first)");
+  DeviceGuard guard(device_);
+  const int R = group_.size(), L = layout_.num_local_experts;
+  const int64_t H = layout_.hidden, G = layout_.num_groups, RT = layout_.rows_per_expert;
+  const int64_t T = args.x.shape[0];
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  ++num_dispatches_;
+
+  // Outputs. If the allocator fails, still run the collective (no outputs written) so the peers
+  // complete, then report.
+  LlDispatchResult res;
+  std::exception_ptr failed;
+  try {
+    res.recv_x =
+        allocate(alloc, args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, op, "recv_x");
+    if (args.use_fp8) {
+      const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
+      res.recv_scales = allocate(alloc, args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT},
+                                 op, "recv_scales");
+      res.recv_scales.shape = {L, RT, cols};
+      res.recv_scales.strides = {cols * RT, 1, RT};
+    }
+    res.recv_count = allocate(alloc, DType::kI32, {L}, op, "recv_count");
+    res.handle.src_info = allocate(alloc, DType::kI32, {L, RT}, op, "src_info");
+    res.handle.layout_range = allocate(alloc, DType::kI64, {L, R}, op, "layout_range");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  res.handle.max_tokens = layout_.max_tokens;
+  res.handle.hidden = H;
+  res.handle.num_experts = shape_.num_experts;
+  res.handle.num_tokens = T;
+  res.handle.slot = slot;
+  res.handle.buffer_id = buffer_id;
+
+  LlDispatchParams p{};
+  p.x = static_cast<const uint16_t*>(args.x.data);
+  p.x_stride = args.x.strides[0];
+  p.topk_idx = args.topk_idx.data;
+  p.topk_stride = args.topk_idx.strides[0];
+  p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
+  p.num_tokens = static_cast<int32_t>(T);
+  p.x_vec16 = aligned16(args.x.data) && (args.x.strides[0] * 2) % 16 == 0;
+  p.use_fp8 = args.use_fp8;
+  p.round_scale = args.round_scale;
+  p.use_ue8m0 = args.use_ue8m0;
+  p.slot = slot;
+  p.rank = group_.rank();
+  p.units_per_expert = units_per_expert_;
+  if (!failed) {
+    p.recv_x = static_cast<uint8_t*>(res.recv_x.data);
+    p.recv_scales = res.recv_scales.data;
+    p.recv_count = res.recv_count.ptr<int32_t>();
+    p.src_info = res.handle.src_info.ptr<int32_t>();
+    p.layout_range = res.handle.layout_range.ptr<int64_t>();
+    const TensorView& stats = args.cumulative_local_expert_recv_stats;
+    if (stats.defined()) {
+      p.stats = stats.ptr<int32_t>();
+      p.stats_stride = stats.strides[0];
+    }
+  }
+  p.symm = symm_;
+  p.wait = wait_context(kOpLlDispatch);
+
+  if (failed || !args.return_recv_hook) {
+    ll_dispatch_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
+    EPX_CUDA_CHECK(cudaGetLastError(), op);
+    if (failed) std::rethrow_exception(failed);
+    return res;
+  }
+  ll_dispatch_send_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), op);
+  dispatch_in_flight_[slot] = true;
+  // The hook keeps the outputs it writes alive (the caller's stats view must stay alive).
+  const int ctas = num_ctas_;
+  res.hook =
+      make_hook(true, slot, [p, ctas, stream, keep = std::make_shared<LlDispatchResult>(res)]() {
+        ll_dispatch_recv_kernel<<<ctas, kLlThreads, 0, stream>>>(p);
+      });
+  return res;
+}
+
+LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& alloc) {
+  const char* op = "ll_combine";
+  require_usable(op);
+  const LlHandle& h = *args.handle;
+  const int slot = h.slot;
+  EPX_CHECK_ARG(!combine_in_flight_[slot], op, ": combine slot ", slot,
+                " still holds a combine whose hook was not called; expected its hook to be called "
+                "before another combine through a handle of slot ",
+                slot);
+  DeviceGuard guard(device_);
+  const int64_t H = layout_.hidden, T = h.num_tokens;
+  auto stream = static_cast<cudaStream_t>(args.stream);
+
+  LlCombineResult res;
+  std::exception_ptr failed;
+  if (args.out.defined()) {
+    static_cast<TensorView&>(res.out) = args.out;
+  } else {
+    try {
+      res.out = allocate(alloc, DType::kBF16, {T, H}, op, "out");
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+
+  LlCombineParams p{};
+  if (!args.zero_copy) {
+    p.y = static_cast<const uint16_t*>(args.y.data);
+    p.y_stride0 = args.y.strides[0];
+    p.y_stride1 = args.y.strides[1];
+    p.y_vec16 = aligned16(args.y.data) && (args.y.strides[0] * 2) % 16 == 0 &&
+                (args.y.strides[1] * 2) % 16 == 0;
+  }
+  p.zero_copy = args.zero_copy;
+  p.layout_range = h.layout_range.ptr<int64_t>();
+  p.layout_stride = h.layout_range.strides[0];
+  p.units_per_expert = units_per_expert_;
+  p.topk_idx = args.topk_idx.data;
+  p.topk_stride = args.topk_idx.strides[0];
+  p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
+  p.weights = args.topk_weights.ptr<float>();
+  p.weights_stride = args.topk_weights.strides[0];
+  if (!failed) {
+    p.out = res.out.ptr<uint16_t>();
+    p.out_stride = res.out.strides[0];
+    p.out_vec16 = aligned16(res.out.data) && (res.out.strides[0] * 2) % 16 == 0;
+  }
+  p.num_tokens = static_cast<int32_t>(T);
+  p.slot = slot;
+  p.rank = group_.rank();
+  p.symm = symm_;
+  p.wait = wait_context(kOpLlCombine);
+
+  if (failed || !args.return_recv_hook) {
+    ll_combine_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
+    EPX_CUDA_CHECK(cudaGetLastError(), op);
+    if (failed) std::rethrow_exception(failed);
+    return res;
+  }
+  ll_combine_send_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), op);
+  combine_in_flight_[slot] = true;
+  // The hook keeps an allocated out alive; the caller keeps topk_idx, topk_weights, the handle's
+  // layout_range and a given out alive until it ran.
+  const int ctas = num_ctas_;
+  res.hook = make_hook(false, slot, [p, ctas, stream, keep = res.out]() {
+    ll_combine_recv_kernel<<<ctas, kLlThreads, 0, stream>>>(p);
+  });
+  return res;
+}
+
+TensorView CudaLl::next_combine_buffer(const LlHandle& handle) {
+  EPX_CHECK_ARG(!combine_in_flight_[handle.slot], "ll_next_combine_buffer: combine slot ",
+                handle.slot,
+                " still holds a combine whose hook was not called; expected its "
+                "hook to be called before writing the next expert outputs there");
+  return TensorView::contiguous(
+      layout_.comb_y(local(), handle.slot), DType::kBF16,
+      {layout_.num_local_experts, layout_.rows_per_expert, layout_.hidden}, Device::cuda(device_));
+}
+
+void CudaLl::clean() {
+  DeviceGuard guard(device_);
+  // Every kernel is bounded: this returns, and then no ll kernel runs on this rank.
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
+  group_.transport()->barrier("ll_clean");  // no ll kernel runs on any rank
+  EPX_CUDA_CHECK(cudaMemset(local(), 0, layout_.control_bytes()), "ll_clean");
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
+  *error_host_ = DeviceErrorRecord{};
+  broken_ = false;
+  broken_why_.clear();
+  num_dispatches_ = 0;
+  ++generation_;
+  for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
+  group_.transport()->barrier("ll_clean (reset)");  // nobody signals into a region not yet reset
+}
+
+// ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------
+
+std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape) {
+  return std::make_shared<CudaLl>(group, shape);
+}
+size_t cuda_ll_allocated(const CudaLl* ll) {
+  return ll ? ll->bytes() : 0;
+}
+void cuda_ll_check(CudaLl& ll) {
+  ll.check();
+}
+LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const Allocator& alloc,
+                                  uint64_t buffer_id) {
+  return ll.dispatch(args, alloc, buffer_id);
+}
+LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc) {
+  return ll.combine(args, alloc);
+}
+TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle) {
+  return ll.next_combine_buffer(handle);
+}
+void cuda_ll_clean(CudaLl& ll) {
+  ll.clean();
+}
+size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks) {
+  return LlLayout::make(shape, num_ranks).total_bytes;
+}
+
+}  // namespace epx::detail

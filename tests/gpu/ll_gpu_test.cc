@@ -1,0 +1,891 @@
+// GPU tier: the cuda ll backend (src/cuda/ll.cu) against the naive oracle of SPEC 3.4-3.5
+// (tests/support/oracle_ll.h, which the cpu backend also matches bit for bit), on R = 1 and 2
+// forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
+//
+// Every check compares every defined element bit for bit: recv_x bytes (fp8 or bf16) and
+// recv_scales (f32 or packed UE8M0, column-major) of every valid row, recv_count, src_info,
+// layout_range, the cumulative stats and combine's out. Outputs are poisoned before the library
+// writes them (allocator outputs and a given out are filled with 0xFF; graph outputs before every
+// replay); y rows past the received counts are NaN, so a wrong row read shows up in out.
+// Problems (inputs and expected outputs) are generated in the parent and inherited through fork.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "gpu/gpu_support.h"
+#include "support/oracle_ll.h"
+#include "support/routing.h"
+
+namespace epx {
+namespace {
+
+using gpu_testing::run_cuda_ranks;
+using gpu_testing::to_host_bytes;
+using testing::LlExpectedDispatch;
+using testing::LlProblem;
+using testing::LlRankInput;
+using testing::Routing;
+
+#define CUDA_OK(call)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess)                                                               \
+      throw Error(ErrorCode::kCuda, std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong y row read shows up in out
+
+// ---- problems (generated in the parent) ------------------------------------------------------
+
+struct Case {
+  LlProblem p;
+  Routing routing = Routing::kUniform;
+  bool topk_i32 = false, hook = false, reverse_hooks = false, zero_copy = false;
+  bool out_given = false, stats = false, padded = false;
+  int num_batches = 1;  // dispatches in flight together
+  int num_iters = 1;    // dispatch + combine rounds on one buffer
+  uint64_t seed = 0;
+  std::vector<int64_t> fixed_tokens;  // T per rank, or empty for random T in [0, T_max]
+
+  std::string describe() const {
+    return p.describe() + " routing=" + testing::routing_name(routing) +
+           (topk_i32 ? " topk_i32" : "") + (hook ? " hook" : "") +
+           (reverse_hooks ? " reverse_hooks" : "") + (zero_copy ? " zero_copy" : "") +
+           (out_given ? " out" : "") + (stats ? " stats" : "") + (padded ? " padded" : "") +
+           " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
+           " seed=" + std::to_string(seed);
+  }
+};
+
+// One dispatch + combine: every rank's inputs and what every rank must get.
+struct Batch {
+  std::vector<LlRankInput> in;                  // [R]
+  std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
+  std::vector<LlExpectedDispatch> want;         // [R]
+  std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
+  std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
+};
+
+void finish_batch(const Case& c, Batch& b, std::mt19937_64& rng);
+
+Batch make_batch(const Case& c, std::mt19937_64& rng) {
+  const LlProblem& p = c.p;
+  const int R = p.num_ranks, L = p.num_local_experts();
+  const int64_t RT = p.rows_per_expert(), H = p.hidden;
+  Batch b;
+  for (int r = 0; r < R; ++r) {
+    LlRankInput in;
+    const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
+    in.num_tokens = !c.fixed_tokens.empty() ? c.fixed_tokens[r]
+                    : pick == 0             ? 0
+                    : pick == 1             ? p.max_tokens
+                                : std::uniform_int_distribution<int64_t>(0, p.max_tokens)(rng);
+    in.x = testing::make_bf16(in.num_tokens, H, rng);
+    const int target = std::uniform_int_distribution<int>(0, p.num_experts - 1)(rng);
+    in.topk_idx =
+        testing::make_topk_idx(c.routing, in.num_tokens, p.top_k, p.num_experts, R, rng, target);
+    in.topk_weights = testing::make_topk_weights(in.topk_idx, rng);
+    b.in.push_back(std::move(in));
+    std::vector<int32_t> s(L);
+    for (auto& v : s) v = std::uniform_int_distribution<int32_t>(-1000, 1000)(rng);
+    b.stats0.push_back(s);
+  }
+  finish_batch(c, b, rng);
+  return b;
+}
+
+// The expected outputs (and y) of b's inputs.
+void finish_batch(const Case& c, Batch& b, std::mt19937_64& rng) {
+  const LlProblem& p = c.p;
+  const int R = p.num_ranks, L = p.num_local_experts();
+  const int64_t RT = p.rows_per_expert(), H = p.hidden;
+  b.want.clear();
+  b.y.clear();
+  for (int r = 0; r < R; ++r) {
+    b.want.push_back(testing::oracle_ll_dispatch(p, b.in, r));
+    std::vector<uint16_t> y(L * RT * H, kPoisonBf16);
+    for (int l = 0; l < L; ++l) {
+      const std::vector<uint16_t> rows = testing::make_bf16(b.want[r].recv_count[l], H, rng);
+      std::copy(rows.begin(), rows.end(), y.begin() + l * RT * H);
+    }
+    b.y.push_back(std::move(y));
+  }
+  b.want_out = testing::oracle_ll_combine_all(p, b.in, b.y);
+}
+
+std::vector<Batch> make_batches(const Case& c) {
+  std::mt19937_64 rng(c.seed);
+  std::vector<Batch> v;
+  for (int i = 0; i < c.num_iters * c.num_batches; ++i) v.push_back(make_batch(c, rng));
+  return v;
+}
+
+Case random_case(int R, uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + 17);
+  auto pick = [&](auto... v) {
+    const std::vector<std::common_type_t<decltype(v)...>> all{v...};
+    return all[std::uniform_int_distribution<size_t>(0, all.size() - 1)(rng)];
+  };
+  auto coin = [&](double prob) { return std::uniform_real_distribution<>(0, 1)(rng) < prob; };
+  Case c;
+  c.seed = seed;
+  const auto routings = testing::all_routings();
+  while (true) {
+    LlProblem& p = c.p;
+    p.num_ranks = R;
+    p.num_experts = R * pick(1, 2, 3, 4, 8, 9, 16, 36);
+    p.top_k = pick(1, 8, 9, 16);
+    p.max_tokens = pick(int64_t{1}, int64_t{7}, int64_t{64}, int64_t{512});
+    p.hidden = coin(0.1) ? 7168 : pick(int64_t{128}, int64_t{384});
+    c.num_batches = coin(0.3) ? 2 : 1;
+    const double elems = double(p.num_experts) * p.max_tokens * p.hidden * c.num_batches;
+    const double work = double(R) * p.max_tokens * p.top_k * p.hidden;
+    if (p.num_experts <= 288 && elems <= 4e6 && work <= 2e7) break;
+  }
+  c.p.use_fp8 = coin(0.6);
+  c.p.round_scale = c.p.use_fp8 && coin(0.5);
+  c.p.use_ue8m0 = c.p.round_scale && coin(0.5);
+  c.routing = routings[std::uniform_int_distribution<size_t>(0, routings.size() - 1)(rng)];
+  c.topk_i32 = coin(0.25);
+  c.hook = coin(0.5);
+  c.reverse_hooks = c.hook && c.num_batches == 2 && coin(0.5);
+  c.zero_copy = coin(0.5);
+  c.out_given = coin(0.5);
+  c.stats = coin(0.5);
+  c.padded = coin(0.25);
+  c.num_iters = coin(0.4) ? 2 : 1;
+  return c;
+}
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+// cudaMalloc, filled with 0xFF before the library sees it.
+Allocator poison_allocator() {
+  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    Tensor t = default_allocator()(dtype, shape, device);
+    if (t.nbytes() > 0) {
+      CUDA_OK(cudaMemset(t.data, 0xFF, t.nbytes()));
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    return t;
+  };
+}
+
+// Rows [n, H] of 16-bit values uploaded with row stride H (or H + 64 when padded).
+Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
+                   int64_t* stride) {
+  *stride = padded ? H + 64 : H;
+  std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
+  for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
+  Tensor t =
+      gpu_testing::to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, device);
+  return t;
+}
+
+Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device) {
+  if (i32) {
+    std::vector<int32_t> v(topk.begin(), topk.end());
+    return gpu_testing::to_device(v, DType::kI32, {T, K}, device);
+  }
+  return gpu_testing::to_device(topk, DType::kI64, {T, K}, device);
+}
+
+// A host copy of a device tensor with the same shape and strides (storage copied whole).
+Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
+  Tensor h;
+  if (!t.defined()) return h;
+  keep.push_back(to_host_bytes(t));
+  static_cast<TensorView&>(h) = t;
+  h.data = keep.back().data();
+  h.device = Device::cpu();
+  return h;
+}
+
+LlDispatchResult host_dispatch(const LlDispatchResult& d, std::vector<std::vector<uint8_t>>& keep) {
+  keep.reserve(keep.size() + 8);
+  LlDispatchResult h;
+  h.recv_x = host_copy(d.recv_x, keep);
+  h.recv_scales = host_copy(d.recv_scales, keep);
+  h.recv_count = host_copy(d.recv_count, keep);
+  h.handle = d.handle;
+  h.handle.src_info = host_copy(d.handle.src_info, keep);
+  h.handle.layout_range = host_copy(d.handle.layout_range, keep);
+  return h;
+}
+
+std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want,
+                      const TensorView& out) {
+  std::vector<std::vector<uint8_t>> keep;
+  return testing::check_ll_combine(p, want, host_copy(out, keep));
+}
+
+BufferConfig ll_only() {
+  BufferConfig c;
+  c.enable_ht = false;
+  c.enable_ll = true;
+  return c;
+}
+
+MoeShape shape_of(const LlProblem& p) {
+  return MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens};
+}
+
+// Runs case c on this rank with its own Buffer; returns "" or the first failure.
+std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Group& g,
+                     cudaStream_t stream) {
+  const LlProblem& p = c.p;
+  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = r;
+  const int64_t H = p.hidden, RT = p.rows_per_expert();
+  Buffer buf(g, shape_of(p), ll_only());
+  const Allocator alloc = poison_allocator();
+  std::string err;
+  auto fail = [&](const std::string& where, const std::string& what) {
+    if (err.empty() && !what.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + what;
+  };
+  const int nb = c.num_batches;
+  for (int iter = 0; iter < c.num_iters && err.empty(); ++iter) {
+    std::vector<const Batch*> bs;
+    for (int b = 0; b < nb; ++b) bs.push_back(&batches[iter * nb + b]);
+    std::vector<Tensor> keep;  // device inputs alive until the hooks ran
+    std::vector<Tensor> stats(nb);
+    std::vector<LlDispatchResult> d(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlRankInput& in = bs[b]->in[r];
+      const int64_t T = in.num_tokens;
+      int64_t stride = H;
+      keep.push_back(upload_rows(in.x, T, H, c.padded, dev, &stride));
+      LlDispatchArgs a;
+      a.x = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
+      a.x.strides[0] = stride;
+      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
+      a.topk_idx = keep.back();
+      a.use_fp8 = p.use_fp8;
+      a.round_scale = p.round_scale;
+      a.use_ue8m0 = p.use_ue8m0;
+      a.return_recv_hook = c.hook;
+      if (c.stats) {
+        stats[b] = gpu_testing::to_device(bs[b]->stats0[r], DType::kI32, {L}, dev);
+        a.cumulative_local_expert_recv_stats = stats[b];
+      }
+      a.stream = stream;
+      d[b] = buf.ll_dispatch(a, alloc);
+      if (static_cast<bool>(d[b].hook) != c.hook) fail("dispatch", "hook presence is wrong");
+    }
+    if (c.hook)
+      for (int i = 0; i < nb; ++i) d[c.reverse_hooks ? nb - 1 - i : i].hook();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    for (int b = 0; b < nb; ++b) {
+      const std::string where = "iter " + std::to_string(iter) + " batch " + std::to_string(b);
+      std::vector<std::vector<uint8_t>> hk;
+      fail(where + " dispatch",
+           testing::check_ll_dispatch(p, bs[b]->want[r], host_dispatch(d[b], hk)));
+      if (c.stats) {
+        const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats[b]);
+        for (int l = 0; l < L; ++l)
+          if (got[l] != bs[b]->stats0[r][l] + bs[b]->want[r].recv_count[l])
+            fail(where + " stats",
+                 "cumulative_local_expert_recv_stats[" + std::to_string(l) +
+                     "] = " + std::to_string(got[l]) + ", expected " +
+                     std::to_string(bs[b]->stats0[r][l] + bs[b]->want[r].recv_count[l]));
+      }
+    }
+    // Combine every batch, then run the hooks.
+    std::vector<LlCombineResult> cr(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlRankInput& in = bs[b]->in[r];
+      const int64_t T = in.num_tokens;
+      LlCombineArgs a;
+      a.handle = &d[b].handle;
+      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
+      a.topk_idx = keep.back();
+      keep.push_back(gpu_testing::to_device(in.topk_weights, DType::kF32, {T, K}, dev));
+      a.topk_weights = keep.back();
+      const size_t y_bytes = bs[b]->y[r].size() * 2;
+      if (c.zero_copy) {
+        TensorView v = buf.ll_next_combine_buffer(d[b].handle);
+        if (v.dtype != DType::kBF16 || v.ndim != 3 || v.shape[0] != L || v.shape[1] != RT ||
+            v.shape[2] != H || v.device != Device::cuda(dev) || !v.is_contiguous())
+          fail("next_combine_buffer", "view is " + v.describe());
+        CUDA_OK(
+            cudaMemcpyAsync(v.data, bs[b]->y[r].data(), y_bytes, cudaMemcpyHostToDevice, stream));
+        a.zero_copy = true;
+      } else {
+        int64_t stride = H;
+        keep.push_back(upload_rows(bs[b]->y[r], L * RT, H, c.padded, dev, &stride));
+        a.y = TensorView::contiguous(keep.back().data, DType::kBF16, {L, RT, H}, Device::cuda(dev));
+        a.y.strides = {RT * stride, stride, 1};
+      }
+      if (c.out_given) {
+        keep.push_back(
+            default_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H}, Device::cuda(dev)));
+        CUDA_OK(cudaMemset(keep.back().data, 0xFF, keep.back().nbytes()));
+        a.out = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
+      }
+      a.return_recv_hook = c.hook;
+      a.stream = stream;
+      cr[b] = buf.ll_combine(a, alloc);
+      if (static_cast<bool>(cr[b].hook) != c.hook) fail("combine", "hook presence is wrong");
+      if (c.out_given && cr[b].out.data != a.out.data)
+        fail("combine", "out given but the result does not alias it");
+    }
+    if (c.hook)
+      for (int i = 0; i < nb; ++i) cr[c.reverse_hooks ? nb - 1 - i : i].hook();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    for (int b = 0; b < nb; ++b)
+      fail("iter " + std::to_string(iter) + " batch " + std::to_string(b) + " combine",
+           check_out(p, bs[b]->want_out[r], cr[b].out));
+  }
+  return err;
+}
+
+// Runs `cases` on R forked GPU ranks (one group; one Buffer per case). Returns the number of
+// failing cases over all ranks; failures are printed.
+int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vector<Batch>>& data) {
+  return run_cuda_ranks(R, [&](const Group& g) {
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    int bad = 0;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      std::string err;
+      try {
+        err = run_rank(cases[i], data[i], g, stream);
+      } catch (const std::exception& e) {
+        err = std::string("exception: ") + e.what();
+      }
+      if (!err.empty()) {
+        std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(), err.c_str());
+        if (++bad >= 3) break;  // one diagnosis is enough; the peers time out
+      }
+    }
+    cudaStreamDestroy(stream);
+    return bad;
+  });
+}
+
+// ---- random and fixed cases ---------------------------------------------------------------
+
+class LlGpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(LlGpu, RandomCasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  std::vector<Case> cases;
+  std::vector<std::vector<Batch>> data;
+  const int n = R == 1 ? 12 : 24;
+  for (int i = 0; i < n; ++i) {
+    cases.push_back(random_case(R, 1000 * R + i));
+    data.push_back(make_batches(cases.back()));
+  }
+  EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
+// Edge shapes: DeepSeek-like H with T = T_max on every rank and two batches in flight (every
+// routing), K > E (rows end in -1), T_max = 1024 with K = 16 and different T per rank.
+TEST_P(LlGpu, FixedCasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  std::vector<Case> cases;
+  uint64_t seed = 500000 + R;
+  for (Routing routing : testing::all_routings()) {
+    Case c;
+    c.p = {R, 7, 7168, 8, 16 * R, true, true, routing != Routing::kSkewed};
+    c.routing = routing;
+    c.hook = true;
+    c.reverse_hooks = routing == Routing::kDuplicates;
+    c.num_batches = 2;
+    c.fixed_tokens.assign(R, 7);
+    c.seed = seed++;
+    cases.push_back(c);
+    Case k;
+    k.p = {R, 64, 128, 16, 4 * R, false, false, false};  // K > E
+    k.routing = routing;
+    k.zero_copy = true;
+    k.out_given = true;
+    k.seed = seed++;
+    cases.push_back(k);
+  }
+  Case big;
+  big.p = {R, 1024, 256, 16, 32 * R, true, false, false};
+  big.fixed_tokens = R == 1 ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 333};
+  big.stats = true;
+  big.num_iters = 2;
+  big.seed = seed++;
+  cases.push_back(big);
+  big.p.use_fp8 = false;
+  big.fixed_tokens = R == 1 ? std::vector<int64_t>{517} : std::vector<int64_t>{0, 1024};
+  big.hook = true;
+  big.zero_copy = true;
+  big.seed = seed++;
+  cases.push_back(big);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(make_batches(c));
+  EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "R" + std::to_string(i.param);
+                         });
+
+// ---- CUDA graphs ---------------------------------------------------------------------------
+
+// dispatch + combine captured once without hooks (fp8, UE8M0, stats, y copied into the zero-copy
+// buffer inside the graph) and once with both hooks (bf16, y from the caller), each replayed
+// kReplays times on new inputs written into the captured input buffers; every replay checked.
+TEST(LlGpuGraph, CaptureReplayedOnNewInputs) {
+  EPX_REQUIRE_GPUS(2);
+  constexpr int R = 2, kReplays = 100;
+  Case cases[2];
+  cases[0].p = {R, 32, 256, 4, 8 * R, true, true, true};
+  cases[1].p = {R, 32, 256, 4, 8 * R, false, false, false};
+  const std::vector<Routing> all = testing::all_routings();
+  std::vector<Batch> data[2];
+  std::mt19937_64 rng(4242);
+  for (int m = 0; m < 2; ++m) {
+    cases[m].fixed_tokens = {29, 32};
+    for (int i = 0; i <= kReplays; ++i) {  // batch 0: the eager warm-up call
+      cases[m].routing = all[(i + m) % all.size()];
+      data[m].push_back(make_batch(cases[m], rng));
+    }
+  }
+  const int rc = run_cuda_ranks(R, [&](const Group& g) {
+    const int r = g.rank(), dev = r;
+    const LlProblem& p0 = cases[0].p;
+    const int K = p0.top_k, L = p0.num_local_experts();
+    const int64_t H = p0.hidden, RT = p0.rows_per_expert(), T = cases[0].fixed_tokens[r];
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    Buffer buf(g, shape_of(p0), ll_only());
+    // Captured inputs and outputs: allocated before capture; the allocator hands out one tensor
+    // per (dtype, shape) (created by the eager warm-up call).
+    auto pool = std::make_shared<std::map<std::string, Tensor>>();
+    const Allocator alloc = [pool](DType dt, const std::vector<int64_t>& s, Device d) {
+      std::string key = dtype_name(dt);
+      for (int64_t v : s) key += "," + std::to_string(v);
+      auto it = pool->find(key);
+      if (it == pool->end()) it = pool->emplace(key, default_allocator()(dt, s, d)).first;
+      return it->second;
+    };
+    Tensor x = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
+    Tensor topk = default_allocator()(DType::kI64, {T, K}, Device::cuda(dev));
+    Tensor w = default_allocator()(DType::kF32, {T, K}, Device::cuda(dev));
+    Tensor y = default_allocator()(DType::kBF16, {L, RT, H}, Device::cuda(dev));
+    Tensor out = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
+    Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
+    int bad = 0;
+    for (int m = 0; m < 2 && bad == 0; ++m) {
+      const bool hook = m == 1;
+      const LlProblem& p = cases[m].p;
+      auto upload = [&](const Batch& b) {
+        const LlRankInput& in = b.in[r];
+        CUDA_OK(cudaMemcpyAsync(x.data, in.x.data(), 2 * T * H, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(topk.data, in.topk_idx.data(), 8 * T * K, cudaMemcpyHostToDevice,
+                                stream));
+        CUDA_OK(cudaMemcpyAsync(w.data, in.topk_weights.data(), 4 * T * K, cudaMemcpyHostToDevice,
+                                stream));
+        CUDA_OK(
+            cudaMemcpyAsync(y.data, b.y[r].data(), 2 * L * RT * H, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaMemsetAsync(stats.data, 0, 4 * L, stream));
+        CUDA_OK(cudaMemsetAsync(out.data, 0xFF, out.nbytes(), stream));
+        for (auto& [key, t] : *pool) CUDA_OK(cudaMemsetAsync(t.data, 0xFF, t.nbytes(), stream));
+      };
+      LlDispatchArgs da;
+      da.x = x;
+      da.topk_idx = topk;
+      da.use_fp8 = p.use_fp8;
+      da.round_scale = p.round_scale;
+      da.use_ue8m0 = p.use_ue8m0;
+      da.return_recv_hook = hook;
+      if (!hook) da.cumulative_local_expert_recv_stats = stats;
+      da.stream = stream;
+      // One round: dispatch (+ hook), the "MoE" output, combine (+ hook); returns the handle.
+      auto round = [&](LlDispatchResult& d) {
+        d = buf.ll_dispatch(da, alloc);
+        if (hook) d.hook();
+        LlCombineArgs ca;
+        ca.topk_idx = topk;
+        ca.topk_weights = w;
+        ca.handle = &d.handle;
+        ca.out = out;
+        ca.return_recv_hook = hook;
+        ca.stream = stream;
+        if (!hook) {
+          TensorView v = buf.ll_next_combine_buffer(d.handle);
+          CUDA_OK(cudaMemcpyAsync(v.data, y.data, y.nbytes(), cudaMemcpyDeviceToDevice, stream));
+          ca.zero_copy = true;
+        } else {
+          ca.y = y;
+        }
+        LlCombineResult c = buf.ll_combine(ca, alloc);
+        if (hook) c.hook();
+      };
+      auto verify = [&](const Batch& b, const LlDispatchResult& d, const std::string& what) {
+        std::string err;
+        try {
+          buf.check();
+          std::vector<std::vector<uint8_t>> keep;
+          err = testing::check_ll_dispatch(p, b.want[r], host_dispatch(d, keep));
+          const std::string cerr = check_out(p, b.want_out[r], out);
+          if (!cerr.empty()) err += (err.empty() ? "" : "\n") + cerr;
+          if (!hook) {
+            const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats);
+            for (int l = 0; l < L; ++l)
+              if (got[l] != b.want[r].recv_count[l] && err.empty())
+                err = "stats[" + std::to_string(l) + "] = " + std::to_string(got[l]);
+          }
+        } catch (const std::exception& e) {
+          err = std::string("exception: ") + e.what();
+        }
+        if (!err.empty()) {
+          ++bad;
+          std::fprintf(stderr, "rank %d %s: %s\n", r, what.c_str(), err.c_str());
+        }
+      };
+      // Eager warm-up (fills the pool), checked too.
+      upload(data[m][0]);
+      LlDispatchResult d0;
+      round(d0);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      verify(data[m][0], d0, hook ? "eager (hooks)" : "eager");
+      // Capture.
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      LlDispatchResult dg;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      round(dg);
+      CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int i = 1; i <= kReplays && bad < 3; ++i) {
+        upload(data[m][i]);
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        verify(data[m][i], dg,
+               std::string(hook ? "hooks" : "no hooks") + " replay " + std::to_string(i));
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+    cudaStreamDestroy(stream);
+    return bad;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// ---- errors (SPEC 5) ---------------------------------------------------------------------
+
+// A small one-batch problem for error tests.
+Case small_case(int R, uint64_t seed) {
+  Case c;
+  c.p = {R, 16, 256, 4, 4 * R, true, false, false};
+  c.fixed_tokens.assign(R, 11);
+  c.seed = seed;
+  return c;
+}
+
+// Out-of-range expert ids are found on the device and raised as InvalidArgument by the next
+// call (check()); the selection is dropped, the collective completes and the buffer stays usable.
+TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
+  EPX_REQUIRE_GPUS(2);
+  const Case c = small_case(2, 31);
+  const std::vector<Batch> clean = make_batches(c);
+  std::mt19937_64 rng(32);
+  Batch dropped = make_batch(c, rng);
+  const int K = c.p.top_k;
+  dropped.in[0].topk_idx[3 * K + 2] = -1;
+  dropped.in[0].topk_idx[9 * K + 0] = -1;
+  finish_batch(c, dropped, rng);  // what rank 0's routing means once the bad ids are dropped
+  Batch bad = dropped;            // what rank 0 passes
+  bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
+  bad.in[0].topk_idx[9 * K + 0] = -7;
+  const int rc = run_cuda_ranks(2, [&](const Group& g) {
+    const int r = g.rank(), dev = r;
+    const int64_t H = c.p.hidden, T = 11;
+    int failures = 0;
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+      ++failures;
+    };
+    auto expect_invalid = [&](Buffer& buf, const char* op) {
+      try {
+        buf.check();
+        if (r == 0) fail(std::string("check() after ") + op + " did not raise");
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        if (r != 0 || e.code() != ErrorCode::kInvalidArgument ||
+            m.find("'topk_idx'") == std::string::npos || m.find(op) == std::string::npos)
+          fail("unexpected error: " + m);
+      }
+    };
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreate(&stream));
+    Buffer buf(g, shape_of(c.p), ll_only());
+    Tensor x = gpu_testing::to_device(bad.in[r].x, DType::kBF16, {T, H}, dev);
+    Tensor topk = upload_topk(bad.in[r].topk_idx, T, K, false, dev);
+    Tensor w = gpu_testing::to_device(bad.in[r].topk_weights, DType::kF32, {T, K}, dev);
+    LlDispatchArgs da;
+    da.x = x;
+    da.topk_idx = topk;
+    da.use_fp8 = c.p.use_fp8;
+    da.stream = stream;
+    LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
+    CUDA_OK(cudaStreamSynchronize(stream));
+    expect_invalid(buf, "ll_dispatch");
+    std::vector<std::vector<uint8_t>> keep;
+    std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_dispatch(d, keep));
+    if (!err.empty()) fail("dispatch with dropped selections: " + err);
+    TensorView v = buf.ll_next_combine_buffer(d.handle);
+    CUDA_OK(
+        cudaMemcpy(v.data, dropped.y[r].data(), dropped.y[r].size() * 2, cudaMemcpyHostToDevice));
+    LlCombineArgs ca;
+    ca.topk_idx = topk;
+    ca.topk_weights = w;
+    ca.handle = &d.handle;
+    ca.zero_copy = true;
+    ca.stream = stream;
+    LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
+    CUDA_OK(cudaStreamSynchronize(stream));
+    expect_invalid(buf, "ll_combine");
+    err = check_out(c.p, dropped.want_out[r], cr.out);
+    if (!err.empty()) fail("combine with dropped selections: " + err);
+    cudaStreamDestroy(stream);
+    // A clean case on a new buffer afterwards.
+    cudaStream_t s2 = nullptr;
+    CUDA_OK(cudaStreamCreate(&s2));
+    err = run_rank(c, clean, g, s2);
+    if (!err.empty()) fail("clean case after the error: " + err);
+    cudaStreamDestroy(s2);
+    return failures;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// A peer that never calls ll_dispatch: the waiting rank's kernel gives up after the group
+// timeout, the next call raises Timeout (naming the operation and the peer), later calls say the
+// ll state is unusable; ll_clean() on every rank resets it and a checked round works again.
+TEST(LlGpuErrors, MissingPeerIsTimeoutAndLlCleanRecovers) {
+  EPX_REQUIRE_GPUS(2);
+  const Case c = small_case(2, 41);
+  const std::vector<Batch> data = make_batches(c);
+  GroupOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  const std::string done_path = "/tmp/epx-ll-timeout-" + std::to_string(getpid());
+  std::remove(done_path.c_str());
+  const int rc = run_cuda_ranks(
+      2,
+      [&](const Group& g) {
+        const int r = g.rank(), dev = r;
+        const int64_t H = c.p.hidden, T = 11;
+        int failures = 0;
+        auto fail = [&](const std::string& what) {
+          std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+          ++failures;
+        };
+        cudaStream_t stream = nullptr;
+        CUDA_OK(cudaStreamCreate(&stream));
+        {
+          Buffer buf(g, shape_of(c.p), ll_only());
+          if (r == 1) {
+            for (int i = 0; i < 3000 && access(done_path.c_str(), F_OK) != 0; ++i)
+              std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          } else {
+            Tensor x = gpu_testing::to_device(data[0].in[0].x, DType::kBF16, {T, H}, dev);
+            Tensor topk = upload_topk(data[0].in[0].topk_idx, T, c.p.top_k, false, dev);
+            LlDispatchArgs da;
+            da.x = x;
+            da.topk_idx = topk;
+            da.stream = stream;
+            const auto start = std::chrono::steady_clock::now();
+            buf.ll_dispatch(da);
+            CUDA_OK(cudaStreamSynchronize(stream));
+            const double waited =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            try {
+              buf.check();
+              fail("no Timeout");
+            } catch (const Error& e) {
+              const std::string m = e.what();
+              if (e.code() != ErrorCode::kTimeout || m.find("ll_dispatch") == std::string::npos ||
+                  m.find("rank 1") == std::string::npos)
+                fail("unexpected error " + m);
+            }
+            if (waited < 1.2 || waited > 10)
+              fail("the kernel gave up after " + std::to_string(waited) + " s");
+            try {
+              buf.ll_dispatch(da);
+              fail("ll_dispatch after a timeout did not raise");
+            } catch (const Error& e) {
+              if (std::string(e.what()).find("unusable") == std::string::npos)
+                fail(std::string("unexpected error ") + e.what());
+            }
+            std::fclose(std::fopen(done_path.c_str(), "w"));
+          }
+          buf.ll_clean();
+          // The same buffer works again: one checked round.
+          std::vector<std::vector<uint8_t>> keep;
+          Tensor x = gpu_testing::to_device(data[0].in[r].x, DType::kBF16, {T, H}, dev);
+          Tensor topk = upload_topk(data[0].in[r].topk_idx, T, c.p.top_k, false, dev);
+          Tensor w =
+              gpu_testing::to_device(data[0].in[r].topk_weights, DType::kF32, {T, c.p.top_k}, dev);
+          LlDispatchArgs da;
+          da.x = x;
+          da.topk_idx = topk;
+          da.use_fp8 = c.p.use_fp8;
+          da.stream = stream;
+          LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
+          Tensor y = gpu_testing::to_device(
+              data[0].y[r], DType::kBF16, {c.p.num_local_experts(), c.p.rows_per_expert(), H}, dev);
+          LlCombineArgs ca;
+          ca.y = y;
+          ca.topk_idx = topk;
+          ca.topk_weights = w;
+          ca.handle = &d.handle;
+          ca.stream = stream;
+          LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
+          CUDA_OK(cudaStreamSynchronize(stream));
+          buf.check();
+          std::string err =
+              testing::check_ll_dispatch(c.p, data[0].want[r], host_dispatch(d, keep));
+          err += check_out(c.p, data[0].want_out[r], cr.out);
+          if (!err.empty()) fail("round after ll_clean: " + err);
+        }
+        cudaStreamDestroy(stream);
+        return failures;
+      },
+      options);
+  std::remove(done_path.c_str());
+  EXPECT_EQ(rc, 0);
+}
+
+void expect_error(const std::function<void()>& f, ErrorCode code, const char* needle, int* failures,
+                  const char* what) {
+  try {
+    f();
+    std::fprintf(stderr, "%s: no error\n", what);
+    ++*failures;
+  } catch (const Error& e) {
+    if (e.code() != code || std::string(e.what()).find(needle) == std::string::npos) {
+      std::fprintf(stderr, "%s: unexpected error %s\n", what, e.what());
+      ++*failures;
+    }
+  }
+}
+
+// Host-side misuse of hooks and slots (the cpu backend's rules), T > T_max; then a checked
+// round on the same buffer.
+TEST(LlGpuErrors, HookMisuseAndCapacity) {
+  EPX_REQUIRE_GPUS(1);
+  const Case c = small_case(1, 51);
+  const std::vector<Batch> data = make_batches(c);
+  const int rc = run_cuda_ranks(1, [&](const Group& g) {
+    const int64_t H = c.p.hidden, T = 11;
+    const int K = c.p.top_k;
+    int failures = 0;
+    Buffer buf(g, shape_of(c.p), ll_only());
+    Tensor x = gpu_testing::to_device(data[0].in[0].x, DType::kBF16, {T, H}, 0);
+    Tensor topk = upload_topk(data[0].in[0].topk_idx, T, K, false, 0);
+    Tensor w = gpu_testing::to_device(data[0].in[0].topk_weights, DType::kF32, {T, K}, 0);
+    LlDispatchArgs da;
+    da.x = x;
+    da.topk_idx = topk;
+    da.return_recv_hook = true;
+    LlDispatchResult a = buf.ll_dispatch(da), b = buf.ll_dispatch(da);
+    expect_error([&] { buf.ll_dispatch(da); }, ErrorCode::kInvalidArgument, "still holds",
+                 &failures, "third dispatch");
+    a.hook();
+    expect_error([&] { a.hook(); }, ErrorCode::kInvalidArgument, "second time", &failures,
+                 "hook twice");
+    b.hook();
+    LlCombineArgs ca;
+    ca.topk_idx = topk;
+    ca.topk_weights = w;
+    ca.handle = &a.handle;
+    ca.zero_copy = true;
+    ca.return_recv_hook = true;
+    LlCombineResult cr = buf.ll_combine(ca);
+    expect_error([&] { buf.ll_combine(ca); }, ErrorCode::kInvalidArgument, "still holds", &failures,
+                 "second combine on a slot");
+    expect_error([&] { buf.ll_next_combine_buffer(a.handle); }, ErrorCode::kInvalidArgument,
+                 "still holds", &failures, "next_combine_buffer on a busy slot");
+    cr.hook();
+    LlDispatchResult d = buf.ll_dispatch(da);
+    buf.ll_clean();
+    expect_error([&] { d.hook(); }, ErrorCode::kInvalidArgument, "ll_clean", &failures,
+                 "hook after ll_clean");
+    std::vector<uint16_t> big_x((c.p.max_tokens + 1) * H, 0x3F80);
+    std::vector<int64_t> big_topk((c.p.max_tokens + 1) * K, 0);
+    Tensor bx = gpu_testing::to_device(big_x, DType::kBF16, {c.p.max_tokens + 1, H}, 0);
+    Tensor bt = gpu_testing::to_device(big_topk, DType::kI64, {c.p.max_tokens + 1, K}, 0);
+    LlDispatchArgs big;
+    big.x = bx;
+    big.topk_idx = bt;
+    expect_error([&] { buf.ll_dispatch(big); }, ErrorCode::kOutOfCapacity, "T_max", &failures,
+                 "T > T_max");
+    CUDA_OK(cudaDeviceSynchronize());
+    buf.check();
+    // A checked round on the same buffer.
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreate(&stream));
+    da.return_recv_hook = false;
+    da.use_fp8 = c.p.use_fp8;
+    da.stream = stream;
+    LlDispatchResult e = buf.ll_dispatch(da, poison_allocator());
+    TensorView v = buf.ll_next_combine_buffer(e.handle);
+    CUDA_OK(cudaMemcpyAsync(v.data, data[0].y[0].data(), data[0].y[0].size() * 2,
+                            cudaMemcpyHostToDevice, stream));
+    ca.handle = &e.handle;
+    ca.return_recv_hook = false;
+    ca.stream = stream;
+    LlCombineResult ce = buf.ll_combine(ca, poison_allocator());
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    std::vector<std::vector<uint8_t>> keep;
+    std::string err = testing::check_ll_dispatch(c.p, data[0].want[0], host_dispatch(e, keep));
+    err += check_out(c.p, data[0].want_out[0], ce.out);
+    if (!err.empty()) {
+      std::fprintf(stderr, "round after misuse: %s\n", err.c_str());
+      ++failures;
+    }
+    cudaStreamDestroy(stream);
+    return failures;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// ---- memory (SPEC 6) -------------------------------------------------------------------------
+
+// The standard workload (EP2, T_max = 128, H = 7168, K = 8, E = 256) within 1 GB per rank
+// (DeepEP: 1.9 GB). Host arithmetic only.
+TEST(LlGpuMemory, StandardWorkloadWithinOneGigabyte) {
+  const MoeShape s{7168, 8, 256, 128};
+  const size_t bytes = Buffer::bytes_needed(Mode::kLl, s, 2, Backend::kCuda);
+  EXPECT_LE(bytes, size_t{1000} * 1000 * 1000);
+  // The zero-copy combine buffers alone: 2 slots of [L, R * T_max, H] bf16.
+  EXPECT_GE(bytes, size_t{2} * 128 * 256 * 7168 * 2);
+}
+
+TEST(LlGpuMemory, BytesAllocatedMatchBytesNeeded) {
+  EPX_REQUIRE_GPUS(1);
+  const MoeShape s{1024, 8, 64, 64};
+  const int rc = run_cuda_ranks(1, [&](const Group& g) {
+    Buffer buf(g, s, ll_only());
+    return buf.bytes_allocated() == Buffer::bytes_needed(Mode::kLl, s, 1, Backend::kCuda) ? 0 : 1;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+}  // namespace
+}  // namespace epx
