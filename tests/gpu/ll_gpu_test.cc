@@ -475,7 +475,7 @@ TEST(LlGpuGraph, CaptureReplayedOnNewInputs) {
     auto pool = std::make_shared<std::map<std::string, Tensor>>();
     const Allocator alloc = [pool](DType dt, const std::vector<int64_t>& s, Device d) {
       std::string key = dtype_name(dt);
-      for (int64_t v : s) key += "," + std::to_string(v);
+      for (int64_t v : s) key.append(",").append(std::to_string(v));
       auto it = pool->find(key);
       if (it == pool->end()) it = pool->emplace(key, default_allocator()(dt, s, d)).first;
       return it->second;
