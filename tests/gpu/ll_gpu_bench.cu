@@ -212,6 +212,8 @@ int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
   da.topk_idx = topk;
   da.use_fp8 = true;
   da.stream = s;
+  CK(cudaDeviceSynchronize());
+  g.transport()->barrier("bench: check");  // the ranks' host work above takes different times
   LlDispatchResult d = buf.ll_dispatch(da);
   TensorView v = buf.ll_next_combine_buffer(d.handle);
   for (int l = 0; l < L; ++l)
