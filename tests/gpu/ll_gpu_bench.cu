@@ -20,9 +20,11 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -66,12 +68,23 @@ constexpr int kGraphOps = 20;
 
 struct Options {
   int ranks = 2;
-  std::vector<int64_t> tokens = {1, 32, 128, 256, 512};
+  std::vector<int64_t> tokens = {128, 1, 32, 256, 512};
   int iters = 30;
   int warmup = 5;
   int graph_replays = 10;
   int sms = 0;
 };
+
+// Progress on stderr, both ranks, with the time since start: a stalled stage shows.
+void stage(const Group& g, const char* what, int64_t v = -1) {
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (v >= 0)
+    std::fprintf(stderr, "[bench +%.1f s] rank %d: %s %lld\n", s, g.rank(), what,
+                 static_cast<long long>(v));
+  else
+    std::fprintf(stderr, "[bench +%.1f s] rank %d: %s\n", s, g.rank(), what);
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -204,6 +217,7 @@ int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
     }
   }
   const std::vector<uint16_t> want_out = et::oracle_ll_combine(p, in, y, r);
+  stage(g, "check: oracle done");
   Tensor x = gpu_testing::to_device(in[r].x, DType::kBF16, {T, H}, r);
   Tensor topk = gpu_testing::to_device(in[r].topk_idx, DType::kI64, {T, kTopK}, r);
   Tensor w = gpu_testing::to_device(in[r].topk_weights, DType::kF32, {T, kTopK}, r);
@@ -229,6 +243,7 @@ int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
   ca.stream = s;
   LlCombineResult c = buf.ll_combine(ca);
   CK(cudaStreamSynchronize(s));
+  stage(g, "check: kernels done");
   std::string err;
   try {
     buf.check();
@@ -325,6 +340,7 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
     return ms * 1e3;
   };
   std::vector<LlDispatchResult> keep(n);
+  stage(g, "events, T", T);
   std::vector<double> td, tc, tb, tcopy, ts, tr, tcs, tcr;
   g.transport()->barrier("bench: ll");
   for (int i = 0; i < n; ++i) {  // dispatch, combine (zero_copy), back to back
@@ -407,6 +423,7 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
     cudaGraphDestroy(graph);
     return elapsed(0, 1) / (o.graph_replays * kGraphOps);
   };
+  stage(g, "graphs, T", T);
   LlDispatchResult gd;
   row.g_disp = graph_time([&] { gd = buf.ll_dispatch(da, alloc); });
   LlDispatchResult one = buf.ll_dispatch(da, alloc);
@@ -425,6 +442,7 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   });
   for (auto& e : ev) cudaEventDestroy(e);
 
+  stage(g, "baselines, T", T);
   // Baselines over the same NVLink bytes.
   const size_t total = (disp_bytes + comb_bytes + 15) / 16 * 16;
   int sms = 0;
@@ -436,25 +454,24 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   return row;
 }
 
-int run_rank(const Group& g, const Options& o) {
-  const int R = g.size(), r = g.rank();
-  cudaStream_t s = nullptr;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const int64_t max_t = std::max<int64_t>(*std::max_element(o.tokens.begin(), o.tokens.end()), 1);
-  BufferConfig config;
-  config.enable_ht = false;
-  config.enable_ll = true;
-  int failures = 0;
-  size_t std_bytes = 0;
-  {  // The standard workload's buffer (T_max = 128): memory and the check.
-    Buffer check_buf(g, MoeShape{kHidden, kTopK, kExperts, 128}, config);
-    std_bytes = check_buf.bytes_allocated();
-    failures += check_once(check_buf, g, s);
-  }
-  Buffer buf(g, MoeShape{kHidden, kTopK, kExperts, max_t}, config);
-  const int L = kExperts / R;
-  const int64_t RT = R * max_t;
-  // y for the zero-copy combines: both slots of the combine buffer; y_user for the copy path.
+void print_header() {
+  std::printf("%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
+              "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv", "g_disp",
+              "g_comb", "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl");
+}
+void print_row(const Row& w) {
+  std::printf(
+      "%5lld | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
+      "%6.1f | %6.2f %6.2f | %7.1f %7.1f\n",
+      static_cast<long long>(w.tokens), w.disp, w.comb, w.comb_copy, w.both, w.send, w.recv,
+      w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb, w.nvl_comb_mb,
+      w.ceiling, w.nccl);
+  std::fflush(stdout);
+}
+
+// Fills both zero-copy combine buffers of `buf` (through handles made for the purpose).
+void fill_combine_buffers(Buffer& buf, const Group& g, int64_t max_t) {
+  const int R = g.size(), r = g.rank(), L = kExperts / R;
   for (int q = 0; q < 2; ++q) {
     LlHandle h;
     h.slot = q;
@@ -462,13 +479,23 @@ int run_rank(const Group& g, const Options& o) {
     h.max_tokens = max_t;
     h.hidden = kHidden;
     h.num_experts = kExperts;
-    h.src_info = default_allocator()(DType::kI32, {L, RT}, Device::cuda(r));
+    h.src_info = default_allocator()(DType::kI32, {L, R * max_t}, Device::cuda(r));
     h.layout_range = default_allocator()(DType::kI64, {L, R}, Device::cuda(r));
     TensorView v = buf.ll_next_combine_buffer(h);
     fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(v.data), v.numel(), 99 + q + r);
   }
-  Tensor y_user = device_bf16({L, RT, kHidden}, 123 + r, r);
   CK(cudaDeviceSynchronize());
+}
+
+int run_rank(const Group& g, const Options& o) {
+  const int R = g.size(), r = g.rank(), L = kExperts / R;
+  cudaStream_t s = nullptr;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stage(g, "group ready");
+  const int64_t max_t = std::max<int64_t>(*std::max_element(o.tokens.begin(), o.tokens.end()), 1);
+  BufferConfig config;
+  config.enable_ht = false;
+  config.enable_ll = true;
   // Scratch for the baselines: the largest transfer (dispatch + combine bytes of every token).
   const size_t max_bytes = static_cast<size_t>(max_t) * (kHidden + 256 + kTopK * kHidden * 2) + 16;
   std::shared_ptr<detail::SymmetricMemory> scratch = g.transport()->allocate(max_bytes);
@@ -477,31 +504,49 @@ int run_rank(const Group& g, const Options& o) {
   CK(cudaMemset(src, 0x3c, max_bytes));
   CK(cudaMalloc(&nccl_send, max_bytes * R));
   CK(cudaMalloc(&nccl_recv, max_bytes * R));
+  int failures = 0;
+  size_t bytes[2] = {};
   std::vector<Row> rows;
-  for (int64_t T : o.tokens) {
-    rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
-    if (r == 0) std::fprintf(stderr, "  done T=%lld\n", static_cast<long long>(T));
-  }
   if (r == 0) {
     std::printf(
         "\nepx ll, cuda backend, EP%d, H=%lld K=%d E=%d, uniform routing, fp8 dispatch, "
-        "bf16 combine, rank 0's view\n",
+        "bf16 combine, rank 0's view (rows as measured)\n",
         R, static_cast<long long>(kHidden), kTopK, kExperts);
-    std::printf(
-        "symmetric bytes per rank: %.1f MB at T_max = 128 (SPEC: <= 1 GB; DeepEP 1.9 GB), "
-        "%.1f MB at T_max = %lld\n",
-        std_bytes / 1e6, buf.bytes_allocated() / 1e6, static_cast<long long>(max_t));
-    std::printf("check (T=128 vs oracle, bit for bit): %s\n", failures ? "FAILED" : "ok");
-    std::printf("%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
-                "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv", "g_disp",
-                "g_comb", "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl");
-    for (const Row& w : rows)
-      std::printf(
-          "%5lld | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
-          "%6.1f | %6.2f %6.2f | %7.1f %7.1f\n",
-          static_cast<long long>(w.tokens), w.disp, w.comb, w.comb_copy, w.both, w.send, w.recv,
-          w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb, w.nvl_comb_mb,
-          w.ceiling, w.nccl);
+    print_header();
+  }
+  // Buffer 0: T_max = 128 (the standard workload: memory, the check, T <= 128); buffer 1:
+  // T_max = max T, for the larger T.
+  for (int b = 0; b < 2; ++b) {
+    const int64_t cap = b == 0 ? 128 : max_t;
+    if (b == 1 && max_t <= 128) break;
+    stage(g, "creating a buffer with T_max", cap);
+    Buffer buf(g, MoeShape{kHidden, kTopK, kExperts, cap}, config);
+    bytes[b] = buf.bytes_allocated();
+    stage(g, "buffer ready, MB", static_cast<int64_t>(bytes[b] / 1000000));
+    if (b == 0) {
+      failures += check_once(buf, g, s);
+      stage(g, "check done, failures", failures);
+    }
+    fill_combine_buffers(buf, g, cap);
+    Tensor y_user = device_bf16({L, R * cap, kHidden}, 123 + r, r);
+    CK(cudaDeviceSynchronize());
+    for (int64_t T : o.tokens) {
+      if ((b == 0) != (T <= 128)) continue;
+      stage(g, "timing T", T);
+      rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
+      if (r == 0) print_row(rows.back());
+    }
+  }
+  if (r == 0) {
+    std::printf("\nsymmetric bytes per rank: %.1f MB at T_max = 128 (SPEC: <= 1 GB; DeepEP 1.9 GB)",
+                bytes[0] / 1e6);
+    if (bytes[1])
+      std::printf(", %.1f MB at T_max = %lld", bytes[1] / 1e6, static_cast<long long>(max_t));
+    std::printf("\ncheck (T=128 vs oracle, bit for bit): %s\n", failures ? "FAILED" : "ok");
+    std::sort(rows.begin(), rows.end(),
+              [](const Row& a, const Row& b) { return a.tokens < b.tokens; });
+    print_header();
+    for (const Row& w : rows) print_row(w);
     std::printf(
         "(us. disp/comb/c_copy/d+c: event medians per call (comb: zero_copy; c_copy: y a separate "
         "tensor); send/recv/csend/crecv: hook mode, the call and the hook; g_*: per call over "
