@@ -5,7 +5,8 @@ Every rank (one process; one GPU each over an NCCL group, or the cpu backend ove
     x [T, H] bf16 -> router: top-k of random logits, softmax over the k -> topk_idx, topk_weights
       -> epx.Dispatcher.dispatch (ht / ll / a2a rows, bf16 or quantised)
       -> this rank's experts: expert e(x) = silu(x @ W1_e) @ W2_e, float32 on the dequantised
-         rows (a loop over the local experts; ll: one batched matmul over [L, R*T_max, H])
+         rows, a loop over the local experts (ht/a2a: the rows that selected it; ll: its first
+         masked_m rows)
       -> epx.Dispatcher.combine -> out [T, H] bf16
 
 checked against a single-device dense reference out_ref[t] = sum_k w[t,k] * expert_{e_tk}(x[t])
@@ -119,10 +120,12 @@ def run_local_experts(out, quant, experts, rank, num_local, hidden):
     xd = dequant(out.x, out.x_scale, quant, hidden)
     first = rank * num_local
     if out.format == "ll":
-        # Grouped (batched) GEMM over [L, R*T_max, H]; rows past masked_m are never combined.
-        W1 = torch.stack(experts.W1[first:first + num_local])
-        W2 = torch.stack(experts.W2[first:first + num_local])
-        return torch.bmm(torch.nn.functional.silu(torch.bmm(xd, W1)), W2).to(torch.bfloat16)
+        # Expert-major rows: expert l's first masked_m[l] rows (the rest are never combined).
+        y = torch.zeros(xd.shape[0], xd.shape[1], hidden, device=xd.device)
+        for l, m in enumerate(out.masked_m.tolist()):
+            if m:
+                y[l, :m] = experts.ffn(xd[l, :m], first + l)
+        return y.to(torch.bfloat16)
     if out.format == "ht":  # local ids, weighted by the caller
         ids, w = out.topk_idx, out.topk_weights
         is_local = lambda l: ids == l  # noqa: E731

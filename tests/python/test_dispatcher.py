@@ -11,7 +11,12 @@ there is no GPU, and a combination the cuda Dispatcher raises Unsupported for sk
 message.
 """
 
+import functools
+import gc
 import random
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -191,6 +196,48 @@ def body_stage_machine(ctx, seed):
     with pytest.raises(epx.InvalidArgument, match="global_scale"):
         a2a.dispatch_a(x, idx, w)
 
+    # A hook that refers to its Dispatcher does not keep it alive (C++ holds a weak reference).
+    d2 = _dispatcher(ctx, mode="normal")
+    d2.register_hook(functools.partial(getattr, d2, "stage"))  # holds d2 strongly
+    alive = weakref.ref(d2)
+    del d2
+    gc.collect()
+    assert alive() is None
+
+
+def body_gil(ctx, seed):
+    """While rank 0 waits in dispatch for a late rank 1, another Python thread of rank 0 keeps
+    running (the call does not hold the GIL); a Python hook runs inside it (taking the GIL) and
+    may use torch."""
+    R, r = ctx.world_size, ctx.rank
+    inputs = _inputs(seed, R, lambda s: 4)
+    x, idx, w = _to(inputs[r], ctx.device)
+    d = _dispatcher(ctx, mode="normal")
+    seen = []
+    d.register_hook(lambda: seen.append(float(torch.ones(3).sum())))
+    if r == 1:
+        time.sleep(0.5)
+        out = d.dispatch(x, idx, w)
+    else:
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+
+        t = threading.Thread(target=spin)
+        t.start()
+        try:
+            out = d.dispatch(x, idx, w)
+        finally:
+            stop.set()
+            t.join()
+        assert ticks[0] > 50, f"the other thread ran only {ticks[0]} times during a 0.5 s wait"
+    assert seen == [3.0]
+    d.combine(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16, device=ctx.device))
+
 
 # ---- auto: format per call, hooks between the stages, expert load ------------------------------
 
@@ -346,7 +393,6 @@ def body_ll(ctx, seed, quant, return_recv_hook, check_load=True):
 
 def body_a2a(ctx, seed, quant, output_view, check_load=True):
     R, r = ctx.world_size, ctx.rank
-    L = E // R
     inputs = _inputs(seed, R, lambda s: T_MAX - 4 * (s % 2))
     d = _dispatcher(ctx, backend="a2a", mode="normal", quant=quant)
     x, idx, w = _to(inputs[r], ctx.device)
@@ -490,6 +536,10 @@ def _run(pool, body, *args):
 
 def test_stage_machine_and_errors(pool):
     _run(pool, body_stage_machine)
+
+
+def test_gil_released_and_hooks_take_it(pool2):
+    _run(pool2, body_gil)
 
 
 @pytest.mark.parametrize("quant", ("bf16", "fp8"))
