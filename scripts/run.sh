@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: installs what it needs, builds, runs the end-to-end demo, then epx-bench with
-# --check — on the GPUs it finds (cuda backend, SPEC 6 standard workloads), or on the cpu backend
-# with 4 ranks where there are none.
+# The main job: installs what it needs, builds, runs the end-to-end MoE demo (demo/epx_demo.py on
+# GPUs; demo/epx_demo.cc and demo/epx_demo.py on the cpu backend), then epx-bench with --check --
+# on the GPUs it finds (cuda backend, SPEC 6 standard workloads), or on the cpu backend with 4
+# ranks where there are none.
 # Usage: bash scripts/run.sh     (build dir: build/, override with EPX_BUILD_DIR;
 #                                 extra epx-bench flags: EPX_BENCH_ARGS="--iters 20")
 set -euo pipefail
@@ -23,14 +24,39 @@ have_gpus() {
 }
 
 # =================================================================================================
-# End-to-end demo: an EP MoE layer through the Dispatcher, checked against a dense reference.
-# (Its GPU version is a later issue; until then it runs on the cpu backend everywhere.)
+# End-to-end demo: an EP MoE layer through the Dispatcher, checked against a dense reference, per
+# mode (ht, ll, auto, a2a) and quantisation, timed (layer next to dispatch + combine).
+# GPUs: the Python demo (PyTorch experts, one process per GPU over NCCL). No GPUs: the C++ demo
+# (cpu backend, 4 ranks) and, when the Python package built, the Python demo on 4 gloo ranks.
 # =================================================================================================
-echo "== end-to-end demo =="
-if [ -x "$DEMO" ]; then
-  "$DEMO" --ranks 4 || { echo "== demo: FAILED =="; status=1; }
+python_demo_ready() {
+  epx_python_ready && compgen -G "python/epx/_epx*.so" >/dev/null
+}
+run_python_demo() {
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" demo/epx_demo.py "$@" ||
+    { echo "== python demo: FAILED =="; status=1; }
+}
+if have_gpus; then
+  echo "== end-to-end demo (Python, cuda backend, $(nvidia-smi -L | wc -l) GPUs) =="
+  if python_demo_ready; then
+    run_python_demo
+  else
+    echo "== python demo: FAILED (the epx Python package did not build for $EPX_PYTHON) =="
+    status=1
+  fi
 else
-  echo "== demo: SKIPPED (epx-demo is not built in this tree yet) =="
+  echo "== end-to-end demo (C++, cpu backend) =="
+  if [ -x "$DEMO" ]; then
+    "$DEMO" --ranks 4 || { echo "== demo: FAILED =="; status=1; }
+  else
+    echo "== demo: SKIPPED (epx-demo is not built in this tree yet) =="
+  fi
+  if python_demo_ready; then
+    echo "== end-to-end demo (Python, cpu backend) =="
+    run_python_demo --cpu --ranks 4
+  else
+    echo "== python demo: SKIPPED (no torch/pybind11 for $EPX_PYTHON, or epx._epx not built) =="
+  fi
 fi
 
 # =================================================================================================

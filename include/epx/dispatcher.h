@@ -53,6 +53,8 @@ struct DispatcherConfig {
   int64_t num_worst_tokens = 0;
   // ll: dispatch_a only sends; dispatch_b (after the hooks) receives.
   bool return_recv_hook = true;
+  // Allocates the outputs (empty: default_allocator()); the Python package passes PyTorch's.
+  Allocator allocator;
 };
 
 struct DispatchOutput {

@@ -5,6 +5,9 @@
     buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
                      enable_ll=True)
     r = buf.ll_dispatch(x, topk_idx)                     # SPEC 3.4
+    d = epx.Dispatcher(group, num_experts=E, hidden=H, top_k=K, max_tokens_per_rank=T_max,
+                       mode="auto", quant="fp8")          # SPEC 3.7, the MoE layer's dispatcher
+    out = d.dispatch(x, topk_idx, topk_weights, forward_mode="decode")
 
 Drop-in compatibility layers: ``epx.compat.deep_ep`` (DeepEP's Buffer) and
 ``epx.compat.flashinfer`` (FlashInfer's MoeAlltoAll).
@@ -21,6 +24,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 from . import _torch  # noqa: E402  (registers torch with the C++ extension)
 from .buffer import (A2a, A2aDispatchResult, Buffer, HtCombineResult, HtDispatchResult,
                      HtHandle, HtLayout, LlCombineResult, LlDispatchResult, LlHandle)
+from .dispatcher import DispatchOutput, Dispatcher
 from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError,
                      OutOfCapacity, Timeout, Unsupported)
 from .group import Group
@@ -35,8 +39,8 @@ has_fp8_dtype = _torch.HAS_FP8
 fp8_dtype = _torch.FP8_DTYPE
 
 __all__ = [
-    "A2a", "A2aDispatchResult", "Buffer", "CudaError", "EpxError", "Group", "HtCombineResult",
-    "HtDispatchResult", "HtHandle", "HtLayout", "InternalError", "InvalidArgument",
-    "LlCombineResult", "LlDispatchResult", "LlHandle", "NcclError", "OutOfCapacity", "Timeout",
-    "Unsupported", "built_with_cuda", "fp8_dtype", "has_fp8_dtype",
+    "A2a", "A2aDispatchResult", "Buffer", "CudaError", "DispatchOutput", "Dispatcher", "EpxError",
+    "Group", "HtCombineResult", "HtDispatchResult", "HtHandle", "HtLayout", "InternalError",
+    "InvalidArgument", "LlCombineResult", "LlDispatchResult", "LlHandle", "NcclError",
+    "OutOfCapacity", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype", "has_fp8_dtype",
 ]

@@ -16,6 +16,7 @@
 namespace epx::python {
 void bind_buffer(py::module_& m);
 void bind_a2a(py::module_& m);
+void bind_dispatcher(py::module_& m);
 void bind_timing(py::module_& m);
 }  // namespace epx::python
 
@@ -147,5 +148,6 @@ PYBIND11_MODULE(_epx, m) {
 
   bind_buffer(m);
   bind_a2a(m);
+  bind_dispatcher(m);
   bind_timing(m);
 }

@@ -180,13 +180,17 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   detail::check_shape(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {x.shape[0], c.top_k});
   EPX_CHECK_ARG(c.quant != DispatchQuant::kNvfp4 || global_scale.has_value(),
                 "Dispatcher::dispatch_a: argument 'global_scale' is required with quant nvfp4");
-  const Allocator alloc = default_allocator();
+  const Allocator alloc = s.config.allocator ? s.config.allocator : default_allocator();
   s.num_tokens = x.shape[0];
   s.topk_idx = topk_idx;
   s.topk_weights = topk_weights;
   s.keep_alive.clear();
 
   if (c.backend == DispatcherBackend::kA2a) {
+    // The expert-id copy below and the load recording in dispatch_b read host memory.
+    EPX_CHECK(x.device.type == DeviceType::kCpu, ErrorCode::kUnsupported,
+              "Dispatcher::dispatch_a: backend a2a with ", x.device.str(),
+              " tensors is not implemented yet (cpu tensors only)");
     s.format = OutputFormat::kA2a;
     // Payloads: [x (or quantised values), (scales), expert ids int32, weights f32].
     std::vector<TensorView> payloads;
@@ -327,7 +331,7 @@ DispatchOutput Dispatcher::dispatch_b() {
 void Dispatcher::combine_a(const CombineInput& input) {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchB, "combine_a");
-  const Allocator alloc = default_allocator();
+  const Allocator alloc = s.config.allocator ? s.config.allocator : default_allocator();
   if (s.format == OutputFormat::kHt) {
     HtCombineArgs args;
     args.y = input.y;
