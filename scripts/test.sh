@@ -12,6 +12,16 @@ echo "== GoogleTest (ctest) =="
 # Timing assertions (the *Perf* tests) run alone, after everything else.
 (cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf' &&
   ctest --output-on-failure -R 'Perf')
+# Without a GPU, say why the GPU GoogleTests were skipped (ctest only prints "Skipped").
+if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
+    [ -x "$t" ] || continue
+    out=$("$t" 2>&1 || true)
+    skipped=$(grep -c '^\[  SKIPPED \]' <<<"$out" || true)
+    reason=$(grep -A1 -m1 ': Skipped$' <<<"$out" | tail -n 1 || true)
+    echo "== GPU tier $(basename "$t"): ${skipped:-0} tests skipped: ${reason:-none} =="
+  done
+fi
 if [ -d tests/python ] && epx_python_ready; then
   echo "== pytest =="
   PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python
