@@ -390,6 +390,38 @@ TEST(A2aRandom, EnginePayloadsEveryRouting) {
 
 // One object, many cycles: T, M, routing, combine dtype and the copy/in-workspace path change
 // every time.
+// Large batches: T from 0 to 640 per rank (the random cases above stay smaller to bound memory),
+// every routing, small payload rows so the receive region stays modest.
+TEST(A2aRandom, LargeBatchesUpTo640Tokens) {
+  std::mt19937_64 rng(515);
+  int c = 0;
+  for (int R : {1, 2, 4}) {
+    for (Routing routing : testing::all_routings()) {
+      A2aProblem config;
+      config.num_ranks = R;
+      config.top_k = 8;
+      config.num_experts = 32 * R;
+      config.payloads = {{DType::kBF16, {128}},
+                         {DType::kI32, {8}, Fill::kExpertIds},
+                         {DType::kF32, {8}, Fill::kWeights}};
+      for (const auto& ps : config.payloads) config.payload_bytes_per_token.push_back(ps.row_bytes());
+      config.expert_id_payload_index = 1;
+      config.invalid_expert_id = -1;
+      config.hidden = 128;
+      config.combine_dtype = DType::kBF16;
+      config.combine_bytes_per_token = 256;
+      config.max_tokens_per_rank = 640;
+      A2aProblem p = next_cycle(config, rng, routing);
+      p.num_tokens.assign(R, 0);
+      for (int r = 0; r < R; ++r) p.num_tokens[r] = r == 0 ? 640 : (r == 1 ? 0 : 512 + 31 * r);
+      p.runtime_max = 640;
+      testing::fill_a2a_inputs(p, std::vector<Routing>(R, routing), rng);
+      run_on_threads({p}, {random_options(rng)}, "large case " + std::to_string(c++));
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST(A2aRepeated, ManyCyclesOnTheSameObject) {
   std::mt19937_64 rng(99);
   for (int R : {3, 4}) {
