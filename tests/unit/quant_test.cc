@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -275,6 +276,36 @@ TEST(DispatcherA2aCpu, ReceivedRowsAreTheSourcesQuantisedRows) {
     });
   }
 }
+
+#ifndef EPX_WITH_CUDA
+// Without CUDA the cuda entry points are stubs: cuda tensors raise Unsupported, naming the op.
+TEST(QuantNoCuda, CudaTensorsAreUnsupported) {
+  const Allocator no_memory = [](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    Tensor t;
+    static_cast<TensorView&>(t) = TensorView::contiguous(nullptr, dtype, shape, device);
+    return t;
+  };
+  static uint64_t never_read[64];  // the stubs throw before any access
+  const TensorView x = TensorView::contiguous(never_read, DType::kBF16, {2, 128}, Device::cuda(0));
+  const TensorView ids = TensorView::contiguous(never_read, DType::kI64, {2, 4}, Device::cuda(0));
+  const TensorView counts = TensorView::contiguous(never_read, DType::kI32, {3}, Device::cuda(0));
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"quantize_fp8", [&] { detail::quantize_fp8(x, true, no_memory); }},
+      {"quantize_nvfp4", [&] { detail::quantize_nvfp4(x, 1.0f, no_memory); }},
+      {"narrow_topk_idx", [&] { detail::narrow_topk_idx(ids, no_memory); }},
+      {"without CUDA", [&] { detail::ExpertLoad(3).add_counts(counts, nullptr); }},
+  };
+  for (const auto& [op, call] : calls) {
+    try {
+      call();
+      ADD_FAILURE() << op << ": no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(op), std::string::npos) << e.what();
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace epx
