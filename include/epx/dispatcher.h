@@ -13,6 +13,9 @@
 // A stage called out of order raises InvalidArgument naming the stage that was expected.
 // dispatch() and combine() are dispatch_a + dispatch_b and combine_a + combine_b.
 // All calls are collective over the group (every rank calls the same sequence).
+// Streams: the Dispatcher takes none. On cuda tensors every operation it issues (quantisation,
+// the mode kernels, expert-load recording) is queued on the legacy default stream (cudaStream_t
+// nullptr); callers order their own work against that stream. Host waits are named per method.
 #pragma once
 
 #include <cstdint>
@@ -111,6 +114,9 @@ class Dispatcher {
 
   // Expert-load recording: received (token, local expert) selections per local expert,
   // accumulated over dispatches since the last reset. [L] int64 copy. Local.
+  // On cuda the counts accumulate on the device; expert_load() copies them to the host and so
+  // synchronises the legacy default stream (waits for the dispatches queued before it).
+  // reset_expert_load() is queued on that stream (no host wait).
   std::vector<int64_t> expert_load() const;
   void reset_expert_load();
 

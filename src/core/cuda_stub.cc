@@ -45,3 +45,40 @@ size_t cuda_ll_bytes(const MoeShape&, int) { throw_error(ErrorCode::kUnsupported
 size_t cuda_a2a_bytes(const A2aShape&, int) { throw_error(ErrorCode::kUnsupported, cat("workspace_bytes(cuda): ", kNoCuda)); }
 
 }  // namespace epx::detail
+
+#include "core/quant_cuda.h"
+
+namespace epx::detail {
+
+[[noreturn]] static void no_cuda_kernels(const char* op) {
+  throw_error(ErrorCode::kUnsupported, cat(op, " of cuda tensors: ", kNoCuda));
+}
+
+void cuda_quantize_fp8(const TensorView&, bool, const TensorView&, const TensorView&, int64_t,
+                       Stream) {
+  no_cuda_kernels("quantize_fp8");
+}
+void cuda_quantize_nvfp4(const TensorView&, float, const TensorView&, const TensorView&, Stream) {
+  no_cuda_kernels("quantize_nvfp4");
+}
+void cuda_narrow_topk_idx(const TensorView&, const TensorView&, Stream) {
+  no_cuda_kernels("narrow_topk_idx");
+}
+void cuda_expert_load_add_local_ids(const TensorView&, const TensorView&, Stream) {
+  no_cuda_kernels("expert load recording");
+}
+void cuda_expert_load_add_global_ids(const TensorView&, const TensorView&, int, const TensorView&,
+                                     Stream) {
+  no_cuda_kernels("expert load recording");
+}
+void cuda_expert_load_add_counts(const TensorView&, const TensorView&, Stream) {
+  no_cuda_kernels("expert load recording");
+}
+void cuda_expert_load_zero(const TensorView&, Stream) {
+  no_cuda_kernels("expert load reset");
+}
+std::vector<int64_t> cuda_expert_load_read(const TensorView&, Stream) {
+  no_cuda_kernels("expert load read");
+}
+
+}  // namespace epx::detail

@@ -1,10 +1,20 @@
-// Host implementations of dispatch quantisation (formats in quant.h).
+// src/core/quant.cc — dispatch quantisation and topk-id narrowing (formats in quant.h): output
+// allocation and validation for both devices, the host loops for cpu tensors, and the hand-off
+// to the kernels of src/cuda/quant.cu (core/quant_cuda.h) for cuda tensors.
+//
+//   quantize_fp8    x [T, H] bf16 -> values fp8 [T, H], scales f32 [T, H/128] row-major, or
+//                   UE8M0 int32 words: column-major storage [ceil(H/512), align4(T)] (view
+//                   [T, words], strides {1, align4(T)}) or row-major [T, words]; every storage
+//                   byte is written (padding 0)
+//   quantize_nvfp4  x [T, H] bf16 -> values u8 [T, H/2], scales u8 [T, H/16]
+//   narrow_topk_idx topk_idx [T, K] int64/int32 -> int32 [T, K] contiguous
 #include "core/quant.h"
 
 #include <cstring>
 #include <vector>
 
 #include "core/check.h"
+#include "core/quant_cuda.h"
 
 namespace epx::detail {
 
@@ -15,28 +25,39 @@ static void check_quant_input(const TensorView& x, int64_t multiple, const char*
   check_inner_contiguous(x, op, "x");
   EPX_CHECK_ARG(x.shape[1] % multiple == 0, op, ": argument 'x' has hidden size ", x.shape[1],
                 ", expected a multiple of ", multiple);
-  EPX_CHECK(x.device.type == DeviceType::kCpu, ErrorCode::kUnsupported, op,
-            ": quantisation of ", x.device.str(),
-            " tensors is not implemented yet (cpu tensors only)");
 }
 
 static int64_t align4(int64_t n) { return (n + 3) / 4 * 4; }
 
-QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc) {
+QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc, Stream stream,
+                             Ue8m0Layout ue8m0_layout) {
   check_quant_input(x, kQuantGroup, "quantize_fp8");
   const int64_t T = x.shape[0], H = x.shape[1], G = H / kQuantGroup;
+  const bool rows = ue8m0_layout == Ue8m0Layout::kRowMajor;
   QuantizedTensor out;
   out.values = alloc(DType::kF8E4M3, {T, H}, x.device);
-  std::vector<float> scales(static_cast<size_t>(G));
+  int64_t num_scale_tokens = T;  // token columns of the UE8M0 storage (padding included)
   if (!ue8m0) {
     out.scales = alloc(DType::kF32, {T, G}, x.device);
+  } else if (rows) {
+    out.scales = alloc(DType::kI32, {T, (G + 3) / 4}, x.device);
   } else {
     const int64_t words = (G + 3) / 4, padded = align4(T);
     out.scales = alloc(DType::kI32, {words, padded}, x.device);
-    std::memset(out.scales.data, 0, out.scales.nbytes());
     out.scales.shape = {T, words};
     out.scales.strides = {1, padded};
+    num_scale_tokens = padded;
   }
+  if (x.device.type == DeviceType::kCuda) {
+    cuda_quantize_fp8(x, ue8m0, out.values, out.scales, num_scale_tokens, stream);
+    return out;
+  }
+  if (ue8m0) {
+    // Every storage byte is defined: padding tokens and unused group bytes are 0.
+    const size_t storage_bytes = static_cast<size_t>((G + 3) / 4 * num_scale_tokens) * 4;
+    if (storage_bytes > 0) std::memset(out.scales.data, 0, storage_bytes);
+  }
+  std::vector<float> scales(static_cast<size_t>(G));
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* row = x.ptr<uint16_t>() + t * x.strides[0];
     quantize_row_fp8(row, H, /*round_scale=*/ue8m0,
@@ -45,8 +66,9 @@ QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& a
       std::memcpy(out.scales.ptr<float>() + t * G, scales.data(), G * sizeof(float));
     } else {
       for (int64_t g = 0; g < G; ++g) {
-        uint8_t* word = reinterpret_cast<uint8_t*>(out.scales.ptr<int32_t>() +
-                                                   (g / 4) * out.scales.strides[1] + t);
+        uint8_t* word =
+            reinterpret_cast<uint8_t*>(out.scales.ptr<int32_t>() + t * out.scales.strides[0] +
+                                       (g / 4) * out.scales.strides[1]);
         word[g % 4] = ue8m0_of_scale(scales[g]);
       }
     }
@@ -54,7 +76,8 @@ QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& a
   return out;
 }
 
-QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc) {
+QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc,
+                               Stream stream) {
   check_quant_input(x, kNvfp4Block, "quantize_nvfp4");
   EPX_CHECK_ARG(global_scale > 0.0f && global_scale < 3.0e38f,
                 "quantize_nvfp4: argument 'global_scale' is ", global_scale,
@@ -63,11 +86,36 @@ QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Al
   QuantizedTensor out;
   out.values = alloc(DType::kU8, {T, H / 2}, x.device);
   out.scales = alloc(DType::kU8, {T, H / kNvfp4Block}, x.device);
+  if (x.device.type == DeviceType::kCuda) {
+    cuda_quantize_nvfp4(x, global_scale, out.values, out.scales, stream);
+    return out;
+  }
   for (int64_t t = 0; t < T; ++t) {
     quantize_row_nvfp4(x.ptr<uint16_t>() + t * x.strides[0], H, global_scale,
                        out.values.ptr<uint8_t>() + t * (H / 2),
                        out.scales.ptr<uint8_t>() + t * (H / kNvfp4Block));
   }
+  return out;
+}
+
+Tensor narrow_topk_idx(const TensorView& topk_idx, const Allocator& alloc, Stream stream) {
+  const char* op = "narrow_topk_idx";
+  check_defined(topk_idx, op, "topk_idx");
+  check_dtype(topk_idx, op, "topk_idx", {DType::kI64, DType::kI32});
+  check_shape(topk_idx, op, "topk_idx", {-1, -1});
+  const int64_t T = topk_idx.shape[0], K = topk_idx.shape[1];
+  Tensor out = alloc(DType::kI32, {T, K}, topk_idx.device);
+  if (topk_idx.device.type == DeviceType::kCuda) {
+    cuda_narrow_topk_idx(topk_idx, out, stream);
+    return out;
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t off = t * topk_idx.strides[0] + k * topk_idx.strides[1];
+      out.ptr<int32_t>()[t * K + k] =
+          narrow_expert_id(topk_idx.dtype == DType::kI64 ? topk_idx.ptr<int64_t>()[off]
+                                                         : topk_idx.ptr<int32_t>()[off]);
+    }
   return out;
 }
 

@@ -14,9 +14,14 @@
 //   dequant: x_i ~= e2m1_value(q_i) * f32(sf) / g
 //   Values packed two per byte, element 2j in the low nibble. Output: values u8 [T, H/2],
 //   scales u8 [T, H/16] (row-major).
+//
+// Devices: cpu tensors are quantised on the calling thread (quant.cc); cuda tensors by the
+// kernels of src/cuda/quant.cu on the given stream (asynchronous; Unsupported in a build without
+// CUDA). Both use the EPX_HD functions here and in numeric.h, so their bytes are identical.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "core/numeric.h"
 #include "epx/tensor.h"
@@ -72,14 +77,32 @@ inline void quantize_row_nvfp4(const uint16_t* x, int64_t hidden, float global_s
   }
 }
 
+// An expert id narrowed to int32 (the a2a routing input): ids outside int32 become INT32_MIN,
+// which is < -1 and so reported as an out-of-range id instead of aliasing a valid expert.
+EPX_HD int32_t narrow_expert_id(int64_t id) {
+  return (id < INT32_MIN || id > INT32_MAX) ? INT32_MIN : static_cast<int32_t>(id);
+}
+
 struct QuantizedTensor {
   Tensor values;  // fp8 [T, H] or u8 [T, H/2]
   Tensor scales;  // see the layouts above
 };
 
-// x [T, H] bf16 (innermost stride 1). cpu tensors are quantised here; cuda tensors by
-// src/cuda's kernel (Unsupported in a build without it).
-QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc);
-QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc);
+// Where UE8M0 scale words go: the column-major, TMA-aligned layout above (what grouped-GEMM
+// kernels read), or plain row-major int32 [T, ceil(H/512)] (one contiguous row per token, what
+// a per-token payload moves).
+enum class Ue8m0Layout { kColumnMajor, kRowMajor };
+
+// x [T, H] bf16 (innermost stride 1). Outputs come from `alloc` on x's device. `stream` is used
+// for cuda tensors only (the kernels are queued on it; no host synchronisation).
+QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc,
+                             Stream stream = nullptr,
+                             Ue8m0Layout ue8m0_layout = Ue8m0Layout::kColumnMajor);
+QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc,
+                               Stream stream = nullptr);
+
+// topk_idx [T, K] int64 or int32 (any strides) -> contiguous int32 [T, K] on the same device,
+// each id through narrow_expert_id.
+Tensor narrow_topk_idx(const TensorView& topk_idx, const Allocator& alloc, Stream stream = nullptr);
 
 }  // namespace epx::detail

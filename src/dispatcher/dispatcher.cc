@@ -10,12 +10,21 @@
 //   combine_a:  start the combine (ll with the hook: send only).
 //   combine_b:  finish it and return out [T, H] bf16.
 // Expert load counts, per local expert, the received tokens that selected it (a token that
-// selected the same local expert twice counts once).
+// selected the same local expert twice counts once): core/expert_load.h, on the host for cpu
+// tensors, on the device for cuda tensors.
+//
+// Devices and streams: the same code runs on cpu and cuda tensors; quantisation, the a2a id
+// narrowing and the load recording go through core/quant.h and core/expert_load.h, which run
+// cuda tensors through src/cuda/quant.cu. The Dispatcher takes no stream: every cuda operation
+// it issues (its own kernels and the mode operations) is queued on the legacy default stream
+// (kStream = nullptr), so they are ordered with each other and with the caller's default-stream
+// work. Host waits: ht exact mode (learning N, inside Buffer::ht_dispatch) and expert_load().
 #include "epx/dispatcher.h"
 
 #include <cstring>
 
 #include "core/check.h"
+#include "core/expert_load.h"
 #include "core/quant.h"
 
 namespace epx {
@@ -62,17 +71,8 @@ const char* stage_str(Stage s) {
   return "?";
 }
 
-// Distinct local experts of one row of local ids (-1 = none) into `load`.
-template <typename Idx>
-void count_row(const Idx* row, int K, int L, std::vector<int64_t>& load) {
-  for (int k = 0; k < K; ++k) {
-    const int64_t l = row[k];
-    if (l < 0 || l >= L) continue;
-    bool seen = false;
-    for (int j = 0; j < k && !seen; ++j) seen = row[j] == row[k];
-    if (!seen) ++load[l];
-  }
-}
+// Every cuda operation of the Dispatcher runs on the legacy default stream (see the top).
+constexpr Stream kStream = nullptr;
 
 }  // namespace
 
@@ -84,7 +84,7 @@ struct Dispatcher::State {
   std::unique_ptr<Buffer> buffer;  // backend kDeepEp
   std::unique_ptr<A2a> a2a;        // backend kA2a
   std::vector<std::function<void()>> hooks;
-  std::vector<int64_t> load;
+  std::unique_ptr<detail::ExpertLoad> load;
   Stage stage = Stage::kInitial;
   OutputFormat format = OutputFormat::kHt;
   bool last_was_ht = false;
@@ -123,7 +123,7 @@ Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
                 c.max_tokens_per_rank, ", expected >= 1");
   s_->num_ranks = R;
   s_->num_local_experts = c.num_experts / R;
-  s_->load.assign(s_->num_local_experts, 0);
+  s_->load = std::make_unique<detail::ExpertLoad>(s_->num_local_experts);
   if (c.backend == DispatcherBackend::kDeepEp) {
     EPX_CHECK(c.quant != DispatchQuant::kNvfp4, ErrorCode::kUnsupported,
               "Dispatcher: 'quant' nvfp4 needs backend a2a (ht and ll move bf16 or fp8)");
@@ -162,8 +162,12 @@ Dispatcher& Dispatcher::operator=(Dispatcher&&) noexcept = default;
 
 void Dispatcher::register_hook(std::function<void()> hook) { s_->hooks.push_back(std::move(hook)); }
 void Dispatcher::clear_hooks() { s_->hooks.clear(); }
-std::vector<int64_t> Dispatcher::expert_load() const { return s_->load; }
-void Dispatcher::reset_expert_load() { std::fill(s_->load.begin(), s_->load.end(), 0); }
+std::vector<int64_t> Dispatcher::expert_load() const {
+  return s_->load->read(kStream);
+}
+void Dispatcher::reset_expert_load() {
+  s_->load->reset(kStream);
+}
 OutputFormat Dispatcher::last_format() const { return s_->format; }
 const char* Dispatcher::stage_name() const { return stage_str(s_->stage); }
 
@@ -187,44 +191,29 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   s.keep_alive.clear();
 
   if (c.backend == DispatcherBackend::kA2a) {
-    // The expert-id copy below and the load recording in dispatch_b read host memory.
-    EPX_CHECK(x.device.type == DeviceType::kCpu, ErrorCode::kUnsupported,
-              "Dispatcher::dispatch_a: backend a2a with ", x.device.str(),
-              " tensors is not implemented yet (cpu tensors only)");
+    // topk_idx is read (narrowed) here, before the a2a validation sees it.
+    detail::check_defined(topk_idx, "Dispatcher::dispatch_a", "topk_idx");
+    detail::check_shape(topk_idx, "Dispatcher::dispatch_a", "topk_idx", {x.shape[0], c.top_k});
+    detail::check_device(topk_idx, "Dispatcher::dispatch_a", "topk_idx", x.device);
     s.format = OutputFormat::kA2a;
     // Payloads: [x (or quantised values), (scales), expert ids int32, weights f32].
     std::vector<TensorView> payloads;
     if (c.quant == DispatchQuant::kBf16) {
       payloads.push_back(x);
     } else {
+      // The payload moves contiguous per-token rows, so UE8M0 words are written row-major.
       detail::QuantizedTensor q =
           c.quant == DispatchQuant::kNvfp4
-              ? detail::quantize_nvfp4(x, *global_scale, alloc)
-              : detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc);
-      if (c.quant == DispatchQuant::kFp8Ue8m0) {
-        // The payload moves contiguous per-token rows; re-pack the column-major scales.
-        Tensor rows = alloc(DType::kI32, {q.scales.shape[0], q.scales.shape[1]}, x.device);
-        for (int64_t t = 0; t < rows.shape[0]; ++t)
-          for (int64_t w = 0; w < rows.shape[1]; ++w)
-            rows.ptr<int32_t>()[t * rows.shape[1] + w] =
-                q.scales.ptr<int32_t>()[t * q.scales.strides[0] + w * q.scales.strides[1]];
-        q.scales = rows;
-      }
+              ? detail::quantize_nvfp4(x, *global_scale, alloc, kStream)
+              : detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc, kStream,
+                                     detail::Ue8m0Layout::kRowMajor);
       s.keep_alive.push_back(q.values);
       s.keep_alive.push_back(q.scales);
       payloads.push_back(q.values);
       payloads.push_back(q.scales);
     }
-    // Expert ids travel as int32 (the a2a routing input too).
-    Tensor ids = alloc(DType::kI32, {s.num_tokens, c.top_k}, x.device);
-    detail::check_dtype(topk_idx, "Dispatcher::dispatch_a", "topk_idx", {DType::kI64, DType::kI32});
-    for (int64_t t = 0; t < s.num_tokens; ++t)
-      for (int k = 0; k < c.top_k; ++k) {
-        const int64_t off = t * topk_idx.strides[0] + k;
-        ids.ptr<int32_t>()[t * c.top_k + k] = static_cast<int32_t>(
-            topk_idx.dtype == DType::kI64 ? topk_idx.ptr<int64_t>()[off]
-                                          : topk_idx.ptr<int32_t>()[off]);
-      }
+    // Expert ids travel as int32 (the a2a routing input too), narrowed on x's device.
+    Tensor ids = detail::narrow_topk_idx(topk_idx, alloc, kStream);
     s.keep_alive.push_back(ids);
     payloads.push_back(ids);
     payloads.push_back(topk_weights);
@@ -234,6 +223,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
     args.runtime_max_tokens_per_rank = c.max_tokens_per_rank;
     args.invalid_expert_id = -1;
     args.expert_id_payload_index = static_cast<int>(payloads.size()) - 2;
+    args.stream = kStream;
     s.a2a_recv = s.a2a->dispatch(args);
   } else {
     const bool use_ll = c.mode == DispatchMode::kLowLatency ||
@@ -249,6 +239,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       args.round_scale = c.quant == DispatchQuant::kFp8Ue8m0;
       args.use_ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
       args.return_recv_hook = c.return_recv_hook;
+      args.stream = kStream;
       s.ll = s.buffer->ll_dispatch(args, alloc);
     } else {
       s.format = OutputFormat::kHt;
@@ -257,12 +248,13 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       args.topk_idx = topk_idx;
       args.topk_weights = topk_weights;
       args.num_worst_tokens = c.num_worst_tokens;
+      args.stream = kStream;
       if (c.quant == DispatchQuant::kBf16) {
         args.x = x;
         s.ht = s.buffer->ht_dispatch(args, alloc);
       } else {
         detail::QuantizedTensor q =
-            detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc);
+            detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc, kStream);
         args.x = q.values;
         args.x_scales = q.scales;
         s.ht = s.buffer->ht_dispatch(args, alloc);
@@ -277,7 +269,7 @@ DispatchOutput Dispatcher::dispatch_b() {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchA, "dispatch_b");
   const DispatcherConfig& c = s.config;
-  const int L = s.num_local_experts, R = s.num_ranks, K = c.top_k;
+  const int R = s.num_ranks, K = c.top_k;
   DispatchOutput out;
   out.format = s.format;
   if (s.format == OutputFormat::kHt) {
@@ -286,13 +278,7 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.topk_idx = s.ht.recv_topk_idx;
     out.topk_weights = s.ht.recv_topk_weights;
     out.num_recv_tokens_per_expert = s.ht.num_recv_tokens_per_expert;
-    const Tensor& idx = s.ht.recv_topk_idx;
-    if (idx.device.type == DeviceType::kCpu) {
-      for (int64_t row = 0; row < idx.shape[0]; ++row) {
-        if (idx.dtype == DType::kI64) count_row(idx.ptr<int64_t>() + row * K, K, L, s.load);
-        else count_row(idx.ptr<int32_t>() + row * K, K, L, s.load);
-      }
-    }
+    s.load->add_local_ids(s.ht.recv_topk_idx, kStream);
   } else if (s.format == OutputFormat::kLl) {
     if (s.ll.hook) s.ll.hook();
     out.x = s.ll.recv_x;
@@ -301,8 +287,7 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.topk_idx = Tensor{s.topk_idx, nullptr};  // ll experts see the original routing
     out.topk_weights = Tensor{s.topk_weights, nullptr};
     out.expected_m = (s.num_tokens * R * K + c.num_experts) / c.num_experts;
-    if (s.ll.recv_count.device.type == DeviceType::kCpu)
-      for (int l = 0; l < L; ++l) s.load[l] += s.ll.recv_count.ptr<int32_t>()[l];
+    s.load->add_counts(s.ll.recv_count, kStream);
   } else {
     const auto& recv = s.a2a_recv.recv;
     const size_t n = recv.size();
@@ -312,17 +297,7 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.topk_weights = Tensor{recv[n - 1], nullptr};
     out.moe_output_view =
         s.a2a->combine_payload_view(c.max_tokens_per_rank, c.hidden, DType::kBF16);
-    const int rank = s.group.rank();
-    const TensorView& ids = recv[n - 2];
-    const int32_t* counts = s.a2a_recv.recv_counts.ptr<int32_t>();
-    std::vector<int32_t> local(K);
-    for (int src = 0; src < R; ++src)
-      for (int64_t j = 0; j < counts[src]; ++j) {
-        const int32_t* row = ids.ptr<int32_t>() + (src * ids.shape[1] + j) * K;
-        for (int k = 0; k < K; ++k)
-          local[k] = (row[k] >= 0 && row[k] / L == rank) ? row[k] % L : -1;
-        count_row(local.data(), K, L, s.load);
-      }
+    s.load->add_global_ids(recv[n - 2], s.a2a_recv.recv_counts, s.group.rank(), kStream);
   }
   s.stage = Stage::kAfterDispatchB;
   return out;
@@ -336,6 +311,7 @@ void Dispatcher::combine_a(const CombineInput& input) {
     HtCombineArgs args;
     args.y = input.y;
     args.handle = &s.ht.handle;
+    args.stream = kStream;
     s.out = s.buffer->ht_combine(args, alloc).out;
   } else if (s.format == OutputFormat::kLl) {
     LlCombineArgs args;
@@ -344,15 +320,16 @@ void Dispatcher::combine_a(const CombineInput& input) {
     args.topk_weights = s.topk_weights;
     args.handle = &s.ll.handle;
     args.return_recv_hook = s.config.return_recv_hook;
+    args.stream = kStream;
     s.ll_combine = s.buffer->ll_combine(args, alloc);
     s.out = s.ll_combine.out;
   } else {
     const int64_t M = s.config.max_tokens_per_rank;
     if (input.y_in_output_view) {
       TensorView view = s.a2a->combine_payload_view(M, s.config.hidden, DType::kBF16);
-      s.out = s.a2a->combine(view, M, /*payload_in_workspace=*/true, nullptr, alloc);
+      s.out = s.a2a->combine(view, M, /*payload_in_workspace=*/true, kStream, alloc);
     } else {
-      s.out = s.a2a->combine(input.y, M, false, nullptr, alloc);
+      s.out = s.a2a->combine(input.y, M, false, kStream, alloc);
     }
   }
   s.stage = Stage::kAfterCombineA;

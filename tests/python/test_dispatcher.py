@@ -616,8 +616,6 @@ def test_gpu_auto_switching(gpu_pool, quant):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="epx::Dispatcher records expert load only for cpu tensors (counting on "
-                   "the device is not implemented yet)", strict=True)
 def test_gpu_expert_load(gpu_pool):
     _run(gpu_pool, body_auto, "bf16", True)
 
