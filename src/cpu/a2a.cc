@@ -67,6 +67,7 @@
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "transport/transport.h"
 
@@ -228,12 +229,10 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
   num_tokens_ = T;
   slots_.assign(static_cast<size_t>(T) * R, -1);
   std::vector<int32_t> num_sent(R, 0);
-  const TensorView& idx = args.topk_idx;
   for (int64_t t = 0; t < T; ++t) {
     uint64_t mask = 0;
     for (int k = 0; k < K; ++k) {
-      const int64_t at = t * idx.strides[0] + k;
-      const int64_t e = idx.dtype == DType::kI64 ? idx.ptr<int64_t>()[at] : idx.ptr<int32_t>()[at];
+      const int64_t e = topk_at(args.topk_idx, t, k);
       if (e >= 0) mask |= uint64_t{1} << (e / L);
     }
     send_mask[t] = mask;

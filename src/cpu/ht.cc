@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
@@ -118,15 +119,6 @@ HtRegion ht_region(const MoeShape& s, int R) {
   off += align64(static_cast<size_t>(R) * Tm * K * 4);
   g.bytes = std::max(dispatch_end, off);
   return g;
-}
-
-int64_t topk_at(const TensorView& v, int64_t t, int k) {
-  const int64_t i = t * v.strides[0] + k * v.strides[1];
-  return v.dtype == DType::kI64 ? v.ptr<int64_t>()[i] : v.ptr<int32_t>()[i];
-}
-
-float f32_at(const TensorView& v, int64_t t, int64_t k) {
-  return v.ptr<float>()[t * v.strides[0] + k * v.strides[1]];
 }
 
 // Copies the first `rows` rows of a [rows, cols] view with innermost stride 1 into packed rows.
@@ -287,7 +279,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
         const int64_t e = topk_at(a.topk_idx, t, k);
         idx[t * K + k] = e;
         if (e >= 0) goes[e / L] = 1;
-        if (header->has_weights) w[t * K + k] = f32_at(a.topk_weights, t, k);
+        if (header->has_weights) w[t * K + k] = element<float>(a.topk_weights, t, k);
       }
       for (int d = 0; d < R; ++d) counts[d] += goes[d];
     }
@@ -468,7 +460,7 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   if (has_weights) {
     auto* w = reinterpret_cast<float*>(mine + reg.y_weights);
     for (int64_t i = 0; i < N; ++i)
-      for (int k = 0; k < K; ++k) w[i * K + k] = f32_at(a.topk_weights, i, k);
+      for (int k = 0; k < K; ++k) w[i * K + k] = element<float>(a.topk_weights, i, k);
   }
   transport().barrier("ht_combine (publish)");
 

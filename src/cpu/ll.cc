@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
@@ -126,11 +127,6 @@ struct LlLayout {
   size_t combine_off(int slot) const { return 2 * dispatch_slot_bytes + slot * combine_slot_bytes; }
   size_t total_bytes() const { return 2 * dispatch_slot_bytes + 2 * combine_slot_bytes; }
 };
-
-int64_t topk_at(const TensorView& t, int64_t i, int k) {
-  const int64_t off = i * t.strides[0] + k * t.strides[1];
-  return t.dtype == DType::kI64 ? t.ptr<int64_t>()[off] : t.ptr<int32_t>()[off];
-}
 
 CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
   if (!p) p = std::make_shared<CpuLlState>();
@@ -436,7 +432,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
   const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
-    for (int s = 0; s < R; ++s) layout[l * R + s] = range.ptr<int64_t>()[l * range.strides[0] + s];
+    for (int s = 0; s < R; ++s) layout[l * R + s] = element<int64_t>(range, l, s);
   if (!args.zero_copy) {
     auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
     for (int l = 0; l < L; ++l) {
@@ -466,7 +462,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   for (int64_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       recv.topk[t * K + k] = static_cast<int32_t>(topk_at(args.topk_idx, t, k));
-      recv.weights[t * K + k] = w.ptr<float>()[t * w.strides[0] + k * w.strides[1]];
+      recv.weights[t * K + k] = element<float>(w, t, k);
     }
   }
   if (args.return_recv_hook) {
