@@ -13,10 +13,12 @@
 // selected the same local expert twice counts once).
 #include "epx/dispatcher.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/quant.h"
+#include "core/validate.h"
 
 namespace epx {
 
@@ -177,6 +179,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   detail::check_dtype(x, "Dispatcher::dispatch_a", "x", {DType::kBF16});
   detail::check_shape(x, "Dispatcher::dispatch_a", "x", {-1, c.hidden});
   detail::check_defined(topk_weights, "Dispatcher::dispatch_a", "topk_weights");
+  detail::check_dtype(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {DType::kF32});
   detail::check_shape(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {x.shape[0], c.top_k});
   EPX_CHECK_ARG(c.quant != DispatchQuant::kNvfp4 || global_scale.has_value(),
                 "Dispatcher::dispatch_a: argument 'global_scale' is required with quant nvfp4");
@@ -202,8 +205,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
         Tensor rows = alloc(DType::kI32, {q.scales.shape[0], q.scales.shape[1]}, x.device);
         for (int64_t t = 0; t < rows.shape[0]; ++t)
           for (int64_t w = 0; w < rows.shape[1]; ++w)
-            rows.ptr<int32_t>()[t * rows.shape[1] + w] =
-                q.scales.ptr<int32_t>()[t * q.scales.strides[0] + w * q.scales.strides[1]];
+            rows.ptr<int32_t>()[t * rows.shape[1] + w] = detail::element<int32_t>(q.scales, t, w);
         q.scales = rows;
       }
       s.keep_alive.push_back(q.values);
@@ -211,16 +213,16 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       payloads.push_back(q.values);
       payloads.push_back(q.scales);
     }
-    // Expert ids travel as int32 (the a2a routing input too).
+    // Expert ids travel as int32 (the a2a routing input too). Validate before narrowing: an
+    // int64 id >= 2^31 would otherwise wrap to a valid expert, and a short topk_idx be overread.
+    detail::validate_topk_idx(topk_idx, c.top_k, c.num_experts, x.device, "Dispatcher::dispatch_a");
+    EPX_CHECK_ARG(topk_idx.shape[0] == s.num_tokens,
+                  "Dispatcher::dispatch_a: argument 'topk_idx' has ", topk_idx.shape[0],
+                  " rows, expected ", s.num_tokens, " (the tokens of 'x')");
     Tensor ids = alloc(DType::kI32, {s.num_tokens, c.top_k}, x.device);
-    detail::check_dtype(topk_idx, "Dispatcher::dispatch_a", "topk_idx", {DType::kI64, DType::kI32});
     for (int64_t t = 0; t < s.num_tokens; ++t)
-      for (int k = 0; k < c.top_k; ++k) {
-        const int64_t off = t * topk_idx.strides[0] + k;
-        ids.ptr<int32_t>()[t * c.top_k + k] = static_cast<int32_t>(
-            topk_idx.dtype == DType::kI64 ? topk_idx.ptr<int64_t>()[off]
-                                          : topk_idx.ptr<int32_t>()[off]);
-      }
+      for (int k = 0; k < c.top_k; ++k)
+        ids.ptr<int32_t>()[t * c.top_k + k] = static_cast<int32_t>(detail::topk_at(topk_idx, t, k));
     s.keep_alive.push_back(ids);
     payloads.push_back(ids);
     payloads.push_back(topk_weights);
