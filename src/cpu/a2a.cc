@@ -76,10 +76,6 @@ namespace {
 
 constexpr size_t kRegionAlign = 256;
 
-size_t align_up(size_t n) {
-  return (n + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
-}
-
 // Published by each rank; read by peers between the two barriers of an operation.
 struct CpuA2aHeader {
   int64_t shape[4 + kMaxA2aPayloads];  // construction: the A2aShape (see shape_fields)
@@ -111,21 +107,21 @@ struct CpuA2aLayout {
     const size_t max = static_cast<size_t>(s.max_tokens_per_rank);
     size_t off = 0;
     header = off;
-    off += align_up(sizeof(CpuA2aHeader));
+    off += align_up(sizeof(CpuA2aHeader), kRegionAlign);
     send_mask = off;
-    off += align_up(max * sizeof(uint64_t));
+    off += align_up(max * sizeof(uint64_t), kRegionAlign);
     for (size_t i = 0; i < s.payload_bytes_per_token.size(); ++i) {
       send_payload[i] = off;
-      off += align_up(max * s.payload_bytes_per_token[i]);
+      off += align_up(max * s.payload_bytes_per_token[i], kRegionAlign);
     }
     recv_counts = off;
-    off += align_up(R * sizeof(int32_t));
+    off += align_up(R * sizeof(int32_t), kRegionAlign);
     for (size_t i = 0; i < s.payload_bytes_per_token.size(); ++i) {
       recv_payload[i] = off;
-      off += align_up(R * max * s.payload_bytes_per_token[i]);
+      off += align_up(R * max * s.payload_bytes_per_token[i], kRegionAlign);
     }
     combine = off;
-    off += align_up(R * max * s.combine_bytes_per_token);
+    off += align_up(R * max * s.combine_bytes_per_token, kRegionAlign);
     total_bytes = off;
   }
   size_t header = 0, send_mask = 0, recv_counts = 0, combine = 0, total_bytes = 0;

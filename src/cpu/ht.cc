@@ -91,32 +91,28 @@ struct HtRegion {
   size_t bytes;
 };
 
-size_t align64(size_t n) {
-  return (n + 63) / 64 * 64;
-}
-
 HtRegion ht_region(const MoeShape& s, int R) {
   const size_t Tm = static_cast<size_t>(s.max_tokens_per_rank);
   const size_t K = static_cast<size_t>(s.top_k), H = static_cast<size_t>(s.hidden);
   HtRegion g{};
-  size_t off = align64(sizeof(RegionHeader));
+  size_t off = align_up(sizeof(RegionHeader), 64);
   g.send_counts = off;
-  off += align64(4 * static_cast<size_t>(R));
+  off += align_up(4 * static_cast<size_t>(R), 64);
   const size_t payload = off;
   g.topk_idx = off;
-  off += align64(Tm * K * 8);
+  off += align_up(Tm * K * 8, 64);
   g.topk_weights = off;
-  off += align64(Tm * K * 4);
+  off += align_up(Tm * K * 4, 64);
   g.x = off;
-  off += align64(Tm * H * 2);
+  off += align_up(Tm * H * 2, 64);
   g.scales = off;
-  off += align64(Tm * 4 * ((H + 127) / 128));
+  off += align_up(Tm * 4 * ((H + 127) / 128), 64);
   const size_t dispatch_end = off;
   off = payload;
   g.y = off;
-  off += align64(static_cast<size_t>(R) * Tm * H * 2);
+  off += align_up(static_cast<size_t>(R) * Tm * H * 2, 64);
   g.y_weights = off;
-  off += align64(static_cast<size_t>(R) * Tm * K * 4);
+  off += align_up(static_cast<size_t>(R) * Tm * K * 4, 64);
   g.bytes = std::max(dispatch_end, off);
   return g;
 }

@@ -82,10 +82,7 @@ struct CpuLlState {
 
 namespace {
 
-constexpr size_t kAlign = 64;
-size_t align_up(size_t n, size_t a = kAlign) {
-  return (n + a - 1) / a * a;
-}
+constexpr size_t kAlign = 64;  // every section offset
 
 struct DispatchHeader {
   uint64_t seq;  // 1, 2, ... per dispatch; 0 = nothing published
@@ -115,13 +112,13 @@ struct LlLayout {
         rows_per_expert(R * s.max_tokens_per_rank) {
     const size_t H = static_cast<size_t>(hidden), G = static_cast<size_t>(num_groups);
     msg_bytes = align_up(std::max(2 * H, H + 4 * G), 16);
-    topk_off = align_up(sizeof(DispatchHeader));
-    msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k);
-    dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens);
-    layout_off = align_up(sizeof(CombineHeader));
-    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R);
+    topk_off = align_up(sizeof(DispatchHeader), kAlign);
+    msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k, kAlign);
+    dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens, kAlign);
+    layout_off = align_up(sizeof(CombineHeader), kAlign);
+    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kAlign);
     combine_slot_bytes =
-        y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H);
+        y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H, kAlign);
   }
   size_t dispatch_off(int slot) const { return slot * dispatch_slot_bytes; }
   size_t combine_off(int slot) const { return 2 * dispatch_slot_bytes + slot * combine_slot_bytes; }
