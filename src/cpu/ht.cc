@@ -50,7 +50,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <vector>
 
 #include "core/check.h"
@@ -171,22 +170,6 @@ void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op) {
   }
 }
 
-// Runs `pull` and then the closing barrier, even when `pull` throws, so a failing rank never
-// leaves its peers waiting; rethrows afterwards.
-template <typename Result, typename Pull>
-Result pull_then_barrier(Transport& transport, const char* what, Pull&& pull) {
-  Result result;
-  std::exception_ptr error;
-  try {
-    result = pull();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  transport.barrier(what);
-  if (error) std::rethrow_exception(error);
-  return result;
-}
-
 // Asks for transparent huge pages on this rank's region (a hint; ignored where unsupported).
 // First touches of 4 KiB pages are what the cpu ht ops spend most time on otherwise: the region is
 // large (R * Tm * H * 2 bytes for combine) and written by its owner only.
@@ -283,7 +266,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   transport().barrier(cached ? "ht_dispatch (cached, publish)" : "ht_dispatch (publish)");
 
   // ---- pull ------------------------------------------------------------------------------------
-  return pull_then_barrier<HtDispatchResult>(transport(), "ht_dispatch (pull)", [&] {
+  return pull_then_barrier(transport(), "ht_dispatch (pull)", [&] {
     check_peer_headers(mem, R, header->op);
     HtDispatchResult res;
     // Receive rows per source, from the exchanged counts or from the handle.
@@ -461,7 +444,7 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   transport().barrier("ht_combine (publish)");
 
   // ---- pull and reduce -------------------------------------------------------------------------
-  return pull_then_barrier<HtCombineResult>(transport(), "ht_combine (pull)", [&] {
+  return pull_then_barrier(transport(), "ht_combine (pull)", [&] {
     check_peer_headers(mem, R, kOpCombine);
     const int32_t* prefix = handle.rank_prefix_matrix.ptr<int32_t>();
     std::vector<const uint16_t*> y(R);

@@ -170,37 +170,35 @@ struct DispatchRecv {
 
 void DispatchRecv::operator()() const {
   transport->barrier("ll_dispatch (receive)");
-  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
-  const int r = mem->rank();
-  const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
-  const int64_t packed_groups = (G + 3) / 4;
-  const size_t row_bytes = use_fp8 ? H : 2 * H;
-  std::string error;  // reported after the release barrier, so peers are not left waiting
+  // A mismatch is raised after the release barrier, so peers are not left waiting.
+  pull_then_barrier(*transport, "ll_dispatch (release)", [&] {
+    const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
+    const int r = mem->rank();
+    const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
+    const int64_t packed_groups = (G + 3) / 4;
+    const size_t row_bytes = use_fp8 ? H : 2 * H;
 
-  auto* out_x = static_cast<uint8_t*>(recv_x.data);
-  auto* out_src = src_info.ptr<int32_t>();
-  auto* out_range = layout_range.ptr<int64_t>();
-  std::vector<int64_t> num_rows(L, 0);
-  std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
-  std::vector<float> scales(G);                    // one message's scales
+    auto* out_x = static_cast<uint8_t*>(recv_x.data);
+    auto* out_src = src_info.ptr<int32_t>();
+    auto* out_range = layout_range.ptr<int64_t>();
+    std::vector<int64_t> num_rows(L, 0);
+    std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
+    std::vector<float> scales(G);                    // one message's scales
 
-  for (int src = 0; src < R; ++src) {
-    const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
-    DispatchHeader h;
-    std::memcpy(&h, region, sizeof(h));
-    for (auto& v : tokens_of) v.clear();
-    if (error.empty() && h.seq != seq)
-      error = cat("ll_dispatch: rank ", src, " published dispatch #", h.seq, " in slot ", slot,
-                  " but this rank expected #", seq,
-                  "; every rank must call the same ll operations in the same order");
-    else if (error.empty() && (h.use_fp8 != use_fp8 || h.round_scale != round_scale))
-      error = cat("ll_dispatch: rank ", src, " called with use_fp8 = ", h.use_fp8,
-                  ", round_scale = ", h.round_scale, " but this rank with use_fp8 = ", use_fp8,
-                  ", round_scale = ", round_scale, "; expected the same on every rank");
-    else if (error.empty() && (h.num_tokens < 0 || h.num_tokens > lay.max_tokens))
-      error = cat("ll_dispatch: rank ", src, " published T = ", h.num_tokens, ", expected 0..",
-                  lay.max_tokens);
-    if (error.empty()) {
+    for (int src = 0; src < R; ++src) {
+      const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
+      DispatchHeader h;
+      std::memcpy(&h, region, sizeof(h));
+      EPX_CHECK_ARG(h.seq == seq, "ll_dispatch: rank ", src, " published dispatch #", h.seq,
+                    " in slot ", slot, " but this rank expected #", seq,
+                    "; every rank must call the same ll operations in the same order");
+      EPX_CHECK_ARG(h.use_fp8 == use_fp8 && h.round_scale == round_scale, "ll_dispatch: rank ", src,
+                    " called with use_fp8 = ", h.use_fp8, ", round_scale = ", h.round_scale,
+                    " but this rank with use_fp8 = ", use_fp8, ", round_scale = ", round_scale,
+                    "; expected the same on every rank");
+      EPX_CHECK_ARG(h.num_tokens >= 0 && h.num_tokens <= lay.max_tokens, "ll_dispatch: rank ", src,
+                    " published T = ", h.num_tokens, ", expected 0..", lay.max_tokens);
+      for (auto& v : tokens_of) v.clear();
       const auto* topk = reinterpret_cast<const int32_t*>(region + lay.topk_off);
       for (int64_t t = 0; t < h.num_tokens; ++t) {
         const int32_t* row = topk + t * K;
@@ -211,39 +209,37 @@ void DispatchRecv::operator()() const {
           tokens_of[e % L].push_back(static_cast<int32_t>(t));
         }
       }
-    }
-    for (int l = 0; l < L; ++l) {
-      const int64_t begin = num_rows[l];
-      for (int32_t t : tokens_of[l]) {
-        const int64_t row = num_rows[l]++;
-        const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
-        std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
-        out_src[l * RT + row] = t;
-        if (!use_fp8) continue;
-        std::memcpy(scales.data(), msg + H, sizeof(float) * G);
-        if (!use_ue8m0) {
-          for (int64_t g = 0; g < G; ++g)
-            recv_scales.ptr<float>()[(l * G + g) * RT + row] = scales[g];
-        } else {
-          for (int64_t p = 0; p < packed_groups; ++p) {
-            uint32_t word = 0;
-            for (int64_t g = 4 * p; g < std::min(G, 4 * p + 4); ++g)
-              word |= static_cast<uint32_t>(ue8m0_of_scale(scales[g])) << (8 * (g % 4));
-            recv_scales.ptr<int32_t>()[(l * packed_groups + p) * RT + row] =
-                static_cast<int32_t>(word);
+      for (int l = 0; l < L; ++l) {
+        const int64_t begin = num_rows[l];
+        for (int32_t t : tokens_of[l]) {
+          const int64_t row = num_rows[l]++;
+          const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
+          std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
+          out_src[l * RT + row] = t;
+          if (!use_fp8) continue;
+          std::memcpy(scales.data(), msg + H, sizeof(float) * G);
+          if (!use_ue8m0) {
+            for (int64_t g = 0; g < G; ++g)
+              recv_scales.ptr<float>()[(l * G + g) * RT + row] = scales[g];
+          } else {
+            for (int64_t p = 0; p < packed_groups; ++p) {
+              uint32_t word = 0;
+              for (int64_t g = 4 * p; g < std::min(G, 4 * p + 4); ++g)
+                word |= static_cast<uint32_t>(ue8m0_of_scale(scales[g])) << (8 * (g % 4));
+              recv_scales.ptr<int32_t>()[(l * packed_groups + p) * RT + row] =
+                  static_cast<int32_t>(word);
+            }
           }
         }
+        out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
       }
-      out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
     }
-  }
-  for (int l = 0; l < L; ++l) {
-    recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
-    if (stats.defined())
-      stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
-  }
-  transport->barrier("ll_dispatch (release)");
-  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+    for (int l = 0; l < L; ++l) {
+      recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
+      if (stats.defined())
+        stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
+    }
+  });
 }
 
 // ---- combine -------------------------------------------------------------------------------
@@ -265,46 +261,45 @@ struct CombineRecv {
 
 void CombineRecv::operator()() const {
   transport->barrier("ll_combine (receive)");
-  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
-  const int r = mem->rank();
-  const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
-  std::string error;
+  // A mismatch is raised after the release barrier, so peers are not left waiting.
+  pull_then_barrier(*transport, "ll_combine (release)", [&] {
+    const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
+    const int r = mem->rank();
+    const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
 
-  for (int d = 0; d < R && error.empty(); ++d) {
-    CombineHeader h;
-    std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
-    if (h.seq != seq)
-      error = cat("ll_combine: rank ", d, " published combine #", h.seq, " in slot ", slot,
-                  " but this rank expected #", seq,
-                  "; every rank must call the same ll operations in the same order");
-  }
-  // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
-  std::vector<int64_t> row_in_block(T * K, -1);
-  std::vector<int64_t> num_selected(E, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = topk[t * K + k];
-      if (e < 0) continue;
-      int k0 = 0;
-      while (topk[t * K + k0] != e) ++k0;
-      row_in_block[t * K + k] = k0 < k ? row_in_block[t * K + k0] : num_selected[e]++;
+    for (int d = 0; d < R; ++d) {
+      CombineHeader h;
+      std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
+      EPX_CHECK_ARG(h.seq == seq, "ll_combine: rank ", d, " published combine #", h.seq,
+                    " in slot ", slot, " but this rank expected #", seq,
+                    "; every rank must call the same ll operations in the same order");
     }
-  }
-  // begin of this rank's block in every expert, checked against what the expert rank received.
-  std::vector<int64_t> begin(E, 0);
-  for (int e = 0; e < E && error.empty(); ++e) {
-    const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
-    int64_t range;
-    std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + r),
-                sizeof(range));
-    begin[e] = range >> 32;
-    const int64_t count = range & 0xFFFFFFFF;
-    if (count != num_selected[e] || begin[e] + count > RT)
-      error = cat("ll_combine: argument 'topk_idx' selects expert ", e, " with ", num_selected[e],
-                  " tokens but rank ", e / L, " received ", count,
-                  " from this rank; expected the topk_idx of the dispatch that made 'handle'");
-  }
-  if (error.empty()) {
+    // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
+    std::vector<int64_t> row_in_block(T * K, -1);
+    std::vector<int64_t> num_selected(E, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = topk[t * K + k];
+        if (e < 0) continue;
+        int k0 = 0;
+        while (topk[t * K + k0] != e) ++k0;
+        row_in_block[t * K + k] = k0 < k ? row_in_block[t * K + k0] : num_selected[e]++;
+      }
+    }
+    // begin of this rank's block in every expert, checked against what the expert rank received.
+    std::vector<int64_t> begin(E, 0);
+    for (int e = 0; e < E; ++e) {
+      const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
+      int64_t range;
+      std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + r),
+                  sizeof(range));
+      begin[e] = range >> 32;
+      const int64_t count = range & 0xFFFFFFFF;
+      EPX_CHECK_ARG(count == num_selected[e] && begin[e] + count <= RT,
+                    "ll_combine: argument 'topk_idx' selects expert ", e, " with ", num_selected[e],
+                    " tokens but rank ", e / L, " received ", count,
+                    " from this rank; expected the topk_idx of the dispatch that made 'handle'");
+    }
     std::vector<float> acc(H);
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -322,9 +317,7 @@ void CombineRecv::operator()() const {
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
       for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
     }
-  }
-  transport->barrier("ll_combine (release)");
-  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+  });
 }
 
 }  // namespace
