@@ -27,14 +27,6 @@ using testing::LlProblem;
 using testing::LlRankInput;
 using testing::Routing;
 
-Allocator poison_allocator() {
-  return [base = default_allocator()](DType d, const std::vector<int64_t>& s, Device dev) {
-    Tensor t = base(d, s, dev);
-    if (t.nbytes()) std::memset(t.data, 0xA5, t.nbytes());
-    return t;
-  };
-}
-
 constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong row read shows up in the combine sum
 
 struct Case {
@@ -122,7 +114,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
   config.enable_ht = false;
   config.enable_ll = true;
   Buffer buf(g, shape, config);
-  const Allocator alloc = poison_allocator();
+  const Allocator alloc = testing::poison_allocator(0xA5);
   std::string err;
   auto fail = [&](const std::string& where, const std::string& what) {
     if (err.empty() && !what.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + what;
