@@ -130,10 +130,16 @@ CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
   return *p;
 }
 
-// Wraps a receive half into the hook handed to the caller: once only, not after ll_clean, and
-// frees its slot whatever happens.
-LlHook make_hook(std::shared_ptr<CpuLlState> st, bool is_dispatch, int slot,
-                 std::function<void()> receive) {
+// Runs the receive half now (returns no hook), or marks its slot in flight and returns it wrapped
+// as the caller's hook: callable once only, not after ll_clean, and freeing the slot whatever
+// happens.
+LlHook receive_or_hook(const std::shared_ptr<CpuLlState>& st, bool is_dispatch, int slot,
+                       bool return_recv_hook, std::function<void()> receive) {
+  if (!return_recv_hook) {
+    receive();
+    return {};
+  }
+  (is_dispatch ? st->dispatch_in_flight : st->combine_in_flight)[slot] = true;
   const uint64_t generation = st->generation;
   auto called = std::make_shared<bool>(false);
   return [st, is_dispatch, slot, receive = std::move(receive), called, generation]() {
@@ -392,12 +398,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
                     res.handle.src_info,
                     res.handle.layout_range,
                     args.cumulative_local_expert_recv_stats};
-  if (args.return_recv_hook) {
-    st.dispatch_in_flight[slot] = true;
-    res.hook = make_hook(ll_state_, true, slot, std::move(recv));
-  } else {
-    recv();
-  }
+  res.hook = receive_or_hook(ll_state_, true, slot, args.return_recv_hook, std::move(recv));
   return res;
 }
 
@@ -455,12 +456,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
       recv.weights[t * K + k] = element<float>(w, t, k);
     }
   }
-  if (args.return_recv_hook) {
-    st.combine_in_flight[slot] = true;
-    res.hook = make_hook(ll_state_, false, slot, std::move(recv));
-  } else {
-    recv();
-  }
+  res.hook = receive_or_hook(ll_state_, false, slot, args.return_recv_hook, std::move(recv));
   return res;
 }
 
