@@ -619,6 +619,27 @@ TEST(LlErrors, RanksDisagreeOnFp8) {
   });
 }
 
+// A dispatch whose receive raises adds nothing to cumulative_local_expert_recv_stats (rank 0
+// reads its own block before it meets rank 1's mismatching header: no partial counts either).
+TEST(LlErrors, FailedReceiveLeavesStatsUntouched) {
+  testing::run_threads(2, [&](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    const int64_t L = Small::kE / 2;
+    std::fill(s.stats.begin(), s.stats.end(), 7);
+    LlDispatchArgs a = s.dispatch_args();
+    a.cumulative_local_expert_recv_stats = TensorView::contiguous(s.stats.data(), DType::kI32, {L});
+    a.use_fp8 = g.rank() == 0;
+    expect_error([&] { buf.ll_dispatch(a); }, ErrorCode::kInvalidArgument, {"use_fp8"});
+    for (int64_t l = 0; l < L; ++l) EXPECT_EQ(s.stats[l], 7) << "stats[" << l << "]";
+    buf.ll_clean();
+    a.use_fp8 = true;
+    buf.ll_dispatch(a);  // the same stats, now accumulated: expert 1 of rank 0 gets 2 * T rows
+    for (int64_t l = 0; l < L; ++l)
+      EXPECT_EQ(s.stats[l], 7 + (g.rank() == 0 && l == 1 ? 2 * s.T : 0)) << "stats[" << l << "]";
+  });
+}
+
 TEST(LlErrors, CombineTopkDiffersFromDispatch) {
   testing::run_threads(2, [&](const Group& g) {
     Small s;
