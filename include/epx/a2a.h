@@ -37,21 +37,30 @@ struct A2aShape {
 
 struct A2aDispatchArgs {
   TensorView topk_idx;              // [T, K] int32 (int64 accepted), values in [-1, E)
-  std::vector<TensorView> payloads; // each [T, ...] contiguous, row bytes <= configured size
-  int64_t runtime_max_tokens_per_rank = 0;  // >= T, equal on every rank
+  // One per A2aShape::payload_bytes_per_token entry, each [T, ...] contiguous; its row bytes a
+  // positive multiple of 4, <= the configured size, equal on every rank.
+  std::vector<TensorView> payloads;
+  // >= T and <= max_tokens_per_rank (else OutOfCapacity), equal on every rank (else every rank
+  // raises InvalidArgument).
+  int64_t runtime_max_tokens_per_rank = 0;
   std::optional<int32_t> invalid_expert_id;  // sanitise padding rows of the expert-id payload
-  int expert_id_payload_index = -1;          // which payload holds expert ids (int32 [T, K])
+  int expert_id_payload_index = -1;  // which payload holds expert ids (int32 [T, K]); required
+                                     // with invalid_expert_id
   Stream stream = nullptr;
 };
 
 struct A2aDispatchResult {
-  std::vector<TensorView> recv;  // per payload [R, M, ...] views of the workspace
+  // Per payload [R, M, ...] views of the workspace (the payload's dtype and trailing dims).
+  // Padding rows j >= recv_counts[s] are unspecified (the cpu backend zeroes them), except the
+  // expert-id payload's with invalid_expert_id: all K entries = invalid_expert_id.
+  std::vector<TensorView> recv;
   TensorView recv_counts;        // [R] int32, in the workspace
 };
 
 class A2a {
  public:
-  // Collective.
+  // Collective. Every rank passes the same shape (else every rank raises InvalidArgument naming
+  // the field).
   A2a(const Group& group, const A2aShape& shape);
   ~A2a();
   A2a(A2a&&) noexcept;
@@ -65,10 +74,14 @@ class A2a {
 
   // Collective. Views stay valid until the next dispatch.
   A2aDispatchResult dispatch(const A2aDispatchArgs& args);
-  // Local. [R, M, hidden] view the MoE kernel writes into for combine(payload_in_workspace).
+  // Local. [R, M, hidden] contiguous view of the workspace the MoE kernel writes into for
+  // combine(payload_in_workspace); hidden * element size <= combine_bytes_per_token, dtype bf16
+  // or f32. Write it after dispatch, before combine.
   TensorView combine_payload_view(int64_t runtime_max_tokens_per_rank, int64_t hidden,
                                   DType dtype);
-  // Collective. y: [R, M, H] bf16 or f32 (or the view above with payload_in_workspace).
+  // Collective. y: [R, M, H] bf16 or f32, stride(2) 1 (or the view above with
+  // payload_in_workspace), M the preceding dispatch's, H and dtype equal on every rank. Returns
+  // out [T, H] in y's dtype, from `allocator`.
   Tensor combine(const TensorView& y, int64_t runtime_max_tokens_per_rank,
                  bool payload_in_workspace = false, Stream stream = nullptr,
                  const Allocator& allocator = default_allocator());

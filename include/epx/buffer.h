@@ -7,6 +7,14 @@
 // synchronise the device behind the caller's back, except where a method says it waits on the
 // host. On the cpu backend every operation runs synchronously on the calling thread.
 //
+// Errors (epx::Error): a rank's bad arguments are rejected before it communicates
+// (InvalidArgument, or OutOfCapacity for T > max_tokens_per_rank); its peers, left waiting, raise
+// Timeout naming it once the group's timeout expires. Arguments that only the exchange shows to
+// disagree across ranks (dtypes, weights given on some ranks only, handles of different
+// dispatches, ranks calling different operations) make every rank raise InvalidArgument; a rank
+// that fails after the exchange still takes part in the operation's last synchronisation, so its
+// peers complete.
+//
 // Thread-safety: a Buffer is used by one host thread at a time.
 #pragma once
 
@@ -50,7 +58,8 @@ class Buffer {
   uint64_t id() const;    // unique per buffer within a process
 
   // Raises a pending asynchronous error (device timeout, out-of-range expert id, worst-case
-  // overflow) recorded by an earlier operation. Local; cuda waits for nothing.
+  // overflow) recorded by an earlier operation. Local; cuda waits for nothing. The cpu backend
+  // raises every error from the call that hit it, so there check() does nothing.
   void check() const;
 
   // ---- ht ----------------------------------------------------------------------------------
@@ -66,16 +75,26 @@ class Buffer {
                              const Allocator& allocator = default_allocator());
 
   // ---- ll ----------------------------------------------------------------------------------
+  // Double buffering: dispatches alternate between two slots (LlHandle::slot) and a combine uses
+  // its handle's slot. With hooks, at most two dispatches may wait for their hooks (a third
+  // raises InvalidArgument) and at most one combine per slot; every rank calls the same
+  // operations and hooks in the same order (else every rank raises InvalidArgument).
+  //
   // Collective; needs BufferConfig::enable_ll.
   LlDispatchResult ll_dispatch(const LlDispatchArgs& args,
                                const Allocator& allocator = default_allocator());
-  // Collective.
+  // Collective. A combine through a slot whose previous combine still waits for its hook raises
+  // InvalidArgument.
   LlCombineResult ll_combine(const LlCombineArgs& args,
                              const Allocator& allocator = default_allocator());
   // Local. The bf16 [L, R*T_max, H] view to write expert outputs into before
-  // ll_combine(zero_copy = true) with this handle. Valid until the next ll_dispatch.
+  // ll_combine(zero_copy = true) with this handle. It is the combine memory of handle.slot, the
+  // same for every handle of that slot (dispatches two apart): write it for one handle at a
+  // time, once the previous combine through the slot has finished (InvalidArgument while that
+  // combine still waits for its hook). It lives as long as the buffer.
   TensorView ll_next_combine_buffer(const LlHandle& handle);
-  // Collective. Resets ll state (after ht used the memory, or after an error).
+  // Collective. Resets ll state (after ht used the memory, or after an error). Operations still
+  // waiting for their hooks are discarded: calling such a hook afterwards raises InvalidArgument.
   void ll_clean();
 
   // Internal.

@@ -34,8 +34,10 @@ namespace epx {
 enum class DispatcherBackend { kDeepEp /* ht + ll */, kA2a };
 enum class DispatchMode { kNormal, kLowLatency, kAuto };
 // What the experts receive: bf16, fp8 e4m3 per token per 128 channels with f32 scales or with
-// UE8M0 scales (column-major, TMA-aligned), or NVFP4 (e2m1 pairs + e4m3 scale per 16 values and
-// a float32 global scale).
+// packed UE8M0 scales (int32, ceil(H/512) per token), or NVFP4 (e2m1 pairs + e4m3 scale per 16
+// values and a float32 global scale). Scale layouts in DispatchOutput: ht and a2a row-major per
+// received row; ll column-major in the last two dims (as ll_dispatch returns them).
+// NVFP4 needs backend a2a (Unsupported with deepep).
 enum class DispatchQuant { kBf16, kFp8, kFp8Ue8m0, kNvfp4 };
 enum class ForwardMode { kExtend, kDecode };
 enum class OutputFormat { kHt, kLl, kA2a };
@@ -62,11 +64,14 @@ struct DispatcherConfig {
 
 struct DispatchOutput {
   OutputFormat format = OutputFormat::kHt;
-  // ht:  x [N, H], x_scale, topk_idx [N, K] local ids or -1, topk_weights [N, K],
-  //      num_recv_tokens_per_expert (host list).
-  // ll:  x [L, R*T_max, H], x_scale, masked_m [L] int32, expected_m.
-  // a2a: x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx [R, M, K] int32 global ids
-  //      (padding rows -1), topk_weights [R, M, K], moe_output_view [R, M, H] bf16 to write into.
+  // ht:  x [N, H] (num_worst_tokens rows in worst-case mode), x_scale, topk_idx [N, K] local ids
+  //      or -1, topk_weights [N, K], num_recv_tokens_per_expert (host list, empty in worst-case
+  //      mode).
+  // ll:  x [L, R*T_max, H], x_scale, masked_m [L] int32, expected_m; topk_idx and topk_weights
+  //      are the caller's dispatch_a views (not owned: keep them alive until combine_a).
+  // a2a: M = max_tokens_per_rank. x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx
+  //      [R, M, K] int32 global ids (padding rows -1), topk_weights [R, M, K], moe_output_view
+  //      [R, M, H] bf16 to write into. Views of the workspace, valid until the next dispatch.
   Tensor x;
   Tensor x_scale;
   Tensor topk_idx;
@@ -78,9 +83,10 @@ struct DispatchOutput {
 };
 
 struct CombineInput {
-  // ht: [N, H] bf16 (weighted by the caller, as in DeepEP); ll: [L, R*T_max, H] bf16 (combine
-  // applies topk weights); a2a: ignored when the experts wrote into moe_output_view, else
-  // [R, M, H] bf16 (each rank's local experts already weighted and summed).
+  // ht: [N, H] bf16, the rows of DispatchOutput::x (weighted by the caller, as in DeepEP);
+  // ll: [L, R*T_max, H] bf16 (combine applies topk weights);
+  // a2a: ignored when the experts wrote into moe_output_view, else [R, M, H] bf16 (each rank's
+  // local experts already weighted and summed).
   TensorView y;
   bool y_in_output_view = false;  // a2a: the experts wrote into DispatchOutput::moe_output_view
 };
@@ -93,8 +99,10 @@ class Dispatcher {
   Dispatcher(Dispatcher&&) noexcept;
   Dispatcher& operator=(Dispatcher&&) noexcept;
 
-  // x [T, H] bf16, topk_idx [T, K] int64/int32, topk_weights [T, K] f32.
+  // x [T, H] bf16, topk_idx [T, K] int64/int32 in [-1, E), topk_weights [T, K] f32.
   // kNvfp4 needs `global_scale` (float32 scalar; dequant = e2m1 * scale_e4m3 / global_scale).
+  // The hooks run at the end of dispatch_a. ll keeps views of topk_idx and topk_weights until
+  // combine_a (the caller keeps them alive).
   void dispatch_a(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                   ForwardMode forward_mode = ForwardMode::kExtend,
                   std::optional<float> global_scale = std::nullopt);
@@ -108,12 +116,14 @@ class Dispatcher {
                           std::optional<float> global_scale = std::nullopt);
   Tensor combine(const CombineInput& input);
 
-  // Hooks run, in registration order, between dispatch_a and dispatch_b.
+  // Hooks run, in registration order, on the calling thread at the end of dispatch_a (the stage
+  // is already after_dispatch_a), i.e. between dispatch_a's send and dispatch_b's receive.
   void register_hook(std::function<void()> hook);
   void clear_hooks();
 
-  // Expert-load recording: received (token, local expert) selections per local expert,
-  // accumulated over dispatches since the last reset. [L] int64 copy. Local.
+  // Expert-load recording: received (token, local expert) pairs per local expert (a token that
+  // lists the same expert twice counts once, as in ll's masked_m), accumulated over dispatches
+  // since the last reset. [L] int64 copy. Local.
   // On cuda the counts accumulate on the device; expert_load() copies them to the host and so
   // synchronises the legacy default stream (waits for the dispatches queued before it).
   // reset_expert_load() is queued on that stream (no host wait).

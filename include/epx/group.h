@@ -40,8 +40,8 @@ class Transport;
 
 class Group {
  public:
-  // Threads of one process. All `size` ranks call this with the same `world_name`; it returns
-  // once every rank has joined (or throws Timeout naming the missing ranks).
+  // Threads of one process. All `size` ranks (1..64) call this with the same `world_name`; it
+  // returns once every rank has joined (or throws Timeout naming the missing ranks).
   static Group cpu_threads(int rank, int size, const std::string& world_name,
                            GroupOptions options = {});
 

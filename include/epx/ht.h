@@ -36,44 +36,58 @@ struct HtHandle {
 };
 
 struct HtDispatchArgs {
-  // [T, H] bf16, or fp8 e4m3 with x_scales. Rows may be strided (stride(1) must be 1).
+  // [T, H] bf16, or fp8 e4m3 with x_scales (fp8 needs H % 128 == 0). T <= max_tokens_per_rank
+  // (else OutOfCapacity). Rows may be strided (stride(1) must be 1). Every rank passes the same
+  // dtypes (else every rank raises InvalidArgument).
   TensorView x;
-  // fp8 only: [T, H/128] float32 or [T, H/512] int32 (packed UE8M0), any strides
-  // (column-major scales are accepted). Moved with their rows, never re-quantised.
+  // fp8 only: [T, H/128] float32 or [T, ceil(H/512)] int32 (packed UE8M0: group g in byte g % 4
+  // of int g / 4), any strides (column-major scales are accepted). Moved with their rows, never
+  // re-quantised.
   TensorView x_scales;
-  // [T, K] int64 or int32, values in [-1, E). Absent in cached mode.
+  // [T, K] int64 or int32, values in [-1, E). Ignored in cached mode.
   TensorView topk_idx;
-  // [T, K] float32. Optional (absent in cached mode).
+  // [T, K] float32, any strides. Optional; given on every rank or on none (else every rank
+  // raises InvalidArgument). Ignored in cached mode.
   TensorView topk_weights;
   // Each per-expert count in num_recv_tokens_per_expert is rounded up to this (>= 1).
   int expert_alignment = 1;
   // > 0: worst-case mode. Outputs have exactly this many rows, no host synchronisation; rows past
-  // N have recv_topk_idx = -1. N > num_worst_tokens raises OutOfCapacity (never truncates).
+  // N have recv_topk_idx = -1, recv_topk_weights = 0 and recv_src_idx = -1 (their recv_x and
+  // scales are unspecified; the cpu backend zeroes them). N > num_worst_tokens is an
+  // OutOfCapacity error of the rank that receives too many, never a truncation (cpu: raised by
+  // this call; cuda: by the next call on the buffer or check()); its peers' calls complete.
   int64_t num_worst_tokens = 0;
-  // Cached mode: reuse the routing of an earlier dispatch with the same topk_idx. No layout or
-  // count exchange; only recv_x (and recv_x_scales) are returned.
+  // Cached mode: reuse the routing of an earlier dispatch (x has the handle's T). No layout or
+  // count exchange; only recv_x (and recv_x_scales) are returned, with the handle's row count
+  // (num_worst_tokens must be 0 or the handle's), and result.handle is a copy of *handle.
   const HtHandle* handle = nullptr;
   Stream stream = nullptr;
 };
 
 struct HtDispatchResult {
   Tensor recv_x;             // [rows, H], dtype of x (rows = N, or num_worst_tokens)
-  Tensor recv_x_scales;      // [rows, H/128] f32 or [rows, H/512] i32, fp8 only
+  Tensor recv_x_scales;      // [rows, H/128] f32 or [rows, ceil(H/512)] i32, fp8 only; contiguous
+                             // row-major whatever the strides of x_scales
   Tensor recv_topk_idx;      // [rows, K], dtype of topk_idx: local expert index or -1
   Tensor recv_topk_weights;  // [rows, K] f32: weight where local, else 0 (if weights given)
   Tensor recv_src_idx;       // [rows] int32 (same tensor as handle.recv_src_idx)
-  // Per local expert, received selections rounded up to expert_alignment. Empty in worst-case
-  // mode (no host synchronisation) and in cached mode.
+  // Per local expert, received (row, k) selections rounded up to expert_alignment (a token that
+  // lists the same expert twice counts twice). Empty in worst-case mode (no host
+  // synchronisation) and in cached mode.
   std::vector<int> num_recv_tokens_per_expert;
   HtHandle handle;
 };
 
 struct HtCombineArgs {
-  TensorView y;                 // [N or num_worst_tokens, H] bf16, in recv_x order
+  // [N or num_worst_tokens, H] bf16, in recv_x order; rows past N are not read. Rows may be
+  // strided (stride(1) must be 1).
+  TensorView y;
+  // Required: the handle of the dispatch (every rank passes its handle of the same dispatch).
   const HtHandle* handle = nullptr;
-  TensorView topk_weights;      // optional [rows, K] f32: summed back into combined_topk_weights
-  TensorView bias0;             // optional [T, H] bf16
-  TensorView bias1;             // optional [T, H] bf16
+  // Optional [rows, K] f32, summed back into combined_topk_weights; given on every rank or none.
+  TensorView topk_weights;
+  TensorView bias0;  // optional [T, H] bf16, stride(1) == 1
+  TensorView bias1;  // optional [T, H] bf16, stride(1) == 1
   Stream stream = nullptr;
 };
 

@@ -5,8 +5,11 @@
 //     recv_x[L, R * T_max, H]   expert-major: local expert l's rows packed from row 0, grouped by
 //                               source rank ascending, then source token index ascending
 //     recv_scales               fp8: f32 [L, R*T_max, H/128] or packed UE8M0 i32
-//                               [L, R*T_max, H/512], column-major in the last two dims
-//     recv_count[L] int32       rows per local expert (masked_m)
+//                               [L, R*T_max, ceil(H/512)] (group g in byte g % 4 of int g / 4,
+//                               unused bytes 0), column-major in the last two dims (strides
+//                               {cols * R*T_max, 1, R*T_max})
+//     recv_count[L] int32       rows per local expert (masked_m); rows >= recv_count[l] of
+//                               recv_x, recv_scales and src_info are unspecified (not written)
 //   ll_combine(y[L, R*T_max, H]) -> out[t] = sum over k of w[t][k] * y(t, k), float32 fma in k
 //                               order, one rounding to bf16
 // A token that selects the same local expert twice gets one row; both selections read it back.
@@ -31,17 +34,22 @@ struct LlHandle {
 };
 
 // Waits for and finishes the receive half of an operation sent with return_recv_hook.
-// Call exactly once, in the same order on every rank.
+// Call exactly once, in the same order on every rank; a second call, or a call after ll_clean,
+// raises InvalidArgument. The library-allocated outputs are kept alive by the hook; caller-owned
+// views it writes (cumulative_local_expert_recv_stats, LlCombineArgs::out) must stay alive until
+// it has run. See Buffer for how many operations may wait for their hooks at once.
 using LlHook = std::function<void()>;
 
 struct LlDispatchArgs {
-  TensorView x;         // [T, H] bf16, T <= T_max, H % 128 == 0
+  TensorView x;         // [T, H] bf16, T <= T_max (else OutOfCapacity), H % 128 == 0, stride(1) 1
   TensorView topk_idx;  // [T, K] int64 or int32, values in [-1, E)
+  // use_fp8 and round_scale are equal on every rank (else every rank raises InvalidArgument).
   bool use_fp8 = true;
   bool round_scale = false;  // power-of-two scales
-  bool use_ue8m0 = false;    // packed exponent bytes; requires round_scale
+  bool use_ue8m0 = false;    // packed exponent bytes; requires use_fp8 and round_scale
   bool return_recv_hook = false;
-  // Optional [L] int32, accumulated with the received tokens per local expert.
+  // Optional [L] int32: recv_count is added to it when the receive finishes (in the hook with
+  // return_recv_hook), not when the receive raises an error.
   TensorView cumulative_local_expert_recv_stats;
   Stream stream = nullptr;
 };
@@ -55,18 +63,20 @@ struct LlDispatchResult {
 };
 
 struct LlCombineArgs {
-  TensorView y;             // [L, R * T_max, H] bf16 (ignored when zero_copy)
-  TensorView topk_idx;      // [T, K], the dispatch's
-  TensorView topk_weights;  // [T, K] f32
+  TensorView y;             // [L, R * T_max, H] bf16, stride(2) 1 (ignored when zero_copy); only
+                            // rows < recv_count[l] are read
+  TensorView topk_idx;      // [T, K], the dispatch's (counts that disagree with what the expert
+                            // ranks received raise InvalidArgument)
+  TensorView topk_weights;  // [T, K] f32 (entries where topk_idx is -1 are not used)
   const LlHandle* handle = nullptr;
   bool zero_copy = false;   // y was written into ll_next_combine_buffer(handle)
   bool return_recv_hook = false;
-  TensorView out;           // optional [T, H] bf16 to write into
+  TensorView out;  // optional [T, H] bf16 (stride(1) 1) to write into
   Stream stream = nullptr;
 };
 
 struct LlCombineResult {
-  Tensor out;  // [T, H] bf16 (aliases args.out when given)
+  Tensor out;  // [T, H] bf16 (aliases args.out when given: a view without storage)
   LlHook hook;
 };
 

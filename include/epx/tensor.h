@@ -88,7 +88,8 @@ struct Tensor : TensorView {
 using Allocator =
     std::function<Tensor(DType dtype, const std::vector<int64_t>& shape, Device device)>;
 
-// malloc for CPU (64-byte aligned), cudaMalloc for CUDA (freed with cudaFree).
+// aligned_alloc for CPU (64-byte aligned; blocks of 8 MiB or more 2 MiB aligned and advised to
+// use transparent huge pages), cudaMalloc for CUDA (freed with cudaFree). Contents uninitialised.
 Allocator default_allocator();
 
 }  // namespace epx

@@ -14,6 +14,11 @@
 
 namespace epx::detail {
 
+// n rounded up to a multiple of `alignment`: the section offsets of the backends' buffer layouts.
+inline size_t align_up(size_t n, size_t alignment) {
+  return (n + alignment - 1) / alignment * alignment;
+}
+
 class BufferImpl {
  public:
   BufferImpl(const Group& group, const MoeShape& shape, const BufferConfig& config, uint64_t id)

@@ -6,9 +6,9 @@
 // given on every rank or none) are made by the backends after their first exchange.
 //
 // Conventions checked (H = shape.hidden, K = shape.top_k, E = shape.num_experts, R = group size):
-//   x             [T, H] bf16 or fp8 e4m3, innermost stride 1 (rows may be strided), T <=
-//   max_tokens x_scales      fp8 only and required with it: [T, H/128] f32 or [T, ceil(H/512)] i32
-//   (packed
+//   x             [T, H] bf16 or fp8 e4m3, innermost stride 1 (rows may be strided),
+//                 T <= max_tokens (else OutOfCapacity)
+//   x_scales      fp8 only and required with it: [T, H/128] f32 or [T, ceil(H/512)] i32 (packed
 //                 UE8M0, 4 exponent bytes per int), any strides; fp8 needs H % 128 == 0
 //   topk_idx      [T, K] int64/int32 in [-1, E) (validate_topk_idx); cached mode ignores it and
 //                 topk_weights (the routing comes from the handle)

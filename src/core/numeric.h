@@ -116,18 +116,24 @@ EPX_HD uint8_t ue8m0_of_scale(float pow2_scale) {
   return static_cast<uint8_t>((f32_bits(pow2_scale) >> 23) & 0xFFu);
 }
 
+// max_i |x_i| over n bf16 values, in index order (0 for n = 0; NaNs are skipped).
+EPX_HD float amax_bf16(const uint16_t* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = bf16_to_f32(x[i]);
+    v = v < 0 ? -v : v;
+    amax = v > amax ? v : amax;
+  }
+  return amax;
+}
+
 // Host reference: quantise one token row of `hidden` bf16 values.
 // q[hidden] fp8 bytes, scales[hidden / 128] float32 (the scale, i.e. amax / 448 possibly rounded).
 inline void quantize_row_fp8(const uint16_t* x, int64_t hidden, bool round_scale, uint8_t* q,
                              float* scales) {
   for (int64_t g = 0; g < hidden / kQuantGroup; ++g) {
-    float amax = 0.0f;
-    for (int i = 0; i < kQuantGroup; ++i) {
-      float v = bf16_to_f32(x[g * kQuantGroup + i]);
-      v = v < 0 ? -v : v;
-      amax = v > amax ? v : amax;
-    }
-    const float scale = fp8_scale_from_amax(amax, round_scale);
+    const float scale =
+        fp8_scale_from_amax(amax_bf16(x + g * kQuantGroup, kQuantGroup), round_scale);
     const float inv = 1.0f / scale;
     for (int i = 0; i < kQuantGroup; ++i)
       q[g * kQuantGroup + i] = f32_to_fp8_e4m3(bf16_to_f32(x[g * kQuantGroup + i]) * inv);

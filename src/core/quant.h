@@ -59,12 +59,7 @@ EPX_HD float e2m1_to_f32(uint8_t code) {
 inline void quantize_row_nvfp4(const uint16_t* x, int64_t hidden, float global_scale,
                                uint8_t* q, uint8_t* scales) {
   for (int64_t b = 0; b < hidden / kNvfp4Block; ++b) {
-    float amax = 0.0f;
-    for (int i = 0; i < kNvfp4Block; ++i) {
-      float v = bf16_to_f32(x[b * kNvfp4Block + i]);
-      v = v < 0 ? -v : v;
-      amax = v > amax ? v : amax;
-    }
+    const float amax = amax_bf16(x + b * kNvfp4Block, kNvfp4Block);
     const uint8_t sf = f32_to_fp8_e4m3((amax / 6.0f) * global_scale);
     const float sf_f = fp8_e4m3_to_f32(sf);
     const float inv = sf_f == 0.0f ? 0.0f : global_scale / sf_f;

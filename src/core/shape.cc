@@ -1,6 +1,7 @@
 #include "epx/shape.h"
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/validate.h"
 
 namespace epx {
@@ -44,8 +45,7 @@ void validate_topk_idx(const TensorView& t, int top_k, int num_experts, Device d
   const int64_t T = t.shape[0];
   for (int64_t i = 0; i < T; ++i) {
     for (int k = 0; k < top_k; ++k) {
-      int64_t v = t.dtype == DType::kI64 ? t.ptr<int64_t>()[i * t.strides[0] + k]
-                                         : t.ptr<int32_t>()[i * t.strides[0] + k];
+      const int64_t v = topk_at(t, i, k);
       EPX_CHECK_ARG(v >= -1 && v < num_experts, op, ": argument '", name, "' has value ", v,
                     " at [", i, ", ", k, "], expected -1 or an expert id in [0, ", num_experts,
                     ")");

@@ -67,6 +67,7 @@
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "transport/transport.h"
 
@@ -74,10 +75,6 @@ namespace epx::detail {
 namespace {
 
 constexpr size_t kRegionAlign = 256;
-
-size_t align_up(size_t n) {
-  return (n + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
-}
 
 // Published by each rank; read by peers between the two barriers of an operation.
 struct CpuA2aHeader {
@@ -110,21 +107,21 @@ struct CpuA2aLayout {
     const size_t max = static_cast<size_t>(s.max_tokens_per_rank);
     size_t off = 0;
     header = off;
-    off += align_up(sizeof(CpuA2aHeader));
+    off += align_up(sizeof(CpuA2aHeader), kRegionAlign);
     send_mask = off;
-    off += align_up(max * sizeof(uint64_t));
+    off += align_up(max * sizeof(uint64_t), kRegionAlign);
     for (size_t i = 0; i < s.payload_bytes_per_token.size(); ++i) {
       send_payload[i] = off;
-      off += align_up(max * s.payload_bytes_per_token[i]);
+      off += align_up(max * s.payload_bytes_per_token[i], kRegionAlign);
     }
     recv_counts = off;
-    off += align_up(R * sizeof(int32_t));
+    off += align_up(R * sizeof(int32_t), kRegionAlign);
     for (size_t i = 0; i < s.payload_bytes_per_token.size(); ++i) {
       recv_payload[i] = off;
-      off += align_up(R * max * s.payload_bytes_per_token[i]);
+      off += align_up(R * max * s.payload_bytes_per_token[i], kRegionAlign);
     }
     combine = off;
-    off += align_up(R * max * s.combine_bytes_per_token);
+    off += align_up(R * max * s.combine_bytes_per_token, kRegionAlign);
     total_bytes = off;
   }
   size_t header = 0, send_mask = 0, recv_counts = 0, combine = 0, total_bytes = 0;
@@ -228,12 +225,10 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
   num_tokens_ = T;
   slots_.assign(static_cast<size_t>(T) * R, -1);
   std::vector<int32_t> num_sent(R, 0);
-  const TensorView& idx = args.topk_idx;
   for (int64_t t = 0; t < T; ++t) {
     uint64_t mask = 0;
     for (int k = 0; k < K; ++k) {
-      const int64_t at = t * idx.strides[0] + k;
-      const int64_t e = idx.dtype == DType::kI64 ? idx.ptr<int64_t>()[at] : idx.ptr<int32_t>()[at];
+      const int64_t e = topk_at(args.topk_idx, t, k);
       if (e >= 0) mask |= uint64_t{1} << (e / L);
     }
     send_mask[t] = mask;

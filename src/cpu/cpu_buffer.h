@@ -10,12 +10,42 @@
 // of its region.
 #pragma once
 
+#include <exception>
 #include <memory>
+#include <type_traits>
 
 #include "core/buffer_impl.h"
 #include "transport/transport.h"
 
 namespace epx::detail {
+
+// The "pull, barrier" half of an operation: runs `pull`, then the closing barrier even when `pull`
+// throws, so a rank that fails (a bad argument only the exchange reveals, an allocator error)
+// never leaves its peers waiting; rethrows afterwards. Returns what `pull` returns.
+template <typename Pull>
+auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> decltype(pull()) {
+  using Result = decltype(pull());
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<Result>) {
+    try {
+      pull();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    transport.barrier(what);
+    if (error) std::rethrow_exception(error);
+  } else {
+    Result result{};
+    try {
+      result = pull();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    transport.barrier(what);
+    if (error) std::rethrow_exception(error);
+    return result;
+  }
+}
 
 struct CpuLlState;  // defined in ll.cc
 

@@ -50,10 +50,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <vector>
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
@@ -90,43 +90,30 @@ struct HtRegion {
   size_t bytes;
 };
 
-size_t align64(size_t n) {
-  return (n + 63) / 64 * 64;
-}
-
 HtRegion ht_region(const MoeShape& s, int R) {
   const size_t Tm = static_cast<size_t>(s.max_tokens_per_rank);
   const size_t K = static_cast<size_t>(s.top_k), H = static_cast<size_t>(s.hidden);
   HtRegion g{};
-  size_t off = align64(sizeof(RegionHeader));
+  size_t off = align_up(sizeof(RegionHeader), 64);
   g.send_counts = off;
-  off += align64(4 * static_cast<size_t>(R));
+  off += align_up(4 * static_cast<size_t>(R), 64);
   const size_t payload = off;
   g.topk_idx = off;
-  off += align64(Tm * K * 8);
+  off += align_up(Tm * K * 8, 64);
   g.topk_weights = off;
-  off += align64(Tm * K * 4);
+  off += align_up(Tm * K * 4, 64);
   g.x = off;
-  off += align64(Tm * H * 2);
+  off += align_up(Tm * H * 2, 64);
   g.scales = off;
-  off += align64(Tm * 4 * ((H + 127) / 128));
+  off += align_up(Tm * 4 * ((H + 127) / 128), 64);
   const size_t dispatch_end = off;
   off = payload;
   g.y = off;
-  off += align64(static_cast<size_t>(R) * Tm * H * 2);
+  off += align_up(static_cast<size_t>(R) * Tm * H * 2, 64);
   g.y_weights = off;
-  off += align64(static_cast<size_t>(R) * Tm * K * 4);
+  off += align_up(static_cast<size_t>(R) * Tm * K * 4, 64);
   g.bytes = std::max(dispatch_end, off);
   return g;
-}
-
-int64_t topk_at(const TensorView& v, int64_t t, int k) {
-  const int64_t i = t * v.strides[0] + k * v.strides[1];
-  return v.dtype == DType::kI64 ? v.ptr<int64_t>()[i] : v.ptr<int32_t>()[i];
-}
-
-float f32_at(const TensorView& v, int64_t t, int64_t k) {
-  return v.ptr<float>()[t * v.strides[0] + k * v.strides[1]];
 }
 
 // Copies the first `rows` rows of a [rows, cols] view with innermost stride 1 into packed rows.
@@ -181,22 +168,6 @@ void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op) {
                     " on rank 0, expected every rank to give it or none");
     }
   }
-}
-
-// Runs `pull` and then the closing barrier, even when `pull` throws, so a failing rank never
-// leaves its peers waiting; rethrows afterwards.
-template <typename Result, typename Pull>
-Result pull_then_barrier(Transport& transport, const char* what, Pull&& pull) {
-  Result result;
-  std::exception_ptr error;
-  try {
-    result = pull();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  transport.barrier(what);
-  if (error) std::rethrow_exception(error);
-  return result;
 }
 
 // Asks for transparent huge pages on this rank's region (a hint; ignored where unsupported).
@@ -287,7 +258,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
         const int64_t e = topk_at(a.topk_idx, t, k);
         idx[t * K + k] = e;
         if (e >= 0) goes[e / L] = 1;
-        if (header->has_weights) w[t * K + k] = f32_at(a.topk_weights, t, k);
+        if (header->has_weights) w[t * K + k] = element<float>(a.topk_weights, t, k);
       }
       for (int d = 0; d < R; ++d) counts[d] += goes[d];
     }
@@ -295,7 +266,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   transport().barrier(cached ? "ht_dispatch (cached, publish)" : "ht_dispatch (publish)");
 
   // ---- pull ------------------------------------------------------------------------------------
-  return pull_then_barrier<HtDispatchResult>(transport(), "ht_dispatch (pull)", [&] {
+  return pull_then_barrier(transport(), "ht_dispatch (pull)", [&] {
     check_peer_headers(mem, R, header->op);
     HtDispatchResult res;
     // Receive rows per source, from the exchanged counts or from the handle.
@@ -468,12 +439,12 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   if (has_weights) {
     auto* w = reinterpret_cast<float*>(mine + reg.y_weights);
     for (int64_t i = 0; i < N; ++i)
-      for (int k = 0; k < K; ++k) w[i * K + k] = f32_at(a.topk_weights, i, k);
+      for (int k = 0; k < K; ++k) w[i * K + k] = element<float>(a.topk_weights, i, k);
   }
   transport().barrier("ht_combine (publish)");
 
   // ---- pull and reduce -------------------------------------------------------------------------
-  return pull_then_barrier<HtCombineResult>(transport(), "ht_combine (pull)", [&] {
+  return pull_then_barrier(transport(), "ht_combine (pull)", [&] {
     check_peer_headers(mem, R, kOpCombine);
     const int32_t* prefix = handle.rank_prefix_matrix.ptr<int32_t>();
     std::vector<const uint16_t*> y(R);

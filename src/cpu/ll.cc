@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/host_view.h"
 #include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
@@ -81,10 +82,7 @@ struct CpuLlState {
 
 namespace {
 
-constexpr size_t kAlign = 64;
-size_t align_up(size_t n, size_t a = kAlign) {
-  return (n + a - 1) / a * a;
-}
+constexpr size_t kAlign = 64;  // every section offset
 
 struct DispatchHeader {
   uint64_t seq;  // 1, 2, ... per dispatch; 0 = nothing published
@@ -114,33 +112,34 @@ struct LlLayout {
         rows_per_expert(R * s.max_tokens_per_rank) {
     const size_t H = static_cast<size_t>(hidden), G = static_cast<size_t>(num_groups);
     msg_bytes = align_up(std::max(2 * H, H + 4 * G), 16);
-    topk_off = align_up(sizeof(DispatchHeader));
-    msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k);
-    dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens);
-    layout_off = align_up(sizeof(CombineHeader));
-    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R);
+    topk_off = align_up(sizeof(DispatchHeader), kAlign);
+    msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k, kAlign);
+    dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens, kAlign);
+    layout_off = align_up(sizeof(CombineHeader), kAlign);
+    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kAlign);
     combine_slot_bytes =
-        y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H);
+        y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H, kAlign);
   }
   size_t dispatch_off(int slot) const { return slot * dispatch_slot_bytes; }
   size_t combine_off(int slot) const { return 2 * dispatch_slot_bytes + slot * combine_slot_bytes; }
   size_t total_bytes() const { return 2 * dispatch_slot_bytes + 2 * combine_slot_bytes; }
 };
 
-int64_t topk_at(const TensorView& t, int64_t i, int k) {
-  const int64_t off = i * t.strides[0] + k * t.strides[1];
-  return t.dtype == DType::kI64 ? t.ptr<int64_t>()[off] : t.ptr<int32_t>()[off];
-}
-
 CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
   if (!p) p = std::make_shared<CpuLlState>();
   return *p;
 }
 
-// Wraps a receive half into the hook handed to the caller: once only, not after ll_clean, and
-// frees its slot whatever happens.
-LlHook make_hook(std::shared_ptr<CpuLlState> st, bool is_dispatch, int slot,
-                 std::function<void()> receive) {
+// Runs the receive half now (returns no hook), or marks its slot in flight and returns it wrapped
+// as the caller's hook: callable once only, not after ll_clean, and freeing the slot whatever
+// happens.
+LlHook receive_or_hook(const std::shared_ptr<CpuLlState>& st, bool is_dispatch, int slot,
+                       bool return_recv_hook, std::function<void()> receive) {
+  if (!return_recv_hook) {
+    receive();
+    return {};
+  }
+  (is_dispatch ? st->dispatch_in_flight : st->combine_in_flight)[slot] = true;
   const uint64_t generation = st->generation;
   auto called = std::make_shared<bool>(false);
   return [st, is_dispatch, slot, receive = std::move(receive), called, generation]() {
@@ -177,37 +176,35 @@ struct DispatchRecv {
 
 void DispatchRecv::operator()() const {
   transport->barrier("ll_dispatch (receive)");
-  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
-  const int r = mem->rank();
-  const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
-  const int64_t packed_groups = (G + 3) / 4;
-  const size_t row_bytes = use_fp8 ? H : 2 * H;
-  std::string error;  // reported after the release barrier, so peers are not left waiting
+  // A mismatch is raised after the release barrier, so peers are not left waiting.
+  pull_then_barrier(*transport, "ll_dispatch (release)", [&] {
+    const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
+    const int r = mem->rank();
+    const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
+    const int64_t packed_groups = (G + 3) / 4;
+    const size_t row_bytes = use_fp8 ? H : 2 * H;
 
-  auto* out_x = static_cast<uint8_t*>(recv_x.data);
-  auto* out_src = src_info.ptr<int32_t>();
-  auto* out_range = layout_range.ptr<int64_t>();
-  std::vector<int64_t> num_rows(L, 0);
-  std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
-  std::vector<float> scales(G);                    // one message's scales
+    auto* out_x = static_cast<uint8_t*>(recv_x.data);
+    auto* out_src = src_info.ptr<int32_t>();
+    auto* out_range = layout_range.ptr<int64_t>();
+    std::vector<int64_t> num_rows(L, 0);
+    std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
+    std::vector<float> scales(G);                    // one message's scales
 
-  for (int src = 0; src < R; ++src) {
-    const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
-    DispatchHeader h;
-    std::memcpy(&h, region, sizeof(h));
-    for (auto& v : tokens_of) v.clear();
-    if (error.empty() && h.seq != seq)
-      error = cat("ll_dispatch: rank ", src, " published dispatch #", h.seq, " in slot ", slot,
-                  " but this rank expected #", seq,
-                  "; every rank must call the same ll operations in the same order");
-    else if (error.empty() && (h.use_fp8 != use_fp8 || h.round_scale != round_scale))
-      error = cat("ll_dispatch: rank ", src, " called with use_fp8 = ", h.use_fp8,
-                  ", round_scale = ", h.round_scale, " but this rank with use_fp8 = ", use_fp8,
-                  ", round_scale = ", round_scale, "; expected the same on every rank");
-    else if (error.empty() && (h.num_tokens < 0 || h.num_tokens > lay.max_tokens))
-      error = cat("ll_dispatch: rank ", src, " published T = ", h.num_tokens, ", expected 0..",
-                  lay.max_tokens);
-    if (error.empty()) {
+    for (int src = 0; src < R; ++src) {
+      const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
+      DispatchHeader h;
+      std::memcpy(&h, region, sizeof(h));
+      EPX_CHECK_ARG(h.seq == seq, "ll_dispatch: rank ", src, " published dispatch #", h.seq,
+                    " in slot ", slot, " but this rank expected #", seq,
+                    "; every rank must call the same ll operations in the same order");
+      EPX_CHECK_ARG(h.use_fp8 == use_fp8 && h.round_scale == round_scale, "ll_dispatch: rank ", src,
+                    " called with use_fp8 = ", h.use_fp8, ", round_scale = ", h.round_scale,
+                    " but this rank with use_fp8 = ", use_fp8, ", round_scale = ", round_scale,
+                    "; expected the same on every rank");
+      EPX_CHECK_ARG(h.num_tokens >= 0 && h.num_tokens <= lay.max_tokens, "ll_dispatch: rank ", src,
+                    " published T = ", h.num_tokens, ", expected 0..", lay.max_tokens);
+      for (auto& v : tokens_of) v.clear();
       const auto* topk = reinterpret_cast<const int32_t*>(region + lay.topk_off);
       for (int64_t t = 0; t < h.num_tokens; ++t) {
         const int32_t* row = topk + t * K;
@@ -218,39 +215,37 @@ void DispatchRecv::operator()() const {
           tokens_of[e % L].push_back(static_cast<int32_t>(t));
         }
       }
-    }
-    for (int l = 0; l < L; ++l) {
-      const int64_t begin = num_rows[l];
-      for (int32_t t : tokens_of[l]) {
-        const int64_t row = num_rows[l]++;
-        const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
-        std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
-        out_src[l * RT + row] = t;
-        if (!use_fp8) continue;
-        std::memcpy(scales.data(), msg + H, sizeof(float) * G);
-        if (!use_ue8m0) {
-          for (int64_t g = 0; g < G; ++g)
-            recv_scales.ptr<float>()[(l * G + g) * RT + row] = scales[g];
-        } else {
-          for (int64_t p = 0; p < packed_groups; ++p) {
-            uint32_t word = 0;
-            for (int64_t g = 4 * p; g < std::min(G, 4 * p + 4); ++g)
-              word |= static_cast<uint32_t>(ue8m0_of_scale(scales[g])) << (8 * (g % 4));
-            recv_scales.ptr<int32_t>()[(l * packed_groups + p) * RT + row] =
-                static_cast<int32_t>(word);
+      for (int l = 0; l < L; ++l) {
+        const int64_t begin = num_rows[l];
+        for (int32_t t : tokens_of[l]) {
+          const int64_t row = num_rows[l]++;
+          const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
+          std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
+          out_src[l * RT + row] = t;
+          if (!use_fp8) continue;
+          std::memcpy(scales.data(), msg + H, sizeof(float) * G);
+          if (!use_ue8m0) {
+            for (int64_t g = 0; g < G; ++g)
+              recv_scales.ptr<float>()[(l * G + g) * RT + row] = scales[g];
+          } else {
+            for (int64_t p = 0; p < packed_groups; ++p) {
+              uint32_t word = 0;
+              for (int64_t g = 4 * p; g < std::min(G, 4 * p + 4); ++g)
+                word |= static_cast<uint32_t>(ue8m0_of_scale(scales[g])) << (8 * (g % 4));
+              recv_scales.ptr<int32_t>()[(l * packed_groups + p) * RT + row] =
+                  static_cast<int32_t>(word);
+            }
           }
         }
+        out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
       }
-      out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
     }
-  }
-  for (int l = 0; l < L; ++l) {
-    recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
-    if (stats.defined())
-      stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
-  }
-  transport->barrier("ll_dispatch (release)");
-  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+    for (int l = 0; l < L; ++l) {
+      recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
+      if (stats.defined())
+        stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
+    }
+  });
 }
 
 // ---- combine -------------------------------------------------------------------------------
@@ -272,46 +267,45 @@ struct CombineRecv {
 
 void CombineRecv::operator()() const {
   transport->barrier("ll_combine (receive)");
-  const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
-  const int r = mem->rank();
-  const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
-  std::string error;
+  // A mismatch is raised after the release barrier, so peers are not left waiting.
+  pull_then_barrier(*transport, "ll_combine (release)", [&] {
+    const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
+    const int r = mem->rank();
+    const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
 
-  for (int d = 0; d < R && error.empty(); ++d) {
-    CombineHeader h;
-    std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
-    if (h.seq != seq)
-      error = cat("ll_combine: rank ", d, " published combine #", h.seq, " in slot ", slot,
-                  " but this rank expected #", seq,
-                  "; every rank must call the same ll operations in the same order");
-  }
-  // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
-  std::vector<int64_t> row_in_block(T * K, -1);
-  std::vector<int64_t> num_selected(E, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = topk[t * K + k];
-      if (e < 0) continue;
-      int k0 = 0;
-      while (topk[t * K + k0] != e) ++k0;
-      row_in_block[t * K + k] = k0 < k ? row_in_block[t * K + k0] : num_selected[e]++;
+    for (int d = 0; d < R; ++d) {
+      CombineHeader h;
+      std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
+      EPX_CHECK_ARG(h.seq == seq, "ll_combine: rank ", d, " published combine #", h.seq,
+                    " in slot ", slot, " but this rank expected #", seq,
+                    "; every rank must call the same ll operations in the same order");
     }
-  }
-  // begin of this rank's block in every expert, checked against what the expert rank received.
-  std::vector<int64_t> begin(E, 0);
-  for (int e = 0; e < E && error.empty(); ++e) {
-    const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
-    int64_t range;
-    std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + r),
-                sizeof(range));
-    begin[e] = range >> 32;
-    const int64_t count = range & 0xFFFFFFFF;
-    if (count != num_selected[e] || begin[e] + count > RT)
-      error = cat("ll_combine: argument 'topk_idx' selects expert ", e, " with ", num_selected[e],
-                  " tokens but rank ", e / L, " received ", count,
-                  " from this rank; expected the topk_idx of the dispatch that made 'handle'");
-  }
-  if (error.empty()) {
+    // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
+    std::vector<int64_t> row_in_block(T * K, -1);
+    std::vector<int64_t> num_selected(E, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = topk[t * K + k];
+        if (e < 0) continue;
+        int k0 = 0;
+        while (topk[t * K + k0] != e) ++k0;
+        row_in_block[t * K + k] = k0 < k ? row_in_block[t * K + k0] : num_selected[e]++;
+      }
+    }
+    // begin of this rank's block in every expert, checked against what the expert rank received.
+    std::vector<int64_t> begin(E, 0);
+    for (int e = 0; e < E; ++e) {
+      const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
+      int64_t range;
+      std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + r),
+                  sizeof(range));
+      begin[e] = range >> 32;
+      const int64_t count = range & 0xFFFFFFFF;
+      EPX_CHECK_ARG(count == num_selected[e] && begin[e] + count <= RT,
+                    "ll_combine: argument 'topk_idx' selects expert ", e, " with ", num_selected[e],
+                    " tokens but rank ", e / L, " received ", count,
+                    " from this rank; expected the topk_idx of the dispatch that made 'handle'");
+    }
     std::vector<float> acc(H);
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -329,9 +323,7 @@ void CombineRecv::operator()() const {
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
       for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
     }
-  }
-  transport->barrier("ll_combine (release)");
-  if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+  });
 }
 
 }  // namespace
@@ -406,12 +398,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
                     res.handle.src_info,
                     res.handle.layout_range,
                     args.cumulative_local_expert_recv_stats};
-  if (args.return_recv_hook) {
-    st.dispatch_in_flight[slot] = true;
-    res.hook = make_hook(ll_state_, true, slot, std::move(recv));
-  } else {
-    recv();
-  }
+  res.hook = receive_or_hook(ll_state_, true, slot, args.return_recv_hook, std::move(recv));
   return res;
 }
 
@@ -436,7 +423,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
   const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
-    for (int s = 0; s < R; ++s) layout[l * R + s] = range.ptr<int64_t>()[l * range.strides[0] + s];
+    for (int s = 0; s < R; ++s) layout[l * R + s] = element<int64_t>(range, l, s);
   if (!args.zero_copy) {
     auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
     for (int l = 0; l < L; ++l) {
@@ -466,15 +453,10 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   for (int64_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       recv.topk[t * K + k] = static_cast<int32_t>(topk_at(args.topk_idx, t, k));
-      recv.weights[t * K + k] = w.ptr<float>()[t * w.strides[0] + k * w.strides[1]];
+      recv.weights[t * K + k] = element<float>(w, t, k);
     }
   }
-  if (args.return_recv_hook) {
-    st.combine_in_flight[slot] = true;
-    res.hook = make_hook(ll_state_, false, slot, std::move(recv));
-  } else {
-    recv();
-  }
+  res.hook = receive_or_hook(ll_state_, false, slot, args.return_recv_hook, std::move(recv));
   return res;
 }
 

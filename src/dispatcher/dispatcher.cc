@@ -21,11 +21,12 @@
 // work. Host waits: ht exact mode (learning N, inside Buffer::ht_dispatch) and expert_load().
 #include "epx/dispatcher.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include "core/check.h"
 #include "core/expert_load.h"
 #include "core/quant.h"
+#include "core/validate.h"
 
 namespace epx {
 
@@ -181,6 +182,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   detail::check_dtype(x, "Dispatcher::dispatch_a", "x", {DType::kBF16});
   detail::check_shape(x, "Dispatcher::dispatch_a", "x", {-1, c.hidden});
   detail::check_defined(topk_weights, "Dispatcher::dispatch_a", "topk_weights");
+  detail::check_dtype(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {DType::kF32});
   detail::check_shape(topk_weights, "Dispatcher::dispatch_a", "topk_weights", {x.shape[0], c.top_k});
   EPX_CHECK_ARG(c.quant != DispatchQuant::kNvfp4 || global_scale.has_value(),
                 "Dispatcher::dispatch_a: argument 'global_scale' is required with quant nvfp4");
@@ -191,10 +193,12 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   s.keep_alive.clear();
 
   if (c.backend == DispatcherBackend::kA2a) {
-    // topk_idx is read (narrowed) here, before the a2a validation sees it.
-    detail::check_defined(topk_idx, "Dispatcher::dispatch_a", "topk_idx");
+    // topk_idx is read (narrowed to int32) here, before the a2a validation sees it: validate it
+    // first (values too, where the host can read them), so a short tensor is not overread and an
+    // int64 id is never wrapped onto a valid expert (on cuda, ids outside int32 narrow to
+    // INT32_MIN and are reported as out of range on the device).
+    detail::validate_topk_idx(topk_idx, c.top_k, c.num_experts, x.device, "Dispatcher::dispatch_a");
     detail::check_shape(topk_idx, "Dispatcher::dispatch_a", "topk_idx", {x.shape[0], c.top_k});
-    detail::check_device(topk_idx, "Dispatcher::dispatch_a", "topk_idx", x.device);
     s.format = OutputFormat::kA2a;
     // Payloads: [x (or quantised values), (scales), expert ids int32, weights f32].
     std::vector<TensorView> payloads;

@@ -31,7 +31,8 @@ struct alignas(64) ArriveSlot {
 };
 
 struct ControlBlock {
-  std::atomic<int32_t> aborted_by;  // rank + 1 of the first rank that aborted, 0 = none
+  std::atomic<int32_t> abort_claimed;  // set by the first abort(): only it writes the message
+  std::atomic<int32_t> aborted_by;     // rank + 1 of that rank, 0 = none; set after the message
   char abort_message[512];
   ArriveSlot arrive[kMaxRanks];
 };
@@ -90,9 +91,14 @@ class CpuTransportBase : public Transport {
   }
 
   void abort(const std::string& why) override {
-    std::strncpy(control_->abort_message, why.c_str(), sizeof(control_->abort_message) - 1);
+    // Claim first, so two ranks aborting at once never write the message together, and publish
+    // aborted_by only once the message is complete (release; pairs with the acquire load in
+    // barrier(), which reads the message after seeing aborted_by != 0).
     int32_t expected = 0;
-    control_->aborted_by.compare_exchange_strong(expected, rank_ + 1, std::memory_order_acq_rel);
+    if (!control_->abort_claimed.compare_exchange_strong(expected, 1, std::memory_order_relaxed))
+      return;  // an earlier abort() (of any rank) already names the failure
+    std::strncpy(control_->abort_message, why.c_str(), sizeof(control_->abort_message) - 1);
+    control_->aborted_by.store(rank_ + 1, std::memory_order_release);
   }
 
  protected:

@@ -50,7 +50,8 @@ class Transport {
   virtual void barrier(const char* what) = 0;
 
   // Marks this rank failed: peers blocked in barrier() stop with an error that quotes `why`
-  // instead of waiting for the timeout. The group is unusable afterwards.
+  // instead of waiting for the timeout. The first abort() of the group wins (later ones, of any
+  // rank, change nothing). The group is unusable afterwards.
   virtual void abort(const std::string& why) = 0;
 };
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -33,6 +34,15 @@ void run_threads(int R, const std::function<void(const Group&)>& body, GroupOpti
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+Allocator poison_allocator(uint8_t byte) {
+  return [byte, base = default_allocator()](DType dtype, const std::vector<int64_t>& shape,
+                                            Device device) {
+    Tensor t = base(dtype, shape, device);
+    if (t.nbytes() > 0) std::memset(t.data, byte, t.nbytes());
+    return t;
+  };
 }
 
 int run_processes(int R, const std::function<int(const Group&)>& body, GroupOptions options) {

@@ -65,7 +65,8 @@ void fill_a2a_inputs(A2aProblem& p, const std::vector<Routing>& routing, std::mt
           std::memcpy(bytes.data() + i * 4, &v, 4);
         }
       } else if (spec.fill == A2aPayloadSpec::Fill::kWeights) {
-        std::memcpy(bytes.data(), weights.data(), bytes.size());
+        // T = 0 gives empty vectors whose data() may be null: memcpy must not see them.
+        if (!bytes.empty()) std::memcpy(bytes.data(), weights.data(), bytes.size());
       } else {
         bytes = make_bytes(bytes.size(), rng);
       }
@@ -75,7 +76,7 @@ void fill_a2a_inputs(A2aProblem& p, const std::vector<Routing>& routing, std::mt
     std::vector<uint8_t> y(static_cast<size_t>(R * M * H) * p.combine_elem_bytes());
     std::vector<uint16_t> b = make_bf16(R * M, H, rng);
     if (p.combine_dtype == DType::kBF16) {
-      std::memcpy(y.data(), b.data(), y.size());
+      if (!y.empty()) std::memcpy(y.data(), b.data(), y.size());  // M = 0: no rows
     } else {
       std::uniform_int_distribution<int> low(0, 0xFFFF);
       for (size_t i = 0; i < b.size(); ++i) {

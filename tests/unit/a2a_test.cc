@@ -36,20 +36,6 @@ using Fill = A2aPayloadSpec::Fill;
 
 // ---- helpers ---------------------------------------------------------------------------------
 
-Allocator poison_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    size_t n = dtype_size(dtype);
-    for (int64_t d : shape) n *= static_cast<size_t>(d);
-    const size_t alloc_bytes = (std::max<size_t>(n, 1) + 63) / 64 * 64;
-    std::shared_ptr<void> storage(std::aligned_alloc(64, alloc_bytes), std::free);
-    std::memset(storage.get(), 0xFF, alloc_bytes);
-    Tensor t;
-    static_cast<TensorView&>(t) = TensorView::contiguous(storage.get(), dtype, shape, device);
-    t.storage = storage;
-    return t;
-  };
-}
-
 // How one dispatch/combine cycle feeds the library.
 struct CycleOptions {
   bool payload_in_workspace = false;
@@ -113,7 +99,7 @@ std::string run_cycle(A2a& a2a, const A2aProblem& p, int r, const CycleOptions& 
   if (!ws_ok) err += "\n  combine_payload_view returned " + ws.describe();
   if (o.payload_in_workspace && ws_ok) {
     if (y_bytes) std::memcpy(ws.data, p.combine_y[r].data(), y_bytes);
-    out = a2a.combine(ws, M, true, nullptr, poison_allocator());
+    out = a2a.combine(ws, M, true, nullptr, testing::poison_allocator(0xFF));
   } else {  // (also when the view is wrong: the collective must go on on every rank)
     if (ws_ok) poison(ws, 0xFF);
     const int64_t row_stride = o.strided_y ? H + 3 : H;
@@ -123,7 +109,7 @@ std::string run_cycle(A2a& a2a, const A2aProblem& p, int r, const CycleOptions& 
                   H * elem);
     TensorView yv = TensorView::contiguous(y.data(), p.combine_dtype, {R, M, H});
     yv.strides = {M * row_stride, row_stride, 1};
-    out = a2a.combine(yv, M, false, nullptr, poison_allocator());
+    out = a2a.combine(yv, M, false, nullptr, testing::poison_allocator(0xFF));
   }
   std::string cerr = testing::a2a_compare_combine(p, r, ex, out);
   if (!cerr.empty()) err += (err.empty() ? "" : "\n") + cerr;

@@ -168,6 +168,35 @@ TEST(Dispatcher, BadConfigurationsSayWhy) {
   });
 }
 
+// The a2a backend narrows expert ids to int32 on the host: they are validated first, so an int64
+// id that would wrap to a valid expert (2^32 -> 0) or a topk_idx with too few rows is an error,
+// not a silent re-route or an overread; nothing is sent and the stage stays initial.
+TEST(Dispatcher, A2aValidatesTopkIdxBeforeNarrowingIt) {
+  testing::run_threads(1, [](const Group& g) {
+    Dispatcher d(g, small_config(DispatchMode::kNormal, DispatcherBackend::kA2a));
+    Inputs in = make_inputs(4, 128, 3, 8, 1, 7);
+    auto expect_invalid = [&](const TensorView& idx, const std::string& needle) {
+      try {
+        d.dispatch_a(in.xv, idx, in.wv);
+        ADD_FAILURE() << "expected InvalidArgument naming " << needle;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+      EXPECT_STREQ(d.stage_name(), "initial");
+    };
+    const int64_t saved = in.idx[5];
+    in.idx[5] = int64_t{1} << 32;
+    expect_invalid(in.iv, "has value 4294967296 at [1, 2]");
+    in.idx[5] = saved;
+    expect_invalid(TensorView::contiguous(in.idx.data(), DType::kI64, {3, 3}),
+                   "argument 'topk_idx' has shape [3, 3], expected [4, 3]");
+    // The same inputs, well formed, go through.
+    DispatchOutput out = d.dispatch(in.xv, in.iv, in.wv);
+    EXPECT_EQ(out.format, OutputFormat::kA2a);
+  });
+}
+
 // ---- quantisation error bounds against float64 ----------------------------------------------
 
 TEST(Quant, Fp8PerTokenBlockErrorBound) {

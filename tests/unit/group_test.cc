@@ -97,6 +97,40 @@ TEST(Group, AbortEndsPeersWaitWithItsReason) {
       Error);
 }
 
+// Several ranks abort at once: the waiting rank's error names one of them and quotes that rank's
+// own reason (the first abort() wins; a later one must not rewrite the message being read).
+TEST(Group, ConcurrentAbortsQuoteTheRankTheyName) {
+  GroupOptions o;
+  o.timeout = std::chrono::seconds(20);
+  for (int round = 0; round < 10; ++round) {
+    std::string seen;
+    ErrorCode code = ErrorCode::kInvalidArgument;
+    testing::run_threads(
+        4,
+        [&](const Group& g) {
+          if (g.rank() != 0) {
+            g.transport()->abort("reason of rank " + std::to_string(g.rank()));
+            return;
+          }
+          try {
+            g.barrier();
+          } catch (const Error& e) {
+            seen = e.what();
+            code = e.code();
+          }
+        },
+        o);
+    EXPECT_EQ(code, ErrorCode::kInternal) << seen;
+    bool consistent = false;
+    for (int r = 1; r < 4; ++r) {
+      const std::string n = std::to_string(r);
+      consistent |= seen.find("rank " + n + " aborted the collective (reason of rank " + n + ")") !=
+                    std::string::npos;
+    }
+    EXPECT_TRUE(consistent) << seen;
+  }
+}
+
 TEST(Group, BadRankAndSizeAreInvalidArguments) {
   try {
     Group::cpu_threads(2, 2, "x");

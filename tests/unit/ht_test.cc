@@ -44,14 +44,6 @@ uint64_t base_seed() {
   return s ? std::strtoull(s, nullptr, 10) : 20240611ull;
 }
 
-Allocator poison_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
-    std::memset(t.data, 0xAB, t.nbytes());
-    return t;
-  };
-}
-
 // n random bytes, 8 per draw.
 std::vector<uint8_t> random_bytes(size_t n, std::mt19937_64& rng) {
   std::vector<uint8_t> v(n);
@@ -393,7 +385,7 @@ void check_dispatch(Mismatches& m, const CaseData& d, int r, const HtDispatchRes
 std::string run_rank(const CaseData& d, const Group& g) {
   const Case& c = d.c;
   const int r = g.rank();
-  const Allocator alloc = poison_allocator();
+  const Allocator alloc = testing::poison_allocator(0xAB);
   Mismatches m;
   Buffer buf(g, shape_of(c));
   const HtRankInput& in = d.inputs[r];
@@ -532,7 +524,7 @@ TEST(HtExample, TwoRanksByHand) {
     HtDispatchArgs a;
     a.x = TensorView::contiguous(x.data(), DType::kBF16, {T, 128});
     a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {T, 2});
-    HtDispatchResult res = buf.ht_dispatch(a, poison_allocator());
+    HtDispatchResult res = buf.ht_dispatch(a, testing::poison_allocator(0xAB));
     ASSERT_EQ(res.recv_x.shape[0], 3);
     const std::vector<int64_t> idx = r == 0 ? std::vector<int64_t>{0, -1, 1, -1, -1, 0}
                                             : std::vector<int64_t>{-1, 1, 0, 0, 1, -1};
@@ -558,7 +550,7 @@ TEST(HtExample, TwoRanksByHand) {
     HtCombineArgs c;
     c.y = res.recv_x;
     c.handle = &res.handle;
-    HtCombineResult out = buf.ht_combine(c, poison_allocator());
+    HtCombineResult out = buf.ht_combine(c, testing::poison_allocator(0xAB));
     const std::vector<float> want =
         r == 0 ? std::vector<float>{2, 2, 0} : std::vector<float>{11, 24};
     for (int64_t t = 0; t < T; ++t)
@@ -598,7 +590,7 @@ TEST(HtWorstCase, OverflowRaisesOnTheRightRankOnly) {
       if (ex.overflow) {
         Mismatches m;
         try {
-          buf.ht_dispatch(a, poison_allocator());
+          buf.ht_dispatch(a, testing::poison_allocator(0xAB));
           ADD_FAILURE() << "rank 1 expected OutOfCapacity";
         } catch (const Error& e) {
           check_error(m, e, ErrorCode::kOutOfCapacity, {"num_worst_tokens", "24", "12", "rank 1"},
@@ -607,7 +599,7 @@ TEST(HtWorstCase, OverflowRaisesOnTheRightRankOnly) {
         EXPECT_TRUE(m.lines.empty()) << m.str("rank 1");
         continue;
       }
-      HtDispatchResult res = buf.ht_dispatch(a, poison_allocator());
+      HtDispatchResult res = buf.ht_dispatch(a, testing::poison_allocator(0xAB));
       EXPECT_EQ(res.recv_x.shape[0], worst);
       EXPECT_EQ(res.handle.num_recv_tokens, ex.num_recv_tokens);
       Mismatches m;

@@ -27,14 +27,6 @@ using testing::LlProblem;
 using testing::LlRankInput;
 using testing::Routing;
 
-Allocator poison_allocator() {
-  return [base = default_allocator()](DType d, const std::vector<int64_t>& s, Device dev) {
-    Tensor t = base(d, s, dev);
-    if (t.nbytes()) std::memset(t.data, 0xA5, t.nbytes());
-    return t;
-  };
-}
-
 constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong row read shows up in the combine sum
 
 struct Case {
@@ -122,7 +114,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
   config.enable_ht = false;
   config.enable_ll = true;
   Buffer buf(g, shape, config);
-  const Allocator alloc = poison_allocator();
+  const Allocator alloc = testing::poison_allocator(0xA5);
   std::string err;
   auto fail = [&](const std::string& where, const std::string& what) {
     if (err.empty() && !what.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + what;
@@ -623,6 +615,27 @@ TEST(LlErrors, RanksDisagreeOnFp8) {
     buf.ll_clean();
     EXPECT_EQ(buf.ll_dispatch(s.dispatch_args()).recv_count.ptr<int32_t>()[1],
               g.rank() == 0 ? 10 : 0);
+  });
+}
+
+// A dispatch whose receive raises adds nothing to cumulative_local_expert_recv_stats (rank 0
+// reads its own block before it meets rank 1's mismatching header: no partial counts either).
+TEST(LlErrors, FailedReceiveLeavesStatsUntouched) {
+  testing::run_threads(2, [&](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    const int64_t L = Small::kE / 2;
+    std::fill(s.stats.begin(), s.stats.end(), 7);
+    LlDispatchArgs a = s.dispatch_args();
+    a.cumulative_local_expert_recv_stats = TensorView::contiguous(s.stats.data(), DType::kI32, {L});
+    a.use_fp8 = g.rank() == 0;
+    expect_error([&] { buf.ll_dispatch(a); }, ErrorCode::kInvalidArgument, {"use_fp8"});
+    for (int64_t l = 0; l < L; ++l) EXPECT_EQ(s.stats[l], 7) << "stats[" << l << "]";
+    buf.ll_clean();
+    a.use_fp8 = true;
+    buf.ll_dispatch(a);  // the same stats, now accumulated: expert 1 of rank 0 gets 2 * T rows
+    for (int64_t l = 0; l < L; ++l)
+      EXPECT_EQ(s.stats[l], 7 + (g.rank() == 0 && l == 1 ? 2 * s.T : 0)) << "stats[" << l << "]";
   });
 }
 
