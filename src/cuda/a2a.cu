@@ -238,14 +238,7 @@ void CudaA2a::check() {
             "combine in the same order)"));
   }
   // Not fatal: the collective completed. Let the device report the next error.
-  rec->code = kDevErrNone;
-  {
-    DeviceGuard guard(device_);
-    const uint32_t zero = 0;
-    EPX_CUDA_CHECK(cudaMemcpy(&layout_.state(local())->dev.error_claim, &zero, sizeof(zero),
-                              cudaMemcpyHostToDevice),
-                   "check");
-  }
+  rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
   if (e.code == kDevErrBadExpert) {
     throw_error(
         ErrorCode::kInvalidArgument,

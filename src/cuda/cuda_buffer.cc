@@ -28,6 +28,13 @@ TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
 void cuda_ll_clean(CudaLl& ll);
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
 
+void rearm_device_error(volatile DeviceErrorRecord* record, uint32_t* claim_on_device, int device) {
+  record->code = kDevErrNone;
+  DeviceGuard guard(device);
+  const uint32_t zero = 0;
+  EPX_CUDA_CHECK(cudaMemcpy(claim_on_device, &zero, sizeof(zero), cudaMemcpyHostToDevice), "check");
+}
+
 const char* device_op_name(uint32_t op) {
   switch (op) {
     case kOpHtLayout:
@@ -207,13 +214,7 @@ void CudaBuffer::raise_device_error() {
     broken_why_ = "a device wait timed out";
     return;  // the device state is inconsistent; keep the record
   }
-  rec->code = kDevErrNone;
-  // Let the device report the next error (synchronous: an error path only).
-  DeviceGuard guard(device_);
-  const uint32_t zero = 0;
-  EPX_CUDA_CHECK(
-      cudaMemcpy(&device_state()->error_claim, &zero, sizeof(zero), cudaMemcpyHostToDevice),
-      "check");
+  rearm_device_error(rec, &device_state()->error_claim, device_);
 }
 
 // ll: validated by epx::Buffer (enable_ll, so ll_ exists); the mode lives in ll.cu.

@@ -53,6 +53,10 @@ struct DeviceState {
 };
 
 const char* device_op_name(uint32_t op);
+
+// After the host raised a non-fatal record: clears the record and the device-side claim word so
+// the device can report the next error (synchronous cudaMemcpy on `device`; error paths only).
+void rearm_device_error(volatile DeviceErrorRecord* record, uint32_t* claim_on_device, int device);
 const char* device_wait_name(uint32_t what);
 
 }  // namespace epx::detail

@@ -187,14 +187,7 @@ void CudaLl::check() {
                     "call the same ll operations and hooks in the same order)"));
   }
   // Not fatal: the collective completed. Let the device report the next error.
-  rec->code = kDevErrNone;
-  {
-    DeviceGuard guard(device_);
-    const uint32_t zero = 0;
-    EPX_CUDA_CHECK(cudaMemcpy(&layout_.state(local())->dev.error_claim, &zero, sizeof(zero),
-                              cudaMemcpyHostToDevice),
-                   "check");
-  }
+  rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
   switch (e.code) {
     case kDevErrBadExpert:
       throw_error(
