@@ -7,7 +7,8 @@ epx_setup_env() {
   # Never enable NVLink multicast on the shared GPU hosts; passed on to every child process.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   if [ -x /opt/torch/.venv/bin/python3 ]; then
-    EPX_PYTHON=/opt/torch/.venv/bin/python3           # the GPU machine
+    EPX_PYTHON=/opt/torch/.venv/bin/python3           # the GPU machine (its cmake, ninja too)
+    export PATH="/opt/torch/.venv/bin:$PATH"
   else
     EPX_PYTHON=/usr/bin/python3                       # Debian's, with apt packages
   fi

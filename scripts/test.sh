@@ -10,8 +10,11 @@ epx_install_deps
 epx_configure_and_build
 echo "== GoogleTest (ctest) =="
 # Timing assertions (the *Perf* tests) run alone, after everything else.
-(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf' &&
-  ctest --output-on-failure -R 'Perf')
+# Every tier runs even when an earlier one fails; the exit status reports any failure.
+failed=()
+(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf') ||
+  failed+=(ctest)
+(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -R 'Perf') || failed+=(ctest-perf)
 # Without a GPU, say why the GPU GoogleTests were skipped (ctest only prints "Skipped").
 if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
   for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
@@ -24,7 +27,13 @@ if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 fi
 if [ -d tests/python ] && epx_python_ready; then
   echo "== pytest =="
-  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python ||
+    failed+=(pytest)
 else
   echo "== pytest: SKIPPED (no Python package or no torch/pytest for $EPX_PYTHON) =="
 fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== FAILED: ${failed[*]} =="
+  exit 1
+fi
+echo "== all tests passed =="
