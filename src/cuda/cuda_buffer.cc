@@ -198,8 +198,9 @@ void CudaBuffer::check() {
     case kDevErrOutOfCapacity:
       throw_error(
           ErrorCode::kOutOfCapacity,
-          cat(op, ": rank ", e.rank, " receives ", e.a, " rows but num_worst_tokens is ", e.b,
-              "; expected num_worst_tokens >= received rows (rows past it were not "
+          cat(op, ": rank ", e.rank, " receives N = ", e.a,
+              " tokens, more than argument 'num_worst_tokens' = ", e.b,
+              "; expected num_worst_tokens >= N (found on the device; rows past it were not "
               "written)"));
     default:
       throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));

@@ -29,6 +29,7 @@
 
 #include "epx/a2a.h"
 #include "epx/error.h"
+#include "gpu/bench_common.cuh"
 #include "gpu/gpu_support.h"
 #include "support/oracle_a2a.h"
 #include "support/routing.h"
@@ -38,24 +39,8 @@
 namespace {
 
 using namespace epx;
+using bench::median;
 namespace et = epx::testing;
-
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
-#define NK(call)                                                                                 \
-  do {                                                                                           \
-    ncclResult_t r_ = (call);                                                                    \
-    if (r_ != ncclSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 constexpr int64_t kHidden = 7168;
 constexpr int kTopK = 8;
@@ -88,78 +73,6 @@ int ids_index(const PayloadSet& set) {
   for (size_t i = 0; i < set.specs.size(); ++i)
     if (set.specs[i].fill == et::A2aPayloadSpec::Fill::kExpertIds) return static_cast<int>(i);
   return -1;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// ---- the NVLink ceiling: push `bytes` into the peer's symmetric memory -----------------------
-
-__global__ void push_kernel(const uint4* src, uint4* dst, size_t n) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    dst[i] = src[i];
-}
-
-// Median us of pushing `bytes` to the next rank with `ctas` CTAs, all ranks at once.
-double time_push(const Group& g, detail::SymmetricMemory& mem, const void* src, size_t bytes,
-                 int ctas, cudaStream_t s, const Options& o) {
-  const int peer = (g.rank() + 1) % g.size();
-  const size_t n = bytes / 16;
-  auto* dst = static_cast<uint4*>(mem.peer(peer));
-  g.transport()->barrier("bench: ceiling");
-  const int n_it = o.warmup + o.iters;
-  std::vector<cudaEvent_t> ev(n_it + 1);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < n_it; ++i) {  // back to back, read at the end (no launch gaps)
-    push_kernel<<<ctas, 512, 0, s>>>(static_cast<const uint4*>(src), dst, n);
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  CK(cudaGetLastError());
-  std::vector<double> t;
-  for (int i = o.warmup; i < n_it; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    t.push_back(ms * 1e3);
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  g.transport()->barrier("bench: ceiling done");  // no rank frees while a peer still pushes
-  return median(t);
-}
-
-// Median us of an NCCL all-to-all of `bytes` to every peer (remote bytes only).
-double time_nccl(const Group& g, void* send, void* recv, size_t bytes, cudaStream_t s,
-                 const Options& o) {
-  auto comm = static_cast<ncclComm_t>(detail::nccl_comm_of(*g.transport()));
-  const int R = g.size(), me = g.rank();
-  const int n_it = o.warmup + o.iters;
-  std::vector<cudaEvent_t> ev(n_it + 1);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < n_it; ++i) {
-    NK(ncclGroupStart());
-    for (int p = 0; p < R; ++p) {
-      if (p == me) continue;
-      NK(ncclSend(static_cast<char*>(send) + p * bytes, bytes, ncclUint8, p, comm, s));
-      NK(ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm, s));
-    }
-    NK(ncclGroupEnd());
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<double> t;
-  for (int i = o.warmup; i < n_it; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    t.push_back(ms * 1e3);
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  return median(t);
 }
 
 // ---- inputs ----------------------------------------------------------------------------------
@@ -394,10 +307,10 @@ Row run_workload(A2a& a2a, const Group& g, const PayloadSet& set, int64_t T, cud
   const size_t total = (dispatch_bytes + combine_bytes + 15) / 16 * 16;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, r));
-  row.ceiling = std::min(time_push(g, scratch, src, total, 64, s, o),
-                         time_push(g, scratch, src, total, sms, s, o));
-  row.nccl = time_nccl(g, nccl_send, nccl_recv, dispatch_bytes, s, o) +
-             time_nccl(g, nccl_send, nccl_recv, combine_bytes, s, o);
+  row.ceiling = std::min(bench::time_push(g, scratch, src, total, 64, s, o.warmup, o.iters),
+                         bench::time_push(g, scratch, src, total, sms, s, o.warmup, o.iters));
+  row.nccl = bench::time_nccl(g, nccl_send, nccl_recv, dispatch_bytes, s, o.warmup, o.iters) +
+             bench::time_nccl(g, nccl_send, nccl_recv, combine_bytes, s, o.warmup, o.iters);
   return row;
 }
 

@@ -206,6 +206,11 @@ def body_ht_worst_case(ctx, seed):
     try:
         buf.dispatch(over[r]["x"].to(dev), num_tokens_per_expert=per_expert,
                      topk_idx=over[r]["topk_idx"].to(dev), num_worst_tokens=1)
+        if str(dev).startswith("cuda"):
+            # No host sync in worst-case mode: the device records the overflow and the next call
+            # on the buffer raises it (docs/semantics.md 1.4).
+            torch.cuda.synchronize()
+            buf.get_dispatch_layout(over[r]["topk_idx"].to(dev), E)
         assert over_N[r] <= 1, f"seed={seed}: N = {over_N[r]} > 1 did not raise"
     except epx.OutOfCapacity as e:
         assert over_N[r] > 1, f"seed={seed}: raised with N = {over_N[r]}: {e}"
