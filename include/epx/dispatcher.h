@@ -35,8 +35,9 @@ enum class DispatcherBackend { kDeepEp /* ht + ll */, kA2a };
 enum class DispatchMode { kNormal, kLowLatency, kAuto };
 // What the experts receive: bf16, fp8 e4m3 per token per 128 channels with f32 scales or with
 // packed UE8M0 scales (int32, ceil(H/512) per token), or NVFP4 (e2m1 pairs + e4m3 scale per 16
-// values and a float32 global scale). Scale layouts in DispatchOutput: ht and a2a row-major per
-// received row; ll column-major in the last two dims (as ll_dispatch returns them).
+// values and a float32 global scale). Scale layouts in DispatchOutput: f32 scales row-major in
+// ht; UE8M0 column-major and TMA-aligned in ht (see DispatchOutput); ll column-major in the last
+// two dims (as ll_dispatch returns them); a2a row-major per received row (payload views).
 // NVFP4 needs backend a2a (Unsupported with deepep).
 enum class DispatchQuant { kBf16, kFp8, kFp8Ue8m0, kNvfp4 };
 enum class ForwardMode { kExtend, kDecode };
@@ -67,6 +68,13 @@ struct DispatchOutput {
   // ht:  x [N, H] (num_worst_tokens rows in worst-case mode), x_scale, topk_idx [N, K] local ids
   //      or -1, topk_weights [N, K], num_recv_tokens_per_expert (host list, empty in worst-case
   //      mode).
+  //      x_scale with kFp8: f32 [N, H/128] contiguous. With kFp8Ue8m0: int32 [N, W],
+  //      W = ceil(H/512), 4 UE8M0 bytes per int (group g in byte g % 4 of word g / 4, bytes of
+  //      groups >= H/128 are 0), in the MN-major TMA-aligned layout DeepGEMM-style grouped GEMMs
+  //      read (get_mn_major_tma_aligned_packed_ue8m0_tensor's): strides {1, M} with
+  //      M = align4(N) = (N + 3) / 4 * 4 (16 bytes), i.e. word (m, w) is at int offset
+  //      m + w * M from x_scale.data; the storage is int32 [W, M] and its padding words
+  //      (m in [N, M)) are 0. (Worst-case rows past the received ones are 0 too.)
   // ll:  x [L, R*T_max, H], x_scale, masked_m [L] int32, expected_m; topk_idx and topk_weights
   //      are the caller's dispatch_a views (not owned: keep them alive until combine_a).
   // a2a: M = max_tokens_per_rank. x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx

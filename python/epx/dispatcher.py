@@ -33,8 +33,10 @@ class DispatchOutput(namedtuple("DispatchOutput", _FIELDS)):
     """What the experts receive. ``format`` is 'ht', 'll' or 'a2a'; fields a format does not
     have are None.
 
-    ht:  x [N, H] (bf16, or fp8 with x_scale f32 [N, H/128] / UE8M0 int32 [N, ceil(H/512)]
-         column-major), topk_idx [N, K] local expert ids or -1, topk_weights [N, K] f32,
+    ht:  x [N, H] (bf16, or fp8 with x_scale f32 [N, H/128] contiguous / UE8M0 int32
+         [N, ceil(H/512)] MN-major and TMA-aligned as DeepGEMM's grouped GEMMs read it:
+         stride() == (1, M), M = (N + 3) // 4 * 4, word (m, w) at offset m + w * M, padding
+         words 0), topk_idx [N, K] local expert ids or -1, topk_weights [N, K] f32,
          num_recv_tokens_per_expert (list of L ints).
     ll:  x [L, R*T_max, H] (bf16 or fp8 + x_scale [L, R*T_max, H/128]), masked_m [L] int32 (rows
          valid per local expert), expected_m, topk_idx / topk_weights: the caller's own routing.

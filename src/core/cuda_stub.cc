@@ -61,6 +61,9 @@ void cuda_quantize_fp8(const TensorView&, bool, const TensorView&, const TensorV
 void cuda_quantize_nvfp4(const TensorView&, float, const TensorView&, const TensorView&, Stream) {
   no_cuda_kernels("quantize_nvfp4");
 }
+void cuda_ue8m0_to_column_major(const TensorView&, const TensorView&, Stream) {
+  no_cuda_kernels("ue8m0_to_column_major");
+}
 void cuda_narrow_topk_idx(const TensorView&, const TensorView&, Stream) {
   no_cuda_kernels("narrow_topk_idx");
 }

@@ -6,6 +6,8 @@
 //                   UE8M0 int32 words: column-major storage [ceil(H/512), align4(T)] (view
 //                   [T, words], strides {1, align4(T)}) or row-major [T, words]; every storage
 //                   byte is written (padding 0)
+//   ue8m0_to_column_major  UE8M0 words [N, W] (row-major as ht receives them) -> the
+//                   column-major storage [W, align4(N)] above, padding tokens 0
 //   quantize_nvfp4  x [T, H] bf16 -> values u8 [T, H/2], scales u8 [T, H/16]
 //   narrow_topk_idx topk_idx [T, K] int64/int32 -> int32 [T, K] contiguous
 #include "core/quant.h"
@@ -27,7 +29,14 @@ static void check_quant_input(const TensorView& x, int64_t multiple, const char*
                 ", expected a multiple of ", multiple);
 }
 
-static int64_t align4(int64_t n) { return (n + 3) / 4 * 4; }
+Tensor alloc_ue8m0_column_major(const Allocator& alloc, int64_t num_tokens, int64_t num_words,
+                                const Device& device) {
+  const int64_t padded = ue8m0_tma_aligned_tokens(num_tokens);
+  Tensor t = alloc(DType::kI32, {num_words, padded}, device);
+  t.shape = {num_tokens, num_words};
+  t.strides = {1, padded};
+  return t;
+}
 
 QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc, Stream stream,
                              Ue8m0Layout ue8m0_layout) {
@@ -42,11 +51,8 @@ QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& a
   } else if (rows) {
     out.scales = alloc(DType::kI32, {T, (G + 3) / 4}, x.device);
   } else {
-    const int64_t words = (G + 3) / 4, padded = align4(T);
-    out.scales = alloc(DType::kI32, {words, padded}, x.device);
-    out.scales.shape = {T, words};
-    out.scales.strides = {1, padded};
-    num_scale_tokens = padded;
+    out.scales = alloc_ue8m0_column_major(alloc, T, (G + 3) / 4, x.device);
+    num_scale_tokens = ue8m0_tma_aligned_tokens(T);
   }
   if (x.device.type == DeviceType::kCuda) {
     cuda_quantize_fp8(x, ue8m0, out.values, out.scales, num_scale_tokens, stream);
@@ -73,6 +79,25 @@ QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& a
       }
     }
   }
+  return out;
+}
+
+Tensor ue8m0_to_column_major(const TensorView& words, const Allocator& alloc, Stream stream) {
+  const char* op = "ue8m0_to_column_major";
+  check_defined(words, op, "words");
+  check_dtype(words, op, "words", {DType::kI32});
+  check_shape(words, op, "words", {-1, -1});
+  const int64_t N = words.shape[0], W = words.shape[1], padded = ue8m0_tma_aligned_tokens(N);
+  Tensor out = alloc_ue8m0_column_major(alloc, N, W, words.device);
+  if (words.device.type == DeviceType::kCuda) {
+    cuda_ue8m0_to_column_major(words, out, stream);
+    return out;
+  }
+  const int32_t* src = words.ptr<const int32_t>();
+  int32_t* dst = out.ptr<int32_t>();
+  for (int64_t w = 0; w < W; ++w)
+    for (int64_t t = 0; t < padded; ++t)
+      dst[w * padded + t] = t < N ? src[t * words.strides[0] + w * words.strides[1]] : 0;
   return out;
 }
 

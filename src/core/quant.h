@@ -3,9 +3,11 @@
 //
 // fp8 (per token, per 128 channels): src/core/numeric.h's formula. Scales are float32 [T, H/128]
 // row-major, or with UE8M0 int32 [T, ceil(H/512)] (4 exponent bytes per int, group g in byte g%4
-// of int g/4) stored column-major with the token dimension padded to a multiple of 4 (16 bytes,
-// the TMA alignment grouped-GEMM kernels need): storage [ceil(H/512), align4(T)], view strides
-// {1, align4(T)}.
+// of int g/4) stored column-major (MN-major) with the token dimension padded to a multiple of 4
+// (16 bytes, the TMA alignment grouped-GEMM kernels need, DeepGEMM's get_tma_aligned_size(T, 4)):
+// storage [ceil(H/512), align4(T)], view [T, ceil(H/512)] with strides {1, align4(T)}, word
+// (t, w) at int offset t + w * align4(T). Padding tokens t in [T, align4(T)) and the bytes of
+// groups >= H/128 in the last word are 0.
 //
 // NVFP4 (per token, per 16 values), with a float32 global scale g (engines pass 448*6/amax):
 //   sf   = e4m3( (amax_16 / 6.0f) * g )            block scale, fp8 e4m3 byte
@@ -88,6 +90,18 @@ struct QuantizedTensor {
 // a per-token payload moves).
 enum class Ue8m0Layout { kColumnMajor, kRowMajor };
 
+// Tokens of the column-major UE8M0 storage: n rounded up to the TMA alignment (16 bytes = 4
+// int32 words).
+EPX_HD int64_t ue8m0_tma_aligned_tokens(int64_t n) {
+  return (n + 3) / 4 * 4;
+}
+
+// An uninitialised column-major, TMA-aligned UE8M0 scale tensor for `num_tokens` tokens of
+// `num_words` words from `alloc` on `device`: storage int32 [num_words, align4(num_tokens)],
+// view [num_tokens, num_words] with strides {1, align4(num_tokens)}.
+Tensor alloc_ue8m0_column_major(const Allocator& alloc, int64_t num_tokens, int64_t num_words,
+                                const Device& device);
+
 // x [T, H] bf16 (innermost stride 1). Outputs come from `alloc` on x's device. `stream` is used
 // for cuda tensors only (the kernels are queued on it; no host synchronisation).
 QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& alloc,
@@ -95,6 +109,12 @@ QuantizedTensor quantize_fp8(const TensorView& x, bool ue8m0, const Allocator& a
                              Ue8m0Layout ue8m0_layout = Ue8m0Layout::kColumnMajor);
 QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Allocator& alloc,
                                Stream stream = nullptr);
+
+// Row-major UE8M0 words (int32 [N, W], any strides: what ht_dispatch receives) -> the same words
+// in the column-major, TMA-aligned layout above (alloc_ue8m0_column_major(alloc, N, W)); padding
+// tokens are 0. cuda tensors: one kernel queued on `stream` (no host synchronisation, graph-safe).
+Tensor ue8m0_to_column_major(const TensorView& words, const Allocator& alloc,
+                             Stream stream = nullptr);
 
 // topk_idx [T, K] int64 or int32 (any strides) -> contiguous int32 [T, K] on the same device,
 // each id through narrow_expert_id.

@@ -23,6 +23,11 @@ namespace epx::detail {
 void cuda_quantize_fp8(const TensorView& x, bool ue8m0, const TensorView& values,
                        const TensorView& scales, int64_t num_scale_tokens, Stream stream);
 
+// words int32 [N, W] (any strides) -> out, the column-major storage int32 [W, S] with
+// S = out.strides[1] >= N (quant.h's alloc_ue8m0_column_major): out[w * S + t] = words[t][w] for
+// t < N, 0 for t in [N, S).
+void cuda_ue8m0_to_column_major(const TensorView& words, const TensorView& out, Stream stream);
+
 // x [T, H] bf16, H % 16 == 0. values u8 [T, H/2], scales u8 [T, H/16], both contiguous.
 void cuda_quantize_nvfp4(const TensorView& x, float global_scale, const TensorView& values,
                          const TensorView& scales, Stream stream);

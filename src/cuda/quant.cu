@@ -9,6 +9,7 @@
 // Layouts (see kernels/quant/quant.cuh for the index mapping):
 //   fp8     x [T, H] bf16 -> values [T, H] e4m3; scales f32 [T, H/128], or UE8M0 int32 words at
 //           t * strides[0] + w * strides[1] for t < S (column-major: [ceil(H/512), align4(T)])
+//   ue8m0   words [N, W] int32 (any strides) -> column-major [W, align4(N)], padding tokens 0
 //   nvfp4   x [T, H] bf16 -> values [T, H/2] u8, scales [T, H/16] u8
 //   narrow  [T, K] int64/int32 -> [T, K] int32
 //   load    int64 [L] on the device, added to by the rows / counts kernels
@@ -85,6 +86,26 @@ void cuda_quantize_fp8(const TensorView& x, bool ue8m0, const TensorView& values
   constexpr int kWarps = QuantConfig::kFp8Threads / 32;
   fp8_quant_kernel<<<blocks_for(num_units, kWarps, QuantConfig::kMaxBlocks),
                      QuantConfig::kFp8Threads, 0, as_stream(stream)>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), op);
+}
+
+void cuda_ue8m0_to_column_major(const TensorView& words, const TensorView& out, Stream stream) {
+  const char* op = "ue8m0_to_column_major";
+  require_cuda(words, op, "words");
+  require_same_device(out, words.device, op, "out");
+  Ue8m0TransposeParams p{};
+  p.words = words.ptr<const int32_t>();
+  p.token_stride = words.strides[0];
+  p.word_stride = words.strides[1];
+  p.num_tokens = words.shape[0];
+  p.num_padded_tokens = out.strides[1];
+  p.num_words = words.shape[1];
+  p.out = out.ptr<int32_t>();
+  const int64_t n = p.num_words * p.num_padded_tokens;
+  if (n == 0) return;
+  DeviceGuard guard(words.device.index);
+  ue8m0_transpose_kernel<<<blocks_for(n, QuantConfig::kTransposeThreads, QuantConfig::kMaxBlocks),
+                           QuantConfig::kTransposeThreads, 0, as_stream(stream)>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError(), op);
 }
 

@@ -5,6 +5,8 @@
 //               decode -> ll; ht -> ll switches clean the ll state), quantise when the mode
 //               moves quantised rows (ht: fp8 rows + scales; a2a: fp8 or NVFP4 payloads; ll
 //               quantises inside its kernel), start the dispatch (ll with the hook: send only).
+//               ht with UE8M0: the received row-major scale words are re-laid column-major,
+//               TMA-aligned (core/quant.h) on the same stream.
 //   hooks:      run in registration order.
 //   dispatch_b: finish the receive (ll: call the hook), record expert load, build the output.
 //   combine_a:  start the combine (ll with the hook: send only).
@@ -257,11 +259,16 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
         args.x = x;
         s.ht = s.buffer->ht_dispatch(args, alloc);
       } else {
+        // ht moves each token's scale row with it: UE8M0 words go out row-major and the received
+        // rows are re-laid column-major, TMA-aligned (what grouped GEMMs read; quant.h).
+        const bool ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
         detail::QuantizedTensor q =
-            detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc, kStream);
+            detail::quantize_fp8(x, ue8m0, alloc, kStream, detail::Ue8m0Layout::kRowMajor);
         args.x = q.values;
         args.x_scales = q.scales;
         s.ht = s.buffer->ht_dispatch(args, alloc);
+        if (ue8m0)
+          s.ht.recv_x_scales = detail::ue8m0_to_column_major(s.ht.recv_x_scales, alloc, kStream);
       }
     }
   }

@@ -9,7 +9,9 @@
 // rows, or misaligned (scalar load paths); the default stream and a created one. Every byte of
 // every output storage is compared (fp8 values, f32 scales, UE8M0 words incl. the padding tokens
 // and unused group bytes, NVFP4 values and scales), after the device outputs were poisoned with
-// 0xFF. Narrowing: int64/int32 ids, out-of-int32-range ids, strided and transposed views.
+// 0xFF. The UE8M0 re-layout (row-major words -> column-major, TMA-aligned; ht's x_scale) from
+// contiguous, padded-row and transposed words, every storage byte incl. the padding tokens.
+// Narrowing: int64/int32 ids, out-of-int32-range ids, strided and transposed views.
 // Expert load: local ids (int64/int32, duplicates, -1, out of range), a2a global ids with
 // counts and garbage past them, ll counts, small and shared-memory-exceeding L, more rows than one
 // grid covers, reset; the device counter against the host counter after every call.
@@ -17,7 +19,8 @@
 // Dispatcher: the same sequence of calls (a2a with bf16/fp8/fp8_ue8m0/nvfp4, deepep auto with
 // ht/ll switches, worst-case ht, int32 topk, T = 0 ranks) on the cpu backend (threads, in the
 // parent) and on R = 1, 2 forked cuda ranks; every valid received row, scale, routing row,
-// masked_m, combine output and the expert load after every call must be identical. The cpu
+// masked_m, combine output and the expert load after every call must be identical, and ht's
+// UE8M0 x_scale storage (MN-major, TMA-aligned, padding included) byte for byte. The cpu
 // run's expert load is also checked against a count from the routing.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -326,6 +329,60 @@ TEST(QuantGpu, Fp8MatchesCpuBitForBit) {
       }
     }
     std::fprintf(stderr, "fp8: %d cases compared\n", n);
+    return errors;
+  });
+  EXPECT_EQ(rc, 0) << "see stderr for the differing bytes";
+}
+
+// ue8m0_to_column_major (the Dispatcher's ht re-layout of received UE8M0 words) on the device
+// against the host: random words [T, W] contiguous, with padded rows or transposed; every byte of
+// the column-major storage [W, align4(T)] (padding tokens 0 over the 0xFF poison).
+std::string check_ue8m0_relayout(const QuantCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t W = (c.H / 128 + 3) / 4, padded = (c.T + 3) / 4 * 4;
+  const int layout = static_cast<int>(c.layout);  // 0 contiguous, 1 padded rows, 2 transposed
+  const int64_t row_stride = layout == 1 ? W + 5 : W;
+  std::vector<int32_t> host(static_cast<size_t>(std::max<int64_t>(c.T, 1) * row_stride));
+  for (auto& v : host) v = static_cast<int32_t>(rng());
+  TensorView hv = TensorView::contiguous(host.data(), DType::kI32, {c.T, W});
+  hv.strides = layout == 2 ? std::array<int64_t, kMaxDims>{1, c.T}
+                           : std::array<int64_t, kMaxDims>{row_stride, 1};
+  const Tensor want = detail::ue8m0_to_column_major(hv, default_allocator());
+  const Tensor dev =
+      gpu_testing::to_device(host, DType::kI32, {static_cast<int64_t>(host.size())}, 0);
+  TensorView dv = hv;
+  dv.data = dev.data;
+  dv.device = Device::cuda(0);
+  cudaStream_t stream = nullptr;
+  if (c.own_stream) CUDA_OK(cudaStreamCreate(&stream));
+  const Tensor got = detail::ue8m0_to_column_major(dv, poison_allocator(), stream);
+  if (stream) {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
+  const std::string what = "ue8m0 re-layout " +
+                           std::string(layout == 0   ? "contiguous "
+                                       : layout == 1 ? "padded-rows "
+                                                     : "transposed ") +
+                           describe(c);
+  if (got.shape != want.shape || got.strides != want.strides || got.strides[1] != padded)
+    return what + ": output shape or strides differ from the cpu path's";
+  return diff_bytes(what + " (whole storage)", storage_bytes(want, W * padded),
+                    storage_bytes(got, W * padded));
+}
+
+TEST(QuantGpu, Ue8m0ReLayoutMatchesCpuBitForBit) {
+  EPX_REQUIRE_GPUS(1);
+  const int rc = run_on_gpu([] {
+    std::string errors;
+    int n = 0;
+    uint64_t seed = 7;
+    for (const QuantCase& c : quant_cases(128)) {
+      const std::string e = check_ue8m0_relayout(c, seed++);
+      if (!e.empty()) errors += e + "\n";
+      ++n;
+    }
+    std::fprintf(stderr, "ue8m0 re-layout: %d cases compared\n", n);
     return errors;
   });
   EXPECT_EQ(rc, 0) << "see stderr for the differing bytes";
@@ -649,6 +706,16 @@ Records run_calls(const Group& g, const DispCase& dc, const Problem& p, Device d
       rec.emplace_back(tag + "x", row_range(logical_bytes(out.x), rows, 0, N));
       if (out.x_scale.defined())
         rec.emplace_back(tag + "x_scale", row_range(logical_bytes(out.x_scale), rows, 0, N));
+      if (out.x_scale.defined() && out.x_scale.dtype == DType::kI32) {
+        // UE8M0: MN-major, TMA-aligned (strides {1, align4(rows)}); the whole storage
+        // [W, align4(rows)] byte for byte, padding and worst-case rows (0) included.
+        const int64_t M = out.x_scale.strides[1];
+        if (out.x_scale.strides[0] != 1 || M != (rows + 3) / 4 * 4)
+          throw std::runtime_error(tag + "ht UE8M0 x_scale has strides " + out.x_scale.describe() +
+                                   ", expected {1, align4(rows)}");
+        rec.emplace_back(tag + "x_scale storage",
+                         storage_bytes(out.x_scale, out.x_scale.shape[1] * M));
+      }
       put(tag + "topk_idx", out.topk_idx);  // rows past N: -1
       rec.emplace_back(tag + "topk_weights",
                        row_range(logical_bytes(out.topk_weights), rows, 0, N));
@@ -700,6 +767,7 @@ std::vector<DispCase> disp_cases() {
       {"a2a_nvfp4", B::kA2a, M::kAuto, Q::kNvfp4, 0, false, false},
       {"deepep_auto_fp8_hook", B::kDeepEp, M::kAuto, Q::kFp8, 0, true, false},
       {"deepep_auto_ue8m0_worst", B::kDeepEp, M::kAuto, Q::kFp8Ue8m0, 1, false, false},
+      {"deepep_normal_ue8m0", B::kDeepEp, M::kNormal, Q::kFp8Ue8m0, 0, false, false},
       {"deepep_normal_bf16_i32", B::kDeepEp, M::kNormal, Q::kBf16, 0, false, true},
   };
 }

@@ -3,7 +3,8 @@
 Every rank regenerates every rank's inputs from the test's seed, so it knows what it must receive
 and what combine must return without communicating. Checked: the stage machine and its messages,
 `auto` switching over a prefill/decode sequence, hooks between the dispatch stages, expert load
-against the routing, each format's outputs bit for bit (ht rows/ids/weights/counts, ll masked_m
+against the routing, each format's outputs bit for bit (ht rows/ids/weights/counts and the
+UE8M0 scales' MN-major TMA-aligned strides and padding, ll masked_m
 and packed rows/scales, a2a rows/scales/ids/padding) and each combine bit for bit, and a full
 MoE layer (experts in torch) against a dense float reference within a tolerance per quant.
 The GPU tier runs the same bodies on one GPU per rank (NCCL); it skips with the reason where
@@ -341,8 +342,20 @@ def body_ht(ctx, seed, quant, num_worst_tokens=0, check_load=True):
     else:
         assert out.x.dtype == epx.fp8_dtype
         assert torch.equal(_bits(out.x[:n]), want["recv_x"])
-        assert out.x_scale.shape == (rows, want["recv_scales"].shape[1])
+        W = want["recv_scales"].shape[1]
+        assert out.x_scale.shape == (rows, W)
         assert torch.equal(out.x_scale[:n].cpu(), want["recv_scales"])
+        if quant == "fp8":
+            assert out.x_scale.is_contiguous()
+        else:
+            # MN-major, TMA-aligned (what DeepGEMM's grouped GEMMs read): stride 1 along rows,
+            # align4(rows) along the words; storage [W, M] with padding (and worst-case) rows 0.
+            M = (rows + 3) // 4 * 4
+            assert out.x_scale.dtype == torch.int32
+            assert out.x_scale.stride() == (1, M)
+            storage = out.x_scale.as_strided((W, M), (M, 1)).cpu()
+            assert torch.equal(storage[:, :n], want["recv_scales"].t())
+            assert (storage[:, n:] == 0).all()
     if check_load:
         assert d.expert_load().tolist() == _expected_load(inputs, r, R)
     ys = [ref.rand_bf16((num_worst_tokens or ref.ht_dispatch(inputs, dd, E, R)["recv_x"].shape[0],
@@ -553,8 +566,9 @@ def test_ht_outputs_and_combine(pool, quant):
     _run(pool, body_ht, quant)
 
 
-def test_ht_worst_case_rows(pool):
-    _run(pool, body_ht, "bf16", 4 * T_MAX)
+@pytest.mark.parametrize("quant", ("bf16", "fp8_ue8m0"))
+def test_ht_worst_case_rows(pool, quant):
+    _run(pool, body_ht, quant, 4 * T_MAX + 1)  # 49 rows: UE8M0 pads them to 52
 
 
 @pytest.mark.parametrize("quant,hook", [("bf16", True), ("fp8", False), ("fp8_ue8m0", True)])
@@ -624,6 +638,11 @@ def test_gpu_expert_load(gpu_pool):
 @pytest.mark.parametrize("quant", QUANTS)
 def test_gpu_ht(gpu_pool, quant):
     _run(gpu_pool, body_ht, quant, 0, False)
+
+
+@pytest.mark.gpu
+def test_gpu_ht_worst_case_ue8m0(gpu_pool):
+    _run(gpu_pool, body_ht, "fp8_ue8m0", 4 * T_MAX + 1, False)
 
 
 @pytest.mark.gpu

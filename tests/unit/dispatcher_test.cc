@@ -1,8 +1,11 @@
-// Dispatcher: stage machine, auto mode switching, hooks, expert-load recording, quantisation
-// error bounds (against a float64 reference) — cpu backend.
+// Dispatcher: stage machine, auto mode switching, hooks, expert-load recording, ht UE8M0 scale
+// layout (MN-major, TMA-aligned; values against a float64 reference), quantisation error bounds
+// (against a float64 reference) — cpu backend.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <random>
 
@@ -195,6 +198,93 @@ TEST(Dispatcher, A2aValidatesTopkIdxBeforeNarrowingIt) {
     DispatchOutput out = d.dispatch(in.xv, in.iv, in.wv);
     EXPECT_EQ(out.format, OutputFormat::kA2a);
   });
+}
+
+// ---- ht UE8M0 scales: the MN-major, TMA-aligned layout grouped GEMMs read --------------------
+
+// The UE8M0 word (groups 4w .. 4w+3) of one bf16 row, from a float64 reference: scale =
+// max(amax, 1e-4) / 448 rounded up to a power of two 2^e, byte = 127 + e; bytes of groups >= G
+// are 0.
+uint32_t reference_ue8m0_word(const uint16_t* row, int64_t H, int64_t w) {
+  uint32_t word = 0;
+  for (int64_t i = 0; i < 4 && 4 * w + i < H / 128; ++i) {
+    double amax = 0;
+    for (int j = 0; j < 128; ++j)
+      amax =
+          std::max(amax, std::fabs(static_cast<double>(bf16_to_f32(row[(4 * w + i) * 128 + j]))));
+    int e2 = 0;
+    const double f = std::frexp(std::max(amax, 1e-4) / 448.0, &e2);  // f in [0.5, 1)
+    const int e = f == 0.5 ? e2 - 1 : e2;                            // 2^e >= scale, smallest
+    word |= static_cast<uint32_t>(127 + e) << (8 * i);
+  }
+  return word;
+}
+
+// Every rank's x_scale, read through the returned strides, holds the packed exponents of the rows
+// it received (source rank ascending, then token index) for every row and word; the padding rows
+// up to align4(rows) and worst-case rows past N are 0; shape and strides are DeepGEMM's MN-major
+// TMA-aligned ones. Exact and worst-case mode, R = 1 and 2, N not a multiple of 4, a partial last
+// word (H = 640: 5 groups), rows of zeros (the amax floor). f32 scales stay row-major.
+TEST(Dispatcher, HtUe8m0ScalesAreMnMajorTmaAligned) {
+  const int E = 8, K = 3;
+  const int64_t H = 640, G = H / 128, W = (G + 3) / 4;
+  for (int R : {1, 2})
+    for (int64_t worst : {int64_t{0}, int64_t{29}})
+      for (DispatchQuant quant : {DispatchQuant::kFp8Ue8m0, DispatchQuant::kFp8}) {
+        auto T_of = [](int s) -> int64_t { return 7 + 6 * s; };
+        std::vector<Inputs> all;
+        for (int s = 0; s < R; ++s) {
+          all.push_back(make_inputs(T_of(s), H, K, E, R, 40 + s));
+          std::fill_n(all[s].x.begin() + 2 * H, H, uint16_t{0});  // token 2: all groups floored
+        }
+        testing::run_threads(R, [&](const Group& g) {
+          const int r = g.rank(), L = E / R;
+          DispatcherConfig c = small_config(DispatchMode::kNormal);
+          c.hidden = H;
+          c.quant = quant;
+          c.num_worst_tokens = worst;
+          c.allocator = testing::poison_allocator(0xFF);
+          Dispatcher d(g, c);
+          const Inputs& in = all[r];
+          DispatchOutput out = d.dispatch(in.xv, in.iv, in.wv);
+          // The rows this rank receives, in order.
+          std::vector<const uint16_t*> rows;
+          for (int s = 0; s < R; ++s)
+            for (int64_t t = 0; t < T_of(s); ++t) {
+              bool to_me = false;
+              for (int k = 0; k < K; ++k) to_me |= all[s].idx[t * K + k] / L == r;
+              if (to_me) rows.push_back(all[s].x.data() + t * H);
+            }
+          const int64_t N = static_cast<int64_t>(rows.size());
+          const int64_t num_rows = worst > 0 ? worst : N;
+          ASSERT_EQ(out.x_scale.shape[0], num_rows);
+          if (quant == DispatchQuant::kFp8) {
+            ASSERT_EQ(out.x_scale.dtype, DType::kF32);
+            ASSERT_EQ(out.x_scale.shape[1], G);
+            ASSERT_TRUE(out.x_scale.is_contiguous());
+            return;
+          }
+          const int64_t M = (num_rows + 3) / 4 * 4;
+          ASSERT_EQ(out.x_scale.dtype, DType::kI32);
+          ASSERT_EQ(out.x_scale.ndim, 2);
+          ASSERT_EQ(out.x_scale.shape[1], W);
+          ASSERT_EQ(out.x_scale.strides[0], 1);
+          ASSERT_EQ(out.x_scale.strides[1], M);
+          const auto* words = static_cast<const uint32_t*>(out.x_scale.data);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t w = 0; w < W; ++w) {
+              const uint32_t want = m < N ? reference_ue8m0_word(rows[m], H, w) : 0u;
+              ASSERT_EQ(words[m * out.x_scale.strides[0] + w * out.x_scale.strides[1]], want)
+                  << "R " << R << " worst " << worst << " rank " << r << " row " << m << " word "
+                  << w << " (N " << N << ", M " << M << ")";
+            }
+          CombineInput ci;
+          Tensor y = default_allocator()(DType::kBF16, {num_rows, H}, Device::cpu());
+          std::memset(y.data, 0, y.nbytes());
+          ci.y = y;
+          d.combine(ci);
+        });
+      }
 }
 
 // ---- quantisation error bounds against float64 ----------------------------------------------

@@ -1,6 +1,7 @@
 // CPU tier: the host logic around dispatch quantisation that the cuda path mirrors —
 // narrow_topk_idx (int64/int32, out-of-int32 ids, strided views), the UE8M0 scale layouts
-// (column-major TMA-aligned vs row-major: same words, every padding byte 0), ExpertLoad's host
+// (column-major TMA-aligned vs row-major: same words, every padding byte 0; the row-major ->
+// column-major re-layout of ht's received words equals the quantiser's), ExpertLoad's host
 // counter against a count written here (local ids, a2a global ids with counts, ll counts, reset),
 // and the Dispatcher's a2a path on the cpu backend: every received row of every source equals the
 // quantisation of the source's row, the routing payload is the narrowed ids, and the expert load
@@ -70,9 +71,12 @@ TEST(NarrowTopk, NarrowsEveryLayoutAndMarksOutOfRangeIds) {
   }
 }
 
+// Also: ue8m0_to_column_major (what the Dispatcher's ht path applies to the received row-major
+// words) equals the quantiser's own column-major output, every storage byte (padding tokens 0
+// although the allocator poisons), from contiguous, padded-row and transposed words.
 TEST(QuantLayouts, Ue8m0RowMajorAndColumnMajorHoldTheSameWords) {
   std::mt19937_64 rng(5);
-  for (int64_t T : {0, 1, 3, 6, 33})
+  for (int64_t T : {0, 1, 3, 4, 5, 6, 33})
     for (int64_t H : {128, 640, 1024}) {
       const int64_t G = H / 128, W = (G + 3) / 4, padded = (T + 3) / 4 * 4;
       std::vector<uint16_t> x = testing::make_bf16(T, H, rng);
@@ -103,7 +107,38 @@ TEST(QuantLayouts, Ue8m0RowMajorAndColumnMajorHoldTheSameWords) {
                 << "T " << T << " H " << H << " t " << t;
           }
         }
+      // The row-major words re-laid: contiguous, rows padded to W + 3, transposed.
+      std::vector<int32_t> padded_rows(static_cast<size_t>(T * (W + 3)), -1);
+      std::vector<int32_t> transposed(static_cast<size_t>(T * W), -1);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t w = 0; w < W; ++w) {
+          padded_rows[t * (W + 3) + w] = row.scales.ptr<int32_t>()[t * W + w];
+          transposed[w * T + t] = row.scales.ptr<int32_t>()[t * W + w];
+        }
+      TensorView pv = TensorView::contiguous(padded_rows.data(), DType::kI32, {T, W});
+      pv.strides = {W + 3, 1};
+      TensorView tv = TensorView::contiguous(transposed.data(), DType::kI32, {T, W});
+      tv.strides = {1, T};
+      for (const TensorView& in : {static_cast<const TensorView&>(row.scales), pv, tv}) {
+        const Tensor got = detail::ue8m0_to_column_major(in, testing::poison_allocator(0xAB));
+        ASSERT_EQ(got.dtype, DType::kI32);
+        ASSERT_EQ(got.shape, col.scales.shape);
+        ASSERT_EQ(got.strides, col.scales.strides);
+        if (W * padded > 0)
+          ASSERT_EQ(std::memcmp(got.data, col.scales.data, static_cast<size_t>(W * padded) * 4), 0)
+              << "T " << T << " H " << H << " input strides " << in.strides[0] << ","
+              << in.strides[1];
+      }
     }
+  try {
+    std::vector<float> f(8);
+    detail::ue8m0_to_column_major(TensorView::contiguous(f.data(), DType::kF32, {4, 2}),
+                                  default_allocator());
+    FAIL() << "float words accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("words"), std::string::npos) << e.what();
+  }
 }
 
 // Per row, each distinct local id in [0, L) once.

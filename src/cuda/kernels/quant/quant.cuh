@@ -15,6 +15,11 @@
 //             scales_ue8m0[t * token_stride + w * word_stride] = word   (lane 0)
 //   t >= T (UE8M0 padding tokens): the word is 0.
 //
+// ue8m0_transpose_kernel — one thread per word of the column-major storage [W, S] (S = align4(N)),
+//   units u = w * S + t, grid-stride (consecutive threads write consecutive tokens):
+//     out[u] = t < N ? words[t * token_stride + w * word_stride] : 0
+//   The words are moved, not re-packed: ht received them as the fp8 kernel packed them.
+//
 // nvfp4_quant_kernel — one thread per (token t, 16-value block b), units u = t * B + b,
 //   B = H / 16, grid-stride:
 //     amax over the block; sf = f32_to_fp8_e4m3((amax / 6.0f) * g_scale);
@@ -35,10 +40,11 @@
 namespace epx::detail {
 
 struct QuantConfig {
-  static constexpr int kFp8Threads = 256;     // 8 warps, one (token, word) unit each
-  static constexpr int kNvfp4Threads = 256;   // one 16-value block per thread
-  static constexpr int kNarrowThreads = 256;  // one id per thread
-  static constexpr int kMaxBlocks = 8192;     // grid-stride beyond this
+  static constexpr int kFp8Threads = 256;        // 8 warps, one (token, word) unit each
+  static constexpr int kNvfp4Threads = 256;      // one 16-value block per thread
+  static constexpr int kNarrowThreads = 256;     // one id per thread
+  static constexpr int kTransposeThreads = 256;  // one UE8M0 word per thread
+  static constexpr int kMaxBlocks = 8192;        // grid-stride beyond this
 };
 
 struct Fp8QuantParams {
@@ -55,6 +61,16 @@ struct Fp8QuantParams {
   int32_t* scales_ue8m0;  // words at t * token_stride + w * word_stride (UE8M0 mode)
   int64_t scale_token_stride;
   int64_t scale_word_stride;
+};
+
+struct Ue8m0TransposeParams {
+  const int32_t* words;  // [N, W], strides in elements
+  int64_t token_stride;
+  int64_t word_stride;
+  int64_t num_tokens;         // N
+  int64_t num_padded_tokens;  // S = align4(N)
+  int64_t num_words;          // W
+  int32_t* out;               // [W, S] contiguous
 };
 
 struct Nvfp4QuantParams {
@@ -142,6 +158,16 @@ __global__ void __launch_bounds__(QuantConfig::kFp8Threads)
     if (p.ue8m0 && lane == 0)
       p.scales_ue8m0[t * p.scale_token_stride + w * p.scale_word_stride] =
           static_cast<int32_t>(word);
+  }
+}
+
+__global__ void __launch_bounds__(QuantConfig::kTransposeThreads)
+    ue8m0_transpose_kernel(const Ue8m0TransposeParams p) {
+  const int64_t n = p.num_words * p.num_padded_tokens;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < n; u += step) {
+    const int64_t w = u / p.num_padded_tokens, t = u % p.num_padded_tokens;
+    p.out[u] = t < p.num_tokens ? __ldg(p.words + t * p.token_stride + w * p.word_stride) : 0;
   }
 }
 
