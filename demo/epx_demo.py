@@ -10,8 +10,10 @@ Every rank (one process; one GPU each over an NCCL group, or the cpu backend ove
       -> epx.Dispatcher.combine -> out [T, H] bf16
 
 checked against a single-device dense reference out_ref[t] = sum_k w[t,k] * expert_{e_tk}(x[t])
-(float32; every rank regenerates any expert's weights from the seed) and timed: the layer
-(dispatch + experts + combine) next to dispatch + combine alone. Per mode: normal (ht),
+(float32; every rank regenerates any expert's weights from the seed) and timed (median over the
+timed calls, the slowest rank's): the layer (dispatch + experts + combine) next to dispatch +
+combine alone, timed in a separate loop on the same inputs without experts (combine of zeros, or
+of the a2a workspace as it is). Per mode: normal (ht),
 low_latency (ll), auto (prefill batches ht, decode batches ll, alternating) and a2a, each in bf16
 and the quantised formats the backend supports; a combination the backend raises Unsupported for
 prints "skipped: <reason>".
@@ -24,6 +26,7 @@ Needs the epx package on the path (PYTHONPATH=python).
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -194,35 +197,61 @@ def run_config(cfg, args, rank, world, group, device, experts):
     d = epx.Dispatcher(group, num_experts=args.experts, hidden=args.hidden, top_k=args.top_k,
                        max_tokens_per_rank=args.tokens, backend=backend, mode=mode, quant=quant)
     timer = Timer(device)
-    worst, layer_ms, comm_ms, formats = 0.0, [], [], []
-    for it in range(args.iters + 1):  # call 0 warms up, untimed
+    fwd = dict(global_scale=NVFP4_GLOBAL_SCALE if quant == "nvfp4" else None)
+
+    def inputs(it):
         decode = batches == "decode" or (batches == "both" and it % 2 == 1)
         T = args.decode_tokens if decode else args.tokens - rank % 2  # T may differ per rank
         g = torch.Generator().manual_seed(args.seed * 7919 + rank * 104729 + it)
         x = torch.randn(T, args.hidden, generator=g).to(torch.bfloat16).to(device)
         idx, w = router(T, args, g, device)
+        return x, idx, w, "decode" if decode else "extend"
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # The layer: dispatch + experts + combine, checked against the dense reference.
+    worst, layer_ms, formats = 0.0, [], []
+    for it in range(args.iters + 1):  # call 0 warms up, untimed
+        x, idx, w, fm = inputs(it)
         dist.barrier(group=args.pg)
         t0 = timer.mark()
-        out = d.dispatch(x, idx, w, forward_mode="decode" if decode else "extend",
-                         global_scale=NVFP4_GLOBAL_SCALE if quant == "nvfp4" else None)
-        t1 = timer.mark()
+        out = d.dispatch(x, idx, w, forward_mode=fm, **fwd)
         y = run_local_experts(out, quant, experts, rank, L, args.hidden)
-        t2 = timer.mark()
         if out.format == "a2a":
             out.moe_output_view.copy_(y)  # the experts' sums go straight into the workspace
             res = d.combine()
         else:
             res = d.combine(y)
-        t3 = timer.mark()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        t1 = timer.mark()
+        sync()
         if it > 0:
-            layer_ms.append(timer.ms(t0, t3))
-            comm_ms.append(timer.ms(t0, t1) + timer.ms(t2, t3))
+            layer_ms.append(timer.ms(t0, t1))
         if out.format not in formats:
             formats.append(out.format)
         worst = max(worst, max_rel_err(res, dense_reference(x, idx, w, experts)))
-    stats = torch.tensor([worst, sum(layer_ms) / len(layer_ms), sum(comm_ms) / len(comm_ms)],
+    # Dispatch + combine alone on the same inputs: no experts between them (y = zeros, made
+    # between the timed stages; a2a combines its workspace as it is).
+    comm_ms = []
+    for it in range(args.iters + 1):
+        x, idx, w, fm = inputs(it)
+        dist.barrier(group=args.pg)
+        t0 = timer.mark()
+        out = d.dispatch(x, idx, w, forward_mode=fm, **fwd)
+        t1 = timer.mark()
+        y = None
+        if out.format == "ht":
+            y = torch.zeros(out.x.shape[0], args.hidden, dtype=torch.bfloat16, device=device)
+        elif out.format == "ll":
+            y = torch.zeros(out.x.shape, dtype=torch.bfloat16, device=device)
+        t2 = timer.mark()
+        d.combine(y)
+        t3 = timer.mark()
+        sync()
+        if it > 0:
+            comm_ms.append(timer.ms(t0, t1) + timer.ms(t2, t3))
+    stats = torch.tensor([worst, statistics.median(layer_ms), statistics.median(comm_ms)],
                          dtype=torch.float64)
     # Max over ranks (the slowest rank sets the layer time).
     stats = stats.to(device) if device.type == "cuda" else stats
@@ -249,7 +278,7 @@ def worker(rank, world, init_file, use_cuda, args, result_queue):
     if rank == 0:
         print(f"epx_demo.py: {group.backend} backend, {world} ranks ({device.type}), "
               f"T={args.tokens} (decode {args.decode_tokens}) H={args.hidden} I={args.inter} "
-              f"K={args.top_k} E={args.experts}, {args.iters} timed calls each", flush=True)
+              f"K={args.top_k} E={args.experts}, median of {args.iters} timed calls each", flush=True)
         print(f"{'configuration':28s} {'format':7s} {'max rel err':>11s} {'tolerance':>9s} "
               f"{'layer ms':>9s} {'dispatch+combine ms':>20s}", flush=True)
     failures = 0
@@ -288,8 +317,8 @@ def main():
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--experts", type=int, default=0, help="E, a multiple of the ranks "
                    "(0: 32 on GPU, 16 on CPU)")
-    p.add_argument("--iters", type=int, default=0, help="timed calls per configuration "
-                   "(0: 10 on GPU, 2 on CPU)")
+    p.add_argument("--iters", type=int, default=0, help="timed calls per configuration and "
+                   "loop, reported as their median (0: 20 on GPU, 2 on CPU)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     args.python_path = os.path.join(os.path.dirname(here), "python")
@@ -308,7 +337,7 @@ def main():
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.inter = args.inter or args.hidden // 2
     args.experts = args.experts or (32 if gpu else 16)
-    args.iters = args.iters or (10 if gpu else 2)
+    args.iters = args.iters or (20 if gpu else 2)
     if args.experts % world:
         p.error(f"--experts {args.experts} is not a multiple of the {world} ranks")
     os.environ.update(NCCL_ENV)

@@ -13,9 +13,27 @@
 // A stage called out of order raises InvalidArgument naming the stage that was expected.
 // dispatch() and combine() are dispatch_a + dispatch_b and combine_a + combine_b.
 // All calls are collective over the group (every rank calls the same sequence).
-// Streams: the Dispatcher takes none. On cuda tensors every operation it issues (quantisation,
-// the mode kernels, expert-load recording) is queued on the legacy default stream (cudaStream_t
-// nullptr); callers order their own work against that stream. Host waits are named per method.
+// Streams (cuda tensors; the cpu backend runs every call synchronously on the calling thread and
+// ignores every stream argument): each stage takes a stream (a cudaStream_t as void*; nullptr =
+// the legacy default stream) and queues ALL its device work on it — quantisation, the mode
+// kernels (ht, ll, a2a), the UE8M0 re-layout, expert-load recording — and never synchronises the
+// device or the legacy stream behind the caller's back.
+//   dispatch_a  the given stream (default nullptr)
+//   dispatch_b  the stream of its dispatch_a unless given; ll's receive (the hook of an ll
+//               dispatch sent with return_recv_hook) always runs on dispatch_a's stream, and a
+//               different given stream is ordered after it (event, no host wait)
+//   combine_a   CombineInput::stream, else the stream the dispatch ended on
+//   combine_b   like dispatch_b, for combine_a's stream
+// Outputs are ready on the stream of the stage that returns them; the caller keeps the inputs
+// of each stage (x, topk_idx, topk_weights, y) alive and unmodified until the work queued on that
+// stream has consumed them — ll reads topk_idx/topk_weights up to combine_b's completion, a2a and
+// ht read x until dispatch_b's. Host waits: ht exact mode (one per dispatch_a, the count
+// exchange), an ht -> ll switch under auto (ll_clean: a device-wide synchronisation and a
+// barrier), expert_load(), and the construction.
+// CUDA graphs: ll (bf16 and fp8, with or without return_recv_hook), a2a and ht worst-case mode
+// (num_worst_tokens > 0) are capturable on a non-default stream; ht exact mode and the ht -> ll
+// switch raise Unsupported while the stream is capturing. Outputs of a captured call come from
+// the allocator at capture time (replays rewrite the same memory).
 #pragma once
 
 #include <cstdint>
@@ -97,6 +115,8 @@ struct CombineInput {
   // local experts already weighted and summed).
   TensorView y;
   bool y_in_output_view = false;  // a2a: the experts wrote into DispatchOutput::moe_output_view
+  // The stream of combine_a; unset: the stream the dispatch ended on (see the top).
+  std::optional<Stream> stream;
 };
 
 class Dispatcher {
@@ -110,33 +130,44 @@ class Dispatcher {
   // x [T, H] bf16, topk_idx [T, K] int64/int32 in [-1, E), topk_weights [T, K] f32.
   // kNvfp4 needs `global_scale` (float32 scalar; dequant = e2m1 * scale_e4m3 / global_scale).
   // The hooks run at the end of dispatch_a. ll keeps views of topk_idx and topk_weights until
-  // combine_a (the caller keeps them alive).
+  // combine_a (the caller keeps them alive). `stream`: see the top (ignored on cpu).
+  // Raises Unsupported when `stream` is being captured into a CUDA graph and the call resolves
+  // to ht exact mode or switches from ht to ll (both wait on the host).
   void dispatch_a(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                   ForwardMode forward_mode = ForwardMode::kExtend,
-                  std::optional<float> global_scale = std::nullopt);
-  DispatchOutput dispatch_b();
+                  std::optional<float> global_scale = std::nullopt, Stream stream = nullptr);
+  // `stream` unset: dispatch_a's.
+  DispatchOutput dispatch_b(std::optional<Stream> stream = std::nullopt);
   void combine_a(const CombineInput& input);
-  Tensor combine_b();
+  // `stream` unset: combine_a's.
+  Tensor combine_b(std::optional<Stream> stream = std::nullopt);
 
   DispatchOutput dispatch(const TensorView& x, const TensorView& topk_idx,
                           const TensorView& topk_weights,
                           ForwardMode forward_mode = ForwardMode::kExtend,
-                          std::optional<float> global_scale = std::nullopt);
+                          std::optional<float> global_scale = std::nullopt,
+                          Stream stream = nullptr);
   Tensor combine(const CombineInput& input);
 
+  // The stream of the last stage called (what the next stage defaults to; nullptr initially).
+  Stream stream() const;
+
   // Hooks run, in registration order, on the calling thread at the end of dispatch_a (the stage
-  // is already after_dispatch_a), i.e. between dispatch_a's send and dispatch_b's receive.
+  // is already after_dispatch_a), i.e. between dispatch_a's send and dispatch_b's receive. Device
+  // work a hook queues belongs on the stream of the dispatch it runs in: stream() (the Python
+  // package runs hooks with that stream current).
   void register_hook(std::function<void()> hook);
   void clear_hooks();
 
   // Expert-load recording: received (token, local expert) pairs per local expert (a token that
   // lists the same expert twice counts once, as in ll's masked_m), accumulated over dispatches
   // since the last reset. [L] int64 copy. Local.
-  // On cuda the counts accumulate on the device; expert_load() copies them to the host and so
-  // synchronises the legacy default stream (waits for the dispatches queued before it).
-  // reset_expert_load() is queued on that stream (no host wait).
-  std::vector<int64_t> expert_load() const;
-  void reset_expert_load();
+  // On cuda the counts accumulate on the device, recorded on the stream of each dispatch;
+  // expert_load() copies them to the host and so synchronises `stream` (unset: stream(), the
+  // stream of the last stage; it must be ordered after every recording dispatch).
+  // reset_expert_load() is queued on `stream` (unset: stream()); no host wait.
+  std::vector<int64_t> expert_load(std::optional<Stream> stream = std::nullopt) const;
+  void reset_expert_load(std::optional<Stream> stream = std::nullopt);
 
   // The mode the last dispatch_a resolved to.
   OutputFormat last_format() const;

@@ -40,13 +40,21 @@ def is_fp8(t):
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def current_stream(device):
+    """The current stream of a cuda device (torch.device or index) as an integer cudaStream_t."""
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def stream_of(t):
     """The current stream of t's device as an integer cudaStream_t (0 on CPU)."""
     if not getattr(t, "is_cuda", False):
         return 0
-    if _raw_stream is not None:
-        return _raw_stream(t.get_device())
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return current_stream(t.get_device())
 
 
 def device_key(t):

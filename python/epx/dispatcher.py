@@ -12,8 +12,14 @@ stage machine, hooks, expert-load recording all live there); outputs are torch t
 PyTorch's allocator made, or views of the communication workspace that keep the Dispatcher alive
 (a2a receive rows, ``moe_output_view``). Every call is collective over the group.
 
-Streams: epx::Dispatcher takes no stream yet; on CUDA tensors it runs on the legacy default
-stream, so calls made while another torch stream is current raise Unsupported.
+Streams: every call runs on torch.cuda.current_stream() of the device of its tensors (the
+dispatch's device for calls without one), as torch ops do, and outputs come from torch's
+allocator on that stream; nothing synchronises the device (host waits: ht exact mode, an ht -> ll
+switch under 'auto', expert_load()). Registered hooks run with the dispatch's stream current.
+CUDA graphs: ll (mode 'low_latency', or decode batches under 'auto'), 'a2a' and ht with
+num_worst_tokens > 0 can be captured (torch.cuda.graph) on a side stream and replayed; ht exact
+mode raises Unsupported under capture (use num_worst_tokens or ll). On CPU tensors the stream is
+ignored.
 """
 
 import weakref
@@ -22,7 +28,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from . import _epx, errors
+from . import _epx, _torch, errors
 from .group import Group
 
 _FIELDS = ("format x x_scale topk_idx topk_weights num_recv_tokens_per_expert masked_m "
@@ -67,13 +73,9 @@ def _as_group(group, device):
                          "an epx.Group or a torch ProcessGroup")
 
 
-def _check_stream(op, t):
-    if t is not None and getattr(t, "is_cuda", False):
-        stream = torch.cuda.current_stream(t.device)
-        if stream.cuda_stream != 0:
-            raise errors.unsupported(op, f"the current stream of {t.device} is {stream}; "
-                                     "epx.Dispatcher runs on the default stream (epx::Dispatcher "
-                                     "takes no stream yet)")
+def _current_stream(device):
+    """The current stream of a cuda device as an int cudaStream_t; None for cpu (ignored)."""
+    return None if device is None else _torch.current_stream(device)
 
 
 def _run_hooks(ref):
@@ -109,6 +111,7 @@ class Dispatcher:
                                        str(mode), str(quant), int(num_worst_tokens),
                                        bool(return_recv_hook))
         self._hooks = []
+        self._device = None  # the cuda device of the call in flight (None: cpu)
 
     num_experts = property(lambda self: self._native.num_experts)
     num_local_experts = property(lambda self: self._native.num_local_experts)
@@ -136,13 +139,16 @@ class Dispatcher:
         if mode is None:
             raise errors.invalid("Dispatcher.dispatch_a", f"argument 'forward_mode' is "
                                  f"{forward_mode!r}, expected 'extend', 'prefill' or 'decode'")
-        _check_stream("Dispatcher.dispatch_a", x)
         gs = None if global_scale is None else float(global_scale)
-        self._native.dispatch_a(x, topk_idx, topk_weights, mode, gs)
+        device = x.device if getattr(x, "is_cuda", False) else None
+        self._native.dispatch_a(x, topk_idx, topk_weights, mode, gs,
+                                _current_stream(device) or 0)
+        self._device = device
 
     def dispatch_b(self):
-        """Collective. Finishes the dispatch -> DispatchOutput."""
-        return DispatchOutput(*self._native.dispatch_b())
+        """Collective. Finishes the dispatch -> DispatchOutput, on the current stream (ordered
+        after dispatch_a's when it differs)."""
+        return DispatchOutput(*self._native.dispatch_b(_current_stream(self._device)))
 
     def combine_a(self, y=None, y_in_output_view=None):
         """Collective. Starts the combine of the expert outputs ``y``: ht [N, H] bf16 weighted by
@@ -150,12 +156,12 @@ class Dispatcher:
         weighted sums, or None when the experts wrote into ``moe_output_view``."""
         if y_in_output_view is None:
             y_in_output_view = y is None
-        _check_stream("Dispatcher.combine_a", y)
-        self._native.combine_a(y, bool(y_in_output_view))
+        self._native.combine_a(y, bool(y_in_output_view), _current_stream(self._device))
 
     def combine_b(self):
-        """Collective. Finishes the combine -> out [T, H] bf16."""
-        return self._native.combine_b()
+        """Collective. Finishes the combine -> out [T, H] bf16, on the current stream (ordered
+        after combine_a's when it differs)."""
+        return self._native.combine_b(_current_stream(self._device))
 
     def dispatch(self, x, topk_idx, topk_weights, forward_mode="extend", global_scale=None):
         """dispatch_a + dispatch_b."""
@@ -187,11 +193,14 @@ class Dispatcher:
 
     def expert_load(self):
         """Local. int64 [L]: per local expert, the received tokens that selected it (a token
-        selecting it twice counts once), accumulated since the last reset_expert_load()."""
+        selecting it twice counts once), accumulated since the last reset_expert_load(). On CUDA
+        it waits on the host for the stream of the last call (where the counts were recorded)."""
         return torch.tensor(self._native.expert_load(), dtype=torch.int64)
 
     def reset_expert_load(self):
-        self._native.reset_expert_load()
+        """Zeroes the counts; on CUDA queued on the current stream (before later dispatches on
+        it)."""
+        self._native.reset_expert_load(_current_stream(self._device))
 
     def __repr__(self):
         return (f"epx.Dispatcher(E={self.num_experts}, H={self.hidden}, K={self.top_k}, "

@@ -10,6 +10,8 @@
 // routing, a2a reads the inputs); this wrapper holds the Python objects from the dispatch_a that
 // started a call until the combine_b that ends it, so PyTorch cannot free them in between.
 // The stage machine, mode resolution, quantisation and load recording are all C++.
+// Streams: every call takes the cudaStream_t (an int, 0 = legacy default) its C++ stage runs on;
+// stage b and combine_a take None for "the stream of the previous stage" (dispatcher.h).
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -79,12 +81,18 @@ ForwardMode parse_forward_mode(const std::string& s) {
   bad_choice("forward_mode", s, "'extend' or 'decode'");
 }
 
+std::optional<Stream> as_stream(std::optional<uintptr_t> stream) {
+  if (!stream) return std::nullopt;
+  return reinterpret_cast<Stream>(*stream);
+}
+
 bool stage_is(const PyDispatcher& d, const char* stage) {
   return std::string(d.native->stage_name()) == stage;
 }
 
 void dispatch_a(PyDispatcher& d, py::object x, py::object topk_idx, py::object topk_weights,
-                const std::string& forward_mode, std::optional<float> global_scale) {
+                const std::string& forward_mode, std::optional<float> global_scale,
+                uintptr_t stream) {
   const TensorView xv = to_view(x, "Dispatcher.dispatch_a: argument 'x'");
   const TensorView iv = to_view(topk_idx, "Dispatcher.dispatch_a: argument 'topk_idx'");
   const TensorView wv = to_view(topk_weights, "Dispatcher.dispatch_a: argument 'topk_weights'");
@@ -100,7 +108,7 @@ void dispatch_a(PyDispatcher& d, py::object x, py::object topk_idx, py::object t
   };
   try {
     py::gil_scoped_release nogil;
-    d.native->dispatch_a(xv, iv, wv, fm, global_scale);
+    d.native->dispatch_a(xv, iv, wv, fm, global_scale, reinterpret_cast<Stream>(stream));
   } catch (...) {
     keep();  // a hook that raised leaves the call started
     throw;
@@ -108,11 +116,11 @@ void dispatch_a(PyDispatcher& d, py::object x, py::object topk_idx, py::object t
   keep();
 }
 
-py::tuple dispatch_b(PyDispatcher& d) {
+py::tuple dispatch_b(PyDispatcher& d, std::optional<uintptr_t> stream) {
   DispatchOutput out;
   {
     py::gil_scoped_release nogil;
-    out = d.native->dispatch_b();
+    out = d.native->dispatch_b(as_stream(stream));
   }
   const auto owner = std::static_pointer_cast<void>(d.native);
   const char* format = output_format_name(out.format);
@@ -129,10 +137,12 @@ py::tuple dispatch_b(PyDispatcher& d) {
                         view_to_torch(out.moe_output_view, owner));
 }
 
-void combine_a(PyDispatcher& d, py::object y, bool y_in_output_view) {
+void combine_a(PyDispatcher& d, py::object y, bool y_in_output_view,
+               std::optional<uintptr_t> stream) {
   CombineInput in;
   in.y = to_view(y, "Dispatcher.combine_a: argument 'y'");
   in.y_in_output_view = y_in_output_view;
+  in.stream = as_stream(stream);
   {
     py::gil_scoped_release nogil;
     d.native->combine_a(in);
@@ -140,11 +150,11 @@ void combine_a(PyDispatcher& d, py::object y, bool y_in_output_view) {
   d.y = std::move(y);
 }
 
-py::object combine_b(PyDispatcher& d) {
+py::object combine_b(PyDispatcher& d, std::optional<uintptr_t> stream) {
   Tensor out;
   {
     py::gil_scoped_release nogil;
-    out = d.native->combine_b();
+    out = d.native->combine_b(as_stream(stream));
   }
   py::object result = to_torch(out, std::static_pointer_cast<void>(d.native));
   d.x = d.topk_idx = d.topk_weights = d.y = py::none();  // the call is over
@@ -182,10 +192,11 @@ void bind_dispatcher(py::module_& m) {
            py::arg("max_tokens_per_rank"), py::arg("backend"), py::arg("mode"), py::arg("quant"),
            py::arg("num_worst_tokens"), py::arg("return_recv_hook"))
       .def("dispatch_a", &dispatch_a, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("forward_mode"), py::arg("global_scale").none(true))
-      .def("dispatch_b", &dispatch_b)
-      .def("combine_a", &combine_a, py::arg("y").none(true), py::arg("y_in_output_view"))
-      .def("combine_b", &combine_b)
+           py::arg("forward_mode"), py::arg("global_scale").none(true), py::arg("stream") = 0)
+      .def("dispatch_b", &dispatch_b, py::arg("stream").none(true) = py::none())
+      .def("combine_a", &combine_a, py::arg("y").none(true), py::arg("y_in_output_view"),
+           py::arg("stream").none(true) = py::none())
+      .def("combine_b", &combine_b, py::arg("stream").none(true) = py::none())
       .def(
           "register_hook",
           [](PyDispatcher& d, py::object fn) {
@@ -198,8 +209,21 @@ void bind_dispatcher(py::module_& m) {
           },
           py::arg("hook"))
       .def("clear_hooks", [](PyDispatcher& d) { d.native->clear_hooks(); })
-      .def("expert_load", [](const PyDispatcher& d) { return d.native->expert_load(); })
-      .def("reset_expert_load", [](PyDispatcher& d) { d.native->reset_expert_load(); })
+      .def(
+          "expert_load",
+          [](const PyDispatcher& d, std::optional<uintptr_t> stream) {
+            return d.native->expert_load(as_stream(stream));
+          },
+          py::arg("stream").none(true) = py::none())
+      .def(
+          "reset_expert_load",
+          [](PyDispatcher& d, std::optional<uintptr_t> stream) {
+            d.native->reset_expert_load(as_stream(stream));
+          },
+          py::arg("stream").none(true) = py::none())
+      .def_property_readonly(
+          "stream",
+          [](const PyDispatcher& d) { return reinterpret_cast<uintptr_t>(d.native->stream()); })
       .def_property_readonly(
           "last_format",
           [](const PyDispatcher& d) { return output_format_name(d.native->last_format()); })

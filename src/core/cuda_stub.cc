@@ -6,6 +6,10 @@ namespace epx::detail {
 
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
+bool cuda_stream_is_capturing(Stream, int) { return false; }
+void cuda_stream_wait_stream(Stream, Stream, int) {
+  throw_error(ErrorCode::kUnsupported, "stream order: epx was built without CUDA");
+}
 std::shared_ptr<void> cuda_alloc_shared(size_t, int) {
   throw_error(ErrorCode::kUnsupported, "cuda allocation: epx was built without CUDA");
 }
@@ -77,7 +81,7 @@ void cuda_expert_load_add_global_ids(const TensorView&, const TensorView&, int, 
 void cuda_expert_load_add_counts(const TensorView&, const TensorView&, Stream) {
   no_cuda_kernels("expert load recording");
 }
-void cuda_expert_load_zero(const TensorView&, Stream) {
+void cuda_expert_load_zero(const TensorView&, Stream, bool) {
   no_cuda_kernels("expert load reset");
 }
 std::vector<int64_t> cuda_expert_load_read(const TensorView&, Stream) {

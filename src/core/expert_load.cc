@@ -27,8 +27,12 @@ void count_row(const Idx* row, int64_t stride, int64_t K, int L, int64_t* load) 
 
 }  // namespace
 
-ExpertLoad::ExpertLoad(int num_local_experts)
-    : num_local_experts_(num_local_experts), host_(static_cast<size_t>(num_local_experts), 0) {}
+ExpertLoad::ExpertLoad(int num_local_experts, Device device)
+    : num_local_experts_(num_local_experts), host_(static_cast<size_t>(num_local_experts), 0) {
+  if (device.type != DeviceType::kCuda) return;
+  device_ = default_allocator()(DType::kI64, {num_local_experts_}, device);
+  cuda_expert_load_zero(device_, nullptr, /*wait=*/true);
+}
 
 const Tensor& ExpertLoad::device_counter(const Device& device, Stream stream, const char* op) {
   if (!device_.defined()) {

@@ -3,7 +3,8 @@
 // same local expert several times counts once), readable and resettable.
 //
 // Counts from cpu tensors accumulate in a host int64 [L]; counts from cuda tensors accumulate in
-// a device int64 [L] (allocated on the first cuda tensor seen, on its device) by the kernels of
+// a device int64 [L] (allocated at construction for a cuda device, else on the first cuda tensor
+// seen, on its device) by the kernels of
 // src/cuda/quant.cu, queued on the caller's stream — nothing waits for the device except read().
 // read() returns the sum of both (one Dispatcher uses one backend, so one of them is zero).
 #pragma once
@@ -17,7 +18,10 @@ namespace epx::detail {
 
 class ExpertLoad {
  public:
-  explicit ExpertLoad(int num_local_experts);
+  // With a cuda `device`, the device counter is allocated and zeroed here (a host wait), so no
+  // dispatch allocates: recording is then CUDA-graph capturable. Otherwise it is allocated on
+  // the first cuda tensor seen (zeroed on that call's stream: not inside a capture).
+  explicit ExpertLoad(int num_local_experts, Device device = Device::cpu());
 
   int num_local_experts() const { return num_local_experts_; }
 

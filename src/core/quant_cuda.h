@@ -5,7 +5,7 @@
 // Every call validates nothing beyond what its caller (quant.cc, expert_load.cc) has checked,
 // makes the tensors' device current for the launch, queues its kernel on `stream` (a
 // cudaStream_t as void*, nullptr = the legacy default stream) and returns without waiting,
-// except cuda_expert_load_read, which synchronises `stream`.
+// except cuda_expert_load_read and cuda_expert_load_zero(wait), which synchronise `stream`.
 #pragma once
 
 #include <cstdint>
@@ -47,8 +47,8 @@ void cuda_expert_load_add_global_ids(const TensorView& ids, const TensorView& co
                                      const TensorView& load, Stream stream);
 // (c) counts int32 [L] (ll recv_count): load[l] += counts[l].
 void cuda_expert_load_add_counts(const TensorView& counts, const TensorView& load, Stream stream);
-// load[:] = 0 (queued on `stream`).
-void cuda_expert_load_zero(const TensorView& load, Stream stream);
+// load[:] = 0 (queued on `stream`; with `wait`, also synchronises `stream`).
+void cuda_expert_load_zero(const TensorView& load, Stream stream, bool wait = false);
 // A host copy of load; synchronises `stream` (waits for every kernel queued on it).
 std::vector<int64_t> cuda_expert_load_read(const TensorView& load, Stream stream);
 

@@ -4,7 +4,8 @@
 // Data flow: quant.cc / expert_load.cc validate and allocate -> these fill one params struct from
 // the tensor views, make the tensors' device current and queue ONE kernel on the caller's stream
 // (nothing when there is no work). No host synchronisation, except cuda_expert_load_read (a
-// copy to the host followed by cudaStreamSynchronize of the given stream).
+// copy to the host followed by cudaStreamSynchronize of the given stream) and
+// cuda_expert_load_zero(wait = true) (the counter's initial zeroing, outside any stream work).
 //
 // Layouts (see kernels/quant/quant.cuh for the index mapping):
 //   fp8     x [T, H] bf16 -> values [T, H] e4m3; scales f32 [T, H/128], or UE8M0 int32 words at
@@ -232,12 +233,13 @@ void cuda_expert_load_add_counts(const TensorView& counts, const TensorView& loa
   EPX_CUDA_CHECK(cudaGetLastError(), op);
 }
 
-void cuda_expert_load_zero(const TensorView& load, Stream stream) {
+void cuda_expert_load_zero(const TensorView& load, Stream stream, bool wait) {
   require_cuda(load, "expert load reset", "load");
   if (load.nbytes() == 0) return;
   DeviceGuard guard(load.device.index);
   EPX_CUDA_CHECK(cudaMemsetAsync(load.data, 0, load.nbytes(), as_stream(stream)),
                  "expert load reset");
+  if (wait) EPX_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)), "expert load reset");
 }
 
 std::vector<int64_t> cuda_expert_load_read(const TensorView& load, Stream stream) {

@@ -41,4 +41,23 @@ std::shared_ptr<void> cuda_alloc_shared(size_t bytes, int device) {
   });
 }
 
+bool cuda_stream_is_capturing(Stream stream, int device) {
+  DeviceGuard guard(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status),
+                 "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void cuda_stream_wait_stream(Stream waiter, Stream waited, int device) {
+  if (waiter == waited) return;
+  DeviceGuard guard(device);
+  cudaEvent_t event = nullptr;
+  EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "stream order");
+  cudaError_t e = cudaEventRecord(event, static_cast<cudaStream_t>(waited));
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), event, 0);
+  cudaEventDestroy(event);  // released once the wait is resolved
+  EPX_CUDA_CHECK(e, "stream order");
+}
+
 }  // namespace epx::detail

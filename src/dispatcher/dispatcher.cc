@@ -17,18 +17,22 @@
 //
 // Devices and streams: the same code runs on cpu and cuda tensors; quantisation, the a2a id
 // narrowing and the load recording go through core/quant.h and core/expert_load.h, which run
-// cuda tensors through src/cuda/quant.cu. The Dispatcher takes no stream: every cuda operation
-// it issues (its own kernels and the mode operations) is queued on the legacy default stream
-// (kStream = nullptr), so they are ordered with each other and with the caller's default-stream
-// work. Host waits: ht exact mode (learning N, inside Buffer::ht_dispatch) and expert_load().
+// cuda tensors through src/cuda/quant.cu. Every stage queues all its cuda work on one stream,
+// State::stream: the stage's argument, else the previous stage's (dispatcher.h lists the rules);
+// stage b given another stream orders it after stage a's first (ll's receive hook runs on stage
+// a's stream). Host waits: ht exact mode (learning N, inside Buffer::ht_dispatch), the ht -> ll
+// switch (ll_clean), expert_load(); the first two refuse to start under CUDA-graph capture
+// (they would wait for work the capture never runs).
 #include "epx/dispatcher.h"
 
 #include <algorithm>
 
 #include "core/check.h"
+#include "core/cuda_runtime_shim.h"
 #include "core/expert_load.h"
 #include "core/quant.h"
 #include "core/validate.h"
+#include "transport/transport.h"
 
 namespace epx {
 
@@ -74,9 +78,6 @@ const char* stage_str(Stage s) {
   return "?";
 }
 
-// Every cuda operation of the Dispatcher runs on the legacy default stream (see the top).
-constexpr Stream kStream = nullptr;
-
 }  // namespace
 
 struct Dispatcher::State {
@@ -91,6 +92,8 @@ struct Dispatcher::State {
   Stage stage = Stage::kInitial;
   OutputFormat format = OutputFormat::kHt;
   bool last_was_ht = false;
+  Stream stream = nullptr;  // of the last stage (what the next one defaults to)
+  Device device;            // of the call in flight (cpu: streams are ignored)
 
   // In-flight call state.
   int64_t num_tokens = 0;
@@ -111,6 +114,24 @@ struct Dispatcher::State {
                   ", expected stage ", stage_str(want),
                   " (order: dispatch_a -> dispatch_b -> combine_a -> combine_b)");
   }
+
+  // Stage b: its own stream, ordered after stage a's (whose work, ll's receive hook included,
+  // is queued by then), or stage a's.
+  void enter_stage_b(std::optional<Stream> given) {
+    if (!given || *given == stream) return;
+    if (device.type == DeviceType::kCuda) detail::cuda_stream_wait_stream(*given, stream, device.index);
+    stream = *given;
+  }
+
+  // Host waits cannot run while `stream` is being captured: they would wait for device work
+  // that the capture only records.
+  void refuse_under_capture(const char* what, const char* instead) const {
+    EPX_CHECK(device.type != DeviceType::kCuda ||
+                  !detail::cuda_stream_is_capturing(stream, device.index),
+              ErrorCode::kUnsupported, "Dispatcher::dispatch_a: ", what,
+              " waits on the host and cannot run while its stream (", stream,
+              ") is being captured into a CUDA graph; expected ", instead);
+  }
 };
 
 Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
@@ -126,7 +147,8 @@ Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
                 c.max_tokens_per_rank, ", expected >= 1");
   s_->num_ranks = R;
   s_->num_local_experts = c.num_experts / R;
-  s_->load = std::make_unique<detail::ExpertLoad>(s_->num_local_experts);
+  // On a cuda group the device counter is made here, so no dispatch allocates it (capture).
+  s_->load = std::make_unique<detail::ExpertLoad>(s_->num_local_experts, group.transport()->device());
   if (c.backend == DispatcherBackend::kDeepEp) {
     EPX_CHECK(c.quant != DispatchQuant::kNvfp4, ErrorCode::kUnsupported,
               "Dispatcher: 'quant' nvfp4 needs backend a2a (ht and ll move bf16 or fp8)");
@@ -165,18 +187,19 @@ Dispatcher& Dispatcher::operator=(Dispatcher&&) noexcept = default;
 
 void Dispatcher::register_hook(std::function<void()> hook) { s_->hooks.push_back(std::move(hook)); }
 void Dispatcher::clear_hooks() { s_->hooks.clear(); }
-std::vector<int64_t> Dispatcher::expert_load() const {
-  return s_->load->read(kStream);
+std::vector<int64_t> Dispatcher::expert_load(std::optional<Stream> stream) const {
+  return s_->load->read(stream.value_or(s_->stream));
 }
-void Dispatcher::reset_expert_load() {
-  s_->load->reset(kStream);
+void Dispatcher::reset_expert_load(std::optional<Stream> stream) {
+  s_->load->reset(stream.value_or(s_->stream));
 }
+Stream Dispatcher::stream() const { return s_->stream; }
 OutputFormat Dispatcher::last_format() const { return s_->format; }
 const char* Dispatcher::stage_name() const { return stage_str(s_->stage); }
 
 void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
                             const TensorView& topk_weights, ForwardMode forward_mode,
-                            std::optional<float> global_scale) {
+                            std::optional<float> global_scale, Stream stream) {
   State& s = *s_;
   s.expect(Stage::kInitial, "dispatch_a");
   const DispatcherConfig& c = s.config;
@@ -189,6 +212,8 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   EPX_CHECK_ARG(c.quant != DispatchQuant::kNvfp4 || global_scale.has_value(),
                 "Dispatcher::dispatch_a: argument 'global_scale' is required with quant nvfp4");
   const Allocator alloc = s.config.allocator ? s.config.allocator : default_allocator();
+  s.stream = stream;
+  s.device = x.device;
   s.num_tokens = x.shape[0];
   s.topk_idx = topk_idx;
   s.topk_weights = topk_weights;
@@ -210,8 +235,8 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       // The payload moves contiguous per-token rows, so UE8M0 words are written row-major.
       detail::QuantizedTensor q =
           c.quant == DispatchQuant::kNvfp4
-              ? detail::quantize_nvfp4(x, *global_scale, alloc, kStream)
-              : detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc, kStream,
+              ? detail::quantize_nvfp4(x, *global_scale, alloc, stream)
+              : detail::quantize_fp8(x, c.quant == DispatchQuant::kFp8Ue8m0, alloc, stream,
                                      detail::Ue8m0Layout::kRowMajor);
       s.keep_alive.push_back(q.values);
       s.keep_alive.push_back(q.scales);
@@ -219,7 +244,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       payloads.push_back(q.scales);
     }
     // Expert ids travel as int32 (the a2a routing input too), narrowed on x's device.
-    Tensor ids = detail::narrow_topk_idx(topk_idx, alloc, kStream);
+    Tensor ids = detail::narrow_topk_idx(topk_idx, alloc, stream);
     s.keep_alive.push_back(ids);
     payloads.push_back(ids);
     payloads.push_back(topk_weights);
@@ -229,14 +254,18 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
     args.runtime_max_tokens_per_rank = c.max_tokens_per_rank;
     args.invalid_expert_id = -1;
     args.expert_id_payload_index = static_cast<int>(payloads.size()) - 2;
-    args.stream = kStream;
+    args.stream = stream;
     s.a2a_recv = s.a2a->dispatch(args);
   } else {
     const bool use_ll = c.mode == DispatchMode::kLowLatency ||
                         (c.mode == DispatchMode::kAuto && forward_mode == ForwardMode::kDecode);
     if (use_ll) {
       s.format = OutputFormat::kLl;
-      if (s.last_was_ht) s.buffer->ll_clean();
+      if (s.last_was_ht) {
+        s.refuse_under_capture("the switch from ht to ll (ll_clean synchronises the device)",
+                               "one decode batch run before capturing");
+        s.buffer->ll_clean();
+      }
       s.last_was_ht = false;
       LlDispatchArgs args;
       args.x = x;
@@ -245,16 +274,20 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       args.round_scale = c.quant == DispatchQuant::kFp8Ue8m0;
       args.use_ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
       args.return_recv_hook = c.return_recv_hook;
-      args.stream = kStream;
+      args.stream = stream;
       s.ll = s.buffer->ll_dispatch(args, alloc);
     } else {
+      if (c.num_worst_tokens == 0)
+        s.refuse_under_capture("ht exact mode (num_worst_tokens = 0: the count exchange)",
+                               "num_worst_tokens > 0 (ht worst-case mode) or ll (mode "
+                               "low_latency, or decode batches under auto)");
       s.format = OutputFormat::kHt;
       s.last_was_ht = true;
       HtDispatchArgs args;
       args.topk_idx = topk_idx;
       args.topk_weights = topk_weights;
       args.num_worst_tokens = c.num_worst_tokens;
-      args.stream = kStream;
+      args.stream = stream;
       if (c.quant == DispatchQuant::kBf16) {
         args.x = x;
         s.ht = s.buffer->ht_dispatch(args, alloc);
@@ -263,12 +296,12 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
         // rows are re-laid column-major, TMA-aligned (what grouped GEMMs read; quant.h).
         const bool ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
         detail::QuantizedTensor q =
-            detail::quantize_fp8(x, ue8m0, alloc, kStream, detail::Ue8m0Layout::kRowMajor);
+            detail::quantize_fp8(x, ue8m0, alloc, stream, detail::Ue8m0Layout::kRowMajor);
         args.x = q.values;
         args.x_scales = q.scales;
         s.ht = s.buffer->ht_dispatch(args, alloc);
         if (ue8m0)
-          s.ht.recv_x_scales = detail::ue8m0_to_column_major(s.ht.recv_x_scales, alloc, kStream);
+          s.ht.recv_x_scales = detail::ue8m0_to_column_major(s.ht.recv_x_scales, alloc, stream);
       }
     }
   }
@@ -276,7 +309,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   for (auto& hook : s.hooks) hook();
 }
 
-DispatchOutput Dispatcher::dispatch_b() {
+DispatchOutput Dispatcher::dispatch_b(std::optional<Stream> stream) {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchA, "dispatch_b");
   const DispatcherConfig& c = s.config;
@@ -289,17 +322,20 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.topk_idx = s.ht.recv_topk_idx;
     out.topk_weights = s.ht.recv_topk_weights;
     out.num_recv_tokens_per_expert = s.ht.num_recv_tokens_per_expert;
-    s.load->add_local_ids(s.ht.recv_topk_idx, kStream);
+    s.enter_stage_b(stream);
+    s.load->add_local_ids(s.ht.recv_topk_idx, s.stream);
   } else if (s.format == OutputFormat::kLl) {
-    if (s.ll.hook) s.ll.hook();
+    if (s.ll.hook) s.ll.hook();  // on dispatch_a's stream
+    s.enter_stage_b(stream);
     out.x = s.ll.recv_x;
     out.x_scale = s.ll.recv_scales;
     out.masked_m = s.ll.recv_count;
     out.topk_idx = Tensor{s.topk_idx, nullptr};  // ll experts see the original routing
     out.topk_weights = Tensor{s.topk_weights, nullptr};
     out.expected_m = (s.num_tokens * R * K + c.num_experts) / c.num_experts;
-    s.load->add_counts(s.ll.recv_count, kStream);
+    s.load->add_counts(s.ll.recv_count, s.stream);
   } else {
+    s.enter_stage_b(stream);
     const auto& recv = s.a2a_recv.recv;
     const size_t n = recv.size();
     out.x = Tensor{recv[0], nullptr};
@@ -308,7 +344,7 @@ DispatchOutput Dispatcher::dispatch_b() {
     out.topk_weights = Tensor{recv[n - 1], nullptr};
     out.moe_output_view =
         s.a2a->combine_payload_view(c.max_tokens_per_rank, c.hidden, DType::kBF16);
-    s.load->add_global_ids(recv[n - 2], s.a2a_recv.recv_counts, s.group.rank(), kStream);
+    s.load->add_global_ids(recv[n - 2], s.a2a_recv.recv_counts, s.group.rank(), s.stream);
   }
   s.stage = Stage::kAfterDispatchB;
   return out;
@@ -317,12 +353,14 @@ DispatchOutput Dispatcher::dispatch_b() {
 void Dispatcher::combine_a(const CombineInput& input) {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchB, "combine_a");
+  if (input.stream) s.stream = *input.stream;
+  const Stream stream = s.stream;  // every cuda operation of this stage
   const Allocator alloc = s.config.allocator ? s.config.allocator : default_allocator();
   if (s.format == OutputFormat::kHt) {
     HtCombineArgs args;
     args.y = input.y;
     args.handle = &s.ht.handle;
-    args.stream = kStream;
+    args.stream = stream;
     s.out = s.buffer->ht_combine(args, alloc).out;
   } else if (s.format == OutputFormat::kLl) {
     LlCombineArgs args;
@@ -331,25 +369,26 @@ void Dispatcher::combine_a(const CombineInput& input) {
     args.topk_weights = s.topk_weights;
     args.handle = &s.ll.handle;
     args.return_recv_hook = s.config.return_recv_hook;
-    args.stream = kStream;
+    args.stream = stream;
     s.ll_combine = s.buffer->ll_combine(args, alloc);
     s.out = s.ll_combine.out;
   } else {
     const int64_t M = s.config.max_tokens_per_rank;
     if (input.y_in_output_view) {
       TensorView view = s.a2a->combine_payload_view(M, s.config.hidden, DType::kBF16);
-      s.out = s.a2a->combine(view, M, /*payload_in_workspace=*/true, kStream, alloc);
+      s.out = s.a2a->combine(view, M, /*payload_in_workspace=*/true, stream, alloc);
     } else {
-      s.out = s.a2a->combine(input.y, M, false, kStream, alloc);
+      s.out = s.a2a->combine(input.y, M, false, stream, alloc);
     }
   }
   s.stage = Stage::kAfterCombineA;
 }
 
-Tensor Dispatcher::combine_b() {
+Tensor Dispatcher::combine_b(std::optional<Stream> stream) {
   State& s = *s_;
   s.expect(Stage::kAfterCombineA, "combine_b");
-  if (s.format == OutputFormat::kLl && s.ll_combine.hook) s.ll_combine.hook();
+  if (s.format == OutputFormat::kLl && s.ll_combine.hook) s.ll_combine.hook();  // combine_a's stream
+  s.enter_stage_b(stream);
   s.stage = Stage::kInitial;
   s.keep_alive.clear();
   Tensor out = s.out;
@@ -359,8 +398,8 @@ Tensor Dispatcher::combine_b() {
 
 DispatchOutput Dispatcher::dispatch(const TensorView& x, const TensorView& topk_idx,
                                     const TensorView& topk_weights, ForwardMode forward_mode,
-                                    std::optional<float> global_scale) {
-  dispatch_a(x, topk_idx, topk_weights, forward_mode, global_scale);
+                                    std::optional<float> global_scale, Stream stream) {
+  dispatch_a(x, topk_idx, topk_weights, forward_mode, global_scale, stream);
   return dispatch_b();
 }
 

@@ -75,4 +75,18 @@ std::vector<uint8_t> to_host_bytes(const TensorView& t) {
   return out;
 }
 
+Allocator Arena::allocator() {
+  return [this](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    if (recording) {
+      tensors.push_back(base(dtype, shape, device));
+      return tensors.back();
+    }
+    Tensor t = tensors.at(next++);
+    bool ok = t.dtype == dtype && t.ndim == static_cast<int>(shape.size());
+    for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.shape[i] == shape[i];
+    if (!ok) throw Error(ErrorCode::kInternal, "arena: allocation sequence changed under capture");
+    return t;
+  };
+}
+
 }  // namespace epx::gpu_testing

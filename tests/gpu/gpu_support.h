@@ -50,4 +50,21 @@ std::vector<T> to_host(const TensorView& t) {
   return out;
 }
 
+// Hands out, in order, the tensors a first (eager) pass allocated from `base`, so a CUDA graph
+// captured from the same sequence of calls has its outputs at fixed addresses and nothing is
+// allocated during capture. Throws Internal when the sequence differs.
+struct Arena {
+  explicit Arena(Allocator base_allocator = default_allocator()) : base(std::move(base_allocator)) {}
+  Allocator base;
+  std::vector<Tensor> tensors;
+  size_t next = 0;
+  bool recording = true;
+  // Replays the recorded sequence from its start.
+  void replay() {
+    recording = false;
+    next = 0;
+  }
+  Allocator allocator();
+};
+
 }  // namespace epx::gpu_testing

@@ -355,30 +355,6 @@ TEST(HtGpu, TwoRanksMatchReference) {
   EXPECT_EQ(rc, 0);
 }
 
-// Hands out, in order, the tensors allocated by a first eager pass, so a captured graph's
-// outputs live at fixed addresses and nothing is allocated during capture.
-struct Arena {
-  std::vector<Tensor> tensors;
-  size_t next = 0;
-  bool recording = true;
-  Allocator allocator() {
-    return [this](DType dtype, const std::vector<int64_t>& shape, Device device) {
-      if (recording) {
-        tensors.push_back(poisoning_allocator()(dtype, shape, device));
-        return tensors.back();
-      }
-      Tensor t = tensors.at(next++);
-      check_match(t, dtype, shape);
-      return t;
-    };
-  }
-  static void check_match(const Tensor& t, DType dtype, const std::vector<int64_t>& shape) {
-    bool ok = t.dtype == dtype && t.ndim == static_cast<int>(shape.size());
-    for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.shape[i] == shape[i];
-    if (!ok) throw Error(ErrorCode::kInternal, "arena: allocation sequence changed under capture");
-  }
-};
-
 // Worst-case mode dispatch + combine captured once in a CUDA graph, replayed on new inputs
 // (new routing and data each time, copied into the captured input buffers), each replay checked.
 int graph_replays(const Group& g, int num_replays) {
@@ -410,7 +386,7 @@ int graph_replays(const Group& g, int num_replays) {
     cudaMemcpy(bias.data, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
     (void)cc;
   };
-  Arena arena;
+  Arena arena(poisoning_allocator());
   HtDispatchResult res;
   HtCombineResult cres;
   auto enqueue = [&] {
@@ -439,11 +415,10 @@ int graph_replays(const Group& g, int num_replays) {
   enqueue();
   cudaStreamSynchronize(stream);
   buf.check();
-  arena.recording = false;
+  arena.replay();
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return 1;
-  arena.next = 0;
   enqueue();
   if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) return 1;
   if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return 1;

@@ -565,17 +565,21 @@ struct Problem {
   std::vector<ForwardMode> modes;            // [call]
 };
 
-Problem make_problem(int R, uint64_t seed) {
+// `graph`: decode calls only, each rank's T the same in every call (a captured graph's shapes).
+Problem make_problem(int R, uint64_t seed, int num_calls = kCalls, bool graph = false) {
   std::mt19937_64 rng(seed);
   Problem p;
   p.R = R;
   const auto routings = testing::all_routings();
-  for (int c = 0; c < kCalls; ++c) {
-    p.modes.push_back(c % 3 == 1 ? ForwardMode::kDecode : ForwardMode::kExtend);
+  for (int c = 0; c < num_calls; ++c) {
+    p.modes.push_back(graph || c % 3 == 1 ? ForwardMode::kDecode : ForwardMode::kExtend);
     std::vector<RankCall> ranks;
     for (int r = 0; r < R; ++r) {
       RankCall rc;
-      rc.T = (c + r) % 4 == 3 ? 0 : static_cast<int64_t>(1 + rng() % kTMax);
+      if (graph)
+        rc.T = kTMax - 7 * r;
+      else
+        rc.T = (c + r) % 4 == 3 ? 0 : static_cast<int64_t>(1 + rng() % kTMax);
       rc.x = make_x(rc.T, kH, rng);
       rc.idx = testing::make_topk_idx(routings[(c + r) % routings.size()], rc.T, kK, kE, R, rng,
                                       static_cast<int>(rng() % kE));
@@ -633,9 +637,7 @@ std::vector<uint8_t> as_bytes(const std::vector<int64_t>& v) {
   return b;
 }
 
-// Runs the problem's calls on one rank (cpu or cuda tensors) and records what must agree.
-Records run_calls(const Group& g, const DispCase& dc, const Problem& p, Device device) {
-  const int R = p.R, r = g.rank(), L = kE / R;
+DispatcherConfig disp_config(const DispCase& dc, int R) {
   DispatcherConfig cfg;
   cfg.num_experts = kE;
   cfg.hidden = kH;
@@ -646,102 +648,226 @@ Records run_calls(const Group& g, const DispCase& dc, const Problem& p, Device d
   cfg.quant = dc.quant;
   cfg.num_worst_tokens = dc.num_worst_tokens * R * kTMax;
   cfg.return_recv_hook = dc.hook;
-  Dispatcher d(g, cfg);
-  Records rec;
+  return cfg;
+}
+
+// Host bytes -> `t` (cpu or cuda; cuda: queued on `stream`, then waited for).
+void copy_in(const TensorView& t, const void* data, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  if (t.device.type == DeviceType::kCpu) {
+    std::memcpy(t.data, data, bytes);
+    return;
+  }
+  CUDA_OK(cudaMemcpyAsync(t.data, data, bytes, cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+}
+
+// One call's inputs as tensors on `device` (new ones, or the captured ones in `into`).
+struct CallTensors {
+  Tensor x, idx, w, y;
+};
+
+void load_inputs(CallTensors& t, const RankCall& in, bool topk_i32, Device device,
+                 cudaStream_t stream) {
+  auto make = [&](Tensor& dst, DType dtype, std::vector<int64_t> shape) {
+    if (!dst.defined()) dst = default_allocator()(dtype, shape, device);
+  };
+  make(t.x, DType::kBF16, {in.T, kH});
+  make(t.idx, topk_i32 ? DType::kI32 : DType::kI64, {in.T, kK});
+  make(t.w, DType::kF32, {in.T, kK});
+  copy_in(t.x, in.x.data(), in.x.size() * 2, stream);
+  if (topk_i32) {
+    std::vector<int32_t> idx32(in.idx.begin(), in.idx.end());
+    copy_in(t.idx, idx32.data(), idx32.size() * 4, stream);
+  } else {
+    copy_in(t.idx, in.idx.data(), in.idx.size() * 8, stream);
+  }
+  copy_in(t.w, in.w.data(), in.w.size() * 4, stream);
+}
+
+// The expert outputs of call c on rank r for `out` (random, from the call's seed) into t.y.
+void load_y(CallTensors& t, const DispatchOutput& out, int R, int c, int r, Device device,
+            cudaStream_t stream) {
+  std::vector<int64_t> shape;
+  if (out.format == OutputFormat::kA2a) shape = {R, kTMax, kH};
+  if (out.format == OutputFormat::kHt) shape = {out.x.shape[0], kH};
+  if (out.format == OutputFormat::kLl) shape = {kE / R, out.x.shape[1], kH};
+  if (!t.y.defined()) t.y = default_allocator()(DType::kBF16, shape, device);
+  std::mt19937_64 yrng(1000003ull * c + r);
+  const std::vector<uint16_t> yh = testing::make_bf16(t.y.shape[0] * t.y.shape[1], kH, yrng);
+  copy_in(t.y, yh.data(), yh.size() * 2, stream);
+}
+
+// What call c's outputs must agree on between the cpu and the cuda runs.
+void record_outputs(Records& rec, const DispatcherConfig& cfg, const Problem& p, int c, int r,
+                    const DispatchOutput& out) {
+  const int R = p.R;
   auto put = [&](const std::string& what, const TensorView& t) {
     rec.emplace_back(what, t.defined() ? logical_bytes(t) : std::vector<uint8_t>{});
   };
-  auto upload = [&](const void* data, size_t bytes, DType dtype, std::vector<int64_t> shape,
-                    std::vector<Tensor>& keep) -> TensorView {
-    Tensor t = default_allocator()(dtype, shape, device);
-    if (bytes > 0) {
-      if (device.type == DeviceType::kCpu)
-        std::memcpy(t.data, data, bytes);
-      else
-        CUDA_OK(cudaMemcpy(t.data, data, bytes, cudaMemcpyHostToDevice));
+  const std::string tag = "call " + std::to_string(c) + " ";
+  rec.emplace_back(tag + "format", std::vector<uint8_t>{static_cast<uint8_t>(out.format)});
+  const std::vector<int64_t> from = tokens_to(p, c, r);
+  if (out.format == OutputFormat::kA2a) {
+    // Valid rows of every source; the routing payload whole (padding rows must be -1).
+    const int64_t M = kTMax;
+    const std::pair<const char*, const TensorView*> rows_of[] = {
+        {"x", &out.x}, {"x_scale", &out.x_scale}, {"topk_weights", &out.topk_weights}};
+    for (const auto& [name, t] : rows_of) {
+      if (!t->defined()) continue;
+      const std::vector<uint8_t> all = logical_bytes(*t);
+      for (int s = 0; s < R; ++s)
+        rec.emplace_back(tag + name + " from " + std::to_string(s),
+                         row_range(all, R * M, s * M, from[s]));
     }
-    keep.push_back(t);
-    return t;
-  };
-  for (int c = 0; c < kCalls; ++c) {
-    const RankCall& in = p.calls[c][r];
-    std::vector<Tensor> keep;
-    const TensorView x = upload(in.x.data(), in.x.size() * 2, DType::kBF16, {in.T, kH}, keep);
-    std::vector<int32_t> idx32(in.idx.begin(), in.idx.end());
-    const TensorView idx =
-        dc.topk_i32 ? upload(idx32.data(), idx32.size() * 4, DType::kI32, {in.T, kK}, keep)
-                    : upload(in.idx.data(), in.idx.size() * 8, DType::kI64, {in.T, kK}, keep);
-    const TensorView w = upload(in.w.data(), in.w.size() * 4, DType::kF32, {in.T, kK}, keep);
+    put(tag + "topk_idx", out.topk_idx);
+  } else if (out.format == OutputFormat::kHt) {
+    int64_t N = 0;
+    for (int64_t n : from) N += n;
+    const int64_t rows = out.x.shape[0];
+    if (rows != (cfg.num_worst_tokens > 0 ? cfg.num_worst_tokens : N))
+      throw std::runtime_error(tag + "ht returned " + std::to_string(rows) + " rows, expected " +
+                               std::to_string(cfg.num_worst_tokens > 0 ? cfg.num_worst_tokens : N));
+    rec.emplace_back(tag + "x", row_range(logical_bytes(out.x), rows, 0, N));
+    if (out.x_scale.defined())
+      rec.emplace_back(tag + "x_scale", row_range(logical_bytes(out.x_scale), rows, 0, N));
+    if (out.x_scale.defined() && out.x_scale.dtype == DType::kI32) {
+      // UE8M0: MN-major, TMA-aligned (strides {1, align4(rows)}); the whole storage
+      // [W, align4(rows)] byte for byte, padding and worst-case rows (0) included.
+      const int64_t M = out.x_scale.strides[1];
+      if (out.x_scale.strides[0] != 1 || M != (rows + 3) / 4 * 4)
+        throw std::runtime_error(tag + "ht UE8M0 x_scale has strides " + out.x_scale.describe() +
+                                 ", expected {1, align4(rows)}");
+      rec.emplace_back(tag + "x_scale storage",
+                       storage_bytes(out.x_scale, out.x_scale.shape[1] * M));
+    }
+    put(tag + "topk_idx", out.topk_idx);  // rows past N: -1
+    rec.emplace_back(tag + "topk_weights", row_range(logical_bytes(out.topk_weights), rows, 0, N));
+    std::vector<int64_t> n32(out.num_recv_tokens_per_expert.begin(),
+                             out.num_recv_tokens_per_expert.end());
+    rec.emplace_back(tag + "num_recv_tokens_per_expert", as_bytes(n32));
+  } else {
+    put(tag + "masked_m", out.masked_m);
+    rec.emplace_back(tag + "expected_m", as_bytes({out.expected_m}));
+  }
+}
+
+// The combine output and the expert load after call c (reset after the middle call).
+void record_combine(Records& rec, Dispatcher& d, int c, int num_calls, const TensorView& combined) {
+  const std::string tag = "call " + std::to_string(c) + " ";
+  rec.emplace_back(tag + "combine out",
+                   combined.defined() ? logical_bytes(combined) : std::vector<uint8_t>{});
+  rec.emplace_back(tag + "expert_load", as_bytes(d.expert_load()));
+  if (c == num_calls / 2) {
+    d.reset_expert_load();
+    rec.emplace_back(tag + "expert_load after reset", as_bytes(d.expert_load()));
+  }
+}
+
+// Runs the problem's calls on one rank (cpu or cuda tensors; cuda on `stream`) and records what
+// must agree.
+Records run_calls(const Group& g, const DispCase& dc, const Problem& p, Device device,
+                  cudaStream_t stream = nullptr) {
+  const int R = p.R, r = g.rank(), num_calls = static_cast<int>(p.calls.size());
+  const DispatcherConfig cfg = disp_config(dc, R);
+  Dispatcher d(g, cfg);
+  Records rec;
+  for (int c = 0; c < num_calls; ++c) {
+    CallTensors t;
+    load_inputs(t, p.calls[c][r], dc.topk_i32, device, stream);
     const std::optional<float> gs =
         dc.quant == DispatchQuant::kNvfp4 ? std::optional<float>(1.5f) : std::nullopt;
-    const std::string tag = "call " + std::to_string(c) + " ";
-    DispatchOutput out = d.dispatch(x, idx, w, p.modes[c], gs);
-    rec.emplace_back(tag + "format", std::vector<uint8_t>{static_cast<uint8_t>(out.format)});
-    const std::vector<int64_t> from = tokens_to(p, c, r);
-    std::mt19937_64 yrng(1000003ull * c + r);
-    Tensor y;
-    if (out.format == OutputFormat::kA2a) {
-      // Valid rows of every source; the routing payload whole (padding rows must be -1).
-      const int64_t M = kTMax;
-      const std::pair<const char*, const TensorView*> rows_of[] = {
-          {"x", &out.x}, {"x_scale", &out.x_scale}, {"topk_weights", &out.topk_weights}};
-      for (const auto& [name, t] : rows_of) {
-        if (!t->defined()) continue;
-        const std::vector<uint8_t> all = logical_bytes(*t);
-        for (int s = 0; s < R; ++s)
-          rec.emplace_back(tag + name + " from " + std::to_string(s),
-                           row_range(all, R * M, s * M, from[s]));
-      }
-      put(tag + "topk_idx", out.topk_idx);
-      const std::vector<uint16_t> yh = testing::make_bf16(R * M, kH, yrng);
-      y = Tensor{upload(yh.data(), yh.size() * 2, DType::kBF16, {R, M, kH}, keep), nullptr};
-    } else if (out.format == OutputFormat::kHt) {
-      int64_t N = 0;
-      for (int64_t n : from) N += n;
-      const int64_t rows = out.x.shape[0];
-      if (rows != (cfg.num_worst_tokens > 0 ? cfg.num_worst_tokens : N))
-        throw std::runtime_error(
-            tag + "ht returned " + std::to_string(rows) + " rows, expected " +
-            std::to_string(cfg.num_worst_tokens > 0 ? cfg.num_worst_tokens : N));
-      rec.emplace_back(tag + "x", row_range(logical_bytes(out.x), rows, 0, N));
-      if (out.x_scale.defined())
-        rec.emplace_back(tag + "x_scale", row_range(logical_bytes(out.x_scale), rows, 0, N));
-      if (out.x_scale.defined() && out.x_scale.dtype == DType::kI32) {
-        // UE8M0: MN-major, TMA-aligned (strides {1, align4(rows)}); the whole storage
-        // [W, align4(rows)] byte for byte, padding and worst-case rows (0) included.
-        const int64_t M = out.x_scale.strides[1];
-        if (out.x_scale.strides[0] != 1 || M != (rows + 3) / 4 * 4)
-          throw std::runtime_error(tag + "ht UE8M0 x_scale has strides " + out.x_scale.describe() +
-                                   ", expected {1, align4(rows)}");
-        rec.emplace_back(tag + "x_scale storage",
-                         storage_bytes(out.x_scale, out.x_scale.shape[1] * M));
-      }
-      put(tag + "topk_idx", out.topk_idx);  // rows past N: -1
-      rec.emplace_back(tag + "topk_weights",
-                       row_range(logical_bytes(out.topk_weights), rows, 0, N));
-      std::vector<int64_t> n32(out.num_recv_tokens_per_expert.begin(),
-                               out.num_recv_tokens_per_expert.end());
-      rec.emplace_back(tag + "num_recv_tokens_per_expert", as_bytes(n32));
-      const std::vector<uint16_t> yh = testing::make_bf16(rows, kH, yrng);
-      y = Tensor{upload(yh.data(), yh.size() * 2, DType::kBF16, {rows, kH}, keep), nullptr};
-    } else {
-      put(tag + "masked_m", out.masked_m);
-      rec.emplace_back(tag + "expected_m", as_bytes({out.expected_m}));
-      const int64_t rows = out.x.shape[1];
-      const std::vector<uint16_t> yh = testing::make_bf16(L * rows, kH, yrng);
-      y = Tensor{upload(yh.data(), yh.size() * 2, DType::kBF16, {L, rows, kH}, keep), nullptr};
-    }
+    DispatchOutput out = d.dispatch(t.x, t.idx, t.w, p.modes[c], gs, stream);
+    record_outputs(rec, cfg, p, c, r, out);
+    load_y(t, out, R, c, r, device, stream);
     CombineInput ci;
-    ci.y = y;
+    ci.y = t.y;  // on the dispatch's stream
     const Tensor combined = d.combine(ci);
-    put(tag + "combine out", combined);
-    rec.emplace_back(tag + "expert_load", as_bytes(d.expert_load()));
-    if (c == kCalls / 2) {
-      d.reset_expert_load();
-      rec.emplace_back(tag + "expert_load after reset", as_bytes(d.expert_load()));
-    }
+    record_combine(rec, d, c, num_calls, combined);
   }
   return rec;
+}
+
+// The same calls with call 0 eager and call 1 captured into a CUDA graph on a non-blocking
+// stream (global capture mode: any legacy-stream or device-wide synchronisation inside the
+// Dispatcher fails the capture); calls 1.. are replays on new inputs copied into the captured
+// input tensors. Every rank's T is the same in every call (p from make_graph_problem).
+Records run_graph_calls(const Group& g, const DispCase& dc, const Problem& p) {
+  const int R = p.R, r = g.rank(), num_calls = static_cast<int>(p.calls.size());
+  const Device device = Device::cuda(r);
+  DispatcherConfig cfg = disp_config(dc, R);
+  gpu_testing::Arena arena;
+  cfg.allocator = arena.allocator();
+  Dispatcher d(g, cfg);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraphExec_t exec = nullptr;
+  CallTensors t;  // the captured inputs
+  DispatchOutput out;
+  Tensor combined;
+  Records rec;
+  for (int c = 0; c < num_calls; ++c) {
+    load_inputs(t, p.calls[c][r], dc.topk_i32, device, stream);
+    if (c <= 1) {
+      cudaGraph_t graph = nullptr;
+      if (c == 1) {
+        arena.replay();
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      }
+      out = d.dispatch(t.x, t.idx, t.w, p.modes[c], std::nullopt, stream);
+      if (c == 0) load_y(t, out, R, c, r, device, stream);  // allocates the captured y
+      CombineInput ci;
+      ci.y = t.y;
+      combined = d.combine(ci);
+      if (c == 1) {
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        CUDA_OK(cudaGraphDestroy(graph));
+      }
+    }
+    if (c >= 1) {
+      load_y(t, out, R, c, r, device, stream);
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+    }
+    record_outputs(rec, cfg, p, c, r, out);
+    record_combine(rec, d, c, num_calls, combined);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaStreamDestroy(stream));
+  return rec;
+}
+
+// ht exact mode called while its stream is capturing raises Unsupported naming the ways out
+// (before queueing anything, on every rank alike: no rank waits for another).
+std::string ht_exact_under_capture(const Group& g) {
+  DispatcherConfig cfg = disp_config({"ht_exact", DispatcherBackend::kDeepEp,
+                                      DispatchMode::kNormal, DispatchQuant::kBf16, 0, false, false},
+                                     g.size());
+  Dispatcher d(g, cfg);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Problem p = make_problem(g.size(), 7);
+  CallTensors t;
+  load_inputs(t, p.calls[0][g.rank()], false, Device::cuda(g.rank()), stream);
+  std::string err = "ht exact mode under capture did not raise";
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    d.dispatch(t.x, t.idx, t.w, ForwardMode::kExtend, std::nullopt, stream);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    err = e.code() == ErrorCode::kUnsupported && what.find("num_worst_tokens") != std::string::npos &&
+                  what.find("captur") != std::string::npos
+              ? ""
+              : "unexpected error: " + what;
+  }
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  if (graph) CUDA_OK(cudaGraphDestroy(graph));
+  if (err.empty() && std::string(d.stage_name()) != "initial")
+    err = std::string("stage after the refused dispatch is ") + d.stage_name();
+  CUDA_OK(cudaStreamDestroy(stream));
+  return err;
 }
 
 std::string compare_records(const Records& want, const Records& got) {
@@ -796,23 +922,79 @@ TEST_P(DispatcherGpu, CudaMatchesCpuBackend) {
                 << cases[i].name << " rank " << r << " " << key;
       }
   }
+  // Each case on the legacy default stream and on a created non-blocking stream.
   const int rc = gpu_testing::run_cuda_ranks(R, [&](const Group& g) {
     int failures = 0;
+    cudaStream_t created = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    for (cudaStream_t stream : {cudaStream_t{nullptr}, created}) {
+      for (size_t i = 0; i < cases.size() && failures == 0; ++i) {
+        std::string err;
+        try {
+          err = compare_records(
+              want[i][g.rank()],
+              run_calls(g, cases[i], problems[i], Device::cuda(g.rank()), stream));
+        } catch (const std::exception& e) {
+          err = std::string("exception: ") + e.what();
+        }
+        if (!err.empty()) {
+          std::fprintf(stderr, "rank %d %s (%s stream): %s\n", g.rank(), cases[i].name.c_str(),
+                       stream ? "created" : "default", err.c_str());
+          ++failures;  // stop: after an exception the group may be unusable
+        }
+      }
+    }
+    return failures == 0 ? 0 : 1;
+  });
+  EXPECT_EQ(rc, 0) << "see stderr for the first difference per case";
+}
+
+// The capturable paths: ll (bf16 and fp8, with and without return_recv_hook), a2a and ht
+// worst-case mode, each dispatch + combine captured on a side stream and replayed kGraphCalls - 1
+// times on new inputs; every replay's outputs, combine and expert load against the cpu backend
+// run eagerly on the same calls. Then ht exact mode under capture must raise Unsupported.
+TEST_P(DispatcherGpu, CapturedGraphReplaysMatchCpuBackend) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  constexpr int kGraphCalls = 12;  // 1 eager + 11 replays
+  using B = DispatcherBackend;
+  using M = DispatchMode;
+  using Q = DispatchQuant;
+  const std::vector<DispCase> cases = {
+      {"ll_bf16", B::kDeepEp, M::kLowLatency, Q::kBf16, 0, false, false},
+      {"ll_bf16_hook", B::kDeepEp, M::kLowLatency, Q::kBf16, 0, true, true},
+      {"ll_fp8", B::kDeepEp, M::kLowLatency, Q::kFp8, 0, false, false},
+      {"ll_fp8_hook_auto", B::kDeepEp, M::kAuto, Q::kFp8, 0, true, false},
+      {"ll_ue8m0_hook", B::kDeepEp, M::kLowLatency, Q::kFp8Ue8m0, 0, true, false},
+      {"a2a_bf16", B::kA2a, M::kNormal, Q::kBf16, 0, false, false},
+      {"a2a_fp8", B::kA2a, M::kAuto, Q::kFp8, 0, false, true},
+      {"ht_worst_fp8", B::kDeepEp, M::kNormal, Q::kFp8, 1, false, false},
+  };
+  std::vector<Problem> problems;
+  std::vector<std::vector<Records>> want(cases.size(), std::vector<Records>(R));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    problems.push_back(make_problem(R, 500 + i, kGraphCalls, /*graph=*/true));
+    testing::run_threads(R, [&](const Group& g) {
+      want[i][g.rank()] = run_calls(g, cases[i], problems[i], Device::cpu());
+    });
+  }
+  const int rc = gpu_testing::run_cuda_ranks(R, [&](const Group& g) {
     for (size_t i = 0; i < cases.size(); ++i) {
       std::string err;
       try {
-        err = compare_records(want[i][g.rank()],
-                              run_calls(g, cases[i], problems[i], Device::cuda(g.rank())));
+        err = compare_records(want[i][g.rank()], run_graph_calls(g, cases[i], problems[i]));
       } catch (const std::exception& e) {
         err = std::string("exception: ") + e.what();
       }
       if (!err.empty()) {
-        std::fprintf(stderr, "rank %d %s: %s\n", g.rank(), cases[i].name.c_str(), err.c_str());
-        ++failures;
-        if (err.rfind("exception", 0) == 0) break;  // the group may be unusable now
+        std::fprintf(stderr, "rank %d graph %s: %s\n", g.rank(), cases[i].name.c_str(),
+                     err.c_str());
+        return 1;  // the group may be unusable now
       }
     }
-    return failures == 0 ? 0 : 1;
+    const std::string err = ht_exact_under_capture(g);
+    if (!err.empty()) std::fprintf(stderr, "rank %d ht exact under capture: %s\n", g.rank(), err.c_str());
+    return err.empty() ? 0 : 1;
   });
   EXPECT_EQ(rc, 0) << "see stderr for the first difference per case";
 }

@@ -147,6 +147,49 @@ TEST(Dispatcher, AutoSwitchesBetweenHtAndLlAndRecordsLoad) {
   });
 }
 
+// Streams on the cpu backend: every stage accepts one and ignores it (the calls run on the calling
+// thread, the results equal a run without streams); stage b, combine_a and expert_load default to
+// the stream of the stage before (Dispatcher::stream()), a given one replaces it.
+TEST(Dispatcher, CpuIgnoresStreamsAndStagesDefaultToThePreviousOne) {
+  testing::run_threads(2, [](const Group& g) {
+    const Stream s1 = reinterpret_cast<Stream>(uintptr_t{0x1000});
+    const Stream s2 = reinterpret_cast<Stream>(uintptr_t{0x2000});
+    Dispatcher with(g, small_config(DispatchMode::kAuto)), without(g, small_config(DispatchMode::kAuto));
+    EXPECT_EQ(with.stream(), nullptr);
+    for (ForwardMode fm : {ForwardMode::kDecode, ForwardMode::kExtend}) {
+      Inputs in = make_inputs(5 + g.rank(), 128, 3, 8, 2, 40 + g.rank());
+      with.dispatch_a(in.xv, in.iv, in.wv, fm, std::nullopt, s1);
+      EXPECT_EQ(with.stream(), s1);
+      DispatchOutput out = with.dispatch_b();  // stage b: dispatch_a's stream
+      EXPECT_EQ(with.stream(), s1);
+      DispatchOutput ref = without.dispatch(in.xv, in.iv, in.wv, fm);
+      ASSERT_EQ(out.x.nbytes(), ref.x.nbytes());
+      if (out.format == OutputFormat::kHt)  // ll rows past masked_m are unspecified
+        EXPECT_EQ(std::memcmp(out.x.data, ref.x.data, out.x.nbytes()), 0);
+      else
+        EXPECT_EQ(std::memcmp(out.masked_m.data, ref.masked_m.data, out.masked_m.nbytes()), 0);
+      const std::vector<int64_t> shape(out.x.shape.begin(), out.x.shape.begin() + out.x.ndim);
+      Tensor y = default_allocator()(DType::kBF16, shape, Device::cpu());
+      std::memcpy(y.data, out.x.data, y.nbytes());  // y = the received rows
+      CombineInput ci;
+      ci.y = y;
+      if (fm == ForwardMode::kExtend) ci.stream = s2;  // else: the dispatch's
+      with.combine_a(ci);
+      EXPECT_EQ(with.stream(), fm == ForwardMode::kExtend ? s2 : s1);
+      const Tensor got = with.combine_b(fm == ForwardMode::kDecode ? std::optional<Stream>(s2)
+                                                                   : std::nullopt);
+      EXPECT_EQ(with.stream(), s2);
+      ci.stream.reset();
+      const Tensor want = without.combine(ci);
+      ASSERT_EQ(got.nbytes(), want.nbytes());
+      EXPECT_EQ(std::memcmp(got.data, want.data, got.nbytes()), 0);
+    }
+    EXPECT_EQ(with.expert_load(s1), without.expert_load());
+    with.reset_expert_load();
+    EXPECT_EQ(with.expert_load(), std::vector<int64_t>(4, 0));
+  });
+}
+
 TEST(Dispatcher, BadConfigurationsSayWhy) {
   testing::run_threads(2, [](const Group& g) {
     DispatcherConfig c = small_config(DispatchMode::kNormal);
