@@ -378,6 +378,17 @@ def body_ll(ctx, seed, quant, return_recv_hook, check_load=True):
     assert out.format == "ll" and hooked == ["after_dispatch_a"]
     assert out.expected_m == (x.shape[0] * R * K + E) // E
     assert out.topk_idx is idx and out.topk_weights is w  # the caller's own routing
+    _check_ll_dispatch(out, inputs, r, R, quant)
+    if check_load:
+        assert d.expert_load().tolist() == _expected_load(inputs, r, R)
+    ys = [ref.rand_bf16((L, R * T_MAX, H), ref.generator(seed, dd, "y")) for dd in range(R)]
+    res = d.combine(ys[r].to(ctx.device))
+    assert torch.equal(res.cpu(), ref.ll_combine(inputs, ys, r, E, R))
+
+
+def _check_ll_dispatch(out, inputs, r, R, quant):
+    """out (an ll DispatchOutput) against the reference: masked_m, layouts, every valid row."""
+    L = E // R
     want = ref.ll_dispatch(inputs, r, E, R, T_MAX, quant != "bf16", quant == "fp8_ue8m0")
     assert out.masked_m.dtype == torch.int32
     assert out.masked_m.cpu().tolist() == [c["count"] for c in want]
@@ -397,11 +408,52 @@ def body_ll(ctx, seed, quant, return_recv_hook, check_load=True):
             assert torch.equal(_bits(out.x[l, :m]), c["x"]), l
             s = c["scales"] if quant == "fp8" else ref.ue8m0_pack(c["scales"])
             assert torch.equal(out.x_scale[l, :m].cpu(), s), l
-    if check_load:
-        assert d.expert_load().tolist() == _expected_load(inputs, r, R)
-    ys = [ref.rand_bf16((L, R * T_MAX, H), ref.generator(seed, dd, "y")) for dd in range(R)]
-    res = d.combine(ys[r].to(ctx.device))
-    assert torch.equal(res.cpu(), ref.ll_combine(inputs, ys, r, E, R))
+
+
+def body_ll_graph(ctx, seed, quant, return_recv_hook, num_replays=10):
+    """ll on a side stream (torch.cuda.stream): one eager dispatch + combine, then the same
+    captured with torch.cuda.graph on that stream and replayed on new inputs copied into the
+    captured tensors; every call checked against the reference bit for bit."""
+    R, r = ctx.world_size, ctx.rank
+    L = E // R
+    d = _dispatcher(ctx, mode="low_latency", quant=quant, return_recv_hook=return_recv_hook)
+    hooked = []
+    d.register_hook(lambda: hooked.append(torch.cuda.current_stream(ctx.device).cuda_stream))
+
+    def call_inputs(call):
+        inputs = _inputs(seed, R, lambda s: max(0, T_MAX - 3 * s), call, kind="duplicates")
+        ys = [ref.rand_bf16((L, R * T_MAX, H), ref.generator(seed, dd, "y", call))
+              for dd in range(R)]
+        return inputs, ys
+
+    def check(inputs, ys, out, res):
+        _check_ll_dispatch(out, inputs, r, R, quant)
+        assert torch.equal(res.cpu(), ref.ll_combine(inputs, ys, r, E, R))
+
+    inputs, ys = call_inputs(0)
+    x, idx, w = _to(inputs[r], ctx.device)
+    y = ys[r].to(ctx.device)
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):
+        out = d.dispatch(x, idx, w, forward_mode="decode")
+        res = d.combine(y)
+    side.synchronize()
+    assert hooked == [side.cuda_stream]  # hooks run with the dispatch's stream current
+    check(inputs, ys, out, res)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = d.dispatch(x, idx, w, forward_mode="decode")
+        res = d.combine(y)
+    for call in range(1, num_replays + 1):
+        inputs, ys = call_inputs(call)
+        for dst, src in zip((x, idx, w), _to(inputs[r], "cpu")):
+            dst.copy_(src)
+        y.copy_(ys[r])
+        graph.replay()
+        torch.cuda.synchronize(ctx.device)
+        check(inputs, ys, out, res)
+    assert len(hooked) == 2  # the eager call and the capture; replays run no host code
 
 
 def body_a2a(ctx, seed, quant, output_view, check_load=True):
@@ -649,6 +701,13 @@ def test_gpu_ht_worst_case_ue8m0(gpu_pool):
 @pytest.mark.parametrize("quant", QUANTS)
 def test_gpu_ll(gpu_pool, quant):
     _run(gpu_pool, body_ll, quant, True, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant,hook", [("bf16", False), ("bf16", True), ("fp8", False),
+                                        ("fp8", True)])
+def test_gpu_ll_side_stream_and_graph(gpu_pool, quant, hook):
+    _run(gpu_pool, body_ll_graph, quant, hook)
 
 
 @pytest.mark.gpu
