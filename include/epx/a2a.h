@@ -129,9 +129,12 @@ class A2a {
   //   All earlier work of this object must be ordered before `stream` (as for dispatch).
   // Initially every rank is active. After a Timeout caused by a dead peer, dispatch/combine raise
   // Internal ("unusable ...") until set_active_ranks is called.
-  // Limits: a rank once marked inactive may be marked active again only if it is alive and takes
-  // part in that set_active_ranks call too; the recovery itself is not fault tolerant (a rank
-  // dying during set_active_ranks makes it raise Timeout: call it again without that rank).
+  // Limits: masks only shrink: a rank once marked inactive cannot be marked active again on this
+  // object (InvalidArgument; create a new group and A2a to bring it back). The recovery itself
+  // is not fault tolerant beyond that: a rank dying during set_active_ranks makes it raise
+  // Timeout on the others, which call it again without that rank. A rank marked inactive must
+  // really have stopped using this object (a rank still running epx work on it could write into
+  // the others' workspace).
   void set_active_ranks(const std::vector<bool>& active, Stream stream = nullptr);
   // Local. The current mask (size R).
   std::vector<bool> active_ranks() const;

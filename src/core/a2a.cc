@@ -103,8 +103,16 @@ void A2a::set_active_ranks(const std::vector<bool>& active, Stream stream) {
   EPX_CHECK_ARG(active[me], "a2a set_active_ranks: argument 'active[", me,
                 "]' (this rank) is false, expected true: a rank cannot mark itself inactive");
   uint64_t mask = 0;
-  for (int p = 0; p < R; ++p)
-    if (active[p]) mask |= uint64_t{1} << p;
+  for (int p = 0; p < R; ++p) {
+    if (!active[p]) continue;
+    // The active ranks resynchronise by counting set_active_ranks calls: a rank that was
+    // inactive missed some, so it cannot rejoin (masks only shrink).
+    EPX_CHECK_ARG((impl_->active_mask >> p) & 1, "a2a set_active_ranks: argument 'active[", p,
+                  "]' is true but rank ", p,
+                  " was marked inactive earlier; expected false (an inactive rank cannot rejoin "
+                  "this A2a: create a new group and A2a to bring it back)");
+    mask |= uint64_t{1} << p;
+  }
   impl_->dispatched = false;  // the order restarts: a dispatch not combined yet is abandoned
   try {
     impl_->set_active_ranks(mask, stream);
