@@ -8,6 +8,14 @@
 //   combine(y[R, M, H])  -> out[T, H]: out[t] = sum over distinct ranks d that t went to, in
 //                        ascending order, of y_d[r][slot_d(t)]; float32, one rounding
 // The call order is dispatch -> combine -> dispatch ...; anything else raises InvalidArgument.
+//
+// Fault tolerance (set_active_ranks): ranks marked inactive are skipped. A selection whose expert
+// lives on an inactive rank is treated like -1 (not sent; counted, see dropped_counts); an
+// inactive rank is neither written to nor waited for, recv_counts[s] = 0 for it, and combine sums
+// only active ranks (a token all of whose valid selections are on inactive ranks gets zeros).
+// A peer that stops taking part makes the other ranks' calls raise Timeout (bounded by the group
+// timeout, never a hang); they then call set_active_ranks without it and continue (docs/
+// semantics.md, "a2a rank mask", states the guarantees and the limits).
 #pragma once
 
 #include <cstddef>
@@ -57,6 +65,17 @@ struct A2aDispatchResult {
   TensorView recv_counts;        // [R] int32, in the workspace
 };
 
+// What the rank mask dropped on this rank's dispatches (cumulative since construction or the last
+// reset_dropped_counts). Only this rank's own tokens are counted (as a sender).
+struct A2aDropCounts {
+  // Tokens with at least one valid selection (an expert id in [0, E)) whose valid selections all
+  // name experts on inactive ranks: they go nowhere and combine returns zeros for them.
+  int64_t tokens = 0;
+  // Valid selections (token, k) whose expert lives on an inactive rank, whether or not the token
+  // also went to an active rank (duplicates of one expert count once each).
+  int64_t selections = 0;
+};
+
 class A2a {
  public:
   // Collective. Every rank passes the same shape (else every rank raises InvalidArgument naming
@@ -88,6 +107,45 @@ class A2a {
 
   // Raises a pending asynchronous error. Local.
   void check() const;
+
+  // ---- rank mask (fault tolerance) ------------------------------------------------------------
+  // [IN] active: one entry per rank (size R), active[rank()] must be true (else InvalidArgument
+  // naming the argument). Every rank marked active must call set_active_ranks with the SAME mask
+  // at the same point of its call sequence (between a combine, or a failed call, and the next
+  // dispatch); ranks marked inactive must not call dispatch/combine on this object any more (a
+  // dead process, or a rank told to stop). It is collective over the active ranks only:
+  //   - they resynchronise among themselves (epochs / barrier generations), so it is also the
+  //     re-arm after a Timeout: the object becomes usable again (see below);
+  //   - the dispatch -> combine order restarts (a dispatch not combined yet is abandoned);
+  //   - masks that differ between active ranks raise InvalidArgument on the ranks that see it.
+  // cpu: blocking; waits up to 2x the group timeout for the other active ranks (they may still be
+  //   running into their own Timeout), else raises Timeout (the object stays unusable).
+  // cuda: stream-ordered on `stream`, host returns at once. The mask lives in device memory and
+  //   is written by a small kernel enqueued on `stream` (after earlier work on `stream`, before
+  //   later work), which also runs the resynchronisation with the other active ranks on the
+  //   device (bounded, 2x the group timeout). Captured CUDA graphs read the mask at replay, so a
+  //   graph captured once keeps working across mask changes (set the mask between replays, on the
+  //   stream the graph is launched on). Errors of the kernel are raised by the next check().
+  //   All earlier work of this object must be ordered before `stream` (as for dispatch).
+  // Initially every rank is active. After a Timeout caused by a dead peer, dispatch/combine raise
+  // Internal ("unusable ...") until set_active_ranks is called.
+  // Limits: masks only shrink: a rank once marked inactive cannot be marked active again on this
+  // object (InvalidArgument; create a new group and A2a to bring it back). The recovery itself
+  // is not fault tolerant beyond that: a rank dying during set_active_ranks makes it raise
+  // Timeout on the others, which call it again without that rank. A rank marked inactive must
+  // really have stopped using this object (a rank still running epx work on it could write into
+  // the others' workspace).
+  void set_active_ranks(const std::vector<bool>& active, Stream stream = nullptr);
+  // Local. The current mask (size R).
+  std::vector<bool> active_ranks() const;
+  // Local. Drops of this rank's dispatches (see A2aDropCounts). cuda: the counters live in device
+  // memory and are advanced by the dispatch kernel; this synchronises the device
+  // (cudaDeviceSynchronize) and copies them back, so it counts every dispatch launched before the
+  // call. Not for the hot path.
+  A2aDropCounts dropped_counts() const;
+  int64_t dropped_tokens() const { return dropped_counts().tokens; }
+  // Local. Zeroes both counters; cuda: stream-ordered on `stream` (cudaMemsetAsync).
+  void reset_dropped_counts(Stream stream = nullptr);
 
   detail::A2aImpl& impl() { return *impl_; }
 

@@ -126,6 +126,7 @@ class A2a:
         self._native = _epx.A2a(_native_group(group), int(max_tokens_per_rank), int(top_k),
                                 int(num_experts), [int(b) for b in payload_bytes_per_token],
                                 int(combine_bytes_per_token))
+        self._on_cuda = self.group.backend == "cuda"
 
     @staticmethod
     def workspace_bytes(max_tokens_per_rank, top_k, num_experts, payload_bytes_per_token,
@@ -141,6 +142,34 @@ class A2a:
 
     def check(self):
         self._native.check()
+
+    def set_active_ranks(self, active, stream=None):
+        """Collective over the ranks marked active (fault tolerance; include/epx/a2a.h).
+
+        `active`: one bool per rank, this rank True. Inactive ranks are skipped: selections of
+        their experts are dropped (counted), recv_counts is 0 for them, combine sums active
+        ranks only. After a TimeoutError caused by a dead peer, every survivor calls this
+        without it to continue. Masks only shrink. cuda: stream-ordered on `stream` (default:
+        the current torch stream)."""
+        active = [bool(a) for a in active]
+        self._native.set_active_ranks(active, self._current_stream() if stream is None
+                                      else int(stream))
+
+    def active_ranks(self):
+        """Local. The current mask, one bool per rank."""
+        return list(self._native.active_ranks())
+
+    def dropped_counts(self):
+        """Local. -> (tokens, selections) the mask dropped from this rank's dispatches since
+        construction or reset_dropped_counts(). cuda: synchronises the device."""
+        return tuple(self._native.dropped_counts())
+
+    def reset_dropped_counts(self):
+        """Local. Zeroes both counters (cuda: stream-ordered on the current stream)."""
+        self._native.reset_dropped_counts(self._current_stream())
+
+    def _current_stream(self):
+        return _torch.current_stream(self._on_cuda)
 
     def dispatch(self, topk_idx, payloads, runtime_max_tokens_per_rank, invalid_expert_id=None,
                  expert_id_payload_index=None):

@@ -99,6 +99,23 @@ void bind_a2a(py::module_& m) {
       .def_property_readonly("combine_bytes_per_token",
                              [](const A2a& a) { return a.shape().combine_bytes_per_token; })
       .def("check", &A2a::check, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_active_ranks",
+          [](A2a& a, const std::vector<bool>& active, uintptr_t stream) {
+            a.set_active_ranks(active, reinterpret_cast<Stream>(stream));
+          },
+          py::arg("active"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("active_ranks", &A2a::active_ranks)
+      .def(
+          "dropped_counts",
+          [](const A2a& a) {
+            const A2aDropCounts c = a.dropped_counts();
+            return py::make_tuple(c.tokens, c.selections);
+          })
+      .def(
+          "reset_dropped_counts",
+          [](A2a& a, uintptr_t stream) { a.reset_dropped_counts(reinterpret_cast<Stream>(stream)); },
+          py::arg("stream") = 0)
       .def("dispatch", &dispatch, py::arg("topk_idx"), py::arg("payloads"),
            py::arg("runtime_max_tokens_per_rank"), py::arg("invalid_expert_id").none(true),
            py::arg("expert_id_payload_index"), py::arg("stream") = 0)

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "epx/a2a.h"
 #include "epx/buffer.h"
@@ -54,6 +55,16 @@ class A2aImpl {
   virtual TensorView combine_payload_view(int64_t runtime_max, int64_t hidden, DType dtype) = 0;
   virtual Tensor combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
                          Stream stream, const Allocator& alloc) = 0;
+  // Rank mask, bit p = rank p active (validated by epx::A2a: this rank's bit is set). Applies it
+  // and resynchronises with the other active ranks (include/epx/a2a.h, set_active_ranks).
+  virtual void set_active_ranks(uint64_t active_mask, Stream stream) = 0;
+  virtual A2aDropCounts dropped_counts() = 0;
+  virtual void reset_dropped_counts(Stream stream) = 0;
+
+  // Bit p = rank p (kMaxRanks = 64 ranks at most, so one word).
+  static uint64_t all_ranks_mask(int num_ranks) {
+    return num_ranks >= 64 ? ~uint64_t{0} : (uint64_t{1} << num_ranks) - 1;
+  }
 
   const Group group;
   const A2aShape shape;
@@ -61,6 +72,11 @@ class A2aImpl {
   bool dispatched = false;
   int64_t last_runtime_max = 0;
   int64_t last_num_tokens = 0;
+  // The current rank mask (set by epx::A2a once the backend applied it).
+  uint64_t active_mask = all_ranks_mask(group.size());
+  // Non-empty after a Timeout (or a failed set_active_ranks): why. dispatch/combine refuse to
+  // run until set_active_ranks succeeds.
+  std::string failed;
 };
 
 // Backend factories. The cuda ones throw Unsupported in a build without CUDA.

@@ -57,6 +57,16 @@
 //      Tokens that went nowhere get +0.0. out comes from the caller's allocator.
 //   4. barrier (peers no longer read our combine region; the MoE kernel may write it again).
 //
+// Rank mask (set_active_ranks; A = the active ranks, this rank included): step 1 keeps only the
+// bits of active ranks in send_mask[t] (selections of inactive ranks count as dropped:
+// dropped_selections += each, dropped_tokens += 1 when a token had valid selections but keeps no
+// bit); every barrier and every agreement runs over A only (the reference value is the lowest
+// active rank's); step 3 pulls from active s only: recv_counts[s] = 0 and every row is padding
+// for an inactive s. Combine reads only active ranks' regions (slots exist only for them).
+// set_active_ranks: publish the mask in the header -> transport resync over A (the barrier
+// generations of the members may differ after a Timeout) -> every member compares the masks
+// the members published (InvalidArgument on a difference) -> barrier over A.
+//
 // T = 0 works (empty publish, all rows padding, out [0, H]). Streams are ignored: synchronous.
 // An unexpected local failure inside a collective aborts the transport so peers stop with an
 // error instead of waiting for the timeout.
@@ -84,6 +94,7 @@ struct CpuA2aHeader {
   int64_t row_bytes[kMaxA2aPayloads];  // dispatch: bytes per token of each payload
   int64_t combine_hidden;              // combine: H
   int64_t combine_dtype;               // combine: DType of y
+  uint64_t active_mask;                // set_active_ranks: the mask this rank applies
 };
 
 constexpr const char* kShapeFieldNames[] = {"max_tokens_per_rank", "top_k", "num_experts",
@@ -148,6 +159,9 @@ class CpuA2a final : public A2aImpl {
 
   size_t bytes_allocated() const override { return mem_->bytes(); }
   void check() override {}
+  void set_active_ranks(uint64_t active_mask, Stream stream) override;
+  A2aDropCounts dropped_counts() override { return dropped_; }
+  void reset_dropped_counts(Stream /*stream*/) override { dropped_ = {}; }
 
   A2aDispatchResult dispatch(const A2aDispatchArgs& args) override;
   TensorView combine_payload_view(int64_t runtime_max, int64_t hidden, DType dtype) override {
@@ -159,6 +173,8 @@ class CpuA2a final : public A2aImpl {
 
  private:
   Transport& transport() const { return *group.transport(); }
+  bool is_active(int p) const { return (active_mask >> p) & 1; }
+  void barrier(const char* what) const { transport().barrier(what, active_mask); }
   uint8_t* local(size_t offset) const { return static_cast<uint8_t*>(mem_->local()) + offset; }
   uint8_t* peer(int rank, size_t offset) const {
     return static_cast<uint8_t*>(mem_->peer(rank)) + offset;
@@ -184,6 +200,7 @@ class CpuA2a final : public A2aImpl {
   // Routing of the last dispatch: T, and slot_d(t) = slots_[t * R + d] (-1: t did not go to d).
   int64_t num_tokens_ = 0;
   std::vector<int32_t> slots_;
+  A2aDropCounts dropped_;
 };
 
 template <typename F>
@@ -198,15 +215,35 @@ void CpuA2a::collective_local(const char* op, F&& f) {
 
 template <typename Get, typename Show>
 void CpuA2a::agree(const char* op, const std::string& what, Get get, Show show) {
-  const int64_t want = get(*header(0));
-  for (int p = 1; p < group.size(); ++p) {
+  int ref = 0;  // the lowest active rank
+  while (!is_active(ref)) ++ref;
+  const int64_t want = get(*header(ref));
+  for (int p = ref + 1; p < group.size(); ++p) {
+    if (!is_active(p)) continue;
     const int64_t got = get(*header(p));
     if (got == want) continue;
-    transport().barrier(op);
+    barrier(op);
     throw_error(ErrorCode::kInvalidArgument,
-                cat(op, ": ", what, " differs across ranks: rank 0 has ", show(want), ", rank ", p,
-                    " has ", show(got), "; expected the same value on every rank"));
+                cat(op, ": ", what, " differs across ranks: rank ", ref, " has ", show(want),
+                    ", rank ", p, " has ", show(got), "; expected the same value on every ",
+                    active_mask != all_ranks_mask(group.size()) ? "active rank" : "rank"));
   }
+}
+
+void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
+  const char* op = "a2a set_active_ranks";
+  header(group.rank())->active_mask = mask;
+  transport().resync(op, mask, 2 * group.timeout());
+  active_mask = mask;  // (epx::A2a stores it again once this returned)
+  auto show = [this](int64_t v) {
+    std::string s = "[";
+    for (int p = 0; p < group.size(); ++p) s += (static_cast<uint64_t>(v) >> p & 1) ? "1" : "0";
+    return s + "] (rank 0 first)";
+  };
+  agree(
+      op, "argument 'active'",
+      [](const CpuA2aHeader& h) { return static_cast<int64_t>(h.active_mask); }, show);
+  barrier(op);  // nobody rewrites its header while a member still reads it
 }
 
 A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
@@ -229,8 +266,12 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
     uint64_t mask = 0;
     for (int k = 0; k < K; ++k) {
       const int64_t e = topk_at(args.topk_idx, t, k);
-      if (e >= 0) mask |= uint64_t{1} << (e / L);
+      if (e < 0) continue;
+      mask |= uint64_t{1} << (e / L);
+      if (!is_active(static_cast<int>(e / L))) ++dropped_.selections;
     }
+    if (mask != 0 && (mask & active_mask) == 0) ++dropped_.tokens;
+    mask &= active_mask;
     send_mask[t] = mask;
     for (int d = 0; d < R; ++d)
       if (mask >> d & 1) slots_[t * R + d] = num_sent[d]++;
@@ -245,7 +286,7 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
     mine->row_bytes[i] = static_cast<int64_t>(row_bytes[i]);
     if (T > 0) std::memcpy(local(layout_.send_payload[i]), p.data, T * row_bytes[i]);
   }
-  transport().barrier("a2a dispatch (publish)");
+  barrier("a2a dispatch (publish)");
 
   // 2. Everyone agrees on the geometry.
   agree(op, "argument 'runtime_max_tokens_per_rank'",
@@ -258,7 +299,7 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
   auto* recv_counts = reinterpret_cast<int32_t*>(local(layout_.recv_counts));
   const int sanitise_idx = args.invalid_expert_id.has_value() ? args.expert_id_payload_index : -1;
   for (int s = 0; s < R; ++s) {
-    const int64_t T_s = header(s)->num_tokens;
+    const int64_t T_s = is_active(s) ? header(s)->num_tokens : 0;  // inactive: all padding
     const auto* peer_mask = reinterpret_cast<const uint64_t*>(peer(s, layout_.send_mask));
     int64_t j = 0;
     for (int64_t t = 0; t < T_s; ++t) {
@@ -280,7 +321,7 @@ A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {
       }
     }
   }
-  transport().barrier("a2a dispatch (pull)");
+  barrier("a2a dispatch (pull)");
 
   // Views of the receive regions.
   A2aDispatchResult result;
@@ -320,7 +361,7 @@ Tensor CpuA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in
   }
   header(r)->combine_hidden = H;
   header(r)->combine_dtype = static_cast<int64_t>(dtype);
-  transport().barrier("a2a combine (publish)");
+  barrier("a2a combine (publish)");
 
   // 2. Everyone agrees on H and the dtype.
   agree(op, "the hidden size (dim 2) of argument 'y'",
@@ -352,7 +393,7 @@ Tensor CpuA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in
       std::memcpy(out.ptr<float>() + t * H, acc.data(), hidden_bytes);
     }
   }
-  transport().barrier("a2a combine (pull)");
+  barrier("a2a combine (pull)");
   return out;
 }
 

@@ -16,13 +16,17 @@
 //
 // View lifetime: a peer pushes its next dispatch into this rank's receive rows only after this
 // rank entered that dispatch (entry flags), so views stay valid until this rank's next dispatch.
+//   set_active_ranks  ONE single-CTA kernel on the given stream (kernels/a2a/resync.cuh): writes
+//                 the mask into device memory and resets the epochs among the active ranks, so a
+//                 captured graph replayed later sees the new mask and consistent epochs.
 // Errors found on the device (out-of-range expert ids, geometry differing across ranks,
-// timeouts) are raised by check(), which epx::A2a calls at the start of every operation. After
-// a timeout the object is unusable.
+// timeouts, masks differing across active ranks) are raised by check(), which epx::A2a calls at
+// the start of every operation. After a timeout epx::A2a refuses to run until set_active_ranks.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -33,6 +37,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/a2a/combine.cuh"
 #include "cuda/kernels/a2a/dispatch.cuh"
+#include "cuda/kernels/a2a/resync.cuh"
 #include "transport/transport.h"
 
 namespace epx::detail {
@@ -101,16 +106,15 @@ class CudaA2a final : public A2aImpl {
   }
   Tensor combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace, Stream stream,
                  const Allocator& alloc) override;
+  void set_active_ranks(uint64_t active_mask, Stream stream) override;
+  A2aDropCounts dropped_counts() override;
+  void reset_dropped_counts(Stream stream) override;
 
  private:
   char* local() const { return static_cast<char*>(mem_->local()); }
   A2aSymm symm() const;
   WaitContext wait_context(uint32_t op) const {
     return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group.rank(), op};
-  }
-  void require_usable(const char* op) const {
-    EPX_CHECK(!broken_, ErrorCode::kInternal, op, ": this A2a is unusable after an earlier error (",
-              broken_why_, ")");
   }
   template <typename V, bool kBf16>
   void launch_combine(const A2aCombineParams& p, cudaStream_t stream);
@@ -123,8 +127,7 @@ class CudaA2a final : public A2aImpl {
   std::shared_ptr<SymmetricMemory> mem_;
   std::unique_ptr<DeviceErrorRecord, PinnedDeleter> error_host_;  // mapped pinned memory
   DeviceErrorRecord* error_dev_ = nullptr;
-  bool broken_ = false;
-  std::string broken_why_;
+  uint32_t resync_generation_ = 0;  // set_active_ranks calls so far
   // The last dispatch (combine reduces its tokens).
   int64_t num_tokens_ = 0;
   int64_t runtime_max_ = 0;
@@ -218,24 +221,37 @@ A2aSymm CudaA2a::symm() const {
 }
 
 void CudaA2a::check() {
-  require_usable("a2a");
   volatile DeviceErrorRecord* rec = error_host_.get();
   if (rec->code == kDevErrNone) return;
   std::atomic_thread_fence(std::memory_order_acquire);
   const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
   const bool is_dispatch = e.op == kOpA2aDispatch;
-  const char* op = is_dispatch ? "a2a dispatch" : "a2a combine";
+  const char* op = is_dispatch                ? "a2a dispatch"
+                   : e.op == kOpA2aResync ? "a2a set_active_ranks"
+                                              : "a2a combine";
+  // Timeouts and mask differences keep the record (every later check() raises again) until
+  // set_active_ranks clears it: the ranks no longer agree on epochs or on the mask.
   if (e.code == kDevErrTimeout) {
-    broken_ = true;
-    broken_why_ = cat(op, " timed out on rank ", e.rank);
-    const char* what = e.a == kWaitReady ? "the peer to enter the same dispatch"
-                       : is_dispatch     ? "the rows and counts the peer sends"
-                                         : "the peer's combine payload";
-    throw_error(
-        ErrorCode::kTimeout,
-        cat(op, ": rank ", e.rank, " waited ", group.timeout().count(), " ms for ", what, " (rank ",
-            e.peer, "); this A2a is unusable (every rank must call dispatch and ",
-            "combine in the same order)"));
+    const char* what = e.op == kOpA2aResync ? "the peer to take part in set_active_ranks"
+                       : e.a == kWaitReady  ? "the peer to enter the same dispatch"
+                       : is_dispatch        ? "the rows and counts the peer sends"
+                                            : "the peer's combine payload";
+    const auto waited = e.op == kOpA2aResync ? 2 * group.timeout() : group.timeout();
+    throw_error(ErrorCode::kTimeout,
+                cat(op, ": rank ", e.rank, " waited ", waited.count(), " ms for ", what, " (rank ",
+                    e.peer, "); this A2a is unusable until every surviving rank calls "
+                    "set_active_ranks (without the failed ranks)"));
+  }
+  if (e.code == kDevErrA2aMask) {
+    auto show = [&](int64_t v) {
+      std::string s = "[";
+      for (int p = 0; p < group.size(); ++p) s += (static_cast<uint64_t>(v) >> p & 1) ? "1" : "0";
+      return s + "]";
+    };
+    throw_error(ErrorCode::kInvalidArgument,
+                cat(op, ": argument 'active' differs across active ranks: rank ", e.rank, " has ",
+                    show(e.a), ", rank ", e.peer, " has ", show(e.b),
+                    " (rank 0 first); expected the same mask on every active rank"));
   }
   // Not fatal: the collective completed. Let the device report the next error.
   rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
@@ -273,7 +289,6 @@ void CudaA2a::check() {
 }
 
 A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
-  require_usable("a2a dispatch");
   DeviceGuard guard(device_);
   const int R = group.size(), me = group.rank();
   const TensorView& idx = args.topk_idx;
@@ -331,7 +346,6 @@ void CudaA2a::launch_combine(const A2aCombineParams& p, cudaStream_t stream) {
 
 Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
                         Stream stream_handle, const Allocator& alloc) {
-  require_usable("a2a combine");
   DeviceGuard guard(device_);
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int R = group.size(), me = group.rank();
@@ -393,6 +407,47 @@ Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_i
   EPX_CUDA_CHECK(cudaGetLastError(), "a2a combine");
   if (failed) std::rethrow_exception(failed);
   return out;
+}
+
+void CudaA2a::set_active_ranks(uint64_t active_mask, Stream stream) {
+  DeviceGuard guard(device_);
+  // The record of an earlier Timeout would be raised again by the next check() before the
+  // resync kernel clears it on the device; the claim word stays set until then, so no kernel can
+  // write a new record in between.
+  error_host_->code = kDevErrNone;
+  A2aResyncParams p{};
+  p.symm = symm();
+  p.wait = wait_context(kOpA2aResync);
+  p.wait.timeout_ns = 2 * timeout_ns_;
+  p.error = error_dev_;
+  p.active_mask = active_mask;
+  p.generation = ++resync_generation_;
+  p.num_ranks = group.size();
+  p.rank = group.rank();
+  a2a_resync_kernel<<<1, kA2aThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), "a2a set_active_ranks");
+}
+
+A2aDropCounts CudaA2a::dropped_counts() {
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "a2a dropped_counts");
+  unsigned long long v[2] = {0, 0};
+  EPX_CUDA_CHECK(cudaMemcpy(v, &layout_.state(local())->dropped_tokens, sizeof(v),
+                            cudaMemcpyDeviceToHost),
+                 "a2a dropped_counts");
+  return A2aDropCounts{static_cast<int64_t>(v[0]), static_cast<int64_t>(v[1])};
+}
+
+static_assert(offsetof(A2aState, dropped_selections) ==
+                  offsetof(A2aState, dropped_tokens) + sizeof(unsigned long long),
+              "dropped_counts copies both counters at once");
+
+void CudaA2a::reset_dropped_counts(Stream stream) {
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaMemsetAsync(&layout_.state(local())->dropped_tokens, 0,
+                                 2 * sizeof(unsigned long long),
+                                 static_cast<cudaStream_t>(stream)),
+                 "a2a reset_dropped_counts");
 }
 
 }  // namespace

@@ -5,6 +5,9 @@
 // to its next epoch (release) and waits until every counter reaches it (acquire), so a barrier
 // names exactly the ranks that did not arrive when it times out. All-zero is the initial state,
 // so every process can create-or-open the segment without an initialiser race.
+// A barrier over a subset of the ranks (the a2a rank mask) waits only for those; resync() brings
+// the members back to one epoch after a Timeout left them at different ones (two rounds over a
+// separate per-rank join counter, see resync()).
 //
 // Symmetric memory: threads — each rank allocates its own block and publishes the pointer;
 // processes — each rank creates "/<name>.<seq>.<rank>", maps every peer's, and unlinks its own
@@ -13,6 +16,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -35,6 +39,7 @@ struct ControlBlock {
   std::atomic<int32_t> aborted_by;     // rank + 1 of that rank, 0 = none; set after the message
   char abort_message[512];
   ArriveSlot arrive[kMaxRanks];
+  ArriveSlot join[kMaxRanks];  // resync(): 2n - 1 / 2n = rank in round 1 / 2 of its n-th resync
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "needs address-free atomics");
 
@@ -55,39 +60,30 @@ class CpuTransportBase : public Transport {
   Device device() const override { return Device::cpu(); }
   std::chrono::milliseconds timeout() const override { return timeout_; }
 
-  void barrier(const char* what) override {
-    ControlBlock* c = control_;
+  void barrier(const char* what) override { barrier(what, all_members()); }
+
+  void barrier(const char* what, uint64_t members) override {
     const uint64_t target = ++epoch_;
     // Pairs with the acquire loads of every peer waiting for this epoch.
-    c->arrive[rank_].epoch.store(target, std::memory_order_release);
-    const auto start = std::chrono::steady_clock::now();
-    for (uint64_t spins = 0;; ++spins) {
-      bool all = true;
-      for (int p = 0; p < size_ && all; ++p)
-        all = c->arrive[p].epoch.load(std::memory_order_acquire) >= target;
-      if (all) return;
-      int32_t aborted = c->aborted_by.load(std::memory_order_acquire);
-      if (aborted != 0) {
-        throw_error(ErrorCode::kInternal,
-                    cat(what, ": rank ", aborted - 1, " aborted the collective (",
-                        std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
-      }
-      if (spins < 64) continue;
-      if (spins < 2048) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout_) {
-        std::vector<int> missing;
-        for (int p = 0; p < size_; ++p)
-          if (c->arrive[p].epoch.load(std::memory_order_acquire) < target) missing.push_back(p);
-        throw_error(ErrorCode::kTimeout,
-                    cat(what, ": rank ", rank_, " waited ", timeout_.count(),
-                        " ms for ranks ", fmt_ranks(missing),
-                        " to arrive (timeout; set GroupOptions::timeout or EPX_TIMEOUT_MS)"));
-      }
-    }
+    control_->arrive[rank_].epoch.store(target, std::memory_order_release);
+    wait_all(what, control_->arrive, members, target, timeout_, "to arrive");
+  }
+
+  // Round 1: every member announces it left its earlier barriers (join = 2n - 1) and waits for
+  // the others; then the arrive counters of all members are stable (nobody is inside a barrier)
+  // and each member adopts the largest as its epoch. Round 2 (join = 2n): nobody starts the next
+  // barrier (raising its arrive counter) before every member has read the counters of round 1.
+  void resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) override {
+    const uint64_t n = ++resyncs_;
+    control_->join[rank_].epoch.store(2 * n - 1, std::memory_order_release);
+    wait_all(what, control_->join, members, 2 * n - 1, timeout, "to join the resynchronisation");
+    uint64_t epoch = epoch_;
+    for (int p = 0; p < size_; ++p)
+      if (members >> p & 1)
+        epoch = std::max(epoch, control_->arrive[p].epoch.load(std::memory_order_acquire));
+    epoch_ = epoch;
+    control_->join[rank_].epoch.store(2 * n, std::memory_order_release);
+    wait_all(what, control_->join, members, 2 * n, timeout, "to join the resynchronisation");
   }
 
   void abort(const std::string& why) override {
@@ -102,10 +98,46 @@ class CpuTransportBase : public Transport {
   }
 
  protected:
+  // Waits until slots[p] >= target for every member p (acquire), bounded by `timeout`.
+  void wait_all(const char* what, const ArriveSlot* slots, uint64_t members, uint64_t target,
+                std::chrono::milliseconds timeout, const char* doing) {
+    ControlBlock* c = control_;
+    const auto start = std::chrono::steady_clock::now();
+    for (uint64_t spins = 0;; ++spins) {
+      bool all = true;
+      for (int p = 0; p < size_ && all; ++p)
+        all = !(members >> p & 1) || slots[p].epoch.load(std::memory_order_acquire) >= target;
+      if (all) return;
+      int32_t aborted = c->aborted_by.load(std::memory_order_acquire);
+      if (aborted != 0) {
+        throw_error(ErrorCode::kInternal,
+                    cat(what, ": rank ", aborted - 1, " aborted the collective (",
+                        std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
+      }
+      if (spins < 64) continue;
+      if (spins < 2048) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout) {
+        std::vector<int> missing;
+        for (int p = 0; p < size_; ++p)
+          if ((members >> p & 1) && slots[p].epoch.load(std::memory_order_acquire) < target)
+            missing.push_back(p);
+        throw_error(ErrorCode::kTimeout,
+                    cat(what, ": rank ", rank_, " waited ", timeout.count(), " ms for ranks ",
+                        fmt_ranks(missing), " ", doing,
+                        " (timeout; set GroupOptions::timeout or EPX_TIMEOUT_MS)"));
+      }
+    }
+  }
+
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
   uint64_t epoch_ = 0;
+  uint64_t resyncs_ = 0;
   ControlBlock* control_ = nullptr;
 };
 
@@ -269,6 +301,12 @@ std::shared_ptr<Transport> make_cpu_process_transport(int rank, int size, const 
   t->barrier("Group::cpu_processes (join)");
   t->joined();
   return t;
+}
+
+void Transport::throw_unsupported_subset(const char* what) {
+  throw_error(ErrorCode::kUnsupported,
+              cat(what, ": this transport synchronises all ranks of the group only (a barrier or "
+                        "resynchronisation over a subset of the ranks is a cpu transport feature)"));
 }
 
 }  // namespace epx::detail

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,10 +50,34 @@ class Transport {
   // did not arrive, or Internal if a peer called abort().
   virtual void barrier(const char* what) = 0;
 
+  // Fault tolerance (the a2a rank mask): `members` has bit p set for each rank p taking part,
+  // this rank included. barrier(what, members) is barrier() over the members only (never reads a
+  // non-member's state). resync() re-establishes the barrier generations among the members after
+  // a Timeout left them at different points (each may have passed a different number of
+  // barriers): collective over the members, who must all be out of every earlier barrier (a
+  // member still inside one is waited for, up to `timeout`), and who must call resync the same
+  // number of times. Throws Timeout naming the members that did not arrive. Transports that
+  // synchronise on the device raise Unsupported for a proper subset.
+  virtual void barrier(const char* what, uint64_t members) {
+    if (members == all_members()) return barrier(what);
+    throw_unsupported_subset(what);
+  }
+  virtual void resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) {
+    (void)members;
+    (void)timeout;
+    throw_unsupported_subset(what);
+  }
+  uint64_t all_members() const {
+    return size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << size()) - 1;
+  }
+
   // Marks this rank failed: peers blocked in barrier() stop with an error that quotes `why`
   // instead of waiting for the timeout. The first abort() of the group wins (later ones, of any
   // rank, change nothing). The group is unusable afterwards.
   virtual void abort(const std::string& why) = 0;
+
+ private:
+  [[noreturn]] static void throw_unsupported_subset(const char* what);
 };
 
 // cpu backend, ranks are threads of this process sharing `world_name`.

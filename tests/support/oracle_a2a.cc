@@ -7,6 +7,10 @@
 // Combine, for source rank r and its token t: acc = 0.0f, then for every rank d ascending that t
 // was sent to, acc += y_d[r][slot][h] where slot = how many of r's tokens before t were sent to d;
 // the result is rounded once to the combine dtype.
+// Rank mask (p.active): a token of s reaches r only when both are active and some valid id of the
+// token is on r; so inactive sources send nothing (recv_counts 0, all padding) and combine sums
+// active destinations only. Drops, for the caller's tokens: every valid id on an inactive rank is a
+// dropped selection; a token with valid ids, none on an active rank, is a dropped token.
 #include "support/oracle_a2a.h"
 
 #include <cstring>
@@ -101,6 +105,15 @@ bool goes_to(const A2aProblem& p, int src, int64_t t, int dst) {
   return false;
 }
 
+bool is_active(const A2aProblem& p, int rank) {
+  return p.active.empty() || p.active[rank];
+}
+
+// Does token t of `src` reach `dst` under the mask?
+bool delivered(const A2aProblem& p, int src, int64_t t, int dst) {
+  return is_active(p, src) && is_active(p, dst) && goes_to(p, src, t, dst);
+}
+
 float load(const uint8_t* base, int64_t index, DType dtype) {
   if (dtype == DType::kBF16) {
     uint16_t v;
@@ -129,7 +142,7 @@ A2aExpected a2a_oracle(const A2aProblem& p, int r) {
   for (int s = 0; s < R; ++s) {
     int64_t j = 0;
     for (int64_t t = 0; t < p.num_tokens[s]; ++t) {
-      if (!goes_to(p, s, t, r)) continue;
+      if (!delivered(p, s, t, r)) continue;
       for (size_t i = 0; i < P; ++i) {
         const size_t rb = p.payloads[i].row_bytes();
         for (size_t b = 0; b < rb; ++b)
@@ -158,9 +171,9 @@ A2aExpected a2a_oracle(const A2aProblem& p, int r) {
   for (int64_t t = 0; t < T; ++t) {
     std::vector<std::pair<int, int64_t>> sent;  // (d, slot_d(t)), d ascending
     for (int d = 0; d < R; ++d) {
-      if (!goes_to(p, r, t, d)) continue;
+      if (!delivered(p, r, t, d)) continue;
       int64_t slot = 0;
-      for (int64_t u = 0; u < t; ++u) slot += goes_to(p, r, u, d) ? 1 : 0;
+      for (int64_t u = 0; u < t; ++u) slot += delivered(p, r, u, d) ? 1 : 0;
       sent.emplace_back(d, slot);
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -175,7 +188,29 @@ A2aExpected a2a_oracle(const A2aProblem& p, int r) {
       }
     }
   }
+  // Drops of r's tokens.
+  const int local_experts = p.num_experts / R;
+  for (int64_t t = 0; t < T; ++t) {
+    bool any_valid = false, any_active = false;
+    for (int k = 0; k < p.top_k; ++k) {
+      const int32_t e = p.topk_idx[r][t * p.top_k + k];
+      if (e < 0) continue;
+      any_valid = true;
+      if (is_active(p, e / local_experts)) {
+        any_active = true;
+      } else {
+        ++ex.dropped.selections;
+      }
+    }
+    if (any_valid && !any_active) ++ex.dropped.tokens;
+  }
   return ex;
+}
+
+std::vector<bool> random_active_mask(int num_ranks, int rank, std::mt19937_64& rng) {
+  std::vector<bool> active(num_ranks);
+  for (int p = 0; p < num_ranks; ++p) active[p] = p == rank || rng() % 2 == 0;
+  return active;
 }
 
 namespace {

@@ -47,6 +47,9 @@ struct A2aProblem {
   int64_t hidden = 1;                  // H of the combine payload
   DType combine_dtype = DType::kBF16;  // bf16 or f32
   size_t combine_bytes_per_token = 0;  // configured size; 0 = hidden * element size
+  // The rank mask the active ranks apply (A2a::set_active_ranks); empty = every rank active. The
+  // oracle of a rank is defined only for an active rank.
+  std::vector<bool> active;
 
   // Every rank's inputs (fill_a2a_inputs).
   std::vector<int64_t> num_tokens;                         // [R]
@@ -70,10 +73,15 @@ struct A2aExpected {
   std::vector<std::vector<uint8_t>> row_specified;  // [i] [R * M]: 1 where SPEC 3.6 defines the
                                                     // row (valid rows, sanitised padding)
   std::vector<uint8_t> combine_out;                 // bytes of [T, H] in combine_dtype
+  A2aDropCounts dropped;                            // what the mask drops of this rank's tokens
 };
 
 // What `rank` must receive from dispatch and get from combine, from all ranks' inputs.
 A2aExpected a2a_oracle(const A2aProblem& p, int rank);
+
+// A mask with every rank active but a random subset of the others (each kept with probability
+// 1/2), `rank` always active.
+std::vector<bool> random_active_mask(int num_ranks, int rank, std::mt19937_64& rng);
 
 // Compare outputs held in host memory with the oracle. Each returns "" when everything matches,
 // else the first `max_reports` mismatches and the number of mismatching elements.

@@ -17,8 +17,17 @@ How it maps, and what differs:
 * State machine: dispatch -> combine -> dispatch; anything else raises InvalidArgument (epx::A2a
   enforces it too). ``get_combine_payload_tensor_in_workspace`` is valid between dispatch and
   combine.
-* Not supported (raise Unsupported naming the option): eplb_stats_num_experts > 0,
-  enable_rank_mask=True.
+* Rank mask (fault tolerance): ``enable_rank_mask=True`` and ``active_rank_mask=`` (FlashInfer's
+  CPU uint64 bitmask, see :func:`moe_a2a_active_rank_mask`; a sequence of bools is accepted too)
+  on dispatch and combine. epx keeps the mask as state (epx.A2a.set_active_ranks): a dispatch
+  whose mask differs from the current one applies it first, which is collective over the ranks
+  it marks active (every one of them passes the same mask to the same dispatch); masks only
+  shrink; combine's mask must equal its dispatch's. After a TimeoutError caused by a dead peer,
+  the survivors' next dispatch with a mask without it continues. A workspace re-created for
+  larger payloads needs every rank (it is collective over the whole group), so it raises
+  Unsupported while a rank is masked off. ``dropped_counts()`` (epx extension) returns
+  (tokens, selections) the mask dropped from this rank's dispatches.
+* Not supported (raise Unsupported naming the option): eplb_stats_num_experts > 0.
 """
 
 import math
@@ -31,7 +40,44 @@ from ..buffer import A2a as _EpxA2a
 from ..group import Group as _EpxGroup
 
 __all__ = ["CommBackend", "Mapping", "MnnvlConfig", "MoeAlltoAll", "TorchDistBackend",
-           "moe_a2a_get_workspace_size_per_rank"]
+           "moe_a2a_active_rank_mask", "moe_a2a_get_workspace_size_per_rank"]
+
+MOE_A2A_RANK_MASK_WORDS = 1  # one uint64 word: up to 64 ranks (FlashInfer's ABI)
+
+
+def moe_a2a_active_rank_mask(active_ranks, ep_size):
+    """CPU uint64 tensor [MOE_A2A_RANK_MASK_WORDS] with bit i set for each rank i of
+    `active_ranks` (ranks that take part; e.g. [0, 1, 3] when rank 2 failed)."""
+    mask = 0
+    for rank in active_ranks:
+        rank = int(rank)
+        if not 0 <= rank < ep_size:
+            raise errors.invalid("moe_a2a_active_rank_mask", f"rank {rank} is out of range, "
+                                 f"expected 0..{ep_size - 1}")
+        mask |= 1 << rank
+    dtype = getattr(torch, "uint64", None)
+    if dtype is None:  # older torch: the same 64 bits as int64
+        return torch.tensor([mask - (1 << 64) if mask >= 1 << 63 else mask], dtype=torch.int64)
+    return torch.tensor([mask], dtype=dtype)
+
+
+def _mask_bools(op, active_rank_mask, ep_size):
+    """active_rank_mask (uint64 tensor / int / sequence of bools) -> list of ep_size bools."""
+    if isinstance(active_rank_mask, torch.Tensor):
+        if active_rank_mask.numel() != MOE_A2A_RANK_MASK_WORDS:
+            raise errors.invalid(op, f"argument 'active_rank_mask' has "
+                                 f"{active_rank_mask.numel()} words, expected "
+                                 f"{MOE_A2A_RANK_MASK_WORDS}")
+        bits = int(active_rank_mask.reshape(-1)[0].item()) & ((1 << 64) - 1)
+    elif isinstance(active_rank_mask, int):
+        bits = active_rank_mask
+    else:
+        active = [bool(a) for a in active_rank_mask]
+        if len(active) != ep_size:
+            raise errors.invalid(op, f"argument 'active_rank_mask' has {len(active)} entries, "
+                                 f"expected {ep_size}")
+        return active
+    return [bool(bits >> r & 1) for r in range(ep_size)]
 
 
 def _is_int(v):
@@ -214,8 +260,6 @@ class MoeAlltoAll:
         if eplb_stats_num_experts:
             raise errors.unsupported(op, f"eplb_stats_num_experts={eplb_stats_num_experts}: "
                                      "epx records expert load in its Dispatcher, not here")
-        if enable_rank_mask:
-            raise errors.unsupported(op, "enable_rank_mask=True: epx has no rank masking")
         if not isinstance(mapping, Mapping) and not hasattr(mapping, "moe_ep_size"):
             raise errors.invalid(op, f"argument 'mapping' is a {type(mapping).__name__}, "
                                  "expected a Mapping")
@@ -263,6 +307,8 @@ class MoeAlltoAll:
         self._group = _EpxGroup.from_comm(comm, device)
         self._a2a = None
         self._a2a_bytes = []
+        self.enable_rank_mask = bool(enable_rank_mask)
+        self._active = [True] * self.ep_size  # the mask applied (epx keeps it as state)
         self._state = "idle"  # idle -> dispatched -> idle
         self._runtime_max = 0
         self._num_tokens = 0
@@ -309,6 +355,10 @@ class MoeAlltoAll:
             if len(have) == len(payload_bytes) and all(
                     n <= h for n, h in zip(payload_bytes, have)):
                 return a2a
+        if not all(self._active):
+            raise errors.unsupported("MoeAlltoAll.dispatch", "payloads larger than the first "
+                                     "dispatch's while ranks are masked off: re-creating the "
+                                     "workspace is collective over every rank")
         for i, p in enumerate(payloads):
             if not isinstance(p, torch.Tensor) or p.dim() < 1:
                 raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads[{i}]' "
@@ -327,14 +377,36 @@ class MoeAlltoAll:
         return self._a2a
 
     # ---- API ---------------------------------------------------------------------------------
+    def _rank_mask(self, op, active_rank_mask):
+        """The mask of a call as bools (the current one when not given)."""
+        if active_rank_mask is None:
+            return self._active
+        if not self.enable_rank_mask:
+            raise errors.invalid(op, "argument 'active_rank_mask' is given but the MoeAlltoAll "
+                                 "was created with enable_rank_mask=False, expected True")
+        return _mask_bools(op, active_rank_mask, self.ep_size)
+
+    def reset_dropped_counts(self):
+        """epx extension: zero the drop counters (see dropped_counts)."""
+        if self._a2a is not None:
+            self._a2a.reset_dropped_counts()
+
+    def dropped_counts(self):
+        """epx extension: (tokens, selections) the rank mask dropped from this rank's
+        dispatches (include/epx/a2a.h, A2aDropCounts)."""
+        return (0, 0) if self._a2a is None else self._a2a.dropped_counts()
+
     def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
-                 invalid_token_expert_id=None, expert_id_payload_index=None):
-        """Collective. -> list of [ep_size, runtime_max_tokens_per_rank, ...] views of the
-        receive workspace, one per payload: row [s][j] is the j-th token rank s sent here."""
+                 invalid_token_expert_id=None, expert_id_payload_index=None, *,
+                 active_rank_mask=None):
+        """Collective (over the active ranks). -> list of [ep_size, runtime_max_tokens_per_rank,
+        ...] views of the receive workspace, one per payload: row [s][j] is the j-th token rank
+        s sent here (nothing from masked-off ranks)."""
         op = "MoeAlltoAll.dispatch"
-        if self._state != "idle":
+        if self._state != "idle" and active_rank_mask is None:
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
+        active = self._rank_mask(op, active_rank_mask)
         if not isinstance(input_payloads, (list, tuple)):
             raise errors.invalid(op, "argument 'input_payloads' must be a list of tensors")
         _check_int(op, "runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 0)
@@ -343,6 +415,12 @@ class MoeAlltoAll:
                                          f"{runtime_max_tokens_per_rank} exceeds max_num_tokens "
                                          f"= {self.max_num_tokens}")
         a2a = self._workspace(input_payloads)
+        if active != self._active:  # collective over the ranks it marks active
+            a2a.set_active_ranks(active, stream=_torch.stream_of(token_selected_experts))
+            self._active = list(active)
+        elif self._state != "idle":
+            raise errors.invalid(op, "called twice without combine in between; expected the "
+                                 "order dispatch -> combine -> dispatch")
         idx = -1 if expert_id_payload_index is None else expert_id_payload_index
         recv, counts = a2a._native.dispatch(token_selected_experts, list(input_payloads),
                                             runtime_max_tokens_per_rank, invalid_token_expert_id,
@@ -363,13 +441,18 @@ class MoeAlltoAll:
                                  "get_combine_payload_tensor_in_workspace -> combine")
         return self._a2a.combine_payload_view(runtime_max_tokens_per_rank, hidden_size, dtype)
 
-    def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False):
-        """Collective. payload [ep_size, runtime_max, H] -> [T, H]: per token the sum, in
-        ascending rank order, of the rows the ranks it went to return."""
+    def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False, *,
+                active_rank_mask=None):
+        """Collective (over the active ranks). payload [ep_size, runtime_max, H] -> [T, H]: per
+        token the sum, in ascending rank order, of the rows the active ranks it went to return
+        (zeros when it went to none)."""
         op = "MoeAlltoAll.combine"
         if self._state != "dispatched":
             raise errors.invalid(op, "called without a preceding dispatch; expected the order "
                                  "dispatch -> combine -> dispatch")
+        if self._rank_mask(op, active_rank_mask) != self._active:
+            raise errors.invalid(op, "argument 'active_rank_mask' differs from the mask of the "
+                                 "preceding dispatch, expected the same mask")
         out = self._a2a._native.combine(payload, int(runtime_max_tokens_per_rank),
                                         bool(payload_in_workspace),
                                         _torch.stream_of(payload))

@@ -28,6 +28,11 @@
 //                     CTA, recv_counts[p] and dispatch_geom[p]) landed here: e * C_p when complete
 //   combine_flag[p]   += 1 by each of p's C_p combine CTAs once p's combine region holds y:
 //                     e * C_p when complete
+//   resync[p]         = 2g - 1 / 2g: rank p is in round 1 / 2 of its g-th set_active_ranks
+//                     (resync.cuh); never reset
+// Rank mask: state.inactive_mask (bit p = rank p inactive; zero-filled = every rank active) is
+// written only by the resync kernel (set_active_ranks, stream-ordered) and read by every dispatch
+// / combine kernel at its start, so CUDA-graph replays see the current mask.
 #pragma once
 
 #include <cstddef>
@@ -51,11 +56,14 @@ inline constexpr int kA2aWarps = kA2aThreads / 32;
 inline constexpr int kA2aDefaultCtas = 64;  // auto tuning (see resolve_a2a_ctas in a2a.cu)
 
 // The a2a values of DeviceErrorRecord::op / ::code (apart from the ht ones in device_error.h).
-enum A2aDeviceOp : uint32_t { kOpA2aDispatch = 16, kOpA2aCombine = 17 };
+enum A2aDeviceOp : uint32_t { kOpA2aDispatch = 16, kOpA2aCombine = 17, kOpA2aResync = 18 };
 enum A2aDeviceError : uint32_t {
   // A peer used another geometry in the same call. a = field << 32 | this rank's value (as
   // uint32), b = the peer's value, peer = the peer.
   kDevErrA2aGeometry = 16,
+  // set_active_ranks: an active peer applies another mask. a = this rank's active mask, b = the
+  // peer's, peer = the peer.
+  kDevErrA2aMask = 17,
 };
 enum A2aGeometryField : int64_t {
   kGeomRuntimeMax = 0,     // dispatch: runtime_max_tokens_per_rank
@@ -77,6 +85,9 @@ struct A2aState {
   DeviceState dev;                       // abort + error_claim (seq / finished unused)
   uint32_t dispatch_epoch[kMaxA2aCtas];  // CTA b of every dispatch: ++dispatch_epoch[b]
   uint32_t combine_epoch[kMaxA2aCtas];   // CTA b of every combine: ++combine_epoch[b]
+  uint64_t inactive_mask;                // bit p = rank p inactive (0 = all active)
+  unsigned long long dropped_tokens;     // A2aDropCounts, advanced by the dispatch kernel
+  unsigned long long dropped_selections;
 };
 
 // Written by peers: slot p by rank p (see the file comment).
@@ -86,6 +97,8 @@ struct A2aSync {
   uint32_t combine_flag[kMaxRanks];
   int32_t dispatch_geom[kMaxRanks][kA2aGeomWords];  // M, row bytes of each payload
   int32_t combine_geom[kMaxRanks][2];               // H, DType
+  uint32_t resync[kMaxRanks];                       // set_active_ranks rounds (resync.cuh)
+  uint64_t active_mask[kMaxRanks];                  // the mask rank p applies (set_active_ranks)
 };
 
 EPX_A2A_HD size_t a2a_round_up(size_t v, size_t a) {

@@ -18,6 +18,11 @@
 //        out[t][h] = bf16 ? f32_to_bf16(acc) : acc;  // core/numeric.h, one rounding
 //      Tokens are split into C contiguous chunks; a CTA walks (token, vector) pairs of its chunk
 //      with kReduceUnroll pairs in flight per thread (one load per pair and destination).
+// Rank mask (I = state.inactive_mask, the one the preceding dispatch used: set_active_ranks
+// restarts the dispatch -> combine order): steps 2 and 3 skip the ranks of I; mask[t] holds no
+// bit of I (dispatch cleared them), so step 4 never reads an inactive rank's region and a token
+// routed only to inactive ranks gets +0.0; recv_counts[s] = 0 for s in I, so step 1 copies
+// nothing for them.
 // Reuse of the region: a peer's next dispatch completes only after this rank's next dispatch
 // entered, i.e. after this combine finished reading (stream order); the MoE kernel (or the next
 // combine's copy) writes the region only after that dispatch.
@@ -124,20 +129,23 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_combine_kernel(A2aCombinePara
   const WaitContext& w = p.wait;
   A2aState* state = g.state(symm.local);
   const uint32_t e = a2a_next_epoch(state->combine_epoch);
+  const uint64_t peers_skipped = state->inactive_mask | (uint64_t{1} << me);
 
-  // 1-2. Publish this rank's y to its peers.
+  // 1-2. Publish this rank's y to its active peers.
   if (!p.in_workspace) a2a_stage_y<V>(p);
-  if (blockIdx.x == 0 && threadIdx.x < R && threadIdx.x != me) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x)) {
     int32_t* geom = g.sync(symm.peers[threadIdx.x])->combine_geom[me];
     geom[0] = p.hidden;
     geom[1] = p.dtype;
   }
   __syncthreads();
-  a2a_signal(R, me, [&](int d) { return &g.sync(symm.peers[d])->combine_flag[me]; });
+  a2a_signal(R, peers_skipped, [&](int d) { return &g.sync(symm.peers[d])->combine_flag[me]; });
 
-  // 3. Every peer's region is ready.
-  if (!a2a_wait_all(g.sync(symm.local)->combine_flag, symm, R, me, e, true, w, kWaitRows)) return;
-  if (blockIdx.x == 0 && threadIdx.x < R && threadIdx.x != me) {
+  // 3. Every active peer's region is ready.
+  if (!a2a_wait_all(g.sync(symm.local)->combine_flag, symm, R, peers_skipped, e, true, w,
+                    kWaitRows))
+    return;
+  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x)) {
     const int d = threadIdx.x;
     const volatile int32_t* geom = g.sync(symm.local)->combine_geom[d];
     if (geom[0] != p.hidden)

@@ -39,26 +39,33 @@ __device__ __forceinline__ uint32_t a2a_next_epoch(uint32_t* epochs) {
   return s_epoch;
 }
 
-// Thread p < R (p != skip) releases this CTA's stores to rank p: *counter_of(p) += 1.
-// Call after __syncthreads() so the fence covers every thread's stores (cumulativity).
+// Bit p set: rank p is skipped by a2a_signal / a2a_wait_all (inactive ranks, and this rank
+// where it does not signal itself).
+__device__ __forceinline__ bool a2a_skipped(uint64_t skip_mask, int p) {
+  return (skip_mask >> p) & 1u;
+}
+
+// Thread p < R (bit p of skip_mask clear) releases this CTA's stores to rank p:
+// *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's stores
+// (cumulativity).
 template <typename CounterOf>
-__device__ __forceinline__ void a2a_signal(int num_ranks, int skip, CounterOf counter_of) {
+__device__ __forceinline__ void a2a_signal(int num_ranks, uint64_t skip_mask, CounterOf counter_of) {
   const int p = threadIdx.x;
-  if (p < num_ranks && p != skip) {
+  if (p < num_ranks && !a2a_skipped(skip_mask, p)) {
     fence_acq_rel_sys();
     red_add_relaxed_sys(counter_of(p), 1u);
   }
 }
 
-// Thread s < R (s != skip) waits until local counter[s] reached e * C_s (a completion counter,
-// per_cta) or e (an epoch flag); returns false on the whole CTA when any wait timed out or the
-// kernel aborted (then the CTA must exit).
+// Thread s < R (bit s of skip_mask clear) waits until local counter[s] reached e * C_s (a
+// completion counter, per_cta) or e (an epoch flag); returns false on the whole CTA when any wait
+// timed out or the kernel aborted (then the CTA must exit). Skipped ranks are never read.
 __device__ __forceinline__ bool a2a_wait_all(const uint32_t* counter, const A2aSymm& symm,
-                                             int num_ranks, int skip, uint32_t e, bool per_cta,
-                                             const WaitContext& w, uint32_t what) {
+                                             int num_ranks, uint64_t skip_mask, uint32_t e,
+                                             bool per_cta, const WaitContext& w, uint32_t what) {
   bool ok = true;
   const int s = threadIdx.x;
-  if (s < num_ranks && s != skip) {
+  if (s < num_ranks && !a2a_skipped(skip_mask, s)) {
     const uint32_t want = per_cta ? e * symm.peer_ctas[s] : e;
     ok = wait_flag<true>(counter + s, want, w, what, s);
   }

@@ -22,6 +22,11 @@
 //   8. Sanitise (invalid_expert_id given): expert-id rows j in [recv_counts[s], M) of every s get
 //      invalid_expert_id in all K entries; the CTAs share the rows.
 // Padding rows of the other payloads are not written (SPEC 3.6 leaves them unspecified).
+// Rank mask (I = state.inactive_mask, read once at the start): step 2 clears the bits of I in
+// mask(t) and counts what that drops for the CTA's own chunk (one atomicAdd per counter and CTA
+// into state.dropped_*); steps 1, 3, 5, 6 and 7 skip the ranks of I (never written, never
+// waited for); CTA C-1 sets the local recv_counts[s] = 0 for every s in I before its self-signal,
+// so step 8 treats their rows as padding.
 #pragma once
 
 #include "cuda/kernels/a2a/common.cuh"
@@ -57,25 +62,31 @@ struct A2aDispatchParams {
   WaitContext wait;
 };
 
-// Destination ranks of token t (bit d = goes to d). Out-of-range ids are reported and dropped.
-__device__ __forceinline__ uint64_t a2a_token_mask(const A2aDispatchParams& p, int64_t t) {
+// Destination ranks of token t (bit d = goes to d), before the rank mask. Out-of-range ids are
+// reported and dropped; *num_inactive = valid selections on ranks of `inactive`.
+__device__ __forceinline__ uint64_t a2a_token_mask(const A2aDispatchParams& p, int64_t t,
+                                                   uint64_t inactive, uint32_t* num_inactive) {
   uint64_t mask = 0;
+  uint32_t n = 0;
   const int64_t row = t * p.topk_stride;
   for (int k = 0; k < p.top_k; ++k) {
     const int64_t e = p.topk_is_i64 ? __ldg(static_cast<const long long*>(p.topk_idx) + row + k)
                                     : __ldg(static_cast<const int32_t*>(p.topk_idx) + row + k);
     if (e >= 0 && e < p.num_experts) {
-      mask |= uint64_t{1} << (static_cast<int32_t>(e) / p.num_local_experts);
+      const int d = static_cast<int32_t>(e) / p.num_local_experts;
+      mask |= uint64_t{1} << d;
+      n += (inactive >> d) & 1u;
     } else if (e != -1) {
       record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, e);
     }
   }
+  *num_inactive = n;
   return mask;
 }
 
-// Step 2. s_count[d] ends as the number of tokens in [0, t_end) going to d.
+// Step 2. s_count[d] ends as the number of tokens in [0, t_end) going to d (d active).
 __device__ void a2a_route(const A2aDispatchParams& p, int64_t t_begin, int64_t t_end,
-                          uint32_t* s_count) {
+                          uint64_t inactive, uint32_t* s_count, A2aState* state) {
   __shared__ uint32_t s_warp[2][kA2aWarps][kMaxRanks];  // per warp: count, then exclusive offset
   const int R = p.num_ranks, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint64_t* masks = p.symm.layout.mask(p.symm.local);
@@ -83,12 +94,19 @@ __device__ void a2a_route(const A2aDispatchParams& p, int64_t t_begin, int64_t t
   if (threadIdx.x < R) s_count[threadIdx.x] = 0;
   const uint32_t lt = (1u << lane) - 1u;
   int parity = 0;
+  unsigned long long dropped_tokens = 0, dropped_selections = 0;  // this thread's own tokens
   for (int64_t base = 0; base < t_end; base += kRouteLoads * kA2aThreads) {
     uint64_t mask[kRouteLoads];
 #pragma unroll
     for (int q = 0; q < kRouteLoads; ++q) {
       const int64_t t = base + q * kA2aThreads + threadIdx.x;
-      mask[q] = t < t_end ? a2a_token_mask(p, t) : 0;
+      uint32_t n = 0;
+      mask[q] = t < t_end ? a2a_token_mask(p, t, inactive, &n) : 0;
+      if (t >= t_begin && t < t_end) {
+        dropped_selections += n;
+        dropped_tokens += mask[q] != 0 && (mask[q] & ~inactive) == 0;
+      }
+      mask[q] &= ~inactive;
     }
 #pragma unroll
     for (int q = 0; q < kRouteLoads; ++q) {
@@ -121,6 +139,13 @@ __device__ void a2a_route(const A2aDispatchParams& p, int64_t t_begin, int64_t t
       }
       parity ^= 1;  // the next group writes the other half; two barriers separate reuse
     }
+  }
+  if (inactive != 0) {  // only a mask can drop anything
+    dropped_tokens = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(dropped_tokens));
+    dropped_selections = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(dropped_selections));
+    if (lane == 0 && dropped_tokens != 0) atomicAdd(&state->dropped_tokens, dropped_tokens);
+    if (lane == 0 && dropped_selections != 0)
+      atomicAdd(&state->dropped_selections, dropped_selections);
   }
   __syncthreads();
 }
@@ -193,9 +218,11 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   const WaitContext& w = p.wait;
   A2aState* state = g.state(symm.local);
   const uint32_t e = a2a_next_epoch(state->dispatch_epoch);
+  const uint64_t inactive = state->inactive_mask;  // written only by the resync kernel
+  const uint64_t peers_skipped = inactive | (uint64_t{1} << me);
 
   // 1. Entry: pairs with the wait in step 3 of every peer's CTAs.
-  if (blockIdx.x == 0 && threadIdx.x < R && threadIdx.x != me)
+  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x))
     st_release_sys(&g.sync(symm.peers[threadIdx.x])->entered[me], e);
 
   // 2. Routing of this CTA's chunk.
@@ -204,16 +231,20 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   const int64_t t_begin = min(static_cast<int64_t>(blockIdx.x) * chunk, T);
   const int64_t t_end = min(t_begin + chunk, T);
   // A CTA without tokens routes nothing, except the last one, which counts every token.
-  if (t_begin < t_end || blockIdx.x == gridDim.x - 1) a2a_route(p, t_begin, t_end, s_count);
+  if (t_begin < t_end || blockIdx.x == gridDim.x - 1)
+    a2a_route(p, t_begin, t_end, inactive, s_count, state);
 
-  // 3. Every peer entered this call.
-  if (!a2a_wait_all(g.sync(symm.local)->entered, symm, R, me, e, false, w, kWaitReady)) return;
+  // 3. Every active peer entered this call.
+  if (!a2a_wait_all(g.sync(symm.local)->entered, symm, R, peers_skipped, e, false, w, kWaitReady))
+    return;
 
   // 4. Rows.
   for (int i = 0; i < p.num_payloads; ++i) a2a_push_payload(p, i, t_begin, t_end);
 
   // 5. Counts and geometry, from the CTA that routed every token.
-  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R) {
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && a2a_skipped(inactive, threadIdx.x))
+    g.counts(symm.local)[threadIdx.x] = 0;  // nothing comes from an inactive rank
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && !a2a_skipped(inactive, threadIdx.x)) {
     char* peer = symm.peers[threadIdx.x];
     g.counts(peer)[me] = static_cast<int32_t>(s_count[threadIdx.x]);
     int32_t* geom = g.sync(peer)->dispatch_geom[me];
@@ -223,13 +254,14 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   }
   __syncthreads();
 
-  // 6. Release this CTA's rows (and counts) to every destination, self included.
-  a2a_signal(R, -1, [&](int d) { return &g.sync(symm.peers[d])->dispatch_flag[me]; });
+  // 6. Release this CTA's rows (and counts) to every active destination, self included.
+  a2a_signal(R, inactive, [&](int d) { return &g.sync(symm.peers[d])->dispatch_flag[me]; });
 
   // 7. Everything sent to this rank landed.
-  if (!a2a_wait_all(g.sync(symm.local)->dispatch_flag, symm, R, -1, e, true, w, kWaitRows)) return;
+  if (!a2a_wait_all(g.sync(symm.local)->dispatch_flag, symm, R, inactive, e, true, w, kWaitRows))
+    return;
   const int32_t* counts = g.counts(symm.local);
-  if (blockIdx.x == 0 && threadIdx.x < R) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(inactive, threadIdx.x)) {
     const int s = threadIdx.x;
     const volatile int32_t* geom = g.sync(symm.local)->dispatch_geom[s];
     auto compare = [&](int64_t field, int32_t mine, int32_t theirs) {
