@@ -25,14 +25,18 @@
 //   * Acquire -> load (receiver): the peer's rows are acquired by ld.acquire.sys of the block
 //     counter (thread 0) + __syncthreads; lane 0 then executes fence.proxy.async before issuing
 //     bulk loads of those rows, so the async proxy reads no older data than the acquire saw.
+//   * Ready -> stores (sender): a peer's slots are written only after its ready flag is acquired
+//     (wait_peer_ready + __syncthreads); lane 0 executes fence.proxy.async before its first bulk
+//     store, so the async-proxy writes are ordered after the acquire (no write-after-read on the
+//     rows the peer read in its previous operation).
 //   * Inputs (x) were written before the kernel started: no fence needed.
 //   * Stage reuse is entirely within the async proxy (bulk store reads, bulk load writes), ordered
 //     by wait_group.read and the mbarrier; no generic access ever touches a stage. A
 //     fence.proxy.async.shared::cta after each mbarrier wait is cheap insurance that the store
 //     reads what the load wrote.
-//   * End of kernel: every warp drains before finish_operation, so no bulk read of a landed row
-//     is outstanding when the peers are told they may overwrite the region, and no store is
-//     outstanding when the CTA's shared memory goes away.
+//   * End of kernel: every warp drains (+ fence.proxy.async) before finish_operation, so no bulk
+//     read of a landed row is outstanding when the peers are told they may overwrite the region
+//     (its release), and no store is outstanding when the CTA's shared memory goes away.
 #pragma once
 
 #include <cstdint>

@@ -83,6 +83,11 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   }
   __syncthreads();
   if (!s_ok) return;
+  // Every peer finished reading its slots (acquired above); our bulk stores into them are
+  // async-proxy writes, ordered after that acquire by a proxy fence.
+  if constexpr (kBulk) {
+    if (lane == 0) fence_proxy_async();
+  }
 
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
@@ -283,8 +288,12 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   }
   // Every bulk copy of this warp complete (also on the early-return paths) before the padding
   // rows, the counter reset and the ready signal that lets the peers overwrite our region.
+  // The proxy fence orders the drained async-proxy accesses before finish_operation's release.
   if constexpr (kBulk) {
-    if ((threadIdx.x & 31) == 0) pipe.drain();
+    if ((threadIdx.x & 31) == 0) {
+      pipe.drain();
+      fence_proxy_async();
+    }
   }
   // Worst-case mode: overflow report and padding rows [N, num_rows) (any CTA, grid-stride):
   // x and scales 0, topk -1, weights 0, src_idx -1 (as the cpu backend).
