@@ -65,6 +65,8 @@ const char* device_wait_name(uint32_t what) {
       return "rows from the peer";
     case kWaitBarrier:
       return "the peer at a barrier";
+    case kWaitBulkCopy:
+      return "its own bulk copy to land (bulk-copy path)";
     default:
       return "the peer";
   }

@@ -73,16 +73,32 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   EPX_BULK_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
-  do {
-    EPX_BULK_ASM(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  EPX_BULK_ASM(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Bounded like every epx wait (a load that never lands must not hang the kernel): on timeout or
+// abort it reports (kWaitBulkCopy), raises the abort word and returns false.
+__device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, const WaitContext& ctx) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spins = 0;; ++spins) {
+    if (mbar_try_wait(bar, parity)) return true;
+    if ((spins & 63u) == 63u) {
+      if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
+      if (globaltimer_ns() - start > ctx.timeout_ns) {
+        record_error(ctx, kDevErrTimeout, ctx.rank, kWaitBulkCopy, parity);
+        atomicExch(&ctx.state->abort, 1u);
+        return false;
+      }
+    }
+  }
 }
 __device__ __forceinline__ void bulk_load(uint32_t stage, const void* src, uint32_t bytes,
                                           uint32_t bar) {
@@ -133,10 +149,12 @@ class BulkPipe {
 
   // Queues the copy of `bytes` from src to dst; returns once every chunk's load is issued (some
   // chunks may still be loading: flush() or drain() to finish them).
-  __device__ void copy(const char* src, char* dst, int64_t bytes) {
+  __device__ void copy(const char* src, char* dst, int64_t bytes, const WaitContext& w) {
+    if (broken_) return;
     for (int64_t off = 0; off < bytes; off += chunk_) {
       const uint32_t n = static_cast<uint32_t>(min(static_cast<int64_t>(chunk_), bytes - off));
-      if (pending_ == stages_ - 1) retire();
+      if (pending_ == stages_ - 1) retire(w);
+      if (broken_) return;
       // The stage's previous chunk was stored `stages_ - 1 - pending_` (>= 1) groups ago.
       wait_stage_read(stages_ - 1 - pending_);
       const uint32_t b = bar(head_);
@@ -149,13 +167,13 @@ class BulkPipe {
     }
   }
   // Every issued load is waited for and its store issued (stores may still be in flight).
-  __device__ void flush() {
-    while (pending_ > 0) retire();
+  __device__ void flush(const WaitContext& w) {
+    while (pending_ > 0 && !broken_) retire(w);
   }
   // Every copy complete: stores performed and visible to this thread (async proxy); callers that
   // signal a peer follow with fence_proxy_async() and the release pattern.
-  __device__ void drain() {
-    flush();
+  __device__ void drain(const WaitContext& w) {
+    flush(w);
     bulk_wait_all();
   }
 
@@ -168,9 +186,13 @@ class BulkPipe {
   __device__ uint32_t* size_slot(int s) const {
     return reinterpret_cast<uint32_t*>(meta_ + s * kBulkStageMetaBytes + 16);
   }
-  __device__ void retire() {
+  __device__ void retire(const WaitContext& w) {
     const int s = tail_;
-    mbar_wait(bar(s), (phase_ >> s) & 1u);
+    if (!mbar_wait(bar(s), (phase_ >> s) & 1u, w)) {
+      broken_ = true;  // reported; the kernel winds down through its bounded waits
+      pending_ = 0;
+      return;
+    }
     phase_ ^= 1u << s;
     fence_proxy_async_smem();
     bulk_store(*dst_slot(s), stage(s), *size_slot(s));
@@ -207,6 +229,7 @@ class BulkPipe {
     }
   }
 
+  bool broken_ = false;
   uint32_t data_ = 0;
   unsigned char* meta_ = nullptr;
   int stages_ = 2, chunk_ = 16;

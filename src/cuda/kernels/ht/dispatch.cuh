@@ -109,7 +109,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
         const int slot = HtRegion::slot_of(me, d);
         char* peer = p.symm.peers[d];
         if constexpr (kBulk) {
-          if (lane == 0) pipe.copy(p.x + t * p.x_stride, g.x_row(peer, slot, j), p.row_bytes);
+          if (lane == 0)
+            pipe.copy(p.x + t * p.x_stride, g.x_row(peer, slot, j), p.row_bytes, p.wait);
         } else {
           copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
         }
@@ -133,7 +134,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
       // then the __syncwarp + fence.acq_rel.sys + red.add below release them with the lanes'
       // scale and metadata stores (the fence is cumulative over what lane 0 observed).
       if (lane == 0) {
-        pipe.drain();
+        pipe.drain(p.wait);
         fence_proxy_async();
       }
     }
@@ -172,7 +173,8 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     const int32_t pos = p.send_pos[t * R + me];
     if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
     if constexpr (kBulk) {
-      if (lane == 0) pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes);
+      if (lane == 0)
+        pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
     } else {
       copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
                          reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
@@ -193,7 +195,7 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     }
   }
   if constexpr (kBulk) {
-    if (lane == 0) pipe.flush();  // stores under way before the receive loop may wait
+    if (lane == 0) pipe.flush(p.wait);  // stores under way before the receive loop may wait
   }
 }
 
@@ -245,7 +247,8 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
       if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
       if constexpr (kBulk) {
         if (lane == 0)
-          pipe.copy(g.x_row(p.symm.local, slot, j), p.recv_x + out * p.row_bytes, p.row_bytes);
+          pipe.copy(g.x_row(p.symm.local, slot, j), p.recv_x + out * p.row_bytes, p.row_bytes,
+                    p.wait);
       } else {
         copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
                           reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
@@ -267,7 +270,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
     }
     // Start this item's stores before thread 0 may wait for the next block.
     if constexpr (kBulk) {
-      if (lane == 0) pipe.flush();
+      if (lane == 0) pipe.flush(p.wait);
     }
     __syncthreads();
   }
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   // The proxy fence orders the drained async-proxy accesses before finish_operation's release.
   if constexpr (kBulk) {
     if ((threadIdx.x & 31) == 0) {
-      pipe.drain();
+      pipe.drain(p.wait);
       fence_proxy_async();
     }
   }
