@@ -17,6 +17,13 @@ std::chrono::milliseconds env_default_timeout() {
   return std::chrono::milliseconds(env_long("EPX_TIMEOUT_MS", 30000));
 }
 
-int env_default_num_sms() { return static_cast<int>(env_long("EPX_NUM_SMS", 0)); }
+int env_default_num_sms() {
+  return static_cast<int>(env_long("EPX_NUM_SMS", 0));
+}
+
+std::string env_ht_copy() {
+  const char* v = std::getenv("EPX_HT_COPY");
+  return v ? std::string(v) : std::string();
+}
 
 }  // namespace epx::detail

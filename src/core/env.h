@@ -1,13 +1,17 @@
 // src/core/env.h — the one place epx reads environment variables.
 //   EPX_TIMEOUT_MS   default bound on every wait for a peer (30000)
 //   EPX_NUM_SMS      default SM budget of the cuda kernels (0 = auto)
+//   EPX_HT_COPY      copy path of the cuda ht dispatch: warp (default) | bulk[:SxC][:bN]
+//                    (cuda/tuning.h parse_ht_copy)
 #pragma once
 
 #include <chrono>
+#include <string>
 
 namespace epx::detail {
 
 std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
+std::string env_ht_copy();  // "" when unset
 
 }  // namespace epx::detail

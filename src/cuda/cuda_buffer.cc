@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>
+#include <mutex>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "cuda/cuda_check.h"
 
 namespace epx::detail {
@@ -62,6 +65,8 @@ const char* device_wait_name(uint32_t what) {
       return "rows from the peer";
     case kWaitBarrier:
       return "the peer at a barrier";
+    case kWaitBulkCopy:
+      return "its own bulk copy to land (bulk-copy path)";
     default:
       return "the peer";
   }
@@ -78,6 +83,71 @@ void set_ht_ablation(int bits) {
 int ht_ablation() {
   return g_ablation.load();
 }
+HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
+  HtCopyConfig c;
+  auto bad = [&]() {
+    throw_error(ErrorCode::kInvalidArgument,
+                cat(what, ": '", spec, "' is not warp or bulk[:SxC][:bN] (2 <= S <= 8 stages ",
+                    "of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 tokens per batch)"));
+  };
+  size_t colon = spec.find(':');
+  const std::string head = spec.substr(0, colon);
+  if (head == "warp") {
+    c.mode = HtCopyMode::kWarp;
+  } else if (head == "bulk") {
+    c.mode = HtCopyMode::kBulk;
+  } else {
+    bad();
+  }
+  while (colon != std::string::npos) {
+    const size_t next = spec.find(':', colon + 1);
+    const std::string tok =
+        spec.substr(colon + 1, next == std::string::npos ? next : next - colon - 1);
+    colon = next;
+    char* end = nullptr;
+    if (!tok.empty() && tok[0] == 'b') {
+      const long n = std::strtol(tok.c_str() + 1, &end, 10);
+      if (tok.size() < 2 || *end != '\0' || n < 1 || n > 1024) bad();
+      c.send_batch = static_cast<int>(n);
+      continue;
+    }
+    const size_t x = tok.find('x');
+    if (x == std::string::npos) bad();
+    const long st = std::strtol(tok.c_str(), &end, 10);
+    if (end != tok.c_str() + x) bad();
+    const long ch = std::strtol(tok.c_str() + x + 1, &end, 10);
+    if (x + 1 >= tok.size() || *end != '\0') bad();
+    if (st < 2 || st > 8 || ch < 16 || ch > 65536 || ch % 16 != 0) bad();
+    c.stages = static_cast<int>(st);
+    c.chunk = static_cast<int>(ch);
+  }
+  return c;
+}
+
+namespace {
+std::mutex g_copy_mutex;
+bool g_copy_overridden = false;
+HtCopyConfig g_copy_override;
+}  // namespace
+
+HtCopyConfig ht_copy_config() {
+  {
+    std::lock_guard<std::mutex> lock(g_copy_mutex);
+    if (g_copy_overridden) return g_copy_override;
+  }
+  static const HtCopyConfig from_env = [] {
+    const std::string v = env_ht_copy();
+    return v.empty() ? HtCopyConfig{} : parse_ht_copy(v, "EPX_HT_COPY");
+  }();
+  return from_env;
+}
+
+void set_ht_copy_override(const HtCopyConfig* config) {
+  std::lock_guard<std::mutex> lock(g_copy_mutex);
+  g_copy_overridden = config != nullptr;
+  if (config) g_copy_override = *config;
+}
+
 static std::atomic<int> g_dispatch_send_percent{0};
 static std::atomic<int> g_combine_send_percent{0};
 

@@ -29,10 +29,11 @@ enum DeviceErrorCode : uint32_t {
 };
 
 enum DeviceWait : uint32_t {
-  kWaitReady = 1,    // the peer finishing its previous operation (its region free again)
-  kWaitCounts = 2,   // the peer's token counts (count exchange)
-  kWaitRows = 3,     // rows from the peer (dispatch / combine data)
-  kWaitBarrier = 4,  // the peer arriving at a device barrier
+  kWaitReady = 1,     // the peer finishing its previous operation (its region free again)
+  kWaitCounts = 2,    // the peer's token counts (count exchange)
+  kWaitRows = 3,      // rows from the peer (dispatch / combine data)
+  kWaitBarrier = 4,   // the peer arriving at a device barrier
+  kWaitBulkCopy = 5,  // this rank's own bulk copy (ht dispatch, EPX_HT_COPY=bulk) never landed
 };
 
 struct DeviceErrorRecord {

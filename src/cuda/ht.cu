@@ -237,6 +237,12 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
+  // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
+  const HtCopyConfig copy = ht_copy_config();
+  p.send_batch = copy.send_batch;
+  p.copy_mode = static_cast<int>(vb == 16 ? copy.mode : HtCopyMode::kWarp);
+  p.bulk_stages = copy.stages;
+  p.bulk_chunk = copy.chunk;
   const int grid = tuning_.num_sms;
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");

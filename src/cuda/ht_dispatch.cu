@@ -1,26 +1,83 @@
 // src/cuda/ht_dispatch.cu — instantiations and launch of the ht dispatch kernel.
+#include <mutex>
+
+#include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/dispatch.cuh"
 
 namespace epx::detail {
 
+namespace {
+
+// kBulk launches: the device must be sm_90+ and allow the ring's dynamic shared memory; the
+// kernel's limit is raised to the largest ring once per device (not a stream operation, so a
+// launch under graph capture only reads the cache).
+struct BulkDevice {
+  int checked = 0;
+  int sm_major = 0;
+  int optin = 0;        // cudaDevAttrMaxSharedMemoryPerBlockOptin
+  int static_smem = 0;  // the bulk kernel's static shared memory
+  int raised = 0;       // dynamic shared memory the kernel is allowed so far
+};
+std::mutex g_bulk_mutex;
+BulkDevice g_bulk[64];
+
+void prepare_bulk(const HtDispatchParams& p, int smem) {
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev), "ht_dispatch");
+  std::lock_guard<std::mutex> lock(g_bulk_mutex);
+  BulkDevice& d = g_bulk[dev & 63];
+  if (!d.checked) {
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, dev),
+                   "ht_dispatch");
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                   "ht_dispatch");
+    cudaFuncAttributes attr{};
+    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_dispatch_kernel<uint4, true>), "ht_dispatch");
+    d.static_smem = static_cast<int>(attr.sharedSizeBytes);
+    d.checked = 1;
+  }
+  EPX_CHECK(d.sm_major >= 9, ErrorCode::kUnsupported,
+            "ht_dispatch: bulk copies (EPX_HT_COPY=bulk) need compute capability 9.0+, device ",
+            dev, " has ", d.sm_major, ".x");
+  EPX_CHECK(smem + d.static_smem <= d.optin, ErrorCode::kInvalidArgument,
+            "ht_dispatch: bulk copies with ", p.bulk_stages, " x ", p.bulk_chunk,
+            " bytes per warp need ", smem, " bytes of shared memory per CTA (+", d.static_smem,
+            " static); device ", dev, " allows ", d.optin);
+  if (smem > d.raised) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(ht_dispatch_kernel<uint4, true>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "ht_dispatch");
+    d.raised = smem;
+  }
+}
+
+}  // namespace
+
 void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream) {
+  if (p.copy_mode == static_cast<int>(HtCopyMode::kBulk) && vec_bytes == 16) {
+    const int smem = bulk_smem_bytes(p.bulk_stages, p.bulk_chunk);
+    prepare_bulk(p, smem);
+    ht_dispatch_kernel<uint4, true><<<grid, kHtThreads, smem, stream>>>(p);
+    EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: launch");
+    return;
+  }
   switch (vec_bytes) {
     case 16:
-      ht_dispatch_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
+      ht_dispatch_kernel<uint4, false><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 8:
-      ht_dispatch_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);
+      ht_dispatch_kernel<uint2, false><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 4:
-      ht_dispatch_kernel<uint32_t><<<grid, kHtThreads, 0, stream>>>(p);
+      ht_dispatch_kernel<uint32_t, false><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 2:
-      ht_dispatch_kernel<uint16_t><<<grid, kHtThreads, 0, stream>>>(p);
+      ht_dispatch_kernel<uint16_t, false><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     default:
-      ht_dispatch_kernel<uint8_t><<<grid, kHtThreads, 0, stream>>>(p);
+      ht_dispatch_kernel<uint8_t, false><<<grid, kHtThreads, 0, stream>>>(p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: launch");

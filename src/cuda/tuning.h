@@ -3,6 +3,8 @@
 // src/core/env.cc) bounds the CTAs of every ht kernel; 0 means auto.
 #pragma once
 
+#include <string>
+
 namespace epx::detail {
 
 // Benchmark-only ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest.
@@ -26,6 +28,27 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 // Benchmark hook (never set by the library itself): values > 0 replace the SM count and the
 // senders' share (percent) of the CTAs for buffers created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);
+
+// How the ht dispatch moves x rows (docs/perf-cuda-ht.md, design v4). kBulk applies only where
+// every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise kWarp.
+enum class HtCopyMode : int { kWarp = 0, kBulk = 1 };
+
+struct HtCopyConfig {
+  HtCopyMode mode = HtCopyMode::kWarp;
+  int stages = 4;      // kBulk: shared-memory stages per warp (2..8)
+  int chunk = 3072;    // kBulk: bytes per stage (multiple of 16); 16 warps x stages x chunk
+  int send_batch = 0;  // tokens per sender warp between two signals (0: the kernel's default, 4)
+};
+
+// Parses "warp" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
+// e.g. "bulk:3x4096:b8". Throws InvalidArgument (naming `what`) on anything else.
+HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
+
+// The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
+// once, src/core/env.cc), else kWarp. Read at every launch, so one process can time both.
+HtCopyConfig ht_copy_config();
+// Benchmark / test hook: replaces EPX_HT_COPY for later launches in this process; null resets.
+void set_ht_copy_override(const HtCopyConfig* config);
 
 // Benchmark hook: stage ablations (HtAblate bits above) applied to every ht
 // launch in this process while non-zero. Outputs are wrong while set. 0 in the library.

@@ -4,6 +4,9 @@
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
+//                    [--copy warp,bulk,bulk:3x4096:b8]
+// --copy times the dispatch under each copy path (cuda/tuning.h parse_ht_copy; EPX_HT_COPY's
+// values) in the same process, same buffer; combine is the same kernel under every variant.
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -11,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,8 +50,22 @@ struct Options {
   std::vector<int> sms = {16};
   std::vector<int> send_pct = {0};  // 0: the library's default split
   int warmup = 5, iters = 30;
-  bool ablate = false;  // also time stage ablations (cuda/tuning.h HtAblate)
+  bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
+  std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
 };
+
+std::vector<std::string> split_list(const char* s) {
+  std::vector<std::string> v;
+  std::string str(s);
+  size_t p = 0;
+  while (p < str.size()) {
+    size_t q = str.find(',', p);
+    if (q == std::string::npos) q = str.size();
+    if (q > p) v.push_back(str.substr(p, q - p));
+    p = q + 1;
+  }
+  return v;
+}
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
 // calls), so timed calls neither cudaMalloc nor cudaFree (which would synchronise the device).
@@ -152,10 +170,28 @@ int run_rank(const Group& g, const Options& o) {
           op(pool.get());
         });
       };
-      auto t_disp = timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); });
-      auto t_disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(cached8, al); });
-      auto t_exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-      auto t_worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
+      // One set of timings per copy path; the ablations run under the last one.
+      struct CopyTimes {
+        std::string name;
+        bench::Timing disp, disp8, exact, worst;
+      };
+      std::vector<CopyTimes> per_copy;
+      const std::vector<std::string> copies =
+          o.copy.empty() ? std::vector<std::string>{""} : o.copy;
+      for (const std::string& spec : copies) {
+        if (!spec.empty()) {
+          const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "--copy");
+          detail::set_ht_copy_override(&cfg);
+        }
+        CopyTimes ct;
+        ct.name = spec;
+        ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); });
+        ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(cached8, al); });
+        ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+        ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
+        buf.check();
+        per_copy.push_back(ct);
+      }
       auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
       buf.check();
       std::vector<std::pair<std::string, bench::Timing>> ablations;
@@ -186,18 +222,23 @@ int run_rank(const Group& g, const Options& o) {
             "%.1f MB fp8), self rows %lld\n",
             sms, tu.dispatch_send_ctas, tu.combine_send_ctas, static_cast<long long>(remote_rows),
             bf16_bytes / 1e6, fp8_bytes / 1e6, static_cast<long long>(self_rows));
-        std::printf("  %-26s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
+        std::printf("  %-44s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
                     "ceil us", "epx/nccl", "ceil/epx");
         auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,
                        const bench::Timing& c) {
-          std::printf("  %-26s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
+          std::printf("  %-44s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
                       e.min_us, n.median_us, c.median_us, e.median_us / n.median_us,
                       c.median_us / e.median_us);
         };
-        row("dispatch bf16 (cached)", t_disp, n_bf16, c_bf16);
-        row("dispatch fp8 (cached)", t_disp8, n_fp8, c_fp8);
-        row("dispatch bf16 (exact)", t_exact, n_bf16, c_bf16);
-        row("dispatch bf16 (worst-case)", t_worst, n_bf16, c_bf16);
+        for (const CopyTimes& ct : per_copy) {
+          auto name = [&](const char* op) {
+            return ct.name.empty() ? std::string(op) : std::string(op) + " [" + ct.name + "]";
+          };
+          row(name("dispatch bf16 (cached)").c_str(), ct.disp, n_bf16, c_bf16);
+          row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
+          row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
+        }
         row("combine bf16", t_comb, n_bf16, c_bf16);
         if (o.ablate) {
           std::printf("  ablations (same run; outputs wrong):\n");
@@ -247,12 +288,23 @@ int main(int argc, char** argv) {
       o.iters = std::atoi(next());
     else if (a == "--ablate")
       o.ablate = true;
+    else if (a == "--copy")
+      o.copy = split_list(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate]\n",
+                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
+                   "[--copy warp,bulk[:SxC][:bN],...]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
+    }
+  }
+  for (const std::string& spec : o.copy) {
+    try {
+      detail::parse_ht_copy(spec, "--copy");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
     }
   }
   const int gpus = gpu_testing::visible_gpus();

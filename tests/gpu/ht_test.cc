@@ -1,6 +1,10 @@
 // tests/gpu/ht_test.cc — the cuda ht mode on 1 and 2 GPUs, every output compared bit for bit
 // with the naive SPEC reference (ht_reference.h) and, where it implements ht, the cpu backend.
 //
+// The correctness tests run every case under each dispatch copy path (cuda/tuning.h): the warp
+// loops, the bulk-copy engine, and a bulk ring of tiny chunks with an odd send batch (many
+// partial chunks, ring wrap-around, several signals per block).
+//
 // Each test forks R ranks (one GPU each, a cuda group per test). Every rank generates the inputs
 // of ALL ranks from the case seed, so it can compute every expected output locally. Outputs are
 // allocated through a poisoning allocator (0xAB bytes), so unwritten rows are caught.
@@ -9,9 +13,11 @@
 
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 
+#include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu/gpu_support.h"
@@ -22,6 +28,22 @@ namespace epx::gpu_testing {
 namespace {
 
 using testing::Routing;
+
+const char* const kCopyPaths[] = {"warp", "bulk", "bulk:2x48:b7"};
+
+// Runs body() under each copy path (in the rank process); returns the failures summed.
+int for_each_copy_path(const std::function<int()>& body) {
+  int bad = 0;
+  for (const char* spec : kCopyPaths) {
+    const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "test");
+    detail::set_ht_copy_override(&cfg);
+    const int b = body();
+    if (b) std::fprintf(stderr, "FAIL under dispatch copy path '%s'\n", spec);
+    bad += b;
+  }
+  detail::set_ht_copy_override(nullptr);
+  return bad;
+}
 
 Allocator poisoning_allocator() {
   return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
@@ -300,14 +322,16 @@ TEST(HtReference, AgreesWithCpuBackend) {
 TEST(HtGpu, OneRankMatchesReference) {
   EPX_REQUIRE_GPUS(1);
   const int rc = run_cuda_ranks(1, [](const Group& g) {
-    int bad = 0;
-    bad += run_cases(g, routing_cases(1, 256, 4, 16, {300}, 11));
-    auto big = routing_cases(1, 7168, 8, 64, {129}, 21);
-    big.resize(2);
-    bad += run_cases(g, big);
-    HtCase empty = routing_cases(1, 256, 4, 16, {0}, 31)[0];
-    bad += run_cases(g, {empty});
-    return bad;
+    return for_each_copy_path([&] {
+      int bad = 0;
+      bad += run_cases(g, routing_cases(1, 256, 4, 16, {300}, 11));
+      auto big = routing_cases(1, 7168, 8, 64, {129}, 21);
+      big.resize(2);
+      bad += run_cases(g, big);
+      HtCase empty = routing_cases(1, 256, 4, 16, {0}, 31)[0];
+      bad += run_cases(g, {empty});
+      return bad;
+    });
   });
   EXPECT_EQ(rc, 0);
 }
@@ -315,42 +339,44 @@ TEST(HtGpu, OneRankMatchesReference) {
 TEST(HtGpu, TwoRanksMatchReference) {
   EPX_REQUIRE_GPUS(2);
   const int rc = run_cuda_ranks(2, [](const Group& g) {
-    int bad = 0;
-    // Every routing, different T per rank (one rank with T = 0 in the last case).
-    auto cases = routing_cases(2, 256, 8, 32, {333, 190}, 101);
-    HtCase zero = cases[0];
-    zero.num_tokens = {0, 77};
-    zero.seed = 150;
-    cases.push_back(zero);
-    HtCase both_zero = cases[1];
-    both_zero.num_tokens = {0, 0};
-    both_zero.seed = 151;
-    cases.push_back(both_zero);
-    HtCase i32 = cases[0];
-    i32.topk_i32 = true;
-    i32.alignment = 4;
-    i32.weights = false;
-    i32.seed = 152;
-    cases.push_back(i32);
-    bad += run_cases(g, cases);
-    // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
-    bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
-    bad += run_cases(g, routing_cases(2, 2, 2, 4, {50, 41}, 211));
-    // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
-    auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
-    big.resize(3);
-    HtCase f8 = big[0];
-    f8.fp8 = true;
-    f8.seed = 310;
-    big.push_back(f8);
-    HtCase ue = big[1];
-    ue.fp8 = true;
-    ue.ue8m0 = true;
-    ue.topk_i32 = true;
-    ue.seed = 311;
-    big.push_back(ue);
-    bad += run_cases(g, big);
-    return bad;
+    return for_each_copy_path([&] {
+      int bad = 0;
+      // Every routing, different T per rank (one rank with T = 0 in the last case).
+      auto cases = routing_cases(2, 256, 8, 32, {333, 190}, 101);
+      HtCase zero = cases[0];
+      zero.num_tokens = {0, 77};
+      zero.seed = 150;
+      cases.push_back(zero);
+      HtCase both_zero = cases[1];
+      both_zero.num_tokens = {0, 0};
+      both_zero.seed = 151;
+      cases.push_back(both_zero);
+      HtCase i32 = cases[0];
+      i32.topk_i32 = true;
+      i32.alignment = 4;
+      i32.weights = false;
+      i32.seed = 152;
+      cases.push_back(i32);
+      bad += run_cases(g, cases);
+      // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
+      bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
+      bad += run_cases(g, routing_cases(2, 2, 2, 4, {50, 41}, 211));
+      // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
+      auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
+      big.resize(3);
+      HtCase f8 = big[0];
+      f8.fp8 = true;
+      f8.seed = 310;
+      big.push_back(f8);
+      HtCase ue = big[1];
+      ue.fp8 = true;
+      ue.ue8m0 = true;
+      ue.topk_i32 = true;
+      ue.seed = 311;
+      big.push_back(ue);
+      bad += run_cases(g, big);
+      return bad;
+    });
   });
   EXPECT_EQ(rc, 0);
 }
@@ -470,12 +496,20 @@ int graph_replays(const Group& g, int num_replays) {
 
 TEST(HtGpu, WorstCaseGraphReplaysTwoRanks) {
   EPX_REQUIRE_GPUS(2);
-  EXPECT_EQ(run_cuda_ranks(2, [](const Group& g) { return graph_replays(g, 12); }), 0);
+  EXPECT_EQ(run_cuda_ranks(2,
+                           [](const Group& g) {
+                             return for_each_copy_path([&] { return graph_replays(g, 12); });
+                           }),
+            0);
 }
 
 TEST(HtGpu, WorstCaseGraphReplaysOneRank) {
   EPX_REQUIRE_GPUS(1);
-  EXPECT_EQ(run_cuda_ranks(1, [](const Group& g) { return graph_replays(g, 10); }), 0);
+  EXPECT_EQ(run_cuda_ranks(1,
+                           [](const Group& g) {
+                             return for_each_copy_path([&] { return graph_replays(g, 10); });
+                           }),
+            0);
 }
 
 // Out-of-range expert ids (found on the device) and worst-case overflow are reported; the

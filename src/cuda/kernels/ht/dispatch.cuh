@@ -14,13 +14,17 @@
 // Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
 //   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
+// Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
+//   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
+//   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
 #pragma once
 
+#include "cuda/kernels/ht/bulk_copy.cuh"
 #include "cuda/kernels/ht/common.cuh"
 
 namespace epx::detail {
 
-inline constexpr int kDispatchBatch = 4;  // tokens per warp between two signals
+inline constexpr int kDispatchBatch = 4;  // default tokens per warp between two signals
 
 __device__ __forceinline__ void store_topk_idx(void* out, int is_i64, int64_t i, int32_t v) {
   if (is_i64) {
@@ -64,8 +68,8 @@ __device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int l
 
 // Sender warps push this rank's rows to the OTHER ranks only (the receiver CTAs copy the rows
 // this rank keeps): NVLink stores are the senders' whole job.
-template <typename V>
-__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
+template <typename V, bool kBulk>
+__device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe& pipe) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
@@ -79,13 +83,19 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
   }
   __syncthreads();
   if (!s_ok) return;
+  // Every peer finished reading its slots (acquired above); our bulk stores into them are
+  // async-proxy writes, ordered after that acquire by a proxy fence.
+  if constexpr (kBulk) {
+    if (lane == 0) fence_proxy_async();
+  }
 
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
-  for (int64_t t0 = gw * kDispatchBatch; t0 < p.num_tokens; t0 += G * kDispatchBatch) {
-    const int64_t t_end = min(t0 + kDispatchBatch, static_cast<int64_t>(p.num_tokens));
+  const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
+  for (int64_t t0 = gw * batch; t0 < p.num_tokens; t0 += G * batch) {
+    const int64_t t_end = min(t0 + batch, static_cast<int64_t>(p.num_tokens));
     // pos of the next token is loaded while the current one is copied.
     int32_t pos = lane < R && lane != me ? p.send_pos[t0 * R + lane] : -1;
     for (int64_t t = t0; t < t_end; ++t) {
@@ -98,7 +108,12 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
         const int64_t j = __shfl_sync(0xffffffffu, pos, d) - s_excl[d];
         const int slot = HtRegion::slot_of(me, d);
         char* peer = p.symm.peers[d];
-        copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+        if constexpr (kBulk) {
+          if (lane == 0)
+            pipe.copy(p.x + t * p.x_stride, g.x_row(peer, slot, j), p.row_bytes, p.wait);
+        } else {
+          copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+        }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
         uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
         for (int s = lane; s < p.num_scales; s += 32)
@@ -113,6 +128,16 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
     }
     // Signal the batch: this warp's stores above, then one release per (destination, block).
     // Pairs with the receiver's wait_flag on counter[slot me][block].
+    if constexpr (kBulk) {
+      // Lane 0's bulk row stores are async-proxy writes: complete them (wait_group 0 in drain;
+      // .read would not do), order them before lane 0's generic operations (fence.proxy.async),
+      // then the __syncwarp + fence.acq_rel.sys + red.add below release them with the lanes'
+      // scale and metadata stores (the fence is cumulative over what lane 0 observed).
+      if (lane == 0) {
+        pipe.drain(p.wait);
+        fence_proxy_async();
+      }
+    }
     __syncwarp();
     fence_acq_rel_sys();
     if (lane < R && lane != me) {
@@ -138,8 +163,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
 }
 
 // The rows this rank keeps: x[t] -> recv_x[send_pos[t][me]] (+ scales, src_idx, local ids).
-template <typename V>
-__device__ void dispatch_self(const HtDispatchParams& p) {
+template <typename V, bool kBulk>
+__device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
@@ -147,8 +172,13 @@ __device__ void dispatch_self(const HtDispatchParams& p) {
   for (int64_t t = gw; t < p.num_tokens; t += G) {
     const int32_t pos = p.send_pos[t * R + me];
     if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
-    copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
-                       reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
+    if constexpr (kBulk) {
+      if (lane == 0)
+        pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
+    } else {
+      copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
+                         reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
+    }
     for (int s = lane; s < p.num_scales; s += 32) {
       p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
           reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
@@ -164,13 +194,16 @@ __device__ void dispatch_self(const HtDispatchParams& p) {
       }
     }
   }
+  if constexpr (kBulk) {
+    if (lane == 0) pipe.flush(p.wait);  // stores under way before the receive loop may wait
+  }
 }
 
 // Receiver CTAs: first the rows this rank keeps (no waiting), then the rows from the peers as
 // their 32-row blocks complete.
-template <typename V>
-__device__ void dispatch_receive(const HtDispatchParams& p) {
-  if (!(p.ablate & kAblateSelf)) dispatch_self<V>(p);
+template <typename V, bool kBulk>
+__device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
+  if (!(p.ablate & kAblateSelf)) dispatch_self<V, kBulk>(p, pipe);
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (R == 1) return;
   const HtRegion& g = p.symm.region;
@@ -203,12 +236,23 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
     }
     __syncthreads();
     if (!s_ok) return;
+    // The block's rows were acquired by thread 0 (ld.acquire.sys) and reach this thread through
+    // __syncthreads; bulk loads read them through the async proxy, so lane 0 fences first.
+    if constexpr (kBulk) {
+      if (lane == 0) fence_proxy_async();
+    }
     for (int r = warp; r < rows && !(p.ablate & kAblateRemoteCopy); r += kHtWarps) {
       const int64_t j = b * kHtRowsPerBlock + r;
       const int64_t out = s_excl[s] + j;
       if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
-      copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
-                        reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
+      if constexpr (kBulk) {
+        if (lane == 0)
+          pipe.copy(g.x_row(p.symm.local, slot, j), p.recv_x + out * p.row_bytes, p.row_bytes,
+                    p.wait);
+      } else {
+        copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
+                          reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
+      }
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
       for (int q = lane; q < p.num_scales; q += 32)
         p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
@@ -224,18 +268,35 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
         }
       }
     }
+    // Start this item's stores before thread 0 may wait for the next block.
+    if constexpr (kBulk) {
+      if (lane == 0) pipe.flush(p.wait);
+    }
     __syncthreads();
   }
 }
 
-template <typename V>
+template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
+  BulkPipe pipe;
+  if constexpr (kBulk) {
+    if ((threadIdx.x & 31) == 0) pipe.init(threadIdx.x >> 5, p.bulk_stages, p.bulk_chunk);
+  }
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
-    dispatch_send<V>(p, cur);
+    dispatch_send<V, kBulk>(p, cur, pipe);
   } else {
-    dispatch_receive<V>(p);
+    dispatch_receive<V, kBulk>(p, pipe);
+  }
+  // Every bulk copy of this warp complete (also on the early-return paths) before the padding
+  // rows, the counter reset and the ready signal that lets the peers overwrite our region.
+  // The proxy fence orders the drained async-proxy accesses before finish_operation's release.
+  if constexpr (kBulk) {
+    if ((threadIdx.x & 31) == 0) {
+      pipe.drain(p.wait);
+      fence_proxy_async();
+    }
   }
   // Worst-case mode: overflow report and padding rows [N, num_rows) (any CTA, grid-stride):
   // x and scales 0, topk -1, weights 0, src_idx -1 (as the cpu backend).

@@ -61,6 +61,9 @@ struct HtDispatchParams {
   int64_t num_rows;          // N (exact / cached) or num_worst_tokens
   int worst_case;            // rows past N get topk -1, weight 0, src -1; N > num_rows is an error
   int num_send_ctas;         // CTAs [0, num_send_ctas) send, the rest receive
+  int send_batch;            // tokens per sender warp between two signals (0: kDispatchBatch)
+  int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
+  int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
   int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
   HtSymm symm;
   WaitContext wait;
