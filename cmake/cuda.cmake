@@ -66,6 +66,10 @@ file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS
      ${PROJECT_SOURCE_DIR}/src/transport/nccl_*.cc)
 target_sources(epx PRIVATE ${EPX_CUDA_SOURCES})
 target_compile_definitions(epx PUBLIC EPX_WITH_CUDA=1)
+if(EPX_LL_TRACE)  # PUBLIC: the bench reads the stamps through the same define
+  target_compile_definitions(epx PUBLIC EPX_LL_TRACE=1)
+  message(STATUS "epx: EPX_LL_TRACE ON (ll kernels record phase timestamps)")
+endif()
 # Only GIN device code needs the DOCA headers some NCCL packages lack; epx has no GIN kernels.
 if(NOT EXISTS ${EPX_NCCL_INCLUDE_DIR}/nccl_device/gin/gdaki/doca_gpunetio/doca_gpunetio_device.h)
   target_compile_definitions(epx PRIVATE NCCL_GIN_GDAKI_ENABLE=0)

@@ -29,9 +29,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#ifdef EPX_LL_TRACE
+#include <map>
+#include <mutex>
+#endif
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
@@ -60,6 +65,21 @@ int resolve_ll_ctas(const MoeShape& shape, int num_ranks, int requested, int dev
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
+
+// EPX_LL_VARIANT (ll_layout.cuh: kLlVariant*), read once.
+int32_t ll_variant() {
+  static const int32_t v = [] {
+    const char* e = std::getenv("EPX_LL_VARIANT");
+    return e ? static_cast<int32_t>(std::strtol(e, nullptr, 0)) : 0;
+  }();
+  return v;
+}
+
+#ifdef EPX_LL_TRACE
+// ll_trace_buffer: the newest live CudaLl's trace buffer per device (bench only).
+std::mutex g_trace_mu;
+std::map<int, uint64_t*> g_trace_of;
+#endif
 
 }  // namespace
 
@@ -109,6 +129,9 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   uint64_t generation_ = 0;  // bumped by ll_clean; older hooks refuse to run
   bool dispatch_in_flight_[2] = {false, false};
   bool combine_in_flight_[2] = {false, false};
+#ifdef EPX_LL_TRACE
+  uint64_t* trace_ = nullptr;  // trace.cuh: kLlTraceWords, zeroed
+#endif
 };
 
 CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape_(shape) {
@@ -143,6 +166,14 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   symm_.local = local();
   for (int p = 0; p < R; ++p) symm_.peers[p] = static_cast<char*>(mem_->peer(p));
   symm_.layout = layout_;
+#ifdef EPX_LL_TRACE
+  EPX_CUDA_CHECK(cudaMalloc(&trace_, kLlTraceWords * sizeof(uint64_t)), "Buffer");
+  EPX_CUDA_CHECK(cudaMemset(trace_, 0, kLlTraceWords * sizeof(uint64_t)), "Buffer");
+  {
+    std::lock_guard<std::mutex> lock(g_trace_mu);
+    g_trace_of[device_] = trace_;
+  }
+#endif
 }
 
 CudaLl::~CudaLl() {
@@ -160,6 +191,14 @@ CudaLl::~CudaLl() {
   }
   mem_.reset();
   if (error_host_) cudaFreeHost(error_host_);
+#ifdef EPX_LL_TRACE
+  {
+    std::lock_guard<std::mutex> lock(g_trace_mu);
+    auto it = g_trace_of.find(device_);
+    if (it != g_trace_of.end() && it->second == trace_) g_trace_of.erase(it);
+  }
+  cudaFree(trace_);
+#endif
   cudaSetDevice(previous);
 }
 
@@ -328,6 +367,10 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   }
   p.symm = symm_;
   p.wait = wait_context(kOpLlDispatch);
+  p.variant = ll_variant();
+#ifdef EPX_LL_TRACE
+  p.trace = trace_;
+#endif
 
   if (failed || !args.return_recv_hook) {
     ll_dispatch_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
@@ -399,6 +442,10 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.rank = group_.rank();
   p.symm = symm_;
   p.wait = wait_context(kOpLlCombine);
+  p.variant = ll_variant();
+#ifdef EPX_LL_TRACE
+  p.trace = trace_;
+#endif
 
   if (failed || !args.return_recv_hook) {
     ll_combine_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
@@ -471,5 +518,12 @@ void cuda_ll_clean(CudaLl& ll) {
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks) {
   return LlLayout::make(shape, num_ranks).total_bytes;
 }
+#ifdef EPX_LL_TRACE
+uint64_t* ll_trace_buffer(int device) {
+  std::lock_guard<std::mutex> lock(g_trace_mu);
+  auto it = g_trace_of.find(device);
+  return it == g_trace_of.end() ? nullptr : it->second;
+}
+#endif
 
 }  // namespace epx::detail

@@ -15,7 +15,14 @@
 //           alone, combine alone (zero_copy, one handle), and dispatch + combine pairs.
 // Before timing, one T = 128 round on a buffer with T_max = 128 (the standard workload's memory)
 // is checked bit for bit against the oracle.
-// Usage: epx_ll_gpu_bench [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C]
+// --trace (a build with -DEPX_LL_TRACE=ON): after the timings of each T, dispatch + combine
+// eagerly back to back (no hook, then with hooks) and print, per rank, per kernel phase
+// (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
+// entry of that launch (medians over the traced iterations), and each kernel's span.
+// --trace-only skips the timing rows and baselines. --sms takes a list (32,64,128): the whole run
+// once per value (one line per T and C at the end, "sweep" lines).
+// Usage: epx_ll_gpu_bench [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]]
+//                         [--trace] [--trace-only]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -31,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/ll/trace.cuh"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu/bench_common.cuh"
@@ -58,6 +66,8 @@ struct Options {
   int warmup = 5;
   int graph_replays = 10;
   int sms = 0;
+  bool trace = false;
+  bool trace_only = false;
 };
 
 // Progress on stderr, both ranks, with the time since start: a stalled stage shows.
@@ -191,6 +201,34 @@ int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
 
 // ---- one T ---------------------------------------------------------------------------------
 
+// Rank r's inputs for T tokens (the same for the timings and the trace) and the call arguments:
+// fp8 dispatch, zero_copy combine into `out`.
+struct Workload {
+  std::vector<int64_t> idx;
+  Tensor x, topk, w, out;
+  LlDispatchArgs da;
+  LlCombineArgs ca;
+  Workload(const Group& g, int64_t T, cudaStream_t s) {
+    const int r = g.rank();
+    std::mt19937_64 rng(1000 + 17 * r + T);
+    idx = et::make_topk_idx(et::Routing::kUniform, T, kTopK, kExperts, g.size(), rng);
+    const std::vector<float> wts = et::make_topk_weights(idx, rng);
+    x = device_bf16({T, kHidden}, 7 + static_cast<uint32_t>(T) + r, r);
+    topk = gpu_testing::to_device(idx, DType::kI64, {T, kTopK}, r);
+    w = gpu_testing::to_device(wts, DType::kF32, {T, kTopK}, r);
+    out = default_allocator()(DType::kBF16, {T, kHidden}, Device::cuda(r));
+    da.x = x;
+    da.topk_idx = topk;
+    da.use_fp8 = true;
+    da.stream = s;
+    ca.topk_idx = topk;
+    ca.topk_weights = w;
+    ca.out = out;
+    ca.zero_copy = true;
+    ca.stream = s;
+  }
+};
+
 struct Row {
   int64_t tokens = 0;
   double disp = 0, comb = 0, comb_copy = 0, both = 0;
@@ -205,14 +243,8 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   const int R = g.size(), r = g.rank(), L = kExperts / R;
   Row row;
   row.tokens = T;
-  std::mt19937_64 rng(1000 + 17 * r + T);
-  const std::vector<int64_t> idx =
-      et::make_topk_idx(et::Routing::kUniform, T, kTopK, kExperts, R, rng);
-  const std::vector<float> wts = et::make_topk_weights(idx, rng);
-  Tensor x = device_bf16({T, kHidden}, 7 + static_cast<uint32_t>(T) + r, r);
-  Tensor topk = gpu_testing::to_device(idx, DType::kI64, {T, kTopK}, r);
-  Tensor w = gpu_testing::to_device(wts, DType::kF32, {T, kTopK}, r);
-  Tensor out = default_allocator()(DType::kBF16, {T, kHidden}, Device::cuda(r));
+  Workload wl(g, T, s);
+  const std::vector<int64_t>& idx = wl.idx;
   const Allocator alloc = caching_allocator();
 
   // Bytes over NVLink from this rank.
@@ -233,18 +265,8 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   const size_t comb_bytes = static_cast<size_t>(rows) * kHidden * 2;
   row.nvl_disp_mb = disp_bytes / 1e6;
   row.nvl_comb_mb = comb_bytes / 1e6;
-
-  LlDispatchArgs da;
-  da.x = x;
-  da.topk_idx = topk;
-  da.use_fp8 = true;
-  da.stream = s;
-  LlCombineArgs ca;
-  ca.topk_idx = topk;
-  ca.topk_weights = w;
-  ca.out = out;
-  ca.zero_copy = true;
-  ca.stream = s;
+  LlDispatchArgs& da = wl.da;
+  LlCombineArgs& ca = wl.ca;
 
   const int n = o.warmup + o.iters;
   std::vector<cudaEvent_t> ev(5 * n);
@@ -369,6 +391,184 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   return row;
 }
 
+// ---- --trace (EPX_LL_TRACE builds) ---------------------------------------------------------
+
+#ifdef EPX_LL_TRACE
+// %globaltimer resolution and the SM clock (one thread, 2 ms): out = {dt ns, dclk, smallest
+// step ns, distinct values seen}.
+__global__ void clock_probe_kernel(unsigned long long* out) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const long long c0 = clock64();
+  unsigned long long prev = t0, min_step = ~0ull, changes = 0;
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t != prev) {
+      if (t - prev < min_step) min_step = t - prev;
+      prev = t;
+      ++changes;
+    }
+  } while (t - t0 < 2000000ull);
+  const long long c1 = clock64();
+  out[0] = t - t0;
+  out[1] = static_cast<unsigned long long>(c1 - c0);
+  out[2] = min_step;
+  out[3] = changes;
+}
+
+struct TraceClock {
+  double ns_per_clk = 0, step_ns = 0, mean_step_ns = 0;
+  bool hybrid = false;  // %globaltimer too coarse: offsets = CTA entry (globaltimer) + clock64
+};
+
+TraceClock probe_clock(int dev) {
+  unsigned long long* d = nullptr;
+  CK(cudaMalloc(&d, 4 * sizeof(unsigned long long)));
+  unsigned long long h[4] = {};
+  for (int i = 0; i < 2; ++i) {  // the first one warms up
+    clock_probe_kernel<<<1, 1>>>(d);
+    CK(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost));
+  }
+  CK(cudaFree(d));
+  TraceClock c;
+  c.ns_per_clk = h[1] ? static_cast<double>(h[0]) / static_cast<double>(h[1]) : 0;
+  c.step_ns = static_cast<double>(h[2]);
+  c.mean_step_ns = h[3] ? static_cast<double>(h[0]) / static_cast<double>(h[3]) : 0;
+  c.hybrid = c.mean_step_ns > 100;
+  (void)dev;
+  return c;
+}
+
+const char* const kDispatchPhaseNames[detail::kTrDNum] = {
+    "entry",     "freed wait (1)", "tokens sent (3)", "signal (4)",     "recv entry",
+    "recv wait", "+scan (V)",      "row copies",      "last CTA start", "last CTA end (freed)",
+    "exit"};
+const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
+                                                         "send copy (1,2)",
+                                                         "signal (3)",
+                                                         "recv entry",
+                                                         "prefix (4)",
+                                                         "ready wait (5)",
+                                                         "range table",
+                                                         "+ids/rows (6,V)",
+                                                         "pulls+reduce (7)",
+                                                         "last CTA start",
+                                                         "last CTA end (pulled)",
+                                                         "exit"};
+
+struct PhaseStat {
+  std::vector<double> lo, mid, hi, n;  // per sample
+};
+
+// Offsets (us) of one op's phases in the stamps `h` of its newest launch(es).
+void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const TraceClock& clk,
+                  std::vector<PhaseStat>& st, std::vector<double>& span, uint64_t* ref_out) {
+  using namespace epx::detail;
+  const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
+  const int recv_entry =
+      op == 0 ? static_cast<int>(kTrDRecvEntry) : static_cast<int>(kTrCRecvEntry);
+  auto ns = [&](int ph, int c) {
+    return h[2 * ((static_cast<size_t>(op) * kLlTracePhases + ph) * 128 + c)];
+  };
+  auto ck = [&](int ph, int c) {
+    return h[2 * ((static_cast<size_t>(op) * kLlTracePhases + ph) * 128 + c) + 1];
+  };
+  uint64_t ref = ~0ull;
+  for (int c = 0; c < 128; ++c)
+    if (ns(0, c) != 0) ref = std::min(ref, ns(0, c));
+  if (ref == ~0ull) return;
+  *ref_out = ref;
+  double last = 0;
+  for (int ph = 0; ph < phases; ++ph) {
+    std::vector<double> v;
+    for (int c = 0; c < 128; ++c) {
+      if (ns(ph, c) < ref) continue;  // not reached in this launch (0 or an older launch)
+      double off;
+      if (!clk.hybrid) {
+        off = static_cast<double>(ns(ph, c) - ref);
+      } else {
+        const int a = hook && ph >= recv_entry ? recv_entry : 0;
+        if (ns(a, c) < ref) continue;
+        off = static_cast<double>(ns(a, c) - ref) +
+              static_cast<double>(static_cast<int64_t>(ck(ph, c) - ck(a, c))) * clk.ns_per_clk;
+      }
+      v.push_back(off / 1e3);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    st[ph].lo.push_back(v.front());
+    st[ph].mid.push_back(v[v.size() / 2]);
+    st[ph].hi.push_back(v.back());
+    st[ph].n.push_back(static_cast<double>(v.size()));
+    last = std::max(last, v.back());
+  }
+  span.push_back(last);
+}
+
+// Dispatch + combine eagerly back to back, `o.warmup` pairs, the newest pair's stamps; 5 samples.
+std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s, bool hook,
+                         const TraceClock& clk, const Options& o) {
+  using namespace epx::detail;
+  const int r = g.rank();
+  uint64_t* dbuf = ll_trace_buffer(r);
+  if (dbuf == nullptr) return "[trace] no trace buffer\n";
+  Workload wl(g, T, s);
+  const Allocator alloc = caching_allocator();
+  LlDispatchArgs da = wl.da;
+  da.return_recv_hook = hook;
+  LlCombineArgs ca = wl.ca;
+  ca.return_recv_hook = hook;
+  std::vector<PhaseStat> st[2] = {std::vector<PhaseStat>(kTrDNum), std::vector<PhaseStat>(kTrCNum)};
+  std::vector<double> span[2], gap;
+  std::vector<uint64_t> h(kLlTraceWords);
+  const int samples = 5, pairs = std::max(o.warmup, 3);
+  for (int smp = 0; smp < samples; ++smp) {
+    g.transport()->barrier("bench: trace");
+    for (int i = 0; i < pairs; ++i) {
+      LlDispatchResult d = buf.ll_dispatch(da, alloc);
+      if (hook) d.hook();
+      ca.handle = &d.handle;
+      LlCombineResult c = buf.ll_combine(ca, alloc);
+      if (hook) c.hook();
+    }
+    CK(cudaStreamSynchronize(s));
+    CK(cudaMemcpy(h.data(), dbuf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    uint64_t ref[2] = {0, 0};
+    for (int op = 0; op < 2; ++op) trace_sample(h, op, hook, clk, st[op], span[op], &ref[op]);
+    if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+  }
+  buf.check();
+  std::string txt;
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "\n[trace] rank %d, T=%lld, %s, us from the first CTA entry of the op "
+                "(min / median / max over CTAs, CTAs; medians of %d samples)\n",
+                r, static_cast<long long>(T),
+                hook ? "hook mode (send kernel + hook kernel)" : "one kernel per op", samples);
+  txt += line;
+  for (int op = 0; op < 2; ++op) {
+    const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
+    std::snprintf(line, sizeof line, "  %s\n", op == 0 ? "dispatch (fp8)" : "combine (zero_copy)");
+    txt += line;
+    for (int ph = 0; ph < phases; ++ph) {
+      const PhaseStat& p = st[op][ph];
+      if (p.mid.empty()) continue;
+      std::snprintf(line, sizeof line, "    %-24s %8.2f %8.2f %8.2f  (%3.0f)\n",
+                    op == 0 ? kDispatchPhaseNames[ph] : kCombinePhaseNames[ph], median(p.lo),
+                    median(p.mid), median(p.hi), median(p.n));
+      txt += line;
+    }
+    std::snprintf(line, sizeof line, "    %-24s %8.2f\n", "SPAN (first entry..last)",
+                  median(span[op]));
+    txt += line;
+  }
+  std::snprintf(line, sizeof line, "  combine first entry - dispatch first entry: %.2f us\n",
+                median(gap));
+  txt += line;
+  return txt;
+}
+#endif
+
 void print_header() {
   std::printf("%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
               "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv", "g_disp",
@@ -425,8 +625,9 @@ int run_rank(const Group& g, const Options& o) {
   if (r == 0) {
     std::printf(
         "\nepx ll, cuda backend, EP%d, H=%lld K=%d E=%d, uniform routing, fp8 dispatch, "
-        "bf16 combine, rank 0's view (rows as measured)\n",
-        R, static_cast<long long>(kHidden), kTopK, kExperts);
+        "bf16 combine, rank 0's view (rows as measured); CTAs cap (--sms) %d, EPX_LL_VARIANT=%s\n",
+        R, static_cast<long long>(kHidden), kTopK, kExperts, o.sms,
+        std::getenv("EPX_LL_VARIANT") ? std::getenv("EPX_LL_VARIANT") : "0");
     print_header();
   }
   // Buffer 0: T_max = 128 (the standard workload: memory, the check, T <= 128); buffer 1:
@@ -447,9 +648,39 @@ int run_rank(const Group& g, const Options& o) {
     CK(cudaDeviceSynchronize());
     for (int64_t T : o.tokens) {
       if ((b == 0) != (T <= 128)) continue;
-      stage(g, "timing T", T);
-      rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
-      if (r == 0) print_row(rows.back());
+      if (!o.trace_only) {
+        stage(g, "timing T", T);
+        rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
+        if (r == 0) print_row(rows.back());
+      }
+#ifdef EPX_LL_TRACE
+      if (o.trace) {
+        stage(g, "trace T", T);
+        static thread_local TraceClock clk;
+        static thread_local bool probed = false;
+        if (!probed) {
+          clk = probe_clock(r);
+          probed = true;
+          std::printf(
+              "[trace] rank %d: %%globaltimer steps %.0f ns (smallest) / %.0f ns (mean), "
+              "SM clock %.3f GHz -> offsets from %s\n",
+              r, clk.step_ns, clk.mean_step_ns, clk.ns_per_clk ? 1 / clk.ns_per_clk : 0,
+              clk.hybrid ? "CTA entry (globaltimer) + clock64 deltas (timer coarse)"
+                         : "globaltimer");
+          std::fflush(stdout);
+        }
+        for (int hook = 0; hook < 2; ++hook) {
+          const std::string txt = trace_tokens(buf, g, T, s, hook != 0, clk, o);
+          for (int q = 0; q < R; ++q) {
+            if (q == r) {
+              std::fputs(txt.c_str(), stdout);
+              std::fflush(stdout);
+            }
+            g.transport()->barrier("bench: trace print");
+          }
+        }
+      }
+#endif
     }
   }
   if (r == 0) {
@@ -462,6 +693,12 @@ int run_rank(const Group& g, const Options& o) {
               [](const Row& a, const Row& b) { return a.tokens < b.tokens; });
     print_header();
     for (const Row& w : rows) print_row(w);
+    for (const Row& w : rows)
+      std::printf(
+          "sweep sms=%d T=%lld g_disp %.1f g_comb %.1f g_d+c %.1f disp %.1f comb %.1f "
+          "send %.1f recv %.1f csend %.1f crecv %.1f\n",
+          o.sms, static_cast<long long>(w.tokens), w.g_disp, w.g_comb, w.g_both, w.disp, w.comb,
+          w.send, w.recv, w.csend, w.crecv);
     std::printf(
         "(us. disp/comb/c_copy/d+c: event medians per call (comb: zero_copy; c_copy: y a separate "
         "tensor); send/recv/csend/crecv: hook mode, the call and the hook; g_*: per call over "
@@ -493,6 +730,16 @@ int run_rank(const Group& g, const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
+  std::vector<int> sms_list = {0};
+  auto parse_list = [](const std::string& list) {
+    std::vector<int64_t> v;
+    for (size_t p = 0; p < list.size();) {
+      const size_t q = list.find(',', p);
+      v.push_back(std::atoll(list.substr(p, q - p).c_str()));
+      p = q == std::string::npos ? list.size() : q + 1;
+    }
+    return v;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -501,19 +748,20 @@ int main(int argc, char** argv) {
     } else if (a == "--iters") {
       o.iters = std::atoi(next().c_str());
     } else if (a == "--sms") {
-      o.sms = std::atoi(next().c_str());
+      sms_list.clear();
+      for (int64_t v : parse_list(next())) sms_list.push_back(static_cast<int>(v));
     } else if (a == "--tokens") {
-      o.tokens.clear();
-      std::string list = next();
-      for (size_t p = 0; p < list.size();) {
-        const size_t q = list.find(',', p);
-        o.tokens.push_back(std::atoll(list.substr(p, q - p).c_str()));
-        p = q == std::string::npos ? list.size() : q + 1;
-      }
+      o.tokens = parse_list(next());
+    } else if (a == "--trace") {
+      o.trace = true;
+    } else if (a == "--trace-only") {
+      o.trace = o.trace_only = true;
     } else {
       std::printf(
-          "usage: %s [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C]\n"
-          "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL\n",
+          "usage: %s [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]] "
+          "[--trace] [--trace-only]\n"
+          "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
+          "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON)\n",
           argv[0]);
       return a == "--help" ? 0 : 2;
     }
@@ -523,8 +771,19 @@ int main(int argc, char** argv) {
     std::printf("epx_ll_gpu_bench: needs %d GPUs, %d visible; nothing to do\n", o.ranks, gpus);
     return 0;
   }
-  GroupOptions go;
-  go.num_sms = o.sms;
-  return gpu_testing::run_cuda_ranks(
-      o.ranks, [&](const Group& g) { return run_rank(g, o); }, go);
+#ifndef EPX_LL_TRACE
+  if (o.trace) {
+    std::printf("epx_ll_gpu_bench: --trace needs a build with -DEPX_LL_TRACE=ON\n");
+    return 2;
+  }
+#endif
+  int rc = 0;
+  for (int sms : sms_list) {
+    o.sms = sms;
+    GroupOptions go;
+    go.num_sms = sms;
+    rc |= gpu_testing::run_cuda_ranks(
+        o.ranks, [&](const Group& g) { return run_rank(g, o); }, go);
+  }
+  return rc;
 }

@@ -58,8 +58,12 @@ struct LlCombineParams {
   int32_t num_tokens;  // T
   int32_t slot;        // q
   int32_t rank;        // r
+  int32_t variant;     // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
   LlSymm symm;
   WaitContext wait;
+#ifdef EPX_LL_TRACE
+  uint64_t* trace;  // trace.cuh (null: off)
+#endif
 };
 
 // Steps 1-3.
@@ -83,13 +87,14 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
         int64_t count = range & 0xFFFFFFFF;
         if (begin + count > RT) count = begin < RT ? RT - begin : 0;
         const int64_t n_mine = count > sub ? (count - sub + S - 1) / S : 0;
-        for (int64_t i = threadIdx.x; i < n_mine * nv; i += blockDim.x) {
-          const int64_t m = i / nv, v = i - m * nv;
-          const int64_t row = begin + sub + m * S;
-          const uint4 val =
-              ll_ld_input8(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
-          *reinterpret_cast<uint4*>(buf + (l * RT + row) * H + 8 * v) = val;
-        }
+        ll_copy16(n_mine * nv, p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch,
+                  [&](int64_t i, uint4** dst) {
+                    const int64_t m = i / nv, v = i - m * nv;
+                    const int64_t row = begin + sub + m * S;
+                    *dst = reinterpret_cast<uint4*>(buf + (l * RT + row) * H + 8 * v);
+                    return ll_ld_input8(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v,
+                                        p.y_vec16);
+                  });
       }
     }
   }
@@ -103,7 +108,9 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
   }
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
+  EPX_LL_STAMP(p, 1, kTrCSendCopy);
   ll_signal(R, me, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+  EPX_LL_STAMP(p, 1, kTrCSignal);
 }
 
 // 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
@@ -138,6 +145,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   auto id_at = [&](int64_t t, int k) {
     return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
   };
+  EPX_LL_STAMP(p, 1, kTrCRecvEntry);
+  EPX_LL_TRACE_DECL(ids);
 
   if (t_begin < t_end) {
     // 4.
@@ -152,9 +161,14 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         if (!dup) atomicAdd(&s_cnt[id], 1);
       }
     }
+#ifdef EPX_LL_TRACE
+    __syncthreads();  // the stamp covers every thread's share (the wait below is a barrier too)
+#endif
+    EPX_LL_STAMP(p, 1, kTrCPrefix);
     // 5. Pairs with step 3 of every peer.
     if (!ll_wait_all(g.sync(symm.local)->combine_ready[q], R, me, e * gridDim.x, p.wait, kWaitRows))
       return false;
+    EPX_LL_STAMP(p, 1, kTrCReadyWait);
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
       const int d = i / L, l = i - d * L;
       s_range[i] =
@@ -163,11 +177,13 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
               : ll_ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
     }
     __syncthreads();
+    EPX_LL_STAMP(p, 1, kTrCRange);
 
     const int64_t nv = H / 8;
     for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
       const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
       // 6. Ids, then rows token by token (a token's distinct experts in parallel).
+      EPX_LL_TRACE_BEGIN(ids);
       for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
         const int tl = i / K, k = i - tl * K;
         int64_t id = id_at(c0 + tl, k);
@@ -218,6 +234,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         s_w[i] = w;
       }
       __syncthreads();
+      EPX_LL_TRACE_END(ids);
       // 7.
       for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
         const int tl = static_cast<int>(i / nv);
@@ -253,16 +270,21 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
       }
       __syncthreads();  // s_* are rewritten by the next group of tokens
     }
+    EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
+    EPX_LL_STAMP(p, 1, kTrCPull);
   }
 
   // Finish (see the file comment): pairs with the same code on every peer.
   if (ll_last_cta(&g.state(symm.local)->combine_finished[q])) {
+    EPX_LL_STAMP(p, 1, kTrCLastStart);
     if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me)
       st_release_sys(&g.sync(symm.peers[threadIdx.x])->combine_pulled[q][me], e);
     if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e, p.wait, kWaitBarrier))
       return false;
     if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q] = e;
+    EPX_LL_STAMP(p, 1, kTrCLastEnd);
   }
+  EPX_LL_STAMP(p, 1, kTrCExit);
   return true;
 }
 
@@ -273,6 +295,7 @@ __device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
 
 // Without a hook: publish, then pull and reduce, in one launch.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombineParams p) {
+  EPX_LL_STAMP(p, 1, kTrCEntry);
   const uint32_t e = ll_combine_epoch(p);
   ll_combine_send(p);
   ll_combine_recv(p, e);
@@ -280,6 +303,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombinePara
 
 // With a hook: the call launches the send, the hook the receive.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_send_kernel(LlCombineParams p) {
+  EPX_LL_STAMP(p, 1, kTrCEntry);
   ll_combine_send(p);
 }
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_recv_kernel(LlCombineParams p) {

@@ -15,6 +15,7 @@
 
 #include "core/numeric.h"
 #include "cuda/kernels/ll/ll_layout.cuh"
+#include "cuda/kernels/ll/trace.cuh"
 #include "cuda/kernels/sync.cuh"
 
 namespace epx::detail {
@@ -71,6 +72,26 @@ __device__ __forceinline__ int64_t ll_topk_at(const void* topk, bool is_i64, int
                                               int64_t t, int k) {
   return is_i64 ? static_cast<int64_t>(__ldg(static_cast<const long long*>(topk) + t * stride + k))
                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(topk) + t * stride + k));
+}
+
+// Copy of n 16-byte vectors over the CTA: `item(i, &dst)` loads vector i and sets where it goes.
+// `batch` (<= kLlCopyBatch) loads per thread are in flight before their stores: a plain copy
+// loop with one is latency-bound.
+template <typename Item>
+__device__ __forceinline__ void ll_copy16(int64_t n, int batch, Item item) {
+  for (int64_t i0 = threadIdx.x; i0 < n; i0 += static_cast<int64_t>(batch) * blockDim.x) {
+    uint4 val[kLlCopyBatch];
+    uint4* dst[kLlCopyBatch];
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u) {
+      const int64_t i = i0 + static_cast<int64_t>(u) * blockDim.x;
+      dst[u] = nullptr;
+      if (u < batch && i < n) val[u] = item(i, &dst[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u)
+      if (dst[u]) *dst[u] = val[u];
+  }
 }
 
 // ---- block-wide helpers (every thread of the CTA must call them) ------------------------------

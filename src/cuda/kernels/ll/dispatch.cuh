@@ -58,8 +58,12 @@ struct LlDispatchParams {
   int64_t* layout_range;  // [L, R]
   int32_t* stats;         // optional [L], element stride stats_stride
   int64_t stats_stride;
+  int32_t variant;  // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
   LlSymm symm;
   WaitContext wait;
+#ifdef EPX_LL_TRACE
+  uint64_t* trace;  // trace.cuh (null: off)
+#endif
 };
 
 // Send steps 1-4. False when a wait failed (the CTA must leave).
@@ -76,6 +80,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))
     return false;
+  EPX_LL_STAMP(p, 0, kTrDFreed);
 
   // 2. Header.
   if (blockIdx.x == 0 && threadIdx.x < R) {
@@ -161,7 +166,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 
   // 4. Release this CTA's stores to every rank.
   __syncthreads();
+  EPX_LL_STAMP(p, 0, kTrDSent);
   ll_signal(R, -1, [&](int d) { return &g.sync(symm.peers[d])->dispatch_sent[q][me]; });
+  EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
 
@@ -177,13 +184,13 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
   const int64_t nv = row_bytes / 16;
   if (p.recv_x) {
-    for (int64_t i = threadIdx.x; i < n_mine * nv; i += blockDim.x) {
-      const int64_t m = i / nv, v = i - m * nv;
-      const int64_t idx = sub + m * S;
-      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
-      const uint4 val = ll_ld_landed<uint4>(msg + 16 * v);
-      *reinterpret_cast<uint4*>(p.recv_x + (l * RT + running + idx) * row_bytes + 16 * v) = val;
-    }
+    ll_copy16(
+        n_mine * nv, p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch, [&](int64_t i, uint4** dst) {
+          const int64_t m = i / nv, v = i - m * nv;
+          const int64_t idx = sub + m * S;
+          *dst = reinterpret_cast<uint4*>(p.recv_x + (l * RT + running + idx) * row_bytes + 16 * v);
+          return ll_ld_landed<uint4>(g.msg(p.symm.local, q, s, s_list[idx]) + 16 * v);
+        });
   }
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
@@ -225,11 +232,14 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
   const int me = p.rank, q = p.slot, S = p.units_per_expert;
   const int units = L * S;
+  EPX_LL_STAMP(p, 0, kTrDRecvEntry);
+  EPX_LL_TRACE_DECL(scan);
 
   if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
     if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
       return false;
+    EPX_LL_STAMP(p, 0, kTrDRecvWait);
     if (blockIdx.x == 0 && threadIdx.x < R) {
       const int s = threadIdx.x;
       const int32_t theirs = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
@@ -246,6 +256,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
         T_s = T_s < 0 ? 0 : (T_s > g.max_tokens ? g.max_tokens : T_s);
         const int64_t begin = running;
         for (int64_t base = 0; base < T_s; base += blockDim.x) {
+          EPX_LL_TRACE_BEGIN(scan);
           const int64_t t = base + threadIdx.x;
           bool sel = false;
           if (t < T_s)
@@ -255,6 +266,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           const int pos = ll_block_scan(sel, &total);
           if (sel) s_list[pos] = static_cast<int32_t>(t);
           __syncthreads();
+          EPX_LL_TRACE_END(scan);
           ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
           running += total;
           __syncthreads();  // s_list is rewritten by the next group
@@ -267,13 +279,18 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
         if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
       }
     }
+    EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+    EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
   // Finish: the staging of slot q may be overwritten (pairs with step 1 of the send).
   if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
+    EPX_LL_STAMP(p, 0, kTrDLastStart);
     if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
     if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
+    EPX_LL_STAMP(p, 0, kTrDLastEnd);
   }
+  EPX_LL_STAMP(p, 0, kTrDExit);
   return true;
 }
 
@@ -285,12 +302,14 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
 
 // Without a hook: send, then receive, in one launch.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchParams p) {
+  EPX_LL_STAMP(p, 0, kTrDEntry);
   const uint32_t e = ll_dispatch_epoch(p);
   if (ll_dispatch_send(p, e)) ll_dispatch_recv(p, e);
 }
 
 // With a hook: the call launches the send, the hook the receive.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_send_kernel(LlDispatchParams p) {
+  EPX_LL_STAMP(p, 0, kTrDEntry);
   ll_dispatch_send(p, ll_dispatch_epoch(p));
 }
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_recv_kernel(LlDispatchParams p) {

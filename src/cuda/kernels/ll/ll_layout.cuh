@@ -54,6 +54,10 @@ inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in sh
 inline constexpr int kLlMaxTopK = 32;       // K
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
+inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
+// EPX_LL_VARIANT (environment, read once per process; A/B switches for the benchmark, never a
+// change of any output): bit 0 = row copies one load at a time (the code before kLlCopyBatch).
+inline constexpr int32_t kLlVariantCopyOne = 1;
 
 // The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
 enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };

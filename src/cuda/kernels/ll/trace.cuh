@@ -1,0 +1,118 @@
+// src/cuda/kernels/ll/trace.cuh — the ll phase trace (profiling builds only: CMake option
+// EPX_LL_TRACE -> the EPX_LL_TRACE define). Without the define this header defines only no-op
+// macros: no code, no kernel parameter.
+//
+// With it, thread 0 of every CTA of the ll kernels stores, at each phase boundary below, a pair
+// {%globaltimer ns, clock64} into a device buffer owned by CudaLl:
+//   stamps[op][phase][cta]   op 0 = dispatch, 1 = combine; kLlTracePhases x kLlMaxCtas pairs each
+// A phase a CTA does not reach (no tokens, not the last CTA, a failed wait) keeps the value the
+// reader cleared it to (0). The reader (tests/gpu/ll_gpu_bench.cu --trace) clears the buffer
+// before a launch and copies it back after; ll_trace_buffer(device) returns it.
+// "Virtual" phases (marked V) are not instants: the kernel adds up the time it spent in a step
+// that is interleaved with another (scan / copy in the dispatch receive, row resolution /
+// pulls in the combine) and stores the previous real stamp + that sum, so the printed offsets
+// read as if the steps had run one after the other.
+#pragma once
+
+#include <cstdint>
+
+namespace epx::detail {
+
+inline constexpr int kLlTracePhases = 16;
+inline constexpr int kLlTraceOps = 2;
+
+// Dispatch phases (op 0).
+enum LlDispatchPhase : int {
+  kTrDEntry = 0,  // send half: kernel entry (the fused kernel: its entry)
+  kTrDFreed,      // after step 1 (dispatch_freed wait)
+  kTrDSent,       // after step 3 (tokens stored) and the __syncthreads before the signal
+  kTrDSignal,     // after step 4 (fence + red to every rank)
+  kTrDRecvEntry,  // receive half entry (hook kernel entry, or right after the signal)
+  kTrDRecvWait,   // after the dispatch_sent wait (units only)
+  kTrDScan,       // V: + time in the routing scans / compactions
+  kTrDCopy,       // after the row copies (real; = kTrDScan + copy time)
+  kTrDLastStart,  // the last CTA: ll_last_cta returned true
+  kTrDLastEnd,    // the last CTA: after the dispatch_freed releases
+  kTrDExit,       // every CTA: leaving the receive half (or the send kernel)
+  kTrDNum
+};
+// Combine phases (op 1).
+enum LlCombinePhase : int {
+  kTrCEntry = 0,  // send half entry
+  kTrCSendCopy,   // after step 1 (copy mode: the rows for the peers) and step 2
+  kTrCSignal,     // after step 3 (combine_ready releases)
+  kTrCRecvEntry,  // receive half entry
+  kTrCPrefix,     // after step 4 (per-expert counts of the tokens before the chunk)
+  kTrCReadyWait,  // after step 5's wait (combine_ready of every peer)
+  kTrCRange,      // after the begin/count table (remote loads of comb_layout)
+  kTrCIds,        // V: + time in step 6 (ids, rows, sources) over all chunks
+  kTrCPull,       // after step 7 over all chunks (real; = kTrCIds + pull/reduce time)
+  kTrCLastStart,  // the last CTA: ll_last_cta returned true
+  kTrCLastEnd,    // the last CTA: combine_pulled released and every peer's seen
+  kTrCExit,       // every CTA: leaving the receive half (or the send kernel)
+  kTrCNum
+};
+static_assert(kTrDNum <= kLlTracePhases && kTrCNum <= kLlTracePhases);
+
+// uint64 words of the buffer: {ns, clock} per (op, phase, cta).
+inline constexpr size_t kLlTraceWords = size_t{2} * kLlTraceOps * kLlTracePhases * 128;
+
+#if defined(EPX_LL_TRACE) && defined(__CUDACC__)
+__device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
+                                             uint64_t clk) {
+  if (buf == nullptr || threadIdx.x != 0 || blockIdx.x >= 128) return;
+  uint64_t* w = buf + 2 * ((static_cast<size_t>(op) * kLlTracePhases + phase) * 128 + blockIdx.x);
+  w[0] = ns;
+  w[1] = clk;
+}
+__device__ __forceinline__ uint64_t ll_trace_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// A real stamp.
+#define EPX_LL_STAMP(params, op, phase) \
+  ::epx::detail::ll_trace_put((params).trace, op, phase, ::epx::detail::ll_trace_ns(), clock64())
+// Accumulators for a virtual phase (declare, start, stop, then store base + sum).
+#define EPX_LL_TRACE_DECL(name) uint64_t name##_ns = 0, name##_clk = 0, name##_t0 = 0, name##_c0 = 0
+#define EPX_LL_TRACE_BEGIN(name)                \
+  do {                                          \
+    if (threadIdx.x == 0) {                     \
+      name##_t0 = ::epx::detail::ll_trace_ns(); \
+      name##_c0 = clock64();                    \
+    }                                           \
+  } while (0)
+#define EPX_LL_TRACE_END(name)                               \
+  do {                                                       \
+    if (threadIdx.x == 0) {                                  \
+      name##_ns += ::epx::detail::ll_trace_ns() - name##_t0; \
+      name##_clk += clock64() - name##_c0;                   \
+    }                                                        \
+  } while (0)
+// Stores {base_ns + sum, base_clk + sum} where base is the real stamp `base_phase` of this CTA.
+#define EPX_LL_STAMP_V(params, op, phase, base_phase, name)                                     \
+  do {                                                                                          \
+    if ((params).trace != nullptr && threadIdx.x == 0 && blockIdx.x < 128) {                    \
+      const uint64_t* b_ =                                                                      \
+          (params).trace +                                                                      \
+          2 * ((static_cast<size_t>(op) * ::epx::detail::kLlTracePhases + (base_phase)) * 128 + \
+               blockIdx.x);                                                                     \
+      ::epx::detail::ll_trace_put((params).trace, op, phase, b_[0] + name##_ns,                 \
+                                  b_[1] + name##_clk);                                          \
+    }                                                                                           \
+  } while (0)
+#else
+#define EPX_LL_STAMP(params, op, phase) ((void)0)
+#define EPX_LL_TRACE_DECL(name) ((void)0)
+#define EPX_LL_TRACE_BEGIN(name) ((void)0)
+#define EPX_LL_TRACE_END(name) ((void)0)
+#define EPX_LL_STAMP_V(params, op, phase, base_phase, name) ((void)0)
+#endif
+
+#if defined(EPX_LL_TRACE)
+// The trace buffer of the newest live CudaLl on `device` (device memory, kLlTraceWords uint64),
+// or null. Bench only (src/cuda/ll.cu).
+uint64_t* ll_trace_buffer(int device);
+#endif
+
+}  // namespace epx::detail

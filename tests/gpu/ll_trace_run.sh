@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# tests/gpu/ll_trace_run.sh — one bounded batch (< 3 min on 2 x H200) for the ll latency work:
+# a build with EPX_LL_TRACE=ON, then
+#   trace.log     timings (T = 128, 1, 512) + the per-phase CTA trace of every T, both ranks
+#                 (the bit-exact T = 128 check runs first, on the traced kernels);
+#   sms64.log     the same workload at T = 128 and 1 with 64 CTAs (trace only: launch width);
+#   variant1.log  T = 128 timings with EPX_LL_VARIANT=1 (the row copies one load at a time, as
+#                 before kLlCopyBatch): A/B of the batched copy against trace.log's row.
+# Logs under $OUT (default /tmp/epx-out).  bash tests/gpu/ll_trace_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-5000}
+export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin"
+OUT=${OUT:-/tmp/epx-out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-bt}
+t0=$(date +%s)
+if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_LL_TRACE=ON \
+         -DEPX_BUILD_TOOLS=OFF -DEPX_BUILD_PYTHON=OFF && \
+       cmake --build "$BUILD" -j 16 --target epx_ll_gpu_bench; } > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+echo "== build: $(( $(date +%s) - t0 )) s"
+B="$BUILD/tests/gpu/epx_ll_gpu_bench"
+run() {  # name timeout args...
+  local name=$1 limit=$2
+  shift 2
+  local s=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2> "$OUT/$name.err"
+  echo "== $name rc=$? ($(( $(date +%s) - s )) s)"
+}
+run trace ${T1:-80} "$B" --trace --tokens 128,1,512 --iters 20
+grep -vE "^\[bench" "$OUT/trace.log" | head -400
+run sms64 ${T2:-30} "$B" --trace-only --tokens 128,1 --sms 64
+grep -E "^\[trace\]|SPAN|exit|pulls|copies|wait" "$OUT/sms64.log" | head -120
+EPX_LL_VARIANT=1 run variant1 ${T3:-30} "$B" --tokens 128 --iters 20
+grep -vE "^\[bench" "$OUT/variant1.log" | grep -v "^\[trace" | head -20
+echo "== total $(( $(date +%s) - t0 )) s"
