@@ -57,14 +57,6 @@ def stream_of(t):
     return current_stream(t.get_device())
 
 
-def current_stream(cuda):
-    """The current torch stream of the current device as an integer cudaStream_t, or 0 when
-    `cuda` is false (the cpu backend ignores streams)."""
-    if not cuda:
-        return 0
-    return torch.cuda.current_stream().cuda_stream
-
-
 def device_key(t):
     """'cpu' or 'cuda:<index>' for the device tensors live on."""
     return "cpu" if not t.is_cuda else f"cuda:{t.get_device()}"

@@ -8,6 +8,8 @@ combine buffer) keep their Buffer/A2a alive. Semantics: SPEC 3 (docs/semantics.m
 
 from collections import namedtuple
 
+import torch
+
 from . import _epx, _torch, errors
 from .group import Group
 
@@ -169,7 +171,8 @@ class A2a:
         self._native.reset_dropped_counts(self._current_stream())
 
     def _current_stream(self):
-        return _torch.current_stream(self._on_cuda)
+        # The cpu backend ignores streams (0); on cuda the current device's current stream.
+        return _torch.current_stream(torch.cuda.current_device()) if self._on_cuda else 0
 
     def dispatch(self, topk_idx, payloads, runtime_max_tokens_per_rank, invalid_expert_id=None,
                  expert_id_payload_index=None):

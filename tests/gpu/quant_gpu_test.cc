@@ -662,6 +662,15 @@ void copy_in(const TensorView& t, const void* data, size_t bytes, cudaStream_t s
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
+// `t` exists with exactly `shape` (then it is reused: the captured tensors of a graph run keep
+// their addresses; eager calls whose shapes change get new ones).
+bool same_shape(const Tensor& t, const std::vector<int64_t>& shape) {
+  if (!t.defined() || t.ndim != static_cast<int>(shape.size())) return false;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (t.shape[i] != shape[i]) return false;
+  return true;
+}
+
 // One call's inputs as tensors on `device` (new ones, or the captured ones in `into`).
 struct CallTensors {
   Tensor x, idx, w, y;
@@ -670,7 +679,7 @@ struct CallTensors {
 void load_inputs(CallTensors& t, const RankCall& in, bool topk_i32, Device device,
                  cudaStream_t stream) {
   auto make = [&](Tensor& dst, DType dtype, std::vector<int64_t> shape) {
-    if (!dst.defined()) dst = default_allocator()(dtype, shape, device);
+    if (!same_shape(dst, shape)) dst = default_allocator()(dtype, shape, device);
   };
   make(t.x, DType::kBF16, {in.T, kH});
   make(t.idx, topk_i32 ? DType::kI32 : DType::kI64, {in.T, kK});
@@ -692,9 +701,9 @@ void load_y(CallTensors& t, const DispatchOutput& out, int R, int c, int r, Devi
   if (out.format == OutputFormat::kA2a) shape = {R, kTMax, kH};
   if (out.format == OutputFormat::kHt) shape = {out.x.shape[0], kH};
   if (out.format == OutputFormat::kLl) shape = {kE / R, out.x.shape[1], kH};
-  if (!t.y.defined()) t.y = default_allocator()(DType::kBF16, shape, device);
+  if (!same_shape(t.y, shape)) t.y = default_allocator()(DType::kBF16, shape, device);
   std::mt19937_64 yrng(1000003ull * c + r);
-  const std::vector<uint16_t> yh = testing::make_bf16(t.y.shape[0] * t.y.shape[1], kH, yrng);
+  const std::vector<uint16_t> yh = testing::make_bf16(t.y.numel() / kH, kH, yrng);
   copy_in(t.y, yh.data(), yh.size() * 2, stream);
 }
 

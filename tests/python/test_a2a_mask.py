@@ -14,6 +14,7 @@ import torch
 import epx
 import epx.compat.flashinfer as fi
 import reference as ref
+from test_flashinfer import _backend
 
 H, K = 32, 3
 
@@ -169,7 +170,8 @@ def body_flashinfer_mask(ctx, seed):
     with pytest.raises(epx.InvalidArgument, match="out of range"):
         fi.moe_a2a_active_rank_mask([R], R)
     mapping = fi.Mapping(world_size=R, rank=r, tp_size=R, moe_ep_size=R)
-    moe = fi.MoeAlltoAll(mapping, M, K, E, hidden_size=H, enable_rank_mask=True)
+    moe = fi.MoeAlltoAll(mapping, M, K, E, hidden_size=H, enable_rank_mask=True,
+                         backend=_backend(ctx))
     inputs = _inputs(seed, R, E, M)
     # First dispatch with every rank: creates the workspace (collective over all ranks).
     recv = moe.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M)
@@ -200,7 +202,7 @@ def test_flashinfer_active_rank_mask():
 def body_flashinfer_mask_needs_enable(ctx):
     R, r = ctx.world_size, ctx.rank
     mapping = fi.Mapping(world_size=R, rank=r, tp_size=R, moe_ep_size=R)
-    moe = fi.MoeAlltoAll(mapping, 2, 1, R, hidden_size=H)
+    moe = fi.MoeAlltoAll(mapping, 2, 1, R, hidden_size=H, backend=_backend(ctx))
     idx = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(epx.InvalidArgument, match="enable_rank_mask=False"):
         moe.dispatch(idx, [torch.zeros(1, H)], 1, active_rank_mask=[True] * R)
