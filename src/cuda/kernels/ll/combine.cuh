@@ -153,6 +153,25 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
     __syncthreads();
     for (int64_t t = threadIdx.x; t < t_begin; t += blockDim.x) {
+      if (K <= kLlPrefixTopK) {
+        // The row's ids loaded together (independent loads), duplicates found in registers;
+        // ids outside [0, E) never count and never equal a valid one, so they become -1.
+        int32_t ids[kLlPrefixTopK];
+#pragma unroll
+        for (int k = 0; k < kLlPrefixTopK; ++k) {
+          const int64_t id = k < K ? id_at(t, k) : -1;
+          ids[k] = id < 0 || id >= E ? -1 : static_cast<int32_t>(id);
+        }
+#pragma unroll
+        for (int k = 0; k < kLlPrefixTopK; ++k) {
+          if (ids[k] < 0) continue;
+          bool dup = false;
+#pragma unroll
+          for (int k2 = 0; k2 < k; ++k2) dup |= ids[k2] == ids[k];
+          if (!dup) atomicAdd(&s_cnt[ids[k]], 1);
+        }
+        continue;
+      }
       for (int k = 0; k < K; ++k) {
         const int64_t id = id_at(t, k);
         if (id < 0 || id >= E) continue;

@@ -76,6 +76,22 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   const int me = p.rank, q = p.slot;
   const int64_t H = g.hidden;
   const int lane = threadIdx.x & 31;
+  const int nv = static_cast<int>(H / 8);  // 8-element vectors per row
+
+  // This thread's first kLlXPrefetch vectors of x[t] (v = threadIdx.x + i * blockDim.x), loaded
+  // together before they are needed: the first token's before the step-1 wait (x is an input),
+  // later tokens' before their routing row is read. Vectors past the prefetch are loaded in
+  // the loop.
+  uint4 xpre[kLlXPrefetch];
+  auto prefetch = [&](int64_t t) {
+    const uint16_t* xrow = p.x + t * p.x_stride;
+#pragma unroll
+    for (int i = 0; i < kLlXPrefetch; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
+    }
+  };
+  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))
@@ -91,6 +107,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 
   // 3. Tokens.
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (t != blockIdx.x) prefetch(t);
     __syncthreads();  // the previous token's s_ids / s_dest are no longer read
     if (threadIdx.x < K) {
       int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
@@ -113,16 +130,15 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     }
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
-    const int nv = static_cast<int>(H / 8);  // 8-element vectors
     if (p.use_fp8) {
       // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (nv is a multiple of 16,
-      // so a half-warp is active or not as a whole); every lane takes part in the shuffles.
-      for (int base = threadIdx.x - lane; base < nv; base += blockDim.x) {
-        const int v = base + lane;
+      // so a half-warp is active or not as a whole); every lane takes part in the shuffles, so
+      // the loops below run per warp (`base`, the warp's first vector, is warp-uniform).
+      auto quantise_and_send = [&](const uint4& raw, int v) {
         const bool active = v < nv;
         float f[8];
         if (active) {
-          ll_bf16x8_to_f32(ll_ld_input8(xrow + 8 * v, p.x_vec16), f);
+          ll_bf16x8_to_f32(raw, f);
         } else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) f[i] = 0.0f;
@@ -145,22 +161,38 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
         for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
         uint2 packed;
         memcpy(&packed, b, 8);
-        if (!active) continue;
+        if (!active) return;
         for (uint64_t m = mask; m != 0; m &= m - 1) {
           const int d = __ffsll(static_cast<long long>(m)) - 1;
           char* msg = g.msg(symm.peers[d], q, me, t);
           *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
           if ((lane & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
         }
+      };
+#pragma unroll
+      for (int i = 0; i < kLlXPrefetch; ++i) {
+        const int base = static_cast<int>(threadIdx.x) - lane + i * static_cast<int>(blockDim.x);
+        if (base < nv) quantise_and_send(xpre[i], base + lane);
+      }
+      for (int base = static_cast<int>(threadIdx.x) - lane + kLlXPrefetch * blockDim.x;
+           base < nv; base += blockDim.x) {
+        const int v = base + lane;
+        quantise_and_send(v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
       }
     } else {
-      for (int v = threadIdx.x; v < nv; v += blockDim.x) {
-        const uint4 raw = ll_ld_input8(xrow + 8 * v, p.x_vec16);
+      auto send = [&](const uint4& raw, int v) {
         for (uint64_t m = mask; m != 0; m &= m - 1) {
           const int d = __ffsll(static_cast<long long>(m)) - 1;
           *reinterpret_cast<uint4*>(g.msg(symm.peers[d], q, me, t) + 16 * v) = raw;
         }
+      };
+#pragma unroll
+      for (int i = 0; i < kLlXPrefetch; ++i) {
+        const int v = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+        if (v < nv) send(xpre[i], v);
       }
+      for (int v = threadIdx.x + kLlXPrefetch * blockDim.x; v < nv; v += blockDim.x)
+        send(ll_ld_input8(xrow + 8 * v, p.x_vec16), v);
     }
   }
 
@@ -246,22 +278,37 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       const int32_t mine = p.use_fp8 | (p.round_scale << 1);
       if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
     }
+    // Every source's token count, read once (in parallel) for all units.
+    __shared__ int32_t s_tokens[kMaxRanks];
+    if (threadIdx.x < R) {
+      const int32_t n = ll_ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
+      s_tokens[threadIdx.x] = n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
+    }
+    __syncthreads();
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
       const int32_t expert = me * L + l;
       int64_t running = 0;
       for (int s = 0; s < R; ++s) {
         const int32_t* topk = g.topk(symm.local, q, s);
-        int64_t T_s = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->num_tokens);
-        T_s = T_s < 0 ? 0 : (T_s > g.max_tokens ? g.max_tokens : T_s);
+        const int64_t T_s = s_tokens[s];
         const int64_t begin = running;
         for (int64_t base = 0; base < T_s; base += blockDim.x) {
           EPX_LL_TRACE_BEGIN(scan);
           const int64_t t = base + threadIdx.x;
           bool sel = false;
-          if (t < T_s)
-            for (int k = 0; k < K && !sel; ++k)
-              sel = ll_ld_landed<int32_t>(topk + t * K + k) == expert;
+          if (t < T_s) {
+            // The row's ids kLlIdBatch at a time, loads independent (one latency per batch).
+            const int32_t* row = topk + t * K;
+            for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+              int32_t id[kLlIdBatch];
+#pragma unroll
+              for (int k = 0; k < kLlIdBatch; ++k)
+                id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+#pragma unroll
+              for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+            }
+          }
           int total = 0;
           const int pos = ll_block_scan(sel, &total);
           if (sel) s_list[pos] = static_cast<int32_t>(t);
