@@ -74,17 +74,7 @@ std::string describe(const A2aProblem& p, const CycleOptions& o) {
   return os.str();
 }
 
-// cudaMalloc, filled with 0xFF (NaN for floats) before the library sees it.
-Allocator poison_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
-    if (t.nbytes() > 0) {
-      CUDA_OK(cudaMemset(t.data, 0xFF, t.nbytes()));
-      CUDA_OK(cudaDeviceSynchronize());
-    }
-    return t;
-  };
-}
+using gpu_testing::poison_allocator;
 
 std::vector<int64_t> dims_of(const TensorView& v) {
   return std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim);

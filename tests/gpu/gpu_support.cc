@@ -75,6 +75,21 @@ std::vector<uint8_t> to_host_bytes(const TensorView& t) {
   return out;
 }
 
+Allocator poison_allocator(int byte) {
+  return [byte](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    Tensor t = default_allocator()(dtype, shape, device);
+    if (t.nbytes() == 0) return t;
+    if (device.type == DeviceType::kCuda) {
+      if (cudaMemset(t.data, byte, t.nbytes()) != cudaSuccess ||
+          cudaDeviceSynchronize() != cudaSuccess)
+        throw Error(ErrorCode::kCuda, "poison_allocator: cudaMemset failed");
+    } else {
+      std::memset(t.data, byte, t.nbytes());
+    }
+    return t;
+  };
+}
+
 Allocator Arena::allocator() {
   return [this](DType dtype, const std::vector<int64_t>& shape, Device device) {
     if (recording) {

@@ -50,6 +50,12 @@ std::vector<T> to_host(const TensorView& t) {
   return out;
 }
 
+// default_allocator(), every byte of a new tensor set to `byte` (cpu or cuda) and, on cuda,
+// waited for: outputs the library must overwrite start as garbage, and the fill can never land
+// after a kernel on another stream wrote (a legacy-stream memset is not ordered with
+// non-blocking streams).
+Allocator poison_allocator(int byte = 0xFF);
+
 // Hands out, in order, the tensors a first (eager) pass allocated from `base`, so a CUDA graph
 // captured from the same sequence of calls has its outputs at fixed addresses and nothing is
 // allocated during capture. Throws Internal when the sequence differs.

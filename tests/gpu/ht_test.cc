@@ -45,14 +45,6 @@ int for_each_copy_path(const std::function<int()>& body) {
   return bad;
 }
 
-Allocator poisoning_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
-    if (t.nbytes() > 0) cudaMemset(t.data, 0xAB, t.nbytes());
-    return t;
-  };
-}
-
 // Counts mismatching elements of `got` (device tensor) against `want`; prints the first few.
 template <typename T>
 int64_t compare(const char* what, const std::string& ctx, int rank, const TensorView& got,
@@ -142,7 +134,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   const auto yin = make_combine_inputs(c, want, /*weights=*/true, /*bias0=*/r % 2 == 0,
                                        /*bias1=*/c.seed % 2 == 0, /*salt=*/5);
   const auto want_c = expected_ht_combine(c, in, want, yin);
-  const Allocator alloc = poisoning_allocator();
+  const Allocator alloc = gpu_testing::poison_allocator(0xAB);
   const DeviceInputs d = upload(c, in[r], dev);
   int64_t bad = 0;
 
@@ -412,7 +404,7 @@ int graph_replays(const Group& g, int num_replays) {
     cudaMemcpy(bias.data, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
     (void)cc;
   };
-  Arena arena(poisoning_allocator());
+  Arena arena(gpu_testing::poison_allocator(0xAB));
   HtDispatchResult res;
   HtCombineResult cres;
   auto enqueue = [&] {

@@ -171,17 +171,7 @@ Case random_case(int R, uint64_t seed) {
 
 // ---- device helpers ----------------------------------------------------------------------------
 
-// cudaMalloc, filled with 0xFF before the library sees it.
-Allocator poison_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
-    if (t.nbytes() > 0) {
-      CUDA_OK(cudaMemset(t.data, 0xFF, t.nbytes()));
-      CUDA_OK(cudaDeviceSynchronize());
-    }
-    return t;
-  };
-}
+using gpu_testing::poison_allocator;
 
 // Rows [n, H] of 16-bit values uploaded with row stride H (or H + 64 when padded).
 Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
@@ -331,7 +321,9 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
       if (c.out_given) {
         keep.push_back(
             default_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H}, Device::cuda(dev)));
-        CUDA_OK(cudaMemset(keep.back().data, 0xFF, keep.back().nbytes()));
+        // Poisoned on the combine's stream: a legacy-stream memset is not ordered with this
+        // non-blocking stream and could land after the combine wrote (seen once on 2xH200).
+        CUDA_OK(cudaMemsetAsync(keep.back().data, 0xFF, keep.back().nbytes(), stream));
         a.out = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
       }
       a.return_recv_hook = c.hook;

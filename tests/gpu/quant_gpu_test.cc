@@ -77,20 +77,7 @@ int run_on_gpu(const std::function<std::string()>& body) {
       std::chrono::minutes(5));
 }
 
-// cudaMalloc (or malloc), filled with 0xFF before the library sees it.
-Allocator poison_allocator() {
-  return [](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
-    if (t.nbytes() == 0) return t;
-    if (device.type == DeviceType::kCuda) {
-      CUDA_OK(cudaMemset(t.data, 0xFF, t.nbytes()));
-      CUDA_OK(cudaDeviceSynchronize());
-    } else {
-      std::memset(t.data, 0xFF, t.nbytes());
-    }
-    return t;
-  };
-}
+using gpu_testing::poison_allocator;
 
 // `elems` elements from the start of t's storage (cpu or cuda), as bytes.
 std::vector<uint8_t> storage_bytes(const TensorView& t, int64_t elems) {
