@@ -26,6 +26,7 @@
 #include "epx/a2a.h"
 #include "epx/error.h"
 #include "gpu/gpu_support.h"
+#include "support/a2a_cycle.h"
 #include "support/oracle_a2a.h"
 #include "support/routing.h"
 
@@ -37,42 +38,14 @@ using gpu_testing::to_host_bytes;
 using testing::A2aExpected;
 using testing::A2aPayloadSpec;
 using testing::A2aProblem;
+using testing::CycleOptions;
+using testing::describe;
+using testing::next_cycle;
 using testing::Routing;
 using Fill = A2aPayloadSpec::Fill;
 
-#define CUDA_OK(call)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess)                                                               \
-      throw Error(ErrorCode::kCuda, std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
 // ---- helpers ---------------------------------------------------------------------------------
 
-struct CycleOptions {
-  bool payload_in_workspace = false;
-  bool topk_int64 = false;
-  bool strided_y = false;  // copy path with a padded row stride
-};
-
-std::string describe(const A2aProblem& p, const CycleOptions& o) {
-  std::ostringstream os;
-  os << "R=" << p.num_ranks << " K=" << p.top_k << " E=" << p.num_experts
-     << " max=" << p.max_tokens_per_rank << " M=" << p.runtime_max << " T=[";
-  for (int r = 0; r < p.num_ranks; ++r) os << (r ? "," : "") << p.num_tokens[r];
-  os << "] payloads=[";
-  for (size_t i = 0; i < p.payloads.size(); ++i) {
-    os << (i ? ", " : "") << dtype_name(p.payloads[i].dtype) << "[T";
-    for (int64_t d : p.payloads[i].row_shape) os << "," << d;
-    os << "]";
-  }
-  os << "]";
-  if (p.invalid_expert_id) os << " invalid=" << *p.invalid_expert_id;
-  os << " ids@" << p.expert_id_payload_index << " H=" << p.hidden << " "
-     << dtype_name(p.combine_dtype) << (o.payload_in_workspace ? " in_ws" : " copy")
-     << (o.topk_int64 ? " topk64" : "") << (o.strided_y ? " strided_y" : "");
-  return os.str();
-}
 
 using gpu_testing::poison_allocator;
 
@@ -228,30 +201,8 @@ int run_cases(int R, const std::vector<Case>& cases) {
 }
 
 // ---- problem generation (all in the parent) --------------------------------------------------
-
-A2aProblem next_cycle(const A2aProblem& config, std::mt19937_64& rng,
-                      std::optional<Routing> routing = std::nullopt) {
-  A2aProblem p = config;
-  const int R = p.num_ranks;
-  auto pick = [&](int64_t lo, int64_t hi) {
-    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-  };
-  p.num_tokens.assign(R, 0);
-  const int64_t cap = p.max_tokens_per_rank;
-  const int64_t hi = pick(0, 3) == 0 ? cap : pick(0, cap);
-  for (int r = 0; r < R; ++r) {
-    const int64_t k = pick(0, 9);
-    p.num_tokens[r] = k == 0 ? 0 : k == 1 ? hi : pick(0, hi);
-  }
-  const int64_t max_t = *std::max_element(p.num_tokens.begin(), p.num_tokens.end());
-  p.runtime_max = pick(0, 3) == 0 ? pick(max_t, cap) : max_t;
-  std::vector<Routing> routings;
-  const std::vector<Routing> all = testing::all_routings();
-  for (int r = 0; r < R; ++r)
-    routings.push_back(routing ? *routing : all[pick(0, static_cast<int64_t>(all.size()) - 1)]);
-  testing::fill_a2a_inputs(p, routings, rng);
-  return p;
-}
+// (next_cycle: tests/support/a2a_cycle.h.) The payload kinds differ from the cpu tests': 12-byte
+// and 520-byte rows exercise the kernels' 4- and 8-byte vector paths.
 
 A2aPayloadSpec random_payload(std::mt19937_64& rng, int K, bool allow_big) {
   const int n = allow_big ? 13 : 11;

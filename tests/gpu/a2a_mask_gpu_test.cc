@@ -35,13 +35,6 @@ using gpu_testing::to_host_bytes;
 using testing::A2aPayloadSpec;
 using testing::A2aProblem;
 
-#define CUDA_OK(call)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess)                                                               \
-      throw Error(ErrorCode::kCuda, std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
 // A small engine-like configuration: hidden states, expert ids (sanitised), weights.
 A2aProblem mask_config(int R) {
   A2aProblem p;

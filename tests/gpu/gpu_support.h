@@ -3,14 +3,17 @@
 // its ranks), running a body on R forked ranks of a cuda group, and host <-> device copies.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "epx/error.h"
 #include "epx/group.h"
 #include "epx/tensor.h"
 
@@ -20,6 +23,16 @@ namespace epx::gpu_testing {
 int visible_gpus();
 
 // Skips the current test, with the reason, unless `n` GPUs are visible.
+// Throws epx::Error(kCuda) naming the call when a CUDA runtime call fails (GPU test bodies run in
+// forked ranks: an exception is reported by run_cuda_ranks as that rank's failure).
+#define CUDA_OK(call)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess)                                                               \
+      throw ::epx::Error(::epx::ErrorCode::kCuda,                                        \
+                         std::string(#call) + ": " + cudaGetErrorString(e_));           \
+  } while (0)
+
 #define EPX_REQUIRE_GPUS(n)                                                                 \
   do {                                                                                      \
     const int epx_have_ = ::epx::gpu_testing::visible_gpus();                               \

@@ -38,13 +38,6 @@ using testing::LlProblem;
 using testing::LlRankInput;
 using testing::Routing;
 
-#define CUDA_OK(call)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess)                                                               \
-      throw Error(ErrorCode::kCuda, std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
 constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong y row read shows up in out
 
 // ---- problems (generated in the parent) ------------------------------------------------------

@@ -51,13 +51,6 @@ namespace {
 using detail::f32_to_bf16;
 using detail::Ue8m0Layout;
 
-#define CUDA_OK(call)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess)                                                               \
-      throw Error(ErrorCode::kCuda, std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
 // Runs `body` in one forked child bound to GPU 0; it returns "" or what went wrong.
 int run_on_gpu(const std::function<std::string()>& body) {
   return launch_local(
