@@ -63,7 +63,8 @@ message(STATUS "epx: cuda backend ON, arch ${CMAKE_CUDA_ARCHITECTURES}, "
 
 file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS
      ${PROJECT_SOURCE_DIR}/src/cuda/*.cu ${PROJECT_SOURCE_DIR}/src/cuda/*.cc
-     ${PROJECT_SOURCE_DIR}/src/transport/nccl_*.cc)
+     ${PROJECT_SOURCE_DIR}/src/transport/nccl_*.cc
+     ${PROJECT_SOURCE_DIR}/src/transport/cuda_*.cc)
 target_sources(epx PRIVATE ${EPX_CUDA_SOURCES})
 target_compile_definitions(epx PUBLIC EPX_WITH_CUDA=1)
 if(EPX_LL_TRACE)  # PUBLIC: the bench reads the stamps through the same define

@@ -8,6 +8,8 @@
 //   cpu, processes   — ranks are processes on one host, exchanging through POSIX shared memory
 //                      (what the Python layer uses under torch.distributed + gloo).
 //   cuda             — one process per GPU, NCCL communicator + symmetric windows over NVLink.
+//   cuda, one GPU    — test/development mode: ranks are threads of one process sharing one GPU
+//                      (Group::cuda_shared_device), to run the GPU tier at more ranks than GPUs.
 #pragma once
 
 #include <array>
@@ -61,14 +63,32 @@ class Group {
   // epx does not destroy it.
   static Group cuda_from_comm(void* nccl_comm, int cuda_device, GroupOptions options = {});
 
+  // Test/development mode of the cuda backend: `size` ranks as threads of this process, all on
+  // GPU `cuda_device` (same kernels; symmetric memory is one cudaMalloc per rank, peers reach it
+  // directly; barriers run on the host like cpu_threads'). All ranks call this with the same
+  // `world_name`; it binds `cuda_device` on the calling thread. Limits:
+  //   * every rank's kernels must be co-resident (device-side waits spin on peers' writes):
+  //     options.num_sms = 0 resolves to SMs / size, and size * max(2, num_sms) > SMs throws
+  //     InvalidArgument (e.g. 132-SM H200: num_sms <= 16 at 8 ranks, <= 33 at 4);
+  //   * CUDA_DEVICE_MAX_CONNECTIONS >= min(32, 2 * size) (InvalidArgument otherwise), set before
+  //     CUDA initialises;
+  //   * each rank enqueues on its own non-blocking stream, and no rank may make a device-wide
+  //     synchronising call (cudaDeviceSynchronize, cudaFree, legacy-stream copies) while a peer
+  //     may already have launched an op that waits for this rank: such a call waits for the
+  //     peer's spinning kernel (bounded: it ends with the group timeout, as a Timeout error).
+  //     Bracket such calls with Group::barrier(). Not for performance numbers.
+  // Throws Unsupported in a build without CUDA.
+  static Group cuda_shared_device(int rank, int size, const std::string& world_name,
+                                  int cuda_device, GroupOptions options = {});
+
   int rank() const;
   int size() const;
   Backend backend() const;
   std::chrono::milliseconds timeout() const;
   const GroupOptions& options() const;
 
-  // Host barrier over the group, bounded by the timeout (collective; cpu backend only, the cuda
-  // backend synchronises on the device).
+  // Barrier over the group, bounded by the timeout (collective). On the host for cpu and
+  // cuda_shared_device groups; a cuda group runs a device barrier on its own stream and waits for it.
   void barrier() const;
 
   // Internal: the transport shared by the buffers of this group.

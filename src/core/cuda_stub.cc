@@ -30,6 +30,10 @@ std::shared_ptr<Transport> make_nccl_transport(int, int, const UniqueId&, int,
 std::shared_ptr<Transport> make_nccl_transport_from_comm(void*, int, std::chrono::milliseconds) {
   throw_error(ErrorCode::kUnsupported, cat("Group::cuda_from_comm: ", kNoCuda));
 }
+std::shared_ptr<Transport> make_cuda_shared_device_transport(int, int, const std::string&, int,
+                                                             GroupOptions*) {
+  throw_error(ErrorCode::kUnsupported, cat("Group::cuda_shared_device: ", kNoCuda));
+}
 
 }  // namespace epx::detail
 

@@ -26,4 +26,8 @@ std::string env_ht_copy() {
   return v ? std::string(v) : std::string();
 }
 
+int env_cuda_device_max_connections() {
+  return static_cast<int>(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8));
+}
+
 }  // namespace epx::detail

@@ -3,6 +3,7 @@
 //   EPX_NUM_SMS      default SM budget of the cuda kernels (0 = auto)
 //   EPX_HT_COPY      copy path of the cuda ht dispatch: warp (default) | bulk[:SxC][:bN]
 //                    (cuda/tuning.h parse_ht_copy)
+//   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
 #pragma once
 
 #include <chrono>
@@ -13,5 +14,6 @@ namespace epx::detail {
 std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
+int env_cuda_device_max_connections();
 
 }  // namespace epx::detail

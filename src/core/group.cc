@@ -44,6 +44,13 @@ Group Group::cuda(int rank, int size, const UniqueId& id, int cuda_device, Group
   return Group(detail::make_nccl_transport(rank, size, id, cuda_device, options.timeout), options);
 }
 
+Group Group::cuda_shared_device(int rank, int size, const std::string& world_name,
+                                int cuda_device, GroupOptions options) {
+  options = resolve(options);
+  auto t = detail::make_cuda_shared_device_transport(rank, size, world_name, cuda_device, &options);
+  return Group(std::move(t), options);
+}
+
 Group Group::cuda_from_comm(void* nccl_comm, int cuda_device, GroupOptions options) {
   options = resolve(options);
   EPX_CHECK_ARG(nccl_comm != nullptr, "Group::cuda_from_comm: argument 'nccl_comm' is null");

@@ -165,19 +165,28 @@ class HostSymmetricMemory : public SymmetricMemory {
   std::vector<std::shared_ptr<void>> blocks_;  // keeps every rank's block alive
 };
 
+std::shared_ptr<void> host_block(size_t bytes) {
+  size_t rounded = (bytes + 4095) / 4096 * 4096;
+  void* p = std::calloc(1, rounded ? rounded : 4096);  // 16-byte aligned, zero-filled
+  if (!p)
+    throw_error(ErrorCode::kOutOfCapacity,
+                cat("allocate: cannot allocate ", bytes, " bytes of host memory"));
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
 class ThreadTransport : public CpuTransportBase {
  public:
   ThreadTransport(int rank, int size, std::shared_ptr<ThreadWorld> world,
-                  std::chrono::milliseconds timeout)
-      : CpuTransportBase(rank, size, timeout), world_(std::move(world)) {
+                  std::chrono::milliseconds timeout, ThreadMemory memory)
+      : CpuTransportBase(rank, size, timeout), world_(std::move(world)), memory_(std::move(memory)) {
     control_ = &world_->control;
+    if (!memory_.allocate) memory_.allocate = host_block;
   }
+  Backend backend() const override { return memory_.backend; }
+  Device device() const override { return memory_.device; }
 
   std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
-    size_t rounded = (bytes + 4095) / 4096 * 4096;
-    void* p = std::calloc(1, rounded ? rounded : 4096);  // 16-byte aligned, zero-filled
-    if (!p) throw_error(ErrorCode::kOutOfCapacity, cat("allocate: cannot allocate ", bytes, " bytes of host memory"));
-    world_->slots[rank_] = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+    world_->slots[rank_] = memory_.allocate(bytes);
     barrier("allocate");
     std::vector<std::shared_ptr<void>> blocks = world_->slots;
     barrier("allocate");  // every rank copied the slots before anyone reuses them
@@ -186,6 +195,7 @@ class ThreadTransport : public CpuTransportBase {
 
  private:
   std::shared_ptr<ThreadWorld> world_;
+  ThreadMemory memory_;
 };
 
 std::mutex g_worlds_mutex;
@@ -273,7 +283,14 @@ void check_rank_size(int rank, int size, const char* what) {
 std::shared_ptr<Transport> make_cpu_thread_transport(int rank, int size,
                                                      const std::string& world_name,
                                                      std::chrono::milliseconds timeout) {
-  check_rank_size(rank, size, "Group::cpu_threads");
+  return make_thread_transport(rank, size, world_name, timeout, ThreadMemory{},
+                               "Group::cpu_threads");
+}
+
+std::shared_ptr<Transport> make_thread_transport(int rank, int size, const std::string& world_name,
+                                                 std::chrono::milliseconds timeout,
+                                                 ThreadMemory memory, const char* what) {
+  check_rank_size(rank, size, what);
   std::shared_ptr<ThreadWorld> world;
   {
     std::lock_guard<std::mutex> lock(g_worlds_mutex);
@@ -284,10 +301,10 @@ std::shared_ptr<Transport> make_cpu_thread_transport(int rank, int size,
       slot = world;
     }
   }
-  EPX_CHECK_ARG(world->size == size, "Group::cpu_threads: argument 'size' is ", size,
-                " but world '", world_name, "' was created with size ", world->size);
-  auto t = std::make_shared<ThreadTransport>(rank, size, world, timeout);
-  t->barrier("Group::cpu_threads (join)");
+  EPX_CHECK_ARG(world->size == size, what, ": argument 'size' is ", size, " but world '",
+                world_name, "' was created with size ", world->size);
+  auto t = std::make_shared<ThreadTransport>(rank, size, world, timeout, std::move(memory));
+  t->barrier(cat(what, " (join)").c_str());
   return t;
 }
 

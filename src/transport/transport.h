@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,32 @@ class Transport {
 std::shared_ptr<Transport> make_cpu_thread_transport(int rank, int size,
                                                      const std::string& world_name,
                                                      std::chrono::milliseconds timeout);
+// Where a thread transport's symmetric blocks live. The cpu backend's: host memory (the defaults).
+// The cuda backend's one-GPU test mode (make_cuda_shared_device_transport): device memory of one
+// GPU, every rank's block a plain device pointer usable by every rank's kernels.
+struct ThreadMemory {
+  Backend backend = Backend::kCpu;
+  Device device = Device::cpu();
+  // A zero-filled block of at least `bytes` (16-byte aligned), freed by its deleter once the last
+  // rank dropped it; null = host calloc.
+  std::function<std::shared_ptr<void>(size_t bytes)> allocate;
+};
+
+// Ranks are threads of this process sharing `world_name`: host barrier (bounded by `timeout`,
+// naming missing ranks), abort, subsets and resync exactly as the cpu backend's; blocks from
+// `memory`, exchanged through the shared world. `what` names the caller in errors.
+std::shared_ptr<Transport> make_thread_transport(int rank, int size, const std::string& world_name,
+                                                 std::chrono::milliseconds timeout,
+                                                 ThreadMemory memory, const char* what);
+
+// cuda backend, test/development mode: `size` ranks as threads of this process on one GPU
+// (Group::cuda_shared_device). Resolves options->num_sms (auto: SMs / size) and checks that the
+// ranks' CTAs can be co-resident. Throws Unsupported in a build without CUDA.
+std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
+                                                             const std::string& world_name,
+                                                             int cuda_device,
+                                                             GroupOptions* options);
+
 // cpu backend, ranks are processes on this host; POSIX shared memory named after `name`.
 std::shared_ptr<Transport> make_cpu_process_transport(int rank, int size, const std::string& name,
                                                       std::chrono::milliseconds timeout);

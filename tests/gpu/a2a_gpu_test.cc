@@ -173,11 +173,13 @@ struct Case {
 
 // Runs `cases` on R forked GPU ranks (one group, one A2a object per case). Returns the number
 // of failing cycles over all ranks; failures are printed.
-int run_cases(int R, const std::vector<Case>& cases) {
-  return run_cuda_ranks(R, [&](const Group& g) {
-    const int device = g.rank();
-    cudaStream_t stream = nullptr;
-    CUDA_OK(cudaStreamCreate(&stream));
+// With `one_gpu`, R ranks share GPU 0 (Group::cuda_shared_device).
+int run_cases(int R, const std::vector<Case>& cases, bool one_gpu = false) {
+  const auto body = [&](const Group& g) {
+    const int device = gpu_testing::device_of(g);
+    cudaStream_t own = nullptr;
+    if (!gpu_testing::rank_stream()) CUDA_OK(cudaStreamCreate(&own));
+    cudaStream_t stream = gpu_testing::stream_or(own);
     int bad = 0;
     for (const Case& c : cases) {
       A2a a2a(g, c.problems.front().shape());
@@ -195,9 +197,10 @@ int run_cases(int R, const std::vector<Case>& cases) {
         }
       }
     }
-    cudaStreamDestroy(stream);
+    if (own) cudaStreamDestroy(own);
     return bad;
-  });
+  };
+  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(R, 0, body) : run_cuda_ranks(R, body);
 }
 
 // ---- problem generation (all in the parent) --------------------------------------------------
@@ -745,6 +748,21 @@ TEST(A2aGpuWorkspace, BytesAllocatedMatchWorkspaceBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, A2aGpu, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "R" + std::to_string(i.param);
+                         });
+
+// R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
+// machines with that many GPUs.
+class A2aOneGpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(A2aOneGpu, RandomMatchesOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(run_cases(R, random_cases(R, 16, 20250800 + R), /*one_gpu=*/true), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, A2aOneGpu, ::testing::Values(2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

@@ -8,9 +8,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "epx/error.h"
+#include "support/harness.h"
+#include "transport/transport.h"
 
 namespace epx::gpu_testing {
 
@@ -56,15 +61,94 @@ int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
   return rc;
 }
 
+namespace {
+thread_local cudaStream_t t_rank_stream = nullptr;
+}
+
+cudaStream_t rank_stream() { return t_rank_stream; }
+
+int device_of(const Group& group) { return group.transport()->device().index; }
+
+int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(const Group&)>& body,
+                           GroupOptions options) {
+  const std::string name = testing::unique_group_name("onegpu");
+  return launch_local(
+      1,
+      [&](int) {
+        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);  // before CUDA starts in this child
+        std::vector<int> rcs(num_ranks, 1);
+        std::mutex mu;
+        std::vector<std::thread> threads;
+        for (int r = 0; r < num_ranks; ++r) {
+          threads.emplace_back([&, r] {
+            cudaStream_t stream = nullptr;
+            try {
+              CUDA_OK(cudaSetDevice(device));
+              CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+              t_rank_stream = stream;
+              Group g = Group::cuda_shared_device(r, num_ranks, name, device, options);
+              rcs[r] = body(g);
+              CUDA_OK(cudaStreamSynchronize(stream));
+            } catch (const std::exception& e) {
+              std::lock_guard<std::mutex> lock(mu);
+              std::fprintf(stderr, "[one GPU, rank %d of %d] %s\n", r, num_ranks, e.what());
+              rcs[r] = 1;
+            }
+            t_rank_stream = nullptr;
+            if (stream) cudaStreamDestroy(stream);
+          });
+        }
+        for (auto& t : threads) t.join();
+        int rc = 0;
+        for (int r = 0; r < num_ranks; ++r)
+          if (rcs[r] != 0) {
+            std::fprintf(stderr, "[one GPU] rank %d of %d returned %d\n", r, num_ranks, rcs[r]);
+            if (rc == 0) rc = rcs[r];
+          }
+        return rc;
+      },
+      std::chrono::minutes(5));
+}
+
+Allocator device_allocator() {
+  cudaStream_t stream = rank_stream();
+  if (!stream) return default_allocator();
+  return [stream, base = default_allocator()](DType dtype, const std::vector<int64_t>& shape,
+                                              Device device) {
+    if (device.type != DeviceType::kCuda) return base(dtype, shape, device);
+    Tensor t;
+    static_cast<TensorView&>(t) = TensorView::contiguous(nullptr, dtype, shape, device);
+    const size_t bytes = t.nbytes();
+    if (bytes == 0) return t;
+    void* p = nullptr;
+    CUDA_OK(cudaMallocAsync(&p, (bytes + 15) / 16 * 16, stream));
+    t.data = p;
+    t.storage = std::shared_ptr<void>(p, [stream](void* q) { cudaFreeAsync(q, stream); });
+    return t;
+  };
+}
+
 Tensor to_device(const void* host, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
                  int device) {
-  Tensor t = default_allocator()(dtype, shape, Device::cuda(device));
+  Tensor t = device_allocator()(dtype, shape, Device::cuda(device));
+  if (cudaStream_t s = rank_stream()) {
+    if (bytes > 0) CUDA_OK(cudaMemcpyAsync(t.data, host, bytes, cudaMemcpyHostToDevice, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    return t;
+  }
   if (bytes > 0 && cudaMemcpy(t.data, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
     throw Error(ErrorCode::kCuda, "to_device: cudaMemcpy failed");
   return t;
 }
 
 std::vector<uint8_t> to_host_bytes(const TensorView& t) {
+  if (cudaStream_t s = rank_stream()) {
+    std::vector<uint8_t> out(t.nbytes());
+    CUDA_OK(cudaStreamSynchronize(s));
+    if (!out.empty()) CUDA_OK(cudaMemcpyAsync(out.data(), t.data, out.size(), cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    return out;
+  }
   if (cudaDeviceSynchronize() != cudaSuccess)
     throw Error(ErrorCode::kCuda,
                 std::string("to_host: ") + cudaGetErrorString(cudaGetLastError()));
@@ -77,9 +161,12 @@ std::vector<uint8_t> to_host_bytes(const TensorView& t) {
 
 Allocator poison_allocator(int byte) {
   return [byte](DType dtype, const std::vector<int64_t>& shape, Device device) {
-    Tensor t = default_allocator()(dtype, shape, device);
+    Tensor t = device_allocator()(dtype, shape, device);
     if (t.nbytes() == 0) return t;
-    if (device.type == DeviceType::kCuda) {
+    if (cudaStream_t s = device.type == DeviceType::kCuda ? rank_stream() : nullptr) {
+      CUDA_OK(cudaMemsetAsync(t.data, byte, t.nbytes(), s));
+      CUDA_OK(cudaStreamSynchronize(s));
+    } else if (device.type == DeviceType::kCuda) {
       if (cudaMemset(t.data, byte, t.nbytes()) != cudaSuccess ||
           cudaDeviceSynchronize() != cudaSuccess)
         throw Error(ErrorCode::kCuda, "poison_allocator: cudaMemset failed");

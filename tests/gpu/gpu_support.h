@@ -45,6 +45,27 @@ int visible_gpus();
 int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
                    GroupOptions options = {});
 
+// One GPU, R ranks (Group::cuda_shared_device; issue 8: the GPU tier at R = 4 and 8 on 1 GPU).
+// Forks one child (CUDA does not survive fork; the test process stays CUDA-free) that sets
+// CUDA_DEVICE_MAX_CONNECTIONS=32 and runs body(group) on R threads, rank r with its own
+// non-blocking stream, rank_stream(). `options.num_sms` 0 = SMs / R (co-residency, see
+// group.h). Returns 0 when every rank's body returned 0; an exception prints and counts as 1.
+// In this mode the helpers below (to_device, to_host_bytes, poison_allocator, device_allocator)
+// work on rank_stream() and never synchronise the device, since a device-wide wait would wait
+// for a peer's kernel spinning on this rank (see Group::cuda_shared_device).
+int run_cuda_ranks_one_gpu(int num_ranks, int device,
+                           const std::function<int(const Group&)>& body,
+                           GroupOptions options = {});
+// This thread's rank stream under run_cuda_ranks_one_gpu; nullptr elsewhere.
+cudaStream_t rank_stream();
+// The CUDA device of a group's rank (rank r under run_cuda_ranks, the shared device otherwise).
+int device_of(const Group& group);
+// `own` when this thread has no rank stream; else rank_stream() (bodies shared by both modes).
+inline cudaStream_t stream_or(cudaStream_t own) { return rank_stream() ? rank_stream() : own; }
+// default_allocator(), except under run_cuda_ranks_one_gpu: stream-ordered cudaMallocAsync /
+// cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise the device).
+Allocator device_allocator();
+
 // Device copies (synchronous; the caller owns nothing but the returned Tensor).
 Tensor to_device(const void* host, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
                  int device);
@@ -53,7 +74,8 @@ Tensor to_device(const std::vector<T>& host, DType dtype, const std::vector<int6
                  int device) {
   return to_device(host.data(), host.size() * sizeof(T), dtype, shape, device);
 }
-// The whole tensor (contiguous) as bytes, after synchronising the device.
+// The whole tensor (contiguous) as bytes, after synchronising the device (under
+// run_cuda_ranks_one_gpu: rank_stream()).
 std::vector<uint8_t> to_host_bytes(const TensorView& t);
 template <typename T>
 std::vector<T> to_host(const TensorView& t) {

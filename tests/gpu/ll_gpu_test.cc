@@ -229,7 +229,7 @@ MoeShape shape_of(const LlProblem& p) {
 std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Group& g,
                      cudaStream_t stream) {
   const LlProblem& p = c.p;
-  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = r;
+  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = gpu_testing::device_of(g);
   const int64_t H = p.hidden, RT = p.rows_per_expert();
   Buffer buf(g, shape_of(p), ll_only());
   const Allocator alloc = poison_allocator();
@@ -312,8 +312,8 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
         a.y.strides = {RT * stride, stride, 1};
       }
       if (c.out_given) {
-        keep.push_back(
-            default_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H}, Device::cuda(dev)));
+        keep.push_back(gpu_testing::device_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H},
+                                                       Device::cuda(dev)));
         // Poisoned on the combine's stream: a legacy-stream memset is not ordered with this
         // non-blocking stream and could land after the combine wrote (seen once on 2xH200).
         CUDA_OK(cudaMemsetAsync(keep.back().data, 0xFF, keep.back().nbytes(), stream));
@@ -337,12 +337,14 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
   return err;
 }
 
-// Runs `cases` on R forked GPU ranks (one group; one Buffer per case). Returns the number of
-// failing cases over all ranks; failures are printed.
-int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vector<Batch>>& data) {
-  return run_cuda_ranks(R, [&](const Group& g) {
-    cudaStream_t stream = nullptr;
-    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+// Runs `cases` on R forked GPU ranks, or on R ranks sharing GPU 0 when `one_gpu` (one group; one
+// Buffer per case). Returns the number of failing cases over all ranks; failures are printed.
+int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vector<Batch>>& data,
+              bool one_gpu = false) {
+  const auto body = [&](const Group& g) {
+    cudaStream_t own = nullptr;
+    if (!gpu_testing::rank_stream()) CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    cudaStream_t stream = gpu_testing::stream_or(own);
     int bad = 0;
     for (size_t i = 0; i < cases.size(); ++i) {
       std::string err;
@@ -356,9 +358,10 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
         if (++bad >= 3) break;  // one diagnosis is enough; the peers time out
       }
     }
-    cudaStreamDestroy(stream);
+    if (own) cudaStreamDestroy(own);
     return bad;
-  });
+  };
+  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(R, 0, body) : run_cuda_ranks(R, body);
 }
 
 // ---- random and fixed cases ---------------------------------------------------------------
@@ -422,6 +425,27 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "R" + std::to_string(i.param);
+                         });
+
+// R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
+// machines with that many GPUs; num_sms auto = SMs / R keeps every rank's CTAs co-resident.
+class LlOneGpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(LlOneGpu, RandomCasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  std::vector<Case> cases;
+  std::vector<std::vector<Batch>> data;
+  for (int i = 0; i < 10; ++i) {
+    cases.push_back(random_case(R, 7000 * R + i));
+    data.push_back(make_batches(cases.back()));
+  }
+  EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpu, ::testing::Values(2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });
