@@ -89,6 +89,7 @@ class A2a {
   static size_t workspace_bytes(const A2aShape& shape, int num_ranks, Backend backend);
   size_t bytes_allocated() const;
   const Group& group() const;
+  Device device() const;  // cpu, or the group's GPU
   const A2aShape& shape() const;
 
   // Collective. Views stay valid until the next dispatch.

@@ -171,8 +171,9 @@ class A2a:
         self._native.reset_dropped_counts(self._current_stream())
 
     def _current_stream(self):
-        # The cpu backend ignores streams (0); on cuda the current device's current stream.
-        return _torch.current_stream(torch.cuda.current_device()) if self._on_cuda else 0
+        # The cpu backend ignores streams (0); on cuda the current stream of the group's device
+        # (not the current device's: a process driving several GPUs may have another current).
+        return _torch.current_stream(torch.device(self._native.device)) if self._on_cuda else 0
 
     def dispatch(self, topk_idx, payloads, runtime_max_tokens_per_rank, invalid_expert_id=None,
                  expert_id_payload_index=None):

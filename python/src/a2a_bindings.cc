@@ -98,6 +98,7 @@ void bind_a2a(py::module_& m) {
                              [](const A2a& a) { return a.shape().payload_bytes_per_token; })
       .def_property_readonly("combine_bytes_per_token",
                              [](const A2a& a) { return a.shape().combine_bytes_per_token; })
+      .def_property_readonly("device", [](const A2a& a) { return a.device().str(); })
       .def("check", &A2a::check, py::call_guard<py::gil_scoped_release>())
       .def(
           "set_active_ranks",

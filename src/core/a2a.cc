@@ -4,6 +4,7 @@
 #include "core/buffer_impl.h"
 #include "core/check.h"
 #include "core/validate.h"
+#include "transport/transport.h"
 
 namespace epx {
 
@@ -48,6 +49,7 @@ size_t A2a::workspace_bytes(const A2aShape& shape, int num_ranks, Backend backen
 
 size_t A2a::bytes_allocated() const { return impl_->bytes_allocated(); }
 const Group& A2a::group() const { return impl_->group; }
+Device A2a::device() const { return impl_->group.transport()->device(); }
 const A2aShape& A2a::shape() const { return impl_->shape; }
 void A2a::check() const {
   note_timeout(*impl_, [&] { impl_->check(); });

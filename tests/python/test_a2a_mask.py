@@ -92,6 +92,8 @@ def body_random_masks(ctx, seed):
     a2a = epx.A2a(group, max_tokens_per_rank=M, top_k=K, num_experts=E,
                   payload_bytes_per_token=[H * 4, K * 4], combine_bytes_per_token=H * 2)
     assert a2a.active_ranks() == [True] * R
+    # The group's device: set_active_ranks / reset_dropped_counts default to its current stream.
+    assert torch.device(a2a._native.device).type == torch.device(ctx.device).type
     _cycle(a2a, _inputs(seed, R, E, M), [True] * R, r, R, E, M, seed)
     active = _mask(seed, R)
     if not active[r]:
