@@ -44,8 +44,14 @@ std::shared_ptr<void> cuda_alloc_shared(size_t bytes, int device) {
 bool cuda_stream_is_capturing(Stream stream, int device) {
   DeviceGuard guard(device);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPX_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status),
-                 "cudaStreamIsCapturing");
+  const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status);
+  if (e == cudaErrorStreamCaptureImplicit || e == cudaErrorStreamCaptureUnsupported) {
+    // The legacy default stream queried while another stream captures in global mode: treat it
+    // as capturing, so the caller raises its Unsupported message instead of a Cuda error.
+    (void)cudaGetLastError();
+    return true;
+  }
+  EPX_CUDA_CHECK(e, "cudaStreamIsCapturing");
   return status != cudaStreamCaptureStatusNone;
 }
 
