@@ -13,8 +13,10 @@
 #include <string>
 #include <thread>
 
+#include "core/numeric.h"
 #include "epx/error.h"
 #include "support/harness.h"
+#include "support/routing.h"
 #include "transport/transport.h"
 
 namespace epx::gpu_testing {
@@ -157,6 +159,97 @@ std::vector<uint8_t> to_host_bytes(const TensorView& t) {
       cudaMemcpy(out.data(), t.data, out.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
     throw Error(ErrorCode::kCuda, "to_host: cudaMemcpy failed");
   return out;
+}
+
+std::vector<uint8_t> storage_bytes(const TensorView& t, int64_t elems) {
+  std::vector<uint8_t> out(static_cast<size_t>(elems) * dtype_size(t.dtype));
+  if (out.empty()) return out;
+  if (t.device.type == DeviceType::kCpu) {
+    std::memcpy(out.data(), t.data, out.size());
+  } else {
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(out.data(), t.data, out.size(), cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+std::vector<uint8_t> logical_bytes(const TensorView& t) {
+  const size_t es = dtype_size(t.dtype);
+  int64_t n = 1, extent = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    n *= t.shape[d];
+    extent += (t.shape[d] - 1) * t.strides[d];
+  }
+  if (n == 0) return {};
+  const std::vector<uint8_t> raw = storage_bytes(t, extent);
+  std::vector<uint8_t> out(static_cast<size_t>(n) * es);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t rem = i, off = 0;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      off += (rem % t.shape[d]) * t.strides[d];
+      rem /= t.shape[d];
+    }
+    std::memcpy(out.data() + i * es, raw.data() + off * es, es);
+  }
+  return out;
+}
+
+std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want,
+                       const std::vector<uint8_t>& got) {
+  if (want.size() != got.size())
+    return what + ": " + std::to_string(got.size()) + " bytes, expected " +
+           std::to_string(want.size());
+  size_t first = want.size(), count = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (want[i] != got[i]) {
+      if (first == want.size()) first = i;
+      ++count;
+    }
+  if (count == 0) return "";
+  char buf[160];
+  std::snprintf(buf, sizeof(buf),
+                ": %zu of %zu bytes differ, first at byte %zu (got 0x%02x, "
+                "expected 0x%02x)",
+                count, want.size(), first, got[first], want[first]);
+  return what + buf;
+}
+
+std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng) {
+  using detail::f32_to_bf16;
+  std::vector<uint16_t> x = testing::make_bf16(T, H, rng);
+  std::uniform_int_distribution<int> bit(0, 1);
+  for (int64_t t = 0; t < T; ++t) {
+    uint16_t* row = x.data() + t * H;
+    switch (t % 9) {
+      case 0:
+        std::fill(row, row + H, uint16_t{0});
+        break;
+      case 1:  // huge: exponents near the top, some +-inf
+        for (int64_t h = 0; h < H; ++h)
+          row[h] =
+              static_cast<uint16_t>((bit(rng) << 15) | (0xFC + (rng() % 3)) << 7 | (rng() & 0x7F));
+        row[rng() % H] = 0x7F80;
+        row[rng() % H] = 0xFF80;
+        break;
+      case 2:  // tiny: subnormal and smallest normals (amax below the 1e-4 floor)
+        for (int64_t h = 0; h < H; ++h)
+          row[h] = static_cast<uint16_t>((bit(rng) << 15) | ((rng() % 3) << 7) | (rng() & 0x7F));
+        break;
+      case 3:  // NaNs in a normal row
+        for (int i = 0; i < 5; ++i) row[rng() % H] = (i % 2) ? 0x7FC0 : 0xFFC1;
+        break;
+      case 4:  // random bit patterns: every class of value
+        for (int64_t h = 0; h < H; ++h) row[h] = static_cast<uint16_t>(rng());
+        break;
+      case 5:  // mixed groups: a zero group, one huge value, -0.0
+        std::fill(row, row + std::min<int64_t>(H, 16), uint16_t{0x8000});
+        row[H - 1] = f32_to_bf16(3.0e5f);
+        break;
+      default:
+        break;  // random normal rows
+    }
+  }
+  return x;
 }
 
 Allocator poison_allocator(int byte) {

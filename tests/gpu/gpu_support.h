@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,18 @@ std::vector<T> to_host(const TensorView& t) {
   if (!b.empty()) std::memcpy(out.data(), b.data(), out.size() * sizeof(T));
   return out;
 }
+
+// `elems` elements from the start of t's storage (cpu or cuda; cuda: after a device sync), as
+// bytes.
+std::vector<uint8_t> storage_bytes(const TensorView& t, int64_t elems);
+// t's elements in logical row-major order (any strides), as bytes.
+std::vector<uint8_t> logical_bytes(const TensorView& t);
+// "" when equal, else where the first difference is and how many bytes differ.
+std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want,
+                       const std::vector<uint8_t>& got);
+// [T, H] bf16: random rows plus, by row index, adversarial kinds (zeros, huge incl. +-inf, tiny
+// and subnormal, NaN, random bit patterns, mixed groups) for the quantisation paths.
+std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng);
 
 // default_allocator(), every byte of a new tensor set to `byte` (cpu or cuda) and, on cuda,
 // waited for: outputs the library must overwrite start as garbage, and the fill can never land
