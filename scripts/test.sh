@@ -20,7 +20,8 @@ if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
   for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
     [ -x "$t" ] || continue
     out=$("$t" 2>&1 || true)
-    skipped=$(grep -c '^\[  SKIPPED \]' <<<"$out" || true)
+    # gtest's summary line: "[  SKIPPED ] N tests, listed below:" (each test is also listed).
+    skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9][0-9]*\) tests\{0,1\},.*/\1/p' <<<"$out" | head -n 1)
     reason=$(grep -A1 -m1 ': Skipped$' <<<"$out" | tail -n 1 || true)
     echo "== GPU tier $(basename "$t"): ${skipped:-0} tests skipped: ${reason:-none} =="
   done
