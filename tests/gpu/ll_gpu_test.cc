@@ -25,6 +25,7 @@
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu/gpu_support.h"
+#include "support/ll_cases.h"
 #include "support/oracle_ll.h"
 #include "support/routing.h"
 
@@ -38,92 +39,10 @@ using testing::LlProblem;
 using testing::LlRankInput;
 using testing::Routing;
 
-constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong y row read shows up in out
+using Case = testing::LlCase;
+using Batch = testing::LlBatch;
 
-// ---- problems (generated in the parent) ------------------------------------------------------
-
-struct Case {
-  LlProblem p;
-  Routing routing = Routing::kUniform;
-  bool topk_i32 = false, hook = false, reverse_hooks = false, zero_copy = false;
-  bool out_given = false, stats = false, padded = false;
-  int num_batches = 1;  // dispatches in flight together
-  int num_iters = 1;    // dispatch + combine rounds on one buffer
-  uint64_t seed = 0;
-  std::vector<int64_t> fixed_tokens;  // T per rank, or empty for random T in [0, T_max]
-
-  std::string describe() const {
-    return p.describe() + " routing=" + testing::routing_name(routing) +
-           (topk_i32 ? " topk_i32" : "") + (hook ? " hook" : "") +
-           (reverse_hooks ? " reverse_hooks" : "") + (zero_copy ? " zero_copy" : "") +
-           (out_given ? " out" : "") + (stats ? " stats" : "") + (padded ? " padded" : "") +
-           " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
-           " seed=" + std::to_string(seed);
-  }
-};
-
-// One dispatch + combine: every rank's inputs and what every rank must get.
-struct Batch {
-  std::vector<LlRankInput> in;                  // [R]
-  std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
-  std::vector<LlExpectedDispatch> want;         // [R]
-  std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
-  std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
-};
-
-void finish_batch(const Case& c, Batch& b, std::mt19937_64& rng);
-
-Batch make_batch(const Case& c, std::mt19937_64& rng) {
-  const LlProblem& p = c.p;
-  const int R = p.num_ranks, L = p.num_local_experts();
-  const int64_t RT = p.rows_per_expert(), H = p.hidden;
-  Batch b;
-  for (int r = 0; r < R; ++r) {
-    LlRankInput in;
-    const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
-    in.num_tokens = !c.fixed_tokens.empty() ? c.fixed_tokens[r]
-                    : pick == 0             ? 0
-                    : pick == 1             ? p.max_tokens
-                                : std::uniform_int_distribution<int64_t>(0, p.max_tokens)(rng);
-    in.x = testing::make_bf16(in.num_tokens, H, rng);
-    const int target = std::uniform_int_distribution<int>(0, p.num_experts - 1)(rng);
-    in.topk_idx =
-        testing::make_topk_idx(c.routing, in.num_tokens, p.top_k, p.num_experts, R, rng, target);
-    in.topk_weights = testing::make_topk_weights(in.topk_idx, rng);
-    b.in.push_back(std::move(in));
-    std::vector<int32_t> s(L);
-    for (auto& v : s) v = std::uniform_int_distribution<int32_t>(-1000, 1000)(rng);
-    b.stats0.push_back(s);
-  }
-  finish_batch(c, b, rng);
-  return b;
-}
-
-// The expected outputs (and y) of b's inputs.
-void finish_batch(const Case& c, Batch& b, std::mt19937_64& rng) {
-  const LlProblem& p = c.p;
-  const int R = p.num_ranks, L = p.num_local_experts();
-  const int64_t RT = p.rows_per_expert(), H = p.hidden;
-  b.want.clear();
-  b.y.clear();
-  for (int r = 0; r < R; ++r) {
-    b.want.push_back(testing::oracle_ll_dispatch(p, b.in, r));
-    std::vector<uint16_t> y(L * RT * H, kPoisonBf16);
-    for (int l = 0; l < L; ++l) {
-      const std::vector<uint16_t> rows = testing::make_bf16(b.want[r].recv_count[l], H, rng);
-      std::copy(rows.begin(), rows.end(), y.begin() + l * RT * H);
-    }
-    b.y.push_back(std::move(y));
-  }
-  b.want_out = testing::oracle_ll_combine_all(p, b.in, b.y);
-}
-
-std::vector<Batch> make_batches(const Case& c) {
-  std::mt19937_64 rng(c.seed);
-  std::vector<Batch> v;
-  for (int i = 0; i < c.num_iters * c.num_batches; ++i) v.push_back(make_batch(c, rng));
-  return v;
-}
+// ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 
 Case random_case(int R, uint64_t seed) {
   std::mt19937_64 rng(seed * 7919 + 17);
@@ -376,7 +295,7 @@ TEST_P(LlGpu, RandomCasesMatchOracle) {
   const int n = R == 1 ? 12 : 24;
   for (int i = 0; i < n; ++i) {
     cases.push_back(random_case(R, 1000 * R + i));
-    data.push_back(make_batches(cases.back()));
+    data.push_back(testing::make_ll_batches(cases.back()));
   }
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
@@ -420,7 +339,7 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   big.seed = seed++;
   cases.push_back(big);
   std::vector<std::vector<Batch>> data;
-  for (const Case& c : cases) data.push_back(make_batches(c));
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
 
@@ -440,7 +359,7 @@ TEST_P(LlOneGpu, RandomCasesMatchOracle) {
   std::vector<std::vector<Batch>> data;
   for (int i = 0; i < 10; ++i) {
     cases.push_back(random_case(R, 7000 * R + i));
-    data.push_back(make_batches(cases.back()));
+    data.push_back(testing::make_ll_batches(cases.back()));
   }
   EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
 }
@@ -468,7 +387,7 @@ TEST(LlGpuGraph, CaptureReplayedOnNewInputs) {
     cases[m].fixed_tokens = {29, 32};
     for (int i = 0; i <= kReplays; ++i) {  // batch 0: the eager warm-up call
       cases[m].routing = all[(i + m) % all.size()];
-      data[m].push_back(make_batch(cases[m], rng));
+      data[m].push_back(testing::make_ll_batch(cases[m], rng));
     }
   }
   const int rc = run_cuda_ranks(R, [&](const Group& g) {
@@ -610,13 +529,13 @@ Case small_case(int R, uint64_t seed) {
 TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
   EPX_REQUIRE_GPUS(2);
   const Case c = small_case(2, 31);
-  const std::vector<Batch> clean = make_batches(c);
+  const std::vector<Batch> clean = testing::make_ll_batches(c);
   std::mt19937_64 rng(32);
-  Batch dropped = make_batch(c, rng);
+  Batch dropped = testing::make_ll_batch(c, rng);
   const int K = c.p.top_k;
   dropped.in[0].topk_idx[3 * K + 2] = -1;
   dropped.in[0].topk_idx[9 * K + 0] = -1;
-  finish_batch(c, dropped, rng);  // what rank 0's routing means once the bad ids are dropped
+  testing::finish_ll_batch(c, dropped, rng);  // what rank 0's routing means once the bad ids are dropped
   Batch bad = dropped;            // what rank 0 passes
   bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
   bad.in[0].topk_idx[9 * K + 0] = -7;
@@ -688,7 +607,7 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
 TEST(LlGpuErrors, MissingPeerIsTimeoutAndLlCleanRecovers) {
   EPX_REQUIRE_GPUS(2);
   const Case c = small_case(2, 41);
-  const std::vector<Batch> data = make_batches(c);
+  const std::vector<Batch> data = testing::make_ll_batches(c);
   GroupOptions options;
   options.timeout = std::chrono::milliseconds(1500);
   const std::string done_path = "/tmp/epx-ll-timeout-" + std::to_string(getpid());
@@ -798,7 +717,7 @@ void expect_error(const std::function<void()>& f, ErrorCode code, const char* ne
 TEST(LlGpuErrors, HookMisuseAndCapacity) {
   EPX_REQUIRE_GPUS(1);
   const Case c = small_case(1, 51);
-  const std::vector<Batch> data = make_batches(c);
+  const std::vector<Batch> data = testing::make_ll_batches(c);
   const int rc = run_cuda_ranks(1, [&](const Group& g) {
     const int64_t H = c.p.hidden, T = 11;
     const int K = c.p.top_k;

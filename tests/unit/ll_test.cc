@@ -16,6 +16,7 @@
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "support/harness.h"
+#include "support/ll_cases.h"
 #include "support/oracle_ll.h"
 #include "support/routing.h"
 
@@ -27,69 +28,9 @@ using testing::LlProblem;
 using testing::LlRankInput;
 using testing::Routing;
 
-constexpr uint16_t kPoisonBf16 = 0x7FC1;  // NaN: a wrong row read shows up in the combine sum
-
-struct Case {
-  LlProblem p;
-  Routing routing = Routing::kUniform;
-  bool topk_i32 = false, hook = false, reverse_hooks = false, zero_copy = false;
-  bool out_given = false, stats = false, padded = false;
-  int num_batches = 1;  // dispatches in flight together
-  int num_iters = 1;    // dispatch+combine rounds on one buffer
-  uint64_t seed = 0;
-
-  std::string describe() const {
-    return p.describe() + " routing=" + testing::routing_name(routing) +
-           (topk_i32 ? " topk_i32" : "") + (hook ? " hook" : "") +
-           (reverse_hooks ? " reverse_hooks" : "") + (zero_copy ? " zero_copy" : "") +
-           (out_given ? " out" : "") + (stats ? " stats" : "") + (padded ? " padded" : "") +
-           " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
-           " seed=" + std::to_string(seed);
-  }
-};
-
-// One dispatch + combine: every rank's inputs and what every rank must get.
-struct Batch {
-  std::vector<LlRankInput> in;                  // [R]
-  std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
-  std::vector<LlExpectedDispatch> want;         // [R]
-  std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
-  std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
-};
-
-Batch make_batch(const Case& c, std::mt19937_64& rng) {
-  const LlProblem& p = c.p;
-  const int R = p.num_ranks, L = p.num_local_experts();
-  const int64_t RT = p.rows_per_expert(), H = p.hidden;
-  Batch b;
-  for (int r = 0; r < R; ++r) {
-    LlRankInput in;
-    const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
-    in.num_tokens = pick == 0   ? 0
-                    : pick == 1 ? p.max_tokens
-                                : std::uniform_int_distribution<int64_t>(0, p.max_tokens)(rng);
-    in.x = testing::make_bf16(in.num_tokens, H, rng);
-    const int target = std::uniform_int_distribution<int>(0, p.num_experts - 1)(rng);
-    in.topk_idx =
-        testing::make_topk_idx(c.routing, in.num_tokens, p.top_k, p.num_experts, R, rng, target);
-    in.topk_weights = testing::make_topk_weights(in.topk_idx, rng);
-    b.in.push_back(std::move(in));
-    std::vector<int32_t> s(L);
-    for (auto& v : s) v = std::uniform_int_distribution<int32_t>(-1000, 1000)(rng);
-    b.stats0.push_back(s);
-  }
-  for (int r = 0; r < R; ++r) {
-    b.want.push_back(testing::oracle_ll_dispatch(p, b.in, r));
-    std::vector<uint16_t> y(L * RT * H, kPoisonBf16);
-    for (int l = 0; l < L; ++l) {
-      const std::vector<uint16_t> rows = testing::make_bf16(b.want[r].recv_count[l], H, rng);
-      std::copy(rows.begin(), rows.end(), y.begin() + l * RT * H);
-    }
-    b.y.push_back(std::move(y));
-  }
-  b.want_out = testing::oracle_ll_combine_all(p, b.in, b.y);
-  return b;
-}
+using Case = testing::LlCase;
+using Batch = testing::LlBatch;
+using testing::make_ll_batch;
 
 // A copy of rows [n, H] with row stride H + pad (pad 0 when !padded).
 struct Rows {
@@ -227,9 +168,7 @@ void run_case(const Case& c, bool processes) {
             c.describe().c_str());
     }
   } timer{c, t0};
-  std::mt19937_64 rng(c.seed);
-  std::vector<Batch> batches;
-  for (int i = 0; i < c.num_iters * c.num_batches; ++i) batches.push_back(make_batch(c, rng));
+  const std::vector<Batch> batches = testing::make_ll_batches(c);
   if (processes) {
     int rc = testing::run_processes(c.p.num_ranks, [&](const Group& g) {
       std::string e = run_rank(c, batches, g);
@@ -326,7 +265,7 @@ TEST(Ll, TwoBatchOverlapSequence) {
   c.p = {3, 33, 256, 8, 12, true, false, false};
   c.seed = 777;
   std::mt19937_64 rng(c.seed);
-  const Batch A = make_batch(c, rng), B = make_batch(c, rng);
+  const Batch A = make_ll_batch(c, rng), B = make_ll_batch(c, rng);
   std::vector<std::string> errors(3);
   testing::run_threads(3, [&](const Group& g) {
     const int r = g.rank();

@@ -1,0 +1,49 @@
+// tests/support/ll_cases.h — one ll test case (problem + call options) and its batches: every
+// rank's inputs and what every rank must get from the oracle (oracle_ll.h). Shared by the cpu
+// tests (tests/unit/ll_test.cc) and the GPU tier (tests/gpu/ll_gpu_test.cc), which differ in how
+// they pick cases and run them, not in what a case means.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/oracle_ll.h"
+#include "support/routing.h"
+
+namespace epx::testing {
+
+inline constexpr uint16_t kLlPoisonBf16 = 0x7FC1;  // NaN: a wrong y row read shows up in out
+
+struct LlCase {
+  LlProblem p;
+  Routing routing = Routing::kUniform;
+  bool topk_i32 = false, hook = false, reverse_hooks = false, zero_copy = false;
+  bool out_given = false, stats = false, padded = false;
+  int num_batches = 1;  // dispatches in flight together
+  int num_iters = 1;    // dispatch + combine rounds on one buffer
+  uint64_t seed = 0;
+  std::vector<int64_t> fixed_tokens;  // T per rank, or empty for random T in [0, T_max]
+
+  std::string describe() const;
+};
+
+// One dispatch + combine: every rank's inputs and what every rank must get.
+struct LlBatch {
+  std::vector<LlRankInput> in;                  // [R]
+  std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
+  std::vector<LlExpectedDispatch> want;         // [R]
+  std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
+  std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
+};
+
+// New random inputs for every rank (T per rank from c.fixed_tokens or random), then
+// finish_ll_batch.
+LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng);
+// The expected outputs (and the expert outputs y) of b's inputs.
+void finish_ll_batch(const LlCase& c, LlBatch& b, std::mt19937_64& rng);
+// c.num_iters * c.num_batches batches from c.seed.
+std::vector<LlBatch> make_ll_batches(const LlCase& c);
+
+}  // namespace epx::testing
