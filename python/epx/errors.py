@@ -74,3 +74,10 @@ def unsupported(op, text):
 
 def out_of_capacity(op, text):
     return OutOfCapacity(_message(OutOfCapacity, op, text))
+
+
+def check_int(op, name, value, minimum=0):
+    """`value` if it is an int (not a bool) >= minimum, else an InvalidArgument naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise invalid(op, f"argument '{name}' is {value!r}, expected an int >= {minimum}")
+    return value

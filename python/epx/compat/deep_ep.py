@@ -51,16 +51,6 @@ __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 topk_idx_t = torch.int64
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_int(op, name, value, minimum=0):
-    if not _is_int(value) or value < minimum:
-        raise errors.invalid(op, f"argument '{name}' is {value!r}, expected an int >= {minimum}")
-    return value
-
-
 def _align(n, a=128):
     return (n + a - 1) // a * a
 
@@ -81,31 +71,31 @@ class Config:
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
                  num_max_rdma_chunked_recv_tokens=256):
         op = "Config"
-        self.num_sms = _check_int(op, "num_sms", num_sms, 1)
+        self.num_sms = errors.check_int(op, "num_sms", num_sms, 1)
         if num_sms % 2:
             raise errors.invalid(op, f"argument 'num_sms' is {num_sms}, expected an even number")
-        self.num_max_nvl_chunked_send_tokens = _check_int(
+        self.num_max_nvl_chunked_send_tokens = errors.check_int(
             op, "num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
-        self.num_max_nvl_chunked_recv_tokens = _check_int(
+        self.num_max_nvl_chunked_recv_tokens = errors.check_int(
             op, "num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
-        self.num_max_rdma_chunked_send_tokens = _check_int(
+        self.num_max_rdma_chunked_send_tokens = errors.check_int(
             op, "num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
-        self.num_max_rdma_chunked_recv_tokens = _check_int(
+        self.num_max_rdma_chunked_recv_tokens = errors.check_int(
             op, "num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk
         of num_max_nvl_chunked_recv_tokens rows of hidden_bytes per rank and SM pair. epx sizes
         its buffers itself, so the value only has to be accepted back."""
-        _check_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
-        _check_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks, 1)
+        errors.check_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        errors.check_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks, 1)
         rows = self.num_max_nvl_chunked_recv_tokens * num_ranks * max(self.num_sms // 2, 1)
         return _align(rows * (hidden_bytes + 64))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
         """0: epx moves data over NVLink within a node only (no RDMA buffer)."""
-        _check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
-        _check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
+        errors.check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        errors.check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
         return 0
 
     def __repr__(self):
@@ -215,9 +205,9 @@ class Buffer:
                                      "low-latency mode always uses NVLink within the node")
         if group is None:
             raise errors.invalid(op, "argument 'group' is None, expected a torch ProcessGroup")
-        _check_int(op, "num_nvl_bytes", num_nvl_bytes)
-        _check_int(op, "num_rdma_bytes", num_rdma_bytes)
-        _check_int(op, "num_qps_per_rank", num_qps_per_rank)
+        errors.check_int(op, "num_nvl_bytes", num_nvl_bytes)
+        errors.check_int(op, "num_rdma_bytes", num_rdma_bytes)
+        errors.check_int(op, "num_qps_per_rank", num_qps_per_rank)
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -239,7 +229,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms):
         """Sets the SM budget of normal-mode kernels (an even number)."""
-        _check_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, 2)
+        errors.check_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, 2)
         if new_num_sms % 2:
             raise errors.invalid("Buffer.set_num_sms",
                                  f"argument 'new_num_sms' is {new_num_sms}, expected even")
@@ -253,12 +243,12 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        _check_int("Buffer.get_dispatch_config", "num_ranks", num_ranks, 1)
+        errors.check_int("Buffer.get_dispatch_config", "num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        _check_int("Buffer.get_combine_config", "num_ranks", num_ranks, 1)
+        errors.check_int("Buffer.get_combine_config", "num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms)
 
     @staticmethod
@@ -267,10 +257,10 @@ class Buffer:
         """Bytes per rank epx's low-latency buffer takes for this shape (at top-k = min(E, 32),
         the largest the formula allows, since the call does not give it), a multiple of 128."""
         op = "Buffer.get_low_latency_rdma_size_hint"
-        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        _check_int(op, "hidden", hidden, 1)
-        _check_int(op, "num_ranks", num_ranks, 1)
-        _check_int(op, "num_experts", num_experts, 1)
+        errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        errors.check_int(op, "hidden", hidden, 1)
+        errors.check_int(op, "num_ranks", num_ranks, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
         top_k = min(num_experts, 32)
         return _align(_EpxBuffer.bytes_needed("ll", hidden, top_k, num_experts,
                                               num_max_dispatch_tokens_per_rank, num_ranks,
@@ -377,7 +367,7 @@ class Buffer:
         creates the epx buffer collectively."""
         op = "get_dispatch_layout"
         _tensor(op, "topk_idx", topk_idx, 2)
-        _check_int(op, "num_experts", num_experts, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
         device = self._begin(op, topk_idx, previous_event)
         buf = self._ht
         key = self._ht_key
@@ -416,8 +406,8 @@ class Buffer:
         if config is not None and not isinstance(config, Config):
             raise errors.invalid(op, f"argument 'config' is a {type(config).__name__}, expected "
                                  "deep_ep.Config")
-        _check_int(op, "expert_alignment", expert_alignment, 1)
-        _check_int(op, "num_worst_tokens", num_worst_tokens, 0)
+        errors.check_int(op, "expert_alignment", expert_alignment, 1)
+        errors.check_int(op, "num_worst_tokens", num_worst_tokens, 0)
         if num_tokens_per_rdma_rank is not None:
             raise errors.unsupported(op, "num_tokens_per_rdma_rank: epx is intranode only (the "
                                      "layout returns None for it)")
@@ -517,8 +507,8 @@ class Buffer:
                                  "at most one")
         _tensor(op, "x", x, 2)
         _tensor(op, "topk_idx", topk_idx, 2)
-        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        _check_int(op, "num_experts", num_experts, 1)
+        errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
         device = self._begin(op, x, None)
         buf = self._ll_buffer(device, num_max_dispatch_tokens_per_rank, x.shape[1],
                               topk_idx.shape[1], num_experts)
@@ -567,9 +557,9 @@ class Buffer:
         op = "clean_low_latency_buffer"
         self._check_ll(op)
         self._check_alive(op)
-        _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        _check_int(op, "hidden", hidden, 1)
-        _check_int(op, "num_experts", num_experts, 1)
+        errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        errors.check_int(op, "hidden", hidden, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
         key = self._ll_key
         if self._ll is not None and key[2:4] == (num_max_dispatch_tokens_per_rank, hidden) and \
                 key[5] == num_experts:

@@ -80,16 +80,6 @@ def _mask_bools(op, active_rank_mask, ep_size):
     return [bool(bits >> r & 1) for r in range(ep_size)]
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_int(op, name, value, minimum=0):
-    if not _is_int(value) or value < minimum:
-        raise errors.invalid(op, f"argument '{name}' is {value!r}, expected an int >= {minimum}")
-    return value
-
-
 def _round4(n):
     return (n + 3) // 4 * 4
 
@@ -112,8 +102,8 @@ class Mapping:
         op = "Mapping"
         for name, v in (("world_size", world_size), ("gpus_per_node", gpus_per_node),
                         ("cp_size", cp_size), ("tp_size", tp_size), ("pp_size", pp_size)):
-            _check_int(op, name, v, 1)
-        _check_int(op, "rank", rank, 0)
+            errors.check_int(op, name, v, 1)
+        errors.check_int(op, "rank", rank, 0)
         if world_size != tp_size * pp_size * cp_size:
             raise errors.invalid(op, f"world_size = {world_size}, expected tp_size * pp_size * "
                                  f"cp_size = {tp_size * pp_size * cp_size}")
@@ -128,7 +118,7 @@ class Mapping:
             moe_ep_size = tp_size // (moe_tp_size * cluster)
         for name, v in (("moe_cluster_size", cluster), ("moe_tp_size", moe_tp_size),
                         ("moe_ep_size", moe_ep_size)):
-            _check_int(op, name, v, 1)
+            errors.check_int(op, name, v, 1)
         if moe_tp_size * moe_ep_size * cluster != tp_size:
             raise errors.invalid(op, f"moe_tp_size * moe_ep_size * moe_cluster_size = "
                                  f"{moe_tp_size * moe_ep_size * cluster}, expected tp_size = "
@@ -222,32 +212,16 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     built and a GPU is present, else the cpu one), with room for the alignment of up to 8
     separate payloads."""
     op = "moe_a2a_get_workspace_size_per_rank"
-    _check_int(op, "ep_size", ep_size, 1)
-    _check_int(op, "max_num_tokens", max_num_tokens, 1)
-    _check_int(op, "total_dispatch_payload_size_per_token",
+    errors.check_int(op, "ep_size", ep_size, 1)
+    errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
+    errors.check_int(op, "total_dispatch_payload_size_per_token",
                total_dispatch_payload_size_per_token, 1)
-    _check_int(op, "combine_payload_size_per_token", combine_payload_size_per_token, 1)
+    errors.check_int(op, "combine_payload_size_per_token", combine_payload_size_per_token, 1)
     num = _EpxA2a.workspace_bytes(max_num_tokens, 1, ep_size,
                                   [_round4(total_dispatch_payload_size_per_token)],
                                   _round4(combine_payload_size_per_token), ep_size,
                                   _backend_name())
     return num + 2 * _epx.kMaxA2aPayloads * 256
-
-
-class _CommOfProcessGroup:
-    def __init__(self, group):
-        self.group = group
-
-    def Get_rank(self):
-        return dist.get_rank(self.group)
-
-    def Get_size(self):
-        return dist.get_world_size(self.group)
-
-    def allgather(self, data):
-        out = [None] * self.Get_size()
-        dist.all_gather_object(out, data, group=self.group)
-        return out
 
 
 class MoeAlltoAll:
@@ -263,13 +237,13 @@ class MoeAlltoAll:
         if not isinstance(mapping, Mapping) and not hasattr(mapping, "moe_ep_size"):
             raise errors.invalid(op, f"argument 'mapping' is a {type(mapping).__name__}, "
                                  "expected a Mapping")
-        _check_int(op, "max_num_tokens", max_num_tokens, 1)
-        _check_int(op, "top_k", top_k, 1)
-        _check_int(op, "num_experts", num_experts, 1)
+        errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
+        errors.check_int(op, "top_k", top_k, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
         if workspace_size_per_rank is not None:
-            _check_int(op, "workspace_size_per_rank", workspace_size_per_rank, 1)
+            errors.check_int(op, "workspace_size_per_rank", workspace_size_per_rank, 1)
         if hidden_size is not None:
-            _check_int(op, "hidden_size", hidden_size, 1)
+            errors.check_int(op, "hidden_size", hidden_size, 1)
         if workspace_size_per_rank is None and hidden_size is None:
             raise errors.invalid(op, "neither 'workspace_size_per_rank' nor 'hidden_size' is "
                                  "given, expected at least one (it sizes the combine payload)")
@@ -290,9 +264,9 @@ class MoeAlltoAll:
             if not dist.is_initialized():
                 raise errors.invalid(op, "no mnnvl_config.comm_backend and torch.distributed is "
                                      "not initialised, expected one of them")
-            comm = _CommOfProcessGroup(dist.group.WORLD)
+            comm = TorchDistBackend()
         elif isinstance(comm, dist.ProcessGroup):
-            comm = _CommOfProcessGroup(comm)
+            comm = TorchDistBackend(comm)
         rank, size = int(comm.Get_rank()), int(comm.Get_size())
         if size != self.ep_size or rank != self.ep_rank:
             raise errors.invalid(op, f"the communicator has rank {rank} of {size}, expected "
@@ -409,7 +383,7 @@ class MoeAlltoAll:
         active = self._rank_mask(op, active_rank_mask)
         if not isinstance(input_payloads, (list, tuple)):
             raise errors.invalid(op, "argument 'input_payloads' must be a list of tensors")
-        _check_int(op, "runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 0)
+        errors.check_int(op, "runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 0)
         if runtime_max_tokens_per_rank > self.max_num_tokens:
             raise errors.out_of_capacity(op, f"runtime_max_tokens_per_rank = "
                                          f"{runtime_max_tokens_per_rank} exceeds max_num_tokens "
