@@ -9,20 +9,11 @@
 # Logs under $OUT (default /tmp/epx-out).  bash tests/gpu/ll_trace_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN} EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-5000}
-export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin"
-OUT=${OUT:-/tmp/epx-out}
-mkdir -p "$OUT"
+source tests/gpu/device_lib.sh
+epx_device_setup 5000
 BUILD=${BUILD:-bt}
 t0=$(date +%s)
-if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_LL_TRACE=ON \
-         -DEPX_BUILD_TOOLS=OFF -DEPX_BUILD_PYTHON=OFF && \
-       cmake --build "$BUILD" -j 16 --target epx_ll_gpu_bench; } > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"
-  exit 1
-fi
-echo "== build: $(( $(date +%s) - t0 )) s"
+EPX_CMAKE_EXTRA="-DEPX_LL_TRACE=ON" epx_device_build "$BUILD" epx_ll_gpu_bench || exit 1
 B="$BUILD/tests/gpu/epx_ll_gpu_bench"
 run() {  # name timeout args...
   local name=$1 limit=$2

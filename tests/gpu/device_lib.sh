@@ -1,0 +1,60 @@
+# tests/gpu/device_lib.sh — what the one-batch device scripts share (sourced from the repository
+# root): the GPU-machine environment, a bounded Release build of some targets, test filters run
+# one by one (each bounded), and a bounded benchmark. Logs under $OUT (default /tmp/epx-out).
+
+# epx_device_setup DEFAULT_TIMEOUT_MS: the environment every process on the GPU machines gets
+# (never NVLink multicast), $OUT, and $OUT/env.log (GPUs, topology, cores).
+epx_device_setup() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export NCCL_DEBUG=${NCCL_DEBUG:-WARN} EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-$1}
+  export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin"
+  OUT=${OUT:-/tmp/epx-out}
+  mkdir -p "$OUT"
+  { date -u; nvidia-smi -L; nvidia-smi topo -m; nproc; } > "$OUT/env.log" 2>&1
+}
+
+# epx_device_build BUILD_DIR TARGET...: configure (extra flags: $EPX_CMAKE_EXTRA) and build the
+# targets; on failure the tail of $OUT/build.log and status 1.
+epx_device_build() {
+  local build=$1 t0
+  shift
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TOOLS=OFF \
+           -DEPX_BUILD_PYTHON=OFF ${EPX_CMAKE_EXTRA:-} && \
+         cmake --build "$build" -j "$(nproc)" --target "$@"; } > "$OUT/build.log" 2>&1; then
+    tail -60 "$OUT/build.log"
+    return 1
+  fi
+  echo "== build: $(( $(date +%s) - t0 )) s"
+}
+
+# epx_device_tests BINARY TIMEOUT_S FAILURE_REGEX FILTER...: each gtest filter in its own bounded
+# run; all output appended to $OUT/tests.log; per filter its status and, when it failed, the
+# lines matching FAILURE_REGEX.
+epx_device_tests() {
+  local bin=$1 limit=$2 pattern=$3 t s rc
+  shift 3
+  for t in "$@"; do
+    s=$(date +%s)
+    echo "==== $t" >> "$OUT/tests.log"
+    timeout "$limit" "$bin" --gtest_filter="$t" > "$OUT/one.log" 2>&1
+    rc=$?
+    cat "$OUT/one.log" >> "$OUT/tests.log"
+    echo "== test $t: rc=$rc ($(( $(date +%s) - s )) s)"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|FAILED  \]" "$OUT/one.log" | head -20
+    [ $rc -ne 0 ] && grep -E "$pattern" "$OUT/one.log" | cut -c1-400 | head -25
+  done
+  rm -f "$OUT/one.log"
+}
+
+# epx_device_bench BINARY TIMEOUT_S: unless RUN_BENCH=0, the benchmark with $BENCH_ARGS, output
+# to the terminal and $OUT/bench.log.
+epx_device_bench() {
+  [ "${RUN_BENCH:-1}" = 1 ] || return 0
+  local s
+  s=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$2" "$1" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  echo "== bench rc=${PIPESTATUS[0]} ($(( $(date +%s) - s )) s)"
+}
