@@ -402,13 +402,7 @@ int main(int argc, char** argv) {
     } else if (a == "--sms") {
       o.sms = std::atoi(next().c_str());
     } else if (a == "--tokens") {
-      o.tokens.clear();
-      std::string list = next();
-      for (size_t p = 0; p < list.size();) {
-        const size_t q = list.find(',', p);
-        o.tokens.push_back(std::atoll(list.substr(p, q - p).c_str()));
-        p = q == std::string::npos ? list.size() : q + 1;
-      }
+      o.tokens = gpu_testing::parse_int_list(next());
     } else {
       std::printf(
           "usage: %s [--ranks R] [--tokens 1,128,2048,4096] [--iters N] [--sms C]\n"

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -250,6 +251,28 @@ std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng) {
     }
   }
   return x;
+}
+
+std::vector<std::string> split_commas(const std::string& list) {
+  std::vector<std::string> v;
+  for (size_t p = 0; p < list.size();) {
+    size_t q = list.find(',', p);
+    if (q == std::string::npos) q = list.size();
+    if (q > p) v.push_back(list.substr(p, q - p));
+    p = q + 1;
+  }
+  return v;
+}
+
+std::vector<int64_t> parse_int_list(const std::string& list) {
+  std::vector<int64_t> v;
+  for (size_t p = 0; p < list.size();) {
+    size_t q = list.find(',', p);
+    if (q == std::string::npos) q = list.size();
+    v.push_back(std::atoll(list.substr(p, q - p).c_str()));
+    p = q + 1;
+  }
+  return v;
 }
 
 Allocator poison_allocator(int byte) {

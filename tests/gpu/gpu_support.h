@@ -98,6 +98,11 @@ std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want
 // and subnormal, NaN, random bit patterns, mixed groups) for the quantisation paths.
 std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng);
 
+// Command-line lists of the GPU benchmarks: "a,b,c" -> its items (empty items dropped), and
+// -> integers (an empty item reads as 0).
+std::vector<std::string> split_commas(const std::string& list);
+std::vector<int64_t> parse_int_list(const std::string& list);
+
 // default_allocator(), every byte of a new tensor set to `byte` (cpu or cuda) and, on cuda,
 // waited for: outputs the library must overwrite start as garbage, and the fill can never land
 // after a kernel on another stream wrote (a legacy-stream memset is not ordered with

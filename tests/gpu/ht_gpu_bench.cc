@@ -32,14 +32,7 @@ using namespace epx;
 
 std::vector<int> parse_list(const char* s) {
   std::vector<int> v;
-  std::string str(s);
-  size_t p = 0;
-  while (p < str.size()) {
-    size_t q = str.find(',', p);
-    if (q == std::string::npos) q = str.size();
-    v.push_back(std::atoi(str.substr(p, q - p).c_str()));
-    p = q + 1;
-  }
+  for (int64_t x : gpu_testing::parse_int_list(s)) v.push_back(static_cast<int>(x));
   return v;
 }
 
@@ -53,19 +46,6 @@ struct Options {
   bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
 };
-
-std::vector<std::string> split_list(const char* s) {
-  std::vector<std::string> v;
-  std::string str(s);
-  size_t p = 0;
-  while (p < str.size()) {
-    size_t q = str.find(',', p);
-    if (q == std::string::npos) q = str.size();
-    if (q > p) v.push_back(str.substr(p, q - p));
-    p = q + 1;
-  }
-  return v;
-}
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
 // calls), so timed calls neither cudaMalloc nor cudaFree (which would synchronise the device).
@@ -289,7 +269,7 @@ int main(int argc, char** argv) {
     else if (a == "--ablate")
       o.ablate = true;
     else if (a == "--copy")
-      o.copy = split_list(next());
+      o.copy = gpu_testing::split_commas(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "

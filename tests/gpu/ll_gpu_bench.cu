@@ -731,15 +731,7 @@ int run_rank(const Group& g, const Options& o) {
 int main(int argc, char** argv) {
   Options o;
   std::vector<int> sms_list = {0};
-  auto parse_list = [](const std::string& list) {
-    std::vector<int64_t> v;
-    for (size_t p = 0; p < list.size();) {
-      const size_t q = list.find(',', p);
-      v.push_back(std::atoll(list.substr(p, q - p).c_str()));
-      p = q == std::string::npos ? list.size() : q + 1;
-    }
-    return v;
-  };
+  using gpu_testing::parse_int_list;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -749,9 +741,9 @@ int main(int argc, char** argv) {
       o.iters = std::atoi(next().c_str());
     } else if (a == "--sms") {
       sms_list.clear();
-      for (int64_t v : parse_list(next())) sms_list.push_back(static_cast<int>(v));
+      for (int64_t v : parse_int_list(next())) sms_list.push_back(static_cast<int>(v));
     } else if (a == "--tokens") {
-      o.tokens = parse_list(next());
+      o.tokens = parse_int_list(next());
     } else if (a == "--trace") {
       o.trace = true;
     } else if (a == "--trace-only") {
