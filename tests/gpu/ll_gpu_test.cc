@@ -44,42 +44,7 @@ using Batch = testing::LlBatch;
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 
-Case random_case(int R, uint64_t seed) {
-  std::mt19937_64 rng(seed * 7919 + 17);
-  auto pick = [&](auto... v) {
-    const std::vector<std::common_type_t<decltype(v)...>> all{v...};
-    return all[std::uniform_int_distribution<size_t>(0, all.size() - 1)(rng)];
-  };
-  auto coin = [&](double prob) { return std::uniform_real_distribution<>(0, 1)(rng) < prob; };
-  Case c;
-  c.seed = seed;
-  const auto routings = testing::all_routings();
-  while (true) {
-    LlProblem& p = c.p;
-    p.num_ranks = R;
-    p.num_experts = R * pick(1, 2, 3, 4, 8, 9, 16, 36);
-    p.top_k = pick(1, 8, 9, 16);
-    p.max_tokens = pick(int64_t{1}, int64_t{7}, int64_t{64}, int64_t{512});
-    p.hidden = coin(0.1) ? 7168 : pick(int64_t{128}, int64_t{384});
-    c.num_batches = coin(0.3) ? 2 : 1;
-    const double elems = double(p.num_experts) * p.max_tokens * p.hidden * c.num_batches;
-    const double work = double(R) * p.max_tokens * p.top_k * p.hidden;
-    if (p.num_experts <= 288 && elems <= 4e6 && work <= 2e7) break;
-  }
-  c.p.use_fp8 = coin(0.6);
-  c.p.round_scale = c.p.use_fp8 && coin(0.5);
-  c.p.use_ue8m0 = c.p.round_scale && coin(0.5);
-  c.routing = routings[std::uniform_int_distribution<size_t>(0, routings.size() - 1)(rng)];
-  c.topk_i32 = coin(0.25);
-  c.hook = coin(0.5);
-  c.reverse_hooks = c.hook && c.num_batches == 2 && coin(0.5);
-  c.zero_copy = coin(0.5);
-  c.out_given = coin(0.5);
-  c.stats = coin(0.5);
-  c.padded = coin(0.25);
-  c.num_iters = coin(0.4) ? 2 : 1;
-  return c;
-}
+Case random_case(int R, uint64_t seed) { return testing::random_ll_case(R, seed, 0.4); }
 
 // ---- device helpers ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 #include "support/ll_cases.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace epx::testing {
 
@@ -10,6 +11,44 @@ std::string LlCase::describe() const {
          (zero_copy ? " zero_copy" : "") + (out_given ? " out" : "") + (stats ? " stats" : "") +
          (padded ? " padded" : "") + " batches=" + std::to_string(num_batches) +
          " iters=" + std::to_string(num_iters) + " seed=" + std::to_string(seed);
+}
+
+LlCase random_ll_case(int R, uint64_t seed, double two_iters) {
+  std::mt19937_64 rng(seed * 7919 + 17);
+  auto pick = [&](auto... v) {
+    const std::vector<std::common_type_t<decltype(v)...>> all{v...};
+    return all[std::uniform_int_distribution<size_t>(0, all.size() - 1)(rng)];
+  };
+  auto coin = [&](double prob) { return std::uniform_real_distribution<>(0, 1)(rng) < prob; };
+  LlCase c;
+  c.seed = seed;
+  const auto routings = all_routings();
+  while (true) {
+    LlProblem& p = c.p;
+    p.num_ranks = R > 0 ? R : pick(1, 2, 3, 4, 8);
+    p.num_experts = p.num_ranks * pick(1, 2, 3, 4, 8, 9, 16, 36);
+    p.top_k = pick(1, 8, 9, 16);
+    p.max_tokens = pick(int64_t{1}, int64_t{7}, int64_t{64}, int64_t{512});
+    p.hidden = coin(0.1) ? 7168 : pick(int64_t{128}, int64_t{384});
+    c.num_batches = coin(0.3) ? 2 : 1;
+    // Keep each case's memory (~16 bytes per [E, T_max, H] element per batch) and time modest.
+    const double elems = double(p.num_experts) * p.max_tokens * p.hidden * c.num_batches;
+    const double work = double(p.num_ranks) * p.max_tokens * p.top_k * p.hidden;
+    if (p.num_experts <= 288 && elems <= 4e6 && work <= 2e7) break;
+  }
+  c.p.use_fp8 = coin(0.6);
+  c.p.round_scale = c.p.use_fp8 && coin(0.5);
+  c.p.use_ue8m0 = c.p.round_scale && coin(0.5);
+  c.routing = routings[std::uniform_int_distribution<size_t>(0, routings.size() - 1)(rng)];
+  c.topk_i32 = coin(0.25);
+  c.hook = coin(0.5);
+  c.reverse_hooks = c.hook && c.num_batches == 2 && coin(0.5);
+  c.zero_copy = coin(0.5);
+  c.out_given = coin(0.5);
+  c.stats = coin(0.5);
+  c.padded = coin(0.25);
+  c.num_iters = coin(two_iters) ? 2 : 1;
+  return c;
 }
 
 LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng) {

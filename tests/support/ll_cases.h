@@ -38,6 +38,11 @@ struct LlBatch {
   std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
 };
 
+// A random case from `seed`: problem (R ranks, or R picked from {1, 2, 3, 4, 8} when R <= 0),
+// dtype options, routing and call options, sized to keep memory and time modest; two rounds on
+// one buffer with probability `two_iters`.
+LlCase random_ll_case(int R, uint64_t seed, double two_iters);
+
 // New random inputs for every rank (T per rank from c.fixed_tokens or random), then
 // finish_ll_batch.
 LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng);
