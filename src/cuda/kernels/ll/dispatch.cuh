@@ -51,12 +51,12 @@ struct LlDispatchParams {
   int32_t rank;              // r
   int32_t units_per_expert;  // S
   int32_t send_parts;        // P: parts per token of the spread send (EPX_LL_VARIANT bit 3), >= 1
-  uint8_t* recv_x;        // [L, RT, H] e4m3 or bf16, contiguous (or null)
-  void* recv_scales;      // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32 (or null)
-  int32_t* recv_count;    // [L]
-  int32_t* src_info;      // [L, RT]
-  int64_t* layout_range;  // [L, R]
-  int32_t* stats;         // optional [L], element stride stats_stride
+  uint8_t* recv_x;           // [L, RT, H] e4m3 or bf16, contiguous (or null)
+  void* recv_scales;         // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32 (or null)
+  int32_t* recv_count;       // [L]
+  int32_t* src_info;         // [L, RT]
+  int64_t* layout_range;     // [L, R]
+  int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
   int32_t variant;  // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
   LlSymm symm;
@@ -174,8 +174,8 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
         const int base = static_cast<int>(threadIdx.x) - lane + i * static_cast<int>(blockDim.x);
         if (base < nv) quantise_and_send(xpre[i], base + lane);
       }
-      for (int base = static_cast<int>(threadIdx.x) - lane + kLlXPrefetch * blockDim.x;
-           base < nv; base += blockDim.x) {
+      for (int base = static_cast<int>(threadIdx.x) - lane + kLlXPrefetch * blockDim.x; base < nv;
+           base += blockDim.x) {
         const int v = base + lane;
         quantise_and_send(v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
       }
@@ -353,8 +353,7 @@ __device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
         }
         for (int base = v0 + warp_base + kLlXPrefetch * x_threads; base < v1; base += x_threads) {
           const int v = base + lane;
-          quantise_and_send(v < v1 ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0},
-                            v);
+          quantise_and_send(v < v1 ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
         }
       } else {
         auto send = [&](const uint4& raw, int v) {
@@ -468,7 +467,8 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
     __shared__ int32_t s_tokens[kMaxRanks];
     if (threadIdx.x < R) {
       const int32_t n = ll_ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
-      s_tokens[threadIdx.x] = n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
+      s_tokens[threadIdx.x] =
+          n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
