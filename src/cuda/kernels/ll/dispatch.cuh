@@ -66,6 +66,70 @@ struct LlDispatchParams {
 #endif
 };
 
+// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
+// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
+// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
+// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
+// msg(d, q, r, t) of every rank d in `mask`.
+__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
+                                            bool active, uint64_t mask, int64_t t) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden;
+  float f[8];
+  if (active) {
+    ll_bf16x8_to_f32(raw, f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = 0.0f;
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = f[i] < 0 ? -f[i] : f[i];
+    amax = a > amax ? a : amax;
+  }
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+    amax = o > amax ? o : amax;
+  }
+  const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
+  const float inv = 1.0f / scale;
+  uint8_t b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
+  uint2 packed;
+  memcpy(&packed, b, 8);
+  if (!active) return;
+  for (uint64_t m = mask; m != 0; m &= m - 1) {
+    const int d = __ffsll(static_cast<long long>(m)) - 1;
+    char* msg = g.msg(p.symm.peers[d], p.slot, p.rank, t);
+    *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
+    if ((threadIdx.x & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
+  }
+}
+
+// bf16 step 3 of one vector: vector v of token t into msg(d, q, r, t) of every rank d in `mask`.
+__device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const uint4& raw, int v,
+                                             uint64_t mask, int64_t t) {
+  for (uint64_t m = mask; m != 0; m &= m - 1) {
+    const int d = __ffsll(static_cast<long long>(m)) - 1;
+    *reinterpret_cast<uint4*>(p.symm.layout.msg(p.symm.peers[d], p.slot, p.rank, t) + 16 * v) = raw;
+  }
+}
+
+// Send step 4 (after __syncthreads): thread d < R releases the CTA's stores to rank d,
+// dispatch_sent[q][r] += 1 there, and `routed` also dispatch_routed (no extra fence).
+__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, bool routed) {
+  const LlLayout& g = p.symm.layout;
+  if (static_cast<int>(threadIdx.x) < g.num_ranks) {
+    fence_acq_rel_sys();
+    LlSync* sy = g.sync(p.symm.peers[threadIdx.x]);
+    red_add_relaxed_sys(&sy->dispatch_sent[p.slot][p.rank], 1u);
+    if (routed) red_add_relaxed_sys(&sy->dispatch_routed[p.slot][p.rank], 1u);
+  }
+}
+
 // Send steps 1-4. False when a wait failed (the CTA must leave).
 __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   __shared__ int32_t s_ids[kLlMaxTopK];
@@ -135,39 +199,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       // so a half-warp is active or not as a whole); every lane takes part in the shuffles, so
       // the loops below run per warp (`base`, the warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
-        const bool active = v < nv;
-        float f[8];
-        if (active) {
-          ll_bf16x8_to_f32(raw, f);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) f[i] = 0.0f;
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float a = f[i] < 0 ? -f[i] : f[i];
-          amax = a > amax ? a : amax;
-        }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) {
-          const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-          amax = o > amax ? o : amax;
-        }
-        const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
-        const float inv = 1.0f / scale;
-        uint8_t b[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
-        uint2 packed;
-        memcpy(&packed, b, 8);
-        if (!active) return;
-        for (uint64_t m = mask; m != 0; m &= m - 1) {
-          const int d = __ffsll(static_cast<long long>(m)) - 1;
-          char* msg = g.msg(symm.peers[d], q, me, t);
-          *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
-          if ((lane & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
-        }
+        ll_send_fp8(p, raw, v, v < nv, mask, t);
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
@@ -180,12 +212,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
         quantise_and_send(v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
       }
     } else {
-      auto send = [&](const uint4& raw, int v) {
-        for (uint64_t m = mask; m != 0; m &= m - 1) {
-          const int d = __ffsll(static_cast<long long>(m)) - 1;
-          *reinterpret_cast<uint4*>(g.msg(symm.peers[d], q, me, t) + 16 * v) = raw;
-        }
-      };
+      auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
         const int v = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
@@ -201,12 +228,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDSent);
   // dispatch_routed too (no extra fence), so its count stays e * C whatever path a later call
   // takes (EPX_LL_VARIANT bit 2 waits on it).
-  if (threadIdx.x < R) {
-    fence_acq_rel_sys();
-    LlSync* sy = g.sync(symm.peers[threadIdx.x]);
-    red_add_relaxed_sys(&sy->dispatch_sent[q][me], 1u);
-    red_add_relaxed_sys(&sy->dispatch_routed[q][me], 1u);
-  }
+  ll_dispatch_signal(p, true);
   EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
@@ -225,7 +247,7 @@ __device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
   const int me = p.rank, q = p.slot;
-  const int64_t H = g.hidden, G = g.num_groups;
+  const int64_t G = g.num_groups;
   const int lane = threadIdx.x & 31;
   const bool early = (p.variant & kLlVariantEarlyRoute) != 0;
   const int P = p.send_parts > 0 ? p.send_parts : 1;
@@ -312,39 +334,7 @@ __device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
         // As ll_dispatch_send: half-warps hold one group each; [v0, v1) is whole groups and
         // warp_base + i * x_threads a multiple of 32, so a half-warp is active as a whole.
         auto quantise_and_send = [&](const uint4& raw, int v) {
-          const bool active = v < v1;
-          float f[8];
-          if (active) {
-            ll_bf16x8_to_f32(raw, f);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = 0.0f;
-          }
-          float amax = 0.0f;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float a = f[i] < 0 ? -f[i] : f[i];
-            amax = a > amax ? a : amax;
-          }
-#pragma unroll
-          for (int off = 8; off > 0; off >>= 1) {
-            const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-            amax = o > amax ? o : amax;
-          }
-          const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
-          const float inv = 1.0f / scale;
-          uint8_t b[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
-          uint2 packed;
-          memcpy(&packed, b, 8);
-          if (!active) return;
-          for (uint64_t m = mask; m != 0; m &= m - 1) {
-            const int d = __ffsll(static_cast<long long>(m)) - 1;
-            char* msg = g.msg(symm.peers[d], q, me, t);
-            *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
-            if ((lane & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
-          }
+          ll_send_fp8(p, raw, v, v < v1, mask, t);
         };
 #pragma unroll
         for (int i = 0; i < kLlXPrefetch; ++i) {
@@ -356,12 +346,7 @@ __device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
           quantise_and_send(v < v1 ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
         }
       } else {
-        auto send = [&](const uint4& raw, int v) {
-          for (uint64_t m = mask; m != 0; m &= m - 1) {
-            const int d = __ffsll(static_cast<long long>(m)) - 1;
-            *reinterpret_cast<uint4*>(g.msg(symm.peers[d], q, me, t) + 16 * v) = raw;
-          }
-        };
+        auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
 #pragma unroll
         for (int i = 0; i < kLlXPrefetch; ++i) {
           const int v = v0 + static_cast<int>(threadIdx.x) + i * x_threads;
@@ -377,12 +362,7 @@ __device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
   // 4. As ll_dispatch_send (dispatch_routed already released when early).
   __syncthreads();
   EPX_LL_STAMP(p, 0, kTrDSent);
-  if (threadIdx.x < R) {
-    fence_acq_rel_sys();
-    LlSync* sy = g.sync(symm.peers[threadIdx.x]);
-    red_add_relaxed_sys(&sy->dispatch_sent[q][me], 1u);
-    if (!early) red_add_relaxed_sys(&sy->dispatch_routed[q][me], 1u);
-  }
+  ll_dispatch_signal(p, !early);
   EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
@@ -439,6 +419,21 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
       out[(l * P + pi) * RT + running + idx] = static_cast<int32_t>(word);
     }
   }
+}
+
+// Receive finish, every CTA: the last one advances the slot's epoch and tells every rank that
+// the staging of slot q may be overwritten (pairs with step 1 of the send).
+__device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, me = p.rank, q = p.slot;
+  if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
+    EPX_LL_STAMP(p, 0, kTrDLastStart);
+    if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
+    if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
+    EPX_LL_STAMP(p, 0, kTrDLastEnd);
+  }
+  EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
 // Receive half. False when a wait failed.
@@ -517,14 +512,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
-  // Finish: the staging of slot q may be overwritten (pairs with step 1 of the send).
-  if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
-    EPX_LL_STAMP(p, 0, kTrDLastStart);
-    if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
-    if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
-    EPX_LL_STAMP(p, 0, kTrDLastEnd);
-  }
-  EPX_LL_STAMP(p, 0, kTrDExit);
+  ll_dispatch_finish(p, e);
   return true;
 }
 
@@ -631,13 +619,7 @@ __device__ bool ll_dispatch_recv_v2(const LlDispatchParams& p, uint32_t e) {
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
-  if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
-    EPX_LL_STAMP(p, 0, kTrDLastStart);
-    if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
-    if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
-    EPX_LL_STAMP(p, 0, kTrDLastEnd);
-  }
-  EPX_LL_STAMP(p, 0, kTrDExit);
+  ll_dispatch_finish(p, e);
   return true;
 }
 
