@@ -43,6 +43,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
+#include "cuda/tuning.h"
 #include "transport/transport.h"
 
 namespace epx::detail {
@@ -66,13 +67,17 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// EPX_LL_VARIANT (ll_layout.cuh: kLlVariant*), read once.
+thread_local int32_t g_ll_variant_override = -1;  // per thread: one-GPU ranks are threads
+
+// The kLlVariant* bits of a launch (ll_layout.cuh): set_ll_variant_override when set, else
+// EPX_LL_VARIANT (read once).
 int32_t ll_variant() {
   static const int32_t v = [] {
     const char* e = std::getenv("EPX_LL_VARIANT");
     return e ? static_cast<int32_t>(std::strtol(e, nullptr, 0)) : 0;
   }();
-  return v;
+  const int32_t o = g_ll_variant_override;
+  return o >= 0 ? o : v;
 }
 
 #ifdef EPX_LL_TRACE
@@ -368,6 +373,11 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   p.symm = symm_;
   p.wait = wait_context(kOpLlDispatch);
   p.variant = ll_variant();
+  // Spread send: enough parts per token to give every CTA an item, whole 128-channel groups.
+  p.send_parts = p.variant & kLlVariantSpread
+                     ? static_cast<int32_t>(std::clamp<int64_t>(num_ctas_ / std::max<int64_t>(T, 1),
+                                                                1, std::max<int64_t>(G, 1)))
+                     : 1;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
 #endif
@@ -489,6 +499,10 @@ void CudaLl::clean() {
   ++generation_;
   for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
   group_.transport()->barrier("ll_clean (reset)");  // nobody signals into a region not yet reset
+}
+
+void set_ll_variant_override(int variant) {
+  g_ll_variant_override = variant < 0 ? -1 : variant;
 }
 
 // ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------

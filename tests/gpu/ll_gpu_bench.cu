@@ -20,9 +20,12 @@
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
 // entry of that launch (medians over the traced iterations), and each kernel's span.
 // --trace-only skips the timing rows and baselines. --sms takes a list (32,64,128): the whole run
-// once per value (one line per T and C at the end, "sweep" lines).
+// once per value (one line per T and C at the end, "sweep" lines). --variant takes a list of
+// EPX_LL_VARIANT values (ll_layout.cuh: kLlVariant*): every T is timed (and traced) once per
+// value in this process (set_ll_variant_override), the check runs once per value, the baselines
+// only with the first; column "var" (-1: no override, EPX_LL_VARIANT or 0).
 // Usage: epx_ll_gpu_bench [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]]
-//                         [--trace] [--trace-only]
+//                         [--variant V[,V..]] [--trace] [--trace-only]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -39,6 +42,7 @@
 #include <vector>
 
 #include "cuda/kernels/ll/trace.cuh"
+#include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu/bench_common.cuh"
@@ -66,6 +70,8 @@ struct Options {
   int warmup = 5;
   int graph_replays = 10;
   int sms = 0;
+  std::vector<int> variants = {-1};  // --variant (-1: no override)
+  bool baselines = true;             // off for the later variants of a T
   bool trace = false;
   bool trace_only = false;
 };
@@ -231,6 +237,7 @@ struct Workload {
 
 struct Row {
   int64_t tokens = 0;
+  int variant = -1;
   double disp = 0, comb = 0, comb_copy = 0, both = 0;
   double send = 0, recv = 0, csend = 0, crecv = 0;
   double g_disp = 0, g_comb = 0, g_both = 0, g_hook = 0;
@@ -379,6 +386,7 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   });
   for (auto& e : ev) cudaEventDestroy(e);
 
+  if (!o.baselines) return row;
   stage(g, "baselines, T", T);
   // Baselines over the same NVLink bytes.
   const size_t total = (disp_bytes + comb_bytes + 15) / 16 * 16;
@@ -570,17 +578,17 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
 #endif
 
 void print_header() {
-  std::printf("%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
-              "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv", "g_disp",
-              "g_comb", "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl");
+  std::printf("%5s %3s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
+              "T", "var", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv",
+              "g_disp", "g_comb", "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl");
 }
 void print_row(const Row& w) {
   std::printf(
-      "%5lld | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
+      "%5lld %3d | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
       "%6.1f | %6.2f %6.2f | %7.1f %7.1f\n",
-      static_cast<long long>(w.tokens), w.disp, w.comb, w.comb_copy, w.both, w.send, w.recv,
-      w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb, w.nvl_comb_mb,
-      w.ceiling, w.nccl);
+      static_cast<long long>(w.tokens), w.variant, w.disp, w.comb, w.comb_copy, w.both, w.send,
+      w.recv, w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb,
+      w.nvl_comb_mb, w.ceiling, w.nccl);
   std::fflush(stdout);
 }
 
@@ -640,47 +648,61 @@ int run_rank(const Group& g, const Options& o) {
     bytes[b] = buf.bytes_allocated();
     stage(g, "buffer ready, MB", static_cast<int64_t>(bytes[b] / 1000000));
     if (b == 0) {
-      failures += check_once(buf, g, s);
-      stage(g, "check done, failures", failures);
+      for (int v : o.variants) {
+        detail::set_ll_variant_override(v);
+        const int f = check_once(buf, g, s);
+        if (f && r == 0) std::printf("check FAILED with variant %d\n", v);
+        failures += f;
+        stage(g, "check done, failures", failures);
+      }
     }
     fill_combine_buffers(buf, g, cap);
     Tensor y_user = device_bf16({L, R * cap, kHidden}, 123 + r, r);
     CK(cudaDeviceSynchronize());
     for (int64_t T : o.tokens) {
       if ((b == 0) != (T <= 128)) continue;
-      if (!o.trace_only) {
-        stage(g, "timing T", T);
-        rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
-        if (r == 0) print_row(rows.back());
-      }
-#ifdef EPX_LL_TRACE
-      if (o.trace) {
-        stage(g, "trace T", T);
-        static thread_local TraceClock clk;
-        static thread_local bool probed = false;
-        if (!probed) {
-          clk = probe_clock(r);
-          probed = true;
-          std::printf(
-              "[trace] rank %d: %%globaltimer steps %.0f ns (smallest) / %.0f ns (mean), "
-              "SM clock %.3f GHz -> offsets from %s\n",
-              r, clk.step_ns, clk.mean_step_ns, clk.ns_per_clk ? 1 / clk.ns_per_clk : 0,
-              clk.hybrid ? "CTA entry (globaltimer) + clock64 deltas (timer coarse)"
-                         : "globaltimer");
-          std::fflush(stdout);
+      for (size_t vi = 0; vi < o.variants.size(); ++vi) {
+        const int variant = o.variants[vi];
+        detail::set_ll_variant_override(variant);
+        if (!o.trace_only) {
+          stage(g, "timing T", T);
+          Options ov = o;
+          ov.baselines = vi == 0;
+          rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, ov));
+          rows.back().variant = variant;
+          if (r == 0) print_row(rows.back());
         }
-        for (int hook = 0; hook < 2; ++hook) {
-          const std::string txt = trace_tokens(buf, g, T, s, hook != 0, clk, o);
-          for (int q = 0; q < R; ++q) {
-            if (q == r) {
-              std::fputs(txt.c_str(), stdout);
-              std::fflush(stdout);
+#ifdef EPX_LL_TRACE
+        if (o.trace) {
+          stage(g, "trace T", T);
+          static thread_local TraceClock clk;
+          static thread_local bool probed = false;
+          if (!probed) {
+            clk = probe_clock(r);
+            probed = true;
+            std::printf(
+                "[trace] rank %d: %%globaltimer steps %.0f ns (smallest) / %.0f ns (mean), "
+                "SM clock %.3f GHz -> offsets from %s\n",
+                r, clk.step_ns, clk.mean_step_ns, clk.ns_per_clk ? 1 / clk.ns_per_clk : 0,
+                clk.hybrid ? "CTA entry (globaltimer) + clock64 deltas (timer coarse)"
+                           : "globaltimer");
+            std::fflush(stdout);
+          }
+          if (r == 0 && o.variants.size() > 1) std::printf("[trace] variant %d\n", variant);
+          for (int hook = 0; hook < 2; ++hook) {
+            const std::string txt = trace_tokens(buf, g, T, s, hook != 0, clk, o);
+            for (int q = 0; q < R; ++q) {
+              if (q == r) {
+                std::fputs(txt.c_str(), stdout);
+                std::fflush(stdout);
+              }
+              g.transport()->barrier("bench: trace print");
             }
-            g.transport()->barrier("bench: trace print");
           }
         }
-      }
 #endif
+      }
+      detail::set_ll_variant_override(-1);
     }
   }
   if (r == 0) {
@@ -689,16 +711,16 @@ int run_rank(const Group& g, const Options& o) {
     if (bytes[1])
       std::printf(", %.1f MB at T_max = %lld", bytes[1] / 1e6, static_cast<long long>(max_t));
     std::printf("\ncheck (T=128 vs oracle, bit for bit): %s\n", failures ? "FAILED" : "ok");
-    std::sort(rows.begin(), rows.end(),
-              [](const Row& a, const Row& b) { return a.tokens < b.tokens; });
+    std::stable_sort(rows.begin(), rows.end(),
+                     [](const Row& a, const Row& b) { return a.tokens < b.tokens; });
     print_header();
     for (const Row& w : rows) print_row(w);
     for (const Row& w : rows)
       std::printf(
-          "sweep sms=%d T=%lld g_disp %.1f g_comb %.1f g_d+c %.1f disp %.1f comb %.1f "
+          "sweep sms=%d var=%d T=%lld g_disp %.1f g_comb %.1f g_d+c %.1f disp %.1f comb %.1f "
           "send %.1f recv %.1f csend %.1f crecv %.1f\n",
-          o.sms, static_cast<long long>(w.tokens), w.g_disp, w.g_comb, w.g_both, w.disp, w.comb,
-          w.send, w.recv, w.csend, w.crecv);
+          o.sms, w.variant, static_cast<long long>(w.tokens), w.g_disp, w.g_comb, w.g_both, w.disp,
+          w.comb, w.send, w.recv, w.csend, w.crecv);
     std::printf(
         "(us. disp/comb/c_copy/d+c: event medians per call (comb: zero_copy; c_copy: y a separate "
         "tensor); send/recv/csend/crecv: hook mode, the call and the hook; g_*: per call over "
@@ -708,13 +730,13 @@ int run_rank(const Group& g, const Options& o) {
     for (const Row& w : rows) {
       if (w.tokens != 128) continue;
       std::printf(
-          "target T=128 dispatch fp8 <= 14 us: graph %.1f us, events %.1f us: %s "
+          "target T=128 dispatch fp8 <= 14 us (variant %d): graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 27.8 us)\n",
-          w.g_disp, w.disp, std::min(w.g_disp, w.disp) <= 14 ? "met" : "MISSED");
+          w.variant, w.g_disp, w.disp, std::min(w.g_disp, w.disp) <= 14 ? "met" : "MISSED");
       std::printf(
-          "target T=128 combine bf16 <= 18 us: graph %.1f us, events %.1f us: %s "
+          "target T=128 combine bf16 <= 18 us (variant %d): graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 40.4 us)\n",
-          w.g_comb, w.comb, std::min(w.g_comb, w.comb) <= 18 ? "met" : "MISSED");
+          w.variant, w.g_comb, w.comb, std::min(w.g_comb, w.comb) <= 18 ? "met" : "MISSED");
     }
     std::fflush(stdout);
   }
@@ -744,6 +766,10 @@ int main(int argc, char** argv) {
       for (int64_t v : parse_int_list(next())) sms_list.push_back(static_cast<int>(v));
     } else if (a == "--tokens") {
       o.tokens = parse_int_list(next());
+    } else if (a == "--variant") {
+      o.variants.clear();
+      for (int64_t v : parse_int_list(next())) o.variants.push_back(static_cast<int>(v));
+      if (o.variants.empty()) o.variants.push_back(-1);
     } else if (a == "--trace") {
       o.trace = true;
     } else if (a == "--trace-only") {
@@ -751,7 +777,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf(
           "usage: %s [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]] "
-          "[--trace] [--trace-only]\n"
+          "[--variant V[,V..]] [--trace] [--trace-only]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON)\n",
           argv[0]);

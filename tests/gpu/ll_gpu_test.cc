@@ -16,12 +16,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu/gpu_support.h"
@@ -41,6 +43,12 @@ using testing::Routing;
 
 using Case = testing::LlCase;
 using Batch = testing::LlBatch;
+
+// The dispatch paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh):
+// 0 default, 2 one-pass receive, 8 spread send (routing rows from every thread, signalled with
+// x), 12 spread send with early routing + one-pass receive (4 alone = 12 at T >= C, one part
+// per token). Set in the rank processes (set_ll_variant_override).
+constexpr int kLlVariants[] = {0, 2, 8, 12};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 
@@ -230,18 +238,24 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
     if (!gpu_testing::rank_stream()) CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
     cudaStream_t stream = gpu_testing::stream_or(own);
     int bad = 0;
-    for (size_t i = 0; i < cases.size(); ++i) {
-      std::string err;
-      try {
-        err = run_rank(cases[i], data[i], g, stream);
-      } catch (const std::exception& e) {
-        err = std::string("exception: ") + e.what();
+    for (int variant : kLlVariants) {
+      detail::set_ll_variant_override(variant);
+      for (size_t i = 0; i < cases.size() && bad < 3; ++i) {
+        std::string err;
+        try {
+          err = run_rank(cases[i], data[i], g, stream);
+        } catch (const std::exception& e) {
+          err = std::string("exception: ") + e.what();
+        }
+        if (!err.empty()) {
+          std::fprintf(stderr, "variant %d case %zu (%s): %s\n", variant, i,
+                       cases[i].describe().c_str(), err.c_str());
+          ++bad;  // three diagnoses are enough; the peers time out
+        }
       }
-      if (!err.empty()) {
-        std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(), err.c_str());
-        if (++bad >= 3) break;  // one diagnosis is enough; the peers time out
-      }
+      if (bad >= 3) break;
     }
+    detail::set_ll_variant_override(-1);
     if (own) cudaStreamDestroy(own);
     return bad;
   };
@@ -380,98 +394,104 @@ TEST(LlGpuGraph, CaptureReplayedOnNewInputs) {
     Tensor out = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
     Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
     int bad = 0;
-    for (int m = 0; m < 2 && bad == 0; ++m) {
-      const bool hook = m == 1;
-      const LlProblem& p = cases[m].p;
-      auto upload = [&](const Batch& b) {
-        const LlRankInput& in = b.in[r];
-        CUDA_OK(cudaMemcpyAsync(x.data, in.x.data(), 2 * T * H, cudaMemcpyHostToDevice, stream));
-        CUDA_OK(cudaMemcpyAsync(topk.data, in.topk_idx.data(), 8 * T * K, cudaMemcpyHostToDevice,
-                                stream));
-        CUDA_OK(cudaMemcpyAsync(w.data, in.topk_weights.data(), 4 * T * K, cudaMemcpyHostToDevice,
-                                stream));
-        CUDA_OK(
-            cudaMemcpyAsync(y.data, b.y[r].data(), 2 * L * RT * H, cudaMemcpyHostToDevice, stream));
-        CUDA_OK(cudaMemsetAsync(stats.data, 0, 4 * L, stream));
-        CUDA_OK(cudaMemsetAsync(out.data, 0xFF, out.nbytes(), stream));
-        for (auto& [key, t] : *pool) CUDA_OK(cudaMemsetAsync(t.data, 0xFF, t.nbytes(), stream));
-      };
-      LlDispatchArgs da;
-      da.x = x;
-      da.topk_idx = topk;
-      da.use_fp8 = p.use_fp8;
-      da.round_scale = p.round_scale;
-      da.use_ue8m0 = p.use_ue8m0;
-      da.return_recv_hook = hook;
-      if (!hook) da.cumulative_local_expert_recv_stats = stats;
-      da.stream = stream;
-      // One round: dispatch (+ hook), the "MoE" output, combine (+ hook); returns the handle.
-      auto round = [&](LlDispatchResult& d) {
-        d = buf.ll_dispatch(da, alloc);
-        if (hook) d.hook();
-        LlCombineArgs ca;
-        ca.topk_idx = topk;
-        ca.topk_weights = w;
-        ca.handle = &d.handle;
-        ca.out = out;
-        ca.return_recv_hook = hook;
-        ca.stream = stream;
-        if (!hook) {
-          TensorView v = buf.ll_next_combine_buffer(d.handle);
-          CUDA_OK(cudaMemcpyAsync(v.data, y.data, y.nbytes(), cudaMemcpyDeviceToDevice, stream));
-          ca.zero_copy = true;
-        } else {
-          ca.y = y;
-        }
-        LlCombineResult c = buf.ll_combine(ca, alloc);
-        if (hook) c.hook();
-      };
-      auto verify = [&](const Batch& b, const LlDispatchResult& d, const std::string& what) {
-        std::string err;
-        try {
-          buf.check();
-          std::vector<std::vector<uint8_t>> keep;
-          err = testing::check_ll_dispatch(p, b.want[r], host_dispatch(d, keep));
-          const std::string cerr = check_out(p, b.want_out[r], out);
-          if (!cerr.empty()) err += (err.empty() ? "" : "\n") + cerr;
+    for (size_t vi = 0; vi < std::size(kLlVariants) && bad == 0; ++vi) {
+      const int variant = kLlVariants[vi];
+      detail::set_ll_variant_override(variant);  // one Buffer for all: the paths must interoperate
+      for (int m = 0; m < 2 && bad == 0; ++m) {
+        const bool hook = m == 1;
+        const LlProblem& p = cases[m].p;
+        auto upload = [&](const Batch& b) {
+          const LlRankInput& in = b.in[r];
+          CUDA_OK(cudaMemcpyAsync(x.data, in.x.data(), 2 * T * H, cudaMemcpyHostToDevice, stream));
+          CUDA_OK(cudaMemcpyAsync(topk.data, in.topk_idx.data(), 8 * T * K, cudaMemcpyHostToDevice,
+                                  stream));
+          CUDA_OK(cudaMemcpyAsync(w.data, in.topk_weights.data(), 4 * T * K, cudaMemcpyHostToDevice,
+                                  stream));
+          CUDA_OK(cudaMemcpyAsync(y.data, b.y[r].data(), 2 * L * RT * H, cudaMemcpyHostToDevice,
+                                  stream));
+          CUDA_OK(cudaMemsetAsync(stats.data, 0, 4 * L, stream));
+          CUDA_OK(cudaMemsetAsync(out.data, 0xFF, out.nbytes(), stream));
+          for (auto& [key, t] : *pool) CUDA_OK(cudaMemsetAsync(t.data, 0xFF, t.nbytes(), stream));
+        };
+        LlDispatchArgs da;
+        da.x = x;
+        da.topk_idx = topk;
+        da.use_fp8 = p.use_fp8;
+        da.round_scale = p.round_scale;
+        da.use_ue8m0 = p.use_ue8m0;
+        da.return_recv_hook = hook;
+        if (!hook) da.cumulative_local_expert_recv_stats = stats;
+        da.stream = stream;
+        // One round: dispatch (+ hook), the "MoE" output, combine (+ hook); returns the handle.
+        auto round = [&](LlDispatchResult& d) {
+          d = buf.ll_dispatch(da, alloc);
+          if (hook) d.hook();
+          LlCombineArgs ca;
+          ca.topk_idx = topk;
+          ca.topk_weights = w;
+          ca.handle = &d.handle;
+          ca.out = out;
+          ca.return_recv_hook = hook;
+          ca.stream = stream;
           if (!hook) {
-            const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats);
-            for (int l = 0; l < L; ++l)
-              if (got[l] != b.want[r].recv_count[l] && err.empty())
-                err = "stats[" + std::to_string(l) + "] = " + std::to_string(got[l]);
+            TensorView v = buf.ll_next_combine_buffer(d.handle);
+            CUDA_OK(cudaMemcpyAsync(v.data, y.data, y.nbytes(), cudaMemcpyDeviceToDevice, stream));
+            ca.zero_copy = true;
+          } else {
+            ca.y = y;
           }
-        } catch (const std::exception& e) {
-          err = std::string("exception: ") + e.what();
-        }
-        if (!err.empty()) {
-          ++bad;
-          std::fprintf(stderr, "rank %d %s: %s\n", r, what.c_str(), err.c_str());
-        }
-      };
-      // Eager warm-up (fills the pool), checked too.
-      upload(data[m][0]);
-      LlDispatchResult d0;
-      round(d0);
-      CUDA_OK(cudaStreamSynchronize(stream));
-      verify(data[m][0], d0, hook ? "eager (hooks)" : "eager");
-      // Capture.
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      LlDispatchResult dg;
-      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      round(dg);
-      CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int i = 1; i <= kReplays && bad < 3; ++i) {
-        upload(data[m][i]);
-        CUDA_OK(cudaGraphLaunch(exec, stream));
+          LlCombineResult c = buf.ll_combine(ca, alloc);
+          if (hook) c.hook();
+        };
+        auto verify = [&](const Batch& b, const LlDispatchResult& d, const std::string& what) {
+          std::string err;
+          try {
+            buf.check();
+            std::vector<std::vector<uint8_t>> keep;
+            err = testing::check_ll_dispatch(p, b.want[r], host_dispatch(d, keep));
+            const std::string cerr = check_out(p, b.want_out[r], out);
+            if (!cerr.empty()) err += (err.empty() ? "" : "\n") + cerr;
+            if (!hook) {
+              const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats);
+              for (int l = 0; l < L; ++l)
+                if (got[l] != b.want[r].recv_count[l] && err.empty())
+                  err = "stats[" + std::to_string(l) + "] = " + std::to_string(got[l]);
+            }
+          } catch (const std::exception& e) {
+            err = std::string("exception: ") + e.what();
+          }
+          if (!err.empty()) {
+            ++bad;
+            std::fprintf(stderr, "rank %d variant %d %s: %s\n", r, variant, what.c_str(),
+                         err.c_str());
+          }
+        };
+        // Eager warm-up (fills the pool), checked too.
+        upload(data[m][0]);
+        LlDispatchResult d0;
+        round(d0);
         CUDA_OK(cudaStreamSynchronize(stream));
-        verify(data[m][i], dg,
-               std::string(hook ? "hooks" : "no hooks") + " replay " + std::to_string(i));
+        verify(data[m][0], d0, hook ? "eager (hooks)" : "eager");
+        // Capture.
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        LlDispatchResult dg;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        round(dg);
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 1; i <= (vi == 0 ? kReplays : kReplays / 4) && bad < 3; ++i) {
+          upload(data[m][i]);
+          CUDA_OK(cudaGraphLaunch(exec, stream));
+          CUDA_OK(cudaStreamSynchronize(stream));
+          verify(data[m][i], dg,
+                 std::string(hook ? "hooks" : "no hooks") + " replay " + std::to_string(i));
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
       }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     }
+    detail::set_ll_variant_override(-1);
     cudaStreamDestroy(stream);
     return bad;
   });

@@ -25,6 +25,9 @@
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
 //                          slot q landed: e * C when the e-th dispatch of slot q is complete
+//   dispatch_routed[q][s]  += 1 by each of s's C dispatch CTAs once its header and routing rows
+//                          for this rank in slot q landed (every send path adds it: with
+//                          EPX_LL_VARIANT bit 2 early, from the routing warp; else with _sent)
 //   dispatch_freed[q][d]   = e once rank d finished reading its slot-q staging for epoch e (a
 //                          sender waits for e - 1 on every d before writing slot q again)
 //   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
@@ -58,9 +61,24 @@ inline constexpr int kLlPrefixTopK = 16;  // combine step 4: rows up to this K k
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
-// EPX_LL_VARIANT (environment, read once per process; A/B switches for the benchmark, never a
-// change of any output): bit 0 = row copies one load at a time (the code before kLlCopyBatch).
+// EPX_LL_VARIANT (environment, read once per process, or set_ll_variant_override in tests and
+// the benchmark; bits, A/B switches, never a change of any output; every rank must use the same):
+//   bit 0 (1) row copies one load at a time (the code before kLlCopyBatch);
+//   bit 1 (2) dispatch receive in one pass: the routing rows of ALL sources scanned together
+//             (one ordered compaction over the concatenated token list), then one batched copy of
+//             all the unit's rows (the default scans and copies source by source);
+//   bit 2 (4) dispatch early routing (implies bit 1's receive): the last warp of every send CTA
+//             writes the header and the routing rows and releases them with their own flag
+//             (dispatch_routed) while the other 15 warps send x; receivers scan as soon as the
+//             routing rows landed and wait for dispatch_sent only before the first row copy;
+//   bit 3 (8) dispatch send spread: work items (token, part), a token split into P =
+//             clamp(C / T, 1, G) parts of whole 128-channel groups (one CTA per part), every
+//             thread computes the token's rank mask from its own loads of the routing row
+//             (prefetched with x before the step-1 wait; no shared-memory round trip).
 inline constexpr int32_t kLlVariantCopyOne = 1;
+inline constexpr int32_t kLlVariantOnePass = 2;
+inline constexpr int32_t kLlVariantEarlyRoute = 4;
+inline constexpr int32_t kLlVariantSpread = 8;
 
 // The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
 enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };
@@ -85,6 +103,7 @@ struct LlState {
 struct LlSync {
   uint32_t dispatch_sent[2][kMaxRanks];
   uint32_t dispatch_freed[2][kMaxRanks];
+  uint32_t dispatch_routed[2][kMaxRanks];  // like dispatch_sent, for the header + routing rows
   uint32_t combine_ready[2][kMaxRanks];
   uint32_t combine_pulled[2][kMaxRanks];
 };
