@@ -9,11 +9,16 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "epx/tensor.h"
 
 namespace epx {
+
+namespace detail {
+struct HtCopyPlan;  // backend-private (cuda copy-engine dispatch, src/cuda/cuda_buffer.h)
+}
 
 struct HtLayout {
   Tensor num_tokens_per_rank;    // [R] int32: tokens that go to each rank
@@ -33,6 +38,9 @@ struct HtHandle {
   int64_t num_worst_tokens = 0;  // rows of the outputs in worst-case mode, else 0
   int top_k = 0;
   uint64_t buffer_id = 0;     // the buffer that made it (checked on use)
+  // Backend-private: the host-side row runs of a cuda exact-mode dispatch made with
+  // EPX_HT_COPY=ce, reused by cached dispatch. Null otherwise.
+  std::shared_ptr<const detail::HtCopyPlan> copy_plan;
 };
 
 struct HtDispatchArgs {

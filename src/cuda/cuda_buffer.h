@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/buffer_impl.h"
 #include "cuda/device_error.h"
@@ -23,6 +24,18 @@
 namespace epx::detail {
 
 class CudaLl;  // src/cuda/ll.cu
+
+// Copy-engine dispatch (HtCopyMode::kEngine): what the host learnt from one exact-mode count
+// exchange, kept in the handle for cached dispatch. runs[d] lists this rank's tokens that go to
+// rank d as runs of consecutive tokens {first token, first row j, count}; j is the row in d's
+// slot for this rank (d == rank: the row among the rows this rank keeps).
+struct HtCopyPlan {
+  struct Run {
+    int32_t t0, j0, n;
+  };
+  std::vector<std::vector<Run>> runs;  // [R]
+  std::vector<int32_t> rank_prefix_matrix;  // [R * R], as the handle's tensor
+};
 
 class CudaBuffer final : public BufferImpl {
  public:

@@ -6,6 +6,11 @@
 //                      per-expert counts (mapped memory) -> allocate N rows -> dispatch kernel
 //   ht_dispatch worst  notify -> dispatch with num_worst_tokens rows; no host wait (graph-safe)
 //   ht_dispatch cached dispatch kernel only, routing from the handle
+//   copy engines       (EPX_HT_COPY=ce, exact and cached): the dispatch kernel moves scales and
+//                      metadata only; x rows go as runs through cudaMemcpyBatchAsync: this
+//                      rank's runs into the peers' slots and its kept rows into recv_x, then
+//                      ht_engine_sync (arrive: tell the peers, wait for theirs), one contiguous
+//                      copy per source slot into recv_x, ht_engine_sync (ready: slots free)
 //   ht_combine         combine kernel
 // Every launch is on the caller's stream; nothing else synchronises the device.
 #include <cuda_runtime.h>
@@ -36,6 +41,65 @@ int vector_bytes(std::initializer_list<uint64_t> values) {
 Tensor alloc(const Allocator& a, DType dtype, std::vector<int64_t> shape, int device) {
   return a(dtype, shape, Device::cuda(device));
 }
+
+int32_t prefix_before_host(const std::vector<int32_t>& rpm, int R, int s, int d) {
+  return s > 0 ? rpm[static_cast<size_t>(s - 1) * R + d] : 0;
+}
+
+// send_pos [T, R] and rank_prefix_matrix [R, R] (host copies) -> runs of consecutive tokens.
+std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos, int64_t T, int R,
+                                           int me, std::vector<int32_t> rpm) {
+  auto plan = std::make_shared<HtCopyPlan>();
+  plan->runs.resize(R);
+  for (int d = 0; d < R; ++d) {
+    const int32_t excl = prefix_before_host(rpm, R, me, d);
+    auto& v = plan->runs[d];
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t pos = send_pos[static_cast<size_t>(t) * R + d];
+      if (pos < 0) continue;
+      const int32_t j = pos - excl, tt = static_cast<int32_t>(t);
+      if (!v.empty() && v.back().t0 + v.back().n == tt && v.back().j0 + v.back().n == j) {
+        ++v.back().n;
+      } else {
+        v.push_back({tt, j, 1});
+      }
+    }
+  }
+  plan->rank_prefix_matrix = std::move(rpm);
+  return plan;
+}
+
+// Copies issued together: one cudaMemcpyBatchAsync (sources read in stream order), or one
+// cudaMemcpyAsync each on the legacy default stream (which the batch call does not accept),
+// under stream capture, or where the batch call is refused.
+struct CopyList {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> size;
+  void add(void* d, const void* s, size_t n) {
+    if (n == 0) return;
+    dst.push_back(d);
+    src.push_back(s);
+    size.push_back(n);
+  }
+  void issue(cudaStream_t stream) {
+    if (dst.empty()) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), "ht_dispatch");
+    if (stream != nullptr && stream != cudaStreamLegacy && capture == cudaStreamCaptureStatusNone) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_idx = 0;
+      if (cudaMemcpyBatchAsync(dst.data(), src.data(), size.data(), dst.size(), &attr, &attr_idx,
+                               1, stream) == cudaSuccess)
+        return;
+      (void)cudaGetLastError();  // refused: fall back to one call per copy
+    }
+    for (size_t i = 0; i < dst.size(); ++i)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], size[i], cudaMemcpyDefault, stream),
+                     "ht_dispatch: copy-engine row copy");
+  }
+};
 
 }  // namespace
 
@@ -178,8 +242,26 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
         res.num_recv_tokens_per_expert[l] = per_expert[l];
       h.num_recv_tokens = num_rows;
       h.num_worst_tokens = 0;
+      if (ht_copy_config().mode == HtCopyMode::kEngine) {
+        // The copy engines need the layout on the host: send_pos and the prefix matrix (the
+        // count exchange finished: this waits only for the two small copies).
+        std::vector<int32_t> sp(static_cast<size_t>(T) * R), rpm(static_cast<size_t>(R) * R);
+        if (T > 0)
+          EPX_CUDA_CHECK(cudaMemcpyAsync(sp.data(), h.send_pos.data, sp.size() * 4,
+                                         cudaMemcpyDeviceToHost, stream),
+                         "ht_dispatch: copy plan");
+        EPX_CUDA_CHECK(cudaMemcpyAsync(rpm.data(), h.rank_prefix_matrix.data, rpm.size() * 4,
+                                       cudaMemcpyDeviceToHost, stream),
+                       "ht_dispatch: copy plan");
+        EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "ht_dispatch: copy plan");
+        h.copy_plan = make_copy_plan(sp, T, R, me, std::move(rpm));
+      }
     }
   }
+  // Copy engines move x where the host knows the layout (every rank decides alike: same mode,
+  // same kind of call, handles made the same way).
+  const bool engine = !worst_case && h.copy_plan != nullptr &&
+                      ht_copy_config().mode == HtCopyMode::kEngine;
 
   // Outputs.
   res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
@@ -240,12 +322,57 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
   const HtCopyConfig copy = ht_copy_config();
   p.send_batch = copy.send_batch;
-  p.copy_mode = static_cast<int>(vb == 16 ? copy.mode : HtCopyMode::kWarp);
+  p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk
+                                                                             : HtCopyMode::kWarp);
+  p.engine_x = engine ? 1 : 0;
   p.bulk_stages = copy.stages;
   p.bulk_chunk = copy.chunk;
   const int grid = tuning_.num_sms;
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
+  if (engine) {
+    const HtCopyPlan& plan = *h.copy_plan;
+    const std::vector<int32_t>& rpm = plan.rank_prefix_matrix;
+    const char* xb = p.x;
+    char* recv = p.recv_x;
+    CopyList rows;  // this rank's runs: to the peers' slots and to its own recv_x
+    for (int d = 0; d < R; ++d) {
+      const int64_t kept_base = prefix_before_host(rpm, R, me, me);
+      for (const HtCopyPlan::Run& run : plan.runs[d]) {
+        char* dst = d == me ? recv + (kept_base + run.j0) * row_bytes
+                            : region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
+                                                   HtRegion::slot_of(me, d), run.j0, row_bytes);
+        if (p.x_stride == row_bytes) {
+          rows.add(dst, xb + run.t0 * p.x_stride, static_cast<size_t>(run.n) * row_bytes);
+        } else {
+          for (int32_t i = 0; i < run.n; ++i)
+            rows.add(dst + i * row_bytes, xb + (run.t0 + i) * p.x_stride, row_bytes);
+        }
+      }
+    }
+    rows.issue(stream);
+    if (R > 1) {
+      HtEngineSyncParams sp{};
+      sp.num_ranks = R;
+      sp.rank = me;
+      sp.symm = p.symm;
+      sp.wait = p.wait;
+      sp.publish_ready = 0;
+      launch_ht_engine_sync(sp, stream);
+      CopyList out;  // each source's block: contiguous in its slot and in recv_x
+      for (int s = 0; s < R; ++s) {
+        if (s == me) continue;
+        const int64_t excl = prefix_before_host(rpm, R, s, me);
+        const int64_t n = rpm[static_cast<size_t>(s) * R + me] - excl;
+        out.add(recv + excl * row_bytes,
+                region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), 0, row_bytes),
+                static_cast<size_t>(n) * row_bytes);
+      }
+      out.issue(stream);
+      sp.publish_ready = 1;
+      launch_ht_engine_sync(sp, stream);
+    }
+  }
   // Exact mode already waited for the count exchange: an out-of-range expert id it found is
   // raised now, after the dispatch kernel was launched, so every peer's collective completes.
   if (!cached && !worst_case && error_host_->code != kDevErrNone) check();

@@ -53,7 +53,32 @@ void prepare_bulk(const HtDispatchParams& p, int smem) {
   }
 }
 
+// One warp: lane q < R (q != rank) handles peer q. seq is the op the dispatch kernel just
+// finished (it advanced state->seq). After an earlier failed wait (abort set) nothing is
+// signalled: the error is already recorded and the host raises it.
+__global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
+  const int q = threadIdx.x, me = p.rank;
+  if (q >= p.num_ranks || q == me) return;
+  if (*reinterpret_cast<volatile uint32_t*>(&p.wait.state->abort)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t*>(&p.wait.state->seq);
+  const HtRegion& g = p.symm.region;
+  // The copies before this kernel on the stream are complete (stream order); the fence makes
+  // them visible system-wide before the flag.
+  __threadfence_system();
+  if (p.publish_ready) {
+    st_release_sys(g.ready(p.symm.peers[q]) + me, seq);  // our slots are free again
+    return;
+  }
+  st_release_sys(g.arrived(p.symm.peers[q]) + me, seq);  // our rows are in q's slot
+  wait_flag<true>(g.arrived(p.symm.local) + q, seq, p.wait, kWaitRows, q);
+}
+
 }  // namespace
+
+void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream) {
+  ht_engine_sync_kernel<<<1, 32, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: engine sync launch");
+}
 
 void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   if (p.copy_mode == static_cast<int>(HtCopyMode::kBulk) && vec_bytes == 16) {

@@ -11,6 +11,8 @@ namespace epx::detail {
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
 void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream);
+// Copy-engine dispatch: the arrive / ready step around the copies (HtEngineSyncParams).
+void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream);
 
 }  // namespace epx::detail

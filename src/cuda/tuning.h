@@ -29,9 +29,12 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 // senders' share (percent) of the CTAs for buffers created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);
 
-// How the ht dispatch moves x rows (docs/perf-cuda-ht.md, design v4). kBulk applies only where
-// every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise kWarp.
-enum class HtCopyMode : int { kWarp = 0, kBulk = 1 };
+// How the ht dispatch moves x rows (docs/perf-cuda-ht.md, designs v4 and v5). kBulk applies only
+// where every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise
+// kWarp. kEngine: the copy engines move the x rows (cudaMemcpyBatchAsync of runs of consecutive
+// tokens) wherever the host knows the layout (exact mode and cached dispatch with its handle);
+// worst-case mode keeps the kernels (kWarp). Every rank must use the same mode.
+enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
 
 struct HtCopyConfig {
   HtCopyMode mode = HtCopyMode::kWarp;
@@ -40,7 +43,7 @@ struct HtCopyConfig {
   int send_batch = 0;  // tokens per sender warp between two signals (0: the kernel's default, 4)
 };
 
-// Parses "warp" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
+// Parses "warp" | "ce" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
 // e.g. "bulk:3x4096:b8". Throws InvalidArgument (naming `what`) on anything else.
 HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 

@@ -163,10 +163,15 @@ int run_rank(const Group& g, const Options& o) {
           const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "--copy");
           detail::set_ht_copy_override(&cfg);
         }
+        // Handles made under this path (ce keeps its host copy plan in them).
+        const HtDispatchResult h16 = buf.ht_dispatch(a), h8 = buf.ht_dispatch(a8);
+        HtDispatchArgs c16 = cached, c8 = cached8;
+        c16.handle = &h16.handle;
+        c8.handle = &h8.handle;
         CopyTimes ct;
         ct.name = spec;
-        ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); });
-        ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(cached8, al); });
+        ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
+        ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();

@@ -20,7 +20,7 @@ std::string HtCase::describe() const {
   for (size_t i = 0; i < num_tokens.size(); ++i) os << (i ? "," : "") << num_tokens[i];
   os << "] routing=" << testing::routing_name(routing)
      << (fp8 ? (ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") << (topk_i32 ? " topk=i32" : " topk=i64")
-     << " align=" << alignment << " seed=" << seed;
+     << " align=" << alignment << (x_padded ? " x=strided" : "") << " seed=" << seed;
   return os.str();
 }
 

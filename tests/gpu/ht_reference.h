@@ -25,6 +25,7 @@ struct HtCase {
   bool topk_i32 = false;  // topk_idx int32, else int64
   bool weights = true;    // topk_weights given
   int alignment = 1;
+  bool x_padded = false;  // x rows 32 bytes apart more than their size (strided x)
   uint64_t seed = 1;
   std::string describe() const;
   int64_t row_bytes() const { return hidden * (fp8 ? 1 : 2); }

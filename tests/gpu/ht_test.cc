@@ -2,8 +2,9 @@
 // with the naive SPEC reference (ht_reference.h) and, where it implements ht, the cpu backend.
 //
 // The correctness tests run every case under each dispatch copy path (cuda/tuning.h): the warp
-// loops, the bulk-copy engine, and a bulk ring of tiny chunks with an odd send batch (many
-// partial chunks, ring wrap-around, several signals per block).
+// loops, the bulk-copy engine, a bulk ring of tiny chunks with an odd send batch (many partial
+// chunks, ring wrap-around, several signals per block), and the copy engines (runs of rows
+// through cudaMemcpyBatchAsync; worst-case mode keeps the warp loops).
 //
 // Each test forks R ranks (one GPU each, a cuda group per test). Every rank generates the inputs
 // of ALL ranks from the case seed, so it can compute every expected output locally. Outputs are
@@ -29,7 +30,7 @@ namespace {
 
 using testing::Routing;
 
-const char* const kCopyPaths[] = {"warp", "bulk", "bulk:2x48:b7"};
+const char* const kCopyPaths[] = {"warp", "bulk", "bulk:2x48:b7", "ce"};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
@@ -96,7 +97,17 @@ struct DeviceInputs {
 DeviceInputs upload(const HtCase& c, const HtRankInput& in, int dev) {
   DeviceInputs d;
   const int64_t T = in.num_tokens;
-  d.x = to_device(in.x, c.fp8 ? DType::kF8E4M3 : DType::kBF16, {T, c.hidden}, dev);
+  if (c.x_padded) {  // rows 32 bytes apart more than their size
+    const int64_t rb = c.row_bytes(), pitch = rb + 32, esz = c.fp8 ? 1 : 2;
+    std::vector<uint8_t> padded(static_cast<size_t>(T * pitch), 0xCD);
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(padded.data() + t * pitch, in.x.data() + t * rb, static_cast<size_t>(rb));
+    d.x = to_device(padded, c.fp8 ? DType::kF8E4M3 : DType::kBF16, {T, pitch / esz}, dev);
+    d.x.shape = {T, c.hidden};
+    d.x.strides = {pitch / esz, 1};
+  } else {
+    d.x = to_device(in.x, c.fp8 ? DType::kF8E4M3 : DType::kBF16, {T, c.hidden}, dev);
+  }
   if (c.fp8) {
     const int S = c.num_scales();
     std::vector<uint32_t> colmajor(in.scales.size());
@@ -382,6 +393,10 @@ TEST(HtGpu, TwoRanksMatchReference) {
       i32.weights = false;
       i32.seed = 152;
       cases.push_back(i32);
+      HtCase strided = cases[2];
+      strided.x_padded = true;
+      strided.seed = 153;
+      cases.push_back(strided);
       bad += run_cases(g, cases);
       // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
       bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
@@ -399,6 +414,10 @@ TEST(HtGpu, TwoRanksMatchReference) {
       ue.topk_i32 = true;
       ue.seed = 311;
       big.push_back(ue);
+      HtCase f8s = f8;
+      f8s.x_padded = true;
+      f8s.seed = 312;
+      big.push_back(f8s);
       bad += run_cases(g, big);
       return bad;
     });

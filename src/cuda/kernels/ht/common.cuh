@@ -42,9 +42,11 @@ __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
 // region. The last CTA to arrive runs `reset_counters` (all its threads), then publishes
 // seq = cur locally and ready[rank] = cur on every peer: the release that pairs with the
 // wait_flag<true>(ready[rank], cur) of the peer's next operation before it writes to us.
+// `publish` false (copy-engine dispatch): the ready signal is left to ht_engine_sync, after the
+// copy engines read the slots.
 template <typename ResetFn>
 __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
-                                 int num_ranks, ResetFn reset_counters) {
+                                 int num_ranks, ResetFn reset_counters, bool publish = true) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -60,7 +62,7 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
     w.state->finished = 0;
     w.state->seq = cur;
     __threadfence();
-    for (int p = 0; p < num_ranks; ++p) {
+    for (int p = 0; p < num_ranks && publish; ++p) {
       if (p == w.rank) continue;
       st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, cur);
     }

@@ -112,7 +112,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
           if (lane == 0)
             pipe.copy(p.x + t * p.x_stride, g.x_row(peer, slot, j), p.row_bytes, p.wait);
         } else {
-          copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+          if (!p.engine_x)
+            copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
         }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
         uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
@@ -175,7 +176,7 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     if constexpr (kBulk) {
       if (lane == 0)
         pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
-    } else {
+    } else if (!p.engine_x) {
       copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
                          reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
     }
@@ -249,7 +250,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
         if (lane == 0)
           pipe.copy(g.x_row(p.symm.local, slot, j), p.recv_x + out * p.row_bytes, p.row_bytes,
                     p.wait);
-      } else {
+      } else if (!p.engine_x) {
         copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
                           reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
       }
@@ -333,7 +334,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
         *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
     }
-  });
+  }, !p.engine_x);
 }
 
 }  // namespace epx::detail

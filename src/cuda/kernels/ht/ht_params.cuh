@@ -65,6 +65,18 @@ struct HtDispatchParams {
   int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
   int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
   int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
+  int engine_x;  // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
+                 // scales and metadata only and leaves the ready signal to ht_engine_sync
+  HtSymm symm;
+  WaitContext wait;
+};
+
+// ht_engine_sync (one CTA, copy-engine dispatch): kArrive tells every peer this rank's x rows
+// are in its slot (arrived[rank] = seq) and waits until every peer's rows are here; kReady
+// publishes ready[rank] = seq on every peer (the slots were read). seq = the dispatch's op.
+struct HtEngineSyncParams {
+  int num_ranks, rank;
+  int publish_ready;  // 0: arrive + wait, 1: ready
   HtSymm symm;
   WaitContext wait;
 };

@@ -4,6 +4,8 @@
 // Per rank (offsets identical on every rank; R ranks, L = E / R, K, H, T_max = max tokens):
 //   state    DeviceState                          local only: op sequence, last-CTA count, abort
 //   ready    uint32 [kMaxHtRanks]                 ready[p] = last op rank p finished (p writes)
+//   arrived  uint32 [kMaxHtRanks]                 arrived[p] = last copy-engine dispatch whose x
+//                                                 rows rank p finished pushing here (p writes)
 //   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
 //                                                 {flag, tokens per rank [R], tokens per expert of
 //                                                  this rank's experts [L]}
@@ -51,7 +53,7 @@ struct HtRegion {
   int64_t scale_row_bytes = 0;
   int64_t meta_row_bytes = 0;
   size_t count_slot_bytes = 0;
-  size_t state_off = 0, ready_off = 0, count_off = 0, counter_off = 0;
+  size_t state_off = 0, ready_off = 0, arrived_off = 0, count_off = 0, counter_off = 0;
   size_t x_off = 0, scale_off = 0, meta_off = 0, total_bytes = 0;
 
   static HtRegion make(int64_t hidden, int top_k, int num_experts, int64_t max_tokens,
@@ -76,6 +78,8 @@ struct HtRegion {
     off += 64;
     g.ready_off = off;
     off += ht_round_up(4 * kMaxHtRanks, 64);
+    g.arrived_off = off;
+    off += ht_round_up(4 * kMaxHtRanks, 64);
     g.count_off = off;
     off += ht_round_up(g.count_slot_bytes * num_ranks, 256);
     g.counter_off = off;
@@ -96,6 +100,15 @@ struct HtRegion {
   }
   EPX_HT_HD uint32_t* ready(char* base) const {
     return reinterpret_cast<uint32_t*>(base + ready_off);
+  }
+  EPX_HT_HD uint32_t* arrived(char* base) const {
+    return reinterpret_cast<uint32_t*>(base + arrived_off);
+  }
+  // Copy-engine dispatch (HtCopyMode::kEngine): x rows of slot `slot` packed at row_bytes pitch
+  // (row_bytes <= x_row_bytes), so a source's block is one contiguous range.
+  EPX_HT_HD char* x_packed_row(char* base, int slot, int64_t row, int64_t row_bytes) const {
+    return base + x_off + static_cast<size_t>(slot) * max_tokens * x_row_bytes +
+           static_cast<size_t>(row) * row_bytes;
   }
   EPX_HT_HD HtCountMsg* count_msg(char* base, int source) const {
     return reinterpret_cast<HtCountMsg*>(base + count_off + count_slot_bytes * source);
