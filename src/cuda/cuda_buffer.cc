@@ -224,6 +224,10 @@ CudaBuffer::~CudaBuffer() {
     }
   }
   ht_mem_.reset();
+  for (cudaStream_t& s : engine_stream_)
+    if (s) cudaStreamDestroy(s);
+  for (cudaEvent_t& e : engine_event_)
+    if (e) cudaEventDestroy(e);
   if (error_host_) cudaFreeHost(error_host_);
   if (result_host_) cudaFreeHost(result_host_);
   cudaSetDevice(previous);

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "core/buffer_impl.h"
 #include "cuda/device_error.h"
 #include "cuda/kernels/ht/ht_region.cuh"
@@ -24,6 +26,7 @@
 namespace epx::detail {
 
 class CudaLl;  // src/cuda/ll.cu
+struct HtDispatchParams;  // cuda/kernels/ht/ht_params.cuh
 
 // Copy-engine dispatch (HtCopyMode::kEngine): what the host learnt from one exact-mode count
 // exchange, kept in the handle for cached dispatch. runs[d] lists this rank's tokens that go to
@@ -77,6 +80,12 @@ class CudaBuffer final : public BufferImpl {
   bool broken_ = false;
   std::string broken_why_;
   std::shared_ptr<CudaLl> ll_;  // enable_ll: the ll mode (ll.cu)
+  // Copy-engine dispatch (ht.cu): side streams for the kept rows and the copy-out, and the
+  // events that fork them from and join them to the caller's stream. Created on first use.
+  void ensure_engine_streams();
+  void engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p, cudaStream_t stream);
+  cudaStream_t engine_stream_[2] = {nullptr, nullptr};
+  cudaEvent_t engine_event_[3] = {nullptr, nullptr, nullptr};
 };
 
 }  // namespace epx::detail

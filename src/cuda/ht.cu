@@ -7,10 +7,7 @@
 //   ht_dispatch worst  notify -> dispatch with num_worst_tokens rows; no host wait (graph-safe)
 //   ht_dispatch cached dispatch kernel only, routing from the handle
 //   copy engines       (EPX_HT_COPY=ce, exact and cached): the dispatch kernel moves scales and
-//                      metadata only; x rows go as runs through cudaMemcpyBatchAsync: this
-//                      rank's runs into the peers' slots and its kept rows into recv_x, then
-//                      ht_engine_sync (arrive: tell the peers, wait for theirs), one contiguous
-//                      copy per source slot into recv_x, ht_engine_sync (ready: slots free)
+//                      metadata only; x rows go by copy engine (engine_copies below)
 //   ht_combine         combine kernel
 // Every launch is on the caller's stream; nothing else synchronises the device.
 #include <cuda_runtime.h>
@@ -121,6 +118,101 @@ static void fill_topk(HtNotifyParams& p, const TensorView& topk_idx) {
   p.topk_idx = topk_idx.data;
   p.topk_stride = topk_idx.ndim == 2 ? topk_idx.strides[0] : 0;
   p.topk_is_i64 = topk_idx.dtype == DType::kI64;
+}
+
+void CudaBuffer::ensure_engine_streams() {
+  if (engine_stream_[0]) return;
+  for (cudaStream_t& st : engine_stream_)
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "ht_dispatch");
+  for (cudaEvent_t& e : engine_event_)
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "ht_dispatch");
+}
+
+// Copy-engine dispatch, after the dispatch kernel (which waited until every peer's slots were
+// free and moved scales and metadata). Three streams, forked from and joined to `stream`:
+//   stream     this rank's rows to each peer d, in kHtEngineChunks chunks of d's slot rows
+//              (row j of chunk c: n_d * c / C <= j < n_d * (c + 1) / C), each chunk followed
+//              by an arrive signal
+//   side 0     the rows this rank keeps, x -> recv_x
+//   side 1     per chunk: wait for every peer's arrive, then one contiguous copy per source slot
+//              into recv_x (overlaps the next chunk's pushes)
+// then, joined on `stream`, the ready signal (the slots may be overwritten).
+void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
+                               cudaStream_t stream) {
+  const int R = group.size(), me = group.rank(), C = kHtEngineChunks;
+  const std::vector<int32_t>& rpm = plan.rank_prefix_matrix;
+  const int64_t rb = p.row_bytes;
+  auto rows_between = [&](int s, int d) {
+    return rpm[static_cast<size_t>(s) * R + d] - prefix_before_host(rpm, R, s, d);
+  };
+  // Adds the rows [j0, j0 + n) of a run starting at token t0 to `list`, destination row j -> dst(j).
+  auto add_rows = [&](CopyList& list, int32_t t0, int64_t j0, int64_t n, char* dst) {
+    if (n <= 0) return;
+    if (p.x_stride == rb) {
+      list.add(dst, p.x + t0 * p.x_stride, static_cast<size_t>(n * rb));
+    } else {
+      for (int64_t i = 0; i < n; ++i) list.add(dst + i * rb, p.x + (t0 + i) * p.x_stride, rb);
+    }
+  };
+  ensure_engine_streams();
+  cudaStream_t kept = engine_stream_[0], out = engine_stream_[1];
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
+  CopyList self;
+  const int64_t kept_base = prefix_before_host(rpm, R, me, me);
+  for (const HtCopyPlan::Run& run : plan.runs[me])
+    add_rows(self, run.t0, run.j0, run.n, p.recv_x + (kept_base + run.j0) * rb);
+  self.issue(kept);
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
+  if (R > 1) {
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(out, engine_event_[0], 0), "ht_dispatch");
+    HtEngineSyncParams sp{};
+    sp.num_ranks = R;
+    sp.rank = me;
+    sp.symm = p.symm;
+    sp.wait = p.wait;
+    for (int c = 0; c < C; ++c) {
+      CopyList push;
+      for (int d = 0; d < R; ++d) {
+        if (d == me) continue;
+        const int64_t n = rows_between(me, d), lo = n * c / C, hi = n * (c + 1) / C;
+        char* slot0 = region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
+                                           HtRegion::slot_of(me, d), 0, rb);
+        for (const HtCopyPlan::Run& run : plan.runs[d]) {
+          const int64_t a = std::max<int64_t>(lo, run.j0), b = std::min<int64_t>(hi, run.j0 + run.n);
+          add_rows(push, static_cast<int32_t>(run.t0 + (a - run.j0)), a, b - a, slot0 + a * rb);
+        }
+      }
+      push.issue(stream);
+      sp.step = kEngineArrive;
+      sp.chunk = c;
+      launch_ht_engine_sync(sp, stream);
+      sp.step = kEngineWait;
+      launch_ht_engine_sync(sp, out);
+      CopyList copy_out;
+      for (int s = 0; s < R; ++s) {
+        if (s == me) continue;
+        const int64_t n = rows_between(s, me), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t excl = prefix_before_host(rpm, R, s, me);
+        copy_out.add(p.recv_x + (excl + lo) * rb,
+                     region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
+                     static_cast<size_t>((hi - lo) * rb));
+      }
+      copy_out.issue(out);
+    }
+    EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], out), "ht_dispatch");
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_dispatch");
+  }
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
+  if (R > 1) {
+    HtEngineSyncParams sp{};
+    sp.num_ranks = R;
+    sp.rank = me;
+    sp.step = kEngineReady;
+    sp.symm = p.symm;
+    sp.wait = p.wait;
+    launch_ht_engine_sync(sp, stream);
+  }
 }
 
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
@@ -330,52 +422,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int grid = tuning_.num_sms;
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
-  if (engine) {
-    const HtCopyPlan& plan = *h.copy_plan;
-    const std::vector<int32_t>& rpm = plan.rank_prefix_matrix;
-    const char* xb = p.x;
-    char* recv = p.recv_x;
-    CopyList rows;  // this rank's runs: to the peers' slots and to its own recv_x
-    for (int d = 0; d < R; ++d) {
-      const int64_t kept_base = prefix_before_host(rpm, R, me, me);
-      for (const HtCopyPlan::Run& run : plan.runs[d]) {
-        char* dst = d == me ? recv + (kept_base + run.j0) * row_bytes
-                            : region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
-                                                   HtRegion::slot_of(me, d), run.j0, row_bytes);
-        if (p.x_stride == row_bytes) {
-          rows.add(dst, xb + run.t0 * p.x_stride, static_cast<size_t>(run.n) * row_bytes);
-        } else {
-          for (int32_t i = 0; i < run.n; ++i)
-            rows.add(dst + i * row_bytes, xb + (run.t0 + i) * p.x_stride, row_bytes);
-        }
-      }
-    }
-    rows.issue(stream);
-    if (R > 1) {
-      HtEngineSyncParams sp{};
-      sp.num_ranks = R;
-      sp.rank = me;
-      sp.symm = p.symm;
-      sp.wait = p.wait;
-      sp.publish_ready = 0;
-      launch_ht_engine_sync(sp, stream);
-      CopyList out;  // each source's block: contiguous in its slot and in recv_x
-      for (int s = 0; s < R; ++s) {
-        if (s == me) continue;
-        const int64_t excl = prefix_before_host(rpm, R, s, me);
-        const int64_t n = rpm[static_cast<size_t>(s) * R + me] - excl;
-        out.add(recv + excl * row_bytes,
-                region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), 0, row_bytes),
-                static_cast<size_t>(n) * row_bytes);
-      }
-      out.issue(stream);
-      sp.publish_ready = 1;
-      launch_ht_engine_sync(sp, stream);
-    }
-  }
-  // Exact mode already waited for the count exchange: an out-of-range expert id it found is
-  // raised now, after the dispatch kernel was launched, so every peer's collective completes.
-  if (!cached && !worst_case && error_host_->code != kDevErrNone) check();
+  if (engine) engine_copies(*h.copy_plan, p, stream);
   return res;
 }
 

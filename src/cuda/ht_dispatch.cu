@@ -62,15 +62,19 @@ __global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
   if (*reinterpret_cast<volatile uint32_t*>(&p.wait.state->abort)) return;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t*>(&p.wait.state->seq);
   const HtRegion& g = p.symm.region;
+  const uint32_t value = seq * static_cast<uint32_t>(kHtEngineChunks) + p.chunk;
+  if (p.step == kEngineWait) {
+    wait_flag<true>(g.arrived(p.symm.local) + q, value, p.wait, kWaitRows, q);
+    return;
+  }
   // The copies before this kernel on the stream are complete (stream order); the fence makes
   // them visible system-wide before the flag.
   __threadfence_system();
-  if (p.publish_ready) {
+  if (p.step == kEngineReady) {
     st_release_sys(g.ready(p.symm.peers[q]) + me, seq);  // our slots are free again
-    return;
+  } else {
+    st_release_sys(g.arrived(p.symm.peers[q]) + me, value);  // the chunk's rows are in q's slot
   }
-  st_release_sys(g.arrived(p.symm.peers[q]) + me, seq);  // our rows are in q's slot
-  wait_flag<true>(g.arrived(p.symm.local) + q, seq, p.wait, kWaitRows, q);
 }
 
 }  // namespace

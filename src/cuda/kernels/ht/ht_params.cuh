@@ -71,12 +71,18 @@ struct HtDispatchParams {
   WaitContext wait;
 };
 
-// ht_engine_sync (one CTA, copy-engine dispatch): kArrive tells every peer this rank's x rows
-// are in its slot (arrived[rank] = seq) and waits until every peer's rows are here; kReady
-// publishes ready[rank] = seq on every peer (the slots were read). seq = the dispatch's op.
+// ht_engine_sync (one warp, copy-engine dispatch; seq = the dispatch's op, which the dispatch
+// kernel stored in state->seq):
+//   kEngineArrive  arrived[rank] = seq * kHtEngineChunks + chunk on every peer (this rank's rows
+//                  of that chunk are in the peers' slots; the copies precede it on the stream)
+//   kEngineWait    until arrived[p] reached seq * kHtEngineChunks + chunk for every peer p
+//   kEngineReady   ready[rank] = seq on every peer (the slots were read)
+inline constexpr int kHtEngineChunks = 4;  // pipeline depth: copy-out of chunk c overlaps c + 1
+enum HtEngineStep : int { kEngineArrive = 0, kEngineWait = 1, kEngineReady = 2 };
 struct HtEngineSyncParams {
   int num_ranks, rank;
-  int publish_ready;  // 0: arrive + wait, 1: ready
+  int step;   // HtEngineStep
+  int chunk;  // kEngineArrive / kEngineWait
   HtSymm symm;
   WaitContext wait;
 };
