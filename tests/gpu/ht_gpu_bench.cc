@@ -11,6 +11,7 @@
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -153,7 +154,40 @@ int run_rank(const Group& g, const Options& o) {
       // One set of timings per copy path; the ablations run under the last one.
       struct CopyTimes {
         std::string name;
-        bench::Timing disp, disp8, exact, worst;
+        bench::Timing disp, disp8, exact, worst, graph16, graph8;
+        double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
+      };
+      // Per-call time of a cached dispatch captured once in a CUDA graph (no host cost).
+      auto graph_timed = [&](const HtDispatchArgs& args) {
+        pool.reset();
+        (void)buf.ht_dispatch(args, pool.get());  // the pool's slots exist before the capture
+        CUDA_OK(cudaStreamSynchronize(stream));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        pool.reset();
+        (void)buf.ht_dispatch(args, pool.get());
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        const bench::Timing t = bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
+          CUDA_OK(cudaGraphLaunch(exec, stream));
+        });
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        return t;
+      };
+      auto host_timed = [&](const HtDispatchArgs& args) {
+        double total = 0;
+        for (int i = 0; i < o.iters; ++i) {
+          CUDA_OK(cudaStreamSynchronize(stream));
+          pool.reset();
+          const auto t0 = std::chrono::steady_clock::now();
+          (void)buf.ht_dispatch(args, pool.get());
+          total += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                       .count();
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        return total / o.iters;
       };
       std::vector<CopyTimes> per_copy;
       const std::vector<std::string> copies =
@@ -172,6 +206,9 @@ int run_rank(const Group& g, const Options& o) {
         ct.name = spec;
         ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
         ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
+        ct.graph16 = graph_timed(c16);
+        ct.graph8 = graph_timed(c8);
+        ct.host16 = host_timed(c16);
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();
@@ -221,6 +258,9 @@ int run_rank(const Group& g, const Options& o) {
           };
           row(name("dispatch bf16 (cached)").c_str(), ct.disp, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (cached, graph)").c_str(), ct.graph16, n_bf16, c_bf16);
+          row(name("dispatch fp8 (cached, graph)").c_str(), ct.graph8, n_fp8, c_fp8);
+          std::printf("  %-44s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
         }
