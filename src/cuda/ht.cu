@@ -162,7 +162,8 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   const int64_t kept_base = prefix_before_host(rpm, R, me, me);
   for (const HtCopyPlan::Run& run : plan.runs[me])
     add_rows(self, run.t0, run.j0, run.n, p.recv_x + (kept_base + run.j0) * rb);
-  self.issue(kept);
+  const int ablate = ht_ablation();
+  if (!(ablate & kAblateEngineKept)) self.issue(kept);
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
   if (R > 1) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(out, engine_event_[0], 0), "ht_dispatch");
@@ -183,7 +184,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
           add_rows(push, static_cast<int32_t>(run.t0 + (a - run.j0)), a, b - a, slot0 + a * rb);
         }
       }
-      push.issue(stream);
+      if (!(ablate & kAblateEnginePush)) push.issue(stream);
       sp.step = kEngineArrive;
       sp.chunk = c;
       launch_ht_engine_sync(sp, stream);
@@ -198,7 +199,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
                      region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
                      static_cast<size_t>((hi - lo) * rb));
       }
-      copy_out.issue(out);
+      if (!(ablate & kAblateEngineOut)) copy_out.issue(out);
     }
     EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], out), "ht_dispatch");
     EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_dispatch");

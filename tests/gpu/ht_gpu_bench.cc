@@ -223,10 +223,27 @@ int run_rank(const Group& g, const Options& o) {
             {"dispatch bf16 cached, no received-row copy", detail::kAblateRemoteCopy},
             {"dispatch bf16 cached, senders only", detail::kAblateSelf | detail::kAblateRemoteCopy},
         };
+        // A handle made under the last copy path (ce: with its copy plan).
+        const HtDispatchResult hab = buf.ht_dispatch(a);
+        HtDispatchArgs cab = cached;
+        cab.handle = &hab.handle;
         for (const auto& [name, bits] : cases) {
           detail::set_ht_ablation(bits);
           ablations.emplace_back(name,
-                                 timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); }));
+                                 timed([&](const Allocator& al) { buf.ht_dispatch(cab, al); }));
+        }
+        // Copy-engine path stages (graph-timed: no host cost); no effect under other paths.
+        const std::pair<const char*, int> engine_cases[] = {
+            {"ce graph: full", 0},
+            {"ce graph: no push copies", detail::kAblateEnginePush},
+            {"ce graph: no kept-row copies", detail::kAblateEngineKept},
+            {"ce graph: no copy-out", detail::kAblateEngineOut},
+            {"ce graph: no copies at all",
+             detail::kAblateEnginePush | detail::kAblateEngineKept | detail::kAblateEngineOut},
+        };
+        for (const auto& [name, bits] : engine_cases) {
+          detail::set_ht_ablation(bits);
+          ablations.emplace_back(name, graph_timed(cab));
         }
         detail::set_ht_ablation(detail::kAblateReduce);
         ablations.emplace_back("combine, senders only (reducers wait)",
