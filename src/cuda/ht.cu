@@ -137,6 +137,32 @@ void CudaBuffer::ensure_engine_streams() {
 //   side 1     per chunk: wait for every peer's arrive, then one contiguous copy per source slot
 //              into recv_x (overlaps the next chunk's pushes)
 // then, joined on `stream`, the ready signal (the slots may be overwritten).
+// "ce:kept": the kept rows' x (x -> recv_x, never in the symmetric region) on a side stream
+// forked here, before the dispatch kernel, so the copy engines copy while the kernel pushes and
+// copies out; ht_dispatch joins it after the kernel (engine_event_[1]).
+void CudaBuffer::kept_copies_fork(const HtCopyPlan& plan, const HtDispatchParams& p,
+                                  cudaStream_t stream) {
+  const int R = group.size(), me = group.rank();
+  const int64_t rb = p.row_bytes;
+  ensure_engine_streams();
+  cudaStream_t kept = engine_stream_[0];
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
+  CopyList self;
+  const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
+  for (const HtCopyPlan::Run& run : plan.runs[me]) {
+    char* dst = p.recv_x + (kept_base + run.j0) * rb;
+    if (p.x_stride == rb) {
+      self.add(dst, p.x + run.t0 * p.x_stride, static_cast<size_t>(run.n) * rb);
+    } else {
+      for (int32_t i = 0; i < run.n; ++i)
+        self.add(dst + i * rb, p.x + (run.t0 + i) * p.x_stride, static_cast<size_t>(rb));
+    }
+  }
+  if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept);
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
+}
+
 void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
                                cudaStream_t stream) {
   const int R = group.size(), me = group.rank(), C = kHtEngineChunks;
@@ -353,8 +379,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   }
   // Copy engines move x where the host knows the layout (every rank decides alike: same mode,
   // same kind of call, handles made the same way).
-  const bool engine = !worst_case && h.copy_plan != nullptr &&
-                      ht_copy_config().mode == HtCopyMode::kEngine;
+  const HtCopyConfig copy_cfg = ht_copy_config();
+  const bool engine_any =
+      !worst_case && h.copy_plan != nullptr && copy_cfg.mode == HtCopyMode::kEngine;
+  const bool engine = engine_any && !copy_cfg.engine_kept_only;
+  const bool engine_kept = engine_any && copy_cfg.engine_kept_only;
 
   // Outputs.
   res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
@@ -418,12 +447,16 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk
                                                                              : HtCopyMode::kWarp);
   p.engine_x = engine ? 1 : 0;
+  p.engine_kept = engine_kept ? 1 : 0;
+  if (engine_kept) kept_copies_fork(*h.copy_plan, p, stream);
   p.bulk_stages = copy.stages;
   p.bulk_chunk = copy.chunk;
   const int grid = tuning_.num_sms;
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
+  if (engine_kept)  // the kept rows' copies (forked before the kernel) join here
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
   return res;
 }
 

@@ -176,7 +176,7 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     if constexpr (kBulk) {
       if (lane == 0)
         pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
-    } else if (!p.engine_x) {
+    } else if (!p.engine_x && !p.engine_kept) {
       copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
                          reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
     }

@@ -67,6 +67,7 @@ struct HtDispatchParams {
   int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
   int engine_x;  // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
                  // scales and metadata only and leaves the ready signal to ht_engine_sync
+  int engine_kept;  // 1 ("ce:kept"): copy engines move only the kept rows' x (side stream)
   HtSymm symm;
   WaitContext wait;
 };
