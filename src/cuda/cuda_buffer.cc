@@ -175,6 +175,9 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
   };
   t.dispatch_send_ctas = num_ranks == 1 ? 0 : split(g_dispatch_send_percent.load());
   t.combine_send_ctas = num_ranks == 1 ? 0 : split(g_combine_send_percent.load());
+  // ce:kept: the receivers only copy out, so half the CTAs send (docs/perf-cuda-ht.md, run 11).
+  const int kept_pct = g_dispatch_send_percent.load() > 0 ? g_dispatch_send_percent.load() : 50;
+  t.dispatch_send_ctas_kept = num_ranks == 1 ? 0 : split(kept_pct);
   return t;
 }
 

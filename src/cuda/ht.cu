@@ -14,6 +14,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "core/check.h"
@@ -83,7 +85,12 @@ struct CopyList {
     if (dst.empty()) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), "ht_dispatch");
-    if (stream != nullptr && stream != cudaStreamLegacy && capture == cudaStreamCaptureStatusNone) {
+    static const bool batch_ok = [] {  // EPX_HT_CE_BATCH=0: one call per copy (measurement knob)
+      const char* e = std::getenv("EPX_HT_CE_BATCH");
+      return !(e && std::string(e) == "0");
+    }();
+    if (batch_ok && stream != nullptr && stream != cudaStreamLegacy &&
+        capture == cudaStreamCaptureStatusNone) {
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       size_t attr_idx = 0;
@@ -137,16 +144,15 @@ void CudaBuffer::ensure_engine_streams() {
 //   side 1     per chunk: wait for every peer's arrive, then one contiguous copy per source slot
 //              into recv_x (overlaps the next chunk's pushes)
 // then, joined on `stream`, the ready signal (the slots may be overwritten).
-// "ce:kept": the kept rows' x (x -> recv_x, never in the symmetric region) on a side stream
-// forked here, before the dispatch kernel, so the copy engines copy while the kernel pushes and
-// copies out; ht_dispatch joins it after the kernel (engine_event_[1]).
-void CudaBuffer::kept_copies_fork(const HtCopyPlan& plan, const HtDispatchParams& p,
-                                  cudaStream_t stream) {
+// "ce:kept": the kept rows' x (x -> recv_x, never in the symmetric region) on a side stream that
+// forked from `stream` before the dispatch kernel (engine_event_[0], recorded by ht_dispatch), so
+// the copy engines copy while the kernel pushes and copies out; issued after the kernel's launch
+// (the host's copy calls do not delay it) and joined to `stream` here.
+void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
+                             cudaStream_t stream) {
   const int R = group.size(), me = group.rank();
   const int64_t rb = p.row_bytes;
-  ensure_engine_streams();
   cudaStream_t kept = engine_stream_[0];
-  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
   EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
   CopyList self;
   const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
@@ -161,6 +167,7 @@ void CudaBuffer::kept_copies_fork(const HtCopyPlan& plan, const HtDispatchParams
   }
   if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept);
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
 }
 
 void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
@@ -448,15 +455,18 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                                                                              : HtCopyMode::kWarp);
   p.engine_x = engine ? 1 : 0;
   p.engine_kept = engine_kept ? 1 : 0;
-  if (engine_kept) kept_copies_fork(*h.copy_plan, p, stream);
+  if (engine_kept) {
+    p.num_send_ctas = tuning_.dispatch_send_ctas_kept;
+    ensure_engine_streams();
+    EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
+  }
   p.bulk_stages = copy.stages;
   p.bulk_chunk = copy.chunk;
   const int grid = tuning_.num_sms;
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
-  if (engine_kept)  // the kept rows' copies (forked before the kernel) join here
-    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
+  if (engine_kept) kept_copies(*h.copy_plan, p, stream);
   return res;
 }
 

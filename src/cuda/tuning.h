@@ -22,6 +22,7 @@ struct HtTuning {
   int num_sms = 16;            // CTAs of the dispatch and combine kernels (one per SM)
   int dispatch_send_ctas = 6;  // of which send (the rest receive)
   int combine_send_ctas = 6;
+  int dispatch_send_ctas_kept = 8;  // senders when the copy engines copy the kept rows (ce:kept)
 };
 
 // Auto: 16 SMs (enough to saturate NVLink at EP2 with the copy-out alongside), clamped to the
