@@ -35,17 +35,20 @@ void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_
 
 // How the ht dispatch moves x rows (docs/perf-cuda-ht.md, designs v4 and v5). kBulk applies only
 // where every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise
-// kWarp. kEngine: the copy engines move the x rows (cudaMemcpyBatchAsync of runs of consecutive
-// tokens) wherever the host knows the layout (exact mode and cached dispatch with its handle);
-// worst-case mode keeps the kernels (kWarp). Every rank must use the same mode.
+// kWarp. kEngine: the copy engines move x rows (cudaMemcpyAsync of runs of consecutive tokens)
+// wherever the host knows the layout (exact mode and cached dispatch with its handle): all of them
+// ("ce") or only the rows a rank keeps ("ce:kept", the default); worst-case mode keeps the kernels
+// (kWarp). Every rank must use the same mode.
 enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
 
 struct HtCopyConfig {
-  HtCopyMode mode = HtCopyMode::kWarp;
+  // Default "ce:kept" (docs/perf-cuda-ht.md run 12: 16 SMs cached bf16 306 -> 261 us, fp8 209 ->
+  // 176 us vs warp); worst-case mode and handles without a copy plan use the warp loops.
+  HtCopyMode mode = HtCopyMode::kEngine;
   int stages = 4;      // kBulk: shared-memory stages per warp (2..8)
   int chunk = 3072;    // kBulk: bytes per stage (multiple of 16); 16 warps x stages x chunk
   int send_batch = 0;  // tokens per sender warp between two signals (0: the kernel's default, 4)
-  bool engine_kept_only = false;  // kEngine ("ce:kept"): copy engines move only the kept rows
+  bool engine_kept_only = true;  // kEngine ("ce:kept"): copy engines move only the kept rows
                                   // (concurrently with the kernel, which pushes and copies out)
 };
 
@@ -54,7 +57,7 @@ struct HtCopyConfig {
 HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 
 // The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
-// once, src/core/env.cc), else kWarp. Read at every launch, so one process can time both.
+// once, src/core/env.cc), else ce:kept. Read at every launch, so one process can time both.
 HtCopyConfig ht_copy_config();
 // Benchmark / test hook: replaces EPX_HT_COPY for later launches in this process; null resets.
 void set_ht_copy_override(const HtCopyConfig* config);

@@ -185,7 +185,8 @@ void dead_peer(int R, int stage, bool extra_barrier) {
   survivors[R - 1] = false;
   for (int c = 2; c < 5; ++c) problems[c].active = survivors;
   GroupOptions o;
-  o.timeout = std::chrono::milliseconds(300);
+  // 1 s (the survivors' handshake waits 2x): 300 ms failed on a loaded 2-core machine.
+  o.timeout = std::chrono::milliseconds(1000);
   std::atomic<bool> done{false};
   std::atomic<int> finished{0};
   Failures f;
@@ -226,7 +227,7 @@ void dead_peer(int R, int stage, bool extra_barrier) {
                     std::string::npos)
               << e.what();
         }
-        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8));
         try {
           testing::run_cycle(a2a, problems[1], r, {});
           ADD_FAILURE() << label << " rank " << r << ": expected Internal (unusable)";
