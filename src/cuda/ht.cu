@@ -449,6 +449,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
   if (engine_kept) kept_copies(*h.copy_plan, p, stream);
+  // Exact mode already waited for the count exchange: an out-of-range expert id it found is
+  // raised now, after the dispatch kernel was launched, so every peer's collective completes.
+  if (!cached && !worst_case && error_host_->code != kDevErrNone) check();
   return res;
 }
 
