@@ -14,6 +14,9 @@
 // Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
 //   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
+// Copy engines (host-selected, ht.cu): engine_kept — the kept rows' x is copied by the copy
+//   engines, dispatch_self moves only scales and metadata; engine_x — no x row moves here at all
+//   and the ready signal is left to ht_engine_sync.
 // Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
 //   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
 //   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
