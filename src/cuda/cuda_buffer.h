@@ -84,7 +84,8 @@ class CudaBuffer final : public BufferImpl {
   // events that fork them from and join them to the caller's stream. Created on first use.
   void ensure_engine_streams();
   void engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p, cudaStream_t stream);
-  void kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, cudaStream_t stream);
+  void kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, cudaStream_t stream,
+                   bool join);
   cudaStream_t engine_stream_[2] = {nullptr, nullptr};
   cudaEvent_t engine_event_[3] = {nullptr, nullptr, nullptr};
 };

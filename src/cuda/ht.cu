@@ -87,6 +87,19 @@ struct CopyList {
   }
 };
 
+// Adds x rows [t0, t0 + n) as copies to the consecutive rows at dst (row_bytes pitch): one copy
+// when x rows are contiguous, else one per row.
+void add_x_rows(CopyList& list, const HtDispatchParams& p, int64_t t0, int64_t n, char* dst) {
+  if (n <= 0) return;
+  const int64_t rb = p.row_bytes;
+  if (p.x_stride == rb) {
+    list.add(dst, p.x + t0 * p.x_stride, static_cast<size_t>(n * rb));
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      list.add(dst + i * rb, p.x + (t0 + i) * p.x_stride, static_cast<size_t>(rb));
+  }
+}
+
 }  // namespace
 
 // Fills the parts every ht kernel shares.
@@ -117,6 +130,25 @@ void CudaBuffer::ensure_engine_streams() {
     EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "ht_dispatch");
 }
 
+// The kept rows' x (x -> recv_x, never in the symmetric region) on side stream 0, forked from
+// `stream` at engine_event_[0], which the caller recorded: before the dispatch kernel for
+// "ce:kept" (the copy engines copy while the kernel pushes and copies out; the calls are issued
+// after the kernel's launch so the host's copy calls do not delay it), after it for "ce".
+// Completion is engine_event_[1]; `join` makes `stream` wait for it here.
+void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, cudaStream_t stream,
+                             bool join) {
+  const int R = group.size(), me = group.rank();
+  cudaStream_t kept = engine_stream_[0];
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
+  CopyList self;
+  const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
+  for (const HtCopyPlan::Run& run : plan.runs[me])
+    add_x_rows(self, p, run.t0, run.n, p.recv_x + (kept_base + run.j0) * p.row_bytes);
+  if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept);
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
+  if (join) EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
+}
+
 // Copy-engine dispatch, after the dispatch kernel (which waited until every peer's slots were
 // free and moved scales and metadata). Three streams, forked from and joined to `stream`:
 //   stream     this rank's rows to each peer d, in kHtEngineChunks chunks of d's slot rows
@@ -126,32 +158,6 @@ void CudaBuffer::ensure_engine_streams() {
 //   side 1     per chunk: wait for every peer's arrive, then one contiguous copy per source slot
 //              into recv_x (overlaps the next chunk's pushes)
 // then, joined on `stream`, the ready signal (the slots may be overwritten).
-// "ce:kept": the kept rows' x (x -> recv_x, never in the symmetric region) on a side stream that
-// forked from `stream` before the dispatch kernel (engine_event_[0], recorded by ht_dispatch), so
-// the copy engines copy while the kernel pushes and copies out; issued after the kernel's launch
-// (the host's copy calls do not delay it) and joined to `stream` here.
-void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
-                             cudaStream_t stream) {
-  const int R = group.size(), me = group.rank();
-  const int64_t rb = p.row_bytes;
-  cudaStream_t kept = engine_stream_[0];
-  EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
-  CopyList self;
-  const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
-  for (const HtCopyPlan::Run& run : plan.runs[me]) {
-    char* dst = p.recv_x + (kept_base + run.j0) * rb;
-    if (p.x_stride == rb) {
-      self.add(dst, p.x + run.t0 * p.x_stride, static_cast<size_t>(run.n) * rb);
-    } else {
-      for (int32_t i = 0; i < run.n; ++i)
-        self.add(dst + i * rb, p.x + (run.t0 + i) * p.x_stride, static_cast<size_t>(rb));
-    }
-  }
-  if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept);
-  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
-  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
-}
-
 void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p,
                                cudaStream_t stream) {
   const int R = group.size(), me = group.rank(), C = kHtEngineChunks;
@@ -160,26 +166,11 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   auto rows_between = [&](int s, int d) {
     return rpm[static_cast<size_t>(s) * R + d] - prefix_before_host(rpm, R, s, d);
   };
-  // Adds the rows [j0, j0 + n) of a run starting at token t0 to `list`, destination row j -> dst(j).
-  auto add_rows = [&](CopyList& list, int32_t t0, int64_t j0, int64_t n, char* dst) {
-    if (n <= 0) return;
-    if (p.x_stride == rb) {
-      list.add(dst, p.x + t0 * p.x_stride, static_cast<size_t>(n * rb));
-    } else {
-      for (int64_t i = 0; i < n; ++i) list.add(dst + i * rb, p.x + (t0 + i) * p.x_stride, rb);
-    }
-  };
   ensure_engine_streams();
-  cudaStream_t kept = engine_stream_[0], out = engine_stream_[1];
+  cudaStream_t out = engine_stream_[1];
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
-  EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
-  CopyList self;
-  const int64_t kept_base = prefix_before_host(rpm, R, me, me);
-  for (const HtCopyPlan::Run& run : plan.runs[me])
-    add_rows(self, run.t0, run.j0, run.n, p.recv_x + (kept_base + run.j0) * rb);
+  kept_copies(plan, p, stream, /*join=*/false);  // joined at the end, after the pushes
   const int ablate = ht_ablation();
-  if (!(ablate & kAblateEngineKept)) self.issue(kept);
-  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
   if (R > 1) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(out, engine_event_[0], 0), "ht_dispatch");
     HtEngineSyncParams sp{};
@@ -196,7 +187,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
                                            HtRegion::slot_of(me, d), 0, rb);
         for (const HtCopyPlan::Run& run : plan.runs[d]) {
           const int64_t a = std::max<int64_t>(lo, run.j0), b = std::min<int64_t>(hi, run.j0 + run.n);
-          add_rows(push, static_cast<int32_t>(run.t0 + (a - run.j0)), a, b - a, slot0 + a * rb);
+          add_x_rows(push, p, run.t0 + (a - run.j0), b - a, slot0 + a * rb);
         }
       }
       if (!(ablate & kAblateEnginePush)) push.issue(stream);
@@ -448,7 +439,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   launch_ht_dispatch(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
-  if (engine_kept) kept_copies(*h.copy_plan, p, stream);
+  if (engine_kept) kept_copies(*h.copy_plan, p, stream, /*join=*/true);
   // Exact mode already waited for the count exchange: an out-of-range expert id it found is
   // raised now, after the dispatch kernel was launched, so every peer's collective completes.
   if (!cached && !worst_case && error_host_->code != kDevErrNone) check();
