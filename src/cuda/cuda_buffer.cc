@@ -87,7 +87,7 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   HtCopyConfig c;
   auto bad = [&]() {
     throw_error(ErrorCode::kInvalidArgument,
-                cat(what, ": '", spec, "' is not warp, ce, ce:kept or bulk[:SxC][:bN] (2 <= S <= 8 stages ",
+                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine] or bulk[:SxC][:bN] (2 <= S <= 8 stages ",
                     "of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 tokens per batch)"));
   };
   size_t colon = spec.find(':');
@@ -96,9 +96,12 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
     c.mode = HtCopyMode::kWarp;
   } else if (head == "bulk") {
     c.mode = HtCopyMode::kBulk;
-  } else if (head == "ce" && (colon == std::string::npos || spec.substr(colon) == ":kept")) {
+  } else if (head == "ce") {
     c.mode = HtCopyMode::kEngine;
-    c.engine_kept_only = colon != std::string::npos;
+    const std::string rest = colon == std::string::npos ? "" : spec.substr(colon);
+    if (rest != "" && rest != ":kept" && rest != ":combine" && rest != ":kept:combine") bad();
+    c.engine_kept_only = rest.rfind(":kept", 0) == 0;
+    c.engine_combine = rest.find(":combine") != std::string::npos;
     return c;
   } else {
     bad();

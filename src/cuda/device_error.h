@@ -51,6 +51,7 @@ struct DeviceState {
   uint32_t finished;     // CTAs of the running operation that have finished (last-CTA pattern)
   uint32_t abort;        // set by a timed-out wait: every other wait of this rank stops
   uint32_t error_claim;  // first device error wins the host record
+  uint32_t engine_op;    // ht combine with copy engines: the op its side-stream steps signal
 };
 
 const char* device_op_name(uint32_t op);

@@ -495,8 +495,58 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
   const int grid = tuning_.num_sms;
+  const HtCopyConfig copy = ht_copy_config();
+  const bool engine_y = R > 1 && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine &&
+                        copy.engine_combine;
+  p.engine_y = engine_y ? 1 : 0;
+  if (!engine_y) {
+    launch_ht_combine(p, vb, grid, stream);
+    EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+    return res;
+  }
+  // Copy engines push the y rows (EPX_HT_COPY=ce...:combine): wait until every peer finished
+  // its previous op, fork a side stream there, run the kernel (senders: weights only; reducers
+  // wait per chunk) beside the side stream's chunked pushes + arrive signals, join.
+  p.num_send_ctas = std::max(1, grid / 8);
+  ensure_engine_streams();
+  HtEngineSyncParams sp{};
+  sp.num_ranks = R;
+  sp.rank = me;
+  sp.seq_ahead = 1;
+  sp.symm = p.symm;
+  sp.wait = p.wait;
+  sp.step = kEngineWaitReady;
+  launch_ht_engine_sync(sp, stream);
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_combine");
   launch_ht_combine(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+  cudaStream_t push = engine_stream_[1];
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(push, engine_event_[0], 0), "ht_combine");
+  const std::vector<int32_t>& rpm = h.copy_plan->rank_prefix_matrix;
+  const bool skip = (p.ablate & kAblateEnginePush) != 0;
+  for (int c = 0; c < kHtEngineChunks; ++c) {
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      // The rows this rank received from s go back to row j of s's slot for this rank.
+      const int64_t excl = prefix_before_host(rpm, R, s, me);
+      const int64_t n = rpm[static_cast<size_t>(s) * R + me] - excl;
+      const int64_t lo = n * c / kHtEngineChunks;
+      const int64_t hi = std::min(n * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
+      if (hi <= lo || skip) continue;
+      EPX_CUDA_CHECK(
+          cudaMemcpy2DAsync(region_.x_row(static_cast<char*>(ht_mem_->peer(s)),
+                                          HtRegion::slot_of(me, s), lo),
+                            static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,
+                            static_cast<size_t>(p.y_stride), static_cast<size_t>(p.row_bytes),
+                            static_cast<size_t>(hi - lo), cudaMemcpyDefault, push),
+          "ht_combine: copy-engine row push");
+    }
+    sp.step = kEngineArrive;
+    sp.chunk = c;
+    launch_ht_engine_sync(sp, push);
+  }
+  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], push), "ht_combine");
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_combine");
   return res;
 }
 

@@ -53,15 +53,32 @@ void prepare_bulk(const HtDispatchParams& p, int smem) {
   }
 }
 
-// One warp: lane q < R (q != rank) handles peer q. seq is the op the dispatch kernel just
-// finished (it advanced state->seq). After an earlier failed wait (abort set) nothing is
-// signalled: the error is already recorded and the host raises it.
+// One warp: lane q < R (q != rank) handles peer q. seq is the op: for dispatch the one its kernel
+// just finished (it advanced state->seq); for combine (seq_ahead) the one about to run, noted in
+// state->engine_op by the kEngineWaitReady step that precedes the kernel — the later steps run
+// beside the kernel, which advances state->seq when it ends, so they must not read it. After an
+// earlier failed wait (abort set) nothing is signalled: the error is already recorded and the
+// host raises it.
 __global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
   const int q = threadIdx.x, me = p.rank;
-  if (q >= p.num_ranks || q == me) return;
   if (*reinterpret_cast<volatile uint32_t*>(&p.wait.state->abort)) return;
-  const uint32_t seq = *reinterpret_cast<volatile uint32_t*>(&p.wait.state->seq);
+  volatile uint32_t* state_seq = &p.wait.state->seq;
+  volatile uint32_t* engine_op = &p.wait.state->engine_op;
+  uint32_t seq = *state_seq;
+  if (p.seq_ahead) {
+    if (p.step == kEngineWaitReady) {
+      seq += 1;
+      if (q == 0) *engine_op = seq;
+    } else {
+      seq = *engine_op;
+    }
+  }
+  if (q >= p.num_ranks || q == me) return;
   const HtRegion& g = p.symm.region;
+  if (p.step == kEngineWaitReady) {
+    wait_flag<true>(g.ready(p.symm.local) + q, seq - 1, p.wait, kWaitReady, q);  // op seq - 1
+    return;
+  }
   const uint32_t value = seq * static_cast<uint32_t>(kHtEngineChunks) + p.chunk;
   if (p.step == kEngineWait) {
     wait_flag<true>(g.arrived(p.symm.local) + q, value, p.wait, kWaitRows, q);

@@ -48,11 +48,12 @@ struct HtCopyConfig {
   int stages = 4;      // kBulk: shared-memory stages per warp (2..8)
   int chunk = 3072;    // kBulk: bytes per stage (multiple of 16); 16 warps x stages x chunk
   int send_batch = 0;  // tokens per sender warp between two signals (0: the kernel's default, 4)
+  bool engine_combine = false;   // kEngine + ":combine": copy engines also push combine's y rows
   bool engine_kept_only = true;  // kEngine ("ce:kept"): copy engines move only the kept rows
                                   // (concurrently with the kernel, which pushes and copies out)
 };
 
-// Parses "warp" | "ce" | "ce:kept" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
+// Parses "warp" | "ce[:kept][:combine]" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
 // e.g. "bulk:3x4096:b8". Throws InvalidArgument (naming `what`) on anything else.
 HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 

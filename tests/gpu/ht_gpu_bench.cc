@@ -154,7 +154,7 @@ int run_rank(const Group& g, const Options& o) {
       // One set of timings per copy path; the ablations run under the last one.
       struct CopyTimes {
         std::string name;
-        bench::Timing disp, disp8, exact, worst, graph16, graph8;
+        bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
       // Per-call time of a cached dispatch captured once in a CUDA graph (no host cost).
@@ -209,6 +209,9 @@ int run_rank(const Group& g, const Options& o) {
         ct.graph16 = graph_timed(c16);
         ct.graph8 = graph_timed(c8);
         ct.host16 = host_timed(c16);
+        HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
+        cc.handle = &h16.handle;
+        ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();
@@ -280,6 +283,7 @@ int run_rank(const Group& g, const Options& o) {
           std::printf("  %-44s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
+          row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
         }
         row("combine bf16", t_comb, n_bf16, c_bf16);
         if (o.ablate) {

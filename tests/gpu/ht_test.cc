@@ -4,8 +4,8 @@
 // The correctness tests run every case under each dispatch copy path (cuda/tuning.h): the warp
 // loops, the bulk-copy engine, a bulk ring of tiny chunks with an odd send batch (many partial
 // chunks, ring wrap-around, several signals per block), and the copy engines (runs of rows
-// through cudaMemcpyBatchAsync: every x row, or only the kept rows; worst-case mode keeps the
-// warp loops).
+// as cudaMemcpyAsync calls: every x row, or only the kept rows; ":combine" also combine's y rows
+// — worst-case mode keeps the kernels).
 //
 // Each test forks R ranks (one GPU each, a cuda group per test). Every rank generates the inputs
 // of ALL ranks from the case seed, so it can compute every expected output locally. Outputs are
@@ -31,7 +31,8 @@ namespace {
 
 using testing::Routing;
 
-const char* const kCopyPaths[] = {"warp", "bulk", "bulk:2x48:b7", "ce", "ce:kept"};
+const char* const kCopyPaths[] = {"warp",    "bulk",          "bulk:2x48:b7", "ce",
+                                  "ce:kept", "ce:kept:combine", "ce:combine"};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {

@@ -11,6 +11,10 @@
 //   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
 //     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
 //   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
+// engine_y (copy engines push the y rows, ht.cu): senders move only the weights (and count the
+//   blocks as before); a reducer reading row j of the slot for d also waits until d's copy
+//   engines signalled the chunk holding j (arrived[d] reached cur * kHtEngineChunks + c, chunk c
+//   = rows [n * c / C, n * (c + 1) / C) of the n rows in that slot).
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -74,7 +78,7 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
       if (y_row >= p.num_y_rows) continue;  // worst-case overflow: reported at dispatch
       const V* src = reinterpret_cast<const V*>(p.y + y_row * p.y_stride);
       V* dst = reinterpret_cast<V*>(g.x_row(peer, slot, j));
-      for (int64_t v0 = 0; v0 < nv; v0 += 32 * kCopyUnroll) {
+      for (int64_t v0 = 0; v0 < nv && !p.engine_y; v0 += 32 * kCopyUnroll) {
         V v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
@@ -101,18 +105,27 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
   }
 }
 
+// engine_y: the chunk (of kHtEngineChunks) holding row j of n rows.
+__device__ __forceinline__ int engine_chunk(int64_t j, int64_t n) {
+  int c = 0;
+  while (c + 1 < kHtEngineChunks && j >= n * (c + 1) / kHtEngineChunks) ++c;
+  return c;
+}
+
 template <typename V>
-__device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, const V** s_src,
-                               const float** s_wsrc, const V** s_rsrc) {
+__device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
+                               int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
+                               const V** s_rsrc) {
   constexpr int kPerVec = sizeof(V) / 2;
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
   int32_t* last_block = s_last_block + warp * kMaxHtRanks;
+  int32_t* last_chunk = s_last_chunk + warp * kMaxHtRanks;
   const V** src = s_src + warp * kMaxHtRanks;
   const float** wsrc = s_wsrc + warp * kMaxHtRanks;
   const V** rsrc = s_rsrc + warp * (kMaxHtRanks + 2);
-  if (lane < kMaxHtRanks) last_block[lane] = -1;
+  if (lane < kMaxHtRanks) last_block[lane] = last_chunk[lane] = -1;
   __syncwarp();
   // This rank as the source: rows it sent to d start after rows from ranks before it.
   const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
@@ -133,6 +146,15 @@ __device__ void combine_reduce(const HtCombineParams& p, int32_t* s_last_block, 
         ok = wait_flag<false>(g.counter(p.symm.local, HtRegion::slot_of(lane, me), b),
                               static_cast<uint32_t>(rows), w, kWaitRows, lane);
         last_block[lane] = b;
+      }
+      if (p.engine_y && ok) {
+        const int c = engine_chunk(j, cnt);
+        if (last_chunk[lane] < c) {
+          ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
+                               cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows,
+                               lane);
+          last_chunk[lane] = c;
+        }
       }
     }
     if (!__all_sync(0xffffffffu, ok)) return;
@@ -225,12 +247,13 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
   __shared__ const float* s_wsrc[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_rsrc[kHtWarps * (kMaxHtRanks + 2)];
+  __shared__ int32_t s_last_chunk[kHtWarps * kMaxHtRanks];
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V>(p, s_last_block, s_src, s_wsrc, s_rsrc);
+    combine_reduce<V>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(p.symm, p.wait, cur, R, [&] {
     const HtRegion& g = p.symm.region;

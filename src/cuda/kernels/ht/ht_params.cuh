@@ -78,12 +78,23 @@ struct HtDispatchParams {
 //                  of that chunk are in the peers' slots; the copies precede it on the stream)
 //   kEngineWait    until arrived[p] reached seq * kHtEngineChunks + chunk for every peer p
 //   kEngineReady   ready[rank] = seq on every peer (the slots were read)
+//   kEngineWaitReady  until ready[p] reached seq for every peer p (p finished the op before the
+//                  next one: its slots may be written; the kernels' wait_peer_ready)
+// Combine's copies run before / beside the combine kernel, which advances seq only at its end:
+// there `seq_ahead` = 1 and the op is seq + 1.
 inline constexpr int kHtEngineChunks = 4;  // pipeline depth: copy-out of chunk c overlaps c + 1
-enum HtEngineStep : int { kEngineArrive = 0, kEngineWait = 1, kEngineReady = 2 };
+enum HtEngineStep : int {
+  kEngineArrive = 0,
+  kEngineWait = 1,
+  kEngineReady = 2,
+  kEngineWaitReady = 3
+};
 struct HtEngineSyncParams {
   int num_ranks, rank;
   int step;   // HtEngineStep
   int chunk;  // kEngineArrive / kEngineWait
+  int seq_ahead;  // 1: the op is state->seq + 1 (combine), else state->seq
+  // (kEngineArrive values are op * kHtEngineChunks + chunk in both cases)
   HtSymm symm;
   WaitContext wait;
 };
@@ -107,6 +118,8 @@ struct HtCombineParams {
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
   int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
+  int engine_y;  // 1: copy engines push the y rows in kHtEngineChunks chunks (ht.cu); senders
+                 // move the weights only and reducers also wait for each row's chunk
   HtSymm symm;
   WaitContext wait;
 };
