@@ -183,6 +183,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
     }
     __syncthreads();
+    if (t == blockIdx.x) EPX_LL_STAMP(p, 0, kTrDRouted);
     uint64_t mask = 0;  // ranks t goes to
     for (int k = 0; k < K; ++k) {
       const int d = s_dest[k];
@@ -224,6 +225,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   }
 
   // 4. Release this CTA's stores to every rank.
+  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
   __syncthreads();
   EPX_LL_STAMP(p, 0, kTrDSent);
   // dispatch_routed too (no extra fence), so its count stays e * C whatever path a later call

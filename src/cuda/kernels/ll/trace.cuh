@@ -25,6 +25,8 @@ inline constexpr int kLlTraceOps = 2;
 enum LlDispatchPhase : int {
   kTrDEntry = 0,  // send half: kernel entry (the fused kernel: its entry)
   kTrDFreed,      // after step 1 (dispatch_freed wait)
+  kTrDRouted,     // default send: the CTA's first token's routing row loaded and shared
+  kTrDStored,     // default send: thread 0 (warp 0) issued its last stores (before the barrier)
   kTrDSent,       // after step 3 (tokens stored) and the __syncthreads before the signal
   kTrDSignal,     // after step 4 (fence + red to every rank)
   kTrDRecvEntry,  // receive half entry (hook kernel entry, or right after the signal)
