@@ -196,6 +196,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   DeviceGuard guard(device_);
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
+  device_sms_ = sms;
   tuning_ = resolve_ht_tuning(group.options().num_sms, sms, R);
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
   region_ =

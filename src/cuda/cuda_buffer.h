@@ -68,6 +68,7 @@ class CudaBuffer final : public BufferImpl {
   void raise_device_error();
 
   int device_ = 0;
+  int device_sms_ = 0;  // multiprocessors of device_
   HtTuning tuning_;
   uint64_t timeout_ns_ = 0;
   HtRegion region_;

@@ -68,37 +68,62 @@ std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos,
   return plan;
 }
 
-// Copies issued together, one cudaMemcpyAsync each (measured on 2 x H200, 17 runs: ~105 µs of
-// host time per call this way, ~140 µs through one cudaMemcpyBatchAsync; docs/perf-cuda-ht.md).
+// Copies issued together: blocks of `height` rows of `width` bytes, rows `spitch` / `dpitch`
+// apart; one cudaMemcpyAsync for a contiguous block, one cudaMemcpy2DAsync for a pitched one,
+// one call per row where the source pitch is below the width (a stride-0 or overlapping view).
+// (Measured on 2 x H200, 17 runs: ~105 µs of host time per call with one call per run, ~140 µs
+// through one cudaMemcpyBatchAsync; docs/perf-cuda-ht.md.)
 struct CopyList {
-  std::vector<void*> dst;
-  std::vector<const void*> src;
-  std::vector<size_t> size;
-  void add(void* d, const void* s, size_t n) {
-    if (n == 0) return;
-    dst.push_back(d);
-    src.push_back(s);
-    size.push_back(n);
+  struct Block {
+    char* dst;
+    const char* src;
+    size_t dpitch, spitch, width, height;
+  };
+  std::vector<Block> blocks;
+  void add(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width,
+           size_t height) {
+    if (width == 0 || height == 0) return;
+    blocks.push_back({dst, src, dpitch, spitch, width, height});
   }
-  void issue(cudaStream_t stream) {
-    for (size_t i = 0; i < dst.size(); ++i)
-      EPX_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], size[i], cudaMemcpyDefault, stream),
-                     "ht_dispatch: copy-engine row copy");
+  void issue(cudaStream_t stream, const char* op) const {
+    for (const Block& b : blocks) {
+      if (b.height == 1 || (b.spitch == b.width && b.dpitch == b.width)) {
+        EPX_CUDA_CHECK(cudaMemcpyAsync(b.dst, b.src, b.width * b.height, cudaMemcpyDefault, stream),
+                       op);
+      } else if (b.spitch >= b.width && b.dpitch >= b.width) {
+        EPX_CUDA_CHECK(cudaMemcpy2DAsync(b.dst, b.dpitch, b.src, b.spitch, b.width, b.height,
+                                         cudaMemcpyDefault, stream),
+                       op);
+      } else {
+        for (size_t i = 0; i < b.height; ++i)
+          EPX_CUDA_CHECK(cudaMemcpyAsync(b.dst + i * b.dpitch, b.src + i * b.spitch, b.width,
+                                         cudaMemcpyDefault, stream),
+                         op);
+      }
+    }
   }
 };
 
-// Adds x rows [t0, t0 + n) as copies to the consecutive rows at dst (row_bytes pitch): one copy
-// when x rows are contiguous, else one per row.
+// Adds x rows [t0, t0 + n) as one block copied to the consecutive rows at dst (row_bytes pitch).
 void add_x_rows(CopyList& list, const HtDispatchParams& p, int64_t t0, int64_t n, char* dst) {
   if (n <= 0) return;
-  const int64_t rb = p.row_bytes;
-  if (p.x_stride == rb) {
-    list.add(dst, p.x + t0 * p.x_stride, static_cast<size_t>(n * rb));
-  } else {
-    for (int64_t i = 0; i < n; ++i)
-      list.add(dst + i * rb, p.x + (t0 + i) * p.x_stride, static_cast<size_t>(rb));
-  }
+  const auto rb = static_cast<size_t>(p.row_bytes);
+  list.add(dst, rb, p.x + t0 * p.x_stride, static_cast<size_t>(p.x_stride), rb,
+           static_cast<size_t>(n));
 }
+
+// Joins side stream work to `stream` if an exception leaves a forked section early (no-throw):
+// records `done` on `side` and makes `stream` wait for it, so nothing the side stream still does
+// outlives the call's ordering (or leaves a capture unjoined).
+struct JoinOnUnwind {
+  cudaStream_t side, stream;
+  cudaEvent_t done;
+  bool armed = true;
+  ~JoinOnUnwind() {
+    if (!armed) return;
+    if (cudaEventRecord(done, side) == cudaSuccess) (void)cudaStreamWaitEvent(stream, done, 0);
+  }
+};
 
 }  // namespace
 
@@ -123,11 +148,24 @@ static void fill_topk(HtNotifyParams& p, const TensorView& topk_idx) {
 }
 
 void CudaBuffer::ensure_engine_streams() {
-  if (engine_stream_[0]) return;
-  for (cudaStream_t& st : engine_stream_)
-    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "ht_dispatch");
-  for (cudaEvent_t& e : engine_event_)
-    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "ht_dispatch");
+  // Every object, or none: a failure part-way leaves the members null and the next call retries.
+  if (engine_event_[2]) return;
+  cudaStream_t st[2] = {nullptr, nullptr};
+  cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+  cudaError_t e = cudaSuccess;
+  for (cudaStream_t& x : st)
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking);
+  for (cudaEvent_t& x : ev)
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    for (cudaStream_t x : st)
+      if (x) cudaStreamDestroy(x);
+    for (cudaEvent_t x : ev)
+      if (x) cudaEventDestroy(x);
+    EPX_CUDA_CHECK(e, "ht_dispatch: copy-engine streams");
+  }
+  for (int i = 0; i < 2; ++i) engine_stream_[i] = st[i];
+  for (int i = 0; i < 3; ++i) engine_event_[i] = ev[i];
 }
 
 // The kept rows' x (x -> recv_x, never in the symmetric region) on side stream 0, forked from
@@ -144,8 +182,10 @@ void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, 
   const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
   for (const HtCopyPlan::Run& run : plan.runs[me])
     add_x_rows(self, p, run.t0, run.n, p.recv_x + (kept_base + run.j0) * p.row_bytes);
-  if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept);
+  JoinOnUnwind unwind{kept, stream, engine_event_[1]};
+  if (!(ht_ablation() & kAblateEngineKept)) self.issue(kept, "ht_dispatch: kept-row copy");
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[1], kept), "ht_dispatch");
+  unwind.armed = false;
   if (join) EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
 }
 
@@ -171,8 +211,11 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
   kept_copies(plan, p, stream, /*join=*/false);  // joined at the end, after the pushes
   const int ablate = ht_ablation();
+  // An exception below still joins both side streams (kept: engine_event_[1] is recorded).
+  JoinOnUnwind kept_guard{engine_stream_[0], stream, engine_event_[1]};
   if (R > 1) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(out, engine_event_[0], 0), "ht_dispatch");
+    JoinOnUnwind out_guard{out, stream, engine_event_[2]};
     HtEngineSyncParams sp{};
     sp.num_ranks = R;
     sp.rank = me;
@@ -190,7 +233,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
           add_x_rows(push, p, run.t0 + (a - run.j0), b - a, slot0 + a * rb);
         }
       }
-      if (!(ablate & kAblateEnginePush)) push.issue(stream);
+      if (!(ablate & kAblateEnginePush)) push.issue(stream, "ht_dispatch: copy-engine push");
       sp.step = kEngineArrive;
       sp.chunk = c;
       launch_ht_engine_sync(sp, stream);
@@ -201,15 +244,18 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
         if (s == me) continue;
         const int64_t n = rows_between(s, me), lo = n * c / C, hi = n * (c + 1) / C;
         const int64_t excl = prefix_before_host(rpm, R, s, me);
-        copy_out.add(p.recv_x + (excl + lo) * rb,
+        copy_out.add(p.recv_x + (excl + lo) * rb, static_cast<size_t>(rb),
                      region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
-                     static_cast<size_t>((hi - lo) * rb));
+                     static_cast<size_t>(rb), static_cast<size_t>(rb),
+                     static_cast<size_t>(hi - lo));
       }
-      if (!(ablate & kAblateEngineOut)) copy_out.issue(out);
+      if (!(ablate & kAblateEngineOut)) copy_out.issue(out, "ht_dispatch: copy-engine copy-out");
     }
+    out_guard.armed = false;
     EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], out), "ht_dispatch");
     EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_dispatch");
   }
+  kept_guard.armed = false;
   EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
   if (R > 1) {
     HtEngineSyncParams sp{};
@@ -496,8 +542,10 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
   const int grid = tuning_.num_sms;
   const HtCopyConfig copy = ht_copy_config();
+  // The reducers wait for arrive kernels that run beside them: at least one SM must stay free
+  // (the same on every rank: the SM counts are equal).
   const bool engine_y = R > 1 && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine &&
-                        copy.engine_combine;
+                        copy.engine_combine && grid < device_sms_;
   p.engine_y = engine_y ? 1 : 0;
   if (!engine_y) {
     launch_ht_combine(p, vb, grid, stream);
@@ -524,6 +572,8 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   EPX_CUDA_CHECK(cudaStreamWaitEvent(push, engine_event_[0], 0), "ht_combine");
   const std::vector<int32_t>& rpm = h.copy_plan->rank_prefix_matrix;
   const bool skip = (p.ablate & kAblateEnginePush) != 0;
+  JoinOnUnwind join{push, stream, engine_event_[2]};
+  CopyList rows;
   for (int c = 0; c < kHtEngineChunks; ++c) {
     for (int s = 0; s < R; ++s) {
       if (s == me) continue;
@@ -533,18 +583,18 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       const int64_t lo = n * c / kHtEngineChunks;
       const int64_t hi = std::min(n * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
       if (hi <= lo || skip) continue;
-      EPX_CUDA_CHECK(
-          cudaMemcpy2DAsync(region_.x_row(static_cast<char*>(ht_mem_->peer(s)),
-                                          HtRegion::slot_of(me, s), lo),
-                            static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,
-                            static_cast<size_t>(p.y_stride), static_cast<size_t>(p.row_bytes),
-                            static_cast<size_t>(hi - lo), cudaMemcpyDefault, push),
-          "ht_combine: copy-engine row push");
+      rows.add(region_.x_row(static_cast<char*>(ht_mem_->peer(s)), HtRegion::slot_of(me, s), lo),
+               static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,
+               static_cast<size_t>(p.y_stride), static_cast<size_t>(p.row_bytes),
+               static_cast<size_t>(hi - lo));
     }
+    rows.issue(push, "ht_combine: copy-engine row push");
+    rows.blocks.clear();
     sp.step = kEngineArrive;
     sp.chunk = c;
     launch_ht_engine_sync(sp, push);
   }
+  join.armed = false;
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], push), "ht_combine");
   EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_combine");
   return res;

@@ -38,7 +38,10 @@ void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_
 // kWarp. kEngine: the copy engines move x rows (cudaMemcpyAsync of runs of consecutive tokens)
 // wherever the host knows the layout (exact mode and cached dispatch with its handle): all of them
 // ("ce") or only the rows a rank keeps ("ce:kept", the default); worst-case mode keeps the kernels
-// (kWarp). Every rank must use the same mode.
+// (kWarp). Every rank must use the same mode: warp, bulk and ce:kept interoperate, but "ce" and
+// ":combine" change who writes the symmetric slots and when, so a rank on another mode reads
+// wrong rows or times out (not detected). After a timeout, copy-engine pushes already queued on
+// a stream still land in the peers' slots (a copy cannot be cancelled; the group is failing).
 enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
 
 struct HtCopyConfig {
