@@ -421,11 +421,12 @@ void CudaA2a::set_active_ranks(uint64_t active_mask, Stream stream) {
   p.wait.timeout_ns = 2 * timeout_ns_;
   p.error = error_dev_;
   p.active_mask = active_mask;
-  p.generation = ++resync_generation_;
+  p.generation = resync_generation_ + 1;
   p.num_ranks = group.size();
   p.rank = group.rank();
   a2a_resync_kernel<<<1, kA2aThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError(), "a2a set_active_ranks");
+  ++resync_generation_;  // only a launched resync counts (a failed launch leaves it for a retry)
 }
 
 A2aDropCounts CudaA2a::dropped_counts() {

@@ -83,15 +83,16 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
-// Bounded like every epx wait (a load that never lands must not hang the kernel): on timeout or
-// abort it reports (kWaitBulkCopy), raises the abort word and returns false.
+// Bounded like every epx wait (a load that never lands must not hang the kernel): on timeout it
+// reports (kWaitBulkCopy), raises the abort word and returns false. It does not stop on another
+// wait's abort: the load is this warp's own (local memory, it lands within microseconds), and
+// leaving first could end the CTA with a bulk load still writing its shared memory.
 __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, const WaitContext& ctx) {
   if (mbar_try_wait(bar, parity)) return true;
   const uint64_t start = globaltimer_ns();
   for (uint32_t spins = 0;; ++spins) {
     if (mbar_try_wait(bar, parity)) return true;
     if ((spins & 63u) == 63u) {
-      if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
         record_error(ctx, kDevErrTimeout, ctx.rank, kWaitBulkCopy, parity);
         atomicExch(&ctx.state->abort, 1u);
