@@ -87,8 +87,9 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   HtCopyConfig c;
   auto bad = [&]() {
     throw_error(ErrorCode::kInvalidArgument,
-                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine] or bulk[:SxC][:bN] (2 <= S <= 8 stages ",
-                    "of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 tokens per batch)"));
+                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine] or bulk[:SxC][:bN] ",
+                    "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
+                    "tokens per batch)"));
   };
   size_t colon = spec.find(':');
   const std::string head = spec.substr(0, colon);

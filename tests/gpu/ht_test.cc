@@ -357,6 +357,47 @@ INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
                            return "R" + std::to_string(i.param);
                          });
 
+// Host only (runs without a GPU): EPX_HT_COPY's grammar and the default copy path.
+TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
+  using detail::HtCopyMode;
+  const detail::HtCopyConfig def;
+  EXPECT_EQ(def.mode, HtCopyMode::kEngine);
+  EXPECT_TRUE(def.engine_kept_only);
+  EXPECT_FALSE(def.engine_combine);
+  struct Want {
+    const char* spec;
+    HtCopyMode mode;
+    bool kept, combine;
+  };
+  for (const Want& w : {Want{"ce", HtCopyMode::kEngine, false, false},
+                        Want{"ce:kept", HtCopyMode::kEngine, true, false},
+                        Want{"ce:combine", HtCopyMode::kEngine, false, true},
+                        Want{"ce:kept:combine", HtCopyMode::kEngine, true, true},
+                        Want{"warp", HtCopyMode::kWarp, true, false},
+                        Want{"bulk", HtCopyMode::kBulk, true, false}}) {
+    const detail::HtCopyConfig c = detail::parse_ht_copy(w.spec, "test");
+    EXPECT_EQ(c.mode, w.mode) << w.spec;
+    if (w.mode == HtCopyMode::kEngine) {
+      EXPECT_EQ(c.engine_kept_only, w.kept) << w.spec;
+      EXPECT_EQ(c.engine_combine, w.combine) << w.spec;
+    }
+  }
+  const detail::HtCopyConfig b = detail::parse_ht_copy("bulk:3x4096:b8", "test");
+  EXPECT_EQ(b.stages, 3);
+  EXPECT_EQ(b.chunk, 4096);
+  EXPECT_EQ(b.send_batch, 8);
+  for (const char* bad : {"", "ce:", "ce:foo", "ce:combine:kept", "ce:kept:kept", "bulk:1x16",
+                          "bulk:3x4095", "warp:kept", "CE"}) {
+    try {
+      (void)detail::parse_ht_copy(bad, "EPX_HT_COPY");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << bad;
+      EXPECT_NE(std::string(e.what()).find("EPX_HT_COPY"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(HtGpu, OneRankMatchesReference) {
   EPX_REQUIRE_GPUS(1);
   const int rc = run_cuda_ranks(1, [](const Group& g) {
