@@ -4,7 +4,7 @@
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
-//                    [--copy warp,bulk,bulk:3x4096:b8]
+//                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-probe]
 // --copy times the dispatch under each copy path (cuda/tuning.h parse_ht_copy; EPX_HT_COPY's
 // values) in the same process, same buffer; combine is the same kernel under every variant.
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
@@ -45,6 +45,7 @@ struct Options {
   std::vector<int> send_pct = {0};  // 0: the library's default split
   int warmup = 5, iters = 30;
   bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
+  bool ce_probe = false;          // only the copy-engine rate probe (ce_probe below)
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
 };
 
@@ -303,6 +304,76 @@ int run_rank(const Group& g, const Options& o) {
 
 }  // namespace
 
+// --ce-probe (2 ranks): copy-engine rates into a peer's memory, to explain the ≈ 225 GB/s the
+// ce path reached (docs/perf-cuda-ht.md run 10). cudaMemcpyAsync of S bytes from a local
+// cudaMalloc buffer into (a) the peer's NCCL window through its LSA mapping (what the ce path
+// writes), (b) a cudaMalloc buffer of the peer opened with cudaIpcOpenMemHandle (the classic peer
+// path; reference/nvlink.md measured 395 GB/s there), (c) this rank's own window (local copy);
+// one rank pushing or both at once; the S bytes as 1 copy or 4 copies. Times: CUDA events,
+// medians over iters, a barrier before each iteration.
+int ce_probe(const Group& g, const Options& o) {
+  const int R = g.size(), r = g.rank();
+  if (R != 2) {
+    if (r == 0) std::printf("--ce-probe needs 2 ranks\n");
+    return 0;
+  }
+  const int peer = 1 - r;
+  const size_t max_bytes = size_t{64} << 20;
+  auto win = g.transport()->allocate(max_bytes + 4096);
+  char* src = nullptr;
+  char* ipc_local = nullptr;
+  CUDA_OK(cudaMalloc(&src, max_bytes));
+  CUDA_OK(cudaMemset(src, r + 1, max_bytes));
+  CUDA_OK(cudaMalloc(&ipc_local, max_bytes));
+  // IPC handles travel through the windows: ours into the peer's tail, barrier, read ours.
+  cudaIpcMemHandle_t mine{}, theirs{};
+  CUDA_OK(cudaIpcGetMemHandle(&mine, ipc_local));
+  CUDA_OK(cudaMemcpy(static_cast<char*>(win->peer(peer)) + max_bytes, &mine, sizeof(mine),
+                     cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize());
+  g.transport()->barrier("ce-probe: handles");
+  CUDA_OK(cudaMemcpy(&theirs, static_cast<char*>(win->local()) + max_bytes, sizeof(theirs),
+                     cudaMemcpyDeviceToHost));
+  void* ipc_peer = nullptr;
+  CUDA_OK(cudaIpcOpenMemHandle(&ipc_peer, theirs, cudaIpcMemLazyEnablePeerAccess));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const std::pair<const char*, char*> targets[] = {
+      {"peer window (LSA mapping)", static_cast<char*>(win->peer(peer))},
+      {"peer cudaMalloc (cudaIpc)", static_cast<char*>(ipc_peer)},
+      {"own window (local copy)", static_cast<char*>(win->local())}};
+  if (r == 0)
+    std::printf("copy-engine probe: cudaMemcpyAsync local -> target, GB/s per pushing rank "
+                "(median of %d)\n  %-28s %8s %6s %7s %10s %8s\n",
+                o.iters, "target", "MB", "both", "copies", "us", "GB/s");
+  for (const size_t mb : {1, 4, 16, 58}) {
+    const size_t bytes = mb << 20;
+    for (const auto& [name, dst] : targets) {
+      for (const bool both : {false, true}) {
+        for (const int copies : {1, 4}) {
+          const bench::Timing t = bench::time_on_device(g, s, 3, o.iters, [&] {
+            if (!both && r != 0) return;
+            for (int c = 0; c < copies; ++c) {
+              const size_t lo = bytes * c / copies, hi = bytes * (c + 1) / copies;
+              CUDA_OK(cudaMemcpyAsync(dst + lo, src + lo, hi - lo, cudaMemcpyDefault, s));
+            }
+          });
+          if (r == 0)
+            std::printf("  %-28s %8zu %6s %7d %10.1f %8.1f\n", name, mb, both ? "yes" : "no",
+                        copies, t.median_us, bytes / t.median_us / 1e3);
+        }
+      }
+    }
+  }
+  std::fflush(stdout);
+  g.transport()->barrier("ce-probe: done");
+  CUDA_OK(cudaIpcCloseMemHandle(ipc_peer));
+  cudaStreamDestroy(s);
+  cudaFree(ipc_local);
+  cudaFree(src);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -334,13 +405,15 @@ int main(int argc, char** argv) {
       o.iters = std::atoi(next());
     else if (a == "--ablate")
       o.ablate = true;
+    else if (a == "--ce-probe")
+      o.ce_probe = true;
     else if (a == "--copy")
       o.copy = gpu_testing::split_commas(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
                    "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
-                   "[--copy warp,bulk[:SxC][:bN],...]\n",
+                   "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine],...] [--ce-probe]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
@@ -359,5 +432,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int R = o.ranks > 0 ? o.ranks : gpus;
-  return gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return run_rank(g, o); });
+  return gpu_testing::run_cuda_ranks(
+      R, [&](const Group& g) { return o.ce_probe ? ce_probe(g, o) : run_rank(g, o); });
 }
