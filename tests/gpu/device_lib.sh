@@ -58,3 +58,13 @@ epx_device_bench() {
   timeout "$2" "$1" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "== bench rc=${PIPESTATUS[0]} ($(( $(date +%s) - s )) s)"
 }
+
+# epx_device_run NAME TIMEOUT_S CMD...: CMD bounded, stdout to $OUT/NAME.log, stderr to
+# $OUT/NAME.err; prints its status and duration.
+epx_device_run() {
+  local name=$1 limit=$2 s
+  shift 2
+  s=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2> "$OUT/$name.err"
+  echo "== $name rc=$? ($(( $(date +%s) - s )) s)"
+}

@@ -15,17 +15,10 @@ BUILD=${BUILD:-bt}
 t0=$(date +%s)
 EPX_CMAKE_EXTRA="-DEPX_LL_TRACE=ON" epx_device_build "$BUILD" epx_ll_gpu_bench || exit 1
 B="$BUILD/tests/gpu/epx_ll_gpu_bench"
-run() {  # name timeout args...
-  local name=$1 limit=$2
-  shift 2
-  local s=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2> "$OUT/$name.err"
-  echo "== $name rc=$? ($(( $(date +%s) - s )) s)"
-}
-run trace ${T1:-80} "$B" --trace --tokens 128,1,512 --iters 20
+epx_device_run trace ${T1:-80} "$B" --trace --tokens 128,1,512 --iters 20
 grep -vE "^\[bench" "$OUT/trace.log" | head -400
-run sms64 ${T2:-30} "$B" --trace-only --tokens 128,1 --sms 64
+epx_device_run sms64 ${T2:-30} "$B" --trace-only --tokens 128,1 --sms 64
 grep -E "^\[trace\]|SPAN|exit|pulls|copies|wait" "$OUT/sms64.log" | head -120
-EPX_LL_VARIANT=1 run variant1 ${T3:-30} "$B" --tokens 128 --iters 20
+EPX_LL_VARIANT=1 epx_device_run variant1 ${T3:-30} "$B" --tokens 128 --iters 20
 grep -vE "^\[bench" "$OUT/variant1.log" | grep -v "^\[trace" | head -20
 echo "== total $(( $(date +%s) - t0 )) s"

@@ -10,35 +10,19 @@
 # Logs under $OUT (default /tmp/epx-out).  bash tests/gpu/ll_variant_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN} EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-5000}
-export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin"
-OUT=${OUT:-/tmp/epx-out}
-mkdir -p "$OUT"
+source tests/gpu/device_lib.sh
+epx_device_setup 5000
 BUILD=${BUILD:-bt}
 VARIANTS=${VARIANTS:-0,2,4,8,12}
 t0=$(date +%s)
-if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
-         -DEPX_LL_TRACE=ON -DEPX_BUILD_TOOLS=OFF -DEPX_BUILD_PYTHON=OFF && \
-       cmake --build "$BUILD" -j 16 --target gpu_ll_gpu_test epx_ll_gpu_bench; } \
-     > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"
-  exit 1
-fi
-echo "== build: $(( $(date +%s) - t0 )) s"
-run() {  # name timeout args...
-  local name=$1 limit=$2
-  shift 2
-  local s=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2> "$OUT/$name.err"
-  echo "== $name rc=$? ($(( $(date +%s) - s )) s)"
-}
-run test ${T1:-90} "$BUILD/tests/gpu/gpu_ll_gpu_test" \
+EPX_CMAKE_EXTRA="-DEPX_WITH_CUDA=ON -DEPX_LL_TRACE=ON" \
+  epx_device_build "$BUILD" gpu_ll_gpu_test epx_ll_gpu_bench || exit 1
+epx_device_run test ${T1:-90} "$BUILD/tests/gpu/gpu_ll_gpu_test" \
   --gtest_filter='Ranks/LlGpu.*:LlGpuGraph.*:LlGpuErrors.BadExpert*'
 grep -E "^\[  (PASSED|FAILED) |^\[       OK|FAILED|variant" "$OUT/test.log" "$OUT/test.err" | head -40
 B="$BUILD/tests/gpu/epx_ll_gpu_bench"
-run bench ${T2:-50} "$B" --tokens 128,1 --iters 20 --variant "$VARIANTS"
+epx_device_run bench ${T2:-50} "$B" --tokens 128,1 --iters 20 --variant "$VARIANTS"
 grep -vE "^\[bench" "$OUT/bench.log" | head -60
-run trace ${T3:-25} "$B" --trace-only --tokens 128 --variant 0,12
+epx_device_run trace ${T3:-25} "$B" --trace-only --tokens 128 --variant 0,12
 grep -E "^\[trace\]|SPAN|wait|scan|copies|sent|signal|last" "$OUT/trace.log" | head -120
 echo "== total $(( $(date +%s) - t0 )) s"
