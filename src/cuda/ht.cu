@@ -41,8 +41,12 @@ Tensor alloc(const Allocator& a, DType dtype, std::vector<int64_t> shape, int de
   return a(dtype, shape, Device::cuda(device));
 }
 
+// Host twins of common.cuh's prefix_before / rows_between over a host copy of the prefix matrix.
 int32_t prefix_before_host(const std::vector<int32_t>& rpm, int R, int s, int d) {
   return s > 0 ? rpm[static_cast<size_t>(s - 1) * R + d] : 0;
+}
+int32_t rows_between_host(const std::vector<int32_t>& rpm, int R, int s, int d) {
+  return rpm[static_cast<size_t>(s) * R + d] - prefix_before_host(rpm, R, s, d);
 }
 
 // send_pos [T, R] and rank_prefix_matrix [R, R] (host copies) -> runs of consecutive tokens.
@@ -203,9 +207,6 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   const int R = group.size(), me = group.rank(), C = kHtEngineChunks;
   const std::vector<int32_t>& rpm = plan.rank_prefix_matrix;
   const int64_t rb = p.row_bytes;
-  auto rows_between = [&](int s, int d) {
-    return rpm[static_cast<size_t>(s) * R + d] - prefix_before_host(rpm, R, s, d);
-  };
   ensure_engine_streams();
   cudaStream_t out = engine_stream_[1];
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
@@ -225,11 +226,12 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       CopyList push;
       for (int d = 0; d < R; ++d) {
         if (d == me) continue;
-        const int64_t n = rows_between(me, d), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t n = rows_between_host(rpm, R, me, d), lo = n * c / C, hi = n * (c + 1) / C;
         char* slot0 = region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
                                            HtRegion::slot_of(me, d), 0, rb);
         for (const HtCopyPlan::Run& run : plan.runs[d]) {
-          const int64_t a = std::max<int64_t>(lo, run.j0), b = std::min<int64_t>(hi, run.j0 + run.n);
+          const int64_t a = std::max<int64_t>(lo, run.j0);
+          const int64_t b = std::min<int64_t>(hi, run.j0 + run.n);
           add_x_rows(push, p, run.t0 + (a - run.j0), b - a, slot0 + a * rb);
         }
       }
@@ -242,7 +244,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       CopyList copy_out;
       for (int s = 0; s < R; ++s) {
         if (s == me) continue;
-        const int64_t n = rows_between(s, me), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t n = rows_between_host(rpm, R, s, me), lo = n * c / C, hi = n * (c + 1) / C;
         const int64_t excl = prefix_before_host(rpm, R, s, me);
         copy_out.add(p.recv_x + (excl + lo) * rb, static_cast<size_t>(rb),
                      region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
@@ -310,6 +312,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
             " tokens, expected at most max_tokens_per_rank = ", shape.max_tokens_per_rank);
   const bool fp8 = x.dtype == DType::kF8E4M3;
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
+  const HtCopyConfig copy = ht_copy_config();  // read once: every decision below uses the same
 
   HtDispatchResult res;
   HtHandle& h = res.handle;
@@ -387,7 +390,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
         res.num_recv_tokens_per_expert[l] = per_expert[l];
       h.num_recv_tokens = num_rows;
       h.num_worst_tokens = 0;
-      if (ht_copy_config().mode == HtCopyMode::kEngine) {
+      if (copy.mode == HtCopyMode::kEngine) {
         // The copy engines need the layout on the host: send_pos and the prefix matrix (the
         // count exchange finished: this waits only for the two small copies).
         std::vector<int32_t> sp(static_cast<size_t>(T) * R), rpm(static_cast<size_t>(R) * R);
@@ -405,11 +408,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   }
   // Copy engines move x where the host knows the layout (every rank decides alike: same mode,
   // same kind of call, handles made the same way).
-  const HtCopyConfig copy_cfg = ht_copy_config();
-  const bool engine_any =
-      !worst_case && h.copy_plan != nullptr && copy_cfg.mode == HtCopyMode::kEngine;
-  const bool engine = engine_any && !copy_cfg.engine_kept_only;
-  const bool engine_kept = engine_any && copy_cfg.engine_kept_only;
+  const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
+  const bool engine = engine_any && !copy.engine_kept_only;
+  const bool engine_kept = engine_any && copy.engine_kept_only;
 
   // Outputs.
   res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
@@ -468,7 +469,6 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
   // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
-  const HtCopyConfig copy = ht_copy_config();
   p.send_batch = copy.send_batch;
   p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk
                                                                              : HtCopyMode::kWarp);
@@ -579,7 +579,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       if (s == me) continue;
       // The rows this rank received from s go back to row j of s's slot for this rank.
       const int64_t excl = prefix_before_host(rpm, R, s, me);
-      const int64_t n = rpm[static_cast<size_t>(s) * R + me] - excl;
+      const int64_t n = rows_between_host(rpm, R, s, me);
       const int64_t lo = n * c / kHtEngineChunks;
       const int64_t hi = std::min(n * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
       if (hi <= lo || skip) continue;
