@@ -197,13 +197,9 @@ CudaA2a::~CudaA2a() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then no rank frees memory a peer may still read.
+  // Kernels are bounded, so this returns; then nothing of this rank uses the workspace. Local, as
+  // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
   cudaDeviceSynchronize();
-  try {
-    group.transport()->barrier("A2a destruction");
-  } catch (const std::exception&) {
-    // The group already failed (timeout / abort): nothing more to coordinate.
-  }
   mem_.reset();
   error_host_.reset();
   cudaSetDevice(previous);

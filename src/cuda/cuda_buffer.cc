@@ -224,15 +224,10 @@ CudaBuffer::~CudaBuffer() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then no rank frees memory a peer may still write.
+  // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local: the
+  // transport frees the region once every rank released it (no barrier, so ranks may destroy
+  // their Buffers at different times, as Python's garbage collector does).
   cudaDeviceSynchronize();
-  if (!broken_ && ht_mem_) {
-    try {
-      group.transport()->barrier("Buffer destruction");
-    } catch (const std::exception&) {
-      broken_ = true;
-    }
-  }
   ht_mem_.reset();
   for (cudaStream_t& s : engine_stream_)
     if (s) cudaStreamDestroy(s);

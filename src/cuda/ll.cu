@@ -185,15 +185,9 @@ CudaLl::~CudaLl() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then no rank frees memory a peer may still use.
+  // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local, as
+  // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
   cudaDeviceSynchronize();
-  if (mem_) {
-    try {
-      group_.transport()->barrier("Buffer destruction (ll)");
-    } catch (const std::exception&) {
-      // The group already failed (timeout / abort): nothing more to coordinate.
-    }
-  }
   mem_.reset();
   if (error_host_) cudaFreeHost(error_host_);
 #ifdef EPX_LL_TRACE

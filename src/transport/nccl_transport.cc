@@ -11,14 +11,27 @@
 // Never asks for NVLS/multicast or GIN (NCCL_WIN_DEFAULT windows, no lsaMultimem, no GIN fields).
 //
 // Barrier: a window of BarrierSlots per transport; see nccl_device_ops.h. Bounded by timeout().
+//
+// Release is local, freeing is collective: dropping a SymmetricMemory (a Buffer / A2a destroyed,
+// in Python whenever the garbage collector gets to it, at a different point on every rank) only
+// marks its window released; no barrier, no NCCL call. The next allocate() (collective) frees the
+// windows every rank has released: each rank writes its released flags into its own board (a
+// small window), a bounded barrier, each reads every peer's board, and all deregister the agreed
+// windows in the same order before registering the new one. So the collectives of the ranks never
+// pair up differently because they destroyed objects at different times, and no window is freed
+// while a peer may still use it. Every rank's list of windows is the same (allocation order; only
+// agreed frees remove entries). What is never agreed is freed with the communicator.
 #include "transport/nccl_transport.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
 #include "cuda/cuda_check.h"
@@ -41,9 +54,19 @@ namespace {
   } while (0)
 
 constexpr size_t kWindowGranularity = size_t(2) << 20;
+// Released flags exchanged per allocate(): the first this many windows of the registry take part
+// (more live windows than this: the later ones wait for the communicator's end).
+constexpr size_t kReleaseBoardBytes = 4096;
 
-// The communicator and its device communicator; shared by the transport and every window so the
-// comm outlives the last window.
+// One registered window, as the communicator's registry keeps it.
+struct NcclWindow {
+  void* base = nullptr;
+  ncclWindow_t window = nullptr;
+  bool released = false;  // its SymmetricMemory was dropped on this rank
+};
+
+// The communicator, its device communicator and the registry of its windows; shared by the
+// transport and every window so the comm outlives the last window.
 struct NcclComm {
   ncclComm_t comm = nullptr;
   bool owned = false;
@@ -51,11 +74,27 @@ struct NcclComm {
   ncclDevComm dev_comm{};
   bool dev_comm_created = false;
   bool failed = false;  // a barrier timed out or abort() was called: abort instead of finalize
+  std::mutex mu;        // guards windows (a garbage collector may drop memory on any thread)
+  std::vector<NcclWindow> windows;  // allocation order; the same list on every rank
+
+  void free_window(const NcclWindow& w) {
+    if (failed) return;  // NCCL may hang on a failed communicator: leave it to the process exit
+    if (w.window) ncclCommWindowDeregister(comm, w.window);
+    if (w.base) ncclMemFree(w.base);
+  }
+
+  void mark_released(void* base) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (NcclWindow& w : windows)
+      if (w.base == base) w.released = true;
+  }
 
   ~NcclComm() {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device);
+    for (auto it = windows.rbegin(); it != windows.rend(); ++it) free_window(*it);
+    windows.clear();
     if (dev_comm_created && !failed) ncclDevCommDestroy(comm, &dev_comm);
     if (owned && comm) {
       if (failed) {
@@ -77,36 +116,47 @@ class NcclSymmetricMemory final : public SymmetricMemory {
     DeviceGuard guard(comm_->device);
     const size_t alloc = (std::max<size_t>(bytes, 1) + kWindowGranularity - 1) /
                          kWindowGranularity * kWindowGranularity;
-    EPX_NCCL_CHECK(ncclMemAlloc(&base_, alloc), "symmetric allocation");
-    EPX_CUDA_CHECK(cudaMemsetAsync(base_, 0, alloc, stream), "symmetric allocation");
-    EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "symmetric allocation");
-    EPX_NCCL_CHECK(ncclCommWindowRegister(comm_->comm, base_, alloc, &window_, NCCL_WIN_DEFAULT),
-                   "symmetric allocation");
-    std::vector<void*> lsa;
-    nccl_lsa_pointers(window_, size, stream, lsa);
-    ptrs_.assign(size, nullptr);
-    for (int p = 0; p < size; ++p) {
-      EPX_CHECK(lsa[p] != nullptr, ErrorCode::kInternal,
-                "symmetric allocation: LSA pointer of rank ", p, " is null");
-      ptrs_[p] = p == rank ? base_ : lsa[p];
+    NcclWindow w;
+    EPX_NCCL_CHECK(ncclMemAlloc(&w.base, alloc), "symmetric allocation");
+    try {
+      EPX_CUDA_CHECK(cudaMemsetAsync(w.base, 0, alloc, stream), "symmetric allocation");
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "symmetric allocation");
+      EPX_NCCL_CHECK(ncclCommWindowRegister(comm_->comm, w.base, alloc, &w.window,
+                                            NCCL_WIN_DEFAULT),
+                     "symmetric allocation");
+    } catch (...) {
+      ncclMemFree(w.base);
+      throw;
+    }
+    base_ = w.base;
+    {
+      std::lock_guard<std::mutex> lock(comm_->mu);
+      comm_->windows.push_back(w);  // registered: the registry frees it from now on
+    }
+    try {
+      std::vector<void*> lsa;
+      nccl_lsa_pointers(w.window, size, stream, lsa);
+      ptrs_.assign(size, nullptr);
+      for (int p = 0; p < size; ++p) {
+        EPX_CHECK(lsa[p] != nullptr, ErrorCode::kInternal,
+                  "symmetric allocation: LSA pointer of rank ", p, " is null");
+        ptrs_[p] = p == rank ? base_ : lsa[p];
+      }
+    } catch (...) {
+      comm_->mark_released(base_);
+      throw;
     }
     bytes_ = bytes;
     rank_ = rank;
   }
 
-  ~NcclSymmetricMemory() override {
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(comm_->device);
-    if (window_ && !comm_->failed) ncclCommWindowDeregister(comm_->comm, window_);
-    if (base_ && !comm_->failed) ncclMemFree(base_);
-    cudaSetDevice(previous);
-  }
+  // Local: the window stays registered and mapped (peers may still touch it) until every rank
+  // released it and an allocate() agreed on that, or until the communicator goes.
+  ~NcclSymmetricMemory() override { comm_->mark_released(base_); }
 
  private:
   std::shared_ptr<NcclComm> comm_;
   void* base_ = nullptr;
-  ncclWindow_t window_ = nullptr;
 };
 
 class NcclTransport final : public Transport {
@@ -152,9 +202,12 @@ class NcclTransport final : public Transport {
                    "Group::cuda");
     slots_ =
         std::make_shared<NcclSymmetricMemory>(comm_, sizeof(BarrierSlots), rank_, size_, stream_);
+    // Zero-filled before it is registered, so no rank reads another's board before it is valid.
+    board_ = std::make_shared<NcclSymmetricMemory>(comm_, kReleaseBoardBytes, rank_, size_, stream_);
   }
 
   ~NcclTransport() override {
+    board_.reset();
     slots_.reset();
     if (stream_) cudaStreamDestroy(stream_);
     if (status_) cudaFreeHost(status_);
@@ -166,12 +219,60 @@ class NcclTransport final : public Transport {
   Device device() const override { return Device::cuda(comm_->device); }
   std::chrono::milliseconds timeout() const override { return timeout_; }
   ncclComm_t comm() const { return comm_->comm; }
+  int64_t window_count() const {
+    std::lock_guard<std::mutex> lock(comm_->mu);
+    return static_cast<int64_t>(comm_->windows.size());
+  }
 
   std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
     check_usable("allocate");
+    free_agreed_releases();
     auto mem = std::make_shared<NcclSymmetricMemory>(comm_, bytes, rank_, size_, stream_);
     barrier("symmetric allocation");
     return mem;
+  }
+
+  // Windows every rank has released: deregistered and freed here, in the same order everywhere
+  // (see the file comment). Collective, part of allocate(). Returns how many were freed.
+  size_t free_agreed_releases() {
+    DeviceGuard guard(comm_->device);
+    std::vector<uint8_t> mine;
+    {
+      std::lock_guard<std::mutex> lock(comm_->mu);
+      mine.resize(std::min(comm_->windows.size(), kReleaseBoardBytes));
+      for (size_t i = 0; i < mine.size(); ++i) mine[i] = comm_->windows[i].released ? 1 : 0;
+    }
+    const size_t n = mine.size();  // the same on every rank (the lists are equal)
+    EPX_CUDA_CHECK(cudaMemcpyAsync(board_->local(), mine.data(), n, cudaMemcpyHostToDevice,
+                                   stream_),
+                   "symmetric allocation (releases)");
+    barrier("symmetric allocation (releases)");  // every board written (and the copy done)
+    std::vector<uint8_t> agreed = mine;
+    std::vector<uint8_t> theirs(n);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      EPX_CUDA_CHECK(cudaMemcpyAsync(theirs.data(), board_->peer(p), n, cudaMemcpyDeviceToHost,
+                                     stream_),
+                     "symmetric allocation (releases)");
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream_), "symmetric allocation (releases)");
+      for (size_t i = 0; i < n; ++i) agreed[i] &= theirs[i];
+    }
+    // Nobody rewrites its board before every rank read it: the next write comes after the
+    // allocation barrier that follows, which every rank reaches only after these reads.
+    std::lock_guard<std::mutex> lock(comm_->mu);
+    size_t freed = 0;
+    std::vector<NcclWindow> kept;
+    kept.reserve(comm_->windows.size());
+    for (size_t i = 0; i < comm_->windows.size(); ++i) {
+      if (i < n && agreed[i]) {
+        comm_->free_window(comm_->windows[i]);
+        ++freed;
+      } else {
+        kept.push_back(comm_->windows[i]);
+      }
+    }
+    comm_->windows = std::move(kept);
+    return freed;
   }
 
   void barrier(const char* what) override {
@@ -239,6 +340,7 @@ class NcclTransport final : public Transport {
   int32_t* status_ = nullptr;      // mapped pinned host memory
   int32_t* status_dev_ = nullptr;  // its device address
   std::shared_ptr<SymmetricMemory> slots_;
+  std::shared_ptr<SymmetricMemory> board_;  // kReleaseBoardBytes released flags (allocate())
   uint32_t epoch_ = 0;
   std::string abort_reason_;
 };
@@ -295,6 +397,11 @@ std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cu
 void* nccl_comm_of(const Transport& transport) {
   auto* t = dynamic_cast<const NcclTransport*>(&transport);
   return t ? static_cast<void*>(t->comm()) : nullptr;
+}
+
+int64_t nccl_window_count(const Transport& transport) {
+  auto* t = dynamic_cast<const NcclTransport*>(&transport);
+  return t ? t->window_count() : -1;
 }
 
 }  // namespace epx::detail

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 
 #include "epx/group.h"
@@ -20,5 +21,10 @@ std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cu
 // CUDA builds only (no stub): the ncclComm_t behind a cuda group's transport (nullptr for any
 // other transport). For baselines that need NCCL collectives on the group's communicator.
 void* nccl_comm_of(const Transport& transport);
+
+// CUDA builds only (no stub), for tests: the symmetric windows a cuda group's transport still
+// holds (its own barrier and release-board windows included), released or not; -1 for any other
+// transport. Released windows are freed by the next allocation every rank agreed on.
+int64_t nccl_window_count(const Transport& transport);
 
 }  // namespace epx::detail

@@ -288,7 +288,7 @@ TEST(A2aMaskGpuDeadPeer, SurvivorContinuesAlone) {
           std::string err = eager_cycle(a2a, problems[0], r, r, stream);
           if (r == 1) {
             // Dead: never calls again. Sleeps long enough for rank 0 to finish, then tears down
-            // (the destructor's barrier meets rank 0's).
+            // (destruction is local: no barrier with rank 0).
             std::this_thread::sleep_for(std::chrono::seconds(4));
             return err.empty() ? 0 : 1;
           }

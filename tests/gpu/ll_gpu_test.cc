@@ -18,6 +18,7 @@
 #include <cstring>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -30,6 +31,7 @@
 #include "support/ll_cases.h"
 #include "support/oracle_ll.h"
 #include "support/routing.h"
+#include "transport/nccl_transport.h"
 
 namespace epx {
 namespace {
@@ -774,6 +776,54 @@ TEST(LlGpuErrors, HookMisuseAndCapacity) {
     }
     cudaStreamDestroy(stream);
     return failures;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// ---- lifetime ------------------------------------------------------------------------------
+
+// Ranks destroy their Buffers at different points (Python's garbage collector does): rank 0 drops
+// the round's extra Buffer before the next Buffer is made, rank 1 after that Buffer's dispatch and
+// combine. Destruction is local, so the collectives still pair up and every round matches the
+// oracle (before: the destruction barrier of rank 0 met rank 1's allocation, and the group timed
+// out). Released windows are freed by a later allocation: the transport's window count stays
+// bounded instead of growing by the Buffers of every round.
+TEST(LlGpuLifetime, BuffersDestroyedAtDifferentTimesOnEachRank) {
+  EPX_REQUIRE_GPUS(2);
+  const Case c = small_case(2, 77);
+  const std::vector<Batch> batches = testing::make_ll_batches(c);
+  const int rc = run_cuda_ranks(2, [&](const Group& g) {
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const int64_t base = detail::nccl_window_count(*g.transport());
+    BufferConfig both;  // ht and ll regions: two windows
+    int bad = 0;
+    for (int round = 0; round < 4 && bad == 0; ++round) {
+      auto extra = std::make_unique<Buffer>(g, shape_of(c.p), both);
+      if (g.rank() == 0) extra.reset();
+      std::string err;
+      try {
+        err = run_rank(c, batches, g, stream);  // makes, uses and drops its own Buffer
+      } catch (const std::exception& e) {
+        err = std::string("exception: ") + e.what();
+      }
+      extra.reset();
+      if (!err.empty()) {
+        std::fprintf(stderr, "round %d: %s\n", round, err.c_str());
+        ++bad;
+      }
+    }
+    // One more collective allocation frees what every rank released; only its own window is left.
+    { Buffer last(g, shape_of(c.p), ll_only()); }
+    const int64_t left = detail::nccl_window_count(*g.transport());
+    if (base < 0 || left != base + 1) {
+      std::fprintf(stderr, "rank %d: %lld windows before, %lld after (expected %lld)\n", g.rank(),
+                   static_cast<long long>(base), static_cast<long long>(left),
+                   static_cast<long long>(base + 1));
+      ++bad;
+    }
+    cudaStreamDestroy(stream);
+    return bad;
   });
   EXPECT_EQ(rc, 0);
 }

@@ -9,6 +9,7 @@ call with every rank's traceback; a call that does not finish within its deadlin
 (the next call starts a fresh one), so a broken test fails instead of hanging.
 """
 
+import gc
 import os
 import tempfile
 import time
@@ -35,6 +36,7 @@ class RankContext:
 
 def _worker(rank, world_size, init_file, backend, cmd_queue, result_queue):
     os.environ["EPX_TIMEOUT_MS"] = str(RANK_EPX_TIMEOUT_MS)
+    collect_after_body = os.environ.get("EPX_TEST_GC") == "1"
     try:
         import torch
         import torch.distributed as dist
@@ -61,6 +63,8 @@ def _worker(rank, world_size, init_file, backend, cmd_queue, result_queue):
             result_queue.put((rank, call_id, True, out))
         except BaseException:
             result_queue.put((rank, call_id, False, traceback.format_exc()))
+        if collect_after_body:
+            gc.collect()  # diagnostic (EPX_TEST_GC=1): objects in cycles die before the next body
     try:
         dist.destroy_process_group()
     except Exception:

@@ -80,10 +80,13 @@ def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0,
             assert torch.equal(got, want[l]["x"]), (what, l)
 
 
-def _assert_combined(got, want, topk_idx, L, what):
-    """Bit-for-bit; on a mismatch say which tokens differ, how, and where their experts live."""
+def _assert_combined(got, want, topk_idx, L, what, buf=None):
+    """Bit-for-bit; on a mismatch say which tokens differ, how, and where their experts live,
+    and first raise what the device reported (a timeout, a bad id) when `buf` is given."""
     if torch.equal(got, want):
         return
+    if buf is not None and buf._ll is not None:
+        buf._ll.check()  # an error found on the device explains the mismatch: raise it instead
     bad = (got.view(torch.int16) != want.view(torch.int16)).any(dim=1).nonzero().flatten()
     lines = []
     for t in bad[:8].tolist():
@@ -133,7 +136,7 @@ def body_ll_roundtrip(ctx, seed):
         assert hook is None and isinstance(event, deep_ep.EventOverlap)
         assert out.dtype == torch.bfloat16 and list(out.shape) == [mine["x"].shape[0], H]
         _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), mine["topk_idx"], L,
-                         what)
+                         what, buf)
 
 
 def body_ll_hook_zero_copy_out(ctx, seed):
@@ -249,12 +252,48 @@ def body_ll_errors(ctx, seed):
         normal.low_latency_dispatch(x, idx, T_max, E)
 
 
+def body_ll_staggered_destroy(ctx, seed):
+    """Ranks drop their Buffers at different points, as the garbage collector does: rank 0
+    before the next Buffer is made, rank 1 after that Buffer's dispatch and combine. Destruction
+    is local, so the next Buffer's collectives still pair up and its results are exact."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    L = E // R
+    T_max = 8
+    for round_ in range(3):
+        what = f"seed={seed} round={round_}"
+        old = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+        old.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16, device=dev),
+                                 torch.zeros(1, 1, dtype=torch.int64, device=dev), T_max, E,
+                                 use_fp8=False)
+        if r == 0:
+            del old
+        buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+        inputs = _inputs(seed + round_, R, E, lambda src: 3 + src)
+        mine = inputs[r]
+        res = buf.low_latency_dispatch(mine["x"].to(dev), mine["topk_idx"].to(dev), T_max, E,
+                                       use_fp8=False)
+        _check_dispatch(ctx, inputs, res, E, T_max, False, False, False, what)
+        ys = [_y(seed + round_, d, L, R, T_max) for d in range(R)]
+        out, _, _ = buf.low_latency_combine(ys[r].to(dev), mine["topk_idx"].to(dev),
+                                            mine["topk_weights"].to(dev), res[2])
+        _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), mine["topk_idx"], L,
+                         what, buf)
+        if r != 0:
+            del old
+        del buf, res, out
+
+
 def test_ll_dispatch_combine(pool):
     pool.run(body_ll_roundtrip, _seed())
 
 
 def test_ll_hook_zero_copy_out_clean(pool):
     pool.run(body_ll_hook_zero_copy_out, _seed())
+
+
+def test_ll_staggered_destroy(pool):
+    pool.run(body_ll_staggered_destroy, _seed())
 
 
 def test_ll_errors(pool):

@@ -44,7 +44,8 @@ def test_gpu_deep_ep_normal(gpu_pool, body):
     gpu_pool.run(body, _seed())
 
 
-@pytest.mark.parametrize("body", [ll.body_ll_roundtrip, ll.body_ll_hook_zero_copy_out],
+@pytest.mark.parametrize("body", [ll.body_ll_roundtrip, ll.body_ll_hook_zero_copy_out,
+                                  ll.body_ll_staggered_destroy],
                          ids=lambda b: b.__name__)
 def test_gpu_deep_ep_low_latency(gpu_pool, body):
     gpu_pool.run(body, _seed())
