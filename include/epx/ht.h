@@ -39,7 +39,7 @@ struct HtHandle {
   int top_k = 0;
   uint64_t buffer_id = 0;     // the buffer that made it (checked on use)
   // Backend-private: the host-side row runs of a cuda exact-mode dispatch made with a copy-engine
-  // path (EPX_HT_COPY=ce:kept, the default, or ce), reused by cached dispatch. Null otherwise.
+  // path (EPX_HT_COPY=ce:kept..., the default, or ce), reused by cached dispatch. Null otherwise.
   std::shared_ptr<const detail::HtCopyPlan> copy_plan;
 };
 

@@ -1,8 +1,8 @@
 // src/core/env.h — the one place epx reads environment variables.
 //   EPX_TIMEOUT_MS   default bound on every wait for a peer (30000)
 //   EPX_NUM_SMS      default SM budget of the cuda kernels (0 = auto)
-//   EPX_HT_COPY      copy path of the cuda ht dispatch: ce:kept (default) | ce | warp |
-//                    bulk[:SxC][:bN]
+//   EPX_HT_COPY      copy path of the cuda ht dispatch / combine: ce[:kept][:combine|
+//                    :combine-auto] (default ce:kept:combine-auto) | warp | bulk[:SxC][:bN]
 //                    (cuda/tuning.h parse_ht_copy)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
 #pragma once

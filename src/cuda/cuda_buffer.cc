@@ -87,7 +87,7 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   HtCopyConfig c;
   auto bad = [&]() {
     throw_error(ErrorCode::kInvalidArgument,
-                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine] or bulk[:SxC][:bN] ",
+                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine|:combine-auto] or bulk[:SxC][:bN] ",
                     "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
                     "tokens per batch)"));
   };
@@ -100,9 +100,18 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   } else if (head == "ce") {
     c.mode = HtCopyMode::kEngine;
     const std::string rest = colon == std::string::npos ? "" : spec.substr(colon);
-    if (rest != "" && rest != ":kept" && rest != ":combine" && rest != ":kept:combine") bad();
-    c.engine_kept_only = rest.rfind(":kept", 0) == 0;
-    c.engine_combine = rest.find(":combine") != std::string::npos;
+    const bool kept = rest.rfind(":kept", 0) == 0;
+    const std::string tail = rest.substr(kept ? 5 : 0);
+    if (tail == "") {
+      c.engine_combine = HtEngineCombine::kOff;
+    } else if (tail == ":combine") {
+      c.engine_combine = HtEngineCombine::kOn;
+    } else if (tail == ":combine-auto") {
+      c.engine_combine = HtEngineCombine::kAuto;
+    } else {
+      bad();
+    }
+    c.engine_kept_only = kept;
     return c;
   } else {
     bad();
@@ -148,6 +157,10 @@ HtCopyConfig ht_copy_config() {
     return v.empty() ? HtCopyConfig{} : parse_ht_copy(v, "EPX_HT_COPY");
   }();
   return from_env;
+}
+
+bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes) {
+  return num_sms <= 24 && max_pair_bytes >= (int64_t{32} << 20);
 }
 
 void set_ht_copy_override(const HtCopyConfig* config) {

@@ -6,7 +6,7 @@
 //                      per-expert counts (mapped memory) -> allocate N rows -> dispatch kernel
 //   ht_dispatch worst  notify -> dispatch with num_worst_tokens rows; no host wait (graph-safe)
 //   ht_dispatch cached dispatch kernel only, routing from the handle
-//   copy engines       exact and cached (EPX_HT_COPY=ce:kept, the default): the copy engines
+//   copy engines       exact and cached (EPX_HT_COPY=ce:kept..., the default): the copy engines
 //                      copy the kept rows on a side stream while the kernel pushes and copies
 //                      out (kept_copies); EPX_HT_COPY=ce: every x row by copy engine, the
 //                      kernel moves scales and metadata only (engine_copies)
@@ -544,8 +544,17 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   const HtCopyConfig copy = ht_copy_config();
   // The reducers wait for arrive kernels that run beside them: at least one SM must stay free
   // (the same on every rank: the SM counts are equal).
-  const bool engine_y = R > 1 && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine &&
-                        copy.engine_combine && grid < device_sms_;
+  bool engine_y = R > 1 && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine &&
+                  copy.engine_combine != HtEngineCombine::kOff && grid < device_sms_;
+  if (engine_y && copy.engine_combine == HtEngineCombine::kAuto) {
+    int64_t max_pair_rows = 0;  // the largest block any rank sends another (same on every rank)
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d)
+        if (s != d)
+          max_pair_rows = std::max<int64_t>(
+              max_pair_rows, rows_between_host(h.copy_plan->rank_prefix_matrix, R, s, d));
+    engine_y = ht_engine_combine_pays(grid, max_pair_rows * p.row_bytes);
+  }
   p.engine_y = engine_y ? 1 : 0;
   if (!engine_y) {
     launch_ht_combine(p, vb, grid, stream);

@@ -37,31 +37,45 @@ void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_
 // where every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise
 // kWarp. kEngine: the copy engines move x rows (cudaMemcpyAsync of runs of consecutive tokens)
 // wherever the host knows the layout (exact mode and cached dispatch with its handle): all of them
-// ("ce") or only the rows a rank keeps ("ce:kept", the default); worst-case mode keeps the kernels
-// (kWarp). Every rank must use the same mode: warp, bulk and ce:kept interoperate, but "ce" and
-// ":combine" change who writes the symmetric slots and when, so a rank on another mode reads
+// ("ce") or only the rows a rank keeps ("ce:kept"); worst-case mode keeps the kernels (kWarp).
+// ":combine" / ":combine-auto" (the default is "ce:kept:combine-auto"): combine's y rows by copy
+// engine too (always / where ht_engine_combine_pays). Every rank must use the same mode: warp,
+// bulk and ce:kept interoperate, but "ce" and ":combine" change who writes the symmetric slots and when, so a rank on another mode reads
 // wrong rows or times out (not detected). After a timeout, copy-engine pushes already queued on
 // a stream still land in the peers' slots (a copy cannot be cancelled; the group is failing).
 enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
+// Who pushes combine's y rows under kEngine: the kernel (kOff), the copy engines (kOn, while an SM
+// stays free for their arrive kernels), or the copy engines where that measured faster (kAuto,
+// the default: ht_engine_combine_pays).
+enum class HtEngineCombine : int { kOff = 0, kOn = 1, kAuto = 2 };
 
 struct HtCopyConfig {
-  // Default "ce:kept" (docs/perf-cuda-ht.md run 12: 16 SMs cached bf16 306 -> 261 us, fp8 209 ->
+  // Default "ce:kept:combine-auto" (docs/perf-cuda-ht.md run 12: 16 SMs cached bf16 306 -> 261 us, fp8 209 ->
   // 176 us vs warp); worst-case mode and handles without a copy plan use the warp loops.
   HtCopyMode mode = HtCopyMode::kEngine;
   int stages = 4;      // kBulk: shared-memory stages per warp (2..8)
   int chunk = 3072;    // kBulk: bytes per stage (multiple of 16); 16 warps x stages x chunk
   int send_batch = 0;  // tokens per sender warp between two signals (0: the kernel's default, 4)
-  bool engine_combine = false;   // kEngine + ":combine": copy engines also push combine's y rows
+  // kEngine: ":combine" kOn, ":combine-auto" kAuto (the default), neither kOff.
+  HtEngineCombine engine_combine = HtEngineCombine::kAuto;
   bool engine_kept_only = true;  // kEngine ("ce:kept"): copy engines move only the kept rows
                                   // (concurrently with the kernel, which pushes and copies out)
 };
 
-// Parses "warp" | "ce[:kept][:combine]" | "bulk" with optional ":SxC" (stages x chunk bytes) and ":bN" (send batch),
-// e.g. "bulk:3x4096:b8". Throws InvalidArgument (naming `what`) on anything else.
+// Parses "warp" | "ce[:kept][:combine|:combine-auto]" | "bulk" with optional ":SxC" (stages x
+// chunk bytes) and ":bN" (send batch), e.g. "bulk:3x4096:b8". Throws InvalidArgument (naming
+// `what`) on anything else.
 HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 
+// kAuto's rule: the copy engines push combine's rows when the kernel would have at most 24 SMs
+// and the largest block one rank sends another is at least 32 MB (docs/perf.md, fourth session,
+// sweep item 6: EP2 wins at T >= 4096 on 8-24 SMs, losses at T <= 1024 and at 32 SMs, where the
+// kernel's senders are fast or the per-chunk cost dominates). Both inputs are the same on every
+// rank (the SM budget; the group-wide rank prefix matrix), so every rank decides alike.
+bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes);
+
 // The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
-// once, src/core/env.cc), else ce:kept. Read at every launch, so one process can time both.
+// once, src/core/env.cc), else ce:kept:combine-auto. Read at every launch, so one process can time both.
 HtCopyConfig ht_copy_config();
 // Benchmark / test hook: replaces EPX_HT_COPY for later launches in this process; null resets.
 void set_ht_copy_override(const HtCopyConfig* config);

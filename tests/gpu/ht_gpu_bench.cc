@@ -218,7 +218,12 @@ int run_rank(const Group& g, const Options& o) {
         buf.check();
         per_copy.push_back(ct);
       }
+      // Combine without the --copy override (EPX_HT_COPY or the default), then the last
+      // override again for the ablations below.
+      const detail::HtCopyConfig last_copy = detail::ht_copy_config();
+      detail::set_ht_copy_override(nullptr);
       auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
+      detail::set_ht_copy_override(&last_copy);
       buf.check();
       std::vector<std::pair<std::string, bench::Timing>> ablations;
       if (o.ablate) {
@@ -265,11 +270,11 @@ int run_rank(const Group& g, const Options& o) {
             "%.1f MB fp8), self rows %lld\n",
             sms, tu.dispatch_send_ctas, tu.combine_send_ctas, static_cast<long long>(remote_rows),
             bf16_bytes / 1e6, fp8_bytes / 1e6, static_cast<long long>(self_rows));
-        std::printf("  %-44s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
+        std::printf("  %-52s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
                     "ceil us", "epx/nccl", "ceil/epx");
         auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,
                        const bench::Timing& c) {
-          std::printf("  %-44s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
+          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
                       e.min_us, n.median_us, c.median_us, e.median_us / n.median_us,
                       c.median_us / e.median_us);
         };
@@ -281,12 +286,12 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
           row(name("dispatch bf16 (cached, graph)").c_str(), ct.graph16, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached, graph)").c_str(), ct.graph8, n_fp8, c_fp8);
-          std::printf("  %-44s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
+          std::printf("  %-52s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
         }
-        row("combine bf16", t_comb, n_bf16, c_bf16);
+        row("combine bf16 [EPX_HT_COPY / default]", t_comb, n_bf16, c_bf16);
         if (o.ablate) {
           std::printf("  ablations (same run; outputs wrong):\n");
           for (const auto& [name, t] : ablations)

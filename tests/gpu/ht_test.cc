@@ -357,24 +357,39 @@ INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
                            return "R" + std::to_string(i.param);
                          });
 
+// Host only: the measured boundary of the copy-engine combine (docs/perf.md, fourth session).
+TEST(HtCopyConfig, CopyEngineCombineWhereItMeasuredFaster) {
+  const int64_t row = 7168 * 2;  // bf16 row bytes of the standard workload
+  // EP2, uniform routing: ~T rows from each rank to the other.
+  EXPECT_TRUE(detail::ht_engine_combine_pays(16, 4077 * row));   // T = 4096: 400 -> 344 us
+  EXPECT_TRUE(detail::ht_engine_combine_pays(24, 8160 * row));   // T = 8192: 540 -> 489 us
+  EXPECT_FALSE(detail::ht_engine_combine_pays(32, 4077 * row));  // T = 4096: 239 -> 268 us
+  EXPECT_FALSE(detail::ht_engine_combine_pays(16, 1020 * row));  // T = 1024: 124 -> 134 us
+  EXPECT_FALSE(detail::ht_engine_combine_pays(16, 511 * row));   // T = 512: 82 -> 107 us
+}
+
 // Host only (runs without a GPU): EPX_HT_COPY's grammar and the default copy path.
 TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
   using detail::HtCopyMode;
+  using Comb = detail::HtEngineCombine;
   const detail::HtCopyConfig def;
   EXPECT_EQ(def.mode, HtCopyMode::kEngine);
   EXPECT_TRUE(def.engine_kept_only);
-  EXPECT_FALSE(def.engine_combine);
+  EXPECT_EQ(def.engine_combine, Comb::kAuto);
   struct Want {
     const char* spec;
     HtCopyMode mode;
-    bool kept, combine;
+    bool kept;
+    Comb combine;
   };
-  for (const Want& w : {Want{"ce", HtCopyMode::kEngine, false, false},
-                        Want{"ce:kept", HtCopyMode::kEngine, true, false},
-                        Want{"ce:combine", HtCopyMode::kEngine, false, true},
-                        Want{"ce:kept:combine", HtCopyMode::kEngine, true, true},
-                        Want{"warp", HtCopyMode::kWarp, true, false},
-                        Want{"bulk", HtCopyMode::kBulk, true, false}}) {
+  for (const Want& w : {Want{"ce", HtCopyMode::kEngine, false, Comb::kOff},
+                        Want{"ce:kept", HtCopyMode::kEngine, true, Comb::kOff},
+                        Want{"ce:combine", HtCopyMode::kEngine, false, Comb::kOn},
+                        Want{"ce:kept:combine", HtCopyMode::kEngine, true, Comb::kOn},
+                        Want{"ce:combine-auto", HtCopyMode::kEngine, false, Comb::kAuto},
+                        Want{"ce:kept:combine-auto", HtCopyMode::kEngine, true, Comb::kAuto},
+                        Want{"warp", HtCopyMode::kWarp, true, Comb::kAuto},
+                        Want{"bulk", HtCopyMode::kBulk, true, Comb::kAuto}}) {
     const detail::HtCopyConfig c = detail::parse_ht_copy(w.spec, "test");
     EXPECT_EQ(c.mode, w.mode) << w.spec;
     if (w.mode == HtCopyMode::kEngine) {
@@ -387,7 +402,8 @@ TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
   EXPECT_EQ(b.chunk, 4096);
   EXPECT_EQ(b.send_batch, 8);
   for (const char* bad : {"", "ce:", "ce:foo", "ce:combine:kept", "ce:kept:kept", "bulk:1x16",
-                          "bulk:3x4095", "warp:kept", "CE"}) {
+                          "bulk:3x4095", "warp:kept", "CE", "ce:combine-auto:kept",
+                          "ce:combine:combine-auto", "ce:kept:auto"}) {
     try {
       (void)detail::parse_ht_copy(bad, "EPX_HT_COPY");
       ADD_FAILURE() << "accepted '" << bad << "'";
