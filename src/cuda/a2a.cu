@@ -200,6 +200,7 @@ CudaA2a::~CudaA2a() {
   // Kernels are bounded, so this returns; then nothing of this rank uses the workspace. Local, as
   // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
   cudaDeviceSynchronize();
+  group.transport()->destruction_barrier("A2a destruction");
   mem_.reset();
   error_host_.reset();
   cudaSetDevice(previous);

@@ -163,6 +163,16 @@ bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes) {
   return num_sms <= 24 && max_pair_bytes >= (int64_t{32} << 20);
 }
 
+HtCopyConfig CudaBuffer::copy_config() const {
+  HtCopyConfig c = ht_copy_config();
+  // One GPU for every rank: the copy engines' side streams (two per rank) would push the streams
+  // past CUDA_DEVICE_MAX_CONNECTIONS, and a side-stream copy sharing a hardware queue with a
+  // peer's spinning kernel stalls this rank until that kernel times out (HtOneGpu R = 8 failed
+  // so, intermittently). The kernels move every row there instead.
+  if (one_stream_ && c.mode == HtCopyMode::kEngine) c.mode = HtCopyMode::kWarp;
+  return c;
+}
+
 void set_ht_copy_override(const HtCopyConfig* config) {
   std::lock_guard<std::mutex> lock(g_copy_mutex);
   g_copy_overridden = config != nullptr;
@@ -211,6 +221,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   device_sms_ = sms;
+  one_stream_ = group.transport()->ranks_share_device();
   tuning_ = resolve_ht_tuning(group.options().num_sms, sms, R);
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
   region_ =
@@ -239,8 +250,10 @@ CudaBuffer::~CudaBuffer() {
   cudaSetDevice(device_);
   // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local: the
   // transport frees the region once every rank released it (no barrier, so ranks may destroy
-  // their Buffers at different times, as Python's garbage collector does).
+  // their Buffers at different times, as Python's garbage collector does) — except in the
+  // one-GPU test mode (Transport::destruction_barrier).
   cudaDeviceSynchronize();
+  if (!broken_ && ht_mem_) group.transport()->destruction_barrier("Buffer destruction");
   ht_mem_.reset();
   for (cudaStream_t& s : engine_stream_)
     if (s) cudaStreamDestroy(s);

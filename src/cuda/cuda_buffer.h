@@ -69,6 +69,9 @@ class CudaBuffer final : public BufferImpl {
 
   int device_ = 0;
   int device_sms_ = 0;  // multiprocessors of device_
+  bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode): no copy-engine side streams
+  // ht_copy_config(), except that kEngine becomes kWarp when one_stream_.
+  HtCopyConfig copy_config() const;
   HtTuning tuning_;
   uint64_t timeout_ns_ = 0;
   HtRegion region_;

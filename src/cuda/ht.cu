@@ -312,7 +312,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
             " tokens, expected at most max_tokens_per_rank = ", shape.max_tokens_per_rank);
   const bool fp8 = x.dtype == DType::kF8E4M3;
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
-  const HtCopyConfig copy = ht_copy_config();  // read once: every decision below uses the same
+  const HtCopyConfig copy = copy_config();  // read once: every decision below uses the same
 
   HtDispatchResult res;
   HtHandle& h = res.handle;
@@ -541,7 +541,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
   const int grid = tuning_.num_sms;
-  const HtCopyConfig copy = ht_copy_config();
+  const HtCopyConfig copy = copy_config();
   // The reducers wait for arrive kernels that run beside them: at least one SM must stay free
   // (the same on every rank: the SM counts are equal).
   bool engine_y = R > 1 && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine &&

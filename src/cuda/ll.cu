@@ -188,6 +188,7 @@ CudaLl::~CudaLl() {
   // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local, as
   // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
   cudaDeviceSynchronize();
+  if (mem_) group_.transport()->destruction_barrier("Buffer destruction (ll)");
   mem_.reset();
   if (error_host_) cudaFreeHost(error_host_);
 #ifdef EPX_LL_TRACE

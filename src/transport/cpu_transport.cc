@@ -184,6 +184,7 @@ class ThreadTransport : public CpuTransportBase {
   }
   Backend backend() const override { return memory_.backend; }
   Device device() const override { return memory_.device; }
+  bool ranks_share_device() const override { return memory_.backend == Backend::kCuda; }
 
   std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
     world_->slots[rank_] = memory_.allocate(bytes);

@@ -72,6 +72,24 @@ class Transport {
     return size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << size()) - 1;
   }
 
+  // True when the ranks' kernels share one GPU (the cuda backend's one-GPU test mode): backends
+  // keep to one stream per rank there (side streams would exceed the hardware queues, and a
+  // side stream's copy queued behind a peer's spinning kernel would stall this rank's op).
+  virtual bool ranks_share_device() const { return false; }
+
+  // Called by cuda Buffer / A2a destructors, after their device synchronisation. Destruction is
+  // local (docs/semantics.md §5) except where ranks share one GPU: there every rank still waits
+  // here for the others, as all destructors did before (without it HtOneGpu R = 8 failed 3 times
+  // in 19 runs, always in the combine of a Buffer's last case; cause not found — see
+  // docs/perf.md, fourth session). A failed barrier is ignored (the group already failed).
+  void destruction_barrier(const char* what) noexcept {
+    if (!ranks_share_device()) return;
+    try {
+      barrier(what);
+    } catch (...) {
+    }
+  }
+
   // Marks this rank failed: peers blocked in barrier() stop with an error that quotes `why`
   // instead of waiting for the timeout. The first abort() of the group wins (later ones, of any
   // rank, change nothing). The group is unusable afterwards.

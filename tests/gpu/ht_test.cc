@@ -328,8 +328,9 @@ TEST(HtReference, AgreesWithCpuBackend) {
 }
 
 // R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
-// machines with that many GPUs. Default copy path only (the copy-path override is per process,
-// and the rank threads would race on it).
+// machines with that many GPUs. The kernels move every row in this mode (the copy-engine paths
+// fall back to them: their side streams would share hardware queues with peers' spinning
+// kernels); no copy-path override (it is per process, and the rank threads would race on it).
 class HtOneGpu : public ::testing::TestWithParam<int> {};
 
 TEST_P(HtOneGpu, MatchesReference) {
