@@ -26,6 +26,10 @@ std::string env_ht_copy() {
   return v ? std::string(v) : std::string();
 }
 
+int env_ll_variant() {
+  return static_cast<int>(env_long("EPX_LL_VARIANT", 0));
+}
+
 int env_cuda_device_max_connections() {
   return static_cast<int>(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8));
 }

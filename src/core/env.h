@@ -4,6 +4,8 @@
 //   EPX_HT_COPY      copy path of the cuda ht dispatch / combine: ce[:kept][:combine|
 //                    :combine-auto] (default ce:kept:combine-auto) | warp | bulk[:SxC][:bN]
 //                    (cuda/tuning.h parse_ht_copy)
+//   EPX_LL_VARIANT   cuda ll kernel variant bits for A/B runs (0 = the default kernels;
+//                    cuda/kernels/ll/ll_layout.cuh kLlVariant*)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
 #pragma once
 
@@ -16,5 +18,6 @@ std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
+int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
 
 }  // namespace epx::detail

@@ -40,6 +40,7 @@
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
+#include "core/env.h"
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
@@ -72,10 +73,7 @@ thread_local int32_t g_ll_variant_override = -1;  // per thread: one-GPU ranks a
 // The kLlVariant* bits of a launch (ll_layout.cuh): set_ll_variant_override when set, else
 // EPX_LL_VARIANT (read once).
 int32_t ll_variant() {
-  static const int32_t v = [] {
-    const char* e = std::getenv("EPX_LL_VARIANT");
-    return e ? static_cast<int32_t>(std::strtol(e, nullptr, 0)) : 0;
-  }();
+  static const int32_t v = env_ll_variant();
   const int32_t o = g_ll_variant_override;
   return o >= 0 ? o : v;
 }
