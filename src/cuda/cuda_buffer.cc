@@ -182,6 +182,14 @@ void set_ht_copy_override(const HtCopyConfig* config) {
 static std::atomic<int> g_dispatch_send_percent{0};
 static std::atomic<int> g_combine_send_percent{0};
 
+static std::atomic<int> g_engine_share{100};
+
+void set_ht_engine_share_override(int percent) {
+  g_engine_share = percent >= 1 && percent <= 99 ? percent : 100;
+}
+
+int ht_engine_share() { return g_engine_share.load(); }
+
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent) {
   g_num_sms_override = num_sms;
   g_dispatch_send_percent = dispatch_send_percent;

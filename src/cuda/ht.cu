@@ -564,7 +564,10 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   // Copy engines push the y rows (EPX_HT_COPY=ce...:combine): wait until every peer finished
   // its previous op, fork a side stream there, run the kernel (senders: weights only; reducers
   // wait per chunk) beside the side stream's chunked pushes + arrive signals, join.
-  p.num_send_ctas = std::max(1, grid / 8);
+  p.engine_share = ht_engine_share();
+  // All rows by copy engine: a few sender CTAs move the weights; else the usual senders.
+  p.num_send_ctas =
+      p.engine_share >= 100 ? std::max(1, grid / 8) : std::max(1, tuning_.combine_send_ctas);
   ensure_engine_streams();
   HtEngineSyncParams sp{};
   sp.num_ranks = R;
@@ -588,9 +591,10 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       if (s == me) continue;
       // The rows this rank received from s go back to row j of s's slot for this rank.
       const int64_t excl = prefix_before_host(rpm, R, s, me);
-      const int64_t n = rows_between_host(rpm, R, s, me);
-      const int64_t lo = n * c / kHtEngineChunks;
-      const int64_t hi = std::min(n * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
+      // The first m of the n rows (engine_split_rows); the senders push the others.
+      const int64_t m = engine_split_rows(rows_between_host(rpm, R, s, me), p.engine_share);
+      const int64_t lo = m * c / kHtEngineChunks;
+      const int64_t hi = std::min(m * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
       if (hi <= lo || skip) continue;
       rows.add(region_.x_row(static_cast<char*>(ht_mem_->peer(s)), HtRegion::slot_of(me, s), lo),
                static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,

@@ -33,6 +33,12 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks);
 // senders' share (percent) of the CTAs for buffers created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);
 
+// Benchmark hook: the percent (1..100) of each slot's rows the copy engines push when combine
+// uses them (":combine" / ":combine-auto"); the kernel's senders push the rest. 100 (the
+// default, and any value outside 1..99) = all. For combine launches after the call.
+void set_ht_engine_share_override(int percent);
+int ht_engine_share();
+
 // How the ht dispatch moves x rows (docs/perf-cuda-ht.md, designs v4 and v5). kBulk applies only
 // where every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise
 // kWarp. kEngine: the copy engines move x rows (cudaMemcpyAsync of runs of consecutive tokens)

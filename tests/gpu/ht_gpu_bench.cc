@@ -4,9 +4,12 @@
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
-//                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-probe]
-// --copy times the dispatch under each copy path (cuda/tuning.h parse_ht_copy; EPX_HT_COPY's
-// values) in the same process, same buffer; combine is the same kernel under every variant.
+//                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-share 100,70] [--ce-probe]
+// --copy times dispatch and combine under each copy path (cuda/tuning.h parse_ht_copy;
+// EPX_HT_COPY's values) in the same process, same buffer; --ce-share also times combine with the
+// copy engines pushing that percent of the rows and the kernel the rest (set_ht_engine_share_
+// override; only where combine uses the copy engines: ":combine", or ":combine-auto" at sizes
+// it picks them).
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -47,6 +50,7 @@ struct Options {
   bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
   bool ce_probe = false;          // only the copy-engine rate probe (ce_probe below)
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
+  std::vector<int> ce_share;      // combine: copy-engine shares (percent) to time as well
 };
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
@@ -156,6 +160,7 @@ int run_rank(const Group& g, const Options& o) {
       struct CopyTimes {
         std::string name;
         bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
+        std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
       // Per-call time of a cached dispatch captured once in a CUDA graph (no host cost).
@@ -213,6 +218,12 @@ int run_rank(const Group& g, const Options& o) {
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
         cc.handle = &h16.handle;
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
+        for (int pct : o.ce_share) {
+          detail::set_ht_engine_share_override(pct);
+          ct.comb_share.emplace_back(
+              pct, timed([&](const Allocator& al) { buf.ht_combine(cc, al); }));
+        }
+        detail::set_ht_engine_share_override(100);
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();
@@ -279,8 +290,8 @@ int run_rank(const Group& g, const Options& o) {
                       c.median_us / e.median_us);
         };
         for (const CopyTimes& ct : per_copy) {
-          auto name = [&](const char* op) {
-            return ct.name.empty() ? std::string(op) : std::string(op) + " [" + ct.name + "]";
+          auto name = [&](const std::string& op) {
+            return ct.name.empty() ? op : op + " [" + ct.name + "]";
           };
           row(name("dispatch bf16 (cached)").c_str(), ct.disp, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
@@ -290,6 +301,9 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
+          for (const auto& [pct, t] : ct.comb_share)
+            row(name("combine bf16 ce share " + std::to_string(pct) + "%").c_str(), t, n_bf16,
+                c_bf16);
         }
         row("combine bf16 [EPX_HT_COPY / default]", t_comb, n_bf16, c_bf16);
         if (o.ablate) {
@@ -414,11 +428,14 @@ int main(int argc, char** argv) {
       o.ce_probe = true;
     else if (a == "--copy")
       o.copy = gpu_testing::split_commas(next());
+    else if (a == "--ce-share")
+      o.ce_share = parse_list(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
                    "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
-                   "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine],...] [--ce-probe]\n",
+                   "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine[-auto]],...] [--ce-share p,q] "
+                   "[--ce-probe]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }

@@ -31,20 +31,32 @@ namespace {
 
 using testing::Routing;
 
-const char* const kCopyPaths[] = {"warp",    "bulk",          "bulk:2x48:b7", "ce",
-                                  "ce:kept", "ce:kept:combine", "ce:combine"};
+// Copy paths (EPX_HT_COPY values) and, for the copy-engine combine, the percent of each slot's
+// rows the copy engines push (the kernel's senders the rest: whole 32-row blocks each).
+struct CopyPath {
+  const char* spec;
+  int ce_share;
+};
+const CopyPath kCopyPaths[] = {{"warp", 100},           {"bulk", 100},
+                               {"bulk:2x48:b7", 100},   {"ce", 100},
+                               {"ce:kept", 100},        {"ce:kept:combine", 100},
+                               {"ce:combine", 100},     {"ce:kept:combine", 60}};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
   int bad = 0;
-  for (const char* spec : kCopyPaths) {
-    const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "test");
+  for (const CopyPath& path : kCopyPaths) {
+    const detail::HtCopyConfig cfg = detail::parse_ht_copy(path.spec, "test");
     detail::set_ht_copy_override(&cfg);
+    detail::set_ht_engine_share_override(path.ce_share);
     const int b = body();
-    if (b) std::fprintf(stderr, "FAIL under dispatch copy path '%s'\n", spec);
+    if (b)
+      std::fprintf(stderr, "FAIL under copy path '%s' (copy-engine combine share %d%%)\n",
+                   path.spec, path.ce_share);
     bad += b;
   }
   detail::set_ht_copy_override(nullptr);
+  detail::set_ht_engine_share_override(100);
   return bad;
 }
 

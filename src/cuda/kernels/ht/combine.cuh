@@ -11,10 +11,11 @@
 //   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
 //     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
 //   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
-// engine_y (copy engines push the y rows, ht.cu): senders move only the weights (and count the
-//   blocks as before); a reducer reading row j of the slot for d also waits until d's copy
-//   engines signalled the chunk holding j (arrived[d] reached cur * kHtEngineChunks + c, chunk c
-//   = rows [n * c / C, n * (c + 1) / C) of the n rows in that slot).
+// engine_y (copy engines push y rows, ht.cu): of the n rows of a slot the copy engines push the
+//   first m = engine_split_rows(n, engine_share) (whole blocks; m = n at 100 %), the senders the
+//   rest and every weight (and count every block as before); a reducer reading row j < m of the
+//   slot for d also waits until d's copy engines signalled the chunk holding j (arrived[d]
+//   reached cur * kHtEngineChunks + c, chunk c = rows [m * c / C, m * (c + 1) / C)).
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -72,13 +73,16 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
     if (rows <= 0) continue;
     const int slot = HtRegion::slot_of(me, s);
     char* peer = p.symm.peers[s];
+    // Rows of this block pushed by the copy engines (engine_y): the senders move weights only.
+    const bool engine_rows =
+        p.engine_y && b * kHtRowsPerBlock < engine_split_rows(s_cnt[s], p.engine_share);
     for (int r = warp; r < rows; r += kHtWarps) {
       const int64_t j = b * kHtRowsPerBlock + r;
       const int64_t y_row = s_excl[s] + j;
       if (y_row >= p.num_y_rows) continue;  // worst-case overflow: reported at dispatch
       const V* src = reinterpret_cast<const V*>(p.y + y_row * p.y_stride);
       V* dst = reinterpret_cast<V*>(g.x_row(peer, slot, j));
-      for (int64_t v0 = 0; v0 < nv && !p.engine_y; v0 += 32 * kCopyUnroll) {
+      for (int64_t v0 = 0; v0 < nv && !engine_rows; v0 += 32 * kCopyUnroll) {
         V v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
@@ -147,8 +151,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
                               static_cast<uint32_t>(rows), w, kWaitRows, lane);
         last_block[lane] = b;
       }
-      if (p.engine_y && ok) {
-        const int c = engine_chunk(j, cnt);
+      const int64_t m = p.engine_y ? engine_split_rows(cnt, p.engine_share) : 0;
+      if (p.engine_y && ok && j < m) {
+        const int c = engine_chunk(j, m);
         if (last_chunk[lane] < c) {
           ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
                                cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows,

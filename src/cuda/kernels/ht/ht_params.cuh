@@ -99,6 +99,16 @@ struct HtEngineSyncParams {
   WaitContext wait;
 };
 
+// engine_y: how many of a slot's n rows the copy engines push (the first ones; whole 32-row
+// blocks, so each block is moved by the copy engines or by the senders, never both); the same
+// function on the host (ht.cu) and the device (combine.cuh).
+EPX_HT_HD int64_t engine_split_rows(int64_t n, int share_pct) {
+  if (share_pct >= 100) return n;
+  const int64_t want = (n * share_pct + 99) / 100;
+  const int64_t blocks = (want + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
+  return blocks * kHtRowsPerBlock < n ? blocks * kHtRowsPerBlock : n;
+}
+
 // ht_combine: expert outputs back to their source ranks, reduced there.
 struct HtCombineParams {
   const char* y;  // [num_y_rows, H] bf16 in recv_x order
@@ -118,8 +128,10 @@ struct HtCombineParams {
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
   int ablate;  // benchmark-only stage ablation (HtAblate, cuda/tuning.h); 0 in the library
-  int engine_y;  // 1: copy engines push the y rows in kHtEngineChunks chunks (ht.cu); senders
-                 // move the weights only and reducers also wait for each row's chunk
+  int engine_y;  // 1: copy engines push the first engine_split_rows(n, engine_share) rows of
+                 // each slot in kHtEngineChunks chunks (ht.cu); senders move the weights and the
+                 // rest, and reducers also wait for the chunk of a row the copy engines moved
+  int engine_share;  // percent of each slot's rows the copy engines push (engine_y; 1..100)
   HtSymm symm;
   WaitContext wait;
 };
