@@ -87,7 +87,8 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   HtCopyConfig c;
   auto bad = [&]() {
     throw_error(ErrorCode::kInvalidArgument,
-                cat(what, ": '", spec, "' is not warp, ce[:kept][:combine|:combine-auto] or bulk[:SxC][:bN] ",
+                cat(what, ": '", spec,
+                    "' is not warp, ce[:kept][:combine|:combine-auto] or bulk[:SxC][:bN] ",
                     "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
                     "tokens per batch)"));
   };
@@ -188,7 +189,9 @@ void set_ht_engine_share_override(int percent) {
   g_engine_share = percent >= 1 && percent <= 99 ? percent : 100;
 }
 
-int ht_engine_share() { return g_engine_share.load(); }
+int ht_engine_share() {
+  return g_engine_share.load();
+}
 
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent) {
   g_num_sms_override = num_sms;

@@ -46,9 +46,10 @@ int ht_engine_share();
 // ("ce") or only the rows a rank keeps ("ce:kept"); worst-case mode keeps the kernels (kWarp).
 // ":combine" / ":combine-auto" (the default is "ce:kept:combine-auto"): combine's y rows by copy
 // engine too (always / where ht_engine_combine_pays). Every rank must use the same mode: warp,
-// bulk and ce:kept interoperate, but "ce" and ":combine" change who writes the symmetric slots and when, so a rank on another mode reads
-// wrong rows or times out (not detected). After a timeout, copy-engine pushes already queued on
-// a stream still land in the peers' slots (a copy cannot be cancelled; the group is failing).
+// bulk and ce:kept interoperate, but "ce" and ":combine" change who writes the symmetric slots and
+// when, so a rank on another mode reads wrong rows or times out (not detected). After a timeout,
+// copy-engine pushes already queued on a stream still land in the peers' slots (a copy cannot be
+// cancelled; the group is failing).
 enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
 // Who pushes combine's y rows under kEngine: the kernel (kOff), the copy engines (kOn, while an SM
 // stays free for their arrive kernels), or the copy engines where that measured faster (kAuto,
@@ -56,8 +57,8 @@ enum class HtCopyMode : int { kWarp = 0, kBulk = 1, kEngine = 2 };
 enum class HtEngineCombine : int { kOff = 0, kOn = 1, kAuto = 2 };
 
 struct HtCopyConfig {
-  // Default "ce:kept:combine-auto" (docs/perf-cuda-ht.md run 12: 16 SMs cached bf16 306 -> 261 us, fp8 209 ->
-  // 176 us vs warp); worst-case mode and handles without a copy plan use the warp loops.
+  // Default "ce:kept:combine-auto" (docs/perf-cuda-ht.md run 12: 16 SMs cached bf16 306 -> 261 us,
+  // fp8 209 -> 176 us vs warp); worst-case mode and handles without a copy plan use the warp loops.
   HtCopyMode mode = HtCopyMode::kEngine;
   int stages = 4;      // kBulk: shared-memory stages per warp (2..8)
   int chunk = 3072;    // kBulk: bytes per stage (multiple of 16); 16 warps x stages x chunk
@@ -81,7 +82,8 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes);
 
 // The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
-// once, src/core/env.cc), else ce:kept:combine-auto. Read at every launch, so one process can time both.
+// once, src/core/env.cc), else ce:kept:combine-auto. Read at every launch, so one process can time
+// both.
 HtCopyConfig ht_copy_config();
 // Benchmark / test hook: replaces EPX_HT_COPY for later launches in this process; null resets.
 void set_ht_copy_override(const HtCopyConfig* config);

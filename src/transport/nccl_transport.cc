@@ -121,9 +121,9 @@ class NcclSymmetricMemory final : public SymmetricMemory {
     try {
       EPX_CUDA_CHECK(cudaMemsetAsync(w.base, 0, alloc, stream), "symmetric allocation");
       EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "symmetric allocation");
-      EPX_NCCL_CHECK(ncclCommWindowRegister(comm_->comm, w.base, alloc, &w.window,
-                                            NCCL_WIN_DEFAULT),
-                     "symmetric allocation");
+      EPX_NCCL_CHECK(
+          ncclCommWindowRegister(comm_->comm, w.base, alloc, &w.window, NCCL_WIN_DEFAULT),
+          "symmetric allocation");
     } catch (...) {
       ncclMemFree(w.base);
       throw;
@@ -203,7 +203,8 @@ class NcclTransport final : public Transport {
     slots_ =
         std::make_shared<NcclSymmetricMemory>(comm_, sizeof(BarrierSlots), rank_, size_, stream_);
     // Zero-filled before it is registered, so no rank reads another's board before it is valid.
-    board_ = std::make_shared<NcclSymmetricMemory>(comm_, kReleaseBoardBytes, rank_, size_, stream_);
+    board_ =
+        std::make_shared<NcclSymmetricMemory>(comm_, kReleaseBoardBytes, rank_, size_, stream_);
   }
 
   ~NcclTransport() override {
@@ -243,17 +244,17 @@ class NcclTransport final : public Transport {
       for (size_t i = 0; i < mine.size(); ++i) mine[i] = comm_->windows[i].released ? 1 : 0;
     }
     const size_t n = mine.size();  // the same on every rank (the lists are equal)
-    EPX_CUDA_CHECK(cudaMemcpyAsync(board_->local(), mine.data(), n, cudaMemcpyHostToDevice,
-                                   stream_),
-                   "symmetric allocation (releases)");
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(board_->local(), mine.data(), n, cudaMemcpyHostToDevice, stream_),
+        "symmetric allocation (releases)");
     barrier("symmetric allocation (releases)");  // every board written (and the copy done)
     std::vector<uint8_t> agreed = mine;
     std::vector<uint8_t> theirs(n);
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      EPX_CUDA_CHECK(cudaMemcpyAsync(theirs.data(), board_->peer(p), n, cudaMemcpyDeviceToHost,
-                                     stream_),
-                     "symmetric allocation (releases)");
+      EPX_CUDA_CHECK(
+          cudaMemcpyAsync(theirs.data(), board_->peer(p), n, cudaMemcpyDeviceToHost, stream_),
+          "symmetric allocation (releases)");
       EPX_CUDA_CHECK(cudaStreamSynchronize(stream_), "symmetric allocation (releases)");
       for (size_t i = 0; i < n; ++i) agreed[i] &= theirs[i];
     }

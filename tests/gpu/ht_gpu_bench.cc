@@ -220,8 +220,8 @@ int run_rank(const Group& g, const Options& o) {
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
         for (int pct : o.ce_share) {
           detail::set_ht_engine_share_override(pct);
-          ct.comb_share.emplace_back(
-              pct, timed([&](const Allocator& al) { buf.ht_combine(cc, al); }));
+          ct.comb_share.emplace_back(pct,
+                                     timed([&](const Allocator& al) { buf.ht_combine(cc, al); }));
         }
         detail::set_ht_engine_share_override(100);
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });

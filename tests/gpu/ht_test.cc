@@ -37,10 +37,10 @@ struct CopyPath {
   const char* spec;
   int ce_share;
 };
-const CopyPath kCopyPaths[] = {{"warp", 100},           {"bulk", 100},
-                               {"bulk:2x48:b7", 100},   {"ce", 100},
-                               {"ce:kept", 100},        {"ce:kept:combine", 100},
-                               {"ce:combine", 100},     {"ce:kept:combine", 60}};
+const CopyPath kCopyPaths[] = {{"warp", 100},         {"bulk", 100},
+                               {"bulk:2x48:b7", 100}, {"ce", 100},
+                               {"ce:kept", 100},      {"ce:kept:combine", 100},
+                               {"ce:combine", 100},   {"ce:kept:combine", 60}};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
@@ -414,9 +414,9 @@ TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
   EXPECT_EQ(b.stages, 3);
   EXPECT_EQ(b.chunk, 4096);
   EXPECT_EQ(b.send_batch, 8);
-  for (const char* bad : {"", "ce:", "ce:foo", "ce:combine:kept", "ce:kept:kept", "bulk:1x16",
-                          "bulk:3x4095", "warp:kept", "CE", "ce:combine-auto:kept",
-                          "ce:combine:combine-auto", "ce:kept:auto"}) {
+  for (const char* bad :
+       {"", "ce:", "ce:foo", "ce:combine:kept", "ce:kept:kept", "bulk:1x16", "bulk:3x4095",
+        "warp:kept", "CE", "ce:combine-auto:kept", "ce:combine:combine-auto", "ce:kept:auto"}) {
     try {
       (void)detail::parse_ht_copy(bad, "EPX_HT_COPY");
       ADD_FAILURE() << "accepted '" << bad << "'";

@@ -5,7 +5,7 @@
 #     bash tests/gpu/py_repeat.sh
 # EPX_TEST_GC=1 in a selection's prefix ("gc:" before it) collects garbage after every rank body.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 source tests/gpu/device_lib.sh
 epx_device_setup 10000
 BUILD=${BUILD:-build-py}
