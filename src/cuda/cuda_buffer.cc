@@ -168,8 +168,9 @@ HtCopyConfig CudaBuffer::copy_config() const {
   HtCopyConfig c = ht_copy_config();
   // One GPU for every rank: the copy engines' side streams (two per rank) would push the streams
   // past CUDA_DEVICE_MAX_CONNECTIONS, and a side-stream copy sharing a hardware queue with a
-  // peer's spinning kernel stalls this rank until that kernel times out (HtOneGpu R = 8 failed
-  // so, intermittently). The kernels move every row there instead.
+  // peer's spinning kernel would stall this rank until that kernel times out. The kernels move
+  // every row there instead. (A precaution: it did not cure the intermittent HtOneGpu R = 8
+  // failure, docs/perf.md fourth session item 10.)
   if (one_stream_ && c.mode == HtCopyMode::kEngine) c.mode = HtCopyMode::kWarp;
   return c;
 }

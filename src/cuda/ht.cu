@@ -41,12 +41,16 @@ Tensor alloc(const Allocator& a, DType dtype, std::vector<int64_t> shape, int de
   return a(dtype, shape, Device::cuda(device));
 }
 
-// Host twins of common.cuh's prefix_before / rows_between over a host copy of the prefix matrix.
-int32_t prefix_before_host(const std::vector<int32_t>& rpm, int R, int s, int d) {
-  return s > 0 ? rpm[static_cast<size_t>(s - 1) * R + d] : 0;
-}
-int32_t rows_between_host(const std::vector<int32_t>& rpm, int R, int s, int d) {
-  return rpm[static_cast<size_t>(s) * R + d] - prefix_before_host(rpm, R, s, d);
+// The copy-engine sync steps' common fields (ht_params.cuh); callers set step / chunk / seq_ahead.
+HtEngineSyncParams engine_sync_params(int R, int me, const HtSymm& symm, const WaitContext& wait,
+                                      int step) {
+  HtEngineSyncParams sp{};
+  sp.num_ranks = R;
+  sp.rank = me;
+  sp.step = step;
+  sp.symm = symm;
+  sp.wait = wait;
+  return sp;
 }
 
 // send_pos [T, R] and rank_prefix_matrix [R, R] (host copies) -> runs of consecutive tokens.
@@ -55,7 +59,7 @@ std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos,
   auto plan = std::make_shared<HtCopyPlan>();
   plan->runs.resize(R);
   for (int d = 0; d < R; ++d) {
-    const int32_t excl = prefix_before_host(rpm, R, me, d);
+    const int32_t excl = prefix_before(rpm.data(), R, me, d);
     auto& v = plan->runs[d];
     for (int64_t t = 0; t < T; ++t) {
       const int32_t pos = send_pos[static_cast<size_t>(t) * R + d];
@@ -183,7 +187,7 @@ void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, 
   cudaStream_t kept = engine_stream_[0];
   EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
   CopyList self;
-  const int64_t kept_base = prefix_before_host(plan.rank_prefix_matrix, R, me, me);
+  const int64_t kept_base = prefix_before(plan.rank_prefix_matrix.data(), R, me, me);
   for (const HtCopyPlan::Run& run : plan.runs[me])
     add_x_rows(self, p, run.t0, run.n, p.recv_x + (kept_base + run.j0) * p.row_bytes);
   JoinOnUnwind unwind{kept, stream, engine_event_[1]};
@@ -217,16 +221,12 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   if (R > 1) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(out, engine_event_[0], 0), "ht_dispatch");
     JoinOnUnwind out_guard{out, stream, engine_event_[2]};
-    HtEngineSyncParams sp{};
-    sp.num_ranks = R;
-    sp.rank = me;
-    sp.symm = p.symm;
-    sp.wait = p.wait;
+    HtEngineSyncParams sp = engine_sync_params(R, me, p.symm, p.wait, kEngineArrive);
     for (int c = 0; c < C; ++c) {
       CopyList push;
       for (int d = 0; d < R; ++d) {
         if (d == me) continue;
-        const int64_t n = rows_between_host(rpm, R, me, d), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t n = rows_between(rpm.data(), R, me, d), lo = n * c / C, hi = n * (c + 1) / C;
         char* slot0 = region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
                                            HtRegion::slot_of(me, d), 0, rb);
         for (const HtCopyPlan::Run& run : plan.runs[d]) {
@@ -244,8 +244,8 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       CopyList copy_out;
       for (int s = 0; s < R; ++s) {
         if (s == me) continue;
-        const int64_t n = rows_between_host(rpm, R, s, me), lo = n * c / C, hi = n * (c + 1) / C;
-        const int64_t excl = prefix_before_host(rpm, R, s, me);
+        const int64_t n = rows_between(rpm.data(), R, s, me), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t excl = prefix_before(rpm.data(), R, s, me);
         copy_out.add(p.recv_x + (excl + lo) * rb, static_cast<size_t>(rb),
                      region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
                      static_cast<size_t>(rb), static_cast<size_t>(rb),
@@ -259,15 +259,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   }
   kept_guard.armed = false;
   EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[1], 0), "ht_dispatch");
-  if (R > 1) {
-    HtEngineSyncParams sp{};
-    sp.num_ranks = R;
-    sp.rank = me;
-    sp.step = kEngineReady;
-    sp.symm = p.symm;
-    sp.wait = p.wait;
-    launch_ht_engine_sync(sp, stream);
-  }
+  if (R > 1) launch_ht_engine_sync(engine_sync_params(R, me, p.symm, p.wait, kEngineReady), stream);
 }
 
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
@@ -552,7 +544,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       for (int d = 0; d < R; ++d)
         if (s != d)
           max_pair_rows = std::max<int64_t>(
-              max_pair_rows, rows_between_host(h.copy_plan->rank_prefix_matrix, R, s, d));
+              max_pair_rows, rows_between(h.copy_plan->rank_prefix_matrix.data(), R, s, d));
     engine_y = ht_engine_combine_pays(grid, max_pair_rows * p.row_bytes);
   }
   p.engine_y = engine_y ? 1 : 0;
@@ -569,13 +561,8 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.num_send_ctas =
       p.engine_share >= 100 ? std::max(1, grid / 8) : std::max(1, tuning_.combine_send_ctas);
   ensure_engine_streams();
-  HtEngineSyncParams sp{};
-  sp.num_ranks = R;
-  sp.rank = me;
+  HtEngineSyncParams sp = engine_sync_params(R, me, p.symm, p.wait, kEngineWaitReady);
   sp.seq_ahead = 1;
-  sp.symm = p.symm;
-  sp.wait = p.wait;
-  sp.step = kEngineWaitReady;
   launch_ht_engine_sync(sp, stream);
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_combine");
   launch_ht_combine(p, vb, grid, stream);
@@ -590,9 +577,9 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     for (int s = 0; s < R; ++s) {
       if (s == me) continue;
       // The rows this rank received from s go back to row j of s's slot for this rank.
-      const int64_t excl = prefix_before_host(rpm, R, s, me);
+      const int64_t excl = prefix_before(rpm.data(), R, s, me);
       // The first m of the n rows (engine_split_rows); the senders push the others.
-      const int64_t m = engine_split_rows(rows_between_host(rpm, R, s, me), p.engine_share);
+      const int64_t m = engine_split_rows(rows_between(rpm.data(), R, s, me), p.engine_share);
       const int64_t lo = m * c / kHtEngineChunks;
       const int64_t hi = std::min(m * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
       if (hi <= lo || skip) continue;

@@ -134,6 +134,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
   // This rank as the source: rows it sent to d start after rows from ranks before it.
   const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
   const int32_t cnt = lane < R ? rows_between(p.rank_prefix_matrix, R, me, lane) : 0;
+  // engine_y: rows [0, m) of the slot for `lane` come by copy engine (engine_split_rows).
+  const int64_t m = p.engine_y ? engine_split_rows(cnt, p.engine_share) : 0;
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
@@ -151,8 +153,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
                               static_cast<uint32_t>(rows), w, kWaitRows, lane);
         last_block[lane] = b;
       }
-      const int64_t m = p.engine_y ? engine_split_rows(cnt, p.engine_share) : 0;
-      if (p.engine_y && ok && j < m) {
+      if (ok && j < m) {
         const int c = engine_chunk(j, m);
         if (last_chunk[lane] < c) {
           ok = wait_flag<true>(g.arrived(p.symm.local) + lane,

@@ -25,14 +25,6 @@ __device__ __forceinline__ V ld_landed(const V* p) {
   return __ldcg(p);
 }
 
-// Rows rank d receives from ranks before s (exclusive prefix), and from s alone.
-__device__ __forceinline__ int32_t prefix_before(const int32_t* rpm, int R, int s, int d) {
-  return s > 0 ? rpm[(s - 1) * R + d] : 0;
-}
-__device__ __forceinline__ int32_t rows_between(const int32_t* rpm, int R, int s, int d) {
-  return rpm[s * R + d] - prefix_before(rpm, R, s, d);
-}
-
 __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
   w.op = op;
   return w;

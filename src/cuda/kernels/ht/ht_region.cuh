@@ -33,6 +33,15 @@ namespace epx::detail {
 inline constexpr int kMaxHtRanks = 32;  // one lane per rank in the kernels
 inline constexpr int kHtRowsPerBlock = 32;
 
+// Over the rank prefix matrix rpm [R, R] (rpm[s][d]: rows rank d receives from ranks 0..s), on
+// the device or a host copy: the rows d receives from ranks before s, and from s alone.
+EPX_HT_HD int32_t prefix_before(const int32_t* rpm, int R, int s, int d) {
+  return s > 0 ? rpm[(s - 1) * R + d] : 0;
+}
+EPX_HT_HD int32_t rows_between(const int32_t* rpm, int R, int s, int d) {
+  return rpm[s * R + d] - prefix_before(rpm, R, s, d);
+}
+
 EPX_HT_HD size_t ht_round_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;
 }

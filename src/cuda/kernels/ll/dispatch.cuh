@@ -156,17 +156,6 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     }
   };
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
-  if ((p.variant & kLlVariantTouch) && static_cast<int>(threadIdx.x) < 2 * R &&
-      static_cast<int64_t>(blockIdx.x) < p.num_tokens) {
-    // Threads d < R: the first token's row slot on rank d; R + d: the routing rows there. Reads
-    // of slots a peer may still be reading: harmless, and the values are never used.
-    const int d = static_cast<int>(threadIdx.x) % R;
-    const void* at = static_cast<int>(threadIdx.x) < R
-                         ? static_cast<const void*>(g.msg(symm.peers[d], q, me, blockIdx.x))
-                         : static_cast<const void*>(g.topk(symm.peers[d], q, me));
-    uint32_t unused;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(unused) : "l"(at) : "memory");
-  }
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))

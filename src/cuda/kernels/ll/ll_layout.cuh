@@ -79,10 +79,6 @@ inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantOnePass = 2;
 inline constexpr int32_t kLlVariantEarlyRoute = 4;
 inline constexpr int32_t kLlVariantSpread = 8;
-//   bit 4 (16) dispatch touch: before the step-1 wait, threads d < R of a send CTA load one word
-//             of the CTA's first token slot on every rank d (value unused): the address
-//             translation of the peers' pages overlaps the wait instead of the first stores.
-inline constexpr int32_t kLlVariantTouch = 16;
 
 // The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
 enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };
