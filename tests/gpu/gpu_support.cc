@@ -131,12 +131,17 @@ Allocator device_allocator() {
   };
 }
 
+void upload_on_rank_stream(void* dst, const void* host, size_t bytes, cudaStream_t stream) {
+  CUDA_OK(cudaStreamSynchronize(stream));
+  if (bytes > 0) CUDA_OK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+}
+
 Tensor to_device(const void* host, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
                  int device) {
   Tensor t = device_allocator()(dtype, shape, Device::cuda(device));
   if (cudaStream_t s = rank_stream()) {
-    if (bytes > 0) CUDA_OK(cudaMemcpyAsync(t.data, host, bytes, cudaMemcpyHostToDevice, s));
-    CUDA_OK(cudaStreamSynchronize(s));
+    upload_on_rank_stream(t.data, host, bytes, s);
     return t;
   }
   if (bytes > 0 && cudaMemcpy(t.data, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess)

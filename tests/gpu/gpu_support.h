@@ -67,6 +67,14 @@ inline cudaStream_t stream_or(cudaStream_t own) { return rank_stream() ? rank_st
 // cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise the device).
 Allocator device_allocator();
 
+// `bytes` of pageable host memory to `dst` on `stream`, synchronously: the stream is drained
+// first. A pageable copy queued behind this rank's kernel that spins on its peers blocks the
+// calling thread inside the driver, and the peers' own pageable copies (their next launch) queue
+// behind it: under run_cuda_ranks_one_gpu the ranks deadlocked until the device timeout (LlOneGpu
+// R8 took 2 x the 30 s timeout: the other ranks timed out first, then the blocked rank's kernel
+// ran and timed out itself; docs/perf.md, fifth session).
+void upload_on_rank_stream(void* dst, const void* host, size_t bytes, cudaStream_t stream);
+
 // Device copies (synchronous; the caller owns nothing but the returned Tensor).
 Tensor to_device(const void* host, size_t bytes, DType dtype, const std::vector<int64_t>& shape,
                  int device);

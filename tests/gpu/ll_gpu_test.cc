@@ -196,8 +196,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
         if (v.dtype != DType::kBF16 || v.ndim != 3 || v.shape[0] != L || v.shape[1] != RT ||
             v.shape[2] != H || v.device != Device::cuda(dev) || !v.is_contiguous())
           fail("next_combine_buffer", "view is " + v.describe());
-        CUDA_OK(
-            cudaMemcpyAsync(v.data, bs[b]->y[r].data(), y_bytes, cudaMemcpyHostToDevice, stream));
+        gpu_testing::upload_on_rank_stream(v.data, bs[b]->y[r].data(), y_bytes, stream);
         a.zero_copy = true;
       } else {
         int64_t stride = H;
