@@ -13,6 +13,7 @@
 //   fp8-16B    quantised, lane pairs packed into one 16-byte store by the even lane
 //   fp8-8B-2d  fp8-8B to the peer and to local memory (ll at EP2: each token to both ranks)
 //   fp8-8B-loc fp8-8B to local memory only
+//   fp8-hw8B   fp8-8B with the hardware conversion (f32x2_to_fp8x2_e4m3) instead of the emulation
 // Prints per mode the median over CTAs (of the last of `iters` launches) of each phase, µs.
 //   store_probe [--tokens-per-cta N] [--ctas C] [--hidden H] [--iters I]
 #include <cuda_runtime.h>
@@ -38,8 +39,9 @@ namespace {
     }                                                                                    \
   } while (0)
 
-enum Mode { kBf16x16, kFp8x8, kFp8Raw8, kFp8x16, kFp8x8TwoDest, kFp8x8Local, kNumModes };
-const char* kModeNames[] = {"bf16-16B", "fp8-8B", "fp8-raw8B", "fp8-16B", "fp8-8B-2d", "fp8-8B-loc"};
+enum Mode { kBf16x16, kFp8x8, kFp8Raw8, kFp8x16, kFp8x8TwoDest, kFp8x8Local, kFp8Hw8, kNumModes };
+const char* kModeNames[] = {"bf16-16B", "fp8-8B", "fp8-raw8B", "fp8-16B", "fp8-8B-2d", "fp8-8B-loc",
+                            "fp8-hw8B"};
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -57,7 +59,7 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4& raw, float* f) {
 }
 
 // One vector (8 channels) quantised with its half-warp's group scale, as ll_send_fp8.
-__device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out) {
+__device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out, bool hw) {
   float f[8];
   bf16x8_to_f32(raw, f);
   float amax = 0.0f;
@@ -67,11 +69,18 @@ __device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out) {
   for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   const float scale = epx::detail::fp8_scale_from_amax(amax, false);
   const float inv = 1.0f / scale;
-  uint8_t b[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) b[i] = epx::detail::f32_to_fp8_e4m3(f[i] * inv);
   uint2 packed;
-  memcpy(&packed, b, 8);
+  if (hw) {  // the hardware conversion, as the kernels since the fifth session
+    packed.x = epx::detail::f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
+               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
+    packed.y = epx::detail::f32x2_to_fp8x2_e4m3(f[4] * inv, f[5] * inv) |
+               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv)) << 16;
+  } else {  // the emulation, as the kernels before
+    uint8_t b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = epx::detail::f32_to_fp8_e4m3(f[i] * inv);
+    memcpy(&packed, b, 8);
+  }
   *scale_out = scale;
   return packed;
 }
@@ -103,7 +112,7 @@ __global__ void __launch_bounds__(512, 1)
       if (mode == kFp8Raw8) {
         q = uint2{raw.x ^ raw.z, raw.y ^ raw.w};
       } else {
-        q = quantise8(raw, &scale);
+        q = quantise8(raw, &scale, mode == kFp8Hw8);
       }
       if (mode == kFp8x16) {
         const uint2 other{__shfl_down_sync(0xffffffffu, q.x, 1), __shfl_down_sync(0xffffffffu, q.y, 1)};

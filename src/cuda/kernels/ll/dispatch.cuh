@@ -14,7 +14,8 @@
 //      InvalidArgument and become -1) into topk(d, q, r)[t] on EVERY rank d, and the message into
 //      msg(d, q, r, t) on every rank d that holds one of t's experts:
 //        fp8:  per 128-channel group g (16 lanes of 8 elements): amax (core/numeric.h order),
-//              scale = fp8_scale_from_amax, q_i = f32_to_fp8_e4m3(x_i * (1 / scale)); bytes [H]
+//              scale = fp8_scale_from_amax, q_i = e4m3(x_i * (1 / scale)) (the hardware
+//              conversion, f32x2_to_fp8x2_e4m3); bytes [H]
 //              then f32 scales [G];   bf16: the row as is.
 //   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
 // receive half (ll_dispatch_recv_kernel, or the second half of ll_dispatch_kernel):
@@ -95,11 +96,18 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
   }
   const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
   const float inv = 1.0f / scale;
-  uint8_t b[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
   uint2 packed;
-  memcpy(&packed, b, 8);
+  if (p.variant & kLlVariantEmulatedFp8) {
+    uint8_t b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
+    memcpy(&packed, b, 8);
+  } else {
+    packed.x = f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
+               static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
+    packed.y = f32x2_to_fp8x2_e4m3(f[4] * inv, f[5] * inv) |
+               static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv)) << 16;
+  }
   if (!active) return;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
     const int d = __ffsll(static_cast<long long>(m)) - 1;

@@ -143,10 +143,8 @@ __global__ void __launch_bounds__(QuantConfig::kFp8Threads)
         }
         const float scale = fp8_scale_from_amax(amax, p.ue8m0 != 0);
         const float inv = 1.0f / scale;
-        uint32_t q = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          q |= static_cast<uint32_t>(f32_to_fp8_e4m3(f[j] * inv)) << (8 * j);
+        const uint32_t q = f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
+                           static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
         *reinterpret_cast<uint32_t*>(p.values + t * p.num_groups * kQuantGroup + col) = q;
         if (p.ue8m0) {
           word |= static_cast<uint32_t>(ue8m0_of_scale(scale)) << (8 * i);

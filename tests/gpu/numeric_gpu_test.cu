@@ -1,0 +1,62 @@
+// GPU tier: the device number conversions against their host emulation (src/core/numeric.h).
+// The cuda kernels convert float32 to fp8 e4m3 with the hardware instruction
+// (f32x2_to_fp8x2_e4m3: cvt.rn.satfinite.e4m3x2.f32 on sm_89+) while the cpu backend uses
+// f32_to_fp8_e4m3; bit-exact results need the two to agree on every input, so every one of the
+// 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "gpu/gpu_support.h"
+
+namespace epx {
+namespace {
+
+// Pattern u goes into the low half and u ^ sign into the high half, so over all u each half sees
+// every input. Mismatches counted; the smallest mismatching pattern kept.
+__global__ void compare_fp8_e4m3(unsigned long long* mismatches, unsigned int* first) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+       i < (uint64_t{1} << 32); i += stride) {
+    const uint32_t u = static_cast<uint32_t>(i);
+    const float lo = __uint_as_float(u), hi = __uint_as_float(u ^ 0x80000000u);
+    const uint16_t hw = detail::f32x2_to_fp8x2_e4m3(lo, hi);
+    const uint16_t sw = static_cast<uint16_t>(detail::f32_to_fp8_e4m3(lo) |
+                                              (detail::f32_to_fp8_e4m3(hi) << 8));
+    if (hw != sw) {
+      ++bad;
+      atomicMin(first, u);
+    }
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
+  EPX_REQUIRE_GPUS(1);
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  unsigned long long* mismatches = nullptr;
+  unsigned int* first = nullptr;
+  ASSERT_EQ(cudaMalloc(&mismatches, sizeof(*mismatches)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&first, sizeof(*first)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(mismatches, 0, sizeof(*mismatches)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(first, 0xFF, sizeof(*first)), cudaSuccess);
+  compare_fp8_e4m3<<<1024, 256>>>(mismatches, first);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  unsigned long long bad = 0;
+  unsigned int f = 0;
+  ASSERT_EQ(cudaMemcpy(&bad, mismatches, sizeof(bad), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&f, first, sizeof(f), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(mismatches);
+  cudaFree(first);
+  EXPECT_EQ(bad, 0u) << "first mismatching float32 bits 0x" << std::hex << f << " (sm_" << major
+                     << minor << ")";
+}
+
+}  // namespace
+}  // namespace epx
