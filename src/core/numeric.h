@@ -58,6 +58,23 @@ EPX_HD uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Two conversions at once: low half = bf16(lo), high half = bf16(hi). Device code on sm_80+ uses
+// the hardware cvt.rn.bf16x2.f32 (one instruction for two values instead of ~6 per value: the
+// combine reducers' per-SM rate, docs/perf-cuda-ht.md); f32_to_bf16 is its emulation (GPU test
+// NumericGpu.HardwareBf16ConversionMatchesEmulationOnEveryFloat compares all 2^32 inputs). NaN is
+// forced to 0x7FC0 as above (the hardware's NaN is 0x7FFF).
+EPX_HD uint32_t f32x2_to_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if (lo != lo) r = (r & 0xFFFF0000u) | 0x7FC0u;
+  if (hi != hi) r = (r & 0x0000FFFFu) | 0x7FC00000u;
+  return r;
+#else
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | static_cast<uint32_t>(f32_to_bf16(hi)) << 16;
+#endif
+}
+
 EPX_HD float fp8_e4m3_to_f32(uint8_t v) {
   const uint32_t sign = (v & 0x80u) << 24;
   const uint32_t e = (v >> 3) & 0xFu, m = v & 0x7u;

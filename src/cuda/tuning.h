@@ -8,7 +8,8 @@
 namespace epx::detail {
 
 // Benchmark-only ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest.
-// Outputs are wrong when set; the protocol (waits, counters, sequence numbers) still runs.
+// Outputs are wrong when set (except kHtEmulatedBf16); the protocol (waits, counters, sequence
+// numbers) still runs.
 enum HtAblate : int {
   kAblateSelf = 1,        // dispatch receivers skip the rows the rank keeps
   kAblateRemoteCopy = 2,  // dispatch receivers wait for blocks but do not copy them out
@@ -16,6 +17,9 @@ enum HtAblate : int {
   kAblateEnginePush = 16,  // copy-engine dispatch: no pushes into the peers' slots
   kAblateEngineKept = 32,  // copy-engine dispatch: no kept-row copies
   kAblateEngineOut = 64,   // copy-engine dispatch: no copy-out of the slots
+  // Not an ablation (outputs unchanged): combine rounds with the float32 -> bf16 emulation
+  // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
+  kHtEmulatedBf16 = 128,
 };
 
 struct HtTuning {

@@ -234,6 +234,11 @@ int run_rank(const Group& g, const Options& o) {
       const detail::HtCopyConfig last_copy = detail::ht_copy_config();
       detail::set_ht_copy_override(nullptr);
       auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
+      // The same with the float32 -> bf16 emulation in the reducers (the A/B of the hardware
+      // conversion; same outputs).
+      detail::set_ht_ablation(detail::kHtEmulatedBf16);
+      auto t_comb_emu = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
+      detail::set_ht_ablation(0);
       detail::set_ht_copy_override(&last_copy);
       buf.check();
       std::vector<std::pair<std::string, bench::Timing>> ablations;
@@ -306,6 +311,7 @@ int run_rank(const Group& g, const Options& o) {
                 c_bf16);
         }
         row("combine bf16 [EPX_HT_COPY / default]", t_comb, n_bf16, c_bf16);
+        row("combine bf16 [default, emulated bf16 rounding]", t_comb_emu, n_bf16, c_bf16);
         if (o.ablate) {
           std::printf("  ablations (same run; outputs wrong):\n");
           for (const auto& [name, t] : ablations)

@@ -49,9 +49,10 @@ using Batch = testing::LlBatch;
 // The dispatch paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh):
 // 0 default, 2 one-pass receive, 8 spread send (routing rows from every thread, signalled with
 // x), 12 spread send with early routing + one-pass receive (4 alone = 12 at T >= C, one part
-// per token), 16 the float32 -> e4m3 emulation instead of the hardware conversion. Set in the rank
+// per token), 48 the float32 -> e4m3 and -> bf16 emulations instead of the hardware conversions.
+// Set in the rank
 // processes (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 2, 8, 12, 16};
+constexpr int kLlVariants[] = {0, 2, 8, 12, 48};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

@@ -2,11 +2,14 @@
 // The cuda kernels convert float32 to fp8 e4m3 with the hardware instruction
 // (f32x2_to_fp8x2_e4m3: cvt.rn.satfinite.e4m3x2.f32 on sm_89+) while the cpu backend uses
 // f32_to_fp8_e4m3; bit-exact results need the two to agree on every input, so every one of the
-// 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair.
+// 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair; the
+// same for float32 -> bf16 (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 #include "core/numeric.h"
 #include "gpu/gpu_support.h"
@@ -34,28 +37,57 @@ __global__ void compare_fp8_e4m3(unsigned long long* mismatches, unsigned int* f
   if (bad) atomicAdd(mismatches, bad);
 }
 
-TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
-  EPX_REQUIRE_GPUS(1);
-  int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+__global__ void compare_bf16(unsigned long long* mismatches, unsigned int* first) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+       i < (uint64_t{1} << 32); i += stride) {
+    const uint32_t u = static_cast<uint32_t>(i);
+    const float lo = __uint_as_float(u), hi = __uint_as_float(u ^ 0x80000000u);
+    const uint32_t hw = detail::f32x2_to_bf16x2(lo, hi);
+    const uint32_t sw = static_cast<uint32_t>(detail::f32_to_bf16(lo)) |
+                        static_cast<uint32_t>(detail::f32_to_bf16(hi)) << 16;
+    if (hw != sw) {
+      ++bad;
+      atomicMin(first, u);
+    }
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+// Runs `kernel` over all 2^32 patterns; "" or the failure.
+template <typename Kernel>
+std::string exhaustive(Kernel kernel) {
   unsigned long long* mismatches = nullptr;
   unsigned int* first = nullptr;
-  ASSERT_EQ(cudaMalloc(&mismatches, sizeof(*mismatches)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&first, sizeof(*first)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(mismatches, 0, sizeof(*mismatches)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(first, 0xFF, sizeof(*first)), cudaSuccess);
-  compare_fp8_e4m3<<<1024, 256>>>(mismatches, first);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (cudaMalloc(&mismatches, sizeof(*mismatches)) != cudaSuccess ||
+      cudaMalloc(&first, sizeof(*first)) != cudaSuccess)
+    return "cudaMalloc failed";
+  cudaMemset(mismatches, 0, sizeof(*mismatches));
+  cudaMemset(first, 0xFF, sizeof(*first));
+  kernel<<<1024, 256>>>(mismatches, first);
+  if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+    return "kernel failed";
   unsigned long long bad = 0;
   unsigned int f = 0;
-  ASSERT_EQ(cudaMemcpy(&bad, mismatches, sizeof(bad), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(&f, first, sizeof(f), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaMemcpy(&bad, mismatches, sizeof(bad), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&f, first, sizeof(f), cudaMemcpyDeviceToHost);
   cudaFree(mismatches);
   cudaFree(first);
-  EXPECT_EQ(bad, 0u) << "first mismatching float32 bits 0x" << std::hex << f << " (sm_" << major
-                     << minor << ")";
+  if (bad == 0) return "";
+  char msg[128];
+  std::snprintf(msg, sizeof(msg), "%llu mismatches, the first at float32 bits 0x%08x", bad, f);
+  return msg;
+}
+
+TEST(NumericGpu, HardwareBf16ConversionMatchesEmulationOnEveryFloat) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(exhaustive(compare_bf16), "");
+}
+
+TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(exhaustive(compare_fp8_e4m3), "");
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 //   locally; d != r reads row j = send_pos[t][d] - rpm[r-1][d] of the slot for d once its
 //   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
 //     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
+//     (bf16 by the hardware conversion f32x2_to_bf16x2; kHtEmulatedBf16: the emulation, an A/B)
 //   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
 // engine_y (copy engines push y rows, ht.cu): of the n rows of a slot the copy engines push the
 //   first m = engine_split_rows(n, engine_share) (whole blocks; m = n at 100 %), the senders the
@@ -230,6 +231,17 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
         const int64_t i = v0 + u * 32 + lane;
         if (i >= nv) continue;
         Bf16Pack<V> pk;
+        if constexpr (kPerVec % 2 == 0) {
+          if (!(p.ablate & kHtEmulatedBf16)) {
+            uint32_t w[kPerVec / 2];  // the hardware conversion, two values at a time
+#pragma unroll
+            for (int e = 0; e < kPerVec / 2; ++e)
+              w[e] = f32x2_to_bf16x2(acc[u][2 * e], acc[u][2 * e + 1]);
+            memcpy(&pk.v, w, sizeof(V));
+            o[i] = pk.v;
+            continue;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
         o[i] = pk.v;

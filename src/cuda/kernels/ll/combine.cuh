@@ -21,7 +21,8 @@
 //   7. EXACT ORDER of the cpu backend (src/cpu/ll.cc), token t, element c:
 //        acc = 0.0f;
 //        for k = 0 .. K-1 with topk_idx[t][k] != -1:  acc = __fmaf_rn(w[t][k], f32(y(t, k)[c]),
-//        acc); out[t][c] = f32_to_bf16(acc)                         (core/numeric.h, one rounding)
+//        acc); out[t][c] = f32_to_bf16(acc)   (core/numeric.h, one rounding; the device uses the
+//        hardware conversion f32x2_to_bf16x2, the same bits)
 //      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
 //   Finish: the last CTA releases combine_pulled[q][r] = e on every peer (this rank's pulls are
 //   done), then waits combine_pulled[q][d] >= e for every peer d (nobody reads this rank's
@@ -279,11 +280,16 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           }
         }
         if (p.out) {
-          uint16_t h[8];
-#pragma unroll
-          for (int c = 0; c < 8; ++c) h[c] = f32_to_bf16(acc[c]);
           uint4 packed;
-          memcpy(&packed, h, 16);
+          if (p.variant & kLlVariantEmulatedBf16) {
+            uint16_t h[8];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) h[c] = f32_to_bf16(acc[c]);
+            memcpy(&packed, h, 16);
+          } else {
+            packed = uint4{f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
+                           f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7])};
+          }
           ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
         }
       }

@@ -78,11 +78,14 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //   bit 4 (16) fp8 send quantises with the float32 -> e4m3 emulation (f32_to_fp8_e4m3, the code
 //             before the hardware conversion f32x2_to_fp8x2_e4m3; same bytes): the A/B of the
 //             fifth session's fix.
+//   bit 5 (32) combine rounds its output with the float32 -> bf16 emulation (f32_to_bf16)
+//             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantOnePass = 2;
 inline constexpr int32_t kLlVariantEarlyRoute = 4;
 inline constexpr int32_t kLlVariantSpread = 8;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
+inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
 // The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
 enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };

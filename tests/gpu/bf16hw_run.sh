@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# tests/gpu/bf16hw_run.sh — one bounded batch (< 6 min on 2 x H200), fifth session: the hardware
+# float32 -> bf16 conversion (core/numeric.h f32x2_to_bf16x2) in the ht and ll combines.
+#   tests.log  NumericGpu (all 2^32 floats for e4m3 and bf16), every ht GPU test, every ll GPU test
+#              (variants 0, 2, 8, 12 and 48 = both emulations)
+#   ht.log     epx_ht_gpu_bench T = 4096 at 16, 24, 32 SMs: combine default vs emulated rounding
+#   ll.log     epx_ll_gpu_bench T = 128, 512: variant 0 vs 32 (combine's emulated rounding)
+# Logs under $OUT.  bash tests/gpu/bf16hw_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source tests/gpu/device_lib.sh
+epx_device_setup 5000
+t0=$(date +%s)
+B=build-dev
+epx_device_build $B gpu_numeric_gpu_test gpu_ht_test gpu_ll_gpu_test epx_ll_gpu_bench \
+  epx_ht_gpu_bench || exit 1
+P="rank [0-9]|case [0-9]|Failure|error|mismatch|expected|exception"
+epx_device_tests $B/tests/gpu/gpu_numeric_gpu_test 60 "$P" '*'
+epx_device_tests $B/tests/gpu/gpu_ht_test 240 "$P" '*' | grep -v "^\[       OK" | head -30
+epx_device_tests $B/tests/gpu/gpu_ll_gpu_test 120 "$P" '*' | grep -v "^\[       OK" | head -30
+epx_device_run ht 150 $B/tests/gpu/epx_ht_gpu_bench --tokens 4096 --sms 16,24,32 --iters 20
+grep -E "^SMs|combine|dispatch bf16 \(cached, graph\)|dispatch fp8 \(cached, graph\)" "$OUT/ht.log"
+epx_device_run ll 90 $B/tests/gpu/epx_ll_gpu_bench --tokens 128,512 --variant 0,32
+grep -E "^sweep|target|check" "$OUT/ll.log"
+echo "== total $(( $(date +%s) - t0 )) s"
