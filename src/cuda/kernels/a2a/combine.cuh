@@ -15,7 +15,8 @@
 //        float acc = 0.0f;
 //        for d = 0..R-1 ascending with bit d of mask[t]:
 //          acc += float(y_d[r][slot[t][d]][h]);   // peer d's region, or y / the region for d = r
-//        out[t][h] = bf16 ? f32_to_bf16(acc) : acc;  // core/numeric.h, one rounding
+//        out[t][h] = bf16 ? f32_to_bf16(acc) : acc;  // core/numeric.h, one rounding (on the
+//        device f32x2_to_bf16x2 where a vector holds pairs: the same bits)
 //      Tokens are split into C contiguous chunks; a CTA walks (token, vector) pairs of its chunk
 //      with kReduceUnroll pairs in flight per thread (one load per pair and destination).
 // Rank mask (I = state.inactive_mask, the one the preceding dispatch used: set_active_ranks
@@ -72,7 +73,13 @@ __device__ __forceinline__ void a2a_accumulate(float* acc, const V& v) {
 template <typename V, bool kBf16>
 __device__ __forceinline__ V a2a_round(const float* acc) {
   V v;
-  if constexpr (kBf16) {
+  if constexpr (kBf16 && sizeof(V) % 4 == 0) {  // the hardware conversion, two at a time
+    uint32_t w[sizeof(V) / 4];
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i)
+      w[i] = f32x2_to_bf16x2(acc[2 * i], acc[2 * i + 1]);
+    memcpy(&v, w, sizeof(V));
+  } else if constexpr (kBf16) {
     uint16_t h[sizeof(V) / 2];
 #pragma unroll
     for (int i = 0; i < static_cast<int>(sizeof(V) / 2); ++i) h[i] = f32_to_bf16(acc[i]);
