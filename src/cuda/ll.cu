@@ -366,11 +366,6 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   p.symm = symm_;
   p.wait = wait_context(kOpLlDispatch);
   p.variant = ll_variant();
-  // Spread send: enough parts per token to give every CTA an item, whole 128-channel groups.
-  p.send_parts = p.variant & kLlVariantSpread
-                     ? static_cast<int32_t>(std::clamp<int64_t>(num_ctas_ / std::max<int64_t>(T, 1),
-                                                                1, std::max<int64_t>(G, 1)))
-                     : 1;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
 #endif

@@ -51,7 +51,6 @@ struct LlDispatchParams {
   int32_t slot;              // q
   int32_t rank;              // r
   int32_t units_per_expert;  // S
-  int32_t send_parts;        // P: parts per token of the spread send (EPX_LL_VARIANT bit 3), >= 1
   uint8_t* recv_x;           // [L, RT, H] e4m3 or bf16, contiguous (or null)
   void* recv_scales;         // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32 (or null)
   int32_t* recv_count;       // [L]
@@ -127,14 +126,12 @@ __device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const ui
 }
 
 // Send step 4 (after __syncthreads): thread d < R releases the CTA's stores to rank d,
-// dispatch_sent[q][r] += 1 there, and `routed` also dispatch_routed (no extra fence).
-__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, bool routed) {
+// dispatch_sent[q][r] += 1 there.
+__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p) {
   const LlLayout& g = p.symm.layout;
   if (static_cast<int>(threadIdx.x) < g.num_ranks) {
     fence_acq_rel_sys();
-    LlSync* sy = g.sync(p.symm.peers[threadIdx.x]);
-    red_add_relaxed_sys(&sy->dispatch_sent[p.slot][p.rank], 1u);
-    if (routed) red_add_relaxed_sys(&sy->dispatch_routed[p.slot][p.rank], 1u);
+    red_add_relaxed_sys(&g.sync(p.symm.peers[threadIdx.x])->dispatch_sent[p.slot][p.rank], 1u);
   }
 }
 
@@ -236,153 +233,15 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
   __syncthreads();
   EPX_LL_STAMP(p, 0, kTrDSent);
-  // dispatch_routed too (no extra fence), so its count stays e * C whatever path a later call
-  // takes (EPX_LL_VARIANT bit 2 waits on it).
-  ll_dispatch_signal(p, true);
-  EPX_LL_STAMP(p, 0, kTrDSignal);
-  return true;
-}
-
-// Send, EPX_LL_VARIANT bit 2 (early routing) and / or bit 3 (spread). Same bytes as
-// ll_dispatch_send; what differs is who does what:
-//   router threads (bit 2: the last warp; else every thread, before x): the header (CTA 0) and
-//     the routing rows of tokens b, b + C, ... to every rank; bit 2: then lanes p < R release
-//     them (fence + dispatch_routed += 1 on rank p) while the x threads still send;
-//   x threads (bit 2: warps 0..14; else all): items w = b, b + C, ... of T * P, item (t = w / P,
-//     part w % P) = t's 128-channel groups [part * G / P, (part + 1) * G / P); the rank mask from
-//     the thread's own loads of t's routing row (the first item's loaded with its x before the
-//     step-1 wait).
-__device__ bool ll_dispatch_send_v2(const LlDispatchParams& p, uint32_t e) {
-  const LlSymm& symm = p.symm;
-  const LlLayout& g = symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
-  const int me = p.rank, q = p.slot;
-  const int64_t G = g.num_groups;
-  const int lane = threadIdx.x & 31;
-  const bool early = (p.variant & kLlVariantEarlyRoute) != 0;
-  const int P = p.send_parts > 0 ? p.send_parts : 1;
-  const int x_threads = early ? static_cast<int>(blockDim.x) - 32 : static_cast<int>(blockDim.x);
-  const bool is_x = static_cast<int>(threadIdx.x) < x_threads;
-  const int64_t items = static_cast<int64_t>(p.num_tokens) * P;
-  const int warp_base = static_cast<int>(threadIdx.x) - lane;  // first thread of this warp
-
-  // The x vectors [v0, v1) of item w; this thread's are v0 + warp_base + lane + i * x_threads.
-  auto item_range = [&](int64_t w, int64_t* t, int* v0, int* v1) {
-    *t = w / P;
-    const int part = static_cast<int>(w - *t * P);
-    *v0 = static_cast<int>(16 * (part * G / P));
-    *v1 = static_cast<int>(16 * ((part + 1) * G / P));
-  };
-  uint4 xpre[kLlXPrefetch];
-  int32_t ids[kLlMaxTopK];
-  auto prefetch = [&](int64_t w) {
-    int64_t t;
-    int v0, v1;
-    item_range(w, &t, &v0, &v1);
-    const uint16_t* xrow = p.x + t * p.x_stride;
-#pragma unroll
-    for (int i = 0; i < kLlXPrefetch; ++i) {
-      const int v = v0 + static_cast<int>(threadIdx.x) + i * x_threads;
-      xpre[i] = v < v1 ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
-    }
-#pragma unroll
-    for (int k = 0; k < kLlMaxTopK; ++k) {
-      const int64_t id = k < K ? ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k) : -1;
-      ids[k] = id >= 0 && id < E ? static_cast<int32_t>(id) : -1;
-    }
-  };
-  if (is_x && static_cast<int64_t>(blockIdx.x) < items) prefetch(blockIdx.x);
-
-  // 1. As ll_dispatch_send.
-  if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))
-    return false;
-  EPX_LL_STAMP(p, 0, kTrDFreed);
-
-  // 2. + routing rows (router threads).
-  if (!is_x || !early) {
-    const int rt = early ? lane : static_cast<int>(threadIdx.x);
-    const int nrt = early ? 32 : static_cast<int>(blockDim.x);
-    for (int d = rt; blockIdx.x == 0 && d < R; d += nrt) {
-      LlSourceHeader* h = g.header(symm.peers[d], q, me);
-      h->num_tokens = p.num_tokens;
-      h->format = p.use_fp8 | (p.round_scale << 1);
-    }
-    for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-      for (int i = rt; i < R * K; i += nrt) {
-        const int d = i / K, k = i - d * K;
-        int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
-        if (id < -1 || id >= E) {
-          if (d == 0) record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, id);
-          id = -1;
-        }
-        g.topk(symm.peers[d], q, me)[t * K + k] = static_cast<int32_t>(id);
-      }
-    }
-    if (early) {
-      __syncwarp();
-      for (int d = lane; d < R; d += 32) {
-        fence_acq_rel_sys();
-        red_add_relaxed_sys(&g.sync(symm.peers[d])->dispatch_routed[q][me], 1u);
-      }
-    }
-  }
-
-  // 3. x (x threads).
-  if (is_x) {
-    for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-      if (w != blockIdx.x) prefetch(w);
-      int64_t t;
-      int v0, v1;
-      item_range(w, &t, &v0, &v1);
-      uint64_t mask = 0;
-#pragma unroll
-      for (int k = 0; k < kLlMaxTopK; ++k)
-        if (ids[k] >= 0) mask |= uint64_t{1} << (ids[k] / L);
-      if (mask == 0) continue;
-      const uint16_t* xrow = p.x + t * p.x_stride;
-      if (p.use_fp8) {
-        // As ll_dispatch_send: half-warps hold one group each; [v0, v1) is whole groups and
-        // warp_base + i * x_threads a multiple of 32, so a half-warp is active as a whole.
-        auto quantise_and_send = [&](const uint4& raw, int v) {
-          ll_send_fp8(p, raw, v, v < v1, mask, t);
-        };
-#pragma unroll
-        for (int i = 0; i < kLlXPrefetch; ++i) {
-          const int base = v0 + warp_base + i * x_threads;
-          if (base < v1) quantise_and_send(xpre[i], base + lane);
-        }
-        for (int base = v0 + warp_base + kLlXPrefetch * x_threads; base < v1; base += x_threads) {
-          const int v = base + lane;
-          quantise_and_send(v < v1 ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
-        }
-      } else {
-        auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
-#pragma unroll
-        for (int i = 0; i < kLlXPrefetch; ++i) {
-          const int v = v0 + static_cast<int>(threadIdx.x) + i * x_threads;
-          if (v < v1) send(xpre[i], v);
-        }
-        for (int v = v0 + static_cast<int>(threadIdx.x) + kLlXPrefetch * x_threads; v < v1;
-             v += x_threads)
-          send(ll_ld_input8(xrow + 8 * v, p.x_vec16), v);
-      }
-    }
-  }
-
-  // 4. As ll_dispatch_send (dispatch_routed already released when early).
-  __syncthreads();
-  EPX_LL_STAMP(p, 0, kTrDSent);
-  ll_dispatch_signal(p, !early);
+  ll_dispatch_signal(p);
   EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
 
 // Receive: writes the unit's share of the rows of source s's block (entries i = sub, sub + S,
 // ... of the `total` tokens in s_list, at rows running + i).
-// `src_of(idx)`: the source of entry idx (EPX_LL_VARIANT bit 1 lists mix sources).
-template <typename SrcOf>
 __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* s_list, int l,
-                                      SrcOf src_of, int64_t running, int total, int sub, int S) {
+                                      int s, int64_t running, int total, int sub, int S) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden, G = g.num_groups, RT = g.rows_per_expert;
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
@@ -396,7 +255,7 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
           const int64_t m = i / nv, v = i - m * nv;
           const int64_t idx = sub + m * S;
           *dst = reinterpret_cast<uint4*>(p.recv_x + (l * RT + running + idx) * row_bytes + 16 * v);
-          return ll_ld_landed<uint4>(g.msg(p.symm.local, q, src_of(idx), s_list[idx]) + 16 * v);
+          return ll_ld_landed<uint4>(g.msg(p.symm.local, q, s, s_list[idx]) + 16 * v);
         });
   }
   if (p.src_info) {
@@ -412,7 +271,7 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
     for (int64_t i = threadIdx.x; i < n_mine * G; i += blockDim.x) {
       const int64_t gi = i / n_mine, m = i - gi * n_mine;
       const int64_t idx = sub + m * S;
-      const char* msg = g.msg(p.symm.local, q, src_of(idx), s_list[idx]);
+      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
       out[(l * G + gi) * RT + running + idx] = ll_ld_landed<float>(msg + H + 4 * gi);
     }
   } else {
@@ -421,7 +280,7 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
     for (int64_t i = threadIdx.x; i < n_mine * P; i += blockDim.x) {
       const int64_t pi = i / n_mine, m = i - pi * n_mine;
       const int64_t idx = sub + m * S;
-      const char* msg = g.msg(p.symm.local, q, src_of(idx), s_list[idx]);
+      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
       uint32_t word = 0;
       for (int64_t gi = 4 * pi; gi < G && gi < 4 * pi + 4; ++gi)
         word |= static_cast<uint32_t>(ue8m0_of_scale(ll_ld_landed<float>(msg + H + 4 * gi)))
@@ -505,8 +364,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           if (sel) s_list[pos] = static_cast<int32_t>(t);
           __syncthreads();
           EPX_LL_TRACE_END(scan);
-          ll_dispatch_copy_rows(
-              p, s_list, l, [s](int64_t) { return s; }, running, total, sub, S);
+          ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
           running += total;
           __syncthreads();  // s_list is rewritten by the next group
         }
@@ -526,113 +384,6 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   return true;
 }
 
-// Receive half, EPX_LL_VARIANT bit 1 (one pass) and bit 2 (early routing). Same outputs as
-// ll_dispatch_recv: a unit compacts the concatenated list "source 0's tokens, source 1's, ..."
-// (which is the row order) 512 entries at a time, and copies each list at once, so a unit with
-// at most 512 tokens over all sources runs one scan and one batched copy. Bit 2: the scan starts
-// once dispatch_routed (header + routing rows) reached e * C; dispatch_sent is waited for before
-// the first copy (and at the latest before the finish).
-__device__ bool ll_dispatch_recv_v2(const LlDispatchParams& p, uint32_t e) {
-  __shared__ int32_t s_list[kLlThreads];
-  __shared__ int32_t s_src[kLlThreads];
-  __shared__ int32_t s_off[kMaxRanks + 1];  // first concatenated index of each source
-  __shared__ int32_t s_cnt[kMaxRanks];      // rows of the unit's expert from each source
-  const LlSymm& symm = p.symm;
-  const LlLayout& g = symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
-  const int me = p.rank, q = p.slot, S = p.units_per_expert;
-  const int units = L * S;
-  const bool early = (p.variant & kLlVariantEarlyRoute) != 0;
-  const LlSync* sy = g.sync(symm.local);
-  EPX_LL_STAMP(p, 0, kTrDRecvEntry);
-  EPX_LL_TRACE_DECL(scan);
-
-  if (static_cast<int>(blockIdx.x) < units) {
-    bool have_x = !early;
-    if (!ll_wait_all(early ? sy->dispatch_routed[q] : sy->dispatch_sent[q], R, -1, e * gridDim.x,
-                     p.wait, kWaitRows))
-      return false;
-    EPX_LL_STAMP(p, 0, kTrDRecvWait);
-    if (blockIdx.x == 0 && threadIdx.x < R) {
-      const int s = threadIdx.x;
-      const int32_t theirs = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
-      const int32_t mine = p.use_fp8 | (p.round_scale << 1);
-      if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
-    }
-    if (threadIdx.x < R) {
-      const int32_t n = ll_ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
-      s_off[threadIdx.x + 1] =
-          n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      s_off[0] = 0;
-      for (int s = 0; s < R; ++s) s_off[s + 1] += s_off[s];
-    }
-    __syncthreads();
-    const int64_t N = s_off[R];
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
-      const int l = u / S, sub = u - l * S;
-      const int32_t expert = me * L + l;
-      if (threadIdx.x < R) s_cnt[threadIdx.x] = 0;
-      int64_t running = 0;
-      for (int64_t base = 0; base < N || (base == 0 && !have_x); base += blockDim.x) {
-        EPX_LL_TRACE_BEGIN(scan);
-        const int64_t i = base + threadIdx.x;
-        bool sel = false;
-        int s = 0;
-        int64_t t = 0;
-        if (i < N) {
-          while (i >= s_off[s + 1]) ++s;
-          t = i - s_off[s];
-          const int32_t* row = g.topk(symm.local, q, s) + t * K;
-          for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-            int32_t id[kLlIdBatch];
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch; ++k)
-              id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
-          }
-        }
-        int total = 0;
-        const int pos = ll_block_scan(sel, &total);  // its barriers also order s_cnt's reset
-        if (sel) {
-          s_list[pos] = static_cast<int32_t>(t);
-          s_src[pos] = s;
-          atomicAdd(&s_cnt[s], 1);
-        }
-        __syncthreads();
-        EPX_LL_TRACE_END(scan);
-        if (!have_x) {
-          if (!ll_wait_all(sy->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
-            return false;
-          have_x = true;
-        }
-        ll_dispatch_copy_rows(
-            p, s_list, l, [&](int64_t idx) { return s_src[idx]; }, running, total, sub, S);
-        running += total;
-        __syncthreads();  // s_list / s_src are rewritten by the next group
-      }
-      if (sub == 0 && threadIdx.x < R && p.layout_range) {
-        int64_t begin = 0;
-        for (int s = 0; s < static_cast<int>(threadIdx.x); ++s) begin += s_cnt[s];
-        p.layout_range[l * R + threadIdx.x] = (begin << 32) | s_cnt[threadIdx.x];
-      }
-      if (sub == 0 && threadIdx.x == 0) {
-        if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
-        if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
-      }
-      __syncthreads();  // s_cnt is reset by the next unit
-    }
-    EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
-    EPX_LL_STAMP(p, 0, kTrDCopy);
-  }
-
-  ll_dispatch_finish(p, e);
-  return true;
-}
-
 // The epoch of the running dispatch of slot q (see the file comment).
 __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p) {
   const LlState* st = p.symm.layout.state(p.symm.local);
@@ -640,29 +391,19 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
 }
 
 // Without a hook: send, then receive, in one launch.
-// The send / receive of p.variant (kLlVariant* bits; 0: ll_dispatch_send / ll_dispatch_recv).
-__device__ __forceinline__ bool ll_dispatch_send_any(const LlDispatchParams& p, uint32_t e) {
-  if (p.variant & (kLlVariantEarlyRoute | kLlVariantSpread)) return ll_dispatch_send_v2(p, e);
-  return ll_dispatch_send(p, e);
-}
-__device__ __forceinline__ bool ll_dispatch_recv_any(const LlDispatchParams& p, uint32_t e) {
-  if (p.variant & (kLlVariantOnePass | kLlVariantEarlyRoute)) return ll_dispatch_recv_v2(p, e);
-  return ll_dispatch_recv(p, e);
-}
-
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchParams p) {
   EPX_LL_STAMP(p, 0, kTrDEntry);
   const uint32_t e = ll_dispatch_epoch(p);
-  if (ll_dispatch_send_any(p, e)) ll_dispatch_recv_any(p, e);
+  if (ll_dispatch_send(p, e)) ll_dispatch_recv(p, e);
 }
 
 // With a hook: the call launches the send, the hook the receive.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_send_kernel(LlDispatchParams p) {
   EPX_LL_STAMP(p, 0, kTrDEntry);
-  ll_dispatch_send_any(p, ll_dispatch_epoch(p));
+  ll_dispatch_send(p, ll_dispatch_epoch(p));
 }
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_recv_kernel(LlDispatchParams p) {
-  ll_dispatch_recv_any(p, ll_dispatch_epoch(p));
+  ll_dispatch_recv(p, ll_dispatch_epoch(p));
 }
 
 }  // namespace epx::detail

@@ -25,9 +25,6 @@
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
 //                          slot q landed: e * C when the e-th dispatch of slot q is complete
-//   dispatch_routed[q][s]  += 1 by each of s's C dispatch CTAs once its header and routing rows
-//                          for this rank in slot q landed (every send path adds it: with
-//                          EPX_LL_VARIANT bit 2 early, from the routing warp; else with _sent)
 //   dispatch_freed[q][d]   = e once rank d finished reading its slot-q staging for epoch e (a
 //                          sender waits for e - 1 on every d before writing slot q again)
 //   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
@@ -64,26 +61,14 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 // EPX_LL_VARIANT (environment, read once per process, or set_ll_variant_override in tests and
 // the benchmark; bits, A/B switches, never a change of any output; every rank must use the same):
 //   bit 0 (1) row copies one load at a time (the code before kLlCopyBatch);
-//   bit 1 (2) dispatch receive in one pass: the routing rows of ALL sources scanned together
-//             (one ordered compaction over the concatenated token list), then one batched copy of
-//             all the unit's rows (the default scans and copies source by source);
-//   bit 2 (4) dispatch early routing (implies bit 1's receive): the last warp of every send CTA
-//             writes the header and the routing rows and releases them with their own flag
-//             (dispatch_routed) while the other 15 warps send x; receivers scan as soon as the
-//             routing rows landed and wait for dispatch_sent only before the first row copy;
-//   bit 3 (8) dispatch send spread: work items (token, part), a token split into P =
-//             clamp(C / T, 1, G) parts of whole 128-channel groups (one CTA per part), every
-//             thread computes the token's rank mask from its own loads of the routing row
-//             (prefetched with x before the step-1 wait; no shared-memory round trip).
+//   (bits 1-3, the one-pass receive, early routing and spread send, were measured equal or
+//   slower — docs/perf-cuda-ll.md, "Variant results" — and removed in the fifth session)
 //   bit 4 (16) fp8 send quantises with the float32 -> e4m3 emulation (f32_to_fp8_e4m3, the code
 //             before the hardware conversion f32x2_to_fp8x2_e4m3; same bytes): the A/B of the
 //             fifth session's fix.
 //   bit 5 (32) combine rounds its output with the float32 -> bf16 emulation (f32_to_bf16)
 //             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
 inline constexpr int32_t kLlVariantCopyOne = 1;
-inline constexpr int32_t kLlVariantOnePass = 2;
-inline constexpr int32_t kLlVariantEarlyRoute = 4;
-inline constexpr int32_t kLlVariantSpread = 8;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
@@ -110,7 +95,6 @@ struct LlState {
 struct LlSync {
   uint32_t dispatch_sent[2][kMaxRanks];
   uint32_t dispatch_freed[2][kMaxRanks];
-  uint32_t dispatch_routed[2][kMaxRanks];  // like dispatch_sent, for the header + routing rows
   uint32_t combine_ready[2][kMaxRanks];
   uint32_t combine_pulled[2][kMaxRanks];
 };
