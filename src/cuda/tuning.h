@@ -11,9 +11,9 @@ namespace epx::detail {
 // Outputs are wrong when set (except kHtEmulatedBf16); the protocol (waits, counters, sequence
 // numbers) still runs.
 enum HtAblate : int {
-  kAblateSelf = 1,        // dispatch receivers skip the rows the rank keeps
-  kAblateRemoteCopy = 2,  // dispatch receivers wait for blocks but do not copy them out
-  kAblateReduce = 8,      // combine reducers wait for blocks but do not reduce
+  kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
+  kAblateRemoteCopy = 2,   // dispatch receivers wait for blocks but do not copy them out
+  kAblateReduce = 8,       // combine reducers wait for blocks but do not reduce
   kAblateEnginePush = 16,  // copy-engine dispatch: no pushes into the peers' slots
   kAblateEngineKept = 32,  // copy-engine dispatch: no kept-row copies
   kAblateEngineOut = 64,   // copy-engine dispatch: no copy-out of the slots

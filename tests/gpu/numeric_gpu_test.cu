@@ -27,8 +27,8 @@ __global__ void compare_fp8_e4m3(unsigned long long* mismatches, unsigned int* f
     const uint32_t u = static_cast<uint32_t>(i);
     const float lo = __uint_as_float(u), hi = __uint_as_float(u ^ 0x80000000u);
     const uint16_t hw = detail::f32x2_to_fp8x2_e4m3(lo, hi);
-    const uint16_t sw = static_cast<uint16_t>(detail::f32_to_fp8_e4m3(lo) |
-                                              (detail::f32_to_fp8_e4m3(hi) << 8));
+    const uint16_t sw =
+        static_cast<uint16_t>(detail::f32_to_fp8_e4m3(lo) | (detail::f32_to_fp8_e4m3(hi) << 8));
     if (hw != sw) {
       ++bad;
       atomicMin(first, u);

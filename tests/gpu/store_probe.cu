@@ -30,18 +30,18 @@
 
 namespace {
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                      \
-    }                                                                                    \
+      std::exit(2);                                                                           \
+    }                                                                                         \
   } while (0)
 
 enum Mode { kBf16x16, kFp8x8, kFp8Raw8, kFp8x16, kFp8x8TwoDest, kFp8x8Local, kFp8Hw8, kNumModes };
-const char* kModeNames[] = {"bf16-16B", "fp8-8B", "fp8-raw8B", "fp8-16B", "fp8-8B-2d", "fp8-8B-loc",
-                            "fp8-hw8B"};
+const char* kModeNames[] = {"bf16-16B",  "fp8-8B",     "fp8-raw8B", "fp8-16B",
+                            "fp8-8B-2d", "fp8-8B-loc", "fp8-hw8B"};
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -72,9 +72,11 @@ __device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out, b
   uint2 packed;
   if (hw) {  // the hardware conversion, as the kernels since the fifth session
     packed.x = epx::detail::f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
-               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
+               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv))
+                   << 16;
     packed.y = epx::detail::f32x2_to_fp8x2_e4m3(f[4] * inv, f[5] * inv) |
-               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv)) << 16;
+               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv))
+                   << 16;
   } else {  // the emulation, as the kernels before
     uint8_t b[8];
 #pragma unroll
@@ -86,9 +88,8 @@ __device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out, b
 }
 
 // stamps[b * 4 + i]: start, own stores issued, CTA barrier, system fence.
-__global__ void __launch_bounds__(512, 1)
-    probe(int mode, const uint16_t* x, char* peer, char* local, int H, int tokens,
-          uint64_t* stamps) {
+__global__ void __launch_bounds__(512, 1) probe(int mode, const uint16_t* x, char* peer,
+                                                char* local, int H, int tokens, uint64_t* stamps) {
   const int nv = H / 8;
   const int64_t msg_bytes = mode == kBf16x16 ? 2 * H : H + 4 * (H / 128);
   __syncthreads();
@@ -115,7 +116,8 @@ __global__ void __launch_bounds__(512, 1)
         q = quantise8(raw, &scale, mode == kFp8Hw8);
       }
       if (mode == kFp8x16) {
-        const uint2 other{__shfl_down_sync(0xffffffffu, q.x, 1), __shfl_down_sync(0xffffffffu, q.y, 1)};
+        const uint2 other{__shfl_down_sync(0xffffffffu, q.x, 1),
+                          __shfl_down_sync(0xffffffffu, q.y, 1)};
         if (active && (lane & 1) == 0)
           reinterpret_cast<uint4*>(dst)[v / 2] = uint4{q.x, q.y, other.x, other.y};
       } else if (active) {
@@ -154,10 +156,14 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
-    if (a == "--tokens-per-cta") per_cta = v;
-    else if (a == "--ctas") ctas = v;
-    else if (a == "--hidden") H = v;
-    else if (a == "--iters") iters = v;
+    if (a == "--tokens-per-cta")
+      per_cta = v;
+    else if (a == "--ctas")
+      ctas = v;
+    else if (a == "--hidden")
+      H = v;
+    else if (a == "--iters")
+      iters = v;
   }
   int n = 0;
   CK(cudaGetDeviceCount(&n));
@@ -179,12 +185,15 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&x, 2 * static_cast<size_t>(H) * tokens));
   CK(cudaMalloc(&stamps, 32 * static_cast<size_t>(ctas)));
   std::vector<uint16_t> hx(static_cast<size_t>(H) * tokens);
-  for (size_t i = 0; i < hx.size(); ++i) hx[i] = static_cast<uint16_t>(0x3C00 + (i * 2654435761u >> 20) % 512);
+  for (size_t i = 0; i < hx.size(); ++i)
+    hx[i] = static_cast<uint16_t>(0x3C00 + (i * 2654435761u >> 20) % 512);
   CK(cudaMemcpy(x, hx.data(), 2 * hx.size(), cudaMemcpyHostToDevice));
-  std::printf("store_probe: %d CTAs x 512 threads, %d token(s) per CTA, H = %d, last of %d launches; "
-              "median over CTAs, us from the CTA's start\n",
-              ctas, per_cta, H, iters);
-  std::printf("%-11s %10s %10s %10s %12s\n", "mode", "own-issue", "cta-issue", "fenced", "kernel(ev)");
+  std::printf(
+      "store_probe: %d CTAs x 512 threads, %d token(s) per CTA, H = %d, last of %d launches; "
+      "median over CTAs, us from the CTA's start\n",
+      ctas, per_cta, H, iters);
+  std::printf("%-11s %10s %10s %10s %12s\n", "mode", "own-issue", "cta-issue", "fenced",
+              "kernel(ev)");
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
