@@ -3,13 +3,17 @@
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/combine.cuh"
+#include "cuda/tuning.h"
 
 namespace epx::detail {
 
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
-      ht_combine_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
+      if (p.ablate & kHtReduceWide)
+        ht_combine_kernel<uint4, true><<<grid, kHtThreads, 0, stream>>>(p);
+      else
+        ht_combine_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
       break;
     case 8:
       ht_combine_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);

@@ -8,7 +8,7 @@
 namespace epx::detail {
 
 // Benchmark-only ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest.
-// Outputs are wrong when set (except kHtEmulatedBf16); the protocol (waits, counters, sequence
+// Outputs are wrong when set (except kHtEmulatedBf16, kHtReduceWide); the protocol (waits, counters, sequence
 // numbers) still runs.
 enum HtAblate : int {
   kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
@@ -20,6 +20,9 @@ enum HtAblate : int {
   // Not an ablation (outputs unchanged): combine rounds with the float32 -> bf16 emulation
   // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
   kHtEmulatedBf16 = 128,
+  // Not an ablation either: the combine reducers' wide step (kReduceUnrollWide vectors per lane,
+  // kReduceGroupWide sources at a time; kernels/ht/combine.cuh) — an A/B prepared for a GPU run.
+  kHtReduceWide = 256,
 };
 
 struct HtTuning {

@@ -31,16 +31,21 @@ namespace {
 
 using testing::Routing;
 
-// Copy paths (EPX_HT_COPY values) and, for the copy-engine combine, the percent of each slot's
-// rows the copy engines push (the kernel's senders the rest: whole 32-row blocks each).
+// Copy paths (EPX_HT_COPY values), for the copy-engine combine the percent of each slot's rows
+// the copy engines push (the kernel's senders the rest: whole 32-row blocks each), and the
+// output-preserving kernel switches (cuda/tuning.h: kHtReduceWide, kHtEmulatedBf16).
 struct CopyPath {
   const char* spec;
   int ce_share;
+  int switches;
 };
-const CopyPath kCopyPaths[] = {{"warp", 100},         {"bulk", 100},
-                               {"bulk:2x48:b7", 100}, {"ce", 100},
-                               {"ce:kept", 100},      {"ce:kept:combine", 100},
-                               {"ce:combine", 100},   {"ce:kept:combine", 60}};
+const CopyPath kCopyPaths[] = {
+    {"warp", 100, 0},         {"bulk", 100, 0},
+    {"bulk:2x48:b7", 100, 0}, {"ce", 100, 0},
+    {"ce:kept", 100, 0},      {"ce:kept:combine", 100, 0},
+    {"ce:combine", 100, 0},   {"ce:kept:combine", 60, 0},
+    {"warp", 100, detail::kHtReduceWide},
+    {"ce:kept:combine", 100, detail::kHtReduceWide | detail::kHtEmulatedBf16}};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
@@ -49,14 +54,17 @@ int for_each_copy_path(const std::function<int()>& body) {
     const detail::HtCopyConfig cfg = detail::parse_ht_copy(path.spec, "test");
     detail::set_ht_copy_override(&cfg);
     detail::set_ht_engine_share_override(path.ce_share);
+    detail::set_ht_ablation(path.switches);
     const int b = body();
     if (b)
-      std::fprintf(stderr, "FAIL under copy path '%s' (copy-engine combine share %d%%)\n",
-                   path.spec, path.ce_share);
+      std::fprintf(stderr,
+                   "FAIL under copy path '%s' (copy-engine combine share %d%%, switches %d)\n",
+                   path.spec, path.ce_share, path.switches);
     bad += b;
   }
   detail::set_ht_copy_override(nullptr);
   detail::set_ht_engine_share_override(100);
+  detail::set_ht_ablation(0);
   return bad;
 }
 

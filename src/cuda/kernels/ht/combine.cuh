@@ -27,6 +27,10 @@ namespace epx::detail {
 
 inline constexpr int kReduceUnroll = 4;  // vectors per lane per step
 inline constexpr int kReduceGroup = 4;   // row sources loaded together before their adds
+// kHtReduceWide (an A/B, prepared in the fifth session): 6 vectors per lane, 2 sources at a time:
+// 1.5x the bytes in flight per step where a token has <= 2 row sources (EP2 without biases).
+inline constexpr int kReduceUnrollWide = 6;
+inline constexpr int kReduceGroupWide = 2;
 
 template <typename V>
 union Bf16Pack {
@@ -117,11 +121,70 @@ __device__ __forceinline__ int engine_chunk(int64_t j, int64_t n) {
   return c;
 }
 
-template <typename V>
+// One token's output row: the vectors of its row sources rsrc[0 .. num_rs) (bit q of `landed`:
+// source q arrived from a peer, read through L2) accumulated in source order and rounded into o.
+// kUnroll vectors per lane per step, up to kGroup sources' loads in flight before their adds.
+template <typename V, int kUnroll, int kGroup>
+__device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* const* rsrc,
+                                           int num_rs, uint64_t landed, V* o, int64_t nv,
+                                           int lane) {
+  constexpr int kPerVec = sizeof(V) / 2;
+  for (int64_t v0 = 0; v0 < nv; v0 += 32 * kUnroll) {
+    float acc[kUnroll][kPerVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.0f;
+    // Up to kGroup sources' loads in flight at once; adds stay in source order.
+    for (int g0 = 0; g0 < num_rs; g0 += kGroup) {
+      V in[kGroup][kUnroll];
+#pragma unroll
+      for (int q = 0; q < kGroup; ++q) {
+        if (g0 + q >= num_rs) break;
+        const V* base = rsrc[g0 + q];
+        const bool from_peer = (landed >> (g0 + q)) & 1u;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = v0 + u * 32 + lane;
+          if (i < nv) in[q][u] = from_peer ? ld_landed(base + i) : ld_input(base + i);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kGroup; ++q) {
+        if (g0 + q >= num_rs) break;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * 32 + lane < nv) accumulate(acc[u], in[q][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i >= nv) continue;
+      Bf16Pack<V> pk;
+      if constexpr (kPerVec % 2 == 0) {
+        if (!(p.ablate & kHtEmulatedBf16)) {
+          uint32_t w[kPerVec / 2];  // the hardware conversion, two values at a time
+#pragma unroll
+          for (int e = 0; e < kPerVec / 2; ++e)
+            w[e] = f32x2_to_bf16x2(acc[u][2 * e], acc[u][2 * e + 1]);
+          memcpy(&pk.v, w, sizeof(V));
+          o[i] = pk.v;
+          continue;
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
+      o[i] = pk.v;
+    }
+  }
+}
+
+template <typename V, bool kWide>
 __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
                                int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
                                const V** s_rsrc) {
-  constexpr int kPerVec = sizeof(V) / 2;
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const HtRegion& g = p.symm.region;
   const WaitContext& w = p.wait;
@@ -197,56 +260,10 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
     V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
-    for (int64_t v0 = 0; v0 < nv; v0 += 32 * kReduceUnroll) {
-      float acc[kReduceUnroll][kPerVec];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.0f;
-      // Up to kReduceGroup sources' loads in flight at once; adds stay in source order.
-      for (int g0 = 0; g0 < num_rs; g0 += kReduceGroup) {
-        V in[kReduceGroup][kReduceUnroll];
-#pragma unroll
-        for (int q = 0; q < kReduceGroup; ++q) {
-          if (g0 + q >= num_rs) break;
-          const V* base = rsrc[g0 + q];
-          const bool from_peer = (landed >> (g0 + q)) & 1u;
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) {
-            const int64_t i = v0 + u * 32 + lane;
-            if (i < nv) in[q][u] = from_peer ? ld_landed(base + i) : ld_input(base + i);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kReduceGroup; ++q) {
-          if (g0 + q >= num_rs) break;
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) {
-            if (v0 + u * 32 + lane < nv) accumulate(acc[u], in[q][u]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int64_t i = v0 + u * 32 + lane;
-        if (i >= nv) continue;
-        Bf16Pack<V> pk;
-        if constexpr (kPerVec % 2 == 0) {
-          if (!(p.ablate & kHtEmulatedBf16)) {
-            uint32_t w[kPerVec / 2];  // the hardware conversion, two values at a time
-#pragma unroll
-            for (int e = 0; e < kPerVec / 2; ++e)
-              w[e] = f32x2_to_bf16x2(acc[u][2 * e], acc[u][2 * e + 1]);
-            memcpy(&pk.v, w, sizeof(V));
-            o[i] = pk.v;
-            continue;
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
-        o[i] = pk.v;
-      }
-    }
+    if constexpr (kWide)
+      reduce_row<V, kReduceUnrollWide, kReduceGroupWide>(p, rsrc, num_rs, landed, o, nv, lane);
+    else
+      reduce_row<V, kReduceUnroll, kReduceGroup>(p, rsrc, num_rs, landed, o, nv, lane);
     if (p.combined_weights) {
       for (int k = lane; k < p.top_k; k += 32) {
         float a = 0.0f;
@@ -259,7 +276,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
   }
 }
 
-template <typename V>
+// kWide: the reducers' wide step (kHtReduceWide; its own instantiation, so the default keeps its
+// register allocation).
+template <typename V, bool kWide = false>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
@@ -271,7 +290,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
+    combine_reduce<V, kWide>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(p.symm, p.wait, cur, R, [&] {
     const HtRegion& g = p.symm.region;
