@@ -119,7 +119,7 @@ EPX_HD uint8_t f32_to_fp8_e4m3(float f) {
 // Two conversions at once: byte 0 = e4m3(lo), byte 1 = e4m3(hi). Device code on sm_89+ uses
 // the hardware cvt.rn.satfinite.e4m3x2.f32 (one instruction instead of ~40 branchy ones per
 // value: the ll fp8 send was bound by the emulation, docs/perf-cuda-ll.md); f32_to_fp8_e4m3 is
-// its emulation (GPU test QuantGpu.HardwareFp8ConversionMatchesEmulation compares all 2^32
+// its emulation (GPU test NumericGpu.HardwareFp8ConversionMatchesEmulationOnEveryFloat: all 2^32
 // inputs). NaN is forced to 0x7F as above whatever the hardware makes of its sign.
 EPX_HD uint16_t f32x2_to_fp8x2_e4m3(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890

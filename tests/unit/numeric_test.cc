@@ -228,6 +228,24 @@ void quantize_ref(const std::vector<uint16_t>& x, bool round_scale, std::vector<
   }
 }
 
+// The pair conversions' host path (the device path is checked on all 2^32 inputs by the GPU
+// tier's NumericGpu tests): the low half / byte is the first value, NaN as the single ones.
+TEST(PairConversions, HostPathPacksTheSingleConversions) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float values[] = {0.0f, -0.0f, 1.0f, -3.5f, 447.9f, 500.0f, 1e-9f, -1e30f, nan, -nan};
+  for (float lo : values)
+    for (float hi : values) {
+      EXPECT_EQ(f32x2_to_bf16x2(lo, hi),
+                static_cast<uint32_t>(f32_to_bf16(lo)) | static_cast<uint32_t>(f32_to_bf16(hi)) << 16)
+          << lo << ", " << hi;
+      EXPECT_EQ(f32x2_to_fp8x2_e4m3(lo, hi),
+                static_cast<uint16_t>(f32_to_fp8_e4m3(lo) | f32_to_fp8_e4m3(hi) << 8))
+          << lo << ", " << hi;
+    }
+  EXPECT_EQ(f32x2_to_bf16x2(1.0f, nan), 0x7FC03F80u);
+  EXPECT_EQ(f32x2_to_fp8x2_e4m3(-nan, 1.0f), 0x387Fu);
+}
+
 TEST(Quantize, MatchesSpecFormula) {
   std::mt19937_64 rng(3);
   std::normal_distribution<float> normal(0.0f, 1.0f);
