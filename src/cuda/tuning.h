@@ -7,9 +7,9 @@
 
 namespace epx::detail {
 
-// Benchmark-only ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest.
-// Outputs are wrong when set (except kHtEmulatedBf16, kHtReduceWide); the protocol (waits, counters, sequence
-// numbers) still runs.
+// Benchmark ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest. Outputs
+// are wrong when set, except for the two output-preserving switches at the end (also used by
+// the ht GPU tests); the protocol (waits, counters, sequence numbers) still runs.
 enum HtAblate : int {
   kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
   kAblateRemoteCopy = 2,   // dispatch receivers wait for blocks but do not copy them out
@@ -21,7 +21,8 @@ enum HtAblate : int {
   // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
   kHtEmulatedBf16 = 128,
   // Not an ablation either: the combine reducers' wide step (kReduceUnrollWide vectors per lane,
-  // kReduceGroupWide sources at a time; kernels/ht/combine.cuh) — an A/B prepared for a GPU run.
+  // kReduceGroupWide sources at a time; kernels/ht/combine.cuh; rows of 16-byte vectors only,
+  // ignored otherwise) — an A/B prepared for a GPU run.
   kHtReduceWide = 256,
 };
 
@@ -100,8 +101,9 @@ void set_ht_copy_override(const HtCopyConfig* config);
 // the same.
 void set_ll_variant_override(int variant);
 
-// Benchmark hook: stage ablations (HtAblate bits above) applied to every ht
-// launch in this process while non-zero. Outputs are wrong while set. 0 in the library.
+// Benchmark / test hook: HtAblate bits (above) applied to every ht launch in this process while
+// non-zero. Outputs are wrong while an ablation bit is set (not the output-preserving switches).
+// 0 in the library.
 void set_ht_ablation(int bits);
 int ht_ablation();
 

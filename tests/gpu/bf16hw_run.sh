@@ -2,7 +2,8 @@
 # tests/gpu/bf16hw_run.sh — one bounded batch (< 6 min on 2 x H200), fifth session: the hardware
 # float32 -> bf16 conversion (core/numeric.h f32x2_to_bf16x2) in the ht and ll combines.
 #   tests.log  NumericGpu (all 2^32 floats for e4m3 and bf16), every ht GPU test, every ll GPU test
-#              (variants 0, 2, 8, 12 and 48 = both emulations)
+#              (at that commit variants 0, 2, 8, 12 and 48 = both emulations;
+#              now 0 and 48)
 #   ht.log     epx_ht_gpu_bench T = 4096 at 16, 24, 32 SMs: combine default vs emulated rounding
 #   ll.log     epx_ll_gpu_bench T = 128, 512: variant 0 vs 32 (combine's emulated rounding)
 # Logs under $OUT.  bash tests/gpu/bf16hw_run.sh

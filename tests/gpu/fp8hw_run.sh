@@ -3,7 +3,7 @@
 # float32 -> e4m3 conversion (core/numeric.h f32x2_to_fp8x2_e4m3) in the ll send and the quant
 # kernels.
 #   tests.log  NumericGpu (all 2^32 floats, hardware vs emulation), the quant GPU tests, every ll
-#              GPU test (variants 0, 2, 8, 12 and 16 = the emulation)
+#              GPU test (at that commit variants 0, 2, 8, 12 and 16 = the emulation; now 0 and 48)
 #   probe.log  epx_store_probe (fp8-hw8B vs fp8-8B: the conversion alone)
 #   bench.log  epx_ll_gpu_bench, T in {1, 32, 128, 256, 512}, variant 0 (hardware) and 16
 #              (emulation) in the same process

@@ -235,8 +235,8 @@ TEST(PairConversions, HostPathPacksTheSingleConversions) {
   const float values[] = {0.0f, -0.0f, 1.0f, -3.5f, 447.9f, 500.0f, 1e-9f, -1e30f, nan, -nan};
   for (float lo : values)
     for (float hi : values) {
-      EXPECT_EQ(f32x2_to_bf16x2(lo, hi),
-                static_cast<uint32_t>(f32_to_bf16(lo)) | static_cast<uint32_t>(f32_to_bf16(hi)) << 16)
+      EXPECT_EQ(f32x2_to_bf16x2(lo, hi), static_cast<uint32_t>(f32_to_bf16(lo)) |
+                                             static_cast<uint32_t>(f32_to_bf16(hi)) << 16)
           << lo << ", " << hi;
       EXPECT_EQ(f32x2_to_fp8x2_e4m3(lo, hi),
                 static_cast<uint16_t>(f32_to_fp8_e4m3(lo) | f32_to_fp8_e4m3(hi) << 8))

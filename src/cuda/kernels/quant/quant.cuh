@@ -8,7 +8,8 @@
 //   group g = 4w + i (g < G): lane l holds x[t][128g + 4l .. 4l+3] (bf16 -> f32),
 //     amax = max |x| (per lane in order, then a butterfly over the warp; max is exact, so any
 //            order gives numeric.h's value; NaN never wins, as on the host)
-//     scale = fp8_scale_from_amax(amax, ue8m0);  q = f32_to_fp8_e4m3(x * (1.0f / scale))
+//     scale = fp8_scale_from_amax(amax, ue8m0);  q = e4m3(x * (1.0f / scale))
+//            (f32x2_to_fp8x2_e4m3: the hardware conversion, equal to f32_to_fp8_e4m3)
 //     values[t][128g + 4l .. 4l+3] = q (one 32-bit store per lane)
 //     f32:    scales_f32[t * G + g] = scale                       (lane 0)
 //     UE8M0:  byte i of word = ue8m0_of_scale(scale); bytes of g >= G stay 0;
