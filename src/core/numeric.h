@@ -133,6 +133,24 @@ EPX_HD uint16_t f32x2_to_fp8x2_e4m3(float lo, float hi) {
 #endif
 }
 
+// Four values packed little endian (byte i = e4m3 of the i-th argument).
+EPX_HD uint32_t f32x4_to_fp8x4_e4m3(float a, float b, float c, float d) {
+  return f32x2_to_fp8x2_e4m3(a, b) | static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(c, d)) << 16;
+}
+
+// sizeof(V) / 2 floats rounded to bf16 and packed little endian into a V (16-bit element i =
+// bf16(f[i])), two at a time.
+template <typename V>
+EPX_HD V f32_to_bf16_vec(const float* f) {
+  static_assert(sizeof(V) % 4 == 0, "f32_to_bf16_vec: V must hold whole bf16 pairs");
+  uint32_t w[sizeof(V) / 4];
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i)
+    w[i] = f32x2_to_bf16x2(f[2 * i], f[2 * i + 1]);
+  V v;
+  std::memcpy(&v, w, sizeof(V));
+  return v;
+}
+
 // Smallest power of two >= x (x > 0, finite, normal).
 EPX_HD float round_up_pow2(float x) {
   uint32_t u = f32_bits(x);

@@ -8,6 +8,5 @@ epx_cuda_target(epx_ll_gpu_bench)
 
 # A diagnostic of the ll send's per-CTA store rate (not a test; see the file's header).
 add_executable(epx_store_probe ${CMAKE_CURRENT_LIST_DIR}/store_probe.cu)
-target_include_directories(epx_store_probe PRIVATE ${PROJECT_SOURCE_DIR}/src)
-target_link_libraries(epx_store_probe PRIVATE CUDA::cudart)
+target_link_libraries(epx_store_probe PRIVATE epx_gpu_testing)
 epx_cuda_target(epx_store_probe)

@@ -17,37 +17,32 @@
 namespace epx {
 namespace {
 
+// The two pair conversions, hardware (device path) and emulated, as one packed word each.
+struct Fp8Pair {
+  __device__ static uint32_t hw(float lo, float hi) { return detail::f32x2_to_fp8x2_e4m3(lo, hi); }
+  __device__ static uint32_t sw(float lo, float hi) {
+    return detail::f32_to_fp8_e4m3(lo) | detail::f32_to_fp8_e4m3(hi) << 8;
+  }
+};
+struct Bf16Pair {
+  __device__ static uint32_t hw(float lo, float hi) { return detail::f32x2_to_bf16x2(lo, hi); }
+  __device__ static uint32_t sw(float lo, float hi) {
+    return static_cast<uint32_t>(detail::f32_to_bf16(lo)) |
+           static_cast<uint32_t>(detail::f32_to_bf16(hi)) << 16;
+  }
+};
+
 // Pattern u goes into the low half and u ^ sign into the high half, so over all u each half sees
 // every input. Mismatches counted; the smallest mismatching pattern kept.
-__global__ void compare_fp8_e4m3(unsigned long long* mismatches, unsigned int* first) {
+template <typename Pair>
+__global__ void compare_pairs(unsigned long long* mismatches, unsigned int* first) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
        i < (uint64_t{1} << 32); i += stride) {
     const uint32_t u = static_cast<uint32_t>(i);
     const float lo = __uint_as_float(u), hi = __uint_as_float(u ^ 0x80000000u);
-    const uint16_t hw = detail::f32x2_to_fp8x2_e4m3(lo, hi);
-    const uint16_t sw =
-        static_cast<uint16_t>(detail::f32_to_fp8_e4m3(lo) | (detail::f32_to_fp8_e4m3(hi) << 8));
-    if (hw != sw) {
-      ++bad;
-      atomicMin(first, u);
-    }
-  }
-  if (bad) atomicAdd(mismatches, bad);
-}
-
-__global__ void compare_bf16(unsigned long long* mismatches, unsigned int* first) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
-       i < (uint64_t{1} << 32); i += stride) {
-    const uint32_t u = static_cast<uint32_t>(i);
-    const float lo = __uint_as_float(u), hi = __uint_as_float(u ^ 0x80000000u);
-    const uint32_t hw = detail::f32x2_to_bf16x2(lo, hi);
-    const uint32_t sw = static_cast<uint32_t>(detail::f32_to_bf16(lo)) |
-                        static_cast<uint32_t>(detail::f32_to_bf16(hi)) << 16;
-    if (hw != sw) {
+    if (Pair::hw(lo, hi) != Pair::sw(lo, hi)) {
       ++bad;
       atomicMin(first, u);
     }
@@ -104,13 +99,13 @@ std::string exhaustive(Kernel kernel) {
 TEST(NumericGpu, HardwareBf16ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
   if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
-  EXPECT_EQ(exhaustive(compare_bf16), "");
+  EXPECT_EQ(exhaustive(compare_pairs<Bf16Pair>), "");
 }
 
 TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
   if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
-  EXPECT_EQ(exhaustive(compare_fp8_e4m3), "");
+  EXPECT_EQ(exhaustive(compare_pairs<Fp8Pair>), "");
 }
 
 }  // namespace

@@ -27,17 +27,9 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "gpu/gpu_support.h"
 
 namespace {
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 enum Mode { kBf16x16, kFp8x8, kFp8Raw8, kFp8x16, kFp8x8TwoDest, kFp8x8Local, kFp8Hw8, kNumModes };
 const char* kModeNames[] = {"bf16-16B",  "fp8-8B",     "fp8-raw8B", "fp8-16B",
@@ -71,12 +63,8 @@ __device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out, b
   const float inv = 1.0f / scale;
   uint2 packed;
   if (hw) {  // the hardware conversion, as the kernels since the fifth session
-    packed.x = epx::detail::f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
-               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv))
-                   << 16;
-    packed.y = epx::detail::f32x2_to_fp8x2_e4m3(f[4] * inv, f[5] * inv) |
-               static_cast<uint32_t>(epx::detail::f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv))
-                   << 16;
+    packed.x = epx::detail::f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+    packed.y = epx::detail::f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   } else {  // the emulation, as the kernels before
     uint8_t b[8];
 #pragma unroll
@@ -165,8 +153,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters")
       iters = v;
   }
-  int n = 0;
-  CK(cudaGetDeviceCount(&n));
+  const int n = epx::gpu_testing::visible_gpus();
   if (n < 2) {
     std::printf("store_probe: needs 2 GPUs (%d visible)\n", n);
     return 0;
@@ -174,20 +161,20 @@ int main(int argc, char** argv) {
   const int tokens = per_cta * ctas;
   const size_t msg = 2 * static_cast<size_t>(H) + 64;
   char* peer = nullptr;
-  CK(cudaSetDevice(1));
-  CK(cudaMalloc(&peer, msg * tokens));
-  CK(cudaSetDevice(0));
-  CK(cudaDeviceEnablePeerAccess(1, 0));
+  CUDA_OK(cudaSetDevice(1));
+  CUDA_OK(cudaMalloc(&peer, msg * tokens));
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(cudaDeviceEnablePeerAccess(1, 0));
   char* local = nullptr;
   uint16_t* x = nullptr;
   uint64_t* stamps = nullptr;
-  CK(cudaMalloc(&local, msg * tokens));
-  CK(cudaMalloc(&x, 2 * static_cast<size_t>(H) * tokens));
-  CK(cudaMalloc(&stamps, 32 * static_cast<size_t>(ctas)));
+  CUDA_OK(cudaMalloc(&local, msg * tokens));
+  CUDA_OK(cudaMalloc(&x, 2 * static_cast<size_t>(H) * tokens));
+  CUDA_OK(cudaMalloc(&stamps, 32 * static_cast<size_t>(ctas)));
   std::vector<uint16_t> hx(static_cast<size_t>(H) * tokens);
   for (size_t i = 0; i < hx.size(); ++i)
     hx[i] = static_cast<uint16_t>(0x3C00 + (i * 2654435761u >> 20) % 512);
-  CK(cudaMemcpy(x, hx.data(), 2 * hx.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(x, hx.data(), 2 * hx.size(), cudaMemcpyHostToDevice));
   std::printf(
       "store_probe: %d CTAs x 512 threads, %d token(s) per CTA, H = %d, last of %d launches; "
       "median over CTAs, us from the CTA's start\n",
@@ -195,20 +182,20 @@ int main(int argc, char** argv) {
   std::printf("%-11s %10s %10s %10s %12s\n", "mode", "own-issue", "cta-issue", "fenced",
               "kernel(ev)");
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
   for (int mode = 0; mode < kNumModes; ++mode) {
     float ms = 0.0f;
     for (int it = 0; it < iters; ++it) {
-      CK(cudaEventRecord(e0));
+      CUDA_OK(cudaEventRecord(e0));
       probe<<<ctas, 512>>>(mode, x, peer, local, H, tokens, stamps);
-      CK(cudaEventRecord(e1));
-      CK(cudaGetLastError());
-      CK(cudaEventSynchronize(e1));
-      CK(cudaEventElapsedTime(&ms, e0, e1));
+      CUDA_OK(cudaEventRecord(e1));
+      CUDA_OK(cudaGetLastError());
+      CUDA_OK(cudaEventSynchronize(e1));
+      CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
     }
     std::vector<uint64_t> s(4 * static_cast<size_t>(ctas));
-    CK(cudaMemcpy(s.data(), stamps, 8 * s.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(s.data(), stamps, 8 * s.size(), cudaMemcpyDeviceToHost));
     std::vector<double> a, b, c;
     for (int i = 0; i < ctas; ++i) {
       a.push_back((s[4 * i + 1] - s[4 * i]) * 1e-3);

@@ -74,11 +74,7 @@ template <typename V, bool kBf16>
 __device__ __forceinline__ V a2a_round(const float* acc) {
   V v;
   if constexpr (kBf16 && sizeof(V) % 4 == 0) {  // the hardware conversion, two at a time
-    uint32_t w[sizeof(V) / 4];
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i)
-      w[i] = f32x2_to_bf16x2(acc[2 * i], acc[2 * i + 1]);
-    memcpy(&v, w, sizeof(V));
+    v = f32_to_bf16_vec<V>(acc);
   } else if constexpr (kBf16) {
     uint16_t h[sizeof(V) / 2];
 #pragma unroll

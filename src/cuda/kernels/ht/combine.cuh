@@ -164,13 +164,8 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
       if (i >= nv) continue;
       Bf16Pack<V> pk;
       if constexpr (kPerVec % 2 == 0) {
-        if (!(p.ablate & kHtEmulatedBf16)) {
-          uint32_t w[kPerVec / 2];  // the hardware conversion, two values at a time
-#pragma unroll
-          for (int e = 0; e < kPerVec / 2; ++e)
-            w[e] = f32x2_to_bf16x2(acc[u][2 * e], acc[u][2 * e + 1]);
-          memcpy(&pk.v, w, sizeof(V));
-          o[i] = pk.v;
+        if (!(p.ablate & kHtEmulatedBf16)) {  // the hardware conversion, two values at a time
+          o[i] = f32_to_bf16_vec<V>(acc[u]);
           continue;
         }
       }

@@ -287,8 +287,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
             for (int c = 0; c < 8; ++c) h[c] = f32_to_bf16(acc[c]);
             memcpy(&packed, h, 16);
           } else {
-            packed = uint4{f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
-                           f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7])};
+            packed = f32_to_bf16_vec<uint4>(acc);
           }
           ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
         }

@@ -102,10 +102,8 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
     for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
     memcpy(&packed, b, 8);
   } else {
-    packed.x = f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
-               static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
-    packed.y = f32x2_to_fp8x2_e4m3(f[4] * inv, f[5] * inv) |
-               static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[6] * inv, f[7] * inv)) << 16;
+    packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+    packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   }
   if (!active) return;
   for (uint64_t m = mask; m != 0; m &= m - 1) {

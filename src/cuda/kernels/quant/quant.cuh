@@ -144,8 +144,7 @@ __global__ void __launch_bounds__(QuantConfig::kFp8Threads)
         }
         const float scale = fp8_scale_from_amax(amax, p.ue8m0 != 0);
         const float inv = 1.0f / scale;
-        const uint32_t q = f32x2_to_fp8x2_e4m3(f[0] * inv, f[1] * inv) |
-                           static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(f[2] * inv, f[3] * inv)) << 16;
+        const uint32_t q = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
         *reinterpret_cast<uint32_t*>(p.values + t * p.num_groups * kQuantGroup + col) = q;
         if (p.ue8m0) {
           word |= static_cast<uint32_t>(ue8m0_of_scale(scale)) << (8 * i);
