@@ -10,7 +10,7 @@ namespace epx::detail {
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
-      if (p.ablate & kHtReduceWide)
+      if (p.ablate & kHtReduceNarrow)
         ht_combine_kernel<uint4, true><<<grid, kHtThreads, 0, stream>>>(p);
       else
         ht_combine_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);

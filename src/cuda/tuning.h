@@ -20,10 +20,10 @@ enum HtAblate : int {
   // Not an ablation (outputs unchanged): combine rounds with the float32 -> bf16 emulation
   // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
   kHtEmulatedBf16 = 128,
-  // Not an ablation either: the combine reducers' wide step (kReduceUnrollWide vectors per lane,
-  // kReduceGroupWide sources at a time; kernels/ht/combine.cuh; rows of 16-byte vectors only,
-  // ignored otherwise) — an A/B prepared for a GPU run.
-  kHtReduceWide = 256,
+  // Not an ablation either: the combine reducers' narrow step (kReduceUnrollNarrow vectors per
+  // lane, kReduceGroupNarrow sources at a time; kernels/ht/combine.cuh; rows of 16-byte vectors
+  // only, ignored otherwise) — the step before the sixth session's wide default, the same-run A/B.
+  kHtReduceNarrow = 256,
 };
 
 struct HtTuning {

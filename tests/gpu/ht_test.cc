@@ -33,7 +33,7 @@ using testing::Routing;
 
 // Copy paths (EPX_HT_COPY values), for the copy-engine combine the percent of each slot's rows
 // the copy engines push (the kernel's senders the rest: whole 32-row blocks each), and the
-// output-preserving kernel switches (cuda/tuning.h: kHtReduceWide, kHtEmulatedBf16).
+// output-preserving kernel switches (cuda/tuning.h: kHtReduceNarrow, kHtEmulatedBf16).
 struct CopyPath {
   const char* spec;
   int ce_share;
@@ -44,8 +44,8 @@ const CopyPath kCopyPaths[] = {
     {"bulk:2x48:b7", 100, 0}, {"ce", 100, 0},
     {"ce:kept", 100, 0},      {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},   {"ce:kept:combine", 60, 0},
-    {"warp", 100, detail::kHtReduceWide},
-    {"ce:kept:combine", 100, detail::kHtReduceWide | detail::kHtEmulatedBf16}};
+    {"warp", 100, detail::kHtReduceNarrow},
+    {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {

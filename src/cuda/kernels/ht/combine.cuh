@@ -25,12 +25,14 @@
 
 namespace epx::detail {
 
-inline constexpr int kReduceUnroll = 4;  // vectors per lane per step
-inline constexpr int kReduceGroup = 4;   // row sources loaded together before their adds
-// kHtReduceWide (an A/B, prepared in the fifth session): 6 vectors per lane, 2 sources at a time:
-// 1.5x the bytes in flight per step where a token has <= 2 row sources (EP2 without biases).
-inline constexpr int kReduceUnrollWide = 6;
-inline constexpr int kReduceGroupWide = 2;
+// Rows of 16-byte vectors: 6 vectors per lane per step, 2 row sources loaded together before their
+// adds (1.5x the bytes in flight of the 4 x 4 step where a token has <= 2 row sources, EP2 without
+// biases; sixth session, T = 4096 at 16 SMs: combine 338.6 -> 319.8 us).
+inline constexpr int kReduceUnroll = 6;
+inline constexpr int kReduceGroup = 2;
+// kHtReduceNarrow (the same-run A/B) and rows of narrower vectors: 4 vectors, 4 sources.
+inline constexpr int kReduceUnrollNarrow = 4;
+inline constexpr int kReduceGroupNarrow = 4;
 
 template <typename V>
 union Bf16Pack {
@@ -176,7 +178,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
   }
 }
 
-template <typename V, bool kWide>
+template <typename V, bool kNarrow>
 __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
                                int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
                                const V** s_rsrc) {
@@ -255,8 +257,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
     V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
-    if constexpr (kWide)
-      reduce_row<V, kReduceUnrollWide, kReduceGroupWide>(p, rsrc, num_rs, landed, o, nv, lane);
+    if constexpr (kNarrow)
+      reduce_row<V, kReduceUnrollNarrow, kReduceGroupNarrow>(p, rsrc, num_rs, landed, o, nv, lane);
     else
       reduce_row<V, kReduceUnroll, kReduceGroup>(p, rsrc, num_rs, landed, o, nv, lane);
     if (p.combined_weights) {
@@ -271,9 +273,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
   }
 }
 
-// kWide: the reducers' wide step (kHtReduceWide; its own instantiation, so the default keeps its
-// register allocation).
-template <typename V, bool kWide = false>
+// kNarrow: the reducers' 4 x 4 step (kHtReduceNarrow, and rows of vectors narrower than 16 bytes;
+// its own instantiation: one kernel holding both steps spilled 2 KB).
+template <typename V, bool kNarrow = (sizeof(V) < 16)>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
@@ -285,7 +287,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V, kWide>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
+    combine_reduce<V, kNarrow>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(p.symm, p.wait, cur, R, [&] {
     const HtRegion& g = p.symm.region;
