@@ -40,10 +40,14 @@ struct CopyPath {
   int switches;
 };
 const CopyPath kCopyPaths[] = {
-    {"warp", 100, 0},         {"bulk", 100, 0},
-    {"bulk:2x48:b7", 100, 0}, {"ce", 100, 0},
-    {"ce:kept", 100, 0},      {"ce:kept:combine", 100, 0},
-    {"ce:combine", 100, 0},   {"ce:kept:combine", 60, 0},
+    {"warp", 100, 0},
+    {"bulk", 100, 0},
+    {"bulk:2x48:b7", 100, 0},
+    {"ce", 100, 0},
+    {"ce:kept", 100, 0},
+    {"ce:kept:combine", 100, 0},
+    {"ce:combine", 100, 0},
+    {"ce:kept:combine", 60, 0},
     {"warp", 100, detail::kHtReduceNarrow},
     {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
 
