@@ -77,12 +77,16 @@ class Buffer:
         return HtLayout(*self._native.ht_layout(topk_idx, _stream(topk_idx)))
 
     def ht_dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, expert_alignment=1,
-                    num_worst_tokens=0, handle=None):
+                    num_worst_tokens=0, handle=None, zero_copy=False):
         """Collective. x [T, H] bf16, or fp8 with x_scales [T, H/128] f32 / [T, H/512] i32.
-        With `handle` (cached mode) only recv_x (and recv_x_scales) are returned."""
+        With `handle` (cached mode) only recv_x (and recv_x_scales) are returned.
+        zero_copy: recv_x is a view of the buffer's memory, valid until this rank's next
+        ht_dispatch / ht_combine on the buffer starts on the stream (epx/ht.h); not accepted as
+        combine's y. The cpu backend returns an ordinary tensor."""
         r = self._native.ht_dispatch(x, x_scales, x_scales is not None and _torch.is_fp8(x),
                                      topk_idx, topk_weights, int(expert_alignment),
-                                     int(num_worst_tokens), handle, _stream(x))
+                                     int(num_worst_tokens), handle, _stream(x),
+                                     zero_copy=bool(zero_copy))
         return HtDispatchResult(*r)
 
     def ht_combine(self, y, handle, topk_weights=None, bias0=None, bias1=None):

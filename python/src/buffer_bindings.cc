@@ -83,7 +83,8 @@ py::tuple ht_layout(const BufferPtr& b, py::handle topk_idx, uintptr_t stream) {
 
 py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, bool x_is_fp8,
                       py::handle topk_idx, py::handle topk_weights, int expert_alignment,
-                      int64_t num_worst_tokens, const HtHandle* handle, uintptr_t stream) {
+                      int64_t num_worst_tokens, const HtHandle* handle, uintptr_t stream,
+                      bool zero_copy) {
   HtDispatchArgs args;
   args.x = to_view(x, "ht_dispatch: argument 'x'");
   if (x_is_fp8 && args.x.dtype == DType::kU8) args.x.dtype = DType::kF8E4M3;
@@ -93,6 +94,7 @@ py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, boo
   args.expert_alignment = expert_alignment;
   args.num_worst_tokens = num_worst_tokens;
   args.handle = handle;
+  args.zero_copy = zero_copy;
   args.stream = as_stream(stream);
   HtDispatchResult r;
   {
@@ -241,7 +243,8 @@ void bind_buffer(py::module_& m) {
       .def("ht_layout", &ht_layout, py::arg("topk_idx"), py::arg("stream") = 0)
       .def("ht_dispatch", &ht_dispatch, py::arg("x"), py::arg("x_scales"), py::arg("x_is_fp8"),
            py::arg("topk_idx"), py::arg("topk_weights"), py::arg("expert_alignment"),
-           py::arg("num_worst_tokens"), py::arg("handle").none(true), py::arg("stream") = 0)
+           py::arg("num_worst_tokens"), py::arg("handle").none(true), py::arg("stream") = 0,
+           py::arg("zero_copy") = false)
       .def("ht_combine", &ht_combine, py::arg("y"), py::arg("handle"), py::arg("topk_weights"),
            py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0)
       .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),

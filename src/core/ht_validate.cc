@@ -114,6 +114,14 @@ void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& a) {
                 a.expert_alignment, ", expected >= 1");
   EPX_CHECK_ARG(a.num_worst_tokens >= 0, op, ": argument 'num_worst_tokens' is ",
                 a.num_worst_tokens, ", expected >= 0");
+  if (a.zero_copy) {
+    // The zero-copy view holds at most every rank's max_tokens_per_rank rows.
+    const int64_t worst = a.handle != nullptr ? a.handle->num_worst_tokens : a.num_worst_tokens;
+    const int64_t cap = b.shape.max_tokens_per_rank * b.group.size();
+    EPX_CHECK_ARG(worst <= cap, op, ": argument 'zero_copy' is true with ", worst,
+                  " worst-case rows, expected at most R * max_tokens_per_rank = ", cap,
+                  " (the rows the zero-copy view holds)");
+  }
 
   if (a.handle != nullptr) {  // cached mode: the routing comes from the handle
     validate_ht_handle(b, *a.handle, op);

@@ -217,6 +217,10 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
   // ce:kept: the receivers only copy out, so half the CTAs send (docs/perf-cuda-ht.md, run 11).
   const int kept_pct = g_dispatch_send_percent.load() > 0 ? g_dispatch_send_percent.load() : 50;
   t.dispatch_send_ctas_kept = num_ranks == 1 ? 0 : split(kept_pct);
+  // Zero-copy: the receivers only wait and copy scales and metadata (and, without the copy
+  // engines, the kept rows): 85% send (14 of 16 CTAs).
+  const int zc_pct = g_dispatch_send_percent.load() > 0 ? g_dispatch_send_percent.load() : 85;
+  t.dispatch_send_ctas_zero_copy = num_ranks == 1 ? 0 : split(zc_pct);
   return t;
 }
 

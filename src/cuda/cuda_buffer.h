@@ -66,6 +66,7 @@ class CudaBuffer final : public BufferImpl {
   char* ht_local() const { return static_cast<char*>(ht_mem_->local()); }
   DeviceState* device_state() const;
   void raise_device_error();
+  void check_outside_region(const TensorView& t, const char* op, const char* name) const;
 
   int device_ = 0;
   int device_sms_ = 0;  // multiprocessors of device_

@@ -262,6 +262,21 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
   if (R > 1) launch_ht_engine_sync(engine_sync_params(R, me, p.symm, p.wait, kEngineReady), stream);
 }
 
+// Inputs of a dispatch or combine may not lie in this buffer's symmetric memory (a zero-copy
+// recv_x): the peers write there during the op.
+void CudaBuffer::check_outside_region(const TensorView& t, const char* op, const char* name) const {
+  if (!t.defined() || t.numel() == 0) return;
+  const auto lo = reinterpret_cast<uintptr_t>(t.data);
+  uintptr_t hi = lo + dtype_size(t.dtype);  // one past the last element (strides >= 0)
+  for (int i = 0; i < t.ndim; ++i)
+    hi += static_cast<uintptr_t>(t.shape[i] - 1) * static_cast<uintptr_t>(t.strides[i]) *
+          dtype_size(t.dtype);
+  const auto base = reinterpret_cast<uintptr_t>(ht_local());
+  EPX_CHECK_ARG(hi <= base || lo >= base + region_.total_bytes, op, ": argument '", name,
+                "' lies in this buffer's symmetric memory (a zero-copy recv_x?), expected memory ",
+                "of its own: the peers write there during the operation; copy it first");
+}
+
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
                                const Allocator& alloc_fn) {
   require_usable("ht_layout");
@@ -305,6 +320,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const bool fp8 = x.dtype == DType::kF8E4M3;
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
   const HtCopyConfig copy = copy_config();  // read once: every decision below uses the same
+  check_outside_region(x, "ht_dispatch", "x");
 
   HtDispatchResult res;
   HtHandle& h = res.handle;
@@ -399,13 +415,24 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     }
   }
   // Copy engines move x where the host knows the layout (every rank decides alike: same mode,
-  // same kind of call, handles made the same way).
+  // same kind of call, handles made the same way). Zero-copy: at most the kept rows ("ce" acts
+  // as "ce:kept"), and the kernel path for the rest (no bulk copies).
+  const bool zero_copy = args.zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
-  const bool engine = engine_any && !copy.engine_kept_only;
-  const bool engine_kept = engine_any && copy.engine_kept_only;
+  const bool engine = engine_any && !copy.engine_kept_only && !zero_copy;
+  const bool engine_kept = engine_any && (copy.engine_kept_only || zero_copy);
 
-  // Outputs.
-  res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
+  // Outputs. Zero-copy: recv_x views this rank's x area, where the peers store the rows; no
+  // storage of its own (valid until the next ht op and while the buffer lives; Python's tensor
+  // keeps the Buffer object alive, python/src/torch_bridge.cc).
+  if (zero_copy) {
+    EPX_CHECK(num_rows <= static_cast<int64_t>(R) * region_.max_tokens, ErrorCode::kInternal,
+              "ht_dispatch: zero-copy view of ", num_rows, " rows exceeds the region");
+    static_cast<TensorView&>(res.recv_x) = TensorView::contiguous(
+        ht_local() + region_.x_off, x.dtype, {num_rows, H}, Device::cuda(device_));
+  } else {
+    res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
+  }
   int num_scales = 0;
   if (fp8 && args.x_scales.defined()) {
     num_scales = static_cast<int>(args.x_scales.shape[1]);
@@ -462,12 +489,16 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
   // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
   p.send_batch = copy.send_batch;
-  p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk
-                                                                             : HtCopyMode::kWarp);
+  p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !zero_copy
+                                     ? HtCopyMode::kBulk
+                                     : HtCopyMode::kWarp);
   p.engine_x = engine ? 1 : 0;
   p.engine_kept = engine_kept ? 1 : 0;
+  p.zero_copy = zero_copy ? 1 : 0;
+  // Zero-copy receivers copy no x rows from the slots: most CTAs send.
+  if (zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_zero_copy;
   if (engine_kept) {
-    p.num_send_ctas = tuning_.dispatch_send_ctas_kept;
+    if (!zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_kept;
     ensure_engine_streams();
     EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
   }
@@ -493,6 +524,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                 ", expected one made by this buffer (", id, ")");
   const int R = group.size(), me = group.rank(), K = shape.top_k;
   const int64_t H = shape.hidden, T = h.num_tokens;
+  check_outside_region(args.y, "ht_combine", "y");
   HtCombineResult res;
   res.out = alloc(alloc_fn, DType::kBF16, {T, H}, device_);
   const bool with_weights = args.topk_weights.defined();

@@ -73,6 +73,8 @@ __global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
       seq = *engine_op;
     }
   }
+  if (p.step == kEngineWaitReady && q == 0) publish_deferred_ready(p.symm, p.wait, p.num_ranks);
+  __syncwarp();
   if (q >= p.num_ranks || q == me) return;
   const HtRegion& g = p.symm.region;
   if (p.step == kEngineWaitReady) {

@@ -160,6 +160,8 @@ int run_rank(const Group& g, const Options& o) {
       struct CopyTimes {
         std::string name;
         bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
+        // HtDispatchArgs::zero_copy: cached bf16 / fp8 event-timed and graph-replayed, exact.
+        bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
@@ -215,6 +217,15 @@ int run_rank(const Group& g, const Options& o) {
         ct.graph16 = graph_timed(c16);
         ct.graph8 = graph_timed(c8);
         ct.host16 = host_timed(c16);
+        {
+          HtDispatchArgs z16 = c16, z8 = c8, ze = a;
+          z16.zero_copy = z8.zero_copy = ze.zero_copy = true;
+          ct.zc16 = timed([&](const Allocator& al) { buf.ht_dispatch(z16, al); });
+          ct.zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(z8, al); });
+          ct.zcg16 = graph_timed(z16);
+          ct.zcg8 = graph_timed(z8);
+          ct.zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+        }
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
         cc.handle = &h16.handle;
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
@@ -286,9 +297,10 @@ int run_rank(const Group& g, const Options& o) {
       if (r == 0) {
         const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
         std::printf(
-            "\nSMs %d (sender CTAs: dispatch %d, combine %d): remote rows/peer %lld (%.1f MB bf16, "
-            "%.1f MB fp8), self rows %lld\n",
-            sms, tu.dispatch_send_ctas, tu.combine_send_ctas, static_cast<long long>(remote_rows),
+            "\nSMs %d (sender CTAs: dispatch %d, ce:kept %d, zero-copy %d, combine %d): remote "
+            "rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows %lld\n",
+            sms, tu.dispatch_send_ctas, tu.dispatch_send_ctas_kept, tu.dispatch_send_ctas_zero_copy,
+            tu.combine_send_ctas, static_cast<long long>(remote_rows),
             bf16_bytes / 1e6, fp8_bytes / 1e6, static_cast<long long>(self_rows));
         std::printf("  %-52s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
                     "ceil us", "epx/nccl", "ceil/epx");
@@ -306,6 +318,11 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
           row(name("dispatch bf16 (cached, graph)").c_str(), ct.graph16, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached, graph)").c_str(), ct.graph8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (cached, zero-copy)").c_str(), ct.zc16, n_bf16, c_bf16);
+          row(name("dispatch fp8 (cached, zero-copy)").c_str(), ct.zc8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (cached, zero-copy, graph)").c_str(), ct.zcg16, n_bf16, c_bf16);
+          row(name("dispatch fp8 (cached, zero-copy, graph)").c_str(), ct.zcg8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (exact, zero-copy)").c_str(), ct.zc_exact, n_bf16, c_bf16);
           std::printf("  %-52s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);

@@ -38,6 +38,7 @@ struct CopyPath {
   const char* spec;
   int ce_share;
   int switches;
+  bool zero_copy = false;  // every dispatch with HtDispatchArgs::zero_copy
 };
 const CopyPath kCopyPaths[] = {
     {"warp", 100, 0},
@@ -48,8 +49,14 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},
+    {"ce:kept:combine", 100, 0, true},
+    {"warp", 100, 0, true},
+    {"ce", 100, 0, true},
     {"warp", 100, detail::kHtReduceNarrow},
     {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
+
+// The copy path's zero_copy, for the dispatches of the tests below (rank processes: per rank).
+bool g_zero_copy = false;
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
@@ -59,16 +66,19 @@ int for_each_copy_path(const std::function<int()>& body) {
     detail::set_ht_copy_override(&cfg);
     detail::set_ht_engine_share_override(path.ce_share);
     detail::set_ht_ablation(path.switches);
+    g_zero_copy = path.zero_copy;
     const int b = body();
     if (b)
       std::fprintf(stderr,
-                   "FAIL under copy path '%s' (copy-engine combine share %d%%, switches %d)\n",
-                   path.spec, path.ce_share, path.switches);
+                   "FAIL under copy path '%s' (copy-engine combine share %d%%, switches %d, "
+                   "zero-copy %d)\n",
+                   path.spec, path.ce_share, path.switches, path.zero_copy ? 1 : 0);
     bad += b;
   }
   detail::set_ht_copy_override(nullptr);
   detail::set_ht_engine_share_override(100);
   detail::set_ht_ablation(0);
+  g_zero_copy = false;
   return bad;
 }
 
@@ -115,6 +125,7 @@ struct DeviceInputs {
     a.topk_idx = topk;
     if (c.weights) a.topk_weights = weights;
     a.expert_alignment = c.alignment;
+    a.zero_copy = g_zero_copy;
     a.stream = gpu_testing::rank_stream();  // nullptr (legacy stream) outside one-GPU mode
     return a;
   }
@@ -212,6 +223,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
     a.x = d2.x;
     if (c.fp8) a.x_scales = d2.scales;
     a.handle = &res.handle;
+    a.zero_copy = g_zero_copy;
     a.stream = gpu_testing::rank_stream();
     HtDispatchResult cres = buf.ht_dispatch(a, alloc);
     bad += compare("cached recv_x", ctx, r, cres.recv_x, want2[r].recv_x);
@@ -531,6 +543,8 @@ int graph_replays(const Group& g, int num_replays) {
   Tensor topk = default_allocator()(DType::kI64, {T, K}, Device::cuda(dev));
   Tensor weights = default_allocator()(DType::kF32, {T, K}, Device::cuda(dev));
   Tensor bias = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
+  // Zero-copy: combine's y is a copy of the recv_x view (the view itself is refused as y).
+  Tensor y_copy = default_allocator()(DType::kBF16, {num_worst, H}, Device::cuda(dev));
   auto load = [&](const HtCase& cc, const std::vector<HtRankInput>& in,
                   const std::vector<uint16_t>& b) {
     cudaMemcpy(x.data, in[r].x.data(), in[r].x.size(), cudaMemcpyHostToDevice);
@@ -549,10 +563,16 @@ int graph_replays(const Group& g, int num_replays) {
     a.topk_idx = topk;
     a.topk_weights = weights;
     a.num_worst_tokens = num_worst;
+    a.zero_copy = g_zero_copy;
     a.stream = stream;
     res = buf.ht_dispatch(a, arena.allocator());
     HtCombineArgs ca;
     ca.y = res.recv_x;  // y = the received rows themselves
+    if (g_zero_copy) {
+      cudaMemcpyAsync(y_copy.data, res.recv_x.data, res.recv_x.nbytes(), cudaMemcpyDeviceToDevice,
+                      stream);
+      ca.y = y_copy;
+    }
     ca.handle = &res.handle;
     ca.topk_weights = res.recv_topk_weights;
     ca.bias0 = bias;
@@ -686,6 +706,84 @@ TEST(HtGpu, DeviceErrorsAreReportedAndRecoverable) {
     // Still usable.
     failures += run_case(g, buf, c, false) ? 1 : 0;
     return failures;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// Zero-copy dispatch: the recv_x view stays intact while the rank reads it late (rank 0 sleeps
+// before reading) even though its peer runs ahead into the next zero-copy dispatch, whose pushes
+// into rank 0's region must wait for rank 0's next op (the deferred ready signal). Then a cached
+// zero-copy dispatch and a combine; the view is refused as combine's y on the cuda backend.
+TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
+  EPX_REQUIRE_GPUS(2);
+  const int rc = run_cuda_ranks(2, [](const Group& g) {
+    const int r = g.rank();
+    int64_t bad = 0;
+    for (const char* spec : {"ce:kept:combine", "warp"}) {
+      const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "test");
+      detail::set_ht_copy_override(&cfg);
+      HtCase c = routing_cases(2, 2048, 8, 64, {300, 260}, 800)[0];
+      c.weights = true;
+      Buffer buf(g, shape_for(c.hidden, c.top_k, c.num_experts, 300));
+      const int dev = buf.device().index;
+      const std::string ctx = std::string("zero-copy fast peer, ") + spec + ", " + c.describe();
+      for (int round = 0; round < 3; ++round) {
+        const auto in1 = make_ht_inputs(c, /*salt=*/10 + round);
+        const auto want1 = expected_ht_dispatch(c, in1);
+        const DeviceInputs d1 = upload(c, in1[r], dev);
+        HtDispatchArgs a1 = d1.args(c);
+        a1.zero_copy = true;
+        HtDispatchResult res = buf.ht_dispatch(a1);
+        if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        bad += compare("zero-copy recv_x (read late)", ctx, r, res.recv_x, want1[r].recv_x);
+        bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, want1[r].recv_src_idx);
+        // Rank 1 goes straight on: cached zero-copy dispatch of new rows.
+        const auto in2 = make_ht_inputs(c, /*salt=*/20 + round);
+        const auto want2 = expected_ht_dispatch(c, in2);
+        const DeviceInputs d2 = upload(c, in2[r], dev);
+        HtDispatchArgs a2;
+        a2.x = d2.x;
+        a2.handle = &res.handle;
+        a2.zero_copy = true;
+        HtDispatchResult res2 = buf.ht_dispatch(a2);
+        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        bad += compare("cached zero-copy recv_x", ctx, r, res2.recv_x, want2[r].recv_x);
+        // The view is not accepted as y (local check, both ranks, before communicating).
+        HtCombineArgs bad_y;
+        bad_y.y = res2.recv_x;
+        bad_y.handle = &res.handle;
+        try {
+          buf.ht_combine(bad_y);
+          std::fprintf(stderr, "[rank %d] %s: view accepted as combine y\n", r, ctx.c_str());
+          ++bad;
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kInvalidArgument ||
+              std::string(e.what()).find("'y'") == std::string::npos) {
+            std::fprintf(stderr, "[rank %d] unexpected error: %s\n", r, e.what());
+            ++bad;
+          }
+        }
+        const auto yin = make_combine_inputs(c, want1, /*weights=*/true, /*bias0=*/false,
+                                             /*bias1=*/false, /*salt=*/7 + round);
+        const auto want_c = expected_ht_combine(c, in1, want1, yin);
+        const Tensor y = to_device(yin[r].y, DType::kBF16, {want1[r].num_recv, c.hidden}, dev);
+        const Tensor yw =
+            to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
+        HtCombineArgs ca;
+        ca.y = y;
+        ca.topk_weights = yw;
+        ca.handle = &res.handle;
+        HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
+        bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
+        bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
+                       want_c[r].combined);
+        buf.check();
+      }
+    }
+    detail::set_ht_copy_override(nullptr);
+    if (bad) std::fprintf(stderr, "[rank %d] zero-copy fast peer: %lld mismatches\n", r,
+                          static_cast<long long>(bad));
+    return bad ? 1 : 0;
   });
   EXPECT_EQ(rc, 0);
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -148,6 +149,13 @@ TEST(HtErrors, EveryBadArgumentIsNamed) {
                  {"'expert_alignment'", "0", ">= 1"}, "alignment");
     expect_error(with(good, [](auto& a) { a.num_worst_tokens = -1; }), bad,
                  {"'num_worst_tokens'", "-1"}, "worst");
+    // Zero-copy: the view holds at most R * max_tokens_per_rank = 16 rows here.
+    expect_error(with(good,
+                      [](auto& a) {
+                        a.zero_copy = true;
+                        a.num_worst_tokens = 17;
+                      }),
+                 bad, {"'zero_copy'", "17", "16"}, "zero-copy worst");
 
     // cached mode and the handle
     HtDispatchResult res = buf.ht_dispatch(good);
@@ -269,6 +277,49 @@ TEST(HtErrors, InconsistentRanksAllRaise) {
         ASSERT_EQ(out.out.ptr<uint16_t>()[t * 128 + h],
                   detail::f32_to_bf16(0.0f + n * detail::bf16_to_f32(x[t * 128 + h])));
     }
+  });
+}
+
+// Zero-copy dispatch on the cpu backend: accepted in every mode, the same rows as without it (an
+// ordinary tensor there), and the combine takes them back as y.
+TEST(HtZeroCopy, CpuBackendReturnsTheSameRows) {
+  testing::run_threads(2, [](const Group& g) {
+    const int r = g.rank();
+    Buffer buf(g, MoeShape{128, 2, 4, 8});
+    std::mt19937_64 rng(31 + r);
+    std::vector<uint16_t> x = testing::make_bf16(8, 128, rng);
+    std::vector<int64_t> topk = testing::make_topk_idx(Routing::kSkewed, 8, 2, 4, 2, rng);
+    HtDispatchArgs a;
+    a.x = TensorView::contiguous(x.data(), DType::kBF16, {8, 128});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {8, 2});
+    HtDispatchArgs z = a;
+    z.zero_copy = true;
+    const HtDispatchResult want = buf.ht_dispatch(a);
+    const HtDispatchResult got = buf.ht_dispatch(z);
+    auto same = [](const Tensor& p, const Tensor& q) {
+      return p.shape == q.shape && p.nbytes() == q.nbytes() &&
+             std::memcmp(p.data, q.data, p.nbytes()) == 0;
+    };
+    EXPECT_TRUE(same(got.recv_x, want.recv_x));
+    EXPECT_TRUE(same(got.recv_src_idx, want.recv_src_idx));
+    HtDispatchArgs zc;  // cached
+    zc.x = a.x;
+    zc.handle = &got.handle;
+    zc.zero_copy = true;
+    EXPECT_TRUE(same(buf.ht_dispatch(zc).recv_x, want.recv_x));
+    HtDispatchArgs zw = z;  // worst-case, at the view's capacity R * max_tokens_per_rank
+    zw.num_worst_tokens = 16;
+    const HtDispatchResult worst = buf.ht_dispatch(zw);
+    EXPECT_EQ(worst.recv_x.shape[0], 16);
+    EXPECT_EQ(std::memcmp(worst.recv_x.data, want.recv_x.data, want.recv_x.nbytes()), 0);
+    HtCombineArgs c;
+    c.y = got.recv_x;
+    c.handle = &got.handle;
+    const HtCombineResult out = buf.ht_combine(c);
+    HtCombineArgs c2 = c;
+    c2.y = want.recv_x;
+    c2.handle = &want.handle;
+    EXPECT_TRUE(same(out.out, buf.ht_combine(c2).out));
   });
 }
 

@@ -284,6 +284,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   __shared__ int32_t s_last_chunk[kHtWarps * kMaxHtRanks];
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
+  if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {

@@ -34,11 +34,13 @@ __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
 // region. The last CTA to arrive runs `reset_counters` (all its threads), then publishes
 // seq = cur locally and ready[rank] = cur on every peer: the release that pairs with the
 // wait_flag<true>(ready[rank], cur) of the peer's next operation before it writes to us.
-// `publish` false (copy-engine dispatch): the ready signal is left to ht_engine_sync, after the
-// copy engines read the slots.
+// kReadyLater (copy-engine dispatch): the ready signal is left to ht_engine_sync, after the copy
+// engines read the slots. kReadyDeferred (zero-copy dispatch): recv_x is a view of this region,
+// so the signal waits for the rank's next ht op (state->ready_pending, publish_deferred_ready).
+enum HtReady : int { kReadyNow = 0, kReadyLater = 1, kReadyDeferred = 2 };
 template <typename ResetFn>
 __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
-                                 int num_ranks, ResetFn reset_counters, bool publish = true) {
+                                 int num_ranks, ResetFn reset_counters, int ready = kReadyNow) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -53,11 +55,28 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
   if (threadIdx.x == 0) {
     w.state->finished = 0;
     w.state->seq = cur;
+    if (ready == kReadyDeferred) w.state->ready_pending = cur;
     __threadfence();
-    for (int p = 0; p < num_ranks && publish; ++p) {
+    for (int p = 0; p < num_ranks && ready == kReadyNow; ++p) {
       if (p == w.rank) continue;
       st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, cur);
     }
+  }
+}
+
+// At the start of every ht op that communicates, by one thread (thread 0 of CTA 0; lane 0 of the
+// engine-sync warp), before it waits for anything: the ready signal a zero-copy dispatch deferred.
+// Every earlier kernel on the stream (the readers of the zero-copy recv_x) has finished. Only
+// the next op's own threads touch ready_pending, the finishing CTA after every CTA passed this.
+__device__ __forceinline__ void publish_deferred_ready(const HtSymm& symm, const WaitContext& w,
+                                                       int num_ranks) {
+  const uint32_t pending = *reinterpret_cast<volatile uint32_t*>(&w.state->ready_pending);
+  if (pending == 0) return;
+  w.state->ready_pending = 0;
+  __threadfence_system();
+  for (int p = 0; p < num_ranks; ++p) {
+    if (p == w.rank) continue;
+    st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, pending);
   }
 }
 

@@ -17,6 +17,9 @@
 // Copy engines (host-selected, ht.cu): engine_kept — the kept rows' x is copied by the copy
 //   engines, dispatch_self moves only scales and metadata; engine_x — no x row moves here at all
 //   and the ready signal is left to ht_engine_sync.
+// Zero-copy (host-selected, kWarp only): recv_x is this rank's region (x_recv_row), senders store
+//   each row at send_pos in the receiver's region, receivers wait for the blocks and copy only
+//   scales and metadata; the ready signal is deferred to the rank's next op (finish_operation).
 // Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
 //   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
 //   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
@@ -108,15 +111,16 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int64_t j = __shfl_sync(0xffffffffu, pos, d) - s_excl[d];
+        const int32_t row = __shfl_sync(0xffffffffu, pos, d);  // in d's recv_x
+        const int64_t j = row - s_excl[d];
         const int slot = HtRegion::slot_of(me, d);
         char* peer = p.symm.peers[d];
+        // Zero-copy: the row goes straight to its place in d's recv_x view.
+        char* dst = p.zero_copy ? g.x_recv_row(peer, row, p.row_bytes) : g.x_row(peer, slot, j);
         if constexpr (kBulk) {
-          if (lane == 0)
-            pipe.copy(p.x + t * p.x_stride, g.x_row(peer, slot, j), p.row_bytes, p.wait);
+          if (lane == 0) pipe.copy(p.x + t * p.x_stride, dst, p.row_bytes, p.wait);
         } else {
-          if (!p.engine_x)
-            copy_row<V, false>(src, reinterpret_cast<V*>(g.x_row(peer, slot, j)), nv, lane);
+          if (!p.engine_x) copy_row<V, false>(src, reinterpret_cast<V*>(dst), nv, lane);
         }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
         uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
@@ -253,7 +257,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
         if (lane == 0)
           pipe.copy(g.x_row(p.symm.local, slot, j), p.recv_x + out * p.row_bytes, p.row_bytes,
                     p.wait);
-      } else if (!p.engine_x) {
+      } else if (!p.engine_x && !p.zero_copy) {  // zero-copy: the row is already in place
         copy_row<V, true>(reinterpret_cast<const V*>(g.x_row(p.symm.local, slot, j)),
                           reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
       }
@@ -284,6 +288,7 @@ template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
+  if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
   BulkPipe pipe;
   if constexpr (kBulk) {
     if ((threadIdx.x & 31) == 0) pipe.init(threadIdx.x >> 5, p.bulk_stages, p.bulk_chunk);
@@ -337,7 +342,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
         *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
     }
-  }, !p.engine_x);
+  }, p.engine_x ? kReadyLater : p.zero_copy ? kReadyDeferred : kReadyNow);
 }
 
 }  // namespace epx::detail

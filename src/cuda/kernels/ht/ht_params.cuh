@@ -68,6 +68,7 @@ struct HtDispatchParams {
   int engine_x;  // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
                  // scales and metadata only and leaves the ready signal to ht_engine_sync
   int engine_kept;  // 1 ("ce:kept"): copy engines move only the kept rows' x (side stream)
+  int zero_copy;    // 1: recv_x is this rank's x area (x_recv_row), peers store rows there
   HtSymm symm;
   WaitContext wait;
 };

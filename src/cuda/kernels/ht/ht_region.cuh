@@ -10,13 +10,18 @@
 //                                                 {flag, tokens per rank [R], tokens per expert of
 //                                                  this rank's experts [L]}
 //   counters uint32 [R-1][num_blocks]             rows landed per 32-row block, per source slot
-//   x        [R-1][T_max][x_row_bytes]            row payloads (bf16/fp8 dispatch, bf16 combine)
+//   x        [R][T_max][x_row_bytes]              row payloads (bf16/fp8 dispatch, bf16 combine):
+//                                                 slots [R-1][T_max][x_row_bytes]; zero-copy
+//                                                 dispatch: the received rows [N][row_bytes]
+//                                                 packed in recv_x order (x_recv_row; N <= R T_max)
 //   scales   [R-1][T_max][scale_row_bytes]        fp8 scales moved with their rows
 //   meta     [R-1][T_max][meta_row_bytes]         dispatch: {src_idx, local topk idx [K],
 //                                                  weights [K]}; combine: weights [K]
 // A sender s writes into receiver d's "source slot" slot_of(s, d) (its own slot is never used:
 // a rank copies its own rows straight to its outputs). Row j of a slot is the j-th token (in
-// source order) that s sends to d, so the receiver's output row is prefix(s, d) + j.
+// source order) that s sends to d, so the receiver's output row is prefix(s, d) + j. A zero-copy
+// dispatch stores row j at x_recv_row(prefix(s, d) + j) instead (= send_pos), every source and the
+// kept rows in one contiguous [N, H] range that recv_x views.
 #pragma once
 
 #include <cstddef>
@@ -94,7 +99,8 @@ struct HtRegion {
     g.counter_off = off;
     off += ht_round_up(4 * slots * g.num_blocks, 256);
     g.x_off = off = ht_round_up(off, 4096);
-    off += rows * g.x_row_bytes;
+    // R * T_max rows: the R - 1 slots, or the N <= R * T_max rows of a zero-copy dispatch.
+    off += static_cast<size_t>(num_ranks) * static_cast<size_t>(max_tokens) * g.x_row_bytes;
     g.scale_off = off = ht_round_up(off, 256);
     off += rows * g.scale_row_bytes;
     g.meta_off = off = ht_round_up(off, 256);
@@ -118,6 +124,10 @@ struct HtRegion {
   EPX_HT_HD char* x_packed_row(char* base, int slot, int64_t row, int64_t row_bytes) const {
     return base + x_off + static_cast<size_t>(slot) * max_tokens * x_row_bytes +
            static_cast<size_t>(row) * row_bytes;
+  }
+  // Zero-copy dispatch: row `row` of the receiver's recv_x (packed at row_bytes <= x_row_bytes).
+  EPX_HT_HD char* x_recv_row(char* base, int64_t row, int64_t row_bytes) const {
+    return base + x_off + static_cast<size_t>(row) * row_bytes;
   }
   EPX_HT_HD HtCountMsg* count_msg(char* base, int source) const {
     return reinterpret_cast<HtCountMsg*>(base + count_off + count_slot_bytes * source);

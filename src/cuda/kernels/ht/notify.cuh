@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   __shared__ int s_rank_count[kMaxHtRanks];
   __shared__ int s_run[kMaxHtRanks];
   __shared__ int s_offset[kMaxHtRanks];
+  if (p.exchange && tid == 0) publish_deferred_ready(p.symm, p.wait, R);
 
   for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
   for (int i = tid; i < L; i += kNotifyThreads) s_recv_expert[i] = 0;
