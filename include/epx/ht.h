@@ -69,8 +69,8 @@ struct HtDispatchArgs {
   // count exchange; only recv_x (and recv_x_scales) are returned, with the handle's row count
   // (num_worst_tokens must be 0 or the handle's), and result.handle is a copy of *handle.
   const HtHandle* handle = nullptr;
-  // Zero-copy receive (any mode): recv_x is a view of the buffer's symmetric memory, where the
-  // peers store the rows directly (no copy into a tensor of its own). The view is valid until this
+  // Zero-copy receive (any mode): recv_x (and recv_x_scales) are views of the buffer's symmetric
+  // memory, where the peers store the rows directly (no copy into tensors of their own). The view is valid until this
   // rank's next ht_dispatch or ht_combine on the buffer begins on the device (and while the
   // buffer lives; the tensor does not own its memory): order every read of
   // it before that call (the same stream, or an event), and copy what must live longer. It must

@@ -436,7 +436,13 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   int num_scales = 0;
   if (fp8 && args.x_scales.defined()) {
     num_scales = static_cast<int>(args.x_scales.shape[1]);
-    res.recv_x_scales = alloc(alloc_fn, args.x_scales.dtype, {num_rows, num_scales}, device_);
+    if (zero_copy) {
+      static_cast<TensorView&>(res.recv_x_scales) =
+          TensorView::contiguous(ht_local() + region_.scale_off, args.x_scales.dtype,
+                                 {num_rows, num_scales}, Device::cuda(device_));
+    } else {
+      res.recv_x_scales = alloc(alloc_fn, args.x_scales.dtype, {num_rows, num_scales}, device_);
+    }
   }
   if (!cached) {
     res.recv_topk_idx = alloc(alloc_fn, idx_dtype, {num_rows, K}, device_);

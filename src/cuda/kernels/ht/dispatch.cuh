@@ -17,9 +17,11 @@
 // Copy engines (host-selected, ht.cu): engine_kept — the kept rows' x is copied by the copy
 //   engines, dispatch_self moves only scales and metadata; engine_x — no x row moves here at all
 //   and the ready signal is left to ht_engine_sync.
-// Zero-copy (host-selected, kWarp only): recv_x is this rank's region (x_recv_row), senders store
-//   each row at send_pos in the receiver's region, receivers wait for the blocks and copy only
-//   scales and metadata; the ready signal is deferred to the rank's next op (finish_operation).
+// Zero-copy (host-selected, kWarp only): recv_x and recv_scales are views of this rank's region
+//   (x_recv_row, scale_recv_row); senders store each row and its scales at send_pos in the
+//   receiver's region and also place the rows their rank keeps (dispatch_kept_row); receivers
+//   wait for the blocks and copy only the metadata out (not cached); the ready signal is
+//   deferred to the rank's next op (finish_operation).
 // Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
 //   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
 //   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
@@ -72,6 +74,31 @@ __device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int l
   }
 }
 
+// One row this rank keeps, x[t] -> recv_*[pos] (+ scales, src_idx, local ids); the x row when
+// copy_x (false: a bulk copy moves it) unless the copy engines copy the kept rows (engine_kept)
+// or move every row (engine_x).
+template <typename V>
+__device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int64_t t,
+                                                  int64_t pos, const V* src, int64_t nv, int lane,
+                                                  bool copy_x) {
+  if (copy_x && !p.engine_x && !p.engine_kept)
+    copy_row<V, false>(src, reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
+  for (int s = lane; s < p.num_scales; s += 32) {
+    p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
+        reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+  }
+  if (!p.cached) {
+    if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
+    for (int k = lane; k < p.top_k; k += 32) {
+      const int64_t o = pos * static_cast<int64_t>(p.top_k) + k;
+      store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                     static_cast<int32_t>(dispatch_meta_word(p, t, p.rank, 1 + k)));
+      if (p.recv_topk_weights)
+        p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, p.rank, 1 + p.top_k + k));
+    }
+  }
+}
+
 // Sender warps push this rank's rows to the OTHER ranks only (the receiver CTAs copy the rows
 // this rank keeps): NVLink stores are the senders' whole job.
 template <typename V, bool kBulk>
@@ -100,22 +127,28 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
+  // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
+  const bool with_me = p.zero_copy != 0;
   for (int64_t t0 = gw * batch; t0 < p.num_tokens; t0 += G * batch) {
     const int64_t t_end = min(t0 + batch, static_cast<int64_t>(p.num_tokens));
     // pos of the next token is loaded while the current one is copied.
-    int32_t pos = lane < R && lane != me ? p.send_pos[t0 * R + lane] : -1;
+    const bool mine = lane < R && (lane != me || with_me);
+    int32_t pos = mine ? p.send_pos[t0 * R + lane] : -1;
     for (int64_t t = t0; t < t_end; ++t) {
-      const int32_t next =
-          (t + 1 < t_end && lane < R && lane != me) ? p.send_pos[(t + 1) * R + lane] : -1;
+      const int32_t next = (t + 1 < t_end && mine) ? p.send_pos[(t + 1) * R + lane] : -1;
       const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t row = __shfl_sync(0xffffffffu, pos, d);  // in d's recv_x
+        if (d == me) {  // zero-copy only
+          if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true);
+          continue;
+        }
         const int64_t j = row - s_excl[d];
         const int slot = HtRegion::slot_of(me, d);
         char* peer = p.symm.peers[d];
-        // Zero-copy: the row goes straight to its place in d's recv_x view.
+        // Zero-copy: the row and its scales go straight to their place in d's recv_x view.
         char* dst = p.zero_copy ? g.x_recv_row(peer, row, p.row_bytes) : g.x_row(peer, slot, j);
         if constexpr (kBulk) {
           if (lane == 0) pipe.copy(p.x + t * p.x_stride, dst, p.row_bytes, p.wait);
@@ -123,7 +156,9 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
           if (!p.engine_x) copy_row<V, false>(src, reinterpret_cast<V*>(dst), nv, lane);
         }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
-        uint32_t* sc = reinterpret_cast<uint32_t*>(g.scale_row(peer, slot, j));
+        uint32_t* sc =
+            reinterpret_cast<uint32_t*>(p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales)
+                                                    : g.scale_row(peer, slot, j));
         for (int s = lane; s < p.num_scales; s += 32)
           sc[s] = reinterpret_cast<const uint32_t*>(
               p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
@@ -183,24 +218,9 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     if constexpr (kBulk) {
       if (lane == 0)
         pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
-    } else if (!p.engine_x && !p.engine_kept) {
-      copy_row<V, false>(reinterpret_cast<const V*>(p.x + t * p.x_stride),
-                         reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
     }
-    for (int s = lane; s < p.num_scales; s += 32) {
-      p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
-          reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-    }
-    if (!p.cached) {
-      if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
-      for (int k = lane; k < p.top_k; k += 32) {
-        const int64_t o = pos * static_cast<int64_t>(p.top_k) + k;
-        store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                       static_cast<int32_t>(dispatch_meta_word(p, t, me, 1 + k)));
-        if (p.recv_topk_weights)
-          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, me, 1 + p.top_k + k));
-      }
-    }
+    dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane,
+                         !kBulk);
   }
   if constexpr (kBulk) {
     if (lane == 0) pipe.flush(p.wait);  // stores under way before the receive loop may wait
@@ -211,7 +231,9 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
 // their 32-row blocks complete.
 template <typename V, bool kBulk>
 __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
-  if (!(p.ablate & kAblateSelf)) dispatch_self<V, kBulk>(p, pipe);
+  // Zero-copy: the senders place the kept rows (R = 1: there are no senders).
+  if (!(p.ablate & kAblateSelf) && (!p.zero_copy || p.num_send_ctas == 0))
+    dispatch_self<V, kBulk>(p, pipe);
   const int R = p.num_ranks, me = p.rank, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (R == 1) return;
   const HtRegion& g = p.symm.region;
@@ -262,7 +284,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
                           reinterpret_cast<V*>(p.recv_x + out * p.row_bytes), nv, lane);
       }
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
-      for (int q = lane; q < p.num_scales; q += 32)
+      for (int q = lane; q < p.num_scales && !p.zero_copy; q += 32)  // zero-copy: in place
         p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
       if (!p.cached) {
         const uint32_t* meta = reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, j));

@@ -14,7 +14,8 @@
 //                                                 slots [R-1][T_max][x_row_bytes]; zero-copy
 //                                                 dispatch: the received rows [N][row_bytes]
 //                                                 packed in recv_x order (x_recv_row; N <= R T_max)
-//   scales   [R-1][T_max][scale_row_bytes]        fp8 scales moved with their rows
+//   scales   [R][T_max][scale_row_bytes]          fp8 scales moved with their rows: slots, or the
+//                                                 zero-copy recv_x_scales [N][S] (scale_recv_row)
 //   meta     [R-1][T_max][meta_row_bytes]         dispatch: {src_idx, local topk idx [K],
 //                                                  weights [K]}; combine: weights [K]
 // A sender s writes into receiver d's "source slot" slot_of(s, d) (its own slot is never used:
@@ -102,7 +103,7 @@ struct HtRegion {
     // R * T_max rows: the R - 1 slots, or the N <= R * T_max rows of a zero-copy dispatch.
     off += static_cast<size_t>(num_ranks) * static_cast<size_t>(max_tokens) * g.x_row_bytes;
     g.scale_off = off = ht_round_up(off, 256);
-    off += rows * g.scale_row_bytes;
+    off += static_cast<size_t>(num_ranks) * static_cast<size_t>(max_tokens) * g.scale_row_bytes;
     g.meta_off = off = ht_round_up(off, 256);
     off += rows * g.meta_row_bytes;
     g.total_bytes = ht_round_up(off, 4096);
@@ -128,6 +129,10 @@ struct HtRegion {
   // Zero-copy dispatch: row `row` of the receiver's recv_x (packed at row_bytes <= x_row_bytes).
   EPX_HT_HD char* x_recv_row(char* base, int64_t row, int64_t row_bytes) const {
     return base + x_off + static_cast<size_t>(row) * row_bytes;
+  }
+  // Zero-copy dispatch: row `row` of the receiver's recv_x_scales ([N][num_scales] 4-byte words).
+  EPX_HT_HD char* scale_recv_row(char* base, int64_t row, int num_scales) const {
+    return base + scale_off + static_cast<size_t>(row) * num_scales * 4;
   }
   EPX_HT_HD HtCountMsg* count_msg(char* base, int source) const {
     return reinterpret_cast<HtCountMsg*>(base + count_off + count_slot_bytes * source);
