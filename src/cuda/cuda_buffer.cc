@@ -88,7 +88,7 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   auto bad = [&]() {
     throw_error(ErrorCode::kInvalidArgument,
                 cat(what, ": '", spec,
-                    "' is not warp, ce[:kept][:combine|:combine-auto] or bulk[:SxC][:bN] ",
+                    "' is not warp[:bN], ce[:kept][:combine|:combine-auto][:bN] or bulk[:SxC][:bN] ",
                     "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
                     "tokens per batch)"));
   };
@@ -100,7 +100,16 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
     c.mode = HtCopyMode::kBulk;
   } else if (head == "ce") {
     c.mode = HtCopyMode::kEngine;
-    const std::string rest = colon == std::string::npos ? "" : spec.substr(colon);
+    std::string rest = colon == std::string::npos ? "" : spec.substr(colon);
+    // A trailing ":bN": tokens per sender warp between two signals (the kernel senders' batch).
+    const size_t last = rest.rfind(':');
+    if (last != std::string::npos && last + 1 < rest.size() && rest[last + 1] == 'b') {
+      char* end = nullptr;
+      const long n = std::strtol(rest.c_str() + last + 2, &end, 10);
+      if (last + 2 >= rest.size() || *end != '\0' || n < 1 || n > 1024) bad();
+      c.send_batch = static_cast<int>(n);
+      rest.resize(last);
+    }
     const bool kept = rest.rfind(":kept", 0) == 0;
     const std::string tail = rest.substr(kept ? 5 : 0);
     if (tail == "") {
