@@ -226,10 +226,11 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
   // ce:kept: the receivers only copy out, so half the CTAs send (docs/perf-cuda-ht.md, run 11).
   const int kept_pct = g_dispatch_send_percent.load() > 0 ? g_dispatch_send_percent.load() : 50;
   t.dispatch_send_ctas_kept = num_ranks == 1 ? 0 : split(kept_pct);
-  // Zero-copy: the receivers only wait and copy scales and metadata (and, without the copy
-  // engines, the kept rows): 85% send (14 of 16 CTAs).
-  const int zc_pct = g_dispatch_send_percent.load() > 0 ? g_dispatch_send_percent.load() : 85;
-  t.dispatch_send_ctas_zero_copy = num_ranks == 1 ? 0 : split(zc_pct);
+  // Zero-copy: the receivers only wait for the blocks and copy the metadata out, so every CTA
+  // sends and then receives (14 senders + 2 receivers measured 204 us bf16 at 16 SMs,
+  // docs/perf.md sixth session). A --send-pct override splits them as the other paths do.
+  t.dispatch_send_ctas_zero_copy =
+      num_ranks == 1 ? 0 : g_dispatch_send_percent.load() > 0 ? t.dispatch_send_ctas : t.num_sms;
   return t;
 }
 

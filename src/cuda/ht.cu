@@ -501,7 +501,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   p.engine_x = engine ? 1 : 0;
   p.engine_kept = engine_kept ? 1 : 0;
   p.zero_copy = zero_copy ? 1 : 0;
-  // Zero-copy receivers copy no x rows from the slots: most CTAs send.
+  // Zero-copy receivers copy no x rows from the slots: every CTA sends, then receives.
   if (zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_zero_copy;
   if (engine_kept) {
     if (!zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_kept;

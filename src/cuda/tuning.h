@@ -31,7 +31,8 @@ struct HtTuning {
   int dispatch_send_ctas = 6;  // of which send (the rest receive)
   int combine_send_ctas = 6;
   int dispatch_send_ctas_kept = 8;  // senders when the copy engines copy the kept rows (ce:kept)
-  int dispatch_send_ctas_zero_copy = 14;  // senders of a zero-copy dispatch
+  // Senders of a zero-copy dispatch: all CTAs (each then also receives), unless overridden.
+  int dispatch_send_ctas_zero_copy = 16;
 };
 
 // Auto: 16 SMs (enough to saturate NVLink at EP2 with the copy-out alongside), clamped to the

@@ -1,6 +1,7 @@
 // src/cuda/kernels/ht/dispatch.cuh — ht dispatch: rows to the ranks that hold their experts.
 //
 // Grid: num_send_ctas sender CTAs, then receiver CTAs; 512 threads each. (R = 1: receivers only.)
+// Zero-copy (R > 1): every CTA sends, then every CTA receives (recv_cta0 = 0).
 // Sender warps (rank r, warp gw of G) push rows to the OTHER ranks: batches of kBatch consecutive
 //   tokens, batch i at tokens [(i*G + gw) * kBatch, ...), so all warps advance through the
 //   tokens together and the receivers' 32-row blocks fill roughly in order. Token t goes to
@@ -72,6 +73,12 @@ __device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int l
       if (v < nv) dst[v] = r[u];
     }
   }
+}
+
+// The first receiver CTA: after the senders, or 0 when every CTA sends and then receives
+// (zero-copy: the receivers only wait for the blocks and copy the metadata out).
+__device__ __forceinline__ int recv_cta0(const HtDispatchParams& p) {
+  return p.zero_copy && p.num_send_ctas == static_cast<int>(gridDim.x) ? 0 : p.num_send_ctas;
 }
 
 // One row this rank keeps, x[t] -> recv_*[pos] (+ scales, src_idx, local ids); the x row when
@@ -210,8 +217,9 @@ template <typename V, bool kBulk>
 __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
+  const int recv0 = recv_cta0(p);
+  const int64_t G = static_cast<int64_t>(gridDim.x - recv0) * kHtWarps;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x - recv0) * kHtWarps + warp;
   for (int64_t t = gw; t < p.num_tokens; t += G) {
     const int32_t pos = p.send_pos[t * R + me];
     if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
@@ -252,9 +260,10 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
           max(max_blocks, static_cast<int64_t>((s_cnt[s] + kHtRowsPerBlock - 1) / kHtRowsPerBlock));
   }
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int num_recv = gridDim.x - p.num_send_ctas;
+  const int recv0 = recv_cta0(p);
+  const int num_recv = gridDim.x - recv0;
   const int64_t num_items = max_blocks * (R - 1);
-  for (int64_t item = blockIdx.x - p.num_send_ctas; item < num_items; item += num_recv) {
+  for (int64_t item = blockIdx.x - recv0; item < num_items; item += num_recv) {
     const int64_t b = item / (R - 1);
     const int slot = static_cast<int>(item % (R - 1));
     const int s = slot < me ? slot : slot + 1;
@@ -315,11 +324,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   if constexpr (kBulk) {
     if ((threadIdx.x & 31) == 0) pipe.init(threadIdx.x >> 5, p.bulk_stages, p.bulk_chunk);
   }
-  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
-    dispatch_send<V, kBulk>(p, cur, pipe);
-  } else {
-    dispatch_receive<V, kBulk>(p, pipe);
-  }
+  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) dispatch_send<V, kBulk>(p, cur, pipe);
+  if (static_cast<int>(blockIdx.x) >= recv_cta0(p)) dispatch_receive<V, kBulk>(p, pipe);
   // Every bulk copy of this warp complete (also on the early-return paths) before the padding
   // rows, the counter reset and the ready signal that lets the peers overwrite our region.
   // The proxy fence orders the drained async-proxy accesses before finish_operation's release.
