@@ -73,6 +73,12 @@ class Buffer {
   // Collective.
   HtCombineResult ht_combine(const HtCombineArgs& args,
                              const Allocator& allocator = default_allocator());
+  // Local. The bf16 [rows, H] view (rows of `handle`'s dispatch, contiguous) to write the expert
+  // outputs into before ht_combine(zero_copy = true) with this handle. It is buffer memory that
+  // the ht operations also use: write it after the last read of the dispatch's outputs that are
+  // views (a zero-copy recv_x shares it: an in-place y is fine, e.g. y = recv_x for bf16), and
+  // only between a dispatch and its combine. Lives as long as the buffer.
+  TensorView ht_combine_buffer(const HtHandle& handle);
 
   // ---- ll ----------------------------------------------------------------------------------
   // Double buffering: dispatches alternate between two slots (LlHandle::slot) and a combine uses

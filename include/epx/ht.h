@@ -107,6 +107,11 @@ struct HtCombineArgs {
   TensorView topk_weights;
   TensorView bias0;  // optional [T, H] bf16, stride(1) == 1
   TensorView bias1;  // optional [T, H] bf16, stride(1) == 1
+  // Zero-copy combine: y is the view Buffer::ht_combine_buffer(handle) returned, already written
+  // (InvalidArgument for any other y). On cuda the source ranks then read the rows straight from
+  // this rank's memory (no push, no staging); the call returns on the stream once every rank has
+  // read, so the view may be rewritten after it. Every rank passes the same value (not detected).
+  bool zero_copy = false;
   Stream stream = nullptr;
 };
 

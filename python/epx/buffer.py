@@ -89,10 +89,16 @@ class Buffer:
                                      zero_copy=bool(zero_copy))
         return HtDispatchResult(*r)
 
-    def ht_combine(self, y, handle, topk_weights=None, bias0=None, bias1=None):
-        """Collective. y [rows, H] bf16 in recv_x order -> HtCombineResult(out[T, H], weights)."""
+    def ht_combine(self, y, handle, topk_weights=None, bias0=None, bias1=None, zero_copy=False):
+        """Collective. y [rows, H] bf16 in recv_x order -> HtCombineResult(out[T, H], weights).
+        zero_copy: y is the view ht_combine_buffer(handle) returned, already written."""
         return HtCombineResult(*self._native.ht_combine(y, handle, topk_weights, bias0, bias1,
-                                                        _stream(y)))
+                                                        _stream(y), zero_copy=bool(zero_copy)))
+
+    def ht_combine_buffer(self, handle):
+        """Local. The bf16 [rows, H] view to write expert outputs into before
+        ht_combine(..., zero_copy=True); buffer memory shared with a zero-copy recv_x (epx/buffer.h)."""
+        return self._native.ht_combine_buffer(handle)
 
     # ---- ll ----------------------------------------------------------------------------------
     def ll_dispatch(self, x, topk_idx, use_fp8=True, round_scale=False, use_ue8m0=False,

@@ -110,13 +110,14 @@ py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, boo
 
 py::tuple ht_combine(const BufferPtr& b, py::handle y, const HtHandle& handle,
                      py::handle topk_weights, py::handle bias0, py::handle bias1,
-                     uintptr_t stream) {
+                     uintptr_t stream, bool zero_copy) {
   HtCombineArgs args;
   args.y = to_view(y, "ht_combine: argument 'y'");
   args.handle = &handle;
   args.topk_weights = to_view(topk_weights, "ht_combine: argument 'topk_weights'");
   args.bias0 = to_view(bias0, "ht_combine: argument 'bias[0]'");
   args.bias1 = to_view(bias1, "ht_combine: argument 'bias[1]'");
+  args.zero_copy = zero_copy;
   args.stream = as_stream(stream);
   HtCombineResult r;
   {
@@ -246,7 +247,14 @@ void bind_buffer(py::module_& m) {
            py::arg("num_worst_tokens"), py::arg("handle").none(true), py::arg("stream") = 0,
            py::arg("zero_copy") = false)
       .def("ht_combine", &ht_combine, py::arg("y"), py::arg("handle"), py::arg("topk_weights"),
-           py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0)
+           py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0,
+           py::arg("zero_copy") = false)
+      .def(
+          "ht_combine_buffer",
+          [](const BufferPtr& b, const HtHandle& handle) {
+            return view_to_torch(b->ht_combine_buffer(handle), owner_of(b));
+          },
+          py::arg("handle"))
       .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
            py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("return_recv_hook"),
            py::arg("cumulative_local_expert_recv_stats"), py::arg("stream") = 0)

@@ -72,6 +72,11 @@ HtCombineResult Buffer::ht_combine(const HtCombineArgs& args, const Allocator& a
   return impl_->ht_combine(args, allocator);
 }
 
+TensorView Buffer::ht_combine_buffer(const HtHandle& handle) {
+  detail::validate_ht_combine_buffer(*impl_, handle);
+  return impl_->ht_combine_buffer(handle);
+}
+
 LlDispatchResult Buffer::ll_dispatch(const LlDispatchArgs& args, const Allocator& allocator) {
   impl_->check();
   detail::validate_ll_dispatch(*impl_, args);

@@ -145,6 +145,15 @@ void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& a) {
   }
 }
 
+void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& h) {
+  check_ht_enabled(b, "ht_combine_buffer");
+  validate_ht_handle(b, h, "ht_combine_buffer");
+  const int64_t cap = b.shape.max_tokens_per_rank * b.group.size();
+  EPX_CHECK_ARG(handle_rows(h) <= cap, "ht_combine_buffer: argument 'handle' has ",
+                handle_rows(h), " rows, expected at most R * max_tokens_per_rank = ", cap,
+                " (the rows the combine buffer holds)");
+}
+
 void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& a) {
   const char* op = "ht_combine";
   check_ht_enabled(b, op);
@@ -162,6 +171,7 @@ void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& a) {
   check_shape(a.y, op, "y", {rows, H});
   check_device(a.y, op, "y", dev);
   check_inner_contiguous(a.y, op, "y");
+  if (a.zero_copy) validate_ht_combine_buffer(b, h);  // the view exists for this handle
 
   if (a.topk_weights.defined()) {
     check_defined(a.topk_weights, op, "topk_weights");

@@ -415,6 +415,16 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   });
 }
 
+// The combine's y section of this rank's region: the rows ht_combine publishes (zero-copy: the
+// caller wrote them there). Free between a dispatch's closing barrier and the combine.
+TensorView CpuBuffer::ht_combine_buffer(const HtHandle& handle) {
+  const HtRegion reg = ht_region(shape, group.size());
+  const int64_t rows = handle.num_worst_tokens > 0 ? handle.num_worst_tokens
+                                                   : handle.num_recv_tokens;
+  return TensorView::contiguous(static_cast<uint8_t*>(ht_mem_->local()) + reg.y, DType::kBF16,
+                                {rows, shape.hidden});
+}
+
 HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& alloc) {
   const int R = group.size(), r = group.rank(), K = shape.top_k;
   const int64_t H = shape.hidden;
@@ -435,7 +445,13 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   header->has_weights = has_weights ? 1 : 0;
   header->num_tokens = T;
   header->num_rows = N;
-  pack_rows(a.y, N, mine + reg.y);
+  if (a.zero_copy) {  // y must be the view ht_combine_buffer returned: already in place
+    EPX_CHECK_ARG(a.y.data == mine + reg.y && a.y.is_contiguous(), "ht_combine: argument 'y' is ",
+                  a.y.describe(), " with zero_copy, expected the view ht_combine_buffer(handle) ",
+                  "returned");
+  } else {
+    pack_rows(a.y, N, mine + reg.y);
+  }
   if (has_weights) {
     auto* w = reinterpret_cast<float*>(mine + reg.y_weights);
     for (int64_t i = 0; i < N; ++i)

@@ -277,6 +277,13 @@ void CudaBuffer::check_outside_region(const TensorView& t, const char* op, const
                 "of its own: the peers write there during the operation; copy it first");
 }
 
+TensorView CudaBuffer::ht_combine_buffer(const HtHandle& h) {
+  require_usable("ht_combine_buffer");
+  const int64_t rows = h.num_worst_tokens > 0 ? h.num_worst_tokens : h.num_recv_tokens;
+  return TensorView::contiguous(region_.combine_y_row(ht_local(), 0, shape.hidden * 2),
+                                DType::kBF16, {rows, shape.hidden}, Device::cuda(device_));
+}
+
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
                                const Allocator& alloc_fn) {
   require_usable("ht_layout");
@@ -530,7 +537,14 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                 ", expected one made by this buffer (", id, ")");
   const int R = group.size(), me = group.rank(), K = shape.top_k;
   const int64_t H = shape.hidden, T = h.num_tokens;
-  check_outside_region(args.y, "ht_combine", "y");
+  if (args.zero_copy) {
+    const TensorView view = ht_combine_buffer(h);
+    EPX_CHECK_ARG(args.y.data == view.data && args.y.is_contiguous(), "ht_combine: argument 'y' ",
+                  "is ", args.y.describe(), " with zero_copy, expected the view ",
+                  "ht_combine_buffer(handle) returned (", view.describe(), ")");
+  } else {
+    check_outside_region(args.y, "ht_combine", "y");
+  }
   HtCombineResult res;
   res.out = alloc(alloc_fn, DType::kBF16, {T, H}, device_);
   const bool with_weights = args.topk_weights.defined();
@@ -571,6 +585,23 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
   const int grid = tuning_.num_sms;
+  if (args.zero_copy) {
+    // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
+    // mirror in the region (one local copy); every CTA reduces.
+    if (with_weights && p.num_y_rows > 0 && R > 1)
+      EPX_CUDA_CHECK(cudaMemcpy2DAsync(region_.combine_w_row(ht_local(), 0),
+                                       static_cast<size_t>(K) * 4, p.weights,
+                                       static_cast<size_t>(p.weights_stride) * 4,
+                                       static_cast<size_t>(K) * 4,
+                                       static_cast<size_t>(p.num_y_rows), cudaMemcpyDeviceToDevice,
+                                       stream),
+                     "ht_combine: weights");
+    p.pull = 1;
+    p.num_send_ctas = 0;
+    launch_ht_combine(p, vb, grid, stream);
+    EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+    return res;
+  }
   const HtCopyConfig copy = copy_config();
   // The reducers wait for arrive kernels that run beside them: at least one SM must stay free
   // (the same on every rank: the SM counts are equal).

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -162,6 +163,7 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
         // HtDispatchArgs::zero_copy: cached bf16 / fp8 event-timed and graph-replayed, exact.
         bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
+        bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
@@ -175,6 +177,25 @@ int run_rank(const Group& g, const Options& o) {
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
         pool.reset();
         (void)buf.ht_dispatch(args, pool.get());
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        const bench::Timing t = bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
+          CUDA_OK(cudaGraphLaunch(exec, stream));
+        });
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        return t;
+      };
+      // Per-call time of any op captured once in a CUDA graph.
+      auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
+        pool.reset();
+        op(pool.get());
+        CUDA_OK(cudaStreamSynchronize(stream));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        pool.reset();
+        op(pool.get());
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
         const bench::Timing t = bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
@@ -229,6 +250,15 @@ int run_rank(const Group& g, const Options& o) {
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
         cc.handle = &h16.handle;
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
+        {  // zero-copy combine: the same y rows written once into the combine buffer
+          const TensorView view = buf.ht_combine_buffer(h16.handle);
+          CUDA_OK(cudaMemcpy(view.data, cc.y.data, view.nbytes(), cudaMemcpyDeviceToDevice));
+          HtCombineArgs cz = cc;
+          cz.y = view;
+          cz.zero_copy = true;
+          ct.zcomb = timed([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          ct.zcomb_graph = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+        }
         for (int pct : o.ce_share) {
           detail::set_ht_engine_share_override(pct);
           ct.comb_share.emplace_back(pct,
@@ -327,6 +357,8 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
           for (const auto& [pct, t] : ct.comb_share)
             row(name("combine bf16 ce share " + std::to_string(pct) + "%").c_str(), t, n_bf16,
                 c_bf16);

@@ -249,6 +249,27 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
   buf.check();
 
+  // Zero-copy combine: y written into ht_combine_buffer, the peers read it from there.
+  {
+    const TensorView view = buf.ht_combine_buffer(res.handle);
+    if (view.shape[0] != w.num_recv || view.shape[1] != c.hidden) {
+      std::fprintf(stderr, "[rank %d] %s: combine buffer %s\n", r, ctx.c_str(),
+                   view.describe().c_str());
+      return bad + 1;
+    }
+    if (w.num_recv > 0)
+      cudaMemcpyAsync(view.data, y.data, y.nbytes(), cudaMemcpyDeviceToDevice,
+                      static_cast<cudaStream_t>(gpu_testing::rank_stream()));
+    HtCombineArgs cz = ca;
+    cz.y = view;
+    cz.zero_copy = true;
+    HtCombineResult zr = buf.ht_combine(cz, alloc);
+    bad += compare("zero-copy combine out", ctx, r, zr.out, want_c[r].out);
+    bad += compare("zero-copy combined_topk_weights", ctx, r, zr.combined_topk_weights,
+                   want_c[r].combined);
+    buf.check();
+  }
+
   // The cpu backend on the same case (when it implements ht): must equal the reference too.
   if (with_cpu_backend) {
     std::string why;
@@ -571,7 +592,10 @@ int graph_replays(const Group& g, int num_replays) {
     if (g_zero_copy) {
       cudaMemcpyAsync(y_copy.data, res.recv_x.data, res.recv_x.nbytes(), cudaMemcpyDeviceToDevice,
                       stream);
-      ca.y = y_copy;
+      // The bf16 recv_x view is the combine buffer itself: y in place, zero-copy combine.
+      ca.y = buf.ht_combine_buffer(res.handle);
+      ca.zero_copy = true;
+      if (ca.y.data != res.recv_x.data) std::fprintf(stderr, "combine buffer != recv_x view\n");
     }
     ca.handle = &res.handle;
     ca.topk_weights = res.recv_topk_weights;

@@ -88,6 +88,42 @@ def body_native_ll(ctx, seed):
     del view, handle
 
 
+def body_native_ht_zero_copy(ctx, seed):
+    """epx.Buffer.ht_dispatch(zero_copy=True): the same rows as without it (exact and cached);
+    on cuda recv_x is a view of the buffer's memory that combine refuses as y (cpu: an ordinary
+    tensor, accepted). Device-generic: the GPU tier runs it too."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    H, K, E, T = 256, 2, 2 * R, 12
+    group = epx.Group.from_process_group(ctx.group)
+    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T)
+    g = ref.generator(seed, r)
+    x = ref.rand_bf16((T, H), g).to(dev)
+    idx = ref.routing("skewed", T, K, E, R, g).to(dev)
+    want = buf.ht_dispatch(x, idx)
+    want_x = want.recv_x.clone()
+    got = buf.ht_dispatch(x, idx, zero_copy=True)
+    assert torch.equal(got.recv_x, want_x)
+    assert torch.equal(got.recv_src_idx, want.recv_src_idx)
+    x2 = ref.rand_bf16((T, H), g).to(dev)
+    want2 = buf.ht_dispatch(x2, handle=got.handle).recv_x.clone()
+    got2 = buf.ht_dispatch(x2, handle=got.handle, zero_copy=True)
+    assert torch.equal(got2.recv_x, want2)
+    y = got2.recv_x.clone()
+    if group.backend == "cuda":
+        with pytest.raises(epx.InvalidArgument, match="'y'"):
+            buf.ht_combine(got2.recv_x, got.handle)
+    out = buf.ht_combine(y, got.handle).out
+    assert torch.equal(out, buf.ht_combine(want2, want.handle).out)
+    # Zero-copy combine: y written into the combine buffer (the same memory as the bf16
+    # zero-copy recv_x view on cuda: in place).
+    view = buf.ht_combine_buffer(got.handle)
+    assert view.shape == y.shape and view.dtype == torch.bfloat16
+    view.copy_(y)
+    assert torch.equal(buf.ht_combine(view, got.handle, zero_copy=True).out, out)
+    with pytest.raises(epx.InvalidArgument, match="ht_combine_buffer"):
+        buf.ht_combine(y, got.handle, zero_copy=True)
+
+
 def body_native_a2a(ctx, seed):
     R, r = ctx.world_size, ctx.rank
     E, K, H, M = R, 1, 32, 4
@@ -177,6 +213,10 @@ def test_group_from_process_group(pool):
 
 def test_native_ll_buffer(pool):
     pool.run(body_native_ll, _seed())
+
+
+def test_native_ht_zero_copy(pool):
+    pool.run(body_native_ht_zero_copy, _seed())
 
 
 def test_native_a2a(pool):

@@ -10,6 +10,7 @@ import torch
 import epx
 import test_deep_ep_ht as ht
 import test_deep_ep_ll as ll
+import test_epx
 import test_flashinfer as a2a
 from conftest import get_pool, gpu_skip_reason
 
@@ -49,6 +50,10 @@ def test_gpu_deep_ep_normal(gpu_pool, body):
                          ids=lambda b: b.__name__)
 def test_gpu_deep_ep_low_latency(gpu_pool, body):
     gpu_pool.run(body, _seed())
+
+
+def test_gpu_ht_zero_copy(gpu_pool):
+    gpu_pool.run(test_epx.body_native_ht_zero_copy, _seed())
 
 
 def test_gpu_flashinfer_a2a(gpu_pool):

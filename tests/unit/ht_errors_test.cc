@@ -320,6 +320,25 @@ TEST(HtZeroCopy, CpuBackendReturnsTheSameRows) {
     c2.y = want.recv_x;
     c2.handle = &want.handle;
     EXPECT_TRUE(same(out.out, buf.ht_combine(c2).out));
+    // Zero-copy combine: y written into ht_combine_buffer, the same outputs.
+    std::vector<float> yw(static_cast<size_t>(want.recv_x.shape[0]) * 2);
+    for (size_t i = 0; i < yw.size(); ++i) yw[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+    c2.topk_weights =
+        TensorView::contiguous(yw.data(), DType::kF32, {want.recv_x.shape[0], int64_t{2}});
+    const HtCombineResult plain = buf.ht_combine(c2);
+    const TensorView view = buf.ht_combine_buffer(want.handle);
+    ASSERT_EQ(view.shape[0], want.recv_x.shape[0]);
+    ASSERT_EQ(view.shape[1], 128);
+    std::memcpy(view.data, want.recv_x.data, want.recv_x.nbytes());
+    HtCombineArgs cz = c2;
+    cz.y = view;
+    cz.zero_copy = true;
+    const HtCombineResult zc_out = buf.ht_combine(cz);
+    EXPECT_TRUE(same(zc_out.out, plain.out));
+    EXPECT_TRUE(same(zc_out.combined_topk_weights, plain.combined_topk_weights));
+    cz.y = want.recv_x;  // not the view
+    expect_error([&] { buf.ht_combine(cz); }, ErrorCode::kInvalidArgument,
+                 {"'y'", "ht_combine_buffer"}, "zero-copy combine y");
   });
 }
 

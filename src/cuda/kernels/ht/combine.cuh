@@ -17,6 +17,11 @@
 //   rest and every weight (and count every block as before); a reducer reading row j < m of the
 //   slot for d also waits until d's copy engines signalled the chunk holding j (arrived[d]
 //   reached cur * kHtEngineChunks + c, chunk c = rows [m * c / C, m * (c + 1) / C)).
+// pull (zero-copy combine, ht.cu): no senders; every rank's y rows are in its own region
+//   (combine_y_row at send_pos order, weights mirrored at combine_w_row). At the start one thread
+//   signals yready[rank] = cur to every peer; a reducer reading rank d's rows waits once for
+//   yready[d] and loads y_d[send_pos[t][d]] straight from d's memory. At the end the last CTA
+//   signals ready and waits for every peer's ready (they finished reading this rank's y).
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -178,6 +183,8 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
   }
 }
 
+inline constexpr int32_t kPulledReady = 0x7fffffff;  // last_block[d]: d's yready acquired
+
 template <typename V, bool kNarrow>
 __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
                                int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
@@ -205,7 +212,13 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     bool use = pos >= 0;
     bool ok = true;
     int64_t j = 0;
-    if (use && lane != me) {
+    if (use && lane != me && p.pull) {
+      // Zero-copy combine: rank `lane` wrote its y before its combine began (yready).
+      if (last_block[lane] != kPulledReady) {
+        ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
+        last_block[lane] = kPulledReady;
+      }
+    } else if (use && lane != me) {
       j = pos - excl;
       const int32_t b = static_cast<int32_t>(j / kHtRowsPerBlock);
       if (last_block[lane] != b) {
@@ -233,6 +246,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
       if (lane == me) {
         src[slot] = reinterpret_cast<const V*>(p.y + pos * p.y_stride);
         wsrc[slot] = p.weights ? p.weights + pos * p.weights_stride : nullptr;
+      } else if (p.pull) {  // straight from the peer's memory
+        src[slot] = reinterpret_cast<const V*>(g.combine_y_row(p.symm.peers[lane], pos, p.row_bytes));
+        wsrc[slot] = g.combine_w_row(p.symm.peers[lane], pos);
       } else {
         const int from = HtRegion::slot_of(lane, me);
         src[slot] = reinterpret_cast<const V*>(g.x_row(p.symm.local, from, j));
@@ -284,7 +300,15 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   __shared__ int32_t s_last_chunk[kHtWarps * kMaxHtRanks];
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
-  if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    publish_deferred_ready(p.symm, p.wait, R);
+    // Zero-copy combine: this rank's y (written by the work before this kernel) may be read.
+    if (p.pull) {
+      __threadfence_system();
+      for (int q = 0; q < R; ++q)
+        if (q != me) st_release_sys(p.symm.region.yready(p.symm.peers[q]) + me, cur);
+    }
+  }
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
@@ -299,7 +323,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
       for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
         *g.counter(p.symm.local, HtRegion::slot_of(d, me), b) = 0u;
     }
-  });
+  }, kReadyNow, /*wait_peers=*/p.pull != 0);
 }
 
 }  // namespace epx::detail

@@ -38,9 +38,12 @@ __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
 // engines read the slots. kReadyDeferred (zero-copy dispatch): recv_x is a view of this region,
 // so the signal waits for the rank's next ht op (state->ready_pending, publish_deferred_ready).
 enum HtReady : int { kReadyNow = 0, kReadyLater = 1, kReadyDeferred = 2 };
+// wait_peers (zero-copy combine, whose peers read this rank's memory): after the ready signal,
+// also wait until every peer finished the op, so the memory is free when the kernel ends.
 template <typename ResetFn>
 __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
-                                 int num_ranks, ResetFn reset_counters, int ready = kReadyNow) {
+                                 int num_ranks, ResetFn reset_counters, int ready = kReadyNow,
+                                 bool wait_peers = false) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -60,6 +63,10 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
     for (int p = 0; p < num_ranks && ready == kReadyNow; ++p) {
       if (p == w.rank) continue;
       st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, cur);
+    }
+    for (int p = 0; p < num_ranks && wait_peers; ++p) {
+      if (p == w.rank) continue;
+      if (!wait_flag<true>(symm.region.ready(symm.local) + p, cur, w, kWaitReady, p)) break;
     }
   }
 }

@@ -133,6 +133,8 @@ struct HtCombineParams {
                  // each slot in kHtEngineChunks chunks (ht.cu); senders move the weights and the
                  // rest, and reducers also wait for the chunk of a row the copy engines moved
   int engine_share;  // percent of each slot's rows the copy engines push (engine_y; 1..100)
+  int pull;  // 1: zero-copy combine: y is this rank's combine_y_row area, weights are mirrored in
+             // the yw area; reducers read the peers' rows there (no senders, no slots)
   HtSymm symm;
   WaitContext wait;
 };

@@ -6,6 +6,8 @@
 //   ready    uint32 [kMaxHtRanks]                 ready[p] = last op rank p finished (p writes)
 //   arrived  uint32 [kMaxHtRanks]                 arrived[p] = last copy-engine dispatch whose x
 //                                                 rows rank p finished pushing here (p writes)
+//   yready   uint32 [kMaxHtRanks]                 yready[p] = last zero-copy combine whose y rank
+//                                                 p wrote (p writes, at the combine's start)
 //   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
 //                                                 {flag, tokens per rank [R], tokens per expert of
 //                                                  this rank's experts [L]}
@@ -18,6 +20,8 @@
 //                                                 zero-copy recv_x_scales [N][S] (scale_recv_row)
 //   meta     [R-1][T_max][meta_row_bytes]         dispatch: {src_idx, local topk idx [K],
 //                                                  weights [K]}; combine: weights [K]
+//   yw       [R][T_max][K] float                  zero-copy combine: this rank's y weights
+// Zero-copy combine: y [rows][H] bf16 packed in the x area (combine_y_row), read by the peers.
 // A sender s writes into receiver d's "source slot" slot_of(s, d) (its own slot is never used:
 // a rank copies its own rows straight to its outputs). Row j of a slot is the j-th token (in
 // source order) that s sends to d, so the receiver's output row is prefix(s, d) + j. A zero-copy
@@ -68,8 +72,8 @@ struct HtRegion {
   int64_t scale_row_bytes = 0;
   int64_t meta_row_bytes = 0;
   size_t count_slot_bytes = 0;
-  size_t state_off = 0, ready_off = 0, arrived_off = 0, count_off = 0, counter_off = 0;
-  size_t x_off = 0, scale_off = 0, meta_off = 0, total_bytes = 0;
+  size_t state_off = 0, ready_off = 0, arrived_off = 0, yready_off = 0, count_off = 0;
+  size_t counter_off = 0, x_off = 0, scale_off = 0, meta_off = 0, yw_off = 0, total_bytes = 0;
 
   static HtRegion make(int64_t hidden, int top_k, int num_experts, int64_t max_tokens,
                        int num_ranks) {
@@ -95,6 +99,8 @@ struct HtRegion {
     off += ht_round_up(4 * kMaxHtRanks, 64);
     g.arrived_off = off;
     off += ht_round_up(4 * kMaxHtRanks, 64);
+    g.yready_off = off;
+    off += ht_round_up(4 * kMaxHtRanks, 64);
     g.count_off = off;
     off += ht_round_up(g.count_slot_bytes * num_ranks, 256);
     g.counter_off = off;
@@ -106,6 +112,8 @@ struct HtRegion {
     off += static_cast<size_t>(num_ranks) * static_cast<size_t>(max_tokens) * g.scale_row_bytes;
     g.meta_off = off = ht_round_up(off, 256);
     off += rows * g.meta_row_bytes;
+    g.yw_off = off = ht_round_up(off, 256);
+    off += static_cast<size_t>(num_ranks) * static_cast<size_t>(max_tokens) * top_k * 4;
     g.total_bytes = ht_round_up(off, 4096);
     return g;
   }
@@ -119,6 +127,16 @@ struct HtRegion {
   }
   EPX_HT_HD uint32_t* arrived(char* base) const {
     return reinterpret_cast<uint32_t*>(base + arrived_off);
+  }
+  EPX_HT_HD uint32_t* yready(char* base) const {
+    return reinterpret_cast<uint32_t*>(base + yready_off);
+  }
+  // Zero-copy combine: row `row` of the rank's y (bf16, row_bytes = 2 H) and of its weights [K].
+  EPX_HT_HD char* combine_y_row(char* base, int64_t row, int64_t row_bytes) const {
+    return base + x_off + static_cast<size_t>(row) * row_bytes;
+  }
+  EPX_HT_HD float* combine_w_row(char* base, int64_t row) const {
+    return reinterpret_cast<float*>(base + yw_off) + static_cast<size_t>(row) * top_k;
   }
   // Copy-engine dispatch (HtCopyMode::kEngine): x rows of slot `slot` packed at row_bytes pitch
   // (row_bytes <= x_row_bytes), so a source's block is one contiguous range.
