@@ -70,15 +70,15 @@ struct HtDispatchArgs {
   // (num_worst_tokens must be 0 or the handle's), and result.handle is a copy of *handle.
   const HtHandle* handle = nullptr;
   // Zero-copy receive (any mode): recv_x (and recv_x_scales) are views of the buffer's symmetric
-  // memory, where the peers store the rows directly (no copy into tensors of their own). The view is valid until this
-  // rank's next ht_dispatch or ht_combine on the buffer begins on the device (and while the
-  // buffer lives; the tensor does not own its memory): order every read of
-  // it before that call (the same stream, or an event), and copy what must live longer. It must
-  // not be passed back as combine's y (InvalidArgument: peers write into that memory during the
-  // combine); write the expert outputs elsewhere. The other outputs are tensors of their own, as
-  // without it. Worst-case mode needs num_worst_tokens <= R * max_tokens_per_rank. Every rank
-  // passes the same value (not detected: a mismatch moves rows to the wrong place). The cpu
-  // backend accepts it and returns an ordinary tensor.
+  // memory, where the peers store the rows directly (no copy into tensors of their own). The views
+  // are valid until this rank's next ht_dispatch or ht_combine on the buffer begins on the device
+  // (and while the buffer lives; they do not own their memory): order every read before that call
+  // (the same stream, or an event) and copy what must live longer. A copying combine refuses them
+  // as y (InvalidArgument: the peers write there during it); Buffer::ht_combine_buffer views the
+  // same memory, so expert outputs may be written in place for a zero-copy combine. The other
+  // outputs are tensors of their own. Worst-case mode needs num_worst_tokens <= R *
+  // max_tokens_per_rank. Every rank passes the same value (not detected: a mismatch moves rows to
+  // the wrong place). The cpu backend accepts it and returns ordinary tensors.
   bool zero_copy = false;
   Stream stream = nullptr;
 };

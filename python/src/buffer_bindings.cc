@@ -109,8 +109,8 @@ py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, boo
 }
 
 py::tuple ht_combine(const BufferPtr& b, py::handle y, const HtHandle& handle,
-                     py::handle topk_weights, py::handle bias0, py::handle bias1,
-                     uintptr_t stream, bool zero_copy) {
+                     py::handle topk_weights, py::handle bias0, py::handle bias1, uintptr_t stream,
+                     bool zero_copy) {
   HtCombineArgs args;
   args.y = to_view(y, "ht_combine: argument 'y'");
   args.handle = &handle;
@@ -247,8 +247,7 @@ void bind_buffer(py::module_& m) {
            py::arg("num_worst_tokens"), py::arg("handle").none(true), py::arg("stream") = 0,
            py::arg("zero_copy") = false)
       .def("ht_combine", &ht_combine, py::arg("y"), py::arg("handle"), py::arg("topk_weights"),
-           py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0,
-           py::arg("zero_copy") = false)
+           py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0, py::arg("zero_copy") = false)
       .def(
           "ht_combine_buffer",
           [](const BufferPtr& b, const HtHandle& handle) {

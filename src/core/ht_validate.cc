@@ -149,8 +149,8 @@ void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& h) {
   check_ht_enabled(b, "ht_combine_buffer");
   validate_ht_handle(b, h, "ht_combine_buffer");
   const int64_t cap = b.shape.max_tokens_per_rank * b.group.size();
-  EPX_CHECK_ARG(handle_rows(h) <= cap, "ht_combine_buffer: argument 'handle' has ",
-                handle_rows(h), " rows, expected at most R * max_tokens_per_rank = ", cap,
+  EPX_CHECK_ARG(handle_rows(h) <= cap, "ht_combine_buffer: argument 'handle' has ", handle_rows(h),
+                " rows, expected at most R * max_tokens_per_rank = ", cap,
                 " (the rows the combine buffer holds)");
 }
 

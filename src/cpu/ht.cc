@@ -419,8 +419,8 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
 // caller wrote them there). Free between a dispatch's closing barrier and the combine.
 TensorView CpuBuffer::ht_combine_buffer(const HtHandle& handle) {
   const HtRegion reg = ht_region(shape, group.size());
-  const int64_t rows = handle.num_worst_tokens > 0 ? handle.num_worst_tokens
-                                                   : handle.num_recv_tokens;
+  const int64_t rows =
+      handle.num_worst_tokens > 0 ? handle.num_worst_tokens : handle.num_recv_tokens;
   return TensorView::contiguous(static_cast<uint8_t*>(ht_mem_->local()) + reg.y, DType::kBF16,
                                 {rows, shape.hidden});
 }

@@ -86,11 +86,12 @@ int ht_ablation() {
 HtCopyConfig parse_ht_copy(const std::string& spec, const char* what) {
   HtCopyConfig c;
   auto bad = [&]() {
-    throw_error(ErrorCode::kInvalidArgument,
-                cat(what, ": '", spec,
-                    "' is not warp[:bN], ce[:kept][:combine|:combine-auto][:bN] or bulk[:SxC][:bN] ",
-                    "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
-                    "tokens per batch)"));
+    throw_error(
+        ErrorCode::kInvalidArgument,
+        cat(what, ": '", spec,
+            "' is not warp[:bN], ce[:kept][:combine|:combine-auto][:bN] or bulk[:SxC][:bN] ",
+            "(2 <= S <= 8 stages of C bytes, C a multiple of 16 in [16, 65536]; N >= 1 ",
+            "tokens per batch)"));
   };
   size_t colon = spec.find(':');
   const std::string head = spec.substr(0, colon);
@@ -229,8 +230,9 @@ HtTuning resolve_ht_tuning(int requested_sms, int device_sms, int num_ranks) {
   // Zero-copy: the receivers only wait for the blocks and copy the metadata out, so every CTA
   // sends and then receives (14 senders + 2 receivers measured 204 us bf16 at 16 SMs,
   // docs/perf.md sixth session). A --send-pct override splits them as the other paths do.
-  t.dispatch_send_ctas_zero_copy =
-      num_ranks == 1 ? 0 : g_dispatch_send_percent.load() > 0 ? t.dispatch_send_ctas : t.num_sms;
+  t.dispatch_send_ctas_zero_copy = num_ranks == 1                       ? 0
+                                   : g_dispatch_send_percent.load() > 0 ? t.dispatch_send_ctas
+                                                                        : t.num_sms;
   return t;
 }
 

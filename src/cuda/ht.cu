@@ -589,13 +589,12 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
     if (with_weights && p.num_y_rows > 0 && R > 1)
-      EPX_CUDA_CHECK(cudaMemcpy2DAsync(region_.combine_w_row(ht_local(), 0),
-                                       static_cast<size_t>(K) * 4, p.weights,
-                                       static_cast<size_t>(p.weights_stride) * 4,
-                                       static_cast<size_t>(K) * 4,
-                                       static_cast<size_t>(p.num_y_rows), cudaMemcpyDeviceToDevice,
-                                       stream),
-                     "ht_combine: weights");
+      EPX_CUDA_CHECK(
+          cudaMemcpy2DAsync(region_.combine_w_row(ht_local(), 0), static_cast<size_t>(K) * 4,
+                            p.weights, static_cast<size_t>(p.weights_stride) * 4,
+                            static_cast<size_t>(K) * 4, static_cast<size_t>(p.num_y_rows),
+                            cudaMemcpyDeviceToDevice, stream),
+          "ht_combine: weights");
     p.pull = 1;
     p.num_send_ctas = 0;
     launch_ht_combine(p, vb, grid, stream);

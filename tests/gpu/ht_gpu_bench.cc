@@ -15,11 +15,11 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -198,9 +198,8 @@ int run_rank(const Group& g, const Options& o) {
         op(pool.get());
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        const bench::Timing t = bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
-          CUDA_OK(cudaGraphLaunch(exec, stream));
-        });
+        const bench::Timing t = bench::time_on_device(
+            g, stream, o.warmup, o.iters, [&] { CUDA_OK(cudaGraphLaunch(exec, stream)); });
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
         return t;
@@ -330,8 +329,8 @@ int run_rank(const Group& g, const Options& o) {
             "\nSMs %d (sender CTAs: dispatch %d, ce:kept %d, zero-copy %d, combine %d): remote "
             "rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows %lld\n",
             sms, tu.dispatch_send_ctas, tu.dispatch_send_ctas_kept, tu.dispatch_send_ctas_zero_copy,
-            tu.combine_send_ctas, static_cast<long long>(remote_rows),
-            bf16_bytes / 1e6, fp8_bytes / 1e6, static_cast<long long>(self_rows));
+            tu.combine_send_ctas, static_cast<long long>(remote_rows), bf16_bytes / 1e6,
+            fp8_bytes / 1e6, static_cast<long long>(self_rows));
         std::printf("  %-52s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
                     "ceil us", "epx/nccl", "ceil/epx");
         auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,

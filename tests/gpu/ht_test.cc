@@ -645,8 +645,9 @@ int graph_replays(const Group& g, int num_replays) {
     x_all.resize(num_worst * H * 2, 0);  // padding rows are zero
     // Zero-copy: the view was valid until the combine (whose pushes reuse that memory); its copy
     // taken before the combine is what the test reads.
-    bad += compare("recv_x", ctx, r, g_zero_copy ? static_cast<const TensorView&>(y_copy)
-                                                 : static_cast<const TensorView&>(res.recv_x),
+    bad += compare("recv_x", ctx, r,
+                   g_zero_copy ? static_cast<const TensorView&>(y_copy)
+                               : static_cast<const TensorView&>(res.recv_x),
                    x_all);
     std::vector<int64_t> topk_all = w.recv_topk_idx;
     topk_all.resize(num_worst * K, -1);
@@ -795,22 +796,22 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
                                              /*bias1=*/false, /*salt=*/7 + round);
         const auto want_c = expected_ht_combine(c, in1, want1, yin);
         const Tensor y = to_device(yin[r].y, DType::kBF16, {want1[r].num_recv, c.hidden}, dev);
-        const Tensor yw =
-            to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
+        const Tensor yw = to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
         HtCombineArgs ca;
         ca.y = y;
         ca.topk_weights = yw;
         ca.handle = &res.handle;
         HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
         bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
-        bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
-                       want_c[r].combined);
+        bad +=
+            compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
         buf.check();
       }
     }
     detail::set_ht_copy_override(nullptr);
-    if (bad) std::fprintf(stderr, "[rank %d] zero-copy fast peer: %lld mismatches\n", r,
-                          static_cast<long long>(bad));
+    if (bad)
+      std::fprintf(stderr, "[rank %d] zero-copy fast peer: %lld mismatches\n", r,
+                   static_cast<long long>(bad));
     return bad ? 1 : 0;
   });
   EXPECT_EQ(rc, 0);

@@ -247,7 +247,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
         src[slot] = reinterpret_cast<const V*>(p.y + pos * p.y_stride);
         wsrc[slot] = p.weights ? p.weights + pos * p.weights_stride : nullptr;
       } else if (p.pull) {  // straight from the peer's memory
-        src[slot] = reinterpret_cast<const V*>(g.combine_y_row(p.symm.peers[lane], pos, p.row_bytes));
+        src[slot] =
+            reinterpret_cast<const V*>(g.combine_y_row(p.symm.peers[lane], pos, p.row_bytes));
         wsrc[slot] = g.combine_w_row(p.symm.peers[lane], pos);
       } else {
         const int from = HtRegion::slot_of(lane, me);
@@ -314,16 +315,19 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   } else {
     combine_reduce<V, kNarrow>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
-  finish_operation(p.symm, p.wait, cur, R, [&] {
-    const HtRegion& g = p.symm.region;
-    for (int d = 0; d < R; ++d) {
-      if (d == me) continue;
-      const int64_t nb =
-          (rows_between(p.rank_prefix_matrix, R, me, d) + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
-      for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
-        *g.counter(p.symm.local, HtRegion::slot_of(d, me), b) = 0u;
-    }
-  }, kReadyNow, /*wait_peers=*/p.pull != 0);
+  finish_operation(
+      p.symm, p.wait, cur, R,
+      [&] {
+        const HtRegion& g = p.symm.region;
+        for (int d = 0; d < R; ++d) {
+          if (d == me) continue;
+          const int64_t nb = (rows_between(p.rank_prefix_matrix, R, me, d) + kHtRowsPerBlock - 1) /
+                             kHtRowsPerBlock;
+          for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
+            *g.counter(p.symm.local, HtRegion::slot_of(d, me), b) = 0u;
+        }
+      },
+      kReadyNow, /*wait_peers=*/p.pull != 0);
 }
 
 }  // namespace epx::detail

@@ -85,9 +85,8 @@ __device__ __forceinline__ int recv_cta0(const HtDispatchParams& p) {
 // copy_x (false: a bulk copy moves it) unless the copy engines copy the kept rows (engine_kept)
 // or move every row (engine_x).
 template <typename V>
-__device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int64_t t,
-                                                  int64_t pos, const V* src, int64_t nv, int lane,
-                                                  bool copy_x) {
+__device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int64_t t, int64_t pos,
+                                                  const V* src, int64_t nv, int lane, bool copy_x) {
   if (copy_x && !p.engine_x && !p.engine_kept)
     copy_row<V, false>(src, reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
   for (int s = lane; s < p.num_scales; s += 32) {
@@ -148,7 +147,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t row = __shfl_sync(0xffffffffu, pos, d);  // in d's recv_x
-        if (d == me) {  // zero-copy only
+        if (d == me) {                                         // zero-copy only
           if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true);
           continue;
         }
@@ -163,9 +162,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
           if (!p.engine_x) copy_row<V, false>(src, reinterpret_cast<V*>(dst), nv, lane);
         }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
-        uint32_t* sc =
-            reinterpret_cast<uint32_t*>(p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales)
-                                                    : g.scale_row(peer, slot, j));
+        uint32_t* sc = reinterpret_cast<uint32_t*>(
+            p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales) : g.scale_row(peer, slot, j));
         for (int s = lane; s < p.num_scales; s += 32)
           sc[s] = reinterpret_cast<const uint32_t*>(
               p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
@@ -361,16 +359,21 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       }
     }
   }
-  finish_operation(p.symm, p.wait, cur, R, [&] {
-    const HtRegion& g = p.symm.region;
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
-      const int64_t nb =
-          (rows_between(p.rank_prefix_matrix, R, s, me) + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
-      for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
-        *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
-    }
-  }, p.engine_x ? kReadyLater : p.zero_copy ? kReadyDeferred : kReadyNow);
+  finish_operation(
+      p.symm, p.wait, cur, R,
+      [&] {
+        const HtRegion& g = p.symm.region;
+        for (int s = 0; s < R; ++s) {
+          if (s == me) continue;
+          const int64_t nb = (rows_between(p.rank_prefix_matrix, R, s, me) + kHtRowsPerBlock - 1) /
+                             kHtRowsPerBlock;
+          for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
+            *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
+        }
+      },
+      p.engine_x    ? kReadyLater
+      : p.zero_copy ? kReadyDeferred
+                    : kReadyNow);
 }
 
 }  // namespace epx::detail
