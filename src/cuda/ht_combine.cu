@@ -10,10 +10,14 @@ namespace epx::detail {
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
-      if (p.ablate & kHtReduceNarrow)
-        ht_combine_kernel<uint4, true><<<grid, kHtThreads, 0, stream>>>(p);
-      else
-        ht_combine_kernel<uint4><<<grid, kHtThreads, 0, stream>>>(p);
+      if (p.ablate & kHtReduceNarrow) {
+        ht_combine_kernel<uint4, kStepNarrow><<<grid, kHtThreads, 0, stream>>>(p);
+      } else if (p.num_ranks + (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0) <= 2 &&
+                 !(p.ablate & kHtReducePairOff)) {  // every token has <= 2 row sources
+        ht_combine_kernel<uint4, kStepPair><<<grid, kHtThreads, 0, stream>>>(p);
+      } else {
+        ht_combine_kernel<uint4, kStepWide><<<grid, kHtThreads, 0, stream>>>(p);
+      }
       break;
     case 8:
       ht_combine_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);

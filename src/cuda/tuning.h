@@ -24,6 +24,9 @@ enum HtAblate : int {
   // lane, kReduceGroupNarrow sources at a time; kernels/ht/combine.cuh; rows of 16-byte vectors
   // only, ignored otherwise) — the step before the sixth session's wide default, the same-run A/B.
   kHtReduceNarrow = 256,
+  // Not an ablation either: tokens with <= 2 row sources take the general reducer step too, not
+  // reduce_row_pair (the sixth session's pair step; its same-run A/B).
+  kHtReducePairOff = 512,
 };
 
 struct HtTuning {

@@ -164,6 +164,7 @@ int run_rank(const Group& g, const Options& o) {
         // HtDispatchArgs::zero_copy: cached bf16 / fp8 event-timed and graph-replayed, exact.
         bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
+        bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
@@ -257,6 +258,10 @@ int run_rank(const Group& g, const Options& o) {
           cz.zero_copy = true;
           ct.zcomb = timed([&](const Allocator& al) { buf.ht_combine(cz, al); });
           ct.zcomb_graph = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          detail::set_ht_ablation(detail::kHtReducePairOff);  // its A/B: the general step
+          ct.zcomb_nopair =
+              graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          detail::set_ht_ablation(0);
         }
         for (int pct : o.ce_share) {
           detail::set_ht_engine_share_override(pct);
@@ -282,6 +287,9 @@ int run_rank(const Group& g, const Options& o) {
       // same outputs).
       detail::set_ht_ablation(detail::kHtReduceNarrow);
       auto t_comb_narrow = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
+      // And without the pair step (kHtReducePairOff: the general wide step for every token).
+      detail::set_ht_ablation(detail::kHtReducePairOff);
+      auto t_comb_nopair = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
       detail::set_ht_ablation(0);
       detail::set_ht_copy_override(&last_copy);
       buf.check();
@@ -358,6 +366,8 @@ int run_rank(const Group& g, const Options& o) {
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,
+              n_bf16, c_bf16);
           for (const auto& [pct, t] : ct.comb_share)
             row(name("combine bf16 ce share " + std::to_string(pct) + "%").c_str(), t, n_bf16,
                 c_bf16);
@@ -365,6 +375,7 @@ int run_rank(const Group& g, const Options& o) {
         row("combine bf16 [EPX_HT_COPY / default]", t_comb, n_bf16, c_bf16);
         row("combine bf16 [default, emulated bf16 rounding]", t_comb_emu, n_bf16, c_bf16);
         row("combine bf16 [default, narrow reducer step]", t_comb_narrow, n_bf16, c_bf16);
+        row("combine bf16 [default, no pair step]", t_comb_nopair, n_bf16, c_bf16);
         if (o.ablate) {
           std::printf("  ablations (same run; outputs wrong):\n");
           for (const auto& [name, t] : ablations)

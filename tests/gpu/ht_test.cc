@@ -52,6 +52,7 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept:combine", 100, 0, true},
     {"warp", 100, 0, true},
     {"ce", 100, 0, true},
+    {"warp", 100, detail::kHtReducePairOff},
     {"warp", 100, detail::kHtReduceNarrow},
     {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
 

@@ -128,6 +128,47 @@ __device__ __forceinline__ int engine_chunk(int64_t j, int64_t n) {
   return c;
 }
 
+// reduce_row for a token with at most two row sources (EP2 without biases: its own rank and one
+// peer): kPairUnroll vectors of each source in flight per lane per step and no accumulator array
+// across steps (fewer steps per row: each step waits for one round trip of its loads).
+inline constexpr int kPairUnroll = 7;
+template <typename V>
+__device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const V* const* rsrc,
+                                                int num_rs, uint64_t landed, V* o, int64_t nv,
+                                                int lane) {
+  constexpr int kPerVec = sizeof(V) / 2;
+  const V* s0 = num_rs > 0 ? rsrc[0] : nullptr;
+  const V* s1 = num_rs > 1 ? rsrc[1] : nullptr;
+  const bool peer0 = landed & 1u, peer1 = (landed >> 1) & 1u;
+  for (int64_t v0 = 0; v0 < nv; v0 += 32 * kPairUnroll) {
+    V a[kPairUnroll], b[kPairUnroll];
+#pragma unroll
+    for (int u = 0; u < kPairUnroll; ++u) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i < nv && s0) a[u] = peer0 ? ld_landed(s0 + i) : ld_input(s0 + i);
+      if (i < nv && s1) b[u] = peer1 ? ld_landed(s1 + i) : ld_input(s1 + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kPairUnroll; ++u) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i >= nv) continue;
+      float acc[kPerVec];
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
+      if (s0) accumulate(acc, a[u]);  // sources in order, as reduce_row
+      if (s1) accumulate(acc, b[u]);
+      if (p.ablate & kHtEmulatedBf16) {
+        Bf16Pack<V> pk;
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[e]);
+        o[i] = pk.v;
+      } else {
+        o[i] = f32_to_bf16_vec<V>(acc);
+      }
+    }
+  }
+}
+
 // One token's output row: the vectors of its row sources rsrc[0 .. num_rs) (bit q of `landed`:
 // source q arrived from a peer, read through L2) accumulated in source order and rounded into o.
 // kUnroll vectors per lane per step, up to kGroup sources' loads in flight before their adds.
@@ -185,7 +226,12 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 
 inline constexpr int32_t kPulledReady = 0x7fffffff;  // last_block[d]: d's yready acquired
 
-template <typename V, bool kNarrow>
+// Reducer steps, one kernel instantiation each (together they spill): kStepWide (16-byte rows,
+// the default), kStepNarrow (kHtReduceNarrow, and narrower rows), kStepPair (every token has at
+// most two row sources: R + biases <= 2, chosen by the host; kHtReducePairOff: its A/B).
+enum HtReduceStep : int { kStepWide = 0, kStepNarrow = 1, kStepPair = 2 };
+
+template <typename V, int kStep>
 __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
                                int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
                                const V** s_rsrc) {
@@ -274,11 +320,27 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
     V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
-    if constexpr (kNarrow)
+    // The weights of up to two sources are loaded before the row (their latency overlaps it).
+    const bool wpair = p.combined_weights && num_src <= 2 && p.top_k <= 32;
+    float w0 = 0.0f, w1 = 0.0f;
+    if (wpair && lane < p.top_k) {
+      if (num_src > 0) w0 = self_slot == 0 ? wsrc[0][lane] : ld_landed(wsrc[0] + lane);
+      if (num_src > 1) w1 = self_slot == 1 ? wsrc[1][lane] : ld_landed(wsrc[1] + lane);
+    }
+    if constexpr (kStep == kStepNarrow)
       reduce_row<V, kReduceUnrollNarrow, kReduceGroupNarrow>(p, rsrc, num_rs, landed, o, nv, lane);
+    else if constexpr (kStep == kStepPair)
+      reduce_row_pair<V>(p, rsrc, num_rs, landed, o, nv, lane);
     else
       reduce_row<V, kReduceUnroll, kReduceGroup>(p, rsrc, num_rs, landed, o, nv, lane);
-    if (p.combined_weights) {
+    if (wpair) {
+      if (lane < p.top_k) {
+        float a = 0.0f;
+        if (num_src > 0) a = a + w0;
+        if (num_src > 1) a = a + w1;
+        p.combined_weights[t * p.top_k + lane] = a;
+      }
+    } else if (p.combined_weights) {
       for (int k = lane; k < p.top_k; k += 32) {
         float a = 0.0f;
         for (int q = 0; q < num_src; ++q)
@@ -290,9 +352,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
   }
 }
 
-// kNarrow: the reducers' 4 x 4 step (kHtReduceNarrow, and rows of vectors narrower than 16 bytes;
-// its own instantiation: one kernel holding both steps spilled 2 KB).
-template <typename V, bool kNarrow = (sizeof(V) < 16)>
+// kStep: the reducers' step (HtReduceStep; rows of vectors narrower than 16 bytes: kStepNarrow).
+template <typename V, int kStep = (sizeof(V) < 16 ? kStepNarrow : kStepWide)>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
@@ -313,7 +374,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V, kNarrow>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
+    combine_reduce<V, kStep>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(
       p.symm, p.wait, cur, R,
