@@ -103,7 +103,8 @@ struct HtCombineArgs {
   TensorView y;
   // Required: the handle of the dispatch (every rank passes its handle of the same dispatch).
   const HtHandle* handle = nullptr;
-  // Optional [rows, K] f32, summed back into combined_topk_weights; given on every rank or none.
+  // Optional [rows, K] f32 (stride(1) must be 1), summed back into combined_topk_weights; given
+  // on every rank or none.
   TensorView topk_weights;
   TensorView bias0;  // optional [T, H] bf16, stride(1) == 1
   TensorView bias1;  // optional [T, H] bf16, stride(1) == 1

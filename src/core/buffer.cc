@@ -73,6 +73,7 @@ HtCombineResult Buffer::ht_combine(const HtCombineArgs& args, const Allocator& a
 }
 
 TensorView Buffer::ht_combine_buffer(const HtHandle& handle) {
+  impl_->check();
   detail::validate_ht_combine_buffer(*impl_, handle);
   return impl_->ht_combine_buffer(handle);
 }

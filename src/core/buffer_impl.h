@@ -34,7 +34,7 @@ class BufferImpl {
   virtual HtDispatchResult ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) = 0;
   virtual HtCombineResult ht_combine(const HtCombineArgs& args, const Allocator& alloc) = 0;
   // [rows of the handle, H] bf16 view of this rank's combine staging (zero-copy combine).
-  virtual TensorView ht_combine_buffer(const HtHandle& handle) = 0;
+  virtual TensorView ht_combine_buffer(const HtHandle& handle) const = 0;
 
   virtual LlDispatchResult ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) = 0;
   virtual LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) = 0;

@@ -16,7 +16,8 @@
 //   handle        buffer_id == this buffer; rank_prefix_matrix [R, R] i32, recv_src_idx [rows] i32,
 //                 send_pos [T, R] i32, is_token_in_rank [T, R] bool, all contiguous on the device;
 //                 rows = num_worst_tokens if > 0 else num_recv_tokens
-//   combine y     [rows, H] bf16, innermost stride 1; topk_weights [rows, K] f32; bias [T, H] bf16
+//   combine y     [rows, H] bf16, innermost stride 1; topk_weights [rows, K] f32, innermost stride
+//                 1; bias [T, H] bf16; zero_copy: y is the view ht_combine_buffer(handle)
 // ht_layout is local and needs no ht memory: it checks topk_idx only.
 #include "core/check.h"
 #include "core/validate.h"
@@ -145,11 +146,11 @@ void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& a) {
   }
 }
 
-void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& h) {
-  check_ht_enabled(b, "ht_combine_buffer");
-  validate_ht_handle(b, h, "ht_combine_buffer");
+void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& h, const char* op) {
+  check_ht_enabled(b, op);
+  validate_ht_handle(b, h, op);
   const int64_t cap = b.shape.max_tokens_per_rank * b.group.size();
-  EPX_CHECK_ARG(handle_rows(h) <= cap, "ht_combine_buffer: argument 'handle' has ", handle_rows(h),
+  EPX_CHECK_ARG(handle_rows(h) <= cap, op, ": argument 'handle' has ", handle_rows(h),
                 " rows, expected at most R * max_tokens_per_rank = ", cap,
                 " (the rows the combine buffer holds)");
 }
@@ -171,13 +172,22 @@ void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& a) {
   check_shape(a.y, op, "y", {rows, H});
   check_device(a.y, op, "y", dev);
   check_inner_contiguous(a.y, op, "y");
-  if (a.zero_copy) validate_ht_combine_buffer(b, h);  // the view exists for this handle
+  if (a.zero_copy) {  // y must be the view ht_combine_buffer returned, already written
+    validate_ht_combine_buffer(b, h, op);
+    const TensorView view = b.ht_combine_buffer(h);
+    // (No rows: nothing is read; frameworks give empty views any data pointer.)
+    EPX_CHECK_ARG(a.y.numel() == 0 || (a.y.data == view.data && a.y.is_contiguous()), op,
+                  ": argument 'y' is ", a.y.describe(),
+                  " with zero_copy, expected the view ht_combine_buffer(handle) ", "returned (",
+                  view.describe(), ")");
+  }
 
   if (a.topk_weights.defined()) {
     check_defined(a.topk_weights, op, "topk_weights");
     check_dtype(a.topk_weights, op, "topk_weights", {DType::kF32});
     check_shape(a.topk_weights, op, "topk_weights", {rows, b.shape.top_k});
     check_device(a.topk_weights, op, "topk_weights", dev);
+    check_inner_contiguous(a.topk_weights, op, "topk_weights");
   }
   const TensorView* biases[2] = {&a.bias0, &a.bias1};
   const char* names[2] = {"bias0", "bias1"};

@@ -15,7 +15,8 @@ void validate_topk_idx(const TensorView& topk_idx, int top_k, int num_experts, D
 void validate_ht_layout(const BufferImpl& b, const TensorView& topk_idx);
 void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& args);
 void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& args);
-void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& handle);
+void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& handle,
+                                const char* op = "ht_combine_buffer");
 
 void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args);
 void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args);

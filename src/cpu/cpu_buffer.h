@@ -60,7 +60,7 @@ class CpuBuffer final : public BufferImpl {
   HtLayout ht_layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) override;
   HtDispatchResult ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) override;
   HtCombineResult ht_combine(const HtCombineArgs& args, const Allocator& alloc) override;
-  TensorView ht_combine_buffer(const HtHandle& handle) override;
+  TensorView ht_combine_buffer(const HtHandle& handle) const override;
 
   LlDispatchResult ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) override;
   LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;

@@ -52,10 +52,12 @@ struct DeviceState {
   uint32_t abort;        // set by a timed-out wait: every other wait of this rank stops
   uint32_t error_claim;  // first device error wins the host record
   uint32_t engine_op;    // ht combine with copy engines: the op its side-stream steps signal
-  // ht zero-copy dispatch: the op whose ready signal was deferred (0: none). The next ht op's
+  // ht zero-copy dispatch: the op whose ready signal was deferred (when ready_pending_set). The
+  // next ht op's
   // first kernel publishes it at its start (publish_deferred_ready): by stream order every read
   // of the zero-copy recv_x queued before that op has finished.
   uint32_t ready_pending;
+  uint32_t ready_pending_set;  // 1 while ready_pending holds a value (any op number, 0 included)
 };
 
 const char* device_op_name(uint32_t op);

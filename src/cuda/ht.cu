@@ -277,7 +277,7 @@ void CudaBuffer::check_outside_region(const TensorView& t, const char* op, const
                 "of its own: the peers write there during the operation; copy it first");
 }
 
-TensorView CudaBuffer::ht_combine_buffer(const HtHandle& h) {
+TensorView CudaBuffer::ht_combine_buffer(const HtHandle& h) const {
   require_usable("ht_combine_buffer");
   const int64_t rows = h.num_worst_tokens > 0 ? h.num_worst_tokens : h.num_recv_tokens;
   return TensorView::contiguous(region_.combine_y_row(ht_local(), 0, shape.hidden * 2),
@@ -328,6 +328,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
   const HtCopyConfig copy = copy_config();  // read once: every decision below uses the same
   check_outside_region(x, "ht_dispatch", "x");
+  check_outside_region(args.x_scales, "ht_dispatch", "x_scales");
 
   HtDispatchResult res;
   HtHandle& h = res.handle;
@@ -477,6 +478,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     if (args.topk_weights.defined()) {
       p.topk_weights = args.topk_weights.ptr<const float>();
       p.weights_stride = args.topk_weights.strides[0];
+      p.weights_stride1 = args.topk_weights.strides[1];
       p.recv_topk_weights = res.recv_topk_weights.ptr<float>();
     }
     p.recv_topk_idx = res.recv_topk_idx.data;
@@ -537,14 +539,8 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                 ", expected one made by this buffer (", id, ")");
   const int R = group.size(), me = group.rank(), K = shape.top_k;
   const int64_t H = shape.hidden, T = h.num_tokens;
-  if (args.zero_copy) {
-    const TensorView view = ht_combine_buffer(h);
-    EPX_CHECK_ARG(args.y.data == view.data && args.y.is_contiguous(), "ht_combine: argument 'y' ",
-                  "is ", args.y.describe(), " with zero_copy, expected the view ",
-                  "ht_combine_buffer(handle) returned (", view.describe(), ")");
-  } else {
-    check_outside_region(args.y, "ht_combine", "y");
-  }
+  // Zero-copy: y is the combine buffer (validate_ht_combine checked it).
+  if (!args.zero_copy) check_outside_region(args.y, "ht_combine", "y");
   HtCombineResult res;
   res.out = alloc(alloc_fn, DType::kBF16, {T, H}, device_);
   const bool with_weights = args.topk_weights.defined();
@@ -588,13 +584,14 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   if (args.zero_copy) {
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
-    if (with_weights && p.num_y_rows > 0 && R > 1)
-      EPX_CUDA_CHECK(
-          cudaMemcpy2DAsync(region_.combine_w_row(ht_local(), 0), static_cast<size_t>(K) * 4,
-                            p.weights, static_cast<size_t>(p.weights_stride) * 4,
-                            static_cast<size_t>(K) * 4, static_cast<size_t>(p.num_y_rows),
-                            cudaMemcpyDeviceToDevice, stream),
-          "ht_combine: weights");
+    if (with_weights && p.num_y_rows > 0 && R > 1) {
+      CopyList w;  // a 2-D copy, or one per row where the rows overlap (stride(0) < K)
+      w.add(reinterpret_cast<char*>(region_.combine_w_row(ht_local(), 0)),
+            static_cast<size_t>(K) * 4, reinterpret_cast<const char*>(p.weights),
+            static_cast<size_t>(p.weights_stride) * 4, static_cast<size_t>(K) * 4,
+            static_cast<size_t>(p.num_y_rows));
+      w.issue(stream, "ht_combine: weights");
+    }
     p.pull = 1;
     p.num_send_ctas = 0;
     launch_ht_combine(p, vb, grid, stream);

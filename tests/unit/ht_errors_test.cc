@@ -208,6 +208,8 @@ TEST(HtErrors, EveryBadArgumentIsNamed) {
                  {"'topk_weights'", "i32"}, "combine weights dtype");
     expect_error(combine([&](auto& c) { c.topk_weights.shape[1] = 5; }), bad,
                  {"'topk_weights'", "5]"}, "combine weights shape");
+    expect_error(combine([&](auto& c) { c.topk_weights.strides[1] = 2; }), bad,
+                 {"'topk_weights'", "innermost stride"}, "combine weights inner stride");
     expect_error(combine([&](auto& c) { c.bias0.shape[0] = 7; }), bad, {"'bias0'", "[7, 256]"},
                  "bias0 shape");
     expect_error(combine([&](auto& c) {
@@ -336,7 +338,12 @@ TEST(HtZeroCopy, CpuBackendReturnsTheSameRows) {
     const HtCombineResult zc_out = buf.ht_combine(cz);
     EXPECT_TRUE(same(zc_out.out, plain.out));
     EXPECT_TRUE(same(zc_out.combined_topk_weights, plain.combined_topk_weights));
-    cz.y = want.recv_x;  // not the view
+    // Not the view: refused before communicating (every rank has rows in this case; an empty y
+    // would be accepted, so a rank without rows would enter the collective alone).
+    const int32_t* rpm = want.handle.rank_prefix_matrix.ptr<int32_t>();
+    ASSERT_GT(rpm[2], 0);  // rows rank 0 receives (rpm[R-1][0])
+    ASSERT_GT(rpm[3], 0);  // rows rank 1 receives
+    cz.y = want.recv_x;
     expect_error([&] { buf.ht_combine(cz); }, ErrorCode::kInvalidArgument,
                  {"'y'", "ht_combine_buffer"}, "zero-copy combine y");
   });

@@ -58,7 +58,10 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
   if (threadIdx.x == 0) {
     w.state->finished = 0;
     w.state->seq = cur;
-    if (ready == kReadyDeferred) w.state->ready_pending = cur;
+    if (ready == kReadyDeferred) {
+      w.state->ready_pending = cur;
+      w.state->ready_pending_set = 1u;
+    }
     __threadfence();
     for (int p = 0; p < num_ranks && ready == kReadyNow; ++p) {
       if (p == w.rank) continue;
@@ -77,9 +80,9 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
 // the next op's own threads touch ready_pending, the finishing CTA after every CTA passed this.
 __device__ __forceinline__ void publish_deferred_ready(const HtSymm& symm, const WaitContext& w,
                                                        int num_ranks) {
+  if (*reinterpret_cast<volatile uint32_t*>(&w.state->ready_pending_set) == 0u) return;
   const uint32_t pending = *reinterpret_cast<volatile uint32_t*>(&w.state->ready_pending);
-  if (pending == 0) return;
-  w.state->ready_pending = 0;
+  w.state->ready_pending_set = 0u;
   __threadfence_system();
   for (int p = 0; p < num_ranks; ++p) {
     if (p == w.rank) continue;

@@ -53,7 +53,9 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
                                   : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
   const bool local = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
   if (i <= K) return static_cast<uint32_t>(local ? static_cast<int32_t>(e - d * L) : -1);
-  const float w = (local && p.topk_weights) ? p.topk_weights[t * p.weights_stride + k] : 0.0f;
+  const float w = (local && p.topk_weights)
+                      ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
+                      : 0.0f;
   return __float_as_uint(w);
 }
 

@@ -48,7 +48,7 @@ struct HtDispatchParams {
   int64_t topk_stride;   // elements
   int topk_is_i64;
   const float* topk_weights;          // [T, K] or null
-  int64_t weights_stride;             // elements
+  int64_t weights_stride, weights_stride1;  // elements
   const int32_t* send_pos;            // [T, R]
   const int32_t* rank_prefix_matrix;  // [R, R]
   int num_tokens, top_k, num_local_experts, num_ranks, rank;
