@@ -77,6 +77,11 @@ struct DispatcherConfig {
   int64_t num_worst_tokens = 0;
   // ll: dispatch_a only sends; dispatch_b (after the hooks) receives.
   bool return_recv_hook = true;
+  // ht zero-copy (HtDispatchArgs / HtCombineArgs::zero_copy): DispatchOutput::x and x_scale (fp8;
+  // ue8m0 scales are re-laid into a tensor of their own) are views of the buffer, valid until
+  // the next dispatch_a / combine_a; moe_output_view is where the experts may write y for
+  // CombineInput::y_in_output_view (it shares memory with a bf16 x: in place is fine).
+  bool ht_zero_copy = false;
   // Allocates the outputs (empty: default_allocator()); the Python package passes PyTorch's.
   Allocator allocator;
 };
@@ -98,6 +103,8 @@ struct DispatchOutput {
   // a2a: M = max_tokens_per_rank. x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx
   //      [R, M, K] int32 global ids (padding rows -1), topk_weights [R, M, K], moe_output_view
   //      [R, M, H] bf16 to write into. Views of the workspace, valid until the next dispatch.
+  // ht with DispatcherConfig::ht_zero_copy: x (and fp8 x_scale) are views of the buffer, and
+  //      moe_output_view is the [N, H] bf16 combine buffer (Buffer::ht_combine_buffer).
   Tensor x;
   Tensor x_scale;
   Tensor topk_idx;
@@ -114,7 +121,8 @@ struct CombineInput {
   // a2a: ignored when the experts wrote into moe_output_view, else [R, M, H] bf16 (each rank's
   // local experts already weighted and summed).
   TensorView y;
-  bool y_in_output_view = false;  // a2a: the experts wrote into DispatchOutput::moe_output_view
+  // a2a, and ht with ht_zero_copy: the experts wrote into DispatchOutput::moe_output_view.
+  bool y_in_output_view = false;
   // The stream of combine_a; unset: the stream the dispatch ended on (see the top).
   std::optional<Stream> stream;
 };

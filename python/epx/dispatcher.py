@@ -100,16 +100,19 @@ class Dispatcher:
       TMA-aligned) or 'nvfp4' (a2a only: e2m1 values, e4m3 scales per 16, a global scale).
     num_worst_tokens: ht worst-case rows (0: exact, one host sync per dispatch).
     return_recv_hook: ll dispatch_a only sends; dispatch_b (after the hooks) receives.
+    ht_zero_copy: ht x (and fp8 x_scale) are views of the buffer, valid until the next dispatch_a
+      / combine_a; experts may write y into moe_output_view (in place over a bf16 x is fine) and
+      call combine() without y (epx/dispatcher.h).
     """
 
     def __init__(self, group, num_experts, hidden, top_k, max_tokens_per_rank, backend="deepep",
                  mode="auto", quant="bf16", num_worst_tokens=0, return_recv_hook=True,
-                 device=None):
+                 device=None, ht_zero_copy=False):
         self.group = _as_group(group, device)
         self._native = _epx.Dispatcher(self.group._native, int(num_experts), int(hidden),
                                        int(top_k), int(max_tokens_per_rank), str(backend),
                                        str(mode), str(quant), int(num_worst_tokens),
-                                       bool(return_recv_hook))
+                                       bool(return_recv_hook), ht_zero_copy=bool(ht_zero_copy))
         self._hooks = []
         self._device = None  # the cuda device of the call in flight (None: cpu)
 
@@ -123,6 +126,7 @@ class Dispatcher:
     quant = property(lambda self: self._native.quant)
     num_worst_tokens = property(lambda self: self._native.num_worst_tokens)
     return_recv_hook = property(lambda self: self._native.return_recv_hook)
+    ht_zero_copy = property(lambda self: self._native.ht_zero_copy)
     #: The stage of the stage machine: 'initial', 'after_dispatch_a', 'after_dispatch_b',
     #: 'after_combine_a'.
     stage = property(lambda self: self._native.stage)

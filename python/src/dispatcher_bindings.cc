@@ -168,7 +168,7 @@ void bind_dispatcher(py::module_& m) {
       .def(py::init([](const Group& group, int num_experts, int64_t hidden, int top_k,
                        int64_t max_tokens_per_rank, const std::string& backend,
                        const std::string& mode, const std::string& quant, int64_t num_worst_tokens,
-                       bool return_recv_hook) {
+                       bool return_recv_hook, bool ht_zero_copy) {
              auto d = std::make_shared<PyDispatcher>();
              DispatcherConfig& c = d->config;
              c.num_experts = num_experts;
@@ -180,6 +180,7 @@ void bind_dispatcher(py::module_& m) {
              c.quant = parse_quant(quant);
              c.num_worst_tokens = num_worst_tokens;
              c.return_recv_hook = return_recv_hook;
+             c.ht_zero_copy = ht_zero_copy;
              c.allocator = torch_allocator();
              d->num_ranks = group.size();
              {
@@ -190,7 +191,8 @@ void bind_dispatcher(py::module_& m) {
            }),
            py::arg("group"), py::arg("num_experts"), py::arg("hidden"), py::arg("top_k"),
            py::arg("max_tokens_per_rank"), py::arg("backend"), py::arg("mode"), py::arg("quant"),
-           py::arg("num_worst_tokens"), py::arg("return_recv_hook"))
+           py::arg("num_worst_tokens"), py::arg("return_recv_hook"),
+           py::arg("ht_zero_copy") = false)
       .def("dispatch_a", &dispatch_a, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("forward_mode"), py::arg("global_scale").none(true), py::arg("stream") = 0)
       .def("dispatch_b", &dispatch_b, py::arg("stream").none(true) = py::none())
@@ -249,7 +251,9 @@ void bind_dispatcher(py::module_& m) {
       .def_property_readonly("num_worst_tokens",
                              [](const PyDispatcher& d) { return d.config.num_worst_tokens; })
       .def_property_readonly("return_recv_hook",
-                             [](const PyDispatcher& d) { return d.config.return_recv_hook; });
+                             [](const PyDispatcher& d) { return d.config.return_recv_hook; })
+      .def_property_readonly("ht_zero_copy",
+                             [](const PyDispatcher& d) { return d.config.ht_zero_copy; });
 }
 
 }  // namespace epx::python

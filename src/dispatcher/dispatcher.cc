@@ -287,6 +287,7 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       args.topk_idx = topk_idx;
       args.topk_weights = topk_weights;
       args.num_worst_tokens = c.num_worst_tokens;
+      args.zero_copy = c.ht_zero_copy;
       args.stream = stream;
       if (c.quant == DispatchQuant::kBf16) {
         args.x = x;
@@ -322,6 +323,7 @@ DispatchOutput Dispatcher::dispatch_b(std::optional<Stream> stream) {
     out.topk_idx = s.ht.recv_topk_idx;
     out.topk_weights = s.ht.recv_topk_weights;
     out.num_recv_tokens_per_expert = s.ht.num_recv_tokens_per_expert;
+    if (c.ht_zero_copy) out.moe_output_view = s.buffer->ht_combine_buffer(s.ht.handle);
     s.enter_stage_b(stream);
     s.load->add_local_ids(s.ht.recv_topk_idx, s.stream);
   } else if (s.format == OutputFormat::kLl) {
@@ -361,6 +363,13 @@ void Dispatcher::combine_a(const CombineInput& input) {
     args.y = input.y;
     args.handle = &s.ht.handle;
     args.stream = stream;
+    if (input.y_in_output_view) {
+      EPX_CHECK_ARG(s.config.ht_zero_copy, "combine_a: CombineInput::y_in_output_view is true for ",
+                    "an ht dispatch, expected DispatcherConfig::ht_zero_copy = true (ht has an ",
+                    "output view only then)");
+      args.y = s.buffer->ht_combine_buffer(s.ht.handle);
+      args.zero_copy = true;
+    }
     s.out = s.buffer->ht_combine(args, alloc).out;
   } else if (s.format == OutputFormat::kLl) {
     LlCombineArgs args;

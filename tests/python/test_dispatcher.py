@@ -311,11 +311,12 @@ def body_auto(ctx, seed, quant, check_load=True):
 
 # ---- each format's outputs and combine, bit for bit -------------------------------------------
 
-def body_ht(ctx, seed, quant, num_worst_tokens=0, check_load=True):
+def body_ht(ctx, seed, quant, num_worst_tokens=0, check_load=True, zero_copy=False):
     R, r = ctx.world_size, ctx.rank
     L = E // R
     inputs = _inputs(seed, R, lambda s: T_MAX - 2 * s)
-    d = _dispatcher(ctx, mode="normal", quant=quant, num_worst_tokens=num_worst_tokens)
+    d = _dispatcher(ctx, mode="normal", quant=quant, num_worst_tokens=num_worst_tokens,
+                    ht_zero_copy=zero_copy)
     x, idx, w = _to(inputs[r], ctx.device)
     try:
         out = d.dispatch(x, idx, w)
@@ -360,7 +361,12 @@ def body_ht(ctx, seed, quant, num_worst_tokens=0, check_load=True):
         assert d.expert_load().tolist() == _expected_load(inputs, r, R)
     ys = [ref.rand_bf16((num_worst_tokens or ref.ht_dispatch(inputs, dd, E, R)["recv_x"].shape[0],
                          H), ref.generator(seed, dd, "y")) for dd in range(R)]
-    res = d.combine(ys[r].to(ctx.device))
+    if zero_copy:  # y written into the combine buffer (in place over a bf16 x), no y argument
+        assert out.moe_output_view.shape == ys[r].shape
+        out.moe_output_view.copy_(ys[r].to(ctx.device))
+        res = d.combine()
+    else:
+        res = d.combine(ys[r].to(ctx.device))
     # Worst-case padding rows are combined by nobody: compare against the real rows only.
     assert torch.equal(res.cpu(), ref.ht_combine(inputs, ys, r, E, R))
     return dict(L=L)
@@ -619,6 +625,11 @@ def test_ht_outputs_and_combine(pool, quant):
 
 
 @pytest.mark.parametrize("quant", ("bf16", "fp8_ue8m0"))
+def test_ht_zero_copy(pool, quant):
+    _run(pool, body_ht, quant, 0, True, True)
+
+
+@pytest.mark.parametrize("quant", ("bf16", "fp8_ue8m0"))
 def test_ht_worst_case_rows(pool, quant):
     _run(pool, body_ht, quant, 4 * T_MAX + 1)  # 49 rows: UE8M0 pads them to 52
 
@@ -690,6 +701,12 @@ def test_gpu_expert_load(gpu_pool):
 @pytest.mark.parametrize("quant", QUANTS)
 def test_gpu_ht(gpu_pool, quant):
     _run(gpu_pool, body_ht, quant, 0, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ("bf16", "fp8"))
+def test_gpu_ht_zero_copy(gpu_pool, quant):
+    _run(gpu_pool, body_ht, quant, 0, False, True)
 
 
 @pytest.mark.gpu

@@ -147,6 +147,45 @@ TEST(Dispatcher, AutoSwitchesBetweenHtAndLlAndRecordsLoad) {
   });
 }
 
+// ht_zero_copy: the same outputs, y written into moe_output_view (in place over x) and combined
+// with y_in_output_view; without the option y_in_output_view is refused for ht.
+TEST(Dispatcher, HtZeroCopyGivesTheSameResults) {
+  const int R = 2, K = 3, E = 8;
+  testing::run_threads(R, [&](const Group& g) {
+    DispatcherConfig c = small_config(DispatchMode::kNormal);
+    Dispatcher plain(g, c);
+    c.ht_zero_copy = true;
+    Dispatcher zc(g, c);
+    Inputs in = make_inputs(20 + 3 * g.rank(), 128, K, E, R, 900 + g.rank());
+    DispatchOutput want = plain.dispatch(in.xv, in.iv, in.wv, ForwardMode::kExtend);
+    std::vector<uint16_t> want_x(static_cast<const uint16_t*>(want.x.data),
+                                 static_cast<const uint16_t*>(want.x.data) + want.x.numel());
+    CombineInput ci;
+    ci.y = want.x;  // y = the received rows
+    Tensor want_out = plain.combine(ci);
+    DispatchOutput got = zc.dispatch(in.xv, in.iv, in.wv, ForwardMode::kExtend);
+    ASSERT_EQ(got.x.shape, want.x.shape);
+    EXPECT_EQ(std::memcmp(got.x.data, want_x.data(), want_x.size() * 2), 0);
+    ASSERT_TRUE(got.moe_output_view.defined());
+    ASSERT_EQ(got.moe_output_view.shape[0], want.x.shape[0]);
+    if (got.x.numel() > 0) std::memcpy(got.moe_output_view.data, want_x.data(), want_x.size() * 2);
+    CombineInput cz;
+    cz.y_in_output_view = true;
+    Tensor out = zc.combine(cz);
+    ASSERT_EQ(out.nbytes(), want_out.nbytes());
+    EXPECT_EQ(std::memcmp(out.data, want_out.data, out.nbytes()), 0);
+    // Without ht_zero_copy there is no ht output view.
+    plain.dispatch(in.xv, in.iv, in.wv, ForwardMode::kExtend);
+    try {
+      plain.combine_a(cz);
+      ADD_FAILURE() << "y_in_output_view accepted without ht_zero_copy";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("ht_zero_copy"), std::string::npos) << e.what();
+    }
+  });
+}
+
 // Streams on the cpu backend: every stage accepts one and ignores it (the calls run on the calling
 // thread, the results equal a run without streams); stage b, combine_a and expert_load default to
 // the stream of the stage before (Dispatcher::stream()), a given one replaces it.
