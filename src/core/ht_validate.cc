@@ -35,11 +35,6 @@ void check_ht_enabled(const BufferImpl& b, const char* op) {
                 ": this buffer was created with BufferConfig 'enable_ht' = false, expected true");
 }
 
-// Rows of the outputs a dispatch with this handle produced.
-int64_t handle_rows(const HtHandle& h) {
-  return h.num_worst_tokens > 0 ? h.num_worst_tokens : h.num_recv_tokens;
-}
-
 void check_handle_tensor(const Tensor& t, const char* op, const char* name, DType dtype,
                          std::initializer_list<int64_t> shape, Device device) {
   check_defined(t, op, name);
@@ -66,7 +61,7 @@ void validate_ht_handle(const BufferImpl& b, const HtHandle& h, const char* op) 
   const Device dev = b.device();
   check_handle_tensor(h.rank_prefix_matrix, op, "handle.rank_prefix_matrix", DType::kI32, {R, R},
                       dev);
-  check_handle_tensor(h.recv_src_idx, op, "handle.recv_src_idx", DType::kI32, {handle_rows(h)},
+  check_handle_tensor(h.recv_src_idx, op, "handle.recv_src_idx", DType::kI32, {ht_handle_rows(h)},
                       dev);
   check_handle_tensor(h.send_pos, op, "handle.send_pos", DType::kI32, {h.num_tokens, R}, dev);
   check_handle_tensor(h.is_token_in_rank, op, "handle.is_token_in_rank", DType::kBool,
@@ -74,6 +69,10 @@ void validate_ht_handle(const BufferImpl& b, const HtHandle& h, const char* op) 
 }
 
 }  // namespace
+
+int64_t ht_handle_rows(const HtHandle& h) {
+  return h.num_worst_tokens > 0 ? h.num_worst_tokens : h.num_recv_tokens;
+}
 
 void validate_ht_layout(const BufferImpl& b, const TensorView& topk_idx) {
   const Device dev = b.device();
@@ -150,7 +149,7 @@ void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& h, const ch
   check_ht_enabled(b, op);
   validate_ht_handle(b, h, op);
   const int64_t cap = b.shape.max_tokens_per_rank * b.group.size();
-  EPX_CHECK_ARG(handle_rows(h) <= cap, op, ": argument 'handle' has ", handle_rows(h),
+  EPX_CHECK_ARG(ht_handle_rows(h) <= cap, op, ": argument 'handle' has ", ht_handle_rows(h),
                 " rows, expected at most R * max_tokens_per_rank = ", cap,
                 " (the rows the combine buffer holds)");
 }
@@ -165,7 +164,7 @@ void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& a) {
   validate_ht_handle(b, h, op);
   const Device dev = b.device();
   const int64_t H = b.shape.hidden;
-  const int64_t rows = handle_rows(h);
+  const int64_t rows = ht_handle_rows(h);
 
   check_defined(a.y, op, "y");
   check_dtype(a.y, op, "y", {DType::kBF16});

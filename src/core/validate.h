@@ -12,6 +12,10 @@ void validate_shape(const MoeShape& shape, int num_ranks, const char* op);
 void validate_topk_idx(const TensorView& topk_idx, int top_k, int num_experts, Device device,
                        const char* op, const char* name = "topk_idx");
 
+// Rows of the outputs the dispatch that made `h` produced: num_worst_tokens in worst-case mode,
+// else N (the rows combine's y and ht_combine_buffer have).
+int64_t ht_handle_rows(const HtHandle& h);
+
 void validate_ht_layout(const BufferImpl& b, const TensorView& topk_idx);
 void validate_ht_dispatch(const BufferImpl& b, const HtDispatchArgs& args);
 void validate_ht_combine(const BufferImpl& b, const HtCombineArgs& args);

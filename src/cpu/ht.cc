@@ -55,6 +55,7 @@
 #include "core/check.h"
 #include "core/host_view.h"
 #include "core/numeric.h"
+#include "core/validate.h"
 #include "cpu/cpu_buffer.h"
 
 namespace epx::detail {
@@ -419,10 +420,8 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
 // caller wrote them there). Free between a dispatch's closing barrier and the combine.
 TensorView CpuBuffer::ht_combine_buffer(const HtHandle& handle) const {
   const HtRegion reg = ht_region(shape, group.size());
-  const int64_t rows =
-      handle.num_worst_tokens > 0 ? handle.num_worst_tokens : handle.num_recv_tokens;
   return TensorView::contiguous(static_cast<uint8_t*>(ht_mem_->local()) + reg.y, DType::kBF16,
-                                {rows, shape.hidden});
+                                {ht_handle_rows(handle), shape.hidden});
 }
 
 HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& alloc) {

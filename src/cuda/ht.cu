@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/validate.h"
 #include "cuda/cuda_buffer.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
@@ -279,9 +280,9 @@ void CudaBuffer::check_outside_region(const TensorView& t, const char* op, const
 
 TensorView CudaBuffer::ht_combine_buffer(const HtHandle& h) const {
   require_usable("ht_combine_buffer");
-  const int64_t rows = h.num_worst_tokens > 0 ? h.num_worst_tokens : h.num_recv_tokens;
   return TensorView::contiguous(region_.combine_y_row(ht_local(), 0, shape.hidden * 2),
-                                DType::kBF16, {rows, shape.hidden}, Device::cuda(device_));
+                                DType::kBF16, {ht_handle_rows(h), shape.hidden},
+                                Device::cuda(device_));
 }
 
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
@@ -343,7 +344,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                   " tokens but the cached handle was made for ", args.handle->num_tokens);
     h = *args.handle;
     worst_case = h.num_worst_tokens > 0;
-    num_rows = worst_case ? h.num_worst_tokens : h.num_recv_tokens;
+    num_rows = ht_handle_rows(h);
   } else {
     h.rank_prefix_matrix = alloc(alloc_fn, DType::kI32, {R, R}, device_);
     h.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, device_);

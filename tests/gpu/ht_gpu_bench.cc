@@ -168,26 +168,8 @@ int run_rank(const Group& g, const Options& o) {
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
-      // Per-call time of a cached dispatch captured once in a CUDA graph (no host cost).
-      auto graph_timed = [&](const HtDispatchArgs& args) {
-        pool.reset();
-        (void)buf.ht_dispatch(args, pool.get());  // the pool's slots exist before the capture
-        CUDA_OK(cudaStreamSynchronize(stream));
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        pool.reset();
-        (void)buf.ht_dispatch(args, pool.get());
-        CUDA_OK(cudaStreamEndCapture(stream, &graph));
-        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        const bench::Timing t = bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
-          CUDA_OK(cudaGraphLaunch(exec, stream));
-        });
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        return t;
-      };
-      // Per-call time of any op captured once in a CUDA graph.
+      // Per-call time of an op captured once in a CUDA graph (no host cost); the first, eager
+      // call makes the pool's slots exist before the capture.
       auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
         pool.reset();
         op(pool.get());
@@ -204,6 +186,9 @@ int run_rank(const Group& g, const Options& o) {
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
         return t;
+      };
+      auto graph_timed = [&](const HtDispatchArgs& args) {
+        return graph_timed_op([&](const Allocator& al) { (void)buf.ht_dispatch(args, al); });
       };
       auto host_timed = [&](const HtDispatchArgs& args) {
         double total = 0;

@@ -128,6 +128,20 @@ __device__ __forceinline__ int engine_chunk(int64_t j, int64_t n) {
   return c;
 }
 
+// One output vector: its kPerVec float32 sums rounded once to bf16, by the hardware conversion
+// (two values at a time) or by the emulation (kHtEmulatedBf16, and vectors of one value).
+template <typename V>
+__device__ __forceinline__ V round_to_bf16(const HtCombineParams& p, const float* acc) {
+  constexpr int kPerVec = sizeof(V) / 2;
+  if constexpr (kPerVec % 2 == 0) {
+    if (!(p.ablate & kHtEmulatedBf16)) return f32_to_bf16_vec<V>(acc);
+  }
+  Bf16Pack<V> pk;
+#pragma unroll
+  for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[e]);
+  return pk.v;
+}
+
 // reduce_row for a token with at most two row sources (EP2 without biases: its own rank and one
 // peer): kPairUnroll vectors of each source in flight per lane per step and no accumulator array
 // across steps (fewer steps per row: each step waits for one round trip of its loads).
@@ -157,14 +171,7 @@ __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const 
       for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
       if (s0) accumulate(acc, a[u]);  // sources in order, as reduce_row
       if (s1) accumulate(acc, b[u]);
-      if (p.ablate & kHtEmulatedBf16) {
-        Bf16Pack<V> pk;
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[e]);
-        o[i] = pk.v;
-      } else {
-        o[i] = f32_to_bf16_vec<V>(acc);
-      }
+      o[i] = round_to_bf16<V>(p, acc);
     }
   }
 }
@@ -209,17 +216,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = v0 + u * 32 + lane;
-      if (i >= nv) continue;
-      Bf16Pack<V> pk;
-      if constexpr (kPerVec % 2 == 0) {
-        if (!(p.ablate & kHtEmulatedBf16)) {  // the hardware conversion, two values at a time
-          o[i] = f32_to_bf16_vec<V>(acc[u]);
-          continue;
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[u][e]);
-      o[i] = pk.v;
+      if (i < nv) o[i] = round_to_bf16<V>(p, acc[u]);
     }
   }
 }
@@ -367,8 +364,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
     // Zero-copy combine: this rank's y (written by the work before this kernel) may be read.
     if (p.pull) {
       __threadfence_system();
-      for (int q = 0; q < R; ++q)
-        if (q != me) st_release_sys(p.symm.region.yready(p.symm.peers[q]) + me, cur);
+      signal_peers(p.symm, &HtRegion::yready, R, me, cur);
     }
   }
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {

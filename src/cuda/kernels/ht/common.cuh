@@ -30,6 +30,15 @@ __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
   return w;
 }
 
+// flags(peer)[rank] = value on every peer, one release store each; `flags` names the flag array
+// (&HtRegion::ready, &HtRegion::yready). One thread; the caller fences before as it needs.
+__device__ __forceinline__ void signal_peers(const HtSymm& symm,
+                                             uint32_t* (HtRegion::*flags)(char*) const,
+                                             int num_ranks, int rank, uint32_t value) {
+  for (int p = 0; p < num_ranks; ++p)
+    if (p != rank) st_release_sys((symm.region.*flags)(symm.peers[p]) + rank, value);
+}
+
 // Called by every thread of every CTA at the very end of an operation that used the symmetric
 // region. The last CTA to arrive runs `reset_counters` (all its threads), then publishes
 // seq = cur locally and ready[rank] = cur on every peer: the release that pairs with the
@@ -63,10 +72,7 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
       w.state->ready_pending_set = 1u;
     }
     __threadfence();
-    for (int p = 0; p < num_ranks && ready == kReadyNow; ++p) {
-      if (p == w.rank) continue;
-      st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, cur);
-    }
+    if (ready == kReadyNow) signal_peers(symm, &HtRegion::ready, num_ranks, w.rank, cur);
     for (int p = 0; p < num_ranks && wait_peers; ++p) {
       if (p == w.rank) continue;
       if (!wait_flag<true>(symm.region.ready(symm.local) + p, cur, w, kWaitReady, p)) break;
@@ -84,10 +90,7 @@ __device__ __forceinline__ void publish_deferred_ready(const HtSymm& symm, const
   const uint32_t pending = *reinterpret_cast<volatile uint32_t*>(&w.state->ready_pending);
   w.state->ready_pending_set = 0u;
   __threadfence_system();
-  for (int p = 0; p < num_ranks; ++p) {
-    if (p == w.rank) continue;
-    st_release_sys(symm.region.ready(symm.peers[p]) + w.rank, pending);
-  }
+  signal_peers(symm, &HtRegion::ready, num_ranks, w.rank, pending);
 }
 
 // Before the first write into peer p's region in operation `cur`: p finished operation cur - 1
