@@ -10,17 +10,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_numeric_gpu_test gpu_ht_test gpu_ll_gpu_test epx_ll_gpu_bench \
+epx_batch_start gpu_numeric_gpu_test gpu_ht_test gpu_ll_gpu_test epx_ll_gpu_bench \
   epx_ht_gpu_bench || exit 1
-P="rank [0-9]|case [0-9]|Failure|error|mismatch|expected|exception"
-epx_device_tests $B/tests/gpu/gpu_numeric_gpu_test 60 "$P" '*'
-epx_device_tests $B/tests/gpu/gpu_ht_test 240 "$P" '*' | grep -v "^\[       OK" | head -30
-epx_device_tests $B/tests/gpu/gpu_ll_gpu_test 120 "$P" '*' | grep -v "^\[       OK" | head -30
-epx_device_run ht 150 $B/tests/gpu/epx_ht_gpu_bench --tokens 4096 --sms 16,24,32 --iters 20
-grep -E "^SMs|combine|dispatch bf16 \(cached, graph\)|dispatch fp8 \(cached, graph\)" "$OUT/ht.log"
-epx_device_run ll 90 $B/tests/gpu/epx_ll_gpu_bench --tokens 128,512 --variant 0,32
-grep -E "^sweep|target|check" "$OUT/ll.log"
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_tests gpu_numeric_gpu_test 60 '*'
+epx_batch_tests gpu_ht_test 240 '*'
+epx_batch_tests gpu_ll_gpu_test 120 '*'
+epx_batch_bench ht 150 "^SMs|combine|dispatch bf16 \(cached, graph\)|dispatch fp8 \(cached, graph\)" \
+  epx_ht_gpu_bench --tokens 4096 --sms 16,24,32 --iters 20
+epx_batch_bench ll 90 "^sweep|target|check" epx_ll_gpu_bench --tokens 128,512 --variant 0,32
+epx_batch_total

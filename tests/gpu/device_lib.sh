@@ -68,3 +68,41 @@ epx_device_run() {
   timeout "$limit" "$@" > "$OUT/$name.log" 2> "$OUT/$name.err"
   echo "== $name rc=$? ($(( $(date +%s) - s )) s)"
 }
+
+# ---- the one-batch scripts' common frame (tests/gpu/*_run.sh) ----------------------------------
+
+# epx_batch_start TARGET...: the environment (a 5 s device timeout), t0 for epx_batch_total, and
+# $B = build-dev holding the targets; status 1 when the build failed.
+epx_batch_start() {
+  epx_device_setup 5000
+  t0=$(date +%s)
+  B=build-dev
+  epx_device_build "$B" "$@"
+}
+
+# epx_batch_total: the batch's duration so far.
+epx_batch_total() {
+  echo "== total $(( $(date +%s) - t0 )) s"
+}
+
+# epx_batch_tests BINARY TIMEOUT_S FILTER...: epx_device_tests of $B/tests/gpu/BINARY with the
+# usual failure lines; the passing tests' lines are left out.
+epx_batch_tests() {
+  local bin=$1 limit=$2
+  shift 2
+  epx_device_tests "$B/tests/gpu/$bin" "$limit" \
+    "rank [0-9]|case [0-9]|Failure|FAIL|error|mismatch|expected|exception" "$@" |
+    grep -v "^\[       OK" | head -40
+}
+
+# epx_batch_bench NAME TIMEOUT_S ROWS BINARY ARGS...: $B/tests/gpu/BINARY ARGS bounded (logs
+# $OUT/NAME.{log,err}); prints the log lines matching the extended regex ROWS and any error lines
+# of stderr; an empty stderr file is removed ($OUT brings back only a few files).
+epx_batch_bench() {
+  local name=$1 limit=$2 rows=$3 bin=$4
+  shift 4
+  epx_device_run "$name" "$limit" "$B/tests/gpu/$bin" "$@"
+  grep -E "$rows" "$OUT/$name.log" | sed 's/(sender CTAs: /(/' | cut -c1-160
+  grep -iE "error|fail" "$OUT/$name.err" | head -5
+  [ -s "$OUT/$name.err" ] || rm -f "$OUT/$name.err"
+}

@@ -11,17 +11,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_numeric_gpu_test gpu_quant_gpu_test gpu_ll_gpu_test epx_ll_gpu_bench \
+epx_batch_start gpu_numeric_gpu_test gpu_quant_gpu_test gpu_ll_gpu_test epx_ll_gpu_bench \
   epx_store_probe || exit 1
-P="rank [0-9]|case [0-9]|Failure|error|mismatch|expected|exception"
-epx_device_tests $B/tests/gpu/gpu_numeric_gpu_test 60 "$P" '*'
-epx_device_tests $B/tests/gpu/gpu_quant_gpu_test 120 "$P" '*'
-epx_device_tests $B/tests/gpu/gpu_ll_gpu_test 240 "$P" '*'
+epx_batch_tests gpu_numeric_gpu_test 60 '*'
+epx_batch_tests gpu_quant_gpu_test 120 '*'
+epx_batch_tests gpu_ll_gpu_test 240 '*'
 timeout 20 $B/tests/gpu/epx_store_probe --ctas 128 --tokens-per-cta 1 > "$OUT/probe.log" 2>&1
 cat "$OUT/probe.log"
 BENCH_ARGS="--tokens 128,1,32,256,512 --variant 0,16" epx_device_bench $B/tests/gpu/epx_ll_gpu_bench 150 > /dev/null
 grep -vE "^\[bench|^\[trace" "$OUT/bench.log" | tail -45
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_total

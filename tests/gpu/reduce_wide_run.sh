@@ -10,14 +10,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_ht_test epx_ht_gpu_bench || exit 1
-epx_device_tests $B/tests/gpu/gpu_ht_test 240 "rank [0-9]|case [0-9]|Failure|FAIL|exception" '*' |
-  grep -v "^\[       OK" | head -30
+epx_batch_start gpu_ht_test epx_ht_gpu_bench || exit 1
+epx_batch_tests gpu_ht_test 240 '*'
 for T in 4096 8192; do
-  epx_device_run ht$T 90 $B/tests/gpu/epx_ht_gpu_bench --tokens $T --sms 16,24,32 --iters 20
-  grep -E "^SMs|combine bf16 \[" "$OUT/ht$T.log" | sed 's/(sender CTAs.*//'
+  epx_batch_bench ht$T 90 "^SMs|combine bf16 \[" epx_ht_gpu_bench --tokens $T --sms 16,24,32 \
+    --iters 20
 done
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_total

@@ -7,22 +7,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_ht_test epx_ht_gpu_bench || exit 1
-epx_device_tests $B/tests/gpu/gpu_ht_test 150 "rank [0-9]|case [0-9]|Failure|FAIL|exception" \
-  '*' | grep -v "^\[       OK" | head -20
+epx_batch_start gpu_ht_test epx_ht_gpu_bench || exit 1
+epx_batch_tests gpu_ht_test 150 '*'
 rows="^SMs|dispatch (bf16|fp8) \(cached(, graph)?\)|dispatch bf16 \(exact\)|zero-copy"
 for T in 4096 128 512 1024 8192; do
-  extra=(--sms 16,24,32)
-  [ "$T" = 4096 ] || extra=(--sms 16,32)
-  epx_device_run t$T 120 $B/tests/gpu/epx_ht_gpu_bench --iters 20 --tokens $T "${extra[@]}"
+  sms=16,32
+  [ "$T" = 4096 ] && sms=16,24,32
   echo "-- T = $T"
-  grep -E "$rows" "$OUT/t$T.log" | cut -c1-110
-  [ -s "$OUT/t$T.err" ] || rm -f "$OUT/t$T.err"
+  epx_batch_bench t$T 120 "$rows" epx_ht_gpu_bench --iters 20 --tokens $T --sms $sms
 done
-epx_device_run pct 120 $B/tests/gpu/epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --send-pct 88
 echo "-- T = 4096, --send-pct 88"
-grep -E "$rows" "$OUT/pct.log" | cut -c1-110
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_bench pct 120 "$rows" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --send-pct 88
+epx_batch_total

@@ -8,19 +8,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_ht_test epx_ht_gpu_bench || exit 1
-epx_device_tests $B/tests/gpu/gpu_ht_test 150 "rank [0-9]|case [0-9]|Failure|FAIL|exception" \
-  '*' | grep -v "^\[       OK" | head -20
-rows="^SMs|combine bf16|zero-copy, graph"
+epx_batch_start gpu_ht_test epx_ht_gpu_bench || exit 1
+epx_batch_tests gpu_ht_test 150 '*'
 for T in 4096 1024 8192; do
-  extra=(--sms 16,24,32)
-  [ "$T" = 4096 ] || extra=(--sms 16,32)
-  epx_device_run t$T 120 $B/tests/gpu/epx_ht_gpu_bench --iters 20 --tokens $T "${extra[@]}"
+  sms=16,32
+  [ "$T" = 4096 ] && sms=16,24,32
   echo "-- T = $T"
-  grep -E "$rows" "$OUT/t$T.log" | grep -v "emulated\|narrow" | sed 's/(sender CTAs: //' | cut -c1-100
-  [ -s "$OUT/t$T.err" ] || rm -f "$OUT/t$T.err"
+  epx_batch_bench t$T 120 "^SMs|combine bf16 [^[]|combine bf16 \[EPX|zero-copy, graph" \
+    epx_ht_gpu_bench --iters 20 --tokens $T --sms $sms
 done
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_total

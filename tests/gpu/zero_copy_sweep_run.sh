@@ -7,17 +7,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_device_setup 5000
-t0=$(date +%s)
-B=build-dev
-epx_device_build $B gpu_ht_test epx_ht_gpu_bench || exit 1
-epx_device_tests $B/tests/gpu/gpu_ht_test 120 "rank [0-9]|case [0-9]|Failure|FAIL|exception" \
-  '*ZeroCopy*:*Graph*' | grep -v "^\[       OK" | head -20
-rows="^SMs|dispatch (bf16|fp8) \(cached, graph\)|zero-copy, graph"
+epx_batch_start gpu_ht_test epx_ht_gpu_bench || exit 1
+epx_batch_tests gpu_ht_test 120 '*ZeroCopy*:*Graph*'
 for sms in 16 32; do
-  epx_device_run b$sms 150 $B/tests/gpu/epx_ht_gpu_bench --iters 20 --tokens 4096 --sms $sms \
+  epx_batch_bench b$sms 150 "^SMs|dispatch (bf16|fp8) \(cached, graph\)|zero-copy, graph" \
+    epx_ht_gpu_bench --iters 20 --tokens 4096 --sms $sms \
     --copy ce:kept:combine,ce:kept:combine:b8,ce:kept:combine:b16,ce:kept:combine:b32
-  grep -E "$rows" "$OUT/b$sms.log" | cut -c1-100
-  [ -s "$OUT/b$sms.err" ] || rm -f "$OUT/b$sms.err"
 done
-echo "== total $(( $(date +%s) - t0 )) s"
+epx_batch_total
