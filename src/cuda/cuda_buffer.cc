@@ -204,6 +204,23 @@ int ht_engine_share() {
   return g_engine_share.load();
 }
 
+static std::atomic<int> g_pull_stages{-1};
+static std::atomic<int> g_pull_chunk{0};
+
+HtPullStaging ht_pull_staging() {
+  HtPullStaging s;
+  if (g_pull_stages.load() >= 0) {
+    s.stages = g_pull_stages.load();
+    s.chunk = g_pull_chunk.load();
+  }
+  return s;
+}
+
+void set_ht_pull_staging_override(int stages, int chunk) {
+  g_pull_chunk = chunk;
+  g_pull_stages = stages;
+}
+
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent) {
   g_num_sms_override = num_sms;
   g_dispatch_send_percent = dispatch_send_percent;

@@ -595,6 +595,18 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     }
     p.pull = 1;
     p.num_send_ctas = 0;
+    // The staged reducer where every token has <= 2 row sources of 16-byte vectors (R + biases
+    // <= 2) and no A/B switch asks for the register steps.
+    const HtPullStaging st = ht_pull_staging();
+    const int nbias = (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0);
+    if (st.stages > 0 && vb == 16 && R + nbias <= 2 &&
+        !(p.ablate & (kHtPullStagedOff | kHtReducePairOff | kHtReduceNarrow)) &&
+        prepare_ht_combine_staged(st.stages, st.chunk)) {
+      p.pull_stages = st.stages;
+      p.pull_chunk = st.chunk;
+      launch_ht_combine_staged(p, grid, stream);
+      return res;
+    }
     launch_ht_combine(p, vb, grid, stream);
     EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
     return res;

@@ -1,11 +1,66 @@
 // src/cuda/ht_combine.cu — instantiations and launch of the ht combine kernel (bf16 rows: the
 // copy unit is at least 2 bytes).
+#include <mutex>
+
+#include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/combine.cuh"
+#include "cuda/kernels/ht/combine_staged.cuh"
 #include "cuda/tuning.h"
 
 namespace epx::detail {
+
+namespace {
+
+// The staged reducer's device facts, once per device; its dynamic shared memory limit is raised
+// to the largest staging once per device (not a stream operation: safe under graph capture).
+struct StagedDevice {
+  int checked = 0;
+  int sm_major = 0;
+  int optin = 0;
+  int static_smem = 0;
+  int raised = 0;
+};
+std::mutex g_staged_mutex;
+StagedDevice g_staged[64];
+
+}  // namespace
+
+bool prepare_ht_combine_staged(int stages, int chunk) {
+  EPX_CHECK(stages >= 2 && stages <= 8 && chunk >= 512 && chunk <= 16384 && chunk % 512 == 0,
+            ErrorCode::kInvalidArgument, "ht_combine: staged reducer with ", stages, " x ", chunk,
+            " bytes; expected 2..8 stages of a multiple of 512 bytes in [512, 16384]");
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev), "ht_combine");
+  std::lock_guard<std::mutex> lock(g_staged_mutex);
+  StagedDevice& d = g_staged[dev & 63];
+  if (!d.checked) {
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, dev),
+                   "ht_combine");
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                   "ht_combine");
+    cudaFuncAttributes attr{};
+    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_staged_kernel), "ht_combine");
+    d.static_smem = static_cast<int>(attr.sharedSizeBytes);
+    d.checked = 1;
+  }
+  const int smem = pull_smem_bytes(stages, chunk);
+  if (d.sm_major < 9 || smem + d.static_smem > d.optin) return false;  // the register step
+  if (smem > d.raised) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(ht_combine_staged_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "ht_combine");
+    d.raised = smem;
+  }
+  return true;
+}
+
+void launch_ht_combine_staged(const HtCombineParams& p, int grid, cudaStream_t stream) {
+  ht_combine_staged_kernel<<<grid, kHtThreads, pull_smem_bytes(p.pull_stages, p.pull_chunk),
+                             stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine: launch");
+}
 
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {

@@ -14,5 +14,11 @@ void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cuda
 // Copy-engine dispatch: the arrive / ready step around the copies (HtEngineSyncParams).
 void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream);
+// The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): true when this device
+// runs it with `stages` x `chunk` (sm_90+, enough shared memory; the kernel's limit is raised);
+// InvalidArgument for a staging outside 2..8 x multiples of 512 in [512, 16384].
+bool prepare_ht_combine_staged(int stages, int chunk);
+// Launches it with p.pull_stages x p.pull_chunk (after prepare_ht_combine_staged said true).
+void launch_ht_combine_staged(const HtCombineParams& p, int grid, cudaStream_t stream);
 
 }  // namespace epx::detail

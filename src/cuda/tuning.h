@@ -27,6 +27,9 @@ enum HtAblate : int {
   // Not an ablation either: tokens with <= 2 row sources take the general reducer step too, not
   // reduce_row_pair (the sixth session's pair step; its same-run A/B).
   kHtReducePairOff = 512,
+  // Not an ablation either: the zero-copy combine reduces with the register pair step, not the
+  // staged reducer (kernels/ht/combine_staged.cuh, seventh session) — its same-run A/B.
+  kHtPullStagedOff = 1024,
 };
 
 struct HtTuning {
@@ -51,6 +54,21 @@ void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_
 // default, and any value outside 1..99) = all. For combine launches after the call.
 void set_ht_engine_share_override(int percent);
 int ht_engine_share();
+
+// The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): per warp `stages`
+// shared-memory stages of two `chunk`-byte pieces (one per row source) loaded by cp.async.bulk.
+// 16 warps x stages x (2 chunk + 32) bytes of shared memory per CTA.
+struct HtPullStaging {
+  int stages = 3;
+  int chunk = 2048;
+};
+// The staging of later zero-copy combines: the override below when set (stages 0: the register
+// pair step), else the default above.
+HtPullStaging ht_pull_staging();
+// Benchmark / test hook: stages x chunk for later zero-copy combines in this process (stages 0:
+// off; stages < 0: back to the default). Validated at launch (2 <= stages <= 8, chunk a multiple
+// of 512 in [512, 16384], within the device's shared memory).
+void set_ht_pull_staging_override(int stages, int chunk);
 
 // How the ht dispatch moves x rows (docs/perf-cuda-ht.md, designs v4 and v5). kBulk applies only
 // where every row address and size is a multiple of 16 bytes and the device is sm_90+; otherwise

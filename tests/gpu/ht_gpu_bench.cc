@@ -5,11 +5,13 @@
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
 //                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-share 100,70] [--ce-probe]
+//                    [--pull 3x2048,2x3584]
 // --copy times dispatch and combine under each copy path (cuda/tuning.h parse_ht_copy;
 // EPX_HT_COPY's values) in the same process, same buffer; --ce-share also times combine with the
 // copy engines pushing that percent of the rows and the kernel the rest (set_ht_engine_share_
 // override; only where combine uses the copy engines: ":combine", or ":combine-auto" at sizes
-// it picks them).
+// it picks them). --pull also times the zero-copy combine (graph) with the staged reducer's
+// stages x chunk bytes (set_ht_pull_staging_override); it always times the register pair step.
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -51,6 +53,7 @@ struct Options {
   bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
   bool ce_probe = false;          // only the copy-engine rate probe (ce_probe below)
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
+  std::vector<std::string> pull;  // zero-copy combine stagings to time (SxC)
   std::vector<int> ce_share;      // combine: copy-engine shares (percent) to time as well
 };
 
@@ -165,6 +168,8 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
+        bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
+        std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
@@ -246,7 +251,18 @@ int run_rank(const Group& g, const Options& o) {
           detail::set_ht_ablation(detail::kHtReducePairOff);  // its A/B: the general step
           ct.zcomb_nopair =
               graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          detail::set_ht_ablation(detail::kHtPullStagedOff);  // the register pair step
+          ct.zcomb_regpair =
+              graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(0);
+          for (const std::string& spec : o.pull) {
+            int st = 0, ch = 0;
+            std::sscanf(spec.c_str(), "%dx%d", &st, &ch);
+            detail::set_ht_pull_staging_override(st, ch);
+            ct.zcomb_pull.emplace_back(
+                spec, graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); }));
+          }
+          detail::set_ht_pull_staging_override(-1, 0);
         }
         for (int pct : o.ce_share) {
           detail::set_ht_engine_share_override(pct);
@@ -353,6 +369,11 @@ int run_rank(const Group& g, const Options& o) {
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,
               n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy, graph, register pair step)").c_str(),
+              ct.zcomb_regpair, n_bf16, c_bf16);
+          for (const auto& [spec, t] : ct.zcomb_pull)
+            row(name("combine bf16 (zero-copy, graph, staged " + spec + ")").c_str(), t, n_bf16,
+                c_bf16);
           for (const auto& [pct, t] : ct.comb_share)
             row(name("combine bf16 ce share " + std::to_string(pct) + "%").c_str(), t, n_bf16,
                 c_bf16);
@@ -485,12 +506,14 @@ int main(int argc, char** argv) {
       o.copy = gpu_testing::split_commas(next());
     else if (a == "--ce-share")
       o.ce_share = parse_list(next());
+    else if (a == "--pull")
+      o.pull = gpu_testing::split_commas(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
                    "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
                    "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine[-auto]],...] [--ce-share p,q] "
-                   "[--ce-probe]\n",
+                   "[--ce-probe] [--pull SxC,...]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }

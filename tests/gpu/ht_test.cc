@@ -39,6 +39,9 @@ struct CopyPath {
   int ce_share;
   int switches;
   bool zero_copy = false;  // every dispatch with HtDispatchArgs::zero_copy
+  // The zero-copy combine's staged reducer: stages x chunk (-1: the default; 0 stages: off).
+  int pull_stages = -1;
+  int pull_chunk = 0;
 };
 const CopyPath kCopyPaths[] = {
     {"warp", 100, 0},
@@ -52,6 +55,8 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept:combine", 100, 0, true},
     {"warp", 100, 0, true},
     {"ce", 100, 0, true},
+    {"warp", 100, detail::kHtPullStagedOff, true},  // the register pair step under zero-copy
+    {"warp", 100, 0, true, 2, 512},                 // many small stages: rows across 28 chunks
     {"warp", 100, detail::kHtReducePairOff},
     {"warp", 100, detail::kHtReduceNarrow},
     {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
@@ -67,18 +72,21 @@ int for_each_copy_path(const std::function<int()>& body) {
     detail::set_ht_copy_override(&cfg);
     detail::set_ht_engine_share_override(path.ce_share);
     detail::set_ht_ablation(path.switches);
+    detail::set_ht_pull_staging_override(path.pull_stages, path.pull_chunk);
     g_zero_copy = path.zero_copy;
     const int b = body();
     if (b)
       std::fprintf(stderr,
                    "FAIL under copy path '%s' (copy-engine combine share %d%%, switches %d, "
-                   "zero-copy %d)\n",
-                   path.spec, path.ce_share, path.switches, path.zero_copy ? 1 : 0);
+                   "zero-copy %d, staging %dx%d)\n",
+                   path.spec, path.ce_share, path.switches, path.zero_copy ? 1 : 0,
+                   path.pull_stages, path.pull_chunk);
     bad += b;
   }
   detail::set_ht_copy_override(nullptr);
   detail::set_ht_engine_share_override(100);
   detail::set_ht_ablation(0);
+  detail::set_ht_pull_staging_override(-1, 0);
   g_zero_copy = false;
   return bad;
 }

@@ -135,6 +135,8 @@ struct HtCombineParams {
   int engine_share;  // percent of each slot's rows the copy engines push (engine_y; 1..100)
   int pull;  // 1: zero-copy combine: y is this rank's combine_y_row area, weights are mirrored in
              // the yw area; reducers read the peers' rows there (no senders, no slots)
+  int pull_stages;  // > 0: the staged reducer (combine_staged.cuh): stages per warp
+  int pull_chunk;   // its bytes per source per stage (a multiple of 512)
   HtSymm symm;
   WaitContext wait;
 };
