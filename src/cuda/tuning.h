@@ -58,9 +58,11 @@ int ht_engine_share();
 // The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): per warp `stages`
 // shared-memory stages of two `chunk`-byte pieces (one per row source) loaded by cp.async.bulk.
 // 16 warps x stages x (2 chunk + 32) bytes of shared memory per CTA.
+// Default 2 x 3072 (seventh session, T = 4096 graph, 16 / 24 / 32 SMs: 194.9 / 193.2 / 191.2 us;
+// 3 x 2048: 204.5 / 194.4 / 207.7; the register pair step 250.2 / 199.6 / 193.3).
 struct HtPullStaging {
-  int stages = 3;
-  int chunk = 2048;
+  int stages = 2;
+  int chunk = 3072;
 };
 // The staging of later zero-copy combines: the override below when set (stages 0: the register
 // pair step), else the default above.

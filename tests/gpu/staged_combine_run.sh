@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
 epx_batch_start gpu_ht_test epx_ht_gpu_bench || exit 1
 epx_batch_tests gpu_ht_test 200 '*'
-PULL=${PULL:-3x2048,2x3072,4x1536,2x3584,6x1024}
+PULL=${PULL:-3x2048,2x3072,4x1536,2x3584,6x1024}  # the first run's list
 echo "-- T = 4096"
 epx_batch_bench t4096 200 "^SMs|zero-copy, graph|combine bf16 \[EPX|dispatch bf16 \(cached, zero-copy, g" \
   epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16,24,32 --copy ce:kept --pull "$PULL"
