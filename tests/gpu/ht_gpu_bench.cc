@@ -169,6 +169,7 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
+        bench::Timing zcomb_now;           // the same (graph) without topk_weights
         std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
@@ -255,6 +256,9 @@ int run_rank(const Group& g, const Options& o) {
           ct.zcomb_regpair =
               graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(0);
+          HtCombineArgs czw = cz;  // no weights: no mirror copy before the kernel
+          czw.topk_weights = TensorView{};
+          ct.zcomb_now = graph_timed_op([&](const Allocator& al) { buf.ht_combine(czw, al); });
           for (const std::string& spec : o.pull) {
             int st = 0, ch = 0;
             std::sscanf(spec.c_str(), "%dx%d", &st, &ch);
@@ -371,6 +375,8 @@ int run_rank(const Group& g, const Options& o) {
               n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, register pair step)").c_str(),
               ct.zcomb_regpair, n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy, graph, no weights)").c_str(), ct.zcomb_now, n_bf16,
+              c_bf16);
           for (const auto& [spec, t] : ct.zcomb_pull)
             row(name("combine bf16 (zero-copy, graph, staged " + spec + ")").c_str(), t, n_bf16,
                 c_bf16);
