@@ -212,6 +212,7 @@ HtPullStaging ht_pull_staging() {
   if (g_pull_stages.load() >= 0) {
     s.stages = g_pull_stages.load();
     s.chunk = g_pull_chunk.load();
+    s.max_sms = 1 << 30;
   }
   return s;
 }

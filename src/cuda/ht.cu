@@ -599,7 +599,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     // <= 2) and no A/B switch asks for the register steps.
     const HtPullStaging st = ht_pull_staging();
     const int nbias = (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0);
-    if (st.stages > 0 && vb == 16 && R + nbias <= 2 &&
+    if (st.stages > 0 && grid <= st.max_sms && vb == 16 && R + nbias <= 2 &&
         !(p.ablate & (kHtPullStagedOff | kHtReducePairOff | kHtReduceNarrow)) &&
         prepare_ht_combine_staged(st.stages, st.chunk)) {
       p.pull_stages = st.stages;

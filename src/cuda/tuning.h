@@ -58,14 +58,17 @@ int ht_engine_share();
 // The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): per warp `stages`
 // shared-memory stages of two `chunk`-byte pieces (one per row source) loaded by cp.async.bulk.
 // 16 warps x stages x (2 chunk + 32) bytes of shared memory per CTA.
-// Default 2 x 3072 (seventh session, T = 4096 graph, 16 / 24 / 32 SMs: 194.9 / 193.2 / 191.2 us;
-// 3 x 2048: 204.5 / 194.4 / 207.7; the register pair step 250.2 / 199.6 / 193.3).
+// Default 2 x 3584 on at most 24 SMs (seventh session, T = 4096 graph, medians of 4 runs at 16
+// SMs: 2 x 3584 192.3-193.1 us, 2 x 3072 194.4-195.3, 3 x 2048 204.5, the register pair step
+// 249.7-250.5; at 24 SMs all stagings 193-195, the register step 199.6; at 32 SMs the register
+// step is as fast at T = 4096 / 8192 and 5-9 % faster at T = 512 / 1024, so it stays there).
 struct HtPullStaging {
   int stages = 2;
-  int chunk = 3072;
+  int chunk = 3584;
+  int max_sms = 24;  // grids above this use the register pair step
 };
 // The staging of later zero-copy combines: the override below when set (stages 0: the register
-// pair step), else the default above.
+// pair step; any SM count), else the default above.
 HtPullStaging ht_pull_staging();
 // Benchmark / test hook: stages x chunk for later zero-copy combines in this process (stages 0:
 // off; stages < 0: back to the default). Validated at launch (2 <= stages <= 8, chunk a multiple
