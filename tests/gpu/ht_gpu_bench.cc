@@ -335,6 +335,10 @@ int run_rank(const Group& g, const Options& o) {
       auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
       auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);
       auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
+      // NCCL's all-to-all of 16 bytes per peer: the fixed cost of an op that waits for its peers
+      // (launch, handshake, and the ranks' launch skew after the per-iteration group barrier),
+      // which the ceiling kernel (pushes only, no cross-rank wait) does not pay.
+      auto n_tiny = bench::nccl_all_to_all(g, 16, o.warmup, o.iters);
       auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
       if (r == 0) {
         const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
@@ -393,6 +397,8 @@ int run_rank(const Group& g, const Options& o) {
           for (const auto& [name, t] : ablations)
             std::printf("  %-40s %10.1f %10.1f\n", name.c_str(), t.median_us, t.min_us);
         }
+        std::printf("  NCCL a2a of 16 B per peer (fixed cost with a cross-rank wait): %.1f us\n",
+                    n_tiny.median_us);
         std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
                     bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
         std::fflush(stdout);
