@@ -14,6 +14,6 @@ for T in 1 4096; do
     --iters 30 --tokens $T --sms 16 --copy ce:kept
 done
 echo "-- ll"
-epx_batch_bench ll 100 "^ *[0-9]|sweep|T |disp|comb" epx_ll_gpu_bench --tokens 128,1 --iters 20 \
+epx_batch_bench ll 100 "." epx_ll_gpu_bench --tokens 128,1 --iters 20 \
   --sms 128,64
 epx_batch_total
