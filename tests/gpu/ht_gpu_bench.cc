@@ -253,8 +253,7 @@ int run_rank(const Group& g, const Options& o) {
           ct.zcomb_nopair =
               graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(detail::kHtPullStagedOff);  // the register pair step
-          ct.zcomb_regpair =
-              graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          ct.zcomb_regpair = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(0);
           HtCombineArgs czw = cz;  // no weights: no mirror copy before the kernel
           czw.topk_weights = TensorView{};
@@ -377,8 +376,8 @@ int run_rank(const Group& g, const Options& o) {
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,
               n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy, graph, register pair step)").c_str(),
-              ct.zcomb_regpair, n_bf16, c_bf16);
+          row(name("combine bf16 (zero-copy, graph, register pair step)").c_str(), ct.zcomb_regpair,
+              n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no weights)").c_str(), ct.zcomb_now, n_bf16,
               c_bf16);
           for (const auto& [spec, t] : ct.zcomb_pull)

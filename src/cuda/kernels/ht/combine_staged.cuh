@@ -1,6 +1,7 @@
 // src/cuda/kernels/ht/combine_staged.cuh — the zero-copy (pull) combine's staged reducer: row
 // sources loaded by the bulk-copy engine (cp.async.bulk, 1-D TMA) into shared memory, several
-// chunks ahead, instead of into registers (docs/perf-cuda-ht.md, seventh session; 16 SMs, T = 4096: 250 -> 195 us).
+// chunks ahead, instead of into registers (docs/perf-cuda-ht.md, seventh session; 16 SMs, T = 4096:
+// 250 -> 195 us).
 //
 // Why: the register reducer (reduce_row_pair) keeps at most 7 vectors per source per lane in
 // flight and waits for each step's round trip; at 16 SMs the pull combine is bound by those
@@ -150,8 +151,10 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     num_rs = 0;
     rs0 = rs1 = nullptr;
     auto add = [&](const char* r) {  // the host guarantees at most two
-      if (num_rs == 0) rs0 = r;
-      else rs1 = r;
+      if (num_rs == 0)
+        rs0 = r;
+      else
+        rs1 = r;
       num_rs = min(num_rs + 1, 2);
     };
     if (p.bias0) add(p.bias0 + t_issue * p.bias0_stride);
@@ -256,7 +259,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtComb
   combine_reduce_staged(p, cur);
   // No per-block counters in the pull protocol: nothing to reset. The end barrier: the peers
   // finished reading this rank's y when the kernel ends.
-  finish_operation(p.symm, p.wait, cur, R, [] {}, kReadyNow, /*wait_peers=*/true);
+  finish_operation(
+      p.symm, p.wait, cur, R, [] {}, kReadyNow, /*wait_peers=*/true);
 }
 
 }  // namespace epx::detail
