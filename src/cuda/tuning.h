@@ -71,8 +71,9 @@ struct HtPullStaging {
 // pair step; any SM count), else the default above.
 HtPullStaging ht_pull_staging();
 // Benchmark / test hook: stages x chunk for later zero-copy combines in this process (stages 0:
-// off; stages < 0: back to the default). Validated at launch (2 <= stages <= 8, chunk a multiple
-// of 512 in [512, 16384], within the device's shared memory).
+// off; stages < 0: back to the default). Checked at launch: InvalidArgument unless 2 <= stages
+// <= 8 and chunk is a multiple of 512 in [512, 16384]; a staging the device's shared memory
+// cannot hold (or a device below sm_90) runs the register pair step instead.
 void set_ht_pull_staging_override(int stages, int chunk);
 
 // How the ht dispatch moves x rows (docs/perf-cuda-ht.md, designs v4 and v5). kBulk applies only
