@@ -170,6 +170,9 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
         bench::Timing zcomb_now;           // the same (graph) without topk_weights
+        // Per call, 10 calls per graph replayed back to back (graph_run_op): zero-copy dispatch
+        // bf16 / fp8, zero-copy combine, copying combine.
+        double run_zc16 = 0, run_zc8 = 0, run_zcomb = 0, run_comb = 0;
         std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
         std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
@@ -192,6 +195,44 @@ int run_rank(const Group& g, const Options& o) {
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
         return t;
+      };
+      // Per-call time of kGraphRunOps calls captured in one CUDA graph, replayed back to back
+      // with no barrier between replays (as epx_ll_gpu_bench's graph rows and as an engine's
+      // step graph runs them): the ranks' launch skew after a barrier is paid once per replay,
+      // not once per call.
+      auto graph_run_op = [&](const std::function<void(const Allocator&)>& op) {
+        constexpr int kGraphRunOps = 10;
+        pool.reset();
+        op(pool.get());
+        CUDA_OK(cudaStreamSynchronize(stream));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < kGraphRunOps; ++i) {
+          pool.reset();
+          op(pool.get());
+        }
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        g.transport()->barrier("graph_run_op");
+        for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        g.transport()->barrier("graph_run_op warm");
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        CUDA_OK(cudaEventRecord(e0, stream));
+        for (int i = 0; i < o.iters; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaEventRecord(e1, stream));
+        CUDA_OK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        buf.check();
+        return 1000.0 * ms / (o.iters * kGraphRunOps);
       };
       auto graph_timed = [&](const HtDispatchArgs& args) {
         return graph_timed_op([&](const Allocator& al) { (void)buf.ht_dispatch(args, al); });
@@ -236,6 +277,8 @@ int run_rank(const Group& g, const Options& o) {
           ct.zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(z8, al); });
           ct.zcg16 = graph_timed(z16);
           ct.zcg8 = graph_timed(z8);
+          ct.run_zc16 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
+          ct.run_zc8 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
           ct.zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
         }
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
@@ -249,6 +292,8 @@ int run_rank(const Group& g, const Options& o) {
           cz.zero_copy = true;
           ct.zcomb = timed([&](const Allocator& al) { buf.ht_combine(cz, al); });
           ct.zcomb_graph = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          ct.run_zcomb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          ct.run_comb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cc, al); });
           detail::set_ht_ablation(detail::kHtReducePairOff);  // its A/B: the general step
           ct.zcomb_nopair =
               graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
@@ -380,6 +425,12 @@ int run_rank(const Group& g, const Options& o) {
               n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no weights)").c_str(), ct.zcomb_now, n_bf16,
               c_bf16);
+          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
+                      name("graph of 10 calls, per call: dispatch bf16 / fp8 zero-copy").c_str(),
+                      ct.run_zc16, ct.run_zc8, n_bf16.median_us, c_bf16.median_us);
+          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
+                      name("graph of 10 calls, per call: combine zero-copy / copying").c_str(),
+                      ct.run_zcomb, ct.run_comb, n_bf16.median_us, c_bf16.median_us);
           for (const auto& [spec, t] : ct.zcomb_pull)
             row(name("combine bf16 (zero-copy, graph, staged " + spec + ")").c_str(), t, n_bf16,
                 c_bf16);
