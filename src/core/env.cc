@@ -30,6 +30,10 @@ int env_ll_variant() {
   return static_cast<int>(env_long("EPX_LL_VARIANT", 0));
 }
 
+bool env_pdl() {
+  return env_long("EPX_PDL", 0) == 1;
+}
+
 int env_cuda_device_max_connections() {
   return static_cast<int>(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8));
 }

@@ -6,6 +6,8 @@
 //                    (cuda/tuning.h parse_ht_copy)
 //   EPX_LL_VARIANT   cuda ll kernel variant bits for A/B runs (0 = the default kernels;
 //                    cuda/kernels/ll/ll_layout.cuh kLlVariant*)
+//   EPX_PDL          1: cuda ht / ll kernels use programmatic dependent launch (sm_90; default 0
+//                    until measured; never in the one-GPU test mode)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
 #pragma once
 
@@ -18,6 +20,8 @@ std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
-int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
+int env_ll_variant();
+bool env_pdl();  // EPX_PDL == 1  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or
+                 // invalid)
 
 }  // namespace epx::detail

@@ -72,6 +72,8 @@ class CudaBuffer final : public BufferImpl {
   int device_ = 0;
   int device_sms_ = 0;  // multiprocessors of device_
   bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode): no copy-engine side streams
+  bool pdl_ = false;  // ht kernels with programmatic dependent launch (cuda/launch.h: EPX_PDL,
+                      // sm_90, never when one_stream_: waiting CTAs would hold a peer's SMs)
   // ht_copy_config(), except that kEngine becomes kWarp when one_stream_.
   HtCopyConfig copy_config() const;
   HtTuning tuning_;

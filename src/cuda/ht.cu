@@ -498,6 +498,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   p.worst_case = worst_case;
   p.num_send_ctas = tuning_.dispatch_send_ctas;
   p.ablate = ht_ablation();
+  p.pdl = pdl_;
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
   const int vb =
@@ -574,6 +575,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
   p.ablate = ht_ablation();
+  p.pdl = pdl_;
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
   const int vb =

@@ -7,6 +7,7 @@
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/combine.cuh"
 #include "cuda/kernels/ht/combine_staged.cuh"
+#include "cuda/launch.h"
 #include "cuda/tuning.h"
 
 namespace epx::detail {
@@ -57,31 +58,37 @@ bool prepare_ht_combine_staged(int stages, int chunk) {
 }
 
 void launch_ht_combine_staged(const HtCombineParams& p, int grid, cudaStream_t stream) {
-  ht_combine_staged_kernel<<<grid, kHtThreads, pull_smem_bytes(p.pull_stages, p.pull_chunk),
-                             stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine: launch");
+  launch_kernel(ht_combine_staged_kernel, grid, kHtThreads,
+                pull_smem_bytes(p.pull_stages, p.pull_chunk), stream, p.pdl, "ht_combine: launch",
+                p);
 }
 
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
       if (p.ablate & kHtReduceNarrow) {
-        ht_combine_kernel<uint4, kStepNarrow><<<grid, kHtThreads, 0, stream>>>(p);
+        launch_kernel(ht_combine_kernel<uint4, kStepNarrow>, grid, kHtThreads, 0, stream, p.pdl,
+                      "ht_combine: launch", p);
       } else if (p.num_ranks + (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0) <= 2 &&
                  !(p.ablate & kHtReducePairOff)) {  // every token has <= 2 row sources
-        ht_combine_kernel<uint4, kStepPair><<<grid, kHtThreads, 0, stream>>>(p);
+        launch_kernel(ht_combine_kernel<uint4, kStepPair>, grid, kHtThreads, 0, stream, p.pdl,
+                      "ht_combine: launch", p);
       } else {
-        ht_combine_kernel<uint4, kStepWide><<<grid, kHtThreads, 0, stream>>>(p);
+        launch_kernel(ht_combine_kernel<uint4, kStepWide>, grid, kHtThreads, 0, stream, p.pdl,
+                      "ht_combine: launch", p);
       }
       break;
     case 8:
-      ht_combine_kernel<uint2><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_combine_kernel<uint2>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_combine: launch", p);
       break;
     case 4:
-      ht_combine_kernel<uint32_t><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_combine_kernel<uint32_t>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_combine: launch", p);
       break;
     default:
-      ht_combine_kernel<uint16_t><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_combine_kernel<uint16_t>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_combine: launch", p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine: launch");

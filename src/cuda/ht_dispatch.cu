@@ -5,6 +5,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/dispatch.cuh"
+#include "cuda/launch.h"
 
 namespace epx::detail {
 
@@ -107,25 +108,30 @@ void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cuda
   if (p.copy_mode == static_cast<int>(HtCopyMode::kBulk) && vec_bytes == 16) {
     const int smem = bulk_smem_bytes(p.bulk_stages, p.bulk_chunk);
     prepare_bulk(p, smem);
-    ht_dispatch_kernel<uint4, true><<<grid, kHtThreads, smem, stream>>>(p);
-    EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: launch");
+    launch_kernel(ht_dispatch_kernel<uint4, true>, grid, kHtThreads, smem, stream, p.pdl,
+                  "ht_dispatch: launch", p);
     return;
   }
   switch (vec_bytes) {
     case 16:
-      ht_dispatch_kernel<uint4, false><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_dispatch_kernel<uint4, false>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_dispatch: launch", p);
       break;
     case 8:
-      ht_dispatch_kernel<uint2, false><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_dispatch_kernel<uint2, false>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_dispatch: launch", p);
       break;
     case 4:
-      ht_dispatch_kernel<uint32_t, false><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_dispatch_kernel<uint32_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_dispatch: launch", p);
       break;
     case 2:
-      ht_dispatch_kernel<uint16_t, false><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_dispatch_kernel<uint16_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_dispatch: launch", p);
       break;
     default:
-      ht_dispatch_kernel<uint8_t, false><<<grid, kHtThreads, 0, stream>>>(p);
+      launch_kernel(ht_dispatch_kernel<uint8_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+                    "ht_dispatch: launch", p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: launch");

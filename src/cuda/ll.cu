@@ -44,6 +44,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
+#include "cuda/launch.h"
 #include "cuda/tuning.h"
 #include "transport/transport.h"
 
@@ -119,6 +120,7 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   int device_ = 0;
   int num_ctas_ = 1;
   int units_per_expert_ = 1;
+  bool pdl_ = false;  // programmatic dependent launch (cuda/launch.h: EPX_PDL, sm_90, own GPU)
   uint64_t timeout_ns_ = 0;
   LlLayout layout_;
   LlSymm symm_{};
@@ -155,6 +157,10 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
+  int major = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_),
+                 "Buffer");
+  pdl_ = pdl_default() && major >= 9 && !group.transport()->ranks_share_device();
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
@@ -366,24 +372,24 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   p.symm = symm_;
   p.wait = wait_context(kOpLlDispatch);
   p.variant = ll_variant();
+  p.pdl = pdl_;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
 #endif
 
   if (failed || !args.return_recv_hook) {
-    ll_dispatch_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
-    EPX_CUDA_CHECK(cudaGetLastError(), op);
+    launch_kernel(ll_dispatch_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
-  ll_dispatch_send_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError(), op);
+  launch_kernel(ll_dispatch_send_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
   dispatch_in_flight_[slot] = true;
   // The hook keeps the outputs it writes alive (the caller's stats view must stay alive).
   const int ctas = num_ctas_;
   res.hook =
       make_hook(true, slot, [p, ctas, stream, keep = std::make_shared<LlDispatchResult>(res)]() {
-        ll_dispatch_recv_kernel<<<ctas, kLlThreads, 0, stream>>>(p);
+        launch_kernel(ll_dispatch_recv_kernel, ctas, kLlThreads, 0, stream, p.pdl,
+                      "ll_dispatch hook", p);
       });
   return res;
 }
@@ -441,24 +447,23 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.symm = symm_;
   p.wait = wait_context(kOpLlCombine);
   p.variant = ll_variant();
+  p.pdl = pdl_;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
 #endif
 
   if (failed || !args.return_recv_hook) {
-    ll_combine_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
-    EPX_CUDA_CHECK(cudaGetLastError(), op);
+    launch_kernel(ll_combine_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
-  ll_combine_send_kernel<<<num_ctas_, kLlThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError(), op);
+  launch_kernel(ll_combine_send_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
   combine_in_flight_[slot] = true;
   // The hook keeps an allocated out alive; the caller keeps topk_idx, topk_weights, the handle's
   // layout_range and a given out alive until it ran.
   const int ctas = num_ctas_;
   res.hook = make_hook(false, slot, [p, ctas, stream, keep = res.out]() {
-    ll_combine_recv_kernel<<<ctas, kLlThreads, 0, stream>>>(p);
+    launch_kernel(ll_combine_recv_kernel, ctas, kLlThreads, 0, stream, p.pdl, "ll_combine hook", p);
   });
   return res;
 }

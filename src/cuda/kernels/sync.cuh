@@ -45,6 +45,19 @@ __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// First instruction of a kernel that may be launched with programmatic dependent launch
+// (cuda/launch.h; `pdl` = the launch used it): wait until the previous kernel on the stream
+// completed and its memory is visible, then let the next kernel launch early (it waits the same
+// way). Without PDL nothing (griddepcontrol.wait would return at once).
+__device__ __forceinline__ void pdl_begin(int pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

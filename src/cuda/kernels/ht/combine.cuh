@@ -352,6 +352,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
 // kStep: the reducers' step (HtReduceStep; rows of vectors narrower than 16 bytes: kStepNarrow).
 template <typename V, int kStep = (sizeof(V) < 16 ? kStepNarrow : kStepWide)>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
+  pdl_begin(p.pdl);
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
   __shared__ const V* s_src[kHtWarps * kMaxHtRanks];
   __shared__ const float* s_wsrc[kHtWarps * kMaxHtRanks];

@@ -249,6 +249,7 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
 // The zero-copy combine with the staged reducer (every CTA reduces; no senders). Dynamic shared
 // memory: pull_smem_bytes(p.pull_stages, p.pull_chunk).
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtCombineParams p) {
+  pdl_begin(p.pdl);
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) {

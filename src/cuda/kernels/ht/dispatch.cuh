@@ -317,6 +317,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
 
 template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
+  pdl_begin(p.pdl);
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);

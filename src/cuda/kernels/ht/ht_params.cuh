@@ -65,6 +65,7 @@ struct HtDispatchParams {
   int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
   int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
   int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
+  int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
   int engine_x;  // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
                  // scales and metadata only and leaves the ready signal to ht_engine_sync
   int engine_kept;  // 1 ("ce:kept"): copy engines move only the kept rows' x (side stream)
@@ -129,6 +130,7 @@ struct HtCombineParams {
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
   int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
+  int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
   int engine_y;  // 1: copy engines push the first engine_split_rows(n, engine_share) rows of
                  // each slot in kHtEngineChunks chunks (ht.cu); senders move the weights and the
                  // rest, and reducers also wait for the chunk of a row the copy engines moved

@@ -60,6 +60,7 @@ struct LlCombineParams {
   int32_t slot;        // q
   int32_t rank;        // r
   int32_t variant;     // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
+  int32_t pdl;         // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -319,6 +320,7 @@ __device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
 
 // Without a hook: publish, then pull and reduce, in one launch.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombineParams p) {
+  pdl_begin(p.pdl);
   EPX_LL_STAMP(p, 1, kTrCEntry);
   const uint32_t e = ll_combine_epoch(p);
   ll_combine_send(p);
@@ -327,10 +329,12 @@ __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombinePara
 
 // With a hook: the call launches the send, the hook the receive.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_send_kernel(LlCombineParams p) {
+  pdl_begin(p.pdl);
   EPX_LL_STAMP(p, 1, kTrCEntry);
   ll_combine_send(p);
 }
 __global__ void __launch_bounds__(kLlThreads, 1) ll_combine_recv_kernel(LlCombineParams p) {
+  pdl_begin(p.pdl);
   ll_combine_recv(p, ll_combine_epoch(p));
 }
 

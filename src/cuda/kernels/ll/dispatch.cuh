@@ -59,6 +59,7 @@ struct LlDispatchParams {
   int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
   int32_t variant;  // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
+  int32_t pdl;      // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -390,6 +391,7 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
 
 // Without a hook: send, then receive, in one launch.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchParams p) {
+  pdl_begin(p.pdl);
   EPX_LL_STAMP(p, 0, kTrDEntry);
   const uint32_t e = ll_dispatch_epoch(p);
   if (ll_dispatch_send(p, e)) ll_dispatch_recv(p, e);
@@ -397,10 +399,12 @@ __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchPa
 
 // With a hook: the call launches the send, the hook the receive.
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_send_kernel(LlDispatchParams p) {
+  pdl_begin(p.pdl);
   EPX_LL_STAMP(p, 0, kTrDEntry);
   ll_dispatch_send(p, ll_dispatch_epoch(p));
 }
 __global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_recv_kernel(LlDispatchParams p) {
+  pdl_begin(p.pdl);
   ll_dispatch_recv(p, ll_dispatch_epoch(p));
 }
 

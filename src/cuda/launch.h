@@ -1,0 +1,44 @@
+// src/cuda/launch.h — kernel launches with optional programmatic dependent launch (PDL).
+//
+// With PDL (Hopper; EPX_PDL=1, never where ranks share a GPU) a kernel is launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization: it may become resident while the previous
+// kernel on the stream still runs, and waits at its first instruction (pdl_begin,
+// griddepcontrol.wait) until that kernel completed and its memory is visible — so it reads
+// nothing early, but its launch overlaps the previous kernel's tail. Our kernels also allow the
+// next kernel to launch early (griddepcontrol.launch_dependents in pdl_begin): a dependent
+// launched with PDL must itself wait before reading our outputs, as the attribute requires of
+// any kernel. Captured into CUDA graphs as programmatic edges.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "core/env.h"
+#include "cuda/cuda_check.h"
+
+namespace epx::detail {
+
+// EPX_PDL, read once.
+inline bool pdl_default() {
+  static const bool v = env_pdl();
+  return v;
+}
+
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool pdl, const char* what, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+
+}  // namespace epx::detail
