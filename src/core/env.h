@@ -20,8 +20,7 @@ std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
-int env_ll_variant();
-bool env_pdl();  // EPX_PDL == 1  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or
-                 // invalid)
+int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
+bool env_pdl();        // EPX_PDL == 1
 
 }  // namespace epx::detail

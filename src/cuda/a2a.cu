@@ -223,9 +223,9 @@ void CudaA2a::check() {
   std::atomic_thread_fence(std::memory_order_acquire);
   const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
   const bool is_dispatch = e.op == kOpA2aDispatch;
-  const char* op = is_dispatch                ? "a2a dispatch"
+  const char* op = is_dispatch            ? "a2a dispatch"
                    : e.op == kOpA2aResync ? "a2a set_active_ranks"
-                                              : "a2a combine";
+                                          : "a2a combine";
   // Timeouts and mask differences keep the record (every later check() raises again) until
   // set_active_ranks clears it: the ranks no longer agree on epochs or on the mask.
   if (e.code == kDevErrTimeout) {
@@ -234,10 +234,10 @@ void CudaA2a::check() {
                        : is_dispatch        ? "the rows and counts the peer sends"
                                             : "the peer's combine payload";
     const auto waited = e.op == kOpA2aResync ? 2 * group.timeout() : group.timeout();
-    throw_error(ErrorCode::kTimeout,
-                cat(op, ": rank ", e.rank, " waited ", waited.count(), " ms for ", what, " (rank ",
-                    e.peer, "); this A2a is unusable until every surviving rank calls "
-                    "set_active_ranks (without the failed ranks)"));
+    throw_error(ErrorCode::kTimeout, cat(op, ": rank ", e.rank, " waited ", waited.count(),
+                                         " ms for ", what, " (rank ", e.peer,
+                                         "); this A2a is unusable until every surviving rank calls "
+                                         "set_active_ranks (without the failed ranks)"));
   }
   if (e.code == kDevErrA2aMask) {
     auto show = [&](int64_t v) {
@@ -430,9 +430,9 @@ A2aDropCounts CudaA2a::dropped_counts() {
   DeviceGuard guard(device_);
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "a2a dropped_counts");
   unsigned long long v[2] = {0, 0};
-  EPX_CUDA_CHECK(cudaMemcpy(v, &layout_.state(local())->dropped_tokens, sizeof(v),
-                            cudaMemcpyDeviceToHost),
-                 "a2a dropped_counts");
+  EPX_CUDA_CHECK(
+      cudaMemcpy(v, &layout_.state(local())->dropped_tokens, sizeof(v), cudaMemcpyDeviceToHost),
+      "a2a dropped_counts");
   return A2aDropCounts{static_cast<int64_t>(v[0]), static_cast<int64_t>(v[1])};
 }
 
@@ -443,8 +443,7 @@ static_assert(offsetof(A2aState, dropped_selections) ==
 void CudaA2a::reset_dropped_counts(Stream stream) {
   DeviceGuard guard(device_);
   EPX_CUDA_CHECK(cudaMemsetAsync(&layout_.state(local())->dropped_tokens, 0,
-                                 2 * sizeof(unsigned long long),
-                                 static_cast<cudaStream_t>(stream)),
+                                 2 * sizeof(unsigned long long), static_cast<cudaStream_t>(stream)),
                  "a2a reset_dropped_counts");
 }
 

@@ -219,6 +219,11 @@ HtPullStaging ht_pull_staging() {
 }
 
 void set_ht_pull_staging_override(int stages, int chunk) {
+  EPX_CHECK_ARG(stages <= 0 || (stages >= 2 && stages <= 8 && chunk >= 512 && chunk <= 16384 &&
+                                chunk % 512 == 0),
+                "set_ht_pull_staging_override: ", stages, " x ", chunk,
+                " bytes; expected stages <= 0 (off / default) or 2..8 stages of a multiple of 512 "
+                "bytes in [512, 16384]");
   g_pull_chunk = chunk;
   g_pull_stages = stages;
 }
@@ -272,7 +277,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   int major = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_),
                  "Buffer");
-  pdl_ = pdl_default() && major >= 9 && !one_stream_;
+  pdl_ = pdl_default() && major >= 9 && !one_stream_ && ht_kernels_built_for_sm90();
   tuning_ = resolve_ht_tuning(group.options().num_sms, sms, R);
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
   region_ =

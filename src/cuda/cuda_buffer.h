@@ -25,7 +25,7 @@
 
 namespace epx::detail {
 
-class CudaLl;  // src/cuda/ll.cu
+class CudaLl;             // src/cuda/ll.cu
 struct HtDispatchParams;  // cuda/kernels/ht/ht_params.cuh
 
 // Copy-engine dispatch (HtCopyMode::kEngine): what the host learnt from one exact-mode count
@@ -36,7 +36,7 @@ struct HtCopyPlan {
   struct Run {
     int32_t t0, j0, n;
   };
-  std::vector<std::vector<Run>> runs;  // [R]
+  std::vector<std::vector<Run>> runs;       // [R]
   std::vector<int32_t> rank_prefix_matrix;  // [R * R], as the handle's tensor
 };
 
@@ -70,7 +70,7 @@ class CudaBuffer final : public BufferImpl {
   void check_outside_region(const TensorView& t, const char* op, const char* name) const;
 
   int device_ = 0;
-  int device_sms_ = 0;  // multiprocessors of device_
+  int device_sms_ = 0;       // multiprocessors of device_
   bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode): no copy-engine side streams
   bool pdl_ = false;  // ht kernels with programmatic dependent launch (cuda/launch.h: EPX_PDL,
                       // sm_90, never when one_stream_: waiting CTAs would hold a peer's SMs)

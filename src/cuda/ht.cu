@@ -89,8 +89,7 @@ struct CopyList {
     size_t dpitch, spitch, width, height;
   };
   std::vector<Block> blocks;
-  void add(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width,
-           size_t height) {
+  void add(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width, size_t height) {
     if (width == 0 || height == 0) return;
     blocks.push_back({dst, src, dpitch, spitch, width, height});
   }

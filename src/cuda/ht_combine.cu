@@ -21,6 +21,7 @@ struct StagedDevice {
   int sm_major = 0;
   int optin = 0;
   int static_smem = 0;
+  int ptx = 0;  // the staged kernel's PTX version (90: built for sm_90)
   int raised = 0;
 };
 std::mutex g_staged_mutex;
@@ -44,10 +45,11 @@ bool prepare_ht_combine_staged(int stages, int chunk) {
     cudaFuncAttributes attr{};
     EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_staged_kernel), "ht_combine");
     d.static_smem = static_cast<int>(attr.sharedSizeBytes);
+    d.ptx = attr.ptxVersion;  // below 90 the bulk-copy instructions compile to a trap
     d.checked = 1;
   }
   const int smem = pull_smem_bytes(stages, chunk);
-  if (d.sm_major < 9 || smem + d.static_smem > d.optin) return false;  // the register step
+  if (d.sm_major < 9 || d.ptx < 90 || smem + d.static_smem > d.optin) return false;  // registers
   if (smem > d.raised) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(ht_combine_staged_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

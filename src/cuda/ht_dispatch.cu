@@ -99,6 +99,12 @@ __global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
 
 }  // namespace
 
+bool ht_kernels_built_for_sm90() {
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_dispatch_kernel<uint4, false>), "Buffer");
+  return attr.ptxVersion >= 90;
+}
+
 void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream) {
   ht_engine_sync_kernel<<<1, 32, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: engine sync launch");

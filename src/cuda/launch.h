@@ -19,11 +19,15 @@
 
 namespace epx::detail {
 
-// EPX_PDL, read once.
+// EPX_PDL, read once. Callers also require a device of compute capability 9.0+ running kernels
+// built for it (pdl_begin compiles to nothing below sm_90: ptxVersion >= 90).
 inline bool pdl_default() {
   static const bool v = env_pdl();
   return v;
 }
+
+// The ht kernels were built for sm_90+ (PTX version >= 90; src/cuda/ht_dispatch.cu).
+bool ht_kernels_built_for_sm90();
 
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
@@ -38,7 +42,11 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not left behind for the next unrelated check
+    throw_cuda(e, "cudaLaunchKernelEx", what);
+  }
 }
 
 }  // namespace epx::detail

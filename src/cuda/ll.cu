@@ -161,6 +161,11 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_),
                  "Buffer");
   pdl_ = pdl_default() && major >= 9 && !group.transport()->ranks_share_device();
+  if (pdl_) {  // pdl_begin compiles to nothing in kernels built below sm_90
+    cudaFuncAttributes attr{};
+    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ll_dispatch_kernel), "Buffer");
+    pdl_ = attr.ptxVersion >= 90;
+  }
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;

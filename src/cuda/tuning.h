@@ -103,7 +103,7 @@ struct HtCopyConfig {
   // kEngine: ":combine" kOn, ":combine-auto" kAuto (the default), neither kOff.
   HtEngineCombine engine_combine = HtEngineCombine::kAuto;
   bool engine_kept_only = true;  // kEngine ("ce:kept"): copy engines move only the kept rows
-                                  // (concurrently with the kernel, which pushes and copies out)
+                                 // (concurrently with the kernel, which pushes and copies out)
 };
 
 // Parses "warp" | "ce[:kept][:combine|:combine-auto]" | "bulk" with optional ":SxC" (stages x

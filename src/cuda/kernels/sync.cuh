@@ -55,6 +55,8 @@ __device__ __forceinline__ void pdl_begin(int pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
+#else
+  (void)pdl;
 #endif
 }
 

@@ -27,8 +27,11 @@
 // lane's ld.acquire.sys of yready; __syncwarp; lane 0 fence.proxy.async; only then bulk loads of
 // that peer's rows. A stage is refilled only after every lane read it (__syncwarp) and lane 0
 // executed fence.proxy.async.shared::cta (generic reads before the async-proxy write). Every
-// issued load is waited for before the warp leaves (error paths included), so no bulk load writes
-// shared memory after the CTA ends, and none reads a peer's y after this rank's end barrier.
+// issued load is waited for before the warp leaves, also after a failed yready wait, so no bulk
+// load writes shared memory after the CTA ends, and none reads a peer's y after this rank's end
+// barrier — except when that wait itself times out (a load that never lands: the op has failed
+// and is reported; each remaining stage then waits out its own timeout, as BulkPipe does).
+// kAblateReduce (bench) skips only the adds and stores: the loads still run.
 #pragma once
 
 #include "cuda/kernels/ht/bulk_copy.cuh"
