@@ -18,6 +18,8 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
@@ -479,6 +481,39 @@ TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
       EXPECT_NE(std::string(e.what()).find("EPX_HT_COPY"), std::string::npos) << e.what();
     }
   }
+}
+
+// Host only (runs without a GPU): the zero-copy combine's staging — its measured default, the
+// test / bench override and what the override refuses (before any combine could start).
+TEST(HtPullStaging, DefaultOverrideAndValidation) {
+  const detail::HtPullStaging def = detail::ht_pull_staging();
+  EXPECT_EQ(def.stages, 2);
+  EXPECT_EQ(def.chunk, 3584);
+  EXPECT_EQ(def.max_sms, 24);  // the register pair step above (measured as fast at 32 SMs)
+  detail::set_ht_pull_staging_override(3, 1024);
+  detail::HtPullStaging o = detail::ht_pull_staging();
+  EXPECT_EQ(o.stages, 3);
+  EXPECT_EQ(o.chunk, 1024);
+  EXPECT_GT(o.max_sms, 132);  // an override applies at any SM count
+  detail::set_ht_pull_staging_override(0, 0);  // off: the register step
+  EXPECT_EQ(detail::ht_pull_staging().stages, 0);
+  for (const auto& [st, ch] : std::vector<std::pair<int, int>>{
+           {1, 2048}, {9, 2048}, {2, 500}, {2, 256}, {2, 16896}, {2, 3000}}) {
+    try {
+      detail::set_ht_pull_staging_override(st, ch);
+      ADD_FAILURE() << "accepted " << st << " x " << ch;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("set_ht_pull_staging_override"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(detail::ht_pull_staging().stages, 0);  // a refused override changes nothing
+  detail::set_ht_pull_staging_override(-1, 0);      // back to the default
+  const detail::HtPullStaging back = detail::ht_pull_staging();
+  EXPECT_EQ(back.stages, def.stages);
+  EXPECT_EQ(back.chunk, def.chunk);
+  EXPECT_EQ(back.max_sms, def.max_sms);
 }
 
 TEST(HtGpu, OneRankMatchesReference) {
