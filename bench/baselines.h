@@ -28,4 +28,8 @@ Timing nccl_all_to_all(const Group& group, size_t bytes_per_peer, int warmup, in
 Timing nvlink_copy_ceiling(const Group& group, size_t bytes_per_peer, int num_sms, int warmup,
                            int iters);
 
+// Enqueues one empty kernel (one CTA of 32 threads) on `stream`: timed like an op, it gives the
+// launch and timing overhead that every op pays, whatever it does.
+void launch_empty_kernel(void* stream);
+
 }  // namespace epx::bench

@@ -383,6 +383,12 @@ int run_rank(const Group& g, const Options& o) {
       // (launch, handshake, and the ranks' launch skew after the per-iteration group barrier),
       // which the ceiling kernel (pushes only, no cross-rank wait) does not pay.
       auto n_tiny = bench::nccl_all_to_all(g, 16, o.warmup, o.iters);
+      // An empty kernel timed as the ops are (one-call graph after a barrier; 10-call graph):
+      // the launch and timing overhead inside every row.
+      const bench::Timing empty1 =
+          graph_timed_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
+      const double empty10 =
+          graph_run_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
       auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
       if (r == 0) {
         const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
@@ -449,6 +455,8 @@ int run_rank(const Group& g, const Options& o) {
         }
         std::printf("  NCCL a2a of 16 B per peer (fixed cost with a cross-rank wait): %.1f us\n",
                     n_tiny.median_us);
+        std::printf("  empty kernel: one-call graph %.1f us, 10-call graph %.1f us per call\n",
+                    empty1.median_us, empty10);
         std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
                     bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
         std::fflush(stdout);
