@@ -67,6 +67,10 @@ file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS
      ${PROJECT_SOURCE_DIR}/src/transport/cuda_*.cc)
 target_sources(epx PRIVATE ${EPX_CUDA_SOURCES})
 target_compile_definitions(epx PUBLIC EPX_WITH_CUDA=1)
+if(EPX_HT_TRACE)  # PUBLIC: the bench reads the stamps through the same define
+  target_compile_definitions(epx PUBLIC EPX_HT_TRACE=1)
+  message(STATUS "epx: EPX_HT_TRACE ON (ht kernels record phase timestamps)")
+endif()
 if(EPX_LL_TRACE)  # PUBLIC: the bench reads the stamps through the same define
   target_compile_definitions(epx PUBLIC EPX_LL_TRACE=1)
   message(STATUS "epx: EPX_LL_TRACE ON (ll kernels record phase timestamps)")

@@ -84,6 +84,9 @@ class CudaBuffer final : public BufferImpl {
   DeviceErrorRecord* error_dev_ = nullptr;
   HtHostResult* result_host_ = nullptr;  // mapped pinned memory
   HtHostResult* result_dev_ = nullptr;
+#ifdef EPX_HT_TRACE
+  uint64_t* trace_ = nullptr;  // kernels/ht/trace.cuh: kHtTraceWords, device memory
+#endif
   uint32_t ticket_ = 0;
   bool broken_ = false;
   std::string broken_why_;

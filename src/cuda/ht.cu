@@ -498,6 +498,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   p.num_send_ctas = tuning_.dispatch_send_ctas;
   p.ablate = ht_ablation();
   p.pdl = pdl_;
+#ifdef EPX_HT_TRACE
+  p.trace = trace_;
+#endif
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
   const int vb =
@@ -575,6 +578,9 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.num_send_ctas = tuning_.combine_send_ctas;
   p.ablate = ht_ablation();
   p.pdl = pdl_;
+#ifdef EPX_HT_TRACE
+  p.trace = trace_;
+#endif
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
   const int vb =

@@ -5,7 +5,7 @@
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
 //                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-share 100,70] [--ce-probe]
-//                    [--pull 3x2048,2x3584]
+//                    [--pull 3x2048,2x3584] [--trace]
 // --copy times dispatch and combine under each copy path (cuda/tuning.h parse_ht_copy;
 // EPX_HT_COPY's values) in the same process, same buffer; --ce-share also times combine with the
 // copy engines pushing that percent of the rows and the kernel the rest (set_ht_engine_share_
@@ -16,6 +16,7 @@
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,7 @@
 
 #include "bench/baselines.h"
 #include "cuda/cuda_buffer.h"
+#include "cuda/kernels/ht/trace.cuh"
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "gpu/gpu_support.h"
@@ -52,6 +54,7 @@ struct Options {
   int warmup = 5, iters = 30;
   bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
   bool ce_probe = false;          // only the copy-engine rate probe (ce_probe below)
+  bool trace = false;             // --trace (EPX_HT_TRACE builds): phase stamps of zero-copy ops
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
   std::vector<std::string> pull;  // zero-copy combine stagings to time (SxC)
   std::vector<int> ce_share;      // combine: copy-engine shares (percent) to time as well
@@ -83,6 +86,78 @@ struct ReuseAllocator {
     };
   }
 };
+
+#ifdef EPX_HT_TRACE
+// --trace: `call` (one op) `iters` times, each after a group barrier; per phase of
+// kernels/ht/trace.cuh the median over calls of (min / median / max over CTAs of the stamp minus
+// the call's first CTA entry), and the span (last exit - first entry). Printed by every rank.
+void trace_op(const Group& g, cudaStream_t stream, int iters, int ctas, int op, const char* name,
+              const std::function<void()>& call) {
+  uint64_t* buf = detail::ht_trace_buffer(g.transport()->device().index);
+  if (buf == nullptr) {
+    std::printf("[trace rank %d] no trace buffer\n", g.rank());
+    return;
+  }
+  const int n = std::min(ctas, detail::kHtTraceCtas);
+  std::vector<uint64_t> host(detail::kHtTraceWords);
+  std::vector<std::vector<double>> lo(detail::kHtTrNum), mid(detail::kHtTrNum),
+      hi(detail::kHtTrNum);
+  std::vector<double> span;
+  for (int i = 0; i < iters; ++i) {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemset(buf, 0, detail::kHtTraceWords * sizeof(uint64_t)));
+    CUDA_OK(cudaDeviceSynchronize());
+    g.transport()->barrier("trace_op");
+    call();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
+                       cudaMemcpyDeviceToHost));
+    auto at = [&](int ph, int c) {
+      return host[(static_cast<size_t>(op) * detail::kHtTracePhases + ph) * detail::kHtTraceCtas +
+                  c];
+    };
+    uint64_t t0 = UINT64_MAX, t1 = 0;
+    for (int c = 0; c < n; ++c) {
+      if (at(detail::kHtTrEntry, c)) t0 = std::min(t0, at(detail::kHtTrEntry, c));
+      t1 = std::max(t1, at(detail::kHtTrExit, c));
+    }
+    if (t0 == UINT64_MAX || t1 < t0) continue;
+    span.push_back((t1 - t0) / 1e3);
+    for (int ph = 0; ph < detail::kHtTrNum; ++ph) {
+      std::vector<double> v;
+      for (int c = 0; c < n; ++c)
+        if (at(ph, c) >= t0) v.push_back((at(ph, c) - t0) / 1e3);
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      lo[ph].push_back(v.front());
+      mid[ph].push_back(v[v.size() / 2]);
+      hi[ph].push_back(v.back());
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  static const char* const kNames[] = {"entry",
+                                       "start (peers ready / first token set up)",
+                                       "warp 0 done (sent / reduced)",
+                                       "receive done (dispatch)",
+                                       "CTA done (all warps)",
+                                       "exit (last CTA: ready, end barrier)"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == detail::kHtTrNum);
+  std::printf(
+      "[trace rank %d] %s: span %.2f us (median of %zu calls); per phase min / median / "
+      "max over %d CTAs, us after the first CTA entry\n",
+      g.rank(), name, median(span), span.size(), n);
+  for (int ph = 0; ph < detail::kHtTrNum; ++ph) {
+    if (mid[ph].empty()) continue;
+    std::printf("[trace rank %d]   %-44s %7.2f %7.2f %7.2f\n", g.rank(), kNames[ph], median(lo[ph]),
+                median(mid[ph]), median(hi[ph]));
+  }
+  std::fflush(stdout);
+}
+#endif
 
 int run_rank(const Group& g, const Options& o) {
   const int R = g.size(), r = g.rank(), dev = r;
@@ -174,7 +249,7 @@ int run_rank(const Group& g, const Options& o) {
         // bf16 / fp8, zero-copy combine, copying combine.
         double run_zc16 = 0, run_zc8 = 0, run_zcomb = 0, run_comb = 0;
         std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
-        std::vector<std::pair<int, bench::Timing>> comb_share;  // --ce-share
+        std::vector<std::pair<int, bench::Timing>> comb_share;          // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
       // Per-call time of an op captured once in a CUDA graph (no host cost); the first, eager
@@ -277,6 +352,13 @@ int run_rank(const Group& g, const Options& o) {
           ct.zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(z8, al); });
           ct.zcg16 = graph_timed(z16);
           ct.zcg8 = graph_timed(z8);
+#ifdef EPX_HT_TRACE
+          if (o.trace)
+            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy", [&] {
+              pool.reset();
+              (void)buf.ht_dispatch(z16, pool.get());
+            });
+#endif
           ct.run_zc16 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
           ct.run_zc8 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
           ct.zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
@@ -294,9 +376,15 @@ int run_rank(const Group& g, const Options& o) {
           ct.zcomb_graph = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           ct.run_zcomb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           ct.run_comb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cc, al); });
+#ifdef EPX_HT_TRACE
+          if (o.trace)
+            trace_op(g, stream, o.iters, sms, 1, "combine zero-copy (staged)", [&] {
+              pool.reset();
+              buf.ht_combine(cz, pool.get());
+            });
+#endif
           detail::set_ht_ablation(detail::kHtReducePairOff);  // its A/B: the general step
-          ct.zcomb_nopair =
-              graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
+          ct.zcomb_nopair = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(detail::kHtPullStagedOff);  // the register pair step
           ct.zcomb_regpair = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
           detail::set_ht_ablation(0);
@@ -508,9 +596,10 @@ int ce_probe(const Group& g, const Options& o) {
       {"peer cudaMalloc (cudaIpc)", static_cast<char*>(ipc_peer)},
       {"own window (local copy)", static_cast<char*>(win->local())}};
   if (r == 0)
-    std::printf("copy-engine probe: cudaMemcpyAsync local -> target, GB/s per pushing rank "
-                "(median of %d)\n  %-28s %8s %6s %7s %10s %8s\n",
-                o.iters, "target", "MB", "both", "copies", "us", "GB/s");
+    std::printf(
+        "copy-engine probe: cudaMemcpyAsync local -> target, GB/s per pushing rank "
+        "(median of %d)\n  %-28s %8s %6s %7s %10s %8s\n",
+        o.iters, "target", "MB", "both", "copies", "us", "GB/s");
   for (const size_t mb : {1, 4, 16, 58}) {
     const size_t bytes = mb << 20;
     for (const auto& [name, dst] : targets) {
@@ -578,12 +667,14 @@ int main(int argc, char** argv) {
       o.ce_share = parse_list(next());
     else if (a == "--pull")
       o.pull = gpu_testing::split_commas(next());
+    else if (a == "--trace")
+      o.trace = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
                    "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
                    "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine[-auto]],...] [--ce-share p,q] "
-                   "[--ce-probe] [--pull SxC,...]\n",
+                   "[--ce-probe] [--pull SxC,...] [--trace]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
@@ -596,6 +687,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+#ifndef EPX_HT_TRACE
+  if (o.trace) {
+    std::fprintf(stderr, "--trace needs a build with -DEPX_HT_TRACE=ON\n");
+    return 2;
+  }
+#endif
   const int gpus = gpu_testing::visible_gpus();
   if (gpus == 0) {
     std::printf("epx_ht_gpu_bench: no GPU visible, nothing to measure\n");

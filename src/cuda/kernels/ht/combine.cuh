@@ -273,9 +273,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
       if (ok && j < m) {
         const int c = engine_chunk(j, m);
         if (last_chunk[lane] < c) {
-          ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
-                               cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows,
-                               lane);
+          ok =
+              wait_flag<true>(g.arrived(p.symm.local) + lane,
+                              cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows, lane);
           last_chunk[lane] = c;
         }
       }

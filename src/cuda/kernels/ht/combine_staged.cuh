@@ -198,6 +198,7 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
           ok = false;
           break;
         }
+        if (t_issue == gw) EPX_HT_STAMP(p, 1, kHtTrStart);  // the warp's first token
       }
       const int bytes = static_cast<int>(min(static_cast<int64_t>(C), row_bytes - c_off));
       if (lane == 0) {
@@ -247,12 +248,14 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     --pending;
   }
   if (ok) flush_weights();
+  EPX_HT_STAMP(p, 1, kHtTrWork);
 }
 
 // The zero-copy combine with the staged reducer (every CTA reduces; no senders). Dynamic shared
 // memory: pull_smem_bytes(p.pull_stages, p.pull_chunk).
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtCombineParams p) {
   pdl_begin(p.pdl);
+  EPX_HT_STAMP(p, 1, kHtTrEntry);
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -261,10 +264,13 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtComb
     signal_peers(p.symm, &HtRegion::yready, R, me, cur);
   }
   combine_reduce_staged(p, cur);
+  EPX_HT_TRACE_SYNC();
+  EPX_HT_STAMP(p, 1, kHtTrDone);
   // No per-block counters in the pull protocol: nothing to reset. The end barrier: the peers
   // finished reading this rank's y when the kernel ends.
   finish_operation(
       p.symm, p.wait, cur, R, [] {}, kReadyNow, /*wait_peers=*/true);
+  EPX_HT_STAMP(p, 1, kHtTrExit);
 }
 
 }  // namespace epx::detail

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/kernels/ht/ht_params.cuh"
+#include "cuda/kernels/ht/trace.cuh"
 
 namespace epx::detail {
 

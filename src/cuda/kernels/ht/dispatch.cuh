@@ -124,6 +124,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   }
   __syncthreads();
   if (!s_ok) return;
+  EPX_HT_STAMP(p, 0, kHtTrStart);
   // Every peer finished reading its slots (acquired above); our bulk stores into them are
   // async-proxy writes, ordered after that acquire by a proxy fence.
   if constexpr (kBulk) {
@@ -318,6 +319,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
 template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
   pdl_begin(p.pdl);
+  EPX_HT_STAMP(p, 0, kHtTrEntry);
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
@@ -325,8 +327,14 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   if constexpr (kBulk) {
     if ((threadIdx.x & 31) == 0) pipe.init(threadIdx.x >> 5, p.bulk_stages, p.bulk_chunk);
   }
-  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) dispatch_send<V, kBulk>(p, cur, pipe);
-  if (static_cast<int>(blockIdx.x) >= recv_cta0(p)) dispatch_receive<V, kBulk>(p, pipe);
+  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
+    dispatch_send<V, kBulk>(p, cur, pipe);
+    EPX_HT_STAMP(p, 0, kHtTrWork);
+  }
+  if (static_cast<int>(blockIdx.x) >= recv_cta0(p)) {
+    dispatch_receive<V, kBulk>(p, pipe);
+    EPX_HT_STAMP(p, 0, kHtTrRecv);
+  }
   // Every bulk copy of this warp complete (also on the early-return paths) before the padding
   // rows, the counter reset and the ready signal that lets the peers overwrite our region.
   // The proxy fence orders the drained async-proxy accesses before finish_operation's release.
@@ -362,6 +370,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       }
     }
   }
+  EPX_HT_TRACE_SYNC();
+  EPX_HT_STAMP(p, 0, kHtTrDone);
   finish_operation(
       p.symm, p.wait, cur, R,
       [&] {
@@ -377,6 +387,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       p.engine_x    ? kReadyLater
       : p.zero_copy ? kReadyDeferred
                     : kReadyNow);
+  EPX_HT_STAMP(p, 0, kHtTrExit);
 }
 
 }  // namespace epx::detail

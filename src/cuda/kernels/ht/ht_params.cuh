@@ -47,10 +47,10 @@ struct HtDispatchParams {
   const void* topk_idx;  // [T, K] int64/int32 (not cached)
   int64_t topk_stride;   // elements
   int topk_is_i64;
-  const float* topk_weights;          // [T, K] or null
+  const float* topk_weights;                // [T, K] or null
   int64_t weights_stride, weights_stride1;  // elements
-  const int32_t* send_pos;            // [T, R]
-  const int32_t* rank_prefix_matrix;  // [R, R]
+  const int32_t* send_pos;                  // [T, R]
+  const int32_t* rank_prefix_matrix;        // [R, R]
   int num_tokens, top_k, num_local_experts, num_ranks, rank;
   int cached;                // 1: only x (and scales) move
   char* recv_x;              // [num_rows, H] contiguous
@@ -66,8 +66,11 @@ struct HtDispatchParams {
   int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
   int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
   int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
-  int engine_x;  // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
-                 // scales and metadata only and leaves the ready signal to ht_engine_sync
+#ifdef EPX_HT_TRACE
+  uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
+#endif
+  int engine_x;     // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
+                    // scales and metadata only and leaves the ready signal to ht_engine_sync
   int engine_kept;  // 1 ("ce:kept"): copy engines move only the kept rows' x (side stream)
   int zero_copy;    // 1: recv_x is this rank's x area (x_recv_row), peers store rows there
   HtSymm symm;
@@ -93,8 +96,8 @@ enum HtEngineStep : int {
 };
 struct HtEngineSyncParams {
   int num_ranks, rank;
-  int step;   // HtEngineStep
-  int chunk;  // kEngineArrive / kEngineWait
+  int step;       // HtEngineStep
+  int chunk;      // kEngineArrive / kEngineWait
   int seq_ahead;  // 1: the op is state->seq + 1 (combine), else state->seq
   // (kEngineArrive values are op * kHtEngineChunks + chunk in both cases)
   HtSymm symm;
@@ -131,6 +134,9 @@ struct HtCombineParams {
   int num_send_ctas;
   int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
   int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
+#ifdef EPX_HT_TRACE
+  uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
+#endif
   int engine_y;  // 1: copy engines push the first engine_split_rows(n, engine_share) rows of
                  // each slot in kHtEngineChunks chunks (ht.cu); senders move the weights and the
                  // rest, and reducers also wait for the chunk of a row the copy engines moved
