@@ -221,6 +221,15 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
   }
 }
 
+// combined_topk_weights of a token with at most two weight sources: 0.0f + w0 (+ w1), in source
+// order (SPEC 3.3; `num_src` of them count).
+__device__ __forceinline__ float combined_weight_pair(int num_src, float w0, float w1) {
+  float a = 0.0f;
+  if (num_src > 0) a = a + w0;
+  if (num_src > 1) a = a + w1;
+  return a;
+}
+
 inline constexpr int32_t kPulledReady = 0x7fffffff;  // last_block[d]: d's yready acquired
 
 // Reducer steps, one kernel instantiation each (together they spill): kStepWide (16-byte rows,
@@ -331,12 +340,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     else
       reduce_row<V, kReduceUnroll, kReduceGroup>(p, rsrc, num_rs, landed, o, nv, lane);
     if (wpair) {
-      if (lane < p.top_k) {
-        float a = 0.0f;
-        if (num_src > 0) a = a + w0;
-        if (num_src > 1) a = a + w1;
-        p.combined_weights[t * p.top_k + lane] = a;
-      }
+      if (lane < p.top_k)
+        p.combined_weights[t * p.top_k + lane] = combined_weight_pair(num_src, w0, w1);
     } else if (p.combined_weights) {
       for (int k = lane; k < p.top_k; k += 32) {
         float a = 0.0f;
@@ -375,16 +380,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   }
   finish_operation(
       p.symm, p.wait, cur, R,
-      [&] {
-        const HtRegion& g = p.symm.region;
-        for (int d = 0; d < R; ++d) {
-          if (d == me) continue;
-          const int64_t nb = (rows_between(p.rank_prefix_matrix, R, me, d) + kHtRowsPerBlock - 1) /
-                             kHtRowsPerBlock;
-          for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
-            *g.counter(p.symm.local, HtRegion::slot_of(d, me), b) = 0u;
-        }
-      },
+      [&] { zero_block_counters(p.symm, p.rank_prefix_matrix, R, me, /*rows_went_out=*/true); },
       kReadyNow, /*wait_peers=*/p.pull != 0);
 }
 

@@ -99,19 +99,14 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     if (!wpend) return;
     wpend = false;
     if (wfast) {
-      if (lane < p.top_k) {
-        float a = 0.0f;
-        if (wn > 0) a = a + w0;
-        if (wn > 1) a = a + w1;
-        p.combined_weights[wt * p.top_k + lane] = a;
-      }
+      if (lane < p.top_k)
+        p.combined_weights[wt * p.top_k + lane] = combined_weight_pair(wn, w0, w1);
       return;
     }
     for (int k = lane; k < p.top_k; k += 32) {
-      float a = 0.0f;
-      if (wn > 0) a = a + (ws0 ? ld_input(wp0 + k) : ld_landed(wp0 + k));
-      if (wn > 1) a = a + (ws1 ? ld_input(wp1 + k) : ld_landed(wp1 + k));
-      p.combined_weights[wt * p.top_k + k] = a;
+      const float a0 = wn > 0 ? (ws0 ? ld_input(wp0 + k) : ld_landed(wp0 + k)) : 0.0f;
+      const float a1 = wn > 1 ? (ws1 ? ld_input(wp1 + k) : ld_landed(wp1 + k)) : 0.0f;
+      p.combined_weights[wt * p.top_k + k] = combined_weight_pair(wn, a0, a1);
     }
   };
   // Sets up token t_issue (all lanes); false on a failed wait (reported).

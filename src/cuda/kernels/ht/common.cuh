@@ -81,6 +81,21 @@ __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint3
   }
 }
 
+// The finishing CTA's reset of this rank's per-block counters (every thread): the blocks of each
+// source slot slot_of(q, rank), counting the rows q sent this rank (dispatch) or, when
+// `rows_went_out`, the rows this rank sent q (combine: they come back through that slot).
+__device__ __forceinline__ void zero_block_counters(const HtSymm& symm, const int32_t* rpm,
+                                                    int num_ranks, int rank, bool rows_went_out) {
+  for (int q = 0; q < num_ranks; ++q) {
+    if (q == rank) continue;
+    const int32_t rows = rows_went_out ? rows_between(rpm, num_ranks, rank, q)
+                                       : rows_between(rpm, num_ranks, q, rank);
+    const int64_t nb = (rows + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
+    for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
+      *symm.region.counter(symm.local, HtRegion::slot_of(q, rank), b) = 0u;
+  }
+}
+
 // At the start of every ht op that communicates, by one thread (thread 0 of CTA 0; lane 0 of the
 // engine-sync warp), before it waits for anything: the ready signal a zero-copy dispatch deferred.
 // Every earlier kernel on the stream (the readers of the zero-copy recv_x) has finished. Only

@@ -374,16 +374,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   EPX_HT_STAMP(p, 0, kHtTrDone);
   finish_operation(
       p.symm, p.wait, cur, R,
-      [&] {
-        const HtRegion& g = p.symm.region;
-        for (int s = 0; s < R; ++s) {
-          if (s == me) continue;
-          const int64_t nb = (rows_between(p.rank_prefix_matrix, R, s, me) + kHtRowsPerBlock - 1) /
-                             kHtRowsPerBlock;
-          for (int64_t b = threadIdx.x; b < nb; b += blockDim.x)
-            *g.counter(p.symm.local, HtRegion::slot_of(s, me), b) = 0u;
-        }
-      },
+      [&] { zero_block_counters(p.symm, p.rank_prefix_matrix, R, me, /*rows_went_out=*/false); },
       p.engine_x    ? kReadyLater
       : p.zero_copy ? kReadyDeferred
                     : kReadyNow);
