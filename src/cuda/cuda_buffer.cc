@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
-#include <map>
 #include <mutex>
 
 #include "core/check.h"
@@ -20,6 +19,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ht/trace.cuh"
 #include "cuda/launch.h"
+#include "cuda/trace_buffers.h"
 
 namespace epx::detail {
 
@@ -208,9 +208,7 @@ int ht_engine_share() {
 }
 
 #ifdef EPX_HT_TRACE
-// ht_trace_buffer: the newest live CudaBuffer's trace buffer per device (bench only).
-static std::mutex g_ht_trace_mu;
-static std::map<int, uint64_t*> g_ht_trace_of;
+static TraceBuffers g_ht_traces;  // ht_trace_buffer: the newest live CudaBuffer's (bench only)
 #endif
 
 static std::atomic<int> g_pull_stages{-1};
@@ -307,20 +305,13 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   if (config.enable_ht) ht_mem_ = group.transport()->allocate(region_.total_bytes);
   if (config.enable_ll) ll_ = cuda_ll_create(group, shape);  // collective, like the ht region
 #ifdef EPX_HT_TRACE
-  EPX_CUDA_CHECK(cudaMalloc(&trace_, kHtTraceWords * sizeof(uint64_t)), "Buffer");
-  EPX_CUDA_CHECK(cudaMemset(trace_, 0, kHtTraceWords * sizeof(uint64_t)), "Buffer");
-  {
-    std::lock_guard<std::mutex> lock(g_ht_trace_mu);
-    g_ht_trace_of[device_] = trace_;
-  }
+  trace_ = g_ht_traces.create(device_, kHtTraceWords);
 #endif
 }
 
 #ifdef EPX_HT_TRACE
 uint64_t* ht_trace_buffer(int device) {
-  std::lock_guard<std::mutex> lock(g_ht_trace_mu);
-  auto it = g_ht_trace_of.find(device);
-  return it == g_ht_trace_of.end() ? nullptr : it->second;
+  return g_ht_traces.newest(device);
 }
 #endif
 
@@ -342,12 +333,7 @@ CudaBuffer::~CudaBuffer() {
   if (error_host_) cudaFreeHost(error_host_);
   if (result_host_) cudaFreeHost(result_host_);
 #ifdef EPX_HT_TRACE
-  {
-    std::lock_guard<std::mutex> lock(g_ht_trace_mu);
-    auto it = g_ht_trace_of.find(device_);
-    if (it != g_ht_trace_of.end() && it->second == trace_) g_ht_trace_of.erase(it);
-  }
-  cudaFree(trace_);
+  g_ht_traces.destroy(device_, trace_);
 #endif
   cudaSetDevice(previous);
 }

@@ -1,9 +1,8 @@
 // src/cuda/ht_combine.cu — instantiations and launch of the ht combine kernel (bf16 rows: the
 // copy unit is at least 2 bytes).
-#include <mutex>
-
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/combine.cuh"
 #include "cuda/kernels/ht/combine_staged.cuh"
@@ -14,18 +13,9 @@ namespace epx::detail {
 
 namespace {
 
-// The staged reducer's device facts, once per device; its dynamic shared memory limit is raised
-// to the largest staging once per device (not a stream operation: safe under graph capture).
-struct StagedDevice {
-  int checked = 0;
-  int sm_major = 0;
-  int optin = 0;
-  int static_smem = 0;
-  int ptx = 0;  // the staged kernel's PTX version (90: built for sm_90)
-  int raised = 0;
-};
-std::mutex g_staged_mutex;
-StagedDevice g_staged[64];
+// The staged reducer: sm_90+, built for it (below, the bulk-copy instructions compile to a trap),
+// and the staging's shared memory.
+DynSmemKernel g_staged_kernel(reinterpret_cast<const void*>(ht_combine_staged_kernel));
 
 }  // namespace
 
@@ -33,29 +23,10 @@ bool prepare_ht_combine_staged(int stages, int chunk) {
   EPX_CHECK(stages >= 2 && stages <= 8 && chunk >= 512 && chunk <= 16384 && chunk % 512 == 0,
             ErrorCode::kInvalidArgument, "ht_combine: staged reducer with ", stages, " x ", chunk,
             " bytes; expected 2..8 stages of a multiple of 512 bytes in [512, 16384]");
-  int dev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&dev), "ht_combine");
-  std::lock_guard<std::mutex> lock(g_staged_mutex);
-  StagedDevice& d = g_staged[dev & 63];
-  if (!d.checked) {
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, dev),
-                   "ht_combine");
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                   "ht_combine");
-    cudaFuncAttributes attr{};
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_staged_kernel), "ht_combine");
-    d.static_smem = static_cast<int>(attr.sharedSizeBytes);
-    d.ptx = attr.ptxVersion;  // below 90 the bulk-copy instructions compile to a trap
-    d.checked = 1;
-  }
+  const DynSmemFacts d = g_staged_kernel.facts("ht_combine");
   const int smem = pull_smem_bytes(stages, chunk);
   if (d.sm_major < 9 || d.ptx < 90 || smem + d.static_smem > d.optin) return false;  // registers
-  if (smem > d.raised) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(ht_combine_staged_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                   "ht_combine");
-    d.raised = smem;
-  }
+  g_staged_kernel.allow(smem, "ht_combine");
   return true;
 }
 

@@ -1,8 +1,7 @@
 // src/cuda/ht_dispatch.cu — instantiations and launch of the ht dispatch kernel.
-#include <mutex>
-
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/dispatch.cuh"
 #include "cuda/launch.h"
@@ -11,47 +10,19 @@ namespace epx::detail {
 
 namespace {
 
-// kBulk launches: the device must be sm_90+ and allow the ring's dynamic shared memory; the
-// kernel's limit is raised to the largest ring once per device (not a stream operation, so a
-// launch under graph capture only reads the cache).
-struct BulkDevice {
-  int checked = 0;
-  int sm_major = 0;
-  int optin = 0;        // cudaDevAttrMaxSharedMemoryPerBlockOptin
-  int static_smem = 0;  // the bulk kernel's static shared memory
-  int raised = 0;       // dynamic shared memory the kernel is allowed so far
-};
-std::mutex g_bulk_mutex;
-BulkDevice g_bulk[64];
+// kBulk launches: the device must be sm_90+ and allow the ring's dynamic shared memory.
+DynSmemKernel g_bulk_kernel(reinterpret_cast<const void*>(ht_dispatch_kernel<uint4, true>));
 
 void prepare_bulk(const HtDispatchParams& p, int smem) {
-  int dev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&dev), "ht_dispatch");
-  std::lock_guard<std::mutex> lock(g_bulk_mutex);
-  BulkDevice& d = g_bulk[dev & 63];
-  if (!d.checked) {
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, dev),
-                   "ht_dispatch");
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                   "ht_dispatch");
-    cudaFuncAttributes attr{};
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_dispatch_kernel<uint4, true>), "ht_dispatch");
-    d.static_smem = static_cast<int>(attr.sharedSizeBytes);
-    d.checked = 1;
-  }
+  const DynSmemFacts d = g_bulk_kernel.facts("ht_dispatch");
   EPX_CHECK(d.sm_major >= 9, ErrorCode::kUnsupported,
             "ht_dispatch: bulk copies (EPX_HT_COPY=bulk) need compute capability 9.0+, device ",
-            dev, " has ", d.sm_major, ".x");
+            d.device, " has ", d.sm_major, ".x");
   EPX_CHECK(smem + d.static_smem <= d.optin, ErrorCode::kInvalidArgument,
             "ht_dispatch: bulk copies with ", p.bulk_stages, " x ", p.bulk_chunk,
             " bytes per warp need ", smem, " bytes of shared memory per CTA (+", d.static_smem,
-            " static); device ", dev, " allows ", d.optin);
-  if (smem > d.raised) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(ht_dispatch_kernel<uint4, true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                   "ht_dispatch");
-    d.raised = smem;
-  }
+            " static); device ", d.device, " allows ", d.optin);
+  g_bulk_kernel.allow(smem, "ht_dispatch");
 }
 
 // One warp: lane q < R (q != rank) handles peer q. seq is the op: for dispatch the one its kernel

@@ -33,10 +33,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#ifdef EPX_LL_TRACE
-#include <map>
-#include <mutex>
-#endif
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
@@ -45,6 +41,7 @@
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
 #include "cuda/launch.h"
+#include "cuda/trace_buffers.h"
 #include "cuda/tuning.h"
 #include "transport/transport.h"
 
@@ -80,9 +77,7 @@ int32_t ll_variant() {
 }
 
 #ifdef EPX_LL_TRACE
-// ll_trace_buffer: the newest live CudaLl's trace buffer per device (bench only).
-std::mutex g_trace_mu;
-std::map<int, uint64_t*> g_trace_of;
+TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
 #endif
 
 }  // namespace
@@ -181,12 +176,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   for (int p = 0; p < R; ++p) symm_.peers[p] = static_cast<char*>(mem_->peer(p));
   symm_.layout = layout_;
 #ifdef EPX_LL_TRACE
-  EPX_CUDA_CHECK(cudaMalloc(&trace_, kLlTraceWords * sizeof(uint64_t)), "Buffer");
-  EPX_CUDA_CHECK(cudaMemset(trace_, 0, kLlTraceWords * sizeof(uint64_t)), "Buffer");
-  {
-    std::lock_guard<std::mutex> lock(g_trace_mu);
-    g_trace_of[device_] = trace_;
-  }
+  trace_ = g_ll_traces.create(device_, kLlTraceWords);
 #endif
 }
 
@@ -201,12 +191,7 @@ CudaLl::~CudaLl() {
   mem_.reset();
   if (error_host_) cudaFreeHost(error_host_);
 #ifdef EPX_LL_TRACE
-  {
-    std::lock_guard<std::mutex> lock(g_trace_mu);
-    auto it = g_trace_of.find(device_);
-    if (it != g_trace_of.end() && it->second == trace_) g_trace_of.erase(it);
-  }
-  cudaFree(trace_);
+  g_ll_traces.destroy(device_, trace_);
 #endif
   cudaSetDevice(previous);
 }
@@ -532,9 +517,7 @@ size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks) {
 }
 #ifdef EPX_LL_TRACE
 uint64_t* ll_trace_buffer(int device) {
-  std::lock_guard<std::mutex> lock(g_trace_mu);
-  auto it = g_trace_of.find(device);
-  return it == g_trace_of.end() ? nullptr : it->second;
+  return g_ll_traces.newest(device);
 }
 #endif
 
