@@ -289,15 +289,8 @@ Row run_workload(A2a& a2a, const Group& g, const PayloadSet& set, int64_t T, cud
   }
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
-  g.transport()->barrier("bench: graph");
-  for (int i = 0; i < 2; ++i) CK(cudaGraphLaunch(exec, s));
-  CK(cudaStreamSynchronize(s));
-  g.transport()->barrier("bench: graph warm");
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < o.graph_replays; ++i) CK(cudaGraphLaunch(exec, s));
-  CK(cudaEventRecord(ev[1], s));
-  CK(cudaEventSynchronize(ev[1]));
-  row.graph = elapsed(0, 1) / (o.graph_replays * kGraphOps);
+  row.graph =
+      gpu_testing::graph_replays_ms(g, s, exec, o.graph_replays) / (o.graph_replays * kGraphOps);
   a2a.check();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -258,6 +258,24 @@ std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng) {
   return x;
 }
 
+double graph_replays_ms(const Group& group, cudaStream_t stream, cudaGraphExec_t exec,
+                        int replays) {
+  group.transport()->barrier("graph replays");
+  for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  group.transport()->barrier("graph replays, warm");
+  cudaEvent_t ev[2];
+  for (cudaEvent_t& e : ev) CUDA_OK(cudaEventCreate(&e));
+  CUDA_OK(cudaEventRecord(ev[0], stream));
+  for (int i = 0; i < replays; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaEventRecord(ev[1], stream));
+  CUDA_OK(cudaEventSynchronize(ev[1]));
+  float ms = 0;
+  CUDA_OK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  return ms;
+}
+
 std::vector<std::string> split_commas(const std::string& list) {
   std::vector<std::string> v;
   for (size_t p = 0; p < list.size();) {

@@ -106,6 +106,10 @@ std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want
 // and subnormal, NaN, random bit patterns, mixed groups) for the quantisation paths.
 std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng);
 
+// The benches' graph rows: after a group barrier, two warm-up replays of `exec`; after another
+// barrier, `replays` replays back to back between two CUDA events; their milliseconds.
+double graph_replays_ms(const Group& group, cudaStream_t stream, cudaGraphExec_t exec, int replays);
+
 // Command-line lists of the GPU benchmarks: "a,b,c" -> its items (empty items dropped), and
 // -> integers (an empty item reads as 0).
 std::vector<std::string> split_commas(const std::string& list);

@@ -252,24 +252,34 @@ int run_rank(const Group& g, const Options& o) {
         std::vector<std::pair<int, bench::Timing>> comb_share;          // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
       };
-      // Per-call time of an op captured once in a CUDA graph (no host cost); the first, eager
-      // call makes the pool's slots exist before the capture.
-      auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
+      // `calls` calls of an op captured in one CUDA graph; the first, eager call makes the pool's
+      // slots exist before the capture.
+      struct Captured {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        ~Captured() {
+          if (exec) cudaGraphExecDestroy(exec);
+          if (graph) cudaGraphDestroy(graph);
+        }
+      };
+      auto capture = [&](const std::function<void(const Allocator&)>& op, int calls, Captured& c) {
         pool.reset();
         op(pool.get());
         CUDA_OK(cudaStreamSynchronize(stream));
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        pool.reset();
-        op(pool.get());
-        CUDA_OK(cudaStreamEndCapture(stream, &graph));
-        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        const bench::Timing t = bench::time_on_device(
-            g, stream, o.warmup, o.iters, [&] { CUDA_OK(cudaGraphLaunch(exec, stream)); });
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        return t;
+        for (int i = 0; i < calls; ++i) {
+          pool.reset();
+          op(pool.get());
+        }
+        CUDA_OK(cudaStreamEndCapture(stream, &c.graph));
+        CUDA_OK(cudaGraphInstantiate(&c.exec, c.graph, 0));
+      };
+      // Per-call time of an op captured once in a CUDA graph (no host cost).
+      auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
+        Captured c;
+        capture(op, 1, c);
+        return bench::time_on_device(g, stream, o.warmup, o.iters,
+                                     [&] { CUDA_OK(cudaGraphLaunch(c.exec, stream)); });
       };
       // Per-call time of kGraphRunOps calls captured in one CUDA graph, replayed back to back
       // with no barrier between replays (as epx_ll_gpu_bench's graph rows and as an engine's
@@ -277,35 +287,9 @@ int run_rank(const Group& g, const Options& o) {
       // not once per call.
       auto graph_run_op = [&](const std::function<void(const Allocator&)>& op) {
         constexpr int kGraphRunOps = 10;
-        pool.reset();
-        op(pool.get());
-        CUDA_OK(cudaStreamSynchronize(stream));
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < kGraphRunOps; ++i) {
-          pool.reset();
-          op(pool.get());
-        }
-        CUDA_OK(cudaStreamEndCapture(stream, &graph));
-        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        g.transport()->barrier("graph_run_op");
-        for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
-        CUDA_OK(cudaStreamSynchronize(stream));
-        g.transport()->barrier("graph_run_op warm");
-        cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        CUDA_OK(cudaEventRecord(e0, stream));
-        for (int i = 0; i < o.iters; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
-        CUDA_OK(cudaEventRecord(e1, stream));
-        CUDA_OK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
+        Captured c;
+        capture(op, kGraphRunOps, c);
+        const double ms = gpu_testing::graph_replays_ms(g, stream, c.exec, o.iters);
         buf.check();
         return 1000.0 * ms / (o.iters * kGraphRunOps);
       };
