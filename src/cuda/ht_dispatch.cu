@@ -70,10 +70,8 @@ __global__ void ht_engine_sync_kernel(HtEngineSyncParams p) {
 
 }  // namespace
 
-bool ht_kernels_built_for_sm90() {
-  cudaFuncAttributes attr{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_dispatch_kernel<uint4, false>), "Buffer");
-  return attr.ptxVersion >= 90;
+const void* ht_dispatch_kernel_address() {
+  return reinterpret_cast<const void*>(ht_dispatch_kernel<uint4, false>);
 }
 
 void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream) {

@@ -19,15 +19,24 @@
 
 namespace epx::detail {
 
-// EPX_PDL, read once. Callers also require a device of compute capability 9.0+ running kernels
-// built for it (pdl_begin compiles to nothing below sm_90: ptxVersion >= 90).
-inline bool pdl_default() {
-  static const bool v = env_pdl();
-  return v;
+// Whether launches on `device` use PDL: EPX_PDL=1 (read once), the device is sm_90+, its ranks do
+// not share it (waiting CTAs would hold a peer's SMs), and `kernel` (one of the family) was built
+// for sm_90 (pdl_begin compiles to nothing below: ptxVersion >= 90).
+inline bool pdl_usable(int device, bool ranks_share_device, const void* kernel) {
+  static const bool requested = env_pdl();
+  if (!requested || ranks_share_device) return false;
+  int major = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                 "Buffer");
+  if (major < 9) return false;
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel), "Buffer");
+  return attr.ptxVersion >= 90;
 }
 
-// The ht kernels were built for sm_90+ (PTX version >= 90; src/cuda/ht_dispatch.cu).
-bool ht_kernels_built_for_sm90();
+// The ht dispatch kernel (src/cuda/ht_dispatch.cu), for pdl_usable in host code that cannot name
+// it.
+const void* ht_dispatch_kernel_address();
 
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

@@ -152,15 +152,8 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
-  int major = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_),
-                 "Buffer");
-  pdl_ = pdl_default() && major >= 9 && !group.transport()->ranks_share_device();
-  if (pdl_) {  // pdl_begin compiles to nothing in kernels built below sm_90
-    cudaFuncAttributes attr{};
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ll_dispatch_kernel), "Buffer");
-    pdl_ = attr.ptxVersion >= 90;
-  }
+  pdl_ = pdl_usable(device_, group.transport()->ranks_share_device(),
+                    reinterpret_cast<const void*>(ll_dispatch_kernel));
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
