@@ -58,6 +58,9 @@ struct DeviceState {
   // of the zero-copy recv_x queued before that op has finished.
   uint32_t ready_pending;
   uint32_t ready_pending_set;  // 1 while ready_pending holds a value (any op number, 0 included)
+  // ht dispatch: the next batch of tokens a sender warp takes (sender warps draw batches from
+  // this counter; the dispatch's finishing CTA sets it back to 0).
+  uint32_t send_next;
 };
 
 const char* device_op_name(uint32_t op);

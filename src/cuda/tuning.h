@@ -30,6 +30,10 @@ enum HtAblate : int {
   // Not an ablation either: the zero-copy combine reduces with the register pair step, not the
   // staged reducer (kernels/ht/combine_staged.cuh, seventh session) — its same-run A/B.
   kHtPullStagedOff = 1024,
+  // Not an ablation either: dispatch sender warps take their token batches in the fixed order
+  // (warp gw: batches gw, gw + G, ...) instead of drawing them from a shared counter (the
+  // eighth session's dynamic order) — its same-run A/B.
+  kHtSendStatic = 2048,
 };
 
 struct HtTuning {

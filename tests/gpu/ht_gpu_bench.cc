@@ -248,6 +248,10 @@ int run_rank(const Group& g, const Options& o) {
         // Per call, 10 calls per graph replayed back to back (graph_run_op): zero-copy dispatch
         // bf16 / fp8, zero-copy combine, copying combine.
         double run_zc16 = 0, run_zc8 = 0, run_zcomb = 0, run_comb = 0;
+        // The same two dispatch rows and the copying bf16 graph row with the senders' fixed
+        // batch order (kHtSendStatic, the A/B of the dynamic order).
+        double run_zc16_st = 0, run_zc8_st = 0;
+        bench::Timing graph16_st;
         std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
         std::vector<std::pair<int, bench::Timing>> comb_share;          // --ce-share
         double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
@@ -345,6 +349,12 @@ int run_rank(const Group& g, const Options& o) {
 #endif
           ct.run_zc16 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
           ct.run_zc8 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
+          detail::set_ht_ablation(detail::kHtSendStatic);
+          ct.run_zc16_st =
+              graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
+          ct.run_zc8_st = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
+          ct.graph16_st = graph_timed(c16);
+          detail::set_ht_ablation(0);
           ct.zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
         }
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
@@ -506,6 +516,11 @@ int run_rank(const Group& g, const Options& o) {
           std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
                       name("graph of 10 calls, per call: dispatch bf16 / fp8 zero-copy").c_str(),
                       ct.run_zc16, ct.run_zc8, n_bf16.median_us, c_bf16.median_us);
+          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
+                      name("graph of 10 calls, per call: the same, fixed send order").c_str(),
+                      ct.run_zc16_st, ct.run_zc8_st, n_bf16.median_us, c_bf16.median_us);
+          row(name("dispatch bf16 (cached, graph, fixed send order)").c_str(), ct.graph16_st,
+              n_bf16, c_bf16);
           std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
                       name("graph of 10 calls, per call: combine zero-copy / copying").c_str(),
                       ct.run_zcomb, ct.run_comb, n_bf16.median_us, c_bf16.median_us);

@@ -59,6 +59,8 @@ const CopyPath kCopyPaths[] = {
     {"ce", 100, 0, true},
     {"warp", 100, detail::kHtPullStagedOff, true},  // the register pair step under zero-copy
     {"warp", 100, 0, true, 2, 512},                 // many small stages: rows across 28 chunks
+    {"warp", 100, detail::kHtSendStatic, true},     // senders' fixed batch order (the A/B)
+    {"bulk", 100, detail::kHtSendStatic},
     {"warp", 100, detail::kHtReducePairOff},
     {"warp", 100, detail::kHtReduceNarrow},
     {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};

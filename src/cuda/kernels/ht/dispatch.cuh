@@ -2,9 +2,11 @@
 //
 // Grid: num_send_ctas sender CTAs, then receiver CTAs; 512 threads each. (R = 1: receivers only.)
 // Zero-copy (R > 1): every CTA sends, then every CTA receives (recv_cta0 = 0).
-// Sender warps (rank r, warp gw of G) push rows to the OTHER ranks: batches of kBatch consecutive
-//   tokens, batch i at tokens [(i*G + gw) * kBatch, ...), so all warps advance through the
-//   tokens together and the receivers' 32-row blocks fill roughly in order. Token t goes to
+// Sender warps (rank r, warp gw of G) push rows to the OTHER ranks: batches of send_batch (4)
+//   consecutive tokens, each warp drawing its next batch from a per-rank counter
+//   (state->send_next), so the warps advance through the tokens together, the receivers' 32-row
+//   blocks fill roughly in order, and no warp idles while batches are left (kHtSendStatic, the
+//   A/B: batch i*G + gw to warp gw). Token t goes to
 //   every d != r with pos = send_pos[t][d] >= 0: row j = pos - rpm[r-1][d] of d's slot for r
 //   (x, scales, meta) through the LSA pointer; after the batch: fence, then
 //   counter[d's slot for r][j / 32] += rows.
@@ -138,7 +140,17 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
   // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
   const bool with_me = p.zero_copy != 0;
-  for (int64_t t0 = gw * batch; t0 < p.num_tokens; t0 += G * batch) {
+  // Batches (of `batch` consecutive tokens): drawn one at a time from state->send_next, so every
+  // warp keeps sending until the last batch is taken and the warps finish together (the fixed
+  // order, kHtSendStatic, left warps idle for up to 40 % of the op while others still sent).
+  // Each warp draws its next batch when it starts one: the atomic's latency overlaps the batch.
+  const bool dynamic = !(p.ablate & kHtSendStatic);
+  const int64_t num_batches = (p.num_tokens + batch - 1) / batch;
+  auto draw = [&]() -> uint32_t { return lane == 0 ? atomicAdd(&w.state->send_next, 1u) : 0u; };
+  int64_t bi = dynamic ? static_cast<int64_t>(__shfl_sync(0xffffffffu, draw(), 0)) : gw;
+  while (bi < num_batches) {
+    const uint32_t ticket = dynamic ? draw() : 0u;
+    const int64_t t0 = bi * batch;
     const int64_t t_end = min(t0 + batch, static_cast<int64_t>(p.num_tokens));
     // pos of the next token is loaded while the current one is copied.
     const bool mine = lane < R && (lane != me || with_me);
@@ -210,6 +222,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
         red_add_relaxed_sys(g.counter(p.symm.peers[lane], HtRegion::slot_of(me, lane), block),
                             rows);
     }
+    bi = dynamic ? static_cast<int64_t>(__shfl_sync(0xffffffffu, ticket, 0)) : bi + G;
   }
 }
 
@@ -374,7 +387,10 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   EPX_HT_STAMP(p, 0, kHtTrDone);
   finish_operation(
       p.symm, p.wait, cur, R,
-      [&] { zero_block_counters(p.symm, p.rank_prefix_matrix, R, me, /*rows_went_out=*/false); },
+      [&] {
+        zero_block_counters(p.symm, p.rank_prefix_matrix, R, me, /*rows_went_out=*/false);
+        if (threadIdx.x == 0) p.wait.state->send_next = 0u;  // every sender warp has finished
+      },
       p.engine_x    ? kReadyLater
       : p.zero_copy ? kReadyDeferred
                     : kReadyNow);
