@@ -3,10 +3,10 @@
 // Grid: num_send_ctas sender CTAs, then receiver CTAs; 512 threads each. (R = 1: receivers only.)
 // Zero-copy (R > 1): every CTA sends, then every CTA receives (recv_cta0 = 0).
 // Sender warps (rank r, warp gw of G) push rows to the OTHER ranks: batches of send_batch (4)
-//   consecutive tokens, each warp drawing its next batch from a per-rank counter
-//   (state->send_next), so the warps advance through the tokens together, the receivers' 32-row
-//   blocks fill roughly in order, and no warp idles while batches are left (kHtSendStatic, the
-//   A/B: batch i*G + gw to warp gw). Token t goes to
+//   consecutive tokens, batch gw first, then each warp drawing its next batch from a per-rank
+//   counter (state->send_next), so the warps advance through the tokens together, the receivers'
+//   32-row blocks fill roughly in order, and no warp idles while batches are left
+//   (kHtSendStatic, the A/B: batches i*G + gw to warp gw). Token t goes to
 //   every d != r with pos = send_pos[t][d] >= 0: row j = pos - rpm[r-1][d] of d's slot for r
 //   (x, scales, meta) through the LSA pointer; after the batch: fence, then
 //   counter[d's slot for r][j / 32] += rows.
@@ -140,16 +140,22 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
   // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
   const bool with_me = p.zero_copy != 0;
-  // Batches (of `batch` consecutive tokens): drawn one at a time from state->send_next, so every
-  // warp keeps sending until the last batch is taken and the warps finish together (the fixed
-  // order, kHtSendStatic, left warps idle for up to 40 % of the op while others still sent).
-  // Each warp draws its next batch when it starts one: the atomic's latency overlaps the batch.
+  // Batches (of `batch` consecutive tokens): warp gw sends batch gw first, then draws its next
+  // batches from state->send_next (counting from G), so every warp keeps sending until the last
+  // batch is taken and the warps finish together — the fixed order (kHtSendStatic: batches gw,
+  // gw + G, ...) left warps idle for up to 40 % of the op while others still sent. The first
+  // batch is fixed so that no warp waits on the counter at the start (eighth session: drawing
+  // every batch cost 2-5 us at T = 1024). Each warp draws when it starts a batch: the atomic's
+  // latency overlaps the batch.
   const bool dynamic = !(p.ablate & kHtSendStatic);
   const int64_t num_batches = (p.num_tokens + batch - 1) / batch;
-  auto draw = [&]() -> uint32_t { return lane == 0 ? atomicAdd(&w.state->send_next, 1u) : 0u; };
-  int64_t bi = dynamic ? static_cast<int64_t>(__shfl_sync(0xffffffffu, draw(), 0)) : gw;
+  auto draw = [&]() -> uint32_t {
+    return lane == 0 && dynamic ? static_cast<uint32_t>(G) + atomicAdd(&w.state->send_next, 1u)
+                                : 0u;
+  };
+  int64_t bi = gw;
   while (bi < num_batches) {
-    const uint32_t ticket = dynamic ? draw() : 0u;
+    const uint32_t ticket = draw();
     const int64_t t0 = bi * batch;
     const int64_t t_end = min(t0 + batch, static_cast<int64_t>(p.num_tokens));
     // pos of the next token is loaded while the current one is copied.
