@@ -30,8 +30,9 @@ int env_ll_variant() {
   return static_cast<int>(env_long("EPX_LL_VARIANT", 0));
 }
 
-bool env_pdl() {
-  return env_long("EPX_PDL", 0) == 1;
+int env_pdl() {
+  const long v = env_long("EPX_PDL", -1);
+  return v == 0 || v == 1 ? static_cast<int>(v) : -1;
 }
 
 int env_cuda_device_max_connections() {

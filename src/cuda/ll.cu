@@ -153,7 +153,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
   pdl_ = pdl_usable(device_, group.transport()->ranks_share_device(),
-                    reinterpret_cast<const void*>(ll_dispatch_kernel));
+                    reinterpret_cast<const void*>(ll_dispatch_kernel), /*by_default=*/true);
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;

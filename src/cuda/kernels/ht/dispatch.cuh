@@ -61,6 +61,35 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   return __float_as_uint(w);
 }
 
+// A token's scale words in registers: lane holds words lane and lane + 32 (the first
+// kScaleRegs * 32; H <= 8192 with 128-channel fp8 blocks needs 64). Loaded once per token and
+// stored to every destination (the kept row included), issued a token ahead of their stores.
+inline constexpr int kScaleRegs = 2;
+struct TokenScales {
+  uint32_t w[kScaleRegs];
+};
+__device__ __forceinline__ TokenScales load_token_scales(const HtDispatchParams& p, int64_t t,
+                                                         int lane) {
+  TokenScales r;
+#pragma unroll
+  for (int i = 0; i < kScaleRegs; ++i) {
+    const int s = lane + 32 * i;
+    r.w[i] = s < p.num_scales ? ld_input(reinterpret_cast<const uint32_t*>(p.scales) +
+                                         t * p.scale_stride0 + s * p.scale_stride1)
+                              : 0u;
+  }
+  return r;
+}
+// Stores token t's scale words to dst[0, num_scales): the registers, then any words past them.
+__device__ __forceinline__ void store_token_scales(const HtDispatchParams& p, int64_t t,
+                                                   const TokenScales& r, uint32_t* dst, int lane) {
+#pragma unroll
+  for (int i = 0; i < kScaleRegs; ++i)
+    if (lane + 32 * i < p.num_scales) dst[lane + 32 * i] = r.w[i];
+  for (int s = lane + 32 * kScaleRegs; s < p.num_scales; s += 32)
+    dst[s] = reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+}
+
 // Copies one row of nv vectors: kCopyUnroll independent loads per lane in flight, then the stores.
 template <typename V, bool kLanded>
 __device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int lane) {
@@ -88,15 +117,15 @@ __device__ __forceinline__ int recv_cta0(const HtDispatchParams& p) {
 // One row this rank keeps, x[t] -> recv_*[pos] (+ scales, src_idx, local ids); the x row when
 // copy_x (false: a bulk copy moves it) unless the copy engines copy the kept rows (engine_kept)
 // or move every row (engine_x).
+// `sc`: token t's scale words (load_token_scales), loaded by the caller.
 template <typename V>
 __device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int64_t t, int64_t pos,
-                                                  const V* src, int64_t nv, int lane, bool copy_x) {
+                                                  const V* src, int64_t nv, int lane, bool copy_x,
+                                                  const TokenScales& sc) {
   if (copy_x && !p.engine_x && !p.engine_kept)
     copy_row<V, false>(src, reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
-  for (int s = lane; s < p.num_scales; s += 32) {
-    p.recv_scales[pos * static_cast<int64_t>(p.num_scales) + s] =
-        reinterpret_cast<const uint32_t*>(p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
-  }
+  if (p.num_scales > 0)
+    store_token_scales(p, t, sc, p.recv_scales + pos * static_cast<int64_t>(p.num_scales), lane);
   if (!p.cached) {
     if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
     for (int k = lane; k < p.top_k; k += 32) {
@@ -161,15 +190,20 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
     // pos of the next token is loaded while the current one is copied.
     const bool mine = lane < R && (lane != me || with_me);
     int32_t pos = mine ? p.send_pos[t0 * R + lane] : -1;
+    // Scale words (fp8) likewise: the next token's are loaded while this one is copied.
+    TokenScales sc{};
+    if (p.num_scales > 0) sc = load_token_scales(p, t0, lane);
     for (int64_t t = t0; t < t_end; ++t) {
       const int32_t next = (t + 1 < t_end && mine) ? p.send_pos[(t + 1) * R + lane] : -1;
+      TokenScales sc_next{};
+      if (p.num_scales > 0 && t + 1 < t_end) sc_next = load_token_scales(p, t + 1, lane);
       const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t row = __shfl_sync(0xffffffffu, pos, d);  // in d's recv_x
         if (d == me) {                                         // zero-copy only
-          if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true);
+          if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true, sc);
           continue;
         }
         const int64_t j = row - s_excl[d];
@@ -183,17 +217,19 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
           if (!p.engine_x) copy_row<V, false>(src, reinterpret_cast<V*>(dst), nv, lane);
         }
         // Scales and metadata: lanes write consecutive words (coalesced across NVLink).
-        uint32_t* sc = reinterpret_cast<uint32_t*>(
-            p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales) : g.scale_row(peer, slot, j));
-        for (int s = lane; s < p.num_scales; s += 32)
-          sc[s] = reinterpret_cast<const uint32_t*>(
-              p.scales)[t * p.scale_stride0 + s * p.scale_stride1];
+        if (p.num_scales > 0)
+          store_token_scales(
+              p, t, sc,
+              reinterpret_cast<uint32_t*>(p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales)
+                                                      : g.scale_row(peer, slot, j)),
+              lane);
         if (!p.cached) {
           uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
           for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
         }
       }
       pos = next;
+      sc = sc_next;
     }
     // Signal the batch: this warp's stores above, then one release per (destination, block).
     // Pairs with the receiver's wait_flag on counter[slot me][block].
@@ -247,8 +283,10 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
       if (lane == 0)
         pipe.copy(p.x + t * p.x_stride, p.recv_x + pos * p.row_bytes, p.row_bytes, p.wait);
     }
+    TokenScales sc{};
+    if (p.num_scales > 0) sc = load_token_scales(p, t, lane);
     dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane,
-                         !kBulk);
+                         !kBulk, sc);
   }
   if constexpr (kBulk) {
     if (lane == 0) pipe.flush(p.wait);  // stores under way before the receive loop may wait
