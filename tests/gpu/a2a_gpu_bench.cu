@@ -290,7 +290,7 @@ Row run_workload(A2a& a2a, const Group& g, const PayloadSet& set, int64_t T, cud
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   row.graph =
-      gpu_testing::graph_replays_ms(g, s, exec, o.graph_replays) / (o.graph_replays * kGraphOps);
+      gpu_testing::graph_replays_us(g, s, exec, o.graph_replays) / (o.graph_replays * kGraphOps);
   a2a.check();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -258,7 +258,7 @@ std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng) {
   return x;
 }
 
-double graph_replays_ms(const Group& group, cudaStream_t stream, cudaGraphExec_t exec,
+double graph_replays_us(const Group& group, cudaStream_t stream, cudaGraphExec_t exec,
                         int replays) {
   group.transport()->barrier("graph replays");
   for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
@@ -273,7 +273,7 @@ double graph_replays_ms(const Group& group, cudaStream_t stream, cudaGraphExec_t
   float ms = 0;
   CUDA_OK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
-  return ms;
+  return 1000.0 * ms;
 }
 
 std::vector<std::string> split_commas(const std::string& list) {

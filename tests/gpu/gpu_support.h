@@ -107,8 +107,9 @@ std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want
 std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng);
 
 // The benches' graph rows: after a group barrier, two warm-up replays of `exec`; after another
-// barrier, `replays` replays back to back between two CUDA events; their milliseconds.
-double graph_replays_ms(const Group& group, cudaStream_t stream, cudaGraphExec_t exec, int replays);
+// barrier, `replays` replays back to back between two CUDA events; their microseconds (all of
+// them: divide by replays x calls per graph for a per-call time).
+double graph_replays_us(const Group& group, cudaStream_t stream, cudaGraphExec_t exec, int replays);
 
 // Command-line lists of the GPU benchmarks: "a,b,c" -> its items (empty items dropped), and
 // -> integers (an empty item reads as 0).

@@ -293,9 +293,9 @@ int run_rank(const Group& g, const Options& o) {
         constexpr int kGraphRunOps = 10;
         Captured c;
         capture(op, kGraphRunOps, c);
-        const double ms = gpu_testing::graph_replays_ms(g, stream, c.exec, o.iters);
+        const double us = gpu_testing::graph_replays_us(g, stream, c.exec, o.iters);
         buf.check();
-        return 1000.0 * ms / (o.iters * kGraphRunOps);
+        return us / (o.iters * kGraphRunOps);
       };
       auto graph_timed = [&](const HtDispatchArgs& args) {
         return graph_timed_op([&](const Allocator& al) { (void)buf.ht_dispatch(args, al); });

@@ -354,11 +354,11 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
     for (int i = 0; i < kGraphOps; ++i) body();
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = gpu_testing::graph_replays_ms(g, s, exec, o.graph_replays);
+    const double us = gpu_testing::graph_replays_us(g, s, exec, o.graph_replays);
     buf.check();
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    return ms / (o.graph_replays * kGraphOps);
+    return us / (o.graph_replays * kGraphOps);
   };
   stage(g, "graphs, T", T);
   LlDispatchResult gd;
@@ -721,16 +721,22 @@ int run_rank(const Group& g, const Options& o) {
         "CUDA-graph replays (dispatch alone, combine alone, dispatch+combine, the same with "
         "hooks); NVL_d/NVL_c: MB this rank sends over NVLink in dispatch / combine; ceiling: SM "
         "push of those bytes; nccl: send/recv of the same bytes)\n");
+    // Issue 5: the targets hold eager and graph-replayed, so both times must meet them; a time
+    // that was not measured (<= 0) is reported as such, never as met.
+    auto verdict = [](double graph, double events, double target) {
+      if (!(graph > 0) || !(events > 0)) return "NOT MEASURED";
+      return std::max(graph, events) <= target ? "met" : "MISSED";
+    };
     for (const Row& w : rows) {
       if (w.tokens != 128) continue;
       std::printf(
           "target T=128 dispatch fp8 <= 14 us (variant %d): graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 27.8 us)\n",
-          w.variant, w.g_disp, w.disp, std::min(w.g_disp, w.disp) <= 14 ? "met" : "MISSED");
+          w.variant, w.g_disp, w.disp, verdict(w.g_disp, w.disp, 14));
       std::printf(
           "target T=128 combine bf16 <= 18 us (variant %d): graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 40.4 us)\n",
-          w.variant, w.g_comb, w.comb, std::min(w.g_comb, w.comb) <= 18 ? "met" : "MISSED");
+          w.variant, w.g_comb, w.comb, verdict(w.g_comb, w.comb, 18));
     }
     std::fflush(stdout);
   }
