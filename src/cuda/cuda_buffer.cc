@@ -177,6 +177,10 @@ bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes) {
   return num_sms <= 24 && max_pair_bytes >= (int64_t{32} << 20);
 }
 
+bool ht_kept_copies_pay(size_t kept_runs) {
+  return kept_runs <= kHtKeptCopyMaxRuns;
+}
+
 HtCopyConfig CudaBuffer::copy_config() const {
   HtCopyConfig c = ht_copy_config();
   // One GPU for every rank: the copy engines' side streams (two per rank) would push the streams

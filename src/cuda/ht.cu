@@ -428,7 +428,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const bool zero_copy = args.zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
   const bool engine = engine_any && !copy.engine_kept_only && !zero_copy;
-  const bool engine_kept = engine_any && (copy.engine_kept_only || zero_copy);
+  // (ce:kept: only while the kept rows form few runs, ht_kept_copies_pay; else the kernel.)
+  const bool engine_kept = engine_any && (copy.engine_kept_only || zero_copy) &&
+                           ht_kept_copies_pay(h.copy_plan->runs[me].size());
 
   // Outputs. Zero-copy: recv_x views this rank's x area, where the peers store the rows; no
   // storage of its own (valid until the next ht op and while the buffer lives; Python's tensor

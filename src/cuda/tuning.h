@@ -122,6 +122,15 @@ HtCopyConfig parse_ht_copy(const std::string& spec, const char* what);
 // rank (the SM budget; the group-wide rank prefix matrix), so every rank decides alike.
 bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes);
 
+// ce:kept copies the rows a rank keeps with one cudaMemcpyAsync per run of consecutive kept
+// tokens, ≈ 6 µs of host time each (2 x H200: 17 runs ≈ 105 µs per call, docs/perf-cuda-ht.md
+// run 12). Where the rank's kept tokens form more runs than this (EP > 2, where a rank keeps
+// about 1 - (1 - 1/R)^K of the tokens in scattered runs, or routings that alternate) the
+// dispatch kernel places the kept rows itself, as the warp path does: thousands of copy calls
+// would cost milliseconds per call. The choice is this rank's own (no peer sees it).
+inline constexpr size_t kHtKeptCopyMaxRuns = 32;
+bool ht_kept_copies_pay(size_t kept_runs);
+
 // The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
 // once, src/core/env.cc), else ce:kept:combine-auto. Read at every launch, so one process can time
 // both.

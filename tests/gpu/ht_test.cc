@@ -361,6 +361,8 @@ TEST(HtReference, AgreesWithCpuBackend) {
   std::vector<HtCase> cases = routing_cases(2, 256, 8, 32, {133, 90}, 700);
   auto more = routing_cases(3, 128, 4, 12, {40, 0, 57}, 710);
   cases.insert(cases.end(), more.begin(), more.end());
+  auto k1 = routing_cases(2, 512, 1, 8, {60, 45}, 730);  // top_k = 1 (TwoRanksMatchReference)
+  cases.insert(cases.end(), k1.begin(), k1.end());
   HtCase f8 = cases[0];
   f8.fp8 = true;
   f8.topk_i32 = true;
@@ -518,6 +520,15 @@ TEST(HtPullStaging, DefaultOverrideAndValidation) {
   EXPECT_EQ(back.max_sms, def.max_sms);
 }
 
+// No GPU needed: ce:kept's copy engines copy the kept rows only while they form few runs.
+TEST(HtKeptCopies, OnlyForFewRuns) {
+  EXPECT_TRUE(detail::ht_kept_copies_pay(0));
+  EXPECT_TRUE(detail::ht_kept_copies_pay(17));  // EP2, T = 4096, uniform (the measured case)
+  EXPECT_TRUE(detail::ht_kept_copies_pay(detail::kHtKeptCopyMaxRuns));
+  EXPECT_FALSE(detail::ht_kept_copies_pay(detail::kHtKeptCopyMaxRuns + 1));
+  EXPECT_FALSE(detail::ht_kept_copies_pay(1400));  // EP8, T = 4096, K = 8: ~1400 runs per rank
+}
+
 TEST(HtGpu, OneRankMatchesReference) {
   EPX_REQUIRE_GPUS(1);
   const int rc = run_cuda_ranks(1, [](const Group& g) {
@@ -564,6 +575,9 @@ TEST(HtGpu, TwoRanksMatchReference) {
       // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
       bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
       bad += run_cases(g, routing_cases(2, 2, 2, 4, {50, 41}, 211));
+      // K = 1: a rank keeps about half its tokens, in ~100 runs — more than kHtKeptCopyMaxRuns,
+      // so under ce:kept the kernel places the kept rows (ht_kept_copies_pay).
+      bad += run_cases(g, routing_cases(2, 512, 1, 8, {400, 350}, 221));
       // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
       auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
       big.resize(3);
