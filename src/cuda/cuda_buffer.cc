@@ -177,8 +177,15 @@ bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes) {
   return num_sms <= 24 && max_pair_bytes >= (int64_t{32} << 20);
 }
 
+static std::atomic<int64_t> g_kept_copy_max_runs{-1};
+
+void set_ht_kept_copy_max_runs_override(int64_t max_runs) {
+  g_kept_copy_max_runs = max_runs < 0 ? -1 : max_runs;
+}
+
 bool ht_kept_copies_pay(size_t kept_runs) {
-  return kept_runs <= kHtKeptCopyMaxRuns;
+  const int64_t o = g_kept_copy_max_runs.load();
+  return kept_runs <= (o >= 0 ? static_cast<size_t>(o) : kHtKeptCopyMaxRuns);
 }
 
 HtCopyConfig CudaBuffer::copy_config() const {

@@ -130,6 +130,9 @@ bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes);
 // would cost milliseconds per call. The choice is this rank's own (no peer sees it).
 inline constexpr size_t kHtKeptCopyMaxRuns = 32;
 bool ht_kept_copies_pay(size_t kept_runs);
+// Benchmark hook (never set by the library): the run limit of ht_kept_copies_pay (>= 0), or the
+// default again (< 0). For dispatches after the call.
+void set_ht_kept_copy_max_runs_override(int64_t max_runs);
 
 // The copy path of ht dispatch launches: the override below when set, else EPX_HT_COPY (read
 // once, src/core/env.cc), else ce:kept:combine-auto. Read at every launch, so one process can time

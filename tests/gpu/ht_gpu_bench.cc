@@ -5,13 +5,15 @@
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
 //                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
 //                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-share 100,70] [--ce-probe]
-//                    [--pull 3x2048,2x3584] [--trace]
+//                    [--pull 3x2048,2x3584] [--trace] [--kept-runs N]
 // --copy times dispatch and combine under each copy path (cuda/tuning.h parse_ht_copy;
 // EPX_HT_COPY's values) in the same process, same buffer; --ce-share also times combine with the
 // copy engines pushing that percent of the rows and the kernel the rest (set_ht_engine_share_
 // override; only where combine uses the copy engines: ":combine", or ":combine-auto" at sizes
 // it picks them). --pull also times the zero-copy combine (graph) with the staged reducer's
 // stages x chunk bytes (set_ht_pull_staging_override); it always times the register pair step.
+// --kept-runs N: ce:kept copies the kept rows by copy engine up to N runs of kept tokens instead
+// of the library's limit (set_ht_kept_copy_max_runs_override; --topk 1 gives ~T/4 runs at EP2).
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -58,6 +60,7 @@ struct Options {
   std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
   std::vector<std::string> pull;  // zero-copy combine stagings to time (SxC)
   std::vector<int> ce_share;      // combine: copy-engine shares (percent) to time as well
+  int64_t kept_runs = -1;         // --kept-runs: ce:kept's run limit (-1: the library's)
 };
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
@@ -182,10 +185,30 @@ int run_rank(const Group& g, const Options& o) {
   shape.max_tokens_per_rank = T;
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  // Runs of consecutive tokens this rank keeps (ce:kept: one copy call each, ht_kept_copies_pay).
+  int64_t kept_runs = 0;
+  {
+    const int64_t L = o.experts / R;
+    bool prev = false;
+    for (int64_t t = 0; t < T; ++t) {
+      bool kept = false;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = topk[static_cast<size_t>(t * K + k)];
+        kept = kept || (e >= r * L && e < (r + 1) * L);
+      }
+      kept_runs += kept && !prev;
+      prev = kept;
+    }
+  }
+  detail::set_ht_kept_copy_max_runs_override(o.kept_runs);
   if (r == 0)
-    std::printf("ht T=%lld H=%lld K=%d E=%d R=%d uniform routing; buffer %.1f MB/rank\n",
-                static_cast<long long>(T), static_cast<long long>(H), K, o.experts, R,
-                Buffer::bytes_needed(Mode::kHt, shape, R, Backend::kCuda) / 1e6);
+    std::printf(
+        "ht T=%lld H=%lld K=%d E=%d R=%d uniform routing; buffer %.1f MB/rank; rank 0 keeps its "
+        "tokens in %lld runs (ce:kept copies them by copy engine: %s)\n",
+        static_cast<long long>(T), static_cast<long long>(H), K, o.experts, R,
+        Buffer::bytes_needed(Mode::kHt, shape, R, Backend::kCuda) / 1e6,
+        static_cast<long long>(kept_runs),
+        detail::ht_kept_copies_pay(static_cast<size_t>(kept_runs)) ? "yes" : "no, the kernel");
   for (int sms : o.sms) {
     for (int pct : o.send_pct) {
       detail::set_ht_tuning_override(sms, pct, pct);
@@ -668,12 +691,14 @@ int main(int argc, char** argv) {
       o.pull = gpu_testing::split_commas(next());
     else if (a == "--trace")
       o.trace = true;
+    else if (a == "--kept-runs")
+      o.kept_runs = std::atoll(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
                    "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
                    "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine[-auto]],...] [--ce-share p,q] "
-                   "[--ce-probe] [--pull SxC,...] [--trace]\n",
+                   "[--ce-probe] [--pull SxC,...] [--trace] [--kept-runs N]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
