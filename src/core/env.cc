@@ -31,8 +31,11 @@ int env_ll_variant() {
 }
 
 int env_pdl() {
-  const long v = env_long("EPX_PDL", -1);
-  return v == 0 || v == 1 ? static_cast<int>(v) : -1;
+  const char* v = std::getenv("EPX_PDL");
+  if (!v || !*v) return -1;  // unset: each kernel family's default
+  // Set: 1 turns PDL on; anything else ("0", "off", a typo) off — a value meant to disable it
+  // must never enable it.
+  return env_long("EPX_PDL", 0) == 1 ? 1 : 0;
 }
 
 int env_cuda_device_max_connections() {

@@ -7,7 +7,8 @@
 //   EPX_LL_VARIANT   cuda ll kernel variant bits for A/B runs (0 = the default kernels;
 //                    cuda/kernels/ll/ll_layout.cuh kLlVariant*)
 //   EPX_PDL          programmatic dependent launch of the cuda kernels (sm_90; never in the
-//                    one-GPU test mode): 1 ht and ll, 0 none, unset: ll only (the measured default)
+//                    one-GPU test mode): 1 ht and ll, unset: ll only (the measured default),
+//                    any other value: none
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
 #pragma once
 
@@ -21,6 +22,6 @@ int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
 int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
-int env_pdl();         // EPX_PDL: 1 or 0; -1 when unset or invalid
+int env_pdl();         // EPX_PDL: -1 unset or empty, 1 when "1", 0 for any other value
 
 }  // namespace epx::detail

@@ -350,6 +350,9 @@ size_t CudaBuffer::bytes_allocated() const {
   return (ht_mem_ ? ht_mem_->bytes() : 0) + cuda_ll_allocated(ll_.get());
 }
 
+// HtRegion::make reserves 64 bytes for the state at state_off.
+static_assert(sizeof(DeviceState) <= 64, "DeviceState outgrew its 64 bytes in HtRegion");
+
 DeviceState* CudaBuffer::device_state() const {
   return reinterpret_cast<DeviceState*>(ht_local() + region_.state_off);
 }

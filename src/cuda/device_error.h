@@ -58,8 +58,8 @@ struct DeviceState {
   // of the zero-copy recv_x queued before that op has finished.
   uint32_t ready_pending;
   uint32_t ready_pending_set;  // 1 while ready_pending holds a value (any op number, 0 included)
-  // ht dispatch: the next batch of tokens a sender warp takes (sender warps draw batches from
-  // this counter; the dispatch's finishing CTA sets it back to 0).
+  // ht dispatch: batches drawn so far by the sender warps (the next drawn batch is G + send_next,
+  // G = sender warps: batch gw is warp gw's first); the dispatch's finishing CTA sets it to 0.
   uint32_t send_next;
 };
 

@@ -422,9 +422,10 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       }
     }
   }
-  // Copy engines move x where the host knows the layout (every rank decides alike: same mode,
-  // same kind of call, handles made the same way). Zero-copy: at most the kept rows ("ce" acts
-  // as "ce:kept"), and the kernel path for the rest (no bulk copies).
+  // Copy engines move x where the host knows the layout (for "ce", which changes the protocol,
+  // every rank decides alike: same mode, same kind of call, handles made the same way; the kept
+  // rows' copies, "ce:kept", are each rank's own choice: ht_kept_copies_pay). Zero-copy: at most
+  // the kept rows ("ce" acts as "ce:kept"), and the kernel path for the rest (no bulk copies).
   const bool zero_copy = args.zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
   const bool engine = engine_any && !copy.engine_kept_only && !zero_copy;

@@ -20,11 +20,11 @@
 
 namespace epx::detail {
 
-// Whether launches on `device` use PDL: requested (EPX_PDL=1, read once; unset: `by_default`, the
-// family's measured default — ll on: -0.4 to -0.7 us per op, ht off: no gain measured), the
-// device is sm_90+, its ranks do not share it (waiting CTAs would hold a peer's SMs), and
-// `kernel` (one of the family) was built for sm_90 (pdl_begin compiles to nothing below:
-// ptxVersion >= 90).
+// Whether launches on `device` use PDL: requested (EPX_PDL=1; unset or empty: `by_default`, the
+// family's measured default — ll on: -0.4 to -0.7 us per op, ht off: no gain measured; any other
+// value: off; read once), the device is sm_90+, its ranks do not share it (waiting CTAs would
+// hold a peer's SMs), and `kernel` (one of the family) was built for sm_90 (pdl_begin compiles
+// to nothing below: ptxVersion >= 90).
 inline bool pdl_usable(int device, bool ranks_share_device, const void* kernel, bool by_default) {
   static const int setting = env_pdl();
   const bool requested = setting == 1 || (setting == -1 && by_default);

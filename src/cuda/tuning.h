@@ -8,8 +8,9 @@
 namespace epx::detail {
 
 // Benchmark ablations (epx_ht_gpu_bench --ablate): leave one stage out to time the rest. Outputs
-// are wrong when set, except for the two output-preserving switches at the end (also used by
-// the ht GPU tests); the protocol (waits, counters, sequence numbers) still runs.
+// are wrong when set, except for the switches marked "not an ablation" below (output-preserving
+// A/B switches, also used by the ht GPU tests); the protocol (waits, counters, sequence numbers)
+// still runs.
 enum HtAblate : int {
   kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
   kAblateRemoteCopy = 2,   // dispatch receivers wait for blocks but do not copy them out
@@ -127,7 +128,9 @@ bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes);
 // run 12). Where the rank's kept tokens form more runs than this (EP > 2, where a rank keeps
 // about 1 - (1 - 1/R)^K of the tokens in scattered runs, or routings that alternate) the
 // dispatch kernel places the kept rows itself, as the warp path does: thousands of copy calls
-// would cost milliseconds per call. The choice is this rank's own (no peer sees it).
+// would cost milliseconds per call. The choice is this rank's own (no peer sees it). Plain "ce"
+// (copy engines move every row; not the default) has no such limit: its pushes change the
+// protocol, so every rank would have to choose alike.
 inline constexpr size_t kHtKeptCopyMaxRuns = 32;
 bool ht_kept_copies_pay(size_t kept_runs);
 // Benchmark hook (never set by the library): the run limit of ht_kept_copies_pay (>= 0), or the

@@ -602,6 +602,34 @@ TEST(HtGpu, TwoRanksMatchReference) {
   EXPECT_EQ(rc, 0);
 }
 
+// Sender warps draw their token batches from a per-rank counter once their first batch is sent
+// (kernels/ht/dispatch.cuh): only where a rank has more batches than sender warps. 2 SMs give
+// 16-32 sender warps; T = 1000 gives 250 batches of 4 (126 of 7 under bulk:2x48:b7), so most
+// batches are drawn under every copy path, zero-copy and fp8 included. One buffer for all the
+// cases: consecutive dispatches check that the finishing CTA resets the counter.
+TEST(HtGpu, DrawnSenderBatchesTwoRanks) {
+  EPX_REQUIRE_GPUS(2);
+  const int rc = run_cuda_ranks(2, [](const Group& g) {
+    detail::set_ht_tuning_override(2, 0, 0);  // buffers created below: 2 CTAs per kernel
+    const int bad = for_each_copy_path([&] {
+      auto cases = routing_cases(2, 1024, 8, 64, {1000, 700}, 401);
+      HtCase f8 = cases[0];
+      f8.fp8 = true;
+      f8.seed = 410;
+      cases.push_back(f8);
+      HtCase f8s = cases[1];
+      f8s.fp8 = true;
+      f8s.x_padded = true;
+      f8s.seed = 411;
+      cases.push_back(f8s);
+      return run_cases(g, cases);
+    });
+    detail::set_ht_tuning_override(0, 0, 0);
+    return bad;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
 // Worst-case mode dispatch + combine captured once in a CUDA graph, replayed on new inputs
 // (new routing and data each time, copied into the captured input buffers), each replay checked.
 int graph_replays(const Group& g, int num_replays) {

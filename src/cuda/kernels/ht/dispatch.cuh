@@ -63,7 +63,7 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
 
 // A token's scale words in registers: lane holds words lane and lane + 32 (the first
 // kScaleRegs * 32; H <= 8192 with 128-channel fp8 blocks needs 64). Loaded once per token and
-// stored to every destination (the kept row included), issued a token ahead of their stores.
+// stored to every destination (the kept row included); the senders load them a token ahead.
 inline constexpr int kScaleRegs = 2;
 struct TokenScales {
   uint32_t w[kScaleRegs];
@@ -138,8 +138,8 @@ __device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int
   }
 }
 
-// Sender warps push this rank's rows to the OTHER ranks only (the receiver CTAs copy the rows
-// this rank keeps): NVLink stores are the senders' whole job.
+// Sender warps push this rank's rows to the OTHER ranks (the receiver CTAs copy the rows this
+// rank keeps, except under zero-copy, where the senders place them too).
 template <typename V, bool kBulk>
 __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe& pipe) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -176,8 +176,9 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   // batch is fixed so that no warp waits on the counter at the start (eighth session: drawing
   // every batch cost 2-5 us at T = 1024). Each warp draws when it starts a batch: the atomic's
   // latency overlaps the batch.
-  const bool dynamic = !(p.ablate & kHtSendStatic);
   const int64_t num_batches = (p.num_tokens + batch - 1) / batch;
+  // (No draws where every batch is some warp's first: no tail to balance.)
+  const bool dynamic = !(p.ablate & kHtSendStatic) && num_batches > G;
   auto draw = [&]() -> uint32_t {
     return lane == 0 && dynamic ? static_cast<uint32_t>(G) + atomicAdd(&w.state->send_next, 1u)
                                 : 0u;
