@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# tests/gpu/kept_runs_run.sh — one bounded batch (< 5 min on 2 x H200), prepared in the eighth
+# tests/gpu/kept_runs_run.sh — one bounded batch (< 7 min on 2 x H200), prepared in the eighth
 # session (compiled, not yet run): (1) the 2-GPU ht tests, whose top_k = 1 case (~100 runs of
-# kept tokens) now takes the kernel path under ce:kept (ht_kept_copies_pay); (2) the cost that
+# kept tokens) now takes the kernel path under ce:kept (ht_kept_copies_pay), and the test where
+# most sender batches are drawn (2 SMs, every copy path); (2) the cost that
 # limit avoids: epx_ht_gpu_bench --topk 1 (rank 0 keeps ~T/4 runs) under ce:kept with the
 # library's limit and with --kept-runs 1000000 (every run a copy call), warp beside them — the
 # "host us per cached bf16 call" and eager rows; (3) the ll graph A/B of PDL (EPX_PDL=0 vs the
@@ -11,7 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
 epx_batch_start gpu_ht_test epx_ht_gpu_bench epx_ll_gpu_bench || exit 1
-epx_batch_tests gpu_ht_test 150 'HtGpu.TwoRanksMatchReference:HtKeptCopies.*'
+epx_batch_tests gpu_ht_test 240 \
+  'HtGpu.TwoRanksMatchReference:HtGpu.DrawnSenderBatchesTwoRanks:HtKeptCopies.*'
 ROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
 for k in -1 1000000; do
   echo "-- --topk 1, --kept-runs $k"
