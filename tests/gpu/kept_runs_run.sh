@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# tests/gpu/kept_runs_run.sh — one bounded batch (< 7 min on 2 x H200), prepared in the eighth
+# tests/gpu/kept_runs_run.sh — one bounded batch (< 9 min on 2 x H200), prepared in the eighth
 # session (compiled, not yet run): (1) the 2-GPU ht tests, whose top_k = 1 case (~100 runs of
 # kept tokens) now takes the kernel path under ce:kept (ht_kept_copies_pay), and the test where
 # most sender batches are drawn (2 SMs, every copy path); (2) the cost that
 # limit avoids: epx_ht_gpu_bench --topk 1 (rank 0 keeps ~T/4 runs) under ce:kept with the
 # library's limit and with --kept-runs 1000000 (every run a copy call), warp beside them — the
 # "host us per cached bf16 call" and eager rows; (3) the ll graph A/B of PDL (EPX_PDL=0 vs the
-# default, ll kernels with PDL) with the bench's graph timer fixed (69c60ce). Logs under $OUT.
+# default, ll kernels with PDL) with the bench's graph timer fixed (69c60ce); (4) epx-bench's
+# eager zero-copy dispatch rows against the ht bench's host times. Logs under $OUT.
 #   bash tests/gpu/kept_runs_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-epx_batch_start gpu_ht_test epx_ht_gpu_bench epx_ll_gpu_bench || exit 1
+EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start gpu_ht_test epx_ht_gpu_bench \
+  epx_ll_gpu_bench epx-bench || exit 1
 epx_batch_tests gpu_ht_test 240 \
   'HtGpu.TwoRanksMatchReference:HtGpu.DrawnSenderBatchesTwoRanks:HtKeptCopies.*'
 ROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
@@ -19,6 +21,22 @@ for k in -1 1000000; do
   echo "-- --topk 1, --kept-runs $k"
   epx_batch_bench top1_$k 90 "$ROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
     --topk 1 --copy ce:kept,warp --kept-runs $k
+done
+# (4) Why epx-bench's eager zero-copy dispatch rows sit ~50 us above epx_ht_gpu_bench's: the ht
+# bench's host time per zero-copy call at the standard workload, then epx-bench ht without
+# --check, under the default copy path and under warp.
+echo "-- standard workload, host time per call"
+epx_batch_bench std 90 "runs|host us|\(cached, zero-copy\) |zero-copy, graph\)" epx_ht_gpu_bench \
+  --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
+for c in default warp; do
+  echo "-- epx-bench ht, EPX_HT_COPY=$c"
+  if [ "$c" = default ]; then
+    timeout 120 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+  else
+    EPX_HT_COPY=$c timeout 120 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+  fi
+  echo "rc=$?"
+  grep -E "^ht\." "$OUT/eb_$c.log" | cut -c1-120
 done
 for v in 0 default 0 default; do
   echo "-- ll, EPX_PDL=$v"
