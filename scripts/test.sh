@@ -1,40 +1,55 @@
 #!/usr/bin/env bash
 # Runs every test: GoogleTest (CPU tier, plus the GPU tier where GPUs exist) and pytest.
 # Installs what it needs where it can (Debian: apt), skips what is already there.
-# Usage: bash scripts/test.sh            (build dir: build/, override with EPX_BUILD_DIR)
+# Usage: bash scripts/test.sh             (build dir: build/, override with EPX_BUILD_DIR)
+#        bash scripts/test.sh ctest       only GoogleTest; `pytest`: only pytest (the same tiers
+#                                         in two commands, e.g. under a per-command time limit)
 set -euo pipefail
+tiers=("$@")
+[ ${#tiers[@]} -gt 0 ] || tiers=(ctest pytest)
+for t in "${tiers[@]}"; do
+  case $t in
+    ctest | pytest) ;;
+    *) echo "test.sh: unknown tier '$t' (expected ctest or pytest)" >&2; exit 2 ;;
+  esac
+done
+want() { [[ " ${tiers[*]} " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 source scripts/common.sh
 epx_setup_env
 epx_install_deps
 epx_configure_and_build
-echo "== GoogleTest (ctest) =="
-# Timing assertions (the *Perf* tests) run alone, after everything else.
 # Every tier runs even when an earlier one fails; the exit status reports any failure.
 failed=()
-(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf') ||
-  failed+=(ctest)
-(cd "$EPX_BUILD_DIR" && ctest --output-on-failure -R 'Perf') || failed+=(ctest-perf)
-# Without a GPU, say why the GPU GoogleTests were skipped (ctest only prints "Skipped").
-if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
-  for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
-    [ -x "$t" ] || continue
-    out=$("$t" 2>&1 || true)
-    # gtest's summary line: "[  SKIPPED ] N tests, listed below:" (each test is also listed).
-    skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9][0-9]*\) tests\{0,1\},.*/\1/p' <<<"$out" | head -n 1)
-    reason=$(grep -A1 -m1 ': Skipped$' <<<"$out" | tail -n 1 || true)
-    echo "== GPU tier $(basename "$t"): ${skipped:-0} tests skipped: ${reason:-none} =="
-  done
+if want ctest; then
+  echo "== GoogleTest (ctest) =="
+  # Timing assertions (the *Perf* tests) run alone, after everything else.
+  (cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf') ||
+    failed+=(ctest)
+  (cd "$EPX_BUILD_DIR" && ctest --output-on-failure -R 'Perf') || failed+=(ctest-perf)
+  # Without a GPU, say why the GPU GoogleTests were skipped (ctest only prints "Skipped").
+  if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+    for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
+      [ -x "$t" ] || continue
+      out=$("$t" 2>&1 || true)
+      # gtest's summary line: "[  SKIPPED ] N tests, listed below:" (each test is also listed).
+      skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9][0-9]*\) tests\{0,1\},.*/\1/p' <<<"$out" | head -n 1)
+      reason=$(grep -A1 -m1 ': Skipped$' <<<"$out" | tail -n 1 || true)
+      echo "== GPU tier $(basename "$t"): ${skipped:-0} tests skipped: ${reason:-none} =="
+    done
+  fi
 fi
-if [ -d tests/python ] && epx_python_ready; then
-  echo "== pytest =="
-  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python ||
-    failed+=(pytest)
-else
-  echo "== pytest: SKIPPED (no Python package or no torch/pytest for $EPX_PYTHON) =="
+if want pytest; then
+  if [ -d tests/python ] && epx_python_ready; then
+    echo "== pytest =="
+    PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python ||
+      failed+=(pytest)
+  else
+    echo "== pytest: SKIPPED (no Python package or no torch/pytest for $EPX_PYTHON) =="
+  fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== FAILED: ${failed[*]} =="
   exit 1
 fi
-echo "== all tests passed =="
+echo "== all tests passed (${tiers[*]}) =="

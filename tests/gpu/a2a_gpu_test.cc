@@ -1,6 +1,6 @@
 // GPU tier: the cuda a2a backend (src/cuda/a2a.cu) against the naive oracle of SPEC 3.6
-// (tests/support/oracle_a2a.h, which the cpu backend also matches bit for bit), on R = 1 and 2
-// forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
+// (tests/support/oracle_a2a.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and
+// 8 forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //
 // Every check compares every element: all valid rows of every payload, recv_counts, the
 // sanitised padding of the expert-id payload and combine's out, bit for bit (padding rows of the
@@ -747,7 +747,7 @@ TEST(A2aGpuWorkspace, BytesAllocatedMatchWorkspaceBytes) {
   EXPECT_EQ(rc, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, A2aGpu, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Ranks, A2aGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

@@ -258,7 +258,7 @@ TEST_P(A2aMaskGpu, GraphReplayAcrossMaskChange) {
   EXPECT_EQ(rc, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, A2aMaskGpu, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Ranks, A2aMaskGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

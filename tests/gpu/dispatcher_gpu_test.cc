@@ -3,7 +3,7 @@
 //
 // The same sequence of calls (a2a with bf16/fp8/fp8_ue8m0/nvfp4, deepep auto with ht/ll switches,
 // worst-case ht, int32 topk, T = 0 ranks) on the cpu backend (threads, in the parent) and on
-// R = 1, 2 forked cuda ranks, on the legacy default stream and on a created one; every valid
+// R = 1, 2, 4, 8 forked cuda ranks, on the legacy default stream and on a created one; every valid
 // received row, scale, routing row, masked_m, combine output and the expert load after every call
 // must be identical, and ht's UE8M0 x_scale storage (MN-major, TMA-aligned, padding included)
 // byte for byte. The cpu run's expert load is also checked against a count from the routing.
@@ -509,7 +509,7 @@ TEST_P(DispatcherGpu, CapturedGraphReplaysMatchCpuBackend) {
   EXPECT_EQ(rc, 0) << "see stderr for the first difference per case";
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, DispatcherGpu, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Ranks, DispatcherGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

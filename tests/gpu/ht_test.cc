@@ -781,6 +781,59 @@ TEST(HtGpu, WorstCaseGraphReplaysOneRank) {
             0);
 }
 
+// R = 4 and 8 forked ranks, one GPU each (issue 8; skipped where fewer GPUs are visible): every
+// copy path (the copy-engine ones included, which HtOneGpu cannot run), every routing with a
+// different T per rank and one empty rank, odd hidden sizes, K = 1, DeepSeek-like H in bf16,
+// fp8 and packed UE8M0; then the worst-case graph replays.
+class HtGpuRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(HtGpuRanks, MatchesReference) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  const int rc = run_cuda_ranks(R, [R](const Group& g) {
+    std::vector<int64_t> tokens(R), odd(R);
+    for (int r = 0; r < R; ++r) {
+      tokens[r] = r == R - 1 ? 0 : 150 + 61 * r;  // the last rank sends nothing
+      odd[r] = 13 * r + 40;
+    }
+    return for_each_copy_path([&] {
+      int bad = 0;
+      bad += run_cases(g, routing_cases(R, 256, 8, 8 * R, tokens, 600 + R));
+      bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 620 + R));       // 8-byte rows
+      bad += run_cases(g, {routing_cases(R, 512, 1, 4 * R, odd, 640 + R)[0]});  // K = 1
+      auto big = routing_cases(R, 7168, 8, 256, tokens, 660 + R);
+      big.resize(1);
+      HtCase f8 = big[0];
+      f8.fp8 = true;
+      f8.seed = 680 + R;
+      big.push_back(f8);
+      HtCase ue = f8;
+      ue.ue8m0 = true;
+      ue.topk_i32 = true;
+      ue.seed = 690 + R;
+      big.push_back(ue);
+      bad += run_cases(g, big);
+      return bad;
+    });
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+TEST_P(HtGpuRanks, WorstCaseGraphReplays) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  EXPECT_EQ(run_cuda_ranks(R,
+                           [](const Group& g) {
+                             return for_each_copy_path([&] { return graph_replays(g, 10); });
+                           }),
+            0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, HtGpuRanks, ::testing::Values(4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "R" + std::to_string(i.param);
+                         });
+
 // Out-of-range expert ids (found on the device) and worst-case overflow are reported; the
 // collective still completes on every rank and the buffer stays usable.
 TEST(HtGpu, DeviceErrorsAreReportedAndRecoverable) {

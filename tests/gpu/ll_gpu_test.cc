@@ -1,5 +1,5 @@
 // GPU tier: the cuda ll backend (src/cuda/ll.cu) against the naive oracle of SPEC 3.4-3.5
-// (tests/support/oracle_ll.h, which the cpu backend also matches bit for bit), on R = 1 and 2
+// (tests/support/oracle_ll.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and 8
 // forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //
 // Every check compares every defined element bit for bit: recv_x bytes (fp8 or bf16) and
@@ -306,13 +306,15 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   }
   Case big;
   big.p = {R, 1024, 256, 16, 32 * R, true, false, false};
-  big.fixed_tokens = R == 1 ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 333};
+  big.fixed_tokens.assign(R, 333);  // R = 1: {1024}; else {1024, 333, 333, ...}
+  big.fixed_tokens[0] = 1024;
   big.stats = true;
   big.num_iters = 2;
   big.seed = seed++;
   cases.push_back(big);
   big.p.use_fp8 = false;
-  big.fixed_tokens = R == 1 ? std::vector<int64_t>{517} : std::vector<int64_t>{0, 1024};
+  big.fixed_tokens.assign(R, 1024);  // R = 1: {517}; else {0, 1024, 1024, ...}
+  big.fixed_tokens[0] = R == 1 ? 517 : 0;
   big.hook = true;
   big.zero_copy = true;
   big.seed = seed++;
@@ -322,7 +324,7 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

@@ -673,7 +673,7 @@ def test_quant_references_agree_with_dequant():
 
 # ---- GPU tier ------------------------------------------------------------------------------------
 
-@pytest.fixture(params=[1, 2], ids=lambda r: f"R{r}")
+@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
 def gpu_pool(request):
     reason = gpu_skip_reason(request.param)
     if reason:

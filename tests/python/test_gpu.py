@@ -21,7 +21,7 @@ def _seed():
     return random.SystemRandom().randrange(1 << 30)
 
 
-@pytest.fixture(params=[1, 2], ids=lambda r: f"R{r}")
+@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
 def gpu_pool(request):
     reason = gpu_skip_reason(request.param)
     if reason:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# tests/gpu/ep4_run.sh PHASE — issue 8 on nvidia-h200-x4 (4 GPUs; any R >= 2 works), in three
+# calls of < 10 min each, one after the other on the same warm machine (phase 1 builds build/,
+# the later phases reuse it). Logs under $OUT.
+#   tests   the README's test command, GoogleTest part (`scripts/test.sh ctest`): the GPU tier at
+#           R = 1, 2 and 4 (8 where 8 GPUs), the one-GPU multi-rank tier, the CPU tier
+#   main    the README's test command, pytest part (GPU tier at R = 1, 2, 4), then the main job
+#           (`scripts/run.sh`: the demo on every GPU, epx-bench ht / ll / a2a at EP = GPUs with
+#           NCCL's all-to-all and the NVLink ceiling in the same run)
+#   bench   EP = GPUs sweeps: ht (T x SMs, 2 copy paths), ll (T in 1..512), a2a; then, on 2 of
+#           the GPUs, what kept_runs_run.sh measures (the kept-run limit, epx-bench's eager rows)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source tests/gpu/device_lib.sh
+epx_device_setup 5000
+unset EPX_TIMEOUT_MS  # the library's default device timeout, as the README commands run
+t0=$(date +%s)
+B=build
+G=$(nvidia-smi -L | wc -l)
+summary() {  # FILE: the lines of a test log worth reading in the call's output tail
+  grep -E "tests passed|tests failed|FAILED|Failed|SKIPPED \(|^== |Timeout|\*\*\*|passed|failed" \
+    "$1" | grep -vE "^\[       OK|Passed +[0-9.]+ sec" | cut -c1-220 | head -60
+}
+case ${1:-} in
+  tests)
+    EPX_TEST_JOBS=8 timeout 560 bash scripts/test.sh ctest > "$OUT/ctest.log" 2>&1
+    echo "== test.sh ctest rc=$? ($(( $(date +%s) - t0 )) s)"
+    summary "$OUT/ctest.log"
+    grep -E "Test +#[0-9]+: gpu_" "$OUT/ctest.log" | sed 's/  */ /g' | cut -c1-120
+    ;;
+  main)
+    timeout 330 bash scripts/test.sh pytest > "$OUT/pytest.log" 2>&1
+    echo "== test.sh pytest rc=$? ($(( $(date +%s) - t0 )) s)"
+    grep -E "R4|R8" "$OUT/pytest.log" | head -5
+    tail -5 "$OUT/pytest.log"
+    s=$(date +%s)
+    timeout 220 bash scripts/run.sh > "$OUT/run.log" 2>&1
+    echo "== run.sh rc=$? ($(( $(date +%s) - s )) s)"
+    grep -E "^== |^ht\.|^ll\.|^a2a\.|PASS|FAIL|ranks|target|ceil" "$OUT/run.log" | cut -c1-200 |
+      head -70
+    ;;
+  bench)
+    ROWS="^SMs|^ +[0-9]+ |dispatch|combine|NCCL|ceiling|runs"
+    for t in 4096 8192 1024; do
+      echo "-- ht EP$G T=$t"
+      epx_batch_bench ht$t 120 "$ROWS" epx_ht_gpu_bench --ranks "$G" --iters 20 --tokens "$t" \
+        --sms 16,24,32 --copy ce:kept,warp
+    done
+    echo "-- ll EP$G"
+    epx_batch_bench ll 90 "^ +(1|32|128|256|512) |target|ceiling|NCCL" epx_ll_gpu_bench \
+      --ranks "$G" --tokens 1,32,128,256,512 --iters 20
+    echo "-- a2a EP$G"
+    epx_batch_bench a2a 90 "^ +[0-9]+ |target|ceiling|NCCL" epx_a2a_gpu_bench --ranks "$G" --iters 20
+    # On 2 of the GPUs: the kept-run limit (kept_runs_run.sh (2)) and the standard workload's host
+    # time per zero-copy call next to epx-bench's eager rows (kept_runs_run.sh (4)).
+    export CUDA_VISIBLE_DEVICES=0,1
+    KROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
+    for k in -1 1000000; do
+      echo "-- EP2 --topk 1, --kept-runs $k"
+      epx_batch_bench top1_$k 90 "$KROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
+        --topk 1 --copy ce:kept,warp --kept-runs $k
+    done
+    for c in default warp; do
+      echo "-- EP2 epx-bench ht, EPX_HT_COPY=$c"
+      if [ "$c" = default ]; then
+        timeout 100 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+      else
+        EPX_HT_COPY=$c timeout 100 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+      fi
+      echo "rc=$?"
+      grep -E "^ht\." "$OUT/eb_$c.log" | cut -c1-120
+    done
+    ;;
+  *)
+    echo "usage: bash tests/gpu/ep4_run.sh tests|main|bench" >&2
+    exit 2
+    ;;
+esac
+epx_batch_total
