@@ -364,6 +364,14 @@ void CudaBuffer::require_usable(const char* op) const {
             ": this buffer was created with BufferConfig::enable_ht = false, expected true");
 }
 
+// ", flag W wanted, V seen" for a flag wait's timeout (wait_flag packs both into b); "" for the
+// bulk-copy wait, whose b is a parity.
+static std::string timeout_flag_values(const DeviceErrorRecord& e) {
+  if (e.a == kWaitBulkCopy) return "";
+  const auto b = static_cast<uint64_t>(e.b);
+  return cat(", flag ", b >> 32, " wanted, ", b & 0xffffffffu, " seen");
+}
+
 void CudaBuffer::check() {
   if (broken_) require_usable("check");
   if (ll_) cuda_ll_check(*ll_);
@@ -379,8 +387,9 @@ void CudaBuffer::check() {
       throw_error(ErrorCode::kTimeout,
                   cat(op, ": rank ", e.rank, " waited ", group.timeout().count(), " ms for ",
                       device_wait_name(static_cast<uint32_t>(e.a)), " (rank ", e.peer,
-                      "); the buffer is unusable (every rank must call the same operations in the "
-                      "same order)"));
+                      timeout_flag_values(e),
+                      "); the buffer is unusable (every rank must call the "
+                      "same operations in the same order)"));
     case kDevErrBadExpert:
       throw_error(
           ErrorCode::kInvalidArgument,

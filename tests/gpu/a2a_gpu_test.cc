@@ -377,10 +377,11 @@ TEST_P(A2aGpu, ZeroTokensAndDifferentTokensPerRank) {
     return p;
   };
   std::vector<int64_t> zero(R, 0), ramp(R, 0), one_empty(R, 90);
-  for (int r = 0; r < R; ++r) ramp[r] = 1 + 40 * r;
+  for (int r = 0; r < R; ++r) ramp[r] = 1 + 40 * r % 95;  // 1, 41, 81, 26, ... <= 91
   one_empty[0] = 0;
-  k.problems = {with_tokens(zero, 0),       with_tokens(zero, 3), with_tokens(ramp, 96),
-                with_tokens(one_empty, 90), with_tokens(zero, 0), with_tokens(ramp, 41 * R)};
+  k.problems = {with_tokens(zero, 0),  with_tokens(zero, 3),
+                with_tokens(ramp, 96), with_tokens(one_empty, 90),
+                with_tokens(zero, 0),  with_tokens(ramp, std::min(41 * R, 96))};
   for (size_t i = 0; i < k.problems.size(); ++i)
     k.options.push_back(option_for(static_cast<int>(i)));
   EXPECT_EQ(run_cases(R, {k}), 0);
@@ -407,7 +408,7 @@ TEST_P(A2aGpu, GraphReplayOnNewInputs) {
   config.max_tokens_per_rank = 64;
   config.runtime_max = 64;
   config.num_tokens.resize(R);
-  for (int r = 0; r < R; ++r) config.num_tokens[r] = 37 + 11 * r;
+  for (int r = 0; r < R; ++r) config.num_tokens[r] = 37 + 11 * r % 28;  // 37, 48, 59, 42, ... <= 64
   const std::vector<Routing> all = testing::all_routings();
   std::vector<A2aProblem> problems;
   for (int i = 0; i < kReplaysInWorkspace + kReplaysCopy; ++i) {

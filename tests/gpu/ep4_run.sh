@@ -7,8 +7,9 @@
 #   main    the README's test command, pytest part (GPU tier at R = 1, 2, 4), then the main job
 #           (`scripts/run.sh`: the demo on every GPU, epx-bench ht / ll / a2a at EP = GPUs with
 #           NCCL's all-to-all and the NVLink ceiling in the same run)
-#   bench   EP = GPUs sweeps: ht (T x SMs, 2 copy paths), ll (T in 1..512), a2a; then, on 2 of
-#           the GPUs, what kept_runs_run.sh measures (the kept-run limit, epx-bench's eager rows)
+#   bench   (builds if needed) the tests the first x4 run failed, then EP = GPUs benches: ht
+#           (T = 4096, 16-32 SMs, 3 copy paths), ll (T in 1..512), a2a; then, on 2 of the GPUs,
+#           what kept_runs_run.sh measures (epx-bench's eager rows, the kept-run limit)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
@@ -40,26 +41,30 @@ case ${1:-} in
       head -70
     ;;
   bench)
+    # The build of the phases above (incremental; a fresh machine builds everything, ~40 s).
+    source scripts/common.sh
+    epx_setup_env
+    epx_configure_and_build > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    echo "== build done ($(( $(date +%s) - t0 )) s)"
+    # Fixed tests first: the a2a R4 cases (test sizes fixed after the first x4 run) and the
+    # one-GPU R2 ht case that timed out there (now with the flag values in the message).
+    epx_batch_tests gpu_a2a_gpu_test 120 'Ranks/A2aGpu.*/R4'
+    epx_device_tests "$B/tests/gpu/gpu_ht_test" 200 "waited|FAIL|Failure" \
+      'Ranks/HtOneGpu.MatchesReference/R2' 'Ranks/HtOneGpu.MatchesReference/R2' |
+      grep -v "^\[       OK"
     ROWS="^SMs|^ +[0-9]+ |dispatch|combine|NCCL|ceiling|runs"
-    for t in 4096 8192 1024; do
-      echo "-- ht EP$G T=$t"
-      epx_batch_bench ht$t 120 "$ROWS" epx_ht_gpu_bench --ranks "$G" --iters 20 --tokens "$t" \
-        --sms 16,24,32 --copy ce:kept,warp
-    done
+    echo "-- ht EP$G T=4096, default (combine-auto) / kernel combine / warp"
+    epx_batch_bench ht4096 150 "$ROWS" epx_ht_gpu_bench --ranks "$G" --iters 20 --tokens 4096 \
+      --sms 16,24,32 --copy ce:kept:combine-auto,ce:kept,warp
     echo "-- ll EP$G"
     epx_batch_bench ll 90 "^ +(1|32|128|256|512) |target|ceiling|NCCL" epx_ll_gpu_bench \
       --ranks "$G" --tokens 1,32,128,256,512 --iters 20
     echo "-- a2a EP$G"
-    epx_batch_bench a2a 90 "^ +[0-9]+ |target|ceiling|NCCL" epx_a2a_gpu_bench --ranks "$G" --iters 20
-    # On 2 of the GPUs: the kept-run limit (kept_runs_run.sh (2)) and the standard workload's host
-    # time per zero-copy call next to epx-bench's eager rows (kept_runs_run.sh (4)).
+    epx_batch_bench a2a 90 "^ +[0-9]+ |target|ceiling|NCCL" epx_a2a_gpu_bench --ranks "$G" \
+      --iters 20
+    # On 2 of the GPUs: epx-bench's eager ht rows under the default copy path and warp (the
+    # zero-copy dispatch's host cost, kept_runs_run.sh (4)), then the kept-run limit (2).
     export CUDA_VISIBLE_DEVICES=0,1
-    KROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
-    for k in -1 1000000; do
-      echo "-- EP2 --topk 1, --kept-runs $k"
-      epx_batch_bench top1_$k 90 "$KROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
-        --topk 1 --copy ce:kept,warp --kept-runs $k
-    done
     for c in default warp; do
       echo "-- EP2 epx-bench ht, EPX_HT_COPY=$c"
       if [ "$c" = default ]; then
@@ -69,6 +74,12 @@ case ${1:-} in
       fi
       echo "rc=$?"
       grep -E "^ht\." "$OUT/eb_$c.log" | cut -c1-120
+    done
+    KROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
+    for k in -1 1000000; do
+      echo "-- EP2 --topk 1, --kept-runs $k"
+      epx_batch_bench top1_$k 90 "$KROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
+        --topk 1 --copy ce:kept,warp --kept-runs $k
     done
     ;;
   *)

@@ -109,7 +109,9 @@ __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext
     if ((spins & 63u) == 63u) {
       if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
-        record_error(ctx, kDevErrTimeout, peer, what, v);
+        // b: the value wanted (high half) and the value last seen (low half), for the message.
+        record_error(ctx, kDevErrTimeout, peer, what,
+                     static_cast<int64_t>((static_cast<uint64_t>(want) << 32) | v));
         atomicExch(&ctx.state->abort, 1u);
         return false;
       }
