@@ -313,8 +313,10 @@ int run_rank(const Group& g, const Options& o) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int64_t max_t = *std::max_element(o.tokens.begin(), o.tokens.end());
   max_t = std::max<int64_t>(max_t, 128);
-  // Scratch for the baselines: the largest transfer (dispatch + combine rows of every token).
-  const size_t max_bytes = static_cast<size_t>(max_t) * (kHidden * 2 + 64 + kHidden * 2) + 16;
+  // Scratch for the baselines: the largest transfer (dispatch + combine rows of every token to
+  // each of the R - 1 peers: time_push puts a rank's remote bytes into one peer).
+  const size_t max_bytes =
+      static_cast<size_t>(max_t) * std::max(1, R - 1) * (kHidden * 2 + 64 + kHidden * 2) + 16;
   std::shared_ptr<detail::SymmetricMemory> scratch = g.transport()->allocate(max_bytes);
   void *src = nullptr, *nccl_send = nullptr, *nccl_recv = nullptr;
   CK(cudaMalloc(&src, max_bytes));

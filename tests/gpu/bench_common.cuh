@@ -103,14 +103,16 @@ inline size_t agree_max_bytes(const Group& g, size_t bytes, cudaStream_t s) {
   return static_cast<size_t>(v);
 }
 
-// Median us of an NCCL all-to-all of the largest `bytes` over the ranks to and from every peer
-// (remote bytes only; `send`/`recv` hold R * that many bytes). Collective.
+// Median us of an NCCL all-to-all moving this rank's `bytes` of remote traffic in all: the largest
+// `bytes` over the ranks, split evenly over the R - 1 peers (to and from each; `send`/`recv` hold
+// R times the per-peer bytes). Collective.
 inline double time_nccl(const Group& g, void* send, void* recv, size_t bytes, cudaStream_t s,
                         int warmup, int iters) {
   auto comm = static_cast<ncclComm_t>(detail::nccl_comm_of(*g.transport()));
   const int R = g.size(), me = g.rank();
-  const size_t n = agree_max_bytes(g, bytes, s);
-  if (n == 0 || R == 1) return 0;
+  if (R == 1) return 0;
+  const size_t n = (agree_max_bytes(g, bytes, s) + R - 2) / (R - 1);
+  if (n == 0) return 0;
   return time_back_to_back(s, warmup, iters, [&] {
     NK(ncclGroupStart());
     for (int p = 0; p < R; ++p) {

@@ -66,7 +66,18 @@ int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
 
 namespace {
 thread_local cudaStream_t t_rank_stream = nullptr;
+// This rank's own memory pool under run_cuda_ranks_one_gpu (nullptr: the device's default pool).
+// With one pool for all ranks, cudaMallocAsync may reuse a block another rank freed with
+// cudaFreeAsync and make this rank's stream wait for that rank's stream (the pool's
+// cudaMemPoolReuseAllowInternalDependencies): a hidden cross-rank dependency, which deadlocks
+// until the group timeout when the other stream is behind a kernel waiting for this rank.
+thread_local cudaMemPool_t t_rank_pool = nullptr;
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }
+}  // namespace
 
 cudaStream_t rank_stream() { return t_rank_stream; }
 
@@ -85,10 +96,21 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
         for (int r = 0; r < num_ranks; ++r) {
           threads.emplace_back([&, r] {
             cudaStream_t stream = nullptr;
+            cudaMemPool_t pool = nullptr;
             try {
               CUDA_OK(cudaSetDevice(device));
               CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
               t_rank_stream = stream;
+              if (!env_flag("EPX_TEST_SHARED_POOL")) {  // 1: the default pool (the A/B)
+                cudaMemPoolProps props{};
+                props.allocType = cudaMemAllocationTypePinned;
+                props.location.type = cudaMemLocationTypeDevice;
+                props.location.id = device;
+                CUDA_OK(cudaMemPoolCreate(&pool, &props));
+                uint64_t keep = UINT64_MAX;  // keep freed blocks for reuse (no trim at syncs)
+                CUDA_OK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+                t_rank_pool = pool;
+              }
               Group g = Group::cuda_shared_device(r, num_ranks, name, device, options);
               rcs[r] = body(g);
               CUDA_OK(cudaStreamSynchronize(stream));
@@ -98,7 +120,9 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
               rcs[r] = 1;
             }
             t_rank_stream = nullptr;
+            t_rank_pool = nullptr;
             if (stream) cudaStreamDestroy(stream);
+            if (pool) cudaMemPoolDestroy(pool);  // after the stream's frees completed
           });
         }
         for (auto& t : threads) t.join();
@@ -116,15 +140,20 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
 Allocator device_allocator() {
   cudaStream_t stream = rank_stream();
   if (!stream) return default_allocator();
-  return [stream, base = default_allocator()](DType dtype, const std::vector<int64_t>& shape,
-                                              Device device) {
+  return [stream, pool = t_rank_pool, base = default_allocator()](
+             DType dtype, const std::vector<int64_t>& shape, Device device) {
     if (device.type != DeviceType::kCuda) return base(dtype, shape, device);
     Tensor t;
     static_cast<TensorView&>(t) = TensorView::contiguous(nullptr, dtype, shape, device);
     const size_t bytes = t.nbytes();
     if (bytes == 0) return t;
     void* p = nullptr;
-    CUDA_OK(cudaMallocAsync(&p, (bytes + 15) / 16 * 16, stream));
+    const size_t padded = (bytes + 15) / 16 * 16;
+    if (pool) {
+      CUDA_OK(cudaMallocFromPoolAsync(&p, padded, pool, stream));
+    } else {
+      CUDA_OK(cudaMallocAsync(&p, padded, stream));
+    }
     t.data = p;
     t.storage = std::shared_ptr<void>(p, [stream](void* q) { cudaFreeAsync(q, stream); });
     return t;

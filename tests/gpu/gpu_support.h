@@ -53,7 +53,9 @@ int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
 // group.h). Returns 0 when every rank's body returned 0; an exception prints and counts as 1.
 // In this mode the helpers below (to_device, to_host_bytes, poison_allocator, device_allocator)
 // work on rank_stream() and never synchronise the device, since a device-wide wait would wait
-// for a peer's kernel spinning on this rank (see Group::cuda_shared_device).
+// for a peer's kernel spinning on this rank (see Group::cuda_shared_device); device memory comes
+// from the rank's own pool (one shared pool may make a rank's stream wait for a peer's stream to
+// reuse a block the peer freed; EPX_TEST_SHARED_POOL=1 uses the device's default pool instead).
 int run_cuda_ranks_one_gpu(int num_ranks, int device,
                            const std::function<int(const Group&)>& body,
                            GroupOptions options = {});

@@ -331,8 +331,14 @@ int run_cases(const Group& g, const std::vector<HtCase>& cases) {
   Buffer buf(g, shape_for(c0.hidden, c0.top_k, c0.num_experts, max_tokens));
   int64_t bad = 0;
   bool cpu_once = true;
-  for (const auto& c : cases) {
-    bad += run_case(g, buf, c, cpu_once);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    try {
+      bad += run_case(g, buf, cases[i], cpu_once);
+    } catch (const std::exception& e) {  // which case (the message names the op and the wait)
+      std::fprintf(stderr, "[rank %d] case %zu of %zu (%s): %s\n", g.rank(), i + 1, cases.size(),
+                   cases[i].describe().c_str(), e.what());
+      throw;
+    }
     cpu_once = false;
   }
   return bad ? 1 : 0;
