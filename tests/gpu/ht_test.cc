@@ -13,7 +13,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -67,6 +69,20 @@ const CopyPath kCopyPaths[] = {
 
 // The copy path's zero_copy, for the dispatches of the tests below (rank processes: per rank).
 bool g_zero_copy = false;
+
+// EPX_TEST_TRACE=1: each rank prints when it enters each step of run_case (ms since the first
+// stamp of the process), to see which rank was where when a one-GPU run times out.
+void stamp(const Group& g, const char* step) {
+  static const bool on = [] {
+    const char* v = std::getenv("EPX_TEST_TRACE");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  if (!on) return;
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "[trace %9.1f ms] rank %d: %s\n", ms, g.rank(), step);
+}
 
 // Runs body() under each copy path (in the rank process); returns the failures summed.
 int for_each_copy_path(const std::function<int()>& body) {
@@ -201,6 +217,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   int64_t bad = 0;
 
   // Layout (local).
+  stamp(g, "layout");
   HtLayout lay = buf.ht_layout(d.topk, gpu_testing::rank_stream(), alloc);
   bad += compare("num_tokens_per_rank", ctx, r, lay.num_tokens_per_rank, w.num_tokens_per_rank);
   bad +=
@@ -208,6 +225,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   bad += compare("is_token_in_rank", ctx, r, lay.is_token_in_rank, w.is_token_in_rank);
 
   // Exact dispatch.
+  stamp(g, "exact dispatch");
   HtDispatchResult res = buf.ht_dispatch(d.args(c), alloc);
   if (res.recv_x.shape[0] != w.num_recv) {
     std::fprintf(stderr, "[rank %d] %s: N = %lld, expected %lld\n", r, ctx.c_str(),
@@ -228,6 +246,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
       compare("handle.is_token_in_rank", ctx, r, res.handle.is_token_in_rank, w.is_token_in_rank);
 
   // Cached dispatch of new x (same routing).
+  stamp(g, "cached dispatch");
   {
     const auto in2 = make_ht_inputs(c, /*salt=*/1);
     const auto want2 = expected_ht_dispatch(c, in2);
@@ -245,6 +264,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   }
 
   // Combine.
+  stamp(g, "combine inputs");
   HtCombineArgs ca;
   const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv, c.hidden}, dev);
   const Tensor yw = to_device(yin[r].weights, DType::kF32, {w.num_recv, c.top_k}, dev);
@@ -257,12 +277,15 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
     ca.bias0 = b0 = to_device(yin[r].bias0, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
   if (!yin[r].bias1.empty())
     ca.bias1 = b1 = to_device(yin[r].bias1, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
+  stamp(g, "combine launch");
   HtCombineResult cr = buf.ht_combine(ca, alloc);
+  stamp(g, "combine returned");
   bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
   bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
   buf.check();
 
   // Zero-copy combine: y written into ht_combine_buffer, the peers read it from there.
+  stamp(g, "zero-copy combine");
   {
     const TensorView view = buf.ht_combine_buffer(res.handle);
     if (view.shape[0] != w.num_recv || view.shape[1] != c.hidden) {
@@ -414,20 +437,25 @@ class HtOneGpu : public ::testing::TestWithParam<int> {};
 TEST_P(HtOneGpu, MatchesReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(R, 0, [R](const Group& g) {
-    std::vector<int64_t> tokens(R), odd(R);
-    for (int r = 0; r < R; ++r) {
-      tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;  // one rank sends nothing
-      odd[r] = 11 * r + 5;
-    }
-    int bad = 0;
-    bad += run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9000 + R));
-    bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 9100 + R));  // 8-byte rows
-    auto big = routing_cases(R, 7168, 8, 8 * R, tokens, 9200 + R);
-    big.resize(2);
-    bad += run_cases(g, big);
-    return bad;
-  });
+  GroupOptions options;  // EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default SMs / R), an A/B
+  if (const char* v = std::getenv("EPX_TEST_ONE_GPU_SMS")) options.num_sms = std::atoi(v);
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
+      R, 0,
+      [R](const Group& g) {
+        std::vector<int64_t> tokens(R), odd(R);
+        for (int r = 0; r < R; ++r) {
+          tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;  // one rank sends nothing
+          odd[r] = 11 * r + 5;
+        }
+        int bad = 0;
+        bad += run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9000 + R));
+        bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 9100 + R));  // 8-byte rows
+        auto big = routing_cases(R, 7168, 8, 8 * R, tokens, 9200 + R);
+        big.resize(2);
+        bad += run_cases(g, big);
+        return bad;
+      },
+      options);
   EXPECT_EQ(rc, 0);
 }
 
@@ -954,6 +982,7 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
         ca.handle = &res.handle;
         HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
         bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
+        stamp(g, "combine compared");
         bad +=
             compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
         buf.check();
