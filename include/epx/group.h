@@ -70,8 +70,9 @@ class Group {
   //   * every rank's kernels must be co-resident (device-side waits spin on peers' writes):
   //     options.num_sms = 0 resolves to SMs / size, and size * max(2, num_sms) > SMs throws
   //     InvalidArgument (e.g. 132-SM H200: num_sms <= 16 at 8 ranks, <= 33 at 4);
-  //   * CUDA_DEVICE_MAX_CONNECTIONS >= min(32, 2 * size) (InvalidArgument otherwise), set before
-  //     CUDA initialises;
+  //   * CUDA_DEVICE_MAX_CONNECTIONS >= min(32, 2 * size) and CUDA_MODULE_LOADING=EAGER
+  //     (InvalidArgument otherwise), set before CUDA initialises: a lazily loaded kernel's first
+  //     launch waits for the kernels already running, i.e. for peers spinning on this rank;
   //   * each rank enqueues on its own non-blocking stream, and no rank may make a device-wide
   //     synchronising call (cudaDeviceSynchronize, cudaFree, legacy-stream copies) while a peer
   //     may already have launched an op that waits for this rank: such a call waits for the

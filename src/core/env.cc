@@ -38,6 +38,11 @@ int env_pdl() {
   return env_long("EPX_PDL", 0) == 1 ? 1 : 0;
 }
 
+std::string env_cuda_module_loading() {
+  const char* v = std::getenv("CUDA_MODULE_LOADING");
+  return v ? std::string(v) : std::string();
+}
+
 int env_cuda_device_max_connections() {
   return static_cast<int>(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8));
 }

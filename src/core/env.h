@@ -21,6 +21,7 @@ std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
+std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when unset: LAZY)
 int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
 int env_pdl();         // EPX_PDL: -1 unset or empty, 1 when "1", 0 for any other value
 

@@ -91,6 +91,14 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
                 " but ", size, " ranks on one GPU need at least ", needed,
                 " hardware queues (a rank's kernel queued behind a peer's spinning kernel would "
                 "wait for it): set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA initialises");
+  // Lazy loading (CUDA's default) loads a kernel at its first launch, and that load waits for
+  // the kernels already running on the device: a peer's kernel spinning on this rank's next
+  // kernel then holds the load (and the launch) until the peer times out. Seen as the one-GPU
+  // R = 2 ht test's timeouts (docs/perf.md, ninth session).
+  EPX_CHECK_ARG(env_cuda_module_loading() == "EAGER", what, ": CUDA_MODULE_LOADING is '",
+                env_cuda_module_loading(), "' but ranks sharing one GPU need 'EAGER' (a lazily ",
+                "loaded kernel's first launch waits for the peers' running kernels, which wait "
+                "for it): set CUDA_MODULE_LOADING=EAGER before CUDA initialises");
   ThreadMemory memory;
   memory.backend = Backend::kCuda;
   memory.device = Device::cuda(cuda_device);

@@ -90,6 +90,7 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
       1,
       [&](int) {
         setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);  // before CUDA starts in this child
+        setenv("CUDA_MODULE_LOADING", "EAGER", 1);       // (Group::cuda_shared_device)
         std::vector<int> rcs(num_ranks, 1);
         std::mutex mu;
         std::vector<std::thread> threads;
