@@ -66,39 +66,40 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
                                                              int cuda_device,
                                                              GroupOptions* options) {
   const char* what = "Group::cuda_shared_device";
-  int num_devices = 0;
-  EPX_CUDA_CHECK(cudaGetDeviceCount(&num_devices), what);
-  EPX_CHECK_ARG(cuda_device >= 0 && cuda_device < num_devices, what, ": argument 'cuda_device' is ",
-                cuda_device, ", expected 0..", num_devices - 1, " (", num_devices,
-                " GPUs visible)");
   EPX_CHECK_ARG(size >= 1 && size <= kMaxRanks, what, ": argument 'size' is ", size,
                 ", expected 1..", kMaxRanks);
-  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);  // binds this thread's device
-  int sms = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device), what);
-  if (options->num_sms <= 0) options->num_sms = std::max(1, sms / size);
-  const int ctas = std::max(2, options->num_sms);
-  EPX_CHECK_ARG(static_cast<int64_t>(size) * ctas <= sms, what, ": ", size,
-                " ranks x up to ", ctas, " CTAs per launch (GroupOptions::num_sms = ",
-                options->num_sms, ", ht launches at least 2) = ", size * ctas,
-                " CTAs exceed the ", sms, " SMs of cuda:", cuda_device,
-                "; all ranks' kernels must be co-resident for their flag waits to progress: set "
-                "num_sms <= ",
-                sms / size, " (or leave it 0 for SMs / ranks)");
+  // The environment first (no CUDA call before these: they must hold when CUDA initialises).
   const int connections = env_cuda_device_max_connections();
   const int needed = std::min(32, 2 * size);
   EPX_CHECK_ARG(connections >= needed, what, ": CUDA_DEVICE_MAX_CONNECTIONS is ", connections,
                 " but ", size, " ranks on one GPU need at least ", needed,
                 " hardware queues (a rank's kernel queued behind a peer's spinning kernel would "
                 "wait for it): set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA initialises");
-  // Lazy loading (CUDA's default) loads a kernel at its first launch, and that load waits for
-  // the kernels already running on the device: a peer's kernel spinning on this rank's next
-  // kernel then holds the load (and the launch) until the peer times out. Seen as the one-GPU
-  // R = 2 ht test's timeouts (docs/perf.md, ninth session).
+  // Lazy loading (CUDA's default) loads a kernel at its first use, and a load may wait for the
+  // kernels already running on the device: a peer's kernel spinning on this rank's next kernel
+  // then holds that kernel back until the peer times out. Seen as the one-GPU R = 2 ht test's
+  // timeouts, cured by EAGER (docs/perf.md, ninth session, item 4).
   EPX_CHECK_ARG(env_cuda_module_loading() == "EAGER", what, ": CUDA_MODULE_LOADING is '",
                 env_cuda_module_loading(), "' but ranks sharing one GPU need 'EAGER' (a lazily ",
                 "loaded kernel's first launch waits for the peers' running kernels, which wait "
                 "for it): set CUDA_MODULE_LOADING=EAGER before CUDA initialises");
+  int num_devices = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&num_devices), what);
+  EPX_CHECK_ARG(cuda_device >= 0 && cuda_device < num_devices, what, ": argument 'cuda_device' is ",
+                cuda_device, ", expected 0..", num_devices - 1, " (", num_devices,
+                " GPUs visible)");
+  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);  // binds this thread's device
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device), what);
+  if (options->num_sms <= 0) options->num_sms = std::max(1, sms / size);
+  const int ctas = std::max(2, options->num_sms);
+  EPX_CHECK_ARG(static_cast<int64_t>(size) * ctas <= sms, what, ": ", size, " ranks x up to ", ctas,
+                " CTAs per launch (GroupOptions::num_sms = ", options->num_sms,
+                ", ht launches at least 2) = ", size * ctas, " CTAs exceed the ", sms,
+                " SMs of cuda:", cuda_device,
+                "; all ranks' kernels must be co-resident for their flag waits to progress: set "
+                "num_sms <= ",
+                sms / size, " (or leave it 0 for SMs / ranks)");
   ThreadMemory memory;
   memory.backend = Backend::kCuda;
   memory.device = Device::cuda(cuda_device);

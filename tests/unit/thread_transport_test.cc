@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -87,6 +88,64 @@ TEST(ThreadTransport, MissingRankTimesOutNamingIt) {
   EXPECT_NE(error.find("Group::cuda_shared_device (join)"), std::string::npos) << error;
   EXPECT_NE(error.find("[2]"), std::string::npos) << error;  // rank 2 never came
 }
+
+#ifdef EPX_WITH_CUDA
+// The environment the one-GPU mode needs is checked before any CUDA call (so also without a GPU):
+// enough hardware queues, and eager kernel loading (a lazily loaded kernel's first launch may
+// wait for a peer's spinning kernel: docs/perf.md, ninth session). Restores the variables.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+std::string shared_device_error(ErrorCode* code) {
+  try {
+    Group::cuda_shared_device(0, 2, testing::unique_group_name("env"), 0);
+  } catch (const Error& e) {
+    *code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ThreadTransport, CudaSharedDeviceNeedsEagerLoading) {
+  ScopedEnv connections("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+  for (const char* mode : {"LAZY", ""}) {
+    ScopedEnv loading("CUDA_MODULE_LOADING", mode);
+    ErrorCode code = ErrorCode::kInternal;
+    const std::string error = shared_device_error(&code);
+    EXPECT_EQ(code, ErrorCode::kInvalidArgument) << error;
+    EXPECT_NE(error.find("CUDA_MODULE_LOADING is '" + std::string(mode) + "'"), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("set CUDA_MODULE_LOADING=EAGER"), std::string::npos) << error;
+  }
+}
+
+TEST(ThreadTransport, CudaSharedDeviceNeedsHardwareQueues) {
+  ScopedEnv connections("CUDA_DEVICE_MAX_CONNECTIONS", "2");
+  ScopedEnv loading("CUDA_MODULE_LOADING", "EAGER");
+  ErrorCode code = ErrorCode::kInternal;
+  const std::string error = shared_device_error(&code);  // 2 ranks need min(32, 4) queues
+  EXPECT_EQ(code, ErrorCode::kInvalidArgument) << error;
+  EXPECT_NE(error.find("CUDA_DEVICE_MAX_CONNECTIONS is 2"), std::string::npos) << error;
+  EXPECT_NE(error.find("need at least 4"), std::string::npos) << error;
+}
+#endif
 
 #ifndef EPX_WITH_CUDA
 TEST(ThreadTransport, CudaSharedDeviceIsUnsupportedWithoutCuda) {
