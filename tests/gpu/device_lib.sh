@@ -106,3 +106,30 @@ epx_batch_bench() {
   grep -iE "error|fail" "$OUT/$name.err" | head -5
   [ -s "$OUT/$name.err" ] || rm -f "$OUT/$name.err"
 }
+
+# epx_batch_epx_bench_ht_copies TIMEOUT_S: epx-bench ht (eager, no --check) from $B under the
+# default copy path and under EPX_HT_COPY=warp; logs $OUT/eb_{default,warp}.log, prints the rows.
+epx_batch_epx_bench_ht_copies() {
+  local c
+  for c in default warp; do
+    echo "-- epx-bench ht, EPX_HT_COPY=$c"
+    if [ "$c" = default ]; then
+      timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+    else
+      EPX_HT_COPY=$c timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
+    fi
+    echo "rc=$?"
+    grep -E "^ht\\." "$OUT/eb_$c.log" | cut -c1-120
+  done
+}
+
+# epx_batch_kept_runs_ab: the ce:kept run limit (ht_kept_copies_pay) against none, warp beside
+# them: epx_ht_gpu_bench --topk 1 (rank 0 keeps ~T/4 runs at EP2), T = 4096, 16 SMs.
+epx_batch_kept_runs_ab() {
+  local k rows="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
+  for k in -1 1000000; do
+    echo "-- --topk 1, --kept-runs $k"
+    epx_batch_bench top1_$k 90 "$rows" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
+      --topk 1 --copy ce:kept,warp --kept-runs $k
+  done
+}

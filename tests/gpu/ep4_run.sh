@@ -65,22 +65,8 @@ case ${1:-} in
     # On 2 of the GPUs: epx-bench's eager ht rows under the default copy path and warp (the
     # zero-copy dispatch's host cost, kept_runs_run.sh (4)), then the kept-run limit (2).
     export CUDA_VISIBLE_DEVICES=0,1
-    for c in default warp; do
-      echo "-- EP2 epx-bench ht, EPX_HT_COPY=$c"
-      if [ "$c" = default ]; then
-        timeout 100 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-      else
-        EPX_HT_COPY=$c timeout 100 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-      fi
-      echo "rc=$?"
-      grep -E "^ht\." "$OUT/eb_$c.log" | cut -c1-120
-    done
-    KROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
-    for k in -1 1000000; do
-      echo "-- EP2 --topk 1, --kept-runs $k"
-      epx_batch_bench top1_$k 90 "$KROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
-        --topk 1 --copy ce:kept,warp --kept-runs $k
-    done
+    epx_batch_epx_bench_ht_copies 100
+    epx_batch_kept_runs_ab
     ;;
   *)
     echo "usage: bash tests/gpu/ep4_run.sh tests|main|bench" >&2

@@ -16,28 +16,14 @@ EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start gpu_ht_test epx_ht_gpu_be
   epx_ll_gpu_bench epx-bench || exit 1
 epx_batch_tests gpu_ht_test 240 \
   'HtGpu.TwoRanksMatchReference:HtGpu.DrawnSenderBatchesTwoRanks:HtKeptCopies.*'
-ROWS="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
-for k in -1 1000000; do
-  echo "-- --topk 1, --kept-runs $k"
-  epx_batch_bench top1_$k 90 "$ROWS" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
-    --topk 1 --copy ce:kept,warp --kept-runs $k
-done
+epx_batch_kept_runs_ab
 # (4) Why epx-bench's eager zero-copy dispatch rows sit ~50 us above epx_ht_gpu_bench's: the ht
 # bench's host time per zero-copy call at the standard workload, then epx-bench ht without
 # --check, under the default copy path and under warp.
 echo "-- standard workload, host time per call"
 epx_batch_bench std 90 "runs|host us|\(cached, zero-copy\) |zero-copy, graph\)" epx_ht_gpu_bench \
   --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
-for c in default warp; do
-  echo "-- epx-bench ht, EPX_HT_COPY=$c"
-  if [ "$c" = default ]; then
-    timeout 120 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-  else
-    EPX_HT_COPY=$c timeout 120 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-  fi
-  echo "rc=$?"
-  grep -E "^ht\." "$OUT/eb_$c.log" | cut -c1-120
-done
+epx_batch_epx_bench_ht_copies 120
 for v in 0 default 0 default; do
   echo "-- ll, EPX_PDL=$v"
   if [ "$v" = default ]; then
