@@ -10,6 +10,7 @@
 //                    one-GPU test mode): 1 ht and ll, unset: ll only (the measured default),
 //                    any other value: none
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
+//   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
 #pragma once
 
 #include <chrono>

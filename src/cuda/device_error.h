@@ -23,7 +23,8 @@ enum DeviceOp : uint32_t {
 
 enum DeviceErrorCode : uint32_t {
   kDevErrNone = 0,
-  kDevErrTimeout = 1,        // a = what was awaited (DeviceWait), b = value seen
+  kDevErrTimeout = 1,        // a = what was awaited (DeviceWait), b = wanted << 32 | seen
+                             // (flag waits; the parity for kWaitBulkCopy)
   kDevErrBadExpert = 2,      // a = token index * 64 + k, b = expert id seen
   kDevErrOutOfCapacity = 3,  // a = rows needed (N), b = rows available (num_worst_tokens)
 };

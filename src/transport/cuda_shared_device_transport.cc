@@ -20,6 +20,7 @@
 // Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8) share a queue, and a
 // rank's kernel queued behind a peer's spinning kernel would wait for it: we require at least
 // min(32, 2R) connections (the one-GPU test harness sets 32 before CUDA starts).
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -89,6 +90,27 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
                 cuda_device, ", expected 0..", num_devices - 1, " (", num_devices,
                 " GPUs visible)");
   EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);  // binds this thread's device
+  // The mode CUDA actually runs in (the variable counts only if set before CUDA initialised, e.g.
+  // not when set after torch started): the driver's cuModuleGetLoadingMode, found through the
+  // runtime (epx does not link the driver library). Where it cannot be asked, the variable's
+  // check above stands.
+  using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr ||
+      reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS) {
+    (void)cudaGetLastError();  // a failed query is not an error of ours
+    mode = CU_MODULE_EAGER_LOADING;
+  }
+  EPX_CHECK_ARG(mode == CU_MODULE_EAGER_LOADING, what,
+                ": CUDA runs with lazy kernel loading although CUDA_MODULE_LOADING is '",
+                env_cuda_module_loading(),
+                "' (set after CUDA initialised?); ranks sharing one GPU ",
+                "need eager loading: set CUDA_MODULE_LOADING=EAGER before the process's first CUDA "
+                "call");
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device), what);
   if (options->num_sms <= 0) options->num_sms = std::max(1, sms / size);

@@ -4,7 +4,8 @@
 //     that a2a moves over NVLink (dispatch: rows of tokens going to a peer, every payload;
 //     combine: the same tokens' hidden rows coming back), into the peer's symmetric memory;
 //     timed with 64 and with all SMs, the faster counts;
-//   * NCCL: grouped ncclSend/ncclRecv of the same remote bytes per peer (dispatch, then combine).
+//   * NCCL: grouped ncclSend/ncclRecv of the same remote bytes, split over the R - 1 peers
+//     (dispatch, then combine).
 // Workloads: EP R (default 2), H = 7168, K = 8, E = 256, uniform routing, T per rank in
 // {1, 128, 2048, 4096}, payloads bf16 [x bf16 [T, H], ids i32 [T, K], weights f32 [T, K]] and
 // nvfp4 [x u8 [T, H/2], scales u8 [T, H/16], ids, weights]; combine bf16 [R, T, H] written by the

@@ -1,5 +1,5 @@
 // GPU tier: the a2a rank mask (A2a::set_active_ranks) on the cuda backend vs the mask-aware oracle
-// (tests/support/oracle_a2a.h), R = 1 and 2 forked ranks, one GPU each; skipped with the reason
+// (tests/support/oracle_a2a.h), R = 1, 2, 4, 8 forked ranks, one GPU each; skipped with the reason
 // when the GPUs are missing. Mirrors tests/unit/a2a_mask_test.cc:
 //   - a random mask with this rank active (R = 2: all, or each rank alone), outputs and the
 //     device drop counters exact, reset_dropped_counts;

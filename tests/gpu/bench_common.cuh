@@ -2,7 +2,8 @@
 // median, and the two baselines measured in the same run as epx:
 //   * time_push: the NVLink ceiling, an SM-driven push (16-byte stores, all ranks at once) of
 //     `bytes` into the next rank's symmetric memory;
-//   * time_nccl: grouped ncclSend/ncclRecv of `bytes` to and from every peer. Ranks move
+//   * time_nccl: grouped ncclSend/ncclRecv of a rank's `bytes` of remote traffic, split evenly
+//     over its R - 1 peers (to and from each). Ranks move
 //     different byte counts under random routing; NCCL's point-to-point needs matching counts
 //     (a rank with 0 bytes skips its calls and its peer waits forever), so every rank first
 //     agrees on the largest count (one ncclAllReduce) and all move that.

@@ -78,7 +78,7 @@ Problem make_problem(int R, uint64_t seed, int num_calls = kCalls, bool graph = 
     for (int r = 0; r < R; ++r) {
       RankCall rc;
       if (graph)
-        rc.T = kTMax - 7 * r;
+        rc.T = kTMax - (7 * r) % kTMax;  // R <= 4 as before; never negative
       else
         rc.T = (c + r) % 4 == 3 ? 0 : static_cast<int64_t>(1 + rng() % kTMax);
       rc.x = make_x(rc.T, kH, rng);

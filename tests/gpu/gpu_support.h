@@ -65,8 +65,9 @@ cudaStream_t rank_stream();
 int device_of(const Group& group);
 // `own` when this thread has no rank stream; else rank_stream() (bodies shared by both modes).
 inline cudaStream_t stream_or(cudaStream_t own) { return rank_stream() ? rank_stream() : own; }
-// default_allocator(), except under run_cuda_ranks_one_gpu: stream-ordered cudaMallocAsync /
-// cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise the device).
+// default_allocator(), except under run_cuda_ranks_one_gpu: stream-ordered allocations from the
+// rank's own pool / cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise
+// the device).
 Allocator device_allocator();
 
 // `bytes` of pageable host memory to `dst` on `stream`, synchronously: the stream is drained

@@ -613,8 +613,11 @@ int run_rank(const Group& g, const Options& o) {
   BufferConfig config;
   config.enable_ht = false;
   config.enable_ll = true;
-  // Scratch for the baselines: the largest transfer (dispatch + combine bytes of every token).
-  const size_t max_bytes = static_cast<size_t>(max_t) * (kHidden + 256 + kTopK * kHidden * 2) + 16;
+  // Scratch for the baselines: the largest transfer (dispatch + combine bytes of every token):
+  // a token's fp8 row goes to each of up to min(K, R - 1) peers, its K combine rows come back.
+  const int fanout = std::max(1, std::min(kTopK, g.size() - 1));
+  const size_t max_bytes =
+      static_cast<size_t>(max_t) * (fanout * (kHidden + 256) + kTopK * kHidden * 2) + 16;
   std::shared_ptr<detail::SymmetricMemory> scratch = g.transport()->allocate(max_bytes);
   void *src = nullptr, *nccl_send = nullptr, *nccl_recv = nullptr;
   CK(cudaMalloc(&src, max_bytes));

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/onegpu_eager_run.sh — one bounded batch (< 3 min, 1 GPU is enough): the one-GPU
-# multi-rank ht test that timed out in 5 of 8, 6 of 12 and 3 of 3 runs (docs/perf.md, ninth
+# multi-rank ht test that timed out in 4 of 8, 5 of 12 and 3 of 3 runs (docs/perf.md, ninth
 # session; lazy kernel loading), 10 times now that the one-GPU mode loads kernels eagerly
 # (CUDA_MODULE_LOADING=EAGER, set by run_cuda_ranks_one_gpu, required by
 # Group::cuda_shared_device); then every one-GPU multi-rank test once.

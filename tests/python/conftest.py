@@ -1,4 +1,4 @@
-"""pytest set-up for epx: the `gpu` marker, rank pools (R in {1, 2, 4}) shared by the session.
+"""pytest set-up for epx: the `gpu` marker, rank pools (R in {1, 2, 4, 8}) shared by the session.
 
 CPU tier: ranks are spawned processes joined by gloo; epx runs its cpu backend. GPU tier (marker
 `gpu`): ranks joined by NCCL, one GPU each; skipped with a reason where there is no GPU or epx was
@@ -47,9 +47,9 @@ def get_pool(world_size, backend="gloo"):
     return _POOLS[key]
 
 
-@pytest.fixture(params=[1, 2, 4], ids=lambda r: f"R{r}")
+@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
 def pool(request):
-    """A CPU rank pool of R = 1, 2 and 4 ranks."""
+    """A CPU rank pool of R = 1, 2, 4 and 8 ranks."""
     return get_pool(request.param)
 
 

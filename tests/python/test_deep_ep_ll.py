@@ -147,7 +147,7 @@ def body_ll_hook_zero_copy_out(ctx, seed):
     L = E // R
     T_max = 16
     buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
-    a = _inputs(seed, R, E, lambda s: 5 + 2 * s)
+    a = _inputs(seed, R, E, lambda s: min(T_max, 5 + 2 * s))
     b = _inputs(seed + 1, R, E, lambda s: T_max - s)
     ad = {k: v.to(dev) for k, v in a[r].items()}
     bd = {k: v.to(dev) for k, v in b[r].items()}
@@ -269,7 +269,7 @@ def body_ll_staggered_destroy(ctx, seed):
         if r == 0:
             del old
         buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
-        inputs = _inputs(seed + round_, R, E, lambda src: 3 + src)
+        inputs = _inputs(seed + round_, R, E, lambda src: 3 + src % 6)
         mine = inputs[r]
         res = buf.low_latency_dispatch(mine["x"].to(dev), mine["topk_idx"].to(dev), T_max, E,
                                        use_fp8=False)

@@ -28,7 +28,7 @@ from conftest import get_pool, gpu_skip_reason
 
 H = 640  # 5 fp8 groups: UE8M0 scales need two int32 words; 40 NVFP4 blocks
 K = 3
-E = 8  # a multiple of R = 1, 2, 4
+E = 8  # a multiple of R = 1, 2, 4, 8
 T_MAX = 12
 GSCALE = 448.0 * 6.0 / 12.0  # NVFP4 global scale for inputs of amax <= ~12 (3 * N(0, 1))
 QUANTS = ("bf16", "fp8", "fp8_ue8m0")
@@ -246,7 +246,7 @@ def _sequence(R):
     """(forward mode, tokens of rank s) per call: prefill batches near T_MAX, decode batches
     small, one decode batch with T = 0 on the last rank."""
     return [("extend", lambda s: T_MAX - s), ("decode", lambda s: 2 + s),
-            ("decode", lambda s: 1 + s % 2), ("extend", lambda s: 7 + s),
+            ("decode", lambda s: 1 + s % 2), ("extend", lambda s: min(T_MAX, 7 + s)),
             ("decode", lambda s: 0 if s == R - 1 else 3), ("extend", lambda s: T_MAX)]
 
 
@@ -314,7 +314,7 @@ def body_auto(ctx, seed, quant, check_load=True):
 def body_ht(ctx, seed, quant, num_worst_tokens=0, check_load=True, zero_copy=False):
     R, r = ctx.world_size, ctx.rank
     L = E // R
-    inputs = _inputs(seed, R, lambda s: T_MAX - 2 * s)
+    inputs = _inputs(seed, R, lambda s: max(0, T_MAX - 2 * s))
     d = _dispatcher(ctx, mode="normal", quant=quant, num_worst_tokens=num_worst_tokens,
                     ht_zero_copy=zero_copy)
     x, idx, w = _to(inputs[r], ctx.device)
