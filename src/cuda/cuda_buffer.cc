@@ -303,7 +303,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
                  "Buffer");
   *error_host_ = DeviceErrorRecord{};
   const size_t result_bytes =
-      sizeof(HtHostResult) + 4 * static_cast<size_t>(region_.num_local_experts);
+      sizeof(HtHostResult) + 4 * ht_host_result_words(region_.num_local_experts, R);
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&result_host_), result_bytes,
                                cudaHostAllocMapped | cudaHostAllocPortable),
                  "Buffer");

@@ -38,7 +38,20 @@ struct HtCopyPlan {
   };
   std::vector<std::vector<Run>> runs;       // [R]
   std::vector<int32_t> rank_prefix_matrix;  // [R * R], as the handle's tensor
+  // Runs of the rows this rank keeps (ht_kept_copies_pay decides on it), and whether runs[d] is
+  // known for every d (plain "ce" needs that) or only for this rank (ce:kept from the count
+  // exchange's mapped result: runs[rank] listed when kept_runs <= kHtHostKeptRuns, else empty).
+  size_t kept_runs = 0;
+  bool full = true;
 };
+
+// send_pos [T, R] and the prefix matrix (host copies) -> the full plan (src/cuda/ht.cu).
+std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos, int64_t T, int R,
+                                           int me, std::vector<int32_t> rpm);
+// The ce:kept plan from the count exchange's mapped-host words after the per-expert counts
+// (HtHostResult): the prefix matrix [R * R], the kept runs' and ends' counts, then up to
+// kHtHostKeptRuns starts and as many ends, each in any order (src/cuda/ht.cu).
+std::shared_ptr<HtCopyPlan> make_kept_plan(const volatile int32_t* words, int64_t T, int R, int me);
 
 class CudaBuffer final : public BufferImpl {
  public:

@@ -14,6 +14,7 @@
 // Every launch is on the caller's stream; nothing else synchronises the device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -52,29 +53,6 @@ HtEngineSyncParams engine_sync_params(int R, int me, const HtSymm& symm, const W
   sp.symm = symm;
   sp.wait = wait;
   return sp;
-}
-
-// send_pos [T, R] and rank_prefix_matrix [R, R] (host copies) -> runs of consecutive tokens.
-std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos, int64_t T, int R,
-                                           int me, std::vector<int32_t> rpm) {
-  auto plan = std::make_shared<HtCopyPlan>();
-  plan->runs.resize(R);
-  for (int d = 0; d < R; ++d) {
-    const int32_t excl = prefix_before(rpm.data(), R, me, d);
-    auto& v = plan->runs[d];
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t pos = send_pos[static_cast<size_t>(t) * R + d];
-      if (pos < 0) continue;
-      const int32_t j = pos - excl, tt = static_cast<int32_t>(t);
-      if (!v.empty() && v.back().t0 + v.back().n == tt && v.back().j0 + v.back().n == j) {
-        ++v.back().n;
-      } else {
-        v.push_back({tt, j, 1});
-      }
-    }
-  }
-  plan->rank_prefix_matrix = std::move(rpm);
-  return plan;
 }
 
 // Copies issued together: blocks of `height` rows of `width` bytes, rows `spitch` / `dpitch`
@@ -134,6 +112,64 @@ struct JoinOnUnwind {
 };
 
 }  // namespace
+
+// send_pos [T, R] and rank_prefix_matrix [R, R] (host copies) -> runs of consecutive tokens.
+std::shared_ptr<HtCopyPlan> make_copy_plan(const std::vector<int32_t>& send_pos, int64_t T, int R,
+                                           int me, std::vector<int32_t> rpm) {
+  auto plan = std::make_shared<HtCopyPlan>();
+  plan->runs.resize(R);
+  for (int d = 0; d < R; ++d) {
+    const int32_t excl = prefix_before(rpm.data(), R, me, d);
+    auto& v = plan->runs[d];
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t pos = send_pos[static_cast<size_t>(t) * R + d];
+      if (pos < 0) continue;
+      const int32_t j = pos - excl, tt = static_cast<int32_t>(t);
+      if (!v.empty() && v.back().t0 + v.back().n == tt && v.back().j0 + v.back().n == j) {
+        ++v.back().n;
+      } else {
+        v.push_back({tt, j, 1});
+      }
+    }
+  }
+  plan->rank_prefix_matrix = std::move(rpm);
+  plan->kept_runs = plan->runs[me].size();
+  return plan;
+}
+
+// The ce:kept plan from the count exchange's mapped-host result (HtHostResult; no copy of
+// send_pos, no stream synchronisation): the prefix matrix, and this rank's kept runs — listed
+// when there are at most kHtHostKeptRuns, the only case in which the copy engines take them (else
+// the kernel places the kept rows, ht_kept_copies_pay). `words` follows the per-expert counts.
+static_assert(kHtHostKeptRuns >= static_cast<int>(kHtKeptCopyMaxRuns),
+              "the count exchange lists every kept run the copy engines may take");
+
+std::shared_ptr<HtCopyPlan> make_kept_plan(const volatile int32_t* words, int64_t T, int R,
+                                           int me) {
+  auto plan = std::make_shared<HtCopyPlan>();
+  plan->runs.resize(R);
+  plan->full = false;
+  plan->rank_prefix_matrix.resize(static_cast<size_t>(R) * R);
+  for (size_t i = 0; i < plan->rank_prefix_matrix.size(); ++i)
+    plan->rank_prefix_matrix[i] = words[i];
+  const volatile int32_t* runs = words + R * R;
+  const int num_starts = runs[0], num_ends = runs[1];
+  plan->kept_runs = static_cast<size_t>(num_starts);
+  if (num_starts > kHtHostKeptRuns) return plan;
+  std::vector<int32_t> starts(num_starts), ends(num_ends);
+  for (int i = 0; i < num_starts; ++i) starts[i] = runs[2 + i];
+  for (int i = 0; i < num_ends; ++i) ends[i] = runs[2 + kHtHostKeptRuns + i];
+  std::sort(starts.begin(), starts.end());
+  std::sort(ends.begin(), ends.end());
+  ends.push_back(static_cast<int32_t>(T));  // a run reaching T has no end listed
+  int32_t j = 0;
+  for (int i = 0; i < num_starts; ++i) {
+    const int32_t n = ends[i] - starts[i];
+    plan->runs[me].push_back({starts[i], j, n});
+    j += n;
+  }
+  return plan;
+}
 
 // Fills the parts every ht kernel shares.
 static HtSymm make_symm(const SymmetricMemory& mem, const HtRegion& region, int R) {
@@ -406,7 +442,13 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
         res.num_recv_tokens_per_expert[l] = per_expert[l];
       h.num_recv_tokens = num_rows;
       h.num_worst_tokens = 0;
-      if (copy.mode == HtCopyMode::kEngine) {
+      const volatile int32_t* plan_words = per_expert + region_.num_local_experts;
+      const int64_t kept_runs = plan_words[R * R];
+      if (copy.mode == HtCopyMode::kEngine && copy.engine_kept_only &&
+          !(ht_ablation() & kHtKeptPlanCopied) &&
+          (kept_runs <= kHtHostKeptRuns || !ht_kept_copies_pay(static_cast<size_t>(kept_runs)))) {
+        h.copy_plan = make_kept_plan(plan_words, T, R, me);  // ce:kept: all it needs, no sync
+      } else if (copy.mode == HtCopyMode::kEngine) {
         // The copy engines need the layout on the host: send_pos and the prefix matrix (the
         // count exchange finished: this waits only for the two small copies).
         std::vector<int32_t> sp(static_cast<size_t>(T) * R), rpm(static_cast<size_t>(R) * R);
@@ -428,10 +470,12 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // the kept rows ("ce" acts as "ce:kept"), and the kernel path for the rest (no bulk copies).
   const bool zero_copy = args.zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
-  const bool engine = engine_any && !copy.engine_kept_only && !zero_copy;
+  // (A plan from a ce:kept exact dispatch lists only the kept runs: plain "ce" then takes the
+  // kernel path; every rank made its handle under the same mode, so all decide alike.)
+  const bool engine = engine_any && !copy.engine_kept_only && !zero_copy && h.copy_plan->full;
   // (ce:kept: only while the kept rows form few runs, ht_kept_copies_pay; else the kernel.)
   const bool engine_kept = engine_any && (copy.engine_kept_only || zero_copy) &&
-                           ht_kept_copies_pay(h.copy_plan->runs[me].size());
+                           ht_kept_copies_pay(h.copy_plan->kept_runs);
 
   // Outputs. Zero-copy: recv_x views this rank's x area, where the peers store the rows; no
   // storage of its own (valid until the next ht op and while the buffer lives; Python's tensor

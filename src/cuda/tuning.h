@@ -35,6 +35,10 @@ enum HtAblate : int {
   // (warp gw: batches gw, gw + G, ...) instead of drawing them from a shared counter (the
   // eighth session's dynamic order) — its same-run A/B.
   kHtSendStatic = 2048,
+  // Not an ablation either: an exact-mode ce:kept dispatch builds its copy plan from host copies
+  // of send_pos and the prefix matrix after a stream synchronisation (the plan before the ninth
+  // session), not from the count exchange's mapped-host result — the same-run A/B.
+  kHtKeptPlanCopied = 4096,
 };
 
 struct HtTuning {

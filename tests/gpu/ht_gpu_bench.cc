@@ -264,6 +264,9 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
         // HtDispatchArgs::zero_copy: cached bf16 / fp8 event-timed and graph-replayed, exact.
         bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
+        // The exact rows again with the copy plan built from host copies of send_pos after a
+        // stream synchronisation (kHtKeptPlanCopied: the ninth session's A/B; ce:kept only).
+        bench::Timing exact_copied, zc_exact_copied;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -426,6 +429,14 @@ int run_rank(const Group& g, const Options& o) {
         }
         detail::set_ht_engine_share_override(100);
         ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+        {
+          HtDispatchArgs ze = a;
+          ze.zero_copy = true;
+          detail::set_ht_ablation(detail::kHtKeptPlanCopied);
+          ct.exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          detail::set_ht_ablation(0);
+        }
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();
         per_copy.push_back(ct);
@@ -530,6 +541,9 @@ int run_rank(const Group& g, const Options& o) {
           std::printf("  %-52s %10.1f\n", name("host us per cached zero-copy bf16 call").c_str(),
                       ct.host_zc16);
           row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, plan copied)").c_str(), ct.exact_copied, n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, plan copied)").c_str(), ct.zc_exact_copied,
+              n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);

@@ -13,16 +13,19 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "cuda/cuda_buffer.h"
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -53,6 +56,7 @@ const CopyPath kCopyPaths[] = {
     {"bulk:2x48:b7", 100, 0},
     {"ce", 100, 0},
     {"ce:kept", 100, 0},
+    {"ce:kept", 100, detail::kHtKeptPlanCopied},  // the plan from host copies of send_pos
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},
@@ -561,6 +565,91 @@ TEST(HtKeptCopies, OnlyForFewRuns) {
   EXPECT_TRUE(detail::ht_kept_copies_pay(detail::kHtKeptCopyMaxRuns));
   EXPECT_FALSE(detail::ht_kept_copies_pay(detail::kHtKeptCopyMaxRuns + 1));
   EXPECT_FALSE(detail::ht_kept_copies_pay(1400));  // EP8, T = 4096, K = 8: ~1400 runs per rank
+}
+
+// Host only (runs without a GPU): the ce:kept plan an exact dispatch now builds from the count
+// exchange's mapped words (make_kept_plan: the prefix matrix, then the kept runs' starts and ends
+// in any order, as the notify kernel's threads find them) equals the plan built, as before, from
+// host copies of send_pos (make_copy_plan) — where it lists runs (<= kHtHostKeptRuns of them).
+TEST(HtKeptPlan, FromExchangeWordsMatchesFromSendPos) {
+  std::mt19937_64 rng(2026);
+  int listed = 0, unlisted = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int R = 1 + trial % 4, me = static_cast<int>(rng() % R);
+    const int64_t T = trial % 9 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 3000);
+    // Kept tokens in about `target` runs (0..40 around the 32-run cut); other destinations random.
+    const int target = static_cast<int>(rng() % 41);
+    const double flip = T > 0 ? std::min(1.0, 2.0 * target / static_cast<double>(T)) : 0.0;
+    std::vector<std::vector<int>> goes(static_cast<size_t>(T), std::vector<int>(R, 0));
+    int kept = static_cast<int>(rng() % 2);
+    for (int64_t t = 0; t < T; ++t) {
+      if (std::uniform_real_distribution<double>(0, 1)(rng) < flip) kept ^= 1;
+      for (int d = 0; d < R; ++d) goes[t][d] = d == me ? kept : static_cast<int>(rng() % 2);
+    }
+    std::vector<int32_t> cnt(static_cast<size_t>(R) * R), rpm(static_cast<size_t>(R) * R);
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d) {
+        int32_t c = 0;
+        if (s == me) {
+          for (int64_t t = 0; t < T; ++t) c += goes[t][d];
+        } else {
+          c = static_cast<int32_t>(rng() % 500);
+        }
+        cnt[s * R + d] = c;
+        rpm[s * R + d] = c + (s > 0 ? rpm[(s - 1) * R + d] : 0);
+      }
+    std::vector<int32_t> send_pos(static_cast<size_t>(T) * R, -1);
+    for (int d = 0; d < R; ++d) {
+      int32_t pos = me > 0 ? rpm[(me - 1) * R + d] : 0;
+      for (int64_t t = 0; t < T; ++t)
+        if (goes[t][d]) send_pos[t * R + d] = pos++;
+    }
+    // The notify kernel's words: starts where kept(t) != kept(t - 1) turns on, ends where it turns
+    // off (t < T; kept(-1) = 0), each list shuffled, at most kHtHostKeptRuns entries listed.
+    std::vector<int32_t> starts, ends;
+    for (int64_t t = 0; t < T; ++t) {
+      const int prev = t > 0 ? goes[t - 1][me] : 0;
+      if (goes[t][me] && !prev) starts.push_back(static_cast<int32_t>(t));
+      if (!goes[t][me] && prev) ends.push_back(static_cast<int32_t>(t));
+    }
+    std::shuffle(starts.begin(), starts.end(), rng);
+    std::shuffle(ends.begin(), ends.end(), rng);
+    std::vector<int32_t> words(rpm);
+    words.push_back(static_cast<int32_t>(starts.size()));
+    words.push_back(static_cast<int32_t>(ends.size()));
+    words.resize(words.size() + 2 * detail::kHtHostKeptRuns, -7);
+    const size_t at = static_cast<size_t>(R) * R + 2;
+    const size_t cap = detail::kHtHostKeptRuns;
+    for (size_t i = 0; i < starts.size() && i < cap; ++i) words[at + i] = starts[i];
+    for (size_t i = 0; i < ends.size() && i < cap; ++i) words[at + cap + i] = ends[i];
+
+    const auto want = detail::make_copy_plan(send_pos, T, R, me, rpm);
+    const auto got = detail::make_kept_plan(words.data(), T, R, me);
+    const std::string ctx = "trial " + std::to_string(trial) + " R=" + std::to_string(R) +
+                            " me=" + std::to_string(me) + " T=" + std::to_string(T);
+    EXPECT_FALSE(got->full) << ctx;
+    EXPECT_EQ(got->rank_prefix_matrix, want->rank_prefix_matrix) << ctx;
+    EXPECT_EQ(got->kept_runs, want->runs[me].size()) << ctx;
+    EXPECT_EQ(want->kept_runs, want->runs[me].size()) << ctx;
+    ASSERT_EQ(got->runs.size(), static_cast<size_t>(R)) << ctx;
+    for (int d = 0; d < R; ++d)
+      if (d != me) EXPECT_TRUE(got->runs[d].empty()) << ctx;
+    if (want->runs[me].size() <= cap) {
+      ++listed;
+      ASSERT_EQ(got->runs[me].size(), want->runs[me].size()) << ctx;
+      for (size_t i = 0; i < want->runs[me].size(); ++i) {
+        EXPECT_EQ(got->runs[me][i].t0, want->runs[me][i].t0) << ctx << " run " << i;
+        EXPECT_EQ(got->runs[me][i].j0, want->runs[me][i].j0) << ctx << " run " << i;
+        EXPECT_EQ(got->runs[me][i].n, want->runs[me][i].n) << ctx << " run " << i;
+      }
+    } else {
+      ++unlisted;
+      EXPECT_TRUE(got->runs[me].empty()) << ctx;  // too many: the kernel places the kept rows
+      EXPECT_FALSE(detail::ht_kept_copies_pay(got->kept_runs)) << ctx;
+    }
+  }
+  EXPECT_GT(listed, 100);  // both sides of the cut were exercised
+  EXPECT_GT(unlisted, 10);
 }
 
 TEST(HtGpu, OneRankMatchesReference) {

@@ -174,7 +174,17 @@ struct HtHostResult {
   uint32_t ticket;  // written last: the host's ticket of the notify launch that wrote the rest
   int32_t num_recv_tokens;
   int32_t pad[2];
-  // int32 num_recv_tokens_per_expert[L] (rounded up to expert_alignment) follows
+  // then int32: num_recv_tokens_per_expert[L] (rounded up to expert_alignment), the rank prefix
+  // matrix [R * R], and the runs of consecutive tokens this rank keeps (the copy-engine path
+  // copies them): the number of runs, the number of ends, then up to kHtHostKeptRuns first
+  // tokens and as many ends (the first token after a run; a run reaching T has none), each list
+  // in any order.
 };
+inline constexpr int kHtHostKeptRuns = 32;  // >= kHtKeptCopyMaxRuns (cuda/tuning.h)
+// The int32 words after HtHostResult.
+EPX_HT_HD size_t ht_host_result_words(int num_local_experts, int num_ranks) {
+  return static_cast<size_t>(num_local_experts) + static_cast<size_t>(num_ranks) * num_ranks + 2 +
+         2 * kHtHostKeptRuns;
+}
 
 }  // namespace epx::detail

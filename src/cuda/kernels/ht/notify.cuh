@@ -55,11 +55,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   __shared__ int s_rank_count[kMaxHtRanks];
   __shared__ int s_run[kMaxHtRanks];
   __shared__ int s_offset[kMaxHtRanks];
+  // Runs of consecutive tokens this rank keeps (published with the ticket, for the host's
+  // copy-engine plan): starts and ends (first token after a run) as found, any order.
+  __shared__ uint8_t s_kept[kNotifyThreads];
+  __shared__ int s_kept_carry;  // kept(first token of this round - 1)
+  __shared__ int s_num_starts, s_num_ends;
+  __shared__ int32_t s_starts[kHtHostKeptRuns], s_ends[kHtHostKeptRuns];
+  const bool find_runs = p.ticket != 0;  // uniform
   if (p.exchange && tid == 0) publish_deferred_ready(p.symm, p.wait, R);
 
   for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
   for (int i = tid; i < L; i += kNotifyThreads) s_recv_expert[i] = 0;
   if (tid < kMaxHtRanks) s_rank_count[tid] = s_run[tid] = 0;
+  if (tid == 0) s_kept_carry = s_num_starts = s_num_ends = 0;
   __syncthreads();
 
   // ---- pass 1: masks and counts ---------------------------------------------------------------
@@ -72,6 +80,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
     for (int d = 0; d < R; ++d) {
       const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
       if (lane == 0 && bits) atomicAdd(&s_rank_count[d], __popc(bits));
+    }
+    if (find_runs) {
+      const int kept = static_cast<int>((mask >> me) & 1u);  // 0 past T (mask 0)
+      s_kept[tid] = static_cast<uint8_t>(kept);
+      __syncthreads();
+      const int prev = tid > 0 ? s_kept[tid - 1] : s_kept_carry;
+      if (t < p.num_tokens && kept != prev) {  // a run starts at t, or the run before t ends
+        int* n = kept ? &s_num_starts : &s_num_ends;
+        int32_t* list = kept ? s_starts : s_ends;
+        const int i = atomicAdd(n, 1);
+        if (i < kHtHostKeptRuns) list[i] = static_cast<int32_t>(t);
+      }
+      __syncthreads();
+      if (tid == kNotifyThreads - 1) s_kept_carry = kept;
     }
   }
   __syncthreads();
@@ -133,6 +155,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
     const int a = p.expert_alignment;
     for (int l = tid; l < L; l += kNotifyThreads)
       per_expert[l] = (s_recv_expert[l] + a - 1) / a * a;
+    volatile int32_t* rpm_host = per_expert + L;  // then the kept runs (HtHostResult)
+    for (int i = tid; i < R * R; i += kNotifyThreads) rpm_host[i] = s_matrix[i];
+    volatile int32_t* runs_host = rpm_host + R * R;
+    if (tid == 0) {
+      runs_host[0] = s_num_starts;
+      runs_host[1] = s_num_ends;
+    }
+    const int listed = min(s_num_starts, kHtHostKeptRuns);
+    const int ends = min(s_num_ends, kHtHostKeptRuns);
+    for (int i = tid; i < listed; i += kNotifyThreads) runs_host[2 + i] = s_starts[i];
+    for (int i = tid; i < ends; i += kNotifyThreads) runs_host[2 + kHtHostKeptRuns + i] = s_ends[i];
     if (tid == 0)
       reinterpret_cast<volatile HtHostResult*>(p.host)->num_recv_tokens =
           s_matrix[(R - 1) * R + me];
