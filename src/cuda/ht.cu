@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
 #include "core/check.h"
@@ -154,6 +155,11 @@ std::shared_ptr<HtCopyPlan> make_kept_plan(const volatile int32_t* words, int64_
     plan->rank_prefix_matrix[i] = words[i];
   const volatile int32_t* runs = words + R * R;
   const int num_starts = runs[0], num_ends = runs[1];
+  EPX_CHECK(num_starts >= 0 && num_ends >= 0 && num_ends <= num_starts &&
+                (num_starts > kHtHostKeptRuns || num_ends >= num_starts - 1) && num_starts <= T &&
+                T <= INT32_MAX,
+            ErrorCode::kInternal, "ht_dispatch: ", num_starts, " kept runs with ", num_ends,
+            " ends for T = ", T, ": inconsistent count-exchange result");
   plan->kept_runs = static_cast<size_t>(num_starts);
   if (num_starts > kHtHostKeptRuns) return plan;
   std::vector<int32_t> starts(num_starts), ends(num_ends);
@@ -165,9 +171,17 @@ std::shared_ptr<HtCopyPlan> make_kept_plan(const volatile int32_t* words, int64_
   int32_t j = 0;
   for (int i = 0; i < num_starts; ++i) {
     const int32_t n = ends[i] - starts[i];
+    // Runs ascend, never touch, lie in [0, T) (a wrong word would misplace rows: say so instead).
+    EPX_CHECK(starts[i] >= 0 && n > 0 && (i + 1 == num_starts || ends[i] < starts[i + 1]),
+              ErrorCode::kInternal, "ht_dispatch: kept run ", i, " of ", num_starts, " is [",
+              starts[i], ", ", ends[i], ") of T = ", T, ": inconsistent count-exchange result");
     plan->runs[me].push_back({starts[i], j, n});
     j += n;
   }
+  EPX_CHECK(j == rows_between(plan->rank_prefix_matrix.data(), R, me, me), ErrorCode::kInternal,
+            "ht_dispatch: the kept runs hold ", j, " tokens, the prefix matrix says ",
+            rows_between(plan->rank_prefix_matrix.data(), R, me, me),
+            ": inconsistent count-exchange result");
   return plan;
 }
 
@@ -460,7 +474,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                                        cudaMemcpyDeviceToHost, stream),
                        "ht_dispatch: copy plan");
         EPX_CUDA_CHECK(cudaStreamSynchronize(stream), "ht_dispatch: copy plan");
-        h.copy_plan = make_copy_plan(sp, T, R, me, std::move(rpm));
+        auto plan = make_copy_plan(sp, T, R, me, std::move(rpm));
+        // `full` from settings every rank shares (not from this rank's run count, which chose
+        // this path when the run limit is raised above 32): plain "ce" must decide alike.
+        plan->full = !copy.engine_kept_only || (ht_ablation() & kHtKeptPlanCopied);
+        h.copy_plan = std::move(plan);
       }
     }
   }
@@ -475,7 +493,8 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const bool engine = engine_any && !copy.engine_kept_only && !zero_copy && h.copy_plan->full;
   // (ce:kept: only while the kept rows form few runs, ht_kept_copies_pay; else the kernel.)
   const bool engine_kept = engine_any && (copy.engine_kept_only || zero_copy) &&
-                           ht_kept_copies_pay(h.copy_plan->kept_runs);
+                           ht_kept_copies_pay(h.copy_plan->kept_runs) &&
+                           h.copy_plan->runs[me].size() == h.copy_plan->kept_runs;  // listed
 
   // Outputs. Zero-copy: recv_x views this rank's x area, where the peers store the rows; no
   // storage of its own (valid until the next ht op and while the buffer lives; Python's tensor

@@ -652,6 +652,37 @@ TEST(HtKeptPlan, FromExchangeWordsMatchesFromSendPos) {
   EXPECT_GT(unlisted, 10);
 }
 
+// Host only: words the notify kernel cannot have written (a kernel bug) raise Internal instead of
+// misplacing rows.
+TEST(HtKeptPlan, InconsistentWordsAreInternalErrors) {
+  const int R = 2, me = 0, cap = detail::kHtHostKeptRuns;
+  // rpm for R = 2: rank 0 keeps 5 tokens (rows_between(rpm, 2, 0, 0) = rpm[0] = 5).
+  auto words = [&](int num_starts, int num_ends, std::vector<int32_t> starts,
+                   std::vector<int32_t> ends) {
+    std::vector<int32_t> w = {5, 3, 9, 7, num_starts, num_ends};
+    w.resize(w.size() + 2 * cap, -1);
+    for (size_t i = 0; i < starts.size(); ++i) w[6 + i] = starts[i];
+    for (size_t i = 0; i < ends.size(); ++i) w[6 + cap + i] = ends[i];
+    return w;
+  };
+  auto code_of = [&](const std::vector<int32_t>& w, int64_t T) -> std::string {
+    try {
+      (void)detail::make_kept_plan(w.data(), T, R, me);
+    } catch (const Error& e) {
+      return error_code_name(e.code());
+    }
+    return "ok";
+  };
+  const std::string internal = error_code_name(ErrorCode::kInternal);
+  EXPECT_EQ(code_of(words(2, 2, {0, 10}, {3, 12}), 20), "ok");      // [0,3) + [10,12) = 5
+  EXPECT_EQ(code_of(words(2, 1, {10, 0}, {3}), 12), "ok");          // [0,3) + [10,12)
+  EXPECT_EQ(code_of(words(2, 2, {0, 10}, {4, 12}), 20), internal);  // 6 kept, not 5
+  EXPECT_EQ(code_of(words(1, 2, {0}, {3, 5}), 20), internal);       // more ends
+  EXPECT_EQ(code_of(words(3, 1, {0, 4, 8}, {2}), 20), internal);    // ends missing
+  EXPECT_EQ(code_of(words(2, 2, {0, 2}, {3, 5}), 20), internal);    // runs overlap
+  EXPECT_EQ(code_of(words(-1, 0, {}, {}), 20), internal);
+}
+
 TEST(HtGpu, OneRankMatchesReference) {
   EPX_REQUIRE_GPUS(1);
   const int rc = run_cuda_ranks(1, [](const Group& g) {
