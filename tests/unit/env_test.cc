@@ -1,36 +1,16 @@
 // The environment variables epx reads (core/env.h): defaults, and values that are not numbers.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "core/env.h"
+#include "support/scoped_env.h"
 
 namespace epx::detail {
 namespace {
 
-// Sets (or, with nullopt, unsets) one variable for the scope, then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = std::string(old);
-    if (value)
-      ::setenv(name, value->c_str(), 1);
-    else
-      ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using testing::ScopedEnv;
 
 // EPX_PDL: unset (or empty) leaves each kernel family its default (-1); "1" turns PDL on; any
 // other value turns it off — a value written to disable it ("off", "false", "2") never enables it.

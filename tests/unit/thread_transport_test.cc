@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -13,6 +12,7 @@
 
 #include "epx/error.h"
 #include "support/harness.h"
+#include "support/scoped_env.h"
 #include "transport/transport.h"
 
 namespace epx {
@@ -92,26 +92,9 @@ TEST(ThreadTransport, MissingRankTimesOutNamingIt) {
 #ifdef EPX_WITH_CUDA
 // The environment the one-GPU mode needs is checked before any CUDA call (so also without a GPU):
 // enough hardware queues, and eager kernel loading (a lazily loaded kernel's first launch may
-// wait for a peer's spinning kernel: docs/perf.md, ninth session). Restores the variables.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
+// wait for a peer's spinning kernel: docs/perf.md, ninth session). Restores the variables
+// (testing::ScopedEnv).
+using testing::ScopedEnv;
 
 std::string shared_device_error(ErrorCode* code) {
   try {
