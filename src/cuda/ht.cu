@@ -418,6 +418,10 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     np.host = result_dev_;
     if (!worst_case && ++ticket_ == 0) ++ticket_;  // 0 means "do not publish"
     np.ticket = worst_case ? 0u : ticket_;
+    // Only ce:kept builds its plan from the published runs (below); other paths skip the search.
+    const bool plan_from_words = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only &&
+                                 !(ht_ablation() & kHtKeptPlanCopied);
+    np.find_kept_runs = plan_from_words ? 1 : 0;
     np.symm = make_symm(*ht_mem_, region_, R);
     np.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtNotify);
     launch_ht_notify(np, stream);
@@ -457,9 +461,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       h.num_recv_tokens = num_rows;
       h.num_worst_tokens = 0;
       const volatile int32_t* plan_words = per_expert + region_.num_local_experts;
-      const int64_t kept_runs = plan_words[R * R];
-      if (copy.mode == HtCopyMode::kEngine && copy.engine_kept_only &&
-          !(ht_ablation() & kHtKeptPlanCopied) &&
+      const int32_t kept_runs = plan_from_words ? plan_words[R * R] : 0;
+      // (More runs than are listed and a raised run limit: the plan from host copies below.)
+      if (plan_from_words &&
           (kept_runs <= kHtHostKeptRuns || !ht_kept_copies_pay(static_cast<size_t>(kept_runs)))) {
         h.copy_plan = make_kept_plan(plan_words, T, R, me);  // ce:kept: all it needs, no sync
       } else if (copy.mode == HtCopyMode::kEngine) {
@@ -477,7 +481,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
         auto plan = make_copy_plan(sp, T, R, me, std::move(rpm));
         // `full` from settings every rank shares (not from this rank's run count, which chose
         // this path when the run limit is raised above 32): plain "ce" must decide alike.
-        plan->full = !copy.engine_kept_only || (ht_ablation() & kHtKeptPlanCopied);
+        plan->full = !plan_from_words;
         h.copy_plan = std::move(plan);
       }
     }

@@ -32,6 +32,7 @@ struct HtNotifyParams {
   int32_t* rank_prefix_matrix;     // [R, R] (exchange): [s][d] = rows d receives from ranks 0..s
   HtHostResult* host;              // mapped host memory (exchange), device address
   uint32_t ticket;                 // non-zero: publish N and per-expert counts to `host`
+  int find_kept_runs;              // with a ticket: also this rank's kept runs (ce:kept's plan)
   HtSymm symm;
   WaitContext wait;
 };

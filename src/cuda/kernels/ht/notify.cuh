@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   __shared__ int s_kept_carry;  // kept(first token of this round - 1)
   __shared__ int s_num_starts, s_num_ends;
   __shared__ int32_t s_starts[kHtHostKeptRuns], s_ends[kHtHostKeptRuns];
-  const bool find_runs = p.ticket != 0;  // uniform
+  const bool find_runs = p.ticket != 0 && p.find_kept_runs;  // uniform
   if (p.exchange && tid == 0) publish_deferred_ready(p.symm, p.wait, R);
 
   for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
