@@ -2,14 +2,15 @@
 
 One process per GPU over an NCCL process group (the cpu backend over gloo where there is no GPU:
 host times only, which checks the script). For each op of the standard workloads (SPEC 6) it
-times `--iters` calls, each after a barrier and with the device idle before it, under
+times `--iters` calls under
 torch.profiler, and prints per rank:
-  span     first kernel / copy start to last end of the call on this rank's device (median):
-           what an engine's stream waits for, host gaps inside the call included (ht exact
-           mode's count exchange waits for the host)
-  kernels  the sum of the call's kernel and copy durations (median): DeepEP's "kernel time"
-  host     wall time of the Python call (median); the GPU runs behind it
-  then every kernel / copy of the call with its mean duration.
+  wall     first kernel / copy start to last end on this rank's device, per call: the calls run
+           back to back (no barrier between them), so host gaps inside a call count (ht exact
+           mode's count exchange waits for the host) but not the host's time between calls
+  kernels  the sum of the kernel and copy durations per call (DeepEP's "kernel time"; copies
+           that overlap a kernel add to it)
+  host     wall time of the Python call, per call
+  then every kernel / copy with its calls per op and its mean duration.
 
     python bench/profile_kernels.py [--ops ll,ht,a2a] [--iters 20] [--ranks N]
 
@@ -19,7 +20,6 @@ NCCL kernels (the barriers) are left out. Needs torch with CUDA for the device c
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -32,7 +32,6 @@ import torch.multiprocessing as mp
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-GAP_US = 500.0  # calls are separated by >= 2 ms of idle device; a call's own gaps are shorter
 
 
 def uniform_topk(T, K, E, gen, device):
@@ -64,55 +63,40 @@ def device_events(trace_path):
     return out
 
 
-def split_calls(events):
-    """Groups device events into calls: a new call starts after an idle gap > GAP_US."""
-    calls, end = [], None
-    for ts, dur, name in events:
-        if end is None or ts - end > GAP_US:
-            calls.append([])
-            end = ts
-        calls[-1].append((ts, dur, name))
-        end = max(end, ts + dur)
-    return calls
-
-
 def profile_op(step, iters, device, sync):
-    """Times `step` `iters` times under the profiler -> dict of medians and per-kernel means."""
+    """Times `iters` back-to-back calls of `step` under the profiler (no barrier or host sync
+    between them: every op synchronises the ranks itself, so one rank's late launch is not
+    charged to the other's kernels) -> per-call figures and per-kernel means."""
     for _ in range(3):  # warm-up: lazy set-up, caching allocators
-        dist.barrier()
         step()
-        sync()
-    host = []
+    sync()
+    dist.barrier()
+    sync()
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for _ in range(iters):
-            dist.barrier()
-            sync()
-            time.sleep(0.002)  # an idle device between calls: the calls' events split cleanly
-            t0 = time.perf_counter()
             step()
-            host.append((time.perf_counter() - t0) * 1e6)
-            sync()
-    res = {"host": statistics.median(host), "span": None, "kernels": None, "per": {}, "calls": 0}
+        host = (time.perf_counter() - t0) * 1e6 / iters
+        sync()
+    res = {"host": host, "wall": None, "kernels": None, "per": {}}
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        calls = split_calls(device_events(path))
+        events = device_events(path)
     finally:
         os.unlink(path)
-    res["calls"] = len(calls)
-    if not calls or device.type != "cuda":
+    if not events or device.type != "cuda":
         return res
-    res["span"] = statistics.median(max(t + d for t, d, _ in c) - c[0][0] for c in calls)
-    res["kernels"] = statistics.median(sum(d for _, d, _ in c) for c in calls)
+    res["wall"] = (max(t + d for t, d, _ in events) - events[0][0]) / iters
+    res["kernels"] = sum(d for _, d, _ in events) / iters
     per = {}
-    for c in calls:
-        for _, d, name in c:
-            per.setdefault(short_name(name), []).append(d)
-    res["per"] = {k: (len(v) / len(calls), sum(v) / len(v)) for k, v in per.items()}
+    for _, d, name in events:
+        per.setdefault(short_name(name), []).append(d)
+    res["per"] = {k: (len(v) / iters, sum(v) / len(v)) for k, v in per.items()}
     return res
 
 
@@ -240,17 +224,15 @@ def main():
     if bad:
         raise SystemExit(f"profile_kernels: failed: {bad}")
     print(f"profile_kernels: {world} rank(s), {'cuda' if use_cuda else 'cpu backend (host only)'}, "
-          f"H={args.hidden} K=8 E={args.experts}, {args.iters} calls per op, medians in us")
-    print(f"{'op':40s} {'rank':>4s} {'span':>8s} {'kernels':>8s} {'host':>8s}  kernels (calls/op x mean us)")
+          f"H={args.hidden} K=8 E={args.experts}, {args.iters} calls per op, us per call")
+    print(f"{'op':40s} {'rank':>4s} {'wall':>8s} {'kernels':>8s} {'host':>8s}  kernels (calls/op x mean us)")
     for i, (name, _) in enumerate(got[0]):
         for r in range(world):
             res = got[r][i][1]
             per = ", ".join(f"{k} {n:g}x{d:.1f}" for k, (n, d) in sorted(
                 res["per"].items(), key=lambda kv: -kv[1][0] * kv[1][1]))
-            print(f"{name:40s} {r:4d} {fmt(res['span']):>8s} {fmt(res['kernels']):>8s} "
+            print(f"{name:40s} {r:4d} {fmt(res['wall']):>8s} {fmt(res['kernels']):>8s} "
                   f"{fmt(res['host']):>8s}  {per}")
-            if use_cuda and res["calls"] != args.iters:
-                print(f"  (note: {res['calls']} device call groups found for {args.iters} calls)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ enum HtAblate : int {
   // of send_pos and the prefix matrix after a stream synchronisation (the plan before the ninth
   // session), not from the count exchange's mapped-host result — the same-run A/B.
   kHtKeptPlanCopied = 4096,
+  // Not an ablation either: the count exchange (ht_notify_kernel) as before the tenth session —
+  // each token's expert ids loaded one after the other, and pass 2 loading them again instead of
+  // reading the masks pass 1 kept in shared memory — the same-run A/B.
+  kHtNotifyOld = 8192,
 };
 
 struct HtTuning {

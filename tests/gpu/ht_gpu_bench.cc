@@ -267,6 +267,9 @@ int run_rank(const Group& g, const Options& o) {
         // The exact rows again with the copy plan built from host copies of send_pos after a
         // stream synchronisation (kHtKeptPlanCopied: the ninth session's A/B; ce:kept only).
         bench::Timing exact_copied, zc_exact_copied;
+        // The exact and worst-case rows with the count exchange before the tenth session
+        // (kHtNotifyOld: ids loaded one by one, pass 2 reloading them; its same-run A/B).
+        bench::Timing exact_old, zc_exact_old, worst_old;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -435,6 +438,10 @@ int run_rank(const Group& g, const Options& o) {
           detail::set_ht_ablation(detail::kHtKeptPlanCopied);
           ct.exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          detail::set_ht_ablation(detail::kHtNotifyOld);
+          ct.exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          ct.worst_old = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
           detail::set_ht_ablation(0);
         }
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
@@ -545,6 +552,12 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch bf16 (exact, zero-copy, plan copied)").c_str(), ct.zc_exact_copied,
               n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, old count exchange)").c_str(), ct.exact_old, n_bf16,
+              c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, old count exchange)").c_str(), ct.zc_exact_old,
+              n_bf16, c_bf16);
+          row(name("dispatch bf16 (worst-case, old count exchange)").c_str(), ct.worst_old, n_bf16,
+              c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);

@@ -57,6 +57,7 @@ const CopyPath kCopyPaths[] = {
     {"ce", 100, 0},
     {"ce:kept", 100, 0},
     {"ce:kept", 100, detail::kHtKeptPlanCopied},  // the plan from host copies of send_pos
+    {"warp", 100, detail::kHtNotifyOld},          // the count exchange before the tenth session
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},

@@ -26,24 +26,50 @@ __device__ __forceinline__ int64_t ht_load_expert(const void* topk, int64_t stri
                 : static_cast<const int32_t*>(topk)[t * stride + k];
 }
 
-// Destination-rank mask of token t; reports out-of-range ids when `report`.
+// Destination-rank mask of token t; reports out-of-range ids when `report`. The ids are loaded
+// kChunk at a time, each chunk's loads issued together (one memory latency per chunk; with
+// kChunk = 1 every id waits for the one before, which took ~60 us at T = 4096).
+template <int kChunk>
 __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64_t t, int* s_expert,
                                                   bool report) {
   uint32_t mask = 0;
-  for (int k = 0; k < p.top_k; ++k) {
-    const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
-    if (e < -1 || e >= p.num_experts) {
-      if (report) record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, e);
-      continue;
+  for (int k0 = 0; k0 < p.top_k; k0 += kChunk) {
+    int64_t ids[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j)
+      ids[j] = k0 + j < p.top_k
+                   ? ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k0 + j)
+                   : int64_t{-1};
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int64_t e = ids[j];
+      if (e < -1 || e >= p.num_experts) {
+        if (report) record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k0 + j, e);
+        continue;
+      }
+      if (e < 0) continue;
+      if (s_expert) atomicAdd(&s_expert[e], 1);
+      mask |= 1u << static_cast<uint32_t>(e / p.num_local_experts);
     }
-    if (e < 0) continue;
-    if (s_expert) atomicAdd(&s_expert[e], 1);
-    mask |= 1u << static_cast<uint32_t>(e / p.num_local_experts);
   }
   return mask;
 }
 
+// Dynamic shared memory of ht_notify_kernel: the counters below, then, when `masks`, one mask
+// word per token (pass 2 reads them instead of loading topk_idx again).
+inline size_t ht_notify_smem(const HtNotifyParams& p, bool masks) {
+  const size_t words = static_cast<size_t>(p.num_experts + p.num_local_experts +
+                                           p.num_ranks * p.num_ranks + 32 * p.num_ranks);
+  return 4 * (words + (masks ? static_cast<size_t>(p.num_tokens) : 0));
+}
+// Largest mask array kept in shared memory (tokens beyond it: pass 2 reloads topk_idx).
+inline constexpr int kNotifyMaxSmemMasks = 16384;
+
+// kOld: the kernel before the tenth session (ids loaded one by one; pass 2 reloads them), kept
+// as the same-run A/B (kHtNotifyOld). kMasks: pass 1 keeps each token's mask in shared memory.
+template <bool kOld, bool kMasks>
 __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyParams p) {
+  constexpr int kChunk = kOld ? 1 : 8;
   const int R = p.num_ranks, me = p.rank, L = p.num_local_experts;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kWarps = kNotifyThreads / 32;
@@ -52,6 +78,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   int* s_recv_expert = s_expert + p.num_experts;  // [L] selections received per local expert
   int* s_matrix = s_recv_expert + L;              // [R][R] cnt[s][d]
   int* s_warp = s_matrix + R * R;                 // [kWarps][R] per-warp counts, then offsets
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_warp + kWarps * R);  // [T] if kMasks
   __shared__ int s_rank_count[kMaxHtRanks];
   __shared__ int s_run[kMaxHtRanks];
   __shared__ int s_offset[kMaxHtRanks];
@@ -73,7 +100,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   // ---- pass 1: masks and counts ---------------------------------------------------------------
   for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
     const int64_t t = base + tid;
-    const uint32_t mask = t < p.num_tokens ? ht_token_mask(p, t, s_expert, true) : 0u;
+    const uint32_t mask = t < p.num_tokens ? ht_token_mask<kChunk>(p, t, s_expert, true) : 0u;
+    if (kMasks && t < p.num_tokens) s_mask[t] = mask;
     if (t < p.num_tokens && p.is_token_in_rank) {
       for (int d = 0; d < R; ++d) p.is_token_in_rank[t * R + d] = (mask >> d) & 1u;
     }
@@ -181,7 +209,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   // ---- pass 2: send positions ------------------------------------------------------------------
   for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
     const int64_t t = base + tid;
-    const uint32_t mask = t < p.num_tokens ? ht_token_mask(p, t, nullptr, false) : 0u;
+    uint32_t mask = 0;
+    if (t < p.num_tokens) mask = kMasks ? s_mask[t] : ht_token_mask<kChunk>(p, t, nullptr, false);
     for (int d = 0; d < R; ++d) {
       const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
       if (lane == 0) s_warp[warp * R + d] = __popc(bits);
