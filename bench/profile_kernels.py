@@ -9,7 +9,8 @@ torch.profiler, and prints per rank:
            mode's count exchange waits for the host) but not the host's time between calls
   kernels  the sum of the kernel and copy durations per call (DeepEP's "kernel time"; copies
            that overlap a kernel add to it)
-  host     wall time of the Python call, per call
+  host     wall time of the Python call, per call (eager rows; the profiler adds to it)
+Rows marked (graph): the calls captured in one CUDA graph and replayed (ll, a2a).
   then every kernel / copy with its calls per op and its mean duration.
 
     python bench/profile_kernels.py [--ops ll,ht,a2a] [--iters 20] [--ranks N]
@@ -63,13 +64,22 @@ def device_events(trace_path):
     return out
 
 
-def profile_op(step, iters, device, sync):
+def profile_op(step, iters, device, sync, graph):
     """Times `iters` back-to-back calls of `step` under the profiler (no barrier or host sync
-    between them: every op synchronises the ranks itself, so one rank's late launch is not
-    charged to the other's kernels) -> per-call figures and per-kernel means."""
+    between them: every op synchronises the ranks itself) -> per-call figures and per-kernel
+    means. `graph` (cuda): the calls are captured in one CUDA graph, replayed once under the
+    profiler, so no host time sits between them (else a slow host call makes the peer's kernel
+    wait, and that wait counts in its duration)."""
     for _ in range(3):  # warm-up: lazy set-up, caching allocators
         step()
     sync()
+    replay = None
+    if graph and device.type == "cuda":
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                step()
+        replay = g.replay
     dist.barrier()
     sync()
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -77,11 +87,14 @@ def profile_op(step, iters, device, sync):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
+        if replay:
+            replay()
+        else:
+            for _ in range(iters):
+                step()
         host = (time.perf_counter() - t0) * 1e6 / iters
         sync()
-    res = {"host": host, "wall": None, "kernels": None, "per": {}}
+    res = {"host": None if replay else host, "wall": None, "kernels": None, "per": {}}
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -110,8 +123,10 @@ def run_ops(rank, world, device, args):
     H, K, E = args.hidden, 8, args.experts
     results = []
 
-    def add(name, step):
-        results.append((name, profile_op(step, args.iters, device, sync)))
+    def add(name, step, graph=False):
+        if graph and on_cuda:
+            name += " (graph)"
+        results.append((name, profile_op(step, args.iters, device, sync, graph)))
 
     if "ll" in args.ops:
         T = args.ll_tokens
@@ -121,9 +136,10 @@ def run_ops(rank, world, device, args):
         w = torch.rand(T, K, generator=gen).to(device)
         state = {"d": buf.ll_dispatch(x, idx, use_fp8=True)}
         y = torch.randn(state["d"].recv_x.shape, generator=gen).to(torch.bfloat16).to(device)
-        add(f"ll.dispatch fp8 T={T}",
-            lambda: state.__setitem__("d", buf.ll_dispatch(x, idx, use_fp8=True)))
-        add(f"ll.combine T={T}", lambda: buf.ll_combine(y, idx, w, state["d"].handle))
+        for graph in (False, True):
+            add(f"ll.dispatch fp8 T={T}",
+                lambda: state.__setitem__("d", buf.ll_dispatch(x, idx, use_fp8=True)), graph)
+            add(f"ll.combine T={T}", lambda: buf.ll_combine(y, idx, w, state["d"].handle), graph)
         del buf, state
     if "ht" in args.ops:
         T = args.ht_tokens
@@ -136,6 +152,11 @@ def run_ops(rank, world, device, args):
         add(f"ht.dispatch bf16 T={T}", lambda: st.__setitem__("d", buf.ht_dispatch(x, idx, w)))
         h = st["d"].handle
         add(f"ht.dispatch bf16 cached T={T}", lambda: buf.ht_dispatch(x, handle=h))
+        # Worst-case mode (no host sync: capturable) and cached, in graphs: the count exchange's
+        # and the dispatch kernel's own durations with no host between the calls.
+        add(f"ht.dispatch bf16 worst-case T={T}",
+            lambda: buf.ht_dispatch(x, idx, w, num_worst_tokens=T * world), True)
+        add(f"ht.dispatch bf16 cached T={T}", lambda: buf.ht_dispatch(x, handle=h), True)
         add(f"ht.dispatch bf16 cached zero-copy T={T}",
             lambda: buf.ht_dispatch(x, handle=h, zero_copy=True))
         if epx.has_fp8_dtype and on_cuda:
@@ -166,7 +187,8 @@ def run_ops(rank, world, device, args):
             view.copy_(yv)  # the experts' write (a device copy, shown among the kernels)
             a2a.combine(view, T, payload_in_workspace=True)
 
-        add(f"a2a.dispatch+combine T={T} (+ y copy)", dispatch_combine)
+        for graph in (False, True):
+            add(f"a2a.dispatch+combine T={T} (+ y copy)", dispatch_combine, graph)
         del a2a
     return results
 
