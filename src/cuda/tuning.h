@@ -43,9 +43,6 @@ enum HtAblate : int {
   // each token's expert ids loaded one after the other, and pass 2 loading them again instead of
   // reading the masks pass 1 kept in shared memory — the same-run A/B.
   kHtNotifyOld = 8192,
-  // Not an ablation either: dispatch senders load a token's routing metadata (ids, weights) at
-  // the store instead of a token ahead in registers (before the tenth session) — the same-run A/B.
-  kHtMetaLoadLate = 16384,
 };
 
 struct HtTuning {

@@ -270,8 +270,6 @@ int run_rank(const Group& g, const Options& o) {
         // The exact and worst-case rows with the count exchange before the tenth session
         // (kHtNotifyOld: ids loaded one by one, pass 2 reloading them; its same-run A/B).
         bench::Timing exact_old, zc_exact_old, worst_old;
-        // ... and with the senders loading the metadata at the store (kHtMetaLoadLate).
-        bench::Timing exact_late, zc_exact_late, worst_late;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -444,10 +442,6 @@ int run_rank(const Group& g, const Options& o) {
           ct.exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
           ct.worst_old = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
-          detail::set_ht_ablation(detail::kHtMetaLoadLate);
-          ct.exact_late = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_late = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          ct.worst_late = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
           detail::set_ht_ablation(0);
         }
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });

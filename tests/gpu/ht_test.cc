@@ -58,7 +58,6 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, 0},
     {"ce:kept", 100, detail::kHtKeptPlanCopied},  // the plan from host copies of send_pos
     {"warp", 100, detail::kHtNotifyOld},          // the count exchange before the tenth session
-    {"warp", 100, detail::kHtMetaLoadLate},       // metadata loaded at the store (the A/B)
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},

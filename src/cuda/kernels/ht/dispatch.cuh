@@ -61,41 +61,6 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   return __float_as_uint(w);
 }
 
-// A token's metadata in registers (not cached): lane q (1 <= q <= 2K) holds the expert id and,
-// for q > K, the weight that meta word q is made of, for every destination. The senders load
-// them a token ahead, like the scale words (loading them at the store put one memory latency
-// per token on each sender warp's path: +40-50 us per T = 4096 dispatch, tenth session). Only
-// while the 1 + 2K words fit the lanes (K <= 15); else dispatch_meta_word loads at the store.
-struct TokenMeta {
-  int64_t e;
-  float w;
-};
-__device__ __forceinline__ bool meta_in_registers(const HtDispatchParams& p) {
-  return !p.cached && 1 + 2 * p.top_k <= 32 && !(p.ablate & kHtMetaLoadLate);
-}
-__device__ __forceinline__ TokenMeta load_token_meta(const HtDispatchParams& p, int64_t t,
-                                                     int lane) {
-  TokenMeta m{-1, 0.0f};
-  const int K = p.top_k;
-  if (lane >= 1 && lane <= 2 * K) {
-    const int k = lane <= K ? lane - 1 : lane - 1 - K;
-    m.e = p.topk_is_i64 ? static_cast<const int64_t*>(p.topk_idx)[t * p.topk_stride + k]
-                        : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
-    if (lane > K && p.topk_weights)
-      m.w = p.topk_weights[t * p.weights_stride + k * p.weights_stride1];
-  }
-  return m;
-}
-// Meta word `lane` of token t for destination d from the registers (= dispatch_meta_word).
-__device__ __forceinline__ uint32_t meta_word_of(const HtDispatchParams& p, const TokenMeta& m,
-                                                 int64_t t, int d, int lane) {
-  if (lane == 0) return static_cast<uint32_t>(t);
-  const int L = p.num_local_experts;
-  const bool local = m.e >= static_cast<int64_t>(d) * L && m.e < static_cast<int64_t>(d + 1) * L;
-  if (lane <= p.top_k) return static_cast<uint32_t>(local ? static_cast<int32_t>(m.e - d * L) : -1);
-  return __float_as_uint(local && p.topk_weights ? m.w : 0.0f);
-}
-
 // A token's scale words in registers: lane holds words lane and lane + 32 (the first
 // kScaleRegs * 32; H <= 8192 with 128-channel fp8 blocks needs 64). Loaded once per token and
 // stored to every destination (the kept row included); the senders load them a token ahead.
@@ -201,7 +166,6 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
-  const bool meta_regs = meta_in_registers(p);
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
   // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
   const bool with_me = p.zero_copy != 0;
@@ -230,14 +194,10 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
     // Scale words (fp8) likewise: the next token's are loaded while this one is copied.
     TokenScales sc{};
     if (p.num_scales > 0) sc = load_token_scales(p, t0, lane);
-    TokenMeta mt{-1, 0.0f};  // metadata likewise (meta_in_registers)
-    if (meta_regs) mt = load_token_meta(p, t0, lane);
     for (int64_t t = t0; t < t_end; ++t) {
       const int32_t next = (t + 1 < t_end && mine) ? p.send_pos[(t + 1) * R + lane] : -1;
       TokenScales sc_next{};
       if (p.num_scales > 0 && t + 1 < t_end) sc_next = load_token_scales(p, t + 1, lane);
-      TokenMeta mt_next{-1, 0.0f};
-      if (meta_regs && t + 1 < t_end) mt_next = load_token_meta(p, t + 1, lane);
       const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
@@ -264,17 +224,13 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
               reinterpret_cast<uint32_t*>(p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales)
                                                       : g.scale_row(peer, slot, j)),
               lane);
-        if (meta_regs) {
-          uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
-          if (lane < meta_words) meta[lane] = meta_word_of(p, mt, t, d, lane);
-        } else if (!p.cached) {
+        if (!p.cached) {
           uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
           for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
         }
       }
       pos = next;
       sc = sc_next;
-      mt = mt_next;
     }
     // Signal the batch: this warp's stores above, then one release per (destination, block).
     // Pairs with the receiver's wait_flag on counter[slot me][block].
