@@ -270,6 +270,8 @@ int run_rank(const Group& g, const Options& o) {
         // The exact and worst-case rows with the count exchange before the tenth session
         // (kHtNotifyOld: ids loaded one by one, pass 2 reloading them; its same-run A/B).
         bench::Timing exact_old, zc_exact_old, worst_old;
+        // ... and with a kept row's metadata loads in series (kHtKeptMetaLate, its A/B).
+        bench::Timing exact_kml, zc_exact_kml;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -442,6 +444,9 @@ int run_rank(const Group& g, const Options& o) {
           ct.exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
           ct.worst_old = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
+          detail::set_ht_ablation(detail::kHtKeptMetaLate);
+          ct.exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
           detail::set_ht_ablation(0);
         }
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
@@ -558,6 +563,10 @@ int run_rank(const Group& g, const Options& o) {
               n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case, old count exchange)").c_str(), ct.worst_old, n_bf16,
               c_bf16);
+          row(name("dispatch bf16 (exact, kept metadata late)").c_str(), ct.exact_kml, n_bf16,
+              c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, kept metadata late)").c_str(), ct.zc_exact_kml,
+              n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);

@@ -56,8 +56,9 @@ const CopyPath kCopyPaths[] = {
     {"bulk:2x48:b7", 100, 0},
     {"ce", 100, 0},
     {"ce:kept", 100, 0},
-    {"ce:kept", 100, detail::kHtKeptPlanCopied},  // the plan from host copies of send_pos
-    {"warp", 100, detail::kHtNotifyOld},          // the count exchange before the tenth session
+    {"ce:kept", 100, detail::kHtKeptPlanCopied},   // the plan from host copies of send_pos
+    {"warp", 100, detail::kHtNotifyOld},           // the count exchange before the tenth session
+    {"warp", 100, detail::kHtKeptMetaLate, true},  // kept rows' metadata loads in series (A/B)
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},

@@ -128,12 +128,28 @@ __device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int
     store_token_scales(p, t, sc, p.recv_scales + pos * static_cast<int64_t>(p.num_scales), lane);
   if (!p.cached) {
     if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
-    for (int k = lane; k < p.top_k; k += 32) {
-      const int64_t o = pos * static_cast<int64_t>(p.top_k) + k;
+    const int K = p.top_k, L = p.num_local_experts;
+    for (int k = lane; k < K; k += 32) {
+      const int64_t o = pos * static_cast<int64_t>(K) + k;
+      if (p.ablate & kHtKeptMetaLate) {  // the A/B: the weight's load waits for the id's
+        store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
+                       static_cast<int32_t>(dispatch_meta_word(p, t, p.rank, 1 + k)));
+        if (p.recv_topk_weights)
+          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, p.rank, 1 + K + k));
+        continue;
+      }
+      // The id and the weight loaded together (one memory latency per kept token, not two).
+      const int64_t e = p.topk_is_i64
+                            ? static_cast<const int64_t*>(p.topk_idx)[t * p.topk_stride + k]
+                            : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
+      const float wt = p.recv_topk_weights && p.topk_weights
+                           ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
+                           : 0.0f;
+      const bool local =
+          e >= static_cast<int64_t>(p.rank) * L && e < static_cast<int64_t>(p.rank + 1) * L;
       store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                     static_cast<int32_t>(dispatch_meta_word(p, t, p.rank, 1 + k)));
-      if (p.recv_topk_weights)
-        p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, p.rank, 1 + p.top_k + k));
+                     local ? static_cast<int32_t>(e - static_cast<int64_t>(p.rank) * L) : -1);
+      if (p.recv_topk_weights) p.recv_topk_weights[o] = local ? wt : 0.0f;
     }
   }
 }
