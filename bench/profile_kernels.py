@@ -2,16 +2,17 @@
 
 One process per GPU over an NCCL process group (the cpu backend over gloo where there is no GPU:
 host times only, which checks the script). For each op of the standard workloads (SPEC 6) it
-times `--iters` calls under
-torch.profiler, and prints per rank:
-  wall     first kernel / copy start to last end on this rank's device, per call: the calls run
-           back to back (no barrier between them), so host gaps inside a call count (ht exact
-           mode's count exchange waits for the host) but not the host's time between calls
-  kernels  the sum of the kernel and copy durations per call (DeepEP's "kernel time"; copies
-           that overlap a kernel add to it)
-  host     wall time of the Python call, per call (eager rows; the profiler adds to it)
-Rows marked (graph): the calls captured in one CUDA graph and replayed (ll, a2a).
-  then every kernel / copy with its calls per op and its mean duration.
+runs `--iters` calls back to back (no barrier between them) under torch.profiler and prints, per
+rank and per call:
+  wall     (last kernel / copy end - first start) / calls on this rank's device: idle gaps count,
+           inside a call (ht exact mode waits for the host) and between calls when the host is
+           slower than the device (eager rows: the profiler adds much host time per call)
+  kernels  the sum of kernel and copy durations (DeepEP's "kernel time"). Overlapping work counts
+           twice: copies beside a kernel, and with programmatic dependent launch a kernel that
+           starts while the previous one runs and waits inside it (ll in graphs)
+  host     wall time of the Python call (eager rows)
+  then every kernel / copy: calls per op x mean duration.
+Rows marked (graph): the calls captured in one CUDA graph, replayed once (no host between them).
 
     python bench/profile_kernels.py [--ops ll,ht,a2a] [--iters 20] [--ranks N]
 
