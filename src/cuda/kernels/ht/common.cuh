@@ -26,6 +26,13 @@ __device__ __forceinline__ V ld_landed(const V* p) {
   return __ldcg(p);
 }
 
+// Expert id k of token t in a [T, K] int64 / int32 topk_idx, rows `stride` elements apart.
+__device__ __forceinline__ int64_t ht_load_expert(const void* topk, int64_t stride, int is_i64,
+                                                  int64_t t, int k) {
+  return is_i64 ? static_cast<const int64_t*>(topk)[t * stride + k]
+                : static_cast<const int32_t*>(topk)[t * stride + k];
+}
+
 __device__ __forceinline__ WaitContext with_op(WaitContext w, uint32_t op) {
   w.op = op;
   return w;

@@ -51,8 +51,7 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   if (i == 0) return static_cast<uint32_t>(t);
   const int K = p.top_k, L = p.num_local_experts;
   const int k = i <= K ? i - 1 : i - 1 - K;
-  const int64_t e = p.topk_is_i64 ? static_cast<const int64_t*>(p.topk_idx)[t * p.topk_stride + k]
-                                  : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
+  const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
   const bool local = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
   if (i <= K) return static_cast<uint32_t>(local ? static_cast<int32_t>(e - d * L) : -1);
   const float w = (local && p.topk_weights)
@@ -139,9 +138,7 @@ __device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int
         continue;
       }
       // The id and the weight loaded together (one memory latency per kept token, not two).
-      const int64_t e = p.topk_is_i64
-                            ? static_cast<const int64_t*>(p.topk_idx)[t * p.topk_stride + k]
-                            : static_cast<const int32_t*>(p.topk_idx)[t * p.topk_stride + k];
+      const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
       const float wt = p.recv_topk_weights && p.topk_weights
                            ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
                            : 0.0f;

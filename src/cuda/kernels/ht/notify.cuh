@@ -20,12 +20,6 @@
 
 namespace epx::detail {
 
-__device__ __forceinline__ int64_t ht_load_expert(const void* topk, int64_t stride, int is_i64,
-                                                  int64_t t, int k) {
-  return is_i64 ? static_cast<const int64_t*>(topk)[t * stride + k]
-                : static_cast<const int32_t*>(topk)[t * stride + k];
-}
-
 // Destination-rank mask of token t; reports out-of-range ids when `report`. The ids are loaded
 // kChunk at a time, each chunk's loads issued together (one memory latency per chunk; with
 // kChunk = 1 every id waits for the one before, which took ~60 us at T = 4096).
@@ -58,8 +52,9 @@ __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64
 // Dynamic shared memory of ht_notify_kernel: the counters below, then, when `masks`, one mask
 // word per token (pass 2 reads them instead of loading topk_idx again).
 inline size_t ht_notify_smem(const HtNotifyParams& p, bool masks) {
-  const size_t words = static_cast<size_t>(p.num_experts + p.num_local_experts +
-                                           p.num_ranks * p.num_ranks + 32 * p.num_ranks);
+  const size_t words =
+      static_cast<size_t>(p.num_experts + p.num_local_experts + p.num_ranks * p.num_ranks +
+                          (kNotifyThreads / 32) * p.num_ranks);
   return 4 * (words + (masks ? static_cast<size_t>(p.num_tokens) : 0));
 }
 // Largest mask array kept in shared memory (tokens beyond it: pass 2 reloads topk_idx).
