@@ -107,20 +107,39 @@ epx_batch_bench() {
   [ -s "$OUT/$name.err" ] || rm -f "$OUT/$name.err"
 }
 
-# epx_batch_epx_bench_ht_copies TIMEOUT_S: epx-bench ht (eager, no --check) from $B under the
-# default copy path and under EPX_HT_COPY=warp; logs $OUT/eb_{default,warp}.log, prints the rows.
+# epx_batch_start_python TARGET...: epx_batch_start with the tools and the Python extension
+# (_epx, for /opt/torch/.venv's python) configured; builds _epx and the targets.
+epx_batch_start_python() {
+  EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON -DEPX_BUILD_PYTHON=ON \
+-DPython3_EXECUTABLE=/opt/torch/.venv/bin/python3 ${EPX_CMAKE_EXTRA:-}" epx_batch_start _epx "$@"
+}
+
+# epx_batch_profile TIMEOUT_S ROWS ARGS...: bench/profile_kernels.py ARGS with the extension built
+# by epx_batch_start_python (log $OUT/profile.log); prints its status and the lines matching ROWS.
+epx_batch_profile() {
+  local limit=$1 rows=$2
+  shift 2
+  PYTHONPATH="$PWD/python" timeout "$limit" /opt/torch/.venv/bin/python3 bench/profile_kernels.py \
+    "$@" > "$OUT/profile.log" 2>&1
+  echo "== profile rc=$?"
+  grep -E "$rows" "$OUT/profile.log" | cut -c1-250
+}
+
+# epx_batch_epx_bench_ht TIMEOUT_S NAME: epx-bench ht (eager, no --check) from $B in the caller's
+# environment; log $OUT/eb_NAME.log, prints its status and the rows.
+epx_batch_epx_bench_ht() {
+  timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$2.log" 2>&1
+  echo "rc=$?"
+  grep -E "^ht\\." "$OUT/eb_$2.log" | cut -c1-120
+}
+
+# epx_batch_epx_bench_ht_copies TIMEOUT_S: epx_batch_epx_bench_ht under the default copy path and
+# under EPX_HT_COPY=warp (logs $OUT/eb_{default,warp}.log).
 epx_batch_epx_bench_ht_copies() {
-  local c
-  for c in default warp; do
-    echo "-- epx-bench ht, EPX_HT_COPY=$c"
-    if [ "$c" = default ]; then
-      timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-    else
-      EPX_HT_COPY=$c timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$c.log" 2>&1
-    fi
-    echo "rc=$?"
-    grep -E "^ht\\." "$OUT/eb_$c.log" | cut -c1-120
-  done
+  echo "-- epx-bench ht, EPX_HT_COPY=default"
+  epx_batch_epx_bench_ht "$1" default
+  echo "-- epx-bench ht, EPX_HT_COPY=warp"
+  EPX_HT_COPY=warp epx_batch_epx_bench_ht "$1" warp
 }
 
 # epx_batch_kept_runs_ab: the ce:kept run limit (ht_kept_copies_pay) against none, warp beside

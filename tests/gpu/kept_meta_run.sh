@@ -9,17 +9,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON -DEPX_BUILD_PYTHON=ON \
--DPython3_EXECUTABLE=/opt/torch/.venv/bin/python3" \
-  epx_batch_start gpu_ht_test epx_ht_gpu_bench epx-bench _epx || exit 1
+epx_batch_start_python gpu_ht_test epx_ht_gpu_bench epx-bench || exit 1
 epx_batch_tests gpu_ht_test 200 'HtKeptPlan.*:HtGpu.*:Ranks/HtOneGpu.*'
 epx_batch_bench ab4096 90 "\(exact|worst|\(cached\)" \
   epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
-timeout 100 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb.log" 2>&1
-echo "== epx-bench ht rc=$?"
-grep -E "^ht\\." "$OUT/eb.log" | cut -c1-120
-PYTHONPATH="$PWD/python" timeout 100 /opt/torch/.venv/bin/python3 bench/profile_kernels.py \
-  --ops ht --iters 20 > "$OUT/profile.log" 2>&1
-echo "== profile rc=$?"
-grep -E "^(op|ht)" "$OUT/profile.log" | cut -c1-200
+echo "== epx-bench ht"
+epx_batch_epx_bench_ht 100 default
+epx_batch_profile 100 "^(op|ht)" --ops ht --iters 20
 epx_batch_total

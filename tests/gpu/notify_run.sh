@@ -8,19 +8,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON -DEPX_BUILD_PYTHON=ON \
--DPython3_EXECUTABLE=/opt/torch/.venv/bin/python3" \
-  epx_batch_start gpu_ht_test epx_ht_gpu_bench epx-bench _epx || exit 1
+epx_batch_start_python gpu_ht_test epx_ht_gpu_bench epx-bench || exit 1
 epx_batch_tests gpu_ht_test 200 'HtKeptPlan.*:HtKeptCopies.*:HtGpu.*'
 for T in 4096 128; do
   epx_batch_bench "ab$T" 120 "^ht T|\(exact|worst|\(cached\)|\(cached, zero-copy\)" \
     epx_ht_gpu_bench --iters 20 --tokens $T --sms 16 --copy ce:kept,warp
 done
-PYTHONPATH="$PWD/python" timeout 200 /opt/torch/.venv/bin/python3 bench/profile_kernels.py \
-  --iters 20 > "$OUT/profile.log" 2>&1
-echo "== profile rc=$?"
-grep -E "^(op|ll|ht|a2a|profile)" "$OUT/profile.log" | cut -c1-250
-timeout 120 "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb.log" 2>&1
-echo "== epx-bench ht rc=$?"
-grep -E "^ht\\." "$OUT/eb.log" | cut -c1-120
+epx_batch_profile 200 "^(op|ll|ht|a2a|profile)" --iters 20
+echo "== epx-bench ht"
+epx_batch_epx_bench_ht 120 default
 epx_batch_total

@@ -5,10 +5,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
-EPX_CMAKE_EXTRA="-DEPX_BUILD_PYTHON=ON -DPython3_EXECUTABLE=/opt/torch/.venv/bin/python3" \
-  epx_batch_start _epx || exit 1
-PYTHONPATH="$PWD/python" timeout 300 /opt/torch/.venv/bin/python3 bench/profile_kernels.py "$@" \
-  > "$OUT/profile.log" 2>&1
-echo "== profile rc=$?"
-grep -v "^\[W\|Warning" "$OUT/profile.log" | tail -60
+epx_batch_start_python || exit 1
+epx_batch_profile 300 "^(op|ll|ht|a2a|profile)" "$@"
 epx_batch_total
