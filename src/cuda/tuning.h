@@ -43,9 +43,9 @@ enum HtAblate : int {
   // each token's expert ids loaded one after the other, and pass 2 loading them again instead of
   // reading the masks pass 1 kept in shared memory — the same-run A/B.
   kHtNotifyOld = 8192,
-  // Not an ablation either: a kept row's routing metadata as before the tenth session (the
-  // weight's load issued after the id's, dispatch_meta_word) instead of both loads together —
-  // the same-run A/B (prepared in the tenth session, not yet run on a GPU).
+  // Not an ablation either: routing metadata loads as before the tenth session — a kept row's
+  // and a sent row's weight load issued after its expert id's (dispatch_kept_row,
+  // dispatch_meta_word) instead of both loads together — the same-run A/B.
   kHtKeptMetaLate = 16384,
 };
 

@@ -54,10 +54,16 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
   const bool local = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
   if (i <= K) return static_cast<uint32_t>(local ? static_cast<int32_t>(e - d * L) : -1);
-  const float w = (local && p.topk_weights)
-                      ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
-                      : 0.0f;
-  return __float_as_uint(w);
+  if (p.ablate & kHtKeptMetaLate) {  // the A/B: the weight's load issued after the id's
+    const float w = (local && p.topk_weights)
+                        ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
+                        : 0.0f;
+    return __float_as_uint(w);
+  }
+  // The weight loaded whatever the id (always in range): its latency overlaps the id's.
+  const float w =
+      p.topk_weights ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1] : 0.0f;
+  return __float_as_uint(local ? w : 0.0f);
 }
 
 // A token's scale words in registers: lane holds words lane and lane + 32 (the first
