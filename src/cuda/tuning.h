@@ -47,6 +47,10 @@ enum HtAblate : int {
   // and a sent row's weight load issued after its expert id's (dispatch_kept_row,
   // dispatch_meta_word) instead of both loads together — the same-run A/B.
   kHtKeptMetaLate = 16384,
+  // Not an ablation either: dispatch receivers copy a block's routing metadata out row by row
+  // (one warp per row, the rows of a warp one after the other) instead of with every thread of the
+  // CTA at once (eleventh session) — the same-run A/B.
+  kHtRecvMetaRows = 32768,
 };
 
 struct HtTuning {

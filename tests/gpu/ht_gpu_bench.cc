@@ -272,6 +272,9 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing exact_old, zc_exact_old, worst_old;
         // ... and with a kept row's metadata loads in series (kHtKeptMetaLate, its A/B).
         bench::Timing exact_kml, zc_exact_kml;
+        // ... with the receivers' metadata copied out row by row (kHtRecvMetaRows, its A/B), and
+        // with both metadata paths as before the eleventh session (kml | rmr).
+        bench::Timing exact_rmr, zc_exact_rmr, exact_meta_old, zc_exact_meta_old;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -447,7 +450,28 @@ int run_rank(const Group& g, const Options& o) {
           detail::set_ht_ablation(detail::kHtKeptMetaLate);
           ct.exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          detail::set_ht_ablation(detail::kHtRecvMetaRows);
+          ct.exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          detail::set_ht_ablation(detail::kHtKeptMetaLate | detail::kHtRecvMetaRows);
+          ct.exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+#ifdef EPX_HT_TRACE
+          if (o.trace)
+            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy exact, metadata old",
+                     [&] {
+                       pool.reset();
+                       (void)buf.ht_dispatch(ze, pool.get());
+                     });
+#endif
           detail::set_ht_ablation(0);
+#ifdef EPX_HT_TRACE
+          if (o.trace)
+            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy exact", [&] {
+              pool.reset();
+              (void)buf.ht_dispatch(ze, pool.get());
+            });
+#endif
         }
         ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
         buf.check();
@@ -566,6 +590,14 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch bf16 (exact, kept metadata late)").c_str(), ct.exact_kml, n_bf16,
               c_bf16);
           row(name("dispatch bf16 (exact, zero-copy, kept metadata late)").c_str(), ct.zc_exact_kml,
+              n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, receive metadata by row)").c_str(), ct.exact_rmr, n_bf16,
+              c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, receive metadata by row)").c_str(),
+              ct.zc_exact_rmr, n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, metadata old)").c_str(), ct.exact_meta_old, n_bf16,
+              c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, metadata old)").c_str(), ct.zc_exact_meta_old,
               n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);

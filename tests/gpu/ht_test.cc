@@ -59,6 +59,7 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, detail::kHtKeptPlanCopied},   // the plan from host copies of send_pos
     {"warp", 100, detail::kHtNotifyOld},           // the count exchange before the tenth session
     {"warp", 100, detail::kHtKeptMetaLate, true},  // kept rows' metadata loads in series (A/B)
+    {"warp", 100, detail::kHtRecvMetaRows},        // received metadata row by row (A/B)
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},

@@ -13,7 +13,8 @@
 // Receiver CTAs (rank r): first the rows r keeps, x[t] -> recv_*[send_pos[t][r]] (no waiting;
 //   this overlaps the peers' pushes), then items (32-row block b, source s != r), block-major:
 //   one thread waits until counter[slot s][b] == rows in that block, then the CTA copies the
-//   rows to recv_*[rpm[s-1][r] + j]: SPEC 3.2's order (source rank, then source token).
+//   rows to recv_*[rpm[s-1][r] + j] (a warp per row), then the block's metadata with every
+//   thread at once (recv_block_meta): SPEC 3.2's order (source rank, then source token).
 // Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
 //   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).
@@ -313,6 +314,45 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
   }
 }
 
+// A received block's routing metadata out of the slot: rows [j0, j0 + rows) of `slot` (output
+// rows from out0 + j0) -> recv_src_idx, recv_topk_idx, recv_topk_weights. Every thread of the CTA
+// takes words of the block's rows (1 + 2K each), kMetaLoads loads issued before any store, so a
+// block costs one memory latency (row by row, a warp's rows paid one each: kHtRecvMetaRows).
+inline constexpr int kMetaLoads = 4;
+__device__ __forceinline__ void recv_block_meta(const HtDispatchParams& p, int slot, int64_t j0,
+                                                int rows, int64_t out0) {
+  const HtRegion& g = p.symm.region;
+  const int K = p.top_k, mw = 1 + 2 * K;
+  const int words = rows * mw;
+  for (int i0 = 0; i0 < words; i0 += kHtThreads * kMetaLoads) {
+    uint32_t v[kMetaLoads];
+#pragma unroll
+    for (int u = 0; u < kMetaLoads; ++u) {
+      const int i = i0 + u * kHtThreads + static_cast<int>(threadIdx.x);
+      if (i < words) {
+        const int r = i / mw;
+        v[u] = ld_landed(reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, j0 + r)) +
+                         (i - r * mw));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMetaLoads; ++u) {
+      const int i = i0 + u * kHtThreads + static_cast<int>(threadIdx.x);
+      if (i >= words) continue;
+      const int r = i / mw, q = i - r * mw;
+      const int64_t out = out0 + j0 + r;
+      if (out >= p.num_rows) continue;  // worst-case overflow, reported by the kernel
+      if (q == 0) {
+        p.recv_src_idx[out] = static_cast<int32_t>(v[u]);
+      } else if (q <= K) {
+        store_topk_idx(p.recv_topk_idx, p.topk_is_i64, out * K + q - 1, static_cast<int32_t>(v[u]));
+      } else if (p.recv_topk_weights) {
+        p.recv_topk_weights[out * K + q - 1 - K] = __uint_as_float(v[u]);
+      }
+    }
+  }
+}
+
 // Receiver CTAs: first the rows this rank keeps (no waiting), then the rows from the peers as
 // their 32-row blocks complete.
 template <typename V, bool kBulk>
@@ -373,7 +413,7 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(g.scale_row(p.symm.local, slot, j));
       for (int q = lane; q < p.num_scales && !p.zero_copy; q += 32)  // zero-copy: in place
         p.recv_scales[out * p.num_scales + q] = ld_landed(sc + q);
-      if (!p.cached) {
+      if (!p.cached && (p.ablate & kHtRecvMetaRows)) {  // the A/B: row by row
         const uint32_t* meta = reinterpret_cast<const uint32_t*>(g.meta_row(p.symm.local, slot, j));
         if (lane == 0) p.recv_src_idx[out] = static_cast<int32_t>(ld_landed(meta));
         for (int k = lane; k < p.top_k; k += 32) {
@@ -385,6 +425,8 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
         }
       }
     }
+    if (!p.cached && !(p.ablate & (kHtRecvMetaRows | kAblateRemoteCopy)))
+      recv_block_meta(p, slot, b * kHtRowsPerBlock, rows, s_excl[s]);
     // Start this item's stores before thread 0 may wait for the next block.
     if constexpr (kBulk) {
       if (lane == 0) pipe.flush(p.wait);
