@@ -321,6 +321,9 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
 uint64_t* ht_trace_buffer(int device) {
   return g_ht_traces.newest(device);
 }
+uint64_t* ht_trace_buffer_of_thread() {
+  return g_ht_traces.newest_of_thread();
+}
 #endif
 
 CudaBuffer::~CudaBuffer() {

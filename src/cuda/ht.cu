@@ -424,6 +424,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     np.find_kept_runs = plan_from_words ? 1 : 0;
     np.symm = make_symm(*ht_mem_, region_, R);
     np.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtNotify);
+#ifdef EPX_HT_TRACE
+    np.trace = trace_;
+#endif
     launch_ht_notify(np, stream);
     if (worst_case) {
       num_rows = args.num_worst_tokens;

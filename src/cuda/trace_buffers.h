@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "cuda/cuda_check.h"
 
@@ -24,6 +25,7 @@ class TraceBuffers {
     EPX_CUDA_CHECK(cudaMemset(buf, 0, words * sizeof(uint64_t)), "Buffer");
     std::lock_guard<std::mutex> lock(mu_);
     newest_[device] = buf;
+    newest_of_thread_[std::this_thread::get_id()] = buf;
     return buf;
   }
   // Frees it (destructors: no throwing); it is no longer found.
@@ -32,6 +34,8 @@ class TraceBuffers {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = newest_.find(device);
       if (it != newest_.end() && it->second == buf) newest_.erase(it);
+      for (auto t = newest_of_thread_.begin(); t != newest_of_thread_.end();)
+        t = t->second == buf ? newest_of_thread_.erase(t) : std::next(t);
     }
     cudaFree(buf);
   }
@@ -41,10 +45,17 @@ class TraceBuffers {
     auto it = newest_.find(device);
     return it == newest_.end() ? nullptr : it->second;
   }
+  // The newest live buffer the calling thread created, or null.
+  uint64_t* newest_of_thread() {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = newest_of_thread_.find(std::this_thread::get_id());
+    return it == newest_of_thread_.end() ? nullptr : it->second;
+  }
 
  private:
   std::mutex mu_;
   std::map<int, uint64_t*> newest_;
+  std::map<std::thread::id, uint64_t*> newest_of_thread_;
 };
 
 }  // namespace epx::detail

@@ -35,6 +35,9 @@ struct HtNotifyParams {
   int find_kept_runs;              // with a ticket: also this rank's kept runs (ce:kept's plan)
   HtSymm symm;
   WaitContext wait;
+#ifdef EPX_HT_TRACE
+  uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
+#endif
 };
 
 // ht_dispatch: rows (+ scales, + routing metadata unless cached) to their receivers.

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   __shared__ int s_num_starts, s_num_ends;
   __shared__ int32_t s_starts[kHtHostKeptRuns], s_ends[kHtHostKeptRuns];
   const bool find_runs = p.ticket != 0 && p.find_kept_runs;  // uniform
+  if (p.exchange) EPX_HT_STAMP(p, 2, kHtTrEntry);
   if (p.exchange && tid == 0) publish_deferred_ready(p.symm, p.wait, R);
 
   for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
@@ -126,6 +127,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       p.num_tokens_per_expert[e] = s_expert[e];
   }
   if (!p.exchange) return;
+  EPX_HT_STAMP(p, 2, kHtTrStart);
 
   // ---- exchange --------------------------------------------------------------------------------
   const WaitContext& w = p.wait;
@@ -161,6 +163,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       atomicAdd(&s_recv_expert[l], ok ? ld_landed(body + R + l) : 0);
   }
   __syncthreads();
+  EPX_HT_STAMP(p, 2, kHtTrWork);
 
   // Prefix matrix, N, per-expert counts.
   if (tid < R) {
@@ -200,6 +203,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       __threadfence_system();
     }
   }
+  EPX_HT_STAMP(p, 2, kHtTrRecv);
 
   // ---- pass 2: send positions ------------------------------------------------------------------
   for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
@@ -232,7 +236,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
     __syncthreads();
   }
 
+  EPX_HT_STAMP(p, 2, kHtTrDone);
   finish_operation(p.symm, w, cur, R, [] {});
+  EPX_HT_STAMP(p, 2, kHtTrExit);
 }
 
 }  // namespace epx::detail

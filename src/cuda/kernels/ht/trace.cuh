@@ -2,11 +2,13 @@
 // EPX_HT_TRACE -> the EPX_HT_TRACE define). Without the define: no-op macros, no kernel parameter.
 //
 // With it, thread 0 of each of the first kHtTraceCtas CTAs of the ht dispatch kernel and of the
-// staged zero-copy combine kernel stores %globaltimer (ns) at each phase below into a device
-// buffer owned by CudaBuffer: stamps[op][phase][cta], op 0 = dispatch, 1 = combine. Thread 0 is
+// staged zero-copy combine kernel (and thread 0 of the one-CTA count-exchange kernel) stores
+// %globaltimer (ns) at each phase below into a device buffer owned by CudaBuffer:
+// stamps[op][phase][cta], op 0 = dispatch, 1 = combine, 2 = count exchange. Thread 0 is
 // lane 0 of warp 0, so the "work" phases are warp 0's progress; kHtTrDone follows a CTA-wide
 // barrier. The reader (tests/gpu/ht_gpu_bench.cc --trace) clears the buffer before a call and
-// reads it after; ht_trace_buffer(device) returns it. A phase a CTA does not reach stays 0.
+// reads it after; ht_trace_buffer(device) returns it (ht_trace_buffer_of_thread: the newest made
+// by the calling thread, for rank threads sharing a device). A phase a CTA does not reach stays 0.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +18,8 @@ namespace epx::detail {
 
 inline constexpr int kHtTracePhases = 8;
 inline constexpr int kHtTraceCtas = 64;
-inline constexpr size_t kHtTraceWords = size_t{2} * kHtTracePhases * kHtTraceCtas;
+inline constexpr int kHtTraceOps = 3;  // dispatch, combine, count exchange
+inline constexpr size_t kHtTraceWords = size_t{kHtTraceOps} * kHtTracePhases * kHtTraceCtas;
 
 enum HtTracePhase : int {
   kHtTrEntry = 0,  // kernel entry (after pdl_begin)
@@ -27,6 +30,9 @@ enum HtTracePhase : int {
   kHtTrDone,       // every warp of the CTA done (after a CTA barrier), before finish_operation
   kHtTrExit,       // leaving the kernel (the last CTA: after the counter reset, the ready signal
                    // and, for the combine, the end barrier)
+  // The count exchange (op 2, one CTA) stamps the same slots: entry; start = pass 1 done; work =
+  // every peer's counts received; recv = N published to the host (ticket); done = pass 2 done;
+  // exit = after its finish_operation.
   kHtTrNum
 };
 static_assert(kHtTrNum <= kHtTracePhases);
@@ -50,6 +56,8 @@ __device__ __forceinline__ void ht_trace_put(uint64_t* buf, int op, int phase) {
 // The trace buffer (device memory, kHtTraceWords uint64) of the newest live cuda Buffer on
 // `device`, or null. Bench only (src/cuda/cuda_buffer.cc).
 uint64_t* ht_trace_buffer(int device);
+// The trace buffer of the newest live cuda Buffer the calling thread made, or null (bench only).
+uint64_t* ht_trace_buffer_of_thread();
 #endif
 
 }  // namespace epx::detail

@@ -1,0 +1,323 @@
+// tests/gpu/ht_onegpu_bench.cc — a proxy for the ht dispatch kernels' GPU-side costs where only
+// one GPU is lent: R ranks as threads sharing GPU 0 (Group::cuda_shared_device, as the one-GPU
+// GPU tests), each rank's kernels on `--sms` SMs of its own (co-resident), every "peer" store
+// and load going to the same GPU's memory instead of over NVLink. Not a measure of epx's EP
+// speed (no link; the ranks share the GPU's memory bandwidth) — a same-run A/B of kernel-side
+// changes: exact vs cached, zero-copy or not, each under the output-preserving switches below.
+//
+//   epx_ht_onegpu_bench [--ranks 2] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
+//                       [--sms 16] [--calls 20] [--rounds 5] [--trace]
+//
+// Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
+// group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
+// rank's. The kernels run the warp copy path (the copy engines are off in this mode).
+// --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
+// dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels/ht/trace.cuh"
+#include "cuda/tuning.h"
+#include "epx/buffer.h"
+#include "epx/group.h"
+#include "gpu/gpu_support.h"
+#include "support/routing.h"
+#include "transport/transport.h"
+
+using namespace epx;
+
+namespace {
+
+struct Options {
+  int ranks = 2;
+  int64_t tokens = 4096, hidden = 7168;
+  int topk = 8, experts = 256, sms = 16, calls = 20, rounds = 5;
+  bool trace = false;  // --trace (EPX_HT_TRACE builds): the phase stamps of each dispatch kind
+};
+
+struct Switch {
+  const char* name;
+  int bits;
+};
+// The output-preserving switches (cuda/tuning.h) timed against the default (0).
+const Switch kSwitches[] = {
+    {"default", 0},
+    {"kept metadata late", detail::kHtKeptMetaLate},
+    {"receive metadata by row", detail::kHtRecvMetaRows},
+    {"metadata old (both)", detail::kHtKeptMetaLate | detail::kHtRecvMetaRows},
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+#ifdef EPX_HT_TRACE
+// --trace (a -DEPX_HT_TRACE=ON build): `call` (one dispatch) `iters` times, each alone after a
+// group barrier, the calling rank's stamps read after each (kernels/ht/trace.cuh: op 2 = the
+// count exchange, op 0 = the dispatch kernel); per phase the median over calls of the time after
+// the count exchange's entry (cached: the dispatch kernel's first CTA entry), µs.
+void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, const char* name,
+                    const std::function<void()>& call) {
+  uint64_t* buf = detail::ht_trace_buffer_of_thread();
+  if (buf == nullptr) return;
+  using detail::kHtTraceCtas;
+  using detail::kHtTracePhases;
+  const int n = std::min(ctas, kHtTraceCtas);
+  std::vector<uint64_t> host(detail::kHtTraceWords);
+  struct Col {
+    const char* what;
+    std::vector<double> v;
+  };
+  std::vector<Col> cols = {{"exchange: pass 1 done", {}},
+                           {"exchange: counts in", {}},
+                           {"exchange: N published", {}},
+                           {"exchange: pass 2 done", {}},
+                           {"exchange: exit", {}},
+                           {"dispatch: first CTA entry", {}},
+                           {"dispatch: peers ready (median CTA)", {}},
+                           {"dispatch: warp 0 sent (median CTA)", {}},
+                           {"dispatch: warp 0 sent (last CTA)", {}},
+                           {"dispatch: receive done (median CTA)", {}},
+                           {"dispatch: receive done (last CTA)", {}},
+                           {"dispatch: exit (last CTA)", {}}};
+  for (int i = 0; i < iters; ++i) {
+    CUDA_OK(cudaMemsetAsync(buf, 0, detail::kHtTraceWords * sizeof(uint64_t), stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    g.transport()->barrier("onegpu trace");
+    call();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpyAsync(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
+                            cudaMemcpyDeviceToHost, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    auto at = [&](int op, int ph, int c) {
+      return host[(static_cast<size_t>(op) * kHtTracePhases + ph) * kHtTraceCtas + c];
+    };
+    auto ctas_of = [&](int ph) {  // dispatch stamps of phase ph over the CTAs that reached it
+      std::vector<uint64_t> v;
+      for (int c = 0; c < n; ++c)
+        if (at(0, ph, c)) v.push_back(at(0, ph, c));
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    const std::vector<uint64_t> entry = ctas_of(detail::kHtTrEntry);
+    if (entry.empty()) continue;
+    const uint64_t t0 = at(2, detail::kHtTrEntry, 0) ? at(2, detail::kHtTrEntry, 0) : entry[0];
+    auto us = [&](uint64_t t) { return t >= t0 ? (t - t0) / 1e3 : -1.0; };
+    int c = 0;
+    // The count exchange (zero where the op had none: cached).
+    const int ex[] = {detail::kHtTrStart, detail::kHtTrWork, detail::kHtTrRecv, detail::kHtTrDone,
+                      detail::kHtTrExit};
+    for (int ph : ex) {
+      if (at(2, ph, 0)) cols[c].v.push_back(us(at(2, ph, 0)));
+      ++c;
+    }
+    cols[c++].v.push_back(us(entry[0]));
+    auto mid_last = [&](int ph, bool with_mid) {
+      const std::vector<uint64_t> v = ctas_of(ph);
+      if (with_mid) {
+        if (!v.empty()) cols[c].v.push_back(us(v[v.size() / 2]));
+        ++c;
+      }
+      if (!v.empty()) cols[c].v.push_back(us(v.back()));
+      ++c;
+    };
+    {
+      const std::vector<uint64_t> v = ctas_of(detail::kHtTrStart);
+      if (!v.empty()) cols[c].v.push_back(us(v[v.size() / 2]));
+      ++c;
+    }
+    mid_last(detail::kHtTrWork, true);
+    mid_last(detail::kHtTrRecv, true);
+    mid_last(detail::kHtTrExit, false);
+  }
+  if (g.rank() != 0) return;  // every rank traced its own; rank 0 prints
+  std::printf("[trace rank %d] %s: us after the count exchange's entry, median of %d calls\n",
+              g.rank(), name, iters);
+  for (const Col& col : cols)
+    if (!col.v.empty())
+      std::printf("[trace rank %d]   %-40s %8.2f\n", g.rank(), col.what, median(col.v));
+  std::fflush(stdout);
+}
+#endif
+
+int run_rank(const Group& g, const Options& o) {
+  const int R = g.size(), r = g.rank(), dev = gpu_testing::device_of(g);
+  const int64_t T = o.tokens, H = o.hidden;
+  const int K = o.topk;
+  cudaStream_t stream = gpu_testing::rank_stream();
+  const Allocator alloc = gpu_testing::device_allocator();
+  std::mt19937_64 rng(4321 + r);
+  auto topk = epx::testing::make_topk_idx(epx::testing::Routing::kUniform, T, K, o.experts, R, rng);
+  auto weights = epx::testing::make_topk_weights(topk, rng);
+  auto xb = epx::testing::make_bf16(T, H, rng);
+  Tensor d_topk = gpu_testing::to_device(topk, DType::kI64, {T, K}, dev);
+  Tensor d_w = gpu_testing::to_device(weights, DType::kF32, {T, K}, dev);
+  Tensor d_x = gpu_testing::to_device(xb, DType::kBF16, {T, H}, dev);
+  MoeShape shape;
+  shape.hidden = H;
+  shape.top_k = K;
+  shape.num_experts = o.experts;
+  shape.max_tokens_per_rank = T;
+  Buffer buf(g, shape);
+  HtDispatchArgs exact;
+  exact.x = d_x;
+  exact.topk_idx = d_topk;
+  exact.topk_weights = d_w;
+  exact.stream = stream;
+  const HtDispatchResult first = buf.ht_dispatch(exact, alloc);
+  HtDispatchArgs cached = exact;
+  cached.handle = &first.handle;
+  cached.topk_idx = TensorView();
+  cached.topk_weights = TensorView();
+  HtDispatchArgs zc_exact = exact, zc_cached = cached;
+  zc_exact.zero_copy = zc_cached.zero_copy = true;
+  HtDispatchArgs worst = exact;  // no host wait: the count exchange and the kernel back to back
+  worst.num_worst_tokens = T * R;
+
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  // µs per call of o.calls dispatches back to back, median of o.rounds; every rank times its own.
+  auto timed_op = [&](const std::function<void()>& op) {
+    std::vector<double> us;
+    for (int round = 0; round <= o.rounds; ++round) {  // round 0: warm-up
+      CUDA_OK(cudaStreamSynchronize(stream));
+      g.transport()->barrier("onegpu bench round");
+      CUDA_OK(cudaEventRecord(e0, stream));
+      for (int c = 0; c < o.calls; ++c) op();
+      CUDA_OK(cudaEventRecord(e1, stream));
+      CUDA_OK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+      if (round > 0) us.push_back(1e3 * ms / o.calls);
+    }
+    return median(us);
+  };
+  auto timed = [&](const HtDispatchArgs& args) {
+    return timed_op([&] { (void)buf.ht_dispatch(args, alloc); });
+  };
+  struct Row {
+    const char* op;
+    const HtDispatchArgs* args;
+  };
+  const Row rows[] = {{"cached", &cached},
+                      {"exact", &exact},
+                      {"worst-case", &worst},
+                      {"cached, zero-copy", &zc_cached},
+                      {"exact, zero-copy", &zc_exact}};
+  // Rank 0 prints its time and the slowest rank's (gathered through a device-free exchange:
+  // every rank writes its time into a shared vector between two barriers).
+  static std::vector<double> g_times;
+  if (r == 0) {
+    g_times.assign(R, 0.0);
+    std::printf(
+        "ht one-GPU proxy: R=%d ranks on one GPU, %d SMs each, T=%lld H=%lld K=%d E=%d, uniform "
+        "routing, warp copy path; us per dispatch (%d back to back, median of %d rounds): rank 0 "
+        "/ slowest rank\n",
+        R, o.sms, static_cast<long long>(T), static_cast<long long>(H), K, o.experts, o.calls,
+        o.rounds);
+  }
+  g.transport()->barrier("onegpu bench start");
+  {  // the layout alone: the count-exchange kernel's pass 1 (no exchange, no pass 2)
+    const double us = timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); });
+    g_times[r] = us;
+    g.transport()->barrier("onegpu bench gathered");
+    if (r == 0) {
+      std::printf("  layout (count kernel, pass 1 only) %10.1f %10.1f\n", us,
+                  *std::max_element(g_times.begin(), g_times.end()));
+      std::fflush(stdout);
+    }
+  }
+  for (const Switch& sw : kSwitches) {
+    for (const Row& row : rows) {
+      if (sw.bits != 0 && row.args->handle != nullptr) continue;  // cached: no metadata moves
+      g.transport()->barrier("onegpu bench switch");
+      if (r == 0) detail::set_ht_ablation(sw.bits);
+      g.transport()->barrier("onegpu bench switch set");
+      const double us = timed(*row.args);
+      g_times[r] = us;
+      g.transport()->barrier("onegpu bench gathered");
+      if (r == 0) {
+        const double slowest = *std::max_element(g_times.begin(), g_times.end());
+        std::printf("  dispatch bf16 (%s) [%s] %10.1f %10.1f\n", row.op, sw.name, us, slowest);
+        std::fflush(stdout);
+      }
+    }
+  }
+#ifdef EPX_HT_TRACE
+  if (o.trace) {
+    for (const Row& row : rows) {
+      g.transport()->barrier("onegpu trace row");
+      trace_dispatch(g, stream, o.rounds * 4, o.sms, row.op,
+                     [&] { (void)buf.ht_dispatch(*row.args, alloc); });
+    }
+  }
+#endif
+  g.transport()->barrier("onegpu bench end");
+  if (r == 0) detail::set_ht_ablation(0);
+  buf.check();
+  CUDA_OK(cudaEventDestroy(e0));
+  CUDA_OK(cudaEventDestroy(e1));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--trace") {
+#ifndef EPX_HT_TRACE
+      std::fprintf(stderr, "--trace needs a build with -DEPX_HT_TRACE=ON\n");
+      return 2;
+#endif
+      o.trace = true;
+      continue;
+    }
+    if (a == "--help" || i + 1 >= argc) {
+      std::fprintf(stderr,
+                   "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
+                   "[--sms S] [--calls N] [--rounds N] [--trace]\n",
+                   argv[0]);
+      return a == "--help" ? 0 : 2;
+    }
+    const char* v = argv[++i];
+    if (a == "--ranks")
+      o.ranks = std::atoi(v);
+    else if (a == "--tokens")
+      o.tokens = std::atoll(v);
+    else if (a == "--hidden")
+      o.hidden = std::atoll(v);
+    else if (a == "--topk")
+      o.topk = std::atoi(v);
+    else if (a == "--experts")
+      o.experts = std::atoi(v);
+    else if (a == "--sms")
+      o.sms = std::atoi(v);
+    else if (a == "--calls")
+      o.calls = std::atoi(v);
+    else if (a == "--rounds")
+      o.rounds = std::atoi(v);
+    else {
+      std::fprintf(stderr, "unknown option %s (--help)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (gpu_testing::visible_gpus() == 0) {
+    std::printf("epx_ht_onegpu_bench: no GPU visible, nothing to measure\n");
+    return 0;
+  }
+  GroupOptions options;
+  options.num_sms = o.sms;
+  return gpu_testing::run_cuda_ranks_one_gpu(
+      o.ranks, 0, [&](const Group& g) { return run_rank(g, o); }, options);
+}
