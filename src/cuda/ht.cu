@@ -422,6 +422,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     const bool plan_from_words = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only &&
                                  !(ht_ablation() & kHtKeptPlanCopied);
     np.find_kept_runs = plan_from_words ? 1 : 0;
+    np.ablate = ht_ablation();
     np.symm = make_symm(*ht_mem_, region_, R);
     np.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtNotify);
 #ifdef EPX_HT_TRACE

@@ -12,12 +12,17 @@ namespace epx::detail {
 // A/B switches, also used by the ht GPU tests); the protocol (waits, counters, sequence numbers)
 // still runs.
 enum HtAblate : int {
-  kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
-  kAblateRemoteCopy = 2,   // dispatch receivers wait for blocks but do not copy them out
-  kAblateReduce = 8,       // combine reducers wait for blocks but do not reduce
-  kAblateEnginePush = 16,  // copy-engine dispatch: no pushes into the peers' slots
-  kAblateEngineKept = 32,  // copy-engine dispatch: no kept-row copies
-  kAblateEngineOut = 64,   // copy-engine dispatch: no copy-out of the slots
+  kAblateSelf = 1,                 // dispatch receivers skip the rows the rank keeps
+  kAblateRemoteCopy = 2,           // dispatch receivers wait for blocks but do not copy them out
+  kAblateReduce = 8,               // combine reducers wait for blocks but do not reduce
+  kAblateEnginePush = 16,          // copy-engine dispatch: no pushes into the peers' slots
+  kAblateEngineKept = 32,          // copy-engine dispatch: no kept-row copies
+  kAblateEngineOut = 64,           // copy-engine dispatch: no copy-out of the slots
+  kAblateNotifyExperts = 1 << 20,  // count exchange: pass 1 counts no selections per expert
+  kAblateNotifyLoads = 1 << 21,    // count exchange: ids made up ((t * K + k) % E), not loaded
+  kAblateNotifyInRank = 1 << 22,   // count exchange: is_token_in_rank not written
+  kAblateNotifyMask = 1 << 23,     // count exchange: every token's mask made up (all ranks)
+  kAblateNotifyRuns = 1 << 24,     // count exchange: no kept-run search
   // Not an ablation (outputs unchanged): combine rounds with the float32 -> bf16 emulation
   // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
   kHtEmulatedBf16 = 128,
@@ -43,14 +48,18 @@ enum HtAblate : int {
   // each token's expert ids loaded one after the other, and pass 2 loading them again instead of
   // reading the masks pass 1 kept in shared memory — the same-run A/B.
   kHtNotifyOld = 8192,
-  // Not an ablation either: routing metadata loads as before the tenth session — a kept row's
-  // and a sent row's weight load issued after its expert id's (dispatch_kept_row,
-  // dispatch_meta_word) instead of both loads together — the same-run A/B.
+  // Not an ablation either: routing metadata loads as before the eleventh session — each kept
+  // row's and sent row's ids and weights loaded when its metadata is stored, the weight after the
+  // id (dispatch_meta_word), instead of a token's ids and weights loaded into registers when the
+  // token starts (load_token_meta, overlapping its row copy) — the same-run A/B.
   kHtKeptMetaLate = 16384,
   // Not an ablation either: dispatch receivers copy a block's routing metadata out row by row
   // (one warp per row, the rows of a warp one after the other) instead of with every thread of the
   // CTA at once (eleventh session) — the same-run A/B.
   kHtRecvMetaRows = 32768,
+  // Not an ablation either: the count exchange finds each expert id's rank by a division, not by
+  // its expert -> rank table in shared memory (eleventh session) — the same-run A/B.
+  kHtNotifyDivide = 65536,
 };
 
 struct HtTuning {

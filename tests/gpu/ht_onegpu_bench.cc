@@ -6,7 +6,7 @@
 // changes: exact vs cached, zero-copy or not, each under the output-preserving switches below.
 //
 //   epx_ht_onegpu_bench [--ranks 2] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
-//                       [--sms 16] [--calls 20] [--rounds 5] [--trace]
+//                       [--sms 16] [--calls 20] [--rounds 5] [--bits N] [--trace]
 //
 // Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
@@ -39,6 +39,7 @@ struct Options {
   int ranks = 2;
   int64_t tokens = 4096, hidden = 7168;
   int topk = 8, experts = 256, sms = 16, calls = 20, rounds = 5;
+  int bits = 0;  // --bits N: HtAblate bits OR-ed into every row's (an ablation: outputs wrong)
   bool trace = false;  // --trace (EPX_HT_TRACE builds): the phase stamps of each dispatch kind
 };
 
@@ -76,7 +77,9 @@ void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, co
     const char* what;
     std::vector<double> v;
   };
-  std::vector<Col> cols = {{"exchange: pass 1 done", {}},
+  std::vector<Col> cols = {{"exchange: set-up done", {}},
+                           {"exchange: pass 1 round 0 done", {}},
+                           {"exchange: pass 1 done", {}},
                            {"exchange: counts in", {}},
                            {"exchange: N published", {}},
                            {"exchange: pass 2 done", {}},
@@ -113,7 +116,8 @@ void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, co
     auto us = [&](uint64_t t) { return t >= t0 ? (t - t0) / 1e3 : -1.0; };
     int c = 0;
     // The count exchange (zero where the op had none: cached).
-    const int ex[] = {detail::kHtTrStart, detail::kHtTrWork, detail::kHtTrRecv, detail::kHtTrDone,
+    const int ex[] = {detail::kHtTrNotifySetUp, detail::kHtTrNotifyRound0, detail::kHtTrStart,
+                      detail::kHtTrWork,        detail::kHtTrRecv,         detail::kHtTrDone,
                       detail::kHtTrExit};
     for (int ph : ex) {
       if (at(2, ph, 0)) cols[c].v.push_back(us(at(2, ph, 0)));
@@ -240,7 +244,7 @@ int run_rank(const Group& g, const Options& o) {
     for (const Row& row : rows) {
       if (sw.bits != 0 && row.args->handle != nullptr) continue;  // cached: no metadata moves
       g.transport()->barrier("onegpu bench switch");
-      if (r == 0) detail::set_ht_ablation(sw.bits);
+      if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");
       const double us = timed(*row.args);
       g_times[r] = us;
@@ -254,6 +258,8 @@ int run_rank(const Group& g, const Options& o) {
   }
 #ifdef EPX_HT_TRACE
   if (o.trace) {
+    if (r == 0) detail::set_ht_ablation(o.bits);
+    g.transport()->barrier("onegpu trace bits");
     for (const Row& row : rows) {
       g.transport()->barrier("onegpu trace row");
       trace_dispatch(g, stream, o.rounds * 4, o.sms, row.op,
@@ -286,7 +292,7 @@ int main(int argc, char** argv) {
     if (a == "--help" || i + 1 >= argc) {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms S] [--calls N] [--rounds N] [--trace]\n",
+                   "[--sms S] [--calls N] [--rounds N] [--bits N] [--trace]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
@@ -307,6 +313,8 @@ int main(int argc, char** argv) {
       o.calls = std::atoi(v);
     else if (a == "--rounds")
       o.rounds = std::atoi(v);
+    else if (a == "--bits")
+      o.bits = std::atoi(v);
     else {
       std::fprintf(stderr, "unknown option %s (--help)\n", a.c_str());
       return 2;

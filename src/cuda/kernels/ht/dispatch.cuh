@@ -46,7 +46,8 @@ __device__ __forceinline__ void store_topk_idx(void* out, int is_i64, int64_t i,
   }
 }
 
-// Word i of a dispatch meta row for destination d: {src_idx, local idx [K], weight [K]}.
+// Word i of a dispatch meta row for destination d: {src_idx, local idx [K], weight [K]}, loaded
+// where it is needed (the weight after the id) — the A/B path (kHtKeptMetaLate) only.
 __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p, int64_t t, int d,
                                                        int i) {
   if (i == 0) return static_cast<uint32_t>(t);
@@ -55,16 +56,44 @@ __device__ __forceinline__ uint32_t dispatch_meta_word(const HtDispatchParams& p
   const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
   const bool local = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
   if (i <= K) return static_cast<uint32_t>(local ? static_cast<int32_t>(e - d * L) : -1);
-  if (p.ablate & kHtKeptMetaLate) {  // the A/B: the weight's load issued after the id's
-    const float w = (local && p.topk_weights)
-                        ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
-                        : 0.0f;
-    return __float_as_uint(w);
+  const float w = (local && p.topk_weights)
+                      ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
+                      : 0.0f;
+  return __float_as_uint(w);
+}
+
+// A token's routing in registers (top_k <= 32): lane k < K holds its k-th expert id (-1 when
+// outside [0, E): routed nowhere, as the count exchange has it) and weight (0 without weights).
+// Loaded when the token starts, so the loads' latency overlaps its row copy; every metadata word
+// and kept-row field is then formed from registers (meta_word).
+struct TokenMeta {
+  int32_t e = -1;
+  float w = 0.0f;
+};
+__device__ __forceinline__ TokenMeta load_token_meta(const HtDispatchParams& p, int64_t t,
+                                                     int lane) {
+  TokenMeta m;
+  if (lane < p.top_k) {
+    const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, lane);
+    if (p.topk_weights) m.w = p.topk_weights[t * p.weights_stride + lane * p.weights_stride1];
+    const int64_t E = static_cast<int64_t>(p.num_local_experts) * p.num_ranks;
+    m.e = e >= 0 && e < E ? static_cast<int32_t>(e) : -1;
   }
-  // The weight loaded whatever the id (always in range): its latency overlaps the id's.
-  const float w =
-      p.topk_weights ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1] : 0.0f;
-  return __float_as_uint(local ? w : 0.0f);
+  return m;
+}
+// Word q of token t's meta row for destination d, from `m` (as dispatch_meta_word; 0 for
+// q >= 1 + 2K). Every lane of the warp must call it (shuffles).
+__device__ __forceinline__ uint32_t meta_word(const HtDispatchParams& p, const TokenMeta& m,
+                                              int64_t t, int d, int q) {
+  const int K = p.top_k, L = p.num_local_experts;
+  const int k = q == 0 ? 0 : (q <= K ? q - 1 : q - 1 - K);
+  const int e = __shfl_sync(0xffffffffu, m.e, k & 31);
+  const float w = __shfl_sync(0xffffffffu, m.w, k & 31);
+  const bool local = e >= d * L && e < (d + 1) * L;
+  if (q == 0) return static_cast<uint32_t>(t);
+  if (q <= K) return static_cast<uint32_t>(local ? e - d * L : -1);
+  if (q <= 2 * K) return __float_as_uint(local ? w : 0.0f);
+  return 0u;
 }
 
 // A token's scale words in registers: lane holds words lane and lane + 32 (the first
@@ -123,37 +152,32 @@ __device__ __forceinline__ int recv_cta0(const HtDispatchParams& p) {
 // One row this rank keeps, x[t] -> recv_*[pos] (+ scales, src_idx, local ids); the x row when
 // copy_x (false: a bulk copy moves it) unless the copy engines copy the kept rows (engine_kept)
 // or move every row (engine_x).
-// `sc`: token t's scale words (load_token_scales), loaded by the caller.
+// `sc`: token t's scale words (load_token_scales), `m` its routing (load_token_meta; unused under
+// kHtKeptMetaLate), loaded by the caller.
 template <typename V>
 __device__ __forceinline__ void dispatch_kept_row(const HtDispatchParams& p, int64_t t, int64_t pos,
                                                   const V* src, int64_t nv, int lane, bool copy_x,
-                                                  const TokenScales& sc) {
+                                                  const TokenScales& sc, const TokenMeta& m) {
   if (copy_x && !p.engine_x && !p.engine_kept)
     copy_row<V, false>(src, reinterpret_cast<V*>(p.recv_x + pos * p.row_bytes), nv, lane);
   if (p.num_scales > 0)
     store_token_scales(p, t, sc, p.recv_scales + pos * static_cast<int64_t>(p.num_scales), lane);
   if (!p.cached) {
     if (lane == 0) p.recv_src_idx[pos] = static_cast<int32_t>(t);
-    const int K = p.top_k, L = p.num_local_experts;
-    for (int k = lane; k < K; k += 32) {
-      const int64_t o = pos * static_cast<int64_t>(K) + k;
-      if (p.ablate & kHtKeptMetaLate) {  // the A/B: the weight's load waits for the id's
+    const int K = p.top_k, L = p.num_local_experts, me = p.rank;
+    if (p.ablate & kHtKeptMetaLate) {  // the A/B: loaded here, the weight after the id
+      for (int k = lane; k < K; k += 32) {
+        const int64_t o = pos * static_cast<int64_t>(K) + k;
         store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                       static_cast<int32_t>(dispatch_meta_word(p, t, p.rank, 1 + k)));
+                       static_cast<int32_t>(dispatch_meta_word(p, t, me, 1 + k)));
         if (p.recv_topk_weights)
-          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, p.rank, 1 + K + k));
-        continue;
+          p.recv_topk_weights[o] = __uint_as_float(dispatch_meta_word(p, t, me, 1 + K + k));
       }
-      // The id and the weight loaded together (one memory latency per kept token, not two).
-      const int64_t e = ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k);
-      const float wt = p.recv_topk_weights && p.topk_weights
-                           ? p.topk_weights[t * p.weights_stride + k * p.weights_stride1]
-                           : 0.0f;
-      const bool local =
-          e >= static_cast<int64_t>(p.rank) * L && e < static_cast<int64_t>(p.rank + 1) * L;
-      store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o,
-                     local ? static_cast<int32_t>(e - static_cast<int64_t>(p.rank) * L) : -1);
-      if (p.recv_topk_weights) p.recv_topk_weights[o] = local ? wt : 0.0f;
+    } else if (lane < K) {
+      const int64_t o = pos * static_cast<int64_t>(K) + lane;
+      const bool local = m.e >= me * L && m.e < (me + 1) * L;
+      store_topk_idx(p.recv_topk_idx, p.topk_is_i64, o, local ? m.e - me * L : -1);
+      if (p.recv_topk_weights) p.recv_topk_weights[o] = local ? m.w : 0.0f;
     }
   }
 }
@@ -186,6 +210,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
+  // Routing metadata from registers (load_token_meta), unless cached or the A/B.
+  const bool meta_regs = !p.cached && !(p.ablate & kHtKeptMetaLate);
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
   // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
   const bool with_me = p.zero_copy != 0;
@@ -218,13 +244,16 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
       const int32_t next = (t + 1 < t_end && mine) ? p.send_pos[(t + 1) * R + lane] : -1;
       TokenScales sc_next{};
       if (p.num_scales > 0 && t + 1 < t_end) sc_next = load_token_scales(p, t + 1, lane);
+      // The token's routing, before its rows are copied (the loads overlap the copy).
+      TokenMeta tm;
+      if (meta_regs) tm = load_token_meta(p, t, lane);
       const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
       const V* src = reinterpret_cast<const V*>(p.x + t * p.x_stride);
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t row = __shfl_sync(0xffffffffu, pos, d);  // in d's recv_x
         if (d == me) {                                         // zero-copy only
-          if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true, sc);
+          if (row < p.num_rows) dispatch_kept_row<V>(p, t, row, src, nv, lane, true, sc, tm);
           continue;
         }
         const int64_t j = row - s_excl[d];
@@ -244,7 +273,13 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
               reinterpret_cast<uint32_t*>(p.zero_copy ? g.scale_recv_row(peer, row, p.num_scales)
                                                       : g.scale_row(peer, slot, j)),
               lane);
-        if (!p.cached) {
+        if (meta_regs) {
+          uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
+          for (int q0 = 0; q0 < meta_words; q0 += 32) {  // every lane: meta_word shuffles
+            const uint32_t v = meta_word(p, tm, t, d, q0 + lane);
+            if (q0 + lane < meta_words) meta[q0 + lane] = v;
+          }
+        } else if (!p.cached) {  // the A/B (kHtKeptMetaLate): loaded here, per word
           uint32_t* meta = reinterpret_cast<uint32_t*>(g.meta_row(peer, slot, j));
           for (int q = lane; q < meta_words; q += 32) meta[q] = dispatch_meta_word(p, t, d, q);
         }
@@ -306,8 +341,10 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     }
     TokenScales sc{};
     if (p.num_scales > 0) sc = load_token_scales(p, t, lane);
+    TokenMeta tm;
+    if (!p.cached && !(p.ablate & kHtKeptMetaLate)) tm = load_token_meta(p, t, lane);
     dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane,
-                         !kBulk, sc);
+                         !kBulk, sc, tm);
   }
   if constexpr (kBulk) {
     if (lane == 0) pipe.flush(p.wait);  // stores under way before the receive loop may wait

@@ -35,6 +35,7 @@ struct HtNotifyParams {
   int find_kept_runs;              // with a ticket: also this rank's kept runs (ce:kept's plan)
   HtSymm symm;
   WaitContext wait;
+  int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
 #ifdef EPX_HT_TRACE
   uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
 #endif

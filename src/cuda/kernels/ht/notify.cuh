@@ -23,17 +23,20 @@ namespace epx::detail {
 // Destination-rank mask of token t; reports out-of-range ids when `report`. The ids are loaded
 // kChunk at a time, each chunk's loads issued together (one memory latency per chunk; with
 // kChunk = 1 every id waits for the one before, which took ~60 us at T = 4096).
+// `s_rank_of`: expert -> rank table (shared memory), or null: a division per id (the A/B,
+// kHtNotifyDivide; measured 15 of the 17 us pass 1 took at T = 4096 with the division).
 template <int kChunk>
 __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64_t t, int* s_expert,
-                                                  bool report) {
+                                                  const uint8_t* s_rank_of, bool report) {
   uint32_t mask = 0;
   for (int k0 = 0; k0 < p.top_k; k0 += kChunk) {
     int64_t ids[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j)
-      ids[j] = k0 + j < p.top_k
-                   ? ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k0 + j)
-                   : int64_t{-1};
+      ids[j] = k0 + j >= p.top_k ? int64_t{-1}
+               : (p.ablate & kAblateNotifyLoads)
+                   ? (t * p.top_k + k0 + j) % p.num_experts
+                   : ht_load_expert(p.topk_idx, p.topk_stride, p.topk_is_i64, t, k0 + j);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       const int64_t e = ids[j];
@@ -42,20 +45,23 @@ __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64
         continue;
       }
       if (e < 0) continue;
-      if (s_expert) atomicAdd(&s_expert[e], 1);
-      mask |= 1u << static_cast<uint32_t>(e / p.num_local_experts);
+      if (s_expert && !(p.ablate & kAblateNotifyExperts)) atomicAdd(&s_expert[e], 1);
+      mask |= 1u << (s_rank_of ? static_cast<uint32_t>(s_rank_of[e])
+                               : static_cast<uint32_t>(e / p.num_local_experts));
     }
   }
   return mask;
 }
 
 // Dynamic shared memory of ht_notify_kernel: the counters below, then, when `masks`, one mask
-// word per token (pass 2 reads them instead of loading topk_idx again).
+// word per token (pass 2 reads them instead of loading topk_idx again), then the expert -> rank
+// table (E bytes).
 inline size_t ht_notify_smem(const HtNotifyParams& p, bool masks) {
   const size_t words =
       static_cast<size_t>(p.num_experts + p.num_local_experts + p.num_ranks * p.num_ranks +
                           (kNotifyThreads / 32) * p.num_ranks);
-  return 4 * (words + (masks ? static_cast<size_t>(p.num_tokens) : 0));
+  return 4 * (words + (masks ? static_cast<size_t>(p.num_tokens) : 0)) +
+         static_cast<size_t>(p.num_experts);
 }
 // Largest mask array kept in shared memory (tokens beyond it: pass 2 reloads topk_idx).
 inline constexpr int kNotifyMaxSmemMasks = 16384;
@@ -74,6 +80,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   int* s_matrix = s_recv_expert + L;              // [R][R] cnt[s][d]
   int* s_warp = s_matrix + R * R;                 // [kWarps][R] per-warp counts, then offsets
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_warp + kWarps * R);  // [T] if kMasks
+  uint8_t* s_rank_of = reinterpret_cast<uint8_t*>(s_mask + (kMasks ? p.num_tokens : 0));  // [E]
   __shared__ int s_rank_count[kMaxHtRanks];
   __shared__ int s_run[kMaxHtRanks];
   __shared__ int s_offset[kMaxHtRanks];
@@ -83,22 +90,30 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   __shared__ int s_kept_carry;  // kept(first token of this round - 1)
   __shared__ int s_num_starts, s_num_ends;
   __shared__ int32_t s_starts[kHtHostKeptRuns], s_ends[kHtHostKeptRuns];
-  const bool find_runs = p.ticket != 0 && p.find_kept_runs;  // uniform
+  const bool find_runs =
+      p.ticket != 0 && p.find_kept_runs && !(p.ablate & kAblateNotifyRuns);  // uniform
   if (p.exchange) EPX_HT_STAMP(p, 2, kHtTrEntry);
   if (p.exchange && tid == 0) publish_deferred_ready(p.symm, p.wait, R);
 
   for (int i = tid; i < p.num_experts; i += kNotifyThreads) s_expert[i] = 0;
   for (int i = tid; i < L; i += kNotifyThreads) s_recv_expert[i] = 0;
+  for (int i = tid; i < p.num_experts; i += kNotifyThreads)
+    s_rank_of[i] = static_cast<uint8_t>(i / L);
+  const uint8_t* rank_of = kOld || (p.ablate & kHtNotifyDivide) ? nullptr : s_rank_of;
   if (tid < kMaxHtRanks) s_rank_count[tid] = s_run[tid] = 0;
   if (tid == 0) s_kept_carry = s_num_starts = s_num_ends = 0;
   __syncthreads();
+  if (p.exchange) EPX_HT_STAMP(p, 2, kHtTrNotifySetUp);
 
   // ---- pass 1: masks and counts ---------------------------------------------------------------
   for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
     const int64_t t = base + tid;
-    const uint32_t mask = t < p.num_tokens ? ht_token_mask<kChunk>(p, t, s_expert, true) : 0u;
+    const uint32_t mask = t >= p.num_tokens ? 0u
+                          : (p.ablate & kAblateNotifyMask)
+                              ? (1u << R) - 1u
+                              : ht_token_mask<kChunk>(p, t, s_expert, rank_of, true);
     if (kMasks && t < p.num_tokens) s_mask[t] = mask;
-    if (t < p.num_tokens && p.is_token_in_rank) {
+    if (t < p.num_tokens && p.is_token_in_rank && !(p.ablate & kAblateNotifyInRank)) {
       for (int d = 0; d < R; ++d) p.is_token_in_rank[t * R + d] = (mask >> d) & 1u;
     }
     for (int d = 0; d < R; ++d) {
@@ -119,6 +134,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       __syncthreads();
       if (tid == kNotifyThreads - 1) s_kept_carry = kept;
     }
+#ifdef EPX_HT_TRACE
+    if (base == 0 && p.exchange) {
+      __syncthreads();
+      EPX_HT_STAMP(p, 2, kHtTrNotifyRound0);
+    }
+#endif
   }
   __syncthreads();
   if (p.num_tokens_per_rank && tid < R) p.num_tokens_per_rank[tid] = s_rank_count[tid];
@@ -209,7 +230,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   for (int64_t base = 0; base < p.num_tokens; base += kNotifyThreads) {
     const int64_t t = base + tid;
     uint32_t mask = 0;
-    if (t < p.num_tokens) mask = kMasks ? s_mask[t] : ht_token_mask<kChunk>(p, t, nullptr, false);
+    if (t < p.num_tokens)
+      mask = kMasks ? s_mask[t] : ht_token_mask<kChunk>(p, t, nullptr, rank_of, false);
     for (int d = 0; d < R; ++d) {
       const uint32_t bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
       if (lane == 0) s_warp[warp * R + d] = __popc(bits);

@@ -33,9 +33,13 @@ enum HtTracePhase : int {
   // The count exchange (op 2, one CTA) stamps the same slots: entry; start = pass 1 done; work =
   // every peer's counts received; recv = N published to the host (ticket); done = pass 2 done;
   // exit = after its finish_operation.
-  kHtTrNum
+  kHtTrNum,
+  // The count exchange's two more: its set-up done (shared counters zeroed), pass 1's first
+  // round of kNotifyThreads tokens done.
+  kHtTrNotifySetUp = kHtTrNum,
+  kHtTrNotifyRound0,
 };
-static_assert(kHtTrNum <= kHtTracePhases);
+static_assert(kHtTrNotifyRound0 < kHtTracePhases);
 
 #if defined(EPX_HT_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ht_trace_put(uint64_t* buf, int op, int phase) {
