@@ -9,7 +9,7 @@ namespace epx::detail {
 namespace {
 
 template <bool kOld, bool kMasks>
-void launch_variant(const HtNotifyParams& p, size_t smem, cudaStream_t stream) {
+void launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t stream) {
   auto kernel = ht_notify_kernel<kOld, kMasks>;
   static const size_t static_smem = [kernel] {  // the kernel's own __shared__ arrays
     cudaFuncAttributes a{};
@@ -20,22 +20,44 @@ void launch_variant(const HtNotifyParams& p, size_t smem, cudaStream_t stream) {
                                         static_cast<int>(smem)),
                    "ht count exchange");
   }
-  kernel<<<1, kNotifyThreads, smem, stream>>>(p);
+  if (ctas == 1) {
+    kernel<<<1, kNotifyThreads, smem, stream>>>(p);
+    return;
+  }
+  // One cluster of `ctas` CTAs (portable size: at most 8), so that they share their counts
+  // through distributed shared memory and barrier together.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(kNotifyThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(ctas);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p), "ht count exchange: launch");
 }
 
 }  // namespace
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
-  const bool old = (ht_ablation() & kHtNotifyOld) != 0;
+  const int ablate = ht_ablation();
+  const bool old = (ablate & kHtNotifyOld) != 0;
+  // The tokens split over a cluster of CTAs (the old kernel and the A/B: one CTA).
+  const int ctas = old || (ablate & kHtNotifyOneCta) ? 1 : ht_notify_ctas(p.num_tokens);
   // Pass 2 reads the masks pass 1 kept (layout-only calls have no pass 2).
-  const bool masks = !old && p.exchange && p.num_tokens <= kNotifyMaxSmemMasks;
-  const size_t smem = ht_notify_smem(p, masks);
+  const bool masks =
+      !old && p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;
+  const size_t smem = ht_notify_smem(p, masks, ctas);
   if (old) {
-    launch_variant<true, false>(p, smem, stream);
+    launch_variant<true, false>(p, smem, ctas, stream);
   } else if (masks) {
-    launch_variant<false, true>(p, smem, stream);
+    launch_variant<false, true>(p, smem, ctas, stream);
   } else {
-    launch_variant<false, false>(p, smem, stream);
+    launch_variant<false, false>(p, smem, ctas, stream);
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht count exchange: launch");
 }

@@ -12,17 +12,12 @@ namespace epx::detail {
 // A/B switches, also used by the ht GPU tests); the protocol (waits, counters, sequence numbers)
 // still runs.
 enum HtAblate : int {
-  kAblateSelf = 1,                 // dispatch receivers skip the rows the rank keeps
-  kAblateRemoteCopy = 2,           // dispatch receivers wait for blocks but do not copy them out
-  kAblateReduce = 8,               // combine reducers wait for blocks but do not reduce
-  kAblateEnginePush = 16,          // copy-engine dispatch: no pushes into the peers' slots
-  kAblateEngineKept = 32,          // copy-engine dispatch: no kept-row copies
-  kAblateEngineOut = 64,           // copy-engine dispatch: no copy-out of the slots
-  kAblateNotifyExperts = 1 << 20,  // count exchange: pass 1 counts no selections per expert
-  kAblateNotifyLoads = 1 << 21,    // count exchange: ids made up ((t * K + k) % E), not loaded
-  kAblateNotifyInRank = 1 << 22,   // count exchange: is_token_in_rank not written
-  kAblateNotifyMask = 1 << 23,     // count exchange: every token's mask made up (all ranks)
-  kAblateNotifyRuns = 1 << 24,     // count exchange: no kept-run search
+  kAblateSelf = 1,         // dispatch receivers skip the rows the rank keeps
+  kAblateRemoteCopy = 2,   // dispatch receivers wait for blocks but do not copy them out
+  kAblateReduce = 8,       // combine reducers wait for blocks but do not reduce
+  kAblateEnginePush = 16,  // copy-engine dispatch: no pushes into the peers' slots
+  kAblateEngineKept = 32,  // copy-engine dispatch: no kept-row copies
+  kAblateEngineOut = 64,   // copy-engine dispatch: no copy-out of the slots
   // Not an ablation (outputs unchanged): combine rounds with the float32 -> bf16 emulation
   // (f32_to_bf16, the code before the hardware conversion) — the same-run A/B of that change.
   kHtEmulatedBf16 = 128,
@@ -60,6 +55,9 @@ enum HtAblate : int {
   // Not an ablation either: the count exchange finds each expert id's rank by a division, not by
   // its expert -> rank table in shared memory (eleventh session) — the same-run A/B.
   kHtNotifyDivide = 65536,
+  // Not an ablation either: the count exchange on one CTA, not a cluster of up to kNotifyMaxCtas
+  // CTAs splitting the tokens (eleventh session) — the same-run A/B.
+  kHtNotifyOneCta = 131072,
 };
 
 struct HtTuning {

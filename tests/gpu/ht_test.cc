@@ -460,6 +460,13 @@ TEST_P(HtOneGpu, MatchesReference) {
         auto big = routing_cases(R, 7168, 8, 8 * R, tokens, 9200 + R);
         big.resize(2);
         bad += run_cases(g, big);
+        // T > 1024: the count exchange splits the tokens over a cluster of CTAs (chunks of
+        // ceil(T / C) tokens; up to 8 CTAs at R = 8's 7800 tokens), and K = 1 gives kept runs
+        // that cross the CTAs' chunks.
+        std::vector<int64_t> many(R);
+        for (int r = 0; r < R; ++r) many[r] = 1500 + 900 * r;
+        bad += run_cases(g, routing_cases(R, 128, 8, 8 * R, many, 9300 + R));
+        bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9400 + R)[0]});
         return bad;
       },
       options);
@@ -735,6 +742,10 @@ TEST(HtGpu, TwoRanksMatchReference) {
       // K = 1: a rank keeps about half its tokens, in ~100 runs — more than kHtKeptCopyMaxRuns,
       // so under ce:kept the kernel places the kept rows (ht_kept_copies_pay).
       bad += run_cases(g, routing_cases(2, 512, 1, 8, {400, 350}, 221));
+      // T > 1024: the count exchange on a cluster of CTAs (3000 tokens: 3 CTAs of 1000, 2100:
+      // 3 of 700); K = 1's kept runs cross the CTAs' chunks (the ce:kept plan merges them).
+      bad += run_cases(g, {routing_cases(2, 256, 8, 32, {3000, 2100}, 231)[0]});
+      bad += run_cases(g, {routing_cases(2, 256, 1, 8, {2600, 3100}, 241)[0]});
       // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
       auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
       big.resize(3);
