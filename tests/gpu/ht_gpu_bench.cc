@@ -275,6 +275,8 @@ int run_rank(const Group& g, const Options& o) {
         // ... with the receivers' metadata copied out row by row (kHtRecvMetaRows, its A/B), and
         // with both metadata paths as before the eleventh session (kml | rmr).
         bench::Timing exact_rmr, zc_exact_rmr, exact_meta_old, zc_exact_meta_old;
+        // ... with the count exchange on one CTA (kHtNotifyOneCta, the eleventh session's A/B).
+        bench::Timing exact_one_cta, zc_exact_one_cta, worst_one_cta;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -453,6 +455,10 @@ int run_rank(const Group& g, const Options& o) {
           detail::set_ht_ablation(detail::kHtRecvMetaRows);
           ct.exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          detail::set_ht_ablation(detail::kHtNotifyOneCta);
+          ct.exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+          ct.zc_exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
+          ct.worst_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
           detail::set_ht_ablation(detail::kHtKeptMetaLate | detail::kHtRecvMetaRows);
           ct.exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
@@ -597,6 +603,13 @@ int run_rank(const Group& g, const Options& o) {
               ct.zc_exact_rmr, n_bf16, c_bf16);
           row(name("dispatch bf16 (exact, metadata old)").c_str(), ct.exact_meta_old, n_bf16,
               c_bf16);
+          row(name("dispatch bf16 (exact, count exchange on one CTA)").c_str(), ct.exact_one_cta,
+              n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, zero-copy, count exchange on one CTA)").c_str(),
+              ct.zc_exact_one_cta, n_bf16, c_bf16);
+          row(name("dispatch bf16 (worst-case, count exchange on one CTA)").c_str(),
+              ct.worst_one_cta, n_bf16, c_bf16);
+
           row(name("dispatch bf16 (exact, zero-copy, metadata old)").c_str(), ct.zc_exact_meta_old,
               n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);

@@ -53,6 +53,7 @@ const Switch kSwitches[] = {
     {"kept metadata late", detail::kHtKeptMetaLate},
     {"receive metadata by row", detail::kHtRecvMetaRows},
     {"metadata old (both)", detail::kHtKeptMetaLate | detail::kHtRecvMetaRows},
+    {"count exchange on one CTA", detail::kHtNotifyOneCta},
 };
 
 double median(std::vector<double> v) {

@@ -60,6 +60,7 @@ const CopyPath kCopyPaths[] = {
     {"warp", 100, detail::kHtNotifyOld},           // the count exchange before the tenth session
     {"warp", 100, detail::kHtKeptMetaLate, true},  // kept rows' metadata loads in series (A/B)
     {"warp", 100, detail::kHtRecvMetaRows},        // received metadata row by row (A/B)
+    {"ce:kept", 100, detail::kHtNotifyOneCta},     // the count exchange on one CTA (A/B)
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},
