@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# tests/gpu/kept_meta_run.sh — one bounded batch (< 7 min on 2 x H200): the dispatch's routing
-# metadata paths (tenth and eleventh sessions). (1) the ht GPU tests, every copy path (among them
-# kHtKeptMetaLate: a kept / sent row's id and weight loaded in series; kHtRecvMetaRows: the
-# receivers' metadata copied out row by row), and the one-GPU R2/R4/R8 ones; (2) epx_ht_gpu_bench
-# rows "exact[, zero-copy]" against "..., kept metadata late", "..., receive metadata by row" and
-# "..., metadata old" (both), T = 4096, 16 SMs, ce:kept and warp; (3) the phase trace of the
-# zero-copy exact dispatch, new vs old metadata (a -DEPX_HT_TRACE=ON build); (4) epx-bench ht;
-# (5) profile_kernels.py --ops ht (the dispatch kernel's own duration, exact vs cached).
+# tests/gpu/kept_meta_run.sh — one bounded batch (< 7 min on 2 x H200): the eleventh session's
+# dispatch changes, measured on the one-GPU proxy only (docs/perf.md, eleventh session): a
+# token's routing in registers (kHtKeptMetaLate = the loads at the stores, the A/B), the
+# receivers' metadata per block (kHtRecvMetaRows = row by row), the count exchange on a cluster of
+# CTAs (kHtNotifyOneCta = one CTA). (1) the ht GPU tests, every copy path (the A/B paths among
+# them; new T > 1024 cases), and the one-GPU R2/R4/R8 ones; (2) epx_ht_gpu_bench rows "exact[,
+# zero-copy]" / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
+# "..., metadata old" (both) and "..., count exchange on one CTA", T = 4096, 16 SMs, ce:kept and
+# warp; (3) the phase trace of the zero-copy exact dispatch, new vs old metadata (a
+# -DEPX_HT_TRACE=ON build); (4) epx-bench ht; (5) profile_kernels.py --ops ht.
 #   bash tests/gpu/kept_meta_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
