@@ -1,5 +1,6 @@
 // src/cuda/ht_notify.cu — instantiation and launch of the ht layout / count-exchange kernel.
 #include "cuda/cuda_check.h"
+#include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/notify.cuh"
 #include "cuda/tuning.h"
@@ -41,13 +42,22 @@ void launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t
   EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p), "ht count exchange: launch");
 }
 
+// Whether the count exchange may run on a cluster of CTAs here: an sm_90+ device and the kernels
+// built for it (else one CTA; kernels/ht/notify.cuh).
+bool notify_clusters_ok() {
+  static DynSmemKernel k(reinterpret_cast<const void*>(ht_notify_kernel<false, true>));
+  const DynSmemFacts f = k.facts("ht count exchange");
+  return f.sm_major >= 9 && f.ptx >= 90;
+}
+
 }  // namespace
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
   const int ablate = ht_ablation();
   const bool old = (ablate & kHtNotifyOld) != 0;
   // The tokens split over a cluster of CTAs (the old kernel and the A/B: one CTA).
-  const int ctas = old || (ablate & kHtNotifyOneCta) ? 1 : ht_notify_ctas(p.num_tokens);
+  const int ctas =
+      old || (ablate & kHtNotifyOneCta) || !notify_clusters_ok() ? 1 : ht_notify_ctas(p.num_tokens);
   // Pass 2 reads the masks pass 1 kept (layout-only calls have no pass 2).
   const bool masks =
       !old && p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;

@@ -59,6 +59,24 @@ __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64
   return mask;
 }
 
+// Thread block clusters (sm_90+): CTA q's copy of a shared-memory object, and the cluster barrier.
+// Built for older GPUs the count exchange runs on one CTA (launch_ht_notify), where these are the
+// CTA's own object and nothing.
+template <typename T>
+__device__ __forceinline__ T* ht_cluster_ptr(T* p, int q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, q);
+#else
+  (void)q;
+  return p;
+#endif
+}
+__device__ __forceinline__ void ht_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+
 // CTAs of the count exchange's cluster (portable cluster size) and the tokens per CTA that make
 // another CTA worth it (pass 1 took ~4 us per 1024 tokens on one CTA, eleventh session).
 inline constexpr int kNotifyMaxCtas = 8;
@@ -89,7 +107,6 @@ inline constexpr int kNotifyMaxSmemMasks = 16384;
 // shared memory. Launched as one cluster of gridDim.x CTAs (1: any launch).
 template <bool kOld, bool kMasks>
 __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyParams p) {
-  namespace cg = cooperative_groups;
   constexpr int kChunk = kOld ? 1 : 8;
   const int R = p.num_ranks, me = p.rank, L = p.num_local_experts;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -98,7 +115,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   const bool leader = c == 0;
   // Cluster barriers only where there is a cluster (C = 1 launches carry no cluster attribute).
   auto cluster_sync = [C] {
-    if (C > 1) cg::this_cluster().sync();
+    if (C > 1) ht_cluster_sync();
   };
   // This CTA's tokens [t_begin, t_end).
   const int64_t chunk = ht_notify_chunk(p.num_tokens, C);
@@ -187,8 +204,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   if (tid < R) {
     int before = 0, total = 0;
     for (int q = 0; q < C; ++q) {
-      const int v =
-          q == c ? s_rank_count[tid] : *cg::this_cluster().map_shared_rank(&s_rank_count[tid], q);
+      const int v = q == c ? s_rank_count[tid] : *ht_cluster_ptr(&s_rank_count[tid], q);
       if (q < c) before += v;
       total += v;
     }
@@ -198,16 +214,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   if (leader && C > 1) {
     for (int e = tid; e < p.num_experts; e += kNotifyThreads) {
       int sum = s_expert[e];
-      for (int q = 1; q < C; ++q) sum += *cg::this_cluster().map_shared_rank(&s_expert[e], q);
+      for (int q = 1; q < C; ++q) sum += *ht_cluster_ptr(&s_expert[e], q);
       s_expert[e] = sum;
     }
     if (find_runs) {  // append the other CTAs' runs (any order; the counts are totals)
       int starts = s_num_starts, ends = s_num_ends;
       for (int q = 1; q < C; ++q) {
-        const int ns = *cg::this_cluster().map_shared_rank(&s_num_starts, q);
-        const int ne = *cg::this_cluster().map_shared_rank(&s_num_ends, q);
-        const int32_t* qs = cg::this_cluster().map_shared_rank(s_starts, q);
-        const int32_t* qe = cg::this_cluster().map_shared_rank(s_ends, q);
+        const int ns = *ht_cluster_ptr(&s_num_starts, q);
+        const int ne = *ht_cluster_ptr(&s_num_ends, q);
+        const int32_t* qs = ht_cluster_ptr(s_starts, q);
+        const int32_t* qe = ht_cluster_ptr(s_ends, q);
         for (int i = tid; i < min(ns, kHtHostKeptRuns); i += kNotifyThreads)
           if (starts + i < kHtHostKeptRuns) s_starts[starts + i] = qs[i];
         for (int i = tid; i < min(ne, kHtHostKeptRuns); i += kNotifyThreads)
@@ -312,7 +328,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
     EPX_HT_STAMP(p, 2, kHtTrRecv);
   }
   cluster_sync();  // CTA 0's offsets final
-  if (!leader && tid < R) s_offset[tid] = *cg::this_cluster().map_shared_rank(&s_offset[tid], 0);
+  if (!leader && tid < R) s_offset[tid] = *ht_cluster_ptr(&s_offset[tid], 0);
   cluster_sync();  // every CTA read them (CTA 0 may leave)
 
   // ---- pass 2: send positions (this CTA's tokens)
