@@ -231,30 +231,26 @@ int run_rank(const Group& g, const Options& o) {
         o.rounds);
   }
   g.transport()->barrier("onegpu bench start");
-  {  // the layout alone: the count-exchange kernel's pass 1 (no exchange, no pass 2)
-    const double us = timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); });
+  // One row: every rank's time gathered, rank 0 prints its own and the slowest rank's.
+  auto report = [&](const std::string& what, double us) {
     g_times[r] = us;
     g.transport()->barrier("onegpu bench gathered");
     if (r == 0) {
-      std::printf("  layout (count kernel, pass 1 only) %10.1f %10.1f\n", us,
+      std::printf("  %s %10.1f %10.1f\n", what.c_str(), us,
                   *std::max_element(g_times.begin(), g_times.end()));
       std::fflush(stdout);
     }
-  }
+  };
+  // The layout alone: the count-exchange kernel's pass 1 (no exchange, no pass 2).
+  report("layout (count kernel, pass 1 only)",
+         timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); }));
   for (const Switch& sw : kSwitches) {
     for (const Row& row : rows) {
       if (sw.bits != 0 && row.args->handle != nullptr) continue;  // cached: no metadata moves
       g.transport()->barrier("onegpu bench switch");
       if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");
-      const double us = timed(*row.args);
-      g_times[r] = us;
-      g.transport()->barrier("onegpu bench gathered");
-      if (r == 0) {
-        const double slowest = *std::max_element(g_times.begin(), g_times.end());
-        std::printf("  dispatch bf16 (%s) [%s] %10.1f %10.1f\n", row.op, sw.name, us, slowest);
-        std::fflush(stdout);
-      }
+      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", timed(*row.args));
     }
   }
 #ifdef EPX_HT_TRACE
