@@ -1,4 +1,6 @@
 // src/cuda/ht_notify.cu — instantiation and launch of the ht layout / count-exchange kernel.
+#include <atomic>
+
 #include "cuda/cuda_check.h"
 #include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
@@ -9,8 +11,9 @@ namespace epx::detail {
 
 namespace {
 
+// The launch's status (the cluster launch's own, or the plain launch's cudaGetLastError).
 template <bool kOld, bool kMasks>
-void launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t stream) {
+cudaError_t launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t stream) {
   auto kernel = ht_notify_kernel<kOld, kMasks>;
   static const size_t static_smem = [kernel] {  // the kernel's own __shared__ arrays
     cudaFuncAttributes a{};
@@ -23,7 +26,7 @@ void launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t
   }
   if (ctas == 1) {
     kernel<<<1, kNotifyThreads, smem, stream>>>(p);
-    return;
+    return cudaGetLastError();
   }
   // One cluster of `ctas` CTAs (portable size: at most 8), so that they share their counts
   // through distributed shared memory and barrier together.
@@ -39,12 +42,16 @@ void launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t
   attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p), "ht count exchange: launch");
+  return cudaLaunchKernelEx(&cfg, kernel, p);
 }
+
+// Set once a cluster launch failed here (e.g. no GPC with enough free SMs): one CTA from then on.
+std::atomic<bool> g_notify_one_cta{false};
 
 // Whether the count exchange may run on a cluster of CTAs here: an sm_90+ device and the kernels
 // built for it (else one CTA; kernels/ht/notify.cuh).
 bool notify_clusters_ok() {
+  if (g_notify_one_cta.load(std::memory_order_relaxed)) return false;
   static DynSmemKernel k(reinterpret_cast<const void*>(ht_notify_kernel<false, true>));
   const DynSmemFacts f = k.facts("ht count exchange");
   return f.sm_major >= 9 && f.ptx >= 90;
@@ -56,20 +63,30 @@ void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
   const int ablate = ht_ablation();
   const bool old = (ablate & kHtNotifyOld) != 0;
   // The tokens split over a cluster of CTAs (the old kernel and the A/B: one CTA).
-  const int ctas =
+  int ctas =
       old || (ablate & kHtNotifyOneCta) || !notify_clusters_ok() ? 1 : ht_notify_ctas(p.num_tokens);
-  // Pass 2 reads the masks pass 1 kept (layout-only calls have no pass 2).
-  const bool masks =
-      !old && p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;
-  const size_t smem = ht_notify_smem(p, masks, ctas);
-  if (old) {
-    launch_variant<true, false>(p, smem, ctas, stream);
-  } else if (masks) {
-    launch_variant<false, true>(p, smem, ctas, stream);
-  } else {
-    launch_variant<false, false>(p, smem, ctas, stream);
+  for (;;) {
+    // Pass 2 reads the masks pass 1 kept (layout-only calls have no pass 2).
+    const bool masks =
+        !old && p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;
+    const size_t smem = ht_notify_smem(p, masks, ctas);
+    cudaError_t err;
+    if (old) {
+      err = launch_variant<true, false>(p, smem, ctas, stream);
+    } else if (masks) {
+      err = launch_variant<false, true>(p, smem, ctas, stream);
+    } else {
+      err = launch_variant<false, false>(p, smem, ctas, stream);
+    }
+    if (err == cudaSuccess || ctas == 1) {
+      EPX_CUDA_CHECK(err, "ht count exchange: launch");
+      return;
+    }
+    // The cluster could not be launched here: the same kernel on one CTA, now and from now on.
+    (void)cudaGetLastError();
+    g_notify_one_cta.store(true, std::memory_order_relaxed);
+    ctas = 1;
   }
-  EPX_CUDA_CHECK(cudaGetLastError(), "ht count exchange: launch");
 }
 
 }  // namespace epx::detail
