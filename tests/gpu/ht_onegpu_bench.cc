@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -158,7 +159,19 @@ int run_rank(const Group& g, const Options& o) {
   const int64_t T = o.tokens, H = o.hidden;
   const int K = o.topk;
   cudaStream_t stream = gpu_testing::rank_stream();
-  const Allocator alloc = gpu_testing::device_allocator();
+  // The rank's stream-ordered allocator, timed (host µs spent allocating, per row: the share of
+  // exact mode's host gap that is allocation).
+  const Allocator device_alloc = gpu_testing::device_allocator();
+  double alloc_us = 0;
+  int64_t alloc_calls = 0;
+  const Allocator alloc = [&](DType dtype, const std::vector<int64_t>& shape, Device device) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Tensor t = device_alloc(dtype, shape, device);
+    alloc_us +=
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    ++alloc_calls;
+    return t;
+  };
   std::mt19937_64 rng(4321 + r);
   auto topk = epx::testing::make_topk_idx(epx::testing::Routing::kUniform, T, K, o.experts, R, rng);
   auto weights = epx::testing::make_topk_weights(topk, rng);
@@ -206,8 +219,25 @@ int run_rank(const Group& g, const Options& o) {
     }
     return median(us);
   };
+  // Also the host time per call spent in the allocator (alloc_per_call) and inside ht_dispatch.
+  double alloc_per_call = 0, host_per_call = 0;
+  int allocs_per_call = 0;
   auto timed = [&](const HtDispatchArgs& args) {
-    return timed_op([&] { (void)buf.ht_dispatch(args, alloc); });
+    alloc_us = 0;
+    alloc_calls = 0;
+    double host_us = 0;
+    int calls = 0;
+    const double us = timed_op([&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      (void)buf.ht_dispatch(args, alloc);
+      host_us +=
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      ++calls;
+    });
+    alloc_per_call = alloc_us / calls;
+    host_per_call = host_us / calls;
+    allocs_per_call = static_cast<int>(alloc_calls / calls);
+    return us;
   };
   struct Row {
     const char* op;
@@ -232,12 +262,12 @@ int run_rank(const Group& g, const Options& o) {
   }
   g.transport()->barrier("onegpu bench start");
   // One row: every rank's time gathered, rank 0 prints its own and the slowest rank's.
-  auto report = [&](const std::string& what, double us) {
+  auto report = [&](const std::string& what, double us, const std::string& note = "") {
     g_times[r] = us;
     g.transport()->barrier("onegpu bench gathered");
     if (r == 0) {
-      std::printf("  %s %10.1f %10.1f\n", what.c_str(), us,
-                  *std::max_element(g_times.begin(), g_times.end()));
+      std::printf("  %s %10.1f %10.1f   %s\n", what.c_str(), us,
+                  *std::max_element(g_times.begin(), g_times.end()), note.c_str());
       std::fflush(stdout);
     }
   };
@@ -250,7 +280,12 @@ int run_rank(const Group& g, const Options& o) {
       g.transport()->barrier("onegpu bench switch");
       if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");
-      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", timed(*row.args));
+      const double us = timed(*row.args);
+      char host[96];
+      std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
+                    allocs_per_call, alloc_per_call);
+      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us,
+             sw.bits == 0 ? host : "");
     }
   }
 #ifdef EPX_HT_TRACE
