@@ -17,7 +17,7 @@ struct HtSymm {
   HtRegion region;
 };
 
-// ht_notify: layout (+ count exchange when `exchange`). One CTA.
+// ht_notify: layout (+ count exchange when `exchange`). One cluster of 1-8 CTAs (notify.cuh).
 struct HtNotifyParams {
   const void* topk_idx;  // [T, K] int64 or int32
   int64_t topk_stride;   // elements between rows

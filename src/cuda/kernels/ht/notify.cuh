@@ -6,7 +6,8 @@
 //   pass 1  (every CTA, its tokens) topk_idx[T, K] -> per token a mask of destination ranks (bit
 //           d: some expert of the token lives on d); per-CTA counts of tokens per rank and of
 //           selections per expert; is_token_in_rank[T, R]. Ids outside [-1, E) are reported
-//           (InvalidArgument) and routed nowhere.
+//           (InvalidArgument; with several, which one the error names depends on timing) and
+//           routed nowhere.
 //   merge   (cluster barrier) CTA 0 sums the CTAs' counts through distributed shared memory:
 //           num_tokens_per_rank[R], num_tokens_per_expert[E]; every CTA sums the rank counts of
 //           the CTAs before it (its tokens' first position per destination).
