@@ -25,6 +25,7 @@
 #include "cuda/cuda_buffer.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht_launch.h"
+#include "cuda/launch.h"
 
 namespace epx::detail {
 
@@ -363,6 +364,22 @@ HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
   return out;
 }
 
+// Whether the split exact dispatch can run here: its receive kernel is launched with programmatic
+// dependent launch and its send kernel releases it early (griddepcontrol), which needs an sm_90+
+// device and the dispatch kernels built for it.
+static bool split_dispatch_ok() {
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    cudaFuncAttributes attr{};
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+           major >= 9 &&
+           cudaFuncGetAttributes(&attr, ht_dispatch_kernel_address()) == cudaSuccess &&
+           attr.ptxVersion >= 90;
+  }();
+  return ok;
+}
+
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
   require_usable("ht_dispatch");
   DeviceGuard guard(device_);
@@ -385,6 +402,89 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   int64_t num_rows = 0;
   bool worst_case = false;
   const DType idx_dtype = cached ? DType::kI32 : args.topk_idx.dtype;
+
+  // The dispatch kernel's parameters that do not depend on the outputs (N, allocated after the
+  // count exchange in exact mode) or on the copy-engine plan.
+  auto base_params = [&](int num_scales) {
+    HtDispatchParams p{};
+    p.x = static_cast<const char*>(x.data);
+    p.x_stride = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+    p.row_bytes = row_bytes;
+    if (num_scales > 0) {
+      p.scales = static_cast<const char*>(args.x_scales.data);
+      p.scale_stride0 = args.x_scales.strides[0];
+      p.scale_stride1 = args.x_scales.strides[1];
+      p.num_scales = num_scales;
+    }
+    if (!cached) {
+      p.topk_idx = args.topk_idx.data;
+      p.topk_stride = args.topk_idx.strides[0];
+      p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
+      if (args.topk_weights.defined()) {
+        p.topk_weights = args.topk_weights.ptr<const float>();
+        p.weights_stride = args.topk_weights.strides[0];
+        p.weights_stride1 = args.topk_weights.strides[1];
+      }
+    }
+    p.send_pos = h.send_pos.ptr<const int32_t>();
+    p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<const int32_t>();
+    p.num_tokens = static_cast<int>(T);
+    p.top_k = K;
+    p.num_local_experts = shape.num_experts / R;
+    p.num_ranks = R;
+    p.rank = me;
+    p.cached = cached;
+    p.worst_case = worst_case;
+    p.num_send_ctas = tuning_.dispatch_send_ctas;
+    p.ablate = ht_ablation();
+    p.pdl = pdl_;
+#ifdef EPX_HT_TRACE
+    p.trace = trace_;
+#endif
+    p.symm = make_symm(*ht_mem_, region_, R);
+    p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
+    p.send_batch = copy.send_batch;
+    p.bulk_stages = copy.stages;
+    p.bulk_chunk = copy.chunk;
+    return p;
+  };
+  const int scales_in =
+      fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.shape[1]) : 0;
+  // The split exact dispatch (opt-in, kHtSplitSend; prepared, not yet measured on two GPUs): the
+  // sender CTAs as their own kernel, launched right after the count exchange so that they push
+  // while the host waits for N and allocates; the receiver CTAs as a second kernel after that,
+  // launched with programmatic dependent launch so that it runs beside the first (it reads
+  // nothing the first writes: the rows it waits for come from the peers, through the flags).
+  // Kernel senders only (warp / bulk; ce:kept's copy engines copy kept rows, which the senders
+  // never touch); not zero-copy (its senders place the kept rows in the outputs); not with ht
+  // PDL on (a PDL-launched next kernel would wait for the receive kernel only).
+  const int split_send_ctas = copy.mode == HtCopyMode::kEngine ? tuning_.dispatch_send_ctas_kept
+                                                               : tuning_.dispatch_send_ctas;
+  const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !pdl_ &&
+                     (ht_ablation() & kHtSplitSend) && R > 1 && split_dispatch_ok() &&
+                     (copy.mode != HtCopyMode::kEngine || copy.engine_kept_only) &&
+                     split_send_ctas > 0 && split_send_ctas < tuning_.num_sms;
+  bool split_fork_recorded = false;
+  // After the send kernel's launch, until the receive kernel's: on an exception, the receive
+  // kernel is launched anyway with nothing to write (outputs null, copies skipped), so that the
+  // op completes on this rank and its peers; then the exception propagates.
+  struct SplitDrain {
+    CudaBuffer* self = nullptr;
+    HtDispatchParams p{};
+    int vb = 1, grid = 0;
+    cudaStream_t stream = nullptr;
+    ~SplitDrain() {
+      if (self == nullptr) return;
+      try {
+        p.recv_x = nullptr;
+        p.recv_scales = nullptr;
+        p.cached = 1;  // no metadata
+        p.ablate |= kAblateSelf | kAblateRemoteCopy;
+        launch_ht_dispatch(p, vb, grid, stream, /*launch_pdl=*/1);
+      } catch (...) {  // the op's error is the one that propagates
+      }
+    }
+  } split_drain;
 
   if (cached) {
     EPX_CHECK_ARG(args.handle->buffer_id == id, "ht_dispatch: argument 'handle' comes from buffer ",
@@ -429,6 +529,35 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     np.trace = trace_;
 #endif
     launch_ht_notify(np, stream);
+    if (split) {
+      if (copy.mode == HtCopyMode::kEngine) {
+        // ce:kept's fork point, before the send kernel (so that the kept rows' copies need not
+        // wait for it): every earlier user of the outputs' memory was enqueued before it.
+        ensure_engine_streams();
+        EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
+        split_fork_recorded = true;
+      }
+      HtDispatchParams sp = base_params(scales_in);
+      sp.num_send_ctas = split_send_ctas;
+      sp.split = kHtSplitSendKernel;
+      sp.op_ctas = tuning_.num_sms;
+      const int vb_send =
+          vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
+                        static_cast<uint64_t>(row_bytes)});
+      sp.copy_mode = static_cast<int>(
+          vb_send == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk : HtCopyMode::kWarp);
+      launch_ht_dispatch(sp, vb_send, split_send_ctas, stream);
+      // The drain's parameters: the receive kernel's, without outputs.
+      split_drain.p = sp;
+      split_drain.p.split = kHtSplitRecvKernel;
+      split_drain.p.cta_offset = split_send_ctas;
+      split_drain.p.pdl = 0;
+      split_drain.p.copy_mode = static_cast<int>(HtCopyMode::kWarp);
+      split_drain.vb = 1;
+      split_drain.grid = tuning_.num_sms - split_send_ctas;
+      split_drain.stream = stream;
+      split_drain.self = this;
+    }
     if (worst_case) {
       num_rows = args.num_worst_tokens;
       h.num_recv_tokens = -1;
@@ -534,54 +663,19 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     h.recv_src_idx = res.recv_src_idx;
   }
 
-  HtDispatchParams p{};
-  p.x = static_cast<const char*>(x.data);
-  p.x_stride = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
-  p.row_bytes = row_bytes;
-  if (num_scales > 0) {
-    p.scales = static_cast<const char*>(args.x_scales.data);
-    p.scale_stride0 = args.x_scales.strides[0];
-    p.scale_stride1 = args.x_scales.strides[1];
-    p.num_scales = num_scales;
-    p.recv_scales = res.recv_x_scales.ptr<uint32_t>();
-  }
+  HtDispatchParams p = base_params(num_scales);
+  if (num_scales > 0) p.recv_scales = res.recv_x_scales.ptr<uint32_t>();
   if (!cached) {
-    p.topk_idx = args.topk_idx.data;
-    p.topk_stride = args.topk_idx.strides[0];
-    p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
-    if (args.topk_weights.defined()) {
-      p.topk_weights = args.topk_weights.ptr<const float>();
-      p.weights_stride = args.topk_weights.strides[0];
-      p.weights_stride1 = args.topk_weights.strides[1];
-      p.recv_topk_weights = res.recv_topk_weights.ptr<float>();
-    }
+    if (args.topk_weights.defined()) p.recv_topk_weights = res.recv_topk_weights.ptr<float>();
     p.recv_topk_idx = res.recv_topk_idx.data;
     p.recv_src_idx = res.recv_src_idx.ptr<int32_t>();
   }
-  p.send_pos = h.send_pos.ptr<const int32_t>();
-  p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<const int32_t>();
-  p.num_tokens = static_cast<int>(T);
-  p.top_k = K;
-  p.num_local_experts = shape.num_experts / R;
-  p.num_ranks = R;
-  p.rank = me;
-  p.cached = cached;
   p.recv_x = static_cast<char*>(res.recv_x.data);
   p.num_rows = num_rows;
-  p.worst_case = worst_case;
-  p.num_send_ctas = tuning_.dispatch_send_ctas;
-  p.ablate = ht_ablation();
-  p.pdl = pdl_;
-#ifdef EPX_HT_TRACE
-  p.trace = trace_;
-#endif
-  p.symm = make_symm(*ht_mem_, region_, R);
-  p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtDispatch);
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
   // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
-  p.send_batch = copy.send_batch;
   p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !zero_copy
                                      ? HtCopyMode::kBulk
                                      : HtCopyMode::kWarp);
@@ -593,12 +687,21 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   if (engine_kept) {
     if (!zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_kept;
     ensure_engine_streams();
-    EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
+    if (!split_fork_recorded)
+      EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
   }
-  p.bulk_stages = copy.stages;
-  p.bulk_chunk = copy.chunk;
   const int grid = tuning_.num_sms;
-  launch_ht_dispatch(p, vb, grid, stream);
+  if (split) {  // the receive kernel: the op's CTAs after the send kernel's
+    p.num_send_ctas = split_send_ctas;
+    p.split = kHtSplitRecvKernel;
+    p.cta_offset = split_send_ctas;
+    p.op_ctas = grid;
+    p.pdl = 0;                   // launched with PDL, but it never waits for the send kernel
+    split_drain.self = nullptr;  // launched below: nothing to drain
+    launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/1);
+  } else {
+    launch_ht_dispatch(p, vb, grid, stream);
+  }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
   if (engine_kept) kept_copies(*h.copy_plan, p, stream, /*join=*/true);

@@ -79,33 +79,35 @@ void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream) {
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch: engine sync launch");
 }
 
-void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream) {
+void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream,
+                        int launch_pdl) {
+  const bool pdl = launch_pdl < 0 ? p.pdl != 0 : launch_pdl != 0;
   if (p.copy_mode == static_cast<int>(HtCopyMode::kBulk) && vec_bytes == 16) {
     const int smem = bulk_smem_bytes(p.bulk_stages, p.bulk_chunk);
     prepare_bulk(p, smem);
-    launch_kernel(ht_dispatch_kernel<uint4, true>, grid, kHtThreads, smem, stream, p.pdl,
+    launch_kernel(ht_dispatch_kernel<uint4, true>, grid, kHtThreads, smem, stream, pdl,
                   "ht_dispatch: launch", p);
     return;
   }
   switch (vec_bytes) {
     case 16:
-      launch_kernel(ht_dispatch_kernel<uint4, false>, grid, kHtThreads, 0, stream, p.pdl,
+      launch_kernel(ht_dispatch_kernel<uint4, false>, grid, kHtThreads, 0, stream, pdl,
                     "ht_dispatch: launch", p);
       break;
     case 8:
-      launch_kernel(ht_dispatch_kernel<uint2, false>, grid, kHtThreads, 0, stream, p.pdl,
+      launch_kernel(ht_dispatch_kernel<uint2, false>, grid, kHtThreads, 0, stream, pdl,
                     "ht_dispatch: launch", p);
       break;
     case 4:
-      launch_kernel(ht_dispatch_kernel<uint32_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+      launch_kernel(ht_dispatch_kernel<uint32_t, false>, grid, kHtThreads, 0, stream, pdl,
                     "ht_dispatch: launch", p);
       break;
     case 2:
-      launch_kernel(ht_dispatch_kernel<uint16_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+      launch_kernel(ht_dispatch_kernel<uint16_t, false>, grid, kHtThreads, 0, stream, pdl,
                     "ht_dispatch: launch", p);
       break;
     default:
-      launch_kernel(ht_dispatch_kernel<uint8_t, false>, grid, kHtThreads, 0, stream, p.pdl,
+      launch_kernel(ht_dispatch_kernel<uint8_t, false>, grid, kHtThreads, 0, stream, pdl,
                     "ht_dispatch: launch", p);
       break;
   }

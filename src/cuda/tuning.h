@@ -58,6 +58,11 @@ enum HtAblate : int {
   // Not an ablation either: the count exchange on one CTA, not a cluster of up to kNotifyMaxCtas
   // CTAs splitting the tokens (eleventh session) — the same-run A/B.
   kHtNotifyOneCta = 131072,
+  // Not an ablation either, and the other way round (opt-in, prepared in the eleventh session,
+  // not yet measured on two GPUs): the exact dispatch split in two kernels, the senders launched
+  // right after the count exchange (before the host waits for it) and the receivers after the
+  // outputs are allocated (ht.cu, split_dispatch_ok).
+  kHtSplitSend = 262144,
 };
 
 struct HtTuning {

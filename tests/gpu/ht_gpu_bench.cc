@@ -277,6 +277,8 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing exact_rmr, zc_exact_rmr, exact_meta_old, zc_exact_meta_old;
         // ... with the count exchange on one CTA (kHtNotifyOneCta, the eleventh session's A/B).
         bench::Timing exact_one_cta, zc_exact_one_cta, worst_one_cta;
+        // ... and the split exact dispatch (kHtSplitSend, opt-in: senders before the host wait).
+        bench::Timing exact_split;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -459,6 +461,8 @@ int run_rank(const Group& g, const Options& o) {
           ct.exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
           ct.worst_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
+          detail::set_ht_ablation(detail::kHtSplitSend);
+          ct.exact_split = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           detail::set_ht_ablation(detail::kHtKeptMetaLate | detail::kHtRecvMetaRows);
           ct.exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
           ct.zc_exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
@@ -609,6 +613,8 @@ int run_rank(const Group& g, const Options& o) {
               ct.zc_exact_one_cta, n_bf16, c_bf16);
           row(name("dispatch bf16 (worst-case, count exchange on one CTA)").c_str(),
               ct.worst_one_cta, n_bf16, c_bf16);
+          row(name("dispatch bf16 (exact, split: senders before the host wait)").c_str(),
+              ct.exact_split, n_bf16, c_bf16);
 
           row(name("dispatch bf16 (exact, zero-copy, metadata old)").c_str(), ct.zc_exact_meta_old,
               n_bf16, c_bf16);

@@ -55,6 +55,7 @@ const Switch kSwitches[] = {
     {"receive metadata by row", detail::kHtRecvMetaRows},
     {"metadata old (both)", detail::kHtKeptMetaLate | detail::kHtRecvMetaRows},
     {"count exchange on one CTA", detail::kHtNotifyOneCta},
+    {"split: senders before the host wait", detail::kHtSplitSend},
 };
 
 double median(std::vector<double> v) {

@@ -45,6 +45,14 @@ __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Lets the next kernel on the stream, launched with programmatic dependent launch, start now
+// (it must not read this kernel's outputs without its own griddepcontrol.wait).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // First instruction of a kernel that may be launched with programmatic dependent launch
 // (cuda/launch.h; `pdl` = the launch used it): wait until the previous kernel on the stream
 // completed and its memory is visible, then let the next kernel launch early (it waits the same

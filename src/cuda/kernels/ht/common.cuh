@@ -57,15 +57,18 @@ __device__ __forceinline__ void signal_peers(const HtSymm& symm,
 enum HtReady : int { kReadyNow = 0, kReadyLater = 1, kReadyDeferred = 2 };
 // wait_peers (zero-copy combine, whose peers read this rank's memory): after the ready signal,
 // also wait until every peer finished the op, so the memory is free when the kernel ends.
+// num_ctas: the op's CTAs over all its kernels (0: this grid's; the split dispatch runs one op as
+// two kernels).
 template <typename ResetFn>
 __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
                                  int num_ranks, ResetFn reset_counters, int ready = kReadyNow,
-                                 bool wait_peers = false) {
+                                 bool wait_peers = false, int num_ctas = 0) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    s_last = atomicAdd(&w.state->finished, 1u) == gridDim.x - 1;
+    const uint32_t ctas = num_ctas > 0 ? static_cast<uint32_t>(num_ctas) : gridDim.x;
+    s_last = atomicAdd(&w.state->finished, 1u) == ctas - 1;
   }
   __syncthreads();
   if (!s_last) return;

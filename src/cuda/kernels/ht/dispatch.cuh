@@ -38,6 +38,15 @@ namespace epx::detail {
 
 inline constexpr int kDispatchBatch = 4;  // default tokens per warp between two signals
 
+// This CTA's index in the op and the op's CTAs (the split dispatch's two kernels count as one
+// grid: the receive kernel's CTAs follow the send kernel's).
+__device__ __forceinline__ int op_cta(const HtDispatchParams& p) {
+  return static_cast<int>(blockIdx.x) + p.cta_offset;
+}
+__device__ __forceinline__ int op_ctas(const HtDispatchParams& p) {
+  return p.op_ctas > 0 ? p.op_ctas : static_cast<int>(gridDim.x);
+}
+
 __device__ __forceinline__ void store_topk_idx(void* out, int is_i64, int64_t i, int32_t v) {
   if (is_i64) {
     static_cast<int64_t*>(out)[i] = v;
@@ -146,7 +155,7 @@ __device__ __forceinline__ void copy_row(const V* src, V* dst, int64_t nv, int l
 // The first receiver CTA: after the senders, or 0 when every CTA sends and then receives
 // (zero-copy: the receivers only wait for the blocks and copy the metadata out).
 __device__ __forceinline__ int recv_cta0(const HtDispatchParams& p) {
-  return p.zero_copy && p.num_send_ctas == static_cast<int>(gridDim.x) ? 0 : p.num_send_ctas;
+  return p.zero_copy && p.num_send_ctas == op_ctas(p) ? 0 : p.num_send_ctas;
 }
 
 // One row this rank keeps, x[t] -> recv_*[pos] (+ scales, src_idx, local ids); the x row when
@@ -208,7 +217,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
 
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(p.num_send_ctas) * kHtWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kHtWarps + warp;
+  const int64_t gw = static_cast<int64_t>(op_cta(p)) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
   // Routing metadata from registers (load_token_meta), unless cached or the A/B.
   const bool meta_regs = !p.cached && !(p.ablate & kHtKeptMetaLate);
@@ -330,8 +339,8 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
   const int R = p.num_ranks, me = p.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int recv0 = recv_cta0(p);
-  const int64_t G = static_cast<int64_t>(gridDim.x - recv0) * kHtWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x - recv0) * kHtWarps + warp;
+  const int64_t G = static_cast<int64_t>(op_ctas(p) - recv0) * kHtWarps;
+  const int64_t gw = static_cast<int64_t>(op_cta(p) - recv0) * kHtWarps + warp;
   for (int64_t t = gw; t < p.num_tokens; t += G) {
     const int32_t pos = p.send_pos[t * R + me];
     if (pos < 0 || pos >= p.num_rows) continue;  // past num_rows: worst-case overflow (reported)
@@ -416,9 +425,9 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
   }
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int recv0 = recv_cta0(p);
-  const int num_recv = gridDim.x - recv0;
+  const int num_recv = op_ctas(p) - recv0;
   const int64_t num_items = max_blocks * (R - 1);
-  for (int64_t item = blockIdx.x - recv0; item < num_items; item += num_recv) {
+  for (int64_t item = op_cta(p) - recv0; item < num_items; item += num_recv) {
     const int64_t b = item / (R - 1);
     const int slot = static_cast<int>(item % (R - 1));
     const int s = slot < me ? slot : slot + 1;
@@ -475,21 +484,25 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
 template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
   pdl_begin(p.pdl);
-  EPX_HT_STAMP(p, 0, kHtTrEntry);
+  // The split's send kernel lets its receive kernel (launched with PDL, which never waits for it)
+  // start as soon as the host launches it.
+  if (p.split == kHtSplitSendKernel) pdl_launch_dependents();
+  const int cta = op_cta(p);
+  EPX_HT_STAMP_CTA(p, 0, kHtTrEntry, cta);
   const uint32_t cur = p.wait.state->seq + 1;
   const int R = p.num_ranks, me = p.rank;
-  if (blockIdx.x == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
+  if (cta == 0 && threadIdx.x == 0) publish_deferred_ready(p.symm, p.wait, R);
   BulkPipe pipe;
   if constexpr (kBulk) {
     if ((threadIdx.x & 31) == 0) pipe.init(threadIdx.x >> 5, p.bulk_stages, p.bulk_chunk);
   }
-  if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
+  if (cta < p.num_send_ctas) {
     dispatch_send<V, kBulk>(p, cur, pipe);
-    EPX_HT_STAMP(p, 0, kHtTrWork);
+    EPX_HT_STAMP_CTA(p, 0, kHtTrWork, cta);
   }
-  if (static_cast<int>(blockIdx.x) >= recv_cta0(p)) {
+  if (cta >= recv_cta0(p)) {
     dispatch_receive<V, kBulk>(p, pipe);
-    EPX_HT_STAMP(p, 0, kHtTrRecv);
+    EPX_HT_STAMP_CTA(p, 0, kHtTrRecv, cta);
   }
   // Every bulk copy of this warp complete (also on the early-return paths) before the padding
   // rows, the counter reset and the ready signal that lets the peers overwrite our region.
@@ -503,7 +516,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
   // Worst-case mode: overflow report and padding rows [N, num_rows) (any CTA, grid-stride):
   // x and scales 0, topk -1, weights 0, src_idx -1 (as the cpu backend).
   const int64_t n = p.rank_prefix_matrix[(R - 1) * R + me];
-  if (p.worst_case) {
+  if (p.worst_case) {  // (never split: one kernel)
     if (blockIdx.x == 0 && threadIdx.x == 0 && n > p.num_rows)
       record_error(p.wait, kDevErrOutOfCapacity, -1, n, p.num_rows);
     const int64_t pad = p.num_rows - n;
@@ -527,7 +540,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
     }
   }
   EPX_HT_TRACE_SYNC();
-  EPX_HT_STAMP(p, 0, kHtTrDone);
+  EPX_HT_STAMP_CTA(p, 0, kHtTrDone, cta);
   finish_operation(
       p.symm, p.wait, cur, R,
       [&] {
@@ -536,8 +549,9 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       },
       p.engine_x    ? kReadyLater
       : p.zero_copy ? kReadyDeferred
-                    : kReadyNow);
-  EPX_HT_STAMP(p, 0, kHtTrExit);
+                    : kReadyNow,
+      /*wait_peers=*/false, op_ctas(p));
+  EPX_HT_STAMP_CTA(p, 0, kHtTrExit, cta);
 }
 
 }  // namespace epx::detail
