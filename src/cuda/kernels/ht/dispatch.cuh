@@ -26,6 +26,9 @@
 //   receiver's region and also place the rows their rank keeps (dispatch_kept_row); receivers
 //   wait for the blocks and copy only the metadata out (not cached); the ready signal is
 //   deferred to the rank's next op (finish_operation).
+// Split exact dispatch (host-selected, opt-in kHtSplitSend): the sender CTAs [0, num_send_ctas)
+//   as one kernel launched before the host's wait for the count exchange, the receivers as a
+//   second one (cta_offset = num_send_ctas) after it; op_cta / op_ctas number the CTAs of both.
 // Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
 //   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
 //   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
