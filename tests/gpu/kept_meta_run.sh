@@ -21,7 +21,7 @@ case ${1:-} in
     epx_batch_tests gpu_ht_test 120 'Ranks/HtOneGpu.*'
     ;;
   bench)
-    epx_batch_start_python epx_ht_gpu_bench epx-bench || exit 1
+    EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start epx_ht_gpu_bench epx-bench || exit 1
     epx_batch_bench ab4096 100 "\(exact|worst|\(cached\)" \
       epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
     echo "== trace (EPX_HT_TRACE build)"
