@@ -24,6 +24,7 @@
 #include "core/validate.h"
 #include "cuda/cuda_buffer.h"
 #include "cuda/cuda_check.h"
+#include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
 #include "cuda/launch.h"
 
@@ -364,20 +365,14 @@ HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
   return out;
 }
 
-// Whether the split exact dispatch can run here: its receive kernel is launched with programmatic
-// dependent launch and its send kernel releases it early (griddepcontrol), which needs an sm_90+
-// device and the dispatch kernels built for it.
-static bool split_dispatch_ok() {
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    cudaFuncAttributes attr{};
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-           major >= 9 &&
-           cudaFuncGetAttributes(&attr, ht_dispatch_kernel_address()) == cudaSuccess &&
-           attr.ptxVersion >= 90;
-  }();
-  return ok;
+// Whether the split exact dispatch can run on `device`: its receive kernel is launched with
+// programmatic dependent launch and its send kernel releases it early (griddepcontrol), which
+// needs an sm_90+ device and the dispatch kernels built for it.
+static bool split_dispatch_ok(int device) {
+  static DynSmemKernel k(ht_dispatch_kernel_address());
+  DeviceGuard guard(device);
+  const DynSmemFacts f = k.facts("ht_dispatch");
+  return f.sm_major >= 9 && f.ptx >= 90;
 }
 
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
@@ -455,16 +450,16 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // while the host waits for N and allocates; the receiver CTAs as a second kernel after that,
   // launched with programmatic dependent launch so that it runs beside the first (it reads
   // nothing the first writes: the rows it waits for come from the peers, through the flags).
-  // Kernel senders only (warp / bulk; ce:kept's copy engines copy kept rows, which the senders
-  // never touch); not zero-copy (its senders place the kept rows in the outputs); not with ht
-  // PDL on (a PDL-launched next kernel would wait for the receive kernel only).
-  const int split_send_ctas = copy.mode == HtCopyMode::kEngine ? tuning_.dispatch_send_ctas_kept
-                                                               : tuning_.dispatch_send_ctas;
+  // Kernel copy paths only (warp, bulk): ce:kept's copy-engine fork point must follow the
+  // outputs' allocation (a cross-stream pool orders a reused block there), and a fork after the
+  // send kernel would hold the kept rows' copies until it ends — a side stream for the send
+  // kernel would do it, not built. Not zero-copy (its senders place the kept rows' metadata in
+  // the outputs); not with ht PDL on.
+  const int split_send_ctas = tuning_.dispatch_send_ctas;
   const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !pdl_ &&
-                     (ht_ablation() & kHtSplitSend) && R > 1 && split_dispatch_ok() &&
-                     (copy.mode != HtCopyMode::kEngine || copy.engine_kept_only) &&
-                     split_send_ctas > 0 && split_send_ctas < tuning_.num_sms;
-  bool split_fork_recorded = false;
+                     (ht_ablation() & kHtSplitSend) && R > 1 && copy.mode != HtCopyMode::kEngine &&
+                     split_dispatch_ok(device_) && split_send_ctas > 0 &&
+                     split_send_ctas < tuning_.num_sms;
   // After the send kernel's launch, until the receive kernel's: on an exception, the receive
   // kernel is launched anyway with nothing to write (outputs null, copies skipped), so that the
   // op completes on this rank and its peers; then the exception propagates.
@@ -530,13 +525,6 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
 #endif
     launch_ht_notify(np, stream);
     if (split) {
-      if (copy.mode == HtCopyMode::kEngine) {
-        // ce:kept's fork point, before the send kernel (so that the kept rows' copies need not
-        // wait for it): every earlier user of the outputs' memory was enqueued before it.
-        ensure_engine_streams();
-        EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");
-        split_fork_recorded = true;
-      }
       HtDispatchParams sp = base_params(scales_in);
       sp.num_send_ctas = split_send_ctas;
       sp.split = kHtSplitSendKernel;
@@ -687,8 +675,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   if (engine_kept) {
     if (!zero_copy) p.num_send_ctas = tuning_.dispatch_send_ctas_kept;
     ensure_engine_streams();
-    if (!split_fork_recorded)
-      EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
+    EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
   }
   const int grid = tuning_.num_sms;
   if (split) {  // the receive kernel: the op's CTAs after the send kernel's
@@ -696,9 +683,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     p.split = kHtSplitRecvKernel;
     p.cta_offset = split_send_ctas;
     p.op_ctas = grid;
-    p.pdl = 0;                   // launched with PDL, but it never waits for the send kernel
-    split_drain.self = nullptr;  // launched below: nothing to drain
+    p.pdl = 0;  // launched with PDL, but it never waits for the send kernel
     launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/1);
+    split_drain.self = nullptr;  // launched: nothing to drain
   } else {
     launch_ht_dispatch(p, vb, grid, stream);
   }

@@ -554,6 +554,11 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       : p.zero_copy ? kReadyDeferred
                     : kReadyNow,
       /*wait_peers=*/false, op_ctas(p));
+  // The split's receive kernel ends only after the whole op did (the last CTA advances seq once
+  // every CTA arrived): a kernel launched after it with PDL waits for it alone, and must not run
+  // while the send kernel still reads x.
+  if (p.split == kHtSplitRecvKernel && threadIdx.x == 0)
+    (void)wait_flag<true>(&p.wait.state->seq, cur, p.wait, kWaitReady, p.rank);
   EPX_HT_STAMP_CTA(p, 0, kHtTrExit, cta);
 }
 
