@@ -5,7 +5,7 @@
 # receivers' metadata per block (kHtRecvMetaRows = row by row), the count exchange on a cluster of
 # CTAs (kHtNotifyOneCta = one CTA), the split exact dispatch (kHtSplitSend, opt-in).
 #   bash tests/gpu/kept_meta_run.sh tests   (< 6 min) the ht GPU tests, every copy path (the A/B
-#                                            paths among them; T > 1024 cases), one-GPU R2/R4/R8
+#                                            paths among them; T > 1024 cases)
 #   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
 #       "..., metadata old", "..., count exchange on one CTA", "exact, split", T = 4096, 16 SMs,
@@ -18,7 +18,8 @@ case ${1:-} in
   tests)
     epx_batch_start gpu_ht_test || exit 1
     epx_batch_tests gpu_ht_test 300 'HtKeptPlan.*:HtGpu.*'
-    epx_batch_tests gpu_ht_test 120 'Ranks/HtOneGpu.*'
+    # (Ranks/HtOneGpu.* passed on one GPU in the eleventh session: EPX_ONE_GPU=1 adds them.)
+    [ "${EPX_ONE_GPU:-0}" = 1 ] && epx_batch_tests gpu_ht_test 120 'Ranks/HtOneGpu.*'
     ;;
   bench)
     EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start epx_ht_gpu_bench epx-bench || exit 1
