@@ -20,6 +20,8 @@ struct DynSmemFacts {
   int optin = 0;        // cudaDevAttrMaxSharedMemoryPerBlockOptin
   int static_smem = 0;  // the kernel's static shared memory
   int ptx = 0;          // the kernel's PTX version (90: built for sm_90)
+  // An sm_90+ device running the kernel as built for sm_90 (Hopper instructions present).
+  bool hopper() const { return sm_major >= 9 && ptx >= 90; }
 };
 
 class DynSmemKernel {

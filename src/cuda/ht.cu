@@ -371,8 +371,7 @@ HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
 static bool split_dispatch_ok(int device) {
   static DynSmemKernel k(ht_dispatch_kernel_address());
   DeviceGuard guard(device);
-  const DynSmemFacts f = k.facts("ht_dispatch");
-  return f.sm_major >= 9 && f.ptx >= 90;
+  return k.facts("ht_dispatch").hopper();
 }
 
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
@@ -443,6 +442,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     p.bulk_chunk = copy.chunk;
     return p;
   };
+  // Scale words per row (fp8 with scales; 0 otherwise).
   const int scales_in =
       fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.shape[1]) : 0;
   // The split exact dispatch (opt-in, kHtSplitSend; prepared, not yet measured on two GPUs): the
@@ -460,6 +460,22 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                      (ht_ablation() & kHtSplitSend) && R > 1 && copy.mode != HtCopyMode::kEngine &&
                      split_dispatch_ok(device_) && split_send_ctas > 0 &&
                      split_send_ctas < tuning_.num_sms;
+  // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
+  // rows (the symmetric slots always are).
+  auto copy_mode_for = [&](int vb) {
+    return static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !args.zero_copy
+                                ? HtCopyMode::kBulk
+                                : HtCopyMode::kWarp);
+  };
+  // The split's receive kernel: the op's CTAs after the send kernel's, launched with PDL but never
+  // waiting for the send kernel (p.pdl = 0).
+  auto as_recv_kernel = [&](HtDispatchParams& p) {
+    p.num_send_ctas = split_send_ctas;
+    p.split = kHtSplitRecvKernel;
+    p.cta_offset = split_send_ctas;
+    p.op_ctas = tuning_.num_sms;
+    p.pdl = 0;
+  };
   // After the send kernel's launch, until the receive kernel's: on an exception, the receive
   // kernel is launched anyway with nothing to write (outputs null, copies skipped), so that the
   // op completes on this rank and its peers; then the exception propagates.
@@ -532,14 +548,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       const int vb_send =
           vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
                         static_cast<uint64_t>(row_bytes)});
-      sp.copy_mode = static_cast<int>(
-          vb_send == 16 && copy.mode == HtCopyMode::kBulk ? HtCopyMode::kBulk : HtCopyMode::kWarp);
+      sp.copy_mode = copy_mode_for(vb_send);
       launch_ht_dispatch(sp, vb_send, split_send_ctas, stream);
       // The drain's parameters: the receive kernel's, without outputs.
       split_drain.p = sp;
-      split_drain.p.split = kHtSplitRecvKernel;
-      split_drain.p.cta_offset = split_send_ctas;
-      split_drain.p.pdl = 0;
+      as_recv_kernel(split_drain.p);
       split_drain.p.copy_mode = static_cast<int>(HtCopyMode::kWarp);
       split_drain.vb = 1;
       split_drain.grid = tuning_.num_sms - split_send_ctas;
@@ -632,9 +645,8 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   } else {
     res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
   }
-  int num_scales = 0;
+  const int num_scales = scales_in;
   if (fp8 && args.x_scales.defined()) {
-    num_scales = static_cast<int>(args.x_scales.shape[1]);
     if (zero_copy) {
       static_cast<TensorView&>(res.recv_x_scales) =
           TensorView::contiguous(ht_local() + region_.scale_off, args.x_scales.dtype,
@@ -663,10 +675,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
-  // Copy path: bulk copies need 16-byte aligned rows (the symmetric slots always are).
-  p.copy_mode = static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !zero_copy
-                                     ? HtCopyMode::kBulk
-                                     : HtCopyMode::kWarp);
+  p.copy_mode = copy_mode_for(vb);
   p.engine_x = engine ? 1 : 0;
   p.engine_kept = engine_kept ? 1 : 0;
   p.zero_copy = zero_copy ? 1 : 0;
@@ -678,12 +687,8 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_dispatch");  // fork point
   }
   const int grid = tuning_.num_sms;
-  if (split) {  // the receive kernel: the op's CTAs after the send kernel's
-    p.num_send_ctas = split_send_ctas;
-    p.split = kHtSplitRecvKernel;
-    p.cta_offset = split_send_ctas;
-    p.op_ctas = grid;
-    p.pdl = 0;  // launched with PDL, but it never waits for the send kernel
+  if (split) {
+    as_recv_kernel(p);
     launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/1);
     split_drain.self = nullptr;  // launched: nothing to drain
   } else {

@@ -25,7 +25,7 @@ bool prepare_ht_combine_staged(int stages, int chunk) {
             " bytes; expected 2..8 stages of a multiple of 512 bytes in [512, 16384]");
   const DynSmemFacts d = g_staged_kernel.facts("ht_combine");
   const int smem = pull_smem_bytes(stages, chunk);
-  if (d.sm_major < 9 || d.ptx < 90 || smem + d.static_smem > d.optin) return false;  // registers
+  if (!d.hopper() || smem + d.static_smem > d.optin) return false;  // registers
   g_staged_kernel.allow(smem, "ht_combine");
   return true;
 }

@@ -53,8 +53,7 @@ std::atomic<bool> g_notify_one_cta{false};
 bool notify_clusters_ok() {
   if (g_notify_one_cta.load(std::memory_order_relaxed)) return false;
   static DynSmemKernel k(reinterpret_cast<const void*>(ht_notify_kernel<false, true>));
-  const DynSmemFacts f = k.facts("ht count exchange");
-  return f.sm_major >= 9 && f.ptx >= 90;
+  return k.facts("ht count exchange").hopper();
 }
 
 }  // namespace

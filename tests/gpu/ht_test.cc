@@ -444,35 +444,38 @@ TEST(HtReference, AgreesWithCpuBackend) {
 // kernels); no copy-path override (it is per process, and the rank threads would race on it).
 class HtOneGpu : public ::testing::TestWithParam<int> {};
 
+// `body` on R rank threads sharing GPU 0; EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default
+// SMs / R), an A/B.
+int run_one_gpu(int R, const std::function<int(const Group&)>& body) {
+  GroupOptions options;
+  if (const char* v = std::getenv("EPX_TEST_ONE_GPU_SMS")) options.num_sms = std::atoi(v);
+  return gpu_testing::run_cuda_ranks_one_gpu(R, 0, body, options);
+}
+
 TEST_P(HtOneGpu, MatchesReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  GroupOptions options;  // EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default SMs / R), an A/B
-  if (const char* v = std::getenv("EPX_TEST_ONE_GPU_SMS")) options.num_sms = std::atoi(v);
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
-      R, 0,
-      [R](const Group& g) {
-        std::vector<int64_t> tokens(R), odd(R);
-        for (int r = 0; r < R; ++r) {
-          tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;  // one rank sends nothing
-          odd[r] = 11 * r + 5;
-        }
-        int bad = 0;
-        bad += run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9000 + R));
-        bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 9100 + R));  // 8-byte rows
-        auto big = routing_cases(R, 7168, 8, 8 * R, tokens, 9200 + R);
-        big.resize(2);
-        bad += run_cases(g, big);
-        // T > 1024: the count exchange splits the tokens over a cluster of CTAs (chunks of
-        // ceil(T / C) tokens; up to 8 CTAs at R = 8's 7800 tokens), and K = 1 gives kept runs
-        // that cross the CTAs' chunks.
-        std::vector<int64_t> many(R);
-        for (int r = 0; r < R; ++r) many[r] = 1500 + 900 * r;
-        bad += run_cases(g, routing_cases(R, 128, 8, 8 * R, many, 9300 + R));
-        bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9400 + R)[0]});
-        return bad;
-      },
-      options);
+  const int rc = run_one_gpu(R, [R](const Group& g) {
+    std::vector<int64_t> tokens(R), odd(R);
+    for (int r = 0; r < R; ++r) {
+      tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;  // one rank sends nothing
+      odd[r] = 11 * r + 5;
+    }
+    int bad = 0;
+    bad += run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9000 + R));
+    bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 9100 + R));  // 8-byte rows
+    auto big = routing_cases(R, 7168, 8, 8 * R, tokens, 9200 + R);
+    big.resize(2);
+    bad += run_cases(g, big);
+    // T > 1024: the count exchange splits the tokens over a cluster of CTAs (chunks of
+    // ceil(T / C) tokens; up to 8 CTAs at R = 8's 7800 tokens), and K = 1 gives kept runs
+    // that cross the CTAs' chunks.
+    std::vector<int64_t> many(R);
+    for (int r = 0; r < R; ++r) many[r] = 1500 + 900 * r;
+    bad += run_cases(g, routing_cases(R, 128, 8, 8 * R, many, 9300 + R));
+    bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9400 + R)[0]});
+    return bad;
+  });
   EXPECT_EQ(rc, 0);
 }
 
@@ -482,23 +485,18 @@ TEST_P(HtOneGpu, MatchesReference) {
 TEST_P(HtOneGpu, SplitDispatchMatchesReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  GroupOptions options;  // EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default SMs / R)
-  if (const char* v = std::getenv("EPX_TEST_ONE_GPU_SMS")) options.num_sms = std::atoi(v);
   detail::set_ht_ablation(detail::kHtSplitSend);
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
-      R, 0,
-      [R](const Group& g) {
-        std::vector<int64_t> tokens(R), many(R);
-        for (int r = 0; r < R; ++r) {
-          tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
-          many[r] = 1500 + 900 * r;
-        }
-        int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
-        bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
-        bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
-        return bad;
-      },
-      options);
+  const int rc = run_one_gpu(R, [R](const Group& g) {
+    std::vector<int64_t> tokens(R), many(R);
+    for (int r = 0; r < R; ++r) {
+      tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
+      many[r] = 1500 + 900 * r;
+    }
+    int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
+    bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
+    bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
+    return bad;
+  });
   detail::set_ht_ablation(0);
   EXPECT_EQ(rc, 0);
 }

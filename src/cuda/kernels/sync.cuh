@@ -61,7 +61,7 @@ __device__ __forceinline__ void pdl_begin(int pdl) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    pdl_launch_dependents();
   }
 #else
   (void)pdl;

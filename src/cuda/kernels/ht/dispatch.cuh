@@ -93,6 +93,10 @@ __device__ __forceinline__ TokenMeta load_token_meta(const HtDispatchParams& p, 
   }
   return m;
 }
+// Whether a dispatch forms its routing metadata from registers (not cached; not the A/B).
+__device__ __forceinline__ bool meta_in_regs(const HtDispatchParams& p) {
+  return !p.cached && !(p.ablate & kHtKeptMetaLate);
+}
 // Word q of token t's meta row for destination d, from `m` (as dispatch_meta_word; 0 for
 // q >= 1 + 2K). Every lane of the warp must call it (shuffles).
 __device__ __forceinline__ uint32_t meta_word(const HtDispatchParams& p, const TokenMeta& m,
@@ -223,7 +227,7 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur, BulkPipe&
   const int64_t gw = static_cast<int64_t>(op_cta(p)) * kHtWarps + warp;
   const int meta_words = 1 + 2 * p.top_k;
   // Routing metadata from registers (load_token_meta), unless cached or the A/B.
-  const bool meta_regs = !p.cached && !(p.ablate & kHtKeptMetaLate);
+  const bool meta_regs = meta_in_regs(p);
   const int64_t batch = p.send_batch > 0 ? p.send_batch : kDispatchBatch;
   // Zero-copy: the senders also place the rows this rank keeps (d == me; the receivers only wait).
   const bool with_me = p.zero_copy != 0;
@@ -354,7 +358,7 @@ __device__ void dispatch_self(const HtDispatchParams& p, BulkPipe& pipe) {
     TokenScales sc{};
     if (p.num_scales > 0) sc = load_token_scales(p, t, lane);
     TokenMeta tm;
-    if (!p.cached && !(p.ablate & kHtKeptMetaLate)) tm = load_token_meta(p, t, lane);
+    if (meta_in_regs(p)) tm = load_token_meta(p, t, lane);
     dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane,
                          !kBulk, sc, tm);
   }

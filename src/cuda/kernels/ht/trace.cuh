@@ -2,7 +2,7 @@
 // EPX_HT_TRACE -> the EPX_HT_TRACE define). Without the define: no-op macros, no kernel parameter.
 //
 // With it, thread 0 of each of the first kHtTraceCtas CTAs of the ht dispatch kernel and of the
-// staged zero-copy combine kernel (and thread 0 of the one-CTA count-exchange kernel) stores
+// staged zero-copy combine kernel (and thread 0 of the count exchange's first CTA) stores
 // %globaltimer (ns) at each phase below into a device buffer owned by CudaBuffer:
 // stamps[op][phase][cta], op 0 = dispatch, 1 = combine, 2 = count exchange. Thread 0 is
 // lane 0 of warp 0, so the "work" phases are warp 0's progress; kHtTrDone follows a CTA-wide
