@@ -341,6 +341,9 @@ CudaBuffer::~CudaBuffer() {
     if (s) cudaStreamDestroy(s);
   for (cudaEvent_t& e : engine_event_)
     if (e) cudaEventDestroy(e);
+  if (split_stream_) cudaStreamDestroy(split_stream_);
+  for (cudaEvent_t& e : split_event_)
+    if (e) cudaEventDestroy(e);
   if (error_host_) cudaFreeHost(error_host_);
   if (result_host_) cudaFreeHost(result_host_);
 #ifdef EPX_HT_TRACE

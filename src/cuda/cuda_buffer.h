@@ -112,6 +112,11 @@ class CudaBuffer final : public BufferImpl {
                    bool join);
   cudaStream_t engine_stream_[2] = {nullptr, nullptr};
   cudaEvent_t engine_event_[3] = {nullptr, nullptr, nullptr};
+  // The split exact dispatch (ht.cu, kHtSplitSend): the send kernel's stream, the events that
+  // fork it after the count exchange and join it after the receive kernel. Created on first use.
+  void ensure_split_stream();
+  cudaStream_t split_stream_ = nullptr;
+  cudaEvent_t split_event_[2] = {nullptr, nullptr};
 };
 
 }  // namespace epx::detail

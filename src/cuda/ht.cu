@@ -18,7 +18,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <thread>
+#include <vector>
 
 #include "core/check.h"
 #include "core/validate.h"
@@ -207,11 +209,13 @@ static void fill_topk(HtNotifyParams& p, const TensorView& topk_idx) {
   p.topk_is_i64 = topk_idx.dtype == DType::kI64;
 }
 
-void CudaBuffer::ensure_engine_streams() {
-  // Every object, or none: a failure part-way leaves the members null and the next call retries.
-  if (engine_event_[2]) return;
-  cudaStream_t st[2] = {nullptr, nullptr};
-  cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+namespace {
+// Creates every stream and event given, or none (a failure part-way destroys what it made, leaves
+// the outputs null and throws; the next call retries).
+void create_streams(std::span<cudaStream_t> streams, std::span<cudaEvent_t> events,
+                    const char* what) {
+  std::vector<cudaStream_t> st(streams.size(), nullptr);
+  std::vector<cudaEvent_t> ev(events.size(), nullptr);
   cudaError_t e = cudaSuccess;
   for (cudaStream_t& x : st)
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking);
@@ -222,10 +226,21 @@ void CudaBuffer::ensure_engine_streams() {
       if (x) cudaStreamDestroy(x);
     for (cudaEvent_t x : ev)
       if (x) cudaEventDestroy(x);
-    EPX_CUDA_CHECK(e, "ht_dispatch: copy-engine streams");
+    EPX_CUDA_CHECK(e, what);
   }
-  for (int i = 0; i < 2; ++i) engine_stream_[i] = st[i];
-  for (int i = 0; i < 3; ++i) engine_event_[i] = ev[i];
+  std::copy(st.begin(), st.end(), streams.begin());
+  std::copy(ev.begin(), ev.end(), events.begin());
+}
+}  // namespace
+
+void CudaBuffer::ensure_engine_streams() {
+  if (!engine_event_[2])
+    create_streams(engine_stream_, engine_event_, "ht_dispatch: copy-engine streams");
+}
+
+void CudaBuffer::ensure_split_stream() {
+  if (!split_event_[1])
+    create_streams({&split_stream_, 1}, split_event_, "ht_dispatch: split dispatch stream");
 }
 
 // The kept rows' x (x -> recv_x, never in the symmetric region) on side stream 0, forked from
@@ -365,15 +380,6 @@ HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream,
   return out;
 }
 
-// Whether the split exact dispatch can run on `device`: its receive kernel is launched with
-// programmatic dependent launch and its send kernel releases it early (griddepcontrol), which
-// needs an sm_90+ device and the dispatch kernels built for it.
-static bool split_dispatch_ok(int device) {
-  static DynSmemKernel k(ht_dispatch_kernel_address());
-  DeviceGuard guard(device);
-  return k.facts("ht_dispatch").hopper();
-}
-
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
   require_usable("ht_dispatch");
   DeviceGuard guard(device_);
@@ -445,20 +451,20 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // Scale words per row (fp8 with scales; 0 otherwise).
   const int scales_in =
       fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.shape[1]) : 0;
-  // The split exact dispatch (opt-in, kHtSplitSend; prepared, not yet measured on two GPUs): the
-  // sender CTAs as their own kernel, launched right after the count exchange so that they push
-  // while the host waits for N and allocates; the receiver CTAs as a second kernel after that,
-  // launched with programmatic dependent launch so that it runs beside the first (it reads
-  // nothing the first writes: the rows it waits for come from the peers, through the flags).
-  // Kernel copy paths only (warp, bulk): ce:kept's copy-engine fork point must follow the
-  // outputs' allocation (a cross-stream pool orders a reused block there), and a fork after the
-  // send kernel would hold the kept rows' copies until it ends — a side stream for the send
-  // kernel would do it, not built. Not zero-copy (its senders place the kept rows' metadata in
-  // the outputs); not with ht PDL on.
-  const int split_send_ctas = tuning_.dispatch_send_ctas;
+  // The split exact dispatch (opt-in, kHtSplitSend; not yet measured on two GPUs): the sender
+  // CTAs as their own kernel on a side stream (split_stream_), forked right after the count
+  // exchange, so that they push while the host waits for N and allocates; the receiver CTAs as a
+  // second kernel on `stream` after that (it reads nothing the first writes: the rows it waits for
+  // come from the peers, through the flags); `stream` then joins the side stream. Every kernel
+  // copy path and ce:kept (its copy-engine fork follows the outputs' allocation on `stream`, as
+  // unsplit; the send kernel has ce:kept's sender count). Not plain "ce" (no kernel senders), not
+  // zero-copy (its senders place the kept rows' metadata in the outputs); not with ht PDL on.
+  const bool kept_engines = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only;
+  const int split_send_ctas =
+      kept_engines ? tuning_.dispatch_send_ctas_kept : tuning_.dispatch_send_ctas;
   const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !pdl_ &&
-                     (ht_ablation() & kHtSplitSend) && R > 1 && copy.mode != HtCopyMode::kEngine &&
-                     split_dispatch_ok(device_) && split_send_ctas > 0 &&
+                     (ht_ablation() & kHtSplitSend) && R > 1 &&
+                     (copy.mode != HtCopyMode::kEngine || kept_engines) && split_send_ctas > 0 &&
                      split_send_ctas < tuning_.num_sms;
   // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
   // rows (the symmetric slots always are).
@@ -467,8 +473,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
                                 ? HtCopyMode::kBulk
                                 : HtCopyMode::kWarp);
   };
-  // The split's receive kernel: the op's CTAs after the send kernel's, launched with PDL but never
-  // waiting for the send kernel (p.pdl = 0).
+  // The split's receive kernel: the op's CTAs after the send kernel's.
   auto as_recv_kernel = [&](HtDispatchParams& p) {
     p.num_send_ctas = split_send_ctas;
     p.split = kHtSplitRecvKernel;
@@ -478,22 +483,25 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   };
   // After the send kernel's launch, until the receive kernel's: on an exception, the receive
   // kernel is launched anyway with nothing to write (outputs null, copies skipped), so that the
-  // op completes on this rank and its peers; then the exception propagates.
+  // op completes on this rank and its peers, and `stream` joins the side stream; then the
+  // exception propagates.
   struct SplitDrain {
-    CudaBuffer* self = nullptr;
     HtDispatchParams p{};
     int vb = 1, grid = 0;
     cudaStream_t stream = nullptr;
+    cudaEvent_t join = nullptr;
+    bool armed = false;
     ~SplitDrain() {
-      if (self == nullptr) return;
+      if (!armed) return;
       try {
         p.recv_x = nullptr;
         p.recv_scales = nullptr;
         p.cached = 1;  // no metadata
         p.ablate |= kAblateSelf | kAblateRemoteCopy;
-        launch_ht_dispatch(p, vb, grid, stream, /*launch_pdl=*/1);
+        launch_ht_dispatch(p, vb, grid, stream, /*launch_pdl=*/0);
       } catch (...) {  // the op's error is the one that propagates
       }
+      (void)cudaStreamWaitEvent(stream, join, 0);
     }
   } split_drain;
 
@@ -549,15 +557,22 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
           vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
                         static_cast<uint64_t>(row_bytes)});
       sp.copy_mode = copy_mode_for(vb_send);
-      launch_ht_dispatch(sp, vb_send, split_send_ctas, stream);
+      sp.pdl = 0;
       // The drain's parameters: the receive kernel's, without outputs.
+      ensure_split_stream();
       split_drain.p = sp;
       as_recv_kernel(split_drain.p);
       split_drain.p.copy_mode = static_cast<int>(HtCopyMode::kWarp);
       split_drain.vb = 1;
       split_drain.grid = tuning_.num_sms - split_send_ctas;
       split_drain.stream = stream;
-      split_drain.self = this;
+      split_drain.join = split_event_[1];
+      EPX_CUDA_CHECK(cudaEventRecord(split_event_[0], stream), "ht_dispatch: split fork");
+      EPX_CUDA_CHECK(cudaStreamWaitEvent(split_stream_, split_event_[0], 0),
+                     "ht_dispatch: split fork");
+      launch_ht_dispatch(sp, vb_send, split_send_ctas, split_stream_, /*launch_pdl=*/0);
+      split_drain.armed = true;
+      EPX_CUDA_CHECK(cudaEventRecord(split_event_[1], split_stream_), "ht_dispatch: split");
     }
     if (worst_case) {
       num_rows = args.num_worst_tokens;
@@ -689,8 +704,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int grid = tuning_.num_sms;
   if (split) {
     as_recv_kernel(p);
-    launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/1);
-    split_drain.self = nullptr;  // launched: nothing to drain
+    launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/0);
+    split_drain.armed = false;  // launched: nothing to drain
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, split_event_[1], 0), "ht_dispatch: split join");
   } else {
     launch_ht_dispatch(p, vb, grid, stream);
   }

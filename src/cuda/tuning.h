@@ -59,9 +59,9 @@ enum HtAblate : int {
   // CTAs splitting the tokens (eleventh session) — the same-run A/B.
   kHtNotifyOneCta = 131072,
   // Not an ablation either, and the other way round (opt-in, prepared in the eleventh session,
-  // not yet measured on two GPUs): the exact dispatch split in two kernels, the senders launched
-  // right after the count exchange (before the host waits for it) and the receivers after the
-  // outputs are allocated (ht.cu, split_dispatch_ok).
+  // not yet measured on two GPUs): the exact dispatch split in two kernels, the senders on a side
+  // stream right after the count exchange (before the host waits for it) and the receivers after
+  // the outputs are allocated (ht.cu).
   kHtSplitSend = 262144,
 };
 

@@ -10,7 +10,9 @@
 //
 // Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
-// rank's. The kernels run the warp copy path (the copy engines are off in this mode).
+// rank's. Default rows also note the host time per call and epx-bench's measure (one call alone
+// between two events after a barrier, the median over calls x rounds). The kernels run the warp
+// copy path (the copy engines are off in this mode).
 // --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
 // dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
 #include <cuda_runtime.h>
@@ -19,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -220,6 +223,23 @@ int run_rank(const Group& g, const Options& o) {
     }
     return median(us);
   };
+  // µs of one call timed alone between two events right after a group barrier (epx-bench's
+  // method, bench/baselines_cuda.cu time_on_device), median of calls x rounds such calls.
+  auto timed_single = [&](const HtDispatchArgs& args) {
+    std::vector<double> us;
+    for (int i = 0; i < o.calls * o.rounds + 2; ++i) {  // 2 warm-up calls
+      CUDA_OK(cudaStreamSynchronize(stream));
+      g.transport()->barrier("onegpu bench single");
+      CUDA_OK(cudaEventRecord(e0, stream));
+      (void)buf.ht_dispatch(args, alloc);
+      CUDA_OK(cudaEventRecord(e1, stream));
+      CUDA_OK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 2) us.push_back(1e3 * ms);
+    }
+    return median(us);
+  };
   // Also the host time per call spent in the allocator (alloc_per_call) and inside ht_dispatch.
   double alloc_per_call = 0, host_per_call = 0;
   int allocs_per_call = 0;
@@ -282,9 +302,14 @@ int run_rank(const Group& g, const Options& o) {
       if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");
       const double us = timed(*row.args);
-      char host[96];
+      char host[160];
       std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
                     allocs_per_call, alloc_per_call);
+      if (sw.bits == 0) {  // also epx-bench's way: one call alone after a barrier
+        const double single = timed_single(*row.args);
+        const size_t n = std::strlen(host);
+        std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
+      }
       report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us,
              sw.bits == 0 ? host : "");
     }

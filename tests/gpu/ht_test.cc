@@ -63,6 +63,7 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, detail::kHtNotifyOneCta},     // the count exchange on one CTA (A/B)
     {"warp", 100, detail::kHtSplitSend},           // exact: senders before the host wait
     {"bulk", 100, detail::kHtSplitSend},
+    {"ce:kept", 100, detail::kHtSplitSend},  // the same with the copy engines on the kept rows
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},

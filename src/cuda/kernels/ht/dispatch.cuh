@@ -27,8 +27,9 @@
 //   wait for the blocks and copy only the metadata out (not cached); the ready signal is
 //   deferred to the rank's next op (finish_operation).
 // Split exact dispatch (host-selected, opt-in kHtSplitSend): the sender CTAs [0, num_send_ctas)
-//   as one kernel launched before the host's wait for the count exchange, the receivers as a
-//   second one (cta_offset = num_send_ctas) after it; op_cta / op_ctas number the CTAs of both.
+//   as one kernel on a side stream, launched before the host's wait for the count exchange, the
+//   receivers as a second one (cta_offset = num_send_ctas) after it; op_cta / op_ctas number the
+//   CTAs of both.
 // Copy path (kBulk, host-selected by HtCopyMode): x rows move through the bulk-copy engine
 //   (bulk_copy.cuh: lane 0 of each warp drives its pipeline, the other lanes move scales and
 //   metadata with ordinary stores); otherwise through copy_row (16-byte vectors per lane).
@@ -491,9 +492,6 @@ __device__ void dispatch_receive(const HtDispatchParams& p, BulkPipe& pipe) {
 template <typename V, bool kBulk>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchParams p) {
   pdl_begin(p.pdl);
-  // The split's send kernel lets its receive kernel (launched with PDL, which never waits for it)
-  // start as soon as the host launches it.
-  if (p.split == kHtSplitSendKernel) pdl_launch_dependents();
   const int cta = op_cta(p);
   EPX_HT_STAMP_CTA(p, 0, kHtTrEntry, cta);
   const uint32_t cur = p.wait.state->seq + 1;
@@ -559,8 +557,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
                     : kReadyNow,
       /*wait_peers=*/false, op_ctas(p));
   // The split's receive kernel ends only after the whole op did (the last CTA advances seq once
-  // every CTA arrived): a kernel launched after it with PDL waits for it alone, and must not run
-  // while the send kernel still reads x.
+  // every CTA arrived), as the one kernel of an unsplit op does (the host also joins the send
+  // kernel's stream after it).
   if (p.split == kHtSplitRecvKernel && threadIdx.x == 0)
     (void)wait_flag<true>(&p.wait.state->seq, cur, p.wait, kWaitReady, p.rank);
   EPX_HT_STAMP_CTA(p, 0, kHtTrExit, cta);

@@ -70,10 +70,10 @@ struct HtDispatchParams {
   int64_t num_rows;          // N (exact / cached) or num_worst_tokens
   int worst_case;            // rows past N get topk -1, weight 0, src -1; N > num_rows is an error
   int num_send_ctas;         // CTAs [0, num_send_ctas) send, the rest receive
-  // The split exact dispatch (ht.cu): the send CTAs as one kernel launched before the host's
-  // wait for the count exchange, the receive CTAs as a second one after it. split: 0 (one kernel),
-  // kHtSplitSendKernel or kHtSplitRecvKernel; cta_offset: this kernel's first CTA in the op;
-  // op_ctas: the op's CTAs in both kernels (0: gridDim.x).
+  // The split exact dispatch (ht.cu): the send CTAs as one kernel (side stream) launched before
+  // the host's wait for the count exchange, the receive CTAs as a second one after it. split: 0
+  // (one kernel), kHtSplitSendKernel or kHtSplitRecvKernel; cta_offset: this kernel's first CTA in
+  // the op; op_ctas: the op's CTAs in both kernels (0: gridDim.x).
   int split, cta_offset, op_ctas;
   int send_batch;            // tokens per sender warp between two signals (0: kDispatchBatch)
   int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
