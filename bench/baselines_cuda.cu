@@ -77,14 +77,32 @@ void launch_empty_kernel(void* stream) {
 }
 
 Timing time_on_device(const Group& group, void* stream, int warmup, int iters,
-                      const std::function<void()>& body) {
+                      const std::function<void()>& body, TimeMethod method) {
   auto s = static_cast<cudaStream_t>(stream);
-  cudaEvent_t e0, e1;
-  cuda_ok(cudaEventCreate(&e0), "time_on_device");
-  cuda_ok(cudaEventCreate(&e1), "time_on_device");
   for (int i = 0; i < warmup; ++i) body();
   cuda_ok(cudaStreamSynchronize(s), "time_on_device: warmup");
   std::vector<double> us;
+  if (method == TimeMethod::kPipelined) {
+    std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters), nullptr);
+    for (cudaEvent_t& e : ev) cuda_ok(cudaEventCreate(&e), "time_on_device");
+    group.transport()->barrier("time_on_device");
+    for (int i = 0; i < iters; ++i) {
+      cuda_ok(cudaEventRecord(ev[2 * i], s), "time_on_device");
+      body();
+      cuda_ok(cudaEventRecord(ev[2 * i + 1], s), "time_on_device");
+    }
+    cuda_ok(cudaStreamSynchronize(s), "time_on_device");
+    for (int i = 0; i < iters; ++i) {
+      float ms = 0;
+      cuda_ok(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "time_on_device");
+      us.push_back(ms * 1000.0);
+    }
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
+    return summarize(us);
+  }
+  cudaEvent_t e0, e1;
+  cuda_ok(cudaEventCreate(&e0), "time_on_device");
+  cuda_ok(cudaEventCreate(&e1), "time_on_device");
   for (int i = 0; i < iters; ++i) {
     group.transport()->barrier("time_on_device");
     cuda_ok(cudaEventRecord(e0, s), "time_on_device");
@@ -100,7 +118,8 @@ Timing time_on_device(const Group& group, void* stream, int warmup, int iters,
   return summarize(us);
 }
 
-Timing nccl_all_to_all(const Group& group, size_t bytes_per_peer, int warmup, int iters) {
+Timing nccl_all_to_all(const Group& group, size_t bytes_per_peer, int warmup, int iters,
+                       TimeMethod method) {
   auto comm = static_cast<ncclComm_t>(detail::nccl_comm_of(*group.transport()));
   if (!comm) throw Error(ErrorCode::kUnsupported, "nccl_all_to_all: needs a cuda group");
   const int R = group.size();
@@ -121,7 +140,7 @@ Timing nccl_all_to_all(const Group& group, size_t bytes_per_peer, int warmup, in
     }
     nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
   };
-  Timing t = time_on_device(group, s, warmup, iters, body);
+  Timing t = time_on_device(group, s, warmup, iters, body, method);
   cudaStreamDestroy(s);
   cudaFree(send);
   cudaFree(recv);
@@ -129,7 +148,7 @@ Timing nccl_all_to_all(const Group& group, size_t bytes_per_peer, int warmup, in
 }
 
 Timing nvlink_copy_ceiling(const Group& group, size_t bytes_per_peer, int num_sms, int warmup,
-                           int iters) {
+                           int iters, TimeMethod method) {
   const int R = group.size(), me = group.rank();
   const size_t bytes = (bytes_per_peer + 15) / 16 * 16;
   auto mem = group.transport()->allocate(bytes * R);
@@ -149,7 +168,7 @@ Timing nvlink_copy_ceiling(const Group& group, size_t bytes_per_peer, int num_sm
     push_kernel<<<std::max(1, num_sms), 512, 0, s>>>(static_cast<const uint4*>(src), d_dst, R, me,
                                                      bytes / 16);
   };
-  Timing t = time_on_device(group, s, warmup, iters, body);
+  Timing t = time_on_device(group, s, warmup, iters, body, method);
   cuda_ok(cudaGetLastError(), "nvlink_copy_ceiling");
   cudaStreamDestroy(s);
   cudaFree(d_dst);

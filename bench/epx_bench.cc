@@ -65,6 +65,14 @@ FLAGS:
   --warmup N          untimed iterations before them (default: cuda 10, cpu 2)
   --num-sms N         SM budget of the cuda kernels (GroupOptions::num_sms); 0 = auto (default).
                       The NVLink ceiling uses the same number (16 when auto).
+  --timing barrier|pipelined
+                      cuda: how each call is timed, for epx and both baselines alike.
+                      barrier (default): each call alone, CUDA events right around it after a
+                      group barrier (it pays its launch and host time and the ranks' skew).
+                      pipelined: after one barrier the --iters calls back to back, each between
+                      its own two events (a call starts on the device when the previous one
+                      ends): GPU time per call while the host keeps ahead, the way DeepEP's
+                      tests time its kernels. The cpu backend has only barrier.
   --check             compare every operation's outputs, on every rank, with the naive oracle
                       of tests/support (exact, element by element; before and after timing).
                       Prints PASS/FAIL per operation; exits 1 if any check fails.
@@ -76,7 +84,8 @@ FLAGS:
 
 COLUMNS:
   median/min/max us   time per call over --iters calls. cpu: wall clock of rank 0, all ranks
-                      meeting at a barrier before each call. cuda: CUDA events around each call.
+                      meeting at a barrier before each call. cuda: CUDA events around each call
+                      (--timing says when each call starts).
                       Outputs come from a caching pool (as with PyTorch's allocator), so no
                       timed call pays cudaMalloc/cudaFree or fresh host pages.
   cross MB            bytes a rank receives from OTHER ranks (its own tokens excluded), per
@@ -197,6 +206,11 @@ Options parse(int argc, char** argv) {
       o.warmup = static_cast<int>(parse_int(a, value(), 0, 1 << 20));
     } else if (a == "--num-sms") {
       o.num_sms = static_cast<int>(parse_int(a, value(), 0, 1024));
+    } else if (a == "--timing") {
+      const std::string t = value();
+      if (t != "barrier" && t != "pipelined")
+        usage_error("--timing is '" + t + "', expected barrier or pipelined");
+      o.pipelined = t == "pipelined";
     } else if (a == "--check") {
       o.check = true;
     } else if (a == "--json") {
@@ -230,6 +244,8 @@ Options parse(int argc, char** argv) {
     o.num_ranks = 4;
   }
   const bool cuda = o.backend == Backend::kCuda;
+  if (o.pipelined && !cuda)
+    usage_error("--timing pipelined times calls on the device; the cpu backend has only barrier");
   if (o.iters < 0) o.iters = cuda ? 50 : 10;
   if (o.warmup < 0) o.warmup = cuda ? 10 : 2;
   if (o.num_experts % o.num_ranks != 0)
@@ -395,13 +411,17 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
   const bool cuda = opt.backend == Backend::kCuda;
   std::printf(
       "\nepx-bench: backend %s%s, %d ranks, H=%lld K=%d E=%d, routing %s, %d iters "
-      "(+%d warmup), seed %llu\n",
+      "(+%d warmup)%s, seed %llu\n",
       backend_name(opt.backend),
       cuda        ? " (one process per GPU)"
       : opt.procs ? " (processes)"
                   : " (threads)",
       opt.num_ranks, static_cast<long long>(opt.hidden), opt.top_k, opt.num_experts,
-      opt.routing.c_str(), opt.iters, opt.warmup, static_cast<unsigned long long>(opt.seed));
+      opt.routing.c_str(), opt.iters, opt.warmup,
+      !cuda           ? ""
+      : opt.pipelined ? ", timing pipelined (calls back to back)"
+                      : ", timing barrier (each call alone)",
+      static_cast<unsigned long long>(opt.seed));
   std::printf("%-24s %6s %10s %10s %10s %9s %9s %8s %8s", "op", "T", "median_us", "min_us",
               "max_us", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
   if (cuda) std::printf(" %9s %9s %8s %8s", "nccl_us", "ceil_us", "epx/nccl", "ceil/epx");
@@ -476,8 +496,10 @@ void write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     << ",\n  \"hidden\": " << opt.hidden << ",\n  \"topk\": " << opt.top_k
     << ",\n  \"experts\": " << opt.num_experts << ",\n  \"routing\": " << json_str(opt.routing)
     << ",\n  \"iters\": " << opt.iters << ",\n  \"warmup\": " << opt.warmup
-    << ",\n  \"num_sms\": " << opt.num_sms << ",\n  \"seed\": " << opt.seed
-    << ",\n  \"check\": " << (opt.check ? "true" : "false") << ",\n  \"errors\": [";
+    << ",\n  \"num_sms\": " << opt.num_sms
+    << ",\n  \"timing\": " << json_str(opt.pipelined ? "pipelined" : "barrier")
+    << ",\n  \"seed\": " << opt.seed << ",\n  \"check\": " << (opt.check ? "true" : "false")
+    << ",\n  \"errors\": [";
   bool first = true;
   for (int r = 0; r < opt.num_ranks; ++r) {
     if (!reports[r].error[0]) continue;

@@ -47,6 +47,7 @@ struct Options {
   int iters = -1;   // -1 = default for the backend
   int warmup = -1;  // -1 = default for the backend
   int num_sms = 0;  // 0 = auto
+  bool pipelined = false;  // --timing pipelined (cuda): TimeMethod::kPipelined, else kBarrier
   bool check = false;
   std::string json_path;
   uint64_t seed = 1;
@@ -177,8 +178,9 @@ void stream_synchronize(Device device, Stream stream);
 Stream make_stream(Device device);  // nullptr on cpu
 
 // Times `step` (iters times after warmup). cpu: barrier before each call, wall clock of this rank.
-// cuda: bench::time_on_device (CUDA events around each call).
+// cuda: bench::time_on_device (CUDA events around each call) with time_method(ctx).
 Timing time_op(Ctx& ctx, const std::function<void()>& step);
+TimeMethod time_method(const Ctx& ctx);  // --timing
 
 // cpu only: times each step of a sequence separately, iteration by iteration (barrier before
 // every step), for ops that must alternate (a2a dispatch -> combine). Returns one Timing per step

@@ -286,8 +286,13 @@ Stream make_stream(Device device) {
 #endif
 }
 
+TimeMethod time_method(const Ctx& ctx) {
+  return ctx.opt.pipelined ? TimeMethod::kPipelined : TimeMethod::kBarrier;
+}
+
 Timing time_op(Ctx& ctx, const std::function<void()>& step) {
-  if (ctx.is_cuda()) return time_on_device(ctx.group, ctx.stream, ctx.warmup, ctx.iters, step);
+  if (ctx.is_cuda())
+    return time_on_device(ctx.group, ctx.stream, ctx.warmup, ctx.iters, step, time_method(ctx));
   return time_sequence(ctx, {step}).front();
 }
 
@@ -336,8 +341,9 @@ void add_result(Ctx& ctx, const std::string& op, int64_t num_tokens, const Timin
     size_t per_peer = static_cast<size_t>(cross_bytes / (R - 1));
     per_peer = (per_peer + 15) / 16 * 16;
     r.ceiling_sms = ctx.opt.num_sms > 0 ? ctx.opt.num_sms : 16;
-    r.nccl = nccl_all_to_all(ctx.group, per_peer, ctx.warmup, ctx.iters);
-    r.ceiling = nvlink_copy_ceiling(ctx.group, per_peer, r.ceiling_sms, ctx.warmup, ctx.iters);
+    r.nccl = nccl_all_to_all(ctx.group, per_peer, ctx.warmup, ctx.iters, time_method(ctx));
+    r.ceiling = nvlink_copy_ceiling(ctx.group, per_peer, r.ceiling_sms, ctx.warmup, ctx.iters,
+                                    time_method(ctx));
     r.has_baselines = true;
   }
 }
