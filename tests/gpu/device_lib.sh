@@ -125,12 +125,14 @@ epx_batch_profile() {
   grep -E "$rows" "$OUT/profile.log" | cut -c1-250
 }
 
-# epx_batch_epx_bench_ht TIMEOUT_S NAME: epx-bench ht (eager, no --check) from $B in the caller's
-# environment; log $OUT/eb_NAME.log, prints its status and the rows.
+# epx_batch_epx_bench_ht TIMEOUT_S NAME [FLAG...]: epx-bench ht (eager, no --check; the flags
+# added) from $B in the caller's environment; log $OUT/eb_NAME.log, prints its status and the rows.
 epx_batch_epx_bench_ht() {
-  timeout "$1" "$B/bench/epx-bench" ht --backend cuda > "$OUT/eb_$2.log" 2>&1
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" "$B/bench/epx-bench" ht --backend cuda "$@" > "$OUT/eb_$name.log" 2>&1
   echo "rc=$?"
-  grep -E "^ht\\." "$OUT/eb_$2.log" | cut -c1-120
+  grep -E "^ht\\." "$OUT/eb_$name.log" | cut -c1-120
 }
 
 # epx_batch_epx_bench_ht_copies TIMEOUT_S: epx_batch_epx_bench_ht under the default copy path and

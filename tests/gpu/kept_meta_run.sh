@@ -10,7 +10,7 @@
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
 #       "..., metadata old", "..., count exchange on one CTA", "exact, split", T = 4096, 16 SMs,
 #       ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
-#       epx-bench ht
+#       epx-bench ht, --timing barrier and pipelined
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
@@ -29,8 +29,9 @@ case ${1:-} in
     EPX_CMAKE_EXTRA="-DEPX_HT_TRACE=ON" epx_device_build bht epx_ht_gpu_bench &&
       B=bht epx_batch_bench trace4096 90 "^\[trace" \
         epx_ht_gpu_bench --trace --iters 20 --tokens 4096 --sms 16 --copy ce:kept
-    echo "== epx-bench ht"
+    echo "== epx-bench ht (each call alone after a barrier; then pipelined, DeepEP's method)"
     epx_batch_epx_bench_ht 100 default
+    epx_batch_epx_bench_ht 100 pipelined --timing pipelined
     ;;
   *)
     echo "usage: bash tests/gpu/kept_meta_run.sh tests|bench" >&2
