@@ -457,8 +457,10 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // second kernel on `stream` after that (it reads nothing the first writes: the rows it waits for
   // come from the peers, through the flags); `stream` then joins the side stream. Every kernel
   // copy path and ce:kept (its copy-engine fork follows the outputs' allocation on `stream`, as
-  // unsplit; the send kernel has ce:kept's sender count). Not plain "ce" (no kernel senders), not
-  // zero-copy (its senders place the kept rows' metadata in the outputs); not with ht PDL on.
+  // unsplit; the send kernel has ce:kept's sender count, chosen before the host knows whether the
+  // copy engines pay for this layout — if not, the receivers copy the kept rows themselves, with
+  // the CTAs ce:kept left them). Not plain "ce" (no kernel senders), not zero-copy (its senders
+  // place the kept rows' metadata in the outputs); not with ht PDL on.
   const bool kept_engines = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only;
   const int split_send_ctas =
       kept_engines ? tuning_.dispatch_send_ctas_kept : tuning_.dispatch_send_ctas;
@@ -476,34 +478,42 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // The split's receive kernel: the op's CTAs after the send kernel's.
   auto as_recv_kernel = [&](HtDispatchParams& p) {
     p.num_send_ctas = split_send_ctas;
-    p.split = kHtSplitRecvKernel;
     p.cta_offset = split_send_ctas;
     p.op_ctas = tuning_.num_sms;
     p.pdl = 0;
   };
-  // After the send kernel's launch, until the receive kernel's: on an exception, the receive
-  // kernel is launched anyway with nothing to write (outputs null, copies skipped), so that the
-  // op completes on this rank and its peers, and `stream` joins the side stream; then the
+  // From the send kernel's launch on, until `stream` joined the side stream: on an exception
+  // before the receive kernel was launched, it is launched anyway with nothing to write (outputs
+  // null, copies skipped), so that the op completes on this rank and its peers; in any case
+  // `stream` then joins the side stream (the send kernel reads x and the routing). Then the
   // exception propagates.
-  struct SplitDrain {
-    HtDispatchParams p{};
+  struct SplitGuard {
+    HtDispatchParams p{};  // the receive kernel's, for the drain
     int vb = 1, grid = 0;
-    cudaStream_t stream = nullptr;
+    cudaStream_t stream = nullptr, side = nullptr;
     cudaEvent_t join = nullptr;
-    bool armed = false;
-    ~SplitDrain() {
-      if (!armed) return;
-      try {
-        p.recv_x = nullptr;
-        p.recv_scales = nullptr;
-        p.cached = 1;  // no metadata
-        p.ablate |= kAblateSelf | kAblateRemoteCopy;
-        launch_ht_dispatch(p, vb, grid, stream, /*launch_pdl=*/0);
-      } catch (...) {  // the op's error is the one that propagates
-      }
-      (void)cudaStreamWaitEvent(stream, join, 0);
+    bool send_launched = false, recv_launched = false;
+    // `stream` waits for everything on the side stream so far (the send kernel).
+    void join_side(bool checked) const {
+      const cudaError_t e = cudaEventRecord(join, side);
+      const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(stream, join, 0) : e;
+      if (checked) EPX_CUDA_CHECK(w, "ht_dispatch: split join");
     }
-  } split_drain;
+    ~SplitGuard() {
+      if (!send_launched) return;
+      if (!recv_launched) {
+        try {
+          p.recv_x = nullptr;
+          p.recv_scales = nullptr;
+          p.cached = 1;  // no metadata
+          p.ablate |= kAblateSelf | kAblateRemoteCopy;
+          launch_ht_dispatch(p, vb, grid, stream, /*launch_pdl=*/0);
+        } catch (...) {  // the op's error is the one that propagates
+        }
+      }
+      join_side(/*checked=*/false);
+    }
+  } split_guard;
 
   if (cached) {
     EPX_CHECK_ARG(args.handle->buffer_id == id, "ht_dispatch: argument 'handle' comes from buffer ",
@@ -547,11 +557,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
 #ifdef EPX_HT_TRACE
     np.trace = trace_;
 #endif
+    if (split) ensure_split_stream();  // (a failure here leaves no peer waiting)
     launch_ht_notify(np, stream);
     if (split) {
       HtDispatchParams sp = base_params(scales_in);
       sp.num_send_ctas = split_send_ctas;
-      sp.split = kHtSplitSendKernel;
       sp.op_ctas = tuning_.num_sms;
       const int vb_send =
           vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
@@ -559,20 +569,19 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       sp.copy_mode = copy_mode_for(vb_send);
       sp.pdl = 0;
       // The drain's parameters: the receive kernel's, without outputs.
-      ensure_split_stream();
-      split_drain.p = sp;
-      as_recv_kernel(split_drain.p);
-      split_drain.p.copy_mode = static_cast<int>(HtCopyMode::kWarp);
-      split_drain.vb = 1;
-      split_drain.grid = tuning_.num_sms - split_send_ctas;
-      split_drain.stream = stream;
-      split_drain.join = split_event_[1];
+      split_guard.p = sp;
+      as_recv_kernel(split_guard.p);
+      split_guard.p.copy_mode = static_cast<int>(HtCopyMode::kWarp);
+      split_guard.vb = 1;
+      split_guard.grid = tuning_.num_sms - split_send_ctas;
+      split_guard.stream = stream;
+      split_guard.side = split_stream_;
+      split_guard.join = split_event_[1];
       EPX_CUDA_CHECK(cudaEventRecord(split_event_[0], stream), "ht_dispatch: split fork");
       EPX_CUDA_CHECK(cudaStreamWaitEvent(split_stream_, split_event_[0], 0),
                      "ht_dispatch: split fork");
       launch_ht_dispatch(sp, vb_send, split_send_ctas, split_stream_, /*launch_pdl=*/0);
-      split_drain.armed = true;
-      EPX_CUDA_CHECK(cudaEventRecord(split_event_[1], split_stream_), "ht_dispatch: split");
+      split_guard.send_launched = true;
     }
     if (worst_case) {
       num_rows = args.num_worst_tokens;
@@ -705,8 +714,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   if (split) {
     as_recv_kernel(p);
     launch_ht_dispatch(p, vb, grid - split_send_ctas, stream, /*launch_pdl=*/0);
-    split_drain.armed = false;  // launched: nothing to drain
-    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, split_event_[1], 0), "ht_dispatch: split join");
+    split_guard.recv_launched = true;  // nothing to drain
+    split_guard.join_side(/*checked=*/true);
+    split_guard.send_launched = false;  // joined: nothing left to do
   } else {
     launch_ht_dispatch(p, vb, grid, stream);
   }

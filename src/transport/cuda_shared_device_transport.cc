@@ -13,13 +13,16 @@
 //
 // Co-residency (why num_sms is resolved here): every device-side wait (flags, counters) spins
 // until a peer's kernel writes, so the kernels of all R ranks must run at the same time. Each
-// rank runs one kernel at a time (its ops are ordered on its stream) with at most max(2, num_sms)
+// rank runs one op at a time (its ops are ordered on its stream) with at most max(2, num_sms)
 // CTAs (ht: tuning.num_sms, at least 2; ll: resolve_ll_ctas <= num_sms; a2a: num_sms), and the
 // ht/ll kernels are __launch_bounds__(512, 1) (count one CTA per SM). So we require
 // R * max(2, num_sms) <= SMs and resolve auto num_sms to SMs / R (132 / 8 = 16 on an H200).
-// Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8) share a queue, and a
-// rank's kernel queued behind a peer's spinning kernel would wait for it: we require at least
-// min(32, 2R) connections (the one-GPU test harness sets 32 before CUDA starts).
+// (The split exact ht dispatch runs one op as two kernels on two streams, their CTAs together
+// within the same budget.) Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
+// 8) share a queue, and a rank's kernel queued behind a peer's spinning kernel would wait for it:
+// a rank uses up to three streams (its own, the split dispatch's side stream, the per-thread
+// stream of its allocations), so we require at least min(32, 3R) connections (the one-GPU test
+// harness sets 32 before CUDA starts).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -71,7 +74,7 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
                 ", expected 1..", kMaxRanks);
   // The environment first (no CUDA call before these: they must hold when CUDA initialises).
   const int connections = env_cuda_device_max_connections();
-  const int needed = std::min(32, 2 * size);
+  const int needed = std::min(32, 3 * size);
   EPX_CHECK_ARG(connections >= needed, what, ": CUDA_DEVICE_MAX_CONNECTIONS is ", connections,
                 " but ", size, " ranks on one GPU need at least ", needed,
                 " hardware queues (a rank's kernel queued behind a peer's spinning kernel would "

@@ -123,10 +123,10 @@ TEST(ThreadTransport, CudaSharedDeviceNeedsHardwareQueues) {
   ScopedEnv connections("CUDA_DEVICE_MAX_CONNECTIONS", "2");
   ScopedEnv loading("CUDA_MODULE_LOADING", "EAGER");
   ErrorCode code = ErrorCode::kInternal;
-  const std::string error = shared_device_error(&code);  // 2 ranks need min(32, 4) queues
+  const std::string error = shared_device_error(&code);  // 2 ranks need min(32, 6) queues
   EXPECT_EQ(code, ErrorCode::kInvalidArgument) << error;
   EXPECT_NE(error.find("CUDA_DEVICE_MAX_CONNECTIONS is 2"), std::string::npos) << error;
-  EXPECT_NE(error.find("need at least 4"), std::string::npos) << error;
+  EXPECT_NE(error.find("need at least 6"), std::string::npos) << error;
 }
 #endif
 

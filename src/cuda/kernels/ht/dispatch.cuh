@@ -556,11 +556,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_dispatch_kernel(HtDispatchPa
       : p.zero_copy ? kReadyDeferred
                     : kReadyNow,
       /*wait_peers=*/false, op_ctas(p));
-  // The split's receive kernel ends only after the whole op did (the last CTA advances seq once
-  // every CTA arrived), as the one kernel of an unsplit op does (the host also joins the send
-  // kernel's stream after it).
-  if (p.split == kHtSplitRecvKernel && threadIdx.x == 0)
-    (void)wait_flag<true>(&p.wait.state->seq, cur, p.wait, kWaitReady, p.rank);
+  // (The split's two kernels end independently; the host joins the send kernel's stream after
+  // the receive kernel, so later work on the caller's stream follows both.)
   EPX_HT_STAMP_CTA(p, 0, kHtTrExit, cta);
 }
 

@@ -41,10 +41,6 @@ struct HtNotifyParams {
 #endif
 };
 
-// HtDispatchParams::split: the two kernels of a split exact dispatch (ht.cu).
-inline constexpr int kHtSplitSendKernel = 1;
-inline constexpr int kHtSplitRecvKernel = 2;
-
 // ht_dispatch: rows (+ scales, + routing metadata unless cached) to their receivers.
 struct HtDispatchParams {
   const char* x;  // [T, H] rows of row_bytes, x_stride apart
@@ -71,10 +67,10 @@ struct HtDispatchParams {
   int worst_case;            // rows past N get topk -1, weight 0, src -1; N > num_rows is an error
   int num_send_ctas;         // CTAs [0, num_send_ctas) send, the rest receive
   // The split exact dispatch (ht.cu): the send CTAs as one kernel (side stream) launched before
-  // the host's wait for the count exchange, the receive CTAs as a second one after it. split: 0
-  // (one kernel), kHtSplitSendKernel or kHtSplitRecvKernel; cta_offset: this kernel's first CTA in
-  // the op; op_ctas: the op's CTAs in both kernels (0: gridDim.x).
-  int split, cta_offset, op_ctas;
+  // the host's wait for the count exchange, the receive CTAs as a second one after it.
+  // cta_offset: this kernel's first CTA in the op; op_ctas: the op's CTAs in both kernels
+  // (0: gridDim.x, one kernel).
+  int cta_offset, op_ctas;
   int send_batch;            // tokens per sender warp between two signals (0: kDispatchBatch)
   int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
   int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
