@@ -778,13 +778,30 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
 #endif
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
+  // A copying combine through the pull protocol (opt-in kHtCombineViaPull, the same on every
+  // rank): y copied into this rank's combine buffer on `stream` (a copy engine, no SMs; the
+  // buffer is free: the peers read it only during a pull combine, which ends with a barrier, and
+  // write the region only during a dispatch, which this rank finished), then the zero-copy
+  // combine below reads it from there, the peers too.
+  const bool via_pull = !args.zero_copy && R > 1 && (ht_ablation() & kHtCombineViaPull);
+  if (via_pull) {
+    char* buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
+    if (p.num_y_rows > 0) {
+      CopyList rows;
+      rows.add(buffer, static_cast<size_t>(p.row_bytes), p.y, static_cast<size_t>(p.y_stride),
+               static_cast<size_t>(p.row_bytes), static_cast<size_t>(p.num_y_rows));
+      rows.issue(stream, "ht_combine: y into the combine buffer");
+    }
+    p.y = buffer;
+    p.y_stride = p.row_bytes;
+  }
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
                     static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),
                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
   const int grid = tuning_.num_sms;
-  if (args.zero_copy) {
+  if (args.zero_copy || via_pull) {
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
     if (with_weights && p.num_y_rows > 0 && R > 1) {

@@ -63,6 +63,11 @@ enum HtAblate : int {
   // stream right after the count exchange (before the host waits for it) and the receivers after
   // the outputs are allocated (ht.cu).
   kHtSplitSend = 262144,
+  // Opt-in too (twelfth session, not yet measured on two GPUs): a copying combine (y the caller's
+  // tensor) through the pull protocol — y copied into this rank's combine buffer on the caller's
+  // stream (one copy-engine copy), then the zero-copy combine (ht.cu). Every rank must set it
+  // alike (the two protocols do not mix).
+  kHtCombineViaPull = 524288,
 };
 
 struct HtTuning {

@@ -11,8 +11,9 @@
 // Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
 // rank's. Default rows also note the host time per call and epx-bench's measure (one call alone
-// between two events after a barrier, the median over calls x rounds). The kernels run the warp
-// copy path (the copy engines are off in this mode).
+// between two events after a barrier, the median over calls x rounds). Then the combine (copying,
+// through the pull protocol, zero-copy). The kernels run the warp copy path (the copy engines are
+// off in this mode).
 // --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
 // dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
 #include <cuda_runtime.h>
@@ -312,6 +313,38 @@ int run_rank(const Group& g, const Options& o) {
       }
       report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us,
              sw.bits == 0 ? host : "");
+    }
+  }
+  // Combine with the first exact dispatch's handle and weights, y [N, H] of arbitrary values:
+  // the copying combine (the kernels' senders and reducers in this mode), the same through the
+  // pull protocol (kHtCombineViaPull: y copied into the combine buffer first), and the zero-copy
+  // combine (y already there).
+  {
+    const int64_t N = first.recv_x.shape[0];
+    Tensor y = device_alloc(DType::kBF16, {N, H}, Device::cuda(dev));
+    CUDA_OK(cudaMemsetAsync(y.data, 0x3c, y.nbytes(), stream));
+    HtCombineArgs comb;
+    comb.y = y;
+    comb.handle = &first.handle;
+    comb.topk_weights = first.recv_topk_weights;
+    comb.stream = stream;
+    HtCombineArgs zc_comb = comb;
+    zc_comb.y = buf.ht_combine_buffer(first.handle);
+    zc_comb.zero_copy = true;
+    struct CombineRow {
+      const char* name;
+      const HtCombineArgs* args;
+      int bits;
+    };
+    const CombineRow crows[] = {
+        {"combine bf16 [default]", &comb, 0},
+        {"combine bf16 [via pull: y copied into the buffer]", &comb, detail::kHtCombineViaPull},
+        {"combine bf16 (zero-copy) [default]", &zc_comb, 0}};
+    for (const CombineRow& row : crows) {
+      g.transport()->barrier("onegpu bench combine");
+      if (r == 0) detail::set_ht_ablation(row.bits | o.bits);
+      g.transport()->barrier("onegpu bench combine set");
+      report(row.name, timed_op([&] { (void)buf.ht_combine(*row.args, alloc); }));
     }
   }
 #ifdef EPX_HT_TRACE

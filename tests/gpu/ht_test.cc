@@ -63,7 +63,9 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, detail::kHtNotifyOneCta},     // the count exchange on one CTA (A/B)
     {"warp", 100, detail::kHtSplitSend},           // exact: senders before the host wait
     {"bulk", 100, detail::kHtSplitSend},
-    {"ce:kept", 100, detail::kHtSplitSend},  // the same with the copy engines on the kept rows
+    {"ce:kept", 100, detail::kHtSplitSend},       // the same with the copy engines on the kept rows
+    {"ce:kept", 100, detail::kHtCombineViaPull},  // copying combine: y into the buffer, then pull
+    {"warp", 100, detail::kHtCombineViaPull | detail::kHtPullStagedOff},  // ... register steps
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},
@@ -480,13 +482,14 @@ TEST_P(HtOneGpu, MatchesReference) {
   EXPECT_EQ(rc, 0);
 }
 
-// The same with the split exact dispatch (kHtSplitSend: the senders' kernel launched before the
-// host waits for the count exchange, the receivers' after; ht.cu). The switch is set before the
+// The same with the opt-in paths: the split exact dispatch (kHtSplitSend: the senders' kernel
+// launched before the host waits for the count exchange, the receivers' after) and the copying
+// combine through the pull protocol (kHtCombineViaPull; ht.cu). The switches are set before the
 // rank threads start and cleared after.
-TEST_P(HtOneGpu, SplitDispatchMatchesReference) {
+TEST_P(HtOneGpu, OptInPathsMatchReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  detail::set_ht_ablation(detail::kHtSplitSend);
+  detail::set_ht_ablation(detail::kHtSplitSend | detail::kHtCombineViaPull);
   const int rc = run_one_gpu(R, [R](const Group& g) {
     std::vector<int64_t> tokens(R), many(R);
     for (int r = 0; r < R; ++r) {
