@@ -779,21 +779,28 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.symm = make_symm(*ht_mem_, region_, R);
   p.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtCombine);
   // A copying combine through the pull protocol (opt-in kHtCombineViaPull, the same on every
-  // rank): y copied into this rank's combine buffer on `stream` (a copy engine, no SMs; the
-  // buffer is free: the peers read it only during a pull combine, which ends with a barrier, and
-  // write the region only during a dispatch, which this rank finished), then the zero-copy
-  // combine below reads it from there, the peers too.
+  // rank): the y rows the peers need (those of their tokens; all rows where the host does not
+  // know the layout) copied into this rank's combine buffer on `stream` (a copy engine, no SMs;
+  // the buffer is free: the peers read it only during a pull combine, which ends with a barrier,
+  // and write the region only during a dispatch, which this rank finished), then the zero-copy
+  // combine below: the peers read those rows from the buffer, this rank its own from y.
   const bool via_pull = !args.zero_copy && R > 1 && (ht_ablation() & kHtCombineViaPull);
-  if (via_pull) {
+  if (via_pull && p.num_y_rows > 0) {
     char* buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
-    if (p.num_y_rows > 0) {
-      CopyList rows;
-      rows.add(buffer, static_cast<size_t>(p.row_bytes), p.y, static_cast<size_t>(p.y_stride),
-               static_cast<size_t>(p.row_bytes), static_cast<size_t>(p.num_y_rows));
-      rows.issue(stream, "ht_combine: y into the combine buffer");
+    CopyList rows;
+    auto add_rows = [&](int64_t first, int64_t n) {
+      rows.add(buffer + first * p.row_bytes, static_cast<size_t>(p.row_bytes),
+               p.y + first * p.y_stride, static_cast<size_t>(p.y_stride),
+               static_cast<size_t>(p.row_bytes), static_cast<size_t>(n));
+    };
+    if (h.copy_plan != nullptr && h.num_worst_tokens == 0) {
+      const int32_t* rpm = h.copy_plan->rank_prefix_matrix.data();
+      for (int s = 0; s < R; ++s)
+        if (s != me) add_rows(prefix_before(rpm, R, s, me), rows_between(rpm, R, s, me));
+    } else {
+      add_rows(0, p.num_y_rows);
     }
-    p.y = buffer;
-    p.y_stride = p.row_bytes;
+    rows.issue(stream, "ht_combine: y rows into the combine buffer");
   }
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
