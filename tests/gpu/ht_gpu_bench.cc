@@ -279,6 +279,8 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing exact_one_cta, zc_exact_one_cta, worst_one_cta;
         // ... and the split exact dispatch (kHtSplitSend, opt-in: senders before the host wait).
         bench::Timing exact_split;
+        // The copying combine through the pull protocol (kHtCombineViaPull, opt-in).
+        bench::Timing comb_via_pull;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -400,6 +402,9 @@ int run_rank(const Group& g, const Options& o) {
         HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
         cc.handle = &h16.handle;
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
+        detail::set_ht_ablation(detail::kHtCombineViaPull);
+        ct.comb_via_pull = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
+        detail::set_ht_ablation(0);
         {  // zero-copy combine: the same y rows written once into the combine buffer
           const TensorView view = buf.ht_combine_buffer(h16.handle);
           CUDA_OK(cudaMemcpy(view.data, cc.y.data, view.nbytes(), cudaMemcpyDeviceToDevice));
@@ -619,6 +624,8 @@ int run_rank(const Group& g, const Options& o) {
           row(name("dispatch bf16 (exact, zero-copy, metadata old)").c_str(), ct.zc_exact_meta_old,
               n_bf16, c_bf16);
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
+          row(name("combine bf16 (via pull: the peers' rows copied into the buffer)").c_str(),
+              ct.comb_via_pull, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,

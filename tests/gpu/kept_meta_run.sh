@@ -3,13 +3,15 @@
 # dispatch changes, measured on the one-GPU proxy only (docs/perf.md, eleventh session): a
 # token's routing in registers (kHtKeptMetaLate = the loads at the stores, the A/B), the
 # receivers' metadata per block (kHtRecvMetaRows = row by row), the count exchange on a cluster of
-# CTAs (kHtNotifyOneCta = one CTA), the split exact dispatch (kHtSplitSend, opt-in).
+# CTAs (kHtNotifyOneCta = one CTA), the split exact dispatch (kHtSplitSend, opt-in; since the
+# twelfth session on a side stream, also under ce:kept), the copying combine through the pull
+# protocol (kHtCombineViaPull, opt-in, twelfth session).
 #   bash tests/gpu/kept_meta_run.sh tests   (< 6 min) the ht GPU tests, every copy path (the A/B
 #                                            paths among them; T > 1024 cases)
 #   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
-#       "..., metadata old", "..., count exchange on one CTA", "exact, split", T = 4096, 16 SMs,
-#       ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
+#       "..., metadata old", "..., count exchange on one CTA", "exact, split", "combine bf16"
+#       against "combine bf16 (via pull ...)", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
 #       epx-bench ht, --timing barrier and pipelined
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +25,7 @@ case ${1:-} in
     ;;
   bench)
     EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start epx_ht_gpu_bench epx-bench || exit 1
-    epx_batch_bench ab4096 100 "\(exact|worst|\(cached\)" \
+    epx_batch_bench ab4096 100 "\(exact|worst|\(cached\)|combine bf16" \
       epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
     echo "== trace (EPX_HT_TRACE build)"
     EPX_CMAKE_EXTRA="-DEPX_HT_TRACE=ON" epx_device_build bht epx_ht_gpu_bench &&
