@@ -464,14 +464,19 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const bool kept_engines = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only;
   const int split_send_ctas =
       kept_engines ? tuning_.dispatch_send_ctas_kept : tuning_.dispatch_send_ctas;
-  const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !pdl_ &&
-                     (ht_ablation() & kHtSplitSend) && R > 1 &&
+  // The copying dispatch through the zero-copy kernels (opt-in kHtDispatchViaZeroCopy; worst-case
+  // mode excepted, decided below): not split.
+  const bool via_zc_asked = !args.zero_copy && R > 1 && (ht_ablation() & kHtDispatchViaZeroCopy);
+  // Whether the dispatch kernel runs the zero-copy protocol (set below).
+  bool kernel_zero_copy = args.zero_copy;
+  const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !via_zc_asked &&
+                     !pdl_ && (ht_ablation() & kHtSplitSend) && R > 1 &&
                      (copy.mode != HtCopyMode::kEngine || kept_engines) && split_send_ctas > 0 &&
                      split_send_ctas < tuning_.num_sms;
   // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
   // rows (the symmetric slots always are).
   auto copy_mode_for = [&](int vb) {
-    return static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !args.zero_copy
+    return static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !kernel_zero_copy
                                 ? HtCopyMode::kBulk
                                 : HtCopyMode::kWarp);
   };
@@ -648,7 +653,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // every rank decides alike: same mode, same kind of call, handles made the same way; the kept
   // rows' copies, "ce:kept", are each rank's own choice: ht_kept_copies_pay). Zero-copy: at most
   // the kept rows ("ce" acts as "ce:kept"), and the kernel path for the rest (no bulk copies).
-  const bool zero_copy = args.zero_copy;
+  // Via zero-copy (kHtDispatchViaZeroCopy): the zero-copy kernels into this rank's region, owned
+  // outputs, the received rows copied out after the kernel (below).
+  const bool via_zc = via_zc_asked && !worst_case;
+  const bool zero_copy = args.zero_copy || via_zc;
+  kernel_zero_copy = zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
   // (A plan from a ce:kept exact dispatch lists only the kept runs: plain "ce" then takes the
   // kernel path; every rank made its handle under the same mode, so all decide alike.)
@@ -660,21 +669,24 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
 
   // Outputs. Zero-copy: recv_x views this rank's x area, where the peers store the rows; no
   // storage of its own (valid until the next ht op and while the buffer lives; Python's tensor
-  // keeps the Buffer object alive, python/src/torch_bridge.cc).
+  // keeps the Buffer object alive, python/src/torch_bridge.cc). Via zero-copy: owned outputs.
+  char* const region_x = ht_local() + region_.x_off;
+  char* const region_scales = ht_local() + region_.scale_off;
   if (zero_copy) {
     EPX_CHECK(num_rows <= static_cast<int64_t>(R) * region_.max_tokens, ErrorCode::kInternal,
               "ht_dispatch: zero-copy view of ", num_rows, " rows exceeds the region");
-    static_cast<TensorView&>(res.recv_x) = TensorView::contiguous(
-        ht_local() + region_.x_off, x.dtype, {num_rows, H}, Device::cuda(device_));
+  }
+  if (args.zero_copy) {
+    static_cast<TensorView&>(res.recv_x) =
+        TensorView::contiguous(region_x, x.dtype, {num_rows, H}, Device::cuda(device_));
   } else {
     res.recv_x = alloc(alloc_fn, x.dtype, {num_rows, H}, device_);
   }
   const int num_scales = scales_in;
   if (fp8 && args.x_scales.defined()) {
-    if (zero_copy) {
-      static_cast<TensorView&>(res.recv_x_scales) =
-          TensorView::contiguous(ht_local() + region_.scale_off, args.x_scales.dtype,
-                                 {num_rows, num_scales}, Device::cuda(device_));
+    if (args.zero_copy) {
+      static_cast<TensorView&>(res.recv_x_scales) = TensorView::contiguous(
+          region_scales, args.x_scales.dtype, {num_rows, num_scales}, Device::cuda(device_));
     } else {
       res.recv_x_scales = alloc(alloc_fn, args.x_scales.dtype, {num_rows, num_scales}, device_);
     }
@@ -688,13 +700,15 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   }
 
   HtDispatchParams p = base_params(num_scales);
-  if (num_scales > 0) p.recv_scales = res.recv_x_scales.ptr<uint32_t>();
+  if (num_scales > 0)
+    p.recv_scales =
+        zero_copy ? reinterpret_cast<uint32_t*>(region_scales) : res.recv_x_scales.ptr<uint32_t>();
   if (!cached) {
     if (args.topk_weights.defined()) p.recv_topk_weights = res.recv_topk_weights.ptr<float>();
     p.recv_topk_idx = res.recv_topk_idx.data;
     p.recv_src_idx = res.recv_src_idx.ptr<int32_t>();
   }
-  p.recv_x = static_cast<char*>(res.recv_x.data);
+  p.recv_x = zero_copy ? region_x : static_cast<char*>(res.recv_x.data);
   p.num_rows = num_rows;
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
@@ -722,7 +736,36 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (engine) engine_copies(*h.copy_plan, p, stream);
-  if (engine_kept) kept_copies(*h.copy_plan, p, stream, /*join=*/true);
+  if (engine_kept) {
+    HtDispatchParams kept = p;  // via zero-copy: the kept rows straight into recv_x
+    if (via_zc) kept.recv_x = static_cast<char*>(res.recv_x.data);
+    kept_copies(*h.copy_plan, kept, stream, /*join=*/true);
+  }
+  if (via_zc && num_rows > 0) {
+    // The received rows out of the region (after the kernel, on `stream`): the other sources'
+    // blocks where the copy engines put the kept rows in recv_x, else every row; all scales
+    // (the kernel places the kept rows' scales in the region too).
+    CopyList out;
+    auto add_rows = [&](int64_t first, int64_t n) {
+      out.add(static_cast<char*>(res.recv_x.data) + first * row_bytes,
+              static_cast<size_t>(row_bytes), region_x + first * row_bytes,
+              static_cast<size_t>(row_bytes), static_cast<size_t>(row_bytes),
+              static_cast<size_t>(n));
+    };
+    if (engine_kept) {
+      const int32_t* rpm = h.copy_plan->rank_prefix_matrix.data();
+      for (int s = 0; s < R; ++s)
+        if (s != me) add_rows(prefix_before(rpm, R, s, me), rows_between(rpm, R, s, me));
+    } else {
+      add_rows(0, num_rows);
+    }
+    if (num_scales > 0) {
+      const size_t scale_row = static_cast<size_t>(num_scales) * 4;
+      out.add(static_cast<char*>(res.recv_x_scales.data), scale_row, region_scales, scale_row,
+              scale_row, static_cast<size_t>(num_rows));
+    }
+    out.issue(stream, "ht_dispatch: received rows out of the region");
+  }
   // Exact mode already waited for the count exchange: an out-of-range expert id it found is
   // raised now, after the dispatch kernel was launched, so every peer's collective completes.
   if (!cached && !worst_case && error_host_->code != kDevErrNone) check();

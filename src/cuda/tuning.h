@@ -68,6 +68,13 @@ enum HtAblate : int {
   // stream (one copy-engine copy), then the zero-copy combine (ht.cu). Every rank must set it
   // alike (the two protocols do not mix).
   kHtCombineViaPull = 524288,
+  // Opt-in too (twelfth session, not yet measured on two GPUs): a copying dispatch (recv_x the
+  // caller's tensor) through the zero-copy kernels — the rows land in this rank's region as in a
+  // zero-copy dispatch, ce:kept's kept rows go straight to recv_x, and copies on the caller's
+  // stream move the received rows (and scales) out after the kernel (ht.cu). Exact and cached
+  // dispatch, not worst-case mode. Every rank must set it alike (as HtDispatchArgs::zero_copy:
+  // the zero-copy senders place rows where the receiver's zero-copy kernel expects them).
+  kHtDispatchViaZeroCopy = 1048576,
 };
 
 struct HtTuning {

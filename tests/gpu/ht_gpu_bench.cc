@@ -279,8 +279,10 @@ int run_rank(const Group& g, const Options& o) {
         bench::Timing exact_one_cta, zc_exact_one_cta, worst_one_cta;
         // ... and the split exact dispatch (kHtSplitSend, opt-in: senders before the host wait).
         bench::Timing exact_split;
-        // The copying combine through the pull protocol (kHtCombineViaPull, opt-in).
-        bench::Timing comb_via_pull;
+        // The copying combine through the pull protocol (kHtCombineViaPull, opt-in), and the
+        // copying dispatch through the zero-copy kernels (kHtDispatchViaZeroCopy, opt-in):
+        // cached bf16 / fp8 and exact bf16.
+        bench::Timing comb_via_pull, via_zc16, via_zc8, via_zc_exact;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -371,6 +373,11 @@ int run_rank(const Group& g, const Options& o) {
         ct.name = spec;
         ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
         ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
+        detail::set_ht_ablation(detail::kHtDispatchViaZeroCopy);
+        ct.via_zc16 = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
+        ct.via_zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
+        ct.via_zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
+        detail::set_ht_ablation(0);
         ct.graph16 = graph_timed(c16);
         ct.graph8 = graph_timed(c8);
         ct.host16 = host_timed(c16);
@@ -581,6 +588,12 @@ int run_rank(const Group& g, const Options& o) {
           };
           row(name("dispatch bf16 (cached)").c_str(), ct.disp, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
+          row(name("dispatch bf16 (cached, via zero-copy kernels)").c_str(), ct.via_zc16, n_bf16,
+              c_bf16);
+          row(name("dispatch fp8 (cached, via zero-copy kernels)").c_str(), ct.via_zc8, n_fp8,
+              c_fp8);
+          row(name("dispatch bf16 (exact, via zero-copy kernels)").c_str(), ct.via_zc_exact, n_bf16,
+              c_bf16);
           row(name("dispatch bf16 (cached, graph)").c_str(), ct.graph16, n_bf16, c_bf16);
           row(name("dispatch fp8 (cached, graph)").c_str(), ct.graph8, n_fp8, c_fp8);
           row(name("dispatch bf16 (cached, zero-copy)").c_str(), ct.zc16, n_bf16, c_bf16);

@@ -51,6 +51,7 @@ struct Options {
 struct Switch {
   const char* name;
   int bits;
+  bool cached_too = false;  // also the cached rows (else they move no metadata: skipped)
 };
 // The output-preserving switches (cuda/tuning.h) timed against the default (0).
 const Switch kSwitches[] = {
@@ -60,6 +61,7 @@ const Switch kSwitches[] = {
     {"metadata old (both)", detail::kHtKeptMetaLate | detail::kHtRecvMetaRows},
     {"count exchange on one CTA", detail::kHtNotifyOneCta},
     {"split: senders before the host wait", detail::kHtSplitSend},
+    {"copying via the zero-copy kernels", detail::kHtDispatchViaZeroCopy, true},
 };
 
 double median(std::vector<double> v) {
@@ -298,7 +300,7 @@ int run_rank(const Group& g, const Options& o) {
          timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); }));
   for (const Switch& sw : kSwitches) {
     for (const Row& row : rows) {
-      if (sw.bits != 0 && row.args->handle != nullptr) continue;  // cached: no metadata moves
+      if (sw.bits != 0 && !sw.cached_too && row.args->handle != nullptr) continue;
       g.transport()->barrier("onegpu bench switch");
       if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");

@@ -66,6 +66,8 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, detail::kHtSplitSend},       // the same with the copy engines on the kept rows
     {"ce:kept", 100, detail::kHtCombineViaPull},  // copying combine: y into the buffer, then pull
     {"warp", 100, detail::kHtCombineViaPull | detail::kHtPullStagedOff},  // ... register steps
+    {"ce:kept", 100, detail::kHtDispatchViaZeroCopy},  // copying dispatch, zero-copy kernels
+    {"warp", 100, detail::kHtDispatchViaZeroCopy | detail::kHtCombineViaPull},
     {"ce:kept:combine", 100, 0},
     {"ce:combine", 100, 0},
     {"ce:kept:combine", 60, 0},
@@ -483,26 +485,30 @@ TEST_P(HtOneGpu, MatchesReference) {
 }
 
 // The same with the opt-in paths: the split exact dispatch (kHtSplitSend: the senders' kernel
-// launched before the host waits for the count exchange, the receivers' after) and the copying
-// combine through the pull protocol (kHtCombineViaPull; ht.cu). The switches are set before the
-// rank threads start and cleared after.
+// launched before the host waits for the count exchange, the receivers' after) with the copying
+// combine through the pull protocol (kHtCombineViaPull), then the copying dispatch through the
+// zero-copy kernels (kHtDispatchViaZeroCopy, which excludes the split; ht.cu). The switches are
+// set before the rank threads start and cleared after.
 TEST_P(HtOneGpu, OptInPathsMatchReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  detail::set_ht_ablation(detail::kHtSplitSend | detail::kHtCombineViaPull);
-  const int rc = run_one_gpu(R, [R](const Group& g) {
-    std::vector<int64_t> tokens(R), many(R);
-    for (int r = 0; r < R; ++r) {
-      tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
-      many[r] = 1500 + 900 * r;
-    }
-    int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
-    bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
-    bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
-    return bad;
-  });
-  detail::set_ht_ablation(0);
-  EXPECT_EQ(rc, 0);
+  for (const int bits :
+       {detail::kHtSplitSend | detail::kHtCombineViaPull, int{detail::kHtDispatchViaZeroCopy}}) {
+    detail::set_ht_ablation(bits);
+    const int rc = run_one_gpu(R, [R](const Group& g) {
+      std::vector<int64_t> tokens(R), many(R);
+      for (int r = 0; r < R; ++r) {
+        tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
+        many[r] = 1500 + 900 * r;
+      }
+      int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
+      bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
+      bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
+      return bad;
+    });
+    detail::set_ht_ablation(0);
+    EXPECT_EQ(rc, 0) << "switches " << bits;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
