@@ -11,7 +11,8 @@
 #   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
 #       "..., metadata old", "..., count exchange on one CTA", "exact, split", "combine bf16"
-#       against "combine bf16 (via pull ...)", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
+#       against "combine bf16 (via pull ...)", "dispatch ... (cached)" / "(exact)" against "...,
+#       via zero-copy kernels", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
 #       epx-bench ht, --timing barrier and pipelined
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,7 +26,7 @@ case ${1:-} in
     ;;
   bench)
     EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start epx_ht_gpu_bench epx-bench || exit 1
-    epx_batch_bench ab4096 100 "\(exact|worst|\(cached\)|combine bf16" \
+    epx_batch_bench ab4096 100 "\(exact|worst|\(cached|combine bf16" \
       epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 --copy ce:kept,warp
     echo "== trace (EPX_HT_TRACE build)"
     EPX_CMAKE_EXTRA="-DEPX_HT_TRACE=ON" epx_device_build bht epx_ht_gpu_bench &&
