@@ -12,8 +12,8 @@
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
 #       "..., metadata old", "..., count exchange on one CTA", "exact, split", "combine bf16"
 #       against "combine bf16 (via pull ...)", "dispatch ... (cached)" / "(exact)" against "...,
-#       via zero-copy kernels", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the zero-copy exact dispatch (-DEPX_HT_TRACE=ON);
-#       epx-bench ht, --timing barrier and pipelined
+#       via zero-copy kernels", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the
+#       zero-copy exact dispatch (-DEPX_HT_TRACE=ON); epx-bench ht, --timing barrier and pipelined
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
