@@ -54,9 +54,9 @@ struct DeviceState {
   uint32_t error_claim;  // first device error wins the host record
   uint32_t engine_op;    // ht combine with copy engines: the op its side-stream steps signal
   // ht zero-copy dispatch: the op whose ready signal was deferred (when ready_pending_set). The
-  // next ht op's
-  // first kernel publishes it at its start (publish_deferred_ready): by stream order every read
-  // of the zero-copy recv_x queued before that op has finished.
+  // next ht op's first kernel publishes it at its start (publish_deferred_ready): by stream order
+  // every read of the zero-copy recv_x queued before that op (kernels, the copy-out of a copying
+  // dispatch through the zero-copy kernels) has finished.
   uint32_t ready_pending;
   uint32_t ready_pending_set;  // 1 while ready_pending holds a value (any op number, 0 included)
   // ht dispatch: batches drawn so far by the sender warps (the next drawn batch is G + send_next,

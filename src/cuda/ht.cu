@@ -394,6 +394,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const bool fp8 = x.dtype == DType::kF8E4M3;
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(x.dtype));
   const HtCopyConfig copy = copy_config();  // read once: every decision below uses the same
+  const int ablate = ht_ablation();         // (likewise)
   check_outside_region(x, "ht_dispatch", "x");
   check_outside_region(args.x_scales, "ht_dispatch", "x_scales");
 
@@ -436,7 +437,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     p.cached = cached;
     p.worst_case = worst_case;
     p.num_send_ctas = tuning_.dispatch_send_ctas;
-    p.ablate = ht_ablation();
+    p.ablate = ablate;
     p.pdl = pdl_;
 #ifdef EPX_HT_TRACE
     p.trace = trace_;
@@ -466,11 +467,11 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       kept_engines ? tuning_.dispatch_send_ctas_kept : tuning_.dispatch_send_ctas;
   // The copying dispatch through the zero-copy kernels (opt-in kHtDispatchViaZeroCopy; worst-case
   // mode excepted, decided below): not split.
-  const bool via_zc_asked = !args.zero_copy && R > 1 && (ht_ablation() & kHtDispatchViaZeroCopy);
+  const bool via_zc_asked = !args.zero_copy && R > 1 && (ablate & kHtDispatchViaZeroCopy);
   // Whether the dispatch kernel runs the zero-copy protocol (set below).
   bool kernel_zero_copy = args.zero_copy;
   const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !via_zc_asked &&
-                     !pdl_ && (ht_ablation() & kHtSplitSend) && R > 1 &&
+                     !pdl_ && (ablate & kHtSplitSend) && R > 1 &&
                      (copy.mode != HtCopyMode::kEngine || kept_engines) && split_send_ctas > 0 &&
                      split_send_ctas < tuning_.num_sms;
   // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
@@ -553,10 +554,10 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     if (!worst_case && ++ticket_ == 0) ++ticket_;  // 0 means "do not publish"
     np.ticket = worst_case ? 0u : ticket_;
     // Only ce:kept builds its plan from the published runs (below); other paths skip the search.
-    const bool plan_from_words = copy.mode == HtCopyMode::kEngine && copy.engine_kept_only &&
-                                 !(ht_ablation() & kHtKeptPlanCopied);
+    const bool plan_from_words =
+        copy.mode == HtCopyMode::kEngine && copy.engine_kept_only && !(ablate & kHtKeptPlanCopied);
     np.find_kept_runs = plan_from_words ? 1 : 0;
-    np.ablate = ht_ablation();
+    np.ablate = ablate;
     np.symm = make_symm(*ht_mem_, region_, R);
     np.wait = make_wait(device_state(), error_dev_, timeout_ns_, me, kOpHtNotify);
 #ifdef EPX_HT_TRACE
@@ -814,7 +815,8 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   p.rank = me;
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
-  p.ablate = ht_ablation();
+  const int ablate = ht_ablation();  // read once
+  p.ablate = ablate;
   p.pdl = pdl_;
 #ifdef EPX_HT_TRACE
   p.trace = trace_;
@@ -827,8 +829,12 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   // the buffer is free: the peers read it only during a pull combine, which ends with a barrier,
   // and write the region only during a dispatch, which this rank finished), then the zero-copy
   // combine below: the peers read those rows from the buffer, this rank its own from y.
-  const bool via_pull = !args.zero_copy && R > 1 && (ht_ablation() & kHtCombineViaPull);
-  if (via_pull && p.num_y_rows > 0) {
+  const bool via_pull = !args.zero_copy && R > 1 && (ablate & kHtCombineViaPull);
+  // The rows the buffer (and the weights' mirror) can hold, R * T_max; the peers read only rows
+  // below N <= R * T_max (a worst-case handle's y has num_worst_tokens rows, which a copying
+  // dispatch does not bound: its rows past N are padding nobody reads).
+  const int64_t mirror_rows = std::min<int64_t>(p.num_y_rows, int64_t{R} * region_.max_tokens);
+  if (via_pull && mirror_rows > 0) {
     char* buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
     CopyList rows;
     auto add_rows = [&](int64_t first, int64_t n) {
@@ -841,7 +847,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       for (int s = 0; s < R; ++s)
         if (s != me) add_rows(prefix_before(rpm, R, s, me), rows_between(rpm, R, s, me));
     } else {
-      add_rows(0, p.num_y_rows);
+      add_rows(0, mirror_rows);
     }
     rows.issue(stream, "ht_combine: y rows into the combine buffer");
   }
@@ -854,12 +860,12 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   if (args.zero_copy || via_pull) {
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
-    if (with_weights && p.num_y_rows > 0 && R > 1) {
+    if (with_weights && mirror_rows > 0 && R > 1) {
       CopyList w;  // a 2-D copy, or one per row where the rows overlap (stride(0) < K)
       w.add(reinterpret_cast<char*>(region_.combine_w_row(ht_local(), 0)),
             static_cast<size_t>(K) * 4, reinterpret_cast<const char*>(p.weights),
             static_cast<size_t>(p.weights_stride) * 4, static_cast<size_t>(K) * 4,
-            static_cast<size_t>(p.num_y_rows));
+            static_cast<size_t>(mirror_rows));
       w.issue(stream, "ht_combine: weights");
     }
     p.pull = 1;

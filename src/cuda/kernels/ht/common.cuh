@@ -108,7 +108,8 @@ __device__ __forceinline__ void zero_block_counters(const HtSymm& symm, const in
 
 // At the start of every ht op that communicates, by one thread (thread 0 of CTA 0; lane 0 of the
 // engine-sync warp), before it waits for anything: the ready signal a zero-copy dispatch deferred.
-// Every earlier kernel on the stream (the readers of the zero-copy recv_x) has finished. Only
+// Every earlier kernel and copy on the stream (the readers of the zero-copy recv_x; a copying
+// dispatch through the zero-copy kernels' copy-out, ht.cu) has finished. Only
 // the next op's own threads touch ready_pending, the finishing CTA after every CTA passed this.
 __device__ __forceinline__ void publish_deferred_ready(const HtSymm& symm, const WaitContext& w,
                                                        int num_ranks) {
