@@ -190,12 +190,20 @@ bool ht_kept_copies_pay(size_t kept_runs) {
 
 HtCopyConfig CudaBuffer::copy_config() const {
   HtCopyConfig c = ht_copy_config();
-  // One GPU for every rank: the copy engines' side streams (two per rank) would push the streams
-  // past CUDA_DEVICE_MAX_CONNECTIONS, and a side-stream copy sharing a hardware queue with a
-  // peer's spinning kernel would stall this rank until that kernel times out. The kernels move
-  // every row there instead. (A precaution: it did not cure the intermittent HtOneGpu R = 8
-  // failure, docs/perf.md fourth session item 10.)
-  if (one_stream_ && c.mode == HtCopyMode::kEngine) c.mode = HtCopyMode::kWarp;
+  if (!one_stream_ || c.mode != HtCopyMode::kEngine) return c;
+  // One GPU for every rank. A side-stream copy sharing a hardware queue with a peer's spinning
+  // kernel would stall this rank until that kernel times out, so the copy engines' side streams
+  // need their own queues: five streams per rank with them (its own, the split dispatch's, the
+  // two copy-engine streams, the per-thread one). Where CUDA_DEVICE_MAX_CONNECTIONS has room
+  // (the one-GPU test harness sets 32: R <= 6), "ce:kept" only — the kept rows' copies, which
+  // need no kernel beside the op's (plain "ce" and ":combine" run sync kernels on the side
+  // streams that need free SMs the other ranks hold); otherwise the kernels move every row.
+  if (env_cuda_device_max_connections() >= 5 * group.size()) {
+    c.engine_kept_only = true;
+    c.engine_combine = HtEngineCombine::kOff;
+  } else {
+    c.mode = HtCopyMode::kWarp;
+  }
   return c;
 }
 

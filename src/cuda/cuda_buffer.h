@@ -84,10 +84,12 @@ class CudaBuffer final : public BufferImpl {
 
   int device_ = 0;
   int device_sms_ = 0;       // multiprocessors of device_
-  bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode): no copy-engine side streams
+  bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode): copy_config() limits the
+                             // copy engines
   bool pdl_ = false;  // ht kernels with programmatic dependent launch (cuda/launch.h: EPX_PDL,
                       // sm_90, never when one_stream_: waiting CTAs would hold a peer's SMs)
-  // ht_copy_config(), except that kEngine becomes kWarp when one_stream_.
+  // ht_copy_config(), except when one_stream_: kEngine becomes "ce:kept" (enough hardware queues)
+  // or kWarp.
   HtCopyConfig copy_config() const;
   HtTuning tuning_;
   uint64_t timeout_ns_ = 0;

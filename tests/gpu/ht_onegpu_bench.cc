@@ -12,8 +12,8 @@
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
 // rank's. Default rows also note the host time per call and epx-bench's measure (one call alone
 // between two events after a barrier, the median over calls x rounds). Then the combine (copying,
-// through the pull protocol, zero-copy). The kernels run the warp copy path (the copy engines are
-// off in this mode).
+// through the pull protocol, zero-copy). The copy path is the default's one-GPU form
+// (CudaBuffer::copy_config: "ce:kept" while R <= 6, else warp); EPX_HT_COPY=warp for the kernels'.
 // --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
 // dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
 #include <cuda_runtime.h>
@@ -279,8 +279,8 @@ int run_rank(const Group& g, const Options& o) {
     g_times.assign(R, 0.0);
     std::printf(
         "ht one-GPU proxy: R=%d ranks on one GPU, %d SMs each, T=%lld H=%lld K=%d E=%d, uniform "
-        "routing, warp copy path; us per dispatch (%d back to back, median of %d rounds): rank 0 "
-        "/ slowest rank\n",
+        "routing, EPX_HT_COPY or default copy path; us per dispatch (%d back to back, median of %d "
+        "rounds): rank 0 / slowest rank\n",
         R, o.sms, static_cast<long long>(T), static_cast<long long>(H), K, o.experts, o.calls,
         o.rounds);
   }

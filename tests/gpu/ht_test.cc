@@ -444,9 +444,10 @@ TEST(HtReference, AgreesWithCpuBackend) {
 }
 
 // R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
-// machines with that many GPUs. The kernels move every row in this mode (the copy-engine paths
-// fall back to them: their side streams would share hardware queues with peers' spinning
-// kernels); no copy-path override (it is per process, and the rank threads would race on it).
+// machines with that many GPUs. The default copy path ("ce:kept:combine-auto") runs as "ce:kept"
+// where the hardware queues suffice (R <= 6 with the harness's 32; CudaBuffer::copy_config) and
+// as the kernels' warp path at R = 8; no copy-path override (it is per process, and the rank
+// threads would race on it).
 class HtOneGpu : public ::testing::TestWithParam<int> {};
 
 // `body` on R rank threads sharing GPU 0; EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default
