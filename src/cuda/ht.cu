@@ -65,8 +65,6 @@ HtEngineSyncParams engine_sync_params(int R, int me, const HtSymm& symm, const W
 // one call per row where the source pitch is below the width (a stride-0 or overlapping view).
 // (Measured on 2 x H200, 17 runs: ~105 µs of host time per call with one call per run, ~140 µs
 // through one cudaMemcpyBatchAsync; docs/perf-cuda-ht.md.)
-// `kind`: cudaMemcpyDeviceToDevice where both sides are this device's memory (local: the driver
-// need not look up either pointer), cudaMemcpyDefault where one is a peer's (LSA) mapping.
 struct CopyList {
   struct Block {
     char* dst;
@@ -74,13 +72,6 @@ struct CopyList {
     size_t dpitch, spitch, width, height;
   };
   std::vector<Block> blocks;
-  cudaMemcpyKind kind = cudaMemcpyDefault;
-  // A list of copies within this device's memory (kHtCopyKindDefault: the A/B, cudaMemcpyDefault).
-  static CopyList local() {
-    CopyList l;
-    if (!(ht_ablation() & kHtCopyKindDefault)) l.kind = cudaMemcpyDeviceToDevice;
-    return l;
-  }
   void add(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width, size_t height) {
     if (width == 0 || height == 0) return;
     blocks.push_back({dst, src, dpitch, spitch, width, height});
@@ -88,16 +79,17 @@ struct CopyList {
   void issue(cudaStream_t stream, const char* op) const {
     for (const Block& b : blocks) {
       if (b.height == 1 || (b.spitch == b.width && b.dpitch == b.width)) {
-        EPX_CUDA_CHECK(cudaMemcpyAsync(b.dst, b.src, b.width * b.height, kind, stream), op);
+        EPX_CUDA_CHECK(cudaMemcpyAsync(b.dst, b.src, b.width * b.height, cudaMemcpyDefault, stream),
+                       op);
       } else if (b.spitch >= b.width && b.dpitch >= b.width) {
-        EPX_CUDA_CHECK(
-            cudaMemcpy2DAsync(b.dst, b.dpitch, b.src, b.spitch, b.width, b.height, kind, stream),
-            op);
+        EPX_CUDA_CHECK(cudaMemcpy2DAsync(b.dst, b.dpitch, b.src, b.spitch, b.width, b.height,
+                                         cudaMemcpyDefault, stream),
+                       op);
       } else {
         for (size_t i = 0; i < b.height; ++i)
-          EPX_CUDA_CHECK(
-              cudaMemcpyAsync(b.dst + i * b.dpitch, b.src + i * b.spitch, b.width, kind, stream),
-              op);
+          EPX_CUDA_CHECK(cudaMemcpyAsync(b.dst + i * b.dpitch, b.src + i * b.spitch, b.width,
+                                         cudaMemcpyDefault, stream),
+                         op);
       }
     }
   }
@@ -261,7 +253,7 @@ void CudaBuffer::kept_copies(const HtCopyPlan& plan, const HtDispatchParams& p, 
   const int R = group.size(), me = group.rank();
   cudaStream_t kept = engine_stream_[0];
   EPX_CUDA_CHECK(cudaStreamWaitEvent(kept, engine_event_[0], 0), "ht_dispatch");
-  CopyList self = CopyList::local();
+  CopyList self;
   const int64_t kept_base = prefix_before(plan.rank_prefix_matrix.data(), R, me, me);
   for (const HtCopyPlan::Run& run : plan.runs[me])
     add_x_rows(self, p, run.t0, run.n, p.recv_x + (kept_base + run.j0) * p.row_bytes);
@@ -316,7 +308,7 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       launch_ht_engine_sync(sp, stream);
       sp.step = kEngineWait;
       launch_ht_engine_sync(sp, out);
-      CopyList copy_out = CopyList::local();
+      CopyList copy_out;
       for (int s = 0; s < R; ++s) {
         if (s == me) continue;
         const int64_t n = rows_between(rpm.data(), R, s, me), lo = n * c / C, hi = n * (c + 1) / C;
@@ -754,7 +746,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     // The received rows out of the region (after the kernel, on `stream`): the other sources'
     // blocks where the copy engines put the kept rows in recv_x, else every row; all scales
     // (the kernel places the kept rows' scales in the region too).
-    CopyList out = CopyList::local();
+    CopyList out;
     auto add_rows = [&](int64_t first, int64_t n) {
       out.add(static_cast<char*>(res.recv_x.data) + first * row_bytes,
               static_cast<size_t>(row_bytes), region_x + first * row_bytes,
@@ -844,7 +836,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   const int64_t mirror_rows = std::min<int64_t>(p.num_y_rows, int64_t{R} * region_.max_tokens);
   if (via_pull && mirror_rows > 0) {
     char* buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
-    CopyList rows = CopyList::local();
+    CopyList rows;
     auto add_rows = [&](int64_t first, int64_t n) {
       rows.add(buffer + first * p.row_bytes, static_cast<size_t>(p.row_bytes),
                p.y + first * p.y_stride, static_cast<size_t>(p.y_stride),
@@ -869,8 +861,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
     if (with_weights && mirror_rows > 0 && R > 1) {
-      CopyList w =
-          CopyList::local();  // a 2-D copy, or one per row where the rows overlap (stride(0) < K)
+      CopyList w;  // a 2-D copy, or one per row where the rows overlap (stride(0) < K)
       w.add(reinterpret_cast<char*>(region_.combine_w_row(ht_local(), 0)),
             static_cast<size_t>(K) * 4, reinterpret_cast<const char*>(p.weights),
             static_cast<size_t>(p.weights_stride) * 4, static_cast<size_t>(K) * 4,

@@ -75,9 +75,6 @@ enum HtAblate : int {
   // dispatch, not worst-case mode. Every rank must set it alike (as HtDispatchArgs::zero_copy:
   // the zero-copy senders place rows where the receiver's zero-copy kernel expects them).
   kHtDispatchViaZeroCopy = 1048576,
-  // Not an ablation: copies within the device's memory issued as cudaMemcpyDefault (the pointer
-  // kinds looked up per call) instead of cudaMemcpyDeviceToDevice (twelfth session) — the A/B.
-  kHtCopyKindDefault = 2097152,
 };
 
 struct HtTuning {
