@@ -305,7 +305,7 @@ int run_rank(const Group& g, const Options& o) {
       if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
       g.transport()->barrier("onegpu bench switch set");
       const double us = timed(*row.args);
-      char host[160];
+      char host[160];  // (every row: host time is what some switches change)
       std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
                     allocs_per_call, alloc_per_call);
       if (sw.bits == 0) {  // also epx-bench's way: one call alone after a barrier
@@ -313,8 +313,7 @@ int run_rank(const Group& g, const Options& o) {
         const size_t n = std::strlen(host);
         std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
       }
-      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us,
-             sw.bits == 0 ? host : "");
+      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us, host);
     }
   }
   // Combine with the first exact dispatch's handle and weights, y [N, H] of arbitrary values:
