@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/validate.h"
 #include "cuda/cuda_buffer.h"
 #include "cuda/cuda_check.h"
@@ -834,20 +835,34 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   // below N <= R * T_max (a worst-case handle's y has num_worst_tokens rows, which a copying
   // dispatch does not bound: its rows past N are padding nobody reads).
   const int64_t mirror_rows = std::min<int64_t>(p.num_y_rows, int64_t{R} * region_.max_tokens);
-  if (via_pull && mirror_rows > 0) {
-    char* buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
+  const int grid = tuning_.num_sms;
+  // Where the host knows the layout, the peers' blocks are copied in kHtEngineChunks chunks on a
+  // side stream beside the kernel, each chunk signalled (arrive steps), so the peers pull a chunk
+  // as soon as it is there (p.pull_chunked); the arrive steps need an SM the kernels leave free.
+  // Every rank decides alike (handles made under the same copy mode, equal SM counts, the same
+  // switches). kHtCombineViaPullWhole: the whole copy before the kernel (the A/B). (One-GPU
+  // mode: the ranks' kernels share the SMs, and the side stream needs a hardware queue of its own,
+  // as in copy_config.)
+  const bool sm_free = one_stream_ ? group.size() * grid < device_sms_ &&
+                                         env_cuda_device_max_connections() >= 5 * group.size()
+                                   : grid < device_sms_;
+  const bool pull_chunked = via_pull && h.copy_plan != nullptr && h.num_worst_tokens == 0 &&
+                            sm_free && !(ablate & kHtCombineViaPullWhole);
+  char* const buffer = region_.combine_y_row(ht_local(), 0, p.row_bytes);
+  // Rows [first, first + n) of y into the buffer.
+  auto add_y_rows = [&](CopyList& rows, int64_t first, int64_t n) {
+    rows.add(buffer + first * p.row_bytes, static_cast<size_t>(p.row_bytes),
+             p.y + first * p.y_stride, static_cast<size_t>(p.y_stride),
+             static_cast<size_t>(p.row_bytes), static_cast<size_t>(n));
+  };
+  if (via_pull && !pull_chunked && mirror_rows > 0) {
     CopyList rows;
-    auto add_rows = [&](int64_t first, int64_t n) {
-      rows.add(buffer + first * p.row_bytes, static_cast<size_t>(p.row_bytes),
-               p.y + first * p.y_stride, static_cast<size_t>(p.y_stride),
-               static_cast<size_t>(p.row_bytes), static_cast<size_t>(n));
-    };
     if (h.copy_plan != nullptr && h.num_worst_tokens == 0) {
       const int32_t* rpm = h.copy_plan->rank_prefix_matrix.data();
       for (int s = 0; s < R; ++s)
-        if (s != me) add_rows(prefix_before(rpm, R, s, me), rows_between(rpm, R, s, me));
+        if (s != me) add_y_rows(rows, prefix_before(rpm, R, s, me), rows_between(rpm, R, s, me));
     } else {
-      add_rows(0, mirror_rows);
+      add_y_rows(rows, 0, mirror_rows);
     }
     rows.issue(stream, "ht_combine: y rows into the combine buffer");
   }
@@ -856,7 +871,6 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
                     static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),
                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
-  const int grid = tuning_.num_sms;
   if (args.zero_copy || via_pull) {
     // Zero-copy combine: the peers read y where the caller wrote it and the weights from their
     // mirror in the region (one local copy); every CTA reduces.
@@ -870,6 +884,17 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     }
     p.pull = 1;
     p.num_send_ctas = 0;
+    HtEngineSyncParams sp{};
+    if (pull_chunked) {
+      // The op number for the arrive steps (state->engine_op: they run beside the kernel, which
+      // advances state->seq when it ends), then the fork point, after the weights' copy.
+      p.pull_chunked = 1;
+      ensure_engine_streams();
+      sp = engine_sync_params(R, me, p.symm, p.wait, kEngineWaitReady);
+      sp.seq_ahead = 1;
+      launch_ht_engine_sync(sp, stream);
+      EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_combine");
+    }
     // The staged reducer where every token has <= 2 row sources of 16-byte vectors (R + biases
     // <= 2) and no A/B switch asks for the register steps.
     const HtPullStaging st = ht_pull_staging();
@@ -880,10 +905,34 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       p.pull_stages = st.stages;
       p.pull_chunk = st.chunk;
       launch_ht_combine_staged(p, grid, stream);
-      return res;
+    } else {
+      launch_ht_combine(p, vb, grid, stream);
+      EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
     }
-    launch_ht_combine(p, vb, grid, stream);
-    EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+    if (pull_chunked) {
+      // Beside the kernel (issued after its launch, so these calls do not delay it): chunk c of
+      // every peer's block, then its arrive step; joined to `stream` at the end (also on unwind).
+      cudaStream_t side = engine_stream_[1];
+      EPX_CUDA_CHECK(cudaStreamWaitEvent(side, engine_event_[0], 0), "ht_combine");
+      JoinOnUnwind join{side, stream, engine_event_[2]};
+      const int32_t* rpm = h.copy_plan->rank_prefix_matrix.data();
+      for (int c = 0; c < kHtEngineChunks; ++c) {
+        CopyList rows;
+        for (int s = 0; s < R; ++s) {
+          if (s == me) continue;
+          const int64_t n = rows_between(rpm, R, s, me);
+          const int64_t lo = n * c / kHtEngineChunks, hi = n * (c + 1) / kHtEngineChunks;
+          add_y_rows(rows, prefix_before(rpm, R, s, me) + lo, hi - lo);
+        }
+        rows.issue(side, "ht_combine: y rows into the combine buffer");
+        sp.step = kEngineArrive;
+        sp.chunk = c;
+        launch_ht_engine_sync(sp, side);
+      }
+      join.armed = false;
+      EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], side), "ht_combine");
+      EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_combine");
+    }
     return res;
   }
   const HtCopyConfig copy = copy_config();

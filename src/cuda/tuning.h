@@ -75,6 +75,9 @@ enum HtAblate : int {
   // dispatch, not worst-case mode. Every rank must set it alike (as HtDispatchArgs::zero_copy:
   // the zero-copy senders place rows where the receiver's zero-copy kernel expects them).
   kHtDispatchViaZeroCopy = 1048576,
+  // Not an ablation: kHtCombineViaPull's y rows copied whole before the kernel, not in chunks
+  // beside it (the A/B of the chunked copy, twelfth session).
+  kHtCombineViaPullWhole = 2097152,
 };
 
 struct HtTuning {

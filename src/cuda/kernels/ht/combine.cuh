@@ -22,6 +22,8 @@
 //   signals yready[rank] = cur to every peer; a reducer reading rank d's rows waits once for
 //   yready[d] and loads y_d[send_pos[t][d]] straight from d's memory. At the end the last CTA
 //   signals ready and waits for every peer's ready (they finished reading this rank's y).
+//   pull_chunked: d's rows are copied into its buffer beside the kernel; the reducer waits for
+//   the chunk holding the row (arrived[d], as engine_y) instead of yready[d].
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -264,7 +266,15 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     bool use = pos >= 0;
     bool ok = true;
     int64_t j = 0;
-    if (use && lane != me && p.pull) {
+    if (use && lane != me && p.pull && p.pull_chunked) {
+      // Rank `lane` copies the rows this rank reads into its buffer in chunks, beside its kernel.
+      const int c = engine_chunk(pos - excl, cnt);
+      if (last_chunk[lane] < c) {
+        ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
+                             cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows, lane);
+        last_chunk[lane] = c;
+      }
+    } else if (use && lane != me && p.pull) {
       // Zero-copy combine: rank `lane` wrote its y before its combine began (yready).
       if (last_block[lane] != kPulledReady) {
         ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);

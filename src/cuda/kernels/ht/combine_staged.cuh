@@ -80,6 +80,11 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
   const bool wfast = p.combined_weights && p.top_k <= 32;
 
   bool seen = false;  // lane d (a peer): d's yready acquired
+  // pull_chunked: lane d's rows of this rank's tokens are block [excl, excl + cnt) of d's y,
+  // copied into d's buffer in chunks; the highest chunk acquired so far.
+  const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
+  const int32_t cnt = lane < R ? rows_between(p.rank_prefix_matrix, R, me, lane) : 0;
+  int seen_chunk = -1;
   int32_t pos_next = lane < R && gw < T ? p.send_pos[gw * R + lane] : -1;
   // The token being issued: its sources and the next chunk.
   int64_t t_issue = gw;
@@ -115,7 +120,15 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     const int64_t next = t_issue + G;
     pos_next = lane < R && next < T ? p.send_pos[next * R + lane] : -1;
     bool use = pos >= 0, ok = true, acquired = false;
-    if (use && lane != me && !seen) {
+    if (use && lane != me && p.pull_chunked) {
+      const int c = engine_chunk(pos - excl, cnt);
+      if (seen_chunk < c) {
+        ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
+                             cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows, lane);
+        seen_chunk = c;
+        acquired = true;
+      }
+    } else if (use && lane != me && !seen) {
       ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
       seen = acquired = true;
     }

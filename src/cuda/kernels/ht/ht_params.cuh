@@ -153,6 +153,12 @@ struct HtCombineParams {
   int engine_share;  // percent of each slot's rows the copy engines push (engine_y; 1..100)
   int pull;  // 1: zero-copy combine: y is this rank's combine_y_row area, weights are mirrored in
              // the yw area; reducers read the peers' rows there (no senders, no slots)
+  // pull_chunked (a copying combine through the pull protocol, ht.cu): each peer d copies the y
+  // rows this rank reads (the block of d's y for this rank's tokens) into its buffer in
+  // kHtEngineChunks chunks beside this kernel, signalling arrived[d] = cur * kHtEngineChunks + c
+  // after chunk c (rows [n * c / C, n * (c + 1) / C) of the block); a reducer reading row j of that
+  // block waits for its chunk (engine_chunk) instead of d's yready.
+  int pull_chunked;
   int pull_stages;  // > 0: the staged reducer (combine_staged.cuh): stages per warp
   int pull_chunk;   // its bytes per source per stage (a multiple of 512)
   HtSymm symm;
