@@ -282,7 +282,7 @@ int run_rank(const Group& g, const Options& o) {
         // The copying combine through the pull protocol (kHtCombineViaPull, opt-in), and the
         // copying dispatch through the zero-copy kernels (kHtDispatchViaZeroCopy, opt-in):
         // cached bf16 / fp8 and exact bf16.
-        bench::Timing comb_via_pull, via_zc16, via_zc8, via_zc_exact;
+        bench::Timing comb_via_pull, comb_via_pull_whole, via_zc16, via_zc8, via_zc_exact;
         bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
         bench::Timing zcomb_nopair;        // the same (graph) without the pair step
         bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
@@ -411,6 +411,8 @@ int run_rank(const Group& g, const Options& o) {
         ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
         detail::set_ht_ablation(detail::kHtCombineViaPull);
         ct.comb_via_pull = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
+        detail::set_ht_ablation(detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole);
+        ct.comb_via_pull_whole = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
         detail::set_ht_ablation(0);
         {  // zero-copy combine: the same y rows written once into the combine buffer
           const TensorView view = buf.ht_combine_buffer(h16.handle);
@@ -639,6 +641,8 @@ int run_rank(const Group& g, const Options& o) {
           row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
           row(name("combine bf16 (via pull: the peers' rows copied into the buffer)").c_str(),
               ct.comb_via_pull, n_bf16, c_bf16);
+          row(name("combine bf16 (via pull, the whole copy before the kernel)").c_str(),
+              ct.comb_via_pull_whole, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
           row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,

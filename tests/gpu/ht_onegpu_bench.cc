@@ -340,6 +340,8 @@ int run_rank(const Group& g, const Options& o) {
     const CombineRow crows[] = {
         {"combine bf16 [default]", &comb, 0},
         {"combine bf16 [via pull: y copied into the buffer]", &comb, detail::kHtCombineViaPull},
+        {"combine bf16 [via pull, the whole copy before the kernel]", &comb,
+         detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole},
         {"combine bf16 (zero-copy) [default]", &zc_comb, 0}};
     for (const CombineRow& row : crows) {
       g.transport()->barrier("onegpu bench combine");

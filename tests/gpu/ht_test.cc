@@ -66,6 +66,7 @@ const CopyPath kCopyPaths[] = {
     {"ce:kept", 100, detail::kHtSplitSend},       // the same with the copy engines on the kept rows
     {"ce:kept", 100, detail::kHtCombineViaPull},  // copying combine: y into the buffer, then pull
     {"warp", 100, detail::kHtCombineViaPull | detail::kHtPullStagedOff},  // ... register steps
+    {"ce:kept", 100, detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole},  // unchunked
     {"ce:kept", 100, detail::kHtDispatchViaZeroCopy},  // copying dispatch, zero-copy kernels
     {"warp", 100, detail::kHtDispatchViaZeroCopy | detail::kHtCombineViaPull},
     {"ce:kept:combine", 100, 0},
