@@ -6,7 +6,7 @@
 // changes: exact vs cached, zero-copy or not, each under the output-preserving switches below.
 //
 //   epx_ht_onegpu_bench [--ranks 2] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
-//                       [--sms 16] [--calls 20] [--rounds 5] [--bits N] [--trace]
+//                       [--sms 16] [--calls 20] [--rounds 5] [--bits N] [--trace] [--combine-only]
 //
 // Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
@@ -46,6 +46,7 @@ struct Options {
   int topk = 8, experts = 256, sms = 16, calls = 20, rounds = 5;
   int bits = 0;  // --bits N: HtAblate bits OR-ed into every row's (an ablation: outputs wrong)
   bool trace = false;  // --trace (EPX_HT_TRACE builds): the phase stamps of each dispatch kind
+  bool combine_only = false;  // --combine-only: only the combine rows (e.g. under a profiler)
 };
 
 struct Switch {
@@ -296,24 +297,26 @@ int run_rank(const Group& g, const Options& o) {
     }
   };
   // The layout alone: the count-exchange kernel's pass 1 (no exchange, no pass 2).
-  report("layout (count kernel, pass 1 only)",
-         timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); }));
-  for (const Switch& sw : kSwitches) {
-    for (const Row& row : rows) {
-      if (sw.bits != 0 && !sw.cached_too && row.args->handle != nullptr) continue;
-      g.transport()->barrier("onegpu bench switch");
-      if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
-      g.transport()->barrier("onegpu bench switch set");
-      const double us = timed(*row.args);
-      char host[160];  // (every row: host time is what some switches change)
-      std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
-                    allocs_per_call, alloc_per_call);
-      if (sw.bits == 0) {  // also epx-bench's way: one call alone after a barrier
-        const double single = timed_single(*row.args);
-        const size_t n = std::strlen(host);
-        std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
+  if (!o.combine_only) {
+    report("layout (count kernel, pass 1 only)",
+           timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); }));
+    for (const Switch& sw : kSwitches) {
+      for (const Row& row : rows) {
+        if (sw.bits != 0 && !sw.cached_too && row.args->handle != nullptr) continue;
+        g.transport()->barrier("onegpu bench switch");
+        if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
+        g.transport()->barrier("onegpu bench switch set");
+        const double us = timed(*row.args);
+        char host[160];  // (every row: host time is what some switches change)
+        std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
+                      allocs_per_call, alloc_per_call);
+        if (sw.bits == 0) {  // also epx-bench's way: one call alone after a barrier
+          const double single = timed_single(*row.args);
+          const size_t n = std::strlen(host);
+          std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
+        }
+        report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us, host);
       }
-      report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us, host);
     }
   }
   // Combine with the first exact dispatch's handle and weights, y [N, H] of arbitrary values:
@@ -375,6 +378,10 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--combine-only") {
+      o.combine_only = true;
+      continue;
+    }
     if (a == "--trace") {
 #ifndef EPX_HT_TRACE
       std::fprintf(stderr, "--trace needs a build with -DEPX_HT_TRACE=ON\n");
@@ -386,7 +393,7 @@ int main(int argc, char** argv) {
     if (a == "--help" || i + 1 >= argc) {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms S] [--calls N] [--rounds N] [--bits N] [--trace]\n",
+                   "[--sms S] [--calls N] [--rounds N] [--bits N] [--trace] [--combine-only]\n",
                    argv[0]);
       return a == "--help" ? 0 : 2;
     }
