@@ -6,7 +6,7 @@
 # CTAs (kHtNotifyOneCta = one CTA), the split exact dispatch (kHtSplitSend, opt-in; since the
 # twelfth session on a side stream, also under ce:kept), the copying combine through the pull
 # protocol (kHtCombineViaPull, opt-in, twelfth session).
-#   bash tests/gpu/kept_meta_run.sh tests   (< 6 min) the ht GPU tests, every copy path (the A/B
+#   bash tests/gpu/kept_meta_run.sh tests   (< 8 min) the ht GPU tests, every copy path (the A/B
 #                                            paths among them; T > 1024 cases)
 #   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
@@ -20,7 +20,7 @@ source tests/gpu/device_lib.sh
 case ${1:-} in
   tests)
     epx_batch_start gpu_ht_test || exit 1
-    epx_batch_tests gpu_ht_test 300 'HtKeptPlan.*:HtGpu.*'
+    epx_batch_tests gpu_ht_test 420 'HtKeptPlan.*:HtGpu.*'
     # (Ranks/HtOneGpu.* passed on one GPU in the eleventh session: EPX_ONE_GPU=1 adds them.)
     [ "${EPX_ONE_GPU:-0}" = 1 ] && epx_batch_tests gpu_ht_test 120 'Ranks/HtOneGpu.*'
     ;;
