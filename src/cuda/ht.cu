@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <thread>
 #include <vector>
@@ -116,6 +117,27 @@ struct JoinOnUnwind {
     if (cudaEventRecord(done, side) == cudaSuccess) (void)cudaStreamWaitEvent(stream, done, 0);
   }
 };
+
+// Copies in kHtEngineChunks chunks on `side`, forked from `stream` at `fork`: per chunk c the
+// copies fill(c, list) adds, then the arrive step signalling c (sp: the op's sync parameters);
+// then `stream` joins `side` at `done` (also on unwind).
+void chunks_with_arrive(cudaStream_t stream, cudaStream_t side, cudaEvent_t fork, cudaEvent_t done,
+                        HtEngineSyncParams sp, const std::function<void(int, CopyList&)>& fill,
+                        const char* what) {
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0), what);
+  JoinOnUnwind join{side, stream, done};
+  for (int c = 0; c < kHtEngineChunks; ++c) {
+    CopyList rows;
+    fill(c, rows);
+    rows.issue(side, what);
+    sp.step = kEngineArrive;
+    sp.chunk = c;
+    launch_ht_engine_sync(sp, side);
+  }
+  join.armed = false;
+  EPX_CUDA_CHECK(cudaEventRecord(done, side), what);
+  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, done, 0), what);
+}
 
 }  // namespace
 
@@ -911,27 +933,19 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     }
     if (pull_chunked) {
       // Beside the kernel (issued after its launch, so these calls do not delay it): chunk c of
-      // every peer's block, then its arrive step; joined to `stream` at the end (also on unwind).
-      cudaStream_t side = engine_stream_[1];
-      EPX_CUDA_CHECK(cudaStreamWaitEvent(side, engine_event_[0], 0), "ht_combine");
-      JoinOnUnwind join{side, stream, engine_event_[2]};
+      // every peer's block, then its arrive step.
       const int32_t* rpm = h.copy_plan->rank_prefix_matrix.data();
-      for (int c = 0; c < kHtEngineChunks; ++c) {
-        CopyList rows;
-        for (int s = 0; s < R; ++s) {
-          if (s == me) continue;
-          const int64_t n = rows_between(rpm, R, s, me);
-          const int64_t lo = n * c / kHtEngineChunks, hi = n * (c + 1) / kHtEngineChunks;
-          add_y_rows(rows, prefix_before(rpm, R, s, me) + lo, hi - lo);
-        }
-        rows.issue(side, "ht_combine: y rows into the combine buffer");
-        sp.step = kEngineArrive;
-        sp.chunk = c;
-        launch_ht_engine_sync(sp, side);
-      }
-      join.armed = false;
-      EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], side), "ht_combine");
-      EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_combine");
+      chunks_with_arrive(
+          stream, engine_stream_[1], engine_event_[0], engine_event_[2], sp,
+          [&](int c, CopyList& rows) {
+            for (int s = 0; s < R; ++s) {
+              if (s == me) continue;
+              const int64_t n = rows_between(rpm, R, s, me);
+              const int64_t lo = n * c / kHtEngineChunks, hi = n * (c + 1) / kHtEngineChunks;
+              add_y_rows(rows, prefix_before(rpm, R, s, me) + lo, hi - lo);
+            }
+          },
+          "ht_combine: y rows into the combine buffer");
     }
     return res;
   }
@@ -969,36 +983,28 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_combine");
   launch_ht_combine(p, vb, grid, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
-  cudaStream_t push = engine_stream_[1];
-  EPX_CUDA_CHECK(cudaStreamWaitEvent(push, engine_event_[0], 0), "ht_combine");
   const std::vector<int32_t>& rpm = h.copy_plan->rank_prefix_matrix;
   const bool skip = (p.ablate & kAblateEnginePush) != 0;
-  JoinOnUnwind join{push, stream, engine_event_[2]};
-  CopyList rows;
-  for (int c = 0; c < kHtEngineChunks; ++c) {
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
-      // The rows this rank received from s go back to row j of s's slot for this rank.
-      const int64_t excl = prefix_before(rpm.data(), R, s, me);
-      // The first m of the n rows (engine_split_rows); the senders push the others.
-      const int64_t m = engine_split_rows(rows_between(rpm.data(), R, s, me), p.engine_share);
-      const int64_t lo = m * c / kHtEngineChunks;
-      const int64_t hi = std::min(m * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
-      if (hi <= lo || skip) continue;
-      rows.add(region_.x_row(static_cast<char*>(ht_mem_->peer(s)), HtRegion::slot_of(me, s), lo),
-               static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,
-               static_cast<size_t>(p.y_stride), static_cast<size_t>(p.row_bytes),
-               static_cast<size_t>(hi - lo));
-    }
-    rows.issue(push, "ht_combine: copy-engine row push");
-    rows.blocks.clear();
-    sp.step = kEngineArrive;
-    sp.chunk = c;
-    launch_ht_engine_sync(sp, push);
-  }
-  join.armed = false;
-  EPX_CUDA_CHECK(cudaEventRecord(engine_event_[2], push), "ht_combine");
-  EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, engine_event_[2], 0), "ht_combine");
+  chunks_with_arrive(
+      stream, engine_stream_[1], engine_event_[0], engine_event_[2], sp,
+      [&](int c, CopyList& rows) {
+        for (int s = 0; s < R && !skip; ++s) {
+          if (s == me) continue;
+          // The rows this rank received from s go back to row j of s's slot for this rank.
+          const int64_t excl = prefix_before(rpm.data(), R, s, me);
+          // The first m of the n rows (engine_split_rows); the senders push the others.
+          const int64_t m = engine_split_rows(rows_between(rpm.data(), R, s, me), p.engine_share);
+          const int64_t lo = m * c / kHtEngineChunks;
+          const int64_t hi = std::min(m * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
+          if (hi <= lo) continue;
+          rows.add(
+              region_.x_row(static_cast<char*>(ht_mem_->peer(s)), HtRegion::slot_of(me, s), lo),
+              static_cast<size_t>(region_.x_row_bytes), p.y + (excl + lo) * p.y_stride,
+              static_cast<size_t>(p.y_stride), static_cast<size_t>(p.row_bytes),
+              static_cast<size_t>(hi - lo));
+        }
+      },
+      "ht_combine: copy-engine row push");
   return res;
 }
 
