@@ -8,12 +8,13 @@
 # protocol (kHtCombineViaPull, opt-in, twelfth session).
 #   bash tests/gpu/kept_meta_run.sh tests   (< 8 min) the ht GPU tests, every copy path (the A/B
 #                                            paths among them; T > 1024 cases)
-#   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
+#   bash tests/gpu/kept_meta_run.sh bench   (< 8 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
 #       / "worst-case" against "..., kept metadata late", "..., receive metadata by row",
 #       "..., metadata old", "..., count exchange on one CTA", "exact, split", "combine bf16"
 #       against "combine bf16 (via pull ...)", "dispatch ... (cached)" / "(exact)" against "...,
 #       via zero-copy kernels", T = 4096, 16 SMs, ce:kept and warp; the phase trace of the
-#       zero-copy exact dispatch (-DEPX_HT_TRACE=ON); epx-bench ht, --timing barrier and pipelined
+#       zero-copy exact dispatch (-DEPX_HT_TRACE=ON); epx-bench ht, --timing barrier and pipelined,
+#       and with the opt-in paths (--ht-switches, checked)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
@@ -35,6 +36,11 @@ case ${1:-} in
     echo "== epx-bench ht (each call alone after a barrier; then pipelined, DeepEP's method)"
     epx_batch_epx_bench_ht 100 default
     epx_batch_epx_bench_ht 100 pipelined --timing pipelined
+    echo "== epx-bench ht --check with the opt-in copying paths (combine via pull, dispatch via"
+    echo "   the zero-copy kernels: --ht-switches 1572864), both timings"
+    epx_batch_epx_bench_ht 150 via --ht-switches 1572864 --check
+    grep -E "check:" "$OUT/eb_via.log"
+    epx_batch_epx_bench_ht 100 via_pipelined --ht-switches 1572864 --timing pipelined
     ;;
   *)
     echo "usage: bash tests/gpu/kept_meta_run.sh tests|bench" >&2
