@@ -4,8 +4,9 @@
 # token's routing in registers (kHtKeptMetaLate = the loads at the stores, the A/B), the
 # receivers' metadata per block (kHtRecvMetaRows = row by row), the count exchange on a cluster of
 # CTAs (kHtNotifyOneCta = one CTA), the split exact dispatch (kHtSplitSend, opt-in; since the
-# twelfth session on a side stream, also under ce:kept), the copying combine through the pull
-# protocol (kHtCombineViaPull, opt-in, twelfth session).
+# twelfth session on a side stream, also under ce:kept), and the twelfth session's opt-in copying
+# paths: the combine through the pull protocol (kHtCombineViaPull; chunked, kHtCombineViaPullWhole
+# = the whole copy first) and the dispatch through the zero-copy kernels (kHtDispatchViaZeroCopy).
 #   bash tests/gpu/kept_meta_run.sh tests   (< 8 min) the ht GPU tests, every copy path (the A/B
 #                                            paths among them; T > 1024 cases)
 #   bash tests/gpu/kept_meta_run.sh bench   (< 5 min) epx_ht_gpu_bench rows "exact[, zero-copy]"
