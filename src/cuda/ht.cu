@@ -316,7 +316,8 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       CopyList push;
       for (int d = 0; d < R; ++d) {
         if (d == me) continue;
-        const int64_t n = rows_between(rpm.data(), R, me, d), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t n = rows_between(rpm.data(), R, me, d);
+        const int64_t lo = engine_chunk_begin(n, c), hi = engine_chunk_begin(n, c + 1);
         char* slot0 = region_.x_packed_row(static_cast<char*>(ht_mem_->peer(d)),
                                            HtRegion::slot_of(me, d), 0, rb);
         for (const HtCopyPlan::Run& run : plan.runs[d]) {
@@ -334,7 +335,8 @@ void CudaBuffer::engine_copies(const HtCopyPlan& plan, const HtDispatchParams& p
       CopyList copy_out;
       for (int s = 0; s < R; ++s) {
         if (s == me) continue;
-        const int64_t n = rows_between(rpm.data(), R, s, me), lo = n * c / C, hi = n * (c + 1) / C;
+        const int64_t n = rows_between(rpm.data(), R, s, me);
+        const int64_t lo = engine_chunk_begin(n, c), hi = engine_chunk_begin(n, c + 1);
         const int64_t excl = prefix_before(rpm.data(), R, s, me);
         copy_out.add(p.recv_x + (excl + lo) * rb, static_cast<size_t>(rb),
                      region_.x_packed_row(ht_local(), HtRegion::slot_of(s, me), lo, rb),
@@ -941,7 +943,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
             for (int s = 0; s < R; ++s) {
               if (s == me) continue;
               const int64_t n = rows_between(rpm, R, s, me);
-              const int64_t lo = n * c / kHtEngineChunks, hi = n * (c + 1) / kHtEngineChunks;
+              const int64_t lo = engine_chunk_begin(n, c), hi = engine_chunk_begin(n, c + 1);
               add_y_rows(rows, prefix_before(rpm, R, s, me) + lo, hi - lo);
             }
           },
@@ -994,8 +996,8 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
           const int64_t excl = prefix_before(rpm.data(), R, s, me);
           // The first m of the n rows (engine_split_rows); the senders push the others.
           const int64_t m = engine_split_rows(rows_between(rpm.data(), R, s, me), p.engine_share);
-          const int64_t lo = m * c / kHtEngineChunks;
-          const int64_t hi = std::min(m * (c + 1) / kHtEngineChunks, p.num_y_rows - excl);
+          const int64_t lo = engine_chunk_begin(m, c);
+          const int64_t hi = std::min(engine_chunk_begin(m, c + 1), p.num_y_rows - excl);
           if (hi <= lo) continue;
           rows.add(
               region_.x_row(static_cast<char*>(ht_mem_->peer(s)), HtRegion::slot_of(me, s), lo),

@@ -123,13 +123,6 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
   }
 }
 
-// engine_y: the chunk (of kHtEngineChunks) holding row j of n rows.
-__device__ __forceinline__ int engine_chunk(int64_t j, int64_t n) {
-  int c = 0;
-  while (c + 1 < kHtEngineChunks && j >= n * (c + 1) / kHtEngineChunks) ++c;
-  return c;
-}
-
 // One output vector: its kPerVec float32 sums rounded once to bf16, by the hardware conversion
 // (two values at a time) or by the emulation (kHtEmulatedBf16, and vectors of one value).
 template <typename V>

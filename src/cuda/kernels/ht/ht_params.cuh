@@ -97,7 +97,7 @@ struct HtDispatchParams {
 //                  next one: its slots may be written; the kernels' wait_peer_ready)
 // Combine's copies run before / beside the combine kernel, which advances seq only at its end:
 // there `seq_ahead` = 1 and the op is seq + 1.
-inline constexpr int kHtEngineChunks = 4;  // pipeline depth: copy-out of chunk c overlaps c + 1
+// (kHtEngineChunks, engine_chunk_begin / engine_chunk: ht_region.cuh.)
 enum HtEngineStep : int {
   kEngineArrive = 0,
   kEngineWait = 1,

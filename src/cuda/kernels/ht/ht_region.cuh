@@ -52,6 +52,21 @@ EPX_HT_HD int32_t rows_between(const int32_t* rpm, int R, int s, int d) {
   return rpm[s * R + d] - prefix_before(rpm, R, s, d);
 }
 
+// Rows moved by copy engines in chunks, each signalled (arrive steps, ht_params.cuh): chunk c of
+// n rows is rows [engine_chunk_begin(n, c), engine_chunk_begin(n, c + 1)); the host copies chunk
+// by chunk, a kernel waits for the chunk holding row j, engine_chunk(j, n). They must agree (a
+// row waited for in a later chunk than it was sent in is late; in an earlier one, read early):
+// tests/unit/ht_chunks_test.cc.
+inline constexpr int kHtEngineChunks = 4;  // pipeline depth: copy-out of chunk c overlaps c + 1
+EPX_HT_HD int64_t engine_chunk_begin(int64_t n, int c) {
+  return n * c / kHtEngineChunks;
+}
+EPX_HT_HD int engine_chunk(int64_t j, int64_t n) {
+  int c = 0;
+  while (c + 1 < kHtEngineChunks && j >= engine_chunk_begin(n, c + 1)) ++c;
+  return c;
+}
+
 EPX_HT_HD size_t ht_round_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;
 }
