@@ -162,6 +162,73 @@ void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, co
 }
 #endif
 
+#ifdef EPX_HT_TRACE
+// --trace: `call` (one combine) `iters` times, each alone after a group barrier between two CUDA
+// events; the staged pull combine's stamps (op 1) of the calling rank, µs after the kernel's first
+// CTA entry (median over calls), and the call's event time (the part before the kernel's entry is
+// roughly that minus the last exit).
+void trace_combine(const Group& g, cudaStream_t stream, int iters, int ctas, const char* name,
+                   const std::function<void()>& call) {
+  uint64_t* buf = detail::ht_trace_buffer_of_thread();
+  if (buf == nullptr) return;
+  using detail::kHtTraceCtas;
+  using detail::kHtTracePhases;
+  const int n = std::min(ctas, kHtTraceCtas);
+  std::vector<uint64_t> host(detail::kHtTraceWords);
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  std::vector<double> total, start_mid, work_mid, work_last, done_last, exit_last;
+  for (int i = 0; i < iters; ++i) {
+    CUDA_OK(cudaMemsetAsync(buf, 0, detail::kHtTraceWords * sizeof(uint64_t), stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    g.transport()->barrier("onegpu combine trace");
+    CUDA_OK(cudaEventRecord(e0, stream));
+    call();
+    CUDA_OK(cudaEventRecord(e1, stream));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_OK(cudaMemcpy(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
+                       cudaMemcpyDeviceToHost));
+    auto ctas_of = [&](int ph) {
+      std::vector<uint64_t> v;
+      for (int c = 0; c < n; ++c) {
+        const uint64_t t = host[(static_cast<size_t>(1) * kHtTracePhases + ph) * kHtTraceCtas + c];
+        if (t) v.push_back(t);
+      }
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    const std::vector<uint64_t> entry = ctas_of(detail::kHtTrEntry);
+    if (entry.empty()) continue;  // not the staged kernel: no stamps
+    auto us = [&](uint64_t t) { return (static_cast<double>(t) - entry[0]) / 1e3; };
+    total.push_back(1e3 * ms);
+    const auto st = ctas_of(detail::kHtTrStart), wk = ctas_of(detail::kHtTrWork),
+               dn = ctas_of(detail::kHtTrDone), ex = ctas_of(detail::kHtTrExit);
+    if (!st.empty()) start_mid.push_back(us(st[st.size() / 2]));
+    if (!wk.empty()) work_mid.push_back(us(wk[wk.size() / 2]));
+    if (!wk.empty()) work_last.push_back(us(wk.back()));
+    if (!dn.empty()) done_last.push_back(us(dn.back()));
+    if (!ex.empty()) exit_last.push_back(us(ex.back()));
+  }
+  CUDA_OK(cudaEventDestroy(e0));
+  CUDA_OK(cudaEventDestroy(e1));
+  if (g.rank() != 0) return;
+  if (total.empty()) {
+    std::printf("[trace rank 0] %s: no staged-combine stamps\n", name);
+    return;
+  }
+  std::printf(
+      "[trace rank 0] %s: call %.1f us (events); after the first CTA entry: warp 0's first token "
+      "set up %.1f (median CTA), warp 0 done %.1f / %.1f (median / last CTA), CTA done %.1f, "
+      "exit %.1f (last)\n",
+      name, median(total), median(start_mid), median(work_mid), median(work_last),
+      median(done_last), median(exit_last));
+  std::fflush(stdout);
+}
+#endif
+
 int run_rank(const Group& g, const Options& o) {
   const int R = g.size(), r = g.rank(), dev = gpu_testing::device_of(g);
   const int64_t T = o.tokens, H = o.hidden;
@@ -351,6 +418,11 @@ int run_rank(const Group& g, const Options& o) {
       if (r == 0) detail::set_ht_ablation(row.bits | o.bits);
       g.transport()->barrier("onegpu bench combine set");
       report(row.name, timed_op([&] { (void)buf.ht_combine(*row.args, alloc); }));
+#ifdef EPX_HT_TRACE
+      if (o.trace)
+        trace_combine(g, stream, o.rounds * 4, o.sms, row.name,
+                      [&] { (void)buf.ht_combine(*row.args, alloc); });
+#endif
     }
   }
 #ifdef EPX_HT_TRACE
