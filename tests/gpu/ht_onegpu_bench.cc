@@ -426,7 +426,7 @@ int run_rank(const Group& g, const Options& o) {
     }
   }
 #ifdef EPX_HT_TRACE
-  if (o.trace) {
+  if (o.trace && !o.combine_only) {
     if (r == 0) detail::set_ht_ablation(o.bits);
     g.transport()->barrier("onegpu trace bits");
     for (const Row& row : rows) {
