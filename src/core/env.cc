@@ -44,7 +44,13 @@ std::string env_cuda_module_loading() {
 }
 
 int env_cuda_device_max_connections() {
-  return static_cast<int>(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8));
+  const long v = env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8);
+  return static_cast<int>(v > 32 ? 32 : v);  // CUDA's limit
+}
+
+bool env_one_gpu_side_streams() {
+  const char* v = std::getenv("EPX_ONE_GPU_SIDE_STREAMS");
+  return v != nullptr && std::string(v) == "1";
 }
 
 }  // namespace epx::detail

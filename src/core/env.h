@@ -9,7 +9,14 @@
 //   EPX_PDL          programmatic dependent launch of the cuda kernels (sm_90; never in the
 //                    one-GPU test mode): 1 ht and ll, unset: ll only (the measured default),
 //                    any other value: none
-//   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA)
+//   EPX_ONE_GPU_SIDE_STREAMS  1: the one-GPU test mode (ranks sharing a GPU) also takes the paths
+//                    with side streams per Buffer — ce:kept's copy engines, the split exact
+//                    dispatch, the chunked combine via pull; otherwise the kernels move every row
+//                    there. Opt-in because the driver may put a Buffer's side stream in the same
+//                    hardware queue as a peer's stream, and work queued behind a peer's spinning
+//                    kernel then stalls until the group timeout.
+//   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode (8 when unset, as CUDA;
+//                    at most 32 count)
 //   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
 #pragma once
 
@@ -25,5 +32,6 @@ int env_cuda_device_max_connections();
 std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when unset: LAZY)
 int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
 int env_pdl();         // EPX_PDL: -1 unset or empty, 1 when "1", 0 for any other value
+bool env_one_gpu_side_streams();  // EPX_ONE_GPU_SIDE_STREAMS == "1"
 
 }  // namespace epx::detail

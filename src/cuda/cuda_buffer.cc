@@ -188,17 +188,21 @@ bool ht_kept_copies_pay(size_t kept_runs) {
   return kept_runs <= (o >= 0 ? static_cast<size_t>(o) : kHtKeptCopyMaxRuns);
 }
 
+bool CudaBuffer::one_gpu_side_streams() const {
+  return env_one_gpu_side_streams() && env_cuda_device_max_connections() >= 5 * group.size();
+}
+
 HtCopyConfig CudaBuffer::copy_config() const {
   HtCopyConfig c = ht_copy_config();
   if (!one_stream_ || c.mode != HtCopyMode::kEngine) return c;
-  // One GPU for every rank. A side-stream copy sharing a hardware queue with a peer's spinning
-  // kernel would stall this rank until that kernel times out, so the copy engines' side streams
-  // need their own queues: five streams per rank with them (its own, the split dispatch's, the
-  // two copy-engine streams, the per-thread one). Where CUDA_DEVICE_MAX_CONNECTIONS has room
-  // (the one-GPU test harness sets 32: R <= 6), "ce:kept" only — the kept rows' copies, which
-  // need no kernel beside the op's (plain "ce" and ":combine" run sync kernels on the side
-  // streams that need free SMs the other ranks hold); otherwise the kernels move every row.
-  if (env_cuda_device_max_connections() >= 5 * group.size()) {
+  // One GPU for every rank. Work on a side stream that the driver put in the same hardware queue
+  // as a peer's stream waits behind that peer's kernels: a kept-row copy behind a peer's kernel
+  // of the next op (which waits for this rank's next op, which waits for the copy) stalls until
+  // the timeout. So by default the kernels move every row here; with EPX_ONE_GPU_SIDE_STREAMS=1
+  // (tests of the side-stream paths) and room for five streams per rank (its own, the split
+  // dispatch's, the two copy-engine streams, the per-thread one), "ce:kept" only — plain "ce" and
+  // ":combine" run sync kernels on the side streams that need free SMs the other ranks hold.
+  if (one_gpu_side_streams()) {
     c.engine_kept_only = true;
     c.engine_combine = HtEngineCombine::kOff;
   } else {

@@ -88,9 +88,12 @@ class CudaBuffer final : public BufferImpl {
                              // copy engines
   bool pdl_ = false;  // ht kernels with programmatic dependent launch (cuda/launch.h: EPX_PDL,
                       // sm_90, never when one_stream_: waiting CTAs would hold a peer's SMs)
-  // ht_copy_config(), except when one_stream_: kEngine becomes "ce:kept" (enough hardware queues)
+  // ht_copy_config(), except when one_stream_: kEngine becomes "ce:kept" (one_gpu_side_streams)
   // or kWarp.
   HtCopyConfig copy_config() const;
+  // one_stream_ only: whether the side-stream paths may run (EPX_ONE_GPU_SIDE_STREAMS=1 and a
+  // hardware queue for each of a rank's five streams; core/env.h).
+  bool one_gpu_side_streams() const;
   HtTuning tuning_;
   uint64_t timeout_ns_ = 0;
   HtRegion region_;

@@ -496,9 +496,9 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // Whether the dispatch kernel runs the zero-copy protocol (set below).
   bool kernel_zero_copy = args.zero_copy;
   const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !via_zc_asked &&
-                     !pdl_ && (ablate & kHtSplitSend) && R > 1 &&
-                     (copy.mode != HtCopyMode::kEngine || kept_engines) && split_send_ctas > 0 &&
-                     split_send_ctas < tuning_.num_sms;
+                     !pdl_ && (!one_stream_ || one_gpu_side_streams()) && (ablate & kHtSplitSend) &&
+                     R > 1 && (copy.mode != HtCopyMode::kEngine || kept_engines) &&
+                     split_send_ctas > 0 && split_send_ctas < tuning_.num_sms;
   // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
   // rows (the symmetric slots always are).
   auto copy_mode_for = [&](int vb) {
@@ -865,10 +865,9 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
   // as soon as it is there (p.pull_chunked); the arrive steps need an SM the kernels leave free.
   // Every rank decides alike (handles made under the same copy mode, equal SM counts, the same
   // switches). kHtCombineViaPullWhole: the whole copy before the kernel (the A/B). (One-GPU
-  // mode: the ranks' kernels share the SMs, and the side stream needs a hardware queue of its own,
-  // as in copy_config.)
-  const bool sm_free = one_stream_ ? group.size() * grid < device_sms_ &&
-                                         env_cuda_device_max_connections() >= 5 * group.size()
+  // mode: the ranks' kernels share the SMs, and side streams only with one_gpu_side_streams, as
+  // in copy_config.)
+  const bool sm_free = one_stream_ ? group.size() * grid < device_sms_ && one_gpu_side_streams()
                                    : grid < device_sms_;
   const bool pull_chunked = via_pull && h.copy_plan != nullptr && h.num_worst_tokens == 0 &&
                             sm_free && !(ablate & kHtCombineViaPullWhole);
@@ -908,6 +907,14 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
     }
     p.pull = 1;
     p.num_send_ctas = 0;
+    // The staged reducer where every token has <= 2 row sources of 16-byte vectors (R + biases
+    // <= 2) and no A/B switch asks for the register steps. (Decided first: its preparation may
+    // throw, which must come before the chunked path's steps tell the peers anything.)
+    const HtPullStaging st = ht_pull_staging();
+    const int nbias = (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0);
+    const bool staged = st.stages > 0 && grid <= st.max_sms && vb == 16 && R + nbias <= 2 &&
+                        !(p.ablate & (kHtPullStagedOff | kHtReducePairOff | kHtReduceNarrow)) &&
+                        prepare_ht_combine_staged(st.stages, st.chunk);
     HtEngineSyncParams sp{};
     if (pull_chunked) {
       // The op number for the arrive steps (state->engine_op: they run beside the kernel, which
@@ -919,13 +926,7 @@ HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocato
       launch_ht_engine_sync(sp, stream);
       EPX_CUDA_CHECK(cudaEventRecord(engine_event_[0], stream), "ht_combine");
     }
-    // The staged reducer where every token has <= 2 row sources of 16-byte vectors (R + biases
-    // <= 2) and no A/B switch asks for the register steps.
-    const HtPullStaging st = ht_pull_staging();
-    const int nbias = (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0);
-    if (st.stages > 0 && grid <= st.max_sms && vb == 16 && R + nbias <= 2 &&
-        !(p.ablate & (kHtPullStagedOff | kHtReducePairOff | kHtReduceNarrow)) &&
-        prepare_ht_combine_staged(st.stages, st.chunk)) {
+    if (staged) {
       p.pull_stages = st.stages;
       p.pull_chunk = st.chunk;
       launch_ht_combine_staged(p, grid, stream);

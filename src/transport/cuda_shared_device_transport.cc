@@ -20,8 +20,9 @@
 // (The split exact ht dispatch runs one op as two kernels on two streams, their CTAs together
 // within the same budget.) Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
 // 8) share a queue, and a rank's kernel queued behind a peer's spinning kernel would wait for it:
-// a rank uses up to three streams (its own, the split dispatch's side stream, the per-thread
-// stream of its allocations), so we require at least min(32, 3R) connections (the one-GPU test
+// a rank uses its own stream and the per-thread stream of its allocations, plus a Buffer's side
+// streams only where EPX_ONE_GPU_SIDE_STREAMS=1 asks for them (core/env.h: the driver may still
+// put one in a peer's queue), so we require at least min(32, 3R) connections (the one-GPU test
 // harness sets 32 before CUDA starts).
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -13,7 +13,8 @@
 // rank's. Default rows also note the host time per call and epx-bench's measure (one call alone
 // between two events after a barrier, the median over calls x rounds). Then the combine (copying,
 // through the pull protocol, zero-copy). The copy path is the default's one-GPU form
-// (CudaBuffer::copy_config: "ce:kept" while R <= 6, else warp); EPX_HT_COPY=warp for the kernels'.
+// (CudaBuffer::copy_config): the kernels' warp path, or "ce:kept" with EPX_ONE_GPU_SIDE_STREAMS=1
+// (R <= 6) — the twelfth session's proxy numbers from item 7 on were taken that way.
 // --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
 // dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
 #include <cuda_runtime.h>

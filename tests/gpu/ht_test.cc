@@ -445,10 +445,10 @@ TEST(HtReference, AgreesWithCpuBackend) {
 }
 
 // R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
-// machines with that many GPUs. The default copy path ("ce:kept:combine-auto") runs as "ce:kept"
-// where the hardware queues suffice (R <= 6 with the harness's 32; CudaBuffer::copy_config) and
-// as the kernels' warp path at R = 8; no copy-path override (it is per process, and the rank
-// threads would race on it).
+// machines with that many GPUs. The default copy path ("ce:kept:combine-auto") runs as the
+// kernels' warp path in this mode, or as "ce:kept" with EPX_ONE_GPU_SIDE_STREAMS=1 where the
+// hardware queues suffice (R <= 6 with the harness's 32; CudaBuffer::copy_config); no copy-path
+// override (it is per process, and the rank threads would race on it).
 class HtOneGpu : public ::testing::TestWithParam<int> {};
 
 // `body` on R rank threads sharing GPU 0; EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default
@@ -487,10 +487,11 @@ TEST_P(HtOneGpu, MatchesReference) {
 }
 
 // The same with the opt-in paths: the split exact dispatch (kHtSplitSend: the senders' kernel
-// launched before the host waits for the count exchange, the receivers' after) with the copying
-// combine through the pull protocol (kHtCombineViaPull), then the copying dispatch through the
-// zero-copy kernels (kHtDispatchViaZeroCopy, which excludes the split; ht.cu). The switches are
-// set before the rank threads start and cleared after.
+// launched before the host waits for the count exchange, the receivers' after; in this mode only
+// with EPX_ONE_GPU_SIDE_STREAMS=1) with the copying combine through the pull protocol
+// (kHtCombineViaPull), then the copying dispatch through the zero-copy kernels
+// (kHtDispatchViaZeroCopy, which excludes the split; ht.cu). The switches are set before the rank
+// threads start and cleared after.
 TEST_P(HtOneGpu, OptInPathsMatchReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
@@ -506,6 +507,36 @@ TEST_P(HtOneGpu, OptInPathsMatchReference) {
       int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
       bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
       bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
+      return bad;
+    });
+    detail::set_ht_ablation(0);
+    EXPECT_EQ(rc, 0) << "switches " << bits;
+  }
+}
+
+// The side-stream paths in this mode (the copy engines' kept rows, the split dispatch, the
+// chunked combine via pull), which run only with EPX_ONE_GPU_SIDE_STREAMS=1 (core/env.h: a
+// Buffer's side stream may share a hardware queue with a peer's stream and then stall until the
+// timeout, so they are not the default here). The device scripts set it for this test; with 16
+// SMs per rank (EPX_TEST_ONE_GPU_SMS=16) the SMs left free let the chunked combine run.
+TEST_P(HtOneGpu, SideStreamPathsMatchReference) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  const char* v = std::getenv("EPX_ONE_GPU_SIDE_STREAMS");
+  if (v == nullptr || std::string(v) != "1")
+    GTEST_SKIP() << "needs EPX_ONE_GPU_SIDE_STREAMS=1 (side streams in the one-GPU mode)";
+  for (const int bits :
+       {0, detail::kHtSplitSend | detail::kHtCombineViaPull, int{detail::kHtDispatchViaZeroCopy}}) {
+    detail::set_ht_ablation(bits);
+    const int rc = run_one_gpu(R, [R](const Group& g) {
+      std::vector<int64_t> tokens(R), many(R);
+      for (int r = 0; r < R; ++r) {
+        tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
+        many[r] = 1500 + 900 * r;
+      }
+      int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9800 + R));
+      bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9900 + R)[0]});
+      bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9950 + R)[0]});  // K = 1 runs
       return bad;
     });
     detail::set_ht_ablation(0);

@@ -11,6 +11,8 @@ cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
 EPX_CMAKE_EXTRA="-DEPX_BUILD_TOOLS=ON" epx_batch_start gpu_ht_test epx_ht_onegpu_bench epx-bench ||
   exit 1
+# (The side-stream paths run in the one-GPU mode only with EPX_ONE_GPU_SIDE_STREAMS=1.)
+export EPX_ONE_GPU_SIDE_STREAMS=1
 epx_batch_tests gpu_ht_test 200 \
   'HtKeptPlan.*:HtGpu.OneRank*:HtGpu.WorstCaseGraphReplaysOneRank' 'Ranks/HtOneGpu.*'
 epx_batch_bench proxy4096 150 "dispatch|layout|proxy" epx_ht_onegpu_bench --sms 16

@@ -371,7 +371,9 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     publish_deferred_ready(p.symm, p.wait, R);
     // Zero-copy combine: this rank's y (written by the work before this kernel) may be read.
-    if (p.pull) {
+    // (Not when pull_chunked: the peers wait for the chunks; a peer that would read on yready
+    // instead — ranks disagreeing on the path — then times out rather than reading early.)
+    if (p.pull && !p.pull_chunked) {
       __threadfence_system();
       signal_peers(p.symm, &HtRegion::yready, R, me, cur);
     }

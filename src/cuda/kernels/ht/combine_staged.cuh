@@ -268,8 +268,10 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtComb
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     publish_deferred_ready(p.symm, p.wait, R);
-    __threadfence_system();  // this rank's y (written before this kernel) may be read
-    signal_peers(p.symm, &HtRegion::yready, R, me, cur);
+    if (!p.pull_chunked) {     // (chunked: the peers wait for the chunks, combine.cuh)
+      __threadfence_system();  // this rank's y (written before this kernel) may be read
+      signal_peers(p.symm, &HtRegion::yready, R, me, cur);
+    }
   }
   combine_reduce_staged(p, cur);
   EPX_HT_TRACE_SYNC();
