@@ -72,18 +72,55 @@ double median(std::vector<double> v) {
 }
 
 #ifdef EPX_HT_TRACE
+// The calling rank's trace stamps (kernels/ht/trace.cuh) of one call at a time, for the first
+// `ctas` CTAs: cleared before the call, read after it.
+struct TraceStamps {
+  uint64_t* buf = detail::ht_trace_buffer_of_thread();  // null: no trace buffer (nothing traced)
+  int n;
+  std::vector<uint64_t> host = std::vector<uint64_t>(detail::kHtTraceWords);
+  explicit TraceStamps(int ctas) : n(std::min(ctas, detail::kHtTraceCtas)) {}
+  // Clears the stamps, meets the group at a barrier, runs `call` (which queues its work on
+  // `stream`) between two CUDA events and reads the stamps once it is done; its time, µs.
+  double run(const Group& g, cudaStream_t stream, const std::function<void()>& call) {
+    CUDA_OK(cudaMemsetAsync(buf, 0, detail::kHtTraceWords * sizeof(uint64_t), stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    g.transport()->barrier("onegpu trace");
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventRecord(e0, stream));
+    call();
+    CUDA_OK(cudaEventRecord(e1, stream));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
+    CUDA_OK(cudaMemcpy(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
+                       cudaMemcpyDeviceToHost));
+    return 1e3 * ms;
+  }
+  uint64_t at(int op, int ph, int c) const {
+    return host[(static_cast<size_t>(op) * detail::kHtTracePhases + ph) * detail::kHtTraceCtas + c];
+  }
+  // Op `op`'s stamps of phase `ph` over the CTAs that reached it, sorted.
+  std::vector<uint64_t> ctas_of(int op, int ph) const {
+    std::vector<uint64_t> v;
+    for (int c = 0; c < n; ++c)
+      if (at(op, ph, c)) v.push_back(at(op, ph, c));
+    std::sort(v.begin(), v.end());
+    return v;
+  }
+};
+
 // --trace (a -DEPX_HT_TRACE=ON build): `call` (one dispatch) `iters` times, each alone after a
 // group barrier, the calling rank's stamps read after each (kernels/ht/trace.cuh: op 2 = the
 // count exchange, op 0 = the dispatch kernel); per phase the median over calls of the time after
 // the count exchange's entry (cached: the dispatch kernel's first CTA entry), µs.
 void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, const char* name,
                     const std::function<void()>& call) {
-  uint64_t* buf = detail::ht_trace_buffer_of_thread();
-  if (buf == nullptr) return;
-  using detail::kHtTraceCtas;
-  using detail::kHtTracePhases;
-  const int n = std::min(ctas, kHtTraceCtas);
-  std::vector<uint64_t> host(detail::kHtTraceWords);
+  TraceStamps st(ctas);
+  if (st.buf == nullptr) return;
   struct Col {
     const char* what;
     std::vector<double> v;
@@ -103,24 +140,9 @@ void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, co
                            {"dispatch: receive done (last CTA)", {}},
                            {"dispatch: exit (last CTA)", {}}};
   for (int i = 0; i < iters; ++i) {
-    CUDA_OK(cudaMemsetAsync(buf, 0, detail::kHtTraceWords * sizeof(uint64_t), stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    g.transport()->barrier("onegpu trace");
-    call();
-    CUDA_OK(cudaStreamSynchronize(stream));
-    CUDA_OK(cudaMemcpyAsync(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
-                            cudaMemcpyDeviceToHost, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    auto at = [&](int op, int ph, int c) {
-      return host[(static_cast<size_t>(op) * kHtTracePhases + ph) * kHtTraceCtas + c];
-    };
-    auto ctas_of = [&](int ph) {  // dispatch stamps of phase ph over the CTAs that reached it
-      std::vector<uint64_t> v;
-      for (int c = 0; c < n; ++c)
-        if (at(0, ph, c)) v.push_back(at(0, ph, c));
-      std::sort(v.begin(), v.end());
-      return v;
-    };
+    (void)st.run(g, stream, call);
+    auto at = [&](int op, int ph, int c) { return st.at(op, ph, c); };
+    auto ctas_of = [&](int ph) { return st.ctas_of(0, ph); };  // the dispatch kernel's
     const std::vector<uint64_t> entry = ctas_of(detail::kHtTrEntry);
     if (entry.empty()) continue;
     const uint64_t t0 = at(2, detail::kHtTrEntry, 0) ? at(2, detail::kHtTrEntry, 0) : entry[0];
@@ -170,41 +192,16 @@ void trace_dispatch(const Group& g, cudaStream_t stream, int iters, int ctas, co
 // roughly that minus the last exit).
 void trace_combine(const Group& g, cudaStream_t stream, int iters, int ctas, const char* name,
                    const std::function<void()>& call) {
-  uint64_t* buf = detail::ht_trace_buffer_of_thread();
-  if (buf == nullptr) return;
-  using detail::kHtTraceCtas;
-  using detail::kHtTracePhases;
-  const int n = std::min(ctas, kHtTraceCtas);
-  std::vector<uint64_t> host(detail::kHtTraceWords);
-  cudaEvent_t e0, e1;
-  CUDA_OK(cudaEventCreate(&e0));
-  CUDA_OK(cudaEventCreate(&e1));
+  TraceStamps stamps(ctas);
+  if (stamps.buf == nullptr) return;
   std::vector<double> total, start_mid, work_mid, work_last, done_last, exit_last;
   for (int i = 0; i < iters; ++i) {
-    CUDA_OK(cudaMemsetAsync(buf, 0, detail::kHtTraceWords * sizeof(uint64_t), stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    g.transport()->barrier("onegpu combine trace");
-    CUDA_OK(cudaEventRecord(e0, stream));
-    call();
-    CUDA_OK(cudaEventRecord(e1, stream));
-    CUDA_OK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-    CUDA_OK(cudaMemcpy(host.data(), buf, detail::kHtTraceWords * sizeof(uint64_t),
-                       cudaMemcpyDeviceToHost));
-    auto ctas_of = [&](int ph) {
-      std::vector<uint64_t> v;
-      for (int c = 0; c < n; ++c) {
-        const uint64_t t = host[(static_cast<size_t>(1) * kHtTracePhases + ph) * kHtTraceCtas + c];
-        if (t) v.push_back(t);
-      }
-      std::sort(v.begin(), v.end());
-      return v;
-    };
+    const double call_us = stamps.run(g, stream, call);
+    auto ctas_of = [&](int ph) { return stamps.ctas_of(1, ph); };  // the staged combine's
     const std::vector<uint64_t> entry = ctas_of(detail::kHtTrEntry);
     if (entry.empty()) continue;  // not the staged kernel: no stamps
     auto us = [&](uint64_t t) { return (static_cast<double>(t) - entry[0]) / 1e3; };
-    total.push_back(1e3 * ms);
+    total.push_back(call_us);
     const auto st = ctas_of(detail::kHtTrStart), wk = ctas_of(detail::kHtTrWork),
                dn = ctas_of(detail::kHtTrDone), ex = ctas_of(detail::kHtTrExit);
     if (!st.empty()) start_mid.push_back(us(st[st.size() / 2]));
@@ -213,8 +210,6 @@ void trace_combine(const Group& g, cudaStream_t stream, int iters, int ctas, con
     if (!dn.empty()) done_last.push_back(us(dn.back()));
     if (!ex.empty()) exit_last.push_back(us(ex.back()));
   }
-  CUDA_OK(cudaEventDestroy(e0));
-  CUDA_OK(cudaEventDestroy(e1));
   if (g.rank() != 0) return;
   if (total.empty()) {
     std::printf("[trace rank 0] %s: no staged-combine stamps\n", name);
