@@ -486,32 +486,49 @@ TEST_P(HtOneGpu, MatchesReference) {
   EXPECT_EQ(rc, 0);
 }
 
+// Tokens per rank for the opt-in paths' tests: `few` (one rank sends nothing), `many` (T > 1024:
+// the count exchange's cluster of CTAs).
+struct OptInTokens {
+  std::vector<int64_t> few, many;
+};
+OptInTokens opt_in_tokens(int R) {
+  OptInTokens t{std::vector<int64_t>(R), std::vector<int64_t>(R)};
+  for (int r = 0; r < R; ++r) {
+    t.few[r] = r == R - 1 ? 0 : 64 + 37 * r;
+    t.many[r] = 1500 + 900 * r;
+  }
+  return t;
+}
+
+// `body` on R rank threads sharing GPU 0 under each set of switches (cuda/tuning.h), set before
+// the threads start and cleared after; every run must pass.
+void expect_under_switches(int R, std::initializer_list<int> switch_sets,
+                           const std::function<int(const Group&)>& body) {
+  for (const int bits : switch_sets) {
+    detail::set_ht_ablation(bits);
+    const int rc = run_one_gpu(R, body);
+    detail::set_ht_ablation(0);
+    EXPECT_EQ(rc, 0) << "switches " << bits;
+  }
+}
+
 // The same with the opt-in paths: the split exact dispatch (kHtSplitSend: the senders' kernel
 // launched before the host waits for the count exchange, the receivers' after; in this mode only
 // with EPX_ONE_GPU_SIDE_STREAMS=1) with the copying combine through the pull protocol
 // (kHtCombineViaPull), then the copying dispatch through the zero-copy kernels
-// (kHtDispatchViaZeroCopy, which excludes the split; ht.cu). The switches are set before the rank
-// threads start and cleared after.
+// (kHtDispatchViaZeroCopy, which excludes the split; ht.cu).
 TEST_P(HtOneGpu, OptInPathsMatchReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
-  for (const int bits :
-       {detail::kHtSplitSend | detail::kHtCombineViaPull, int{detail::kHtDispatchViaZeroCopy}}) {
-    detail::set_ht_ablation(bits);
-    const int rc = run_one_gpu(R, [R](const Group& g) {
-      std::vector<int64_t> tokens(R), many(R);
-      for (int r = 0; r < R; ++r) {
-        tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
-        many[r] = 1500 + 900 * r;
-      }
-      int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9500 + R));
-      bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, tokens, 9600 + R));  // 8-byte rows
-      bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9700 + R)[0]});
-      return bad;
-    });
-    detail::set_ht_ablation(0);
-    EXPECT_EQ(rc, 0) << "switches " << bits;
-  }
+  expect_under_switches(
+      R, {detail::kHtSplitSend | detail::kHtCombineViaPull, detail::kHtDispatchViaZeroCopy},
+      [R](const Group& g) {
+        const OptInTokens t = opt_in_tokens(R);
+        int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, t.few, 9500 + R));
+        bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, t.few, 9600 + R));  // 8-byte rows
+        bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, t.many, 9700 + R)[0]});
+        return bad;
+      });
 }
 
 // The side-stream paths in this mode (the copy engines' kept rows, the split dispatch, the
@@ -525,23 +542,15 @@ TEST_P(HtOneGpu, SideStreamPathsMatchReference) {
   const char* v = std::getenv("EPX_ONE_GPU_SIDE_STREAMS");
   if (v == nullptr || std::string(v) != "1")
     GTEST_SKIP() << "needs EPX_ONE_GPU_SIDE_STREAMS=1 (side streams in the one-GPU mode)";
-  for (const int bits :
-       {0, detail::kHtSplitSend | detail::kHtCombineViaPull, int{detail::kHtDispatchViaZeroCopy}}) {
-    detail::set_ht_ablation(bits);
-    const int rc = run_one_gpu(R, [R](const Group& g) {
-      std::vector<int64_t> tokens(R), many(R);
-      for (int r = 0; r < R; ++r) {
-        tokens[r] = r == R - 1 ? 0 : 64 + 37 * r;
-        many[r] = 1500 + 900 * r;
-      }
-      int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, tokens, 9800 + R));
-      bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9900 + R)[0]});
-      bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9950 + R)[0]});  // K = 1 runs
-      return bad;
-    });
-    detail::set_ht_ablation(0);
-    EXPECT_EQ(rc, 0) << "switches " << bits;
-  }
+  expect_under_switches(
+      R, {0, detail::kHtSplitSend | detail::kHtCombineViaPull, detail::kHtDispatchViaZeroCopy},
+      [R](const Group& g) {
+        const OptInTokens t = opt_in_tokens(R);
+        int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, t.few, 9800 + R));
+        bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, t.many, 9900 + R)[0]});
+        bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, t.many, 9950 + R)[0]});  // K = 1
+        return bad;
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
