@@ -493,16 +493,14 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // The copying dispatch through the zero-copy kernels (opt-in kHtDispatchViaZeroCopy; worst-case
   // mode excepted, decided below): not split.
   const bool via_zc_asked = !args.zero_copy && R > 1 && (ablate & kHtDispatchViaZeroCopy);
-  // Whether the dispatch kernel runs the zero-copy protocol (set below).
-  bool kernel_zero_copy = args.zero_copy;
   const bool split = !cached && args.num_worst_tokens == 0 && !args.zero_copy && !via_zc_asked &&
                      !pdl_ && (!one_stream_ || one_gpu_side_streams()) && (ablate & kHtSplitSend) &&
                      R > 1 && (copy.mode != HtCopyMode::kEngine || kept_engines) &&
                      split_send_ctas > 0 && split_send_ctas < tuning_.num_sms;
   // A dispatch kernel's copy path, its rows aligned to vb bytes: bulk copies need 16-byte aligned
-  // rows (the symmetric slots always are).
-  auto copy_mode_for = [&](int vb) {
-    return static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !kernel_zero_copy
+  // rows (the symmetric slots always are); the zero-copy kernels (zero_copy) copy by warp.
+  auto copy_mode_for = [&](int vb, bool zero_copy) {
+    return static_cast<int>(vb == 16 && copy.mode == HtCopyMode::kBulk && !zero_copy
                                 ? HtCopyMode::kBulk
                                 : HtCopyMode::kWarp);
   };
@@ -597,7 +595,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       const int vb_send =
           vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
                         static_cast<uint64_t>(row_bytes)});
-      sp.copy_mode = copy_mode_for(vb_send);
+      sp.copy_mode = copy_mode_for(vb_send, /*zero_copy=*/false);  // (never split)
       sp.pdl = 0;
       // The drain's parameters: the receive kernel's, without outputs.
       split_guard.p = sp;
@@ -683,7 +681,6 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   // outputs, the received rows copied out after the kernel (below).
   const bool via_zc = via_zc_asked && !worst_case;
   const bool zero_copy = args.zero_copy || via_zc;
-  kernel_zero_copy = zero_copy;
   const bool engine_any = !worst_case && h.copy_plan != nullptr && copy.mode == HtCopyMode::kEngine;
   // (A plan from a ce:kept exact dispatch lists only the kept runs: plain "ce" then takes the
   // kernel path; every rank made its handle under the same mode, so all decide alike.)
@@ -739,7 +736,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.x), static_cast<uint64_t>(p.x_stride),
                     static_cast<uint64_t>(row_bytes), reinterpret_cast<uint64_t>(p.recv_x)});
-  p.copy_mode = copy_mode_for(vb);
+  p.copy_mode = copy_mode_for(vb, zero_copy);
   p.engine_x = engine ? 1 : 0;
   p.engine_kept = engine_kept ? 1 : 0;
   p.zero_copy = zero_copy ? 1 : 0;
