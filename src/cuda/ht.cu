@@ -595,7 +595,7 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
       const int vb_send =
           vector_bytes({reinterpret_cast<uint64_t>(sp.x), static_cast<uint64_t>(sp.x_stride),
                         static_cast<uint64_t>(row_bytes)});
-      sp.copy_mode = copy_mode_for(vb_send, /*zero_copy=*/false);  // (never split)
+      sp.copy_mode = copy_mode_for(vb_send, /*zero_copy=*/false);  // (split: never zero-copy)
       sp.pdl = 0;
       // The drain's parameters: the receive kernel's, without outputs.
       split_guard.p = sp;
