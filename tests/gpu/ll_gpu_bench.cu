@@ -24,8 +24,10 @@
 // EPX_LL_VARIANT values (ll_layout.cuh: kLlVariant*): every T is timed (and traced) once per
 // value in this process (set_ll_variant_override), the check runs once per value, the baselines
 // only with the first; column "var" (-1: no override, EPX_LL_VARIANT or 0).
-// Usage: epx_ll_gpu_bench [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]]
-//                         [--variant V[,V..]] [--trace] [--trace-only]
+// --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
+// receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
+// Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
+//                         [--sms C[,C..]] [--variant V[,V..]] [--trace] [--trace-only]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -60,7 +62,8 @@ namespace et = epx::testing;
 
 constexpr int64_t kHidden = 7168;
 constexpr int kTopK = 8;
-constexpr int kExperts = 256;
+// E: 256 (SPEC 6) unless --experts says otherwise (set once in main, before any rank starts).
+int g_experts = 256;
 constexpr int kGraphOps = 20;
 
 struct Options {
@@ -126,7 +129,7 @@ Allocator caching_allocator() {
 // rank's inputs from the same seed.
 int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
   const int R = g.size(), r = g.rank();
-  et::LlProblem p{R, 128, kHidden, kTopK, kExperts, true, false, false};
+  et::LlProblem p{R, 128, kHidden, kTopK, g_experts, true, false, false};
   const int L = p.num_local_experts();
   const int64_t T = 128, RT = p.rows_per_expert(), H = kHidden;
   std::mt19937_64 rng(42);
@@ -134,7 +137,7 @@ int check_once(Buffer& buf, const Group& g, cudaStream_t s) {
   for (int q = 0; q < R; ++q) {
     in[q].num_tokens = T;
     in[q].x = et::make_bf16(T, H, rng);
-    in[q].topk_idx = et::make_topk_idx(et::Routing::kUniform, T, kTopK, kExperts, R, rng);
+    in[q].topk_idx = et::make_topk_idx(et::Routing::kUniform, T, kTopK, g_experts, R, rng);
     in[q].topk_weights = et::make_topk_weights(in[q].topk_idx, rng);
   }
   std::vector<et::LlExpectedDispatch> want;
@@ -217,7 +220,7 @@ struct Workload {
   Workload(const Group& g, int64_t T, cudaStream_t s) {
     const int r = g.rank();
     std::mt19937_64 rng(1000 + 17 * r + T);
-    idx = et::make_topk_idx(et::Routing::kUniform, T, kTopK, kExperts, g.size(), rng);
+    idx = et::make_topk_idx(et::Routing::kUniform, T, kTopK, g_experts, g.size(), rng);
     const std::vector<float> wts = et::make_topk_weights(idx, rng);
     x = device_bf16({T, kHidden}, 7 + static_cast<uint32_t>(T) + r, r);
     topk = gpu_testing::to_device(idx, DType::kI64, {T, kTopK}, r);
@@ -247,7 +250,7 @@ struct Row {
 Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cudaStream_t s,
                detail::SymmetricMemory& scratch, void* nccl_send, void* nccl_recv, void* src,
                const Options& o) {
-  const int R = g.size(), r = g.rank(), L = kExperts / R;
+  const int R = g.size(), r = g.rank(), L = g_experts / R;
   Row row;
   row.tokens = T;
   Workload wl(g, T, s);
@@ -588,14 +591,14 @@ void print_row(const Row& w) {
 
 // Fills both zero-copy combine buffers of `buf` (through handles made for the purpose).
 void fill_combine_buffers(Buffer& buf, const Group& g, int64_t max_t) {
-  const int R = g.size(), r = g.rank(), L = kExperts / R;
+  const int R = g.size(), r = g.rank(), L = g_experts / R;
   for (int q = 0; q < 2; ++q) {
     LlHandle h;
     h.slot = q;
     h.buffer_id = buf.id();
     h.max_tokens = max_t;
     h.hidden = kHidden;
-    h.num_experts = kExperts;
+    h.num_experts = g_experts;
     h.src_info = default_allocator()(DType::kI32, {L, R * max_t}, Device::cuda(r));
     h.layout_range = default_allocator()(DType::kI64, {L, R}, Device::cuda(r));
     TensorView v = buf.ll_next_combine_buffer(h);
@@ -605,7 +608,7 @@ void fill_combine_buffers(Buffer& buf, const Group& g, int64_t max_t) {
 }
 
 int run_rank(const Group& g, const Options& o) {
-  const int R = g.size(), r = g.rank(), L = kExperts / R;
+  const int R = g.size(), r = g.rank(), L = g_experts / R;
   cudaStream_t s = nullptr;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   stage(g, "group ready");
@@ -631,7 +634,7 @@ int run_rank(const Group& g, const Options& o) {
     std::printf(
         "\nepx ll, cuda backend, EP%d, H=%lld K=%d E=%d, uniform routing, fp8 dispatch, "
         "bf16 combine, rank 0's view (rows as measured); CTAs cap (--sms) %d, EPX_LL_VARIANT=%s\n",
-        R, static_cast<long long>(kHidden), kTopK, kExperts, o.sms,
+        R, static_cast<long long>(kHidden), kTopK, g_experts, o.sms,
         std::getenv("EPX_LL_VARIANT") ? std::getenv("EPX_LL_VARIANT") : "0");
     print_header();
   }
@@ -641,7 +644,7 @@ int run_rank(const Group& g, const Options& o) {
     const int64_t cap = b == 0 ? 128 : max_t;
     if (b == 1 && max_t <= 128) break;
     stage(g, "creating a buffer with T_max", cap);
-    Buffer buf(g, MoeShape{kHidden, kTopK, kExperts, cap}, config);
+    Buffer buf(g, MoeShape{kHidden, kTopK, g_experts, cap}, config);
     bytes[b] = buf.bytes_allocated();
     stage(g, "buffer ready, MB", static_cast<int64_t>(bytes[b] / 1000000));
     if (b == 0) {
@@ -773,14 +776,16 @@ int main(int argc, char** argv) {
       o.variants.clear();
       for (int64_t v : parse_int_list(next())) o.variants.push_back(static_cast<int>(v));
       if (o.variants.empty()) o.variants.push_back(-1);
+    } else if (a == "--experts") {
+      g_experts = std::atoi(next().c_str());
     } else if (a == "--trace") {
       o.trace = true;
     } else if (a == "--trace-only") {
       o.trace = o.trace_only = true;
     } else {
       std::printf(
-          "usage: %s [--ranks R] [--tokens 1,32,128,256,512] [--iters N] [--sms C[,C..]] "
-          "[--variant V[,V..]] [--trace] [--trace-only]\n"
+          "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
+          "[--sms C[,C..]] [--variant V[,V..]] [--trace] [--trace-only]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON)\n",
           argv[0]);
