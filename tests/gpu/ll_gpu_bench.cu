@@ -729,7 +729,11 @@ int run_rank(const Group& g, const Options& o) {
         "push of those bytes; nccl: send/recv of the same bytes)\n");
     // Issue 5: the targets hold eager and graph-replayed, so both times must meet them; a time
     // that was not measured (<= 0) is reported as such, never as met.
-    auto verdict = [](double graph, double events, double target) {
+    // The targets are EP2 numbers of the standard workload: any other R or E (the one-GPU proxy
+    // --ranks 1 --experts 128 included) is not a target measurement and says so.
+    const bool standard = g.size() == 2 && g_experts == 256;
+    auto verdict = [standard](double graph, double events, double target) {
+      if (!standard) return "not a target run (targets: EP2, E = 256)";
       if (!(graph > 0) || !(events > 0)) return "NOT MEASURED";
       return std::max(graph, events) <= target ? "met" : "MISSED";
     };
@@ -791,6 +795,11 @@ int main(int argc, char** argv) {
           argv[0]);
       return a == "--help" ? 0 : 2;
     }
+  }
+  if (o.ranks < 1 || g_experts < o.ranks || g_experts % o.ranks != 0) {
+    std::printf("epx_ll_gpu_bench: --experts %d must be a positive multiple of --ranks %d\n",
+                g_experts, o.ranks);
+    return 2;
   }
   const int gpus = gpu_testing::visible_gpus();
   if (gpus < o.ranks) {

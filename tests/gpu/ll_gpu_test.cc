@@ -48,8 +48,9 @@ using Batch = testing::LlBatch;
 
 // The paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh): 0 the
 // default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
-// emulation. Set in the rank threads / processes (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48};
+// emulation, 64 the one-pass dispatch receive (kLlVariantRecvOnePass). Set in the rank threads /
+// processes (set_ll_variant_override).
+constexpr int kLlVariants[] = {0, 48, 64};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

@@ -289,6 +289,80 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   }
 }
 
+// Receive, one pass (kLlVariantRecvOnePass): writes the unit's share (entries i = sub, sub + S,
+// ... of the `total` entries of s_tok / s_src, at rows running + i) in ONE round of loads: the
+// rows' vectors and, for fp8 with scales, the message's scale vectors (4 f32 scales each, right
+// after the row in the message) are items of the same batched copy; the thread holding scale
+// vector j stores groups 4j..4j+3 column-major (f32) or packs them into UE8M0 word j. Item
+// indices are `I` (32-bit unless the unit's items could exceed 2^31): no 64-bit divisions.
+template <typename I>
+__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const int32_t* s_tok,
+                                      const uint8_t* s_src, int l, int64_t running, int total,
+                                      int sub, int S) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden, RT = g.rows_per_expert;
+  const int G = static_cast<int>(g.num_groups);
+  const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
+  const int q = p.slot;
+  const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
+  const int nvx = static_cast<int>(row_bytes / 16);                  // row vectors
+  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;      // scale vectors
+  const int v0 = p.recv_x ? 0 : nvx;                                 // first vector copied
+  const int nvm = nvx + nsv - v0;                                    // vectors per entry
+  if (p.src_info) {
+    for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
+      const int idx = sub + m * S;
+      p.src_info[l * RT + running + idx] = s_tok[idx];
+    }
+  }
+  if (n_mine == 0 || nvm <= 0) return;
+  const I n = static_cast<I>(n_mine) * static_cast<I>(nvm);
+  for (I i0 = threadIdx.x; i0 < n; i0 += static_cast<I>(kLlCopyBatch) * blockDim.x) {
+    uint4 val[kLlCopyBatch];
+    int idx[kLlCopyBatch], vec[kLlCopyBatch];
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u) {
+      const I i = i0 + static_cast<I>(u) * blockDim.x;
+      idx[u] = -1;
+      if (i < n) {
+        const I m = i / static_cast<I>(nvm);
+        vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
+        idx[u] = sub + static_cast<int>(m) * S;
+        val[u] = ll_ld_landed<uint4>(g.msg(p.symm.local, q, s_src[idx[u]], s_tok[idx[u]]) +
+                                     16 * static_cast<int64_t>(vec[u]));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u) {
+      if (idx[u] < 0) continue;
+      const int64_t row = running + idx[u];
+      const int v = vec[u];
+      if (v < nvx) {
+        *reinterpret_cast<uint4*>(p.recv_x + (l * RT + row) * row_bytes + 16 * int64_t{v}) = val[u];
+        continue;
+      }
+      const int j = v - nvx;  // scale vector j: groups 4j .. 4j + 3
+      const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+      if (!p.use_ue8m0) {
+        auto* out = static_cast<float*>(p.recv_scales);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int gi = 4 * j + c;
+          if (gi < G) out[(l * int64_t{G} + gi) * RT + row] = __uint_as_float(w[c]);
+        }
+      } else {
+        uint32_t word = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (4 * j + c < G)
+            word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
+        static_cast<int32_t*>(p.recv_scales)[(l * int64_t{nsv} + j) * RT + row] =
+            static_cast<int32_t>(word);
+      }
+    }
+  }
+}
+
 // Receive finish, every CTA: the last one advances the slot's epoch and tells every rank that
 // the staging of slot q may be overwritten (pairs with step 1 of the send).
 __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
@@ -302,6 +376,99 @@ __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, ui
     EPX_LL_STAMP(p, 0, kTrDLastEnd);
   }
   EPX_LL_STAMP(p, 0, kTrDExit);
+}
+
+// The receive's units, one pass over the sources (kLlVariantRecvOnePass): a unit compacts the
+// concatenated list "source 0's tokens, source 1's, ..." (= the row order), 512 entries at a
+// time, and copies each group's rows with ll_dispatch_copy_list (rows and scales in one round),
+// so R sources cost one scan and one copy round instead of R of each. layout_range comes from
+// per-source counts (shared-memory adds: counts, never order). A routing row's ids are loaded as
+// int4 vectors when K % 4 == 0 (the topk blocks are 64-byte aligned).
+__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const int32_t* s_tokens) {
+  __shared__ int32_t s_tok[kLlThreads];
+  __shared__ uint8_t s_src[kLlThreads];
+  __shared__ int32_t s_cnt[kMaxRanks];
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
+  const int me = p.rank, q = p.slot, S = p.units_per_expert;
+  const int units = L * S;
+  __shared__ int64_t first[kMaxRanks + 1];  // entries before source s in the concatenation
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (int s = 0; s < R; ++s) first[s + 1] = first[s] + s_tokens[s];
+  }
+  __syncthreads();
+  const int64_t NT = first[R];
+  const int nvm = static_cast<int>((p.use_fp8 ? g.hidden : 2 * g.hidden) / 16) +
+                  (p.use_fp8 && p.recv_scales ? static_cast<int>((g.num_groups + 3) / 4) : 0);
+  const bool small = static_cast<uint64_t>(g.rows_per_expert) * nvm < (uint64_t{1} << 31);
+  EPX_LL_TRACE_DECL(scan);
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int l = u / S, sub = u - l * S;
+    const int32_t expert = me * L + l;
+    if (threadIdx.x < R) s_cnt[threadIdx.x] = 0;
+    __syncthreads();
+    int64_t running = 0;
+    for (int64_t base = 0; base < NT; base += blockDim.x) {
+      EPX_LL_TRACE_BEGIN(scan);
+      const int64_t j = base + threadIdx.x;
+      bool sel = false;
+      int s = 0;
+      int64_t t = 0;
+      if (j < NT) {
+        while (j >= first[s + 1]) ++s;
+        t = j - first[s];
+        const int32_t* row = g.topk(symm.local, q, s) + t * K;
+        if (K % 4 == 0) {
+          for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+            int4 id4[kLlIdBatch / 4];
+#pragma unroll
+            for (int k = 0; k < kLlIdBatch / 4; ++k)
+              id4[k] = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
+#pragma unroll
+            for (int k = 0; k < kLlIdBatch / 4; ++k)
+              sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert ||
+                     id4[k].w == expert;
+          }
+        } else {
+          for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+            int32_t id[kLlIdBatch];
+#pragma unroll
+            for (int k = 0; k < kLlIdBatch; ++k)
+              id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+#pragma unroll
+            for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+          }
+        }
+      }
+      int total = 0;
+      const int pos = ll_block_scan(sel, &total);
+      if (sel) {
+        s_tok[pos] = static_cast<int32_t>(t);
+        s_src[pos] = static_cast<uint8_t>(s);
+        atomicAdd(&s_cnt[s], 1);
+      }
+      __syncthreads();
+      EPX_LL_TRACE_END(scan);
+      if (small)
+        ll_dispatch_copy_list<uint32_t>(p, s_tok, s_src, l, running, total, sub, S);
+      else
+        ll_dispatch_copy_list<int64_t>(p, s_tok, s_src, l, running, total, sub, S);
+      running += total;
+      __syncthreads();  // s_tok / s_src are rewritten by the next group
+    }
+    if (sub == 0 && threadIdx.x == 0) {
+      int64_t begin = 0;
+      for (int s = 0; s < R; ++s) {
+        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[s];
+        begin += s_cnt[s];
+      }
+      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
+      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
+    }
+  }
+  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
 // Receive half. False when a wait failed.
@@ -334,6 +501,9 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
+    if (p.variant & kLlVariantRecvOnePass) {
+      ll_dispatch_recv_units_onepass(p, s_tokens);
+    } else {
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
       const int32_t expert = me * L + l;
@@ -376,6 +546,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       }
     }
     EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+    }
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 

@@ -68,7 +68,10 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             fifth session's fix.
 //   bit 5 (32) combine rounds its output with the float32 -> bf16 emulation (f32_to_bf16)
 //             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
+//   bit 6 (64) the dispatch receive in one pass over the sources with the scales in the rows'
+//             copy round (ll_dispatch_recv_units_onepass; thirteenth session, A/B).
 inline constexpr int32_t kLlVariantCopyOne = 1;
+inline constexpr int32_t kLlVariantRecvOnePass = 64;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
