@@ -289,30 +289,46 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   }
 }
 
-// Receive, one pass (kLlVariantRecvOnePass): writes the unit's share (entries i = sub, sub + S,
-// ... of the `total` entries of s_tok / s_src, at rows running + i) in ONE round of loads: the
-// rows' vectors and, for fp8 with scales, the message's scale vectors (4 f32 scales each, right
-// after the row in the message) are items of the same batched copy; the thread holding scale
-// vector j stores groups 4j..4j+3 column-major (f32) or packs them into UE8M0 word j. Item
-// indices are `I` (32-bit unless the unit's items could exceed 2^31): no 64-bit divisions.
+// The receive's list copy (kLlVariantRecvOnePass, kLlVariantRecvBalanced): entries i = sub,
+// sub + S, ... < total of the shared list RecvList, entry i = token tok[i] of source src[i] into
+// row row[i] of local expert l[i], in ONE round of loads: the rows' vectors and, for fp8 with
+// scales, the message's scale vectors (4 f32 scales each, right after the row in the message)
+// are items of the same batched copy; the thread holding scale vector j stores groups 4j..4j+3
+// column-major (f32) or packs them into UE8M0 word j. Item indices are `I` (32-bit unless a
+// list's items could exceed 2^31): no 64-bit divisions.
+struct LlRecvList {
+  int32_t tok[kLlThreads];
+  int32_t row[kLlThreads];
+  int16_t l[kLlThreads];
+  uint8_t src[kLlThreads];
+};
+
+// Vectors per entry of ll_dispatch_copy_list (row vectors unless recv_x is null, then the scale
+// vectors of fp8 with scales).
+__device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
+  const LlLayout& g = p.symm.layout;
+  const int nvx = static_cast<int>((p.use_fp8 ? g.hidden : 2 * g.hidden) / 16);
+  const int nsv = p.use_fp8 && p.recv_scales ? static_cast<int>((g.num_groups + 3) / 4) : 0;
+  return (p.recv_x ? nvx : 0) + nsv;
+}
+
 template <typename I>
-__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const int32_t* s_tok,
-                                      const uint8_t* s_src, int l, int64_t running, int total,
-                                      int sub, int S) {
+__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvList& list,
+                                      int total, int sub, int S) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   const int G = static_cast<int>(g.num_groups);
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
   const int q = p.slot;
   const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
-  const int nvx = static_cast<int>(row_bytes / 16);                  // row vectors
-  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;      // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                                 // first vector copied
-  const int nvm = nvx + nsv - v0;                                    // vectors per entry
+  const int nvx = static_cast<int>(row_bytes / 16);                // row vectors
+  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;    // scale vectors
+  const int v0 = p.recv_x ? 0 : nvx;                               // first vector copied
+  const int nvm = nvx + nsv - v0;                                  // vectors per entry
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
-      p.src_info[l * RT + running + idx] = s_tok[idx];
+      p.src_info[list.l[idx] * RT + list.row[idx]] = list.tok[idx];
     }
   }
   if (n_mine == 0 || nvm <= 0) return;
@@ -328,14 +344,14 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const int32_t* 
         const I m = i / static_cast<I>(nvm);
         vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
         idx[u] = sub + static_cast<int>(m) * S;
-        val[u] = ll_ld_landed<uint4>(g.msg(p.symm.local, q, s_src[idx[u]], s_tok[idx[u]]) +
+        val[u] = ll_ld_landed<uint4>(g.msg(p.symm.local, q, list.src[idx[u]], list.tok[idx[u]]) +
                                      16 * static_cast<int64_t>(vec[u]));
       }
     }
 #pragma unroll
     for (int u = 0; u < kLlCopyBatch; ++u) {
       if (idx[u] < 0) continue;
-      const int64_t row = running + idx[u];
+      const int64_t l = list.l[idx[u]], row = list.row[idx[u]];
       const int v = vec[u];
       if (v < nvx) {
         *reinterpret_cast<uint4*>(p.recv_x + (l * RT + row) * row_bytes + 16 * int64_t{v}) = val[u];
@@ -348,7 +364,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const int32_t* 
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int gi = 4 * j + c;
-          if (gi < G) out[(l * int64_t{G} + gi) * RT + row] = __uint_as_float(w[c]);
+          if (gi < G) out[(l * G + gi) * RT + row] = __uint_as_float(w[c]);
         }
       } else {
         uint32_t word = 0;
@@ -356,11 +372,280 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const int32_t* 
         for (int c = 0; c < 4; ++c)
           if (4 * j + c < G)
             word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
-        static_cast<int32_t*>(p.recv_scales)[(l * int64_t{nsv} + j) * RT + row] =
+        static_cast<int32_t*>(p.recv_scales)[(l * nsv + j) * RT + row] =
             static_cast<int32_t>(word);
       }
     }
   }
+}
+
+// ll_dispatch_copy_list with the index type its size needs.
+__device__ __forceinline__ void ll_dispatch_copy_entries(const LlDispatchParams& p,
+                                                         const LlRecvList& list, int total,
+                                                         int sub, int S) {
+  const bool small = static_cast<uint64_t>(kLlThreads) * ll_recv_vectors(p) < (uint64_t{1} << 31);
+  if (small)
+    ll_dispatch_copy_list<uint32_t>(p, list, total, sub, S);
+  else
+    ll_dispatch_copy_list<int64_t>(p, list, total, sub, S);
+}
+
+// The receive's view of the concatenated token list "source 0's tokens, source 1's, ..." (= the
+// row order within every expert): entry j is token j - first[s] of source s.
+struct LlRecvSources {
+  int64_t first[kMaxRanks + 1];  // entries before source s
+};
+
+// Whether entry j (< first[R]) selects local expert `expert` (once, however often its row lists
+// it); *s / *t its source and token. A routing row's ids are loaded as int4 vectors when K % 4
+// == 0 (the topk blocks are 64-byte aligned), else kLlIdBatch at a time.
+__device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
+                                                const LlRecvSources& srcs, int64_t j,
+                                                int32_t expert, int* s, int64_t* t) {
+  const LlLayout& g = p.symm.layout;
+  const int K = g.top_k;
+  int src = 0;
+  while (j >= srcs.first[src + 1]) ++src;
+  *s = src;
+  *t = j - srcs.first[src];
+  const int32_t* row = g.topk(p.symm.local, p.slot, src) + *t * K;
+  bool sel = false;
+  if (K % 4 == 0) {
+    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+      int4 id4[kLlIdBatch / 4];
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch / 4; ++k)
+        id4[k] = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch / 4; ++k)
+        sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert ||
+               id4[k].w == expert;
+    }
+  } else {
+    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+      int32_t id[kLlIdBatch];
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch; ++k)
+        id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+    }
+  }
+  return sel;
+}
+
+// The receive's units, one pass over the sources (kLlVariantRecvOnePass): a unit compacts the
+// concatenated list, 512 entries at a time, and copies each group's rows with
+// ll_dispatch_copy_list (rows and scales in one round), so R sources cost one scan and one copy
+// round instead of R of each. layout_range comes from per-source counts (shared-memory adds:
+// counts, never order).
+__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
+                                               const LlRecvSources& srcs) {
+  __shared__ LlRecvList list;
+  __shared__ int32_t s_cnt[kMaxRanks];
+  const LlLayout& g = p.symm.layout;
+  const int R = g.num_ranks, L = g.num_local_experts;
+  const int me = p.rank, S = p.units_per_expert;
+  const int units = L * S;
+  const int64_t NT = srcs.first[R];
+  EPX_LL_TRACE_DECL(scan);
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int l = u / S, sub = u - l * S;
+    const int32_t expert = me * L + l;
+    if (threadIdx.x < R) s_cnt[threadIdx.x] = 0;
+    __syncthreads();
+    int64_t running = 0;
+    for (int64_t base = 0; base < NT; base += blockDim.x) {
+      EPX_LL_TRACE_BEGIN(scan);
+      const int64_t j = base + threadIdx.x;
+      int s = 0;
+      int64_t t = 0;
+      const bool sel = j < NT && ll_recv_selects(p, srcs, j, expert, &s, &t);
+      int total = 0;
+      const int pos = ll_block_scan(sel, &total);
+      if (sel) {
+        list.tok[pos] = static_cast<int32_t>(t);
+        list.row[pos] = static_cast<int32_t>(running + pos);
+        list.l[pos] = static_cast<int16_t>(l);
+        list.src[pos] = static_cast<uint8_t>(s);
+        atomicAdd(&s_cnt[s], 1);
+      }
+      __syncthreads();
+      EPX_LL_TRACE_END(scan);
+      ll_dispatch_copy_entries(p, list, total, sub, S);
+      running += total;
+      __syncthreads();  // the list is rewritten by the next group
+    }
+    if (sub == 0 && threadIdx.x == 0) {
+      int64_t begin = 0;
+      for (int s = 0; s < R; ++s) {
+        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[s];
+        begin += s_cnt[s];
+      }
+      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
+      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
+    }
+  }
+  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+}
+
+// Exclusive prefix of v over the CTA in thread order; *total = the sum over the CTA.
+__device__ __forceinline__ int ll_block_scan_int(int v, int* total) {
+  __shared__ int s_warp[kLlWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kLlWarps; ++w) {
+    const int c = s_warp[w];
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  __syncthreads();
+  *total = all;
+  return before + x - v;
+}
+
+// The receive balanced over the CTAs (kLlVariantRecvBalanced): every CTA counts the rows of
+// every (local expert, source) pair from the routing rows (shared-memory adds: counts, never
+// order), so without any grid-wide step every CTA knows every expert's first row in the
+// concatenation of the experts' blocks (N rows in all). CTA b copies rows [b N / C, (b + 1) N / C)
+// of that concatenation: for each expert its range touches, the ordered compaction of the
+// concatenated token list finds the tokens of the range's rows, collected in one list (flushed
+// when full) and copied in one round. Each CTA copies N / C rows (+-1) however the tokens fall
+// on the experts: the slowest CTA no longer holds the busiest expert. CTA l % C writes expert l's
+// layout_range, recv_count and stats from the counts.
+__device__ void ll_dispatch_recv_balanced(const LlDispatchParams& p, const LlRecvSources& srcs) {
+  __shared__ LlRecvList list;
+  __shared__ int32_t s_cnt[kLlMaxExperts];      // [l][s]: rows of local expert l from source s
+  __shared__ int32_t s_pre[kLlMaxExperts + 1];  // first row of expert l in the concatenation
+  const LlLayout& g = p.symm.layout;
+  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
+  const int me = p.rank;
+  const int64_t NT = srcs.first[R];
+  const int C = gridDim.x, b = blockIdx.x;
+  EPX_LL_TRACE_DECL(scan);
+  EPX_LL_TRACE_BEGIN(scan);
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x) s_cnt[i] = 0;
+  __syncthreads();
+  // Counts: each token's distinct local experts (a duplicate of an earlier k counts once).
+  for (int64_t j = threadIdx.x; j < NT; j += blockDim.x) {
+    int s = 0;
+    while (j >= srcs.first[s + 1]) ++s;
+    const int32_t* row = g.topk(p.symm.local, p.slot, s) + (j - srcs.first[s]) * K;
+    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+      int32_t id[kLlIdBatch];
+      if (K % 4 == 0) {
+#pragma unroll
+        for (int k = 0; k < kLlIdBatch / 4; ++k) {
+          const int4 v = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k)
+                                        : int4{-1, -1, -1, -1};
+          id[4 * k] = v.x, id[4 * k + 1] = v.y, id[4 * k + 2] = v.z, id[4 * k + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kLlIdBatch; ++k)
+          id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+      }
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch; ++k) {
+        const int32_t l = id[k] - me * L;
+        if (id[k] < 0 || l < 0 || l >= L) continue;
+        bool dup = false;
+#pragma unroll
+        for (int k2 = 0; k2 < k; ++k2) dup |= id[k2] == id[k];
+        for (int k2 = 0; k2 < k0 && !dup; ++k2) dup = ll_ld_landed<int32_t>(row + k2) == id[k];
+        if (!dup) atomicAdd(&s_cnt[l * R + s], 1);
+      }
+    }
+  }
+  __syncthreads();
+  // s_pre: exclusive prefix over the experts of their row counts (each thread a run of experts).
+  {
+    const int per = (L + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+    const int l0 = static_cast<int>(threadIdx.x) * per;
+    int mine = 0;
+    for (int l = l0; l < l0 + per && l < L; ++l)
+      for (int s = 0; s < R; ++s) mine += s_cnt[l * R + s];
+    int all = 0;
+    int run = ll_block_scan_int(mine, &all);
+    for (int l = l0; l < l0 + per && l < L; ++l) {
+      s_pre[l] = run;
+      for (int s = 0; s < R; ++s) run += s_cnt[l * R + s];
+    }
+    if (threadIdx.x == 0) s_pre[L] = all;
+  }
+  __syncthreads();
+  EPX_LL_TRACE_END(scan);
+  // Per-expert outputs from the counts.
+  if (threadIdx.x == 0) {
+    for (int l = b; l < L; l += C) {
+      int64_t begin = 0;
+      for (int s = 0; s < R; ++s) {
+        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[l * R + s];
+        begin += s_cnt[l * R + s];
+      }
+      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(begin);
+      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(begin);
+    }
+  }
+  const int64_t N = s_pre[L];
+  const int64_t lo = N * b / C, hi = N * (b + 1) / C;
+  if (lo < hi) {
+    // The expert holding row lo: the last l with s_pre[l] <= lo (experts may be empty).
+    int a = 0, z = L;  // s_pre[a] <= lo < s_pre[z]
+    while (z - a > 1) {
+      const int m = (a + z) / 2;
+      if (s_pre[m] <= lo) a = m; else z = m;
+    }
+    int n_list = 0;  // entries in the list (uniform over the CTA)
+    for (int l = a; l < L && s_pre[l] < hi; ++l) {
+      const int64_t j0 = (lo > s_pre[l] ? lo : s_pre[l]) - s_pre[l];       // first row wanted
+      const int64_t j1 = (hi < s_pre[l + 1] ? hi : s_pre[l + 1]) - s_pre[l];  // past the last
+      if (j0 >= j1) continue;
+      const int32_t expert = me * L + l;
+      int64_t running = 0;  // rows of expert l before this group
+      for (int64_t base = 0; base < NT && running < j1; base += blockDim.x) {
+        EPX_LL_TRACE_BEGIN(scan);
+        const int64_t j = base + threadIdx.x;
+        int s = 0;
+        int64_t t = 0;
+        const bool sel = j < NT && ll_recv_selects(p, srcs, j, expert, &s, &t);
+        int total = 0;
+        const int pos = ll_block_scan(sel, &total);
+        // This group's rows running + [ga, gz) are wanted.
+        const int ga = static_cast<int>(j0 - running < 0 ? 0 : (j0 - running < total ? j0 - running : total));
+        const int gz = static_cast<int>(j1 - running < 0 ? 0 : (j1 - running < total ? j1 - running : total));
+        if (n_list + (gz - ga) > kLlThreads) {  // flush first (uniform)
+          EPX_LL_TRACE_END(scan);
+          ll_dispatch_copy_entries(p, list, n_list, 0, 1);
+          __syncthreads();
+          EPX_LL_TRACE_BEGIN(scan);
+          n_list = 0;
+        }
+        if (sel && pos >= ga && pos < gz) {
+          const int e = n_list + pos - ga;
+          list.tok[e] = static_cast<int32_t>(t);
+          list.row[e] = static_cast<int32_t>(running + pos);
+          list.l[e] = static_cast<int16_t>(l);
+          list.src[e] = static_cast<uint8_t>(s);
+        }
+        n_list += gz - ga;
+        running += total;
+        __syncthreads();
+        EPX_LL_TRACE_END(scan);
+      }
+    }
+    if (n_list > 0) ll_dispatch_copy_entries(p, list, n_list, 0, 1);
+  }
+  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
 // Receive finish, every CTA: the last one advances the slot's epoch and tells every rank that
@@ -378,99 +663,6 @@ __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, ui
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
-// The receive's units, one pass over the sources (kLlVariantRecvOnePass): a unit compacts the
-// concatenated list "source 0's tokens, source 1's, ..." (= the row order), 512 entries at a
-// time, and copies each group's rows with ll_dispatch_copy_list (rows and scales in one round),
-// so R sources cost one scan and one copy round instead of R of each. layout_range comes from
-// per-source counts (shared-memory adds: counts, never order). A routing row's ids are loaded as
-// int4 vectors when K % 4 == 0 (the topk blocks are 64-byte aligned).
-__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const int32_t* s_tokens) {
-  __shared__ int32_t s_tok[kLlThreads];
-  __shared__ uint8_t s_src[kLlThreads];
-  __shared__ int32_t s_cnt[kMaxRanks];
-  const LlSymm& symm = p.symm;
-  const LlLayout& g = symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
-  const int me = p.rank, q = p.slot, S = p.units_per_expert;
-  const int units = L * S;
-  __shared__ int64_t first[kMaxRanks + 1];  // entries before source s in the concatenation
-  if (threadIdx.x == 0) {
-    first[0] = 0;
-    for (int s = 0; s < R; ++s) first[s + 1] = first[s] + s_tokens[s];
-  }
-  __syncthreads();
-  const int64_t NT = first[R];
-  const int nvm = static_cast<int>((p.use_fp8 ? g.hidden : 2 * g.hidden) / 16) +
-                  (p.use_fp8 && p.recv_scales ? static_cast<int>((g.num_groups + 3) / 4) : 0);
-  const bool small = static_cast<uint64_t>(g.rows_per_expert) * nvm < (uint64_t{1} << 31);
-  EPX_LL_TRACE_DECL(scan);
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int l = u / S, sub = u - l * S;
-    const int32_t expert = me * L + l;
-    if (threadIdx.x < R) s_cnt[threadIdx.x] = 0;
-    __syncthreads();
-    int64_t running = 0;
-    for (int64_t base = 0; base < NT; base += blockDim.x) {
-      EPX_LL_TRACE_BEGIN(scan);
-      const int64_t j = base + threadIdx.x;
-      bool sel = false;
-      int s = 0;
-      int64_t t = 0;
-      if (j < NT) {
-        while (j >= first[s + 1]) ++s;
-        t = j - first[s];
-        const int32_t* row = g.topk(symm.local, q, s) + t * K;
-        if (K % 4 == 0) {
-          for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-            int4 id4[kLlIdBatch / 4];
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch / 4; ++k)
-              id4[k] = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch / 4; ++k)
-              sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert ||
-                     id4[k].w == expert;
-          }
-        } else {
-          for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-            int32_t id[kLlIdBatch];
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch; ++k)
-              id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-#pragma unroll
-            for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
-          }
-        }
-      }
-      int total = 0;
-      const int pos = ll_block_scan(sel, &total);
-      if (sel) {
-        s_tok[pos] = static_cast<int32_t>(t);
-        s_src[pos] = static_cast<uint8_t>(s);
-        atomicAdd(&s_cnt[s], 1);
-      }
-      __syncthreads();
-      EPX_LL_TRACE_END(scan);
-      if (small)
-        ll_dispatch_copy_list<uint32_t>(p, s_tok, s_src, l, running, total, sub, S);
-      else
-        ll_dispatch_copy_list<int64_t>(p, s_tok, s_src, l, running, total, sub, S);
-      running += total;
-      __syncthreads();  // s_tok / s_src are rewritten by the next group
-    }
-    if (sub == 0 && threadIdx.x == 0) {
-      int64_t begin = 0;
-      for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[s];
-        begin += s_cnt[s];
-      }
-      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
-      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
-    }
-  }
-  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
-}
-
 // Receive half. False when a wait failed.
 __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   __shared__ int32_t s_list[kLlThreads];
@@ -482,7 +674,8 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
   EPX_LL_TRACE_DECL(scan);
 
-  if (static_cast<int>(blockIdx.x) < units) {
+  // The balanced receive spreads the rows over every CTA (units may be fewer than C).
+  if (static_cast<int>(blockIdx.x) < units || (p.variant & kLlVariantRecvBalanced)) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
     if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
       return false;
@@ -501,8 +694,17 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
-    if (p.variant & kLlVariantRecvOnePass) {
-      ll_dispatch_recv_units_onepass(p, s_tokens);
+    if (p.variant & (kLlVariantRecvOnePass | kLlVariantRecvBalanced)) {
+      __shared__ LlRecvSources srcs;
+      if (threadIdx.x == 0) {
+        srcs.first[0] = 0;
+        for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
+      }
+      __syncthreads();
+      if (p.variant & kLlVariantRecvBalanced)
+        ll_dispatch_recv_balanced(p, srcs);
+      else
+        ll_dispatch_recv_units_onepass(p, srcs);
     } else {
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;

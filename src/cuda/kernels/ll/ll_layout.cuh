@@ -70,8 +70,11 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
 //   bit 6 (64) the dispatch receive in one pass over the sources with the scales in the rows'
 //             copy round (ll_dispatch_recv_units_onepass; thirteenth session, A/B).
+//   bit 7 (128) the dispatch receive balanced over the CTAs by rows, not experts
+//             (ll_dispatch_recv_balanced; thirteenth session, A/B; takes precedence over bit 6).
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvOnePass = 64;
+inline constexpr int32_t kLlVariantRecvBalanced = 128;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
