@@ -2,7 +2,7 @@
 // tokens, the expert rows of its selections from the experts' ranks and reduces them in k order.
 //
 // Rank r, T tokens (the dispatch's), C CTAs, slot q = handle.slot, epoch
-// e = state.combine_epoch[q] + 1 (advanced by the last CTA of the receive half).
+// e = state.combine_epoch[q][b] + 1 (CTA b's word, advanced by CTA b at the end of the receive).
 //
 // send half (ll_combine_send_kernel, or the first half of ll_combine_kernel), the expert side:
 //   1. Copy mode (not zero_copy): rows y[l][begin_s .. begin_s + count_s) of every source s != r
@@ -24,9 +24,10 @@
 //        acc); out[t][c] = f32_to_bf16(acc)   (core/numeric.h, one rounding; the device uses the
 //        hardware conversion f32x2_to_bf16x2, the same bits)
 //      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
-//   Finish: the last CTA releases combine_pulled[q][r] = e on every peer (this rank's pulls are
-//   done), then waits combine_pulled[q][d] >= e for every peer d (nobody reads this rank's
-//   comb_y(r, q) any more) and sets state.combine_epoch[q] = e. So when a combine completes on a
+//   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done),
+//   then waits combine_pulled[q][d] >= e * C for every peer d (nobody reads this rank's
+//   comb_y(r, q) any more) and sets its epoch word to e (kLlVariantLastCtaFinish: the last CTA
+//   adds C and waits, for all of them). So when a combine completes on a
 //   rank (stream order), its slot-q buffer is free to be rewritten: by the caller through
 //   ll_next_combine_buffer, or by the next copy.
 // Ids outside [-1, E) are reported (InvalidArgument) and skipped; a selection whose row lies past
@@ -300,22 +301,31 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   }
 
   // Finish (see the file comment): pairs with the same code on every peer.
-  if (ll_last_cta(&g.state(symm.local)->combine_finished[q])) {
-    EPX_LL_STAMP(p, 1, kTrCLastStart);
-    if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me)
-      st_release_sys(&g.sync(symm.peers[threadIdx.x])->combine_pulled[q][me], e);
-    if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e, p.wait, kWaitBarrier))
+  auto pulled = [&](int d) { return &g.sync(symm.peers[d])->combine_pulled[q][me]; };
+  if (p.variant & kLlVariantLastCtaFinish) {
+    if (ll_last_cta(&g.state(symm.local)->combine_finished[q])) {
+      EPX_LL_STAMP(p, 1, kTrCLastStart);
+      ll_signal(R, me, pulled, gridDim.x);
+      if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x, p.wait,
+                       kWaitBarrier))
+        return false;
+      EPX_LL_STAMP(p, 1, kTrCLastEnd);
+    }
+  } else {
+    __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
+    ll_signal(R, me, pulled);
+    if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x, p.wait,
+                     kWaitBarrier))
       return false;
-    if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q] = e;
-    EPX_LL_STAMP(p, 1, kTrCLastEnd);
   }
+  if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 1, kTrCExit);
   return true;
 }
 
 __device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
   const LlState* st = p.symm.layout.state(p.symm.local);
-  return *reinterpret_cast<const volatile uint32_t*>(&st->combine_epoch[p.slot]) + 1;
+  return *reinterpret_cast<const volatile uint32_t*>(&st->combine_epoch[p.slot][blockIdx.x]) + 1;
 }
 
 // Without a hook: publish, then pull and reduce, in one launch.

@@ -115,14 +115,16 @@ __device__ __forceinline__ int ll_block_scan(bool flag, int* total) {
   return before + __popc(b & ((1u << lane) - 1u));
 }
 
-// Thread p < R (p != skip) releases this CTA's earlier stores to rank p: *counter_of(p) += 1.
-// Call after __syncthreads() so the fence covers every thread's stores (cumulativity).
+// Thread p < R (p != skip) releases this CTA's earlier memory operations to rank p:
+// *counter_of(p) += add. Call after __syncthreads() so the fence covers every thread's
+// (cumulativity).
 template <typename CounterOf>
-__device__ __forceinline__ void ll_signal(int num_ranks, int skip, CounterOf counter_of) {
+__device__ __forceinline__ void ll_signal(int num_ranks, int skip, CounterOf counter_of,
+                                          uint32_t add = 1) {
   const int p = threadIdx.x;
   if (p < num_ranks && p != skip) {
     fence_acq_rel_sys();
-    red_add_relaxed_sys(counter_of(p), 1u);
+    red_add_relaxed_sys(counter_of(p), add);
   }
 }
 

@@ -3,12 +3,12 @@
 // expands what it received into the expert-major outputs.
 //
 // Rank r, T tokens, C CTAs of kLlThreads, slot q (the host's call parity), epoch
-// e = state.dispatch_epoch[q] + 1 (read by every CTA at its start; advanced by the last CTA of
-// the receive half, so send and receive kernels of one dispatch agree on it).
+// e = state.dispatch_epoch[q][b] + 1 (CTA b's word, read at its start; advanced by CTA b at the
+// end of the receive half, so send and receive kernels of one dispatch agree on it).
 //
 // send half (ll_dispatch_send_kernel, or the first half of ll_dispatch_kernel):
-//   1. Threads d < R wait dispatch_freed[q][d] >= e - 1: rank d finished reading its slot-q
-//      staging of the previous dispatch through q (normally long ago: a local flag read).
+//   1. Threads d < R wait dispatch_freed[q][d] >= (e - 1) * C: rank d finished reading its
+//      slot-q staging of the previous dispatch through q (normally long ago: a local flag read).
 //   2. CTA 0: header {T, format} into staging(d, q, src = r) on every rank d.
 //   3. CTA b, tokens t = b, b + C, ...: the routing row (ids outside [-1, E) are reported as
 //      InvalidArgument and become -1) into topk(d, q, r)[t] on EVERY rank d, and the message into
@@ -27,8 +27,8 @@
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t;
 //   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
-//   The last CTA to finish sets state.dispatch_epoch[q] = e and releases dispatch_freed[q][r] = e
-//   on every rank (the senders may overwrite the staging).
+//   Every CTA then releases +1 into dispatch_freed[q][r] on every rank (its reads of the staging
+//   are done: the senders may overwrite it once all C did) and sets its epoch word to e.
 // Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
 // host passes null when the allocator failed, so the collective still completes).
 #pragma once
@@ -162,7 +162,8 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
-  if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, e - 1, p.wait, kWaitReady))
+  if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, (e - 1) * gridDim.x, p.wait,
+                   kWaitReady))
     return false;
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
@@ -289,7 +290,7 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   }
 }
 
-// The receive's list copy (kLlVariantRecvOnePass, kLlVariantRecvBalanced): entries i = sub,
+// The receive's list copy (kLlVariantRecvOnePass): entries i = sub,
 // sub + S, ... < total of the shared list RecvList, entry i = token tok[i] of source src[i] into
 // row row[i] of local expert l[i], in ONE round of loads: the rows' vectors and, for fp8 with
 // scales, the message's scale vectors (4 f32 scales each, right after the row in the message)
@@ -489,177 +490,25 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
-// Exclusive prefix of v over the CTA in thread order; *total = the sum over the CTA.
-__device__ __forceinline__ int ll_block_scan_int(int v, int* total) {
-  __shared__ int s_warp[kLlWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, off);
-    if (lane >= off) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  int before = 0, all = 0;
-#pragma unroll
-  for (int w = 0; w < kLlWarps; ++w) {
-    const int c = s_warp[w];
-    before += w < warp ? c : 0;
-    all += c;
-  }
-  __syncthreads();
-  *total = all;
-  return before + x - v;
-}
-
-// The receive balanced over the CTAs (kLlVariantRecvBalanced): every CTA counts the rows of
-// every (local expert, source) pair from the routing rows (shared-memory adds: counts, never
-// order), so without any grid-wide step every CTA knows every expert's first row in the
-// concatenation of the experts' blocks (N rows in all). CTA b copies rows [b N / C, (b + 1) N / C)
-// of that concatenation: for each expert its range touches, the ordered compaction of the
-// concatenated token list finds the tokens of the range's rows, collected in one list (flushed
-// when full) and copied in one round. Each CTA copies N / C rows (+-1) however the tokens fall
-// on the experts: the slowest CTA no longer holds the busiest expert. CTA l % C writes expert l's
-// layout_range, recv_count and stats from the counts.
-__device__ void ll_dispatch_recv_balanced(const LlDispatchParams& p, const LlRecvSources& srcs) {
-  __shared__ LlRecvList list;
-  __shared__ int32_t s_cnt[kLlMaxExperts];      // [l][s]: rows of local expert l from source s
-  __shared__ int32_t s_pre[kLlMaxExperts + 1];  // first row of expert l in the concatenation
-  const LlLayout& g = p.symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
-  const int me = p.rank;
-  const int64_t NT = srcs.first[R];
-  const int C = gridDim.x, b = blockIdx.x;
-  EPX_LL_TRACE_DECL(scan);
-  EPX_LL_TRACE_BEGIN(scan);
-  for (int i = threadIdx.x; i < L * R; i += blockDim.x) s_cnt[i] = 0;
-  __syncthreads();
-  // Counts: each token's distinct local experts (a duplicate of an earlier k counts once).
-  for (int64_t j = threadIdx.x; j < NT; j += blockDim.x) {
-    int s = 0;
-    while (j >= srcs.first[s + 1]) ++s;
-    const int32_t* row = g.topk(p.symm.local, p.slot, s) + (j - srcs.first[s]) * K;
-    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-      int32_t id[kLlIdBatch];
-      if (K % 4 == 0) {
-#pragma unroll
-        for (int k = 0; k < kLlIdBatch / 4; ++k) {
-          const int4 v = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k)
-                                        : int4{-1, -1, -1, -1};
-          id[4 * k] = v.x, id[4 * k + 1] = v.y, id[4 * k + 2] = v.z, id[4 * k + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kLlIdBatch; ++k)
-          id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-      }
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k) {
-        const int32_t l = id[k] - me * L;
-        if (id[k] < 0 || l < 0 || l >= L) continue;
-        bool dup = false;
-#pragma unroll
-        for (int k2 = 0; k2 < k; ++k2) dup |= id[k2] == id[k];
-        for (int k2 = 0; k2 < k0 && !dup; ++k2) dup = ll_ld_landed<int32_t>(row + k2) == id[k];
-        if (!dup) atomicAdd(&s_cnt[l * R + s], 1);
-      }
-    }
-  }
-  __syncthreads();
-  // s_pre: exclusive prefix over the experts of their row counts (each thread a run of experts).
-  {
-    const int per = (L + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
-    const int l0 = static_cast<int>(threadIdx.x) * per;
-    int mine = 0;
-    for (int l = l0; l < l0 + per && l < L; ++l)
-      for (int s = 0; s < R; ++s) mine += s_cnt[l * R + s];
-    int all = 0;
-    int run = ll_block_scan_int(mine, &all);
-    for (int l = l0; l < l0 + per && l < L; ++l) {
-      s_pre[l] = run;
-      for (int s = 0; s < R; ++s) run += s_cnt[l * R + s];
-    }
-    if (threadIdx.x == 0) s_pre[L] = all;
-  }
-  __syncthreads();
-  EPX_LL_TRACE_END(scan);
-  // Per-expert outputs from the counts.
-  if (threadIdx.x == 0) {
-    for (int l = b; l < L; l += C) {
-      int64_t begin = 0;
-      for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[l * R + s];
-        begin += s_cnt[l * R + s];
-      }
-      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(begin);
-      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(begin);
-    }
-  }
-  const int64_t N = s_pre[L];
-  const int64_t lo = N * b / C, hi = N * (b + 1) / C;
-  if (lo < hi) {
-    // The expert holding row lo: the last l with s_pre[l] <= lo (experts may be empty).
-    int a = 0, z = L;  // s_pre[a] <= lo < s_pre[z]
-    while (z - a > 1) {
-      const int m = (a + z) / 2;
-      if (s_pre[m] <= lo) a = m; else z = m;
-    }
-    int n_list = 0;  // entries in the list (uniform over the CTA)
-    for (int l = a; l < L && s_pre[l] < hi; ++l) {
-      const int64_t j0 = (lo > s_pre[l] ? lo : s_pre[l]) - s_pre[l];       // first row wanted
-      const int64_t j1 = (hi < s_pre[l + 1] ? hi : s_pre[l + 1]) - s_pre[l];  // past the last
-      if (j0 >= j1) continue;
-      const int32_t expert = me * L + l;
-      int64_t running = 0;  // rows of expert l before this group
-      for (int64_t base = 0; base < NT && running < j1; base += blockDim.x) {
-        EPX_LL_TRACE_BEGIN(scan);
-        const int64_t j = base + threadIdx.x;
-        int s = 0;
-        int64_t t = 0;
-        const bool sel = j < NT && ll_recv_selects(p, srcs, j, expert, &s, &t);
-        int total = 0;
-        const int pos = ll_block_scan(sel, &total);
-        // This group's rows running + [ga, gz) are wanted.
-        const int ga = static_cast<int>(j0 - running < 0 ? 0 : (j0 - running < total ? j0 - running : total));
-        const int gz = static_cast<int>(j1 - running < 0 ? 0 : (j1 - running < total ? j1 - running : total));
-        if (n_list + (gz - ga) > kLlThreads) {  // flush first (uniform)
-          EPX_LL_TRACE_END(scan);
-          ll_dispatch_copy_entries(p, list, n_list, 0, 1);
-          __syncthreads();
-          EPX_LL_TRACE_BEGIN(scan);
-          n_list = 0;
-        }
-        if (sel && pos >= ga && pos < gz) {
-          const int e = n_list + pos - ga;
-          list.tok[e] = static_cast<int32_t>(t);
-          list.row[e] = static_cast<int32_t>(running + pos);
-          list.l[e] = static_cast<int16_t>(l);
-          list.src[e] = static_cast<uint8_t>(s);
-        }
-        n_list += gz - ga;
-        running += total;
-        __syncthreads();
-        EPX_LL_TRACE_END(scan);
-      }
-    }
-    if (n_list > 0) ll_dispatch_copy_entries(p, list, n_list, 0, 1);
-  }
-  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
-}
-
-// Receive finish, every CTA: the last one advances the slot's epoch and tells every rank that
-// the staging of slot q may be overwritten (pairs with step 1 of the send).
+// Receive finish, every CTA: tells every rank that this CTA's reads of the staging of slot q are
+// done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send), and advances its
+// epoch word. kLlVariantLastCtaFinish: the last CTA adds C for all of them instead.
 __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, me = p.rank, q = p.slot;
-  if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
-    EPX_LL_STAMP(p, 0, kTrDLastStart);
-    if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q] = e;
-    if (threadIdx.x < R) st_release_sys(&g.sync(symm.peers[threadIdx.x])->dispatch_freed[q][me], e);
-    EPX_LL_STAMP(p, 0, kTrDLastEnd);
+  auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
+  if (p.variant & kLlVariantLastCtaFinish) {
+    if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
+      EPX_LL_STAMP(p, 0, kTrDLastStart);
+      ll_signal(R, -1, freed, gridDim.x);
+      EPX_LL_STAMP(p, 0, kTrDLastEnd);
+    }
+  } else {
+    __syncthreads();  // the CTA's reads are done: the fence below covers them (cumulativity)
+    ll_signal(R, -1, freed);
   }
+  if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
@@ -674,8 +523,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
   EPX_LL_TRACE_DECL(scan);
 
-  // The balanced receive spreads the rows over every CTA (units may be fewer than C).
-  if (static_cast<int>(blockIdx.x) < units || (p.variant & kLlVariantRecvBalanced)) {
+  if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
     if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
       return false;
@@ -694,17 +542,14 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
-    if (p.variant & (kLlVariantRecvOnePass | kLlVariantRecvBalanced)) {
+    if (p.variant & kLlVariantRecvOnePass) {
       __shared__ LlRecvSources srcs;
       if (threadIdx.x == 0) {
         srcs.first[0] = 0;
         for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
       }
       __syncthreads();
-      if (p.variant & kLlVariantRecvBalanced)
-        ll_dispatch_recv_balanced(p, srcs);
-      else
-        ll_dispatch_recv_units_onepass(p, srcs);
+      ll_dispatch_recv_units_onepass(p, srcs);
     } else {
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
@@ -759,7 +604,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
 // The epoch of the running dispatch of slot q (see the file comment).
 __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p) {
   const LlState* st = p.symm.layout.state(p.symm.local);
-  return *reinterpret_cast<const volatile uint32_t*>(&st->dispatch_epoch[p.slot]) + 1;
+  return *reinterpret_cast<const volatile uint32_t*>(&st->dispatch_epoch[p.slot][blockIdx.x]) + 1;
 }
 
 // Without a hook: send, then receive, in one launch.

@@ -25,11 +25,14 @@
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
 //                          slot q landed: e * C when the e-th dispatch of slot q is complete
-//   dispatch_freed[q][d]   = e once rank d finished reading its slot-q staging for epoch e (a
-//                          sender waits for e - 1 on every d before writing slot q again)
+//   dispatch_freed[q][d]   += 1 by each of d's C receive CTAs once it finished reading d's slot-q
+//                          staging: e * C after epoch e (a sender waits for (e - 1) * C on every
+//                          d before writing slot q again)
 //   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
 //                          and its layout: e * C when ready
-//   combine_pulled[q][s]   = e once source s finished pulling its rows of combine e from here
+//   combine_pulled[q][s]   += 1 by each of s's C receive CTAs once it finished pulling its rows
+//                          of combine e from here: e * C
+// (kLlVariantLastCtaFinish: the last CTA adds C for all of them, the A/B of the per-CTA adds.)
 #pragma once
 
 #include <cstddef>
@@ -70,11 +73,14 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
 //   bit 6 (64) the dispatch receive in one pass over the sources with the scales in the rows'
 //             copy round (ll_dispatch_recv_units_onepass; thirteenth session, A/B).
-//   bit 7 (128) the dispatch receive balanced over the CTAs by rows, not experts
-//             (ll_dispatch_recv_balanced; thirteenth session, A/B; takes precedence over bit 6).
+//   bit 7 (128) the receive halves finish through the last CTA (ll_last_cta: one CTA adds C to
+//             dispatch_freed / combine_pulled after every CTA is done; the code before the
+//             per-CTA adds of the thirteenth session; A/B). (A receive balanced over the CTAs by
+//             rows was measured slower on the one-GPU proxy and not kept: docs/perf-cuda-ll.md,
+//             "Thirteenth session".)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvOnePass = 64;
-inline constexpr int32_t kLlVariantRecvBalanced = 128;
+inline constexpr int32_t kLlVariantLastCtaFinish = 128;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
@@ -91,10 +97,12 @@ enum LlDeviceError : uint32_t {
 };
 
 struct LlState {
-  DeviceState dev;                // abort + error_claim (seq / finished unused)
-  uint32_t dispatch_epoch[2];     // dispatches of slot q completed on this rank
-  uint32_t dispatch_finished[2];  // receive CTAs done in the running dispatch of slot q
-  uint32_t combine_epoch[2];
+  DeviceState dev;  // abort + error_claim (seq / finished unused)
+  // Per slot q and CTA b: the dispatches (combines) of slot q that CTA b of the receive half
+  // completed on this rank; CTA b of every ll kernel reads its own word at its start.
+  uint32_t dispatch_epoch[2][kLlMaxCtas];
+  uint32_t dispatch_finished[2];  // receive CTAs done (kLlVariantLastCtaFinish only)
+  uint32_t combine_epoch[2][kLlMaxCtas];
   uint32_t combine_finished[2];
 };
 
