@@ -159,13 +159,24 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
   };
-  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
+  // kLlVariantEarlyRoute: warp 1's lanes k < K load the routing rows (the first token's before
+  // the step-1 wait), and warp 0, whose threads d < R wait, issues no loads before its wait.
+  const bool early = (p.variant & kLlVariantEarlyRoute) != 0;
+  const int warp = threadIdx.x >> 5;
+  const bool router = early ? warp == 1 && lane < K : static_cast<int>(threadIdx.x) < K;
+  const int router_k = early ? lane : static_cast<int>(threadIdx.x);
+  const bool has_first = static_cast<int64_t>(blockIdx.x) < p.num_tokens;
+  int64_t first_id = -1;
+  if (early && router && has_first)
+    first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, router_k);
+  if (has_first && !(early && warp == 0)) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, (e - 1) * gridDim.x, p.wait,
                    kWaitReady))
     return false;
   EPX_LL_STAMP(p, 0, kTrDFreed);
+  if (has_first && early && warp == 0) prefetch(blockIdx.x);
 
   // 2. Header.
   if (blockIdx.x == 0 && threadIdx.x < R) {
@@ -178,14 +189,16 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (t != blockIdx.x) prefetch(t);
     __syncthreads();  // the previous token's s_ids / s_dest are no longer read
-    if (threadIdx.x < K) {
-      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
+    if (router) {
+      int64_t id = early && t == blockIdx.x
+                       ? first_id
+                       : ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, router_k);
       if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + router_k, id);
         id = -1;
       }
-      s_ids[threadIdx.x] = static_cast<int32_t>(id);
-      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
+      s_ids[router_k] = static_cast<int32_t>(id);
+      s_dest[router_k] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
     }
     __syncthreads();
     if (t == blockIdx.x) EPX_LL_STAMP(p, 0, kTrDRouted);
@@ -290,7 +303,7 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   }
 }
 
-// The receive's list copy (kLlVariantRecvOnePass): entries i = sub,
+// The receive's list copy (the one-pass receive): entries i = sub,
 // sub + S, ... < total of the shared list RecvList, entry i = token tok[i] of source src[i] into
 // row row[i] of local expert l[i], in ONE round of loads: the rows' vectors and, for fp8 with
 // scales, the message's scale vectors (4 f32 scales each, right after the row in the message)
@@ -435,7 +448,8 @@ __device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
   return sel;
 }
 
-// The receive's units, one pass over the sources (kLlVariantRecvOnePass): a unit compacts the
+// The receive's units, one pass over the sources (the default; kLlVariantRecvPerSource: source
+// by source, below in ll_dispatch_recv): a unit compacts the
 // concatenated list, 512 entries at a time, and copies each group's rows with
 // ll_dispatch_copy_list (rows and scales in one round), so R sources cost one scan and one copy
 // round instead of R of each. layout_range comes from per-source counts (shared-memory adds:
@@ -542,7 +556,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
-    if (p.variant & kLlVariantRecvOnePass) {
+    if (!(p.variant & kLlVariantRecvPerSource)) {
       __shared__ LlRecvSources srcs;
       if (threadIdx.x == 0) {
         srcs.first[0] = 0;

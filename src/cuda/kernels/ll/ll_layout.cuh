@@ -71,16 +71,20 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             fifth session's fix.
 //   bit 5 (32) combine rounds its output with the float32 -> bf16 emulation (f32_to_bf16)
 //             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
-//   bit 6 (64) the dispatch receive in one pass over the sources with the scales in the rows'
-//             copy round (ll_dispatch_recv_units_onepass; thirteenth session, A/B).
+//   bit 6 (64) the dispatch receive source by source (a scan and a copy round per source, the
+//             scales in a round of their own: the code before the thirteenth session's one-pass
+//             receive ll_dispatch_recv_units_onepass; A/B).
 //   bit 7 (128) the receive halves finish through the last CTA (ll_last_cta: one CTA adds C to
 //             dispatch_freed / combine_pulled after every CTA is done; the code before the
 //             per-CTA adds of the thirteenth session; A/B). (A receive balanced over the CTAs by
 //             rows was measured slower on the one-GPU proxy and not kept: docs/perf-cuda-ll.md,
 //             "Thirteenth session".)
+//   bit 8 (256) dispatch send: warp 1 loads the routing rows (the first token's before the
+//             step-1 wait) and warp 0 (the waiters) prefetches x only after the wait (A/B).
 inline constexpr int32_t kLlVariantCopyOne = 1;
-inline constexpr int32_t kLlVariantRecvOnePass = 64;
+inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
+inline constexpr int32_t kLlVariantEarlyRoute = 256;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
