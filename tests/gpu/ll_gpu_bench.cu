@@ -443,11 +443,19 @@ TraceClock probe_clock(int dev) {
   return c;
 }
 
-const char* const kDispatchPhaseNames[detail::kTrDNum] = {
-    "entry",          "freed wait (1)", "routing row (3)", "warp 0 stored (3)",
-    "tokens sent (3)", "signal (4)",    "recv entry",      "recv wait",
-    "+scan (V)",      "row copies",     "last CTA start",  "last CTA end (freed)",
-    "exit"};
+const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
+                                                          "freed wait (1)",
+                                                          "routing row (3)",
+                                                          "warp 0 stored (3)",
+                                                          "tokens sent (3)",
+                                                          "signal (4)",
+                                                          "recv entry",
+                                                          "recv wait",
+                                                          "+scan (V)",
+                                                          "row copies",
+                                                          "last CTA start",
+                                                          "last CTA end (freed)",
+                                                          "exit"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
                                                          "signal (3)",

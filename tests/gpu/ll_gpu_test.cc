@@ -49,13 +49,15 @@ using Batch = testing::LlBatch;
 // The paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh): 0 the
 // default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
 // emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
-// finish of the receive halves (kLlVariantLastCtaFinish), 256 the early routing row
-// (kLlVariantEarlyRoute). Set in the rank threads / processes (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128, 256};
+// finish of the receive halves (kLlVariantLastCtaFinish). Set in the rank threads / processes
+// (set_ll_variant_override).
+constexpr int kLlVariants[] = {0, 48, 64, 128};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 
-Case random_case(int R, uint64_t seed) { return testing::random_ll_case(R, seed, 0.4); }
+Case random_case(int R, uint64_t seed) {
+  return testing::random_ll_case(R, seed, 0.4);
+}
 
 // ---- device helpers ----------------------------------------------------------------------------
 
@@ -237,7 +239,8 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
               bool one_gpu = false) {
   const auto body = [&](const Group& g) {
     cudaStream_t own = nullptr;
-    if (!gpu_testing::rank_stream()) CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    if (!gpu_testing::rank_stream())
+      CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
     cudaStream_t stream = gpu_testing::stream_or(own);
     int bad = 0;
     for (int variant : kLlVariants) {
@@ -524,7 +527,8 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
   const int K = c.p.top_k;
   dropped.in[0].topk_idx[3 * K + 2] = -1;
   dropped.in[0].topk_idx[9 * K + 0] = -1;
-  testing::finish_ll_batch(c, dropped, rng);  // what rank 0's routing means once the bad ids are dropped
+  testing::finish_ll_batch(c, dropped,
+                           rng);  // what rank 0's routing means once the bad ids are dropped
   Batch bad = dropped;            // what rank 0 passes
   bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
   bad.in[0].topk_idx[9 * K + 0] = -7;

@@ -20,10 +20,12 @@
 //   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
 // receive half (ll_dispatch_recv_kernel, or the second half of ll_dispatch_kernel):
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
-//   b, b + C, ...  A unit waits dispatch_sent[q][s] >= e * C for every s, then for s = 0..R-1,
-//   tokens t < T_s in order, 512 at a time: t selects expert r * L + l (once, however often its
-//   row lists it) -> row = rows so far (an ordered block-wide compaction); the unit's share of
-//   rows (entries i = sub, sub + S, ...) is written:
+//   b, b + C, ...  A unit waits dispatch_sent[q][s] >= e * C for every s, then over the
+//   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
+//   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
+//   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
+//   is written, rows and scales in one round of loads (kLlVariantRecvPerSource: source by
+//   source, the scales in a round of their own):
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t;
 //   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
@@ -159,24 +161,13 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
   };
-  // kLlVariantEarlyRoute: warp 1's lanes k < K load the routing rows (the first token's before
-  // the step-1 wait), and warp 0, whose threads d < R wait, issues no loads before its wait.
-  const bool early = (p.variant & kLlVariantEarlyRoute) != 0;
-  const int warp = threadIdx.x >> 5;
-  const bool router = early ? warp == 1 && lane < K : static_cast<int>(threadIdx.x) < K;
-  const int router_k = early ? lane : static_cast<int>(threadIdx.x);
-  const bool has_first = static_cast<int64_t>(blockIdx.x) < p.num_tokens;
-  int64_t first_id = -1;
-  if (early && router && has_first)
-    first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, router_k);
-  if (has_first && !(early && warp == 0)) prefetch(blockIdx.x);
+  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, (e - 1) * gridDim.x, p.wait,
                    kWaitReady))
     return false;
   EPX_LL_STAMP(p, 0, kTrDFreed);
-  if (has_first && early && warp == 0) prefetch(blockIdx.x);
 
   // 2. Header.
   if (blockIdx.x == 0 && threadIdx.x < R) {
@@ -189,16 +180,14 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (t != blockIdx.x) prefetch(t);
     __syncthreads();  // the previous token's s_ids / s_dest are no longer read
-    if (router) {
-      int64_t id = early && t == blockIdx.x
-                       ? first_id
-                       : ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, router_k);
+    if (threadIdx.x < K) {
+      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
       if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + router_k, id);
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
         id = -1;
       }
-      s_ids[router_k] = static_cast<int32_t>(id);
-      s_dest[router_k] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
+      s_ids[threadIdx.x] = static_cast<int32_t>(id);
+      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
     }
     __syncthreads();
     if (t == blockIdx.x) EPX_LL_STAMP(p, 0, kTrDRouted);
@@ -327,18 +316,18 @@ __device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
 }
 
 template <typename I>
-__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvList& list,
-                                      int total, int sub, int S) {
+__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvList& list, int total,
+                                      int sub, int S) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   const int G = static_cast<int>(g.num_groups);
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
   const int q = p.slot;
   const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
-  const int nvx = static_cast<int>(row_bytes / 16);                // row vectors
-  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;    // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                               // first vector copied
-  const int nvm = nvx + nsv - v0;                                  // vectors per entry
+  const int nvx = static_cast<int>(row_bytes / 16);              // row vectors
+  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;  // scale vectors
+  const int v0 = p.recv_x ? 0 : nvx;                             // first vector copied
+  const int nvm = nvx + nsv - v0;                                // vectors per entry
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
@@ -386,8 +375,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
         for (int c = 0; c < 4; ++c)
           if (4 * j + c < G)
             word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
-        static_cast<int32_t*>(p.recv_scales)[(l * nsv + j) * RT + row] =
-            static_cast<int32_t>(word);
+        static_cast<int32_t*>(p.recv_scales)[(l * nsv + j) * RT + row] = static_cast<int32_t>(word);
       }
     }
   }
@@ -395,8 +383,8 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
 
 // ll_dispatch_copy_list with the index type its size needs.
 __device__ __forceinline__ void ll_dispatch_copy_entries(const LlDispatchParams& p,
-                                                         const LlRecvList& list, int total,
-                                                         int sub, int S) {
+                                                         const LlRecvList& list, int total, int sub,
+                                                         int S) {
   const bool small = static_cast<uint64_t>(kLlThreads) * ll_recv_vectors(p) < (uint64_t{1} << 31);
   if (small)
     ll_dispatch_copy_list<uint32_t>(p, list, total, sub, S);
@@ -432,8 +420,7 @@ __device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
         id4[k] = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
 #pragma unroll
       for (int k = 0; k < kLlIdBatch / 4; ++k)
-        sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert ||
-               id4[k].w == expert;
+        sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert || id4[k].w == expert;
     }
   } else {
     for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
@@ -565,48 +552,48 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       __syncthreads();
       ll_dispatch_recv_units_onepass(p, srcs);
     } else {
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
-      const int l = u / S, sub = u - l * S;
-      const int32_t expert = me * L + l;
-      int64_t running = 0;
-      for (int s = 0; s < R; ++s) {
-        const int32_t* topk = g.topk(symm.local, q, s);
-        const int64_t T_s = s_tokens[s];
-        const int64_t begin = running;
-        for (int64_t base = 0; base < T_s; base += blockDim.x) {
-          EPX_LL_TRACE_BEGIN(scan);
-          const int64_t t = base + threadIdx.x;
-          bool sel = false;
-          if (t < T_s) {
-            // The row's ids kLlIdBatch at a time, loads independent (one latency per batch).
-            const int32_t* row = topk + t * K;
-            for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-              int32_t id[kLlIdBatch];
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int l = u / S, sub = u - l * S;
+        const int32_t expert = me * L + l;
+        int64_t running = 0;
+        for (int s = 0; s < R; ++s) {
+          const int32_t* topk = g.topk(symm.local, q, s);
+          const int64_t T_s = s_tokens[s];
+          const int64_t begin = running;
+          for (int64_t base = 0; base < T_s; base += blockDim.x) {
+            EPX_LL_TRACE_BEGIN(scan);
+            const int64_t t = base + threadIdx.x;
+            bool sel = false;
+            if (t < T_s) {
+              // The row's ids kLlIdBatch at a time, loads independent (one latency per batch).
+              const int32_t* row = topk + t * K;
+              for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+                int32_t id[kLlIdBatch];
 #pragma unroll
-              for (int k = 0; k < kLlIdBatch; ++k)
-                id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+                for (int k = 0; k < kLlIdBatch; ++k)
+                  id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
 #pragma unroll
-              for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+                for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+              }
             }
+            int total = 0;
+            const int pos = ll_block_scan(sel, &total);
+            if (sel) s_list[pos] = static_cast<int32_t>(t);
+            __syncthreads();
+            EPX_LL_TRACE_END(scan);
+            ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
+            running += total;
+            __syncthreads();  // s_list is rewritten by the next group
           }
-          int total = 0;
-          const int pos = ll_block_scan(sel, &total);
-          if (sel) s_list[pos] = static_cast<int32_t>(t);
-          __syncthreads();
-          EPX_LL_TRACE_END(scan);
-          ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
-          running += total;
-          __syncthreads();  // s_list is rewritten by the next group
+          if (sub == 0 && threadIdx.x == 0 && p.layout_range)
+            p.layout_range[l * R + s] = (begin << 32) | (running - begin);
         }
-        if (sub == 0 && threadIdx.x == 0 && p.layout_range)
-          p.layout_range[l * R + s] = (begin << 32) | (running - begin);
+        if (sub == 0 && threadIdx.x == 0) {
+          if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
+          if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
+        }
       }
-      if (sub == 0 && threadIdx.x == 0) {
-        if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
-        if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
-      }
-    }
-    EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+      EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
     }
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }

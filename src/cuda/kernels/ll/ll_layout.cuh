@@ -57,7 +57,7 @@ inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in sh
 inline constexpr int kLlMaxTopK = 32;       // K
 inline constexpr int kLlXPrefetch = 4;  // dispatch: x vectors per thread loaded ahead (H <= 16384)
 inline constexpr int kLlIdBatch = 8;    // ids of a routing row loaded together
-inline constexpr int kLlPrefixTopK = 16;  // combine step 4: rows up to this K kept in registers
+inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K kept in registers
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
@@ -79,12 +79,11 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             per-CTA adds of the thirteenth session; A/B). (A receive balanced over the CTAs by
 //             rows was measured slower on the one-GPU proxy and not kept: docs/perf-cuda-ll.md,
 //             "Thirteenth session".)
-//   bit 8 (256) dispatch send: warp 1 loads the routing rows (the first token's before the
-//             step-1 wait) and warp 0 (the waiters) prefetches x only after the wait (A/B).
+//   (bit 8, the routing rows loaded by warp 1 with the first before the freed wait, measured
+//   equal on the proxy and not kept: docs/perf-cuda-ll.md, "Thirteenth session".)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
-inline constexpr int32_t kLlVariantEarlyRoute = 256;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
