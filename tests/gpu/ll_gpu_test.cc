@@ -49,9 +49,10 @@ using Batch = testing::LlBatch;
 // The paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh): 0 the
 // default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
 // emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
-// finish of the receive halves (kLlVariantLastCtaFinish). Set in the rank threads / processes
+// finish of the receive halves (kLlVariantLastCtaFinish), 256 the combine receive's steps in
+// series (kLlVariantCombineSerial). Set in the rank threads / processes
 // (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128};
+constexpr int kLlVariants[] = {0, 48, 64, 128, 256};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

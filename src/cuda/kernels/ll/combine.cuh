@@ -152,61 +152,43 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   EPX_LL_TRACE_DECL(ids);
 
   if (t_begin < t_end) {
-    // 4.
+    // 4. The counts of the tokens before the chunk, per expert.
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
     __syncthreads();
-    for (int64_t t = threadIdx.x; t < t_begin; t += blockDim.x) {
-      if (K <= kLlPrefixTopK) {
-        // The row's ids loaded together (independent loads), duplicates found in registers;
-        // ids outside [0, E) never count and never equal a valid one, so they become -1.
-        int32_t ids[kLlPrefixTopK];
+    auto count_before = [&](int64_t first, int64_t stride) {
+      for (int64_t t = first; t < t_begin; t += stride) {
+        if (K <= kLlPrefixTopK) {
+          // The row's ids loaded together (independent loads), duplicates found in registers;
+          // ids outside [0, E) never count and never equal a valid one, so they become -1.
+          int32_t ids[kLlPrefixTopK];
 #pragma unroll
-        for (int k = 0; k < kLlPrefixTopK; ++k) {
-          const int64_t id = k < K ? id_at(t, k) : -1;
-          ids[k] = id < 0 || id >= E ? -1 : static_cast<int32_t>(id);
+          for (int k = 0; k < kLlPrefixTopK; ++k) {
+            const int64_t id = k < K ? id_at(t, k) : -1;
+            ids[k] = id < 0 || id >= E ? -1 : static_cast<int32_t>(id);
+          }
+#pragma unroll
+          for (int k = 0; k < kLlPrefixTopK; ++k) {
+            if (ids[k] < 0) continue;
+            bool dup = false;
+#pragma unroll
+            for (int k2 = 0; k2 < k; ++k2) dup |= ids[k2] == ids[k];
+            if (!dup) atomicAdd(&s_cnt[ids[k]], 1);
+          }
+          continue;
         }
-#pragma unroll
-        for (int k = 0; k < kLlPrefixTopK; ++k) {
-          if (ids[k] < 0) continue;
+        for (int k = 0; k < K; ++k) {
+          const int64_t id = id_at(t, k);
+          if (id < 0 || id >= E) continue;
           bool dup = false;
-#pragma unroll
-          for (int k2 = 0; k2 < k; ++k2) dup |= ids[k2] == ids[k];
-          if (!dup) atomicAdd(&s_cnt[ids[k]], 1);
+          for (int k2 = 0; k2 < k && !dup; ++k2) dup = id_at(t, k2) == id;
+          if (!dup) atomicAdd(&s_cnt[id], 1);
         }
-        continue;
       }
-      for (int k = 0; k < K; ++k) {
-        const int64_t id = id_at(t, k);
-        if (id < 0 || id >= E) continue;
-        bool dup = false;
-        for (int k2 = 0; k2 < k && !dup; ++k2) dup = id_at(t, k2) == id;
-        if (!dup) atomicAdd(&s_cnt[id], 1);
-      }
-    }
-#ifdef EPX_LL_TRACE
-    __syncthreads();  // the stamp covers every thread's share (the wait below is a barrier too)
-#endif
-    EPX_LL_STAMP(p, 1, kTrCPrefix);
-    // 5. Pairs with step 3 of every peer.
-    if (!ll_wait_all(g.sync(symm.local)->combine_ready[q], R, me, e * gridDim.x, p.wait, kWaitRows))
-      return false;
-    EPX_LL_STAMP(p, 1, kTrCReadyWait);
-    for (int i = threadIdx.x; i < E; i += blockDim.x) {
-      const int d = i / L, l = i - d * L;
-      s_range[i] =
-          d == me
-              ? __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + me)
-              : ll_ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
-    }
-    __syncthreads();
-    EPX_LL_STAMP(p, 1, kTrCRange);
-
-    const int64_t nv = H / 8;
-    for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
-      const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
-      // 6. Ids, then rows token by token (a token's distinct experts in parallel).
-      EPX_LL_TRACE_BEGIN(ids);
-      for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
+    };
+    // 6a. A group's ids (out-of-range ones reported and dropped) and weights, threads `first`,
+    // `first + stride`, ... (the weights of dropped selections are zeroed in 6c).
+    auto load_group = [&](int64_t c0, int n, int first, int stride) {
+      for (int i = first; i < n * K; i += stride) {
         const int tl = i / K, k = i - tl * K;
         int64_t id = id_at(c0 + tl, k);
         if (id < -1 || id >= E) {
@@ -214,8 +196,82 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           id = -1;
         }
         s_ids[i] = static_cast<int32_t>(id);
+        s_w[i] = __ldg(p.weights + (c0 + tl) * p.weights_stride + k);
+      }
+    };
+    // 5. The begin / count of this rank's block in every expert: comb_layout(d, q)[l][r] of the
+    // expert's rank d (its own handle for d = r), threads `first`, `first + stride`, ...
+    auto load_ranges = [&](int first, int stride) {
+      constexpr int kBatch = 8;  // loads in flight per thread (one round trip at E <= 8 * stride)
+      for (int i0 = first; i0 < E; i0 += kBatch * stride) {
+        long long v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int i = i0 + u * stride;
+          if (i >= E) break;
+          const int d = i / L, l = i - d * L;
+          v[u] = d == me ? __ldg(reinterpret_cast<const long long*>(p.layout_range) +
+                                 l * p.layout_stride + me)
+                         : ll_ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (i0 + u * stride < E) s_range[i0 + u * stride] = v[u];
+      }
+    };
+    const int n_first =
+        static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - t_begin));
+    const bool serial = (p.variant & kLlVariantCombineSerial) != 0;
+    if (serial) {
+      count_before(threadIdx.x, blockDim.x);
+#ifdef EPX_LL_TRACE
+      __syncthreads();  // the stamp covers every thread's share (the wait below is a barrier too)
+#endif
+      EPX_LL_STAMP(p, 1, kTrCPrefix);
+      // 5. Pairs with step 3 of every peer.
+      if (!ll_wait_all(g.sync(symm.local)->combine_ready[q], R, me, e * gridDim.x, p.wait,
+                       kWaitRows))
+        return false;
+      EPX_LL_STAMP(p, 1, kTrCReadyWait);
+      load_ranges(threadIdx.x, blockDim.x);
+      __syncthreads();
+      EPX_LL_STAMP(p, 1, kTrCRange);
+    } else {
+      // Warp 0 waits for the peers (step 5, pairs with step 3 of every peer) and reads the
+      // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
+      // the wait and the remote round trip of the ranges overlap the local work.
+      __shared__ int s_ok;
+      if (threadIdx.x < 32) {
+        bool ok = true;
+        for (int d = threadIdx.x; d < R && ok; d += 32)
+          if (d != me)
+            ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
+                                 kWaitRows, d);
+        ok = __all_sync(0xffffffffu, ok);
+        __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
+        EPX_LL_STAMP(p, 1, kTrCReadyWait);
+        if (ok) load_ranges(threadIdx.x, 32);
+        if (threadIdx.x == 0) s_ok = ok;
+        EPX_LL_STAMP(p, 1, kTrCRange);
+      } else {
+        count_before(threadIdx.x - 32, blockDim.x - 32);
+        load_group(t_begin, n_first, threadIdx.x - 32, blockDim.x - 32);
       }
       __syncthreads();
+      EPX_LL_STAMP(p, 1, kTrCPrefix);
+      if (!s_ok) return false;
+    }
+
+    const int64_t nv = H / 8;
+    for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
+      const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
+      // 6. Ids and weights (the first group's already loaded unless serial), then rows token by
+      // token (a token's distinct experts in parallel), then each selection's source.
+      EPX_LL_TRACE_BEGIN(ids);
+      if (serial || c0 != t_begin) {
+        load_group(c0, n, threadIdx.x, blockDim.x);
+        __syncthreads();
+      }
       for (int tl = 0; tl < n; ++tl) {
         if (threadIdx.x < K) {
           const int* ids = s_ids + tl * K;
@@ -231,7 +287,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         const int* ids = s_ids + tl * K;
         const int id = ids[k];
         uintptr_t src = 0;
-        float w = 0.0f;
         if (id >= 0) {
           int k0 = 0;
           while (ids[k0] != id) ++k0;
@@ -249,11 +304,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
             } else {
               src = reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
             }
-            w = __ldg(p.weights + (c0 + tl) * p.weights_stride + k);
           }
         }
         s_src[i] = src;
-        s_w[i] = w;
+        if (!src) s_w[i] = 0.0f;
       }
       __syncthreads();
       EPX_LL_TRACE_END(ids);

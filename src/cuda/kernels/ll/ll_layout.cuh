@@ -79,11 +79,15 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             per-CTA adds of the thirteenth session; A/B). (A receive balanced over the CTAs by
 //             rows was measured slower on the one-GPU proxy and not kept: docs/perf-cuda-ll.md,
 //             "Thirteenth session".)
-//   (bit 8, the routing rows loaded by warp 1 with the first before the freed wait, measured
-//   equal on the proxy and not kept: docs/perf-cuda-ll.md, "Thirteenth session".)
+//   bit 8 (256) combine receive in series: the prefix counts (step 4), then the ready wait and
+//             the ranges (step 5), then the first group's ids and weights (the code before the
+//             thirteenth session, where warp 0 waits and reads the ranges while the other warps
+//             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
+//             before the dispatch's freed wait measured equal on the proxy and was not kept.)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
+inline constexpr int32_t kLlVariantCombineSerial = 256;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
