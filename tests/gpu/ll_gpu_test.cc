@@ -50,10 +50,9 @@ using Batch = testing::LlBatch;
 // default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
 // emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
 // finish of the receive halves (kLlVariantLastCtaFinish), 256 the combine receive's steps in
-// series (kLlVariantCombineSerial), 512 the dispatch send's routing and quantisation after the
-// freed wait (kLlVariantSendAfterWait). Set in the rank threads / processes
+// series (kLlVariantCombineSerial). Set in the rank threads / processes
 // (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128, 256, 512};
+constexpr int kLlVariants[] = {0, 48, 64, 128, 256};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

@@ -69,17 +69,15 @@ struct LlDispatchParams {
 #endif
 };
 
-// fp8 step 3 of one vector, in two parts: lanes 0-15 and 16-31 of a warp each hold one
-// 128-channel group (`active` is uniform per half-warp); every lane of the warp calls
-// ll_quant_fp8 (shuffles). It quantises the 8 elements of one vector (amax in core/numeric.h
-// order, scale = fp8_scale_from_amax); ll_store_fp8 stores the bytes of vector v of token t, and
-// lane 0 of the half-warp the group's scale, into msg(d, q, r, t) of every rank d in `mask`.
-struct LlFp8Vec {
-  uint2 packed;
-  float scale;
-};
-__device__ __forceinline__ LlFp8Vec ll_quant_fp8(const LlDispatchParams& p, const uint4& raw,
-                                                 bool active) {
+// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
+// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
+// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
+// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
+// msg(d, q, r, t) of every rank d in `mask`.
+__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
+                                            bool active, uint64_t mask, int64_t t) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden;
   float f[8];
   if (active) {
     ll_bf16x8_to_f32(raw, f);
@@ -98,29 +96,24 @@ __device__ __forceinline__ LlFp8Vec ll_quant_fp8(const LlDispatchParams& p, cons
     const float o = __shfl_xor_sync(0xffffffffu, amax, off);
     amax = o > amax ? o : amax;
   }
-  LlFp8Vec q;
-  q.scale = fp8_scale_from_amax(amax, p.round_scale != 0);
-  const float inv = 1.0f / q.scale;
+  const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
+  const float inv = 1.0f / scale;
+  uint2 packed;
   if (p.variant & kLlVariantEmulatedFp8) {
     uint8_t b[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
-    memcpy(&q.packed, b, 8);
+    memcpy(&packed, b, 8);
   } else {
-    q.packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
-    q.packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+    packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+    packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   }
-  return q;
-}
-__device__ __forceinline__ void ll_store_fp8(const LlDispatchParams& p, const LlFp8Vec& q, int v,
-                                             bool active, uint64_t mask, int64_t t) {
   if (!active) return;
-  const LlLayout& g = p.symm.layout;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
     const int d = __ffsll(static_cast<long long>(m)) - 1;
     char* msg = g.msg(p.symm.peers[d], p.slot, p.rank, t);
-    *reinterpret_cast<uint2*>(msg + 8 * v) = q.packed;
-    if ((threadIdx.x & 15) == 0) *reinterpret_cast<float*>(msg + g.hidden + 4 * (v / 16)) = q.scale;
+    *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
+    if ((threadIdx.x & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
   }
 }
 
@@ -168,37 +161,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
   };
-  // The first token's routing row (threads k < K; ids outside [-1, E) reported and dropped) into
-  // s_ids / s_dest.
-  auto load_routing = [&](int64_t t) {
-    if (threadIdx.x < K) {
-      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
-      if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
-        id = -1;
-      }
-      s_ids[threadIdx.x] = static_cast<int32_t>(id);
-      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
-    }
-  };
-  // Unless kLlVariantSendAfterWait: the CTA's first token is routed and (fp8) quantised before
-  // the step-1 wait, whose barrier publishes s_ids / s_dest; only its stores wait.
-  const bool early = !(p.variant & kLlVariantSendAfterWait);
-  const bool has_first = static_cast<int64_t>(blockIdx.x) < p.num_tokens;
-  LlFp8Vec qpre[kLlXPrefetch];
-  if (has_first) {
-    prefetch(blockIdx.x);
-    if (early) {
-      load_routing(blockIdx.x);
-      if (p.use_fp8) {
-#pragma unroll
-        for (int i = 0; i < kLlXPrefetch; ++i) {
-          const int base = static_cast<int>(threadIdx.x) - lane + i * static_cast<int>(blockDim.x);
-          if (base < nv) qpre[i] = ll_quant_fp8(p, xpre[i], base + lane < nv);
-        }
-      }
-    }
-  }
+  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, (e - 1) * gridDim.x, p.wait,
@@ -215,13 +178,18 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 
   // 3. Tokens.
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-    const bool ready = early && t == blockIdx.x;  // routed and quantised before the wait
-    if (!ready) {
-      if (t != blockIdx.x) prefetch(t);
-      __syncthreads();  // the previous token's s_ids / s_dest are no longer read
-      load_routing(t);
-      __syncthreads();
+    if (t != blockIdx.x) prefetch(t);
+    __syncthreads();  // the previous token's s_ids / s_dest are no longer read
+    if (threadIdx.x < K) {
+      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
+      if (id < -1 || id >= E) {
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
+        id = -1;
+      }
+      s_ids[threadIdx.x] = static_cast<int32_t>(id);
+      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
     }
+    __syncthreads();
     if (t == blockIdx.x) EPX_LL_STAMP(p, 0, kTrDRouted);
     uint64_t mask = 0;  // ranks t goes to
     for (int k = 0; k < K; ++k) {
@@ -239,16 +207,12 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       // so a half-warp is active or not as a whole); every lane takes part in the shuffles, so
       // the loops below run per warp (`base`, the warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
-        ll_store_fp8(p, ll_quant_fp8(p, raw, v < nv), v, v < nv, mask, t);
+        ll_send_fp8(p, raw, v, v < nv, mask, t);
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
         const int base = static_cast<int>(threadIdx.x) - lane + i * static_cast<int>(blockDim.x);
-        if (base >= nv) continue;
-        if (ready)
-          ll_store_fp8(p, qpre[i], base + lane, base + lane < nv, mask, t);
-        else
-          quantise_and_send(xpre[i], base + lane);
+        if (base < nv) quantise_and_send(xpre[i], base + lane);
       }
       for (int base = static_cast<int>(threadIdx.x) - lane + kLlXPrefetch * blockDim.x; base < nv;
            base += blockDim.x) {

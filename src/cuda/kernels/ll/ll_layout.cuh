@@ -84,14 +84,10 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             thirteenth session, where warp 0 waits and reads the ranges while the other warps
 //             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
 //             before the dispatch's freed wait measured equal on the proxy and was not kept.)
-//   bit 9 (512) dispatch send: the CTA's first token routed and quantised after the freed wait
-//             (step 1), as before the thirteenth session (now both before it, only the stores
-//             after; A/B).
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
 inline constexpr int32_t kLlVariantCombineSerial = 256;
-inline constexpr int32_t kLlVariantSendAfterWait = 512;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
