@@ -83,7 +83,8 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             the ranges (step 5), then the first group's ids and weights (the code before the
 //             thirteenth session, where warp 0 waits and reads the ranges while the other warps
 //             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
-//             before the dispatch's freed wait measured equal on the proxy and was not kept.)
+//             before the dispatch's freed wait, and one routing and quantising the first token
+//             before that wait, measured equal on the proxy and were not kept.)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
