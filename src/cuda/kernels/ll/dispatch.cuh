@@ -299,12 +299,26 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
 // are items of the same batched copy; the thread holding scale vector j stores groups 4j..4j+3
 // column-major (f32) or packs them into UE8M0 word j. Item indices are `I` (32-bit unless a
 // list's items could exceed 2^31): no 64-bit divisions.
+// Per entry the addresses the copy needs, computed once when the entry is listed: its message,
+// its row of [L, RT] (recv_x / src_info) and its first scale element (column-major).
 struct LlRecvList {
+  const char* msg[kLlThreads];
+  int64_t lrow[kLlThreads];   // l * RT + row
+  int64_t sbase[kLlThreads];  // (l * G) * RT + row (f32) or (l * ceil(G / 4)) * RT + row (UE8M0)
   int32_t tok[kLlThreads];
-  int32_t row[kLlThreads];
-  int16_t l[kLlThreads];
-  uint8_t src[kLlThreads];
 };
+
+// Lists token t of source s as entry `pos`: row `row` of local expert l.
+__device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRecvList& list,
+                                                 int pos, int s, int64_t t, int l, int64_t row) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t RT = g.rows_per_expert;
+  const int64_t per_row = p.use_ue8m0 ? (g.num_groups + 3) / 4 : g.num_groups;
+  list.msg[pos] = g.msg(p.symm.local, p.slot, s, t);
+  list.lrow[pos] = l * RT + row;
+  list.sbase[pos] = l * per_row * RT + row;
+  list.tok[pos] = static_cast<int32_t>(t);
+}
 
 // Vectors per entry of ll_dispatch_copy_list (row vectors unless recv_x is null, then the scale
 // vectors of fp8 with scales).
@@ -322,7 +336,6 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   const int G = static_cast<int>(g.num_groups);
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
-  const int q = p.slot;
   const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
   const int nvx = static_cast<int>(row_bytes / 16);              // row vectors
   const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;  // scale vectors
@@ -331,7 +344,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
-      p.src_info[list.l[idx] * RT + list.row[idx]] = list.tok[idx];
+      p.src_info[list.lrow[idx]] = list.tok[idx];
     }
   }
   if (n_mine == 0 || nvm <= 0) return;
@@ -347,19 +360,19 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
         const I m = i / static_cast<I>(nvm);
         vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
         idx[u] = sub + static_cast<int>(m) * S;
-        val[u] = ll_ld_landed<uint4>(g.msg(p.symm.local, q, list.src[idx[u]], list.tok[idx[u]]) +
-                                     16 * static_cast<int64_t>(vec[u]));
+        val[u] = ll_ld_landed<uint4>(list.msg[idx[u]] + 16 * static_cast<int64_t>(vec[u]));
       }
     }
 #pragma unroll
     for (int u = 0; u < kLlCopyBatch; ++u) {
       if (idx[u] < 0) continue;
-      const int64_t l = list.l[idx[u]], row = list.row[idx[u]];
       const int v = vec[u];
       if (v < nvx) {
-        *reinterpret_cast<uint4*>(p.recv_x + (l * RT + row) * row_bytes + 16 * int64_t{v}) = val[u];
+        *reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx[u]] * row_bytes + 16 * int64_t{v}) =
+            val[u];
         continue;
       }
+      const int64_t sbase = list.sbase[idx[u]];
       const int j = v - nvx;  // scale vector j: groups 4j .. 4j + 3
       const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
       if (!p.use_ue8m0) {
@@ -367,7 +380,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int gi = 4 * j + c;
-          if (gi < G) out[(l * G + gi) * RT + row] = __uint_as_float(w[c]);
+          if (gi < G) out[sbase + gi * RT] = __uint_as_float(w[c]);
         }
       } else {
         uint32_t word = 0;
@@ -375,7 +388,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
         for (int c = 0; c < 4; ++c)
           if (4 * j + c < G)
             word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
-        static_cast<int32_t*>(p.recv_scales)[(l * nsv + j) * RT + row] = static_cast<int32_t>(word);
+        static_cast<int32_t*>(p.recv_scales)[sbase + j * RT] = static_cast<int32_t>(word);
       }
     }
   }
@@ -466,10 +479,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
       int total = 0;
       const int pos = ll_block_scan(sel, &total);
       if (sel) {
-        list.tok[pos] = static_cast<int32_t>(t);
-        list.row[pos] = static_cast<int32_t>(running + pos);
-        list.l[pos] = static_cast<int16_t>(l);
-        list.src[pos] = static_cast<uint8_t>(s);
+        ll_recv_list_put(p, list, pos, s, t, l, running + pos);
         atomicAdd(&s_cnt[s], 1);
       }
       __syncthreads();
