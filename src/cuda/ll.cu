@@ -214,6 +214,26 @@ void CudaLl::check() {
   }
   // Not fatal: the collective completed. Let the device report the next error.
   rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
+  // Unless a wait timed out after this error had claimed the record (its own report was lost,
+  // but it set the abort word, read here after the re-arm so no timeout goes unseen): then the
+  // state is unusable as after any timeout.
+  uint32_t aborted = 0;
+  {
+    DeviceGuard guard(device_);
+    EPX_CUDA_CHECK(cudaMemcpy(&aborted, &layout_.state(local())->dev.abort, sizeof(aborted),
+                              cudaMemcpyDeviceToHost),
+                   "ll check");
+  }
+  if (aborted) {
+    broken_ = true;
+    broken_why_ = cat("a device wait of ", op, " timed out on rank ", group_.rank());
+    throw_error(
+        ErrorCode::kTimeout,
+        cat(op, ": a device wait timed out on rank ", group_.rank(), " (after error code ", e.code,
+            " was reported); the ll state of this buffer is unusable until "
+            "ll_clean() (every rank must call the same ll operations and hooks in the "
+            "same order)"));
+  }
   switch (e.code) {
     case kDevErrBadExpert:
       throw_error(

@@ -50,9 +50,10 @@ using Batch = testing::LlBatch;
 // default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
 // emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
 // finish of the receive halves (kLlVariantLastCtaFinish), 256 the combine receive's steps in
-// series (kLlVariantCombineSerial). Set in the rank threads / processes
+// series (kLlVariantCombineSerial), 449 = 1 + 64 + 128 + 256 all the old paths together (one load
+// at a time in the row copies). Set in the rank threads / processes
 // (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128, 256};
+constexpr int kLlVariants[] = {0, 48, 64, 128, 256, 449};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

@@ -24,9 +24,9 @@
 //        acc); out[t][c] = f32_to_bf16(acc)   (core/numeric.h, one rounding; the device uses the
 //        hardware conversion f32x2_to_bf16x2, the same bits)
 //      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
-//   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done),
-//   then waits combine_pulled[q][d] >= e * C for every peer d (nobody reads this rank's
-//   comb_y(r, q) any more) and sets its epoch word to e (kLlVariantLastCtaFinish: the last CTA
+//   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done)
+//   and sets its epoch word to e; CTA 0 then waits combine_pulled[q][d] >= e * C for every peer
+//   d (nobody reads this rank's comb_y(r, q) any more) (kLlVariantLastCtaFinish: the last CTA
 //   adds C and waits, for all of them). So when a combine completes on a
 //   rank (stream order), its slot-q buffer is free to be rewritten: by the caller through
 //   ll_next_combine_buffer, or by the next copy.
@@ -368,8 +368,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   } else {
     __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
     ll_signal(R, me, pulled);
-    if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x, p.wait,
-                     kWaitBarrier))
+    // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
+    // receive kernel holds one SM, not C, while a peer is late.
+    if (blockIdx.x == 0 && !ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x,
+                                        p.wait, kWaitBarrier))
       return false;
   }
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;

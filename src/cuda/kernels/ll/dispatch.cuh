@@ -349,14 +349,15 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   }
   if (n_mine == 0 || nvm <= 0) return;
   const I n = static_cast<I>(n_mine) * static_cast<I>(nvm);
-  for (I i0 = threadIdx.x; i0 < n; i0 += static_cast<I>(kLlCopyBatch) * blockDim.x) {
+  const int batch = p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch;
+  for (I i0 = threadIdx.x; i0 < n; i0 += static_cast<I>(batch) * blockDim.x) {
     uint4 val[kLlCopyBatch];
     int idx[kLlCopyBatch], vec[kLlCopyBatch];
 #pragma unroll
     for (int u = 0; u < kLlCopyBatch; ++u) {
       const I i = i0 + static_cast<I>(u) * blockDim.x;
       idx[u] = -1;
-      if (i < n) {
+      if (u < batch && i < n) {
         const I m = i / static_cast<I>(nvm);
         vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
         idx[u] = sub + static_cast<int>(m) * S;
@@ -467,7 +468,8 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const int l = u / S, sub = u - l * S;
     const int32_t expert = me * L + l;
-    if (threadIdx.x < R) s_cnt[threadIdx.x] = 0;
+    __syncthreads();  // thread 0 read the previous unit's s_cnt
+    for (int s = threadIdx.x; s < R; s += blockDim.x) s_cnt[s] = 0;
     __syncthreads();
     int64_t running = 0;
     for (int64_t base = 0; base < NT; base += blockDim.x) {

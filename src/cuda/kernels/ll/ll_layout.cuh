@@ -63,9 +63,10 @@ inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded toget
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
 // EPX_LL_VARIANT (environment, read once per process, or set_ll_variant_override in tests and
 // the benchmark; bits, A/B switches, never a change of any output; every rank must use the same):
-//   bit 0 (1) row copies one load at a time (the code before kLlCopyBatch);
-//   (bits 1-3, the one-pass receive, early routing and spread send, were measured equal or
-//   slower — docs/perf-cuda-ll.md, "Variant results" — and removed in the fifth session)
+//   bit 0 (1) row copies one load at a time (the code before kLlCopyBatch), every receive path;
+//   (bits 1-3, an earlier one-pass receive, early routing and spread send, were measured equal
+//   or slower at EP2 — docs/perf-cuda-ll.md, "Variant results" — and removed in the fifth
+//   session; the thirteenth session's one-pass receive, the default now, is another design)
 //   bit 4 (16) fp8 send quantises with the float32 -> e4m3 emulation (f32_to_fp8_e4m3, the code
 //             before the hardware conversion f32x2_to_fp8x2_e4m3; same bytes): the A/B of the
 //             fifth session's fix.
