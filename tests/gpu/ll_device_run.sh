@@ -9,7 +9,7 @@ source tests/gpu/device_lib.sh
 epx_device_setup 5000
 BUILD=${BUILD:-build-dev-ll}
 epx_device_build "$BUILD" gpu_ll_gpu_test epx_ll_gpu_bench || exit 1
-TESTS=${TESTS:-"LlGpuMemory.* LlGpuErrors.HookMisuseAndCapacity Ranks/LlGpu.*/R1 Ranks/LlGpu.*/R2 LlGpuGraph.* LlGpuErrors.BadExpert* LlGpuErrors.MissingPeer*"}
+TESTS=${TESTS:-"LlGpuMemory.* LlGpuErrors.HookMisuseAndCapacity Ranks/LlGpu.*/R1 Ranks/LlGpu.*/R2 LlGpuGraph.* LlGpuErrors.BadExpert* LlGpuErrors.MissingPeer* LlGpuLifetime.* Ranks/LlOneGpu.*"}
 # shellcheck disable=SC2086
 epx_device_tests "$BUILD/tests/gpu/gpu_ll_gpu_test" "${TEST_TIMEOUT:-90}" \
   "rank [0-9]|case [0-9]|Failure|error|mismatch|expected|exception" $TESTS
