@@ -406,6 +406,31 @@ __device__ __forceinline__ void ll_dispatch_copy_entries(const LlDispatchParams&
     ll_dispatch_copy_list<int64_t>(p, list, total, sub, S);
 }
 
+// Whether the K ids of a staged routing row list `expert`, kLlIdBatch ids at a time (independent
+// loads: one latency per batch); `vec4` (K % 4 == 0, the row 16-byte aligned): as int4 loads.
+__device__ __forceinline__ bool ll_row_selects(const int32_t* row, int K, int32_t expert,
+                                               bool vec4) {
+  static_assert(kLlIdBatch % 4 == 0, "int4 batches");
+  bool sel = false;
+  for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
+    int32_t id[kLlIdBatch];
+    if (vec4) {
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch / 4; ++k) {
+        const int4 v = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
+        id[4 * k] = v.x, id[4 * k + 1] = v.y, id[4 * k + 2] = v.z, id[4 * k + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch; ++k)
+        id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+    }
+#pragma unroll
+    for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+  }
+  return sel;
+}
+
 // The receive's view of the concatenated token list "source 0's tokens, source 1's, ..." (= the
 // row order within every expert): entry j is token j - first[s] of source s.
 struct LlRecvSources {
@@ -424,29 +449,7 @@ __device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
   while (j >= srcs.first[src + 1]) ++src;
   *s = src;
   *t = j - srcs.first[src];
-  const int32_t* row = g.topk(p.symm.local, p.slot, src) + *t * K;
-  bool sel = false;
-  if (K % 4 == 0) {
-    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-      int4 id4[kLlIdBatch / 4];
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch / 4; ++k)
-        id4[k] = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch / 4; ++k)
-        sel |= id4[k].x == expert || id4[k].y == expert || id4[k].z == expert || id4[k].w == expert;
-    }
-  } else {
-    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-      int32_t id[kLlIdBatch];
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k)
-        id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
-    }
-  }
-  return sel;
+  return ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, expert, K % 4 == 0);
 }
 
 // The receive's units, one pass over the sources (the default; kLlVariantRecvPerSource: source
@@ -575,19 +578,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           for (int64_t base = 0; base < T_s; base += blockDim.x) {
             EPX_LL_TRACE_BEGIN(scan);
             const int64_t t = base + threadIdx.x;
-            bool sel = false;
-            if (t < T_s) {
-              // The row's ids kLlIdBatch at a time, loads independent (one latency per batch).
-              const int32_t* row = topk + t * K;
-              for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-                int32_t id[kLlIdBatch];
-#pragma unroll
-                for (int k = 0; k < kLlIdBatch; ++k)
-                  id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-#pragma unroll
-                for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
-              }
-            }
+            const bool sel = t < T_s && ll_row_selects(topk + t * K, K, expert, false);
             int total = 0;
             const int pos = ll_block_scan(sel, &total);
             if (sel) s_list[pos] = static_cast<int32_t>(t);
