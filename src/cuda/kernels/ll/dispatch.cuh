@@ -292,15 +292,9 @@ __device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* 
   }
 }
 
-// The receive's list copy (the one-pass receive): entries i = sub,
-// sub + S, ... < total of the shared list RecvList, entry i = token tok[i] of source src[i] into
-// row row[i] of local expert l[i], in ONE round of loads: the rows' vectors and, for fp8 with
-// scales, the message's scale vectors (4 f32 scales each, right after the row in the message)
-// are items of the same batched copy; the thread holding scale vector j stores groups 4j..4j+3
-// column-major (f32) or packs them into UE8M0 word j. Item indices are `I` (32-bit unless a
-// list's items could exceed 2^31): no 64-bit divisions.
-// Per entry the addresses the copy needs, computed once when the entry is listed: its message,
-// its row of [L, RT] (recv_x / src_info) and its first scale element (column-major).
+// The one-pass receive's list (shared memory): per listed entry the addresses its copy needs,
+// computed once when it is listed (ll_recv_list_put): its message, its row of [L, RT] (recv_x,
+// src_info), its first scale element (column-major) and its source token index.
 struct LlRecvList {
   const char* msg[kLlThreads];
   int64_t lrow[kLlThreads];   // l * RT + row
@@ -329,6 +323,12 @@ __device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
   return (p.recv_x ? nvx : 0) + nsv;
 }
 
+// The list copy: entries i = sub, sub + S, ... < total of `list` in ONE round of loads: the
+// rows' vectors and, for fp8 with scales, the message's scale vectors (4 f32 scales each, right
+// after the row in the message) are items of the same batched copy; the thread holding scale
+// vector j stores groups 4j..4j+3 column-major (f32) or packs them into UE8M0 word j; then
+// src_info. Item indices are `I` (32-bit unless a list's items could exceed 2^31): no 64-bit
+// divisions.
 template <typename I>
 __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvList& list, int total,
                                       int sub, int S) {
