@@ -44,7 +44,8 @@ enum LlCombinePhase : int {
   kTrCSendCopy,   // after step 1 (copy mode: the rows for the peers) and step 2
   kTrCSignal,     // after step 3 (combine_ready releases)
   kTrCRecvEntry,  // receive half entry
-  kTrCPrefix,     // after step 4 (per-expert counts of the tokens before the chunk)
+  kTrCPrefix,     // after step 4 (per-expert counts of the tokens before the chunk); by default
+                  // (steps 4 and 5 overlapped) after the barrier that ends both
   kTrCReadyWait,  // after step 5's wait (combine_ready of every peer)
   kTrCRange,      // after the begin/count table (remote loads of comb_layout)
   kTrCIds,        // V: + time in step 6 (ids, rows, sources) over all chunks
