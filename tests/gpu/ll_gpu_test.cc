@@ -610,98 +610,109 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
 // A peer that never calls ll_dispatch: the waiting rank's kernel gives up after the group
 // timeout, the next call raises Timeout (naming the operation and the peer), later calls say the
 // ll state is unusable; ll_clean() on every rank resets it and a checked round works again.
-TEST(LlGpuErrors, MissingPeerIsTimeoutAndLlCleanRecovers) {
-  EPX_REQUIRE_GPUS(2);
+// Rank 1 never calls: rank 0's ll_dispatch times out (Timeout naming ll_dispatch and rank 1,
+// then "unusable"); ll_clean on both ranks; then one checked round on the same Buffer. Two
+// GPUs, or (one_gpu) two ranks sharing GPU 0.
+int missing_peer_case(bool one_gpu) {
   const Case c = small_case(2, 41);
   const std::vector<Batch> data = testing::make_ll_batches(c);
   GroupOptions options;
   options.timeout = std::chrono::milliseconds(1500);
-  const std::string done_path = "/tmp/epx-ll-timeout-" + std::to_string(getpid());
+  const std::string done_path =
+      "/tmp/epx-ll-timeout-" + std::to_string(getpid()) + (one_gpu ? "-1gpu" : "");
   std::remove(done_path.c_str());
-  const int rc = run_cuda_ranks(
-      2,
-      [&](const Group& g) {
-        const int r = g.rank(), dev = r;
-        const int64_t H = c.p.hidden, T = 11;
-        int failures = 0;
-        auto fail = [&](const std::string& what) {
-          std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
-          ++failures;
-        };
-        cudaStream_t stream = nullptr;
-        CUDA_OK(cudaStreamCreate(&stream));
-        {
-          Buffer buf(g, shape_of(c.p), ll_only());
-          if (r == 1) {
-            for (int i = 0; i < 3000 && access(done_path.c_str(), F_OK) != 0; ++i)
-              std::this_thread::sleep_for(std::chrono::milliseconds(5));
-          } else {
-            Tensor x = gpu_testing::to_device(data[0].in[0].x, DType::kBF16, {T, H}, dev);
-            Tensor topk = upload_topk(data[0].in[0].topk_idx, T, c.p.top_k, false, dev);
-            LlDispatchArgs da;
-            da.x = x;
-            da.topk_idx = topk;
-            da.stream = stream;
-            const auto start = std::chrono::steady_clock::now();
-            buf.ll_dispatch(da);
-            CUDA_OK(cudaStreamSynchronize(stream));
-            const double waited =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            try {
-              buf.check();
-              fail("no Timeout");
-            } catch (const Error& e) {
-              const std::string m = e.what();
-              if (e.code() != ErrorCode::kTimeout || m.find("ll_dispatch") == std::string::npos ||
-                  m.find("rank 1") == std::string::npos)
-                fail("unexpected error " + m);
-            }
-            if (waited < 1.2 || waited > 10)
-              fail("the kernel gave up after " + std::to_string(waited) + " s");
-            try {
-              buf.ll_dispatch(da);
-              fail("ll_dispatch after a timeout did not raise");
-            } catch (const Error& e) {
-              if (std::string(e.what()).find("unusable") == std::string::npos)
-                fail(std::string("unexpected error ") + e.what());
-            }
-            std::fclose(std::fopen(done_path.c_str(), "w"));
-          }
-          buf.ll_clean();
-          // The same buffer works again: one checked round.
-          std::vector<std::vector<uint8_t>> keep;
-          Tensor x = gpu_testing::to_device(data[0].in[r].x, DType::kBF16, {T, H}, dev);
-          Tensor topk = upload_topk(data[0].in[r].topk_idx, T, c.p.top_k, false, dev);
-          Tensor w =
-              gpu_testing::to_device(data[0].in[r].topk_weights, DType::kF32, {T, c.p.top_k}, dev);
-          LlDispatchArgs da;
-          da.x = x;
-          da.topk_idx = topk;
-          da.use_fp8 = c.p.use_fp8;
-          da.stream = stream;
-          LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
-          Tensor y = gpu_testing::to_device(
-              data[0].y[r], DType::kBF16, {c.p.num_local_experts(), c.p.rows_per_expert(), H}, dev);
-          LlCombineArgs ca;
-          ca.y = y;
-          ca.topk_idx = topk;
-          ca.topk_weights = w;
-          ca.handle = &d.handle;
-          ca.stream = stream;
-          LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
-          CUDA_OK(cudaStreamSynchronize(stream));
+  const auto body = [&](const Group& g) {
+    const int r = g.rank(), dev = one_gpu ? 0 : r;
+    const int64_t H = c.p.hidden, T = 11;
+    int failures = 0;
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+      ++failures;
+    };
+    cudaStream_t stream = gpu_testing::rank_stream();
+    if (!one_gpu) CUDA_OK(cudaStreamCreate(&stream));
+    {
+      Buffer buf(g, shape_of(c.p), ll_only());
+      if (r == 1) {
+        for (int i = 0; i < 3000 && access(done_path.c_str(), F_OK) != 0; ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      } else {
+        Tensor x = gpu_testing::to_device(data[0].in[0].x, DType::kBF16, {T, H}, dev);
+        Tensor topk = upload_topk(data[0].in[0].topk_idx, T, c.p.top_k, false, dev);
+        LlDispatchArgs da;
+        da.x = x;
+        da.topk_idx = topk;
+        da.stream = stream;
+        const auto start = std::chrono::steady_clock::now();
+        buf.ll_dispatch(da, gpu_testing::device_allocator());
+        CUDA_OK(cudaStreamSynchronize(stream));
+        const double waited =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        try {
           buf.check();
-          std::string err =
-              testing::check_ll_dispatch(c.p, data[0].want[r], host_dispatch(d, keep));
-          err += check_out(c.p, data[0].want_out[r], cr.out);
-          if (!err.empty()) fail("round after ll_clean: " + err);
+          fail("no Timeout");
+        } catch (const Error& e) {
+          const std::string m = e.what();
+          if (e.code() != ErrorCode::kTimeout || m.find("ll_dispatch") == std::string::npos ||
+              m.find("rank 1") == std::string::npos)
+            fail("unexpected error " + m);
         }
-        cudaStreamDestroy(stream);
-        return failures;
-      },
-      options);
+        if (waited < 1.2 || waited > 10)
+          fail("the kernel gave up after " + std::to_string(waited) + " s");
+        try {
+          buf.ll_dispatch(da, gpu_testing::device_allocator());
+          fail("ll_dispatch after a timeout did not raise");
+        } catch (const Error& e) {
+          if (std::string(e.what()).find("unusable") == std::string::npos)
+            fail(std::string("unexpected error ") + e.what());
+        }
+        std::fclose(std::fopen(done_path.c_str(), "w"));
+      }
+      buf.ll_clean();
+      // The same buffer works again: one checked round.
+      std::vector<std::vector<uint8_t>> keep;
+      Tensor x = gpu_testing::to_device(data[0].in[r].x, DType::kBF16, {T, H}, dev);
+      Tensor topk = upload_topk(data[0].in[r].topk_idx, T, c.p.top_k, false, dev);
+      Tensor w =
+          gpu_testing::to_device(data[0].in[r].topk_weights, DType::kF32, {T, c.p.top_k}, dev);
+      LlDispatchArgs da;
+      da.x = x;
+      da.topk_idx = topk;
+      da.use_fp8 = c.p.use_fp8;
+      da.stream = stream;
+      LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
+      Tensor y = gpu_testing::to_device(data[0].y[r], DType::kBF16,
+                                        {c.p.num_local_experts(), c.p.rows_per_expert(), H}, dev);
+      LlCombineArgs ca;
+      ca.y = y;
+      ca.topk_idx = topk;
+      ca.topk_weights = w;
+      ca.handle = &d.handle;
+      ca.stream = stream;
+      LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
+      CUDA_OK(cudaStreamSynchronize(stream));
+      buf.check();
+      std::string err = testing::check_ll_dispatch(c.p, data[0].want[r], host_dispatch(d, keep));
+      err += check_out(c.p, data[0].want_out[r], cr.out);
+      if (!err.empty()) fail("round after ll_clean: " + err);
+    }
+    if (!one_gpu) cudaStreamDestroy(stream);
+    return failures;
+  };
+  const int rc = one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(2, 0, body, options)
+                         : run_cuda_ranks(2, body, options);
   std::remove(done_path.c_str());
-  EXPECT_EQ(rc, 0);
+  return rc;
+}
+
+TEST(LlGpuErrors, MissingPeerIsTimeoutAndLlCleanRecovers) {
+  EPX_REQUIRE_GPUS(2);
+  EXPECT_EQ(missing_peer_case(false), 0);
+}
+
+TEST(LlGpuErrors, MissingPeerIsTimeoutAndLlCleanRecoversOneGpu) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(missing_peer_case(true), 0);
 }
 
 void expect_error(const std::function<void()>& f, ErrorCode code, const char* needle, int* failures,
