@@ -531,8 +531,10 @@ Case small_case(int R, uint64_t seed) {
 
 // Out-of-range expert ids are found on the device and raised as InvalidArgument by the next
 // call (check()); the selection is dropped, the collective completes and the buffer stays usable.
-TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
-  EPX_REQUIRE_GPUS(2);
+// Ids E and -7 on rank 0: InvalidArgument from ll_dispatch and from ll_combine (check()), the
+// outputs are the oracle's with those selections dropped, then a clean case on a new Buffer.
+// Two GPUs, or (one_gpu) two ranks sharing GPU 0.
+int bad_expert_case(bool one_gpu) {
   const Case c = small_case(2, 31);
   const std::vector<Batch> clean = testing::make_ll_batches(c);
   std::mt19937_64 rng(32);
@@ -545,8 +547,8 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
   Batch bad = dropped;            // what rank 0 passes
   bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
   bad.in[0].topk_idx[9 * K + 0] = -7;
-  const int rc = run_cuda_ranks(2, [&](const Group& g) {
-    const int r = g.rank(), dev = r;
+  const auto body = [&](const Group& g) {
+    const int r = g.rank(), dev = one_gpu ? 0 : r;
     const int64_t H = c.p.hidden, T = 11;
     int failures = 0;
     auto fail = [&](const std::string& what) {
@@ -564,8 +566,8 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
           fail("unexpected error: " + m);
       }
     };
-    cudaStream_t stream = nullptr;
-    CUDA_OK(cudaStreamCreate(&stream));
+    cudaStream_t stream = gpu_testing::rank_stream();
+    if (!one_gpu) CUDA_OK(cudaStreamCreate(&stream));
     Buffer buf(g, shape_of(c.p), ll_only());
     Tensor x = gpu_testing::to_device(bad.in[r].x, DType::kBF16, {T, H}, dev);
     Tensor topk = upload_topk(bad.in[r].topk_idx, T, K, false, dev);
@@ -582,8 +584,8 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
     std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_dispatch(d, keep));
     if (!err.empty()) fail("dispatch with dropped selections: " + err);
     TensorView v = buf.ll_next_combine_buffer(d.handle);
-    CUDA_OK(
-        cudaMemcpy(v.data, dropped.y[r].data(), dropped.y[r].size() * 2, cudaMemcpyHostToDevice));
+    gpu_testing::upload_on_rank_stream(v.data, dropped.y[r].data(), dropped.y[r].size() * 2,
+                                       stream);
     LlCombineArgs ca;
     ca.topk_idx = topk;
     ca.topk_weights = w;
@@ -595,16 +597,26 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
     expect_invalid(buf, "ll_combine");
     err = check_out(c.p, dropped.want_out[r], cr.out);
     if (!err.empty()) fail("combine with dropped selections: " + err);
-    cudaStreamDestroy(stream);
+    if (!one_gpu) cudaStreamDestroy(stream);
     // A clean case on a new buffer afterwards.
-    cudaStream_t s2 = nullptr;
-    CUDA_OK(cudaStreamCreate(&s2));
+    cudaStream_t s2 = gpu_testing::rank_stream();
+    if (!one_gpu) CUDA_OK(cudaStreamCreate(&s2));
     err = run_rank(c, clean, g, s2);
     if (!err.empty()) fail("clean case after the error: " + err);
-    cudaStreamDestroy(s2);
+    if (!one_gpu) cudaStreamDestroy(s2);
     return failures;
-  });
-  EXPECT_EQ(rc, 0);
+  };
+  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(2, 0, body) : run_cuda_ranks(2, body);
+}
+
+TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
+  EPX_REQUIRE_GPUS(2);
+  EXPECT_EQ(bad_expert_case(false), 0);
+}
+
+TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDroppedOneGpu) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(bad_expert_case(true), 0);
 }
 
 // A peer that never calls ll_dispatch: the waiting rank's kernel gives up after the group
