@@ -51,10 +51,9 @@ using Batch = testing::LlBatch;
 // emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
 // finish of the receive halves (kLlVariantLastCtaFinish), 256 the combine receive's steps in
 // series (kLlVariantCombineSerial), 449 = 1 + 64 + 128 + 256 all the old paths together (one load
-// at a time in the row copies), 1024 the receive by tokens (kLlVariantRecvTokens; 1025 with one
-// load at a time). Set in the rank threads / processes
+// at a time in the row copies). Set in the rank threads / processes
 // (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128, 256, 449, 1024, 1025};
+constexpr int kLlVariants[] = {0, 48, 64, 128, 256, 449};
 
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 

@@ -506,188 +506,6 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
-// The receive by tokens (kLlVariantRecvTokens): CTA b takes a contiguous chunk of the
-// concatenated token list and reads each of its tokens' messages ONCE, storing it into the row
-// of every local expert the token selects (the expert-major receives read a message once per
-// expert). A token's row in expert l is the number of earlier tokens of the concatenation that
-// select l: each CTA counts the tokens before its chunk per local expert (shared-memory adds:
-// counts, never order), then the tokens of a group of kLlRecvGroup in order, in parallel. The
-// same pass counts every (expert, source) pair, from which CTA l % C writes expert l's
-// layout_range, recv_count and stats.
-inline constexpr int kLlRecvGroup = 8;  // tokens of a chunk placed and copied together
-
-__device__ void ll_dispatch_recv_tokens(const LlDispatchParams& p, const LlRecvSources& srcs) {
-  __shared__ int32_t s_before[kLlMaxExperts];        // [l]: rows of expert l before the next group
-  __shared__ int32_t s_total[kLlMaxExperts];         // [l * R + s]: rows of expert l from source s
-  __shared__ int16_t s_l[kLlRecvGroup][kLlMaxTopK];  // local expert of (token, k), or -1
-  __shared__ int32_t s_pos[kLlRecvGroup][kLlMaxTopK];  // its row
-  __shared__ const char* s_msg[kLlRecvGroup];
-  __shared__ int32_t s_tok[kLlRecvGroup];
-  __shared__ int32_t s_any[kLlRecvGroup];  // the token selects a local expert (else: not loaded)
-  const LlLayout& g = p.symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
-  const int me = p.rank, C = gridDim.x, b = blockIdx.x;
-  const int64_t H = g.hidden, RT = g.rows_per_expert;
-  const int G = static_cast<int>(g.num_groups);
-  const int64_t NT = srcs.first[R];
-  const int64_t chunk = (NT + C - 1) / C;
-  const int64_t j0 = min(static_cast<int64_t>(b) * chunk, NT), j1 = min(j0 + chunk, NT);
-  auto source_of = [&](int64_t j) {
-    int s = 0;
-    while (j >= srcs.first[s + 1]) ++s;
-    return s;
-  };
-  auto row_of = [&](int64_t j, int s) {
-    return g.topk(p.symm.local, p.slot, s) + (j - srcs.first[s]) * K;
-  };
-  EPX_LL_TRACE_DECL(scan);
-  EPX_LL_TRACE_BEGIN(scan);
-  for (int i = threadIdx.x; i < L; i += blockDim.x) s_before[i] = 0;
-  for (int i = threadIdx.x; i < L * R; i += blockDim.x) s_total[i] = 0;
-  __syncthreads();
-  // Counts: each token's distinct local experts (a duplicate of an earlier k counts once).
-  for (int64_t j = threadIdx.x; j < NT; j += blockDim.x) {
-    const int s = source_of(j);
-    const int32_t* row = row_of(j, s);
-    for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
-      int32_t id[kLlIdBatch];
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k)
-        id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
-#pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k) {
-        const int32_t l = id[k] - me * L;
-        if (id[k] < 0 || l < 0 || l >= L) continue;
-        bool dup = false;
-#pragma unroll
-        for (int k2 = 0; k2 < k; ++k2) dup |= id[k2] == id[k];
-        for (int k2 = 0; k2 < k0 && !dup; ++k2) dup = ll_ld_landed<int32_t>(row + k2) == id[k];
-        if (dup) continue;
-        atomicAdd(&s_total[l * R + s], 1);
-        if (j < j0) atomicAdd(&s_before[l], 1);
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int l = b; l < L; l += C) {
-      int64_t begin = 0;
-      for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_total[l * R + s];
-        begin += s_total[l * R + s];
-      }
-      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(begin);
-      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(begin);
-    }
-  }
-  EPX_LL_TRACE_END(scan);
-  const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
-  const int nvx = static_cast<int>(row_bytes / 16);              // row vectors
-  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;  // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                             // first vector copied
-  const int nvm = nvx + nsv - v0;                                // vectors per token
-  const int batch = p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch;
-  for (int64_t c0 = j0; c0 < j1; c0 += kLlRecvGroup) {
-    EPX_LL_TRACE_BEGIN(scan);
-    const int n = static_cast<int>(min(static_cast<int64_t>(kLlRecvGroup), j1 - c0));
-    // Places: (token tl, k) -> its local expert (first occurrence only) and row.
-    for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
-      const int tl = i / K, k = i - tl * K;
-      const int64_t j = c0 + tl;
-      const int s = source_of(j);
-      const int32_t* row = row_of(j, s);
-      const int32_t id = ll_ld_landed<int32_t>(row + k);
-      int32_t l = id - me * L;
-      if (id < 0 || l < 0 || l >= L) l = -1;
-      for (int k2 = 0; k2 < k && l >= 0; ++k2)
-        if (ll_ld_landed<int32_t>(row + k2) == id) l = -1;
-      s_l[tl][k] = static_cast<int16_t>(l);
-      if (k == 0) {
-        s_msg[tl] = g.msg(p.symm.local, p.slot, s, j - srcs.first[s]);
-        s_tok[tl] = static_cast<int32_t>(j - srcs.first[s]);
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
-      const int tl = i / K, k = i - tl * K;
-      const int l = s_l[tl][k];
-      if (l < 0) continue;
-      int pos = s_before[l];
-      for (int t2 = 0; t2 < tl; ++t2)
-        for (int k2 = 0; k2 < K; ++k2) pos += s_l[t2][k2] == l;
-      s_pos[tl][k] = pos;
-      if (p.src_info) p.src_info[l * RT + pos] = s_tok[tl];
-    }
-    if (static_cast<int>(threadIdx.x) < n) {
-      int any = 0;
-      for (int k = 0; k < K; ++k) any |= s_l[threadIdx.x][k] >= 0;
-      s_any[threadIdx.x] = any;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
-      const int l = s_l[i / K][i % K];
-      if (l >= 0) atomicAdd(&s_before[l], 1);  // for the next group (read after its barrier)
-    }
-    EPX_LL_TRACE_END(scan);
-    // Copy: each (token, vector) loaded once, stored to every expert row of the token.
-    const int items = n * nvm;
-    if (nvm > 0) {
-      for (int i0 = threadIdx.x; i0 < items; i0 += batch * blockDim.x) {
-        uint4 val[kLlCopyBatch];
-        int tl_of[kLlCopyBatch], vec[kLlCopyBatch];
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) {
-          const int i = i0 + u * static_cast<int>(blockDim.x);
-          tl_of[u] = -1;
-          if (u < batch && i < items) {
-            const int tl = i / nvm;
-            if (!s_any[tl]) continue;  // no message here (the token went elsewhere)
-            tl_of[u] = tl;
-            vec[u] = i - tl * nvm + v0;
-            val[u] = ll_ld_landed<uint4>(s_msg[tl] + 16 * int64_t{vec[u]});
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) {
-          const int tl = tl_of[u];
-          if (tl < 0) continue;
-          const int v = vec[u];
-          for (int k = 0; k < K; ++k) {
-            const int64_t l = s_l[tl][k];
-            if (l < 0) continue;
-            const int64_t pos = s_pos[tl][k];
-            if (v < nvx) {
-              *reinterpret_cast<uint4*>(p.recv_x + (l * RT + pos) * row_bytes + 16 * int64_t{v}) =
-                  val[u];
-              continue;
-            }
-            const int jv = v - nvx;  // scale vector jv: groups 4jv .. 4jv + 3
-            const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
-            if (!p.use_ue8m0) {
-              auto* out = static_cast<float*>(p.recv_scales);
-#pragma unroll
-              for (int c = 0; c < 4; ++c) {
-                const int gi = 4 * jv + c;
-                if (gi < G) out[(l * G + gi) * RT + pos] = __uint_as_float(w[c]);
-              }
-            } else {
-              uint32_t word = 0;
-#pragma unroll
-              for (int c = 0; c < 4; ++c)
-                if (4 * jv + c < G)
-                  word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
-              static_cast<int32_t*>(p.recv_scales)[(l * nsv + jv) * RT + pos] =
-                  static_cast<int32_t>(word);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();  // the group's tables are rewritten by the next group
-  }
-  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
-}
-
 // Receive finish, every CTA: tells every rank that this CTA's reads of the staging of slot q are
 // done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send), and advances its
 // epoch word. kLlVariantLastCtaFinish: the last CTA adds C for all of them instead.
@@ -721,10 +539,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
   EPX_LL_TRACE_DECL(scan);
 
-  // The receive by tokens spreads the tokens over every CTA (units may be fewer than C).
-  const bool by_tokens =
-      (p.variant & kLlVariantRecvTokens) && !(p.variant & kLlVariantRecvPerSource);
-  if (static_cast<int>(blockIdx.x) < units || by_tokens) {
+  if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
     if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
       return false;
@@ -750,10 +565,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
         for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
       }
       __syncthreads();
-      if (p.variant & kLlVariantRecvTokens)
-        ll_dispatch_recv_tokens(p, srcs);
-      else
-        ll_dispatch_recv_units_onepass(p, srcs);
+      ll_dispatch_recv_units_onepass(p, srcs);
     } else {
       for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int l = u / S, sub = u - l * S;

@@ -86,13 +86,10 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
 //             before the dispatch's freed wait, and one routing and quantising the first token
 //             before that wait, measured equal on the proxy and were not kept.)
-//   bit 10 (1024) the dispatch receive by tokens (ll_dispatch_recv_tokens: each message read
-//             once and stored to every local expert row of its token; A/B; bit 6 wins).
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
 inline constexpr int32_t kLlVariantCombineSerial = 256;
-inline constexpr int32_t kLlVariantRecvTokens = 1024;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
