@@ -85,7 +85,8 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             thirteenth session, where warp 0 waits and reads the ranges while the other warps
 //             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
 //             before the dispatch's freed wait, and one routing and quantising the first token
-//             before that wait, measured equal on the proxy and were not kept.)
+//             before that wait, measured equal on the proxy and were not kept; a receive by
+//             tokens, each message read once and stored to all its expert rows, was slower.)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
