@@ -77,16 +77,16 @@ inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flig
 //             receive ll_dispatch_recv_units_onepass; A/B).
 //   bit 7 (128) the receive halves finish through the last CTA (ll_last_cta: one CTA adds C to
 //             dispatch_freed / combine_pulled after every CTA is done; the code before the
-//             per-CTA adds of the thirteenth session; A/B). (A receive balanced over the CTAs by
-//             rows was measured slower on the one-GPU proxy and not kept: docs/perf-cuda-ll.md,
-//             "Thirteenth session".)
+//             per-CTA adds of the thirteenth session; A/B).
 //   bit 8 (256) combine receive in series: the prefix counts (step 4), then the ready wait and
 //             the ranges (step 5), then the first group's ids and weights (the code before the
 //             thirteenth session, where warp 0 waits and reads the ranges while the other warps
-//             count and load; A/B). (An A/B of the routing rows loaded by warp 1 with the first
-//             before the dispatch's freed wait, and one routing and quantising the first token
-//             before that wait, measured equal on the proxy and were not kept; a receive by
-//             tokens, each message read once and stored to all its expert rows, was slower.)
+//             count and load; A/B).
+//   (Tried in the thirteenth session on the one-GPU proxy and not kept — docs/perf-cuda-ll.md,
+//   "Thirteenth session": a receive balanced over the CTAs by rows and a receive by tokens, each
+//   message read once and stored to all its expert rows (both slower); the routing rows loaded
+//   by warp 1 with the first before the freed wait, and the first token routed and quantised
+//   before that wait (both equal).)
 inline constexpr int32_t kLlVariantCopyOne = 1;
 inline constexpr int32_t kLlVariantRecvPerSource = 64;
 inline constexpr int32_t kLlVariantLastCtaFinish = 128;
