@@ -542,9 +542,9 @@ int bad_expert_case(bool one_gpu) {
   const int K = c.p.top_k;
   dropped.in[0].topk_idx[3 * K + 2] = -1;
   dropped.in[0].topk_idx[9 * K + 0] = -1;
-  testing::finish_ll_batch(c, dropped,
-                           rng);  // what rank 0's routing means once the bad ids are dropped
-  Batch bad = dropped;            // what rank 0 passes
+  // What rank 0's routing means once the bad ids are dropped.
+  testing::finish_ll_batch(c, dropped, rng);
+  Batch bad = dropped;  // what rank 0 passes
   bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
   bad.in[0].topk_idx[9 * K + 0] = -7;
   const auto body = [&](const Group& g) {
