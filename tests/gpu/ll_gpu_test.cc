@@ -19,6 +19,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -235,15 +236,42 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
   return err;
 }
 
+// The stream a test rank works on: under run_cuda_ranks_one_gpu the rank's own stream, else one
+// created here with `flags` (cudaStreamCreateWithFlags) and destroyed with this object.
+class RankStream {
+ public:
+  explicit RankStream(unsigned flags = cudaStreamDefault) : stream_(gpu_testing::rank_stream()) {
+    if (!stream_) {
+      CUDA_OK(cudaStreamCreateWithFlags(&own_, flags));
+      stream_ = own_;
+    }
+  }
+  ~RankStream() {
+    if (own_) cudaStreamDestroy(own_);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t own_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+// `body` on R forked GPU ranks, or on R ranks sharing GPU 0 when `one_gpu`.
+int run_ranks(int R, bool one_gpu, const std::function<int(const Group&)>& body,
+              GroupOptions options = {}) {
+  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(R, 0, body, options)
+                 : run_cuda_ranks(R, body, options);
+}
+
 // Runs `cases` on R forked GPU ranks, or on R ranks sharing GPU 0 when `one_gpu` (one group; one
 // Buffer per case). Returns the number of failing cases over all ranks; failures are printed.
 int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vector<Batch>>& data,
               bool one_gpu = false) {
   const auto body = [&](const Group& g) {
-    cudaStream_t own = nullptr;
-    if (!gpu_testing::rank_stream())
-      CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
-    cudaStream_t stream = gpu_testing::stream_or(own);
+    const RankStream rs(cudaStreamNonBlocking);
+    const cudaStream_t stream = rs.get();
     int bad = 0;
     for (int variant : kLlVariants) {
       detail::set_ll_variant_override(variant);
@@ -263,10 +291,9 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
       if (bad >= 3) break;
     }
     detail::set_ll_variant_override(-1);
-    if (own) cudaStreamDestroy(own);
     return bad;
   };
-  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(R, 0, body) : run_cuda_ranks(R, body);
+  return run_ranks(R, one_gpu, body);
 }
 
 // ---- random and fixed cases ---------------------------------------------------------------
@@ -566,8 +593,8 @@ int bad_expert_case(bool one_gpu) {
           fail("unexpected error: " + m);
       }
     };
-    cudaStream_t stream = gpu_testing::rank_stream();
-    if (!one_gpu) CUDA_OK(cudaStreamCreate(&stream));
+    std::optional<RankStream> rs(std::in_place);
+    const cudaStream_t stream = rs->get();
     Buffer buf(g, shape_of(c.p), ll_only());
     Tensor x = gpu_testing::to_device(bad.in[r].x, DType::kBF16, {T, H}, dev);
     Tensor topk = upload_topk(bad.in[r].topk_idx, T, K, false, dev);
@@ -597,16 +624,14 @@ int bad_expert_case(bool one_gpu) {
     expect_invalid(buf, "ll_combine");
     err = check_out(c.p, dropped.want_out[r], cr.out);
     if (!err.empty()) fail("combine with dropped selections: " + err);
-    if (!one_gpu) cudaStreamDestroy(stream);
-    // A clean case on a new buffer afterwards.
-    cudaStream_t s2 = gpu_testing::rank_stream();
-    if (!one_gpu) CUDA_OK(cudaStreamCreate(&s2));
-    err = run_rank(c, clean, g, s2);
+    rs.reset();
+    // A clean case on a new buffer (and, with GPUs of their own, a new stream) afterwards.
+    const RankStream s2;
+    err = run_rank(c, clean, g, s2.get());
     if (!err.empty()) fail("clean case after the error: " + err);
-    if (!one_gpu) cudaStreamDestroy(s2);
     return failures;
   };
-  return one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(2, 0, body) : run_cuda_ranks(2, body);
+  return run_ranks(2, one_gpu, body);
 }
 
 TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
@@ -621,10 +646,8 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDroppedOneGpu) {
 
 // A peer that never calls ll_dispatch: the waiting rank's kernel gives up after the group
 // timeout, the next call raises Timeout (naming the operation and the peer), later calls say the
-// ll state is unusable; ll_clean() on every rank resets it and a checked round works again.
-// Rank 1 never calls: rank 0's ll_dispatch times out (Timeout naming ll_dispatch and rank 1,
-// then "unusable"); ll_clean on both ranks; then one checked round on the same Buffer. Two
-// GPUs, or (one_gpu) two ranks sharing GPU 0.
+// ll state is unusable; ll_clean() on every rank resets it and a checked round on the same
+// Buffer works again. Two GPUs, or (one_gpu) two ranks sharing GPU 0.
 int missing_peer_case(bool one_gpu) {
   const Case c = small_case(2, 41);
   const std::vector<Batch> data = testing::make_ll_batches(c);
@@ -641,8 +664,8 @@ int missing_peer_case(bool one_gpu) {
       std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
       ++failures;
     };
-    cudaStream_t stream = gpu_testing::rank_stream();
-    if (!one_gpu) CUDA_OK(cudaStreamCreate(&stream));
+    const RankStream rs;
+    const cudaStream_t stream = rs.get();
     {
       Buffer buf(g, shape_of(c.p), ll_only());
       if (r == 1) {
@@ -708,11 +731,9 @@ int missing_peer_case(bool one_gpu) {
       err += check_out(c.p, data[0].want_out[r], cr.out);
       if (!err.empty()) fail("round after ll_clean: " + err);
     }
-    if (!one_gpu) cudaStreamDestroy(stream);
     return failures;
   };
-  const int rc = one_gpu ? gpu_testing::run_cuda_ranks_one_gpu(2, 0, body, options)
-                         : run_cuda_ranks(2, body, options);
+  const int rc = run_ranks(2, one_gpu, body, options);
   std::remove(done_path.c_str());
   return rc;
 }
