@@ -1,11 +1,15 @@
 // python/src/timing.cc — C++ baselines for the Python call overhead (docs/perf-python.md).
 //
 // Data flow: each function converts its torch inputs once, then calls the epx ops N times in a C++
-// loop with the GIL released and returns nanoseconds per iteration (one dispatch + one combine).
+// loop with the GIL released and returns host nanoseconds per iteration (one dispatch + one
+// combine). With a `sync` callable (CUDA tensors: torch.cuda.synchronize) the loop runs in chunks
+// of `every` iterations and calls it after each chunk, outside the timed spans, so the launch
+// queue never fills and the time is the host's own, not the device's.
 // Outputs come from a caching host allocator (freed blocks of the same size are reused, as
 // PyTorch's allocators do), so the baseline measures the ops, not malloc/mmap of fresh pages.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -51,16 +55,25 @@ class CachingAllocator {
 };
 
 template <typename Body>
-double ns_per_iteration(int iters, Body body) {
-  py::gil_scoped_release nogil;
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) body();
-  const std::chrono::duration<double, std::nano> ns = std::chrono::steady_clock::now() - start;
+double ns_per_iteration(int iters, const py::object& sync, int every, Body body) {
+  if (sync.is_none() || every <= 0) every = iters;
+  std::chrono::duration<double, std::nano> ns{0};
+  for (int done = 0; done < iters;) {
+    const int n = std::min(every, iters - done);
+    {
+      py::gil_scoped_release nogil;
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < n; ++i) body();
+      ns += std::chrono::steady_clock::now() - start;
+    }
+    done += n;
+    if (!sync.is_none()) sync();
+  }
   return ns.count() / (iters > 0 ? iters : 1);
 }
 
 double time_ll(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_idx,
-               py::handle weights, bool use_fp8, int iters) {
+               py::handle weights, bool use_fp8, int iters, const py::object& sync, int every) {
   CachingAllocator cache;
   const Allocator alloc = cache.allocator();
   LlDispatchArgs d;
@@ -70,7 +83,7 @@ double time_ll(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_i
   LlCombineArgs c;
   c.topk_idx = d.topk_idx;
   c.topk_weights = to_view(weights, "topk_weights");
-  return ns_per_iteration(iters, [&] {
+  return ns_per_iteration(iters, sync, every, [&] {
     LlDispatchResult r = b->ll_dispatch(d, alloc);
     Tensor y = alloc(DType::kBF16, {r.recv_x.shape[0], r.recv_x.shape[1], r.recv_x.shape[2]},
                      r.recv_x.device);
@@ -80,13 +93,14 @@ double time_ll(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_i
   });
 }
 
-double time_ht(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_idx, int iters) {
+double time_ht(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_idx, int iters,
+               const py::object& sync, int every) {
   CachingAllocator cache;
   const Allocator alloc = cache.allocator();
   HtDispatchArgs d;
   d.x = to_view(x, "x");
   d.topk_idx = to_view(topk_idx, "topk_idx");
-  return ns_per_iteration(iters, [&] {
+  return ns_per_iteration(iters, sync, every, [&] {
     HtDispatchResult r = b->ht_dispatch(d, alloc);
     HtCombineArgs c;
     c.y = r.recv_x;
@@ -96,7 +110,7 @@ double time_ht(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_i
 }
 
 double time_a2a(const std::shared_ptr<A2a>& a, py::handle topk_idx, const py::list& payloads,
-                py::handle y, int64_t runtime_max, int iters) {
+                py::handle y, int64_t runtime_max, int iters, const py::object& sync, int every) {
   CachingAllocator cache;
   const Allocator alloc = cache.allocator();
   A2aDispatchArgs args;
@@ -104,7 +118,7 @@ double time_a2a(const std::shared_ptr<A2a>& a, py::handle topk_idx, const py::li
   for (size_t i = 0; i < payloads.size(); ++i) args.payloads.push_back(to_view(payloads[i], "p"));
   args.runtime_max_tokens_per_rank = runtime_max;
   const TensorView yv = to_view(y, "y");
-  return ns_per_iteration(iters, [&] {
+  return ns_per_iteration(iters, sync, every, [&] {
     A2aDispatchResult r = a->dispatch(args);
     Tensor out = a->combine(yv, runtime_max, false, nullptr, alloc);
   });
@@ -113,12 +127,22 @@ double time_a2a(const std::shared_ptr<A2a>& a, py::handle topk_idx, const py::li
 }  // namespace
 
 void bind_timing(py::module_& m) {
+  m.def(
+      "_alloc_stats",
+      [](bool reset) {
+        const AllocStats s = torch_alloc_stats(reset);
+        return py::make_tuple(s.calls, s.ns);
+      },
+      py::arg("reset") = false,
+      "(calls, host ns) of the torch.empty allocator since the last reset (reset=True zeroes).");
   m.def("_time_ll_cpp", &time_ll, py::arg("buffer"), py::arg("x"), py::arg("topk_idx"),
-        py::arg("topk_weights"), py::arg("use_fp8"), py::arg("iters"));
+        py::arg("topk_weights"), py::arg("use_fp8"), py::arg("iters"), py::arg("sync") = py::none(),
+        py::arg("every") = 0);
   m.def("_time_ht_cpp", &time_ht, py::arg("buffer"), py::arg("x"), py::arg("topk_idx"),
-        py::arg("iters"));
+        py::arg("iters"), py::arg("sync") = py::none(), py::arg("every") = 0);
   m.def("_time_a2a_cpp", &time_a2a, py::arg("a2a"), py::arg("topk_idx"), py::arg("payloads"),
-        py::arg("y"), py::arg("runtime_max_tokens_per_rank"), py::arg("iters"));
+        py::arg("y"), py::arg("runtime_max_tokens_per_rank"), py::arg("iters"),
+        py::arg("sync") = py::none(), py::arg("every") = 0);
 }
 
 }  // namespace epx::python

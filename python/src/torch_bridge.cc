@@ -7,6 +7,8 @@
 // Buffer/A2a, so the symmetric memory outlives every torch view of it.
 #include "torch_bridge.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -18,6 +20,8 @@ namespace {
 
 // Never destroyed: its Python references must not be released after the interpreter is gone.
 TorchApi* g_api = new TorchApi();
+
+std::atomic<uint64_t> g_alloc_calls{0}, g_alloc_ns{0};
 
 // Owns one reference to a torch tensor; the deleter of an allocated Tensor's storage.
 struct PyRef {
@@ -215,6 +219,7 @@ TensorView to_view(py::handle t, const char* what) {
 const Allocator& torch_allocator() {
   static const Allocator alloc = [](DType dtype, const std::vector<int64_t>& shape,
                                     Device device) -> Tensor {
+    const auto start = std::chrono::steady_clock::now();
     py::gil_scoped_acquire gil;
     py::tuple sizes(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
@@ -231,9 +236,19 @@ const Allocator& torch_allocator() {
     Tensor out;
     static_cast<TensorView&>(out) = TensorView::contiguous(data, dtype, shape, device);
     out.storage = std::shared_ptr<void>(data, PyRef{t.release().ptr(), dtype, shape});
+    const std::chrono::duration<double, std::nano> ns = std::chrono::steady_clock::now() - start;
+    g_alloc_calls.fetch_add(1, std::memory_order_relaxed);
+    g_alloc_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
     return out;
   };
   return alloc;
+}
+
+AllocStats torch_alloc_stats(bool reset) {
+  AllocStats s;
+  s.calls = reset ? g_alloc_calls.exchange(0) : g_alloc_calls.load();
+  s.ns = reset ? g_alloc_ns.exchange(0) : g_alloc_ns.load();
+  return s;
 }
 
 py::object view_to_torch(const TensorView& v, std::shared_ptr<void> owner) {

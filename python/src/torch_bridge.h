@@ -19,6 +19,7 @@
 #include <pybind11/pybind11.h>
 
 #include <array>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -53,6 +54,15 @@ TensorView to_view(py::handle tensor, const char* what);
 
 // An Allocator returning torch tensors; safe to call without the GIL.
 const Allocator& torch_allocator();
+
+// Calls of torch_allocator() and the host nanoseconds spent in them (GIL taken back, torch.empty,
+// data_ptr) since the last reset: the allocation share of a Python call's cost
+// (tests/python/bench_overhead.py). `reset`: zero both after reading.
+struct AllocStats {
+  uint64_t calls = 0;
+  uint64_t ns = 0;
+};
+AllocStats torch_alloc_stats(bool reset);
 
 // epx::Tensor -> torch.Tensor (None when undefined). Tensors that were not made by
 // torch_allocator() are exported through DLPack, kept alive by `fallback_owner` (or their own

@@ -1,12 +1,23 @@
 """Python call overhead of epx ops (SPEC 6: at most 30 us per call in ll and a2a).
 
-One rank (R = 1, gloo), tiny T, so the op itself is short; each pair of calls is timed through
-  cpp      the C++ op in a C++ loop (default allocator)          -- the op's own cost
+One rank (R = 1), tiny T, so the op itself is short; each pair of calls is timed through
+  cpp      the C++ op in a C++ loop (a caching allocator)        -- the op's own host cost
   epx      epx.Buffer / epx.A2a (torch tensors in and out)
   compat   epx.compat.deep_ep / epx.compat.flashinfer
 and the overhead per call is (python - cpp) / 2 (a dispatch and a combine per iteration).
 
-    PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N]
+--device cpu (default): a gloo group, the cpu backend, CPU tensors.
+--device cuda: an NCCL group of one rank on GPU 0, the cuda backend, CUDA tensors. The ops are
+asynchronous there, so every loop runs in chunks of --every iterations with a
+torch.cuda.synchronize() after each chunk, outside the timed spans: the times are the host's
+(the launch queue never fills), except where an op itself waits for the device (ht's exact
+dispatch learns N through one host synchronisation: its row includes that wait). The "stream"
+column is the device's wall time per iteration over one chunk (CUDA events): the rate of eager
+calls back to back. Both devices: "allocs" and "in torch.empty" are the epx row's output
+allocations per iteration and the host time spent in them (epx._epx._alloc_stats), a part of
+its overhead.
+
+    PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N] [--device cuda]
 """
 
 import argparse
@@ -19,18 +30,89 @@ import torch.distributed as dist
 
 import epx
 import epx.compat.deep_ep as deep_ep
+from epx import _epx
 import epx.compat.flashinfer as fi
 
 
-def timed(fn, iters, repeats=9):
-    fn()  # warm up (lazy buffer creation)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return min(samples)  # the least disturbed run: the machine may be shared
+class Clock:
+    """Host time per iteration of fn (best of `repeats` runs: the machine may be shared); on CUDA
+    in chunks of `every` iterations, each followed by an untimed synchronisation."""
+
+    def __init__(self, cuda, every, repeats=9):
+        self.cuda, self.repeats = cuda, repeats
+        self.every = every if cuda else 0
+        self.sync = torch.cuda.synchronize if cuda else None
+        self.stream_us = {}
+        self.alloc = {}  # name -> (allocations, us) per iteration
+
+    def timed(self, fn, iters, name=None):
+        fn()  # warm up (lazy buffer creation)
+        if self.sync:
+            self.sync()
+        every = self.every or iters
+        samples = []
+        _epx._alloc_stats(True)
+        for _ in range(self.repeats):
+            total, done = 0.0, 0
+            while done < iters:
+                n = min(every, iters - done)
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                total += time.perf_counter() - start
+                done += n
+                if self.sync:
+                    self.sync()
+            samples.append(total / iters * 1e6)
+        calls, ns = _epx._alloc_stats(True)
+        if name:
+            n = iters * self.repeats
+            self.alloc[name] = (calls / n, ns / n / 1e3)
+        if self.cuda and name:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(every):
+                fn()
+            end.record()
+            end.synchronize()
+            self.stream_us[name] = begin.elapsed_time(end) * 1e3 / every
+        return min(samples)
+
+    def cpp(self, fn, iters):
+        """A _time_*_cpp baseline (ns per iteration) -> best us of `repeats`."""
+        return min(fn(iters, self.sync, self.every) / 1e3 for _ in range(self.repeats))
+
+
+def ll_parts(clock, buf, x, idx, w, y, iters):
+    """What one ll bf16 dispatch + combine through epx.Buffer is made of, timed apart."""
+    from epx import _torch
+    s = _torch.stream_of(x)
+    nat = buf._native
+
+    def native_pair():  # the extension's calls, without the Python wrappers
+        r = nat.ll_dispatch(x, idx, False, False, False, False, None, s)
+        nat.ll_combine(y, idx, w, r[3], False, False, None, s)
+
+    r = buf.ll_dispatch(x, idx, use_fp8=False)
+    shapes = [(t.shape, t.dtype) for t in (r.recv_x, r.recv_count, r.handle.src_info,
+                                            r.handle.layout_range)]
+    shapes.append(((x.shape[0], x.shape[1]), torch.bfloat16))  # combine's out
+    buf.ll_combine(y, idx, w, r.handle)
+    del r
+
+    def empties():  # the outputs' torch.empty calls, from Python
+        for shape, dtype in shapes:
+            torch.empty(shape, dtype=dtype, device=x.device)
+
+    return [("through epx.Buffer (the table's row)", clock.timed(
+                lambda: (lambda d: buf.ll_combine(y, idx, w, d.handle))(
+                    buf.ll_dispatch(x, idx, use_fp8=False)), iters)),
+            ("through buf._native (no wrapper, stream looked up once)",
+             clock.timed(native_pair, iters)),
+            ("2 stream look-ups (_torch.stream_of)",
+             clock.timed(lambda: (_torch.stream_of(x), _torch.stream_of(w)), iters)),
+            (f"{len(shapes)} torch.empty of the outputs' shapes, from Python",
+             clock.timed(empties, iters))]
 
 
 def main():
@@ -40,27 +122,42 @@ def main():
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--every", type=int, default=32,
+                        help="cuda: iterations between untimed synchronisations")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the parts of the ll bf16 row (wrapper, stream look-up, "
+                        "torch.empty of its outputs' shapes)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
     fd, path = tempfile.mkstemp()
     os.close(fd)
     os.unlink(path)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{path}", rank=0,
+                            world_size=1)
     torch.manual_seed(0)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    clock = Clock(cuda, args.every, args.repeats)
     # Small outputs (tens of KB) keep host malloc out of the picture: the question is the cost of
     # the Python call, not of the cpu backend's memory traffic.
     T, H, K, E, T_max = args.tokens, args.hidden, 8, args.experts, args.max_tokens
-    x = torch.randn(T, H).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    w = torch.rand(T, K)
+    x = torch.randn(T, H).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K).to(dev)
     rows = []
 
     # ---- ll ----
     group = epx.Group.from_process_group()
     buf = epx.Buffer(group, H, K, E, T_max, enable_ht=False, enable_ll=True)
-    y = torch.zeros(E, T_max, H, dtype=torch.bfloat16)
+    y = torch.zeros(E, T_max, H, dtype=torch.bfloat16, device=dev)
     for fp8 in (False, True):
-        cpp = min(epx._epx._time_ll_cpp(buf._native, x, idx, w, fp8, args.iters) / 1e3
-                                for _ in range(9))
+        cpp = clock.cpp(
+            lambda n, s, e: epx._epx._time_ll_cpp(buf._native, x, idx, w, fp8, n, s, e), args.iters)
 
         def epx_ll():
             r = buf.ll_dispatch(x, idx, use_fp8=fp8)
@@ -73,60 +170,75 @@ def main():
             dbuf.low_latency_combine(y, idx, w, r[2])
 
         name = "ll fp8" if fp8 else "ll bf16"
-        rows.append((name, cpp, timed(epx_ll, args.iters), timed(compat_ll, args.iters)))
+        rows.append((name, cpp, clock.timed(epx_ll, args.iters, name),
+                     clock.timed(compat_ll, args.iters)))
+        if args.parts and not fp8:
+            parts = ll_parts(clock, buf, x, idx, w, y, args.iters)
 
     # ---- a2a ----
     idx32 = idx.to(torch.int32)
     payloads = [x, idx32, w]
     a2a = epx.A2a(group, T_max, K, E, [H * 2, K * 4, K * 4], H * 2)
-    ya = torch.zeros(1, T, H, dtype=torch.bfloat16)
-    cpp = min(epx._epx._time_a2a_cpp(a2a._native, idx32, payloads, ya, T,
-                                                    args.iters) / 1e3
-                            for _ in range(9))
+    ya = torch.zeros(1, T, H, dtype=torch.bfloat16, device=dev)
+    cpp = clock.cpp(
+        lambda n, s, e: epx._epx._time_a2a_cpp(a2a._native, idx32, payloads, ya, T, n, s, e),
+        args.iters)
 
     def epx_a2a():
         a2a.dispatch(idx32, payloads, T)
         a2a.combine(ya, T)
 
     mapping = fi.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1)
-    moe = fi.MoeAlltoAll(mapping, T_max, K, E, hidden_size=H)
+    moe = fi.MoeAlltoAll(mapping, T_max, K, E, hidden_size=H, backend=args.device)
 
     def compat_a2a():
         moe.dispatch(idx32, payloads, T)
         moe.combine(ya, T)
 
-    rows.append(("a2a bf16", cpp, timed(epx_a2a, args.iters), timed(compat_a2a, args.iters)))
+    rows.append(("a2a bf16", cpp, clock.timed(epx_a2a, args.iters, "a2a bf16"),
+                 clock.timed(compat_a2a, args.iters)))
 
     # ---- ht ----
     try:
-        hbuf = epx.Buffer(group, H, K, E, 64)
-        cpp = min(epx._epx._time_ht_cpp(hbuf._native, x, idx, args.iters) / 1e3
-                                for _ in range(9))
+        hbuf = epx.Buffer(group, H, K, E, max(64, T))
+        cpp = clock.cpp(lambda n, s, e: epx._epx._time_ht_cpp(hbuf._native, x, idx, n, s, e),
+                        args.iters // 4)
 
         def epx_ht():
             r = hbuf.ht_dispatch(x, idx, w)
             hbuf.ht_combine(r.recv_x, r.handle)
 
         dht = deep_ep.Buffer(dist.group.WORLD)
-        per_expert = torch.zeros(E, dtype=torch.int32)
+        per_expert = torch.zeros(E, dtype=torch.int32, device=dev)
 
         def compat_ht():
             r = dht.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
             dht.combine(r[0], r[4])
 
-        rows.append(("ht bf16", cpp, timed(epx_ht, args.iters // 4),
-                     timed(compat_ht, args.iters // 4)))
+        rows.append(("ht bf16", cpp, clock.timed(epx_ht, args.iters // 4, "ht bf16"),
+                     clock.timed(compat_ht, args.iters // 4)))
     except epx.Unsupported as e:
         print(f"ht skipped: {e}")
 
-    print(f"T={T} H={H} K={K} E={E} T_max={T_max} R=1 cpu backend, torch {torch.__version__}, "
-          f"{args.iters} iterations, best of 9")
+    where = (f"cuda backend on {torch.cuda.get_device_name(0)}, chunks of {args.every}" if cuda
+             else "cpu backend")
+    print(f"T={T} H={H} K={K} E={E} T_max={T_max} R=1 {where}, torch {torch.__version__}, "
+          f"{args.iters} iterations (ht: {args.iters // 4}), best of {args.repeats}")
+    stream_head = " stream us (epx) |" if cuda else ""
     print("| op (dispatch + combine) | C++ loop us | epx.Buffer/A2a us | compat us | "
-          "overhead per call, epx | overhead per call, compat |")
-    print("|---|---|---|---|---|---|")
+          f"overhead per call, epx | overhead per call, compat | allocs (epx) | "
+          f"in torch.empty us (epx) |{stream_head}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for name, cpp, e, c in rows:
+        stream = f" {clock.stream_us[name]:.1f} |" if cuda else ""
+        allocs, alloc_us = clock.alloc[name]
         print(f"| {name} | {cpp:.1f} | {e:.1f} | {c:.1f} | {(e - cpp) / 2:.1f} | "
-              f"{(c - cpp) / 2:.1f} |")
+              f"{(c - cpp) / 2:.1f} | {allocs:.1f} | {alloc_us:.1f} |{stream}")
+    if args.parts:
+        print("| ll bf16 dispatch + combine, part | us per iteration |")
+        print("|---|---|")
+        for name, us in parts:
+            print(f"| {name} | {us:.1f} |")
     dist.destroy_process_group()
 
 

@@ -12,8 +12,11 @@ How it maps, and what differs:
   when that is given too; with only ``workspace_size_per_rank`` it is what fits in it.
 * The group: ``mnnvl_config.comm_backend`` (anything with Get_rank / Get_size / allgather, e.g.
   :class:`TorchDistBackend` or an engine's CommBackend over a ProcessGroup) bootstraps the epx
-  group; without it the default torch.distributed group is used. CPU tensors use the cpu
-  backend; GPU tensors the cuda backend (choose with the epx-only keyword ``backend=``).
+  group; without it the default torch.distributed group is used. The backend is chosen when the
+  MoeAlltoAll is made, before any tensor is seen: cuda where epx was built with CUDA and torch
+  sees a GPU, else cpu; the epx-only keyword ``backend="cpu"`` / ``"cuda"`` overrides it. The
+  tensors must then be on that backend's device (cpu tensors on a cuda MoeAlltoAll raise
+  InvalidArgument naming the argument and the device expected).
 * State machine: dispatch -> combine -> dispatch; anything else raises InvalidArgument (epx::A2a
   enforces it too). ``get_combine_payload_tensor_in_workspace`` is valid between dispatch and
   combine.

@@ -1,0 +1,48 @@
+"""tests/python/bench_overhead.py (the Python call overhead of SPEC 6) runs end to end: on CI on
+the cpu backend (one gloo rank); on a GPU machine also with --device cuda (one NCCL rank, CUDA
+tensors: the chunked host timing and the stream column), skipped with the reason elsewhere."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPS = ("ll bf16", "ll fp8", "a2a bf16", "ht bf16")
+
+
+def run_overhead(*flags):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "python", "bench_overhead.py"),
+                        "--iters", "40", "--repeats", "2", *flags],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {}
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] in OPS:
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    assert set(rows) == set(OPS), r.stdout
+    for op, (cpp, epx_us, compat_us, *rest) in rows.items():
+        # Host times per iteration: positive (the overheads, differences of noisy times, may not
+        # be).
+        assert cpp > 0 and epx_us > 0 and compat_us > 0, (op, rows[op])
+        allocs, alloc_us, *stream = rest[2:]
+        assert allocs >= 1 and alloc_us > 0, (op, rows[op])  # every op allocates an output
+        assert all(v > 0 for v in stream), (op, rows[op])  # cuda: the stream column
+    return r.stdout, rows
+
+
+def test_overhead_script_runs_on_the_cpu_backend():
+    out, rows = run_overhead()
+    assert "R=1 cpu backend" in out
+    assert all(len(v) == 7 for v in rows.values()), out
+
+
+@pytest.mark.gpu  # skipped with the reason where there is no GPU (conftest.py)
+def test_overhead_script_runs_on_the_cuda_backend():
+    out, rows = run_overhead("--device", "cuda", "--every", "8")
+    assert "cuda backend on" in out
+    assert all(len(v) == 8 for v in rows.values()), out
