@@ -14,8 +14,8 @@ torch.cuda.synchronize() after each chunk, outside the timed spans: the times ar
 dispatch learns N through one host synchronisation: its row includes that wait). The "stream"
 column is the device's wall time per iteration over one chunk (CUDA events): the rate of eager
 calls back to back. Both devices: "allocs" and "in torch.empty" are the epx row's output
-allocations per iteration and the host time spent in them (epx._epx._alloc_stats), a part of
-its overhead.
+allocations per iteration and the host time spent in them (epx._epx._alloc_stats; the mean over
+all runs, where the row is the best run), a part of its overhead.
 
     PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N] [--device cuda]
 """
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 import epx
 import epx.compat.deep_ep as deep_ep
-from epx import _epx
 import epx.compat.flashinfer as fi
+from epx import _epx
 
 
 class Clock:
