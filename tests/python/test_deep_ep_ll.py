@@ -307,3 +307,71 @@ def test_low_latency_rdma_size_hint():
                                         "cuda" if epx.built_with_cuda else "cpu")
     with pytest.raises(epx.InvalidArgument, match="hidden"):
         deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 0, 2, 256)
+
+
+def body_ll_graph(ctx, seed, hooked, num_replays=20):
+    """GPU only (torch.cuda.graph), as engines capture DeepEP's low-latency calls in their decode
+    graphs: fp8 (UE8M0) dispatch + combine of fixed T captured on a side stream — with
+    `hooked`, both receive hooks called inside the capture and combine's expert outputs written
+    through get_next_low_latency_combine_buffer (zero_copy) —, then replayed on new inputs
+    copied into the captured tensors. Before every replay its outputs are poisoned; after it
+    every valid element is compared with reference.py bit for bit."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 4 * R
+    L = E // R
+    T_max = 16
+    T = T_max - 3  # the same on every rank and replay (a graph's shapes are fixed)
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+
+    def call_inputs(call):
+        kind = ref.ROUTINGS[call % len(ref.ROUTINGS)]
+        inputs = _inputs(seed + call, R, E, lambda src: T, kind)
+        return inputs, [_y(seed + call, d, L, R, T_max) for d in range(R)]
+
+    inputs, ys = call_inputs(0)
+    x = inputs[r]["x"].to(dev)
+    idx = inputs[r]["topk_idx"].to(dev)
+    w = inputs[r]["topk_weights"].to(dev)
+    y = ys[r].to(dev)
+
+    def step():
+        res = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=True, round_scale=True,
+                                       use_ue8m0=True, return_recv_hook=hooked)
+        if hooked:
+            res[4]()
+            buf.get_next_low_latency_combine_buffer(res[2]).copy_(y)
+        out, _, hook = buf.low_latency_combine(y, idx, w, res[2], zero_copy=hooked,
+                                               return_recv_hook=hooked)
+        if hooked:
+            hook()
+        return res, out
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # eager first: creates the buffer (collective, allocates)
+        res, out = step()
+    side.synchronize()
+    what = f"seed={seed} hooked={hooked} eager"
+    _check_dispatch(ctx, inputs, res, E, T_max, True, True, True, what)
+    _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), inputs[r]["topk_idx"], L,
+                     what, buf)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        res, out = step()
+    (recv_x, scales), count = res[0], res[1]
+    for call in range(1, num_replays + 1):
+        what = f"seed={seed} hooked={hooked} replay={call}"
+        inputs, ys = call_inputs(call)
+        for dst, src in ((x, inputs[r]["x"]), (idx, inputs[r]["topk_idx"]),
+                         (w, inputs[r]["topk_weights"]), (y, ys[r])):
+            dst.copy_(src)
+        recv_x.view(torch.uint8).fill_(0xFF)  # e4m3 NaN
+        scales.fill_(-1)
+        count.fill_(-1)
+        out.view(torch.int16).fill_(-1)  # bf16 NaN
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        _check_dispatch(ctx, inputs, res, E, T_max, True, True, True, what)
+        _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), inputs[r]["topk_idx"],
+                         L, what, buf)
+    return num_replays

@@ -52,6 +52,13 @@ def test_gpu_deep_ep_low_latency(gpu_pool, body):
     gpu_pool.run(body, _seed())
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["fused", "hooks_zero_copy"])
+def test_gpu_deep_ep_low_latency_graph(gpu_pool, hooked):
+    """epx.compat.deep_ep's low-latency calls captured with torch.cuda.graph and replayed on new
+    inputs, every replay checked (test_deep_ep_ll.body_ll_graph)."""
+    assert gpu_pool.run(ll.body_ll_graph, _seed(), hooked) == [20] * gpu_pool.world_size
+
+
 def test_gpu_ht_zero_copy(gpu_pool):
     gpu_pool.run(test_epx.body_native_ht_zero_copy, _seed())
 
