@@ -214,3 +214,62 @@ def test_workspace_size_per_rank():
     assert fi.moe_a2a_get_workspace_size_per_rank(R, 2 * T, D, C) > n
     with pytest.raises(epx.InvalidArgument, match="ep_size"):
         fi.moe_a2a_get_workspace_size_per_rank(0, T, D, C)
+
+
+def body_a2a_graph(ctx, seed, in_ws, num_replays=20):
+    """GPU only (torch.cuda.graph), as TensorRT-LLM and vLLM capture MoeAlltoAll in their decode
+    graphs: dispatch of four payloads + combine (with `in_ws`, the expert outputs written into
+    get_combine_payload_tensor_in_workspace) captured on a side stream, then replayed on new
+    inputs and routings copied into the captured tensors. The received views, recv_counts and the
+    combined output are poisoned before every replay and compared with reference.py bit for bit
+    after it."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    max_tokens = 12
+    T = M = max_tokens - 2  # the same on every rank and replay (a graph's shapes are fixed)
+    a2a = fi.MoeAlltoAll(_mapping(ctx), max_tokens, K, E, hidden_size=H, backend="cuda",
+                         mnnvl_config=fi.MnnvlConfig(comm_backend=fi.TorchDistBackend(ctx.group)))
+
+    def call_inputs(call):
+        kind = ref.ROUTINGS[call % len(ref.ROUTINGS)]
+        inputs = _inputs(seed + call, R, E, lambda src: T, kind)
+        return inputs, [ref.rand_bf16((R, M, H), ref.generator(seed + call, d, "y"), 2.0)
+                        for d in range(R)]
+
+    inputs, ys = call_inputs(0)
+    idx, payloads = _on(inputs[r], dev)
+    y = ys[r].to(dev)
+
+    def step():
+        recv = a2a.dispatch(idx, payloads, M)
+        if in_ws:
+            view = a2a.get_combine_payload_tensor_in_workspace(M, H, torch.bfloat16)
+            view.copy_(y)
+            return recv, a2a.recv_counts, a2a.combine(view, M, payload_in_workspace=True)
+        return recv, a2a.recv_counts, a2a.combine(y, M)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # eager first: creates the workspace (collective, allocates)
+        recv, counts, out = step()
+    side.synchronize()
+    what = f"seed={seed} in_ws={in_ws} eager"
+    assert counts.cpu().tolist() == _check_recv(ctx, inputs, recv, M, E, None, what), what
+    assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), what
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        recv, counts, out = step()
+    for call in range(1, num_replays + 1):
+        what = f"seed={seed} in_ws={in_ws} replay={call}"
+        inputs, ys = call_inputs(call)
+        for dst, src in zip([idx, *payloads, y], [inputs[r]["topk_idx"], *inputs[r]["payloads"],
+                                                  ys[r]]):
+            dst.copy_(src)
+        for t in [*recv, counts, out]:
+            t.fill_(float("nan") if t.is_floating_point() else (0xA5 if t.dtype == torch.uint8
+                                                                 else -7))
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        assert counts.cpu().tolist() == _check_recv(ctx, inputs, recv, M, E, None, what), what
+        assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), what
+    return num_replays

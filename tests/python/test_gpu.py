@@ -67,6 +67,13 @@ def test_gpu_flashinfer_a2a(gpu_pool):
     gpu_pool.run(a2a.body_a2a_roundtrip, _seed())
 
 
+@pytest.mark.parametrize("in_ws", [False, True], ids=["copied", "payload_in_workspace"])
+def test_gpu_flashinfer_a2a_graph(gpu_pool, in_ws):
+    """epx.compat.flashinfer's MoeAlltoAll dispatch + combine captured with torch.cuda.graph and
+    replayed on new inputs, every replay checked (test_flashinfer.body_a2a_graph)."""
+    assert gpu_pool.run(a2a.body_a2a_graph, _seed(), in_ws) == [20] * gpu_pool.world_size
+
+
 def test_gpu_tensor_bridge():
     """CUDA tensors cross as device views on the current stream; outputs come from the caching
     allocator (torch.cuda.memory_allocated grows by the output sizes)."""
