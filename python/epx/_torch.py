@@ -1,8 +1,9 @@
 """The torch side of the bridge: dtype tables, streams, and registering both with epx._epx.
 
-epx's C++ core never includes torch; at import this module hands the extension torch.empty (the
-allocator every op uses for its outputs), torch.utils.dlpack.from_dlpack (for workspace views),
-the dtype tables and the exception classes.
+epx's C++ core never includes torch; at import this module hands the extension torch.empty (from
+which the allocator every op uses for its outputs makes one 0-element template tensor per dtype
+and device, whose new_empty makes the outputs), torch.utils.dlpack.from_dlpack (for workspace
+views), the dtype tables and the exception classes.
 """
 
 import torch

@@ -4,9 +4,10 @@
 // attribute protocol of torch.Tensor and DLPack):
 //   torch.Tensor --to_view()--> epx::TensorView   data_ptr(), dtype, shape, stride(), device read
 //                                                  through Python attributes; nothing is copied
-//   epx op --Allocator--> torch.empty(shape, dtype, device)  outputs come from PyTorch's allocator
-//                                                  (the caching allocator on GPU); the Tensor's
-//                                                  storage holds a reference to the torch tensor
+//   epx op --Allocator--> template.new_empty(shape)  outputs come from PyTorch's allocator (the
+//                                                  caching allocator on GPU; template: a cached
+//                                                  0-element tensor of the dtype and device); the
+//                                                  Tensor's storage holds a reference to it
 //   epx::Tensor --to_torch()--> torch.Tensor       the allocated torch tensor itself, or
 //                                                  as_strided() on it when the op returned a view
 //                                                  with other strides (column-major scales)
@@ -55,7 +56,7 @@ TensorView to_view(py::handle tensor, const char* what);
 // An Allocator returning torch tensors; safe to call without the GIL.
 const Allocator& torch_allocator();
 
-// Calls of torch_allocator() and the host nanoseconds spent in them (GIL taken back, torch.empty,
+// Calls of torch_allocator() and the host nanoseconds spent in them (GIL taken back, new_empty,
 // data_ptr) since the last reset: the allocation share of a Python call's cost
 // (tests/python/bench_overhead.py). `reset`: zero both after reading.
 struct AllocStats {
@@ -63,6 +64,10 @@ struct AllocStats {
   uint64_t ns = 0;
 };
 AllocStats torch_alloc_stats(bool reset);
+
+// How torch_allocator() makes a tensor: a cached 0-element template's new_empty(sizes) (true,
+// the default) or torch.empty(sizes, dtype=, device=) (false; bench_overhead.py's A/B).
+void set_torch_alloc_new_empty(bool on);
 
 // epx::Tensor -> torch.Tensor (None when undefined). Tensors that were not made by
 // torch_allocator() are exported through DLPack, kept alive by `fallback_owner` (or their own

@@ -18,12 +18,12 @@ overhead() {  # NAME TIMEOUT_S ARGS...
   tail -5 "$OUT/$name.err"
 }
 echo "== cuda, tiny shape"
-overhead oh_cuda 120 --device cuda --iters 3000 --parts
+overhead oh_cuda 150 --device cuda --iters 3000 --parts --alloc-ab
 echo "== cuda, ll decode shape (T = 128, H = 7168, E = 256, T_max = 128)"
 overhead oh_cuda_decode 150 --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 \
   --max-tokens 128
 echo "== cpu backend, this host"
-overhead oh_cpu 120 --iters 3000 --parts
+overhead oh_cpu 150 --iters 3000 --parts --alloc-ab
 echo "== pytest test_overhead_script.py"
 PYTHONPATH="$PWD/python" timeout 200 "$PY" -m pytest -q -rs tests/python/test_overhead_script.py \
   > "$OUT/oh_pytest.log" 2>&1

@@ -13,7 +13,7 @@ torch.cuda.synchronize() after each chunk, outside the timed spans: the times ar
 (the launch queue never fills), except where an op itself waits for the device (ht's exact
 dispatch learns N through one host synchronisation: its row includes that wait). The "stream"
 column is the device's wall time per iteration over one chunk (CUDA events): the rate of eager
-calls back to back. Both devices: "allocs" and "in torch.empty" are the epx row's output
+calls back to back. Both devices: "allocs" and "in the allocator" are the epx row's output
 allocations per iteration and the host time spent in them (epx._epx._alloc_stats; the mean over
 all runs, where the row is the best run), a part of its overhead.
 
@@ -126,6 +126,9 @@ def main():
     parser.add_argument("--every", type=int, default=32,
                         help="cuda: iterations between untimed synchronisations")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--alloc-ab", action="store_true",
+                        help="also time the epx rows with outputs made by torch.empty instead of "
+                        "the default new_empty on a cached template")
     parser.add_argument("--parts", action="store_true",
                         help="also time the parts of the ll bf16 row (wrapper, stream look-up, "
                         "torch.empty of its outputs' shapes)")
@@ -150,6 +153,7 @@ def main():
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(dev)
     w = torch.rand(T, K).to(dev)
     rows = []
+    epx_fns = {}  # name -> (the epx row's body, iterations), for --alloc-ab
 
     # ---- ll ----
     group = epx.Group.from_process_group()
@@ -159,17 +163,18 @@ def main():
         cpp = clock.cpp(
             lambda n, s, e: epx._epx._time_ll_cpp(buf._native, x, idx, w, fp8, n, s, e), args.iters)
 
-        def epx_ll():
+        def epx_ll(fp8=fp8):  # bound now: --alloc-ab calls it after the loop
             r = buf.ll_dispatch(x, idx, use_fp8=fp8)
             buf.ll_combine(y, idx, w, r.handle)
 
         dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
 
-        def compat_ll():
+        def compat_ll(fp8=fp8):
             r = dbuf.low_latency_dispatch(x, idx, T_max, E, use_fp8=fp8)
             dbuf.low_latency_combine(y, idx, w, r[2])
 
         name = "ll fp8" if fp8 else "ll bf16"
+        epx_fns[name] = (epx_ll, args.iters)
         rows.append((name, cpp, clock.timed(epx_ll, args.iters, name),
                      clock.timed(compat_ll, args.iters)))
         if args.parts and not fp8:
@@ -195,6 +200,7 @@ def main():
         moe.dispatch(idx32, payloads, T)
         moe.combine(ya, T)
 
+    epx_fns["a2a bf16"] = (epx_a2a, args.iters)
     rows.append(("a2a bf16", cpp, clock.timed(epx_a2a, args.iters, "a2a bf16"),
                  clock.timed(compat_a2a, args.iters)))
 
@@ -215,6 +221,7 @@ def main():
             r = dht.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
             dht.combine(r[0], r[4])
 
+        epx_fns["ht bf16"] = (epx_ht, args.iters // 4)
         rows.append(("ht bf16", cpp, clock.timed(epx_ht, args.iters // 4, "ht bf16"),
                      clock.timed(compat_ht, args.iters // 4)))
     except epx.Unsupported as e:
@@ -227,13 +234,27 @@ def main():
     stream_head = " stream us (epx) |" if cuda else ""
     print("| op (dispatch + combine) | C++ loop us | epx.Buffer/A2a us | compat us | "
           f"overhead per call, epx | overhead per call, compat | allocs (epx) | "
-          f"in torch.empty us (epx) |{stream_head}")
+          f"in the allocator us (epx) |{stream_head}")
     print("|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for name, cpp, e, c in rows:
         stream = f" {clock.stream_us[name]:.1f} |" if cuda else ""
         allocs, alloc_us = clock.alloc[name]
         print(f"| {name} | {cpp:.1f} | {e:.1f} | {c:.1f} | {(e - cpp) / 2:.1f} | "
               f"{(c - cpp) / 2:.1f} | {allocs:.1f} | {alloc_us:.1f} |{stream}")
+    if args.alloc_ab:
+        # The bridge's two ways of making an output, same process: new_empty on a cached
+        # template (the default), torch.empty(sizes, dtype=, device=), new_empty again (drift).
+        print("| op (epx row) | us, new_empty | us, torch.empty | us, new_empty again | "
+              "in alloc us, new_empty | in alloc us, torch.empty |")
+        print("|---|---|---|---|---|---|")
+        for name, (fn, n) in epx_fns.items():
+            times, alloc_us = [], []
+            for on in (True, False, True):
+                _epx._set_alloc_new_empty(on)
+                times.append(clock.timed(fn, n, name))
+                alloc_us.append(clock.alloc[name][1])
+            print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "
+                  f"{alloc_us[0]:.1f} | {alloc_us[1]:.1f} |")
     if args.parts:
         print("| ll bf16 dispatch + combine, part | us per iteration |")
         print("|---|---|")
