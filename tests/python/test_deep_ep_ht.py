@@ -420,3 +420,71 @@ def test_buffer_static():
     expect = epx.built_with_cuda and torch.cuda.is_available() and \
         torch.cuda.get_device_capability()[0] >= 9
     assert deep_ep.Buffer.is_sm90_compiled() == expect
+
+
+def body_ht_graph(ctx, seed, num_replays=20):
+    """GPU only (torch.cuda.graph): normal-mode dispatch in worst-case mode (num_worst_tokens,
+    no host synchronisation) + combine captured on a side stream after an eager call of the
+    shape, then replayed on new inputs and routings copied into the captured tensors (N, the
+    rows received, changes every replay; the outputs keep W rows). The outputs are poisoned
+    before every replay and compared with reference.py bit for bit after it: the first N rows,
+    topk_idx -1 past them, and the combined tokens (y's rows past N are NaN: never read)."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    T = 9  # every rank, every replay (a graph's shapes are fixed)
+    W = R * T  # no rank can receive more (each token reaches a rank once)
+    buf = deep_ep.Buffer(ctx.group)
+    per_expert = torch.zeros(E, dtype=torch.int32, device=dev)
+
+    def call_inputs(call):
+        kind = ref.ROUTINGS[call % len(ref.ROUTINGS)]
+        inputs = _inputs(seed + call, R, E, lambda s: T, kind)
+        want = ref.ht_dispatch(inputs, r, E, R)
+        N = len(want["recv_src_idx"])
+        ys = [ref.rand_bf16((len(ref.ht_dispatch(inputs, d, E, R)["recv_src_idx"]), H),
+                            ref.generator(seed + call, d, "y")) for d in range(R)]
+        y = torch.cat([ys[r], torch.full((W - N, H), float("nan"), dtype=torch.bfloat16)])
+        return inputs, want, N, ys, y
+
+    inputs, want, N, ys, y_host = call_inputs(0)
+    x = inputs[r]["x"].to(dev)
+    idx = inputs[r]["topk_idx"].to(dev)
+    w = inputs[r]["topk_weights"].to(dev)
+    y = y_host.to(dev)
+
+    def step():
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+            num_worst_tokens=W)
+        combined, _, _ = buf.combine(y, handle)
+        return recv_x, recv_idx, recv_w, combined
+
+    def check(outs, inputs, want, N, ys, what):
+        recv_x, recv_idx, recv_w, combined = [t.cpu() for t in outs]
+        assert list(recv_x.shape) == [W, H] and list(recv_idx.shape) == [W, K], what
+        assert torch.equal(recv_x[:N], want["recv_x"]), what
+        assert torch.equal(recv_idx[:N], want["recv_topk_idx"]), what
+        assert bool((recv_idx[N:] == -1).all()), what
+        assert torch.equal(recv_w[:N], want["recv_topk_weights"]), what
+        assert torch.equal(combined, ref.ht_combine(inputs, ys, r, E, R)), what
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # eager first: sizes the buffer (collective, allocates)
+        outs = step()
+    side.synchronize()
+    check(outs, inputs, want, N, ys, f"seed={seed} eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        outs = step()
+    for call in range(1, num_replays + 1):
+        inputs, want, N, ys, y_host = call_inputs(call)
+        for dst, src in ((x, inputs[r]["x"]), (idx, inputs[r]["topk_idx"]),
+                         (w, inputs[r]["topk_weights"]), (y, y_host)):
+            dst.copy_(src)
+        for t in outs:
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        check(outs, inputs, want, N, ys, f"seed={seed} replay={call} N={N}")
+    return num_replays

@@ -59,6 +59,13 @@ def test_gpu_deep_ep_low_latency_graph(gpu_pool, hooked):
     assert gpu_pool.run(ll.body_ll_graph, _seed(), hooked) == [20] * gpu_pool.world_size
 
 
+def test_gpu_deep_ep_normal_graph(gpu_pool):
+    """epx.compat.deep_ep's worst-case normal-mode dispatch + combine captured with
+    torch.cuda.graph and replayed on new inputs, every replay checked
+    (test_deep_ep_ht.body_ht_graph)."""
+    assert gpu_pool.run(ht.body_ht_graph, _seed()) == [20] * gpu_pool.world_size
+
+
 def test_gpu_ht_zero_copy(gpu_pool):
     gpu_pool.run(test_epx.body_native_ht_zero_copy, _seed())
 
