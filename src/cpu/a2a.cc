@@ -235,15 +235,34 @@ void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
   header(group.rank())->active_mask = mask;
   transport().resync(op, mask, 2 * group.timeout());
   active_mask = mask;  // (epx::A2a stores it again once this returned)
-  auto show = [this](int64_t v) {
+  auto show = [this](uint64_t v) {
     std::string s = "[";
-    for (int p = 0; p < group.size(); ++p) s += (static_cast<uint64_t>(v) >> p & 1) ? "1" : "0";
+    for (int p = 0; p < group.size(); ++p) s += (v >> p & 1) ? "1" : "0";
     return s + "] (rank 0 first)";
   };
-  agree(
-      op, "argument 'active'",
-      [](const CpuA2aHeader& h) { return static_cast<int64_t>(h.active_mask); }, show);
-  barrier(op);  // nobody rewrites its header while a member still reads it
+  // Masks that differ are memberships that differ: ranks that agree among themselves may not
+  // count this one and go on without it, so a barrier over this rank's members could wait for
+  // them in vain. The members that published this rank's mask (itself included) finish together
+  // — nobody rewrites its header while one of them still reads it — and each raises.
+  uint64_t same = 0, other_mask = 0;
+  int other = -1;
+  for (int p = 0; p < group.size(); ++p) {
+    if (!is_active(p)) continue;
+    const uint64_t theirs = header(p)->active_mask;
+    if (theirs == mask) {
+      same |= uint64_t{1} << p;
+    } else if (other < 0) {
+      other = p;
+      other_mask = theirs;
+    }
+  }
+  transport().barrier(op, same);
+  if (other >= 0) {
+    throw_error(ErrorCode::kInvalidArgument,
+                cat(op, ": argument 'active' differs across ranks: rank ", group.rank(), " has ",
+                    show(mask), ", rank ", other, " has ", show(other_mask),
+                    "; expected the same value on every active rank"));
+  }
 }
 
 A2aDispatchResult CpuA2a::dispatch(const A2aDispatchArgs& args) {

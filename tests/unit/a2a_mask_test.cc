@@ -325,24 +325,45 @@ TEST(A2aMaskErrors, ArgumentsAreValidated) {
 }
 
 // Rank 2 applies another mask than ranks 0 and 1: it raises InvalidArgument naming the argument;
-// the others (whose masks agree) go on without it.
+// the others (whose masks agree) go on without it. `late`: rank 2 calls only after the others
+// finished their whole cycle (their barriers ran ahead of anything rank 2 can wait for; this
+// order used to leave rank 2 waiting for them until the timeout) — they keep their A2a until
+// rank 2 is done, since it reads their headers.
 TEST(A2aMaskErrors, MasksDifferingAcrossActiveRanks) {
-  std::mt19937_64 rng(611);
-  const A2aProblem config = testing::random_config(rng, 3);
-  A2aProblem p = testing::next_cycle(config, rng);
-  p.active = {true, true, false};
-  Failures f;
-  testing::run_threads(3, [&](const Group& g) {
-    A2a a2a(g, config.shape());
-    if (g.rank() == 2) {
-      expect_error([&] { a2a.set_active_ranks({true, true, true}); },
-                   ErrorCode::kInvalidArgument, "argument 'active' differs across ranks");
-      return;
-    }
-    a2a.set_active_ranks(p.active);
-    f.add("rank " + std::to_string(g.rank()), testing::run_cycle(a2a, p, g.rank(), {}));
-  });
-  EXPECT_TRUE(f.text.empty()) << f.text;
+  for (const bool late : {false, true}) {
+    SCOPED_TRACE(late ? "rank 2 late" : "rank 2 at once");
+    std::mt19937_64 rng(611);
+    const A2aProblem config = testing::random_config(rng, 3);
+    A2aProblem p = testing::next_cycle(config, rng);
+    p.active = {true, true, false};
+    Failures f;
+    std::atomic<int> cycles_done{0};
+    std::atomic<bool> rank2_done{false};
+    auto wait_for = [](auto done) {  // bounded: a missing signal fails the test, never hangs it
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!done() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return done();
+    };
+    const auto start = std::chrono::steady_clock::now();
+    testing::run_threads(3, [&](const Group& g) {
+      A2a a2a(g, config.shape());
+      if (g.rank() == 2) {
+        if (late) EXPECT_TRUE(wait_for([&] { return cycles_done.load() == 2; }));
+        expect_error([&] { a2a.set_active_ranks({true, true, true}); },
+                     ErrorCode::kInvalidArgument, "argument 'active' differs across ranks");
+        rank2_done = true;
+        return;
+      }
+      a2a.set_active_ranks(p.active);
+      f.add("rank " + std::to_string(g.rank()), testing::run_cycle(a2a, p, g.rank(), {}));
+      ++cycles_done;
+      if (late) EXPECT_TRUE(wait_for([&] { return rank2_done.load(); }));
+    });
+    EXPECT_TRUE(f.text.empty()) << f.text;
+    // No rank waited for a timeout (the group's default is 30 s).
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  }
 }
 
 }  // namespace
