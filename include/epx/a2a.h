@@ -121,9 +121,8 @@ class A2a {
   //   - masks that differ between active ranks raise InvalidArgument on the ranks that see it:
   //     the ranks that published a mask other than one of their members'. Ranks that agree among
   //     themselves go on; a rank whose mask counts ranks that do not count it is never answered
-  //     by them — cpu: it still raises InvalidArgument (it reads their published masks); cuda:
-  //     it cannot see their masks and its resynchronisation raises Timeout after 2x the group
-  //     timeout.
+  //     by them, and raises InvalidArgument too, at once (it reads the masks they published),
+  //     on both backends.
   // cpu: blocking; waits up to 2x the group timeout for the other active ranks (they may still be
   //   running into their own Timeout), else raises Timeout (the object stays unusable).
   // cuda: stream-ordered on `stream`, host returns at once. The mask lives in device memory and

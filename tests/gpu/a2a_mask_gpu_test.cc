@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -76,7 +77,7 @@ struct Io {
 Io make_io(const A2aProblem& p, int r, int device) {
   const int64_t T = p.num_tokens[r], M = p.runtime_max;
   Io io;
-  auto alloc = default_allocator();
+  auto alloc = gpu_testing::device_allocator();  // rank-stream ordered under one GPU
   io.topk = alloc(DType::kI32, {T, p.top_k}, Device::cuda(device));
   for (const A2aPayloadSpec& s : p.payloads) {
     std::vector<int64_t> dims = {T};
@@ -91,7 +92,11 @@ Io make_io(const A2aProblem& p, int r, int device) {
 // Copies problem p's inputs of rank r into io (stream-ordered) and poisons out.
 void upload(const A2aProblem& p, int r, Io& io, cudaStream_t stream) {
   auto h2d = [&](void* dst, const void* src, size_t n) {
-    if (n) CUDA_OK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream));
+    if (gpu_testing::rank_stream()) {  // one GPU: never a pageable copy behind a spinning kernel
+      gpu_testing::upload_on_rank_stream(dst, src, n, stream);
+    } else if (n) {
+      CUDA_OK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream));
+    }
   };
   h2d(io.topk.data, p.topk_idx[r].data(), p.topk_idx[r].size() * 4);
   for (size_t i = 0; i < p.payloads.size(); ++i)
@@ -323,6 +328,68 @@ TEST(A2aMaskGpuDeadPeer, SurvivorContinuesAlone) {
       },
       o);
   EXPECT_EQ(rc, 0);
+}
+
+// Three ranks sharing GPU 0: ranks 0 and 1 apply {1, 1, 0} and run a cycle; rank 2 applies
+// {1, 1, 1} (it counts ranks that do not count it), at once or `late` (after the others' cycle).
+// Rank 2's check() raises InvalidArgument naming the argument within a few seconds — its
+// resynchronisation sees their published masks leave it out instead of waiting 2x the group
+// timeout for them —; ranks 0 and 1 go on bit-exactly. (tests/unit/a2a_mask_test.cc's
+// MasksDifferingAcrossActiveRanks on the cpu backend.)
+TEST(A2aMaskOneGpu, MasksDifferingAcrossActiveRanks) {
+  EPX_REQUIRE_GPUS(1);
+  for (const bool late : {false, true}) {
+    SCOPED_TRACE(late ? "rank 2 late" : "rank 2 at once");
+    std::mt19937_64 rng(612);
+    const A2aProblem config = mask_config(3);
+    const A2aProblem p = next_problem(config, rng, {true, true, false});
+    GroupOptions o;
+    o.timeout = std::chrono::milliseconds(10000);  // a Timeout would take 20 s: the test bounds 8
+    const int rc = gpu_testing::run_cuda_ranks_one_gpu(
+        3, 0,
+        [&](const Group& g) {
+          const int r = g.rank(), device = gpu_testing::device_of(g);
+          cudaStream_t stream = gpu_testing::rank_stream();
+          // The ranks' threads share this process: a flag in it orders rank 2 after the others.
+          static std::atomic<int> cycles_done{0};
+          if (r == 0) cycles_done = 0;
+          A2a a2a(g, config.shape());  // collective: every rank passed the reset above
+          int bad = 0;
+          if (r == 2) {
+            const auto start = std::chrono::steady_clock::now();
+            while (late && cycles_done.load() < 2 &&
+                   std::chrono::steady_clock::now() - start < std::chrono::seconds(20))
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            const auto t0 = std::chrono::steady_clock::now();
+            a2a.set_active_ranks({true, true, true}, stream);
+            CUDA_OK(cudaStreamSynchronize(stream));
+            try {
+              a2a.check();
+              ++bad, std::fprintf(stderr, "rank 2: expected InvalidArgument\n");
+            } catch (const Error& e) {
+              const std::string what = e.what();
+              if (e.code() != ErrorCode::kInvalidArgument ||
+                  what.find("argument 'active' differs across active ranks") == std::string::npos)
+                ++bad, std::fprintf(stderr, "rank 2: %s\n", e.what());
+            }
+            if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(8))
+              ++bad, std::fprintf(stderr, "rank 2: the error took too long\n");
+            return bad;
+          }
+          a2a.set_active_ranks(p.active, stream);
+          std::string err;
+          try {
+            err = eager_cycle(a2a, p, r, device, stream);
+          } catch (const std::exception& e) {
+            err = std::string("exception: ") + e.what();
+          }
+          if (!err.empty()) ++bad, std::fprintf(stderr, "rank %d: %s\n", r, err.c_str());
+          ++cycles_done;
+          return bad;
+        },
+        o);
+    EXPECT_EQ(rc, 0);
+  }
 }
 
 }  // namespace

@@ -102,11 +102,17 @@ __device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t co
   __threadfence_system();
 }
 
+// The default of wait_flag's `give_up`: wait until the flag, the abort word or the timeout.
+struct NeverGiveUp {
+  __device__ bool operator()() const { return false; }
+};
+
 // Spins until *flag (read with acquire) satisfies seq_reached(*flag, want) for kSeq, or equals
-// `want` otherwise. Returns false on timeout or abort; never traps.
-template <bool kSeq>
+// `want` otherwise. Returns false on timeout or abort, or when `give_up()` (asked every 64 spins,
+// after the abort word) returns true — it records its own error; never traps.
+template <bool kSeq, typename GiveUp = NeverGiveUp>
 __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext& ctx,
-                          uint32_t what, int32_t peer) {
+                          uint32_t what, int32_t peer, GiveUp give_up = {}) {
   auto ok = [&](uint32_t v) { return kSeq ? seq_reached(v, want) : v == want; };
   uint32_t v = ld_acquire_sys(flag);
   if (ok(v)) return true;
@@ -116,6 +122,7 @@ __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext
     if (ok(v)) return true;
     if ((spins & 63u) == 63u) {
       if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
+      if (give_up()) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
         // b: the value wanted (high half) and the value last seen (low half), for the message.
         record_error(ctx, kDevErrTimeout, peer, what,

@@ -99,6 +99,8 @@ struct A2aSync {
   int32_t combine_geom[kMaxRanks][2];               // H, DType
   uint32_t resync[kMaxRanks];                       // set_active_ranks rounds (resync.cuh)
   uint64_t active_mask[kMaxRanks];                  // the mask rank p applies (set_active_ranks)
+  uint64_t own_mask;        // the mask this rank applies in set_active_ranks call own_generation
+  uint32_t own_generation;  // (release; 0: none yet) — peers read both (resync.cuh, round 1)
 };
 
 EPX_A2A_HD size_t a2a_round_up(size_t v, size_t a) {

@@ -9,7 +9,11 @@
 //   1. round 1, thread q in A \ {r}: sync(q)->active_mask[r] = mask; st_release_sys
 //      sync(q)->resync[r] = 2g - 1; then wait local resync[q] >= 2g - 1 (2x the group timeout):
 //      q's earlier kernels have exited too. Compare q's published mask with ours
-//      (kDevErrA2aMask on a difference).
+//      (kDevErrA2aMask on a difference). Before the round each rank also publishes its mask in
+//      its own region (own_mask, then own_generation = g, release); a waiter that finds q at a
+//      generation >= g with a mask that does not count r stops waiting and records
+//      kDevErrA2aMask: q will never answer it (q counts only its own members; masks only
+//      shrink), so it raises InvalidArgument at once instead of Timeout.
 //   2. reset everything the epochs count, locally: dispatch_epoch / combine_epoch of every CTA,
 //      entered / dispatch_flag / combine_flag of every source, and inactive_mask = ~mask. Nobody
 //      writes them now: active peers are inside this kernel, inactive ones are gone (contract).
@@ -35,8 +39,10 @@ struct A2aResyncParams {
 };
 
 // One round: publish `value` into every active peer's resync[r], wait for theirs. False if a
-// wait failed (recorded).
-__device__ __forceinline__ bool a2a_resync_round(const A2aResyncParams& p, uint32_t value) {
+// wait failed (recorded). `first`: round 1, whose wait gives up on a peer whose own mask of this
+// generation (or a later one) leaves this rank out.
+__device__ __forceinline__ bool a2a_resync_round(const A2aResyncParams& p, uint32_t value,
+                                                 bool first) {
   const A2aLayout& g = p.symm.layout;
   const uint64_t skipped = ~p.active_mask | (uint64_t{1} << p.rank);
   const int q = threadIdx.x;
@@ -47,8 +53,20 @@ __device__ __forceinline__ bool a2a_resync_round(const A2aResyncParams& p, uint3
     st_release_sys(&peer->resync[p.rank], value);  // pairs with the peer's wait below
   }
   bool ok = true;
-  if (q < p.num_ranks && !a2a_skipped(skipped, q))
-    ok = wait_flag<true>(&g.sync(p.symm.local)->resync[q], value, p.wait, kWaitBarrier, q);
+  if (q < p.num_ranks && !a2a_skipped(skipped, q)) {
+    auto left_out = [&] {
+      if (!first) return false;
+      A2aSync* theirs = g.sync(p.symm.peers[q]);
+      if (!seq_reached(ld_acquire_sys(&theirs->own_generation), p.generation)) return false;
+      const uint64_t m = *reinterpret_cast<volatile uint64_t*>(&theirs->own_mask);
+      if ((m >> p.rank) & 1u) return false;
+      record_error(p.wait, kDevErrA2aMask, q, static_cast<int64_t>(p.active_mask),
+                   static_cast<int64_t>(m));
+      return true;
+    };
+    ok =
+        wait_flag<true>(&g.sync(p.symm.local)->resync[q], value, p.wait, kWaitBarrier, q, left_out);
+  }
   return __syncthreads_and(ok) != 0;
 }
 
@@ -64,11 +82,13 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_resync_kernel(A2aResyncParams
     volatile DeviceErrorRecord* rec = p.error;
     rec->code = kDevErrNone;
     __threadfence_system();
+    sync->own_mask = p.active_mask;
+    st_release_sys(&sync->own_generation, p.generation);  // pairs with round 1's left_out
   }
   __syncthreads();
 
   // 1. Round 1, then compare the masks the active peers apply.
-  if (!a2a_resync_round(p, 2 * p.generation - 1)) return;
+  if (!a2a_resync_round(p, 2 * p.generation - 1, true)) return;
   const int q = threadIdx.x;
   if (q < p.num_ranks && q != p.rank && ((p.active_mask >> q) & 1u)) {
     const uint64_t theirs = *reinterpret_cast<volatile uint64_t*>(&sync->active_mask[q]);
@@ -91,7 +111,7 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_resync_kernel(A2aResyncParams
   __syncthreads();
 
   // 3. Round 2: every active rank finished its reset.
-  a2a_resync_round(p, 2 * p.generation);
+  a2a_resync_round(p, 2 * p.generation, false);
 }
 
 }  // namespace epx::detail
