@@ -243,7 +243,11 @@ void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
   // Masks that differ are memberships that differ: ranks that agree among themselves may not
   // count this one and go on without it, so a barrier over this rank's members could wait for
   // them in vain. The members that published this rank's mask (itself included) finish together
-  // — nobody rewrites its header while one of them still reads it — and each raises.
+  // — nobody rewrites its header while one of them still reads it — and each raises. They finish
+  // with a second resync over that set, not a barrier: a differing member does not wait for them,
+  // so its arrive counter may move while they read it in the first resync, and they may have
+  // adopted different epochs. Every set_active_ranks runs both resyncs, so the ranks' resync
+  // counts stay equal.
   uint64_t same = 0, other_mask = 0;
   int other = -1;
   for (int p = 0; p < group.size(); ++p) {
@@ -256,7 +260,7 @@ void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
       other_mask = theirs;
     }
   }
-  transport().barrier(op, same);
+  transport().resync(op, same, 2 * group.timeout());
   if (other >= 0) {
     throw_error(ErrorCode::kInvalidArgument,
                 cat(op, ": argument 'active' differs across ranks: rank ", group.rank(), " has ",

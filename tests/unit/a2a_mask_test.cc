@@ -366,5 +366,52 @@ TEST(A2aMaskErrors, MasksDifferingAcrossActiveRanks) {
   }
 }
 
+// Two ranks share the mask that differs: ranks 0 and 1 apply {1, 1, 1}, rank 2 {1, 0, 1} (and,
+// in the second round, ranks 0 and 1 of four apply {1, 1, 0, 0}, ranks 2 and 3 {1, 1, 1, 1}).
+// Every rank that sees a difference raises InvalidArgument, none waits for a timeout, and ranks
+// that agree among themselves go on (here none does in round 1; ranks 0 and 1 in round 2). The
+// ranks sharing a mask must not adopt different epochs while a differing rank's counter moves.
+TEST(A2aMaskErrors, MasksDifferingWithSharedOddMask) {
+  struct Round {
+    int R;
+    std::vector<std::vector<bool>> masks;
+    std::vector<bool> raises;
+  };
+  const std::vector<Round> rounds = {
+      {3, {{true, true, true}, {true, true, true}, {true, false, true}}, {true, true, true}},
+      {4,
+       {{true, true, false, false},
+        {true, true, false, false},
+        {true, true, true, true},
+        {true, true, true, true}},
+       {false, false, true, true}}};
+  for (const Round& round : rounds) {
+    for (int repeat = 0; repeat < 20; ++repeat) {  // different interleavings
+      SCOPED_TRACE("R = " + std::to_string(round.R) + ", repeat " + std::to_string(repeat));
+      std::mt19937_64 rng(613 + repeat);
+      const A2aProblem config = testing::random_config(rng, round.R);
+      GroupOptions o;
+      o.timeout = std::chrono::milliseconds(3000);
+      const auto start = std::chrono::steady_clock::now();
+      testing::run_threads(
+          round.R,
+          [&](const Group& g) {
+            A2a a2a(g, config.shape());
+            const std::vector<bool>& mine = round.masks[g.rank()];
+            if (round.raises[g.rank()]) {
+              expect_error([&] { a2a.set_active_ranks(mine); }, ErrorCode::kInvalidArgument,
+                           "argument 'active' differs across ranks");
+            } else {
+              a2a.set_active_ranks(mine);
+              EXPECT_EQ(a2a.active_ranks(), mine);
+            }
+          },
+          o);
+      // A timeout would take 2 x 3 s.
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epx
