@@ -8,7 +8,9 @@
 //                                          count, read by every peer once (shape agreement)
 //   state     A2aState                     local: abort / error claim, per-CTA epochs
 //   sync      A2aSync                      written by peers (slot p by rank p): entry, completion
-//                                          counters, the geometry each peer used
+//                                          counters, the geometry each peer used, set_active_ranks
+//                                          rounds and masks; own_mask / own_generation: written
+//                                          by this rank, read by its peers
 //   counts    int32 [R]                    recv_counts[s], written by rank s (the recv_counts view)
 //   mask      uint64 [max]                 local: routing of the last dispatch, bit d of token t
 //                                          = t goes to rank d
@@ -90,7 +92,7 @@ struct A2aState {
   unsigned long long dropped_selections;
 };
 
-// Written by peers: slot p by rank p (see the file comment).
+// Written by peers: slot p by rank p; own_*: by this rank (see the file comment).
 struct A2aSync {
   uint32_t entered[kMaxRanks];
   uint32_t dispatch_flag[kMaxRanks];

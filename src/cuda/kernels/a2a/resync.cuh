@@ -11,9 +11,10 @@
 //      q's earlier kernels have exited too. Compare q's published mask with ours
 //      (kDevErrA2aMask on a difference). Before the round each rank also publishes its mask in
 //      its own region (own_mask, then own_generation = g, release); a waiter that finds q at a
-//      generation >= g with a mask that does not count r stops waiting and records
-//      kDevErrA2aMask: q will never answer it (q counts only its own members; masks only
-//      shrink), so it raises InvalidArgument at once instead of Timeout.
+//      generation >= g with a mask that does not count r stops waiting, records kDevErrA2aMask
+//      and sets the abort word (its sibling threads stop too): q will never answer it (q counts
+//      only its own members; masks only shrink), so it raises InvalidArgument at once instead
+//      of Timeout. A rank that recorded a difference skips steps 2 and 3.
 //   2. reset everything the epochs count, locally: dispatch_epoch / combine_epoch of every CTA,
 //      entered / dispatch_flag / combine_flag of every source, and inactive_mask = ~mask. Nobody
 //      writes them now: active peers are inside this kernel, inactive ones are gone (contract).
@@ -62,6 +63,7 @@ __device__ __forceinline__ bool a2a_resync_round(const A2aResyncParams& p, uint3
       if ((m >> p.rank) & 1u) return false;
       record_error(p.wait, kDevErrA2aMask, q, static_cast<int64_t>(p.active_mask),
                    static_cast<int64_t>(m));
+      atomicExch(&p.wait.state->abort, 1u);  // the threads waiting for other peers stop too
       return true;
     };
     ok =
@@ -90,12 +92,20 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_resync_kernel(A2aResyncParams
   // 1. Round 1, then compare the masks the active peers apply.
   if (!a2a_resync_round(p, 2 * p.generation - 1, true)) return;
   const int q = threadIdx.x;
+  bool differs = false;
   if (q < p.num_ranks && q != p.rank && ((p.active_mask >> q) & 1u)) {
     const uint64_t theirs = *reinterpret_cast<volatile uint64_t*>(&sync->active_mask[q]);
-    if (theirs != p.active_mask)
+    if (theirs != p.active_mask) {
       record_error(p.wait, kDevErrA2aMask, q, static_cast<int64_t>(p.active_mask),
                    static_cast<int64_t>(theirs));
+      differs = true;
+    }
   }
+  // A rank that sees a difference stops here (the record keeps the object unusable until the
+  // next set_active_ranks). Round 2 would wait for members that may have given up in round 1;
+  // and no rank without a difference waits for it there: all of that rank's members published
+  // its mask, so this rank, one of them, would have seen none.
+  if (__syncthreads_or(differs)) return;
 
   // 2. Reset the epochs and every flag they are compared with.
   for (int b = threadIdx.x; b < kMaxA2aCtas; b += blockDim.x) {
