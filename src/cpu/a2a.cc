@@ -71,6 +71,7 @@
 // An unexpected local failure inside a collective aborts the transport so peers stop with an
 // error instead of waiting for the timeout.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -232,7 +233,10 @@ void CpuA2a::agree(const char* op, const std::string& what, Get get, Show show) 
 
 void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
   const char* op = "a2a set_active_ranks";
-  header(group.rank())->active_mask = mask;
+  // Atomic: a member whose mask differs may rewrite its own at its next call while this one
+  // still reads it (ordered by nothing else; the transport's counters order the other fields).
+  std::atomic_ref<uint64_t>(header(group.rank())->active_mask)
+      .store(mask, std::memory_order_release);
   transport().resync(op, mask, 2 * group.timeout());
   active_mask = mask;  // (epx::A2a stores it again once this returned)
   auto show = [this](uint64_t v) {
@@ -252,7 +256,8 @@ void CpuA2a::set_active_ranks(uint64_t mask, Stream /*stream*/) {
   int other = -1;
   for (int p = 0; p < group.size(); ++p) {
     if (!is_active(p)) continue;
-    const uint64_t theirs = header(p)->active_mask;
+    const uint64_t theirs =
+        std::atomic_ref<uint64_t>(header(p)->active_mask).load(std::memory_order_acquire);
     if (theirs == mask) {
       same |= uint64_t{1} << p;
     } else if (other < 0) {
