@@ -17,11 +17,15 @@ namespace {
 
 using BufferPtr = std::shared_ptr<Buffer>;
 
-// A recv hook: calls the C++ hook once, without the GIL.
+// A recv hook: calls the C++ hook once, without the GIL. `keep` holds the Python objects the
+// hook's kernel writes or that must outlive it (the caller's stats / out tensors, the handle)
+// until it was launched; the receive reads none of the caller's inputs (they were copied by the
+// call), so the caller may drop them as soon as the call returned.
 struct Hook {
   LlHook fn;
   BufferPtr owner;
   const char* op = "hook";
+  py::object keep;
   bool called = false;
   void call() {
     if (called) {
@@ -29,14 +33,17 @@ struct Hook {
                 std::string(op) + " hook: called a second time, expected exactly one call");
     }
     called = true;
-    py::gil_scoped_release nogil;
-    fn();
+    {
+      py::gil_scoped_release nogil;
+      fn();
+    }
+    keep = py::none();  // launched: later users of that memory are ordered after the kernel
   }
 };
 
-py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op) {
+py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op, py::object keep) {
   if (!fn) return py::none();
-  return py::cast(std::make_shared<Hook>(Hook{std::move(fn), owner, op}));
+  return py::cast(std::make_shared<Hook>(Hook{std::move(fn), owner, op, std::move(keep)}));
 }
 
 std::shared_ptr<void> owner_of(const BufferPtr& b) {
@@ -147,7 +154,8 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
     r = b->ll_dispatch(args, torch_allocator());
   }
   const auto owner = owner_of(b);
-  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch");
+  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch",
+                              py::make_tuple(py::reinterpret_borrow<py::object>(stats)));
   return py::make_tuple(to_torch(r.recv_x, owner), to_torch(r.recv_scales, owner),
                         to_torch(r.recv_count, owner),
                         py::cast(std::make_shared<LlHandle>(std::move(r.handle))), hook);
@@ -172,7 +180,8 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   }
   py::object result =
       out.is_none() ? to_torch(r.out, owner_of(b)) : py::reinterpret_borrow<py::object>(out);
-  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine"));
+  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine",
+                                          py::make_tuple(result)));
 }
 
 }  // namespace

@@ -120,6 +120,10 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   LlLayout layout_;
   LlSymm symm_{};
   std::shared_ptr<SymmetricMemory> mem_;
+  // Per slot, [T_max * K] routing (i64) and weights (f32) the hooked combine's send copies for
+  // its receive (kernels/ll/combine.cuh, copy_own).
+  int64_t* stash_ids_ = nullptr;
+  float* stash_w_ = nullptr;
   DeviceErrorRecord* error_host_ = nullptr;  // mapped pinned memory
   DeviceErrorRecord* error_dev_ = nullptr;
   bool broken_ = false;
@@ -153,7 +157,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
   pdl_ = pdl_usable(device_, group.transport()->ranks_share_device(),
-                    reinterpret_cast<const void*>(ll_dispatch_kernel), /*by_default=*/true);
+                    reinterpret_cast<const void*>(ll::dispatch), /*by_default=*/false);
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
@@ -163,6 +167,11 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
                  "Buffer");
   *error_host_ = DeviceErrorRecord{};
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 "Buffer");
+  const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
+  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
+                 "Buffer");
+  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_w_), stash * sizeof(float)),
                  "Buffer");
   mem_ = group.transport()->allocate(layout_.total_bytes);  // collective; zeroed
   symm_.local = local();
@@ -183,6 +192,8 @@ CudaLl::~CudaLl() {
   if (mem_) group_.transport()->destruction_barrier("Buffer destruction (ll)");
   mem_.reset();
   if (error_host_) cudaFreeHost(error_host_);
+  if (stash_ids_) cudaFree(stash_ids_);
+  if (stash_w_) cudaFree(stash_w_);
 #ifdef EPX_LL_TRACE
   g_ll_traces.destroy(device_, trace_);
 #endif
@@ -381,18 +392,21 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
 #endif
 
   if (failed || !args.return_recv_hook) {
-    launch_kernel(ll_dispatch_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+    p.phases = kLlPhaseBoth;
+    launch_kernel(ll::dispatch, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
-  launch_kernel(ll_dispatch_send_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+  p.phases = kLlPhaseSend;
+  launch_kernel(ll::dispatch, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
   dispatch_in_flight_[slot] = true;
-  // The hook keeps the outputs it writes alive (the caller's stats view must stay alive).
+  // The receive reads only epx's memory; the hook keeps the outputs it writes alive (the caller
+  // keeps its stats tensor alive until the hook ran: the Python hook holds it).
+  p.phases = kLlPhaseRecv;
   const int ctas = num_ctas_;
   res.hook =
       make_hook(true, slot, [p, ctas, stream, keep = std::make_shared<LlDispatchResult>(res)]() {
-        launch_kernel(ll_dispatch_recv_kernel, ctas, kLlThreads, 0, stream, p.pdl,
-                      "ll_dispatch hook", p);
+        launch_kernel(ll::dispatch, ctas, kLlThreads, 0, stream, p.pdl, "ll_dispatch hook", p);
       });
   return res;
 }
@@ -456,17 +470,39 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
 #endif
 
   if (failed || !args.return_recv_hook) {
-    launch_kernel(ll_combine_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+    p.phases = kLlPhaseBoth;
+    launch_kernel(ll::combine, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
-  launch_kernel(ll_combine_send_kernel, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+  // With a hook the send copies everything the receive reads (this rank's own rows, routing,
+  // weights, its layout) into epx's memory: the caller may drop or overwrite y, topk_idx,
+  // topk_weights and the handle once this returns. The receive reads them there.
+  const size_t stash = static_cast<size_t>(slot) * shape_.max_tokens_per_rank * shape_.top_k;
+  p.phases = kLlPhaseSend;
+  p.copy_own = 1;
+  p.stash_ids = stash_ids_ + stash;
+  p.stash_w = stash_w_ + stash;
+  launch_kernel(ll::combine, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
   combine_in_flight_[slot] = true;
-  // The hook keeps an allocated out alive; the caller keeps topk_idx, topk_weights, the handle's
-  // layout_range and a given out alive until it ran.
+  LlCombineParams pr = p;
+  pr.phases = kLlPhaseRecv;
+  pr.copy_own = 0;
+  pr.stash_ids = nullptr;
+  pr.stash_w = nullptr;
+  pr.y = nullptr;
+  pr.zero_copy = 1;  // every rank's rows, this one's included, are in comb_y
+  pr.layout_range = reinterpret_cast<const int64_t*>(layout_.comb_layout(local(), slot));
+  pr.layout_stride = group_.size();
+  pr.topk_idx = p.stash_ids;
+  pr.topk_is_i64 = 1;
+  pr.topk_stride = shape_.top_k;
+  pr.weights = p.stash_w;
+  pr.weights_stride = shape_.top_k;
+  // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   const int ctas = num_ctas_;
-  res.hook = make_hook(false, slot, [p, ctas, stream, keep = res.out]() {
-    launch_kernel(ll_combine_recv_kernel, ctas, kLlThreads, 0, stream, p.pdl, "ll_combine hook", p);
+  res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
+    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, "ll_combine hook", pr);
   });
   return res;
 }

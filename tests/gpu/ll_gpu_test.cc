@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -380,6 +381,195 @@ TEST_P(LlOneGpu, RandomCasesMatchOracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpu, ::testing::Values(2, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "R" + std::to_string(i.param);
+                         });
+
+// ---- two batches in flight, every input overwritten once its call returned ------------------
+
+// One event of a two-batch schedule: batch b's dispatch call, its hook, combine call, its hook.
+enum class Ev { kD, kDh, kC, kCh };
+struct Step {
+  int b;
+  Ev ev;
+};
+
+// Every legal order of two batches' events (per batch: dispatch, its hook, combine, its hook;
+// the hooks only where that batch has them), batch 0 dispatching first (the slots follow the
+// dispatch order): two-batch overlap and everything around it.
+std::vector<std::vector<Step>> two_batch_schedules(bool hook0, bool hook1) {
+  auto chain = [](int b, bool hook) {
+    std::vector<Step> c{{b, Ev::kD}};
+    if (hook) c.push_back({b, Ev::kDh});
+    c.push_back({b, Ev::kC});
+    if (hook) c.push_back({b, Ev::kCh});
+    return c;
+  };
+  const std::vector<Step> a = chain(0, hook0), b = chain(1, hook1);
+  std::vector<std::vector<Step>> out;
+  std::vector<Step> cur;
+  std::function<void(size_t, size_t)> rec = [&](size_t i, size_t j) {
+    if (i == a.size() && j == b.size()) {
+      out.push_back(cur);
+      return;
+    }
+    if (i < a.size()) {
+      cur.push_back(a[i]);
+      rec(i + 1, j);
+      cur.pop_back();
+    }
+    if (j < b.size() && i > 0) {
+      cur.push_back(b[j]);
+      rec(i, j + 1);
+      cur.pop_back();
+    }
+  };
+  rec(0, 0);
+  return out;
+}
+
+std::string describe(const std::vector<Step>& sched) {
+  static const char* names[] = {"D", "Dh", "C", "Ch"};
+  std::string s;
+  for (const Step& st : sched)
+    s += std::string(s.empty() ? "" : " ") + names[static_cast<int>(st.ev)] + (st.b ? "B" : "A");
+  return s;
+}
+
+// Runs `sched` on this rank with `buf` (batches bs[0], bs[1]; hooks per batch from `hooks`).
+// Every input (x, topk_idx of dispatch; y, topk_idx, topk_weights of combine) is overwritten with
+// 0x7F bytes on the stream right after the call that took it returned, as a caller that drops or
+// reuses its tensors does: a later read of one shows up as a wrong row, a bad expert id or a huge
+// value. Outputs are checked bit for bit against the oracle at the end.
+std::string run_schedule(const Case& c, const Batch* bs[2], const std::vector<Step>& sched,
+                         const bool hooks[2], Buffer& buf, const Group& g, cudaStream_t stream) {
+  const LlProblem& p = c.p;
+  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = gpu_testing::device_of(g);
+  const int64_t H = p.hidden, RT = p.rows_per_expert();
+  const Allocator alloc = poison_allocator();
+  std::vector<Tensor> inputs;  // overwritten after their call, freed at the end
+  LlDispatchResult d[2];
+  LlCombineResult cr[2];
+  auto overwrite = [&](Tensor t) {
+    CUDA_OK(cudaMemsetAsync(t.data, 0x7F, t.nbytes(), stream));
+    inputs.push_back(std::move(t));
+  };
+  for (const Step& st : sched) {
+    const LlRankInput& in = bs[st.b]->in[r];
+    const int64_t T = in.num_tokens;
+    switch (st.ev) {
+      case Ev::kD: {
+        int64_t stride = H;
+        Tensor x = upload_rows(in.x, T, H, false, dev, &stride);
+        Tensor topk = upload_topk(in.topk_idx, T, K, c.topk_i32, dev);
+        LlDispatchArgs a;
+        a.x = TensorView::contiguous(x.data, DType::kBF16, {T, H}, Device::cuda(dev));
+        a.topk_idx = topk;
+        a.use_fp8 = p.use_fp8;
+        a.round_scale = p.round_scale;
+        a.use_ue8m0 = p.use_ue8m0;
+        a.return_recv_hook = hooks[st.b];
+        a.stream = stream;
+        d[st.b] = buf.ll_dispatch(a, alloc);
+        overwrite(std::move(x));
+        overwrite(std::move(topk));
+        break;
+      }
+      case Ev::kDh:
+        d[st.b].hook();
+        break;
+      case Ev::kC: {
+        int64_t stride = H;
+        Tensor y = upload_rows(bs[st.b]->y[r], L * RT, H, false, dev, &stride);
+        Tensor topk = upload_topk(in.topk_idx, T, K, c.topk_i32, dev);
+        Tensor w = gpu_testing::to_device(in.topk_weights, DType::kF32, {T, K}, dev);
+        LlCombineArgs a;
+        a.handle = &d[st.b].handle;
+        a.y = TensorView::contiguous(y.data, DType::kBF16, {L, RT, H}, Device::cuda(dev));
+        a.topk_idx = topk;
+        a.topk_weights = w;
+        a.return_recv_hook = hooks[st.b];
+        a.stream = stream;
+        cr[st.b] = buf.ll_combine(a, alloc);
+        overwrite(std::move(y));
+        overwrite(std::move(topk));
+        overwrite(std::move(w));
+        break;
+      }
+      case Ev::kCh:
+        cr[st.b].hook();
+        break;
+    }
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  buf.check();
+  for (int b = 0; b < 2; ++b) {
+    std::vector<std::vector<uint8_t>> hk;
+    std::string e = testing::check_ll_dispatch(p, bs[b]->want[r], host_dispatch(d[b], hk));
+    if (e.empty()) e = check_out(p, bs[b]->want_out[r], cr[b].out);
+    if (!e.empty()) return "rank " + std::to_string(r) + " batch " + std::to_string(b) + ": " + e;
+  }
+  return "";
+}
+
+// Every schedule of two_batch_schedules for every hook combination, fp8 and bf16, on one Buffer
+// per dtype (the schedules follow each other on it). Returns the failures (printed).
+int two_batch_lifetime(int R, bool one_gpu) {
+  std::vector<Case> cases;
+  for (bool fp8 : {true, false}) {
+    Case c;
+    c.p = {R, 16, 512, 4, 4 * R, fp8, false, false};
+    c.routing = Routing::kUniform;
+    c.num_batches = 2;
+    c.seed = 880000 + 10 * R + fp8;
+    cases.push_back(c);
+  }
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
+  const auto body = [&](const Group& g) {
+    const RankStream rs(cudaStreamNonBlocking);
+    int bad = 0, runs = 0;
+    for (size_t i = 0; i < cases.size() && bad == 0; ++i) {
+      Buffer buf(g, shape_of(cases[i].p), ll_only());
+      const Batch* bs[2] = {&data[i][0], &data[i][1]};
+      for (int hk = 0; hk < 4 && bad == 0; ++hk) {
+        const bool hooks[2] = {(hk & 1) != 0, (hk & 2) != 0};
+        for (const std::vector<Step>& sched : two_batch_schedules(hooks[0], hooks[1])) {
+          std::string err;
+          try {
+            err = run_schedule(cases[i], bs, sched, hooks, buf, g, rs.get());
+          } catch (const std::exception& e) {
+            err = std::string("exception: ") + e.what();
+          }
+          ++runs;
+          if (!err.empty()) {
+            std::fprintf(stderr, "%s [%s]: %s\n", cases[i].describe().c_str(),
+                         describe(sched).c_str(), err.c_str());
+            ++bad;
+            break;
+          }
+        }
+      }
+    }
+    if (g.rank() == 0) std::printf("R = %d: %d schedules run, %d failed\n", g.size(), runs, bad);
+    return bad;
+  };
+  return run_ranks(R, one_gpu, body);
+}
+
+TEST(LlGpuLifetime, TwoBatchesInFlightInputsOverwrittenAfterEachCall) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(two_batch_lifetime(1, false), 0);
+}
+
+class LlOneGpuLifetime : public ::testing::TestWithParam<int> {};
+
+TEST_P(LlOneGpuLifetime, TwoBatchesInFlightInputsOverwrittenAfterEachCall) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(two_batch_lifetime(GetParam(), true), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpuLifetime, ::testing::Values(2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
                          });

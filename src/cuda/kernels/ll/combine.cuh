@@ -4,13 +4,16 @@
 // Rank r, T tokens (the dispatch's), C CTAs, slot q = handle.slot, epoch
 // e = state.combine_epoch[q][b] + 1 (CTA b's word, advanced by CTA b at the end of the receive).
 //
-// send half (ll_combine_send_kernel, or the first half of ll_combine_kernel), the expert side:
+// send half (epx::ll::combine with kLlPhaseSend: the call with a hook, or both halves), the
+// expert side:
 //   1. Copy mode (not zero_copy): rows y[l][begin_s .. begin_s + count_s) of every source s != r
 //      (handle.layout_range) into comb_y(r, q) — what the sources pull; units (l, sub) as in
 //      dispatch. zero_copy: the caller already wrote comb_y(r, q) (ll_next_combine_buffer).
+//      With a hook (copy_own) also s = r, and topk_idx / topk_weights into the stash: the hook's
+//      receive reads nothing of the caller's (they may be dropped once the call returned).
 //   2. CTA 0: handle.layout_range -> comb_layout(r, q).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every peer.
-// receive half (ll_combine_recv_kernel, or the second half of ll_combine_kernel), the source:
+// receive half (kLlPhaseRecv: the hook, or the second half without one), the source:
 //   Tokens in C contiguous chunks. A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
 //   5. waits combine_ready[q][d] >= e * C for every peer d, then reads begin/count of its block
@@ -61,6 +64,14 @@ struct LlCombineParams {
   int32_t slot;        // q
   int32_t rank;        // r
   int32_t variant;     // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
+  int32_t phases;      // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
+  // Send half with a hook: every input the receive reads is copied into epx's memory, so the
+  // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: the rows
+  // this rank keeps go to comb_y(r, q) as the peers' do, the routing and weights [T, K] to
+  // stash_ids / stash_w (the hook's launch reads them there, and comb_layout(r, q)).
+  int32_t copy_own;
+  int64_t* stash_ids;
+  float* stash_w;
   int32_t pdl;         // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
   WaitContext wait;
@@ -83,7 +94,7 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
     for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
       for (int s = 0; s < R; ++s) {
-        if (s == me) continue;  // read straight from y by this rank's own pulls
+        if (s == me && !p.copy_own) continue;  // read straight from y by this rank's pulls
         const int64_t range =
             __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
         const int64_t begin = range >> 32;
@@ -99,6 +110,17 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
                                         p.y_vec16);
                   });
       }
+    }
+  }
+  if (p.stash_ids) {
+    const int K = g.top_k;
+    const int64_t n = static_cast<int64_t>(p.num_tokens) * K;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t t = i / K;
+      const int k = static_cast<int>(i - t * K);
+      p.stash_ids[i] = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
+      p.stash_w[i] = p.weights[t * p.weights_stride + k];
     }
   }
   if (blockIdx.x == 0) {
@@ -384,24 +406,21 @@ __device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
   return *reinterpret_cast<const volatile uint32_t*>(&st->combine_epoch[p.slot][blockIdx.x]) + 1;
 }
 
-// Without a hook: publish, then pull and reduce, in one launch.
-__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_kernel(LlCombineParams p) {
-  pdl_begin(p.pdl);
-  EPX_LL_STAMP(p, 1, kTrCEntry);
-  const uint32_t e = ll_combine_epoch(p);
-  ll_combine_send(p);
-  ll_combine_recv(p, e);
-}
-
-// With a hook: the call launches the send, the hook the receive.
-__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_send_kernel(LlCombineParams p) {
-  pdl_begin(p.pdl);
-  EPX_LL_STAMP(p, 1, kTrCEntry);
-  ll_combine_send(p);
-}
-__global__ void __launch_bounds__(kLlThreads, 1) ll_combine_recv_kernel(LlCombineParams p) {
-  pdl_begin(p.pdl);
-  ll_combine_recv(p, ll_combine_epoch(p));
-}
-
 }  // namespace epx::detail
+
+namespace epx::ll {
+
+// The one ll combine kernel (profilers show one name per op, hook or not): p.phases selects the
+// send half (the call with a hook), the receive half (the hook) or both (no hook).
+__global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombineParams p) {
+  using namespace detail;
+  pdl_begin(p.pdl);
+  const uint32_t e = ll_combine_epoch(p);
+  if (p.phases & kLlPhaseSend) {
+    EPX_LL_STAMP(p, 1, kTrCEntry);
+    ll_combine_send(p);
+  }
+  if (p.phases & kLlPhaseRecv) ll_combine_recv(p, e);
+}
+
+}  // namespace epx::ll

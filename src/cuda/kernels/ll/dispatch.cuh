@@ -6,7 +6,7 @@
 // e = state.dispatch_epoch[q][b] + 1 (CTA b's word, read at its start; advanced by CTA b at the
 // end of the receive half, so send and receive kernels of one dispatch agree on it).
 //
-// send half (ll_dispatch_send_kernel, or the first half of ll_dispatch_kernel):
+// send half (epx::ll::dispatch with kLlPhaseSend: the call with a hook, or both halves):
 //   1. Threads d < R wait dispatch_freed[q][d] >= (e - 1) * C: rank d finished reading its
 //      slot-q staging of the previous dispatch through q (normally long ago: a local flag read).
 //   2. CTA 0: header {T, format} into staging(d, q, src = r) on every rank d.
@@ -18,7 +18,7 @@
 //              conversion, f32x2_to_fp8x2_e4m3); bytes [H]
 //              then f32 scales [G];   bf16: the row as is.
 //   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
-// receive half (ll_dispatch_recv_kernel, or the second half of ll_dispatch_kernel):
+// receive half (kLlPhaseRecv: the hook, or the second half without one):
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
 //   b, b + C, ...  A unit waits dispatch_sent[q][s] >= e * C for every s, then over the
 //   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
@@ -61,6 +61,7 @@ struct LlDispatchParams {
   int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
   int32_t variant;  // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
+  int32_t phases;   // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
   int32_t pdl;      // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
   WaitContext wait;
@@ -611,23 +612,21 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
   return *reinterpret_cast<const volatile uint32_t*>(&st->dispatch_epoch[p.slot][blockIdx.x]) + 1;
 }
 
-// Without a hook: send, then receive, in one launch.
-__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_kernel(LlDispatchParams p) {
-  pdl_begin(p.pdl);
-  EPX_LL_STAMP(p, 0, kTrDEntry);
-  const uint32_t e = ll_dispatch_epoch(p);
-  if (ll_dispatch_send(p, e)) ll_dispatch_recv(p, e);
-}
-
-// With a hook: the call launches the send, the hook the receive.
-__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_send_kernel(LlDispatchParams p) {
-  pdl_begin(p.pdl);
-  EPX_LL_STAMP(p, 0, kTrDEntry);
-  ll_dispatch_send(p, ll_dispatch_epoch(p));
-}
-__global__ void __launch_bounds__(kLlThreads, 1) ll_dispatch_recv_kernel(LlDispatchParams p) {
-  pdl_begin(p.pdl);
-  ll_dispatch_recv(p, ll_dispatch_epoch(p));
-}
-
 }  // namespace epx::detail
+
+namespace epx::ll {
+
+// The one ll dispatch kernel (profilers show one name per op, hook or not): p.phases selects
+// the send half (the call with a hook), the receive half (the hook) or both (no hook).
+__global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDispatchParams p) {
+  using namespace detail;
+  pdl_begin(p.pdl);
+  const uint32_t e = ll_dispatch_epoch(p);
+  if (p.phases & kLlPhaseSend) {
+    EPX_LL_STAMP(p, 0, kTrDEntry);
+    if (!ll_dispatch_send(p, e)) return;
+  }
+  if (p.phases & kLlPhaseRecv) ll_dispatch_recv(p, e);
+}
+
+}  // namespace epx::ll

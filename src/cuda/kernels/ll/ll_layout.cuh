@@ -94,6 +94,13 @@ inline constexpr int32_t kLlVariantCombineSerial = 256;
 inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
 inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
 
+// Which halves one launch of epx::ll::dispatch / epx::ll::combine runs (LlDispatchParams::phases,
+// LlCombineParams::phases): both without a hook; with one, the call runs the send and the hook
+// the receive — the same kernel, so profilers show one name per op.
+inline constexpr int32_t kLlPhaseSend = 1;
+inline constexpr int32_t kLlPhaseRecv = 2;
+inline constexpr int32_t kLlPhaseBoth = kLlPhaseSend | kLlPhaseRecv;
+
 // The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
 enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };
 enum LlDeviceError : uint32_t {
