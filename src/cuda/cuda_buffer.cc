@@ -303,7 +303,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   device_sms_ = sms;
   one_stream_ = group.transport()->ranks_share_device();
-  pdl_ = pdl_usable(device_, one_stream_, ht_dispatch_kernel_address(), /*by_default=*/false);
+  pdl_ = pdl_usable(device_, one_stream_, ht_dispatch_kernel_address());
   tuning_ = resolve_ht_tuning(group.options().num_sms, sms, R);
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
   region_ =

@@ -1,7 +1,8 @@
 // src/cuda/launch.h — kernel launches with optional programmatic dependent launch (PDL).
 //
-// With PDL (Hopper; ll kernels by default, ht with EPX_PDL=1, none with EPX_PDL=0; never where
-// ranks share a GPU) a kernel is launched with
+// With PDL (Hopper; only with EPX_PDL=1, off by default: a PDL kernel is resident early and waits
+// for its predecessor, so profiler rows would count that wait and its CTAs would hold SMs the
+// predecessor could use; never where ranks share a GPU) a kernel is launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization: it may become resident while the previous
 // kernel on the stream still runs, and waits at its first instruction (pdl_begin,
 // griddepcontrol.wait) until that kernel completed and its memory is visible — so it reads
@@ -20,15 +21,12 @@
 
 namespace epx::detail {
 
-// Whether launches on `device` use PDL: requested (EPX_PDL=1; unset or empty: `by_default`, the
-// family's measured default — ll on: -0.4 to -0.7 us per op, ht off: no gain measured; any other
-// value: off; read once), the device is sm_90+, its ranks do not share it (waiting CTAs would
-// hold a peer's SMs), and `kernel` (one of the family) was built for sm_90 (pdl_begin compiles
+// Whether launches on `device` use PDL: requested (EPX_PDL=1, read once), the device is sm_90+,
+// its ranks do not share it (waiting CTAs would hold a peer's SMs), and `kernel` (one of the family) was built for sm_90 (pdl_begin compiles
 // to nothing below: ptxVersion >= 90).
-inline bool pdl_usable(int device, bool ranks_share_device, const void* kernel, bool by_default) {
+inline bool pdl_usable(int device, bool ranks_share_device, const void* kernel) {
   static const int setting = env_pdl();
-  const bool requested = setting == 1 || (setting == -1 && by_default);
-  if (!requested || ranks_share_device) return false;
+  if (setting != 1 || ranks_share_device) return false;
   int major = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                  "Buffer");

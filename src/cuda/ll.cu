@@ -157,7 +157,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
   pdl_ = pdl_usable(device_, group.transport()->ranks_share_device(),
-                    reinterpret_cast<const void*>(ll::dispatch), /*by_default=*/false);
+                    reinterpret_cast<const void*>(ll::dispatch));
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;

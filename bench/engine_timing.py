@@ -1,0 +1,219 @@
+"""ll (and ht) through the DeepEP drop-in, timed the way engine developers time DeepEP.
+
+One rank per GPU over NCCL (R = 1 on a one-GPU machine; the cpu backend over gloo with --cpu,
+host columns only). For each T of --tokens and hook off / on it prints:
+  rows      torch.profiler kernel rows: the mean CUDA time of the one kernel whose name contains
+            "dispatch" / "combine" over --iters back-to-back dispatch + combine pairs that follow
+            an 8192 x 8192 float matmul and an all_reduce (with the hook: send / receive halves
+            from the trace events, as the hook launches the receive half of the same kernel)
+  events    dispatch + combine between two CUDA events, after a 256 MB zero_() that flushes L2
+            once, mean / min over --iters pairs after --iters warm-up pairs (no hook)
+  host      wall time of the Python calls of one pair (dispatch, combine; with the hook also the
+            two hooks), median over the event-timed pairs
+Options: --default-device makes torch.set_default_device('cuda') current first (DeepEP's test
+utilities do, and engines may): every torch call in Python then passes through a
+TorchFunctionMode. --breakdown prints cProfile's top functions of 200 pairs (host time per call:
+where it goes).
+
+    PYTHONPATH=python python3 bench/engine_timing.py [--tokens 1,32,128,256] [--default-device]
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def kernel_rows(prof, names, phases):
+    """Mean device time (us) per launch of the kernel whose name contains each of `names`, split
+    into `phases` launches per call (send / receive with a hook) by trace order."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name) as f:
+            events = json.load(f)["traceEvents"]
+    out = {}
+    for name in names:
+        evs = sorted((e for e in events if e.get("cat") == "kernel" and f"::{name}" in e["name"]),
+                     key=lambda e: e["ts"])
+        kinds = {e["name"] for e in evs}
+        if len(kinds) != 1:
+            out[name] = f"{len(kinds)} kernel names"
+            continue
+        durs = [e["dur"] for e in evs]
+        out[name] = [sum(durs[j::phases]) / max(len(durs[j::phases]), 1) for j in range(phases)]
+    return out
+
+
+def run(rank, world, args):
+    import epx.compat.deep_ep as deep_ep
+    cuda = not args.cpu
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        if args.default_device:
+            torch.set_default_device("cuda")
+    H, K, E = args.hidden, args.topk, args.experts
+    results = []
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for T in args.tokens:
+        buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True,
+                             num_qps_per_rank=max(E // world, 1), explicitly_destroy=True)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        scores = torch.rand(T, E, generator=gen)
+        topk = scores.topk(K, dim=1).indices.to(torch.int64).to(device)
+        w = torch.rand(T, K, generator=gen).to(device)
+        stats = torch.zeros(E // world, dtype=torch.int32, device=device)
+        y = None
+
+        def pair(hook):
+            nonlocal y
+            recv, count, handle, _, h = buf.low_latency_dispatch(
+                x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                return_recv_hook=hook)
+            if hook:
+                h()
+            if y is None:
+                y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
+            _, _, h = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=hook)
+            if hook:
+                h()
+
+        row = {"T": T}
+        for hook in (False, True):
+            for _ in range(args.iters):
+                pair(hook)
+            host = []
+            if cuda:
+                torch.cuda.synchronize()
+                cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=device)
+                cache.zero_()
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            for i in range(args.iters):
+                if cuda:
+                    starts[i].record()
+                t0 = time.perf_counter()
+                pair(hook)
+                host.append((time.perf_counter() - t0) * 1e6)
+                if cuda:
+                    ends[i].record()
+            key = "hook" if hook else "plain"
+            row[f"host_{key}"] = statistics.median(host)
+            if cuda:
+                torch.cuda.synchronize()
+                ev = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
+                row[f"events_{key}"] = (statistics.mean(ev), min(ev))
+                sched = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                            schedule=sched) as prof:
+                    for _ in range(2):
+                        a = torch.randn(8192, 8192, dtype=torch.float, device=device)
+                        a @ a
+                        dist.all_reduce(torch.ones(1, device=device))
+                        for _ in range(args.iters):
+                            pair(hook)
+                        torch.cuda.synchronize()
+                        prof.step()
+                row[f"rows_{key}"] = kernel_rows(prof, ("dispatch", "combine"), 2 if hook else 1)
+        if args.breakdown and rank == 0:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                pair(False)
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.breakdown)
+            row["breakdown"] = s.getvalue()
+        results.append(row)
+        buf.destroy()
+    return results
+
+
+def worker(rank, world, init_file, args, queue):
+    os.environ.update(NCCL_ENV)
+    backend = "gloo" if args.cpu else "nccl"
+    kw = {}
+    if not args.cpu:
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, **kw)
+    try:
+        queue.put((rank, run(rank, world, args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def fmt_rows(r):
+    if isinstance(r, str):
+        return r
+    return " + ".join(f"{v:.1f}" for v in r)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,32,128,256")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--ranks", type=int, default=0, help="default: the GPUs found (1 on cpu)")
+    ap.add_argument("--cpu", action="store_true", help="the cpu backend (host columns only)")
+    ap.add_argument("--default-device", action="store_true",
+                    help="torch.set_default_device('cuda') first, as DeepEP's test utilities")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="cProfile's top N functions (by own time) of 200 pairs, rank 0")
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    os.environ.update(NCCL_ENV)
+    if not args.cpu and not torch.cuda.is_available():
+        args.cpu = True
+    world = args.ranks or (1 if args.cpu else torch.cuda.device_count())
+    fd, init_file = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(init_file)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, init_file, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    print(f"engine timing: R = {world}, H = {args.hidden}, K = {args.topk}, E = {args.experts}, "
+          f"{'cpu' if args.cpu else 'cuda'}, default device "
+          f"{'cuda' if args.default_device else 'unset'}; us")
+    print(f"{'rank':>4} {'T':>5} | {'dispatch row':>13} {'combine row':>12} | "
+          f"{'hooked dispatch':>16} {'hooked combine':>15} | {'events mean/min':>16} | "
+          f"{'host pair':>9} {'hooked':>7}")
+    for rank in sorted(results):
+        for row in results[rank]:
+            rp, rh = row.get("rows_plain", {}), row.get("rows_hook", {})
+            ev = row.get("events_plain")
+            print(f"{rank:>4} {row['T']:>5} | {fmt_rows(rp.get('dispatch', '-')):>13} "
+                  f"{fmt_rows(rp.get('combine', '-')):>12} | "
+                  f"{fmt_rows(rh.get('dispatch', '-')):>16} {fmt_rows(rh.get('combine', '-')):>15}"
+                  f" | {(f'{ev[0]:.1f} / {ev[1]:.1f}' if ev else '-'):>16} | "
+                  f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f}")
+    for rank in sorted(results):
+        for row in results[rank]:
+            if "breakdown" in row:
+                print(f"-- cProfile, rank {rank}, T = {row['T']}, 200 pairs (no hook)")
+                print(row["breakdown"])
+
+
+if __name__ == "__main__":
+    main()
