@@ -9,7 +9,8 @@ host columns only). For each T of --tokens and hook off / on it prints:
   events    dispatch + combine between two CUDA events, after a 256 MB zero_() that flushes L2
             once, mean / min over --iters pairs after --iters warm-up pairs (no hook)
   host      wall time of the Python calls of one pair (dispatch, combine; with the hook also the
-            two hooks), median over the event-timed pairs
+            two hooks), median over the event-timed pairs; "idle": the same with the device
+            synchronised before each pair (so no call waits for earlier work)
 Options: --default-device makes torch.set_default_device('cuda') current first (DeepEP's test
 utilities do, and engines may): every torch call in Python then passes through a
 TorchFunctionMode. --breakdown prints cProfile's top functions of 200 pairs (host time per call:
@@ -70,10 +71,10 @@ def run(rank, world, args):
     for T in args.tokens:
         buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True,
                              num_qps_per_rank=max(E // world, 1), explicitly_destroy=True)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
-        scores = torch.rand(T, E, generator=gen)
+        x = torch.randn(T, H, generator=gen, device="cpu").to(torch.bfloat16).to(device)
+        scores = torch.rand(T, E, generator=gen, device="cpu")
         topk = scores.topk(K, dim=1).indices.to(torch.int64).to(device)
-        w = torch.rand(T, K, generator=gen).to(device)
+        w = torch.rand(T, K, generator=gen, device="cpu").to(device)
         stats = torch.zeros(E // world, dtype=torch.int32, device=device)
         y = None
 
@@ -85,7 +86,7 @@ def run(rank, world, args):
             if hook:
                 h()
             if y is None:
-                y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
+                y = torch.randn(recv[0].shape, generator=gen, device="cpu").to(torch.bfloat16).to(device)
             _, _, h = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=hook)
             if hook:
                 h()
@@ -111,6 +112,14 @@ def run(rank, world, args):
                     ends[i].record()
             key = "hook" if hook else "plain"
             row[f"host_{key}"] = statistics.median(host)
+            if cuda:  # the same with the device idle before each pair: no wait for it inside
+                idle = []
+                for _ in range(args.iters):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    pair(hook)
+                    idle.append((time.perf_counter() - t0) * 1e6)
+                row[f"idle_{key}"] = statistics.median(idle)
             if cuda:
                 torch.cuda.synchronize()
                 ev = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
@@ -198,7 +207,7 @@ def main():
           f"{'cuda' if args.default_device else 'unset'}; us")
     print(f"{'rank':>4} {'T':>5} | {'dispatch row':>13} {'combine row':>12} | "
           f"{'hooked dispatch':>16} {'hooked combine':>15} | {'events mean/min':>16} | "
-          f"{'host pair':>9} {'hooked':>7}")
+          f"{'host pair':>9} {'hooked':>7} {'idle':>6} {'hooked':>7}")
     for rank in sorted(results):
         for row in results[rank]:
             rp, rh = row.get("rows_plain", {}), row.get("rows_hook", {})
@@ -207,7 +216,9 @@ def main():
                   f"{fmt_rows(rp.get('combine', '-')):>12} | "
                   f"{fmt_rows(rh.get('dispatch', '-')):>16} {fmt_rows(rh.get('combine', '-')):>15}"
                   f" | {(f'{ev[0]:.1f} / {ev[1]:.1f}' if ev else '-'):>16} | "
-                  f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f}")
+                  f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f} "
+                  f"{row.get('idle_plain', float('nan')):>6.1f} "
+                  f"{row.get('idle_hook', float('nan')):>7.1f}")
     for rank in sorted(results):
         for row in results[rank]:
             if "breakdown" in row:

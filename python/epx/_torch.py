@@ -6,6 +6,8 @@ and device, whose new_empty makes the outputs), torch.utils.dlpack.from_dlpack (
 views), the dtype tables and the exception classes.
 """
 
+import functools
+
 import torch
 import torch.utils.dlpack
 
@@ -61,3 +63,27 @@ def stream_of(t):
 def device_key(t):
     """'cpu' or 'cuda:<index>' for the device tensors live on."""
     return "cpu" if not t.is_cuda else f"cuda:{t.get_device()}"
+
+
+_disable_torch_function = getattr(torch._C, "_DisableTorchFunction", None)
+_torch_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def plain_torch(fn):
+    """Runs the op `fn` with PyTorch's __torch_function__ dispatch off while a TorchFunctionMode
+    is active (torch.set_default_device's DeviceContext, as DeepEP's test utilities and some
+    engines set it): without this every tensor method the op calls from Python or from the
+    extension (data_ptr, stride, new_empty, ...) passes through the mode's Python handler, about
+    1 us each, ~60 per ll dispatch + combine. epx passes every device explicitly, so the mode
+    has nothing to change. Without a mode: one C call more."""
+    if _disable_torch_function is None:
+        return fn
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if _torch_function_mode_on is not None and not _torch_function_mode_on():
+            return fn(*args, **kwargs)
+        with _disable_torch_function():
+            return fn(*args, **kwargs)
+
+    return op

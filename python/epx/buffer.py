@@ -71,11 +71,13 @@ class Buffer:
         self._native.check()
 
     # ---- ht ----------------------------------------------------------------------------------
+    @_torch.plain_torch
     def ht_layout(self, topk_idx):
         """Local. -> HtLayout(num_tokens_per_rank[R] i32, num_tokens_per_expert[E] i32,
         is_token_in_rank[T, R] bool)."""
         return HtLayout(*self._native.ht_layout(topk_idx, _stream(topk_idx)))
 
+    @_torch.plain_torch
     def ht_dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, expert_alignment=1,
                     num_worst_tokens=0, handle=None, zero_copy=False):
         """Collective. x [T, H] bf16, or fp8 with x_scales [T, H/128] f32 / [T, H/512] i32.
@@ -89,18 +91,21 @@ class Buffer:
                                      zero_copy=bool(zero_copy))
         return HtDispatchResult(*r)
 
+    @_torch.plain_torch
     def ht_combine(self, y, handle, topk_weights=None, bias0=None, bias1=None, zero_copy=False):
         """Collective. y [rows, H] bf16 in recv_x order -> HtCombineResult(out[T, H], weights).
         zero_copy: y is the view ht_combine_buffer(handle) returned, already written."""
         return HtCombineResult(*self._native.ht_combine(y, handle, topk_weights, bias0, bias1,
                                                         _stream(y), zero_copy=bool(zero_copy)))
 
+    @_torch.plain_torch
     def ht_combine_buffer(self, handle):
         """Local. The bf16 [rows, H] view to write expert outputs into before
         ht_combine(..., zero_copy=True); buffer memory shared with a zero-copy recv_x (epx/buffer.h)."""
         return self._native.ht_combine_buffer(handle)
 
     # ---- ll ----------------------------------------------------------------------------------
+    @_torch.plain_torch
     def ll_dispatch(self, x, topk_idx, use_fp8=True, round_scale=False, use_ue8m0=False,
                     return_recv_hook=False, cumulative_local_expert_recv_stats=None):
         """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
@@ -109,6 +114,7 @@ class Buffer:
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
             bool(return_recv_hook), cumulative_local_expert_recv_stats, _stream(x)))
 
+    @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
                    return_recv_hook=False, out=None):
         """Collective. -> LlCombineResult(out[T, H] bf16, hook)."""
@@ -116,6 +122,7 @@ class Buffer:
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
             _stream(topk_weights)))
 
+    @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):
         """Local. The bf16 [L, R*T_max, H] view to write expert outputs into for zero_copy."""
         return self._native.ll_next_combine_buffer(handle)
@@ -185,6 +192,7 @@ class A2a:
         # (not the current device's: a process driving several GPUs may have another current).
         return _torch.current_stream(torch.device(self._native.device)) if self._on_cuda else 0
 
+    @_torch.plain_torch
     def dispatch(self, topk_idx, payloads, runtime_max_tokens_per_rank, invalid_expert_id=None,
                  expert_id_payload_index=None):
         """Collective. -> A2aDispatchResult(recv: list of [R, M, ...] workspace views,
@@ -194,6 +202,7 @@ class A2a:
             topk_idx, list(payloads), int(runtime_max_tokens_per_rank), invalid_expert_id, idx,
             _stream(topk_idx)))
 
+    @_torch.plain_torch
     def combine_payload_view(self, runtime_max_tokens_per_rank, hidden, dtype):
         """Local. The [R, M, hidden] workspace view for combine(payload_in_workspace=True)."""
         code = _torch.CODE_OF.get(dtype)
@@ -203,6 +212,7 @@ class A2a:
         return self._native.combine_payload_view(int(runtime_max_tokens_per_rank), int(hidden),
                                                  code)
 
+    @_torch.plain_torch
     def combine(self, y, runtime_max_tokens_per_rank, payload_in_workspace=False):
         """Collective. y [R, M, H] -> out [T, H]."""
         return self._native.combine(y, int(runtime_max_tokens_per_rank),

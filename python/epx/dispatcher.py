@@ -149,11 +149,13 @@ class Dispatcher:
                                 _current_stream(device) or 0)
         self._device = device
 
+    @_torch.plain_torch
     def dispatch_b(self):
         """Collective. Finishes the dispatch -> DispatchOutput, on the current stream (ordered
         after dispatch_a's when it differs)."""
         return DispatchOutput(*self._native.dispatch_b(_current_stream(self._device)))
 
+    @_torch.plain_torch
     def combine_a(self, y=None, y_in_output_view=None):
         """Collective. Starts the combine of the expert outputs ``y``: ht [N, H] bf16 weighted by
         the caller; ll [L, R*T_max, H] bf16 (combine applies the weights); a2a [R, M, H] bf16
@@ -162,6 +164,7 @@ class Dispatcher:
             y_in_output_view = y is None
         self._native.combine_a(y, bool(y_in_output_view), _current_stream(self._device))
 
+    @_torch.plain_torch
     def combine_b(self):
         """Collective. Finishes the combine -> out [T, H] bf16, on the current stream (ordered
         after combine_a's when it differs)."""
@@ -172,6 +175,7 @@ class Dispatcher:
         self.dispatch_a(x, topk_idx, topk_weights, forward_mode, global_scale)
         return self.dispatch_b()
 
+    @_torch.plain_torch
     def combine(self, y=None, y_in_output_view=None):
         """combine_a + combine_b."""
         self.combine_a(y, y_in_output_view)
