@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +60,9 @@ setup(
     name="epx",
     version="0.1.0",
     description="Expert-parallel MoE dispatch/combine (DeepEP- and FlashInfer-compatible)",
-    packages=["epx", "epx.compat"],
+    # epx, epx.compat and the shim packages (epx/compat/shim/{deep_ep,flashinfer}: the directory
+    # `python -m epx.compat.shim` prints for PYTHONPATH).
+    packages=find_packages(where=HERE, include=["epx", "epx.*"]),
     package_dir={"": "."},
     ext_modules=[CMakeExtension("epx._epx")],
     cmdclass={"build_ext": CMakeBuild},

@@ -177,10 +177,17 @@ def body_flashinfer_mask(ctx, seed):
     moe = fi.MoeAlltoAll(mapping, M, K, E, hidden_size=H, enable_rank_mask=True,
                          backend=_backend(ctx))
     inputs = _inputs(seed, R, E, M)
-    # First dispatch with every rank: creates the workspace (collective over all ranks).
-    recv = moe.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M)
+    # First dispatch with every rank: creates the workspace (collective over all ranks). As in
+    # FlashInfer, enable_rank_mask=True needs a mask on every call.
+    everyone = fi.moe_a2a_active_rank_mask(range(R), R)
+    with pytest.raises(epx.InvalidArgument, match="enable_rank_mask=True"):
+        moe.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M)
+    recv = moe.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M,
+                        active_rank_mask=everyone)
     y = torch.zeros(R, M, H, dtype=torch.bfloat16)
-    moe.combine(y, M)
+    with pytest.raises(epx.InvalidArgument, match="enable_rank_mask=True"):
+        moe.combine(y, M)
+    moe.combine(y, M, active_rank_mask=everyone)
     if not active[r]:
         return
     inputs = _inputs(seed + 1, R, E, M)

@@ -160,8 +160,8 @@ def body_a2a_errors(ctx, seed):
     out = a2a.combine(y, 4)  # the state machine is back at "dispatched -> combine"
     assert out.shape == (4, H)
 
-    with pytest.raises(epx.Unsupported, match="eplb_stats_num_experts"):
-        fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, eplb_stats_num_experts=E)
+    with pytest.raises(epx.InvalidArgument, match="eplb_stats_num_experts"):
+        fi.MoeAlltoAll(_mapping(ctx), 8, K, E, hidden_size=H, eplb_stats_num_experts=E + 1)
     with pytest.raises(epx.InvalidArgument, match="hidden_size"):
         fi.MoeAlltoAll(_mapping(ctx), 8, K, E)
     if R > 1:
