@@ -9,7 +9,7 @@ host columns only). For each T of --tokens and hook off / on it prints:
   events    dispatch + combine between two CUDA events, after a 256 MB zero_() that flushes L2
             once, mean / min over --iters pairs after --iters warm-up pairs (no hook)
   host      wall time of the Python calls of one pair (dispatch, combine; with the hook also the
-            two hooks), median over the event-timed pairs; "idle": the same with the device
+            two hooks), median over the event-timed pairs (and per call below the table); "idle": the same with the device
             synchronised before each pair (so no call waits for earlier work)
 Options: --default-device makes torch.set_default_device('cuda') current first (DeepEP's test
 utilities do, and engines may): every torch call in Python then passes through a
@@ -78,18 +78,27 @@ def run(rank, world, args):
         stats = torch.zeros(E // world, dtype=torch.int32, device=device)
         y = None
 
-        def pair(hook):
+        def pair(hook, stamps=None):
             nonlocal y
+            clock = time.perf_counter
+            t0 = clock()
             recv, count, handle, _, h = buf.low_latency_dispatch(
                 x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
                 return_recv_hook=hook)
+            t1 = clock()
             if hook:
                 h()
+            t2 = clock()
             if y is None:
                 y = torch.randn(recv[0].shape, generator=gen, device="cpu").to(torch.bfloat16).to(device)
+            t3 = clock()
             _, _, h = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=hook)
+            t4 = clock()
             if hook:
                 h()
+            t5 = clock()
+            if stamps is not None:
+                stamps.append((t1 - t0, t2 - t1, t4 - t3, t5 - t4))
 
         row = {"T": T}
         for hook in (False, True):
@@ -102,16 +111,18 @@ def run(rank, world, args):
                 cache.zero_()
                 starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
                 ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            stamps = []
             for i in range(args.iters):
                 if cuda:
                     starts[i].record()
                 t0 = time.perf_counter()
-                pair(hook)
+                pair(hook, stamps)
                 host.append((time.perf_counter() - t0) * 1e6)
                 if cuda:
                     ends[i].record()
             key = "hook" if hook else "plain"
             row[f"host_{key}"] = statistics.median(host)
+            row[f"calls_{key}"] = [statistics.median(c) * 1e6 for c in zip(*stamps)]
             if cuda:  # the same with the device idle before each pair: no wait for it inside
                 idle = []
                 for _ in range(args.iters):
@@ -219,6 +230,12 @@ def main():
                   f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f} "
                   f"{row.get('idle_plain', float('nan')):>6.1f} "
                   f"{row.get('idle_hook', float('nan')):>7.1f}")
+    print("host per call, median us: dispatch / its hook / combine / its hook")
+    for rank in sorted(results):
+        for row in results[rank]:
+            print(f"{rank:>4} {row['T']:>5} | no hook " +
+                  " / ".join(f"{v:.1f}" for v in row["calls_plain"]) + " | hook " +
+                  " / ".join(f"{v:.1f}" for v in row["calls_hook"]))
     for rank in sorted(results):
         for row in results[rank]:
             if "breakdown" in row:

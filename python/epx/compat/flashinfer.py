@@ -661,6 +661,7 @@ class MoeAlltoAll:
         rows = self._comm.allgather([int(v) for v in stats.cpu().tolist()])
         return torch.tensor(rows, dtype=torch.int32).to(stats.device)
 
+    @_torch.plain_torch
     def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
                  invalid_token_expert_id=None, expert_id_payload_index=None,
                  eplb_local_stats=None, active_rank_mask=None):
@@ -705,6 +706,7 @@ class MoeAlltoAll:
         self.recv_counts = counts
         return recv
 
+    @_torch.plain_torch
     def get_combine_payload_tensor_in_workspace(self, runtime_max_tokens_per_rank, hidden_size,
                                                 dtype):
         """The [ep_size, runtime_max, hidden_size] workspace view the MoE kernel writes its output
@@ -715,6 +717,7 @@ class MoeAlltoAll:
                                  "get_combine_payload_tensor_in_workspace -> combine")
         return self._a2a.combine_payload_view(runtime_max_tokens_per_rank, hidden_size, dtype)
 
+    @_torch.plain_torch
     def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False,
                 output_dtype=None, output_scales=None, output_scalar_scale=1.0, sf_layout=None,
                 output=None, *, use_low_precision=False, active_rank_mask=None):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# bench/peer_deepep.sh — DeepEP's own V1 test scripts, unmodified, against epx: `import deep_ep`
+# resolves to epx.compat.deep_ep through the README's one-step opt-in (python -m epx.compat.shim).
+#
+#   bash bench/peer_deepep.sh DEEPEP_TESTS_DIR [NUM_PROCESSES] [SCRIPT...]
+#
+# DEEPEP_TESTS_DIR holds DeepEP's tests/ (test_low_latency.py, test_intranode.py, utils.py) taken
+# from a DeepEP checkout (e.g. `git show 567632d:tests/<file>` of github.com/deepseek-ai/DeepEP);
+# none of DeepEP lives in this repository. Scripts default to test_low_latency.py and
+# test_intranode.py; NUM_PROCESSES (default 1) is their --num-processes (one GPU each). Needs the
+# extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
+# /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
+# terminal; the exit status is the number of scripts that failed.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=$(cd "${1:?usage: peer_deepep.sh DEEPEP_TESTS_DIR [NUM_PROCESSES] [SCRIPT...]}" && pwd)
+n=${2:-1}
+shift $(( $# >= 2 ? 2 : 1 ))
+scripts=("$@")
+[ ${#scripts[@]} -gt 0 ] || scripts=(test_low_latency.py test_intranode.py)
+py=${EPX_PYTHON:-}
+[ -n "$py" ] || { [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3 || py=python3; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The one-step opt-in of the README, as an engine's launcher would run it.
+shim=$(PYTHONPATH="$repo/python" "$py" -m epx.compat.shim) || exit 1
+export PYTHONPATH="$shim:$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=0
+for s in "${scripts[@]}"; do
+  t0=$(date +%s)
+  echo "== $s --num-processes $n (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
+  (cd "$dir" && "$py" "$s" --num-processes "$n")
+  rc=$?
+  echo "== $s: exit $rc ($(( $(date +%s) - t0 )) s)"
+  [ $rc -eq 0 ] || failed=$((failed + 1))
+done
+exit $failed
