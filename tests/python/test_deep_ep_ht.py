@@ -270,7 +270,14 @@ def body_ht_errors(ctx, seed):
             (x, x, x), num_tokens_per_expert=pe, topk_idx=idx)),
         (epx.InvalidArgument, "x_scales", lambda: buf.dispatch(
             (fp8, torch.ones(5, 1, device=dev)), num_tokens_per_expert=pe, topk_idx=idx)),
-        (epx.Unsupported, "without topk_idx", lambda: buf.dispatch(x, num_tokens_per_expert=pe)),
+        (epx.InvalidArgument, "neither 'topk_idx' nor 'is_token_in_rank'", lambda: buf.dispatch(
+            x, num_tokens_per_expert=pe)),
+        (epx.InvalidArgument, "'topk_weights' is given without 'topk_idx'", lambda: buf.dispatch(
+            x, num_tokens_per_expert=pe, is_token_in_rank=torch.zeros(5, R, dtype=torch.bool,
+                                                                      device=dev), topk_weights=w)),
+        (epx.InvalidArgument, "expected torch.bool", lambda: buf.dispatch(
+            x, num_tokens_per_expert=pe, is_token_in_rank=torch.zeros(5, R, dtype=torch.int32,
+                                                                      device=dev))),
         (epx.Unsupported, "num_tokens_per_rdma_rank", lambda: buf.dispatch(
             x, num_tokens_per_rdma_rank=pe, num_tokens_per_expert=pe, topk_idx=idx)),
         (epx.InvalidArgument, "expert_alignment", lambda: buf.dispatch(
@@ -313,13 +320,19 @@ def body_buffer_api(ctx, seed):
                          explicitly_destroy=False, enable_shrink=False, comm=None)
     assert (buf.rank, buf.group_size, buf.group) == (r, R, ctx.group)
     assert (buf.num_nvl_bytes, buf.num_rdma_bytes, buf.low_latency_mode) == (256 << 20, 0, False)
-    for kwargs, needle in (({"allow_mnnvl": True}, "allow_mnnvl"),
-                           ({"enable_shrink": True}, "enable_shrink"),
-                           ({"comm": object()}, "comm"),
+    for kwargs, needle in (({"enable_shrink": True}, "enable_shrink"),
                            ({"allow_nvlink_for_low_latency_mode": False},
                             "allow_nvlink_for_low_latency_mode")):
         with pytest.raises(epx.Unsupported, match=needle):
             deep_ep.Buffer(ctx.group, **kwargs)
+    # allow_mnnvl=True permits (does not require) multi-node NVLink: accepted (SGLang passes it);
+    # comm= is used only without a group (as in DeepEP).
+    mn = deep_ep.Buffer(ctx.group, allow_mnnvl=True, comm=object())
+    assert mn.allow_mnnvl and mn.group is ctx.group
+    with pytest.raises(epx.InvalidArgument, match="'group' and 'comm'"):
+        deep_ep.Buffer(None)
+    with pytest.raises(epx.InvalidArgument, match="'comm'.*Get_rank"):
+        deep_ep.Buffer(None, comm=object())
     with pytest.raises(epx.InvalidArgument, match="num_nvl_bytes"):
         deep_ep.Buffer(ctx.group, num_nvl_bytes=-1)
     with pytest.raises(epx.InvalidArgument, match="explicitly_destroy"):

@@ -28,14 +28,33 @@ How it differs, and why:
   num_max_dispatch_tokens_per_rank, hidden, num_experts)`` as in DeepEP.
 * fp8 on torch without ``float8_e4m3fn`` (1.13): fp8 tensors are uint8 tensors holding e4m3 bit
   patterns, in both directions.
-* ``num_tokens_per_rank``, ``is_token_in_rank``, ``num_tokens_per_expert`` given to dispatch are
-  shape-checked only: epx derives the routing from ``topk_idx`` (``num_tokens_per_expert`` tells
-  E). A dispatch without ``topk_idx`` and without a handle raises Unsupported.
-* Options epx cannot honour raise ``epx.Unsupported`` naming them: allow_mnnvl=True,
-  enable_shrink=True (and the mask-buffer API), comm=, allow_nvlink_for_low_latency_mode=False,
-  use_logfmt=True, use_nvfp4=True / x_global_scale, dispatch/combine_wait_recv_cost_stats.
-* ``num_sms`` (class attribute, set_num_sms, Config.num_sms) is the SM budget handed to the
-  cuda kernels through the epx group; a Config whose num_sms differs re-creates the group.
+* Routing of a normal-mode dispatch: by ``topk_idx`` when given (``num_tokens_per_rank`` and
+  ``is_token_in_rank`` are then shape-checked only; ``num_tokens_per_expert`` tells E); without
+  ``topk_idx``, by ``is_token_in_rank`` alone, as DeepEP: each token goes once to each marked
+  rank, received tokens carry no top-k (recv_topk_idx / recv_topk_weights None), the per-expert
+  list is the sum over the ranks of ``num_tokens_per_expert`` (one all-reduce over the group).
+* SM budget: ``num_sms`` (class attribute, set_num_sms, Config.num_sms) is the SM budget of the
+  normal-mode kernels, handed to them through the epx group (a Config whose num_sms differs uses
+  another group). The low-latency kernels ignore it, as DeepEP's do: they take epx's own grid.
+* Lifetime: nothing the caller passes is read after the call returns. With
+  ``return_recv_hook=True`` the send half copies what the receive needs (the combine's expert
+  rows, topk_idx, topk_weights, the layout) into epx's memory, so the caller may drop or
+  overwrite them before calling the hook; the hook keeps the tensors it writes
+  (``cumulative_local_expert_recv_stats``, ``out``) alive until it ran.
+* Kernels: one CUDA kernel per op, hook or not (profiler rows ``epx::ll::dispatch`` and
+  ``epx::ll::combine``: the hook launches the receive half of the same kernel), as DeepEP.
+* Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
+  mask-buffer API), allow_nvlink_for_low_latency_mode=False, use_logfmt=True, use_nvfp4=True /
+  x_global_scale, dispatch/combine_wait_recv_cost_stats, num_tokens_per_rdma_rank,
+  get_local_buffer_tensor, internode_dispatch / internode_combine.
+  ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
+  multi-node NVLink domain; epx reaches the ranks NCCL's symmetric memory can map (engines such as
+  SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
+  DeepEP) is honoured: the epx group and the few small agreements (largest T, per-expert sums)
+  go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
+  memory, whose handle type NCCL chooses. ``num_qps_per_rank``, ``num_nvl_bytes``,
+  ``num_rdma_bytes``, ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept,
+  with nothing to change in epx.
 """
 
 import torch
@@ -191,38 +210,48 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
-                 explicitly_destroy=False, enable_shrink=False, comm=None):
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
         op = "Buffer"
-        if allow_mnnvl:
-            raise errors.unsupported(op, "allow_mnnvl=True: epx has no multi-node NVLink path")
         if enable_shrink:
             raise errors.unsupported(op, "enable_shrink=True: epx has no fault-tolerant masking")
-        if comm is not None:
-            raise errors.unsupported(op, "comm= (an MPI communicator): pass a torch "
-                                     "ProcessGroup as 'group'")
         if not allow_nvlink_for_low_latency_mode:
             raise errors.unsupported(op, "allow_nvlink_for_low_latency_mode=False: epx's "
                                      "low-latency mode always uses NVLink within the node")
+        if group is None and comm is None:
+            raise errors.invalid(op, "arguments 'group' and 'comm' are both None, expected a "
+                                 "torch ProcessGroup as 'group' or an mpi4py communicator as "
+                                 "'comm'")
         if group is None:
-            raise errors.invalid(op, "argument 'group' is None, expected a torch ProcessGroup")
+            for name in ("Get_rank", "Get_size", "allgather"):
+                if not callable(getattr(comm, name, None)):
+                    raise errors.invalid(op, f"argument 'comm' is a {type(comm).__name__} "
+                                         f"without {name}(), expected an mpi4py communicator")
         errors.check_int(op, "num_nvl_bytes", num_nvl_bytes)
         errors.check_int(op, "num_rdma_bytes", num_rdma_bytes)
         errors.check_int(op, "num_qps_per_rank", num_qps_per_rank)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.group_size = dist.get_world_size(group)
+        # As DeepEP: the group when given, else the communicator (then also kept as 'group').
+        self._comm = None if group is not None else comm
+        self.group = group if group is not None else comm
+        if group is not None:
+            self.rank = dist.get_rank(group)
+            self.group_size = dist.get_world_size(group)
+        else:
+            self.rank = int(comm.Get_rank())
+            self.group_size = int(comm.Get_size())
+        self.allow_mnnvl = bool(allow_mnnvl)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
+        self.use_fabric = bool(use_fabric)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = False
         self._destroyed = False
-        self._groups = {}       # (device, num_sms) -> epx Group
+        self._groups = {}       # (device, num_sms) -> epx Group (num_sms 0: ll, epx's own grid)
         self._ht = None         # epx Buffer for normal mode
         self._ht_key = None     # (device, num_sms, H, K, E)
         self._ll = None         # epx Buffer for low-latency mode
-        self._ll_key = None     # (device, num_sms, T_max, H, K, E)
+        self._ll_key = None     # (device, T_max, H, K, E)
         self._device = None     # 'cpu' / 'cuda:i' of the last op
 
     # ---- class-level API ---------------------------------------------------------------------
@@ -282,11 +311,35 @@ class Buffer:
             return torch.cuda.current_stream(torch.device(self._device))
         return None
 
-    def capture(self):
-        """An EventOverlap recorded on the current stream (no event on CPU)."""
-        if self._device is not None and self._device.startswith("cuda"):
+    @staticmethod
+    def capture():
+        """An EventOverlap recorded on the current CUDA stream (static, as DeepEP's; no event
+        where CUDA is not initialised, e.g. on the cpu backend)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             return EventOverlap(_CudaEvent())
         return EventOverlap(None)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """DeepEP's raw buffer as a tensor: epx has no user-visible raw buffer."""
+        raise errors.unsupported("get_local_buffer_tensor", "epx sizes and lays out its buffers "
+                                 "itself and exposes no raw byte buffer; use "
+                                 "get_next_low_latency_combine_buffer for zero-copy combine")
+
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment=1, num_worst_tokens=0, config=None,
+                           previous_event=None, async_finish=False,
+                           allocate_on_comm_stream=False):
+        """DeepEP's internode (RDMA + NVLink) dispatch: epx is intranode only."""
+        raise errors.unsupported("internode_dispatch", "epx moves data within one NVLink domain "
+                                 "(dispatch() serves every rank of it)")
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                          previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's internode (RDMA + NVLink) combine: epx is intranode only."""
+        raise errors.unsupported("internode_combine", "epx moves data within one NVLink domain "
+                                 "(combine() serves every rank of it)")
 
     # ---- internals ---------------------------------------------------------------------------
     def _check_alive(self, op):
@@ -297,7 +350,10 @@ class Buffer:
         key = (device, num_sms)
         group = self._groups.get(key)
         if group is None:
-            group = _EpxGroup.from_process_group(self.group, device=device, num_sms=num_sms)
+            if self._comm is not None:
+                group = _EpxGroup.from_comm(self._comm, device=device, num_sms=num_sms)
+            else:
+                group = _EpxGroup.from_process_group(self.group, device=device, num_sms=num_sms)
             self._groups[key] = group
         return group
 
@@ -308,10 +364,25 @@ class Buffer:
         """Max of `value` over the ranks (one small all-reduce through the ProcessGroup)."""
         if self.group_size == 1:
             return value
+        if self._comm is not None:
+            return max(int(v) for v in self._comm.allgather(int(value)))
         on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
         t = torch.tensor([value], dtype=torch.int64, device=device if on_gpu else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
+
+    def _sum_over_ranks(self, counts, device):
+        """The element-wise sum over the ranks of an int64 tensor, as a list (one all-reduce
+        through the ProcessGroup, or an allgather through the communicator)."""
+        if self.group_size == 1:
+            return [int(c) for c in counts.tolist()]
+        if self._comm is not None:
+            rows = self._comm.allgather([int(c) for c in counts.tolist()])
+            return [sum(col) for col in zip(*rows)]
+        on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
+        t = counts.to(device if on_gpu else "cpu").clone()
+        dist.all_reduce(t, group=self.group)
+        return [int(c) for c in t.tolist()]
 
     def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms):
         """The normal-mode epx buffer for this shape, created or grown collectively when the
@@ -339,10 +410,12 @@ class Buffer:
         return self._ht
 
     def _ll_buffer(self, device, max_tokens, hidden, top_k, num_experts):
-        key = (device, Buffer.num_sms, max_tokens, hidden, top_k, num_experts)
+        # DeepEP's low-latency kernels size their own grid: num_sms (a normal-mode budget) never
+        # throttles them; epx's ll kernels take their default grid (group num_sms 0).
+        key = (device, max_tokens, hidden, top_k, num_experts)
         if self._ll is None or self._ll_key != key:
             self._ll = None
-            self._ll = _EpxBuffer(self._group_for(device, Buffer.num_sms), hidden, top_k,
+            self._ll = _EpxBuffer(self._group_for(device, 0), hidden, top_k,
                                   num_experts, max_tokens, enable_ht=False, enable_ll=True)
             self._ll_key = key
         return self._ll
@@ -424,13 +497,7 @@ class Buffer:
             recv_x = (r[0], r[1]) if fp8 else r[0]
             return recv_x, None, None, None, None, self._event(async_finish, (x, recv_x))
 
-        if topk_idx is None:
-            raise errors.unsupported(op, "dispatch without topk_idx (routing from "
-                                     "is_token_in_rank only) -- pass topk_idx, or a handle for "
-                                     "cached mode")
-        _tensor(op, "topk_idx", topk_idx, 2)
         T, H = x_data.shape
-        K = topk_idx.shape[1]
         R = self.group_size
         if num_tokens_per_expert is not None:
             num_experts = _tensor(op, "num_tokens_per_expert", num_tokens_per_expert, 1).numel()
@@ -439,6 +506,9 @@ class Buffer:
         else:
             raise errors.invalid(op, "argument 'num_tokens_per_expert' is required on the first "
                                  "dispatch (it tells the number of experts)")
+        if num_experts % R:
+            raise errors.invalid(op, f"the number of experts is {num_experts} (from "
+                                 f"'num_tokens_per_expert'), expected a multiple of the {R} ranks")
         if num_tokens_per_rank is not None and tuple(num_tokens_per_rank.shape) != (R,):
             raise errors.invalid(op, f"argument 'num_tokens_per_rank' has shape "
                                  f"{list(num_tokens_per_rank.shape)}, expected [{R}]")
@@ -446,6 +516,16 @@ class Buffer:
             raise errors.invalid(op, f"argument 'is_token_in_rank' has shape "
                                  f"{list(is_token_in_rank.shape)}, expected [{T}, {R}]")
         num_sms = config.num_sms if config is not None else Buffer.num_sms
+        if topk_idx is None:
+            if topk_weights is not None:
+                raise errors.invalid(op, "argument 'topk_weights' is given without 'topk_idx', "
+                                     "expected both or neither")
+            return self._dispatch_by_rank(op, device, stream, x, x_data, x_scales, fp8,
+                                          is_token_in_rank, num_tokens_per_expert, num_experts,
+                                          expert_alignment, num_worst_tokens, num_sms,
+                                          async_finish)
+        _tensor(op, "topk_idx", topk_idx, 2)
+        K = topk_idx.shape[1]
         buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms)
         r = buf._native.ht_dispatch(x_data, x_scales, fp8, topk_idx, topk_weights,
                                     expert_alignment, num_worst_tokens, None, stream)
@@ -453,6 +533,54 @@ class Buffer:
         new_handle = _HtHandle(r[6], buf)
         event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r[2], r[3]))
         return recv_x, r[2], r[3], list(r[5]), new_handle, event
+
+    def _dispatch_by_rank(self, op, device, stream, x, x_data, x_scales, fp8, is_token_in_rank,
+                          num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
+                          num_sms, async_finish):
+        """A dispatch routed by is_token_in_rank alone (DeepEP's layout-only call): token t goes
+        once to every rank r with is_token_in_rank[t, r]; received tokens carry no top-k. epx
+        routes it as a top-k dispatch whose row for t names the first local expert of each such
+        rank (so the received order, the handle and combine are those of DeepEP), and the
+        per-expert list is the sum over the ranks of num_tokens_per_expert (one all-reduce over
+        the group, as DeepEP's notify step exchanges it), aligned to expert_alignment."""
+        if is_token_in_rank is None:
+            raise errors.invalid(op, "neither 'topk_idx' nor 'is_token_in_rank' nor 'handle' is "
+                                 "given, expected one of them to route the tokens")
+        if num_tokens_per_expert is None:
+            raise errors.invalid(op, "argument 'num_tokens_per_expert' is required with "
+                                 "'is_token_in_rank' (it gives the received per-expert counts)")
+        _tensor(op, "is_token_in_rank", is_token_in_rank, 2)
+        if is_token_in_rank.dtype != torch.bool:
+            raise errors.invalid(op, f"argument 'is_token_in_rank' has dtype "
+                                 f"{is_token_in_rank.dtype}, expected torch.bool")
+        T, H = x_data.shape
+        R = self.group_size
+        L = num_experts // R
+        # The routing width: the current normal-mode buffer's top-k when it holds R columns (no
+        # re-creation), else R.
+        key = self._ht_key
+        K = key[3] if key is not None and key[:3] == (device, num_sms, H) and \
+            key[4] == num_experts and key[3] >= R else R
+        first_expert = torch.arange(R, dtype=torch.int64, device=is_token_in_rank.device) * L
+        routed = torch.where(is_token_in_rank, first_expert.unsqueeze(0),
+                             torch.full_like(first_expert, -1).unsqueeze(0))
+        if K > R:
+            routed = torch.cat([routed, routed.new_full((T, K - R), -1)], dim=1)
+        routed = routed.contiguous()
+        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms)
+        r = buf._native.ht_dispatch(x_data, x_scales, fp8, routed, None, 1, num_worst_tokens,
+                                    None, stream)
+        recv_x = (r[0], r[1]) if fp8 else r[0]
+        new_handle = _HtHandle(r[6], buf)
+        if num_worst_tokens > 0:
+            per_expert = []  # DeepEP returns no list in worst-case mode
+        else:
+            counts = self._sum_over_ranks(num_tokens_per_expert.to(torch.int64), device)
+            mine = counts[self.rank * L:(self.rank + 1) * L]
+            a = expert_alignment
+            per_expert = [(int(c) + a - 1) // a * a for c in mine]
+        event = self._event(async_finish, (x, is_token_in_rank, recv_x, routed))
+        return recv_x, None, None, per_expert, new_handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -561,8 +689,8 @@ class Buffer:
         errors.check_int(op, "hidden", hidden, 1)
         errors.check_int(op, "num_experts", num_experts, 1)
         key = self._ll_key
-        if self._ll is not None and key[2:4] == (num_max_dispatch_tokens_per_rank, hidden) and \
-                key[5] == num_experts:
+        if self._ll is not None and key[1:3] == (num_max_dispatch_tokens_per_rank, hidden) and \
+                key[4] == num_experts:
             self._ll.ll_clean()
 
     # ---- fault tolerance (enable_shrink), not supported -------------------------------------
