@@ -433,6 +433,7 @@ class Buffer:
         return EventOverlap(None, tensors if async_finish else None)
 
     # ---- normal mode (epx ht) ----------------------------------------------------------------
+    @_torch.plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """-> (num_tokens_per_rank[R] i32, None, num_tokens_per_expert[E] i32,
@@ -453,6 +454,7 @@ class Buffer:
         return (per_rank, None, per_expert, in_rank,
                 self._event(async_finish, (topk_idx, per_rank, per_expert, in_rank)))
 
+    @_torch.plain_torch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
@@ -582,6 +584,7 @@ class Buffer:
         event = self._event(async_finish, (x, is_token_in_rank, recv_x, routed))
         return recv_x, None, None, per_expert, new_handle, event
 
+    @_torch.plain_torch
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """Normal-mode combine (SPEC 3.3): unweighted sum over the ranks each token went to,
@@ -609,6 +612,7 @@ class Buffer:
             raise errors.invalid(op, "the Buffer was created with low_latency_mode=False, "
                                  "expected True")
 
+    @_torch.plain_torch
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
@@ -648,6 +652,7 @@ class Buffer:
         return packed, count, handle, self._event(async_finish, (x, topk_idx, recv_x, scales,
                                                                  count)), hook
 
+    @_torch.plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
@@ -670,6 +675,7 @@ class Buffer:
                                                 _torch.stream_of(topk_weights))
         return combined, self._event(async_finish, (x, topk_idx, topk_weights, combined)), hook
 
+    @_torch.plain_torch
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, R*T_max, H] view to write expert outputs into before
         low_latency_combine(..., zero_copy=True)."""
