@@ -65,7 +65,9 @@ def device_key(t):
     return "cpu" if not t.is_cuda else f"cuda:{t.get_device()}"
 
 
-_disable_torch_function = getattr(torch._C, "_DisableTorchFunction", None)
+# torch 2.x: DisableTorchFunction turns modes and subclasses off (DisableTorchFunctionSubclass only
+# subclasses); _is_torch_function_mode_enabled: a mode is on the stack and not disabled.
+_disable_torch_function = getattr(torch._C, "DisableTorchFunction", None)
 _torch_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 
 
@@ -76,12 +78,12 @@ def plain_torch(fn):
     extension (data_ptr, stride, new_empty, ...) passes through the mode's Python handler, about
     1 us each, ~60 per ll dispatch + combine. epx passes every device explicitly, so the mode
     has nothing to change. Without a mode: one C call more."""
-    if _disable_torch_function is None:
+    if _disable_torch_function is None or _torch_function_mode_on is None:
         return fn
 
     @functools.wraps(fn)
     def op(*args, **kwargs):
-        if _torch_function_mode_on is not None and not _torch_function_mode_on():
+        if not _torch_function_mode_on():
             return fn(*args, **kwargs)
         with _disable_torch_function():
             return fn(*args, **kwargs)
