@@ -26,10 +26,6 @@ std::string env_ht_copy() {
   return v ? std::string(v) : std::string();
 }
 
-int env_ll_variant() {
-  return static_cast<int>(env_long("EPX_LL_VARIANT", 0));
-}
-
 int env_pdl() {
   const char* v = std::getenv("EPX_PDL");
   if (!v || !*v) return -1;  // unset: each kernel family's default

@@ -4,11 +4,8 @@
 //   EPX_HT_COPY      copy path of the cuda ht dispatch / combine: ce[:kept][:combine|
 //                    :combine-auto] (default ce:kept:combine-auto) | warp | bulk[:SxC][:bN]
 //                    (cuda/tuning.h parse_ht_copy)
-//   EPX_LL_VARIANT   cuda ll kernel variant bits for A/B runs (0 = the default kernels;
-//                    cuda/kernels/ll/ll_layout.cuh kLlVariant*)
 //   EPX_PDL          programmatic dependent launch of the cuda kernels (sm_90; never in the
-//                    one-GPU test mode): 1 ht and ll, unset: ll only (the measured default),
-//                    any other value: none
+//                    one-GPU test mode): 1 ht and ll; unset or any other value: none
 //   EPX_ONE_GPU_SIDE_STREAMS  1: the one-GPU test mode (ranks sharing a GPU) also takes the paths
 //                    with side streams per Buffer — ce:kept's copy engines, the split exact
 //                    dispatch, the chunked combine via pull; otherwise the kernels move every row
@@ -30,7 +27,6 @@ int env_default_num_sms();
 std::string env_ht_copy();  // "" when unset
 int env_cuda_device_max_connections();
 std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when unset: LAZY)
-int env_ll_variant();  // EPX_LL_VARIANT, decimal kLlVariant* bits (0 when unset or invalid)
 int env_pdl();         // EPX_PDL: -1 unset or empty, 1 when "1", 0 for any other value
 bool env_one_gpu_side_streams();  // EPX_ONE_GPU_SIDE_STREAMS == "1"
 

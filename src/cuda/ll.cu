@@ -66,16 +66,6 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-thread_local int32_t g_ll_variant_override = -1;  // per thread: one-GPU ranks are threads
-
-// The kLlVariant* bits of a launch (ll_layout.cuh): set_ll_variant_override when set, else
-// EPX_LL_VARIANT (read once).
-int32_t ll_variant() {
-  static const int32_t v = env_ll_variant();
-  const int32_t o = g_ll_variant_override;
-  return o >= 0 ? o : v;
-}
-
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
 #endif
@@ -385,7 +375,6 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   }
   p.symm = symm_;
   p.wait = wait_context(kOpLlDispatch);
-  p.variant = ll_variant();
   p.pdl = pdl_;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
@@ -463,7 +452,6 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.rank = group_.rank();
   p.symm = symm_;
   p.wait = wait_context(kOpLlCombine);
-  p.variant = ll_variant();
   p.pdl = pdl_;
 #ifdef EPX_LL_TRACE
   p.trace = trace_;
@@ -531,10 +519,6 @@ void CudaLl::clean() {
   ++generation_;
   for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
   group_.transport()->barrier("ll_clean (reset)");  // nobody signals into a region not yet reset
-}
-
-void set_ll_variant_override(int variant) {
-  g_ll_variant_override = variant < 0 ? -1 : variant;
 }
 
 // ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------

@@ -187,10 +187,6 @@ HtCopyConfig ht_copy_config();
 // Benchmark / test hook: replaces EPX_HT_COPY for later launches in this process; null resets.
 void set_ht_copy_override(const HtCopyConfig* config);
 
-// Test / benchmark hook: replaces EPX_LL_VARIANT (kLlVariant* bits, src/cuda/kernels/ll/
-// ll_layout.cuh) for later ll launches from the calling thread; < 0 resets. Every rank must use
-// the same.
-void set_ll_variant_override(int variant);
 
 // Benchmark / test hook: HtAblate bits (above) applied to every ht launch in this process while
 // non-zero. Outputs are wrong while an ablation bit is set (not the output-preserving switches).

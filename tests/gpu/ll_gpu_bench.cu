@@ -20,14 +20,11 @@
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
 // entry of that launch (medians over the traced iterations), and each kernel's span.
 // --trace-only skips the timing rows and baselines. --sms takes a list (32,64,128): the whole run
-// once per value (one line per T and C at the end, "sweep" lines). --variant takes a list of
-// EPX_LL_VARIANT values (ll_layout.cuh: kLlVariant*): every T is timed (and traced) once per
-// value in this process (set_ll_variant_override), the check runs once per value, the baselines
-// only with the first; column "var" (-1: no override, EPX_LL_VARIANT or 0).
+// once per value (one line per T and C at the end, "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
-//                         [--sms C[,C..]] [--variant V[,V..]] [--trace] [--trace-only]
+//                         [--sms C[,C..]] [--trace] [--trace-only]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -73,8 +70,6 @@ struct Options {
   int warmup = 5;
   int graph_replays = 10;
   int sms = 0;
-  std::vector<int> variants = {-1};  // --variant (-1: no override)
-  bool baselines = true;             // off for the later variants of a T
   bool trace = false;
   bool trace_only = false;
 };
@@ -240,7 +235,6 @@ struct Workload {
 
 struct Row {
   int64_t tokens = 0;
-  int variant = -1;
   double disp = 0, comb = 0, comb_copy = 0, both = 0;
   double send = 0, recv = 0, csend = 0, crecv = 0;
   double g_disp = 0, g_comb = 0, g_both = 0, g_hook = 0;
@@ -382,7 +376,6 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
   });
   for (auto& e : ev) cudaEventDestroy(e);
 
-  if (!o.baselines) return row;
   stage(g, "baselines, T", T);
   // Baselines over the same NVLink bytes.
   const size_t total = (disp_bytes + comb_bytes + 15) / 16 * 16;
@@ -453,8 +446,6 @@ const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "recv wait",
                                                           "+scan (V)",
                                                           "row copies",
-                                                          "last CTA start",
-                                                          "last CTA end (freed)",
                                                           "exit"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
@@ -465,8 +456,6 @@ const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "range table",
                                                          "+ids/rows (6,V)",
                                                          "pulls+reduce (7)",
-                                                         "last CTA start",
-                                                         "last CTA end (pulled)",
                                                          "exit"};
 
 struct PhaseStat {
@@ -583,15 +572,15 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
 #endif
 
 void print_header() {
-  std::printf("%5s %3s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
-              "T", "var", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv",
+  std::printf("%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s\n",
+              "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv",
               "g_disp", "g_comb", "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl");
 }
 void print_row(const Row& w) {
   std::printf(
-      "%5lld %3d | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
+      "%5lld | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
       "%6.1f | %6.2f %6.2f | %7.1f %7.1f\n",
-      static_cast<long long>(w.tokens), w.variant, w.disp, w.comb, w.comb_copy, w.both, w.send,
+      static_cast<long long>(w.tokens), w.disp, w.comb, w.comb_copy, w.both, w.send,
       w.recv, w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb,
       w.nvl_comb_mb, w.ceiling, w.nccl);
   std::fflush(stdout);
@@ -641,9 +630,8 @@ int run_rank(const Group& g, const Options& o) {
   if (r == 0) {
     std::printf(
         "\nepx ll, cuda backend, EP%d, H=%lld K=%d E=%d, uniform routing, fp8 dispatch, "
-        "bf16 combine, rank 0's view (rows as measured); CTAs cap (--sms) %d, EPX_LL_VARIANT=%s\n",
-        R, static_cast<long long>(kHidden), kTopK, g_experts, o.sms,
-        std::getenv("EPX_LL_VARIANT") ? std::getenv("EPX_LL_VARIANT") : "0");
+        "bf16 combine, rank 0's view (rows as measured); CTAs cap (--sms) %d\n",
+        R, static_cast<long long>(kHidden), kTopK, g_experts, o.sms);
     print_header();
   }
   // Buffer 0: T_max = 128 (the standard workload: memory, the check, T <= 128); buffer 1:
@@ -656,28 +644,20 @@ int run_rank(const Group& g, const Options& o) {
     bytes[b] = buf.bytes_allocated();
     stage(g, "buffer ready, MB", static_cast<int64_t>(bytes[b] / 1000000));
     if (b == 0) {
-      for (int v : o.variants) {
-        detail::set_ll_variant_override(v);
-        const int f = check_once(buf, g, s);
-        if (f && r == 0) std::printf("check FAILED with variant %d\n", v);
-        failures += f;
-        stage(g, "check done, failures", failures);
-      }
+      const int f = check_once(buf, g, s);
+      if (f && r == 0) std::printf("check FAILED\n");
+      failures += f;
+      stage(g, "check done, failures", failures);
     }
     fill_combine_buffers(buf, g, cap);
     Tensor y_user = device_bf16({L, R * cap, kHidden}, 123 + r, r);
     CK(cudaDeviceSynchronize());
     for (int64_t T : o.tokens) {
       if ((b == 0) != (T <= 128)) continue;
-      for (size_t vi = 0; vi < o.variants.size(); ++vi) {
-        const int variant = o.variants[vi];
-        detail::set_ll_variant_override(variant);
+      {
         if (!o.trace_only) {
           stage(g, "timing T", T);
-          Options ov = o;
-          ov.baselines = vi == 0;
-          rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, ov));
-          rows.back().variant = variant;
+          rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
           if (r == 0) print_row(rows.back());
         }
 #ifdef EPX_LL_TRACE
@@ -696,7 +676,6 @@ int run_rank(const Group& g, const Options& o) {
                            : "globaltimer");
             std::fflush(stdout);
           }
-          if (r == 0 && o.variants.size() > 1) std::printf("[trace] variant %d\n", variant);
           for (int hook = 0; hook < 2; ++hook) {
             const std::string txt = trace_tokens(buf, g, T, s, hook != 0, clk, o);
             for (int q = 0; q < R; ++q) {
@@ -710,7 +689,6 @@ int run_rank(const Group& g, const Options& o) {
         }
 #endif
       }
-      detail::set_ll_variant_override(-1);
     }
   }
   if (r == 0) {
@@ -725,9 +703,9 @@ int run_rank(const Group& g, const Options& o) {
     for (const Row& w : rows) print_row(w);
     for (const Row& w : rows)
       std::printf(
-          "sweep sms=%d var=%d T=%lld g_disp %.1f g_comb %.1f g_d+c %.1f disp %.1f comb %.1f "
+          "sweep sms=%d T=%lld g_disp %.1f g_comb %.1f g_d+c %.1f disp %.1f comb %.1f "
           "send %.1f recv %.1f csend %.1f crecv %.1f\n",
-          o.sms, w.variant, static_cast<long long>(w.tokens), w.g_disp, w.g_comb, w.g_both, w.disp,
+          o.sms, static_cast<long long>(w.tokens), w.g_disp, w.g_comb, w.g_both, w.disp,
           w.comb, w.send, w.recv, w.csend, w.crecv);
     std::printf(
         "(us. disp/comb/c_copy/d+c: event medians per call (comb: zero_copy; c_copy: y a separate "
@@ -748,13 +726,13 @@ int run_rank(const Group& g, const Options& o) {
     for (const Row& w : rows) {
       if (w.tokens != 128) continue;
       std::printf(
-          "target T=128 dispatch fp8 <= 14 us (variant %d): graph %.1f us, events %.1f us: %s "
+          "target T=128 dispatch fp8 <= 14 us: graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 27.8 us)\n",
-          w.variant, w.g_disp, w.disp, verdict(w.g_disp, w.disp, 14));
+          w.g_disp, w.disp, verdict(w.g_disp, w.disp, 14));
       std::printf(
-          "target T=128 combine bf16 <= 18 us (variant %d): graph %.1f us, events %.1f us: %s "
+          "target T=128 combine bf16 <= 18 us: graph %.1f us, events %.1f us: %s "
           "(DeepEP here: 40.4 us)\n",
-          w.variant, w.g_comb, w.comb, verdict(w.g_comb, w.comb, 18));
+          w.g_comb, w.comb, verdict(w.g_comb, w.comb, 18));
     }
     std::fflush(stdout);
   }
@@ -784,10 +762,6 @@ int main(int argc, char** argv) {
       for (int64_t v : parse_int_list(next())) sms_list.push_back(static_cast<int>(v));
     } else if (a == "--tokens") {
       o.tokens = parse_int_list(next());
-    } else if (a == "--variant") {
-      o.variants.clear();
-      for (int64_t v : parse_int_list(next())) o.variants.push_back(static_cast<int>(v));
-      if (o.variants.empty()) o.variants.push_back(-1);
     } else if (a == "--experts") {
       g_experts = std::atoi(next().c_str());
     } else if (a == "--trace") {
@@ -797,7 +771,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf(
           "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
-          "[--sms C[,C..]] [--variant V[,V..]] [--trace] [--trace-only]\n"
+          "[--sms C[,C..]] [--trace] [--trace-only]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON)\n",
           argv[0]);

@@ -48,15 +48,6 @@ using testing::Routing;
 using Case = testing::LlCase;
 using Batch = testing::LlBatch;
 
-// The paths every correctness case runs through (EPX_LL_VARIANT bits, ll_layout.cuh): 0 the
-// default (hardware float32 -> e4m3 / bf16 conversions), 48 both conversions by their software
-// emulation, 64 the per-source dispatch receive (kLlVariantRecvPerSource), 128 the last-CTA
-// finish of the receive halves (kLlVariantLastCtaFinish), 256 the combine receive's steps in
-// series (kLlVariantCombineSerial), 449 = 1 + 64 + 128 + 256 all the old paths together (one load
-// at a time in the row copies). Set in the rank threads / processes
-// (set_ll_variant_override).
-constexpr int kLlVariants[] = {0, 48, 64, 128, 256, 449};
-
 // ---- problems (generated in the parent; cases and batches: tests/support/ll_cases.h) -----------
 
 Case random_case(int R, uint64_t seed) {
@@ -274,24 +265,18 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
     const RankStream rs(cudaStreamNonBlocking);
     const cudaStream_t stream = rs.get();
     int bad = 0;
-    for (int variant : kLlVariants) {
-      detail::set_ll_variant_override(variant);
-      for (size_t i = 0; i < cases.size() && bad < 3; ++i) {
-        std::string err;
-        try {
-          err = run_rank(cases[i], data[i], g, stream);
-        } catch (const std::exception& e) {
-          err = std::string("exception: ") + e.what();
-        }
-        if (!err.empty()) {
-          std::fprintf(stderr, "variant %d case %zu (%s): %s\n", variant, i,
-                       cases[i].describe().c_str(), err.c_str());
-          ++bad;  // three diagnoses are enough; the peers time out
-        }
+    for (size_t i = 0; i < cases.size() && bad < 3; ++i) {
+      std::string err;
+      try {
+        err = run_rank(cases[i], data[i], g, stream);
+      } catch (const std::exception& e) {
+        err = std::string("exception: ") + e.what();
       }
-      if (bad >= 3) break;
+      if (!err.empty()) {
+        std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(), err.c_str());
+        ++bad;  // three diagnoses are enough; the peers time out
+      }
     }
-    detail::set_ll_variant_override(-1);
     return bad;
   };
   return run_ranks(R, one_gpu, body);
@@ -621,9 +606,7 @@ int graph_replays(int R) {
     Tensor out = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
     Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
     int bad = 0;
-    for (size_t vi = 0; vi < std::size(kLlVariants) && bad == 0; ++vi) {
-      const int variant = kLlVariants[vi];
-      detail::set_ll_variant_override(variant);  // one Buffer for all: the paths must interoperate
+    {
       for (int m = 0; m < 2 && bad == 0; ++m) {
         const bool hook = m == 1;
         const LlProblem& p = cases[m].p;
@@ -689,8 +672,7 @@ int graph_replays(int R) {
           }
           if (!err.empty()) {
             ++bad;
-            std::fprintf(stderr, "rank %d variant %d %s: %s\n", r, variant, what.c_str(),
-                         err.c_str());
+            std::fprintf(stderr, "rank %d %s: %s\n", r, what.c_str(), err.c_str());
           }
         };
         // Eager warm-up (fills the pool), checked too.
@@ -707,7 +689,7 @@ int graph_replays(int R) {
         round(dg);
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 1; i <= (vi == 0 ? kReplays : kReplays / 4) && bad < 3; ++i) {
+        for (int i = 1; i <= kReplays && bad < 3; ++i) {
           upload(data[m][i]);
           CUDA_OK(cudaGraphLaunch(exec, stream));
           CUDA_OK(cudaStreamSynchronize(stream));
@@ -718,7 +700,6 @@ int graph_replays(int R) {
         cudaGraphDestroy(graph);
       }
     }
-    detail::set_ll_variant_override(-1);
     cudaStreamDestroy(stream);
     return bad;
   });

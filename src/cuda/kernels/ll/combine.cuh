@@ -29,8 +29,7 @@
 //      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
 //   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done)
 //   and sets its epoch word to e; CTA 0 then waits combine_pulled[q][d] >= e * C for every peer
-//   d (nobody reads this rank's comb_y(r, q) any more) (kLlVariantLastCtaFinish: the last CTA
-//   adds C and waits, for all of them). So when a combine completes on a
+//   d (nobody reads this rank's comb_y(r, q) any more). So when a combine completes on a
 //   rank (stream order), its slot-q buffer is free to be rewritten: by the caller through
 //   ll_next_combine_buffer, or by the next copy.
 // Ids outside [-1, E) are reported (InvalidArgument) and skipped; a selection whose row lies past
@@ -63,7 +62,6 @@ struct LlCombineParams {
   int32_t num_tokens;  // T
   int32_t slot;        // q
   int32_t rank;        // r
-  int32_t variant;     // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
   int32_t phases;      // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
   // Send half with a hook: every input the receive reads is copied into epx's memory, so the
   // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: the rows
@@ -101,7 +99,7 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
         int64_t count = range & 0xFFFFFFFF;
         if (begin + count > RT) count = begin < RT ? RT - begin : 0;
         const int64_t n_mine = count > sub ? (count - sub + S - 1) / S : 0;
-        ll_copy16(n_mine * nv, p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch,
+        ll_copy16(n_mine * nv, kLlCopyBatch,
                   [&](int64_t i, uint4** dst) {
                     const int64_t m = i / nv, v = i - m * nv;
                     const int64_t row = begin + sub + m * S;
@@ -243,54 +241,37 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     };
     const int n_first =
         static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - t_begin));
-    const bool serial = (p.variant & kLlVariantCombineSerial) != 0;
-    if (serial) {
-      count_before(threadIdx.x, blockDim.x);
-#ifdef EPX_LL_TRACE
-      __syncthreads();  // the stamp covers every thread's share (the wait below is a barrier too)
-#endif
-      EPX_LL_STAMP(p, 1, kTrCPrefix);
-      // 5. Pairs with step 3 of every peer.
-      if (!ll_wait_all(g.sync(symm.local)->combine_ready[q], R, me, e * gridDim.x, p.wait,
-                       kWaitRows))
-        return false;
+    // Warp 0 waits for the peers (step 5, pairs with step 3 of every peer) and reads the
+    // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
+    // the wait and the remote round trip of the ranges overlap the local work.
+    __shared__ int s_ok;
+    if (threadIdx.x < 32) {
+      bool ok = true;
+      for (int d = threadIdx.x; d < R && ok; d += 32)
+        if (d != me)
+          ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
+                               kWaitRows, d);
+      ok = __all_sync(0xffffffffu, ok);
+      __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
-      load_ranges(threadIdx.x, blockDim.x);
-      __syncthreads();
+      if (ok) load_ranges(threadIdx.x, 32);
+      if (threadIdx.x == 0) s_ok = ok;
       EPX_LL_STAMP(p, 1, kTrCRange);
     } else {
-      // Warp 0 waits for the peers (step 5, pairs with step 3 of every peer) and reads the
-      // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
-      // the wait and the remote round trip of the ranges overlap the local work.
-      __shared__ int s_ok;
-      if (threadIdx.x < 32) {
-        bool ok = true;
-        for (int d = threadIdx.x; d < R && ok; d += 32)
-          if (d != me)
-            ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
-                                 kWaitRows, d);
-        ok = __all_sync(0xffffffffu, ok);
-        __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
-        EPX_LL_STAMP(p, 1, kTrCReadyWait);
-        if (ok) load_ranges(threadIdx.x, 32);
-        if (threadIdx.x == 0) s_ok = ok;
-        EPX_LL_STAMP(p, 1, kTrCRange);
-      } else {
-        count_before(threadIdx.x - 32, blockDim.x - 32);
-        load_group(t_begin, n_first, threadIdx.x - 32, blockDim.x - 32);
-      }
-      __syncthreads();
-      EPX_LL_STAMP(p, 1, kTrCPrefix);
-      if (!s_ok) return false;
+      count_before(threadIdx.x - 32, blockDim.x - 32);
+      load_group(t_begin, n_first, threadIdx.x - 32, blockDim.x - 32);
     }
+    __syncthreads();
+    EPX_LL_STAMP(p, 1, kTrCPrefix);
+    if (!s_ok) return false;
 
     const int64_t nv = H / 8;
     for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
       const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
-      // 6. Ids and weights (the first group's already loaded unless serial), then rows token by
+      // 6. Ids and weights (the first group's already loaded), then rows token by
       // token (a token's distinct experts in parallel), then each selection's source.
       EPX_LL_TRACE_BEGIN(ids);
-      if (serial || c0 != t_begin) {
+      if (c0 != t_begin) {
         load_group(c0, n, threadIdx.x, blockDim.x);
         __syncthreads();
       }
@@ -358,15 +339,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           }
         }
         if (p.out) {
-          uint4 packed;
-          if (p.variant & kLlVariantEmulatedBf16) {
-            uint16_t h[8];
-#pragma unroll
-            for (int c = 0; c < 8; ++c) h[c] = f32_to_bf16(acc[c]);
-            memcpy(&packed, h, 16);
-          } else {
-            packed = f32_to_bf16_vec<uint4>(acc);
-          }
+          const uint4 packed = f32_to_bf16_vec<uint4>(acc);
           ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
         }
       }
@@ -378,24 +351,13 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
 
   // Finish (see the file comment): pairs with the same code on every peer.
   auto pulled = [&](int d) { return &g.sync(symm.peers[d])->combine_pulled[q][me]; };
-  if (p.variant & kLlVariantLastCtaFinish) {
-    if (ll_last_cta(&g.state(symm.local)->combine_finished[q])) {
-      EPX_LL_STAMP(p, 1, kTrCLastStart);
-      ll_signal(R, me, pulled, gridDim.x);
-      if (!ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x, p.wait,
-                       kWaitBarrier))
-        return false;
-      EPX_LL_STAMP(p, 1, kTrCLastEnd);
-    }
-  } else {
-    __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
-    ll_signal(R, me, pulled);
-    // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
-    // receive kernel holds one SM, not C, while a peer is late.
-    if (blockIdx.x == 0 && !ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x,
-                                        p.wait, kWaitBarrier))
-      return false;
-  }
+  __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
+  ll_signal(R, me, pulled);
+  // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
+  // receive kernel holds one SM, not C, while a peer is late.
+  if (blockIdx.x == 0 && !ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x,
+                                      p.wait, kWaitBarrier))
+    return false;
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 1, kTrCExit);
   return true;

@@ -139,23 +139,4 @@ __device__ __forceinline__ bool ll_wait_all(const uint32_t* flag, int num_ranks,
   return __syncthreads_and(ok) != 0;
 }
 
-// The last-CTA pattern: every CTA calls this once at its end; true on all threads of the one CTA
-// that finished last (all other CTAs' earlier memory operations are then visible to it).
-// `finished` is reset to 0 for the next operation.
-__device__ __forceinline__ bool ll_last_cta(uint32_t* finished) {
-  __shared__ uint32_t s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t prev = atomicAdd(finished, 1u);
-    s_last = prev == gridDim.x - 1;
-    if (s_last) {
-      __threadfence();
-      *finished = 0;
-    }
-  }
-  __syncthreads();
-  return s_last != 0;
-}
-
 }  // namespace epx::detail

@@ -24,8 +24,7 @@
 //   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
 //   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
 //   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
-//   is written, rows and scales in one round of loads (kLlVariantRecvPerSource: source by
-//   source, the scales in a round of their own):
+//   is written, rows and scales in one round of loads:
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t;
 //   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
@@ -60,7 +59,6 @@ struct LlDispatchParams {
   int64_t* layout_range;     // [L, R]
   int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
-  int32_t variant;  // EPX_LL_VARIANT bits (kLlVariant*; 0: the default kernels)
   int32_t phases;   // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
   int32_t pdl;      // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
@@ -100,15 +98,8 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
   const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
   const float inv = 1.0f / scale;
   uint2 packed;
-  if (p.variant & kLlVariantEmulatedFp8) {
-    uint8_t b[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = f32_to_fp8_e4m3(f[i] * inv);
-    memcpy(&packed, b, 8);
-  } else {
-    packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
-    packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
-  }
+  packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+  packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   if (!active) return;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
     const int d = __ffsll(static_cast<long long>(m)) - 1;
@@ -241,58 +232,6 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   return true;
 }
 
-// Receive: writes the unit's share of the rows of source s's block (entries i = sub, sub + S,
-// ... of the `total` tokens in s_list, at rows running + i).
-__device__ void ll_dispatch_copy_rows(const LlDispatchParams& p, const int32_t* s_list, int l,
-                                      int s, int64_t running, int total, int sub, int S) {
-  const LlLayout& g = p.symm.layout;
-  const int64_t H = g.hidden, G = g.num_groups, RT = g.rows_per_expert;
-  const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
-  if (n_mine == 0) return;
-  const int q = p.slot;
-  const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
-  const int64_t nv = row_bytes / 16;
-  if (p.recv_x) {
-    ll_copy16(
-        n_mine * nv, p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch, [&](int64_t i, uint4** dst) {
-          const int64_t m = i / nv, v = i - m * nv;
-          const int64_t idx = sub + m * S;
-          *dst = reinterpret_cast<uint4*>(p.recv_x + (l * RT + running + idx) * row_bytes + 16 * v);
-          return ll_ld_landed<uint4>(g.msg(p.symm.local, q, s, s_list[idx]) + 16 * v);
-        });
-  }
-  if (p.src_info) {
-    for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
-      const int64_t idx = sub + static_cast<int64_t>(m) * S;
-      p.src_info[l * RT + running + idx] = s_list[idx];
-    }
-  }
-  if (!p.use_fp8 || !p.recv_scales) return;
-  // Scales: group-major over the CTA, so consecutive threads write consecutive rows.
-  if (!p.use_ue8m0) {
-    auto* out = static_cast<float*>(p.recv_scales);
-    for (int64_t i = threadIdx.x; i < n_mine * G; i += blockDim.x) {
-      const int64_t gi = i / n_mine, m = i - gi * n_mine;
-      const int64_t idx = sub + m * S;
-      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
-      out[(l * G + gi) * RT + running + idx] = ll_ld_landed<float>(msg + H + 4 * gi);
-    }
-  } else {
-    const int64_t P = (G + 3) / 4;
-    auto* out = static_cast<int32_t*>(p.recv_scales);
-    for (int64_t i = threadIdx.x; i < n_mine * P; i += blockDim.x) {
-      const int64_t pi = i / n_mine, m = i - pi * n_mine;
-      const int64_t idx = sub + m * S;
-      const char* msg = g.msg(p.symm.local, q, s, s_list[idx]);
-      uint32_t word = 0;
-      for (int64_t gi = 4 * pi; gi < G && gi < 4 * pi + 4; ++gi)
-        word |= static_cast<uint32_t>(ue8m0_of_scale(ll_ld_landed<float>(msg + H + 4 * gi)))
-                << (8 * (gi % 4));
-      out[(l * P + pi) * RT + running + idx] = static_cast<int32_t>(word);
-    }
-  }
-}
-
 // The one-pass receive's list (shared memory): per listed entry the addresses its copy needs,
 // computed once when it is listed (ll_recv_list_put): its message, its row of [L, RT] (recv_x,
 // src_info), its first scale element (column-major) and its source token index.
@@ -350,7 +289,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   }
   if (n_mine == 0 || nvm <= 0) return;
   const I n = static_cast<I>(n_mine) * static_cast<I>(nvm);
-  const int batch = p.variant & kLlVariantCopyOne ? 1 : kLlCopyBatch;
+  const int batch = kLlCopyBatch;
   for (I i0 = threadIdx.x; i0 < n; i0 += static_cast<I>(batch) * blockDim.x) {
     uint4 val[kLlCopyBatch];
     int idx[kLlCopyBatch], vec[kLlCopyBatch];
@@ -453,9 +392,7 @@ __device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
   return ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, expert, K % 4 == 0);
 }
 
-// The receive's units, one pass over the sources (the default; kLlVariantRecvPerSource: source
-// by source, below in ll_dispatch_recv): a unit compacts the
-// concatenated list, 512 entries at a time, and copies each group's rows with
+// The receive's units, one pass over the sources: a unit compacts the concatenated list, 512 entries at a time, and copies each group's rows with
 // ll_dispatch_copy_list (rows and scales in one round), so R sources cost one scan and one copy
 // round instead of R of each. layout_range comes from per-source counts (shared-memory adds:
 // counts, never order).
@@ -509,36 +446,26 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
 
 // Receive finish, every CTA: tells every rank that this CTA's reads of the staging of slot q are
 // done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send), and advances its
-// epoch word. kLlVariantLastCtaFinish: the last CTA adds C for all of them instead.
+// epoch word.
 __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, me = p.rank, q = p.slot;
   auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
-  if (p.variant & kLlVariantLastCtaFinish) {
-    if (ll_last_cta(&g.state(symm.local)->dispatch_finished[q])) {
-      EPX_LL_STAMP(p, 0, kTrDLastStart);
-      ll_signal(R, -1, freed, gridDim.x);
-      EPX_LL_STAMP(p, 0, kTrDLastEnd);
-    }
-  } else {
-    __syncthreads();  // the CTA's reads are done: the fence below covers them (cumulativity)
-    ll_signal(R, -1, freed);
-  }
+  __syncthreads();  // the CTA's reads are done: the fence below covers them (cumulativity)
+  ll_signal(R, -1, freed);
   if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
 // Receive half. False when a wait failed.
 __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
-  __shared__ int32_t s_list[kLlThreads];
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
-  const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts;
-  const int me = p.rank, q = p.slot, S = p.units_per_expert;
+  const int R = g.num_ranks, L = g.num_local_experts;
+  const int q = p.slot, S = p.units_per_expert;
   const int units = L * S;
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
-  EPX_LL_TRACE_DECL(scan);
 
   if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
@@ -559,46 +486,13 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }
     __syncthreads();
-    if (!(p.variant & kLlVariantRecvPerSource)) {
-      __shared__ LlRecvSources srcs;
-      if (threadIdx.x == 0) {
-        srcs.first[0] = 0;
-        for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
-      }
-      __syncthreads();
-      ll_dispatch_recv_units_onepass(p, srcs);
-    } else {
-      for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int l = u / S, sub = u - l * S;
-        const int32_t expert = me * L + l;
-        int64_t running = 0;
-        for (int s = 0; s < R; ++s) {
-          const int32_t* topk = g.topk(symm.local, q, s);
-          const int64_t T_s = s_tokens[s];
-          const int64_t begin = running;
-          for (int64_t base = 0; base < T_s; base += blockDim.x) {
-            EPX_LL_TRACE_BEGIN(scan);
-            const int64_t t = base + threadIdx.x;
-            const bool sel = t < T_s && ll_row_selects(topk + t * K, K, expert, false);
-            int total = 0;
-            const int pos = ll_block_scan(sel, &total);
-            if (sel) s_list[pos] = static_cast<int32_t>(t);
-            __syncthreads();
-            EPX_LL_TRACE_END(scan);
-            ll_dispatch_copy_rows(p, s_list, l, s, running, total, sub, S);
-            running += total;
-            __syncthreads();  // s_list is rewritten by the next group
-          }
-          if (sub == 0 && threadIdx.x == 0 && p.layout_range)
-            p.layout_range[l * R + s] = (begin << 32) | (running - begin);
-        }
-        if (sub == 0 && threadIdx.x == 0) {
-          if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
-          if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
-        }
-      }
-      EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+    __shared__ LlRecvSources srcs;
+    if (threadIdx.x == 0) {
+      srcs.first[0] = 0;
+      for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
     }
+    __syncthreads();
+    ll_dispatch_recv_units_onepass(p, srcs);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 

@@ -32,7 +32,6 @@
 //                          and its layout: e * C when ready
 //   combine_pulled[q][s]   += 1 by each of s's C receive CTAs once it finished pulling its rows
 //                          of combine e from here: e * C
-// (kLlVariantLastCtaFinish: the last CTA adds C for all of them, the A/B of the per-CTA adds.)
 #pragma once
 
 #include <cstddef>
@@ -61,39 +60,6 @@ inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
-// EPX_LL_VARIANT (environment, read once per process, or set_ll_variant_override in tests and
-// the benchmark; bits, A/B switches, never a change of any output; every rank must use the same):
-//   bit 0 (1) row copies one load at a time (the code before kLlCopyBatch), every receive path;
-//   (bits 1-3, an earlier one-pass receive, early routing and spread send, were measured equal
-//   or slower at EP2 — docs/perf-cuda-ll.md, "Variant results" — and removed in the fifth
-//   session; the thirteenth session's one-pass receive, the default now, is another design)
-//   bit 4 (16) fp8 send quantises with the float32 -> e4m3 emulation (f32_to_fp8_e4m3, the code
-//             before the hardware conversion f32x2_to_fp8x2_e4m3; same bytes): the A/B of the
-//             fifth session's fix.
-//   bit 5 (32) combine rounds its output with the float32 -> bf16 emulation (f32_to_bf16)
-//             instead of the hardware conversion f32x2_to_bf16x2 (same bytes): that A/B.
-//   bit 6 (64) the dispatch receive source by source (a scan and a copy round per source, the
-//             scales in a round of their own: the code before the thirteenth session's one-pass
-//             receive ll_dispatch_recv_units_onepass; A/B).
-//   bit 7 (128) the receive halves finish through the last CTA (ll_last_cta: one CTA adds C to
-//             dispatch_freed / combine_pulled after every CTA is done; the code before the
-//             per-CTA adds of the thirteenth session; A/B).
-//   bit 8 (256) combine receive in series: the prefix counts (step 4), then the ready wait and
-//             the ranges (step 5), then the first group's ids and weights (the code before the
-//             thirteenth session, where warp 0 waits and reads the ranges while the other warps
-//             count and load; A/B).
-//   (Tried in the thirteenth session on the one-GPU proxy and not kept — docs/perf-cuda-ll.md,
-//   "Thirteenth session": a receive balanced over the CTAs by rows and a receive by tokens, each
-//   message read once and stored to all its expert rows (both slower); the routing rows loaded
-//   by warp 1 with the first before the freed wait, and the first token routed and quantised
-//   before that wait (both equal).)
-inline constexpr int32_t kLlVariantCopyOne = 1;
-inline constexpr int32_t kLlVariantRecvPerSource = 64;
-inline constexpr int32_t kLlVariantLastCtaFinish = 128;
-inline constexpr int32_t kLlVariantCombineSerial = 256;
-inline constexpr int32_t kLlVariantEmulatedFp8 = 16;
-inline constexpr int32_t kLlVariantEmulatedBf16 = 32;
-
 // Which halves one launch of epx::ll::dispatch / epx::ll::combine runs (LlDispatchParams::phases,
 // LlCombineParams::phases): both without a hook; with one, the call runs the send and the hook
 // the receive — the same kernel, so profilers show one name per op.
@@ -118,9 +84,7 @@ struct LlState {
   // Per slot q and CTA b: the dispatches (combines) of slot q that CTA b of the receive half
   // completed on this rank; CTA b of every ll kernel reads its own word at its start.
   uint32_t dispatch_epoch[2][kLlMaxCtas];
-  uint32_t dispatch_finished[2];  // receive CTAs done (kLlVariantLastCtaFinish only)
   uint32_t combine_epoch[2][kLlMaxCtas];
-  uint32_t combine_finished[2];
 };
 
 struct LlSync {

@@ -33,8 +33,6 @@ enum LlDispatchPhase : int {
   kTrDRecvWait,   // after the dispatch_sent wait (units only)
   kTrDScan,       // V: + time in the routing scans / compactions
   kTrDCopy,       // after the row copies (real; = kTrDScan + copy time)
-  kTrDLastStart,  // the last CTA: ll_last_cta returned true
-  kTrDLastEnd,    // the last CTA: after the dispatch_freed releases
   kTrDExit,       // every CTA: leaving the receive half (or the send kernel)
   kTrDNum
 };
@@ -50,8 +48,6 @@ enum LlCombinePhase : int {
   kTrCRange,      // after the begin/count table (remote loads of comb_layout)
   kTrCIds,        // V: + time in step 6 (ids, rows, sources) over all chunks
   kTrCPull,       // after step 7 over all chunks (real; = kTrCIds + pull/reduce time)
-  kTrCLastStart,  // the last CTA: ll_last_cta returned true
-  kTrCLastEnd,    // the last CTA: combine_pulled released and every peer's seen
   kTrCExit,       // every CTA: leaving the receive half (or the send kernel)
   kTrCNum
 };
