@@ -11,6 +11,9 @@ host columns only). For each T of --tokens and hook off / on it prints:
   host      wall time of the Python calls of one pair (dispatch, combine; with the hook also the
             two hooks), median over the event-timed pairs (and per call below the table); "idle": the same with the device
             synchronised before each pair (so no call waits for earlier work)
+--ht-tokens T[,T..] adds normal mode (ht) as DeepEP's test_intranode times it: a cached dispatch
+(with the handle) and a combine, each alone between CUDA events after one L2 flush, its host time,
+and the profiler's device rows (kernels and copies, mean per launch, launches per call).
 Options: --default-device makes torch.set_default_device('cuda') current first (DeepEP's test
 utilities do, and engines may): every torch call in Python then passes through a
 TorchFunctionMode. --breakdown prints cProfile's top functions of 200 pairs (host time per call:
@@ -161,6 +164,87 @@ def run(rank, world, args):
     return results
 
 
+def device_rows(prof):
+    """Mean device time (us) per launch and launches, per kernel / copy name (shortened)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name) as f:
+            events = json.load(f)["traceEvents"]
+    rows = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "nccl" in e["name"]:
+            continue
+        name = e["name"].split("(")[0].replace("void ", "").replace("epx::detail::", "")[:40]
+        n, total = rows.get(name, (0, 0.0))
+        rows[name] = (n + 1, total + e["dur"])
+    return {k: (n, total / n) for k, (n, total) in rows.items()}
+
+
+def run_ht(rank, world, args, device):
+    """Normal mode through the drop-in, as DeepEP's test_intranode times it: each op alone between
+    CUDA events after one L2 flush (cached dispatch with the handle, combine), and the profiler's
+    device rows of --iters back-to-back calls of each op (after an 8192^2 matmul)."""
+    import epx.compat.deep_ep as deep_ep
+    cuda = device.type == "cuda"
+    H, K, E = args.hidden, args.topk, args.experts
+    gen = torch.Generator().manual_seed(4321 + rank)
+    out = []
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, explicitly_destroy=True)
+    for T in args.ht_tokens:
+        x = torch.randn(T, H, generator=gen, device="cpu").to(torch.bfloat16).to(device)
+        topk = torch.rand(T, E, generator=gen, device="cpu").topk(K, dim=1).indices.to(device)
+        w = torch.rand(T, K, generator=gen, device="cpu").to(device)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        recv, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
+        ops = {"dispatch": lambda: buf.dispatch(x, handle=handle),
+               "combine": lambda: buf.combine(recv, handle)}
+        row = {"T": T}
+        for name, fn in ops.items():
+            for _ in range(args.iters):
+                fn()
+            host = []
+            if cuda:
+                torch.cuda.synchronize()
+                cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=device)
+                cache.zero_()
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(args.iters)]
+            for i in range(args.iters):
+                if cuda:
+                    ev[i][0].record()
+                t0 = time.perf_counter()
+                fn()
+                host.append((time.perf_counter() - t0) * 1e6)
+                if cuda:
+                    ev[i][1].record()
+            row[f"host_{name}"] = statistics.median(host)
+            if cuda:
+                torch.cuda.synchronize()
+                t = [a.elapsed_time(b) * 1e3 for a, b in ev][1:]
+                row[f"events_{name}"] = (statistics.mean(t), min(t))
+                sched = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                            schedule=sched) as prof:
+                    for _ in range(2):
+                        a = torch.randn(8192, 8192, dtype=torch.float, device=device)
+                        a @ a
+                        dist.all_reduce(torch.ones(1, device=device))
+                        torch.cuda.synchronize()
+                        for _ in range(args.iters):
+                            fn()
+                        torch.cuda.synchronize()
+                        prof.step()
+                rows = device_rows(prof)
+                rows = {k: v for k, v in rows.items() if "gemm" not in k.lower() and
+                        "elementwise" not in k and "fill" not in k.lower()}
+                row[f"rows_{name}"] = rows
+        out.append(row)
+    buf.destroy()
+    return out
+
+
 def worker(rank, world, init_file, args, queue):
     os.environ.update(NCCL_ENV)
     backend = "gloo" if args.cpu else "nccl"
@@ -170,7 +254,10 @@ def worker(rank, world, init_file, args, queue):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, **kw)
     try:
-        queue.put((rank, run(rank, world, args)))
+        ll = run(rank, world, args) if args.tokens else []
+        device = torch.device("cuda", rank) if not args.cpu else torch.device("cpu")
+        ht = run_ht(rank, world, args, device) if args.ht_tokens else []
+        queue.put((rank, (ll, ht)))
     finally:
         dist.destroy_process_group()
 
@@ -184,7 +271,8 @@ def fmt_rows(r):
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,32,128,256")
+    ap.add_argument("--tokens", default="1,32,128,256", help="ll T list ('' for none)")
+    ap.add_argument("--ht-tokens", default="", help="normal-mode (ht) T list, e.g. 4096")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
@@ -197,6 +285,7 @@ def main():
                     help="cProfile's top N functions (by own time) of 200 pairs, rank 0")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.ht_tokens = [int(t) for t in args.ht_tokens.split(",") if t]
     os.environ.update(NCCL_ENV)
     if not args.cpu and not torch.cuda.is_available():
         args.cpu = True
@@ -210,9 +299,23 @@ def main():
              for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get() for _ in procs)
+    both = dict(queue.get() for _ in procs)
     for p in procs:
         p.join()
+    results = {r: v[0] for r, v in both.items()}
+    for r in sorted(both):
+        for row in both[r][1]:
+            for name in ("dispatch", "combine"):
+                ev = row.get(f"events_{name}")
+                print(f"ht rank {r} T = {row['T']} {name} (cached dispatch with the handle): "
+                      f"events mean / min {ev[0]:.1f} / {ev[1]:.1f} us, " if ev else
+                      f"ht rank {r} T = {row['T']} {name}: ", end="")
+                print(f"host {row[f'host_{name}']:.1f} us")
+                for k, (n, mean) in sorted(row.get(f"rows_{name}", {}).items(),
+                                           key=lambda kv: -kv[1][0] * kv[1][1]):
+                    print(f"    {k:<40} {n / args.iters:5.2f} per call x {mean:8.1f} us")
+    if not any(results.values()):
+        return
     print(f"engine timing: R = {world}, H = {args.hidden}, K = {args.topk}, E = {args.experts}, "
           f"{'cpu' if args.cpu else 'cuda'}, default device "
           f"{'cuda' if args.default_device else 'unset'}; us")
