@@ -65,27 +65,34 @@ def device_key(t):
     return "cpu" if not t.is_cuda else f"cuda:{t.get_device()}"
 
 
-# torch 2.x: DisableTorchFunction turns modes and subclasses off (DisableTorchFunctionSubclass only
-# subclasses); _is_torch_function_mode_enabled: a mode is on the stack and not disabled.
-_disable_torch_function = getattr(torch._C, "DisableTorchFunction", None)
-_torch_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+# The thread's __torch_function__ mode stack, as torch 2.x keeps it in C (torch 1.13 keeps a
+# Python helper mode in front of it: left alone there, where set_default_device does not exist).
+_TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+_tf_len = getattr(torch._C, "_len_torch_function_stack", None) if _TORCH2 else None
+_tf_pop = getattr(torch._C, "_pop_torch_function_stack", None)
+_tf_push = getattr(torch._C, "_push_on_torch_function_stack", None)
 
 
 def plain_torch(fn):
-    """Runs the op `fn` with PyTorch's __torch_function__ dispatch off while a TorchFunctionMode
-    is active (torch.set_default_device's DeviceContext, as DeepEP's test utilities and some
-    engines set it): without this every tensor method the op calls from Python or from the
-    extension (data_ptr, stride, new_empty, ...) passes through the mode's Python handler, about
-    1 us each, ~60 per ll dispatch + combine. epx passes every device explicitly, so the mode
-    has nothing to change. Without a mode: one C call more."""
-    if _disable_torch_function is None or _torch_function_mode_on is None:
+    """Runs the op `fn` with this thread's __torch_function__ modes (torch.set_default_device's
+    DeviceContext, as DeepEP's test utilities and some engines set it) taken off the stack and put
+    back afterwards: otherwise every tensor method the op calls from Python or from the extension
+    (data_ptr, stride, new_empty, ...) passes through the modes' Python handlers, about 1 us
+    each, ~60 per ll dispatch + combine. epx passes every device explicitly, so the modes have
+    nothing to change. Without a mode: one C call more."""
+    if _tf_len is None or _tf_pop is None or _tf_push is None:
         return fn
 
     @functools.wraps(fn)
     def op(*args, **kwargs):
-        if not _torch_function_mode_on():
+        n = _tf_len()
+        if n == 0:
             return fn(*args, **kwargs)
-        with _disable_torch_function():
+        modes = [_tf_pop() for _ in range(n)]
+        try:
             return fn(*args, **kwargs)
+        finally:
+            for mode in reversed(modes):
+                _tf_push(mode)
 
     return op

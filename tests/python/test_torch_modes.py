@@ -1,7 +1,7 @@
 """epx's ops under a TorchFunctionMode (torch.set_default_device installs one; DeepEP's test
 utilities and some engines set it): the op must not route its own tensor-method calls through
 the mode's Python handler (about 1 us each, ~60 per ll dispatch + combine), and must give the
-same results. Runs where torch can turn modes off (torch 2.x); skipped with the reason elsewhere.
+same results. Runs where torch exposes its mode stack; skipped with the reason elsewhere.
 """
 
 import pytest
@@ -32,8 +32,8 @@ def _modes_can_be_disabled():
 
 
 pytestmark = pytest.mark.skipif(not _modes_can_be_disabled(),
-                                reason=f"torch {torch.__version__} cannot turn "
-                                "__torch_function__ modes off (DisableTorchFunction)")
+                                reason=f"torch {torch.__version__} cannot take "
+                                "__torch_function__ modes off its stack")
 
 
 def body_ll_under_mode(ctx, seed):
