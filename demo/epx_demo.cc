@@ -308,8 +308,10 @@ int main(int argc, char** argv) {
   std::printf("epx-demo: cpu backend, %d ranks, T=%lld H=%lld K=%d E=%d, %d calls each\n", o.ranks,
               static_cast<long long>(o.tokens), static_cast<long long>(o.hidden), o.top_k,
               o.experts, o.iters);
-  std::printf("%-28s %12s %10s %14s %16s\n", "configuration", "max rel err", "tolerance",
-              "layer us", "dispatch+combine");
+  std::fflush(stdout);
+  std::printf("%-28s %11s %9s %9s %20s\n", "configuration", "max rel err", "tolerance",
+              "layer ms", "dispatch+combine ms");
+  std::fflush(stdout);
   int failures = 0;
   for (const Config& c : configs) {
     Result r;
@@ -318,13 +320,16 @@ int main(int argc, char** argv) {
       testing::run_threads(o.ranks, [&](const Group& g) { run_rank(g, o, c, r, mu); });
     } catch (const std::exception& e) {
       std::printf("%-28s FAILED: %s\n", c.name, e.what());
+      std::fflush(stdout);
       ++failures;
       continue;
     }
     const bool ok = r.max_rel_err <= c.tolerance;
     failures += !ok;
-    std::printf("%-28s %12.2e %10.2g %14.0f %16.0f %s\n", c.name, r.max_rel_err, c.tolerance,
-                r.layer_us, r.comm_us, ok ? "ok" : "TOO LARGE");
+    // The units and columns of demo/epx_demo.py (ms), each row as soon as it is known.
+    std::printf("%-28s %11.2e %9.2g %9.3f %20.3f %s\n", c.name, r.max_rel_err, c.tolerance,
+                r.layer_us / 1000, r.comm_us / 1000, ok ? "ok" : "TOO LARGE");
+    std::fflush(stdout);
   }
   return failures ? 1 : 0;
 }

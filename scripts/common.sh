@@ -1,14 +1,20 @@
 # Shared by scripts/test.sh and scripts/run.sh. One place that decides the build.
 #   EPX_BUILD_DIR   build directory (default build)
 #   EPX_WITH_CUDA   ON/OFF (default: ON when nvcc exists; GPU tests skip without a GPU)
+#   EPX_PYTHON      the Python the extension and pytest use (default: /opt/torch/.venv's on the
+#                   GPU machines, else Debian's /usr/bin/python3)
 
 epx_setup_env() {
   export EPX_BUILD_DIR="${EPX_BUILD_DIR:-build}"
   # Never enable NVLink multicast on the shared GPU hosts; passed on to every child process.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   if [ -x /opt/torch/.venv/bin/python3 ]; then
-    EPX_PYTHON=/opt/torch/.venv/bin/python3           # the GPU machine (its cmake, ninja too)
-    export PATH="/opt/torch/.venv/bin:$PATH"
+    export PATH="/opt/torch/.venv/bin:$PATH"          # the GPU machine's cmake and ninja
+  fi
+  if [ -n "${EPX_PYTHON:-}" ]; then
+    :                                                 # the caller's choice
+  elif [ -x /opt/torch/.venv/bin/python3 ]; then
+    EPX_PYTHON=/opt/torch/.venv/bin/python3           # the GPU machine
   else
     EPX_PYTHON=/usr/bin/python3                       # Debian's, with apt packages
   fi

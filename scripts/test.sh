@@ -21,12 +21,32 @@ epx_install_deps
 epx_configure_and_build
 # Every tier runs even when an earlier one fails; the exit status reports any failure.
 failed=()
+summary=()
+ctest_log=$(mktemp)
+pytest_log=$(mktemp)
+trap 'rm -f "$ctest_log" "$pytest_log"' EXIT
+# logged LOG CMD...: CMD's output to the terminal and appended to LOG; CMD's exit status.
+logged() {
+  local log=$1 rc
+  shift
+  set +e
+  "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
 if want ctest; then
   echo "== GoogleTest (ctest) =="
   # Timing assertions (the *Perf* tests) run alone, after everything else.
-  (cd "$EPX_BUILD_DIR" && ctest --output-on-failure -j "${EPX_TEST_JOBS:-2}" -E 'Perf') ||
-    failed+=(ctest)
-  (cd "$EPX_BUILD_DIR" && ctest --output-on-failure -R 'Perf') || failed+=(ctest-perf)
+  logged "$ctest_log" bash -c "cd '$EPX_BUILD_DIR' && ctest --output-on-failure \
+    -j '${EPX_TEST_JOBS:-2}' -E Perf" || failed+=(ctest)
+  logged "$ctest_log" bash -c "cd '$EPX_BUILD_DIR' && ctest --output-on-failure -R Perf" ||
+    failed+=(ctest-perf)
+  # ctest's "100% tests passed" counts skipped tests as passed: count them apart.
+  n_run=$(grep -cE '^ *[0-9]+/[0-9]+ Test +#' "$ctest_log" || true)
+  n_skip=$(grep -cE '^ *[0-9]+/[0-9]+ Test +#.*\*\*\*Skipped' "$ctest_log" || true)
+  n_fail=$(grep -cE '^ *[0-9]+/[0-9]+ Test +#.*\*\*\*(Failed|Timeout|Exception)' "$ctest_log" || true)
+  summary+=("GoogleTest: $n_run tests, $((n_run - n_skip - n_fail)) passed, $n_fail failed, $n_skip skipped")
   # Without a GPU, say why the GPU GoogleTests were skipped (ctest only prints "Skipped").
   if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
     for t in "$EPX_BUILD_DIR"/tests/gpu/gpu_*test; do
@@ -36,18 +56,28 @@ if want ctest; then
       skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9][0-9]*\) tests\{0,1\},.*/\1/p' <<<"$out" | head -n 1)
       reason=$(grep -A1 -m1 ': Skipped$' <<<"$out" | tail -n 1 || true)
       echo "== GPU tier $(basename "$t"): ${skipped:-0} tests skipped: ${reason:-none} =="
+      if [ "${skipped:-0}" -gt 0 ]; then
+        summary+=("  $(basename "$t"): ${skipped} skipped (${reason:-no reason printed})")
+      fi
     done
   fi
 fi
 if want pytest; then
   if [ -d tests/python ] && epx_python_ready; then
     echo "== pytest =="
-    PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$EPX_PYTHON" -m pytest -q -rs tests/python ||
-      failed+=(pytest)
+    PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" logged "$pytest_log" \
+      "$EPX_PYTHON" -m pytest -q -rs tests/python || failed+=(pytest)
+    summary+=("pytest: $(tail -n 1 "$pytest_log" | sed 's/^=* *//; s/ *=*$//')")
+    reasons=$(grep -E '^SKIPPED \[' "$pytest_log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+(:[0-9]+)?: /\1 /' |
+              awk '{n = $1; $1 = ""; c[$0] += n} END {for (r in c) printf "  %d skipped:%s\n", c[r], r}' |
+              sort -rn | head -n 8)
+    if [ -n "$reasons" ]; then summary+=("$reasons"); fi
   else
     echo "== pytest: SKIPPED (no Python package or no torch/pytest for $EPX_PYTHON) =="
   fi
 fi
+echo "== summary =="
+printf '%s\n' "${summary[@]}"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== FAILED: ${failed[*]} =="
   exit 1
