@@ -14,6 +14,7 @@ import torch
 
 import epx
 import epx.compat.deep_ep as deep_ep
+import epx.compat.flashinfer as fi
 from conftest import get_pool
 
 
@@ -348,3 +349,23 @@ def test_deep_ep_normal_differs(pool23, name):
     _, needle, common, odd = NORMAL_CASES[name]
     msgs = pool23.run(body_deep_ep_normal, name)
     _check(msgs, [needle] + _values(pool23.world_size, common, odd), name)
+
+
+# ---- epx.compat.flashinfer: the lazily sized workspace ------------------------------------------
+
+def body_flashinfer_payloads(ctx):
+    R, odd = ctx.world_size, ctx.rank == ctx.world_size - 1
+    mapping = fi.Mapping(world_size=R, rank=ctx.rank, tp_size=R, moe_ep_size=R)
+    a2a = fi.MoeAlltoAll(mapping, 6, 2, R, hidden_size=128)
+    idx = torch.tensor([[t % R, (t + 1) % R] for t in range(5)], dtype=torch.int32)
+    width = 16 if odd else 8
+    msg = _message(lambda: a2a.dispatch(idx, [torch.ones(5, width)], 6))
+    recv = a2a.dispatch(idx, [torch.ones(5, 8)], 6)  # consistent: works
+    assert list(recv[0].shape) == [R, 6, 8]
+    return msg
+
+
+def test_flashinfer_payload_sizes_differ(pool23):
+    msgs = pool23.run(body_flashinfer_payloads)
+    _check(msgs, ["MoeAlltoAll.dispatch: the bytes per token of 'input_payloads[0]'",
+                  "differs across ranks"] + _values(pool23.world_size, 32, 64), "flashinfer")
