@@ -369,3 +369,20 @@ def test_flashinfer_payload_sizes_differ(pool23):
     msgs = pool23.run(body_flashinfer_payloads)
     _check(msgs, ["MoeAlltoAll.dispatch: the bytes per token of 'input_payloads[0]'",
                   "differs across ranks"] + _values(pool23.world_size, 32, 64), "flashinfer")
+
+
+def test_python_message_format_matches_the_core():
+    """epx.errors.per_rank_values / check_agreement write what src/core/agree.cc writes."""
+    from epx import errors
+    assert errors.per_rank_values([256, 512]) == "rank 0 has 256, rank 1 has 512"
+    assert errors.per_rank_values([256, 512, 256]) == "ranks 0, 2 have 256, rank 1 has 512"
+    assert errors.per_rank_values([1, 1, 1, 1, 0, 1, 1, 1]) == \
+        "ranks 0-3, 5-7 have 1, rank 4 has 0"
+    assert errors.per_rank_values([False, True, True]) == "rank 0 has false, ranks 1, 2 have true"
+    errors.check_agreement("op", [("a", [1, 1])])
+    with pytest.raises(epx.InvalidArgument) as e:
+        errors.check_agreement("dispatch", [("hidden (x.shape[1])", [128, 256]), ("k", [2, 2]),
+                                            ("e", [6, 12])])
+    assert str(e.value) == ("epx invalid_argument: dispatch: hidden (x.shape[1]) differs across "
+                            "ranks: rank 0 has 128, rank 1 has 256; e differs across ranks: rank "
+                            "0 has 6, rank 1 has 12; expected the same on every rank")

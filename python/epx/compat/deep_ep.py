@@ -14,8 +14,8 @@ How it differs, and why:
       (docs/semantics.md §4); the calls on an existing buffer exchange nothing extra, so ranks
       must also switch shapes at the same call.
     - normal mode: (T, H, K, E). H, K and E come from the call; the token capacity is the
-      largest T over the ranks, rounded up to a power of two. Both come from one small exchange
-      through the epx group per non-cached dispatch (skipped while a CUDA graph is being
+      largest T over the ranks, rounded up to a power of two. Both come from one small
+      all-gather through the group per non-cached dispatch (skipped while a CUDA graph is being
       captured), which also raises InvalidArgument on every rank naming x.shape[1],
       topk_idx.shape[1] or the number of experts where they differ across ranks. A later call
       needing more re-creates the buffer collectively. Handles keep the buffer that made them
@@ -56,9 +56,9 @@ How it differs, and why:
   ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
   multi-node NVLink domain; epx reaches the ranks NCCL's symmetric memory can map (engines such as
   SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
-  DeepEP) is honoured: the epx group is created through its ``allgather`` (the per-expert sums
-  go through it too; the agreements go through the epx group). ``use_fabric`` is accepted: epx's
-  memory is NCCL symmetric memory, whose handle type NCCL chooses. ``num_qps_per_rank``, ``num_nvl_bytes``,
+  DeepEP) is honoured: the epx group, the normal-mode agreement (shapes, largest T) and the
+  per-expert sums go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
+  memory, whose handle type NCCL chooses. ``num_qps_per_rank``, ``num_nvl_bytes``,
   ``num_rdma_bytes``, ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept,
   with nothing to change in epx.
 """
@@ -381,6 +381,26 @@ class Buffer:
     def _capturing(self, device):
         return device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
 
+    def _agree(self, op, fields, extra, device):
+        """Collective: one small all-gather through the ProcessGroup (or the communicator's
+        allgather) of the (name, int) `fields`, which must be equal on every rank (else
+        InvalidArgument on every rank naming each differing one with every rank's value), and of
+        the `extra` ints, which need not be: returns every rank's `extra`, a list per rank."""
+        values = [int(v) for _, v in fields] + [int(v) for v in extra]
+        if self.group_size == 1:
+            rows = [values]
+        elif self._comm is not None:
+            rows = [[int(v) for v in row] for row in self._comm.allgather(values)]
+        else:
+            on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
+            mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
+            parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+            dist.all_gather(parts, mine, group=self.group)
+            rows = [[int(v) for v in t.tolist()] for t in parts]
+        errors.check_agreement(op, [(name, [row[i] for row in rows])
+                                    for i, (name, _) in enumerate(fields)])
+        return [row[len(fields):] for row in rows]
+
     def _sum_over_ranks(self, counts, device):
         """The element-wise sum over the ranks of an int64 tensor, as a list (one all-reduce
         through the ProcessGroup, or an allgather through the communicator)."""
@@ -397,7 +417,7 @@ class Buffer:
     def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms, names):
         """The normal-mode epx buffer for this shape, created or grown collectively when the
         largest T over the ranks exceeds its capacity. Outside CUDA graph capture every call
-        first agrees with the other ranks (one small exchange through the epx group): H, K and E
+        first agrees with the other ranks (one small all-gather, _agree): H, K and E
         must be the same on every rank (else InvalidArgument on every rank naming the DeepEP
         argument each comes from, ``names`` = its names for 'hidden', 'top_k', 'num_experts'),
         and the largest T sizes the buffer."""
@@ -414,27 +434,29 @@ class Buffer:
                     f"{buf.max_tokens_per_rank}, and the buffer cannot grow during CUDA graph "
                     "capture; run a call with the largest T before capturing")
             return buf
-        group = self._group_for(device, num_sms)
-        gathered = group.agree(op, [(names["hidden"], hidden), (names["top_k"], top_k),
-                                    (names["num_experts"], num_experts)], [num_tokens])
-        need = max(int(v[0]) for v in gathered)
+        gathered = self._agree(op, [(names["hidden"], hidden), (names["top_k"], top_k),
+                                    (names["num_experts"], num_experts)], [num_tokens], device)
+        need = max(v[0] for v in gathered)
         if buf is not None and need <= buf.max_tokens_per_rank:
             return buf
         self._ht = None  # release before allocating the replacement
-        self._ht = _EpxBuffer(group, hidden, top_k, num_experts, _next_pow2(max(need, 1)),
+        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts, _next_pow2(max(need, 1)),
                               enable_ht=True, enable_ll=False)
         self._ht_key = key
         return self._ht
 
     def _ll_buffer(self, op, device, max_tokens, hidden, top_k, num_experts):
         """The low-latency epx buffer of this shape. (Re-)creating it is collective and starts
-        with an agreement naming DeepEP's arguments (InvalidArgument on every rank where they
+        with an agreement (Group.agree) naming DeepEP's arguments (InvalidArgument on every rank where they
         differ); calls on an existing buffer exchange nothing extra (the kernels compare the
         per-call options in their own exchange)."""
         # DeepEP's low-latency kernels size their own grid: num_sms (a normal-mode budget) never
         # throttles them; epx's ll kernels take their default grid (group num_sms 0).
         key = (device, max_tokens, hidden, top_k, num_experts)
         if self._ll is None or self._ll_key != key:
+            # Through the epx group (not the ProcessGroup): a rank that re-creates its buffer
+            # while its peers still dispatch on theirs then meets them in epx's own exchange,
+            # where (cpu) every rank raises InvalidArgument instead of waiting for a timeout.
             group = self._group_for(device, 0)
             group.agree(op, [("argument 'num_max_dispatch_tokens_per_rank'", max_tokens),
                              ("hidden (x.shape[1])", hidden), ("top-k (topk_idx.shape[1])", top_k),
