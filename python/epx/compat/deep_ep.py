@@ -396,7 +396,7 @@ class Buffer:
             mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
             parts = [torch.empty_like(mine) for _ in range(self.group_size)]
             dist.all_gather(parts, mine, group=self.group)
-            rows = [[int(v) for v in t.tolist()] for t in parts]
+            rows = [[int(v) for v in row] for row in torch.stack(parts).tolist()]  # one sync
         errors.check_agreement(op, [(name, [row[i] for row in rows])
                                     for i, (name, _) in enumerate(fields)])
         return [row[len(fields):] for row in rows]
