@@ -78,8 +78,9 @@ struct A2aDropCounts {
 
 class A2a {
  public:
-  // Collective. Every rank passes the same shape (else every rank raises InvalidArgument naming
-  // the field).
+  // Collective. Every rank passes the same shape (compared first, in one small exchange, before
+  // anything is allocated: else every rank raises InvalidArgument naming each differing field and
+  // every rank's value).
   A2a(const Group& group, const A2aShape& shape);
   ~A2a();
   A2a(A2a&&) noexcept;

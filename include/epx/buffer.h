@@ -10,10 +10,11 @@
 // Errors (epx::Error): a rank's bad arguments are rejected before it communicates
 // (InvalidArgument, or OutOfCapacity for T > max_tokens_per_rank); its peers, left waiting, raise
 // Timeout naming it once the group's timeout expires. Arguments that only the exchange shows to
-// disagree across ranks (dtypes, weights given on some ranks only, handles of different
-// dispatches, ranks calling different operations) make every rank raise InvalidArgument; a rank
-// that fails after the exchange still takes part in the operation's last synchronisation, so its
-// peers complete.
+// disagree across ranks (dtypes, weights given on some ranks only, num_worst_tokens,
+// expert_alignment, zero_copy, use_fp8 / round_scale, handles of different dispatches, ranks
+// calling different operations) make every rank raise InvalidArgument naming them with each
+// rank's value (docs/semantics.md §4.1); a rank that fails after the exchange still takes part
+// in the operation's last synchronisation, so its peers complete.
 //
 // Thread-safety: a Buffer is used by one host thread at a time.
 #pragma once
@@ -40,7 +41,9 @@ struct BufferConfig {
 
 class Buffer {
  public:
-  // Collective. Validates the shape against the group (E % R == 0, ...) and allocates.
+  // Collective. First compares the shape and config across the ranks (one small exchange; a
+  // difference is InvalidArgument on every rank naming each field and every rank's value, before
+  // anything is allocated), then validates them against the group (E % R == 0, ...) and allocates.
   Buffer(const Group& group, const MoeShape& shape, const BufferConfig& config = {});
   ~Buffer();
   Buffer(Buffer&&) noexcept;

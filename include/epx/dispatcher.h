@@ -129,7 +129,9 @@ struct CombineInput {
 
 class Dispatcher {
  public:
-  // Collective.
+  // Collective. Every rank passes the same config (all of it but the allocator): compared first,
+  // in one small exchange; a difference is InvalidArgument on every rank naming each field and
+  // every rank's value.
   Dispatcher(const Group& group, const DispatcherConfig& config);
   ~Dispatcher();
   Dispatcher(Dispatcher&&) noexcept;

@@ -14,9 +14,11 @@
 
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace epx {
 
@@ -39,6 +41,13 @@ struct UniqueId {
 namespace detail {
 class Transport;
 }
+
+// One value Group::agree compares across the ranks.
+struct AgreeValue {
+  std::string name;      // as the message names it, e.g. "argument 'hidden'"
+  int64_t value = 0;
+  bool boolean = false;  // shown as true / false
+};
 
 class Group {
  public:
@@ -94,6 +103,18 @@ class Group {
   // Barrier over the group, bounded by the timeout (collective). On the host for cpu and
   // cuda_shared_device groups; a cuda group runs a device barrier on its own stream and waits for it.
   void barrier() const;
+
+  // Collective agreement (the check Buffer, A2a and Dispatcher construction run; for layers above
+  // epx that derive collective state from call arguments, e.g. the Python drop-ins' lazily created
+  // buffers): one small exchange through the group, bounded by the timeout. Where a value differs
+  // across ranks, every rank throws InvalidArgument naming each such value with every rank's:
+  //   "<op>: <name> differs across ranks: rank 0 has 8, rank 1 has 16; expected the same on every
+  //    rank"
+  // `extra` values need not agree; returns every rank's, rank-major ([size()][extra.size()]).
+  // At most 52 values and extra values together.
+  std::vector<std::vector<int64_t>> agree(const std::string& op,
+                                          const std::vector<AgreeValue>& values,
+                                          const std::vector<int64_t>& extra = {}) const;
 
   // Internal: the transport shared by the buffers of this group.
   const std::shared_ptr<detail::Transport>& transport() const { return transport_; }

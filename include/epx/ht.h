@@ -57,7 +57,8 @@ struct HtDispatchArgs {
   // [T, K] float32, any strides. Optional; given on every rank or on none (else every rank
   // raises InvalidArgument). Ignored in cached mode.
   TensorView topk_weights;
-  // Each per-expert count in num_recv_tokens_per_expert is rounded up to this (>= 1).
+  // Each per-expert count in num_recv_tokens_per_expert is rounded up to this (>= 1). The same on
+  // every rank, as num_worst_tokens (else every rank raises InvalidArgument).
   int expert_alignment = 1;
   // > 0: worst-case mode. Outputs have exactly this many rows, no host synchronisation; rows past
   // N have recv_topk_idx = -1, recv_topk_weights = 0 and recv_src_idx = -1 (their recv_x and
@@ -77,8 +78,9 @@ struct HtDispatchArgs {
   // as y (InvalidArgument: the peers write there during it); Buffer::ht_combine_buffer views the
   // same memory, so expert outputs may be written in place for a zero-copy combine. The other
   // outputs are tensors of their own. Worst-case mode needs num_worst_tokens <= R *
-  // max_tokens_per_rank. Every rank passes the same value (not detected: a mismatch moves rows to
-  // the wrong place). The cpu backend accepts it and returns ordinary tensors.
+  // max_tokens_per_rank. Every rank passes the same value (else every rank raises
+  // InvalidArgument; on cuda not detected in cached mode, docs/semantics.md §4.1). The cpu
+  // backend accepts it and returns ordinary tensors.
   bool zero_copy = false;
   Stream stream = nullptr;
 };
@@ -111,7 +113,8 @@ struct HtCombineArgs {
   // Zero-copy combine: y is the view Buffer::ht_combine_buffer(handle) returned, already written
   // (InvalidArgument for any other y). On cuda the source ranks then read the rows straight from
   // this rank's memory (no push, no staging); the call returns on the stream once every rank has
-  // read, so the view may be rewritten after it. Every rank passes the same value (not detected).
+  // read, so the view may be rewritten after it. Every rank passes the same value (the cpu
+  // backend raises InvalidArgument on every rank otherwise; not detected on cuda).
   bool zero_copy = false;
   Stream stream = nullptr;
 };

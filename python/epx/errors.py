@@ -81,3 +81,41 @@ def check_int(op, name, value, minimum=0):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise invalid(op, f"argument '{name}' is {value!r}, expected an int >= {minimum}")
     return value
+
+
+def per_rank_values(values):
+    """"rank 0 has 256, rank 1 has 512"; ranks with the same value together, values in the order
+    of their first rank ("ranks 0, 2 have 8, rank 1 has 16"; runs as "0-3"), as the C++ core
+    writes them (src/core/agree.h)."""
+    def ranks_text(ranks):
+        parts, i = [], 0
+        while i < len(ranks):
+            j = i
+            while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+                j += 1
+            if j >= i + 2:
+                parts.append(f"{ranks[i]}-{ranks[j]}")
+            else:
+                parts.extend(str(r) for r in ranks[i:j + 1])
+            i = j + 1
+        return ", ".join(parts)
+
+    def show(v):
+        return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+    out = []
+    for v in dict.fromkeys(values):
+        ranks = [p for p, w in enumerate(values) if w == v]
+        many = len(ranks) > 1
+        out.append(f"{'ranks' if many else 'rank'} {ranks_text(ranks)} "
+                   f"{'have' if many else 'has'} {show(v)}")
+    return ", ".join(out)
+
+
+def check_agreement(op, fields):
+    """Raises InvalidArgument naming every (name, per-rank values) of `fields` whose values
+    differ across ranks, in the C++ core's words (docs/semantics.md §4.1)."""
+    parts = [f"{name} differs across ranks: {per_rank_values(values)}"
+             for name, values in fields if len(set(values)) > 1]
+    if parts:
+        raise invalid(op, "; ".join(parts) + "; expected the same on every rank")

@@ -175,6 +175,15 @@ class Group:
         """Host barrier over the group, bounded by the timeout (cpu backend)."""
         self._native.barrier()
 
+    def agree(self, op, values, extra=()):
+        """Collective: every rank passes the same ``values`` ((name, int) pairs, bools shown as
+        true/false), else every rank raises InvalidArgument naming each differing one with every
+        rank's value ("<op>: <name> differs across ranks: rank 0 has 8, rank 1 has 16; expected
+        the same on every rank"). One small exchange through the group. ``extra`` ints need not
+        agree: returns every rank's, as a list per rank."""
+        return self._native.agree(str(op), [(str(n), v) for n, v in values],
+                                  [int(v) for v in extra])
+
     def __repr__(self):
         return (f"epx.Group(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
                 f"timeout={self.timeout:g}s)")

@@ -139,7 +139,26 @@ PYBIND11_MODULE(_epx, m) {
       .def_property_readonly(
           "timeout_ms", [](const Group& g) { return static_cast<int64_t>(g.timeout().count()); })
       .def_property_readonly("num_sms", [](const Group& g) { return g.options().num_sms; })
-      .def("barrier", &Group::barrier, py::call_guard<py::gil_scoped_release>());
+      .def("barrier", &Group::barrier, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "agree",
+          [](const Group& g, const std::string& op, const py::list& values,
+             const std::vector<int64_t>& extra) {
+            std::vector<AgreeValue> v;
+            for (const py::handle item : values) {
+              const py::tuple t = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+              if (t.size() != 2)
+                throw_epx(ErrorCode::kInvalidArgument,
+                          op + ": Group.agree takes (name, int) pairs");
+              v.push_back({t[0].cast<std::string>(), t[1].cast<int64_t>(),
+                           py::isinstance<py::bool_>(t[1])});
+            }
+            py::gil_scoped_release nogil;
+            return g.agree(op, v, extra);
+          },
+          py::arg("op"), py::arg("values"), py::arg("extra") = std::vector<int64_t>{},
+          "Collective: raises InvalidArgument on every rank naming each (name, value) that "
+          "differs across ranks; returns every rank's `extra` values, rank-major.");
 
   m.def("new_unique_id", []() {
     UniqueId id = new_unique_id();

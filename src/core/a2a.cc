@@ -1,6 +1,7 @@
 // epx::A2a: validation and the dispatch -> combine state machine, then the backend.
 #include "epx/a2a.h"
 
+#include "core/agree.h"
 #include "core/buffer_impl.h"
 #include "core/check.h"
 #include "core/validate.h"
@@ -32,6 +33,22 @@ void require_usable(const detail::A2aImpl& impl, const char* op) {
 }  // namespace
 
 A2a::A2a(const Group& group, const A2aShape& shape) {
+  // Every rank must pass the same shape: compared first, in one small exchange (core/agree.h), so
+  // a difference is an InvalidArgument on every rank before anything is sized or mapped. (The
+  // backends compare the published shape once more after their allocation.)
+  std::vector<detail::AgreeField> fields = {
+      {"shape.max_tokens_per_rank", shape.max_tokens_per_rank},
+      {"shape.top_k", shape.top_k},
+      {"shape.num_experts", shape.num_experts},
+      {"shape.combine_bytes_per_token", static_cast<int64_t>(shape.combine_bytes_per_token)},
+      {"the number of payloads (shape.payload_bytes_per_token.size())",
+       static_cast<int64_t>(shape.payload_bytes_per_token.size())}};
+  for (int i = 0; i < kMaxA2aPayloads; ++i)
+    fields.push_back({detail::cat("shape.payload_bytes_per_token[", i, "]"),
+                      i < static_cast<int>(shape.payload_bytes_per_token.size())
+                          ? static_cast<int64_t>(shape.payload_bytes_per_token[i])
+                          : 0});
+  detail::agree(group, "A2a", fields);
   detail::validate_a2a_shape(shape, group.size());
   impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_a2a(group, shape)
                                            : detail::make_cuda_a2a(group, shape);

@@ -2,7 +2,9 @@
 #include "epx/buffer.h"
 
 #include <atomic>
+#include <vector>
 
+#include "core/agree.h"
 #include "core/buffer_impl.h"
 #include "core/check.h"
 #include "core/validate.h"
@@ -15,6 +17,24 @@ static uint64_t next_buffer_id() {
 }
 
 Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& config) {
+  // Every rank must pass the same geometry and options: compared first (one small exchange, before
+  // anything is sized or mapped), so a difference is an InvalidArgument on every rank and the
+  // checks below reach the same verdict on every rank.
+  std::vector<detail::AgreeField> fields = {
+      {"shape.hidden", shape.hidden},
+      {"shape.top_k", shape.top_k},
+      {"shape.num_experts", shape.num_experts},
+      {"shape.max_tokens_per_rank", shape.max_tokens_per_rank},
+      {"config.enable_ht", config.enable_ht, detail::show_bool},
+      {"config.enable_ll", config.enable_ll, detail::show_bool}};
+  if (group.backend() == Backend::kCuda) {
+    // The ll kernels' flag targets count every rank's CTAs alike (src/cuda/ll.cu).
+    fields.push_back({"the ll kernels' CTA count (from GroupOptions::num_sms and the GPU's SMs)",
+                      config.enable_ll && shape.num_experts > 0 && shape.max_tokens_per_rank > 0
+                          ? detail::cuda_ll_num_ctas(group, shape)
+                          : 0});
+  }
+  detail::agree(group, "Buffer", fields);
   detail::validate_shape(shape, group.size(), "Buffer");
   EPX_CHECK_ARG(config.enable_ht || config.enable_ll,
                 "Buffer: config enables neither ht nor ll, expected at least one");

@@ -89,6 +89,10 @@ std::unique_ptr<BufferImpl> make_cuda_buffer(const Group& group, const MoeShape&
 std::unique_ptr<A2aImpl> make_cpu_a2a(const Group& group, const A2aShape& shape);
 std::unique_ptr<A2aImpl> make_cuda_a2a(const Group& group, const A2aShape& shape);
 
+// The CTAs the cuda ll kernels resolve for `shape` on `group` (every rank must resolve the same:
+// the Buffer's agreement compares it). Unsupported in a build without CUDA.
+int cuda_ll_num_ctas(const Group& group, const MoeShape& shape);
+
 // Symmetric bytes per rank of each mode, per backend (each backend owns its buffer layout).
 size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks);
 size_t cpu_ll_bytes(const MoeShape& shape, int num_ranks);

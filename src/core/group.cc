@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/env.h"
 #include "transport/nccl_transport.h"
@@ -64,6 +65,16 @@ Backend Group::backend() const { return transport_->backend(); }
 std::chrono::milliseconds Group::timeout() const { return options_.timeout; }
 const GroupOptions& Group::options() const { return options_; }
 void Group::barrier() const { transport_->barrier("Group::barrier"); }
+
+std::vector<std::vector<int64_t>> Group::agree(const std::string& op,
+                                               const std::vector<AgreeValue>& values,
+                                               const std::vector<int64_t>& extra) const {
+  std::vector<detail::AgreeField> fields;
+  fields.reserve(values.size());
+  for (const AgreeValue& v : values)
+    fields.push_back({v.name, v.value, v.boolean ? detail::show_bool : detail::show_int});
+  return detail::agree(*this, op, fields, extra);
+}
 
 UniqueId new_unique_id() { return detail::nccl_new_unique_id(); }
 

@@ -52,6 +52,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
 #include "core/numeric.h"
@@ -76,6 +77,7 @@ const char* op_name(int32_t op) {
 }
 
 // Written by the owner before the first barrier of an op, read by peers before the second.
+// The per-call values every rank must pass alike are compared there (check_peer_headers).
 struct RegionHeader {
   int32_t op;           // HtOp
   int32_t x_dtype;      // DType of x (dispatch)
@@ -83,6 +85,9 @@ struct RegionHeader {
   int32_t has_weights;  // topk_weights given
   int64_t num_tokens;   // T of this rank
   int64_t num_rows;     // combine: rows of y published (N of this rank)
+  int64_t num_worst_tokens;  // dispatch: the call's (cached: the handle's)
+  int32_t expert_alignment;  // dispatch (not cached)
+  int32_t zero_copy;         // dispatch and combine
 };
 
 struct HtRegion {
@@ -143,32 +148,52 @@ Tensor alloc_tensor(const Allocator& alloc, DType dtype, std::vector<int64_t> sh
   return alloc(dtype, shape, Device::cpu());
 }
 
-// Every rank must be in the same op with consistent arguments. All ranks read the same headers,
-// so all of them throw together.
+std::string show_given(int64_t v) { return v ? "given" : "absent"; }
+
+// Every rank must be in the same op with the same per-call values: all ranks read the same
+// headers, so all of them throw together, naming every value that differs with each rank's.
 void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op) {
-  const auto* first = static_cast<const RegionHeader*>(mem.peer(0));
+  auto header = [&](int p) { return static_cast<const RegionHeader*>(mem.peer(p)); };
   for (int p = 0; p < R; ++p) {
-    const auto* h = static_cast<const RegionHeader*>(mem.peer(p));
-    EPX_CHECK_ARG(h->op == op, op_name(op), ": rank ", p, " called ", op_name(h->op),
+    EPX_CHECK_ARG(header(p)->op == op, op_name(op), ": rank ", p, " called ",
+                  op_name(header(p)->op),
                   " instead; every rank must call the same operations in the same order");
-    if (op != kOpCombine) {
-      EPX_CHECK_ARG(
-          h->x_dtype == first->x_dtype && h->scale_dtype == first->scale_dtype, op_name(op),
-          ": argument 'x' is ", dtype_name(static_cast<DType>(h->x_dtype)),
-          h->scale_dtype >= 0 ? " with 'x_scales' " : "",
-          h->scale_dtype >= 0 ? dtype_name(static_cast<DType>(h->scale_dtype)) : "", " on rank ", p,
-          " but ", dtype_name(static_cast<DType>(first->x_dtype)),
-          first->scale_dtype >= 0 ? " with 'x_scales' " : "",
-          first->scale_dtype >= 0 ? dtype_name(static_cast<DType>(first->scale_dtype)) : "",
-          " on rank 0, expected the same dtypes on every rank");
-    }
-    if (op != kOpCachedDispatch) {
-      EPX_CHECK_ARG(h->has_weights == first->has_weights, op_name(op),
-                    ": argument 'topk_weights' is ", h->has_weights ? "given" : "absent",
-                    " on rank ", p, " but ", first->has_weights ? "given" : "absent",
-                    " on rank 0, expected every rank to give it or none");
-    }
   }
+  struct Field {
+    const char* what;
+    int64_t (*get)(const RegionHeader&);
+    ShowValue show;
+  };
+  std::vector<Field> fields;
+  if (op != kOpCombine) {
+    fields.push_back({"the dtype of argument 'x'",
+                      [](const RegionHeader& h) -> int64_t { return h.x_dtype; }, show_dtype});
+    fields.push_back({"the dtype of argument 'x_scales'",
+                      [](const RegionHeader& h) -> int64_t { return h.scale_dtype; }, show_dtype});
+    fields.push_back({op == kOpCachedDispatch ? "num_worst_tokens (of argument 'handle')"
+                                              : "argument 'num_worst_tokens'",
+                      [](const RegionHeader& h) { return h.num_worst_tokens; }, show_int});
+  }
+  if (op == kOpDispatch) {
+    fields.push_back({"argument 'expert_alignment'",
+                      [](const RegionHeader& h) -> int64_t { return h.expert_alignment; },
+                      show_int});
+  }
+  if (op != kOpCachedDispatch) {
+    fields.push_back({"argument 'topk_weights' (given or absent)",
+                      [](const RegionHeader& h) -> int64_t { return h.has_weights; }, show_given});
+  }
+  fields.push_back({"argument 'zero_copy'",
+                    [](const RegionHeader& h) -> int64_t { return h.zero_copy; }, show_bool});
+  std::string message;
+  std::vector<int64_t> values(R);
+  for (const Field& f : fields) {
+    for (int p = 0; p < R; ++p) values[p] = f.get(*header(p));
+    if (all_equal(values)) continue;
+    message += cat(message.empty() ? "" : "; ", f.what, " differs across ranks: ",
+                   per_rank_values(values, f.show));
+  }
+  EPX_CHECK_ARG(message.empty(), op_name(op), ": ", message, "; expected the same on every rank");
 }
 
 // Asks for transparent huge pages on this rank's region (a hint; ignored where unsupported).
@@ -245,6 +270,9 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   header->has_weights = a.topk_weights.defined() ? 1 : 0;
   header->num_tokens = T;
   header->num_rows = 0;
+  header->num_worst_tokens = cached ? a.handle->num_worst_tokens : a.num_worst_tokens;
+  header->expert_alignment = cached ? 0 : a.expert_alignment;
+  header->zero_copy = a.zero_copy ? 1 : 0;
   pack_rows(a.x, T, mine + reg.x);
   if (fp8) pack_words(a.x_scales, T, reinterpret_cast<uint32_t*>(mine + reg.scales));
   if (!cached) {
@@ -444,6 +472,9 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   header->has_weights = has_weights ? 1 : 0;
   header->num_tokens = T;
   header->num_rows = N;
+  header->num_worst_tokens = 0;
+  header->expert_alignment = 0;
+  header->zero_copy = a.zero_copy ? 1 : 0;
   if (!a.zero_copy) pack_rows(a.y, N, mine + reg.y);  // zero-copy: y is in place (validated)
   if (has_weights) {
     auto* w = reinterpret_cast<float*>(mine + reg.y_weights);

@@ -64,6 +64,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
 #include "core/numeric.h"
@@ -191,17 +192,31 @@ void DispatchRecv::operator()() const {
     std::vector<std::vector<int32_t>> tokens_of(L);  // this source's tokens per local expert
     std::vector<float> scales(G);                    // one message's scales
 
+    // Every source in this dispatch, with the same quantisation options (every rank reads every
+    // header, so all raise together, naming each differing option with each rank's value).
+    std::vector<int64_t> fp8_of(R), round_of(R);
+    for (int src = 0; src < R; ++src) {
+      DispatchHeader h;
+      std::memcpy(&h, static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot),
+                  sizeof(h));
+      EPX_CHECK_ARG(h.seq == seq, "ll_dispatch: rank ", src, " published dispatch #", h.seq,
+                    " in slot ", slot, " but this rank expected #", seq,
+                    "; every rank must call the same ll operations in the same order");
+      fp8_of[src] = h.use_fp8;
+      round_of[src] = h.round_scale;
+    }
+    std::string differ;
+    if (!all_equal(fp8_of))
+      differ = cat("argument 'use_fp8' differs across ranks: ", per_rank_values(fp8_of, show_bool));
+    if (!all_equal(round_of))
+      differ += cat(differ.empty() ? "" : "; ", "argument 'round_scale' differs across ranks: ",
+                    per_rank_values(round_of, show_bool));
+    EPX_CHECK_ARG(differ.empty(), "ll_dispatch: ", differ, "; expected the same on every rank");
+
     for (int src = 0; src < R; ++src) {
       const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
       DispatchHeader h;
       std::memcpy(&h, region, sizeof(h));
-      EPX_CHECK_ARG(h.seq == seq, "ll_dispatch: rank ", src, " published dispatch #", h.seq,
-                    " in slot ", slot, " but this rank expected #", seq,
-                    "; every rank must call the same ll operations in the same order");
-      EPX_CHECK_ARG(h.use_fp8 == use_fp8 && h.round_scale == round_scale, "ll_dispatch: rank ", src,
-                    " called with use_fp8 = ", h.use_fp8, ", round_scale = ", h.round_scale,
-                    " but this rank with use_fp8 = ", use_fp8, ", round_scale = ", round_scale,
-                    "; expected the same on every rank");
       EPX_CHECK_ARG(h.num_tokens >= 0 && h.num_tokens <= lay.max_tokens, "ll_dispatch: rank ", src,
                     " published T = ", h.num_tokens, ", expected 0..", lay.max_tokens);
       for (auto& v : tokens_of) v.clear();

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/env.h"
 #include "cuda/cuda_check.h"
@@ -33,6 +34,8 @@ LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const All
 TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
 void cuda_ll_clean(CudaLl& ll);
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
+
+static std::string ht_call_differs_message(const DeviceErrorRecord& e);
 
 void rearm_device_error(volatile DeviceErrorRecord* record, uint32_t* claim_on_device, int device) {
   record->code = kDevErrNone;
@@ -421,9 +424,55 @@ void CudaBuffer::check() {
               " tokens, more than argument 'num_worst_tokens' = ", e.b,
               "; expected num_worst_tokens >= N (found on the device; rows past it were not "
               "written)"));
+    case kDevErrHtCallDiffers:
+      throw_error(ErrorCode::kInvalidArgument, ht_call_differs_message(e));
     default:
       throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
   }
+}
+
+// kDevErrHtCallDiffers: which per-call value differs between the source (e.peer) and the rank
+// that found it (e.rank), with both values, in the format of core/agree.h.
+static std::string ht_call_differs_message(const DeviceErrorRecord& e) {
+  const auto field = static_cast<uint32_t>(static_cast<uint64_t>(e.a) >> 32);
+  const auto theirs = static_cast<uint32_t>(e.a & 0xffffffff);
+  const auto mine = static_cast<uint32_t>(e.b);
+  // Both ranks' values of one part, lower rank first.
+  auto both = [&](const char* what, int64_t t, int64_t m, ShowValue show) {
+    std::vector<int64_t> v = {t, m};
+    std::vector<int> ranks = {e.peer, e.rank};
+    if (e.rank < e.peer) {
+      std::swap(v[0], v[1]);
+      std::swap(ranks[0], ranks[1]);
+    }
+    return cat(what, " differs across ranks: rank ", ranks[0], " has ", show(v[0]), ", rank ",
+               ranks[1], " has ", show(v[1]));
+  };
+  std::string what;
+  auto add = [&](const std::string& part) { what += cat(what.empty() ? "" : "; ", part); };
+  if (field == kHtCallFormat) {
+    auto part = [](uint32_t w, int shift, uint32_t mask) {
+      return static_cast<int64_t>((w >> shift) & mask);
+    };
+    if (part(theirs, 0, 0xff) != part(mine, 0, 0xff))
+      add(both("the dtype of argument 'x'", part(theirs, 0, 0xff), part(mine, 0, 0xff),
+               show_dtype));
+    if (part(theirs, 8, 0xff) != part(mine, 8, 0xff))
+      add(both("the dtype of argument 'x_scales'", part(theirs, 8, 0xff) - 1,
+               part(mine, 8, 0xff) - 1, show_dtype));
+    if (part(theirs, 16, 1) != part(mine, 16, 1))
+      add(both("argument 'zero_copy'", part(theirs, 16, 1), part(mine, 16, 1), show_bool));
+    if (part(theirs, 17, 1) != part(mine, 17, 1))
+      add(both("argument 'topk_weights' (given or absent)", part(theirs, 17, 1), part(mine, 17, 1),
+               [](int64_t v) { return std::string(v ? "given" : "absent"); }));
+  } else if (field == kHtCallWorst) {
+    add(both("argument 'num_worst_tokens'", theirs, mine, show_int));
+  } else {
+    add(both("argument 'expert_alignment'", theirs, mine, show_int));
+  }
+  return cat("ht_dispatch: ", what,
+             "; expected the same on every rank (found in the count exchange; the outputs of a "
+             "worst-case dispatch are undefined)");
 }
 
 void CudaBuffer::raise_device_error() {

@@ -27,7 +27,24 @@ enum DeviceErrorCode : uint32_t {
                              // (flag waits; the parity for kWaitBulkCopy)
   kDevErrBadExpert = 2,      // a = token index * 64 + k, b = expert id seen
   kDevErrOutOfCapacity = 3,  // a = rows needed (N), b = rows available (num_worst_tokens)
+  // ht count exchange: a source's per-call values differ from this rank's (HtCallField; the
+  // first that differs). a = field << 32 | the source's word, b = this rank's word, peer = the
+  // source. Every rank meets at least one source that differs, so every rank raises.
+  kDevErrHtCallDiffers = 4,
 };
+
+// The per-call values an ht count exchange message carries (HtCountMsg::call) and compares.
+enum HtCallField : uint32_t {
+  kHtCallFormat = 0,     // ht_call_format(): x dtype, scales dtype, zero_copy, topk_weights given
+  kHtCallWorst = 1,      // num_worst_tokens (folded to 32 bits)
+  kHtCallAlignment = 2,  // expert_alignment
+};
+// x dtype in bits 0-7, scales dtype + 1 in bits 8-15 (0: none), zero_copy bit 16, topk_weights
+// given bit 17.
+inline uint32_t ht_call_format(int x_dtype, int scale_dtype, bool zero_copy, bool has_weights) {
+  return static_cast<uint32_t>(x_dtype & 0xff) | static_cast<uint32_t>((scale_dtype + 1) & 0xff)
+         << 8 | (zero_copy ? 1u << 16 : 0u) | (has_weights ? 1u << 17 : 0u);
+}
 
 enum DeviceWait : uint32_t {
   kWaitReady = 1,     // the peer finishing its previous operation (its region free again)

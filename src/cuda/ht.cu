@@ -569,6 +569,13 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
     np.num_ranks = R;
     np.rank = me;
     np.expert_alignment = args.expert_alignment > 0 ? args.expert_alignment : 1;
+    np.call[kHtCallFormat] =
+        ht_call_format(static_cast<int>(args.x.dtype),
+                       fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.dtype) : -1,
+                       args.zero_copy, args.topk_weights.defined());
+    np.call[kHtCallWorst] = static_cast<uint32_t>(args.num_worst_tokens) ^
+                            static_cast<uint32_t>(static_cast<uint64_t>(args.num_worst_tokens) >> 32);
+    np.call[kHtCallAlignment] = static_cast<uint32_t>(args.expert_alignment);
     np.exchange = 1;
     np.is_token_in_rank = h.is_token_in_rank.ptr<bool>();
     np.send_pos = h.send_pos.ptr<int32_t>();
@@ -639,6 +646,10 @@ HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Alloc
         }
       }
       std::atomic_thread_fence(std::memory_order_acquire);
+      // Per-call values that differ across ranks (seen by every rank's count exchange before its
+      // ticket): every rank raises here, before any dispatch kernel (the split's send kernel is
+      // drained by split_guard), so no rows move with mismatched formats.
+      if (error_host_->code == kDevErrHtCallDiffers) check();
       num_rows = r->num_recv_tokens;
       const volatile int32_t* per_expert =
           reinterpret_cast<const volatile int32_t*>(result_host_ + 1);

@@ -34,6 +34,7 @@
 #include <memory>
 #include <string>
 
+#include "core/agree.h"
 #include "core/buffer_impl.h"
 #include "core/check.h"
 #include "core/env.h"
@@ -242,13 +243,24 @@ void CudaLl::check() {
           cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
               "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
               shape_.num_experts, "); that selection was dropped"));
-    case kDevErrLlFormat:
+    case kDevErrLlFormat: {
+      // Each option that differs, both ranks' values, lower rank first (core/agree.h's format).
+      std::string what;
+      for (int bit = 0; bit < 2; ++bit) {
+        if (((e.a ^ e.b) >> bit & 1) == 0) continue;
+        const bool source_first = e.peer < e.rank;
+        const int64_t first = ((source_first ? e.a : e.b) >> bit) & 1;
+        const int64_t second = ((source_first ? e.b : e.a) >> bit) & 1;
+        what += cat(what.empty() ? "" : "; ", "argument '", bit ? "round_scale" : "use_fp8",
+                    "' differs across ranks: rank ", std::min(e.peer, e.rank), " has ",
+                    show_bool(first), ", rank ", std::max(e.peer, e.rank), " has ",
+                    show_bool(second));
+      }
       throw_error(ErrorCode::kInvalidArgument,
-                  cat(op, ": rank ", e.peer, " called with use_fp8 = ", e.a & 1,
-                      ", round_scale = ", (e.a >> 1) & 1, " but rank ", e.rank,
-                      " with use_fp8 = ", e.b & 1, ", round_scale = ", (e.b >> 1) & 1,
+                  cat(op, ": ", what,
                       "; expected the same on every rank (the outputs of this call are "
                       "undefined)"));
+    }
     case kDevErrLlCombineRows:
       throw_error(ErrorCode::kInvalidArgument,
                   cat(op, ": argument 'topk_idx' selects expert ", e.b, " at [", e.a / 64, ", ",
@@ -547,6 +559,12 @@ void cuda_ll_clean(CudaLl& ll) {
 }
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks) {
   return LlLayout::make(shape, num_ranks).total_bytes;
+}
+int cuda_ll_num_ctas(const Group& group, const MoeShape& shape) {
+  const int device = group.transport()->device().index;
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "Buffer");
+  return resolve_ll_ctas(shape, group.size(), group.options().num_sms, sms);
 }
 #ifdef EPX_LL_TRACE
 uint64_t* ll_trace_buffer(int device) {

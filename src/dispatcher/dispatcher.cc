@@ -27,6 +27,7 @@
 
 #include <algorithm>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/cuda_runtime_shim.h"
 #include "core/expert_load.h"
@@ -134,9 +135,33 @@ struct Dispatcher::State {
   }
 };
 
+namespace {
+
+std::string show_backend(int64_t v) {
+  return v == static_cast<int64_t>(DispatcherBackend::kA2a) ? "a2a" : "deepep";
+}
+std::string show_mode(int64_t v) { return dispatch_mode_name(static_cast<DispatchMode>(v)); }
+std::string show_quant(int64_t v) { return dispatch_quant_name(static_cast<DispatchQuant>(v)); }
+
+}  // namespace
+
 Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
     : s_(std::make_unique<State>(group, c)) {
   const int R = group.size();
+  // Every rank must pass the same config (all of it but the allocator): compared first, in one
+  // small exchange (core/agree.h), so a difference is an InvalidArgument on every rank and the
+  // checks below reach the same verdict everywhere.
+  detail::agree(group, "Dispatcher",
+                {{"config.num_experts", c.num_experts},
+                 {"config.hidden", c.hidden},
+                 {"config.top_k", c.top_k},
+                 {"config.max_tokens_per_rank", c.max_tokens_per_rank},
+                 {"config.backend", static_cast<int64_t>(c.backend), show_backend},
+                 {"config.mode", static_cast<int64_t>(c.mode), show_mode},
+                 {"config.quant", static_cast<int64_t>(c.quant), show_quant},
+                 {"config.num_worst_tokens", c.num_worst_tokens},
+                 {"config.return_recv_hook", c.return_recv_hook, detail::show_bool},
+                 {"config.ht_zero_copy", c.ht_zero_copy, detail::show_bool}});
   EPX_CHECK_ARG(c.num_experts > 0 && c.num_experts % R == 0, "Dispatcher: 'num_experts' is ",
                 c.num_experts, ", expected a positive multiple of the group size ", R);
   EPX_CHECK_ARG(c.hidden > 0 && c.hidden % 128 == 0, "Dispatcher: 'hidden' is ", c.hidden,

@@ -40,6 +40,7 @@ struct ControlBlock {
   char abort_message[512];
   ArriveSlot arrive[kMaxRanks];
   ArriveSlot join[kMaxRanks];  // resync(): 2n - 1 / 2n = rank in round 1 / 2 of its n-th resync
+  AllgatherBoard board[kMaxRanks];  // allgather(): rank p writes board[p]
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "needs address-free atomics");
 
@@ -84,6 +85,21 @@ class CpuTransportBase : public Transport {
     epoch_ = epoch;
     control_->join[rank_].epoch.store(2 * n, std::memory_order_release);
     wait_all(what, control_->join, members, 2 * n, timeout, "to join the resynchronisation");
+  }
+
+  // Publish into this rank's board, barrier, read every board, barrier (nobody rewrites a board
+  // before every rank read it), then raise what the reads found.
+  std::vector<std::vector<int64_t>> allgather(const char* what,
+                                              const std::vector<int64_t>& mine) override {
+    const uint64_t seq = ++allgathers_;
+    fill_board(what, seq, mine, control_->board[rank_]);
+    barrier(what);
+    std::vector<AllgatherBoard> boards(control_->board, control_->board + size_);
+    std::vector<std::vector<int64_t>> out;
+    const std::string error = read_boards(what, rank_, seq, boards, out);
+    barrier(what);
+    if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+    return out;
   }
 
   void abort(const std::string& why) override {
@@ -138,6 +154,7 @@ class CpuTransportBase : public Transport {
   std::chrono::milliseconds timeout_;
   uint64_t epoch_ = 0;
   uint64_t resyncs_ = 0;
+  uint64_t allgathers_ = 0;
   ControlBlock* control_ = nullptr;
 };
 
@@ -319,6 +336,34 @@ std::shared_ptr<Transport> make_cpu_process_transport(int rank, int size, const 
   t->barrier("Group::cpu_processes (join)");
   t->joined();
   return t;
+}
+
+void Transport::fill_board(const char* what, uint64_t seq, const std::vector<int64_t>& mine,
+                           AllgatherBoard& board) {
+  EPX_CHECK(mine.size() <= static_cast<size_t>(kMaxAllgatherWords), ErrorCode::kInternal, what,
+            ": allgather of ", mine.size(), " words, at most ", kMaxAllgatherWords);
+  board.num_words = static_cast<int64_t>(mine.size());
+  std::copy(mine.begin(), mine.end(), board.words);
+  std::fill(board.words + mine.size(), board.words + kMaxAllgatherWords, 0);
+  board.seq = seq;
+}
+
+std::string Transport::read_boards(const char* what, int rank, uint64_t seq,
+                                   const std::vector<AllgatherBoard>& boards,
+                                   std::vector<std::vector<int64_t>>& out) {
+  out.assign(boards.size(), {});
+  for (size_t p = 0; p < boards.size(); ++p) {
+    const AllgatherBoard& b = boards[p];
+    if (b.seq != seq) {
+      return cat(what, ": rank ", p, " is not in the same collective call as rank ", rank,
+                 " (its last agreement exchange on this group is #", b.seq, ", this rank's #", seq,
+                 "); every rank must create the same epx objects and call the same collective "
+                 "operations in the same order");
+    }
+    const int64_t n = std::clamp<int64_t>(b.num_words, 0, kMaxAllgatherWords);
+    out[p].assign(b.words, b.words + n);
+  }
+  return {};
 }
 
 void Transport::throw_unsupported_subset(const char* what) {

@@ -11,6 +11,8 @@
 // Never asks for NVLS/multicast or GIN (NCCL_WIN_DEFAULT windows, no lsaMultimem, no GIN fields).
 //
 // Barrier: a window of BarrierSlots per transport; see nccl_device_ops.h. Bounded by timeout().
+// allgather (the construction-time agreements, core/agree.h): each rank's AllgatherBoard after the
+// released flags of the board window, copied in, a barrier, every peer's copied out, a barrier.
 //
 // Release is local, freeing is collective: dropping a SymmetricMemory (a Buffer / A2a destroyed,
 // in Python whenever the garbage collector gets to it, at a different point on every rank) only
@@ -203,8 +205,8 @@ class NcclTransport final : public Transport {
     slots_ =
         std::make_shared<NcclSymmetricMemory>(comm_, sizeof(BarrierSlots), rank_, size_, stream_);
     // Zero-filled before it is registered, so no rank reads another's board before it is valid.
-    board_ =
-        std::make_shared<NcclSymmetricMemory>(comm_, kReleaseBoardBytes, rank_, size_, stream_);
+    board_ = std::make_shared<NcclSymmetricMemory>(
+        comm_, kReleaseBoardBytes + sizeof(AllgatherBoard), rank_, size_, stream_);
   }
 
   ~NcclTransport() override {
@@ -276,6 +278,33 @@ class NcclTransport final : public Transport {
     return freed;
   }
 
+  // The allgather board sits after the released flags in the board window: publish (a copy on
+  // the transport's stream, which the barrier orders), barrier, read every peer's board (LSA
+  // pointers, as free_agreed_releases), barrier (nobody rewrites a board before every rank read it).
+  std::vector<std::vector<int64_t>> allgather(const char* what,
+                                              const std::vector<int64_t>& mine) override {
+    check_usable(what);
+    DeviceGuard guard(comm_->device);
+    AllgatherBoard board{};
+    fill_board(what, ++allgathers_, mine, board);
+    auto at = [&](int p) { return static_cast<char*>(board_->peer(p)) + kReleaseBoardBytes; };
+    EPX_CUDA_CHECK(cudaMemcpyAsync(at(rank_), &board, sizeof(board), cudaMemcpyHostToDevice,
+                                   stream_),
+                   what);
+    barrier(what);  // every board written (the copy ran before the barrier on stream_)
+    std::vector<AllgatherBoard> boards(size_);
+    for (int p = 0; p < size_; ++p)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(&boards[p], at(p), sizeof(AllgatherBoard),
+                                     cudaMemcpyDeviceToHost, stream_),
+                     what);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_), what);
+    std::vector<std::vector<int64_t>> out;
+    const std::string error = read_boards(what, rank_, allgathers_, boards, out);
+    barrier(what);
+    if (!error.empty()) throw_error(ErrorCode::kInvalidArgument, error);
+    return out;
+  }
+
   void barrier(const char* what) override {
     check_usable(what);
     DeviceGuard guard(comm_->device);
@@ -341,8 +370,10 @@ class NcclTransport final : public Transport {
   int32_t* status_ = nullptr;      // mapped pinned host memory
   int32_t* status_dev_ = nullptr;  // its device address
   std::shared_ptr<SymmetricMemory> slots_;
-  std::shared_ptr<SymmetricMemory> board_;  // kReleaseBoardBytes released flags (allocate())
+  // kReleaseBoardBytes released flags (allocate()), then this rank's AllgatherBoard (allgather())
+  std::shared_ptr<SymmetricMemory> board_;
   uint32_t epoch_ = 0;
+  uint64_t allgathers_ = 0;
   std::string abort_reason_;
 };
 

@@ -19,6 +19,15 @@ namespace epx::detail {
 
 inline constexpr int kMaxRanks = 64;
 
+// One rank's contribution to Transport::allgather (a small board per rank: in the control block
+// of a cpu transport, in a small symmetric window of the NCCL transport).
+inline constexpr int kMaxAllgatherWords = 60;
+struct AllgatherBoard {
+  uint64_t seq;       // allgathers this rank started on the transport: 1, 2, ...
+  int64_t num_words;  // words used
+  int64_t words[kMaxAllgatherWords];
+};
+
 // Memory of the same size on every rank; peer(p) is rank p's copy as addressable from here
 // (a host pointer on cpu, an LSA device pointer on cuda). Zero-filled at allocation.
 class SymmetricMemory {
@@ -46,6 +55,14 @@ class Transport {
 
   // Collective: every rank asks for the same number of bytes, in the same order.
   virtual std::shared_ptr<SymmetricMemory> allocate(size_t bytes) = 0;
+
+  // Collective and small (construction-time agreements, core/agree.h): every rank publishes
+  // `mine` (at most kMaxAllgatherWords words) and gets every rank's words, in rank order, as that
+  // rank published them. Two barriers, no allocation; bounded by timeout(). A peer whose board
+  // carries another allgather number is not in this call (ranks out of step): InvalidArgument
+  // naming `what` and that rank, raised on the ranks that see it after the closing barrier.
+  virtual std::vector<std::vector<int64_t>> allgather(const char* what,
+                                                      const std::vector<int64_t>& mine) = 0;
 
   // Collective host barrier, bounded by timeout(). Throws Timeout naming `what` and the ranks that
   // did not arrive, or Internal if a peer called abort().
@@ -99,6 +116,17 @@ class Transport {
 
  private:
   [[noreturn]] static void throw_unsupported_subset(const char* what);
+
+ protected:
+  // The allgather's words of every rank from their boards (boards[p] = rank p's, read after the
+  // first barrier of the call whose number is `seq`) into `out`. Returns "" or, for a board of
+  // another call, the message of the InvalidArgument to raise after the closing barrier.
+  static std::string read_boards(const char* what, int rank, uint64_t seq,
+                                 const std::vector<AllgatherBoard>& boards,
+                                 std::vector<std::vector<int64_t>>& out);
+  // Fills `board` for this rank's call number `seq` (checks the size of `mine`).
+  static void fill_board(const char* what, uint64_t seq, const std::vector<int64_t>& mine,
+                         AllgatherBoard& board);
 };
 
 // cpu backend, ranks are threads of this process sharing `world_name`.

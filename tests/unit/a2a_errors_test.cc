@@ -464,7 +464,7 @@ void expect_timeout(int stage, const char* needle) {
 }
 
 TEST(A2aTimeout, PeerNeverConstructs) {
-  expect_timeout(0, "allocate");
+  expect_timeout(0, "A2a (agreement across ranks)");  // the first exchange of construction
 }
 TEST(A2aTimeout, PeerNeverDispatches) {
   expect_timeout(1, "a2a dispatch");

@@ -8,12 +8,18 @@ How it differs, and why:
   counts are accepted (and kept as attributes) but not used. The epx buffers are created lazily,
   collectively, on first use, from the call's shapes:
     - low latency: (num_max_dispatch_tokens_per_rank, hidden, top-k, num_experts) of the call;
-      a call with another shape re-creates the ll buffer (every rank passes the same values).
+      a call with another shape re-creates the ll buffer. Every rank must pass the same values:
+      creating the buffer first agrees on them (one small exchange through the epx group), so a
+      difference is an InvalidArgument on every rank naming the argument and each rank's value
+      (docs/semantics.md §4); the calls on an existing buffer exchange nothing extra, so ranks
+      must also switch shapes at the same call.
     - normal mode: (T, H, K, E). H, K and E come from the call; the token capacity is the
-      largest T over the ranks (agreed through the group with one small all-reduce per
-      non-cached dispatch, skipped while a CUDA graph is being captured), rounded up to a power
-      of two. A later call needing more re-creates the buffer collectively. Handles keep the
-      buffer that made them alive, so an older handle stays usable.
+      largest T over the ranks, rounded up to a power of two. Both come from one small
+      all-gather through the group per non-cached dispatch (skipped while a CUDA graph is being
+      captured), which also raises InvalidArgument on every rank naming x.shape[1],
+      topk_idx.shape[1] or the number of experts where they differ across ranks. A later call
+      needing more re-creates the buffer collectively. Handles keep the buffer that made them
+      alive, so an older handle stays usable.
     - The epx group itself is created at the first op from the group given here (tensors on CPU:
       the cpu backend over shared memory; on a GPU: the cuda backend, adopting an NCCL group's
       communicator or bootstrapping one through the group).
@@ -50,8 +56,8 @@ How it differs, and why:
   ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
   multi-node NVLink domain; epx reaches the ranks NCCL's symmetric memory can map (engines such as
   SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
-  DeepEP) is honoured: the epx group and the few small agreements (largest T, per-expert sums)
-  go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
+  DeepEP) is honoured: the epx group, the normal-mode agreement (shapes, largest T) and the
+  per-expert sums go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
   memory, whose handle type NCCL chooses. ``num_qps_per_rank``, ``num_nvl_bytes``,
   ``num_rdma_bytes``, ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept,
   with nothing to change in epx.
@@ -176,6 +182,21 @@ class _LlHandle(tuple):
         self._native = native
         self._buffer = buffer
         return self
+
+
+# How the normal-mode agreement names H, K and E (DeepEP's arguments they come from).
+_LAYOUT_NAMES = {"hidden": "hidden (x.shape[1] of this Buffer's previous dispatch, 128 before "
+                           "any)",
+                 "top_k": "top-k (topk_idx.shape[1])", "num_experts": "argument 'num_experts'"}
+_BY_RANK_NAMES = {"hidden": "hidden (x.shape[1])",
+                  "top_k": "the routing width (this Buffer's previous top-k, or the group size)",
+                  "num_experts": "the number of experts (num_tokens_per_expert.shape[0])"}
+
+
+def _dispatch_names(experts_given):
+    return {"hidden": "hidden (x.shape[1])", "top_k": "top-k (topk_idx.shape[1])",
+            "num_experts": "the number of experts (num_tokens_per_expert.shape[0])"
+            if experts_given else "the number of experts (this Buffer's previous one)"}
 
 
 def _ht_state(op, handle):
@@ -360,16 +381,25 @@ class Buffer:
     def _capturing(self, device):
         return device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
 
-    def _agree_max(self, value, device):
-        """Max of `value` over the ranks (one small all-reduce through the ProcessGroup)."""
+    def _agree(self, op, fields, extra, device):
+        """Collective: one small all-gather through the ProcessGroup (or the communicator's
+        allgather) of the (name, int) `fields`, which must be equal on every rank (else
+        InvalidArgument on every rank naming each differing one with every rank's value), and of
+        the `extra` ints, which need not be: returns every rank's `extra`, a list per rank."""
+        values = [int(v) for _, v in fields] + [int(v) for v in extra]
         if self.group_size == 1:
-            return value
-        if self._comm is not None:
-            return max(int(v) for v in self._comm.allgather(int(value)))
-        on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
-        t = torch.tensor([value], dtype=torch.int64, device=device if on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
+            rows = [values]
+        elif self._comm is not None:
+            rows = [[int(v) for v in row] for row in self._comm.allgather(values)]
+        else:
+            on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
+            mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
+            parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+            dist.all_gather(parts, mine, group=self.group)
+            rows = [[int(v) for v in row] for row in torch.stack(parts).tolist()]  # one sync
+        errors.check_agreement(op, [(name, [row[i] for row in rows])
+                                    for i, (name, _) in enumerate(fields)])
+        return [row[len(fields):] for row in rows]
 
     def _sum_over_ranks(self, counts, device):
         """The element-wise sum over the ranks of an int64 tensor, as a list (one all-reduce
@@ -384,9 +414,13 @@ class Buffer:
         dist.all_reduce(t, group=self.group)
         return [int(c) for c in t.tolist()]
 
-    def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms):
+    def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms, names):
         """The normal-mode epx buffer for this shape, created or grown collectively when the
-        largest T over the ranks exceeds its capacity."""
+        largest T over the ranks exceeds its capacity. Outside CUDA graph capture every call
+        first agrees with the other ranks (one small all-gather, _agree): H, K and E
+        must be the same on every rank (else InvalidArgument on every rank naming the DeepEP
+        argument each comes from, ``names`` = its names for 'hidden', 'top_k', 'num_experts'),
+        and the largest T sizes the buffer."""
         key = (device, num_sms, hidden, top_k, num_experts)
         buf = self._ht if self._ht_key == key else None
         if self._capturing(device):
@@ -400,23 +434,36 @@ class Buffer:
                     f"{buf.max_tokens_per_rank}, and the buffer cannot grow during CUDA graph "
                     "capture; run a call with the largest T before capturing")
             return buf
-        need = self._agree_max(num_tokens, device)
+        gathered = self._agree(op, [(names["hidden"], hidden), (names["top_k"], top_k),
+                                    (names["num_experts"], num_experts)], [num_tokens], device)
+        need = max(v[0] for v in gathered)
         if buf is not None and need <= buf.max_tokens_per_rank:
             return buf
         self._ht = None  # release before allocating the replacement
-        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts,
-                              _next_pow2(max(need, 1)), enable_ht=True, enable_ll=False)
+        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts, _next_pow2(max(need, 1)),
+                              enable_ht=True, enable_ll=False)
         self._ht_key = key
         return self._ht
 
-    def _ll_buffer(self, device, max_tokens, hidden, top_k, num_experts):
+    def _ll_buffer(self, op, device, max_tokens, hidden, top_k, num_experts):
+        """The low-latency epx buffer of this shape. (Re-)creating it is collective and starts
+        with an agreement (Group.agree) naming DeepEP's arguments (InvalidArgument on every rank where they
+        differ); calls on an existing buffer exchange nothing extra (the kernels compare the
+        per-call options in their own exchange)."""
         # DeepEP's low-latency kernels size their own grid: num_sms (a normal-mode budget) never
         # throttles them; epx's ll kernels take their default grid (group num_sms 0).
         key = (device, max_tokens, hidden, top_k, num_experts)
         if self._ll is None or self._ll_key != key:
-            self._ll = None
-            self._ll = _EpxBuffer(self._group_for(device, 0), hidden, top_k,
-                                  num_experts, max_tokens, enable_ht=False, enable_ll=True)
+            # Through the epx group (not the ProcessGroup): a rank that re-creates its buffer
+            # while its peers still dispatch on theirs then meets them in epx's own exchange,
+            # where (cpu) every rank raises InvalidArgument instead of waiting for a timeout.
+            group = self._group_for(device, 0)
+            group.agree(op, [("argument 'num_max_dispatch_tokens_per_rank'", max_tokens),
+                             ("hidden (x.shape[1])", hidden), ("top-k (topk_idx.shape[1])", top_k),
+                             ("argument 'num_experts'", num_experts)])
+            self._ll = None  # release before allocating the replacement
+            self._ll = _EpxBuffer(group, hidden, top_k, num_experts, max_tokens, enable_ht=False,
+                                  enable_ll=True)
             self._ll_key = key
         return self._ll
 
@@ -449,7 +496,7 @@ class Buffer:
         if buf is None or key[0] != device or key[3] != top_k or key[4] != num_experts:
             hidden = key[2] if key is not None else 128  # H is unknown until dispatch
             buf = self._ht_buffer(op, device, topk_idx.shape[0], hidden, top_k, num_experts,
-                                  Buffer.num_sms)
+                                  Buffer.num_sms, _LAYOUT_NAMES)
         per_rank, per_expert, in_rank = buf._native.ht_layout(topk_idx, _torch.stream_of(topk_idx))
         return (per_rank, None, per_expert, in_rank,
                 self._event(async_finish, (topk_idx, per_rank, per_expert, in_rank)))
@@ -528,7 +575,8 @@ class Buffer:
                                           async_finish)
         _tensor(op, "topk_idx", topk_idx, 2)
         K = topk_idx.shape[1]
-        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms)
+        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms,
+                              _dispatch_names(num_tokens_per_expert is not None))
         r = buf._native.ht_dispatch(x_data, x_scales, fp8, topk_idx, topk_weights,
                                     expert_alignment, num_worst_tokens, None, stream)
         recv_x = (r[0], r[1]) if fp8 else r[0]
@@ -569,7 +617,7 @@ class Buffer:
         if K > R:
             routed = torch.cat([routed, routed.new_full((T, K - R), -1)], dim=1)
         routed = routed.contiguous()
-        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms)
+        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms, _BY_RANK_NAMES)
         r = buf._native.ht_dispatch(x_data, x_scales, fp8, routed, None, 1, num_worst_tokens,
                                     None, stream)
         recv_x = (r[0], r[1]) if fp8 else r[0]
@@ -642,7 +690,7 @@ class Buffer:
         errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         errors.check_int(op, "num_experts", num_experts, 1)
         device = self._begin(op, x, None)
-        buf = self._ll_buffer(device, num_max_dispatch_tokens_per_rank, x.shape[1],
+        buf = self._ll_buffer(op, device, num_max_dispatch_tokens_per_rank, x.shape[1],
                               topk_idx.shape[1], num_experts)
         recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),

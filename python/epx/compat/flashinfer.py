@@ -610,6 +610,13 @@ class MoeAlltoAll:
             raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads' has "
                                  f"{len(payload_bytes)} tensors, expected 1.."
                                  f"{_epx.kMaxA2aPayloads}")
+        # Every rank must size the workspace alike: agreed first (InvalidArgument on every rank
+        # naming the payload and each rank's value), before the collective construction.
+        self._group.agree("MoeAlltoAll.dispatch", [("the number of 'input_payloads'",
+                                                    len(payload_bytes))] +
+                          [(f"the bytes per token of 'input_payloads[{i}]' (rounded up to 4, at "
+                            "least the workspace's)", payload_bytes[i] if i < len(payload_bytes)
+                            else 0) for i in range(_epx.kMaxA2aPayloads)])
         self._a2a = None
         self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
                             payload_bytes, self._combine_bytes(payload_bytes))

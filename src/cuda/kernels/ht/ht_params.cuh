@@ -24,6 +24,9 @@ struct HtNotifyParams {
   int topk_is_i64;
   int num_tokens, top_k, num_experts, num_local_experts, num_ranks, rank;
   int expert_alignment;
+  // The call's values every rank must pass alike, sent with the counts and compared by every
+  // receiver (kDevErrHtCallDiffers): HtCallField order.
+  uint32_t call[3];
   int exchange;                    // 0: layout only (no communication, no sequence number)
   int32_t* num_tokens_per_rank;    // [R] or null
   int32_t* num_tokens_per_expert;  // [E] or null

@@ -9,8 +9,8 @@
 //   yready   uint32 [kMaxHtRanks]                 yready[p] = last zero-copy combine whose y rank
 //                                                 p wrote (p writes, at the combine's start)
 //   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
-//                                                 {flag, tokens per rank [R], tokens per expert of
-//                                                  this rank's experts [L]}
+//                                                 {flag, per-call values [3], tokens per rank [R],
+//                                                  tokens per expert of this rank's experts [L]}
 //   counters uint32 [R-1][num_blocks]             rows landed per 32-row block, per source slot
 //   x        [R][T_max][x_row_bytes]              row payloads (bf16/fp8 dispatch, bf16 combine):
 //                                                 slots [R-1][T_max][x_row_bytes]; zero-copy
@@ -72,8 +72,8 @@ EPX_HT_HD size_t ht_round_up(size_t v, size_t a) {
 }
 
 struct HtCountMsg {
-  uint32_t flag;  // op sequence number, stored last (release)
-  uint32_t pad[3];
+  uint32_t flag;     // op sequence number, stored last (release)
+  uint32_t call[3];  // the sender's per-call values (HtCallField order, cuda/device_error.h)
   // int32 tokens_per_rank[R]; int32 tokens_per_expert[L] follow
 };
 

@@ -12,9 +12,12 @@
 //           num_tokens_per_rank[R], num_tokens_per_expert[E]; every CTA sums the rank counts of
 //           the CTAs before it (its tokens' first position per destination).
 //   (layout-only calls stop here; no communication)
-//   exchange  (CTA 0) rank r writes {flag, tokens_per_rank[R], tokens_per_expert[d's L experts]}
-//           into rank d's count slot r, for every d != r, then waits for every peer's message in
-//           its own slots. Result: the count matrix cnt[s][d], rank_prefix_matrix[s][d] =
+//   exchange  (CTA 0) rank r writes {flag, call[3], tokens_per_rank[R], tokens_per_expert[d's L
+//           experts]} into rank d's count slot r, for every d != r, then waits for every peer's
+//           message in its own slots; a message whose per-call values (call: x / scales dtype,
+//           zero_copy, weights given, num_worst_tokens, expert_alignment) differ from this rank's
+//           is reported (kDevErrHtCallDiffers; the exact-mode host raises it before launching
+//           the dispatch). Result: the count matrix cnt[s][d], rank_prefix_matrix[s][d] =
 //           sum_{s' <= s} cnt[s'][d], N = rpm[R-1][r], per-local-expert received selections
 //           rounded up to expert_alignment (published to mapped host memory under `ticket`).
 //   pass 2  (every CTA, its tokens, after a cluster barrier) send_pos[t][d] = rpm[r-1][d] +
@@ -265,6 +268,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       HtCountMsg* msg = g.count_msg(p.symm.peers[q], me);
       int32_t* body = reinterpret_cast<int32_t*>(msg + 1);
       for (int i = lane; i < R + L; i += 32) body[i] = i < R ? s_total[i] : s_expert[q * L + i - R];
+      if (lane < 3) msg->call[lane] = p.call[lane];
       __syncwarp();
       // Pairs with the wait_flag on count_msg(local, me)->flag in rank q's notify.
       if (lane == 0) st_release_sys(&msg->flag, cur);
@@ -279,6 +283,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
       bool ok = true;
       if (lane == 0) ok = wait_flag<true>(&msg->flag, cur, w, kWaitCounts, q);
       ok = __shfl_sync(0xffffffffu, ok, 0);
+      // The per-call values every rank must pass alike (the first that differs is reported).
+      if (ok && lane == 0) {
+        for (int f = 0; f < 3; ++f) {
+          const uint32_t theirs = ld_landed(&msg->call[f]);
+          if (theirs == p.call[f]) continue;
+          record_error(w, kDevErrHtCallDiffers, q,
+                       static_cast<int64_t>(static_cast<uint64_t>(f) << 32 | theirs),
+                       static_cast<int64_t>(p.call[f]));
+          break;
+        }
+      }
       const int32_t* body = reinterpret_cast<const int32_t*>(msg + 1);
       for (int i = lane; i < R; i += 32) s_matrix[q * R + i] = ok ? ld_landed(body + i) : 0;
       for (int l = lane; l < L; l += 32)
