@@ -70,8 +70,13 @@ thread_local int32_t g_ll_variant_override = -1;  // per thread: one-GPU ranks a
 
 // The kLlVariant* bits of a launch (ll_layout.cuh): set_ll_variant_override when set, else
 // EPX_LL_VARIANT (read once).
+// EPX_LL_VARIANT accepts exactly these bits (core/env.h kLlVariantBits).
+static_assert((kLlVariantCopyOne | kLlVariantEmulatedFp8 | kLlVariantEmulatedBf16 |
+               kLlVariantRecvPerSource | kLlVariantLastCtaFinish | kLlVariantCombineSerial) ==
+                  kLlVariantBits,
+              "core/env.h kLlVariantBits must list every kLlVariant* bit");
 int32_t ll_variant() {
-  static const int32_t v = env_ll_variant();
+  static const int32_t v = env_ll_variant();  // checked at group creation (check_environment)
   const int32_t o = g_ll_variant_override;
   return o >= 0 ? o : v;
 }
