@@ -14,6 +14,7 @@ A Group is created collectively by every rank of a torch ProcessGroup (or of any
 
 import datetime
 import math
+import operator
 import uuid
 
 import torch
@@ -46,12 +47,16 @@ def _timeout_ms(timeout, op="Group"):
 
 
 def _num_sms(num_sms, op="Group"):
-    """`num_sms` checked against the C++ range (GroupOptions::num_sms, EPX_NUM_SMS)."""
-    if (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 0
-            or num_sms > _epx.MAX_NUM_SMS):
+    """`num_sms` (an int, or anything with __index__) checked against the C++ range
+    (GroupOptions::num_sms, EPX_NUM_SMS)."""
+    try:
+        n = None if isinstance(num_sms, bool) else operator.index(num_sms)
+    except TypeError:
+        n = None
+    if n is None or n < 0 or n > _epx.MAX_NUM_SMS:
         raise errors.invalid(op, f"argument 'num_sms' is {num_sms!r}, expected an int "
                                  f"0..{_epx.MAX_NUM_SMS} (0: EPX_NUM_SMS, else auto)")
-    return num_sms
+    return n
 
 
 def _as_device(device):

@@ -192,7 +192,7 @@ def test_absurd_sizes_are_out_of_capacity_before_mapping():
 
 def body_never_arrives(ctx, what):
     comm = NamedComm(ctx.group)
-    g = epx.Group.from_comm(comm, timeout=0.5)
+    g = epx.Group.from_comm(comm, timeout=1.0)
     name = comm.names[0]
     if ctx.rank == 0:
         with pytest.raises(epx.Timeout, match=r"ranks \[1\]"):
@@ -230,7 +230,7 @@ def _killed_worker(rank, name, case, barrier, results):
 
     try:
         barrier.wait(60)  # both imported: the group's short timeout covers only the join
-        g = ep.Group.from_comm(Fixed(), timeout=0.5)
+        g = ep.Group.from_comm(Fixed(), timeout=1.0)
         if rank == 1 and case == "first":
             os.kill(os.getpid(), signal.SIGKILL)
         if case == "first":

@@ -50,7 +50,7 @@ std::string joined(const std::vector<std::string>& v) {
   return s;
 }
 
-GroupOptions short_timeout(std::chrono::milliseconds ms = 300ms) {
+GroupOptions short_timeout(std::chrono::milliseconds ms = 1000ms) {
   GroupOptions o;
   o.timeout = ms;
   return o;
