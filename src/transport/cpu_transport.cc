@@ -203,15 +203,11 @@ class ThreadTransport : public CpuTransportBase {
       abort(cat("allocate failed on rank ", rank_, ": ", e.what()));
       throw;
     }
-    std::vector<std::shared_ptr<void>> blocks;
-    try {
-      barrier("allocate");
-      blocks = world_->slots;
-      barrier("allocate");  // every rank copied the slots before anyone reuses them
-    } catch (...) {
-      world_->slots[rank_].reset();  // the peers that copied it keep it alive
-      throw;
-    }
+    // On a timeout the block stays in its slot (freed with the world or the next allocation): a
+    // straggler may still copy the slots, and resetting it here would race with that copy.
+    barrier("allocate");
+    std::vector<std::shared_ptr<void>> blocks = world_->slots;
+    barrier("allocate");  // every rank copied the slots before anyone reuses them
     return std::make_shared<HostSymmetricMemory>(rank_, bytes, std::move(blocks));
   }
 
