@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -109,7 +110,10 @@ COLUMNS:
   sym MB              symmetric memory allocated per rank (Buffer/A2a::bytes_allocated).
   check               PASS / FAIL (with --check) or '-'.
 
-Exit status: 0 ok, 1 a check failed or a rank raised an error, 2 bad command line.
+Exit status: 0 ok, 1 a check failed, a rank raised an error or the --json file could not be
+written, 2 bad command line (unknown flags and values, and combinations a selected mode cannot
+run: ht --dtype fp8 and ll need --hidden a multiple of 128, a2a an even --hidden; an unwritable
+--json path).
 )";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -212,7 +216,7 @@ Options parse(int argc, char** argv) {
     } else if (a == "--warmup") {
       o.warmup = static_cast<int>(parse_int(a, value(), 0, 1 << 20));
     } else if (a == "--num-sms") {
-      o.num_sms = static_cast<int>(parse_int(a, value(), 0, 1024));
+      o.num_sms = static_cast<int>(parse_int(a, value(), 0, kMaxGroupNumSms));
     } else if (a == "--timing") {
       const std::string t = value();
       if (t != "barrier" && t != "pipelined")
@@ -227,7 +231,7 @@ Options parse(int argc, char** argv) {
     } else if (a == "--seed") {
       o.seed = static_cast<uint64_t>(parse_int(a, value(), 0, INT64_MAX));
     } else if (a == "--timeout-ms") {
-      o.timeout_ms = static_cast<int>(parse_int(a, value(), 1, 1 << 30));
+      o.timeout_ms = static_cast<int>(parse_int(a, value(), 1, kMaxGroupTimeoutMs));
     } else {
       usage_error("unknown flag '" + a + "'");
     }
@@ -262,6 +266,37 @@ Options parse(int argc, char** argv) {
   if (o.num_experts % o.num_ranks != 0)
     usage_error("--experts is " + std::to_string(o.num_experts) + ", expected a multiple of " +
                 "--ranks (" + std::to_string(o.num_ranks) + ")");
+  // Combinations a mode cannot run are refused here, before any rank starts: a mode never runs
+  // half of its ops (a combine needs the dispatch that made its handle).
+  auto has = [&](const char* m) {
+    return std::find(o.modes.begin(), o.modes.end(), m) != o.modes.end();
+  };
+  const std::string hidden = std::to_string(o.hidden);
+  const std::string only = " (select the modes that can run it, e.g. " +
+                           std::string(o.hidden % 2 == 0 ? "ht a2a" : "ht") +
+                           ", or another --hidden)";
+  if (has("ht") && o.dtype == DTypeChoice::kFp8 && o.hidden % 128 != 0)
+    usage_error("--dtype fp8 with --hidden " + hidden +
+                ": ht fp8 needs --hidden a multiple of 128 (one scale per 128 channels); use "
+                "--dtype bf16, or omit --dtype to run ht bf16 alone at this hidden size");
+  if (has("ll") && o.hidden % 128 != 0)
+    usage_error("mode ll with --hidden " + hidden +
+                ": ll needs --hidden a multiple of 128 (its fp8 groups)" + only);
+  if (has("a2a") && o.hidden % 2 != 0)
+    usage_error("mode a2a with --hidden " + hidden +
+                ": a2a needs an even --hidden (payload rows of 2H bytes, a multiple of 4)" +
+                only);
+  if (o.top_k > o.num_experts)
+    usage_error("--topk is " + std::to_string(o.top_k) + ", more than --experts (" +
+                std::to_string(o.num_experts) + "); expected at most one selection per expert");
+  // --json: the file must be writable before the run starts (else the results would be lost
+  // after it); opened for appending, so nothing is truncated until the results are written.
+  if (!o.json_path.empty()) {
+    std::ofstream probe(o.json_path, std::ios::app);
+    if (!probe)
+      usage_error("--json '" + o.json_path + "': cannot open it for writing (" +
+                  std::strerror(errno) + ")");
+  }
   return o;
 }
 
@@ -494,12 +529,14 @@ std::string json_timing(const Timing& t) {
          ", \"max_us\": " + num(t.max_us, 3) + "}";
 }
 
-void write_json(const Options& opt, const std::vector<Row>& rows, const RankReport* reports,
+// Returns false (after saying why on stderr) when the file could not be written.
+bool write_json(const Options& opt, const std::vector<Row>& rows, const RankReport* reports,
                 const std::string& date) {
   std::ofstream f(opt.json_path);
   if (!f) {
-    std::fprintf(stderr, "epx-bench: cannot write --json %s\n", opt.json_path.c_str());
-    return;
+    std::fprintf(stderr, "epx-bench: error: cannot write --json %s: %s\n", opt.json_path.c_str(),
+                 std::strerror(errno));
+    return false;
   }
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
@@ -549,7 +586,14 @@ void write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     f << "}";
   }
   f << "\n  ]\n}\n";
+  f.flush();
+  if (!f) {
+    std::fprintf(stderr, "epx-bench: error: writing --json %s failed: %s\n",
+                 opt.json_path.c_str(), std::strerror(errno));
+    return false;
+  }
   std::fprintf(stderr, "[epx-bench] wrote %s\n", opt.json_path.c_str());
+  return true;
 }
 
 int main_impl(int argc, char** argv) {
@@ -604,7 +648,10 @@ int main_impl(int argc, char** argv) {
     std::printf("check: %s%s\n", status == 0 ? "all PASS" : "FAILED",
                 any_skipped ? " (skipped modes not checked)" : "");
   }
-  if (!opt.json_path.empty()) write_json(opt, rows, reports, date);
+  if (!opt.json_path.empty() && !write_json(opt, rows, reports, date)) {
+    std::printf("ERROR: --json %s was not written\n", opt.json_path.c_str());
+    status = 1;
+  }
   std::fflush(stdout);
   munmap(mem, bytes);
   return status;

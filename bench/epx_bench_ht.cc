@@ -238,6 +238,10 @@ void run_ht(Ctx& ctx, int64_t T) {
   }
 
   // ---- combine, with the handle of the first dispatch ----
+  // parse() refuses the options that would leave no dispatch (--dtype fp8 with H % 128 != 0).
+  if (!have_handle)
+    throw Error(ErrorCode::kInternal, "epx-bench ht: no dispatch ran, so there is no handle to "
+                                      "combine with");
   const std::vector<uint16_t> y_host = make_y(o, rank, rows.num_recv[rank]);
   Tensor y = upload(y_host, DType::kBF16, {rows.num_recv[rank], H}, ctx.device);
   HtCombineArgs cargs;

@@ -30,6 +30,21 @@ def _default_cuda():
     return "ON" if ok.returncode == 0 else "OFF"
 
 
+def _build_env():
+    """EPX_WITH_CUDA (ON/OFF, default auto) and EPX_BUILD_JOBS (1..1024, default 2), checked:
+    a bad value stops the build naming the variable instead of reaching CMake as a flag."""
+    cuda = os.environ.get("EPX_WITH_CUDA") or _default_cuda()
+    if cuda.upper() not in ("ON", "OFF", "1", "0", "TRUE", "FALSE", "YES", "NO"):
+        raise SystemExit(f"epx setup.py: environment variable EPX_WITH_CUDA is {cuda!r}, "
+                         "expected ON or OFF (or another CMake boolean; unset: ON when nvcc "
+                         "and a GPU are found)")
+    jobs = os.environ.get("EPX_BUILD_JOBS") or "2"
+    if not jobs.isdigit() or not 1 <= int(jobs) <= 1024:
+        raise SystemExit(f"epx setup.py: environment variable EPX_BUILD_JOBS is {jobs!r}, "
+                         "expected an integer 1..1024 (unset: 2)")
+    return cuda.upper(), jobs
+
+
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
@@ -43,17 +58,17 @@ class CMakeBuild(build_ext):
         out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
         build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
         os.makedirs(build_dir, exist_ok=True)
+        cuda, jobs = _build_env()
         configure = [
             "cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
             "-DEPX_BUILD_PYTHON=ON", "-DEPX_BUILD_TESTS=OFF", "-DEPX_BUILD_TOOLS=OFF",
-            f"-DEPX_WITH_CUDA={os.environ.get('EPX_WITH_CUDA') or _default_cuda()}",
+            f"-DEPX_WITH_CUDA={cuda}",
             f"-DPython3_EXECUTABLE={sys.executable}", f"-DEPX_PYTHON_OUTPUT_DIR={out_dir}",
         ]
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
         subprocess.check_call(configure)
-        subprocess.check_call(["cmake", "--build", build_dir, "--target", "_epx", "-j",
-                               os.environ.get("EPX_BUILD_JOBS", "2")])
+        subprocess.check_call(["cmake", "--build", build_dir, "--target", "_epx", "-j", jobs])
 
 
 setup(

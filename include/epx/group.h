@@ -25,11 +25,21 @@ namespace epx {
 enum class Backend { kCpu, kCuda };
 const char* backend_name(Backend backend);
 
+// The valid ranges of GroupOptions, the same for the environment variables that give their
+// defaults (EPX_TIMEOUT_MS, EPX_NUM_SMS) and for the Python package's timeout / num_sms
+// (docs/semantics.md §4.1). A value outside them, in the options or the environment, makes group
+// creation throw InvalidArgument naming it.
+inline constexpr int64_t kDefaultGroupTimeoutMs = 30000;
+inline constexpr int64_t kMaxGroupTimeoutMs = 86'400'000;  // 24 h
+inline constexpr int kMaxGroupNumSms = 1024;
+
 struct GroupOptions {
-  // Bound on every wait for a peer (host barriers on cpu, device spin-waits on cuda).
-  // Default 30 s; the EPX_TIMEOUT_MS environment variable overrides the default.
-  std::chrono::milliseconds timeout{0};  // 0 = default
-  // SMs the cuda kernels may use; 0 = auto (resolved in one place per mode).
+  // Bound on every wait for a peer (host barriers on cpu, device spin-waits on cuda):
+  // 1..kMaxGroupTimeoutMs ms, or 0 for the default: EPX_TIMEOUT_MS (same range) when set, else
+  // 30 s.
+  std::chrono::milliseconds timeout{0};
+  // SMs the cuda kernels may use: 0..kMaxGroupNumSms; 0 = EPX_NUM_SMS when set, else auto
+  // (resolved in one place per mode). More than the device has counts as all of them.
   int num_sms = 0;
 };
 

@@ -40,6 +40,28 @@ def is_fp8(t):
     return t.dtype is FP8_DTYPE
 
 
+def fp8_without_scales(op, x, how):
+    """The InvalidArgument for an fp8 `x` (or a uint8 one: fp8 e4m3 bits on a torch without
+    float8_e4m3fn) given without its scales, or None when `x` is neither. `how` says where the
+    scales go ("argument 'x_scales'", "x = (x, x_scales) with x_scales")."""
+    if not isinstance(x, torch.Tensor) or (not is_fp8(x) and x.dtype is not torch.uint8):
+        return None
+    if x.dim() == 2:
+        T, H = x.shape
+        scales = (f"[{T}, {H // 128}] float32 (or [{T}, {(H + 511) // 512}] int32, UE8M0 packed)"
+                  if H % 128 == 0 else f"[{T}, H/128] float32 with H a multiple of 128 (H is {H})")
+    else:
+        scales = "[T, H/128] float32 (or [T, ceil(H/512)] int32, UE8M0 packed)"
+    if is_fp8(x):
+        what = f"has dtype {x.dtype} (fp8 e4m3{'' if HAS_FP8 else ' on this torch'})"
+    else:
+        what = (f"has dtype {x.dtype}, which epx takes as fp8 e4m3 only with its scales (fp8 x "
+                f"is {FP8_DTYPE} on this torch)")
+    return errors.invalid(op, f"argument 'x' {what} but no scales were given: fp8 x needs its "
+                              f"scales, {how} {scales}; expected bf16 x without scales, or fp8 x "
+                              "with its scales")
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

@@ -35,6 +35,14 @@ def _native_group(group):
                          "epx.Group (see epx.Group.from_process_group)")
 
 
+def _check_ll_x(op, x):
+    """ll takes bf16 x and quantises it itself (use_fp8): an fp8 (or uint8) x is a mistake."""
+    if isinstance(x, torch.Tensor) and (_torch.is_fp8(x) or x.dtype is torch.uint8):
+        raise errors.invalid(op, f"argument 'x' has dtype {x.dtype}, expected bfloat16: ll "
+                             "dispatch quantises bf16 x to fp8 itself (use_fp8=True) and takes "
+                             "no scales")
+
+
 def _stream(t):
     return 0 if t is None else _torch.stream_of(t)
 
@@ -85,6 +93,10 @@ class Buffer:
         zero_copy: recv_x is a view of the buffer's memory, valid until this rank's next
         ht_dispatch / ht_combine on the buffer starts on the stream (epx/ht.h); not accepted as
         combine's y. The cpu backend returns an ordinary tensor."""
+        if x_scales is None:
+            err = _torch.fp8_without_scales("ht_dispatch", x, "argument 'x_scales'")
+            if err is not None:
+                raise err
         r = self._native.ht_dispatch(x, x_scales, x_scales is not None and _torch.is_fp8(x),
                                      topk_idx, topk_weights, int(expert_alignment),
                                      int(num_worst_tokens), handle, _stream(x),
@@ -110,6 +122,7 @@ class Buffer:
                     return_recv_hook=False, cumulative_local_expert_recv_stats=None):
         """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
         handle, hook). With return_recv_hook the outputs are valid once hook() returned."""
+        _check_ll_x("ll_dispatch", x)
         return LlDispatchResult(*self._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
             bool(return_recv_hook), cumulative_local_expert_recv_stats, _stream(x)))

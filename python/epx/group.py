@@ -13,6 +13,8 @@ A Group is created collectively by every rank of a torch ProcessGroup (or of any
 """
 
 import datetime
+import math
+import operator
 import uuid
 
 import torch
@@ -21,15 +23,40 @@ import torch.distributed as dist
 from . import _epx, errors
 
 
-def _timeout_ms(timeout):
+def _timeout_ms(timeout, op="Group"):
+    """`timeout` (seconds or timedelta; None: the default) as the milliseconds C++ takes.
+
+    The range is the C++ one (GroupOptions::timeout, EPX_TIMEOUT_MS): 1 ms .. MAX_TIMEOUT_MS.
+    """
     if timeout is None:
         return 0  # epx default: EPX_TIMEOUT_MS or 30 s
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    ms = int(round(float(timeout) * 1000))
-    if ms <= 0:
-        raise errors.invalid("Group", f"argument 'timeout' is {timeout!r} s, expected > 0")
+    max_s = _epx.MAX_TIMEOUT_MS / 1000
+    expected = f"expected 0.001..{max_s:g} s (None: EPX_TIMEOUT_MS, else 30 s)"
+    if isinstance(timeout, bool):
+        raise errors.invalid(op, f"argument 'timeout' is {timeout!r}, {expected}")
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise errors.invalid(op, f"argument 'timeout' is {timeout!r}, {expected}") from None
+    ms = int(round(seconds * 1000)) if math.isfinite(seconds) else 0
+    if ms < 1 or ms > _epx.MAX_TIMEOUT_MS:
+        raise errors.invalid(op, f"argument 'timeout' is {timeout!r} s, {expected}")
     return ms
+
+
+def _num_sms(num_sms, op="Group"):
+    """`num_sms` (an int, or anything with __index__) checked against the C++ range
+    (GroupOptions::num_sms, EPX_NUM_SMS)."""
+    try:
+        n = None if isinstance(num_sms, bool) else operator.index(num_sms)
+    except TypeError:
+        n = None
+    if n is None or n < 0 or n > _epx.MAX_NUM_SMS:
+        raise errors.invalid(op, f"argument 'num_sms' is {num_sms!r}, expected an int "
+                                 f"0..{_epx.MAX_NUM_SMS} (0: EPX_NUM_SMS, else auto)")
+    return n
 
 
 def _as_device(device):
@@ -100,9 +127,14 @@ class Group:
         """Collective over `group` (default: the default ProcessGroup).
 
         `device`: 'cpu' (cpu backend) or a CUDA device (cuda backend). Default: cuda on the
-        current device for an NCCL group, cpu otherwise. `timeout` (seconds or timedelta) bounds
-        every wait for a peer; `num_sms` caps the SMs of the cuda kernels (0 = auto).
+        current device for an NCCL group, cpu otherwise. `timeout` (seconds or timedelta,
+        0.001 .. 86400 s; None: EPX_TIMEOUT_MS, else 30 s) bounds every wait for a peer;
+        `num_sms` (0 .. 1024; 0: EPX_NUM_SMS, else auto) caps the SMs of the cuda kernels. The
+        ranges are the C++ ones (GroupOptions) and the environment's; anything outside them, or
+        an invalid EPX_* environment variable, raises InvalidArgument.
         """
+        op = "Group.from_process_group"
+        timeout_ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
         if group is None:
             if not dist.is_initialized():
                 raise errors.invalid("Group.from_process_group",
@@ -121,17 +153,17 @@ class Group:
                     "backend")
             ptr = _nccl_comm_ptr(group, device)
             if ptr:
-                return Group(_epx.Group.cuda_from_comm(ptr, device.index, _timeout_ms(timeout),
-                                                       num_sms))
+                return Group(_epx.Group.cuda_from_comm(ptr, device.index, timeout_ms, num_sms))
         return Group.from_comm(_ProcessGroupComm(group), device, timeout, num_sms)
 
     @staticmethod
     def from_comm(comm, device="cpu", timeout=None, num_sms=0):
         """Collective over `comm`, anything with Get_rank(), Get_size() and allgather(obj)
         (FlashInfer's CommBackend, mpi4py's communicators)."""
+        op = "Group.from_comm"
+        ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
         device = _as_device(device) or torch.device("cpu")
         rank, size = int(comm.Get_rank()), int(comm.Get_size())
-        ms = _timeout_ms(timeout)
         if device.type == "cpu":
             name = f"epx-{uuid.uuid4().hex}" if rank == 0 else None
             name = comm.allgather(name)[0]
@@ -147,8 +179,9 @@ class Group:
     @staticmethod
     def cuda_from_comm(nccl_comm, device, timeout=None, num_sms=0):
         """Adopts an existing ncclComm_t (an int pointer); epx does not destroy it."""
-        return Group(_epx.Group.cuda_from_comm(int(nccl_comm), int(device), _timeout_ms(timeout),
-                                               num_sms))
+        op = "Group.cuda_from_comm"
+        ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
+        return Group(_epx.Group.cuda_from_comm(int(nccl_comm), int(device), ms, num_sms))
 
     # ---- properties --------------------------------------------------------------------------
     @property

@@ -88,10 +88,24 @@ py::tuple ht_layout(const BufferPtr& b, py::handle topk_idx, uintptr_t stream) {
                         to_torch(r.is_token_in_rank));
 }
 
+// The handle arguments: an HtHandle / LlHandle, else InvalidArgument naming the argument.
+std::shared_ptr<HtHandle> ht_handle_arg(py::handle h, const char* op, bool allow_none = false) {
+  return bound_arg<HtHandle>(h, std::string(op) + ": argument 'handle'",
+                             std::string("an epx HtHandle (the handle ht_dispatch returned)") +
+                                 (allow_none ? " or None" : ""),
+                             allow_none);
+}
+std::shared_ptr<LlHandle> ll_handle_arg(py::handle h, const char* op) {
+  return bound_arg<LlHandle>(h, std::string(op) + ": argument 'handle'",
+                             "an epx LlHandle (the handle ll_dispatch returned)");
+}
+
 py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, bool x_is_fp8,
                       py::handle topk_idx, py::handle topk_weights, int expert_alignment,
-                      int64_t num_worst_tokens, const HtHandle* handle, uintptr_t stream,
+                      int64_t num_worst_tokens, py::handle handle_obj, uintptr_t stream,
                       bool zero_copy) {
+  const std::shared_ptr<HtHandle> handle_ptr = ht_handle_arg(handle_obj, "ht_dispatch", true);
+  const HtHandle* handle = handle_ptr.get();
   HtDispatchArgs args;
   args.x = to_view(x, "ht_dispatch: argument 'x'");
   if (x_is_fp8 && args.x.dtype == DType::kU8) args.x.dtype = DType::kF8E4M3;
@@ -115,12 +129,13 @@ py::tuple ht_dispatch(const BufferPtr& b, py::handle x, py::handle x_scales, boo
                         to_torch(r.recv_src_idx, owner), py::cast(r.num_recv_tokens_per_expert), h);
 }
 
-py::tuple ht_combine(const BufferPtr& b, py::handle y, const HtHandle& handle,
+py::tuple ht_combine(const BufferPtr& b, py::handle y, py::handle handle_obj,
                      py::handle topk_weights, py::handle bias0, py::handle bias1, uintptr_t stream,
                      bool zero_copy) {
+  const std::shared_ptr<HtHandle> handle = ht_handle_arg(handle_obj, "ht_combine");
   HtCombineArgs args;
   args.y = to_view(y, "ht_combine: argument 'y'");
-  args.handle = &handle;
+  args.handle = handle.get();
   args.topk_weights = to_view(topk_weights, "ht_combine: argument 'topk_weights'");
   args.bias0 = to_view(bias0, "ht_combine: argument 'bias[0]'");
   args.bias1 = to_view(bias1, "ht_combine: argument 'bias[1]'");
@@ -162,8 +177,10 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
 }
 
 py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::handle topk_weights,
-                     const LlHandle& handle, bool zero_copy, bool return_recv_hook, py::handle out,
+                     py::handle handle_obj, bool zero_copy, bool return_recv_hook, py::handle out,
                      uintptr_t stream) {
+  const std::shared_ptr<LlHandle> handle_ptr = ll_handle_arg(handle_obj, "ll_combine");
+  const LlHandle& handle = *handle_ptr;
   LlCombineArgs args;
   args.y = to_view(y, "ll_combine: argument 'y'");
   args.topk_idx = to_view(topk_idx, "ll_combine: argument 'topk_idx'");
@@ -259,8 +276,9 @@ void bind_buffer(py::module_& m) {
            py::arg("bias0"), py::arg("bias1"), py::arg("stream") = 0, py::arg("zero_copy") = false)
       .def(
           "ht_combine_buffer",
-          [](const BufferPtr& b, const HtHandle& handle) {
-            return view_to_torch(b->ht_combine_buffer(handle), owner_of(b));
+          [](const BufferPtr& b, py::handle handle) {
+            const auto h = ht_handle_arg(handle, "ht_combine_buffer");
+            return view_to_torch(b->ht_combine_buffer(*h), owner_of(b));
           },
           py::arg("handle"))
       .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
@@ -271,8 +289,9 @@ void bind_buffer(py::module_& m) {
            py::arg("stream") = 0)
       .def(
           "ll_next_combine_buffer",
-          [](const BufferPtr& b, const LlHandle& handle) {
-            return view_to_torch(b->ll_next_combine_buffer(handle), owner_of(b));
+          [](const BufferPtr& b, py::handle handle) {
+            const auto h = ll_handle_arg(handle, "ll_next_combine_buffer");
+            return view_to_torch(b->ll_next_combine_buffer(*h), owner_of(b));
           },
           py::arg("handle"))
       .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>());

@@ -84,6 +84,11 @@ PYBIND11_MODULE(_epx, m) {
   py::list dtypes;
   for (int i = 0; i < kNumDTypes; ++i) dtypes.append(dtype_name(static_cast<DType>(i)));
   m.attr("dtype_names") = dtypes;
+  // The valid ranges of a group's timeout and num_sms (epx/group.h), shared with the environment
+  // (EPX_TIMEOUT_MS, EPX_NUM_SMS) and checked by epx.Group before it calls C++.
+  m.attr("DEFAULT_TIMEOUT_MS") = kDefaultGroupTimeoutMs;
+  m.attr("MAX_TIMEOUT_MS") = kMaxGroupTimeoutMs;
+  m.attr("MAX_NUM_SMS") = kMaxGroupNumSms;
 
   // Raises the error of `code` with `message` through the same path C++ errors take (tests).
   m.def("_raise", [](int code, const std::string& message) {

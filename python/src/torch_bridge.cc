@@ -184,6 +184,18 @@ void throw_epx(ErrorCode code, const std::string& message) {
   throw Error(code, message);
 }
 
+std::string type_name(py::handle obj) {
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  py::handle t(reinterpret_cast<PyObject*>(type));
+  try {
+    const std::string qualname = py::str(t.attr("__qualname__"));
+    const std::string module = py::str(t.attr("__module__"));
+    return module == "builtins" ? qualname : module + "." + qualname;
+  } catch (const py::error_already_set&) {
+    return type->tp_name;
+  }
+}
+
 TensorView to_view(py::handle t, const char* what) {
   TensorView v;
   if (t.is_none()) return v;

@@ -83,4 +83,22 @@ py::object torch_dtype(DType dtype);
 // Raises the Python exception class registered for `code`.
 [[noreturn]] void throw_epx(ErrorCode code, const std::string& message);
 
+// The name of obj's type for messages ("torch.Tensor", "int"): never the object itself (a
+// tensor's repr prints its contents).
+std::string type_name(py::handle obj);
+
+// The C++ object of the bound class T behind `obj` (None: null when `allow_none`), else
+// InvalidArgument "<what> is a <type>, expected <expected>". Bindings take their handle
+// arguments as py::handle and convert them here, so that a wrong object raises epx's typed error
+// naming the argument instead of pybind's TypeError, which prints every argument's repr.
+template <typename T>
+std::shared_ptr<T> bound_arg(py::handle obj, const std::string& what, const std::string& expected,
+                             bool allow_none = false) {
+  if (obj.is_none() && allow_none) return nullptr;
+  if (!obj.is_none() && py::isinstance<T>(obj)) return py::cast<std::shared_ptr<T>>(obj);
+  throw_epx(ErrorCode::kInvalidArgument,
+            what + " is " + (obj.is_none() ? std::string("None") : "a " + type_name(obj)) +
+                ", expected " + expected);
+}
+
 }  // namespace epx::python

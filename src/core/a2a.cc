@@ -50,6 +50,7 @@ A2a::A2a(const Group& group, const A2aShape& shape) {
                           : 0});
   detail::agree(group, "A2a", fields);
   detail::validate_a2a_shape(shape, group.size());
+  detail::check_a2a_capacity(shape, group.size(), group.backend(), "A2a");
   impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_a2a(group, shape)
                                            : detail::make_cuda_a2a(group, shape);
 }
@@ -60,6 +61,7 @@ A2a& A2a::operator=(A2a&&) noexcept = default;
 
 size_t A2a::workspace_bytes(const A2aShape& shape, int num_ranks, Backend backend) {
   detail::validate_a2a_shape(shape, num_ranks);
+  detail::check_a2a_capacity(shape, num_ranks, backend, "A2a::workspace_bytes");
   return backend == Backend::kCpu ? detail::cpu_a2a_bytes(shape, num_ranks)
                                   : detail::cuda_a2a_bytes(shape, num_ranks);
 }

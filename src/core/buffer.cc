@@ -40,6 +40,11 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
                 "Buffer: config enables neither ht nor ll, expected at least one");
   EPX_CHECK_ARG(!config.enable_ll || shape.hidden % 128 == 0, "Buffer: shape.hidden is ",
                 shape.hidden, ", expected a multiple of 128 when ll is enabled (fp8 groups)");
+  // Sizes before any allocation (OutOfCapacity naming the fields and the bytes).
+  if (config.enable_ht)
+    detail::check_buffer_capacity(shape, group.size(), Mode::kHt, group.backend(), "Buffer");
+  if (config.enable_ll)
+    detail::check_buffer_capacity(shape, group.size(), Mode::kLl, group.backend(), "Buffer");
   const uint64_t id = next_buffer_id();
   impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_buffer(group, shape, config, id)
                                            : detail::make_cuda_buffer(group, shape, config, id);
@@ -54,6 +59,8 @@ size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Bac
                 ", expected >= 1");
   detail::validate_shape(shape, num_ranks, "Buffer::bytes_needed");
   const bool cpu = backend == Backend::kCpu;
+  if (mode != Mode::kA2a)
+    detail::check_buffer_capacity(shape, num_ranks, mode, backend, "Buffer::bytes_needed");
   switch (mode) {
     case Mode::kHt:
       return cpu ? detail::cpu_ht_bytes(shape, num_ranks) : detail::cuda_ht_bytes(shape, num_ranks);

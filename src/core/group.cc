@@ -20,10 +20,19 @@ namespace epx {
 
 const char* backend_name(Backend backend) { return backend == Backend::kCpu ? "cpu" : "cuda"; }
 
-static GroupOptions resolve(GroupOptions o) {
-  if (o.timeout.count() <= 0) o.timeout = detail::env_default_timeout();
-  if (o.num_sms <= 0) o.num_sms = detail::env_default_num_sms();
-  EPX_CHECK_ARG(o.num_sms >= 0, "GroupOptions: 'num_sms' is ", o.num_sms, ", expected >= 0");
+// Checks the options and the environment (every variable epx reads, core/env.h), then fills the
+// defaults: a bad value is an InvalidArgument here, at group creation, never a silent default.
+static GroupOptions resolve(GroupOptions o, const char* op) {
+  const int64_t ms = o.timeout.count();
+  EPX_CHECK_ARG(ms >= 0 && ms <= detail::kMaxTimeoutMs, op, ": GroupOptions::timeout is ", ms,
+                " ms, expected 1..", detail::kMaxTimeoutMs, " ms, or 0 for the default ",
+                "(EPX_TIMEOUT_MS, else ", detail::kDefaultTimeoutMs, ")");
+  EPX_CHECK_ARG(o.num_sms >= 0 && o.num_sms <= detail::kMaxNumSms, op,
+                ": GroupOptions::num_sms is ", o.num_sms, ", expected 0..", detail::kMaxNumSms,
+                " (0 = EPX_NUM_SMS, else auto)");
+  detail::check_environment(op);
+  if (ms == 0) o.timeout = detail::env_default_timeout();
+  if (o.num_sms == 0) o.num_sms = detail::env_default_num_sms();
   return o;
 }
 
@@ -31,29 +40,29 @@ Group::Group(std::shared_ptr<detail::Transport> t, GroupOptions options)
     : transport_(std::move(t)), options_(options) {}
 
 Group Group::cpu_threads(int rank, int size, const std::string& world_name, GroupOptions options) {
-  options = resolve(options);
+  options = resolve(options, "Group::cpu_threads");
   return Group(detail::make_cpu_thread_transport(rank, size, world_name, options.timeout), options);
 }
 
 Group Group::cpu_processes(int rank, int size, const std::string& name, GroupOptions options) {
-  options = resolve(options);
+  options = resolve(options, "Group::cpu_processes");
   return Group(detail::make_cpu_process_transport(rank, size, name, options.timeout), options);
 }
 
 Group Group::cuda(int rank, int size, const UniqueId& id, int cuda_device, GroupOptions options) {
-  options = resolve(options);
+  options = resolve(options, "Group::cuda");
   return Group(detail::make_nccl_transport(rank, size, id, cuda_device, options.timeout), options);
 }
 
 Group Group::cuda_shared_device(int rank, int size, const std::string& world_name,
                                 int cuda_device, GroupOptions options) {
-  options = resolve(options);
+  options = resolve(options, "Group::cuda_shared_device");
   auto t = detail::make_cuda_shared_device_transport(rank, size, world_name, cuda_device, &options);
   return Group(std::move(t), options);
 }
 
 Group Group::cuda_from_comm(void* nccl_comm, int cuda_device, GroupOptions options) {
-  options = resolve(options);
+  options = resolve(options, "Group::cuda_from_comm");
   EPX_CHECK_ARG(nccl_comm != nullptr, "Group::cuda_from_comm: argument 'nccl_comm' is null");
   return Group(detail::make_nccl_transport_from_comm(nccl_comm, cuda_device, options.timeout),
                options);

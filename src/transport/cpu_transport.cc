@@ -10,16 +10,25 @@
 // separate per-rank join counter, see resync()).
 //
 // Symmetric memory: threads — each rank allocates its own block and publishes the pointer;
-// processes — each rank creates "/<name>.<seq>.<rank>", maps every peer's, and unlinks its own
-// once all ranks mapped it (nothing stays in /dev/shm).
+// processes — each rank creates "/<name>.<seq>.<rank>", maps every peer's, and once all ranks
+// mapped them every rank unlinks every rank's name (so a rank killed right after still leaves
+// nothing in /dev/shm).
+// Failure paths leave nothing either: a rank whose allocate fails (a peer that never arrives or
+// died, a peer's segment of another size, a mapping that fails) unmaps what it mapped and
+// unlinks every rank's segment name of that allocation (a dead peer cannot unlink its own; a
+// live straggler that arrives later finds the names gone and fails too), and a failed join
+// unlinks the control segment. A failure only this rank can see (not a timeout or a peer's
+// abort) also aborts the transport, so the peers stop at once instead of waiting for the timeout.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -204,7 +213,15 @@ class ThreadTransport : public CpuTransportBase {
   bool ranks_share_device() const override { return memory_.backend == Backend::kCuda; }
 
   std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
-    world_->slots[rank_] = memory_.allocate(bytes);
+    check_symmetric_allocation(bytes);
+    try {
+      world_->slots[rank_] = memory_.allocate(bytes);
+    } catch (const std::exception& e) {
+      abort(cat("allocate failed on rank ", rank_, ": ", e.what()));
+      throw;
+    }
+    // On a timeout the block stays in its slot (freed with the world or the next allocation): a
+    // straggler may still copy the slots, and resetting it here would race with that copy.
     barrier("allocate");
     std::vector<std::shared_ptr<void>> blocks = world_->slots;
     barrier("allocate");  // every rank copied the slots before anyone reuses them
@@ -221,20 +238,43 @@ std::map<std::string, std::weak_ptr<ThreadWorld>> g_worlds;
 
 // ---- processes -------------------------------------------------------------------------------
 
+// Maps `bytes` of the segment `name`: created (or opened, if it exists) and sized when `create`,
+// else opened, and then it must hold exactly `bytes` (a peer that sized its segment differently
+// built another geometry: reading past its end would be SIGBUS). A segment this call created is
+// unlinked again when the call fails.
 void* map_shm(const std::string& name, size_t bytes, bool create, const char* what) {
   int fd = shm_open(name.c_str(), create ? (O_CREAT | O_RDWR) : O_RDWR, 0600);
   if (fd < 0)
     throw_error(ErrorCode::kInternal, cat(what, ": shm_open(", name, ") failed: ", std::strerror(errno)));
-  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int e = errno;
+  auto fail = [&](ErrorCode code, const std::string& message) {
     close(fd);
-    throw_error(ErrorCode::kOutOfCapacity, cat(what, ": cannot size shared memory ", name, " to ",
-                                               bytes, " bytes: ", std::strerror(e)));
+    if (create) shm_unlink(name.c_str());
+    throw_error(code, message);
+  };
+  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int e = errno;
+    fail(ErrorCode::kOutOfCapacity, cat(what, ": cannot size shared memory ", name, " to ", bytes,
+                                        " bytes: ", std::strerror(e)));
+  }
+  if (!create) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0) {
+      const int e = errno;
+      fail(ErrorCode::kInternal, cat(what, ": fstat(", name, ") failed: ", std::strerror(e)));
+    }
+    if (static_cast<size_t>(st.st_size) != bytes)
+      fail(ErrorCode::kInvalidArgument,
+           cat(what, ": the peer's shared memory ", name, " has ", st.st_size,
+               " bytes, this rank's ", bytes,
+               "; expected every rank to allocate the same size (the same shape on every rank)"));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int e = errno;
+    fail(e == ENOMEM ? ErrorCode::kOutOfCapacity : ErrorCode::kInternal,
+         cat(what, ": mmap(", name, ", ", bytes, ") failed: ", std::strerror(e)));
+  }
   close(fd);
-  if (p == MAP_FAILED)
-    throw_error(ErrorCode::kInternal, cat(what, ": mmap(", name, ", ", bytes, ") failed: ", std::strerror(errno)));
   return p;
 }
 
@@ -262,25 +302,56 @@ class ProcessTransport : public CpuTransportBase {
     // Create-or-open: the segment starts all-zero, which is the valid initial state.
     control_ = static_cast<ControlBlock*>(map_shm(name_ + ".ctl", sizeof(ControlBlock), true, "cpu_processes"));
   }
-  ~ProcessTransport() override { munmap(control_, sizeof(ControlBlock)); }
-
-  void joined() {
-    // Everyone mapped the control block before arriving here.
-    if (rank_ == 0) shm_unlink((name_ + ".ctl").c_str());
+  ~ProcessTransport() override {
+    munmap(control_, sizeof(ControlBlock));
+    unlink_control();  // normally gone since the join; a no-op then
   }
 
+  // Every rank, after the join barrier (everyone mapped the control block before arriving there;
+  // each rank unlinks, so a rank killed right after the join leaves nothing behind), and after a
+  // failed join (a peer that never arrived or died first).
+  void unlink_control() { shm_unlink((name_ + ".ctl").c_str()); }
+
   std::shared_ptr<SymmetricMemory> allocate(size_t bytes) override {
+    check_symmetric_allocation(bytes);
     const size_t mapped = (bytes + 4095) / 4096 * 4096 + 4096;
     const uint64_t seq = alloc_seq_++;
     auto seg = [&](int r) { return cat(name_, ".", seq, ".", r); };
     std::vector<void*> ptrs(size_, nullptr);
-    shm_unlink(seg(rank_).c_str());  // a stale segment of a crashed run must not be reused
-    ptrs[rank_] = map_shm(seg(rank_), mapped, true, "allocate");
-    barrier("allocate");
-    for (int p = 0; p < size_; ++p)
-      if (p != rank_) ptrs[p] = map_shm(seg(p), mapped, false, "allocate");
-    barrier("allocate");
-    shm_unlink(seg(rank_).c_str());
+    auto unlink_all = [&] {
+      for (int p = 0; p < size_; ++p) shm_unlink(seg(p).c_str());
+    };
+    try {
+      shm_unlink(seg(rank_).c_str());  // a stale segment of a crashed run must not be reused
+      try {
+        ptrs[rank_] = map_shm(seg(rank_), mapped, true, "allocate");
+      } catch (const std::exception& e) {
+        abort(cat("allocate failed on rank ", rank_, ": ", e.what()));
+        throw;
+      }
+      barrier("allocate");
+      // A peer's segment of another size (another shape there) is an InvalidArgument on every
+      // rank that sees it, raised after the second barrier so that every rank sees it (the peer
+      // still maps this rank's segment) and none fails on a name already unlinked.
+      std::exception_ptr mismatch;
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        try {
+          ptrs[p] = map_shm(seg(p), mapped, false, "allocate");
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kInvalidArgument) throw;
+          if (!mismatch) mismatch = std::current_exception();
+        }
+      }
+      barrier("allocate");
+      if (mismatch) std::rethrow_exception(mismatch);
+    } catch (...) {
+      for (void* p : ptrs)
+        if (p) munmap(p, mapped);
+      unlink_all();
+      throw;
+    }
+    unlink_all();  // every rank mapped every segment: no name is needed any more
     return std::make_shared<ShmSymmetricMemory>(rank_, bytes, mapped, std::move(ptrs));
   }
 
@@ -333,8 +404,13 @@ std::shared_ptr<Transport> make_cpu_process_transport(int rank, int size, const 
                 "Group::cpu_processes: argument 'name' is '", name,
                 "', expected 1..199 characters without '/'");
   auto t = std::make_shared<ProcessTransport>(rank, size, name, timeout);
-  t->barrier("Group::cpu_processes (join)");
-  t->joined();
+  try {
+    t->barrier("Group::cpu_processes (join)");
+  } catch (...) {
+    t->unlink_control();
+    throw;
+  }
+  t->unlink_control();
   return t;
 }
 
@@ -364,6 +440,12 @@ std::string Transport::read_boards(const char* what, int rank, uint64_t seq,
     out[p].assign(b.words, b.words + n);
   }
   return {};
+}
+
+void check_symmetric_allocation(size_t bytes) {
+  EPX_CHECK(bytes <= kMaxSymmetricBytes, ErrorCode::kOutOfCapacity, "allocate: ", bytes,
+            " bytes of symmetric memory per rank, more than the ", kMaxSymmetricBytes,
+            " bytes (1 TiB) one allocation may take");
 }
 
 void Transport::throw_unsupported_subset(const char* what) {

@@ -74,7 +74,12 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
   EPX_CHECK_ARG(size >= 1 && size <= kMaxRanks, what, ": argument 'size' is ", size,
                 ", expected 1..", kMaxRanks);
   // The environment first (no CUDA call before these: they must hold when CUDA initialises).
-  const int connections = env_cuda_device_max_connections();
+  int connections = 0;
+  try {
+    connections = env_cuda_device_max_connections();
+  } catch (const Error& e) {
+    rethrow_with_op(e, what);
+  }
   const int needed = std::min(32, 3 * size);
   EPX_CHECK_ARG(connections >= needed, what, ": CUDA_DEVICE_MAX_CONNECTIONS is ", connections,
                 " but ", size, " ranks on one GPU need at least ", needed,

@@ -28,6 +28,14 @@ struct AllgatherBoard {
   int64_t words[kMaxAllgatherWords];
 };
 
+// The most bytes one symmetric allocation may take per rank: 1 TiB. Every rank maps every rank's
+// (cpu processes: kMaxRanks x 1 TiB = 64 TiB, half of x86-64's 128 TiB user address space), and
+// no GPU has that much memory. Buffer and A2a check their shape against it before allocating
+// (OutOfCapacity naming the shape fields and the bytes, core/capacity.cc); allocate() checks again.
+inline constexpr size_t kMaxSymmetricBytes = size_t{1} << 40;
+// Throws OutOfCapacity when bytes > kMaxSymmetricBytes.
+void check_symmetric_allocation(size_t bytes);
+
 // Memory of the same size on every rank; peer(p) is rank p's copy as addressable from here
 // (a host pointer on cpu, an LSA device pointer on cuda). Zero-filled at allocation.
 class SymmetricMemory {

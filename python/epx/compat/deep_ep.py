@@ -522,6 +522,11 @@ class Buffer:
         else:
             x_data, x_scales = x, None
         _tensor(op, "x", x_data, 2)
+        if x_scales is None:
+            err = _torch.fp8_without_scales(op, x_data,
+                                            "passed as x = (x, x_scales) with x_scales")
+            if err is not None:
+                raise err
         if x_scales is not None and not _torch.is_fp8(x_data):
             raise errors.invalid(op, f"argument 'x' is a tuple with scales but x[0] has dtype "
                                  f"{x_data.dtype}, expected {_torch.FP8_DTYPE} (fp8 e4m3)")
@@ -686,6 +691,10 @@ class Buffer:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
         _tensor(op, "x", x, 2)
+        if _torch.is_fp8(x) or x.dtype is torch.uint8:
+            raise errors.invalid(op, f"argument 'x' has dtype {x.dtype}, expected "
+                                 "torch.bfloat16: the low-latency dispatch quantises bf16 x to "
+                                 "fp8 itself (use_fp8=True) and takes no scales")
         _tensor(op, "topk_idx", topk_idx, 2)
         errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         errors.check_int(op, "num_experts", num_experts, 1)

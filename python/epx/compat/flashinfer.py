@@ -561,9 +561,13 @@ class MoeAlltoAll:
             return cap
 
         def fits(c):
-            return _EpxA2a.workspace_bytes(self.max_num_tokens, self.top_k, self.num_experts,
-                                           payload_bytes, c, self.ep_size,
-                                           self._group.backend) <= self.workspace_size_per_rank
+            try:
+                need = _EpxA2a.workspace_bytes(self.max_num_tokens, self.top_k, self.num_experts,
+                                               payload_bytes, c, self.ep_size,
+                                               self._group.backend)
+            except errors.OutOfCapacity:
+                return False  # more than one allocation may take (1 TiB per rank)
+            return need <= self.workspace_size_per_rank
 
         if not fits(4):
             need = _EpxA2a.workspace_bytes(self.max_num_tokens, self.top_k, self.num_experts,
