@@ -222,7 +222,9 @@ TEST(FailurePaths, A2aWithRankThatNeverArrivesOrDiesLeavesNoSegment) {
 }
 
 // A peer killed after it created its segment of the allocation (before the first barrier): it
-// can unlink nothing, the survivors unlink its segment name too.
+// can unlink nothing, the survivors unlink its segment name too. The survivor calls the
+// transport's allocate itself (a Buffer first agrees on its shape, where it would time out
+// before allocating).
 TEST(FailurePaths, PeerKilledAfterCreatingItsSegmentLeavesNoSegment) {
   const std::string name = testing::unique_group_name("seg-kill");
   auto out = run_ranks(2, name, short_timeout(), [&](int r, const Group& g) {
@@ -233,7 +235,7 @@ TEST(FailurePaths, PeerKilledAfterCreatingItsSegmentLeavesNoSegment) {
       if (fd >= 0 && ftruncate(fd, 1 << 16) == 0) raise(SIGKILL);
       return kOther;
     }
-    return attempt([&] { Buffer b(g, kShape); });
+    return attempt([&] { g.transport()->allocate(1 << 16); });
   });
   EXPECT_EQ(out, std::vector<Outcome>({kTimeout, kNotSet}));
   EXPECT_TRUE(shm_entries(name).empty()) << joined(shm_entries(name));

@@ -167,7 +167,7 @@ class _HtHandle(tuple):
     def __new__(cls, native, buffer):
         self = super().__new__(cls, (native.rank_prefix_matrix, None, None, native.recv_src_idx,
                                      native.is_token_in_rank, native.send_pos))
-        self._native = native
+        self._handle = native
         self._buffer = buffer
         return self
 
@@ -179,7 +179,7 @@ class _LlHandle(tuple):
     def __new__(cls, native, buffer):
         self = super().__new__(cls, (native.src_info, native.layout_range, native.max_tokens,
                                      native.hidden, native.num_experts))
-        self._native = native
+        self._handle = native
         self._buffer = buffer
         return self
 
@@ -203,14 +203,14 @@ def _ht_state(op, handle):
     if not isinstance(handle, _HtHandle):
         raise errors.invalid(op, f"argument 'handle' is a {type(handle).__name__}, expected the "
                              "handle returned by Buffer.dispatch")
-    return handle._native, handle._buffer
+    return handle._handle, handle._buffer
 
 
 def _ll_state(op, handle):
     if not isinstance(handle, _LlHandle):
         raise errors.invalid(op, f"argument 'handle' is a {type(handle).__name__}, expected the "
                              "handle returned by Buffer.low_latency_dispatch")
-    return handle._native, handle._buffer
+    return handle._handle, handle._buffer
 
 
 def _tensor(op, name, value, ndim=None):
@@ -497,7 +497,7 @@ class Buffer:
             hidden = key[2] if key is not None else 128  # H is unknown until dispatch
             buf = self._ht_buffer(op, device, topk_idx.shape[0], hidden, top_k, num_experts,
                                   Buffer.num_sms, _LAYOUT_NAMES)
-        per_rank, per_expert, in_rank = buf._native.ht_layout(topk_idx, _torch.stream_of(topk_idx))
+        per_rank, per_expert, in_rank = buf.ht_layout(topk_idx)
         return (per_rank, None, per_expert, in_rank,
                 self._event(async_finish, (topk_idx, per_rank, per_expert, in_rank)))
 
@@ -547,8 +547,8 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise errors.invalid(op, "cached dispatch (handle given) takes no topk_idx / "
                                      "topk_weights: the routing is the handle's")
-            r = buf._native.ht_dispatch(x_data, x_scales, fp8, None, None, 1, 0, native, stream)
-            recv_x = (r[0], r[1]) if fp8 else r[0]
+            r = buf.ht_dispatch(x_data, x_scales=x_scales, handle=native)
+            recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
             return recv_x, None, None, None, None, self._event(async_finish, (x, recv_x))
 
         T, H = x_data.shape
@@ -582,12 +582,14 @@ class Buffer:
         K = topk_idx.shape[1]
         buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms,
                               _dispatch_names(num_tokens_per_expert is not None))
-        r = buf._native.ht_dispatch(x_data, x_scales, fp8, topk_idx, topk_weights,
-                                    expert_alignment, num_worst_tokens, None, stream)
-        recv_x = (r[0], r[1]) if fp8 else r[0]
-        new_handle = _HtHandle(r[6], buf)
-        event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r[2], r[3]))
-        return recv_x, r[2], r[3], list(r[5]), new_handle, event
+        r = buf.ht_dispatch(x_data, topk_idx, topk_weights, x_scales=x_scales,
+                            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
+        new_handle = _HtHandle(r.handle, buf)
+        event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r.recv_topk_idx,
+                                           r.recv_topk_weights))
+        return (recv_x, r.recv_topk_idx, r.recv_topk_weights, list(r.num_recv_tokens_per_expert),
+                new_handle, event)
 
     def _dispatch_by_rank(self, op, device, stream, x, x_data, x_scales, fp8, is_token_in_rank,
                           num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
@@ -623,10 +625,9 @@ class Buffer:
             routed = torch.cat([routed, routed.new_full((T, K - R), -1)], dim=1)
         routed = routed.contiguous()
         buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms, _BY_RANK_NAMES)
-        r = buf._native.ht_dispatch(x_data, x_scales, fp8, routed, None, 1, num_worst_tokens,
-                                    None, stream)
-        recv_x = (r[0], r[1]) if fp8 else r[0]
-        new_handle = _HtHandle(r[6], buf)
+        r = buf.ht_dispatch(x_data, routed, x_scales=x_scales, num_worst_tokens=num_worst_tokens)
+        recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
+        new_handle = _HtHandle(r.handle, buf)
         if num_worst_tokens > 0:
             per_expert = []  # DeepEP returns no list in worst-case mode
         else:
@@ -655,8 +656,7 @@ class Buffer:
             raise errors.invalid(op, "argument 'bias' must be a tensor or a tuple of up to two "
                                  "tensors [T, H]")
         self._begin(op, x, previous_event)
-        out, weights = buf._native.ht_combine(x, native, topk_weights, bias0, bias1,
-                                              _torch.stream_of(x))
+        out, weights = buf.ht_combine(x, native, topk_weights, bias0, bias1)
         return out, weights, self._event(async_finish, (x, topk_weights, bias0, bias1, out))
 
     # ---- low-latency mode (epx ll) -----------------------------------------------------------
@@ -701,9 +701,9 @@ class Buffer:
         device = self._begin(op, x, None)
         buf = self._ll_buffer(op, device, num_max_dispatch_tokens_per_rank, x.shape[1],
                               topk_idx.shape[1], num_experts)
-        recv_x, scales, count, native, hook = buf._native.ll_dispatch(
+        recv_x, scales, count, native, hook = buf.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x))
+            bool(return_recv_hook), cumulative_local_expert_recv_stats)
         handle = _LlHandle(native, buf)
         packed = (recv_x, scales) if use_fp8 else recv_x
         return packed, count, handle, self._event(async_finish, (x, topk_idx, recv_x, scales,
@@ -727,9 +727,8 @@ class Buffer:
                                  "at most one")
         native, buf = _ll_state(op, handle)
         self._begin(op, topk_weights, None)
-        combined, hook = buf._native.ll_combine(x, topk_idx, topk_weights, native,
-                                                bool(zero_copy), bool(return_recv_hook), out,
-                                                _torch.stream_of(topk_weights))
+        combined, hook = buf.ll_combine(x, topk_idx, topk_weights, native, bool(zero_copy),
+                                        bool(return_recv_hook), out)
         return combined, self._event(async_finish, (x, topk_idx, topk_weights, combined)), hook
 
     @_torch.plain_torch
@@ -740,7 +739,7 @@ class Buffer:
         self._check_ll(op)
         self._check_alive(op)
         native, buf = _ll_state(op, handle)
-        return buf._native.ll_next_combine_buffer(native)
+        return buf.ll_next_combine_buffer(native)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Collective. Resets the low-latency buffer of this shape (a no-op when none exists:

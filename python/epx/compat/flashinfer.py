@@ -706,10 +706,9 @@ class MoeAlltoAll:
         elif self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
-        idx = -1 if expert_id_payload_index is None else expert_id_payload_index
-        recv, counts = a2a._native.dispatch(token_selected_experts, list(input_payloads),
-                                            runtime_max_tokens_per_rank, invalid_token_expert_id,
-                                            idx, _torch.stream_of(token_selected_experts))
+        recv, counts = a2a.dispatch(token_selected_experts, list(input_payloads),
+                                    runtime_max_tokens_per_rank, invalid_token_expert_id,
+                                    expert_id_payload_index)
         self._state = "dispatched"
         self._eplb_gathered = gathered
         self._runtime_max = runtime_max_tokens_per_rank
@@ -765,9 +764,8 @@ class MoeAlltoAll:
                        if isinstance(output, torch.Tensor) else type(output).__name__)
                 raise errors.invalid(op, f"argument 'output' is {got}, expected a contiguous "
                                      f"{want} {dtype} tensor on {payload.device}")
-        out = self._a2a._native.combine(payload, int(runtime_max_tokens_per_rank),
-                                        bool(payload_in_workspace),
-                                        _torch.stream_of(payload))
+        out = self._a2a.combine(payload, int(runtime_max_tokens_per_rank),
+                                bool(payload_in_workspace))
         self._state = "idle"
         self._eplb_gathered = None
         if output is not None:
