@@ -21,11 +21,6 @@ int env_default_num_sms() {
   return static_cast<int>(env_long("EPX_NUM_SMS", 0));
 }
 
-std::string env_ht_copy() {
-  const char* v = std::getenv("EPX_HT_COPY");
-  return v ? std::string(v) : std::string();
-}
-
 int env_pdl() {
   const char* v = std::getenv("EPX_PDL");
   if (!v || !*v) return -1;  // unset: each kernel family's default
