@@ -498,8 +498,8 @@ void write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     << ",\n  \"iters\": " << opt.iters << ",\n  \"warmup\": " << opt.warmup
     << ",\n  \"num_sms\": " << opt.num_sms
     << ",\n  \"timing\": " << json_str(opt.pipelined ? "pipelined" : "barrier")
-    << ",\n  \"seed\": " << opt.seed
-    << ",\n  \"check\": " << (opt.check ? "true" : "false") << ",\n  \"errors\": [";
+    << ",\n  \"seed\": " << opt.seed << ",\n  \"check\": " << (opt.check ? "true" : "false")
+    << ",\n  \"errors\": [";
   bool first = true;
   for (int r = 0; r < opt.num_ranks; ++r) {
     if (!reports[r].error[0]) continue;

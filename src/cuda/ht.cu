@@ -190,7 +190,8 @@ void CudaHt::raise_device_error() {
   rearm_device_error(rec, &device_state()->error_claim, device_);
 }
 
-// ---- pieces every launch shares ------------------------------------------------------------------
+// ---- pieces every launch shares
+// ------------------------------------------------------------------
 
 DeviceState* CudaHt::device_state() const {
   return reinterpret_cast<DeviceState*>(local() + region_.state_off);
@@ -246,9 +247,8 @@ const HtCopyPlan* CudaHt::copy_plan(const HtHandle& h) const {
 
 TensorView CudaHt::combine_buffer(const HtHandle& h) const {
   require_usable("ht_combine_buffer");
-  return TensorView::contiguous(region_.combine_y_row(local(), 0, shape_.hidden * 2),
-                                DType::kBF16, {ht_handle_rows(h), shape_.hidden},
-                                Device::cuda(device_));
+  return TensorView::contiguous(region_.combine_y_row(local(), 0, shape_.hidden * 2), DType::kBF16,
+                                {ht_handle_rows(h), shape_.hidden}, Device::cuda(device_));
 }
 
 // ---- ht_layout ---------------------------------------------------------------------------------
@@ -345,7 +345,8 @@ HtHandle CudaHt::exchange_counts(const HtDispatchArgs& args, const Allocator& al
     return h;
   }
   wait_count_exchange(np.ticket, stream);
-  h.num_recv_tokens = result_host_->num_recv_tokens;
+  const volatile HtHostResult* r = result_host_;  // mapped memory the device wrote
+  h.num_recv_tokens = r->num_recv_tokens;
   h.num_worst_tokens = 0;
   const volatile int32_t* per_expert = reinterpret_cast<const volatile int32_t*>(result_host_ + 1);
   num_recv_per_expert.resize(region_.num_local_experts);
@@ -361,12 +362,14 @@ HtHandle CudaHt::exchange_counts(const HtDispatchArgs& args, const Allocator& al
 // gives up after the timeout and reports; we allow it a few seconds more.
 void CudaHt::wait_count_exchange(uint32_t ticket, cudaStream_t stream) {
   volatile HtHostResult* r = result_host_;
-  const auto deadline = std::chrono::steady_clock::now() + group_.timeout() + std::chrono::seconds(5);
+  const auto deadline =
+      std::chrono::steady_clock::now() + group_.timeout() + std::chrono::seconds(5);
   for (uint32_t spins = 0; r->ticket != ticket; ++spins) {
     if (spins % 1024 == 1023) {
       if (error_host_->code == kDevErrTimeout) check();
       const cudaError_t q = cudaStreamQuery(stream);
-      if (q != cudaSuccess && q != cudaErrorNotReady) throw_cuda(q, "count exchange", "ht_dispatch");
+      if (q != cudaSuccess && q != cudaErrorNotReady)
+        throw_cuda(q, "count exchange", "ht_dispatch");
       if (std::chrono::steady_clock::now() > deadline) {
         broken_ = true;
         broken_why_ = "the count exchange did not complete in time";
@@ -387,8 +390,7 @@ HtDispatchPlan CudaHt::plan_dispatch(const HtDispatchArgs& args, const HtHandle&
   plan.zero_copy = args.zero_copy;
   plan.num_rows = ht_handle_rows(h);
   const bool fp8 = args.x.dtype == DType::kF8E4M3;
-  plan.num_scales =
-      fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.shape[1]) : 0;
+  plan.num_scales = fp8 && args.x_scales.defined() ? static_cast<int>(args.x_scales.shape[1]) : 0;
   // The copy engines copy the kept rows where the host knows their runs (an exact dispatch's
   // plan, also for the cached dispatches of its handle; never worst-case mode) and they are few
   // (ht_kept_copies_pay: else the kernel places them). This rank's own choice.
@@ -410,8 +412,8 @@ void CudaHt::allocate_outputs(const HtDispatchArgs& args, const HtDispatchPlan& 
   const int64_t H = shape_.hidden, K = shape_.top_k, rows = plan.num_rows;
   const TensorView& x = args.x;
   if (plan.zero_copy) {
-    static_cast<TensorView&>(res.recv_x) = TensorView::contiguous(
-        local() + region_.x_off, x.dtype, {rows, H}, Device::cuda(device_));
+    static_cast<TensorView&>(res.recv_x) =
+        TensorView::contiguous(local() + region_.x_off, x.dtype, {rows, H}, Device::cuda(device_));
   } else {
     res.recv_x = alloc(alloc_fn, x.dtype, {rows, H}, device_);
   }
@@ -495,8 +497,7 @@ void CudaHt::launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& p
   launch_ht_dispatch(p, vb, tuning_.num_sms, stream);
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_dispatch");
   if (plan.engine_kept)
-    engines_.copy_kept_rows(*copy_plan(h), p, stream,
-                            EPX_HT_ABLATED(p.ablate, kAblateEngineKept));
+    engines_.copy_kept_rows(*copy_plan(h), p, stream, EPX_HT_ABLATED(p.ablate, kAblateEngineKept));
 }
 
 // ---- ht_combine --------------------------------------------------------------------------------

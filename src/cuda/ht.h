@@ -34,9 +34,9 @@ struct WaitContext;
 
 // What the host decided for one dispatch before allocating its outputs.
 struct HtDispatchPlan {
-  bool cached = false;      // routing from the handle: no count exchange, only x (and scales)
-  bool worst_case = false;  // num_worst_tokens rows, no host wait
-  bool zero_copy = false;   // recv_x (and scales) are views of the region
+  bool cached = false;       // routing from the handle: no count exchange, only x (and scales)
+  bool worst_case = false;   // num_worst_tokens rows, no host wait
+  bool zero_copy = false;    // recv_x (and scales) are views of the region
   bool engine_kept = false;  // the copy engines copy the kept rows (the handle's copy plan)
   int64_t num_rows = 0;      // rows of the outputs: N, or num_worst_tokens
   int num_scales = 0;        // scale words per row (fp8 with scales), else 0

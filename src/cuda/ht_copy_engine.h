@@ -96,7 +96,7 @@ class HtCopyEngines {
                          const HtEngineSyncParams& sp, cudaStream_t stream, bool skip);
 
  private:
-  cudaStream_t stream_[2] = {nullptr, nullptr};  // 0: kept rows, 1: combine pushes
+  cudaStream_t stream_[2] = {nullptr, nullptr};         // 0: kept rows, 1: combine pushes
   cudaEvent_t event_[3] = {nullptr, nullptr, nullptr};  // fork, kept rows done, pushes done
 };
 

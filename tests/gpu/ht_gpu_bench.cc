@@ -303,8 +303,8 @@ int run_rank(const Group& g, const Options& o, int sms) {
         pool.reset();
         const auto t0 = std::chrono::steady_clock::now();
         (void)buf.ht_dispatch(args, pool.get());
-        total +=
-            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        total += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                     .count();
       }
       CUDA_OK(cudaStreamSynchronize(stream));
       return total / o.iters;
@@ -341,9 +341,8 @@ int run_rank(const Group& g, const Options& o, int sms) {
         (void)buf.ht_dispatch(z16, pool.get());
       });
 #endif
-    notes.emplace_back(
-        "graph of 10 calls, per call: dispatch bf16 zero-copy",
-        graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); }));
+    notes.emplace_back("graph of 10 calls, per call: dispatch bf16 zero-copy",
+                       graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); }));
     notes.emplace_back("graph of 10 calls, per call: dispatch fp8 zero-copy",
                        graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); }));
     row("dispatch bf16 (exact)", timed([&](const Allocator& al) { buf.ht_dispatch(a, al); }));
@@ -402,8 +401,7 @@ int run_rank(const Group& g, const Options& o, int sms) {
       detail::set_ht_ablation(0);
       ablations.emplace_back("dispatch bf16 cached graph: full", graph_timed(cached));
       detail::set_ht_ablation(detail::kAblateEngineKept);
-      ablations.emplace_back("dispatch bf16 cached graph: no kept-row copies",
-                             graph_timed(cached));
+      ablations.emplace_back("dispatch bf16 cached graph: no kept-row copies", graph_timed(cached));
       detail::set_ht_ablation(detail::kAblateEnginePush);
       ablations.emplace_back("combine, copy engines push nothing",
                              timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
@@ -603,13 +601,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int R = o.ranks > 0 ? o.ranks : gpus;
-  if (o.ce_probe) return gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return ce_probe(g, o); });
+  if (o.ce_probe)
+    return gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return ce_probe(g, o); });
   int rc = 0;
   for (int sms : o.sms) {  // a group per SM count: the buffers' CTAs follow GroupOptions::num_sms
     GroupOptions options;
     options.num_sms = sms;
-    rc |= gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return run_rank(g, o, sms); },
-                                      options);
+    rc |= gpu_testing::run_cuda_ranks(
+        R, [&](const Group& g) { return run_rank(g, o, sms); }, options);
   }
   return rc;
 }

@@ -46,7 +46,7 @@ struct Options {
   int ranks = 2;
   int64_t tokens = 4096, hidden = 7168;
   int topk = 8, experts = 256, sms = 16, calls = 20, rounds = 5;
-  int bits = 0;  // --bits N (diagnostics builds): ablation bits for every row (outputs wrong)
+  int bits = 0;        // --bits N (diagnostics builds): ablation bits for every row (outputs wrong)
   bool trace = false;  // --trace (EPX_HT_TRACE builds): the phase stamps of each dispatch kind
   bool combine_only = false;  // --combine-only: only the combine rows (e.g. under a profiler)
 };

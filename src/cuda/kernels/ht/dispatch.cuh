@@ -286,8 +286,8 @@ __device__ void dispatch_self(const HtDispatchParams& p) {
     if (p.num_scales > 0) sc = load_token_scales(p, t, lane);
     TokenMeta tm;
     if (!p.cached) tm = load_token_meta(p, t, lane);
-    dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane,
-                         sc, tm);
+    dispatch_kept_row<V>(p, t, pos, reinterpret_cast<const V*>(p.x + t * p.x_stride), nv, lane, sc,
+                         tm);
   }
 }
 
