@@ -19,9 +19,6 @@
 
 #include "bench/epx_bench.h"
 #include "core/cuda_runtime_shim.h"
-#if defined(EPX_BENCH_CUDA)
-#include "cuda/tuning.h"
-#endif
 #include "support/routing.h"
 #include "transport/transport.h"
 
@@ -77,10 +74,6 @@ FLAGS:
                       its own two events (a call starts on the device when the previous one
                       ends): GPU time per call while the host keeps ahead, the way DeepEP's
                       tests time its kernels. The cpu backend has only barrier.
-  --ht-switches BITS  cuda, for developers: the ht kernels' A/B switches (src/cuda/tuning.h,
-                      HtAblate; e.g. the opt-in paths kHtCombineViaPull = 524288 and
-                      kHtDispatchViaZeroCopy = 1048576, summed) set in every rank. Ablation bits
-                      make outputs wrong: run with --check to see which.
   --check             compare every operation's outputs, on every rank, with the naive oracle
                       of tests/support (exact, element by element; before and after timing).
                       Prints PASS/FAIL per operation; exits 1 if any check fails.
@@ -222,8 +215,6 @@ Options parse(int argc, char** argv) {
       if (t != "barrier" && t != "pipelined")
         usage_error("--timing is '" + t + "', expected barrier or pipelined");
       o.pipelined = t == "pipelined";
-    } else if (a == "--ht-switches") {
-      o.ht_switches = static_cast<int>(parse_int(a, value(), 0, 1 << 30));
     } else if (a == "--check") {
       o.check = true;
     } else if (a == "--json") {
@@ -259,8 +250,6 @@ Options parse(int argc, char** argv) {
   const bool cuda = o.backend == Backend::kCuda;
   if (o.pipelined && !cuda)
     usage_error("--timing pipelined times calls on the device; the cpu backend has only barrier");
-  if (o.ht_switches != 0 && !cuda)
-    usage_error("--ht-switches sets the cuda ht kernels' switches; the backend is cpu");
   if (o.iters < 0) o.iters = cuda ? 50 : 10;
   if (o.warmup < 0) o.warmup = cuda ? 10 : 2;
   if (o.num_experts % o.num_ranks != 0)
@@ -305,9 +294,6 @@ Options parse(int argc, char** argv) {
 int run_rank(const Options& opt, const Group& group, RankReport& report) {
   std::memset(static_cast<void*>(&report), 0, sizeof(report));
   const Device device = opt.backend == Backend::kCuda ? Device::cuda(group.rank()) : Device::cpu();
-#if defined(EPX_BENCH_CUDA)
-  if (opt.ht_switches != 0) detail::set_ht_ablation(opt.ht_switches);  // this rank's process
-#endif
   try {
     Ctx ctx{opt,
             group,
@@ -458,11 +444,9 @@ std::string num(double v, int prec) {
 
 void print_table(const Options& opt, const std::vector<Row>& rows) {
   const bool cuda = opt.backend == Backend::kCuda;
-  const std::string switches =
-      opt.ht_switches != 0 ? ", ht switches " + std::to_string(opt.ht_switches) : "";
   std::printf(
       "\nepx-bench: backend %s%s, %d ranks, H=%lld K=%d E=%d, routing %s, %d iters "
-      "(+%d warmup)%s%s, seed %llu\n",
+      "(+%d warmup)%s, seed %llu\n",
       backend_name(opt.backend),
       cuda        ? " (one process per GPU)"
       : opt.procs ? " (processes)"
@@ -472,7 +456,7 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
       !cuda           ? ""
       : opt.pipelined ? ", timing pipelined (calls back to back)"
                       : ", timing barrier (each call alone)",
-      switches.c_str(), static_cast<unsigned long long>(opt.seed));
+      static_cast<unsigned long long>(opt.seed));
   std::printf("%-24s %6s %10s %10s %10s %9s %9s %8s %8s", "op", "T", "median_us", "min_us",
               "max_us", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
   if (cuda) std::printf(" %9s %9s %8s %8s", "nccl_us", "ceil_us", "epx/nccl", "ceil/epx");
@@ -551,8 +535,8 @@ bool write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     << ",\n  \"iters\": " << opt.iters << ",\n  \"warmup\": " << opt.warmup
     << ",\n  \"num_sms\": " << opt.num_sms
     << ",\n  \"timing\": " << json_str(opt.pipelined ? "pipelined" : "barrier")
-    << ",\n  \"ht_switches\": " << opt.ht_switches << ",\n  \"seed\": " << opt.seed
-    << ",\n  \"check\": " << (opt.check ? "true" : "false") << ",\n  \"errors\": [";
+    << ",\n  \"seed\": " << opt.seed << ",\n  \"check\": " << (opt.check ? "true" : "false")
+    << ",\n  \"errors\": [";
   bool first = true;
   for (int r = 0; r < opt.num_ranks; ++r) {
     if (!reports[r].error[0]) continue;

@@ -48,7 +48,6 @@ struct Options {
   int warmup = -1;  // -1 = default for the backend
   int num_sms = 0;  // 0 = auto
   bool pipelined = false;  // --timing pipelined (cuda): TimeMethod::kPipelined, else kBarrier
-  int ht_switches = 0;     // --ht-switches (cuda, developer): cuda/tuning.h HtAblate bits
   bool check = false;
   std::string json_path;
   uint64_t seed = 1;

@@ -71,6 +71,10 @@ if(EPX_HT_TRACE)  # PUBLIC: the bench reads the stamps through the same define
   target_compile_definitions(epx PUBLIC EPX_HT_TRACE=1)
   message(STATUS "epx: EPX_HT_TRACE ON (ht kernels record phase timestamps)")
 endif()
+if(EPX_DIAGNOSTICS)  # PUBLIC: the GPU benchmarks call the hooks under the same define
+  target_compile_definitions(epx PUBLIC EPX_DIAGNOSTICS=1)
+  message(STATUS "epx: EPX_DIAGNOSTICS ON (ht ablations and tuning overrides compiled in)")
+endif()
 if(EPX_LL_TRACE)  # PUBLIC: the bench reads the stamps through the same define
   target_compile_definitions(epx PUBLIC EPX_LL_TRACE=1)
   message(STATUS "epx: EPX_LL_TRACE ON (ll kernels record phase timestamps)")
@@ -87,3 +91,16 @@ epx_cuda_target(epx)
 # another libnccl under the unversioned device structs.
 target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
                       "-Wl,--disable-new-dtags,-rpath,${EPX_NCCL_LIBDIR}")
+
+# The sources with EPX_DIAGNOSTICS code compiled with it, as objects only (no library, no tests;
+# not part of `all`): `cmake --build build --target epx_diagnostics_check`, which scripts/test.sh
+# runs so that code keeps compiling while the default build leaves it out. tests/gpu adds the
+# GPU benchmarks' sources.
+add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
+            ${PROJECT_SOURCE_DIR}/src/cuda/tuning.cc ${PROJECT_SOURCE_DIR}/src/cuda/ht.cu
+            ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu)
+target_include_directories(epx_diagnostics_check
+                           PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES>)
+target_compile_definitions(epx_diagnostics_check
+                           PRIVATE $<TARGET_PROPERTY:epx,COMPILE_DEFINITIONS> EPX_DIAGNOSTICS=1)
+epx_cuda_target(epx_diagnostics_check)

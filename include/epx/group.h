@@ -98,8 +98,8 @@ class Group {
   //     peer's spinning kernel (bounded: it ends with the group timeout, as a Timeout error).
   //     Bracket such calls with Group::barrier(). Not for performance numbers;
   //   * Buffer / A2a destructors wait for every rank (elsewhere destruction is local);
-  //   * one stream per rank: the ht copy-engine paths (EPX_HT_COPY=ce...) fall back to the
-  //     kernels' path here (their side streams would share hardware queues with peers' kernels).
+  //   * one stream per rank: the ht kernels move every row here, not the copy engines (their
+  //     side streams would share hardware queues with peers' kernels).
   // Throws Unsupported in a build without CUDA.
   static Group cuda_shared_device(int rank, int size, const std::string& world_name,
                                   int cuda_device, GroupOptions options = {});

@@ -16,10 +16,6 @@
 
 namespace epx {
 
-namespace detail {
-struct HtCopyPlan;  // backend-private (cuda copy-engine dispatch, src/cuda/cuda_buffer.h)
-}
-
 struct HtLayout {
   Tensor num_tokens_per_rank;    // [R] int32: tokens that go to each rank
   Tensor num_tokens_per_expert;  // [E] int32: (token, k) selections per expert
@@ -38,9 +34,9 @@ struct HtHandle {
   int64_t num_worst_tokens = 0;  // rows of the outputs in worst-case mode, else 0
   int top_k = 0;
   uint64_t buffer_id = 0;     // the buffer that made it (checked on use)
-  // Backend-private: the host-side row runs of a cuda exact-mode dispatch made with a copy-engine
-  // path (EPX_HT_COPY=ce:kept..., the default, or ce), reused by cached dispatch. Null otherwise.
-  std::shared_ptr<const detail::HtCopyPlan> copy_plan;
+  // Backend-private state the dispatch left for the combine and cached dispatches of this handle
+  // (cuda: what the host learnt from the count exchange for the copy engines); null otherwise.
+  std::shared_ptr<const void> backend_state;
 };
 
 struct HtDispatchArgs {

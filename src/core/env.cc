@@ -4,7 +4,6 @@
 #include <string>
 
 #include "core/check.h"
-#include "cuda/tuning.h"  // parse_ht_copy (src/core/ht_copy.cc; plain C++)
 
 namespace epx::detail {
 
@@ -59,11 +58,6 @@ int env_default_num_sms() {
                                   cat("an integer 0..", kMaxNumSms, " (0 or unset: auto)")));
 }
 
-std::string env_ht_copy() {
-  const char* v = env_value("EPX_HT_COPY");
-  return v ? std::string(v) : std::string();
-}
-
 int env_pdl() {
   // A value meant to disable PDL must never enable it: only "1" turns it on, and anything but
   // "0" or "1" is an error.
@@ -94,8 +88,6 @@ void check_environment(const char* op) {
     (void)env_default_num_sms();
     (void)env_pdl();
     (void)env_one_gpu_side_streams();
-    const std::string copy = env_ht_copy();
-    if (!copy.empty()) (void)parse_ht_copy(copy, "environment variable EPX_HT_COPY");
   } catch (const Error& e) {
     rethrow_with_op(e, op);
   }

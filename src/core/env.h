@@ -6,18 +6,15 @@
 //                    GroupOptions::timeout and the Python timeout take the same range
 //   EPX_NUM_SMS      default SM budget of the cuda kernels: 0..kMaxNumSms (unset or 0 = auto);
 //                    GroupOptions::num_sms and the Python num_sms take the same range
-//   EPX_HT_COPY      copy path of the cuda ht dispatch / combine: ce[:kept][:combine|
-//                    :combine-auto] (default ce:kept:combine-auto) | warp | bulk[:SxC][:bN]
-//                    (cuda/tuning.h parse_ht_copy, src/core/ht_copy.cc)
 //   EPX_PDL          programmatic dependent launch of the cuda kernels (sm_90; never in the
 //                    one-GPU test mode): 1 on for the ht and ll kernels, 0 or unset off (the
 //                    default, cuda/launch.h)
-//   EPX_ONE_GPU_SIDE_STREAMS  1: the one-GPU test mode (ranks sharing a GPU) also takes the paths
-//                    with side streams per Buffer — ce:kept's copy engines, the split exact
-//                    dispatch, the chunked combine via pull; otherwise (0 or unset) the kernels
-//                    move every row there. Opt-in because the driver may put a Buffer's side
-//                    stream in the same hardware queue as a peer's stream, and work queued behind
-//                    a peer's spinning kernel then stalls until the group timeout.
+//   EPX_ONE_GPU_SIDE_STREAMS  1: the one-GPU test mode (ranks sharing a GPU) also lets the copy
+//                    engines copy the ht kept rows on a side stream per Buffer, as ranks with GPUs
+//                    of their own do; otherwise (0 or unset) the kernels move every row there.
+//                    Opt-in because the driver may put a Buffer's side stream in the same
+//                    hardware queue as a peer's stream, and work queued behind a peer's spinning
+//                    kernel then stalls until the group timeout.
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode: 1..32 (8 when unset, as
 //                    CUDA); checked when that mode's group is created
 //   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
@@ -40,7 +37,6 @@ inline constexpr int kMaxNumSms = kMaxGroupNumSms;
 // Each throws InvalidArgument naming the variable when its value is out of range.
 std::chrono::milliseconds env_default_timeout();
 int env_default_num_sms();
-std::string env_ht_copy();  // "" when unset (the syntax is checked by check_environment)
 int env_cuda_device_max_connections();
 std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when unset: LAZY)
 int env_pdl();                          // EPX_PDL: -1 unset or empty, 1 when "1", 0 when "0"

@@ -34,6 +34,7 @@
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
+#include "cuda/a2a.h"
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/a2a/combine.cuh"
 #include "cuda/kernels/a2a/dispatch.cuh"

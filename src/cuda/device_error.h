@@ -51,7 +51,7 @@ enum DeviceWait : uint32_t {
   kWaitCounts = 2,    // the peer's token counts (count exchange)
   kWaitRows = 3,      // rows from the peer (dispatch / combine data)
   kWaitBarrier = 4,   // the peer arriving at a device barrier
-  kWaitBulkCopy = 5,  // this rank's own bulk copy (ht dispatch, EPX_HT_COPY=bulk) never landed
+  kWaitBulkCopy = 5,  // this rank's own bulk load (ht staged pull reducer) never landed
 };
 
 struct DeviceErrorRecord {
@@ -72,8 +72,7 @@ struct DeviceState {
   uint32_t engine_op;    // ht combine with copy engines: the op its side-stream steps signal
   // ht zero-copy dispatch: the op whose ready signal was deferred (when ready_pending_set). The
   // next ht op's first kernel publishes it at its start (publish_deferred_ready): by stream order
-  // every read of the zero-copy recv_x queued before that op (kernels, the copy-out of a copying
-  // dispatch through the zero-copy kernels) has finished.
+  // every read of the zero-copy recv_x queued before that op has finished.
   uint32_t ready_pending;
   uint32_t ready_pending_set;  // 1 while ready_pending holds a value (any op number, 0 included)
   // ht dispatch: batches drawn so far by the sender warps (the next drawn batch is G + send_next,

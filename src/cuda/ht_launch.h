@@ -10,11 +10,10 @@
 namespace epx::detail {
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
-// launch_pdl: launch with programmatic dependent launch (-1: as p.pdl; the split dispatch's
-// receive kernel is launched with it but does not wait for its send kernel, p.pdl = 0).
-void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream,
-                        int launch_pdl = -1);
-// Copy-engine dispatch: the arrive / ready step around the copies (HtEngineSyncParams).
+void launch_ht_dispatch(const HtDispatchParams& p, int vec_bytes, int grid, cudaStream_t stream);
+// The ht dispatch kernel, for pdl_usable (cuda/launch.h) in host code that cannot name it.
+const void* ht_dispatch_kernel_address();
+// The copy-engine combine's wait-ready / arrive steps around its copies (HtEngineSyncParams).
 void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream);
 // The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): true when this device

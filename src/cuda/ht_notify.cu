@@ -5,16 +5,15 @@
 #include "cuda/dyn_smem.h"
 #include "cuda/ht_launch.h"
 #include "cuda/kernels/ht/notify.cuh"
-#include "cuda/tuning.h"
 
 namespace epx::detail {
 
 namespace {
 
 // The launch's status (the cluster launch's own, or the plain launch's cudaGetLastError).
-template <bool kOld, bool kMasks>
+template <bool kMasks>
 cudaError_t launch_variant(const HtNotifyParams& p, size_t smem, int ctas, cudaStream_t stream) {
-  auto kernel = ht_notify_kernel<kOld, kMasks>;
+  auto kernel = ht_notify_kernel<kMasks>;
   static const size_t static_smem = [kernel] {  // the kernel's own __shared__ arrays
     cudaFuncAttributes a{};
     return cudaFuncGetAttributes(&a, kernel) == cudaSuccess ? a.sharedSizeBytes : size_t{4096};
@@ -52,31 +51,21 @@ std::atomic<bool> g_notify_one_cta{false};
 // built for it (else one CTA; kernels/ht/notify.cuh).
 bool notify_clusters_ok() {
   if (g_notify_one_cta.load(std::memory_order_relaxed)) return false;
-  static DynSmemKernel k(reinterpret_cast<const void*>(ht_notify_kernel<false, true>));
+  static DynSmemKernel k(reinterpret_cast<const void*>(ht_notify_kernel<true>));
   return k.facts("ht count exchange").hopper();
 }
 
 }  // namespace
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
-  const int ablate = ht_ablation();
-  const bool old = (ablate & kHtNotifyOld) != 0;
-  // The tokens split over a cluster of CTAs (the old kernel and the A/B: one CTA).
-  int ctas =
-      old || (ablate & kHtNotifyOneCta) || !notify_clusters_ok() ? 1 : ht_notify_ctas(p.num_tokens);
+  // The tokens split over a cluster of CTAs.
+  int ctas = notify_clusters_ok() ? ht_notify_ctas(p.num_tokens) : 1;
   for (;;) {
     // Pass 2 reads the masks pass 1 kept (layout-only calls have no pass 2).
-    const bool masks =
-        !old && p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;
+    const bool masks = p.exchange && ht_notify_chunk(p.num_tokens, ctas) <= kNotifyMaxSmemMasks;
     const size_t smem = ht_notify_smem(p, masks, ctas);
-    cudaError_t err;
-    if (old) {
-      err = launch_variant<true, false>(p, smem, ctas, stream);
-    } else if (masks) {
-      err = launch_variant<false, true>(p, smem, ctas, stream);
-    } else {
-      err = launch_variant<false, false>(p, smem, ctas, stream);
-    }
+    const cudaError_t err = masks ? launch_variant<true>(p, smem, ctas, stream)
+                                  : launch_variant<false>(p, smem, ctas, stream);
     if (err == cudaSuccess || ctas == 1) {
       EPX_CUDA_CHECK(err, "ht count exchange: launch");
       return;

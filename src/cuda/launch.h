@@ -36,10 +36,6 @@ inline bool pdl_usable(int device, bool ranks_share_device, const void* kernel) 
   return attr.ptxVersion >= 90;
 }
 
-// The ht dispatch kernel (src/cuda/ht_dispatch.cu), for pdl_usable in host code that cannot name
-// it.
-const void* ht_dispatch_kernel_address();
-
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                    cudaStream_t stream, bool pdl, const char* what, Args&&... args) {

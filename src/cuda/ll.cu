@@ -42,6 +42,7 @@
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
 #include "cuda/launch.h"
+#include "cuda/ll.h"
 #include "cuda/trace_buffers.h"
 #include "cuda/tuning.h"
 #include "transport/transport.h"

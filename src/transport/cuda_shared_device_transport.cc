@@ -17,8 +17,7 @@
 // CTAs (ht: tuning.num_sms, at least 2; ll: resolve_ll_ctas <= num_sms; a2a: num_sms), and the
 // ht/ll kernels are __launch_bounds__(512, 1) (count one CTA per SM). So we require
 // R * max(2, num_sms) <= SMs and resolve auto num_sms to SMs / R (132 / 8 = 16 on an H200).
-// (The split exact ht dispatch runs one op as two kernels on two streams, their CTAs together
-// within the same budget.) Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
+// Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
 // 8) share a queue, and a rank's kernel queued behind a peer's spinning kernel would wait for it:
 // a rank uses its own stream and the per-thread stream of its allocations, plus a Buffer's side
 // streams only where EPX_ONE_GPU_SIDE_STREAMS=1 asks for them (core/env.h: the driver may still

@@ -135,22 +135,3 @@ epx_batch_epx_bench_ht() {
   grep -E "^ht\\." "$OUT/eb_$name.log" | cut -c1-120
 }
 
-# epx_batch_epx_bench_ht_copies TIMEOUT_S: epx_batch_epx_bench_ht under the default copy path and
-# under EPX_HT_COPY=warp (logs $OUT/eb_{default,warp}.log).
-epx_batch_epx_bench_ht_copies() {
-  echo "-- epx-bench ht, EPX_HT_COPY=default"
-  epx_batch_epx_bench_ht "$1" default
-  echo "-- epx-bench ht, EPX_HT_COPY=warp"
-  EPX_HT_COPY=warp epx_batch_epx_bench_ht "$1" warp
-}
-
-# epx_batch_kept_runs_ab: the ce:kept run limit (ht_kept_copies_pay) against none, warp beside
-# them: epx_ht_gpu_bench --topk 1 (rank 0 keeps ~T/4 runs at EP2), T = 4096, 16 SMs.
-epx_batch_kept_runs_ab() {
-  local k rows="runs|host us|^SMs|\(cached\)|zero-copy\) |zero-copy, graph\)"
-  for k in -1 1000000; do
-    echo "-- --topk 1, --kept-runs $k"
-    epx_batch_bench top1_$k 90 "$rows" epx_ht_gpu_bench --iters 20 --tokens 4096 --sms 16 \
-      --topk 1 --copy ce:kept,warp --kept-runs $k
-  done
-}

@@ -53,20 +53,18 @@ case ${1:-} in
       'Ranks/HtOneGpu.MatchesReference/R2' 'Ranks/HtOneGpu.MatchesReference/R2' |
       grep -v "^\[       OK"
     ROWS="^SMs|^ +[0-9]+ |dispatch|combine|NCCL|ceiling|runs"
-    echo "-- ht EP$G T=4096, default (combine-auto) / kernel combine / warp"
+    echo "-- ht EP$G T=4096"
     epx_batch_bench ht4096 150 "$ROWS" epx_ht_gpu_bench --ranks "$G" --iters 20 --tokens 4096 \
-      --sms 16,24,32 --copy ce:kept:combine-auto,ce:kept,warp
+      --sms 16,24,32
     echo "-- ll EP$G"
     epx_batch_bench ll 90 "^ +(1|32|128|256|512) |target|ceiling|NCCL" epx_ll_gpu_bench \
       --ranks "$G" --tokens 1,32,128,256,512 --iters 20
     echo "-- a2a EP$G"
     epx_batch_bench a2a 90 "^ +[0-9]+ |target|ceiling|NCCL" epx_a2a_gpu_bench --ranks "$G" \
       --iters 20
-    # On 2 of the GPUs: epx-bench's eager ht rows under the default copy path and warp (the
-    # zero-copy dispatch's host cost, kept_runs_run.sh (4)), then the kept-run limit (2).
+    # On 2 of the GPUs: epx-bench's eager ht rows.
     export CUDA_VISIBLE_DEVICES=0,1
-    epx_batch_epx_bench_ht_copies 100
-    epx_batch_kept_runs_ab
+    epx_batch_epx_bench_ht 100 default
     ;;
   *)
     echo "usage: bash tests/gpu/ep4_run.sh tests|main|bench" >&2

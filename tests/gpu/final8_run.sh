@@ -11,7 +11,7 @@ epx_batch_start epx_ht_gpu_bench || exit 1
 ROWS="^SMs|zero-copy, graph\)|graph of 10|fixed send"
 for T in 4096 8192; do
   echo "-- T = $T"
-  epx_batch_bench t$T 60 "$ROWS" epx_ht_gpu_bench --iters 20 --tokens $T --sms 16 --copy ce:kept
+  epx_batch_bench t$T 60 "$ROWS" epx_ht_gpu_bench --iters 20 --tokens $T --sms 16
 done
 echo "-- README test command"
 EPX_TEST_JOBS=8 timeout 420 bash scripts/test.sh > "$OUT/test.log" 2>&1

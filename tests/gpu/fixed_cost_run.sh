@@ -10,8 +10,8 @@ source tests/gpu/device_lib.sh
 epx_batch_start epx_ht_gpu_bench epx_ll_gpu_bench || exit 1
 for T in 1 4096; do
   echo "-- ht T = $T"
-  epx_batch_bench ht$T 60 "^SMs|zero-copy, g|combine bf16 \[EPX|16 B per peer" epx_ht_gpu_bench \
-    --iters 30 --tokens $T --sms 16 --copy ce:kept
+  epx_batch_bench ht$T 60 "^SMs|zero-copy, g|combine bf16  |16 B per peer" epx_ht_gpu_bench \
+    --iters 30 --tokens $T --sms 16
 done
 echo "-- ll"
 epx_batch_bench ll 100 "." epx_ll_gpu_bench --tokens 128,1 --iters 20 \

@@ -3,17 +3,13 @@
 // all-to-all of the same bytes and the NVLink copy ceiling of the same bytes, same run, same SMs.
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
-//                    [--sms 8,16,24,32] [--send-pct 38] [--warmup 5] [--iters 30] [--ablate]
-//                    [--copy warp,bulk,bulk:3x4096:b8] [--ce-share 100,70] [--ce-probe]
-//                    [--pull 3x2048,2x3584] [--trace] [--kept-runs N]
-// --copy times dispatch and combine under each copy path (cuda/tuning.h parse_ht_copy;
-// EPX_HT_COPY's values) in the same process, same buffer; --ce-share also times combine with the
-// copy engines pushing that percent of the rows and the kernel the rest (set_ht_engine_share_
-// override; only where combine uses the copy engines: ":combine", or ":combine-auto" at sizes
-// it picks them). --pull also times the zero-copy combine (graph) with the staged reducer's
-// stages x chunk bytes (set_ht_pull_staging_override); it always times the register pair step.
-// --kept-runs N: ce:kept copies the kept rows by copy engine up to N runs of kept tokens instead
-// of the library's limit (set_ht_kept_copy_max_runs_override; --topk 1 gives ~T/4 runs at EP2).
+//                    [--sms 8,16,24,32] [--warmup 5] [--iters 30] [--trace] [--ce-probe]
+//                    diagnostics builds (-DEPX_DIAGNOSTICS=ON) also: [--send-pct 38,50] [--ablate]
+// Each --sms value is a group of its own (GroupOptions::num_sms) running the library's default
+// path: the rows an engine meets (cached / exact / worst-case dispatch, copying and zero-copy,
+// eager and graph-replayed; combine copying and zero-copy). --trace (a -DEPX_HT_TRACE=ON build):
+// the zero-copy ops' phase stamps. --send-pct: the senders' percent of the CTAs; --ablate: the
+// same run with stages left out (cuda/tuning.h's ablation bits; outputs wrong).
 // Times are medians over iters (CUDA events, one group barrier before each iteration); rank 0
 // prints. "cached" dispatch = with a handle (no count exchange), as DeepEP's published numbers.
 #include <cuda_runtime.h>
@@ -36,6 +32,7 @@
 #include "epx/buffer.h"
 #include "gpu/gpu_support.h"
 #include "support/routing.h"
+#include "transport/transport.h"
 
 namespace {
 
@@ -52,15 +49,11 @@ struct Options {
   int64_t tokens = 4096, hidden = 7168;
   int topk = 8, experts = 256;
   std::vector<int> sms = {16};
-  std::vector<int> send_pct = {0};  // 0: the library's default split
+  std::vector<int> send_pct = {0};  // --send-pct (diagnostics builds); 0: the library's split
   int warmup = 5, iters = 30;
-  bool ablate = false;            // also time stage ablations (cuda/tuning.h HtAblate)
-  bool ce_probe = false;          // only the copy-engine rate probe (ce_probe below)
-  bool trace = false;             // --trace (EPX_HT_TRACE builds): phase stamps of zero-copy ops
-  std::vector<std::string> copy;  // dispatch copy paths to time (empty: the process default)
-  std::vector<std::string> pull;  // zero-copy combine stagings to time (SxC)
-  std::vector<int> ce_share;      // combine: copy-engine shares (percent) to time as well
-  int64_t kept_runs = -1;         // --kept-runs: ce:kept's run limit (-1: the library's)
+  bool ablate = false;    // --ablate (diagnostics builds): also time stage ablations
+  bool ce_probe = false;  // only the copy-engine rate probe (ce_probe below)
+  bool trace = false;     // --trace (EPX_HT_TRACE builds): phase stamps of zero-copy ops
 };
 
 // Hands back the same device storage for the i-th allocation of every call (reset() between
@@ -162,7 +155,9 @@ void trace_op(const Group& g, cudaStream_t stream, int iters, int ctas, int op, 
 }
 #endif
 
-int run_rank(const Group& g, const Options& o) {
+// One SM count (the group's GroupOptions::num_sms, `sms`): the default path's rows, then the
+// baselines of the same bytes. Under EPX_DIAGNOSTICS, per --send-pct value and with --ablate.
+int run_rank(const Group& g, const Options& o, int sms) {
   const int R = g.size(), r = g.rank(), dev = r;
   const int64_t T = o.tokens, H = o.hidden;
   const int K = o.topk;
@@ -185,7 +180,7 @@ int run_rank(const Group& g, const Options& o) {
   shape.max_tokens_per_rank = T;
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  // Runs of consecutive tokens this rank keeps (ce:kept: one copy call each, ht_kept_copies_pay).
+  // Runs of consecutive tokens this rank keeps (one copy call each, ht_kept_copies_pay).
   int64_t kept_runs = 0;
   {
     const int64_t L = o.experts / R;
@@ -200,494 +195,272 @@ int run_rank(const Group& g, const Options& o) {
       prev = kept;
     }
   }
-  detail::set_ht_kept_copy_max_runs_override(o.kept_runs);
   if (r == 0)
     std::printf(
         "ht T=%lld H=%lld K=%d E=%d R=%d uniform routing; buffer %.1f MB/rank; rank 0 keeps its "
-        "tokens in %lld runs (ce:kept copies them by copy engine: %s)\n",
+        "tokens in %lld runs (copied by copy engine: %s)\n",
         static_cast<long long>(T), static_cast<long long>(H), K, o.experts, R,
         Buffer::bytes_needed(Mode::kHt, shape, R, Backend::kCuda) / 1e6,
         static_cast<long long>(kept_runs),
         detail::ht_kept_copies_pay(static_cast<size_t>(kept_runs)) ? "yes" : "no, the kernel");
-  for (int sms : o.sms) {
-    for (int pct : o.send_pct) {
-      detail::set_ht_tuning_override(sms, pct, pct);
-      Buffer buf(g, shape);
-      HtDispatchArgs a;
-      a.x = d_xb;
-      a.topk_idx = d_topk;
-      a.topk_weights = d_w;
-      a.stream = stream;
-      HtDispatchResult res = buf.ht_dispatch(a);
-      HtDispatchArgs a8 = a;
-      a8.x = d_x8;
-      a8.x_scales = d_sc;
-      HtDispatchResult res8 = buf.ht_dispatch(a8);
-      // Rows this rank sends to each remote peer (largest), for the baselines' byte counts.
-      std::vector<int32_t> rpm = gpu_testing::to_host<int32_t>(res.handle.rank_prefix_matrix);
-      int64_t remote_rows = 0, self_rows = 0;
-      for (int d = 0; d < R; ++d) {
-        const int64_t c = rpm[r * R + d] - (r > 0 ? rpm[(r - 1) * R + d] : 0);
-        if (d == r)
-          self_rows = c;
-        else
-          remote_rows = std::max(remote_rows, c);
-      }
-      const size_t bf16_bytes = static_cast<size_t>(remote_rows * H * 2);
-      const size_t fp8_bytes = static_cast<size_t>(remote_rows * (H + 4 * (H / 128)));
+  for (int pct : o.send_pct) {
+#ifdef EPX_DIAGNOSTICS
+    detail::set_ht_tuning_override(0, pct, pct);  // 0: the library's split
+#endif
+    Buffer buf(g, shape);
+    HtDispatchArgs a;
+    a.x = d_xb;
+    a.topk_idx = d_topk;
+    a.topk_weights = d_w;
+    a.stream = stream;
+    HtDispatchResult res = buf.ht_dispatch(a);
+    HtDispatchArgs a8 = a;
+    a8.x = d_x8;
+    a8.x_scales = d_sc;
+    HtDispatchResult res8 = buf.ht_dispatch(a8);
+    // Rows this rank sends to each remote peer (largest), for the baselines' byte counts.
+    std::vector<int32_t> rpm = gpu_testing::to_host<int32_t>(res.handle.rank_prefix_matrix);
+    int64_t remote_rows = 0, self_rows = 0;
+    for (int d = 0; d < R; ++d) {
+      const int64_t c = rpm[r * R + d] - (r > 0 ? rpm[(r - 1) * R + d] : 0);
+      if (d == r)
+        self_rows = c;
+      else
+        remote_rows = std::max(remote_rows, c);
+    }
+    const size_t bf16_bytes = static_cast<size_t>(remote_rows * H * 2);
+    const size_t fp8_bytes = static_cast<size_t>(remote_rows * (H + 4 * (H / 128)));
 
-      HtDispatchArgs cached = a;
-      cached.handle = &res.handle;
-      cached.topk_idx = TensorView();
-      cached.topk_weights = TensorView();
-      HtDispatchArgs cached8 = a8;
-      cached8.handle = &res8.handle;
-      cached8.topk_idx = TensorView();
-      cached8.topk_weights = TensorView();
-      HtDispatchArgs worst = a;
-      worst.num_worst_tokens = T * R;
-      HtCombineArgs ca;
-      ca.y = res.recv_x;
-      ca.handle = &res.handle;
-      ca.stream = stream;
+    HtDispatchArgs cached = a;
+    cached.handle = &res.handle;
+    cached.topk_idx = TensorView();
+    cached.topk_weights = TensorView();
+    HtDispatchArgs cached8 = a8;
+    cached8.handle = &res8.handle;
+    cached8.topk_idx = TensorView();
+    cached8.topk_weights = TensorView();
+    HtDispatchArgs worst = a;
+    worst.num_worst_tokens = T * R;
+    HtCombineArgs ca;
+    ca.y = res.recv_x;
+    ca.handle = &res.handle;
+    ca.stream = stream;
 
-      ReuseAllocator pool;
-      auto timed = [&](auto&& op) {
-        return bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
-          pool.reset();
-          op(pool.get());
-        });
-      };
-      // One set of timings per copy path; the ablations run under the last one.
-      struct CopyTimes {
-        std::string name;
-        bench::Timing disp, disp8, exact, worst, graph16, graph8, comb;
-        // HtDispatchArgs::zero_copy: cached bf16 / fp8 event-timed and graph-replayed, exact.
-        bench::Timing zc16, zc8, zcg16, zcg8, zc_exact;
-        // The exact rows again with the copy plan built from host copies of send_pos after a
-        // stream synchronisation (kHtKeptPlanCopied: the ninth session's A/B; ce:kept only).
-        bench::Timing exact_copied, zc_exact_copied;
-        // The exact and worst-case rows with the count exchange before the tenth session
-        // (kHtNotifyOld: ids loaded one by one, pass 2 reloading them; its same-run A/B).
-        bench::Timing exact_old, zc_exact_old, worst_old;
-        // ... and with a kept row's metadata loads in series (kHtKeptMetaLate, its A/B).
-        bench::Timing exact_kml, zc_exact_kml;
-        // ... with the receivers' metadata copied out row by row (kHtRecvMetaRows, its A/B), and
-        // with both metadata paths as before the eleventh session (kml | rmr).
-        bench::Timing exact_rmr, zc_exact_rmr, exact_meta_old, zc_exact_meta_old;
-        // ... with the count exchange on one CTA (kHtNotifyOneCta, the eleventh session's A/B).
-        bench::Timing exact_one_cta, zc_exact_one_cta, worst_one_cta;
-        // ... and the split exact dispatch (kHtSplitSend, opt-in: senders before the host wait).
-        bench::Timing exact_split;
-        // The copying combine through the pull protocol (kHtCombineViaPull, opt-in), and the
-        // copying dispatch through the zero-copy kernels (kHtDispatchViaZeroCopy, opt-in):
-        // cached bf16 / fp8 and exact bf16.
-        bench::Timing comb_via_pull, comb_via_pull_whole, via_zc16, via_zc8, via_zc_exact;
-        bench::Timing zcomb, zcomb_graph;  // HtCombineArgs::zero_copy, event / graph
-        bench::Timing zcomb_nopair;        // the same (graph) without the pair step
-        bench::Timing zcomb_regpair;       // the same (graph) with the register pair step
-        bench::Timing zcomb_now;           // the same (graph) without topk_weights
-        // Per call, 10 calls per graph replayed back to back (graph_run_op): zero-copy dispatch
-        // bf16 / fp8, zero-copy combine, copying combine.
-        double run_zc16 = 0, run_zc8 = 0, run_zcomb = 0, run_comb = 0;
-        // The same two dispatch rows and the copying bf16 graph row with the senders' fixed
-        // batch order (kHtSendStatic, the A/B of the dynamic order).
-        double run_zc16_st = 0, run_zc8_st = 0;
-        bench::Timing graph16_st;
-        std::vector<std::pair<std::string, bench::Timing>> zcomb_pull;  // --pull stagings
-        std::vector<std::pair<int, bench::Timing>> comb_share;          // --ce-share
-        double host16 = 0;  // host time of one cached bf16 call (launches and copy calls), mean
-        double host_zc16 = 0;  // the same, zero-copy
-      };
-      // `calls` calls of an op captured in one CUDA graph; the first, eager call makes the pool's
-      // slots exist before the capture.
-      struct Captured {
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        ~Captured() {
-          if (exec) cudaGraphExecDestroy(exec);
-          if (graph) cudaGraphDestroy(graph);
-        }
-      };
-      auto capture = [&](const std::function<void(const Allocator&)>& op, int calls, Captured& c) {
+    ReuseAllocator pool;
+    auto timed = [&](auto&& op) {
+      return bench::time_on_device(g, stream, o.warmup, o.iters, [&] {
         pool.reset();
         op(pool.get());
-        CUDA_OK(cudaStreamSynchronize(stream));
-        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < calls; ++i) {
-          pool.reset();
-          op(pool.get());
-        }
-        CUDA_OK(cudaStreamEndCapture(stream, &c.graph));
-        CUDA_OK(cudaGraphInstantiate(&c.exec, c.graph, 0));
-      };
-      // Per-call time of an op captured once in a CUDA graph (no host cost).
-      auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
-        Captured c;
-        capture(op, 1, c);
-        return bench::time_on_device(g, stream, o.warmup, o.iters,
-                                     [&] { CUDA_OK(cudaGraphLaunch(c.exec, stream)); });
-      };
-      // Per-call time of kGraphRunOps calls captured in one CUDA graph, replayed back to back
-      // with no barrier between replays (as epx_ll_gpu_bench's graph rows and as an engine's
-      // step graph runs them): the ranks' launch skew after a barrier is paid once per replay,
-      // not once per call.
-      auto graph_run_op = [&](const std::function<void(const Allocator&)>& op) {
-        constexpr int kGraphRunOps = 10;
-        Captured c;
-        capture(op, kGraphRunOps, c);
-        const double us = gpu_testing::graph_replays_us(g, stream, c.exec, o.iters);
-        buf.check();
-        return us / (o.iters * kGraphRunOps);
-      };
-      auto graph_timed = [&](const HtDispatchArgs& args) {
-        return graph_timed_op([&](const Allocator& al) { (void)buf.ht_dispatch(args, al); });
-      };
-      auto host_timed = [&](const HtDispatchArgs& args) {
-        double total = 0;
-        for (int i = 0; i < o.iters; ++i) {
-          CUDA_OK(cudaStreamSynchronize(stream));
-          pool.reset();
-          const auto t0 = std::chrono::steady_clock::now();
-          (void)buf.ht_dispatch(args, pool.get());
-          total += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                       .count();
-        }
-        CUDA_OK(cudaStreamSynchronize(stream));
-        return total / o.iters;
-      };
-      std::vector<CopyTimes> per_copy;
-      const std::vector<std::string> copies =
-          o.copy.empty() ? std::vector<std::string>{""} : o.copy;
-      for (const std::string& spec : copies) {
-        if (!spec.empty()) {
-          const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "--copy");
-          detail::set_ht_copy_override(&cfg);
-        }
-        // Handles made under this path (ce keeps its host copy plan in them).
-        const HtDispatchResult h16 = buf.ht_dispatch(a), h8 = buf.ht_dispatch(a8);
-        HtDispatchArgs c16 = cached, c8 = cached8;
-        c16.handle = &h16.handle;
-        c8.handle = &h8.handle;
-        CopyTimes ct;
-        ct.name = spec;
-        ct.disp = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
-        ct.disp8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
-        detail::set_ht_ablation(detail::kHtDispatchViaZeroCopy);
-        ct.via_zc16 = timed([&](const Allocator& al) { buf.ht_dispatch(c16, al); });
-        ct.via_zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(c8, al); });
-        ct.via_zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-        detail::set_ht_ablation(0);
-        ct.graph16 = graph_timed(c16);
-        ct.graph8 = graph_timed(c8);
-        ct.host16 = host_timed(c16);
-        {
-          HtDispatchArgs z16 = c16, z8 = c8, ze = a;
-          z16.zero_copy = z8.zero_copy = ze.zero_copy = true;
-          ct.zc16 = timed([&](const Allocator& al) { buf.ht_dispatch(z16, al); });
-          ct.zc8 = timed([&](const Allocator& al) { buf.ht_dispatch(z8, al); });
-          ct.zcg16 = graph_timed(z16);
-          ct.zcg8 = graph_timed(z8);
-          ct.host_zc16 = host_timed(z16);
-#ifdef EPX_HT_TRACE
-          if (o.trace)
-            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy", [&] {
-              pool.reset();
-              (void)buf.ht_dispatch(z16, pool.get());
-            });
-#endif
-          ct.run_zc16 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
-          ct.run_zc8 = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
-          detail::set_ht_ablation(detail::kHtSendStatic);
-          ct.run_zc16_st =
-              graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); });
-          ct.run_zc8_st = graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); });
-          ct.graph16_st = graph_timed(c16);
-          detail::set_ht_ablation(0);
-          ct.zc_exact = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-        }
-        HtCombineArgs cc = ca;  // combine with this path's handle (":combine" needs its plan)
-        cc.handle = &h16.handle;
-        ct.comb = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
-        detail::set_ht_ablation(detail::kHtCombineViaPull);
-        ct.comb_via_pull = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
-        detail::set_ht_ablation(detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole);
-        ct.comb_via_pull_whole = timed([&](const Allocator& al) { buf.ht_combine(cc, al); });
-        detail::set_ht_ablation(0);
-        {  // zero-copy combine: the same y rows written once into the combine buffer
-          const TensorView view = buf.ht_combine_buffer(h16.handle);
-          CUDA_OK(cudaMemcpy(view.data, cc.y.data, view.nbytes(), cudaMemcpyDeviceToDevice));
-          HtCombineArgs cz = cc;
-          cz.y = view;
-          cz.zero_copy = true;
-          ct.zcomb = timed([&](const Allocator& al) { buf.ht_combine(cz, al); });
-          ct.zcomb_graph = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
-          ct.run_zcomb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
-          ct.run_comb = graph_run_op([&](const Allocator& al) { buf.ht_combine(cc, al); });
-#ifdef EPX_HT_TRACE
-          if (o.trace)
-            trace_op(g, stream, o.iters, sms, 1, "combine zero-copy (staged)", [&] {
-              pool.reset();
-              buf.ht_combine(cz, pool.get());
-            });
-#endif
-          detail::set_ht_ablation(detail::kHtReducePairOff);  // its A/B: the general step
-          ct.zcomb_nopair = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
-          detail::set_ht_ablation(detail::kHtPullStagedOff);  // the register pair step
-          ct.zcomb_regpair = graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); });
-          detail::set_ht_ablation(0);
-          HtCombineArgs czw = cz;  // no weights: no mirror copy before the kernel
-          czw.topk_weights = TensorView{};
-          ct.zcomb_now = graph_timed_op([&](const Allocator& al) { buf.ht_combine(czw, al); });
-          for (const std::string& spec : o.pull) {
-            int st = 0, ch = 0;
-            std::sscanf(spec.c_str(), "%dx%d", &st, &ch);
-            detail::set_ht_pull_staging_override(st, ch);
-            ct.zcomb_pull.emplace_back(
-                spec, graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); }));
-          }
-          detail::set_ht_pull_staging_override(-1, 0);
-        }
-        for (int pct : o.ce_share) {
-          detail::set_ht_engine_share_override(pct);
-          ct.comb_share.emplace_back(pct,
-                                     timed([&](const Allocator& al) { buf.ht_combine(cc, al); }));
-        }
-        detail::set_ht_engine_share_override(100);
-        ct.exact = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-        {
-          HtDispatchArgs ze = a;
-          ze.zero_copy = true;
-          detail::set_ht_ablation(detail::kHtKeptPlanCopied);
-          ct.exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_copied = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          detail::set_ht_ablation(detail::kHtNotifyOld);
-          ct.exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          ct.worst_old = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
-          detail::set_ht_ablation(detail::kHtKeptMetaLate);
-          ct.exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_kml = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          detail::set_ht_ablation(detail::kHtRecvMetaRows);
-          ct.exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_rmr = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          detail::set_ht_ablation(detail::kHtNotifyOneCta);
-          ct.exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-          ct.worst_one_cta = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
-          detail::set_ht_ablation(detail::kHtSplitSend);
-          ct.exact_split = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          detail::set_ht_ablation(detail::kHtKeptMetaLate | detail::kHtRecvMetaRows);
-          ct.exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(a, al); });
-          ct.zc_exact_meta_old = timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); });
-#ifdef EPX_HT_TRACE
-          if (o.trace)
-            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy exact, metadata old",
-                     [&] {
-                       pool.reset();
-                       (void)buf.ht_dispatch(ze, pool.get());
-                     });
-#endif
-          detail::set_ht_ablation(0);
-#ifdef EPX_HT_TRACE
-          if (o.trace)
-            trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy exact", [&] {
-              pool.reset();
-              (void)buf.ht_dispatch(ze, pool.get());
-            });
-#endif
-        }
-        ct.worst = timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); });
-        buf.check();
-        per_copy.push_back(ct);
+      });
+    };
+    // `calls` calls of an op captured in one CUDA graph; the first, eager call makes the pool's
+    // slots exist before the capture.
+    struct Captured {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      ~Captured() {
+        if (exec) cudaGraphExecDestroy(exec);
+        if (graph) cudaGraphDestroy(graph);
       }
-      // Combine without the --copy override (EPX_HT_COPY or the default), then the last
-      // override again for the ablations below.
-      const detail::HtCopyConfig last_copy = detail::ht_copy_config();
-      detail::set_ht_copy_override(nullptr);
-      auto t_comb = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
-      // The same with the float32 -> bf16 emulation in the reducers (the A/B of the hardware
-      // conversion; same outputs).
-      detail::set_ht_ablation(detail::kHtEmulatedBf16);
-      auto t_comb_emu = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
-      // And with the reducers' narrow step (kHtReduceNarrow, the step before the wide default;
-      // same outputs).
-      detail::set_ht_ablation(detail::kHtReduceNarrow);
-      auto t_comb_narrow = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
-      // And without the pair step (kHtReducePairOff: the general wide step for every token).
-      detail::set_ht_ablation(detail::kHtReducePairOff);
-      auto t_comb_nopair = timed([&](const Allocator& al) { buf.ht_combine(ca, al); });
-      detail::set_ht_ablation(0);
-      detail::set_ht_copy_override(&last_copy);
+    };
+    auto capture = [&](const std::function<void(const Allocator&)>& op, int calls, Captured& c) {
+      pool.reset();
+      op(pool.get());
+      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < calls; ++i) {
+        pool.reset();
+        op(pool.get());
+      }
+      CUDA_OK(cudaStreamEndCapture(stream, &c.graph));
+      CUDA_OK(cudaGraphInstantiate(&c.exec, c.graph, 0));
+    };
+    // Per-call time of an op captured once in a CUDA graph (no host cost).
+    auto graph_timed_op = [&](const std::function<void(const Allocator&)>& op) {
+      Captured c;
+      capture(op, 1, c);
+      return bench::time_on_device(g, stream, o.warmup, o.iters,
+                                   [&] { CUDA_OK(cudaGraphLaunch(c.exec, stream)); });
+    };
+    // Per-call time of kGraphRunOps calls captured in one CUDA graph, replayed back to back with
+    // no barrier between replays (as epx_ll_gpu_bench's graph rows and as an engine's step graph
+    // runs them): the ranks' launch skew after a barrier is paid once per replay, not per call.
+    auto graph_run_op = [&](const std::function<void(const Allocator&)>& op) {
+      constexpr int kGraphRunOps = 10;
+      Captured c;
+      capture(op, kGraphRunOps, c);
+      const double us = gpu_testing::graph_replays_us(g, stream, c.exec, o.iters);
       buf.check();
-      std::vector<std::pair<std::string, bench::Timing>> ablations;
-      if (o.ablate) {
-        const std::pair<const char*, int> cases[] = {
-            {"dispatch bf16 cached, no kept-row copy", detail::kAblateSelf},
-            {"dispatch bf16 cached, no received-row copy", detail::kAblateRemoteCopy},
-            {"dispatch bf16 cached, senders only", detail::kAblateSelf | detail::kAblateRemoteCopy},
-        };
-        // A handle made under the last copy path (ce: with its copy plan).
-        const HtDispatchResult hab = buf.ht_dispatch(a);
-        HtDispatchArgs cab = cached;
-        cab.handle = &hab.handle;
-        for (const auto& [name, bits] : cases) {
-          detail::set_ht_ablation(bits);
-          ablations.emplace_back(name,
-                                 timed([&](const Allocator& al) { buf.ht_dispatch(cab, al); }));
-        }
-        // Copy-engine path stages (graph-timed: no host cost); no effect under other paths.
-        const std::pair<const char*, int> engine_cases[] = {
-            {"ce graph: full", 0},
-            {"ce graph: no push copies", detail::kAblateEnginePush},
-            {"ce graph: no kept-row copies", detail::kAblateEngineKept},
-            {"ce graph: no copy-out", detail::kAblateEngineOut},
-            {"ce graph: no copies at all",
-             detail::kAblateEnginePush | detail::kAblateEngineKept | detail::kAblateEngineOut},
-        };
-        for (const auto& [name, bits] : engine_cases) {
-          detail::set_ht_ablation(bits);
-          ablations.emplace_back(name, graph_timed(cab));
-        }
-        detail::set_ht_ablation(detail::kAblateReduce);
-        ablations.emplace_back("combine, senders only (reducers wait)",
-                               timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
-        detail::set_ht_ablation(0);
+      return us / (o.iters * kGraphRunOps);
+    };
+    auto graph_timed = [&](const HtDispatchArgs& args) {
+      return graph_timed_op([&](const Allocator& al) { (void)buf.ht_dispatch(args, al); });
+    };
+    auto host_timed = [&](const HtDispatchArgs& args) {
+      double total = 0;
+      for (int i = 0; i < o.iters; ++i) {
+        CUDA_OK(cudaStreamSynchronize(stream));
+        pool.reset();
+        const auto t0 = std::chrono::steady_clock::now();
+        (void)buf.ht_dispatch(args, pool.get());
+        total += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                     .count();
       }
-      auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
-      auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);
-      auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
-      // NCCL's all-to-all of 16 bytes per peer: the fixed cost of an op that waits for its peers
-      // (launch, handshake, and the ranks' launch skew after the per-iteration group barrier),
-      // which the ceiling kernel (pushes only, no cross-rank wait) does not pay.
-      auto n_tiny = bench::nccl_all_to_all(g, 16, o.warmup, o.iters);
-      // An empty kernel timed as the ops are (one-call graph after a barrier; 10-call graph):
-      // the launch and timing overhead inside every row.
-      const bench::Timing empty1 =
-          graph_timed_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
-      const double empty10 =
-          graph_run_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
-      auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
-      if (r == 0) {
-        const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
-        std::printf(
-            "\nSMs %d (sender CTAs: dispatch %d, ce:kept %d, zero-copy %d, combine %d): remote "
-            "rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows %lld\n",
-            sms, tu.dispatch_send_ctas, tu.dispatch_send_ctas_kept, tu.dispatch_send_ctas_zero_copy,
-            tu.combine_send_ctas, static_cast<long long>(remote_rows), bf16_bytes / 1e6,
-            fp8_bytes / 1e6, static_cast<long long>(self_rows));
-        std::printf("  %-52s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
-                    "ceil us", "epx/nccl", "ceil/epx");
-        auto row = [&](const char* name, const bench::Timing& e, const bench::Timing& n,
-                       const bench::Timing& c) {
-          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", name, e.median_us,
-                      e.min_us, n.median_us, c.median_us, e.median_us / n.median_us,
-                      c.median_us / e.median_us);
-        };
-        for (const CopyTimes& ct : per_copy) {
-          auto name = [&](const std::string& op) {
-            return ct.name.empty() ? op : op + " [" + ct.name + "]";
-          };
-          row(name("dispatch bf16 (cached)").c_str(), ct.disp, n_bf16, c_bf16);
-          row(name("dispatch fp8 (cached)").c_str(), ct.disp8, n_fp8, c_fp8);
-          row(name("dispatch bf16 (cached, via zero-copy kernels)").c_str(), ct.via_zc16, n_bf16,
-              c_bf16);
-          row(name("dispatch fp8 (cached, via zero-copy kernels)").c_str(), ct.via_zc8, n_fp8,
-              c_fp8);
-          row(name("dispatch bf16 (exact, via zero-copy kernels)").c_str(), ct.via_zc_exact, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (cached, graph)").c_str(), ct.graph16, n_bf16, c_bf16);
-          row(name("dispatch fp8 (cached, graph)").c_str(), ct.graph8, n_fp8, c_fp8);
-          row(name("dispatch bf16 (cached, zero-copy)").c_str(), ct.zc16, n_bf16, c_bf16);
-          row(name("dispatch fp8 (cached, zero-copy)").c_str(), ct.zc8, n_fp8, c_fp8);
-          row(name("dispatch bf16 (cached, zero-copy, graph)").c_str(), ct.zcg16, n_bf16, c_bf16);
-          row(name("dispatch fp8 (cached, zero-copy, graph)").c_str(), ct.zcg8, n_fp8, c_fp8);
-          row(name("dispatch bf16 (exact, zero-copy)").c_str(), ct.zc_exact, n_bf16, c_bf16);
-          std::printf("  %-52s %10.1f\n", name("host us per cached bf16 call").c_str(), ct.host16);
-          std::printf("  %-52s %10.1f\n", name("host us per cached zero-copy bf16 call").c_str(),
-                      ct.host_zc16);
-          row(name("dispatch bf16 (exact)").c_str(), ct.exact, n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, plan copied)").c_str(), ct.exact_copied, n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, zero-copy, plan copied)").c_str(), ct.zc_exact_copied,
-              n_bf16, c_bf16);
-          row(name("dispatch bf16 (worst-case)").c_str(), ct.worst, n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, old count exchange)").c_str(), ct.exact_old, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (exact, zero-copy, old count exchange)").c_str(), ct.zc_exact_old,
-              n_bf16, c_bf16);
-          row(name("dispatch bf16 (worst-case, old count exchange)").c_str(), ct.worst_old, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (exact, kept metadata late)").c_str(), ct.exact_kml, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (exact, zero-copy, kept metadata late)").c_str(), ct.zc_exact_kml,
-              n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, receive metadata by row)").c_str(), ct.exact_rmr, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (exact, zero-copy, receive metadata by row)").c_str(),
-              ct.zc_exact_rmr, n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, metadata old)").c_str(), ct.exact_meta_old, n_bf16,
-              c_bf16);
-          row(name("dispatch bf16 (exact, count exchange on one CTA)").c_str(), ct.exact_one_cta,
-              n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, zero-copy, count exchange on one CTA)").c_str(),
-              ct.zc_exact_one_cta, n_bf16, c_bf16);
-          row(name("dispatch bf16 (worst-case, count exchange on one CTA)").c_str(),
-              ct.worst_one_cta, n_bf16, c_bf16);
-          row(name("dispatch bf16 (exact, split: senders before the host wait)").c_str(),
-              ct.exact_split, n_bf16, c_bf16);
-
-          row(name("dispatch bf16 (exact, zero-copy, metadata old)").c_str(), ct.zc_exact_meta_old,
-              n_bf16, c_bf16);
-          row(name("combine bf16").c_str(), ct.comb, n_bf16, c_bf16);
-          row(name("combine bf16 (via pull: the peers' rows copied into the buffer)").c_str(),
-              ct.comb_via_pull, n_bf16, c_bf16);
-          row(name("combine bf16 (via pull, the whole copy before the kernel)").c_str(),
-              ct.comb_via_pull_whole, n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy)").c_str(), ct.zcomb, n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy, graph)").c_str(), ct.zcomb_graph, n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy, graph, no pair step)").c_str(), ct.zcomb_nopair,
-              n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy, graph, register pair step)").c_str(), ct.zcomb_regpair,
-              n_bf16, c_bf16);
-          row(name("combine bf16 (zero-copy, graph, no weights)").c_str(), ct.zcomb_now, n_bf16,
-              c_bf16);
-          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
-                      name("graph of 10 calls, per call: dispatch bf16 / fp8 zero-copy").c_str(),
-                      ct.run_zc16, ct.run_zc8, n_bf16.median_us, c_bf16.median_us);
-          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
-                      name("graph of 10 calls, per call: the same, fixed send order").c_str(),
-                      ct.run_zc16_st, ct.run_zc8_st, n_bf16.median_us, c_bf16.median_us);
-          row(name("dispatch bf16 (cached, graph, fixed send order)").c_str(), ct.graph16_st,
-              n_bf16, c_bf16);
-          std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f\n",
-                      name("graph of 10 calls, per call: combine zero-copy / copying").c_str(),
-                      ct.run_zcomb, ct.run_comb, n_bf16.median_us, c_bf16.median_us);
-          for (const auto& [spec, t] : ct.zcomb_pull)
-            row(name("combine bf16 (zero-copy, graph, staged " + spec + ")").c_str(), t, n_bf16,
-                c_bf16);
-          for (const auto& [pct, t] : ct.comb_share)
-            row(name("combine bf16 ce share " + std::to_string(pct) + "%").c_str(), t, n_bf16,
-                c_bf16);
-        }
-        row("combine bf16 [EPX_HT_COPY / default]", t_comb, n_bf16, c_bf16);
-        row("combine bf16 [default, emulated bf16 rounding]", t_comb_emu, n_bf16, c_bf16);
-        row("combine bf16 [default, narrow reducer step]", t_comb_narrow, n_bf16, c_bf16);
-        row("combine bf16 [default, no pair step]", t_comb_nopair, n_bf16, c_bf16);
-        if (o.ablate) {
-          std::printf("  ablations (same run; outputs wrong):\n");
-          for (const auto& [name, t] : ablations)
-            std::printf("  %-40s %10.1f %10.1f\n", name.c_str(), t.median_us, t.min_us);
-        }
-        std::printf("  NCCL a2a of 16 B per peer (fixed cost with a cross-rank wait): %.1f us\n",
-                    n_tiny.median_us);
-        std::printf("  empty kernel: one-call graph %.1f us, 10-call graph %.1f us per call\n",
-                    empty1.median_us, empty10);
-        std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
-                    bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
-        std::fflush(stdout);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      return total / o.iters;
+    };
+    struct Row {
+      std::string name;
+      bench::Timing t;
+      bool fp8;
+    };
+    std::vector<Row> rows;  // ops timed alone (CUDA events) or as one-call graphs
+    auto row = [&](const std::string& name, const bench::Timing& t, bool fp8 = false) {
+      rows.push_back({name, t, fp8});
+    };
+    std::vector<std::pair<std::string, double>> notes;  // host times, 10-call graphs
+    HtDispatchArgs z16 = cached, z8 = cached8, ze = a;
+    z16.zero_copy = z8.zero_copy = ze.zero_copy = true;
+    row("dispatch bf16 (cached)", timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); }));
+    row("dispatch fp8 (cached)", timed([&](const Allocator& al) { buf.ht_dispatch(cached8, al); }),
+        true);
+    row("dispatch bf16 (cached, graph)", graph_timed(cached));
+    row("dispatch fp8 (cached, graph)", graph_timed(cached8), true);
+    notes.emplace_back("host us per cached bf16 call", host_timed(cached));
+    row("dispatch bf16 (cached, zero-copy)",
+        timed([&](const Allocator& al) { buf.ht_dispatch(z16, al); }));
+    row("dispatch fp8 (cached, zero-copy)",
+        timed([&](const Allocator& al) { buf.ht_dispatch(z8, al); }), true);
+    row("dispatch bf16 (cached, zero-copy, graph)", graph_timed(z16));
+    row("dispatch fp8 (cached, zero-copy, graph)", graph_timed(z8), true);
+    notes.emplace_back("host us per cached zero-copy bf16 call", host_timed(z16));
+#ifdef EPX_HT_TRACE
+    if (o.trace)
+      trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy", [&] {
+        pool.reset();
+        (void)buf.ht_dispatch(z16, pool.get());
+      });
+#endif
+    notes.emplace_back("graph of 10 calls, per call: dispatch bf16 zero-copy",
+                       graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z16, al); }));
+    notes.emplace_back("graph of 10 calls, per call: dispatch fp8 zero-copy",
+                       graph_run_op([&](const Allocator& al) { (void)buf.ht_dispatch(z8, al); }));
+    row("dispatch bf16 (exact)", timed([&](const Allocator& al) { buf.ht_dispatch(a, al); }));
+    row("dispatch bf16 (exact, zero-copy)",
+        timed([&](const Allocator& al) { buf.ht_dispatch(ze, al); }));
+#ifdef EPX_HT_TRACE
+    if (o.trace)
+      trace_op(g, stream, o.iters, sms, 0, "dispatch bf16 zero-copy exact", [&] {
+        pool.reset();
+        (void)buf.ht_dispatch(ze, pool.get());
+      });
+#endif
+    row("dispatch bf16 (worst-case)",
+        timed([&](const Allocator& al) { buf.ht_dispatch(worst, al); }));
+    row("combine bf16", timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
+    notes.emplace_back("graph of 10 calls, per call: combine bf16",
+                       graph_run_op([&](const Allocator& al) { buf.ht_combine(ca, al); }));
+    {  // zero-copy combine: the same y rows written once into the combine buffer
+      const TensorView view = buf.ht_combine_buffer(res.handle);
+      CUDA_OK(cudaMemcpy(view.data, ca.y.data, view.nbytes(), cudaMemcpyDeviceToDevice));
+      HtCombineArgs cz = ca;
+      cz.y = view;
+      cz.zero_copy = true;
+      row("combine bf16 (zero-copy)", timed([&](const Allocator& al) { buf.ht_combine(cz, al); }));
+      row("combine bf16 (zero-copy, graph)",
+          graph_timed_op([&](const Allocator& al) { buf.ht_combine(cz, al); }));
+      notes.emplace_back("graph of 10 calls, per call: combine bf16 zero-copy",
+                         graph_run_op([&](const Allocator& al) { buf.ht_combine(cz, al); }));
+#ifdef EPX_HT_TRACE
+      if (o.trace)
+        trace_op(g, stream, o.iters, sms, 1, "combine zero-copy", [&] {
+          pool.reset();
+          buf.ht_combine(cz, pool.get());
+        });
+#endif
+      HtCombineArgs czw = cz;  // no weights: no mirror copy before the kernel
+      czw.topk_weights = TensorView{};
+      row("combine bf16 (zero-copy, graph, no weights)",
+          graph_timed_op([&](const Allocator& al) { buf.ht_combine(czw, al); }));
+    }
+    buf.check();
+    std::vector<std::pair<std::string, bench::Timing>> ablations;
+#ifdef EPX_DIAGNOSTICS
+    if (o.ablate) {
+      const std::pair<const char*, int> cases[] = {
+          {"dispatch bf16 cached, no kept-row copy", detail::kAblateSelf},
+          {"dispatch bf16 cached, no received-row copy", detail::kAblateRemoteCopy},
+          {"dispatch bf16 cached, senders only", detail::kAblateSelf | detail::kAblateRemoteCopy},
+      };
+      for (const auto& [name, bits] : cases) {
+        detail::set_ht_ablation(bits);
+        ablations.emplace_back(name,
+                               timed([&](const Allocator& al) { buf.ht_dispatch(cached, al); }));
       }
+      // The copy engines' stages (graph-timed: no host cost); no effect where they move nothing.
+      detail::set_ht_ablation(0);
+      ablations.emplace_back("dispatch bf16 cached graph: full", graph_timed(cached));
+      detail::set_ht_ablation(detail::kAblateEngineKept);
+      ablations.emplace_back("dispatch bf16 cached graph: no kept-row copies", graph_timed(cached));
+      detail::set_ht_ablation(detail::kAblateEnginePush);
+      ablations.emplace_back("combine, copy engines push nothing",
+                             timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
+      detail::set_ht_ablation(detail::kAblateReduce);
+      ablations.emplace_back("combine, senders only (reducers wait)",
+                             timed([&](const Allocator& al) { buf.ht_combine(ca, al); }));
+      detail::set_ht_ablation(0);
+    }
+#endif
+    auto n_bf16 = bench::nccl_all_to_all(g, bf16_bytes, o.warmup, o.iters);
+    auto n_fp8 = bench::nccl_all_to_all(g, fp8_bytes, o.warmup, o.iters);
+    auto c_bf16 = bench::nvlink_copy_ceiling(g, bf16_bytes, sms, o.warmup, o.iters);
+    // NCCL's all-to-all of 16 bytes per peer: the fixed cost of an op that waits for its peers
+    // (launch, handshake, and the ranks' launch skew after the per-iteration group barrier),
+    // which the ceiling kernel (pushes only, no cross-rank wait) does not pay.
+    auto n_tiny = bench::nccl_all_to_all(g, 16, o.warmup, o.iters);
+    // An empty kernel timed as the ops are (one-call graph after a barrier; 10-call graph): the
+    // launch and timing overhead inside every row.
+    const bench::Timing empty1 =
+        graph_timed_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
+    const double empty10 =
+        graph_run_op([&](const Allocator&) { bench::launch_empty_kernel(stream); });
+    auto c_fp8 = bench::nvlink_copy_ceiling(g, fp8_bytes, sms, o.warmup, o.iters);
+    if (r == 0) {
+      const detail::HtTuning& tu = static_cast<detail::CudaBuffer&>(buf.impl()).tuning();
+      std::printf(
+          "\nSMs %d (sender CTAs: dispatch %d, kept rows by copy engine %d, zero-copy %d, combine "
+          "%d): remote rows/peer %lld (%.1f MB bf16, %.1f MB fp8), self rows %lld\n",
+          tu.num_sms, tu.dispatch_send_ctas, tu.dispatch_send_ctas_kept,
+          tu.dispatch_send_ctas_zero_copy, tu.combine_send_ctas,
+          static_cast<long long>(remote_rows), bf16_bytes / 1e6, fp8_bytes / 1e6,
+          static_cast<long long>(self_rows));
+      std::printf("  %-52s %10s %10s %10s %10s %12s %10s\n", "op", "epx us", "min us", "nccl us",
+                  "ceil us", "epx/nccl", "ceil/epx");
+      for (const Row& w : rows) {
+        const bench::Timing& n = w.fp8 ? n_fp8 : n_bf16;
+        const bench::Timing& c = w.fp8 ? c_fp8 : c_bf16;
+        std::printf("  %-52s %10.1f %10.1f %10.1f %10.1f %12.2f %10.2f\n", w.name.c_str(),
+                    w.t.median_us, w.t.min_us, n.median_us, c.median_us,
+                    w.t.median_us / n.median_us, c.median_us / w.t.median_us);
+      }
+      for (const auto& [name, us] : notes) std::printf("  %-52s %10.1f\n", name.c_str(), us);
+      if (!ablations.empty()) {
+        std::printf("  ablations (same run; outputs wrong):\n");
+        for (const auto& [name, t] : ablations)
+          std::printf("  %-52s %10.1f %10.1f\n", name.c_str(), t.median_us, t.min_us);
+      }
+      std::printf("  NCCL a2a of 16 B per peer (fixed cost with a cross-rank wait): %.1f us\n",
+                  n_tiny.median_us);
+      std::printf("  empty kernel: one-call graph %.1f us, 10-call graph %.1f us per call\n",
+                  empty1.median_us, empty10);
+      std::printf("  NVLink ceiling: %.1f GB/s per direction (bf16 bytes), NCCL a2a %.1f GB/s\n",
+                  bf16_bytes / c_bf16.median_us / 1e3, bf16_bytes / n_bf16.median_us / 1e3);
+      std::fflush(stdout);
     }
   }
+#ifdef EPX_DIAGNOSTICS
+  detail::set_ht_tuning_override(0, 0, 0);
+#endif
   cudaStreamDestroy(stream);
   return 0;
 }
@@ -695,7 +468,7 @@ int run_rank(const Group& g, const Options& o) {
 }  // namespace
 
 // --ce-probe (2 ranks): copy-engine rates into a peer's memory, to explain the ≈ 225 GB/s the
-// ce path reached (docs/perf-cuda-ht.md run 10). cudaMemcpyAsync of S bytes from a local
+// copy engines reached pushing every row (2026-11-30). cudaMemcpyAsync of S bytes from a local
 // cudaMalloc buffer into (a) the peer's NCCL window through its LSA mapping (what the ce path
 // writes), (b) a cudaMalloc buffer of the peer opened with cudaIpcOpenMemHandle (the classic peer
 // path; reference/nvlink.md measured 395 GB/s there), (c) this rank's own window (local copy);
@@ -788,42 +561,32 @@ int main(int argc, char** argv) {
       o.experts = std::atoi(next());
     else if (a == "--sms")
       o.sms = parse_list(next());
+#ifdef EPX_DIAGNOSTICS
     else if (a == "--send-pct")
       o.send_pct = parse_list(next());
+    else if (a == "--ablate")
+      o.ablate = true;
+#endif
     else if (a == "--warmup")
       o.warmup = std::atoi(next());
     else if (a == "--iters")
       o.iters = std::atoi(next());
-    else if (a == "--ablate")
-      o.ablate = true;
     else if (a == "--ce-probe")
       o.ce_probe = true;
-    else if (a == "--copy")
-      o.copy = gpu_testing::split_commas(next());
-    else if (a == "--ce-share")
-      o.ce_share = parse_list(next());
-    else if (a == "--pull")
-      o.pull = gpu_testing::split_commas(next());
     else if (a == "--trace")
       o.trace = true;
-    else if (a == "--kept-runs")
-      o.kept_runs = std::atoll(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms a,b] [--send-pct p,q] [--warmup W] [--iters N] [--ablate] "
-                   "[--copy warp,bulk[:SxC][:bN],ce[:kept][:combine[-auto]],...] [--ce-share p,q] "
-                   "[--ce-probe] [--pull SxC,...] [--trace] [--kept-runs N]\n",
-                   argv[0]);
+                   "[--sms a,b] [--warmup W] [--iters N] [--ce-probe] [--trace]%s\n",
+                   argv[0],
+#ifdef EPX_DIAGNOSTICS
+                   " [--send-pct p,q] [--ablate]"
+#else
+                   ""
+#endif
+      );
       return a == "--help" ? 0 : 2;
-    }
-  }
-  for (const std::string& spec : o.copy) {
-    try {
-      detail::parse_ht_copy(spec, "--copy");
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-      return 2;
     }
   }
 #ifndef EPX_HT_TRACE
@@ -838,6 +601,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int R = o.ranks > 0 ? o.ranks : gpus;
-  return gpu_testing::run_cuda_ranks(
-      R, [&](const Group& g) { return o.ce_probe ? ce_probe(g, o) : run_rank(g, o); });
+  if (o.ce_probe)
+    return gpu_testing::run_cuda_ranks(R, [&](const Group& g) { return ce_probe(g, o); });
+  int rc = 0;
+  for (int sms : o.sms) {  // a group per SM count: the buffers' CTAs follow GroupOptions::num_sms
+    GroupOptions options;
+    options.num_sms = sms;
+    rc |= gpu_testing::run_cuda_ranks(
+        R, [&](const Group& g) { return run_rank(g, o, sms); }, options);
+  }
+  return rc;
 }

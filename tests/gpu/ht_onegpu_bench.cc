@@ -2,19 +2,20 @@
 // one GPU is lent: R ranks as threads sharing GPU 0 (Group::cuda_shared_device, as the one-GPU
 // GPU tests), each rank's kernels on `--sms` SMs of its own (co-resident), every "peer" store
 // and load going to the same GPU's memory instead of over NVLink. Not a measure of epx's EP
-// speed (no link; the ranks share the GPU's memory bandwidth) — a same-run A/B of kernel-side
-// changes: exact vs cached, zero-copy or not, each under the output-preserving switches below.
+// speed (no link; the ranks share the GPU's memory bandwidth) — a same-run view of the kernels'
+// side: exact vs cached vs worst-case, zero-copy or not.
 //
 //   epx_ht_onegpu_bench [--ranks 2] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
-//                       [--sms 16] [--calls 20] [--rounds 5] [--bits N] [--trace] [--combine-only]
+//                       [--sms 16] [--calls 20] [--rounds 5] [--trace] [--combine-only]
+//                       diagnostics builds (-DEPX_DIAGNOSTICS=ON) also: [--bits N] (ablation
+//                       bits of cuda/tuning.h for every row; outputs wrong)
 //
 // Per row: `calls` dispatches back to back on the rank's stream between two CUDA events (after a
 // group barrier), µs per call; the median of `rounds` such rounds; rank 0's time and the slowest
-// rank's. Default rows also note the host time per call and epx-bench's measure (one call alone
-// between two events after a barrier, the median over calls x rounds). Then the combine (copying,
-// through the pull protocol, zero-copy). The copy path is the default's one-GPU form
-// (CudaBuffer::copy_config): the kernels' warp path, or "ce:kept" with EPX_ONE_GPU_SIDE_STREAMS=1
-// (R <= 6) — the twelfth session's proxy numbers from item 7 on were taken that way.
+// rank's. Rows also note the host time per call and epx-bench's measure (one call alone between
+// two events after a barrier, the median over calls x rounds). Then the combine (copying,
+// zero-copy). The kernels move every row in this mode, or the copy engines copy the kept rows
+// with EPX_ONE_GPU_SIDE_STREAMS=1 (R <= 6; CudaHt's engine_kept_).
 // --trace (a -DEPX_HT_TRACE=ON build): then each dispatch kind alone, the count exchange's and the
 // dispatch kernel's phase stamps (kernels/ht/trace.cuh), rank 0's.
 #include <cuda_runtime.h>
@@ -45,26 +46,23 @@ struct Options {
   int ranks = 2;
   int64_t tokens = 4096, hidden = 7168;
   int topk = 8, experts = 256, sms = 16, calls = 20, rounds = 5;
-  int bits = 0;  // --bits N: HtAblate bits OR-ed into every row's (an ablation: outputs wrong)
+  int bits = 0;        // --bits N (diagnostics builds): ablation bits for every row (outputs wrong)
   bool trace = false;  // --trace (EPX_HT_TRACE builds): the phase stamps of each dispatch kind
   bool combine_only = false;  // --combine-only: only the combine rows (e.g. under a profiler)
 };
 
-struct Switch {
-  const char* name;
-  int bits;
-  bool cached_too = false;  // also the cached rows (else they move no metadata: skipped)
-};
-// The output-preserving switches (cuda/tuning.h) timed against the default (0).
-const Switch kSwitches[] = {
-    {"default", 0},
-    {"kept metadata late", detail::kHtKeptMetaLate},
-    {"receive metadata by row", detail::kHtRecvMetaRows},
-    {"metadata old (both)", detail::kHtKeptMetaLate | detail::kHtRecvMetaRows},
-    {"count exchange on one CTA", detail::kHtNotifyOneCta},
-    {"split: senders before the host wait", detail::kHtSplitSend},
-    {"copying via the zero-copy kernels", detail::kHtDispatchViaZeroCopy, true},
-};
+// --bits (diagnostics builds): every rank's process is the same one here, so rank 0 sets them
+// between two barriers.
+void set_bits(const Group& g, int bits) {
+#ifdef EPX_DIAGNOSTICS
+  g.transport()->barrier("onegpu bench bits");
+  if (g.rank() == 0) detail::set_ht_ablation(bits);
+  g.transport()->barrier("onegpu bench bits set");
+#else
+  (void)g;
+  (void)bits;
+#endif
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -343,8 +341,8 @@ int run_rank(const Group& g, const Options& o) {
     g_times.assign(R, 0.0);
     std::printf(
         "ht one-GPU proxy: R=%d ranks on one GPU, %d SMs each, T=%lld H=%lld K=%d E=%d, uniform "
-        "routing, EPX_HT_COPY or default copy path; us per dispatch (%d back to back, median of %d "
-        "rounds): rank 0 / slowest rank\n",
+        "routing; us per dispatch (%d back to back, median of %d rounds): rank 0 / slowest "
+        "rank\n",
         R, o.sms, static_cast<long long>(T), static_cast<long long>(H), K, o.experts, o.calls,
         o.rounds);
   }
@@ -359,32 +357,25 @@ int run_rank(const Group& g, const Options& o) {
       std::fflush(stdout);
     }
   };
+  set_bits(g, o.bits);
   // The layout alone: the count-exchange kernel's pass 1 (no exchange, no pass 2).
   if (!o.combine_only) {
     report("layout (count kernel, pass 1 only)",
            timed_op([&] { (void)buf.ht_layout(d_topk, stream, alloc); }));
-    for (const Switch& sw : kSwitches) {
-      for (const Row& row : rows) {
-        if (sw.bits != 0 && !sw.cached_too && row.args->handle != nullptr) continue;
-        g.transport()->barrier("onegpu bench switch");
-        if (r == 0) detail::set_ht_ablation(sw.bits | o.bits);
-        g.transport()->barrier("onegpu bench switch set");
-        const double us = timed(*row.args);
-        char host[160];  // (every row: host time is what some switches change)
-        std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
-                      allocs_per_call, alloc_per_call);
-        if (sw.bits == 0) {  // also epx-bench's way: one call alone after a barrier
-          const double single = timed_single(*row.args);
-          const size_t n = std::strlen(host);
-          std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
-        }
-        report(std::string("dispatch bf16 (") + row.op + ") [" + sw.name + "]", us, host);
-      }
+    for (const Row& row : rows) {
+      const double us = timed(*row.args);
+      char host[160];
+      std::snprintf(host, sizeof host, "host %.1f us/call, %d allocations %.1f us", host_per_call,
+                    allocs_per_call, alloc_per_call);
+      // Also epx-bench's way: one call alone after a barrier.
+      const double single = timed_single(*row.args);
+      const size_t n = std::strlen(host);
+      std::snprintf(host + n, sizeof host - n, "; one call after a barrier %.1f us", single);
+      report(std::string("dispatch bf16 (") + row.op + ")", us, host);
     }
   }
   // Combine with the first exact dispatch's handle and weights, y [N, H] of arbitrary values:
-  // the copying combine (the kernels' senders and reducers in this mode), the same through the
-  // pull protocol (kHtCombineViaPull: y copied into the combine buffer first), and the zero-copy
+  // the copying combine (the kernels' senders and reducers in this mode) and the zero-copy
   // combine (y already there).
   {
     const int64_t N = first.recv_x.shape[0];
@@ -401,18 +392,10 @@ int run_rank(const Group& g, const Options& o) {
     struct CombineRow {
       const char* name;
       const HtCombineArgs* args;
-      int bits;
     };
-    const CombineRow crows[] = {
-        {"combine bf16 [default]", &comb, 0},
-        {"combine bf16 [via pull: y copied into the buffer]", &comb, detail::kHtCombineViaPull},
-        {"combine bf16 [via pull, the whole copy before the kernel]", &comb,
-         detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole},
-        {"combine bf16 (zero-copy) [default]", &zc_comb, 0}};
+    const CombineRow crows[] = {{"combine bf16", &comb}, {"combine bf16 (zero-copy)", &zc_comb}};
     for (const CombineRow& row : crows) {
       g.transport()->barrier("onegpu bench combine");
-      if (r == 0) detail::set_ht_ablation(row.bits | o.bits);
-      g.transport()->barrier("onegpu bench combine set");
       report(row.name, timed_op([&] { (void)buf.ht_combine(*row.args, alloc); }));
 #ifdef EPX_HT_TRACE
       if (o.trace)
@@ -423,8 +406,6 @@ int run_rank(const Group& g, const Options& o) {
   }
 #ifdef EPX_HT_TRACE
   if (o.trace && !o.combine_only) {
-    if (r == 0) detail::set_ht_ablation(o.bits);
-    g.transport()->barrier("onegpu trace bits");
     for (const Row& row : rows) {
       g.transport()->barrier("onegpu trace row");
       trace_dispatch(g, stream, o.rounds * 4, o.sms, row.op,
@@ -433,7 +414,7 @@ int run_rank(const Group& g, const Options& o) {
   }
 #endif
   g.transport()->barrier("onegpu bench end");
-  if (r == 0) detail::set_ht_ablation(0);
+  set_bits(g, 0);
   buf.check();
   CUDA_OK(cudaEventDestroy(e0));
   CUDA_OK(cudaEventDestroy(e1));
@@ -461,8 +442,14 @@ int main(int argc, char** argv) {
     if (a == "--help" || i + 1 >= argc) {
       std::fprintf(stderr,
                    "usage: %s [--ranks R] [--tokens T] [--hidden H] [--topk K] [--experts E] "
-                   "[--sms S] [--calls N] [--rounds N] [--bits N] [--trace] [--combine-only]\n",
-                   argv[0]);
+                   "[--sms S] [--calls N] [--rounds N] [--trace] [--combine-only]%s\n",
+                   argv[0],
+#ifdef EPX_DIAGNOSTICS
+                   " [--bits N]"
+#else
+                   ""
+#endif
+      );
       return a == "--help" ? 0 : 2;
     }
     const char* v = argv[++i];
@@ -482,8 +469,10 @@ int main(int argc, char** argv) {
       o.calls = std::atoi(v);
     else if (a == "--rounds")
       o.rounds = std::atoi(v);
+#ifdef EPX_DIAGNOSTICS
     else if (a == "--bits")
       o.bits = std::atoi(v);
+#endif
     else {
       std::fprintf(stderr, "unknown option %s (--help)\n", a.c_str());
       return 2;

@@ -1,11 +1,10 @@
 // tests/gpu/ht_test.cc — the cuda ht mode on 1 and 2 GPUs, every output compared bit for bit
 // with the naive SPEC reference (ht_reference.h) and, where it implements ht, the cpu backend.
 //
-// The correctness tests run every case under each dispatch copy path (cuda/tuning.h): the warp
-// loops, the bulk-copy engine, a bulk ring of tiny chunks with an odd send batch (many partial
-// chunks, ring wrap-around, several signals per block), and the copy engines (runs of rows
-// as cudaMemcpyAsync calls: every x row, or only the kept rows; ":combine" also combine's y rows
-// — worst-case mode keeps the kernels).
+// The correctness tests run every case under each path the library takes by itself (kPaths: the
+// default at 16 SMs, zero-copy dispatches, 32 SMs); within a path the cases reach its branches
+// (kept rows by copy engine or by the kernel, combine's rows by copy engine at the large case,
+// the staged or register pull reducer, worst-case mode's kernel-only path).
 //
 // Each test forks R ranks (one GPU each, a cuda group per test). Every rank generates the inputs
 // of ALL ranks from the case seed, so it can compute every expected output locally. Outputs are
@@ -25,7 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/cuda_buffer.h"
+#include "cuda/ht_copy_engine.h"
+#include "cuda/kernels/ht/ht_region.cuh"
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -38,52 +38,20 @@ namespace {
 
 using testing::Routing;
 
-// Copy paths (EPX_HT_COPY values), for the copy-engine combine the percent of each slot's rows
-// the copy engines push (the kernel's senders the rest: whole 32-row blocks each), and the
-// output-preserving kernel switches (cuda/tuning.h: kHtReduceNarrow, kHtEmulatedBf16).
-struct CopyPath {
-  const char* spec;
-  int ce_share;
-  int switches;
-  bool zero_copy = false;  // every dispatch with HtDispatchArgs::zero_copy
-  // The zero-copy combine's staged reducer: stages x chunk (-1: the default; 0 stages: off).
-  int pull_stages = -1;
-  int pull_chunk = 0;
+// The paths of the correctness tests: each a GroupOptions::num_sms (0: the default 16) and
+// whether the dispatches are zero-copy. The copy engines' part follows from the SM count and the
+// case (tuning.h): at 16 SMs the kept rows go by copy engine where they form at most 32 runs and
+// combine's rows where one rank sends another >= 32 MB (the large case); at 32 SMs combine's rows
+// go by the kernel's senders and the zero-copy combine takes the register pair step instead of
+// the staged reducer.
+struct Path {
+  const char* name;
+  int num_sms;
+  bool zero_copy;
 };
-const CopyPath kCopyPaths[] = {
-    {"warp", 100, 0},
-    {"bulk", 100, 0},
-    {"bulk:2x48:b7", 100, 0},
-    {"ce", 100, 0},
-    {"ce:kept", 100, 0},
-    {"ce:kept", 100, detail::kHtKeptPlanCopied},   // the plan from host copies of send_pos
-    {"warp", 100, detail::kHtNotifyOld},           // the count exchange before the tenth session
-    {"warp", 100, detail::kHtKeptMetaLate, true},  // kept rows' metadata loads in series (A/B)
-    {"warp", 100, detail::kHtRecvMetaRows},        // received metadata row by row (A/B)
-    {"ce:kept", 100, detail::kHtNotifyOneCta},     // the count exchange on one CTA (A/B)
-    {"warp", 100, detail::kHtSplitSend},           // exact: senders before the host wait
-    {"bulk", 100, detail::kHtSplitSend},
-    {"ce:kept", 100, detail::kHtSplitSend},       // the same with the copy engines on the kept rows
-    {"ce:kept", 100, detail::kHtCombineViaPull},  // copying combine: y into the buffer, then pull
-    {"warp", 100, detail::kHtCombineViaPull | detail::kHtPullStagedOff},  // ... register steps
-    {"ce:kept", 100, detail::kHtCombineViaPull | detail::kHtCombineViaPullWhole},  // unchunked
-    {"ce:kept", 100, detail::kHtDispatchViaZeroCopy},  // copying dispatch, zero-copy kernels
-    {"warp", 100, detail::kHtDispatchViaZeroCopy | detail::kHtCombineViaPull},
-    {"ce:kept:combine", 100, 0},
-    {"ce:combine", 100, 0},
-    {"ce:kept:combine", 60, 0},
-    {"ce:kept:combine", 100, 0, true},
-    {"warp", 100, 0, true},
-    {"ce", 100, 0, true},
-    {"warp", 100, detail::kHtPullStagedOff, true},  // the register pair step under zero-copy
-    {"warp", 100, 0, true, 2, 512},                 // many small stages: rows across 28 chunks
-    {"warp", 100, detail::kHtSendStatic, true},     // senders' fixed batch order (the A/B)
-    {"bulk", 100, detail::kHtSendStatic},
-    {"warp", 100, detail::kHtReducePairOff},
-    {"warp", 100, detail::kHtReduceNarrow},
-    {"ce:kept:combine", 100, detail::kHtReduceNarrow | detail::kHtEmulatedBf16}};
+const Path kPaths[] = {{"default", 0, false}, {"zero-copy", 0, true}, {"32 SMs", 32, false}};
 
-// The copy path's zero_copy, for the dispatches of the tests below (rank processes: per rank).
+// The path's zero_copy, for the dispatches of the tests below (set before the ranks fork).
 bool g_zero_copy = false;
 
 // EPX_TEST_TRACE=1: each rank prints when it enters each step of run_case (ms since the first
@@ -100,29 +68,20 @@ void stamp(const Group& g, const char* step) {
   std::fprintf(stderr, "[trace %9.1f ms] rank %d: %s\n", ms, g.rank(), step);
 }
 
-// Runs body() under each copy path (in the rank process); returns the failures summed.
-int for_each_copy_path(const std::function<int()>& body) {
+// Runs `body` on R forked ranks (one GPU each) under each path, a group per path
+// (num_sms > 0: that SM count for every path instead); returns the failing runs.
+int run_paths(int R, const std::function<int(const Group&)>& body, int num_sms = 0) {
   int bad = 0;
-  for (const CopyPath& path : kCopyPaths) {
-    const detail::HtCopyConfig cfg = detail::parse_ht_copy(path.spec, "test");
-    detail::set_ht_copy_override(&cfg);
-    detail::set_ht_engine_share_override(path.ce_share);
-    detail::set_ht_ablation(path.switches);
-    detail::set_ht_pull_staging_override(path.pull_stages, path.pull_chunk);
+  for (const Path& path : kPaths) {
+    GroupOptions options;
+    options.num_sms = num_sms > 0 ? num_sms : path.num_sms;
     g_zero_copy = path.zero_copy;
-    const int b = body();
-    if (b)
-      std::fprintf(stderr,
-                   "FAIL under copy path '%s' (copy-engine combine share %d%%, switches %d, "
-                   "zero-copy %d, staging %dx%d)\n",
-                   path.spec, path.ce_share, path.switches, path.zero_copy ? 1 : 0,
-                   path.pull_stages, path.pull_chunk);
-    bad += b;
+    const int rc = gpu_testing::run_cuda_ranks(R, body, options);
+    if (rc)
+      std::fprintf(stderr, "FAIL under path '%s' (%d SMs, zero-copy %d)\n", path.name,
+                   options.num_sms, path.zero_copy ? 1 : 0);
+    bad += rc != 0;
   }
-  detail::set_ht_copy_override(nullptr);
-  detail::set_ht_engine_share_override(100);
-  detail::set_ht_ablation(0);
-  detail::set_ht_pull_staging_override(-1, 0);
   g_zero_copy = false;
   return bad;
 }
@@ -445,10 +404,9 @@ TEST(HtReference, AgreesWithCpuBackend) {
 }
 
 // R ranks as threads sharing GPU 0 (Group::cuda_shared_device, issue 8): EP4 and EP8 before
-// machines with that many GPUs. The default copy path ("ce:kept:combine-auto") runs as the
-// kernels' warp path in this mode, or as "ce:kept" with EPX_ONE_GPU_SIDE_STREAMS=1 where the
-// hardware queues suffice (R <= 6 with the harness's 32; CudaBuffer::copy_config); no copy-path
-// override (it is per process, and the rank threads would race on it).
+// machines with that many GPUs. The kernels move every row in this mode (the kernel-only path),
+// or the copy engines copy the kept rows with EPX_ONE_GPU_SIDE_STREAMS=1 where the hardware
+// queues suffice (R <= 6 with the harness's 32; CudaHt's engine_kept_).
 class HtOneGpu : public ::testing::TestWithParam<int> {};
 
 // `body` on R rank threads sharing GPU 0; EPX_TEST_ONE_GPU_SMS=N: N SMs per rank (default
@@ -486,71 +444,28 @@ TEST_P(HtOneGpu, MatchesReference) {
   EXPECT_EQ(rc, 0);
 }
 
-// Tokens per rank for the opt-in paths' tests: `few` (one rank sends nothing), `many` (T > 1024:
-// the count exchange's cluster of CTAs).
-struct OptInTokens {
-  std::vector<int64_t> few, many;
-};
-OptInTokens opt_in_tokens(int R) {
-  OptInTokens t{std::vector<int64_t>(R), std::vector<int64_t>(R)};
-  for (int r = 0; r < R; ++r) {
-    t.few[r] = r == R - 1 ? 0 : 64 + 37 * r;
-    t.many[r] = 1500 + 900 * r;
-  }
-  return t;
-}
-
-// `body` on R rank threads sharing GPU 0 under each set of switches (cuda/tuning.h), set before
-// the threads start and cleared after; every run must pass.
-void expect_under_switches(int R, std::initializer_list<int> switch_sets,
-                           const std::function<int(const Group&)>& body) {
-  for (const int bits : switch_sets) {
-    detail::set_ht_ablation(bits);
-    const int rc = run_one_gpu(R, body);
-    detail::set_ht_ablation(0);
-    EXPECT_EQ(rc, 0) << "switches " << bits;
-  }
-}
-
-// The same with the opt-in paths: the split exact dispatch (kHtSplitSend: the senders' kernel
-// launched before the host waits for the count exchange, the receivers' after; in this mode only
-// with EPX_ONE_GPU_SIDE_STREAMS=1) with the copying combine through the pull protocol
-// (kHtCombineViaPull), then the copying dispatch through the zero-copy kernels
-// (kHtDispatchViaZeroCopy, which excludes the split; ht.cu).
-TEST_P(HtOneGpu, OptInPathsMatchReference) {
-  const int R = GetParam();
-  EPX_REQUIRE_GPUS(1);
-  expect_under_switches(
-      R, {detail::kHtSplitSend | detail::kHtCombineViaPull, detail::kHtDispatchViaZeroCopy},
-      [R](const Group& g) {
-        const OptInTokens t = opt_in_tokens(R);
-        int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, t.few, 9500 + R));
-        bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, t.few, 9600 + R));  // 8-byte rows
-        bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, t.many, 9700 + R)[0]});
-        return bad;
-      });
-}
-
-// The side-stream paths in this mode (the copy engines' kept rows, the split dispatch, the
-// chunked combine via pull), which run only with EPX_ONE_GPU_SIDE_STREAMS=1 (core/env.h: a
-// Buffer's side stream may share a hardware queue with a peer's stream and then stall until the
-// timeout, so they are not the default here). The device scripts set it for this test; with 16
-// SMs per rank (EPX_TEST_ONE_GPU_SMS=16) the SMs left free let the chunked combine run.
+// The kept rows by copy engine in this mode, which runs only with EPX_ONE_GPU_SIDE_STREAMS=1
+// (core/env.h: a Buffer's side stream may share a hardware queue with a peer's stream and then
+// stall until the timeout, so it is not the default here). The device scripts set it for this
+// test.
 TEST_P(HtOneGpu, SideStreamPathsMatchReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
   const char* v = std::getenv("EPX_ONE_GPU_SIDE_STREAMS");
   if (v == nullptr || std::string(v) != "1")
     GTEST_SKIP() << "needs EPX_ONE_GPU_SIDE_STREAMS=1 (side streams in the one-GPU mode)";
-  expect_under_switches(
-      R, {0, detail::kHtSplitSend | detail::kHtCombineViaPull, detail::kHtDispatchViaZeroCopy},
-      [R](const Group& g) {
-        const OptInTokens t = opt_in_tokens(R);
-        int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, t.few, 9800 + R));
-        bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, t.many, 9900 + R)[0]});
-        bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, t.many, 9950 + R)[0]});  // K = 1
-        return bad;
-      });
+  const int rc = run_one_gpu(R, [R](const Group& g) {
+    std::vector<int64_t> few(R), many(R);
+    for (int r = 0; r < R; ++r) {
+      few[r] = r == R - 1 ? 0 : 64 + 37 * r;  // one rank sends nothing
+      many[r] = 1500 + 900 * r;               // T > 1024: the count exchange's cluster of CTAs
+    }
+    int bad = run_cases(g, routing_cases(R, 256, 8, 4 * R, few, 9800 + R));
+    bad += run_cases(g, {routing_cases(R, 128, 8, 8 * R, many, 9900 + R)[0]});
+    bad += run_cases(g, {routing_cases(R, 128, 1, 2 * R, many, 9950 + R)[0]});  // K = 1
+    return bad;
+  });
+  EXPECT_EQ(rc, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
@@ -558,8 +473,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, HtOneGpu, ::testing::Values(2, 4, 8),
                            return "R" + std::to_string(i.param);
                          });
 
-// Host only: the measured boundary of the copy-engine combine (docs/perf.md, fourth session).
-TEST(HtCopyConfig, CopyEngineCombineWhereItMeasuredFaster) {
+// Host only: the measured boundary of the copy-engine combine (2026-11-30).
+TEST(HtCopyEngines, CombineWhereItMeasuredFaster) {
   const int64_t row = 7168 * 2;  // bf16 row bytes of the standard workload
   // EP2, uniform routing: ~T rows from each rank to the other.
   EXPECT_TRUE(detail::ht_engine_combine_pays(16, 4077 * row));   // T = 4096: 400 -> 344 us
@@ -569,86 +484,14 @@ TEST(HtCopyConfig, CopyEngineCombineWhereItMeasuredFaster) {
   EXPECT_FALSE(detail::ht_engine_combine_pays(16, 511 * row));   // T = 512: 82 -> 107 us
 }
 
-// Host only (runs without a GPU): EPX_HT_COPY's grammar and the default copy path.
-TEST(HtCopyConfig, ParsesEverySpecAndRejectsTheRest) {
-  using detail::HtCopyMode;
-  using Comb = detail::HtEngineCombine;
-  const detail::HtCopyConfig def;
-  EXPECT_EQ(def.mode, HtCopyMode::kEngine);
-  EXPECT_TRUE(def.engine_kept_only);
-  EXPECT_EQ(def.engine_combine, Comb::kAuto);
-  struct Want {
-    const char* spec;
-    HtCopyMode mode;
-    bool kept;
-    Comb combine;
-  };
-  for (const Want& w : {Want{"ce", HtCopyMode::kEngine, false, Comb::kOff},
-                        Want{"ce:kept", HtCopyMode::kEngine, true, Comb::kOff},
-                        Want{"ce:combine", HtCopyMode::kEngine, false, Comb::kOn},
-                        Want{"ce:kept:combine", HtCopyMode::kEngine, true, Comb::kOn},
-                        Want{"ce:combine-auto", HtCopyMode::kEngine, false, Comb::kAuto},
-                        Want{"ce:kept:combine-auto", HtCopyMode::kEngine, true, Comb::kAuto},
-                        Want{"warp", HtCopyMode::kWarp, true, Comb::kAuto},
-                        Want{"bulk", HtCopyMode::kBulk, true, Comb::kAuto}}) {
-    const detail::HtCopyConfig c = detail::parse_ht_copy(w.spec, "test");
-    EXPECT_EQ(c.mode, w.mode) << w.spec;
-    if (w.mode == HtCopyMode::kEngine) {
-      EXPECT_EQ(c.engine_kept_only, w.kept) << w.spec;
-      EXPECT_EQ(c.engine_combine, w.combine) << w.spec;
-    }
-  }
-  const detail::HtCopyConfig b = detail::parse_ht_copy("bulk:3x4096:b8", "test");
-  EXPECT_EQ(b.stages, 3);
-  EXPECT_EQ(b.chunk, 4096);
-  EXPECT_EQ(b.send_batch, 8);
-  for (const char* bad :
-       {"", "ce:", "ce:foo", "ce:combine:kept", "ce:kept:kept", "bulk:1x16", "bulk:3x4095",
-        "warp:kept", "CE", "ce:combine-auto:kept", "ce:combine:combine-auto", "ce:kept:auto"}) {
-    try {
-      (void)detail::parse_ht_copy(bad, "EPX_HT_COPY");
-      ADD_FAILURE() << "accepted '" << bad << "'";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << bad;
-      EXPECT_NE(std::string(e.what()).find("EPX_HT_COPY"), std::string::npos) << e.what();
-    }
-  }
+// Host only (runs without a GPU): the zero-copy combine's staging, its measured default.
+TEST(HtPullStaging, MeasuredDefault) {
+  EXPECT_EQ(detail::kHtPullStaging.stages, 2);
+  EXPECT_EQ(detail::kHtPullStaging.chunk, 3584);
+  EXPECT_EQ(detail::kHtPullStaging.max_sms, 24);  // the register pair step above (as fast there)
 }
 
-// Host only (runs without a GPU): the zero-copy combine's staging — its measured default, the
-// test / bench override and what the override refuses (before any combine could start).
-TEST(HtPullStaging, DefaultOverrideAndValidation) {
-  const detail::HtPullStaging def = detail::ht_pull_staging();
-  EXPECT_EQ(def.stages, 2);
-  EXPECT_EQ(def.chunk, 3584);
-  EXPECT_EQ(def.max_sms, 24);  // the register pair step above (measured as fast at 32 SMs)
-  detail::set_ht_pull_staging_override(3, 1024);
-  detail::HtPullStaging o = detail::ht_pull_staging();
-  EXPECT_EQ(o.stages, 3);
-  EXPECT_EQ(o.chunk, 1024);
-  EXPECT_GT(o.max_sms, 132);  // an override applies at any SM count
-  detail::set_ht_pull_staging_override(0, 0);  // off: the register step
-  EXPECT_EQ(detail::ht_pull_staging().stages, 0);
-  for (const auto& [st, ch] : std::vector<std::pair<int, int>>{
-           {1, 2048}, {9, 2048}, {2, 500}, {2, 256}, {2, 16896}, {2, 3000}}) {
-    try {
-      detail::set_ht_pull_staging_override(st, ch);
-      ADD_FAILURE() << "accepted " << st << " x " << ch;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find("set_ht_pull_staging_override"), std::string::npos)
-          << e.what();
-    }
-  }
-  EXPECT_EQ(detail::ht_pull_staging().stages, 0);  // a refused override changes nothing
-  detail::set_ht_pull_staging_override(-1, 0);      // back to the default
-  const detail::HtPullStaging back = detail::ht_pull_staging();
-  EXPECT_EQ(back.stages, def.stages);
-  EXPECT_EQ(back.chunk, def.chunk);
-  EXPECT_EQ(back.max_sms, def.max_sms);
-}
-
-// No GPU needed: ce:kept's copy engines copy the kept rows only while they form few runs.
+// No GPU needed: the copy engines copy the kept rows only while they form few runs.
 TEST(HtKeptCopies, OnlyForFewRuns) {
   EXPECT_TRUE(detail::ht_kept_copies_pay(0));
   EXPECT_TRUE(detail::ht_kept_copies_pay(17));  // EP2, T = 4096, uniform (the measured case)
@@ -657,10 +500,30 @@ TEST(HtKeptCopies, OnlyForFewRuns) {
   EXPECT_FALSE(detail::ht_kept_copies_pay(1400));  // EP8, T = 4096, K = 8: ~1400 runs per rank
 }
 
-// Host only (runs without a GPU): the ce:kept plan an exact dispatch now builds from the count
+// The runs of consecutive tokens `me` keeps, from send_pos [T, R] and the prefix matrix: the
+// test's own reference for make_kept_plan.
+std::vector<detail::HtCopyPlan::Run> kept_runs_from_send_pos(const std::vector<int32_t>& send_pos,
+                                                             int64_t T, int R, int me,
+                                                             const std::vector<int32_t>& rpm) {
+  const int32_t excl = me > 0 ? rpm[(me - 1) * R + me] : 0;
+  std::vector<detail::HtCopyPlan::Run> v;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t pos = send_pos[static_cast<size_t>(t) * R + me];
+    if (pos < 0) continue;
+    const int32_t j = pos - excl, tt = static_cast<int32_t>(t);
+    if (!v.empty() && v.back().t0 + v.back().n == tt && v.back().j0 + v.back().n == j) {
+      ++v.back().n;
+    } else {
+      v.push_back({tt, j, 1});
+    }
+  }
+  return v;
+}
+
+// Host only (runs without a GPU): the copy plan an exact dispatch builds from the count
 // exchange's mapped words (make_kept_plan: the prefix matrix, then the kept runs' starts and ends
-// in any order, as the notify kernel's threads find them) equals the plan built, as before, from
-// host copies of send_pos (make_copy_plan) — where it lists runs (<= kHtHostKeptRuns of them).
+// in any order, as the notify kernel's threads find them) equals the runs found in send_pos —
+// where it lists them (<= kHtHostKeptRuns of them).
 TEST(HtKeptPlan, FromExchangeWordsMatchesFromSendPos) {
   std::mt19937_64 rng(2026);
   int listed = 0, unlisted = 0;
@@ -713,29 +576,24 @@ TEST(HtKeptPlan, FromExchangeWordsMatchesFromSendPos) {
     for (size_t i = 0; i < starts.size() && i < cap; ++i) words[at + i] = starts[i];
     for (size_t i = 0; i < ends.size() && i < cap; ++i) words[at + cap + i] = ends[i];
 
-    const auto want = detail::make_copy_plan(send_pos, T, R, me, rpm);
+    const auto want = kept_runs_from_send_pos(send_pos, T, R, me, rpm);
     const auto got = detail::make_kept_plan(words.data(), T, R, me);
     const std::string ctx = "trial " + std::to_string(trial) + " R=" + std::to_string(R) +
                             " me=" + std::to_string(me) + " T=" + std::to_string(T);
-    EXPECT_FALSE(got->full) << ctx;
-    EXPECT_EQ(got->rank_prefix_matrix, want->rank_prefix_matrix) << ctx;
-    EXPECT_EQ(got->kept_runs, want->runs[me].size()) << ctx;
-    EXPECT_EQ(want->kept_runs, want->runs[me].size()) << ctx;
-    ASSERT_EQ(got->runs.size(), static_cast<size_t>(R)) << ctx;
-    for (int d = 0; d < R; ++d)
-      if (d != me) EXPECT_TRUE(got->runs[d].empty()) << ctx;
-    if (want->runs[me].size() <= cap) {
+    EXPECT_EQ(got->rank_prefix_matrix, rpm) << ctx;
+    EXPECT_EQ(got->num_kept_runs, want.size()) << ctx;
+    if (want.size() <= cap) {
       ++listed;
-      ASSERT_EQ(got->runs[me].size(), want->runs[me].size()) << ctx;
-      for (size_t i = 0; i < want->runs[me].size(); ++i) {
-        EXPECT_EQ(got->runs[me][i].t0, want->runs[me][i].t0) << ctx << " run " << i;
-        EXPECT_EQ(got->runs[me][i].j0, want->runs[me][i].j0) << ctx << " run " << i;
-        EXPECT_EQ(got->runs[me][i].n, want->runs[me][i].n) << ctx << " run " << i;
+      ASSERT_EQ(got->kept.size(), want.size()) << ctx;
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got->kept[i].t0, want[i].t0) << ctx << " run " << i;
+        EXPECT_EQ(got->kept[i].j0, want[i].j0) << ctx << " run " << i;
+        EXPECT_EQ(got->kept[i].n, want[i].n) << ctx << " run " << i;
       }
     } else {
       ++unlisted;
-      EXPECT_TRUE(got->runs[me].empty()) << ctx;  // too many: the kernel places the kept rows
-      EXPECT_FALSE(detail::ht_kept_copies_pay(got->kept_runs)) << ctx;
+      EXPECT_TRUE(got->kept.empty()) << ctx;  // too many: the kernel places the kept rows
+      EXPECT_FALSE(detail::ht_kept_copies_pay(got->num_kept_runs)) << ctx;
     }
   }
   EXPECT_GT(listed, 100);  // both sides of the cut were exercised
@@ -775,106 +633,106 @@ TEST(HtKeptPlan, InconsistentWordsAreInternalErrors) {
 
 TEST(HtGpu, OneRankMatchesReference) {
   EPX_REQUIRE_GPUS(1);
-  const int rc = run_cuda_ranks(1, [](const Group& g) {
-    return for_each_copy_path([&] {
-      int bad = 0;
-      bad += run_cases(g, routing_cases(1, 256, 4, 16, {300}, 11));
-      auto big = routing_cases(1, 7168, 8, 64, {129}, 21);
-      big.resize(2);
-      bad += run_cases(g, big);
-      HtCase empty = routing_cases(1, 256, 4, 16, {0}, 31)[0];
-      bad += run_cases(g, {empty});
-      return bad;
-    });
+  const int rc = run_paths(1, [](const Group& g) {
+    int bad = 0;
+    bad += run_cases(g, routing_cases(1, 256, 4, 16, {300}, 11));
+    auto big = routing_cases(1, 7168, 8, 64, {129}, 21);
+    big.resize(2);
+    bad += run_cases(g, big);
+    HtCase empty = routing_cases(1, 256, 4, 16, {0}, 31)[0];
+    bad += run_cases(g, {empty});
+    return bad;
   });
   EXPECT_EQ(rc, 0);
 }
 
 TEST(HtGpu, TwoRanksMatchReference) {
   EPX_REQUIRE_GPUS(2);
-  const int rc = run_cuda_ranks(2, [](const Group& g) {
-    return for_each_copy_path([&] {
-      int bad = 0;
-      // Every routing, different T per rank (one rank with T = 0 in the last case).
-      auto cases = routing_cases(2, 256, 8, 32, {333, 190}, 101);
-      HtCase zero = cases[0];
-      zero.num_tokens = {0, 77};
-      zero.seed = 150;
-      cases.push_back(zero);
-      HtCase both_zero = cases[1];
-      both_zero.num_tokens = {0, 0};
-      both_zero.seed = 151;
-      cases.push_back(both_zero);
-      HtCase i32 = cases[0];
-      i32.topk_i32 = true;
-      i32.alignment = 4;
-      i32.weights = false;
-      i32.seed = 152;
-      cases.push_back(i32);
-      HtCase strided = cases[2];
-      strided.x_padded = true;
-      strided.seed = 153;
-      cases.push_back(strided);
-      bad += run_cases(g, cases);
-      // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
-      bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
-      bad += run_cases(g, routing_cases(2, 2, 2, 4, {50, 41}, 211));
-      // K = 1: a rank keeps about half its tokens, in ~100 runs — more than kHtKeptCopyMaxRuns,
-      // so under ce:kept the kernel places the kept rows (ht_kept_copies_pay).
-      bad += run_cases(g, routing_cases(2, 512, 1, 8, {400, 350}, 221));
-      // T > 1024: the count exchange on a cluster of CTAs (3000 tokens: 3 CTAs of 1000, 2100:
-      // 3 of 700); K = 1's kept runs cross the CTAs' chunks (the ce:kept plan merges them).
-      bad += run_cases(g, {routing_cases(2, 256, 8, 32, {3000, 2100}, 231)[0]});
-      bad += run_cases(g, {routing_cases(2, 256, 1, 8, {2600, 3100}, 241)[0]});
-      // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
-      auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
-      big.resize(3);
-      HtCase f8 = big[0];
-      f8.fp8 = true;
-      f8.seed = 310;
-      big.push_back(f8);
-      HtCase ue = big[1];
-      ue.fp8 = true;
-      ue.ue8m0 = true;
-      ue.topk_i32 = true;
-      ue.seed = 311;
-      big.push_back(ue);
-      HtCase f8s = f8;
-      f8s.x_padded = true;
-      f8s.seed = 312;
-      big.push_back(f8s);
-      bad += run_cases(g, big);
-      return bad;
-    });
+  const int rc = run_paths(2, [](const Group& g) {
+    int bad = 0;
+    // Every routing, different T per rank (one rank with T = 0 in the last case).
+    auto cases = routing_cases(2, 256, 8, 32, {333, 190}, 101);
+    HtCase zero = cases[0];
+    zero.num_tokens = {0, 77};
+    zero.seed = 150;
+    cases.push_back(zero);
+    HtCase both_zero = cases[1];
+    both_zero.num_tokens = {0, 0};
+    both_zero.seed = 151;
+    cases.push_back(both_zero);
+    HtCase i32 = cases[0];
+    i32.topk_i32 = true;
+    i32.alignment = 4;
+    i32.weights = false;
+    i32.seed = 152;
+    cases.push_back(i32);
+    HtCase strided = cases[2];
+    strided.x_padded = true;
+    strided.seed = 153;
+    cases.push_back(strided);
+    bad += run_cases(g, cases);
+    // Odd hidden sizes exercise the narrower copy paths (8- and 4-byte rows).
+    bad += run_cases(g, routing_cases(2, 100, 6, 12, {97, 130}, 201));
+    bad += run_cases(g, routing_cases(2, 2, 2, 4, {50, 41}, 211));
+    // K = 1: a rank keeps about half its tokens, in ~100 runs — more than kHtKeptCopyMaxRuns,
+    // so the kernel places the kept rows (ht_kept_copies_pay).
+    bad += run_cases(g, routing_cases(2, 512, 1, 8, {400, 350}, 221));
+    // T > 1024: the count exchange on a cluster of CTAs (3000 tokens: 3 CTAs of 1000, 2100:
+    // 3 of 700); K = 1's kept runs cross the CTAs' chunks (the copy plan merges them).
+    bad += run_cases(g, {routing_cases(2, 256, 8, 32, {3000, 2100}, 231)[0]});
+    bad += run_cases(g, {routing_cases(2, 256, 1, 8, {2600, 3100}, 241)[0]});
+    // DeepSeek-like H, fp8 with float scales and with packed UE8M0 scales.
+    auto big = routing_cases(2, 7168, 8, 256, {257, 300}, 301);
+    big.resize(3);
+    HtCase f8 = big[0];
+    f8.fp8 = true;
+    f8.seed = 310;
+    big.push_back(f8);
+    HtCase ue = big[1];
+    ue.fp8 = true;
+    ue.ue8m0 = true;
+    ue.topk_i32 = true;
+    ue.seed = 311;
+    big.push_back(ue);
+    HtCase f8s = f8;
+    f8s.x_padded = true;
+    f8s.seed = 312;
+    big.push_back(f8s);
+    bad += run_cases(g, big);
+    // The standard workload's size (T = 4096, H = 7168, K = 8, E = 256, uniform): ~58 MB from
+    // each rank to the other, so at 16 SMs combine's rows go by copy engine
+    // (ht_engine_combine_pays), after a copying and after a zero-copy dispatch.
+    HtCase std_case = routing_cases(2, 7168, 8, 256, {4096, 4096}, 321)[0];
+    std_case.routing = Routing::kUniform;
+    bad += run_cases(g, {std_case});
+    return bad;
   });
   EXPECT_EQ(rc, 0);
 }
 
 // Sender warps draw their token batches from a per-rank counter once their first batch is sent
 // (kernels/ht/dispatch.cuh): only where a rank has more batches than sender warps. 2 SMs give
-// 16-32 sender warps; T = 1000 gives 250 batches of 4 (126 of 7 under bulk:2x48:b7), so most
-// batches are drawn under every copy path, zero-copy and fp8 included. One buffer for all the
-// cases: consecutive dispatches check that the finishing CTA resets the counter.
+// 16-32 sender warps; T = 1000 gives 250 batches of 4, so most batches are drawn, zero-copy and
+// fp8 included. One buffer for all the cases: consecutive dispatches check that the finishing
+// CTA resets the counter.
 TEST(HtGpu, DrawnSenderBatchesTwoRanks) {
   EPX_REQUIRE_GPUS(2);
-  const int rc = run_cuda_ranks(2, [](const Group& g) {
-    detail::set_ht_tuning_override(2, 0, 0);  // buffers created below: 2 CTAs per kernel
-    const int bad = for_each_copy_path([&] {
-      auto cases = routing_cases(2, 1024, 8, 64, {1000, 700}, 401);
-      HtCase f8 = cases[0];
-      f8.fp8 = true;
-      f8.seed = 410;
-      cases.push_back(f8);
-      HtCase f8s = cases[1];
-      f8s.fp8 = true;
-      f8s.x_padded = true;
-      f8s.seed = 411;
-      cases.push_back(f8s);
-      return run_cases(g, cases);
-    });
-    detail::set_ht_tuning_override(0, 0, 0);
-    return bad;
-  });
+  const int rc = run_paths(
+      2,
+      [](const Group& g) {
+        auto cases = routing_cases(2, 1024, 8, 64, {1000, 700}, 401);
+        HtCase f8 = cases[0];
+        f8.fp8 = true;
+        f8.seed = 410;
+        cases.push_back(f8);
+        HtCase f8s = cases[1];
+        f8s.fp8 = true;
+        f8s.x_padded = true;
+        f8s.seed = 411;
+        cases.push_back(f8s);
+        return run_cases(g, cases);
+      },
+      /*num_sms=*/2);  // 2 CTAs per kernel
   EXPECT_EQ(rc, 0);
 }
 
@@ -1013,27 +871,19 @@ int graph_replays(const Group& g, int num_replays, int64_t T = 200) {
 
 TEST(HtGpu, WorstCaseGraphReplaysTwoRanks) {
   EPX_REQUIRE_GPUS(2);
-  EXPECT_EQ(run_cuda_ranks(2,
-                           [](const Group& g) {
-                             // T = 1300: the count exchange's cluster launch captured too.
-                             return for_each_copy_path([&] { return graph_replays(g, 12); }) +
-                                    graph_replays(g, 12, 1300);
-                           }),
-            0);
+  EXPECT_EQ(run_paths(2, [](const Group& g) { return graph_replays(g, 12); }), 0);
+  // T = 1300: the count exchange's cluster launch captured too.
+  EXPECT_EQ(run_cuda_ranks(2, [](const Group& g) { return graph_replays(g, 12, 1300); }), 0);
 }
 
 TEST(HtGpu, WorstCaseGraphReplaysOneRank) {
   EPX_REQUIRE_GPUS(1);
-  EXPECT_EQ(run_cuda_ranks(1,
-                           [](const Group& g) {
-                             return for_each_copy_path([&] { return graph_replays(g, 10); }) +
-                                    graph_replays(g, 10, 1300);
-                           }),
-            0);
+  EXPECT_EQ(run_paths(1, [](const Group& g) { return graph_replays(g, 10); }), 0);
+  EXPECT_EQ(run_cuda_ranks(1, [](const Group& g) { return graph_replays(g, 10, 1300); }), 0);
 }
 
 // R = 4 and 8 forked ranks, one GPU each (issue 8; skipped where fewer GPUs are visible): every
-// copy path (the copy-engine ones included, which HtOneGpu cannot run), every routing with a
+// path (the copy engines included, which HtOneGpu runs only on request), every routing with a
 // different T per rank and one empty rank, odd hidden sizes, K = 1, DeepSeek-like H in bf16,
 // fp8 and packed UE8M0; then the worst-case graph replays.
 class HtGpuRanks : public ::testing::TestWithParam<int> {};
@@ -1041,31 +891,29 @@ class HtGpuRanks : public ::testing::TestWithParam<int> {};
 TEST_P(HtGpuRanks, MatchesReference) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(R);
-  const int rc = run_cuda_ranks(R, [R](const Group& g) {
+  const int rc = run_paths(R, [R](const Group& g) {
     std::vector<int64_t> tokens(R), odd(R);
     for (int r = 0; r < R; ++r) {
       tokens[r] = r == R - 1 ? 0 : 150 + 61 * r;  // the last rank sends nothing
       odd[r] = 13 * r + 40;
     }
-    return for_each_copy_path([&] {
-      int bad = 0;
-      bad += run_cases(g, routing_cases(R, 256, 8, 8 * R, tokens, 600 + R));
-      bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 620 + R));       // 8-byte rows
-      bad += run_cases(g, {routing_cases(R, 512, 1, 4 * R, odd, 640 + R)[0]});  // K = 1
-      auto big = routing_cases(R, 7168, 8, 256, tokens, 660 + R);
-      big.resize(1);
-      HtCase f8 = big[0];
-      f8.fp8 = true;
-      f8.seed = 680 + R;
-      big.push_back(f8);
-      HtCase ue = f8;
-      ue.ue8m0 = true;
-      ue.topk_i32 = true;
-      ue.seed = 690 + R;
-      big.push_back(ue);
-      bad += run_cases(g, big);
-      return bad;
-    });
+    int bad = 0;
+    bad += run_cases(g, routing_cases(R, 256, 8, 8 * R, tokens, 600 + R));
+    bad += run_cases(g, routing_cases(R, 100, 6, 2 * R, odd, 620 + R));       // 8-byte rows
+    bad += run_cases(g, {routing_cases(R, 512, 1, 4 * R, odd, 640 + R)[0]});  // K = 1
+    auto big = routing_cases(R, 7168, 8, 256, tokens, 660 + R);
+    big.resize(1);
+    HtCase f8 = big[0];
+    f8.fp8 = true;
+    f8.seed = 680 + R;
+    big.push_back(f8);
+    HtCase ue = f8;
+    ue.ue8m0 = true;
+    ue.topk_i32 = true;
+    ue.seed = 690 + R;
+    big.push_back(ue);
+    bad += run_cases(g, big);
+    return bad;
   });
   EXPECT_EQ(rc, 0);
 }
@@ -1073,11 +921,7 @@ TEST_P(HtGpuRanks, MatchesReference) {
 TEST_P(HtGpuRanks, WorstCaseGraphReplays) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(R);
-  EXPECT_EQ(run_cuda_ranks(R,
-                           [](const Group& g) {
-                             return for_each_copy_path([&] { return graph_replays(g, 10); });
-                           }),
-            0);
+  EXPECT_EQ(run_paths(R, [](const Group& g) { return graph_replays(g, 10); }), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HtGpuRanks, ::testing::Values(4, 8),
@@ -1144,68 +988,62 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
   const int rc = run_cuda_ranks(2, [](const Group& g) {
     const int r = g.rank();
     int64_t bad = 0;
-    for (const char* spec : {"ce:kept:combine", "warp"}) {
-      const detail::HtCopyConfig cfg = detail::parse_ht_copy(spec, "test");
-      detail::set_ht_copy_override(&cfg);
-      HtCase c = routing_cases(2, 2048, 8, 64, {300, 260}, 800)[0];
-      c.weights = true;
-      Buffer buf(g, shape_for(c.hidden, c.top_k, c.num_experts, 300));
-      const int dev = buf.device().index;
-      const std::string ctx = std::string("zero-copy fast peer, ") + spec + ", " + c.describe();
-      for (int round = 0; round < 3; ++round) {
-        const auto in1 = make_ht_inputs(c, /*salt=*/10 + round);
-        const auto want1 = expected_ht_dispatch(c, in1);
-        const DeviceInputs d1 = upload(c, in1[r], dev);
-        HtDispatchArgs a1 = d1.args(c);
-        a1.zero_copy = true;
-        HtDispatchResult res = buf.ht_dispatch(a1);
-        if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        bad += compare("zero-copy recv_x (read late)", ctx, r, res.recv_x, want1[r].recv_x);
-        bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, want1[r].recv_src_idx);
-        // Rank 1 goes straight on: cached zero-copy dispatch of new rows.
-        const auto in2 = make_ht_inputs(c, /*salt=*/20 + round);
-        const auto want2 = expected_ht_dispatch(c, in2);
-        const DeviceInputs d2 = upload(c, in2[r], dev);
-        HtDispatchArgs a2;
-        a2.x = d2.x;
-        a2.handle = &res.handle;
-        a2.zero_copy = true;
-        HtDispatchResult res2 = buf.ht_dispatch(a2);
-        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        bad += compare("cached zero-copy recv_x", ctx, r, res2.recv_x, want2[r].recv_x);
-        // The view is not accepted as y (local check, both ranks, before communicating).
-        HtCombineArgs bad_y;
-        bad_y.y = res2.recv_x;
-        bad_y.handle = &res.handle;
-        try {
-          buf.ht_combine(bad_y);
-          std::fprintf(stderr, "[rank %d] %s: view accepted as combine y\n", r, ctx.c_str());
+    HtCase c = routing_cases(2, 2048, 8, 64, {300, 260}, 800)[0];
+    c.weights = true;
+    Buffer buf(g, shape_for(c.hidden, c.top_k, c.num_experts, 300));
+    const int dev = buf.device().index;
+    const std::string ctx = std::string("zero-copy fast peer, ") + c.describe();
+    for (int round = 0; round < 3; ++round) {
+      const auto in1 = make_ht_inputs(c, /*salt=*/10 + round);
+      const auto want1 = expected_ht_dispatch(c, in1);
+      const DeviceInputs d1 = upload(c, in1[r], dev);
+      HtDispatchArgs a1 = d1.args(c);
+      a1.zero_copy = true;
+      HtDispatchResult res = buf.ht_dispatch(a1);
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      bad += compare("zero-copy recv_x (read late)", ctx, r, res.recv_x, want1[r].recv_x);
+      bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, want1[r].recv_src_idx);
+      // Rank 1 goes straight on: cached zero-copy dispatch of new rows.
+      const auto in2 = make_ht_inputs(c, /*salt=*/20 + round);
+      const auto want2 = expected_ht_dispatch(c, in2);
+      const DeviceInputs d2 = upload(c, in2[r], dev);
+      HtDispatchArgs a2;
+      a2.x = d2.x;
+      a2.handle = &res.handle;
+      a2.zero_copy = true;
+      HtDispatchResult res2 = buf.ht_dispatch(a2);
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      bad += compare("cached zero-copy recv_x", ctx, r, res2.recv_x, want2[r].recv_x);
+      // The view is not accepted as y (local check, both ranks, before communicating).
+      HtCombineArgs bad_y;
+      bad_y.y = res2.recv_x;
+      bad_y.handle = &res.handle;
+      try {
+        buf.ht_combine(bad_y);
+        std::fprintf(stderr, "[rank %d] %s: view accepted as combine y\n", r, ctx.c_str());
+        ++bad;
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kInvalidArgument ||
+            std::string(e.what()).find("'y'") == std::string::npos) {
+          std::fprintf(stderr, "[rank %d] unexpected error: %s\n", r, e.what());
           ++bad;
-        } catch (const Error& e) {
-          if (e.code() != ErrorCode::kInvalidArgument ||
-              std::string(e.what()).find("'y'") == std::string::npos) {
-            std::fprintf(stderr, "[rank %d] unexpected error: %s\n", r, e.what());
-            ++bad;
-          }
         }
-        const auto yin = make_combine_inputs(c, want1, /*weights=*/true, /*bias0=*/false,
-                                             /*bias1=*/false, /*salt=*/7 + round);
-        const auto want_c = expected_ht_combine(c, in1, want1, yin);
-        const Tensor y = to_device(yin[r].y, DType::kBF16, {want1[r].num_recv, c.hidden}, dev);
-        const Tensor yw = to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
-        HtCombineArgs ca;
-        ca.y = y;
-        ca.topk_weights = yw;
-        ca.handle = &res.handle;
-        HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
-        bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
-        stamp(g, "combine compared");
-        bad +=
-            compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
-        buf.check();
       }
+      const auto yin = make_combine_inputs(c, want1, /*weights=*/true, /*bias0=*/false,
+                                           /*bias1=*/false, /*salt=*/7 + round);
+      const auto want_c = expected_ht_combine(c, in1, want1, yin);
+      const Tensor y = to_device(yin[r].y, DType::kBF16, {want1[r].num_recv, c.hidden}, dev);
+      const Tensor yw = to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
+      HtCombineArgs ca;
+      ca.y = y;
+      ca.topk_weights = yw;
+      ca.handle = &res.handle;
+      HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
+      bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
+      stamp(g, "combine compared");
+      bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
+      buf.check();
     }
-    detail::set_ht_copy_override(nullptr);
     if (bad)
       std::fprintf(stderr, "[rank %d] zero-copy fast peer: %lld mismatches\n", r,
                    static_cast<long long>(bad));

@@ -16,6 +16,6 @@ EPX_CMAKE_EXTRA="-DEPX_HT_TRACE=ON" epx_device_build "$B" epx_ht_gpu_bench || ex
 for T in 1 4096; do
   echo "-- T = $T"
   epx_batch_bench trace$T 90 "^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)" \
-    epx_ht_gpu_bench --trace --iters 20 --tokens $T --sms 16 --copy ce:kept
+    epx_ht_gpu_bench --trace --iters 20 --tokens $T --sms 16
 done
 epx_batch_total

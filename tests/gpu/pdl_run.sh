@@ -14,7 +14,7 @@ for v in 0 1; do
   echo "-- EPX_PDL=$v"
   EPX_PDL=$v epx_batch_bench ll$v 40 "^ +(1|128) " epx_ll_gpu_bench --tokens 128,1 --iters 20
   EPX_PDL=$v epx_batch_bench ht$v 40 "graph of 10|zero-copy, graph\)" epx_ht_gpu_bench \
-    --iters 20 --tokens 4096 --sms 16 --copy ce:kept
+    --iters 20 --tokens 4096 --sms 16
 done
 EPX_PDL=1 epx_batch_tests gpu_ht_test 80 'HtGpu.WorstCaseGraphReplaysTwoRanks' \
   'HtGpu.ZeroCopyViewSurvivesAFastPeer:HtGpu.DeviceErrorsAreReportedAndRecoverable'

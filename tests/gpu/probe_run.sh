@@ -3,14 +3,13 @@
 #   onegpu.log   Ranks/LlOneGpu.* x N1 and Ranks/HtOneGpu.* x N2 (the pageable-upload deadlock
 #                fix in tests/gpu/gpu_support.cc; 5 s device timeout, so a deadlock costs ~10 s)
 #   probe.log    epx_store_probe: per-CTA issue time of one ll message into the peer
-#   ceshare.log  epx_ht_gpu_bench --ce-share (prepared in the fourth session)
 # Logs under $OUT.  bash tests/gpu/probe_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/device_lib.sh
 epx_device_setup 5000
 t0=$(date +%s)
-epx_device_build build-dev gpu_ll_gpu_test gpu_ht_test epx_ht_gpu_bench epx_store_probe || exit 1
+epx_device_build build-dev gpu_ll_gpu_test gpu_ht_test epx_store_probe || exit 1
 for i in $(seq 1 "${N1:-6}"); do
   timeout 60 build-dev/tests/gpu/gpu_ll_gpu_test --gtest_filter='Ranks/LlOneGpu.*' > "$OUT/one.log" 2>&1
   echo "ll-onegpu $i rc=$? $(grep -c '^\[       OK' "$OUT/one.log") ok ($(( $(date +%s) - t0 )) s)" | tee -a "$OUT/onegpu.log"
@@ -26,7 +25,4 @@ P=build-dev/tests/gpu/epx_store_probe
 { timeout 20 $P --ctas 128 --tokens-per-cta 1; timeout 20 $P --ctas 64 --tokens-per-cta 2;
   timeout 20 $P --ctas 16 --tokens-per-cta 8; timeout 20 $P --ctas 1 --tokens-per-cta 1; } > "$OUT/probe.log" 2>&1
 cat "$OUT/probe.log"
-epx_device_run ceshare 120 build-dev/tests/gpu/epx_ht_gpu_bench --tokens 4096 --sms 16,24 \
-  --copy ce:kept:combine --ce-share 100,85,70,50 --iters 20
-grep -vE "^\[bench" "$OUT/ceshare.log" | tail -40
 echo "== total $(( $(date +%s) - t0 )) s"

@@ -82,7 +82,6 @@ BAD_ENV = [
     ("EPX_NUM_SMS", "1025", "expected an integer 0..1024"),
     ("EPX_PDL", "off", "expected 1 (programmatic dependent launch for the ht and ll kernels)"),
     ("EPX_ONE_GPU_SIDE_STREAMS", "yes", "expected 1"),
-    ("EPX_HT_COPY", "fast", "expected warp[:bN], ce[:kept][:combine|:combine-auto][:bN]"),
 ]
 
 

@@ -67,9 +67,6 @@ const std::vector<BadValue>& bad_values() {
       {"EPX_PDL", "1 ", "expected 1"},
       {"EPX_PDL", "true", "expected 1"},
       {"EPX_ONE_GPU_SIDE_STREAMS", "yes", "expected 1 (the one-GPU test mode"},
-      {"EPX_HT_COPY", "fast",
-       "expected warp[:bN], ce[:kept][:combine|:combine-auto][:bN] or bulk[:SxC][:bN]"},
-      {"EPX_HT_COPY", "bulk:9x4096", "expected warp[:bN]"},
   };
   return v;
 }
@@ -77,7 +74,7 @@ const std::vector<BadValue>& bad_values() {
 TEST(Env, DefaultsWhenUnsetOrEmpty) {
   for (const char* name :
        {"EPX_TIMEOUT_MS", "EPX_NUM_SMS", "EPX_PDL", "EPX_ONE_GPU_SIDE_STREAMS",
-        "EPX_HT_COPY", "CUDA_DEVICE_MAX_CONNECTIONS"}) {
+        "CUDA_DEVICE_MAX_CONNECTIONS"}) {
     for (std::optional<std::string> v :
          {std::optional<std::string>(), std::optional<std::string>("")}) {
       ScopedEnv e(name, v);
@@ -85,7 +82,6 @@ TEST(Env, DefaultsWhenUnsetOrEmpty) {
       EXPECT_EQ(env_default_num_sms(), 0) << name;
       EXPECT_EQ(env_pdl(), -1) << name;
       EXPECT_FALSE(env_one_gpu_side_streams()) << name;
-      EXPECT_EQ(env_ht_copy(), "") << name;
       EXPECT_EQ(env_cuda_device_max_connections(), 8) << name;
       EXPECT_NO_THROW(check_environment("test")) << name;
     }
@@ -132,10 +128,6 @@ TEST(Env, ValidValuesAtTheEdgesOfTheirRanges) {
   {
     ScopedEnv e("CUDA_DEVICE_MAX_CONNECTIONS", std::string("32"));
     EXPECT_EQ(env_cuda_device_max_connections(), 32);
-  }
-  for (const char* copy : {"warp", "ce", "ce:kept", "ce:kept:combine-auto", "bulk:3x4096:b8"}) {
-    ScopedEnv e("EPX_HT_COPY", std::string(copy));
-    EXPECT_NO_THROW(check_environment("test")) << copy;
   }
 }
 

@@ -10,20 +10,17 @@
 //   locally; d != r reads row j = send_pos[t][d] - rpm[r-1][d] of the slot for d once its
 //   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
 //     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
-//     (bf16 by the hardware conversion f32x2_to_bf16x2; kHtEmulatedBf16: the emulation, an A/B)
+//     (bf16 by the hardware conversion f32x2_to_bf16x2; vectors of one value: the emulation)
 //   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
-// engine_y (copy engines push y rows, ht.cu): of the n rows of a slot the copy engines push the
-//   first m = engine_split_rows(n, engine_share) (whole blocks; m = n at 100 %), the senders the
-//   rest and every weight (and count every block as before); a reducer reading row j < m of the
-//   slot for d also waits until d's copy engines signalled the chunk holding j (arrived[d]
-//   reached cur * kHtEngineChunks + c, chunk c = rows [m * c / C, m * (c + 1) / C)).
+// engine_y (copy engines push y rows, ht.cu): the copy engines push every row of a slot, the
+//   senders every weight (and count every block as before); a reducer reading row j of the slot
+//   for d also waits until d's copy engines signalled the chunk holding j (arrived[d] reached
+//   cur * kHtEngineChunks + c, chunk c = rows [n * c / C, n * (c + 1) / C)).
 // pull (zero-copy combine, ht.cu): no senders; every rank's y rows are in its own region
 //   (combine_y_row at send_pos order, weights mirrored at combine_w_row). At the start one thread
 //   signals yready[rank] = cur to every peer; a reducer reading rank d's rows waits once for
 //   yready[d] and loads y_d[send_pos[t][d]] straight from d's memory. At the end the last CTA
 //   signals ready and waits for every peer's ready (they finished reading this rank's y).
-//   pull_chunked: d's rows are copied into its buffer beside the kernel; the reducer waits for
-//   the chunk holding the row (arrived[d], as engine_y) instead of yready[d].
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -34,10 +31,10 @@ namespace epx::detail {
 
 // Rows of 16-byte vectors: 6 vectors per lane per step, 2 row sources loaded together before their
 // adds (1.5x the bytes in flight of the 4 x 4 step where a token has <= 2 row sources, EP2 without
-// biases; sixth session, T = 4096 at 16 SMs: combine 338.6 -> 319.8 us).
+// biases; 2026-11-30, T = 4096 at 16 SMs: combine 338.6 -> 319.8 us).
 inline constexpr int kReduceUnroll = 6;
 inline constexpr int kReduceGroup = 2;
-// kHtReduceNarrow (the same-run A/B) and rows of narrower vectors: 4 vectors, 4 sources.
+// Rows of narrower vectors: 4 vectors, 4 sources.
 inline constexpr int kReduceUnrollNarrow = 4;
 inline constexpr int kReduceGroupNarrow = 4;
 
@@ -87,9 +84,8 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
     if (rows <= 0) continue;
     const int slot = HtRegion::slot_of(me, s);
     char* peer = p.symm.peers[s];
-    // Rows of this block pushed by the copy engines (engine_y): the senders move weights only.
-    const bool engine_rows =
-        p.engine_y && b * kHtRowsPerBlock < engine_split_rows(s_cnt[s], p.engine_share);
+    // Rows pushed by the copy engines (engine_y): the senders move weights only.
+    const bool engine_rows = p.engine_y != 0;
     for (int r = warp; r < rows; r += kHtWarps) {
       const int64_t j = b * kHtRowsPerBlock + r;
       const int64_t y_row = s_excl[s] + j;
@@ -124,17 +120,18 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
 }
 
 // One output vector: its kPerVec float32 sums rounded once to bf16, by the hardware conversion
-// (two values at a time) or by the emulation (kHtEmulatedBf16, and vectors of one value).
+// (two values at a time) or, for vectors of one value, by the emulation (the same bits).
 template <typename V>
-__device__ __forceinline__ V round_to_bf16(const HtCombineParams& p, const float* acc) {
+__device__ __forceinline__ V round_to_bf16(const float* acc) {
   constexpr int kPerVec = sizeof(V) / 2;
   if constexpr (kPerVec % 2 == 0) {
-    if (!(p.ablate & kHtEmulatedBf16)) return f32_to_bf16_vec<V>(acc);
-  }
-  Bf16Pack<V> pk;
+    return f32_to_bf16_vec<V>(acc);
+  } else {
+    Bf16Pack<V> pk;
 #pragma unroll
-  for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[e]);
-  return pk.v;
+    for (int e = 0; e < kPerVec; ++e) pk.h[e] = f32_to_bf16(acc[e]);
+    return pk.v;
+  }
 }
 
 // reduce_row for a token with at most two row sources (EP2 without biases: its own rank and one
@@ -166,7 +163,7 @@ __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const 
       for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
       if (s0) accumulate(acc, a[u]);  // sources in order, as reduce_row
       if (s1) accumulate(acc, b[u]);
-      o[i] = round_to_bf16<V>(p, acc);
+      o[i] = round_to_bf16<V>(acc);
     }
   }
 }
@@ -211,7 +208,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = v0 + u * 32 + lane;
-      if (i < nv) o[i] = round_to_bf16<V>(p, acc[u]);
+      if (i < nv) o[i] = round_to_bf16<V>(acc[u]);
     }
   }
 }
@@ -227,9 +224,9 @@ __device__ __forceinline__ float combined_weight_pair(int num_src, float w0, flo
 
 inline constexpr int32_t kPulledReady = 0x7fffffff;  // last_block[d]: d's yready acquired
 
-// Reducer steps, one kernel instantiation each (together they spill): kStepWide (16-byte rows,
-// the default), kStepNarrow (kHtReduceNarrow, and narrower rows), kStepPair (every token has at
-// most two row sources: R + biases <= 2, chosen by the host; kHtReducePairOff: its A/B).
+// Reducer steps, one kernel instantiation each (together they spill): kStepWide (16-byte rows),
+// kStepNarrow (narrower rows), kStepPair (16-byte rows where every token has at most two row
+// sources: R + biases <= 2, chosen by the host).
 enum HtReduceStep : int { kStepWide = 0, kStepNarrow = 1, kStepPair = 2 };
 
 template <typename V, int kStep>
@@ -249,8 +246,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
   // This rank as the source: rows it sent to d start after rows from ranks before it.
   const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
   const int32_t cnt = lane < R ? rows_between(p.rank_prefix_matrix, R, me, lane) : 0;
-  // engine_y: rows [0, m) of the slot for `lane` come by copy engine (engine_split_rows).
-  const int64_t m = p.engine_y ? engine_split_rows(cnt, p.engine_share) : 0;
+  // engine_y: the rows of the slot for `lane` come by copy engine, in chunks.
   const int64_t nv = p.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t G = static_cast<int64_t>(gridDim.x - p.num_send_ctas) * kHtWarps;
   const int64_t gw = static_cast<int64_t>(blockIdx.x - p.num_send_ctas) * kHtWarps + warp;
@@ -259,15 +255,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     bool use = pos >= 0;
     bool ok = true;
     int64_t j = 0;
-    if (use && lane != me && p.pull && p.pull_chunked) {
-      // Rank `lane` copies the rows this rank reads into its buffer in chunks, beside its kernel.
-      const int c = engine_chunk(pos - excl, cnt);
-      if (last_chunk[lane] < c) {
-        ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
-                             cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows, lane);
-        last_chunk[lane] = c;
-      }
-    } else if (use && lane != me && p.pull) {
+    if (use && lane != me && p.pull) {
       // Zero-copy combine: rank `lane` wrote its y before its combine began (yready).
       if (last_block[lane] != kPulledReady) {
         ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
@@ -282,8 +270,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
                               static_cast<uint32_t>(rows), w, kWaitRows, lane);
         last_block[lane] = b;
       }
-      if (ok && j < m) {
-        const int c = engine_chunk(j, m);
+      if (ok && p.engine_y) {
+        const int c = engine_chunk(j, cnt);
         if (last_chunk[lane] < c) {
           ok =
               wait_flag<true>(g.arrived(p.symm.local) + lane,
@@ -293,7 +281,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
       }
     }
     if (!__all_sync(0xffffffffu, ok)) return;
-    if (p.ablate & kAblateReduce) continue;                     // benchmark ablation: waits only
+    if (EPX_HT_ABLATED(p.ablate, kAblateReduce)) continue;      // benchmark ablation: waits only
     if (use && lane == me && pos >= p.num_y_rows) use = false;  // worst-case overflow
     const uint32_t smask = __ballot_sync(0xffffffffu, use);
     if (use) {
@@ -371,9 +359,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     publish_deferred_ready(p.symm, p.wait, R);
     // Zero-copy combine: this rank's y (written by the work before this kernel) may be read.
-    // (Not when pull_chunked: the peers wait for the chunks; a peer that would read on yready
-    // instead — ranks disagreeing on the path — then times out rather than reading early.)
-    if (p.pull && !p.pull_chunked) {
+    if (p.pull) {
       __threadfence_system();
       signal_peers(p.symm, &HtRegion::yready, R, me, cur);
     }

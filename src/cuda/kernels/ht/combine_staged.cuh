@@ -1,19 +1,19 @@
 // src/cuda/kernels/ht/combine_staged.cuh — the zero-copy (pull) combine's staged reducer: row
 // sources loaded by the bulk-copy engine (cp.async.bulk, 1-D TMA) into shared memory, several
-// chunks ahead, instead of into registers (docs/perf-cuda-ht.md, seventh session; 16 SMs, T = 4096:
-// 250 -> 195 us).
+// chunks ahead, instead of into registers (2026-11-30, 16 SMs, T = 4096: 250 -> 195 us).
 //
 // Why: the register reducer (reduce_row_pair) keeps at most 7 vectors per source per lane in
 // flight and waits for each step's round trip; at 16 SMs the pull combine is bound by those
-// round trips (sixth session). A bulk load needs no registers, so the bytes in flight per SM are
+// round trips. A bulk load needs no registers, so the bytes in flight per SM are
 // bounded by shared memory (~200 KB) instead, and the loads of the next chunks (also across
 // tokens) stay in flight while a chunk is reduced.
 //
 // Used for the zero-copy combine when every token has at most two row sources (R + biases <= 2:
-// EP2 without biases), every row address and size is a multiple of 16 bytes, sm_90+, and not
-// switched off (kHtPullStagedOff, the A/B). Outputs are the same as every other reducer's: per
-// element acc = 0.0f; acc += source 0; acc += source 1 (bias0, bias1, then y_d for d ascending);
-// out = bf16(acc); combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
+// EP2 without biases), every row address and size is a multiple of 16 bytes, sm_90+, and the
+// grid has at most kHtPullStaging.max_sms CTAs (cuda/tuning.h). Outputs are the same as every
+// other reducer's: per element acc = 0.0f; acc += source 0; acc += source 1 (bias0, bias1, then
+// y_d for d ascending); out = bf16(acc); combined_topk_weights[t][k] = 0.0f + w_d[k] for d
+// ascending.
 //
 // Per warp (tokens t = global warp, + number of warps, ...): a ring of S stages, each holding
 // chunk [off, off + C) of a token's two row sources, an mbarrier and the chunk's descriptor. The
@@ -30,8 +30,8 @@
 // issued load is waited for before the warp leaves, also after a failed yready wait, so no bulk
 // load writes shared memory after the CTA ends, and none reads a peer's y after this rank's end
 // barrier — except when that wait itself times out (a load that never lands: the op has failed
-// and is reported; each remaining stage then waits out its own timeout, as BulkPipe does).
-// kAblateReduce (bench) skips only the adds and stores: the loads still run.
+// and is reported; each remaining stage then waits out its own timeout).
+// kAblateReduce (diagnostics builds) skips only the adds and stores: the loads still run.
 #pragma once
 
 #include "cuda/kernels/ht/bulk_copy.cuh"
@@ -80,11 +80,6 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
   const bool wfast = p.combined_weights && p.top_k <= 32;
 
   bool seen = false;  // lane d (a peer): d's yready acquired
-  // pull_chunked: lane d's rows of this rank's tokens are block [excl, excl + cnt) of d's y,
-  // copied into d's buffer in chunks; the highest chunk acquired so far.
-  const int32_t excl = lane < R ? prefix_before(p.rank_prefix_matrix, R, me, lane) : 0;
-  const int32_t cnt = lane < R ? rows_between(p.rank_prefix_matrix, R, me, lane) : 0;
-  int seen_chunk = -1;
   int32_t pos_next = lane < R && gw < T ? p.send_pos[gw * R + lane] : -1;
   // The token being issued: its sources and the next chunk.
   int64_t t_issue = gw;
@@ -120,15 +115,7 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     const int64_t next = t_issue + G;
     pos_next = lane < R && next < T ? p.send_pos[next * R + lane] : -1;
     bool use = pos >= 0, ok = true, acquired = false;
-    if (use && lane != me && p.pull_chunked) {
-      const int c = engine_chunk(pos - excl, cnt);
-      if (seen_chunk < c) {
-        ok = wait_flag<true>(g.arrived(p.symm.local) + lane,
-                             cur * static_cast<uint32_t>(kHtEngineChunks) + c, w, kWaitRows, lane);
-        seen_chunk = c;
-        acquired = true;
-      }
-    } else if (use && lane != me && !seen) {
+    if (use && lane != me && !seen) {
       ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
       seen = acquired = true;
     }
@@ -234,7 +221,7 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     // (Uniform: a lane's timeout stops the whole warp.)
     if (!__all_sync(0xffffffffu, mbar_wait(bar(tail), (phase >> tail) & 1u, w))) ok = false;
     phase ^= 1u << tail;
-    if (ok && !(p.ablate & kAblateReduce)) {
+    if (ok && !EPX_HT_ABLATED(p.ablate, kAblateReduce)) {
       const PullStageDesc d = *desc(tail);
       const V* a = reinterpret_cast<const V*>(data + static_cast<size_t>(tail) * 2 * C);
       const V* b = a + C / static_cast<int>(sizeof(V));
@@ -247,7 +234,7 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
         for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
         if (d.num_rs > 0) accumulate(acc, a[i]);
         if (d.num_rs > 1) accumulate(acc, b[i]);
-        o[i] = round_to_bf16<V>(p, acc);
+        o[i] = round_to_bf16<V>(acc);
       }
     }
     __syncwarp();
@@ -268,10 +255,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtComb
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     publish_deferred_ready(p.symm, p.wait, R);
-    if (!p.pull_chunked) {     // (chunked: the peers wait for the chunks, combine.cuh)
-      __threadfence_system();  // this rank's y (written before this kernel) may be read
-      signal_peers(p.symm, &HtRegion::yready, R, me, cur);
-    }
+    __threadfence_system();  // this rank's y (written before this kernel) may be read
+    signal_peers(p.symm, &HtRegion::yready, R, me, cur);
   }
   combine_reduce_staged(p, cur);
   EPX_HT_TRACE_SYNC();

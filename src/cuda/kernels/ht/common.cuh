@@ -51,24 +51,20 @@ __device__ __forceinline__ void signal_peers(const HtSymm& symm,
 // region. The last CTA to arrive runs `reset_counters` (all its threads), then publishes
 // seq = cur locally and ready[rank] = cur on every peer: the release that pairs with the
 // wait_flag<true>(ready[rank], cur) of the peer's next operation before it writes to us.
-// kReadyLater (copy-engine dispatch): the ready signal is left to ht_engine_sync, after the copy
-// engines read the slots. kReadyDeferred (zero-copy dispatch): recv_x is a view of this region,
-// so the signal waits for the rank's next ht op (state->ready_pending, publish_deferred_ready).
-enum HtReady : int { kReadyNow = 0, kReadyLater = 1, kReadyDeferred = 2 };
+// kReadyDeferred (zero-copy dispatch): recv_x is a view of this region, so the signal waits for
+// the rank's next ht op (state->ready_pending, publish_deferred_ready).
+enum HtReady : int { kReadyNow = 0, kReadyDeferred = 2 };
 // wait_peers (zero-copy combine, whose peers read this rank's memory): after the ready signal,
 // also wait until every peer finished the op, so the memory is free when the kernel ends.
-// num_ctas: the op's CTAs over all its kernels (0: this grid's; the split dispatch runs one op as
-// two kernels).
 template <typename ResetFn>
 __device__ void finish_operation(const HtSymm& symm, const WaitContext& w, uint32_t cur,
                                  int num_ranks, ResetFn reset_counters, int ready = kReadyNow,
-                                 bool wait_peers = false, int num_ctas = 0) {
+                                 bool wait_peers = false) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const uint32_t ctas = num_ctas > 0 ? static_cast<uint32_t>(num_ctas) : gridDim.x;
-    s_last = atomicAdd(&w.state->finished, 1u) == ctas - 1;
+    s_last = atomicAdd(&w.state->finished, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!s_last) return;
@@ -108,9 +104,9 @@ __device__ __forceinline__ void zero_block_counters(const HtSymm& symm, const in
 
 // At the start of every ht op that communicates, by one thread (thread 0 of CTA 0; lane 0 of the
 // engine-sync warp), before it waits for anything: the ready signal a zero-copy dispatch deferred.
-// Every earlier kernel and copy on the stream (the readers of the zero-copy recv_x; a copying
-// dispatch through the zero-copy kernels' copy-out, ht.cu) has finished. Only
-// the next op's own threads touch ready_pending, the finishing CTA after every CTA passed this.
+// Every earlier kernel and copy on the stream (the readers of the zero-copy recv_x) has finished.
+// Only the next op's own threads touch ready_pending, the finishing CTA after every CTA passed
+// this.
 __device__ __forceinline__ void publish_deferred_ready(const HtSymm& symm, const WaitContext& w,
                                                        int num_ranks) {
   if (*reinterpret_cast<volatile uint32_t*>(&w.state->ready_pending_set) == 0u) return;

@@ -35,10 +35,9 @@ struct HtNotifyParams {
   int32_t* rank_prefix_matrix;     // [R, R] (exchange): [s][d] = rows d receives from ranks 0..s
   HtHostResult* host;              // mapped host memory (exchange), device address
   uint32_t ticket;                 // non-zero: publish N and per-expert counts to `host`
-  int find_kept_runs;              // with a ticket: also this rank's kept runs (ce:kept's plan)
+  int find_kept_runs;              // with a ticket: also this rank's kept runs (the copy plan)
   HtSymm symm;
   WaitContext wait;
-  int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
 #ifdef EPX_HT_TRACE
   uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
 #endif
@@ -69,63 +68,35 @@ struct HtDispatchParams {
   int64_t num_rows;          // N (exact / cached) or num_worst_tokens
   int worst_case;            // rows past N get topk -1, weight 0, src -1; N > num_rows is an error
   int num_send_ctas;         // CTAs [0, num_send_ctas) send, the rest receive
-  // The split exact dispatch (ht.cu): the send CTAs as one kernel (side stream) launched before
-  // the host's wait for the count exchange, the receive CTAs as a second one after it.
-  // cta_offset: this kernel's first CTA in the op; op_ctas: the op's CTAs in both kernels
-  // (0: gridDim.x, one kernel).
-  int cta_offset, op_ctas;
-  int send_batch;            // tokens per sender warp between two signals (0: kDispatchBatch)
-  int copy_mode;             // HtCopyMode (cuda/tuning.h): kBulk only with 16-byte rows
-  int bulk_stages, bulk_chunk;  // kBulk: per-warp ring of stages x chunk bytes (bulk_copy.cuh)
-  int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
-  int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
+#ifdef EPX_DIAGNOSTICS
+  int ablate;  // HtAblate bits (cuda/tuning.h, diagnostics builds only)
+#endif
+  int pdl;  // launched with programmatic dependent launch (cuda/launch.h)
 #ifdef EPX_HT_TRACE
   uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
 #endif
-  int engine_x;     // 1: copy engines move the x rows (HtCopyMode::kEngine): the kernel moves
-                    // scales and metadata only and leaves the ready signal to ht_engine_sync
-  int engine_kept;  // 1 ("ce:kept"): copy engines move only the kept rows' x (side stream)
+  int engine_kept;  // 1: the copy engines copy the kept rows' x (side stream, ht.cu)
   int zero_copy;    // 1: recv_x is this rank's x area (x_recv_row), peers store rows there
   HtSymm symm;
   WaitContext wait;
 };
 
-// ht_engine_sync (one warp, copy-engine dispatch; seq = the dispatch's op, which the dispatch
-// kernel stored in state->seq):
-//   kEngineArrive  arrived[rank] = seq * kHtEngineChunks + chunk on every peer (this rank's rows
+// ht_engine_sync (one warp, the copy-engine combine; op = state->seq + 1, the combine about to
+// run: its copies run before and beside the combine kernel, which advances seq only at its end):
+//   kEngineWaitReady  until ready[p] reached op - 1 for every peer p (p finished the op before:
+//                  its slots may be written; the kernels' wait_peer_ready); notes op in
+//                  state->engine_op for the arrive steps that run beside the kernel
+//   kEngineArrive  arrived[rank] = op * kHtEngineChunks + chunk on every peer (this rank's rows
 //                  of that chunk are in the peers' slots; the copies precede it on the stream)
-//   kEngineWait    until arrived[p] reached seq * kHtEngineChunks + chunk for every peer p
-//   kEngineReady   ready[rank] = seq on every peer (the slots were read)
-//   kEngineWaitReady  until ready[p] reached seq for every peer p (p finished the op before the
-//                  next one: its slots may be written; the kernels' wait_peer_ready)
-// Combine's copies run before / beside the combine kernel, which advances seq only at its end:
-// there `seq_ahead` = 1 and the op is seq + 1.
 // (kHtEngineChunks, engine_chunk_begin / engine_chunk: ht_region.cuh.)
-enum HtEngineStep : int {
-  kEngineArrive = 0,
-  kEngineWait = 1,
-  kEngineReady = 2,
-  kEngineWaitReady = 3
-};
+enum HtEngineStep : int { kEngineArrive = 0, kEngineWaitReady = 1 };
 struct HtEngineSyncParams {
   int num_ranks, rank;
-  int step;       // HtEngineStep
-  int chunk;      // kEngineArrive / kEngineWait
-  int seq_ahead;  // 1: the op is state->seq + 1 (combine), else state->seq
-  // (kEngineArrive values are op * kHtEngineChunks + chunk in both cases)
+  int step;   // HtEngineStep
+  int chunk;  // kEngineArrive
   HtSymm symm;
   WaitContext wait;
 };
-
-// engine_y: how many of a slot's n rows the copy engines push (the first ones; whole 32-row
-// blocks, so each block is moved by the copy engines or by the senders, never both); the same
-// function on the host (ht.cu) and the device (combine.cuh).
-EPX_HT_HD int64_t engine_split_rows(int64_t n, int share_pct) {
-  if (share_pct >= 100) return n;
-  const int64_t want = (n * share_pct + 99) / 100;
-  const int64_t blocks = (want + kHtRowsPerBlock - 1) / kHtRowsPerBlock;
-  return blocks * kHtRowsPerBlock < n ? blocks * kHtRowsPerBlock : n;
-}
 
 // ht_combine: expert outputs back to their source ranks, reduced there.
 struct HtCombineParams {
@@ -145,23 +116,18 @@ struct HtCombineParams {
   char* out;                // [T, H] bf16 contiguous
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
-  int ablate;  // HtAblate bits (cuda/tuning.h; bench ablations, A/B switches); 0 in the library
-  int pdl;     // launched with programmatic dependent launch (cuda/launch.h)
+#ifdef EPX_DIAGNOSTICS
+  int ablate;  // HtAblate bits (cuda/tuning.h, diagnostics builds only)
+#endif
+  int pdl;  // launched with programmatic dependent launch (cuda/launch.h)
 #ifdef EPX_HT_TRACE
   uint64_t* trace;  // kernels/ht/trace.cuh (null: off)
 #endif
-  int engine_y;  // 1: copy engines push the first engine_split_rows(n, engine_share) rows of
-                 // each slot in kHtEngineChunks chunks (ht.cu); senders move the weights and the
-                 // rest, and reducers also wait for the chunk of a row the copy engines moved
-  int engine_share;  // percent of each slot's rows the copy engines push (engine_y; 1..100)
+  int engine_y;  // 1: the copy engines push every slot's y rows in kHtEngineChunks chunks
+                 // (ht.cu); the senders move the weights only, and reducers also wait for the
+                 // chunk of each row
   int pull;  // 1: zero-copy combine: y is this rank's combine_y_row area, weights are mirrored in
              // the yw area; reducers read the peers' rows there (no senders, no slots)
-  // pull_chunked (a copying combine through the pull protocol, ht.cu): each peer d copies the y
-  // rows this rank reads (the block of d's y for this rank's tokens) into its buffer in
-  // kHtEngineChunks chunks beside this kernel, signalling arrived[d] = cur * kHtEngineChunks + c
-  // after chunk c (rows [n * c / C, n * (c + 1) / C) of the block); a reducer reading row j of that
-  // block waits for its chunk (engine_chunk) instead of d's yready.
-  int pull_chunked;
   int pull_stages;  // > 0: the staged reducer (combine_staged.cuh): stages per warp
   int pull_chunk;   // its bytes per source per stage (a multiple of 512)
   HtSymm symm;

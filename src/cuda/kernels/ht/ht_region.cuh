@@ -4,8 +4,9 @@
 // Per rank (offsets identical on every rank; R ranks, L = E / R, K, H, T_max = max tokens):
 //   state    DeviceState                          local only: op sequence, last-CTA count, abort
 //   ready    uint32 [kMaxHtRanks]                 ready[p] = last op rank p finished (p writes)
-//   arrived  uint32 [kMaxHtRanks]                 arrived[p] = last copy-engine dispatch whose x
-//                                                 rows rank p finished pushing here (p writes)
+//   arrived  uint32 [kMaxHtRanks]                 arrived[p] = op * kHtEngineChunks + chunk of
+//                                                 the last copy-engine combine chunk rank p
+//                                                 finished pushing here (p writes)
 //   yready   uint32 [kMaxHtRanks]                 yready[p] = last zero-copy combine whose y rank
 //                                                 p wrote (p writes, at the combine's start)
 //   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
@@ -57,7 +58,7 @@ EPX_HT_HD int32_t rows_between(const int32_t* rpm, int R, int s, int d) {
 // by chunk, a kernel waits for the chunk holding row j, engine_chunk(j, n). They must agree (a
 // row waited for in a later chunk than it was sent in is late; in an earlier one, read early):
 // tests/unit/ht_chunks_test.cc.
-inline constexpr int kHtEngineChunks = 4;  // pipeline depth: copy-out of chunk c overlaps c + 1
+inline constexpr int kHtEngineChunks = 4;  // pipeline depth: reducing chunk c overlaps c + 1
 EPX_HT_HD int64_t engine_chunk_begin(int64_t n, int c) {
   return n * c / kHtEngineChunks;
 }
@@ -152,12 +153,6 @@ struct HtRegion {
   }
   EPX_HT_HD float* combine_w_row(char* base, int64_t row) const {
     return reinterpret_cast<float*>(base + yw_off) + static_cast<size_t>(row) * top_k;
-  }
-  // Copy-engine dispatch (HtCopyMode::kEngine): x rows of slot `slot` packed at row_bytes pitch
-  // (row_bytes <= x_row_bytes), so a source's block is one contiguous range.
-  EPX_HT_HD char* x_packed_row(char* base, int slot, int64_t row, int64_t row_bytes) const {
-    return base + x_off + static_cast<size_t>(slot) * max_tokens * x_row_bytes +
-           static_cast<size_t>(row) * row_bytes;
   }
   // Zero-copy dispatch: row `row` of the receiver's recv_x (packed at row_bytes <= x_row_bytes).
   EPX_HT_HD char* x_recv_row(char* base, int64_t row, int64_t row_bytes) const {

@@ -34,8 +34,8 @@ namespace epx::detail {
 // Destination-rank mask of token t; reports out-of-range ids when `report`. The ids are loaded
 // kChunk at a time, each chunk's loads issued together (one memory latency per chunk; with
 // kChunk = 1 every id waits for the one before, which took ~60 us at T = 4096).
-// `s_rank_of`: expert -> rank table (shared memory), or null: a division per id (the A/B,
-// kHtNotifyDivide).
+// `s_rank_of`: expert -> rank table (shared memory), or null: a division per id (where the table
+// is not filled yet).
 template <int kChunk>
 __device__ __forceinline__ uint32_t ht_token_mask(const HtNotifyParams& p, int64_t t, int* s_expert,
                                                   const uint8_t* s_rank_of, bool report) {
@@ -106,12 +106,11 @@ inline size_t ht_notify_smem(const HtNotifyParams& p, bool masks, int ctas) {
 // Largest mask array kept in shared memory per CTA (more tokens: pass 2 reloads topk_idx).
 inline constexpr int kNotifyMaxSmemMasks = 16384;
 
-// kOld: the kernel before the tenth session (ids loaded one by one; pass 2 reloads them; one
-// CTA), kept as the same-run A/B (kHtNotifyOld). kMasks: pass 1 keeps each token's mask in
-// shared memory. Launched as one cluster of gridDim.x CTAs (1: any launch).
-template <bool kOld, bool kMasks>
+// kMasks: pass 1 keeps each token's mask in shared memory. Launched as one cluster of gridDim.x
+// CTAs (1: any launch).
+template <bool kMasks>
 __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyParams p) {
-  constexpr int kChunk = kOld ? 1 : 8;
+  constexpr int kChunk = 8;  // ids loaded together per token
   const int R = p.num_ranks, me = p.rank, L = p.num_local_experts;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kWarps = kNotifyThreads / 32;
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HtNotifyPa
   for (int i = tid; i < L; i += kNotifyThreads) s_recv_expert[i] = 0;
   for (int i = tid; i < p.num_experts; i += kNotifyThreads)
     s_rank_of[i] = static_cast<uint8_t>(i / L);
-  const uint8_t* rank_of = kOld || (p.ablate & kHtNotifyDivide) ? nullptr : s_rank_of;
+  const uint8_t* rank_of = s_rank_of;
   if (tid < kMaxHtRanks) s_rank_count[tid] = s_run[tid] = 0;
   if (tid == 0) {
     s_num_starts = s_num_ends = 0;

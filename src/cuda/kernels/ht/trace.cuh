@@ -42,23 +42,18 @@ enum HtTracePhase : int {
 static_assert(kHtTrNotifyRound0 < kHtTracePhases);
 
 #if defined(EPX_HT_TRACE) && defined(__CUDACC__)
-// cta: the CTA's index in its op (-1: blockIdx.x; the split dispatch's receive kernel counts on
-// from its send kernel's CTAs).
-__device__ __forceinline__ void ht_trace_put(uint64_t* buf, int op, int phase, int cta = -1) {
-  if (cta < 0) cta = static_cast<int>(blockIdx.x);
+__device__ __forceinline__ void ht_trace_put(uint64_t* buf, int op, int phase) {
+  const int cta = static_cast<int>(blockIdx.x);
   if (buf == nullptr || threadIdx.x != 0 || cta >= kHtTraceCtas) return;
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   buf[(static_cast<size_t>(op) * kHtTracePhases + phase) * kHtTraceCtas + cta] = t;
 }
 #define EPX_HT_STAMP(params, op, phase) ::epx::detail::ht_trace_put((params).trace, op, phase)
-#define EPX_HT_STAMP_CTA(params, op, phase, cta) \
-  ::epx::detail::ht_trace_put((params).trace, op, phase, cta)
 // A CTA barrier that exists only in trace builds (so kHtTrDone means every warp).
 #define EPX_HT_TRACE_SYNC() __syncthreads()
 #else
 #define EPX_HT_STAMP(params, op, phase) ((void)0)
-#define EPX_HT_STAMP_CTA(params, op, phase, cta) ((void)0)
 #define EPX_HT_TRACE_SYNC() ((void)0)
 #endif
 

@@ -1,0 +1,26 @@
+// src/cuda/ll.h — the cuda ll mode's entry points for CudaBuffer (defined in src/cuda/ll.cu,
+// where CudaLl lives).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/buffer_impl.h"
+
+namespace epx::detail {
+
+class CudaLl;
+
+// Collective (allocates the ll region).
+std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape);
+size_t cuda_ll_allocated(const CudaLl* ll);  // 0 for null
+void cuda_ll_check(CudaLl& ll);
+LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const Allocator& alloc,
+                                  uint64_t buffer_id);
+LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc);
+TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
+void cuda_ll_clean(CudaLl& ll);
+size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
+
+}  // namespace epx::detail
