@@ -457,21 +457,24 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
       : opt.pipelined ? ", timing pipelined (calls back to back)"
                       : ", timing barrier (each call alone)",
       static_cast<unsigned long long>(opt.seed));
-  std::printf("%-24s %6s %10s %10s %10s %9s %9s %8s %8s", "op", "T", "median_us", "min_us",
+  // The op column as wide as the longest name, so long names keep the table aligned.
+  int w = 24;
+  for (const Row& row : rows) w = std::max(w, static_cast<int>(std::strlen(row.op.op)));
+  std::printf("%-*s %6s %10s %10s %10s %9s %9s %8s %8s", w, "op", "T", "median_us", "min_us",
               "max_us", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
   if (cuda) std::printf(" %9s %9s %8s %8s", "nccl_us", "ceil_us", "epx/nccl", "ceil/epx");
   std::printf(" %5s %9s %5s\n", "SMs", "sym_MB", "check");
   for (const Row& row : rows) {
     const OpResult& o = row.op;
     if (o.skipped) {
-      std::printf("%-24s %6lld SKIPPED: %s\n", o.op, static_cast<long long>(o.num_tokens),
+      std::printf("%-*s %6lld SKIPPED: %s\n", w, o.op, static_cast<long long>(o.num_tokens),
                   o.check_detail);
       continue;
     }
     const double med = o.time.median_us;
     const double gbs = med > 0 ? o.cross_bytes / (med * 1e3) : 0;
     const double rgbs = med > 0 ? o.recv_bytes / (med * 1e3) : 0;
-    std::printf("%-24s %6lld %10.1f %10.1f %10.1f %9.3f %9.3f %8.2f %8.2f", o.op,
+    std::printf("%-*s %6lld %10.1f %10.1f %10.1f %9.3f %9.3f %8.2f %8.2f", w, o.op,
                 static_cast<long long>(o.num_tokens), med, o.time.min_us, o.time.max_us,
                 o.cross_bytes / 1e6, o.recv_bytes / 1e6, gbs, rgbs);
     if (cuda) {

@@ -97,7 +97,7 @@ void run_ll(Ctx& ctx, int64_t T) {
   const int L = o.num_experts / R;
   const int64_t T_max = std::max<int64_t>(T, 1), RT = R * T_max, H = o.hidden;
   const std::string tag = "ll T=" + std::to_string(T);
-  progress(ctx, tag + ": building inputs");
+  progress(ctx, tag + ": creating the buffer");
 
   MoeShape shape;
   shape.hidden = H;
