@@ -94,13 +94,16 @@ target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
 
 # The sources with EPX_DIAGNOSTICS code compiled with it, as objects only (no library, no tests;
 # not part of `all`): `cmake --build build --target epx_diagnostics_check`, which scripts/test.sh
-# runs so that code keeps compiling while the default build leaves it out. tests/gpu adds the
-# GPU benchmarks' sources.
+# runs so that code keeps compiling while the default build leaves it out; with the GPU
+# benchmarks' EPX_DIAGNOSTICS code (bench/ht_gpu_bench.cc --ablate --send-pct,
+# bench/ht_onegpu_bench.cc --bits).
 add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/src/cuda/tuning.cc ${PROJECT_SOURCE_DIR}/src/cuda/ht.cu
-            ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu)
+            ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu
+            ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc)
 target_include_directories(epx_diagnostics_check
-                           PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES>)
+                           PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES> ${PROJECT_SOURCE_DIR}
+                           ${PROJECT_SOURCE_DIR}/tests)
 target_compile_definitions(epx_diagnostics_check
                            PRIVATE $<TARGET_PROPERTY:epx,COMPILE_DEFINITIONS> EPX_DIAGNOSTICS=1)
 epx_cuda_target(epx_diagnostics_check)

@@ -6,7 +6,7 @@
 // %globaltimer (ns) at each phase below into a device buffer owned by CudaBuffer:
 // stamps[op][phase][cta], op 0 = dispatch, 1 = combine, 2 = count exchange. Thread 0 is
 // lane 0 of warp 0, so the "work" phases are warp 0's progress; kHtTrDone follows a CTA-wide
-// barrier. The reader (tests/gpu/ht_gpu_bench.cc --trace) clears the buffer before a call and
+// barrier. The reader (bench/ht_gpu_bench.cc --trace) clears the buffer before a call and
 // reads it after; ht_trace_buffer(device) returns it (ht_trace_buffer_of_thread: the newest made
 // by the calling thread, for rank threads sharing a device). A phase a CTA does not reach stays 0.
 #pragma once

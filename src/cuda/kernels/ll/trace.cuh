@@ -6,7 +6,7 @@
 // {%globaltimer ns, clock64} into a device buffer owned by CudaLl:
 //   stamps[op][phase][cta]   op 0 = dispatch, 1 = combine; kLlTracePhases x kLlMaxCtas pairs each
 // A phase a CTA does not reach (no tokens, not the last CTA, a failed wait) keeps the value the
-// reader cleared it to (0). The reader (tests/gpu/ll_gpu_bench.cu --trace) clears the buffer
+// reader cleared it to (0). The reader (bench/ll_gpu_bench.cu --trace) clears the buffer
 // before a launch and copies it back after; ll_trace_buffer(device) returns it.
 // "Virtual" phases (marked V) are not instants: the kernel adds up the time it spent in a step
 // that is interleaved with another (scan / copy in the dispatch receive, row resolution /

@@ -1,4 +1,4 @@
-// tests/gpu/a2a_gpu_bench.cu — the a2a benchmark of the cuda backend (SPEC 6; results in
+// bench/a2a_gpu_bench.cu — the a2a benchmark of the cuda backend (SPEC 6; results in
 // docs/perf-cuda-a2a.md), next to the two baselines measured in the same run:
 //   * NVLink ceiling: an SM-driven push (16-byte stores, all ranks at once) of the same bytes
 //     that a2a moves over NVLink (dispatch: rows of tokens going to a peer, every payload;
@@ -30,7 +30,7 @@
 
 #include "epx/a2a.h"
 #include "epx/error.h"
-#include "gpu/bench_common.cuh"
+#include "bench/bench_common.cuh"
 #include "gpu/gpu_support.h"
 #include "support/oracle_a2a.h"
 #include "support/routing.h"

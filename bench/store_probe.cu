@@ -1,4 +1,4 @@
-// tests/gpu/store_probe.cu — a diagnostic for issue 5 (not a test, not in ctest): how long does
+// bench/store_probe.cu — a diagnostic for issue 5 (not a test, not in ctest): how long does
 // one CTA of 512 threads take to issue one ll message (a token row) into a peer GPU's memory?
 // The ll send trace measured 5.8 µs per token per CTA (docs/perf-cuda-ll.md); this isolates the
 // store pattern from everything else in ll_dispatch (no flags, no routing, no NCCL).

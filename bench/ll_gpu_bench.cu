@@ -1,4 +1,4 @@
-// tests/gpu/ll_gpu_bench.cu — the ll benchmark of the cuda backend (SPEC 6; results in
+// bench/ll_gpu_bench.cu — the ll benchmark of the cuda backend (SPEC 6; results in
 // docs/perf-cuda-ll.md), next to two baselines measured in the same run:
 //   * NVLink ceiling: an SM-driven push (16-byte stores, all ranks at once) of the bytes ll moves
 //     over NVLink (dispatch: one fp8 message per token and remote rank; combine: one bf16 row per
@@ -44,7 +44,7 @@
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
-#include "gpu/bench_common.cuh"
+#include "bench/bench_common.cuh"
 #include "gpu/gpu_support.h"
 #include "support/oracle_ll.h"
 #include "support/routing.h"

@@ -1,4 +1,4 @@
-// tests/gpu/bench_common.cuh — what the a2a and ll GPU benchmarks share: error checks, the
+// bench/bench_common.cuh — what the a2a and ll GPU benchmarks share: error checks, the
 // median, and the two baselines measured in the same run as epx:
 //   * time_push: the NVLink ceiling, an SM-driven push (16-byte stores, all ranks at once) of
 //     `bytes` into the next rank's symmetric memory;

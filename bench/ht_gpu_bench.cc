@@ -1,5 +1,5 @@
-// tests/gpu/ht_gpu_bench.cc — a standalone cuda ht benchmark (until epx-bench drives the cuda
-// backend): the SPEC 6 standard ht workload, epx's dispatch/combine times next to NCCL's
+// bench/ht_gpu_bench.cc — the cuda ht benchmark beside epx-bench (SM sweeps, every path's
+// rows, --trace): the SPEC 6 standard ht workload, epx's dispatch/combine times next to NCCL's
 // all-to-all of the same bytes and the NVLink copy ceiling of the same bytes, same run, same SMs.
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]

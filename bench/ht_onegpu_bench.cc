@@ -1,4 +1,4 @@
-// tests/gpu/ht_onegpu_bench.cc — a proxy for the ht dispatch kernels' GPU-side costs where only
+// bench/ht_onegpu_bench.cc — a proxy for the ht dispatch kernels' GPU-side costs where only
 // one GPU is lent: R ranks as threads sharing GPU 0 (Group::cuda_shared_device, as the one-GPU
 // GPU tests), each rank's kernels on `--sms` SMs of its own (co-resident), every "peer" store
 // and load going to the same GPU's memory instead of over NVLink. Not a measure of epx's EP

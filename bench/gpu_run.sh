@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# bench/gpu_run.sh — the GPU machine's batches, the same for a developer at a GPU and for a device
+# run: one build (scripts/common.sh's, $EPX_BUILD_DIR, default build/; the tests, the GPU
+# benchmarks, epx-bench and the Python extension), then the named batches in the order given.
+#
+#   bash bench/gpu_run.sh BATCH [BATCH...]        e.g.  bash bench/gpu_run.sh tests bench
+#
+#   build     only the build (every batch builds first, once)
+#   tests     the GPU GoogleTest tier, each binary bounded ($EPX_TEST_LIMIT s, default 400):
+#             R = 1 and the one-GPU multi-rank tests (R = 2, 4, 8 on one GPU) of every binary;
+#             ht: HtGpu.OneRank*, HtGpu.WorstCaseGraphReplaysOneRank, Ranks/HtOneGpu.*, then
+#             Ranks/HtOneGpu.SideStream* with EPX_ONE_GPU_SIDE_STREAMS=1; with >= 2 GPUs also the
+#             rest of ht (the multi-GPU cases; the other binaries' multi-GPU cases run in `*`).
+#             EPX_GTEST="gpu_ht_test=Ranks/HtOneGpu.*/R2 gpu_ll_gpu_test=*" runs only those;
+#             EPX_GTEST_ARGS is added to every binary (e.g. --gtest_repeat=10).
+#   pytest    the GPU tier of pytest (-m gpu; R = 1, 2, 4, 8 as the GPUs allow); EPX_PYTEST_K: a
+#             -k selection, EPX_REPEAT: runs of it (one line each), EPX_TEST_GC=1 passes through
+#   bench     epx-bench ht, ll, a2a on the cuda backend, R = the visible GPUs, each row beside
+#             NCCL's all-to-all and the NVLink ceiling of the same bytes; JSON under $OUT;
+#             EPX_BENCH_ARGS added (e.g. "--check --iters 20")
+#   gpubench  the per-mode GPU benchmarks (bench/*_gpu_bench*): ht T = 4096 at 16, 24, 32 SMs,
+#             ll T in 1..512, a2a (R = the visible GPUs, NCCL and ceiling rows), the one-GPU ht
+#             proxy (epx_ht_onegpu_bench), and with >= 2 GPUs epx_store_probe
+#   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
+#             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
+#   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
+#             test scripts against epx (skipped unless EPX_DEEPEP_TESTS names DeepEP's tests/)
+#   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
+#             that change the kernels, so never the main build) and the benchmarks' --trace:
+#             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy
+#   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
+#             shape, ll decode shape; the cpu backend beside it) and its pytest
+#   main      scripts/run.sh (the README's main job: the demo on every GPU, epx-bench --check)
+#
+# Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# (never NVLink multicast on the shared hosts). Logs: $OUT (default /tmp/epx-out), one per step,
+# plus env.log. Each step prints its status and duration (and its result rows or failure lines);
+# the end, a table of all steps. Exit status: 0 when every step passed (skips count as passed), 1
+# when any failed or timed out, 2 on a usage error.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+BATCHES="build tests pytest bench gpubench profile peer trace overhead main"
+usage() {
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 2
+}
+[ $# -gt 0 ] || usage
+for b in "$@"; do
+  [[ " $BATCHES " == *" $b "* ]] || { echo "gpu_run.sh: unknown batch '$b' (one of: $BATCHES)" >&2; usage; }
+done
+
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
+epx_setup_env  # EPX_BUILD_DIR, EPX_PYTHON, PATH, and the no-multicast environment below
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/epx-out}
+mkdir -p "$OUT"
+B=$EPX_BUILD_DIR
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  G=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+else
+  G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+fi
+{ date -u; git log -1 --oneline 2>/dev/null; echo "batches: $*"; echo "GPUs visible: $G"
+  nvidia-smi -L; nvidia-smi topo -m; echo "cores: $(nproc)"; } > "$OUT/env.log" 2>&1
+echo "== gpu_run.sh $* — $G GPU(s), build $B, logs $OUT"
+T0=$(date +%s)
+results=()
+failed=()
+
+# step NAME LIMIT_S SHOW CMD...: CMD bounded by LIMIT_S, its output in $OUT/NAME.log; prints the
+# status and duration, then the log lines matching the extended regex SHOW (none when empty) and,
+# when CMD failed, its failure lines. Status 0 when CMD passed.
+step() {
+  local name=$1 limit=$2 show=$3 s rc d st
+  shift 3
+  s=$(date +%s)
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  d=$(( $(date +%s) - s ))
+  case $rc in
+    0) st=ok ;;
+    124 | 137) st="TIMEOUT (${limit} s)" ;;
+    *) st="FAILED rc=$rc" ;;
+  esac
+  echo "== $name: $st ($d s)"
+  results+=("$(printf '%-34s %-18s %6d s' "$name" "$st" "$d")")
+  [ -n "$show" ] && grep -E "$show" "$OUT/$name.log" | cut -c1-200 | head -60
+  if [ $rc -ne 0 ]; then
+    failed+=("$name")
+    grep -E "FAILED|Failure|[Ee]rror|mismatch|differ|waited|[Tt]imeout|exception|Expected|rank [0-9]" \
+      "$OUT/$name.log" | cut -c1-300 | head -25
+  fi
+  return $rc
+}
+
+# skip NAME REASON: a step that cannot run here.
+skip() {
+  echo "== $1: SKIPPED ($2)"
+  results+=("$(printf '%-34s %-18s %6s' "$1" SKIPPED -) $2")
+}
+
+have_gpu() { [ "$G" -ge 1 ]; }
+
+do_build() {
+  step build 1200 "" bash -c 'source scripts/common.sh && epx_setup_env && epx_configure_and_build' ||
+    { tail -40 "$OUT/build.log"; return 1; }
+}
+
+# gtest NAME BINARY FILTER [VAR=VALUE...]: one bounded run of a GPU test binary.
+GTEST_SHOW='^\[  (PASSED|FAILED|SKIPPED) \]|^\[  FAILED  \]'
+gtest() {
+  local name=$1 bin=$2 filter=$3
+  shift 3
+  # shellcheck disable=SC2086
+  step "tests.$name" "${EPX_TEST_LIMIT:-400}" "$GTEST_SHOW" env "$@" "$B/tests/gpu/$bin" \
+    --gtest_filter="$filter" ${EPX_GTEST_ARGS:-}
+}
+
+batch_tests() {
+  local one='HtGpu.OneRank*:HtGpu.WorstCaseGraphReplaysOneRank:Ranks/HtOneGpu.*' t bin
+  if [ -n "${EPX_GTEST:-}" ]; then
+    local i=0
+    for t in $EPX_GTEST; do
+      i=$((i + 1))
+      gtest "$i.${t%%=*}" "${t%%=*}" "${t#*=}"
+    done
+    return
+  fi
+  for bin in "$B"/tests/gpu/gpu_*test; do
+    [ -x "$bin" ] || continue
+    bin=$(basename "$bin")
+    if [ "$bin" = gpu_ht_test ]; then
+      gtest ht_test gpu_ht_test "$one"
+      gtest ht_test.side_streams gpu_ht_test 'Ranks/HtOneGpu.SideStream*' EPX_ONE_GPU_SIDE_STREAMS=1
+      if [ "$G" -ge 2 ]; then
+        gtest ht_test.multi_gpu gpu_ht_test "*-$one"
+      else
+        skip tests.ht_test.multi_gpu "the multi-GPU ht cases need 2 GPUs, $G visible"
+      fi
+    else
+      gtest "${bin#gpu_}" "$bin" '*'
+    fi
+  done
+}
+
+batch_pytest() {
+  local k=() i
+  [ -n "${EPX_PYTEST_K:-}" ] && k=(-k "$EPX_PYTEST_K")
+  for i in $(seq 1 "${EPX_REPEAT:-1}"); do
+    step "pytest.$i" "${EPX_PYTEST_LIMIT:-540}" "passed|failed|^FAILED|^ERROR" "$EPX_PYTHON" -m pytest -q -rs \
+      -m gpu "${k[@]}" tests/python
+  done
+}
+
+batch_bench() {
+  local mode extra
+  for mode in ht ll a2a; do
+    extra=()
+    [ "$mode" = a2a ] && extra=(--tokens "1,128,4096")  # the standard a2a workloads
+    # shellcheck disable=SC2086
+    step "bench.$mode" 300 "^op|^$mode\.|PASS|FAIL|SKIPPED" "$B/bench/epx-bench" "$mode" \
+      --backend cuda --json "$OUT/bench-$mode.json" "${extra[@]}" ${EPX_BENCH_ARGS:-}
+  done
+}
+
+batch_gpubench() {
+  local rows="^SMs|^ +[0-9]+ |dispatch|combine|NCCL|ceiling|target|check"
+  step gpubench.ht 240 "$rows" "$B/bench/epx_ht_gpu_bench" --ranks "$G" --iters 20 --tokens 4096 \
+    --sms 16,24,32
+  step gpubench.ll 150 "$rows" "$B/bench/epx_ll_gpu_bench" --ranks "$G" --tokens 1,32,128,256,512 \
+    --iters 20
+  step gpubench.a2a 150 "$rows" "$B/bench/epx_a2a_gpu_bench" --ranks "$G" --iters 20
+  step gpubench.ht_onegpu 150 "dispatch|combine" "$B/bench/epx_ht_onegpu_bench" --sms 16
+  if [ "$G" -ge 2 ]; then
+    step gpubench.store_probe 60 "." "$B/bench/epx_store_probe" --ctas 128 --tokens-per-cta 1
+  else
+    skip gpubench.store_probe "needs 2 GPUs, $G visible"
+  fi
+}
+
+batch_profile() {
+  # shellcheck disable=SC2086
+  step profile.kernels 300 "^(op|ll|ht|a2a|profile)" "$EPX_PYTHON" bench/profile_kernels.py \
+    ${EPX_PROFILE_ARGS:-}
+  # shellcheck disable=SC2086
+  step profile.engine_timing 300 "^ *[0-9]+ |^T|rows|events|host" "$EPX_PYTHON" \
+    bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
+}
+
+batch_peer() {
+  if [ -z "${EPX_DEEPEP_TESTS:-}" ]; then
+    skip peer "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/ (bench/peer_deepep.sh)"
+    return
+  fi
+  step peer 540 "^== |passed|failed|Error" bash bench/peer_deepep.sh "$EPX_DEEPEP_TESTS" \
+    "${EPX_PEER_PROCS:-1}"
+}
+
+batch_trace() {
+  local T="$B-trace"
+  local generator=""
+  command -v ninja >/dev/null && generator="-G Ninja"
+  step trace.build 900 "" bash -c "cmake -S . -B '$T' $generator -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
+    -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON -DEPX_BUILD_PYTHON=OFF && cmake --build '$T' -j $(nproc) \
+    --target epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench" || { tail -40 "$OUT/trace.build.log"; return 1; }
+  local rows="^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)"
+  step trace.ht_t1 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
+    --tokens 1 --sms 16
+  step trace.ht_t4096 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
+    --tokens 4096 --sms 16
+  step trace.ll 120 "^\[trace|^ +(1|128) " "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
+    --tokens 128,1 --iters 20
+  step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" --trace \
+    --sms 16
+}
+
+batch_overhead() {
+  local rows="^T=|^\||skipped"
+  step overhead.cuda_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --device cuda \
+    --iters 3000 --parts --alloc-ab
+  step overhead.cuda_decode 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py \
+    --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 --max-tokens 128
+  step overhead.cpu_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --iters 3000 \
+    --parts --alloc-ab
+  step overhead.pytest 240 "passed|failed" "$EPX_PYTHON" -m pytest -q -rs \
+    tests/python/test_overhead_script.py
+}
+
+batch_main() {
+  step main 540 "^== |^(ht|ll|a2a)\.|check:|PASS|FAIL" bash scripts/run.sh
+}
+
+if do_build; then
+  for b in "$@"; do
+    case $b in
+      build) ;;
+      peer | pytest | profile | overhead | main | tests | bench | gpubench | trace)
+        if have_gpu || [ "$b" = main ]; then
+          "batch_$b"
+        else
+          skip "$b" "no GPU visible"
+        fi
+        ;;
+    esac
+  done
+fi
+
+echo
+echo "== summary ($(( $(date +%s) - T0 )) s; logs in $OUT)"
+printf '%s\n' "${results[@]}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "== all steps passed"
