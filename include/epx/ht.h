@@ -1,4 +1,4 @@
-// epx/ht.h — high-throughput dispatch/combine (prefill, training). SPEC 3.1–3.3.
+// epx/ht.h — high-throughput dispatch/combine (prefill, training). docs/semantics.md §1.
 //
 // Data flow on rank r (R ranks, T tokens here, N tokens received):
 //   ht_layout(topk_idx)   -> num_tokens_per_rank[R], num_tokens_per_expert[E], is_token_in_rank[T, R]

@@ -1,4 +1,4 @@
-"""epx exceptions: one class per epx::ErrorCode (SPEC 5).
+"""epx exceptions: one class per epx::ErrorCode (docs/semantics.md §4).
 
 Every error the C++ core raises arrives as the class of its code, with the C++ message unchanged
 ("epx invalid_argument: ll_dispatch: argument 'x' has dtype f32, expected bf16"). The Python

@@ -3,7 +3,7 @@
 //
 //   bf16:  round-to-nearest-even from float32; NaN -> 0x7FC0.
 //   fp8 e4m3fn: round-to-nearest-even, saturating to +-448 (inf and overflow saturate; NaN -> 0x7F).
-//   Quantisation of one 128-channel group of a token (SPEC 3.4):
+//   Quantisation of one 128-channel group of a token (docs/semantics.md §2.2):
 //     amax  = max(max_i |x_i|, 1e-4f)
 //     scale = amax / 448.0f                      (float32 division)
 //     round_scale: scale = next power of two >= scale (exact, on the bits)

@@ -1,5 +1,6 @@
-// src/cpu/a2a.cc — the cpu reference backend of the a2a mode (SPEC 3.6): CpuA2a, make_cpu_a2a,
-// cpu_a2a_bytes. Written the obviously correct way; it is the oracle of the cuda backend.
+// src/cpu/a2a.cc — the cpu reference backend of the a2a mode (docs/semantics.md §3): CpuA2a,
+// make_cpu_a2a, cpu_a2a_bytes. Written the obviously correct way; it is the oracle of the cuda
+// backend.
 //
 // Notation: R ranks, this rank r, T tokens here, K = top_k, E experts, L = E / R local experts,
 // M = runtime_max_tokens_per_rank of the call (equal on every rank), P payloads,

@@ -1,6 +1,6 @@
-// src/cuda/a2a.cu — the cuda backend of the a2a mode (SPEC 3.6): CudaA2a (set-up, the shape
-// agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device code
-// is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
+// src/cuda/a2a.cu — the cuda backend of the a2a mode (docs/semantics.md §3): CudaA2a (set-up, the
+// shape agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device
+// code is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
 //
 // Data flow, rank r of R, C CTAs per kernel (GroupOptions::num_sms, auto 64):
 //   construction  symmetric workspace (transport allocate: collective, zeroed) -> header {shape,

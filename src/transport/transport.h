@@ -1,6 +1,6 @@
 // src/transport/transport.h — the one small interface every backend's communication sits on
-// (SPEC 4): allocate symmetric memory, reach a peer's copy, synchronise. Kernels and the cpu
-// reference see only this; NCCL LSA windows, shared memory (threads or processes) and future
+// (docs/design.md §5): allocate symmetric memory, reach a peer's copy, synchronise. Kernels and the
+// cpu reference see only this; NCCL LSA windows, shared memory (threads or processes) and future
 // CUDA-IPC / GIN transports implement it.
 #pragma once
 

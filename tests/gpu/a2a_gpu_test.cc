@@ -1,4 +1,4 @@
-// GPU tier: the cuda a2a backend (src/cuda/a2a.cu) against the naive oracle of SPEC 3.6
+// GPU tier: the cuda a2a backend (src/cuda/a2a.cu) against the naive oracle of docs/semantics.md §3
 // (tests/support/oracle_a2a.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and
 // 8 forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //

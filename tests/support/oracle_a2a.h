@@ -1,5 +1,5 @@
-// tests/support/oracle_a2a.h — a naive, independent oracle of the a2a mode (SPEC 3.6), shared by
-// the unit tests and epx-bench --check.
+// tests/support/oracle_a2a.h — a naive, independent oracle of the a2a mode (docs/semantics.md §3),
+// shared by the unit tests and epx-bench --check.
 //
 // An A2aProblem holds the configuration and EVERY rank's inputs in host memory, generated from
 // one rng, so each rank (a thread, a forked process, or a GPU process that regenerates it from the
@@ -70,8 +70,8 @@ void fill_a2a_inputs(A2aProblem& p, const std::vector<Routing>& routing, std::mt
 struct A2aExpected {
   std::vector<int32_t> recv_counts;                 // [R]
   std::vector<std::vector<uint8_t>> recv;           // [i] bytes of [R, M, row]; unspecified rows 0
-  std::vector<std::vector<uint8_t>> row_specified;  // [i] [R * M]: 1 where SPEC 3.6 defines the
-                                                    // row (valid rows, sanitised padding)
+  std::vector<std::vector<uint8_t>> row_specified;  // [i] [R * M]: 1 where the row is defined
+                                                    // (valid rows, sanitised padding: semantics §3)
   std::vector<uint8_t> combine_out;                 // bytes of [T, H] in combine_dtype
   A2aDropCounts dropped;                            // what the mask drops of this rank's tokens
 };

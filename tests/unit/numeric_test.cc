@@ -198,7 +198,7 @@ TEST(Bf16, EveryCodeRoundTrips) {
   }
 }
 
-// ---- quantisation (SPEC 3.4) ---------------------------------------------------------------
+// ---- quantisation (docs/semantics.md §2.2) -------------------------------------------------
 
 // scale = max(amax, 1e-4) / 448 in float32 (computed in double, rounded once: exact for a float
 // division), round_scale: the smallest power of two >= scale; inv = 1 / scale (float);

@@ -13,7 +13,8 @@
 //   this overlaps the peers' pushes), then items (32-row block b, source s != r), block-major:
 //   one thread waits until counter[slot s][b] == rows in that block, then the CTA copies the
 //   rows to recv_*[rpm[s-1][r] + j] (a warp per row), then the block's metadata with every
-//   thread at once (recv_block_meta): SPEC 3.2's order (source rank, then source token).
+//   thread at once (recv_block_meta): the order of docs/semantics.md §1.2 (source rank, then
+//   source token).
 // Worst-case mode: rows >= num_rows are never written; N > num_rows is reported
 //   (OutOfCapacity); rows [N, num_rows) get topk -1, weight 0, src_idx -1.
 // End: the last CTA zeroes the counters it consumed and signals ready (finish_operation).

@@ -22,7 +22,8 @@
 //           rounded up to expert_alignment (published to mapped host memory under `ticket`).
 //   pass 2  (every CTA, its tokens, after a cluster barrier) send_pos[t][d] = rpm[r-1][d] +
 //           (tokens before t that go to d), or -1: the row of token t in rank d's recv_x, which is
-//           the order SPEC 3.2 requires (source rank, then source token index, ascending).
+//           the order docs/semantics.md §1.2 requires (source rank, then source token index,
+//           ascending).
 #pragma once
 
 #include <cooperative_groups.h>
