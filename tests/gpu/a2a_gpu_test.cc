@@ -715,7 +715,7 @@ TEST(A2aGpuErrors, MissingPeerIsTimeout) {
 }
 
 // Workspace size: within FlashInfer's formula R * max * (D + C) plus a small auxiliary part
-// (SPEC 6). Host arithmetic only; no GPU needed.
+// (the a2a memory target, docs/perf.md §3). Host arithmetic only; no GPU needed.
 A2aShape engine_shape() {
   A2aShape s;
   s.max_tokens_per_rank = 4096;

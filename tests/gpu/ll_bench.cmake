@@ -1,5 +1,5 @@
 # tests/gpu/ll_bench.cmake — the ll benchmark of the cuda backend (results:
-# docs/perf-cuda-ll.md). Included by tests/gpu/CMakeLists.txt; needs NCCL's headers for the
+# docs/perf.md §4.3). Included by tests/gpu/CMakeLists.txt; needs NCCL's headers for the
 # NCCL baseline.
 add_executable(epx_ll_gpu_bench ${CMAKE_CURRENT_LIST_DIR}/ll_gpu_bench.cu)
 target_include_directories(epx_ll_gpu_bench PRIVATE ${EPX_NCCL_INCLUDE_DIR})

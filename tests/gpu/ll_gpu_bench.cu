@@ -1,5 +1,5 @@
-// tests/gpu/ll_gpu_bench.cu — the ll benchmark of the cuda backend (SPEC 6; results in
-// docs/perf-cuda-ll.md), next to two baselines measured in the same run:
+// tests/gpu/ll_gpu_bench.cu — the ll benchmark of the cuda backend (results in
+// docs/perf.md §4.3), next to two baselines measured in the same run:
 //   * NVLink ceiling: an SM-driven push (16-byte stores, all ranks at once) of the bytes ll moves
 //     over NVLink (dispatch: one fp8 message per token and remote rank; combine: one bf16 row per
 //     token and remote expert), into the peer's symmetric memory; 64 CTAs and all SMs, the faster;
@@ -59,7 +59,7 @@ namespace et = epx::testing;
 
 constexpr int64_t kHidden = 7168;
 constexpr int kTopK = 8;
-// E: 256 (SPEC 6) unless --experts says otherwise (set once in main, before any rank starts).
+// E: 256 (standard) unless --experts says otherwise (set once in main, before any rank starts).
 int g_experts = 256;
 constexpr int kGraphOps = 20;
 

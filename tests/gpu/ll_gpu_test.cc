@@ -1062,7 +1062,7 @@ TEST(LlGpuLifetime, BuffersDestroyedAtDifferentTimesOnEachRank) {
   EXPECT_EQ(rc, 0);
 }
 
-// ---- memory (SPEC 6) -------------------------------------------------------------------------
+// ---- memory (targets: docs/perf.md §3) -------------------------------------------------------
 
 // The standard workload (EP2, T_max = 128, H = 7168, K = 8, E = 256) within 1 GB per rank
 // (DeepEP: 1.9 GB). Host arithmetic only.
