@@ -75,7 +75,7 @@ struct HtDispatchArgs {
   // same memory, so expert outputs may be written in place for a zero-copy combine. The other
   // outputs are tensors of their own. Worst-case mode needs num_worst_tokens <= R *
   // max_tokens_per_rank. Every rank passes the same value (else every rank raises
-  // InvalidArgument; on cuda not detected in cached mode, docs/semantics.md §4.1). The cpu
+  // InvalidArgument; on cuda not detected in cached mode, docs/semantics.md §4.2). The cpu
   // backend accepts it and returns ordinary tensors.
   bool zero_copy = false;
   Stream stream = nullptr;

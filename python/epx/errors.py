@@ -114,7 +114,7 @@ def per_rank_values(values):
 
 def check_agreement(op, fields):
     """Raises InvalidArgument naming every (name, per-rank values) of `fields` whose values
-    differ across ranks, in the C++ core's words (docs/semantics.md §4.1)."""
+    differ across ranks, in the C++ core's words (docs/semantics.md §4.2)."""
     parts = [f"{name} differs across ranks: {per_rank_values(values)}"
              for name, values in fields if len(set(values)) > 1]
     if parts:

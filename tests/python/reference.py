@@ -1,7 +1,7 @@
 """Independent torch references for docs/semantics.md (ht, ll, a2a), and the shared input
 generators.
 
-Written from the SPEC text only, in plain torch (no epx code): every rank regenerates every
+Written from docs/semantics.md only, in plain torch (no epx code): every rank regenerates every
 rank's inputs from a seed, so each rank can compute what it must receive without communicating.
 
 Number formats (docs/semantics.md §2.2, docs/design.md §8): bf16 round-to-nearest-even (torch's
