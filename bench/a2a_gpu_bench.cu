@@ -1,5 +1,5 @@
-// bench/a2a_gpu_bench.cu — the a2a benchmark of the cuda backend (SPEC 6; results in
-// docs/perf-cuda-a2a.md), next to the two baselines measured in the same run:
+// bench/a2a_gpu_bench.cu — the a2a benchmark of the cuda backend (results in docs/perf.md
+// §4.4), next to the two baselines measured in the same run:
 //   * NVLink ceiling: an SM-driven push (16-byte stores, all ranks at once) of the same bytes
 //     that a2a moves over NVLink (dispatch: rows of tokens going to a peer, every payload;
 //     combine: the same tokens' hidden rows coming back), into the peer's symmetric memory;

@@ -51,7 +51,7 @@ FLAGS:
                       every visible GPU (one process per GPU, GPU i = rank i).
   --procs             cpu only: run the ranks as forked processes over POSIX shared memory
                       instead of threads.
-  --tokens T[,T...]   tokens per rank (one table row group per value). Default (SPEC 6
+  --tokens T[,T...]   tokens per rank (one table row group per value). Default (the
                       standard workloads): ht 4096, ll 128, a2a 128 on cuda; on cpu smaller so a
                       run takes seconds on a small machine: ht 256, ll 8, a2a 64.
                       For ll, T is also T_max (the buffer capacity).

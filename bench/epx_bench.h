@@ -55,8 +55,8 @@ struct Options {
   std::string command_line;
 };
 
-// Default tokens per rank of `mode` ("ht", "ll", "a2a") on `backend` (SPEC 6 on cuda; smaller on
-// cpu so a run takes seconds).
+// Default tokens per rank of `mode` ("ht", "ll", "a2a") on `backend` (the standard workloads of
+// docs/perf.md §3 on cuda; smaller on cpu so a run takes seconds).
 std::vector<int64_t> default_tokens(const std::string& mode, Backend backend);
 
 // ---- results (plain data: they live in memory shared across fork) ----------------------------

@@ -11,7 +11,7 @@
 // Rows: (token, distinct destination rank) pairs. Dispatch bytes per row = 2H + 8K; combine
 // bytes per row = 2H (see epx_bench.h for cross/recv).
 // Timing: the a2a state machine alternates dispatch and combine, so cpu times each step of
-// (dispatch, write y, combine) separately; cuda times the pair (the SPEC 6 a2a workload).
+// (dispatch, write y, combine) separately; cuda times the pair (the a2a target, docs/perf.md §3).
 // --check compares with tests/support/oracle_a2a.h before and after timing.
 #include <cstring>
 

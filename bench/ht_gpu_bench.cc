@@ -1,5 +1,5 @@
 // bench/ht_gpu_bench.cc — the cuda ht benchmark beside epx-bench (SM sweeps, every path's
-// rows, --trace): the SPEC 6 standard ht workload, epx's dispatch/combine times next to NCCL's
+// rows, --trace): the standard ht workload, epx's dispatch/combine times next to NCCL's
 // all-to-all of the same bytes and the NVLink copy ceiling of the same bytes, same run, same SMs.
 //
 //   epx_ht_gpu_bench [--ranks R] [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256]
@@ -471,7 +471,7 @@ int run_rank(const Group& g, const Options& o, int sms) {
 // copy engines reached pushing every row (2026-11-30). cudaMemcpyAsync of S bytes from a local
 // cudaMalloc buffer into (a) the peer's NCCL window through its LSA mapping (what the ce path
 // writes), (b) a cudaMalloc buffer of the peer opened with cudaIpcOpenMemHandle (the classic peer
-// path; reference/nvlink.md measured 395 GB/s there), (c) this rank's own window (local copy);
+// path; docs/perf.md §3: 395 GB/s one way), (c) this rank's own window (local copy);
 // one rank pushing or both at once; the S bytes as 1 copy or 4 copies. Times: CUDA events,
 // medians over iters, a barrier before each iteration.
 int ce_probe(const Group& g, const Options& o) {

@@ -1,5 +1,5 @@
-// bench/ll_gpu_bench.cu — the ll benchmark of the cuda backend (SPEC 6; results in
-// docs/perf-cuda-ll.md), next to two baselines measured in the same run:
+// bench/ll_gpu_bench.cu — the ll benchmark of the cuda backend (results in docs/perf.md §4.3),
+// next to two baselines measured in the same run:
 //   * NVLink ceiling: an SM-driven push (16-byte stores, all ranks at once) of the bytes ll moves
 //     over NVLink (dispatch: one fp8 message per token and remote rank; combine: one bf16 row per
 //     token and remote expert), into the peer's symmetric memory; 64 CTAs and all SMs, the faster;
@@ -59,7 +59,7 @@ namespace et = epx::testing;
 
 constexpr int64_t kHidden = 7168;
 constexpr int kTopK = 8;
-// E: 256 (SPEC 6) unless --experts says otherwise (set once in main, before any rank starts).
+// E: 256 (standard) unless --experts says otherwise (set once in main, before any rank starts).
 int g_experts = 256;
 constexpr int kGraphOps = 20;
 
@@ -692,7 +692,7 @@ int run_rank(const Group& g, const Options& o) {
     }
   }
   if (r == 0) {
-    std::printf("\nsymmetric bytes per rank: %.1f MB at T_max = 128 (SPEC: <= 1 GB; DeepEP 1.9 GB)",
+    std::printf("\nsymmetric bytes per rank: %.1f MB at T_max = 128 (target: <= 1 GB; DeepEP 1.9 GB)",
                 bytes[0] / 1e6);
     if (bytes[1])
       std::printf(", %.1f MB at T_max = %lld", bytes[1] / 1e6, static_cast<long long>(max_t));

@@ -1,7 +1,7 @@
-"""epx ops' GPU time as the PyTorch profiler reports it (SPEC 6: how DeepEP's figures were taken).
+"""epx ops' GPU time as the PyTorch profiler reports it (how DeepEP's figures were taken).
 
 One process per GPU over an NCCL process group (the cpu backend over gloo where there is no GPU:
-host times only, which checks the script). For each op of the standard workloads (SPEC 6) it
+host times only, which checks the script). For each op of the standard workloads (perf.md §3) it
 runs `--iters` calls back to back (no barrier between them) under torch.profiler and prints, per
 rank and per call:
   wall     (last kernel / copy end - first start) / calls on this rank's device: idle gaps count,

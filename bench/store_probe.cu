@@ -1,6 +1,6 @@
 // bench/store_probe.cu — a diagnostic for issue 5 (not a test, not in ctest): how long does
 // one CTA of 512 threads take to issue one ll message (a token row) into a peer GPU's memory?
-// The ll send trace measured 5.8 µs per token per CTA (docs/perf-cuda-ll.md); this isolates the
+// The ll send trace measured 5.8 µs per token per CTA (2026-11-30); this isolates the
 // store pattern from everything else in ll_dispatch (no flags, no routing, no NCCL).
 //
 // One process, GPU 0 writes into GPU 1 through cudaDeviceEnablePeerAccess. C CTAs, each sends
@@ -62,7 +62,7 @@ __device__ __forceinline__ uint2 quantise8(const uint4& raw, float* scale_out, b
   const float scale = epx::detail::fp8_scale_from_amax(amax, false);
   const float inv = 1.0f / scale;
   uint2 packed;
-  if (hw) {  // the hardware conversion, as the kernels since the fifth session
+  if (hw) {  // the hardware conversion, as the kernels since 7558298
     packed.x = epx::detail::f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
     packed.y = epx::detail::f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   } else {  // the emulation, as the kernels before

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job: installs what it needs, builds, runs the end-to-end MoE demo (demo/epx_demo.py on
 # GPUs; demo/epx_demo.cc and demo/epx_demo.py on the cpu backend), then epx-bench with --check --
-# on the GPUs it finds (cuda backend, SPEC 6 standard workloads), or on the cpu backend with 4
-# ranks where there are none.
+# on the GPUs it finds (cuda backend, the standard workloads of docs/perf.md §3), or on the cpu
+# backend with 4 ranks where there are none.
 # Usage: bash scripts/run.sh     (build dir: build/, override with EPX_BUILD_DIR;
 #                                 extra epx-bench flags: EPX_BENCH_ARGS="--iters 20")
 set -euo pipefail
@@ -68,7 +68,7 @@ if have_gpus; then
   # not implement yet is reported by epx-bench as SKIPPED with the backend's reason.
   for mode in ht ll a2a; do
     extra=()
-    [ "$mode" = a2a ] && extra=(--tokens "1,128,4096")   # SPEC 6: a2a at T = 1, 128, 4096
+    [ "$mode" = a2a ] && extra=(--tokens "1,128,4096")   # standard a2a workloads: T = 1, 128, 4096
     # shellcheck disable=SC2086
     "$BENCH" "$mode" --backend cuda --check --json "$RESULTS/bench-cuda-$mode.json" \
       "${extra[@]}" ${EPX_BENCH_ARGS:-} || { echo "== epx-bench $mode: FAILED =="; status=1; }

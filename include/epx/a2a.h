@@ -1,4 +1,5 @@
-// epx/a2a.h — fixed-geometry multi-payload all-to-all (FlashInfer/TensorRT-LLM style). SPEC 3.6.
+// epx/a2a.h — fixed-geometry multi-payload all-to-all (FlashInfer/TensorRT-LLM style).
+// docs/semantics.md §3.
 //
 // Data flow on rank r (R ranks, M = runtime_max_tokens_per_rank):
 //   dispatch(topk_idx[T, K], payloads p_i[T, ...]) ->

@@ -13,7 +13,7 @@
 // disagree across ranks (dtypes, weights given on some ranks only, num_worst_tokens,
 // expert_alignment, zero_copy, use_fp8 / round_scale, handles of different dispatches, ranks
 // calling different operations) make every rank raise InvalidArgument naming them with each
-// rank's value (docs/semantics.md §4.1); a rank that fails after the exchange still takes part
+// rank's value (docs/semantics.md §4.2); a rank that fails after the exchange still takes part
 // in the operation's last synchronisation, so its peers complete.
 //
 // Thread-safety: a Buffer is used by one host thread at a time.

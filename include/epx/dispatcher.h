@@ -1,4 +1,4 @@
-// epx/dispatcher.h — the layer an engine's MoE layer talks to (SPEC 3.7).
+// epx/dispatcher.h — the layer an engine's MoE layer talks to (docs/semantics.md §7).
 //
 // One Dispatcher per MoE layer group. It owns the mode buffers (ht + ll, or a2a), picks the mode
 // per call (normal -> ht, low_latency -> ll, auto: extend batches -> ht, decode batches -> ll),

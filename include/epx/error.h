@@ -1,4 +1,4 @@
-// epx/error.h — the one exception type of the public API (SPEC 5).
+// epx/error.h — the one exception type of the public API (docs/semantics.md §4).
 //
 // Every failure surfaces as epx::Error with a code and a message that names the argument, the
 // value seen and what was expected. Device-side failures (timeouts, out-of-range expert ids) are

@@ -1,7 +1,8 @@
 // epx/group.h — the EP group: who the ranks are and how they reach each other.
 //
-// A Group is a cheap, copyable handle on a shared transport (SPEC 4). Every rank of the EP group
-// creates its own Group with the same size and rendezvous name; creation is collective.
+// A Group is a cheap, copyable handle on a shared transport (docs/design.md §2, §5). Every rank of
+// the EP group creates its own Group with the same size and rendezvous name; creation is
+// collective.
 //
 // Backends:
 //   cpu, threads     — ranks are threads of one process (tests, single-process simulation).

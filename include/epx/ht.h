@@ -1,4 +1,4 @@
-// epx/ht.h — high-throughput dispatch/combine (prefill, training). SPEC 3.1–3.3.
+// epx/ht.h — high-throughput dispatch/combine (prefill, training). docs/semantics.md §1.
 //
 // Data flow on rank r (R ranks, T tokens here, N tokens received):
 //   ht_layout(topk_idx)   -> num_tokens_per_rank[R], num_tokens_per_expert[E], is_token_in_rank[T, R]
@@ -75,7 +75,7 @@ struct HtDispatchArgs {
   // same memory, so expert outputs may be written in place for a zero-copy combine. The other
   // outputs are tensors of their own. Worst-case mode needs num_worst_tokens <= R *
   // max_tokens_per_rank. Every rank passes the same value (else every rank raises
-  // InvalidArgument; on cuda not detected in cached mode, docs/semantics.md §4.1). The cpu
+  // InvalidArgument; on cuda not detected in cached mode, docs/semantics.md §4.2). The cpu
   // backend accepts it and returns ordinary tensors.
   bool zero_copy = false;
   Stream stream = nullptr;

@@ -1,4 +1,4 @@
-// epx/ll.h — low-latency dispatch/combine (decode). SPEC 3.4–3.5.
+// epx/ll.h — low-latency dispatch/combine (decode). docs/semantics.md §2.
 //
 // Data flow on rank r (L local experts, capacity T_max = shape.max_tokens_per_rank):
 //   ll_dispatch(x[T, H], topk_idx[T, K]) ->

@@ -4,9 +4,9 @@
     group = epx.Group.from_process_group(pg)            # gloo -> cpu backend, NCCL -> cuda
     buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
                      enable_ll=True)
-    r = buf.ll_dispatch(x, topk_idx)                     # SPEC 3.4
+    r = buf.ll_dispatch(x, topk_idx)                     # docs/semantics.md §2
     d = epx.Dispatcher(group, num_experts=E, hidden=H, top_k=K, max_tokens_per_rank=T_max,
-                       mode="auto", quant="fp8")          # SPEC 3.7, the MoE layer's dispatcher
+                       mode="auto", quant="fp8")          # the MoE layer's (semantics.md §7)
     out = d.dispatch(x, topk_idx, topk_weights, forward_mode="decode")
 
 Drop-in compatibility layers: ``epx.compat.deep_ep`` (DeepEP's Buffer) and

@@ -3,7 +3,7 @@
 Data flow: tensors go to C++ as views (pointer, dtype, shape, strides, device) on the current
 stream of their device; outputs are torch tensors that PyTorch's allocator made (the caching
 allocator on GPU). Views into the communication workspace (a2a receive views, the ll zero-copy
-combine buffer) keep their Buffer/A2a alive. Semantics: SPEC 3 (docs/semantics.md).
+combine buffer) keep their Buffer/A2a alive. Semantics: docs/semantics.md.
 """
 
 from collections import namedtuple
@@ -146,7 +146,7 @@ class Buffer:
 
 
 class A2a:
-    """Fixed-geometry multi-payload all-to-all (SPEC 3.6). Collective to create.
+    """Fixed-geometry multi-payload all-to-all (docs/semantics.md §3). Collective to create.
 
     `payload_bytes_per_token`: bytes of one row of each dispatch payload (up to 8);
     `combine_bytes_per_token`: bytes of one row of the combine payload (H * element size).

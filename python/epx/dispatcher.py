@@ -1,4 +1,4 @@
-"""epx.Dispatcher: the layer an engine's MoE layer calls (SPEC 3.7), a thin mirror of
+"""epx.Dispatcher: the layer an engine's MoE layer calls (docs/semantics.md §7), a thin mirror of
 epx::Dispatcher.
 
     d = epx.Dispatcher(group, num_experts=E, hidden=H, top_k=K, max_tokens_per_rank=T_max,

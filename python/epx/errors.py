@@ -1,4 +1,4 @@
-"""epx exceptions: one class per epx::ErrorCode (SPEC 5).
+"""epx exceptions: one class per epx::ErrorCode (docs/semantics.md §4).
 
 Every error the C++ core raises arrives as the class of its code, with the C++ message unchanged
 ("epx invalid_argument: ll_dispatch: argument 'x' has dtype f32, expected bf16"). The Python
@@ -114,7 +114,7 @@ def per_rank_values(values):
 
 def check_agreement(op, fields):
     """Raises InvalidArgument naming every (name, per-rank values) of `fields` whose values
-    differ across ranks, in the C++ core's words (docs/semantics.md §4.1)."""
+    differ across ranks, in the C++ core's words (docs/semantics.md §4.2)."""
     parts = [f"{name} differs across ranks: {per_rank_values(values)}"
              for name, values in fields if len(set(values)) > 1]
     if parts:

@@ -1,4 +1,4 @@
-"""epx groups over torch.distributed (SPEC 4).
+"""epx groups over torch.distributed (docs/design.md §2, §5).
 
 A Group is created collectively by every rank of a torch ProcessGroup (or of any object with
 ``Get_rank()``, ``Get_size()`` and ``allgather(obj)``, FlashInfer's CommBackend interface):

@@ -1,4 +1,5 @@
-// python/src/dispatcher_bindings.cc — epx::Dispatcher (SPEC 3.7) for Python, a thin mirror.
+// python/src/dispatcher_bindings.cc — epx::Dispatcher (docs/semantics.md §7) for Python, a thin
+// mirror.
 //
 // Data flow: dispatch_a(x, topk_idx, topk_weights) -> to_view() on each (GIL held) -> the C++
 // stage with the GIL released (outputs come from torch_allocator(), which re-takes the GIL; hooks

@@ -95,7 +95,7 @@ PYBIND11_MODULE(_epx, m) {
     throw Error(static_cast<ErrorCode>(code), message);
   });
 
-  py::class_<Group>(m, "Group", "An EP group (SPEC 4). Creation is collective.")
+  py::class_<Group>(m, "Group", "An EP group. Creation is collective.")
       .def_static(
           "cpu_processes",
           [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms) {

@@ -1,4 +1,4 @@
-// python/src/timing.cc — C++ baselines for the Python call overhead (docs/perf-python.md).
+// python/src/timing.cc — C++ baselines for the Python call overhead (docs/perf.md §4.5).
 //
 // Data flow: each function converts its torch inputs once, then calls the epx ops N times in a C++
 // loop with the GIL released and returns host nanoseconds per iteration (one dispatch + one

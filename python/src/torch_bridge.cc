@@ -149,7 +149,7 @@ const py::dict& empty_kwargs(DType dtype, Device device) {
 
 // A 0-element tensor of (dtype, device), one per pair, built once (never freed, as the dicts
 // above): outputs are made by its new_empty(sizes), which skips torch.empty's keyword parsing —
-// ≈ 1 µs less per output on CUDA, docs/perf-python.md.
+// ≈ 1 µs less per output on CUDA (docs/perf.md §4.5, 8acf6bc).
 PyObject* empty_template(DType dtype, Device device) {
   static auto* cache = new std::map<int, py::object>();
   const int key =

@@ -1,5 +1,5 @@
-// src/core/a2a_validate.cc — argument validation of the a2a mode (SPEC 3.6, SPEC 5), shared by
-// every backend and run by epx::A2a (src/core/a2a.cc) before the backend sees the call.
+// src/core/a2a_validate.cc — argument validation of the a2a mode (docs/semantics.md §3, §4), shared
+// by every backend and run by epx::A2a (src/core/a2a.cc) before the backend sees the call.
 //
 // What is checked here is local to the calling rank. What only the group can see (the same
 // runtime_max_tokens_per_rank, payload row sizes and combine hidden/dtype on every rank) is

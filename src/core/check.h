@@ -1,5 +1,5 @@
 // src/core/check.h — validation helpers shared by every backend. Messages name the operation,
-// the argument, the value seen and what was expected (SPEC 5).
+// the argument, the value seen and what was expected (docs/semantics.md §4).
 #pragma once
 
 #include <initializer_list>

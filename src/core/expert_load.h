@@ -1,6 +1,6 @@
-// src/core/expert_load.h — expert-load recording for the Dispatcher (SPEC 3.7): per local expert,
-// the received tokens that selected it, accumulated over dispatches (a token that selected the
-// same local expert several times counts once), readable and resettable.
+// src/core/expert_load.h — expert-load recording for the Dispatcher (docs/semantics.md §7): per
+// local expert, the received tokens that selected it, accumulated over dispatches (a token that
+// selected the same local expert several times counts once), readable and resettable.
 //
 // Counts from cpu tensors accumulate in a host int64 [L]; counts from cuda tensors accumulate in
 // a device int64 [L] (allocated at construction for a cuda device, else on the first cuda tensor

@@ -1,4 +1,4 @@
-// src/core/ht_validate.cc — argument validation of the ht operations (SPEC 3.1–3.3, SPEC 5),
+// src/core/ht_validate.cc — argument validation of the ht operations (docs/semantics.md §1, §4),
 // shared by every backend and run before the backend is called.
 //
 // Data flow: epx::Buffer::ht_* -> validate_ht_* (here) -> BufferImpl::ht_*. Nothing here
@@ -25,7 +25,7 @@
 namespace epx::detail {
 namespace {
 
-// Scale columns of one token row for a scale dtype (SPEC 3.2).
+// Scale columns of one token row for a scale dtype (docs/semantics.md §1.2).
 int64_t scale_cols(DType scale_dtype, int64_t hidden) {
   return scale_dtype == DType::kF32 ? hidden / 128 : (hidden / 128 + 3) / 4;
 }

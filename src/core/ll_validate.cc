@@ -1,6 +1,6 @@
-// src/core/ll_validate.cc — argument validation of the ll mode (SPEC 3.4, 3.5, 5), shared by every
-// backend. Runs on the host before any communication, so a bad argument on one rank fails that
-// rank's call without touching the symmetric buffer.
+// src/core/ll_validate.cc — argument validation of the ll mode (docs/semantics.md §2, §4), shared
+// by every backend. Runs on the host before any communication, so a bad argument on one rank fails
+// that rank's call without touching the symmetric buffer.
 //
 //   ll_dispatch: x bf16 [T, H] (H == shape.hidden, H % 128 == 0, innermost stride 1),
 //                T <= T_max = shape.max_tokens_per_rank (else OutOfCapacity),

@@ -3,7 +3,7 @@
 //
 //   bf16:  round-to-nearest-even from float32; NaN -> 0x7FC0.
 //   fp8 e4m3fn: round-to-nearest-even, saturating to +-448 (inf and overflow saturate; NaN -> 0x7F).
-//   Quantisation of one 128-channel group of a token (SPEC 3.4):
+//   Quantisation of one 128-channel group of a token (docs/semantics.md §2.2):
 //     amax  = max(max_i |x_i|, 1e-4f)
 //     scale = amax / 448.0f                      (float32 division)
 //     round_scale: scale = next power of two >= scale (exact, on the bits)
@@ -60,7 +60,7 @@ EPX_HD uint16_t f32_to_bf16(float f) {
 
 // Two conversions at once: low half = bf16(lo), high half = bf16(hi). Device code on sm_80+ uses
 // the hardware cvt.rn.bf16x2.f32 (one instruction for two values instead of ~6 per value: the
-// combine reducers' per-SM rate, docs/perf-cuda-ht.md); f32_to_bf16 is its emulation (GPU test
+// combine reducers' per-SM rate, docs/perf.md §6); f32_to_bf16 is its emulation (GPU test
 // NumericGpu.HardwareBf16ConversionMatchesEmulationOnEveryFloat compares all 2^32 inputs). NaN is
 // forced to 0x7FC0 as above (the hardware's NaN is 0x7FFF).
 EPX_HD uint32_t f32x2_to_bf16x2(float lo, float hi) {
@@ -118,7 +118,7 @@ EPX_HD uint8_t f32_to_fp8_e4m3(float f) {
 
 // Two conversions at once: byte 0 = e4m3(lo), byte 1 = e4m3(hi). Device code on sm_89+ uses
 // the hardware cvt.rn.satfinite.e4m3x2.f32 (one instruction instead of ~40 branchy ones per
-// value: the ll fp8 send was bound by the emulation, docs/perf-cuda-ll.md); f32_to_fp8_e4m3 is
+// value: the ll fp8 send was bound by the emulation, docs/perf.md §6); f32_to_fp8_e4m3 is
 // its emulation (GPU test NumericGpu.HardwareFp8ConversionMatchesEmulationOnEveryFloat: all 2^32
 // inputs). NaN is forced to 0x7F as above whatever the hardware makes of its sign.
 EPX_HD uint16_t f32x2_to_fp8x2_e4m3(float lo, float hi) {

@@ -1,5 +1,5 @@
-// src/core/quant.h — dispatch quantisation for the expert GEMMs (SPEC 3.7), one definition for
-// the cpu backend and the cuda kernels.
+// src/core/quant.h — dispatch quantisation for the expert GEMMs (docs/semantics.md §7), one
+// definition for the cpu backend and the cuda kernels.
 //
 // fp8 (per token, per 128 channels): src/core/numeric.h's formula. Scales are float32 [T, H/128]
 // row-major, or with UE8M0 int32 [T, ceil(H/512)] (4 exponent bytes per int, group g in byte g%4

@@ -1,5 +1,6 @@
-// src/cpu/a2a.cc — the cpu reference backend of the a2a mode (SPEC 3.6): CpuA2a, make_cpu_a2a,
-// cpu_a2a_bytes. Written the obviously correct way; it is the oracle of the cuda backend.
+// src/cpu/a2a.cc — the cpu reference backend of the a2a mode (docs/semantics.md §3): CpuA2a,
+// make_cpu_a2a, cpu_a2a_bytes. Written the obviously correct way; it is the oracle of the cuda
+// backend.
 //
 // Notation: R ranks, this rank r, T tokens here, K = top_k, E experts, L = E / R local experts,
 // M = runtime_max_tokens_per_rank of the call (equal on every rank), P payloads,
@@ -39,7 +40,8 @@
 //      (memcpy), j++. recv_counts[s] = j. Padding rows j in [recv_counts[s], M): the expert-id
 //      payload gets invalid_expert_id in all K entries when invalid_expert_id is given; every
 //      other padding row (and the expert-id payload's without invalid_expert_id) is ZEROED by
-//      this backend (the SPEC leaves them unspecified; the cuda backend need not zero them).
+//      this backend (docs/semantics.md §3.2 leaves them unspecified; the cuda backend need not
+//      zero them).
 //   4. barrier (no peer reads our publish regions any more; next dispatch may overwrite them).
 //   Views: recv_i = [R, M, payload_i.shape[1:]...] (payload_i's dtype) at recv_payload_i;
 //   recv_counts = int32 [R]. Valid until the next dispatch.

@@ -1,4 +1,4 @@
-// src/cpu/ht.cc — the ht mode of the cpu reference backend (SPEC 3.1–3.3).
+// src/cpu/ht.cc — the ht mode of the cpu reference backend (docs/semantics.md §1).
 //
 // Data flow. Every collective op is "publish, barrier, pull, barrier" (cpu_buffer.h). A rank that
 // fails after the first barrier (worst-case overflow, a handle that does not match its peers, an

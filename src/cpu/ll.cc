@@ -1,4 +1,4 @@
-// src/cpu/ll.cc — the ll mode of the cpu reference backend (SPEC 3.4, 3.5).
+// src/cpu/ll.cc — the ll mode of the cpu reference backend (docs/semantics.md §2).
 //
 // Data flow on rank r (R ranks, L = E / R local experts, T_max = shape.max_tokens_per_rank,
 // G = H / 128 quantisation groups, RT = R * T_max rows per local expert):

@@ -1,6 +1,6 @@
-// src/cuda/a2a.cu — the cuda backend of the a2a mode (SPEC 3.6): CudaA2a (set-up, the shape
-// agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device code
-// is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
+// src/cuda/a2a.cu — the cuda backend of the a2a mode (docs/semantics.md §3): CudaA2a (set-up, the
+// shape agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device
+// code is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
 //
 // Data flow, rank r of R, C CTAs per kernel (GroupOptions::num_sms, auto 64):
 //   construction  symmetric workspace (transport allocate: collective, zeroed) -> header {shape,
@@ -50,8 +50,8 @@ constexpr const char* kShapeFieldNames[] = {"max_tokens_per_rank", "top_k", "num
 constexpr int kNumShapeFields = 4 + kMaxA2aPayloads;
 
 // Auto tuning of the a2a kernels, in one place: C CTAs of 512 threads for both kernels. 64 is
-// enough to keep NVLink busy at EP2 in both directions (reference/nvlink.md: pushes saturate
-// from 8-16 CTAs, pulls from 32) while small calls still spread over many SMs.
+// enough to keep NVLink busy at EP2 in both directions (docs/perf.md §3: pushes saturate
+// from 8-16 CTAs, pulls from 16-32) while small calls still spread over many SMs.
 int resolve_a2a_ctas(int requested, int device_sms) {
   const int c = requested > 0 ? requested : kA2aDefaultCtas;
   return std::clamp(c, 1, std::min(kMaxA2aCtas, std::max(1, device_sms)));

@@ -1,5 +1,5 @@
-// src/cuda/cuda_check.h — turning CUDA and NCCL return codes into epx::Error (SPEC 5), and a
-// scoped device switch. Host-only; usable from .cc and .cu files.
+// src/cuda/cuda_check.h — turning CUDA and NCCL return codes into epx::Error (docs/semantics.md
+// §4), and a scoped device switch. Host-only; usable from .cc and .cu files.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,6 @@
-// src/cuda/device_error.h — how kernels report failures to the host (SPEC 5): a record in mapped
-// pinned host memory, written once per error by the first device thread that claims it.
+// src/cuda/device_error.h — how kernels report failures to the host (docs/semantics.md §4): a
+// record in mapped pinned host memory, written once per error by the first device thread that
+// claims it.
 //
 // Protocol: a thread that detects an error claims the device-side word HtState::error_claim with
 // atomicCAS (device memory: host-memory atomics are not native over PCIe), writes the fields of

@@ -1,4 +1,4 @@
-// src/cuda/ll.cu — the cuda backend of the ll mode (SPEC 3.4, 3.5): CudaLl (set-up, the host
+// src/cuda/ll.cu — the cuda backend of the ll mode (docs/semantics.md §2): CudaLl (set-up, the host
 // state machine of hooks and slots, device-error reporting, ll_clean, teardown) and the dispatch
 // / combine launchers. Device code is in kernels/ll/ (region layout: ll_layout.cuh; protocols:
 // dispatch.cuh, combine.cuh). CudaBuffer (cuda_buffer.cc) owns one CudaLl when enable_ll and

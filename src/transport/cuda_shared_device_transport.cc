@@ -87,7 +87,7 @@ std::shared_ptr<Transport> make_cuda_shared_device_transport(int rank, int size,
   // Lazy loading (CUDA's default) loads a kernel at its first use, and a load may wait for the
   // kernels already running on the device: a peer's kernel spinning on this rank's next kernel
   // then holds that kernel back until the peer times out. Seen as the one-GPU R = 2 ht test's
-  // timeouts, cured by EAGER (docs/perf.md, ninth session, item 4).
+  // timeouts, cured by EAGER (80deb94, 2026-11-30; docs/design.md §5).
   EPX_CHECK_ARG(env_cuda_module_loading() == "EAGER", what, ": CUDA_MODULE_LOADING is '",
                 env_cuda_module_loading(), "' but ranks sharing one GPU need 'EAGER' (a lazily ",
                 "loaded kernel's first launch waits for the peers' running kernels, which wait "

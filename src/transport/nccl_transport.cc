@@ -1,5 +1,6 @@
-// src/transport/nccl_transport.cc — the cuda backend's transport (SPEC 4): one NCCL communicator
-// per group, symmetric memory from NCCL windows, LSA peer pointers, a bounded device barrier.
+// src/transport/nccl_transport.cc — the cuda backend's transport (docs/design.md §5): one NCCL
+// communicator per group, symmetric memory from NCCL windows, LSA peer pointers, a bounded device
+// barrier.
 //
 // Data flow of allocate(bytes), collective, same sizes in the same order on every rank:
 //   ncclMemAlloc (cuMem, exportable) -> zero-fill + sync -> ncclCommWindowRegister (collective;

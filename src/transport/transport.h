@@ -1,6 +1,6 @@
 // src/transport/transport.h — the one small interface every backend's communication sits on
-// (SPEC 4): allocate symmetric memory, reach a peer's copy, synchronise. Kernels and the cpu
-// reference see only this; NCCL LSA windows, shared memory (threads or processes) and future
+// (docs/design.md §5): allocate symmetric memory, reach a peer's copy, synchronise. Kernels and the
+// cpu reference see only this; NCCL LSA windows, shared memory (threads or processes) and future
 // CUDA-IPC / GIN transports implement it.
 #pragma once
 
@@ -105,9 +105,9 @@ class Transport {
   // Called by cuda Buffer / A2a destructors, after their device synchronisation. Destruction is
   // local (docs/semantics.md §5) except where ranks share one GPU: there every rank still waits
   // here for the others, as all destructors did before (without it HtOneGpu R = 8 failed 3 times
-  // in 19 runs, always in the combine of a Buffer's last case). The likely cause was found in the
-  // fifth session — the test harness's pageable uploads queued behind a spinning kernel, fixed in
-  // tests/gpu/gpu_support.cc (docs/perf.md, fifth session, item 2) — but the mode was not re-run
+  // in 19 runs, always in the combine of a Buffer's last case). The likely cause was found on
+  // 2026-11-30 — the test harness's pageable uploads queued behind a spinning kernel, fixed in
+  // tests/gpu/gpu_support.cc (3b00b5c; docs/design.md §10) — but the mode was not re-run
   // without this barrier, so it stays. A failed barrier is ignored (the group already failed).
   void destruction_barrier(const char* what) noexcept {
     if (!ranks_share_device()) return;

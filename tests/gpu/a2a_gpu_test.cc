@@ -1,4 +1,4 @@
-// GPU tier: the cuda a2a backend (src/cuda/a2a.cu) against the naive oracle of SPEC 3.6
+// GPU tier: the cuda a2a backend (src/cuda/a2a.cu) against the naive oracle of docs/semantics.md §3
 // (tests/support/oracle_a2a.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and
 // 8 forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //
@@ -715,7 +715,7 @@ TEST(A2aGpuErrors, MissingPeerIsTimeout) {
 }
 
 // Workspace size: within FlashInfer's formula R * max * (D + C) plus a small auxiliary part
-// (SPEC 6). Host arithmetic only; no GPU needed.
+// (the a2a memory target, docs/perf.md §3). Host arithmetic only; no GPU needed.
 A2aShape engine_shape() {
   A2aShape s;
   s.max_tokens_per_rank = 4096;

@@ -75,7 +75,7 @@ Allocator device_allocator();
 // calling thread inside the driver, and the peers' own pageable copies (their next launch) queue
 // behind it: under run_cuda_ranks_one_gpu the ranks deadlocked until the device timeout (LlOneGpu
 // R8 took 2 x the 30 s timeout: the other ranks timed out first, then the blocked rank's kernel
-// ran and timed out itself; docs/perf.md, fifth session).
+// ran and timed out itself; 3b00b5c, 2026-11-30).
 void upload_on_rank_stream(void* dst, const void* host, size_t bytes, cudaStream_t stream);
 
 // Device copies (synchronous; the caller owns nothing but the returned Tensor).

@@ -1,4 +1,4 @@
-// tests/gpu/ht_reference.cc — see ht_reference.h. Straight loops over SPEC 3.1–3.3.
+// tests/gpu/ht_reference.cc — see ht_reference.h. Straight loops over docs/semantics.md §1.
 #include "gpu/ht_reference.h"
 
 #include <algorithm>

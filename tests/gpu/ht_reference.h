@@ -1,6 +1,6 @@
 // tests/gpu/ht_reference.h — inputs for every rank of an ht case, generated from one seed in
-// every process, and the naive expected results written straight from SPEC 3.1–3.3 (loops, no
-// cleverness). The GPU tests compare the cuda backend with these bit for bit, and with the cpu
+// every process, and the naive expected results written straight from docs/semantics.md §1 (loops,
+// no cleverness). The GPU tests compare the cuda backend with these bit for bit, and with the cpu
 // backend where it implements ht (cpu_backend_ht below).
 #pragma once
 

@@ -1,5 +1,5 @@
 // tests/gpu/ht_test.cc — the cuda ht mode on 1 and 2 GPUs, every output compared bit for bit
-// with the naive SPEC reference (ht_reference.h) and, where it implements ht, the cpu backend.
+// with the naive reference (ht_reference.h) and, where it implements ht, the cpu backend.
 //
 // The correctness tests run every case under each path the library takes by itself (kPaths: the
 // default at 16 SMs, zero-copy dispatches, 32 SMs); within a path the cases reach its branches

@@ -1,4 +1,4 @@
-// GPU tier: the cuda ll backend (src/cuda/ll.cu) against the naive oracle of SPEC 3.4-3.5
+// GPU tier: the cuda ll backend (src/cuda/ll.cu) against the naive oracle of docs/semantics.md §2
 // (tests/support/oracle_ll.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and 8
 // forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //
@@ -716,7 +716,7 @@ TEST(LlGpuGraph, CaptureReplayedOnNewInputsOneRank) {
   EXPECT_EQ(graph_replays(1), 0);
 }
 
-// ---- errors (SPEC 5) ---------------------------------------------------------------------
+// ---- errors (docs/semantics.md §4) -------------------------------------------------------
 
 // A small one-batch problem for error tests.
 Case small_case(int R, uint64_t seed) {
@@ -1062,7 +1062,7 @@ TEST(LlGpuLifetime, BuffersDestroyedAtDifferentTimesOnEachRank) {
   EXPECT_EQ(rc, 0);
 }
 
-// ---- memory (SPEC 6) -------------------------------------------------------------------------
+// ---- memory (targets: docs/perf.md §3) -------------------------------------------------------
 
 // The standard workload (EP2, T_max = 128, H = 7168, K = 8, E = 256) within 1 GB per rank
 // (DeepEP: 1.9 GB). Host arithmetic only.

@@ -1,4 +1,4 @@
-"""Python call overhead of epx ops (SPEC 6: at most 30 us per call in ll and a2a).
+"""Python call overhead of epx ops (target: at most 30 us per call in ll and a2a).
 
 One rank (R = 1), tiny T, so the op itself is short; each pair of calls is timed through
   cpp      the C++ op in a C++ loop (a caching allocator)        -- the op's own host cost

@@ -1,12 +1,13 @@
-"""Independent torch references for SPEC 3 (ht, ll, a2a), and the shared input generators.
+"""Independent torch references for docs/semantics.md (ht, ll, a2a), and the shared input
+generators.
 
-Written from the SPEC text only, in plain torch (no epx code): every rank regenerates every
+Written from docs/semantics.md only, in plain torch (no epx code): every rank regenerates every
 rank's inputs from a seed, so each rank can compute what it must receive without communicating.
 
-Number formats (SPEC 3.4, core numeric rules): bf16 round-to-nearest-even (torch's .to(bfloat16));
-fp8 e4m3fn encoded here by nearest-value search with ties to the even code, saturating at 448;
-float32 accumulations replayed in float64 with one rounding to float32 per step (exact for the
-products of bf16 by float32 used here).
+Number formats (docs/semantics.md §2.2, docs/design.md §8): bf16 round-to-nearest-even (torch's
+.to(bfloat16)); fp8 e4m3fn encoded here by nearest-value search with ties to the even code,
+saturating at 448; float32 accumulations replayed in float64 with one rounding to float32 per step
+(exact for the products of bf16 by float32 used here).
 """
 
 import torch
@@ -30,7 +31,8 @@ def _stable_str_hash(s):
 
 
 def routing(kind, num_tokens, top_k, num_experts, num_ranks, g, drop=0.1):
-    """topk_idx [T, K] int64 in [-1, E) of the named kind (SPEC 5 adversarial routings)."""
+    """topk_idx [T, K] int64 in [-1, E) of the named kind (the adversarial routings
+    of docs/semantics.md §4)."""
     T, K, E = num_tokens, top_k, num_experts
     if T == 0:
         return torch.empty(0, K, dtype=torch.int64)
@@ -124,8 +126,8 @@ def round_up_pow2(s):
 
 
 def quantize_fp8(x, round_scale):
-    """SPEC 3.4: per token per 128 channels scale = max(amax, 1e-4) / 448 (optionally rounded up
-    to a power of two), q = e4m3(x * (1 / scale)). x [T, H] bf16 -> (q uint8 [T, H],
+    """docs/semantics.md §2.2: per token per 128 channels scale = max(amax, 1e-4) / 448 (optionally
+    rounded up to a power of two), q = e4m3(x * (1 / scale)). x [T, H] bf16 -> (q uint8 [T, H],
     scales f32 [T, H/128])."""
     T, H = x.shape
     xf = x.to(torch.float32).reshape(T, H // 128, 128)
@@ -161,7 +163,7 @@ def f32_fma(a, b, c):
     return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
 
 
-# ---- ht (SPEC 3.1 - 3.3) ------------------------------------------------------------------------
+# ---- ht (docs/semantics.md §1) ------------------------------------------------------------------
 
 def goes_to(topk_idx, rank, num_experts, num_ranks):
     """bool [T]: token t selects some expert on `rank`."""
@@ -239,7 +241,7 @@ def ht_combine(inputs, ys, rank, num_experts, num_ranks, bias0=None, bias1=None)
     return acc.to(torch.bfloat16)
 
 
-# ---- ll (SPEC 3.4 - 3.5) ------------------------------------------------------------------------
+# ---- ll (docs/semantics.md §2) ------------------------------------------------------------------
 
 def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round_scale=False):
     """Expert-major receive of `rank`: per local expert l, rows by source rank then source index;
@@ -306,7 +308,7 @@ def ll_combine(inputs, ys, rank, num_experts, num_ranks):
     return acc.to(torch.bfloat16)
 
 
-# ---- a2a (SPEC 3.6) -----------------------------------------------------------------------------
+# ---- a2a (docs/semantics.md §3) -----------------------------------------------------------------
 
 def a2a_targets(topk_idx, num_experts, num_ranks):
     """bool [T, R]: token t goes to rank d (once, however many experts there)."""

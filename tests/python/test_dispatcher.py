@@ -1,4 +1,5 @@
-"""epx.Dispatcher (SPEC 3.7) on the cpu backend (R = 1, 2, 4 gloo ranks), against reference.py.
+"""epx.Dispatcher (docs/semantics.md §7) on the cpu backend (R = 1, 2, 4 gloo ranks), against
+reference.py.
 
 Every rank regenerates every rank's inputs from the test's seed, so it knows what it must receive
 and what combine must return without communicating. Checked: the stage machine and its messages,
@@ -64,7 +65,7 @@ def _bits(t):
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-# ---- quantisation references (SPEC 3.4; NVFP4 as src/core/quant.h states it) --------------------
+# ---- quantisation references (docs/semantics.md §2.2; NVFP4 as src/core/quant.h states it) -------
 
 def _fp8_ref(x, quant):
     """-> (values uint8 [T, H], scales as the Dispatcher returns them: f32 [T, G] or UE8M0

@@ -1,4 +1,4 @@
-"""tests/python/bench_overhead.py (the Python call overhead of SPEC 6) runs end to end: on CI on
+"""tests/python/bench_overhead.py (the Python call overhead, perf.md §4.5) runs end to end: on CI on
 the cpu backend (one gloo rank); on a GPU machine also with --device cuda (one NCCL rank, CUDA
 tensors: the chunked host timing and the stream column), skipped with the reason elsewhere."""
 

@@ -1,4 +1,4 @@
-"""bench/profile_kernels.py (the profiler-based timing of SPEC 6) runs end to end: on CI on the
+"""bench/profile_kernels.py (the profiler timing of perf.md §1) runs end to end: on CI on the
 cpu backend with 2 gloo ranks (host times only; the GPU machine runs it on the GPUs through
 `bash bench/gpu_run.sh profile`)."""
 

@@ -1,4 +1,4 @@
-// tests/support/oracle_a2a.cc — the naive a2a oracle: SPEC 3.6 as plain loops.
+// tests/support/oracle_a2a.cc — the naive a2a oracle: docs/semantics.md §3 as plain loops.
 //
 // Dispatch, for receiving rank r: for every source rank s ascending, walk s's tokens in index
 // order; a token is "sent to r" when any of its K expert ids e >= 0 has e / (E / R) == r; the j-th

@@ -1,11 +1,11 @@
-// tests/support/oracle_a2a.h — a naive, independent oracle of the a2a mode (SPEC 3.6), shared by
-// the unit tests and epx-bench --check.
+// tests/support/oracle_a2a.h — a naive, independent oracle of the a2a mode (docs/semantics.md §3),
+// shared by the unit tests and epx-bench --check.
 //
 // An A2aProblem holds the configuration and EVERY rank's inputs in host memory, generated from
 // one rng, so each rank (a thread, a forked process, or a GPU process that regenerates it from the
 // same seed) can compute its own expected outputs with a2a_oracle(problem, rank) and compare the
 // library's outputs (copied to the host first when they live on a GPU) with a2a_compare_*.
-// The oracle is plain loops over the SPEC text and shares no code with src/cpu/a2a.cc.
+// The oracle is plain loops over docs/semantics.md §3 and shares no code with src/cpu/a2a.cc.
 #pragma once
 
 #include <cstdint>
@@ -70,8 +70,8 @@ void fill_a2a_inputs(A2aProblem& p, const std::vector<Routing>& routing, std::mt
 struct A2aExpected {
   std::vector<int32_t> recv_counts;                 // [R]
   std::vector<std::vector<uint8_t>> recv;           // [i] bytes of [R, M, row]; unspecified rows 0
-  std::vector<std::vector<uint8_t>> row_specified;  // [i] [R * M]: 1 where SPEC 3.6 defines the
-                                                    // row (valid rows, sanitised padding)
+  std::vector<std::vector<uint8_t>> row_specified;  // [i] [R * M]: 1 where the row is defined
+                                                    // (valid rows, sanitised padding: semantics §3)
   std::vector<uint8_t> combine_out;                 // bytes of [T, H] in combine_dtype
   A2aDropCounts dropped;                            // what the mask drops of this rank's tokens
 };
@@ -85,8 +85,8 @@ std::vector<bool> random_active_mask(int num_ranks, int rank, std::mt19937_64& r
 
 // Compare outputs held in host memory with the oracle. Each returns "" when everything matches,
 // else the first `max_reports` mismatches and the number of mismatching elements.
-// check_unspecified_zero: also require padding rows the SPEC leaves unspecified to be zero (a
-// property of the cpu backend, not of the SPEC).
+// check_unspecified_zero: also require padding rows semantics.md §3.2 leaves unspecified to be
+// zero (a property of the cpu backend, not of the semantics).
 std::string a2a_compare_dispatch(const A2aProblem& p, int rank, const A2aExpected& expected,
                                  const A2aDispatchResult& actual, bool check_unspecified_zero,
                                  int max_reports = 8);

@@ -28,7 +28,7 @@ struct RecvRow {
   int64_t src_token;
 };
 
-// Rows of rank d, in the order of SPEC 3.2.
+// Rows of rank d, in the order of docs/semantics.md §1.2.
 std::vector<RecvRow> rows_of(const HtProblem& p, const std::vector<HtRankInput>& inputs, int d) {
   std::vector<RecvRow> rows;
   for (int s = 0; s < p.num_ranks; ++s)

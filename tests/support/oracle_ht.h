@@ -1,4 +1,4 @@
-// tests/support/oracle_ht.h — a naive, independent oracle of the ht mode (SPEC 3.1–3.3).
+// tests/support/oracle_ht.h — a naive, independent oracle of the ht mode (docs/semantics.md §1).
 //
 // Given the inputs of ALL ranks, it computes what one rank must get, with plain loops straight
 // from the spec. It shares no code with src/cpu/ht.cc (only the bf16 conversions of numeric.h), so
@@ -87,8 +87,8 @@ HtExpectedDispatch ht_oracle_dispatch(const HtProblem& p, const std::vector<HtRa
                                       int rank);
 
 // What `rank` gets back from a combine after the dispatch of `inputs`, with `combine[d]` the
-// combine inputs of rank d. Sums exactly as SPEC 3.3 / src/cpu/ht.cc document: float32,
-// 0.0f + bias0 + bias1 + y of each destination rank ascending, one rounding to bf16.
+// combine inputs of rank d. Sums exactly as docs/semantics.md §1.6 / src/cpu/ht.cc document:
+// float32, 0.0f + bias0 + bias1 + y of each destination rank ascending, one rounding to bf16.
 HtExpectedCombine ht_oracle_combine(const HtProblem& p, const std::vector<HtRankInput>& inputs,
                                     const std::vector<HtCombineRankInput>& combine, int rank);
 

@@ -1,4 +1,4 @@
-// tests/support/oracle_ll.h — a naive, independent oracle of the ll mode (SPEC 3.4, 3.5).
+// tests/support/oracle_ll.h — a naive, independent oracle of the ll mode (docs/semantics.md §2).
 //
 // Given every rank's inputs, computes what one rank must receive from ll_dispatch and what its
 // ll_combine must return, with plain loops over experts, ranks and tokens (no code shared with

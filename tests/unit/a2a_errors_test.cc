@@ -1,7 +1,7 @@
-// a2a mode: the errors of SPEC 5 (shape, state machine, dispatch and combine arguments, ranks
-// that disagree, peers that never arrive) and the workspace size. Every case asserts the
-// ErrorCode and that the message names the argument; after each rejected call the object must
-// still work. The oracle comparisons live in a2a_test.cc.
+// a2a mode: the errors of docs/semantics.md §4 (shape, state machine, dispatch and combine
+// arguments, ranks that disagree, peers that never arrive) and the workspace size. Every case
+// asserts the ErrorCode and that the message names the argument; after each rejected call the
+// object must still work. The oracle comparisons live in a2a_test.cc.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // a2a mode on the cpu backend vs the naive oracle (tests/support/oracle_a2a.h). The errors of
-// SPEC 5 and the workspace size are tested in a2a_errors_test.cc.
+// Errors (docs/semantics.md §4) and the workspace size are tested in a2a_errors_test.cc.
 //
 // Every check compares every element: all valid rows of every payload, recv_counts, the
 // sanitised padding of the expert-id payload, the zeroed padding of the other payloads (a cpu

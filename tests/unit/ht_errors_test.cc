@@ -1,7 +1,7 @@
-// ht mode, bad input (SPEC 5): every invalid argument raises epx::Error with the right code and a
-// message naming the argument; arguments that must agree across ranks are checked after the first
-// exchange and raise on every rank; a rank that never joins makes its peers raise Timeout.
-// The valid paths are tested against the oracle in ht_test.cc.
+// ht mode, bad input (docs/semantics.md §4): every invalid argument raises epx::Error with the
+// right code and a message naming the argument; arguments that must agree across ranks are checked
+// after the first exchange and raise on every rank; a rank that never joins makes its peers raise
+// Timeout. The valid paths are tested against the oracle in ht_test.cc.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -22,7 +22,7 @@ namespace {
 
 using testing::Routing;
 
-// ---- validation (SPEC 5): every bad argument names itself -------------------------------------
+// ---- validation (docs/semantics.md §4): every bad argument names itself -------------------------
 void expect_error(const std::function<void()>& fn, ErrorCode code,
                   std::initializer_list<const char*> has, const char* label) {
   try {

@@ -1,4 +1,4 @@
-// ht mode of the cpu backend (SPEC 3.1–3.3, SPEC 5) against the naive oracle
+// ht mode of the cpu backend (docs/semantics.md §1, §4) against the naive oracle
 // (tests/support/oracle_ht.h), bit for bit, every element of every output.
 //
 // Random cases: R in {1,2,3,4,8}, T in [0, 600] per rank (T = 0 ranks included), H in {128, 7168},

@@ -4,7 +4,8 @@
 // (0..T_max), H, K, E, every routing, bf16/fp8/round_scale/ue8m0, hooks (two dispatches in
 // flight, reversed hook order), zero_copy, caller-provided out, padded strides, int32 topk, threads
 // and processes. Every output the library allocates comes from a poisoning allocator; every
-// caller-provided output is poisoned. Then every SPEC 5 ll error case, and timeouts.
+// caller-provided output is poisoned. Then every ll error case of docs/semantics.md §4, and
+// timeouts.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -278,7 +279,7 @@ TEST(Ll, TwoBatchOverlapSequence) {
   for (const auto& e : errors) EXPECT_EQ(e, "");
 }
 
-// ---- errors (SPEC 5) ---------------------------------------------------------------------
+// ---- errors (docs/semantics.md §4) -------------------------------------------------------
 
 void expect_error(const std::function<void()>& f, ErrorCode code,
                   std::initializer_list<const char*> needles) {

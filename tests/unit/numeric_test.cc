@@ -2,8 +2,8 @@
 // tricks shared with numeric.h): fp8 e4m3fn decode of all 256 codes; encode at every code, every
 // midpoint between neighbours (ties to even) and the floats just around them, saturation, inf,
 // NaN, subnormals and random floats; bf16 round-to-nearest-even against a double reference;
-// quantize_row_fp8 against the SPEC formula computed in double (random rows, all-zero rows,
-// huge and tiny values, round_scale on and off, UE8M0 bytes).
+// quantize_row_fp8 against the formula of docs/semantics.md §2.2 computed in double (random rows,
+// all-zero rows, huge and tiny values, round_scale on and off, UE8M0 bytes).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -198,7 +198,7 @@ TEST(Bf16, EveryCodeRoundTrips) {
   }
 }
 
-// ---- quantisation (SPEC 3.4) ---------------------------------------------------------------
+// ---- quantisation (docs/semantics.md §2.2) -------------------------------------------------
 
 // scale = max(amax, 1e-4) / 448 in float32 (computed in double, rounded once: exact for a float
 // division), round_scale: the smallest power of two >= scale; inv = 1 / scale (float);

@@ -92,7 +92,7 @@ TEST(ThreadTransport, MissingRankTimesOutNamingIt) {
 #ifdef EPX_WITH_CUDA
 // The environment the one-GPU mode needs is checked before any CUDA call (so also without a GPU):
 // enough hardware queues, and eager kernel loading (a lazily loaded kernel's first launch may
-// wait for a peer's spinning kernel: docs/perf.md, ninth session). Restores the variables
+// wait for a peer's spinning kernel: docs/design.md §5, 80deb94). Restores the variables
 // (testing::ScopedEnv).
 using testing::ScopedEnv;
 

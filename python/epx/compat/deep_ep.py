@@ -1,6 +1,6 @@
 """Drop-in for DeepEP's legacy (V1) Python API, implemented on epx: ``import epx.compat.deep_ep
 as deep_ep``. Names, defaults, return shapes and meanings follow DeepEP's ``deep_ep.Buffer``;
-semantics are SPEC 3 (normal mode = epx ht, low-latency mode = epx ll).
+semantics are docs/semantics.md §1 and §2 (normal mode = epx ht, low-latency mode = epx ll).
 
 How it differs, and why:
 
@@ -506,7 +506,7 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
                  previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """Normal-mode dispatch (SPEC 3.2).
+        """Normal-mode dispatch (docs/semantics.md §1.2-1.5).
 
         -> (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event); cached mode (handle given):
@@ -641,8 +641,8 @@ class Buffer:
     @_torch.plain_torch
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        """Normal-mode combine (SPEC 3.3): unweighted sum over the ranks each token went to,
-        plus bias. -> (combined_x[T, H], combined_topk_weights or None, event)."""
+        """Normal-mode combine (docs/semantics.md §1.6): unweighted sum over the ranks each token
+        went to, plus bias. -> (combined_x[T, H], combined_topk_weights or None, event)."""
         op = "combine"
         _tensor(op, "x", x, 2)
         native, buf = _ht_state(op, handle)
@@ -671,7 +671,7 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
                              use_ue8m0=False, async_finish=False, return_recv_hook=False,
                              use_nvfp4=False, x_global_scale=None):
-        """Low-latency dispatch (SPEC 3.4).
+        """Low-latency dispatch (docs/semantics.md §2.1-2.2).
 
         -> (recv_x or (recv_x, recv_scales), recv_count[L] i32, handle, event, hook); recv_x
         [L, R*T_max, H] (fp8 or bf16), recv_scales column-major in the last two dims; hook is
@@ -713,7 +713,7 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
-        """Low-latency combine (SPEC 3.5): out[t] = sum_k w[t][k] * x(t, k).
+        """Low-latency combine (docs/semantics.md §2.3): out[t] = sum_k w[t][k] * x(t, k).
         -> (combined_x[T, H], event, hook)."""
         op = "low_latency_combine"
         self._check_ll(op)

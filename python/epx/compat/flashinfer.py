@@ -1,7 +1,7 @@
 """Drop-in for FlashInfer's ``MoeAlltoAll`` (flashinfer.comm, TensorRT-LLM's one-sided NVLink
-all-to-all), implemented on epx's a2a mode (SPEC 3.6): ``from epx.compat.flashinfer import
-MoeAlltoAll, Mapping, moe_a2a_get_workspace_size_per_rank``. ``python3 -m epx.compat.shim`` prints
-a directory to put first on PYTHONPATH so that ``import flashinfer`` itself gives these names
+all-to-all), implemented on epx's a2a mode (docs/semantics.md §3): ``from epx.compat.flashinfer
+import MoeAlltoAll, Mapping, moe_a2a_get_workspace_size_per_rank``. ``python3 -m epx.compat.shim``
+prints a directory to put first on PYTHONPATH so that ``import flashinfer`` itself gives these names
 (epx/compat/shim/flashinfer/__init__.py).
 
 How it maps, and what differs:

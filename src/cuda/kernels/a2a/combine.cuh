@@ -1,5 +1,5 @@
-// src/cuda/kernels/a2a/combine.cuh — a2a combine (SPEC 3.6): each rank pulls, for each of its
-// tokens, the rows its destinations computed, and sums them in ascending rank order.
+// src/cuda/kernels/a2a/combine.cuh — a2a combine (docs/semantics.md §3.3): each rank pulls, for
+// each of its tokens, the rows its destinations computed, and sums them in ascending rank order.
 //
 // Rank r, T tokens, M, hb = H * element size, C CTAs; call epoch e = ++state.combine_epoch[b].
 // The routing (mask[t], slot[t][d]) is the one the preceding dispatch stored in the workspace.

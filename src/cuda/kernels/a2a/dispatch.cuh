@@ -1,5 +1,5 @@
-// src/cuda/kernels/a2a/dispatch.cuh — a2a dispatch (SPEC 3.6): every rank pushes each payload
-// row of its tokens into the receive rows of the ranks they go to, then waits for its own.
+// src/cuda/kernels/a2a/dispatch.cuh — a2a dispatch (docs/semantics.md §3.1): every rank pushes each
+// payload row of its tokens into the receive rows of the ranks they go to, then waits for its own.
 //
 // Rank r, T tokens, C CTAs of kA2aThreads, token chunk of CTA b: [b*ceil(T/C), ...) (the last
 // non-empty chunk ends at T). Call epoch e = ++state.dispatch_epoch[b].
@@ -21,7 +21,7 @@
 //      checks every peer's geometry against its own (mismatch -> InvalidArgument record).
 //   8. Sanitise (invalid_expert_id given): expert-id rows j in [recv_counts[s], M) of every s get
 //      invalid_expert_id in all K entries; the CTAs share the rows.
-// Padding rows of the other payloads are not written (SPEC 3.6 leaves them unspecified).
+// Padding rows of the other payloads are not written (unspecified: docs/semantics.md §3.2).
 // Rank mask (I = state.inactive_mask, read once at the start): step 2 clears the bits of I in
 // mask(t) and counts what that drops for the CTA's own chunk (one atomicAdd per counter and CTA
 // into state.dropped_*); steps 1, 3, 5, 6 and 7 skip the ranks of I (never written, never

@@ -8,7 +8,8 @@
 // Reducers (rank r, one warp per token t, tokens interleaved over warps): the sources of t are
 //   the ranks d with send_pos[t][d] >= 0, in ascending d: d == r reads y[send_pos[t][r]]
 //   locally; d != r reads row j = send_pos[t][d] - rpm[r-1][d] of the slot for d once its
-//   block's counter is complete. Per element (SPEC 3.3, bit-exact with the cpu backend):
+//   block's counter is complete. Per element (docs/semantics.md §1.6, bit-exact with the cpu
+//   backend):
 //     acc = 0.0f; acc += bias0; acc += bias1; acc += y_d for d ascending; out = bf16(acc)
 //     (bf16 by the hardware conversion f32x2_to_bf16x2; vectors of one value: the emulation)
 //   combined_topk_weights[t][k] = 0.0f + w_d[k] for d ascending.
@@ -214,7 +215,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 }
 
 // combined_topk_weights of a token with at most two weight sources: 0.0f + w0 (+ w1), in source
-// order (SPEC 3.3; `num_src` of them count).
+// order (docs/semantics.md §1.6; `num_src` of them count).
 __device__ __forceinline__ float combined_weight_pair(int num_src, float w0, float w1) {
   float a = 0.0f;
   if (num_src > 0) a = a + w0;

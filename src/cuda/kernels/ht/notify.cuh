@@ -22,7 +22,8 @@
 //           rounded up to expert_alignment (published to mapped host memory under `ticket`).
 //   pass 2  (every CTA, its tokens, after a cluster barrier) send_pos[t][d] = rpm[r-1][d] +
 //           (tokens before t that go to d), or -1: the row of token t in rank d's recv_x, which is
-//           the order SPEC 3.2 requires (source rank, then source token index, ascending).
+//           the order docs/semantics.md §1.2 requires (source rank, then source token index,
+//           ascending).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -82,7 +83,7 @@ __device__ __forceinline__ void ht_cluster_sync() {
 }
 
 // CTAs of the count exchange's cluster (portable cluster size) and the tokens per CTA that make
-// another CTA worth it (pass 1 took ~4 us per 1024 tokens on one CTA, eleventh session).
+// another CTA worth it (pass 1 took ~4 us per 1024 tokens on one CTA; 5771cd1, 2026-12-01).
 inline constexpr int kNotifyMaxCtas = 8;
 inline int ht_notify_ctas(int64_t num_tokens) {
   const int64_t c = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;

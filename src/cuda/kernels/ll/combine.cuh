@@ -1,5 +1,6 @@
-// src/cuda/kernels/ll/combine.cuh — ll combine (SPEC 3.5): every source pulls, for each of its
-// tokens, the expert rows of its selections from the experts' ranks and reduces them in k order.
+// src/cuda/kernels/ll/combine.cuh — ll combine (docs/semantics.md §2.3): every source pulls, for
+// each of its tokens, the expert rows of its selections from the experts' ranks and reduces them in
+// k order.
 //
 // Rank r, T tokens (the dispatch's), C CTAs, slot q = handle.slot, epoch
 // e = state.combine_epoch[q][b] + 1 (CTA b's word, advanced by CTA b at the end of the receive).

@@ -1,6 +1,6 @@
-// src/cuda/kernels/ll/dispatch.cuh — ll dispatch (SPEC 3.4): every rank sends each token ONCE to
-// every rank that holds one of its experts (quantised once, on the sender), then every rank
-// expands what it received into the expert-major outputs.
+// src/cuda/kernels/ll/dispatch.cuh — ll dispatch (docs/semantics.md §2.1-2.2): every rank sends
+// each token ONCE to every rank that holds one of its experts (quantised once, on the sender), then
+// every rank expands what it received into the expert-major outputs.
 //
 // Rank r, T tokens, C CTAs of kLlThreads, slot q (the host's call parity), epoch
 // e = state.dispatch_epoch[q][b] + 1 (CTA b's word, read at its start; advanced by CTA b at the

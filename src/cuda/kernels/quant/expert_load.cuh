@@ -1,5 +1,6 @@
-// src/cuda/kernels/quant/expert_load.cuh — expert-load recording on the device (SPEC 3.7): per
-// local expert l < L, the received rows (tokens) that selected it, added into load[L] int64.
+// src/cuda/kernels/quant/expert_load.cuh — expert-load recording on the device (docs/semantics.md
+// §7): per local expert l < L, the received rows (tokens) that selected it, added into load[L]
+// int64.
 //
 // expert_load_rows_kernel — one thread per received row r of ids [num_sources, rows_per_source,
 //   K] (ht: one source, local ids; a2a: R sources, global ids):
