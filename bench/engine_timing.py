@@ -40,13 +40,64 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def kernel_rows(prof, names, phases):
-    """Mean device time (us) per launch of the kernel whose name contains each of `names`, split
-    into `phases` launches per call (send / receive with a hook) by trace order."""
+def trace_events(prof):
+    """The profiler's chrome-trace events."""
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
         with open(tmp.name) as f:
-            events = json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"]
+
+
+def flushed_event_times(fn, iters, device):
+    """fn() `iters` times after one 256 MB zero_() that flushes L2 (DeepEP's `bench`): the host
+    wall time of each call (us) and, on CUDA, the event-timed mean / min (us, the first dropped)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=device)
+        cache.zero_()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    host = []
+    for i in range(iters):
+        if cuda:
+            ev[i][0].record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+        if cuda:
+            ev[i][1].record()
+    if not cuda:
+        return host, None
+    torch.cuda.synchronize()
+    t = [a.elapsed_time(b) * 1e3 for a, b in ev][1:]
+    return host, (statistics.mean(t), min(t))
+
+
+def profile_after_gemm(fn, iters, device, settle):
+    """torch.profiler (CUDA activity) over `iters` back-to-back fn() after an 8192^2 float matmul
+    and an all_reduce (DeepEP's `bench_kineto`), the second of two rounds kept; `settle`: wait for
+    the matmul before the calls."""
+    sched = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                schedule=sched) as prof:
+        for _ in range(2):
+            a = torch.randn(8192, 8192, dtype=torch.float, device=device)
+            a @ a
+            dist.all_reduce(torch.ones(1, device=device))
+            if settle:
+                torch.cuda.synchronize()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            prof.step()
+    return prof
+
+
+def kernel_rows(prof, names, phases):
+    """Mean device time (us) per launch of the kernel whose name contains each of `names`, split
+    into `phases` launches per call (send / receive with a hook) by trace order."""
+    events = trace_events(prof)
     out = {}
     for name in names:
         evs = sorted((e for e in events if e.get("cat") == "kernel" and f"::{name}" in e["name"]),
@@ -107,22 +158,8 @@ def run(rank, world, args):
         for hook in (False, True):
             for _ in range(args.iters):
                 pair(hook)
-            host = []
-            if cuda:
-                torch.cuda.synchronize()
-                cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=device)
-                cache.zero_()
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             stamps = []
-            for i in range(args.iters):
-                if cuda:
-                    starts[i].record()
-                t0 = time.perf_counter()
-                pair(hook, stamps)
-                host.append((time.perf_counter() - t0) * 1e6)
-                if cuda:
-                    ends[i].record()
+            host, events = flushed_event_times(lambda: pair(hook, stamps), args.iters, device)
             key = "hook" if hook else "plain"
             row[f"host_{key}"] = statistics.median(host)
             row[f"calls_{key}"] = [statistics.median(c) * 1e6 for c in zip(*stamps)]
@@ -135,20 +172,8 @@ def run(rank, world, args):
                     idle.append((time.perf_counter() - t0) * 1e6)
                 row[f"idle_{key}"] = statistics.median(idle)
             if cuda:
-                torch.cuda.synchronize()
-                ev = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
-                row[f"events_{key}"] = (statistics.mean(ev), min(ev))
-                sched = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                            schedule=sched) as prof:
-                    for _ in range(2):
-                        a = torch.randn(8192, 8192, dtype=torch.float, device=device)
-                        a @ a
-                        dist.all_reduce(torch.ones(1, device=device))
-                        for _ in range(args.iters):
-                            pair(hook)
-                        torch.cuda.synchronize()
-                        prof.step()
+                row[f"events_{key}"] = events
+                prof = profile_after_gemm(lambda: pair(hook), args.iters, device, settle=False)
                 row[f"rows_{key}"] = kernel_rows(prof, ("dispatch", "combine"), 2 if hook else 1)
         if args.breakdown and rank == 0:
             prof = cProfile.Profile()
@@ -166,10 +191,7 @@ def run(rank, world, args):
 
 def device_rows(prof):
     """Mean device time (us) per launch and launches, per kernel / copy name (shortened)."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        prof.export_chrome_trace(tmp.name)
-        with open(tmp.name) as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(prof)
     rows = {}
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "nccl" in e["name"]:
@@ -204,39 +226,11 @@ def run_ht(rank, world, args, device):
         for name, fn in ops.items():
             for _ in range(args.iters):
                 fn()
-            host = []
-            if cuda:
-                torch.cuda.synchronize()
-                cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=device)
-                cache.zero_()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(args.iters)]
-            for i in range(args.iters):
-                if cuda:
-                    ev[i][0].record()
-                t0 = time.perf_counter()
-                fn()
-                host.append((time.perf_counter() - t0) * 1e6)
-                if cuda:
-                    ev[i][1].record()
+            host, events = flushed_event_times(fn, args.iters, device)
             row[f"host_{name}"] = statistics.median(host)
             if cuda:
-                torch.cuda.synchronize()
-                t = [a.elapsed_time(b) * 1e3 for a, b in ev][1:]
-                row[f"events_{name}"] = (statistics.mean(t), min(t))
-                sched = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                            schedule=sched) as prof:
-                    for _ in range(2):
-                        a = torch.randn(8192, 8192, dtype=torch.float, device=device)
-                        a @ a
-                        dist.all_reduce(torch.ones(1, device=device))
-                        torch.cuda.synchronize()
-                        for _ in range(args.iters):
-                            fn()
-                        torch.cuda.synchronize()
-                        prof.step()
-                rows = device_rows(prof)
+                row[f"events_{name}"] = events
+                rows = device_rows(profile_after_gemm(fn, args.iters, device, settle=True))
                 rows = {k: v for k, v in rows.items() if "gemm" not in k.lower() and
                         "elementwise" not in k and "fill" not in k.lower()}
                 row[f"rows_{name}"] = rows
