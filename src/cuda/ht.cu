@@ -256,6 +256,19 @@ WaitContext CudaHt::wait_context(uint32_t op) const {
   return WaitContext{device_state(), error_dev_, timeout_ns_, group_.rank(), op};
 }
 
+template <typename Params>
+void CudaHt::fill_launch_common(Params& p, uint32_t op) const {
+#ifdef EPX_DIAGNOSTICS
+  p.ablate = ht_ablation();
+#endif
+  p.pdl = pdl_;
+#ifdef EPX_HT_TRACE
+  p.trace = trace_;
+#endif
+  p.symm = symm();
+  p.wait = wait_context(op);
+}
+
 // The count kernel's routing and shape fields (layout and count exchange alike).
 void CudaHt::fill_notify(HtNotifyParams& p, const TensorView& topk_idx, int64_t T) const {
   const int R = group_.size();
@@ -538,15 +551,7 @@ void CudaHt::launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& p
   p.num_send_ctas = plan.zero_copy     ? tuning_.dispatch_send_ctas_zero_copy
                     : plan.engine_kept ? tuning_.dispatch_send_ctas_kept
                                        : tuning_.dispatch_send_ctas;
-#ifdef EPX_DIAGNOSTICS
-  p.ablate = ht_ablation();
-#endif
-  p.pdl = pdl_;
-#ifdef EPX_HT_TRACE
-  p.trace = trace_;
-#endif
-  p.symm = symm();
-  p.wait = wait_context(kOpHtDispatch);
+  fill_launch_common(p, kOpHtDispatch);
   p.recv_x = static_cast<char*>(res.recv_x.data);
   p.num_rows = plan.num_rows;
   p.engine_kept = plan.engine_kept ? 1 : 0;
@@ -605,15 +610,7 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   p.rank = group_.rank();
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
-#ifdef EPX_DIAGNOSTICS
-  p.ablate = ht_ablation();
-#endif
-  p.pdl = pdl_;
-#ifdef EPX_HT_TRACE
-  p.trace = trace_;
-#endif
-  p.symm = symm();
-  p.wait = wait_context(kOpHtCombine);
+  fill_launch_common(p, kOpHtCombine);
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
                     static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),

@@ -83,6 +83,10 @@ class CudaHt {
   DeviceState* device_state() const;
   HtSymm symm() const;
   WaitContext wait_context(uint32_t op) const;
+  // What every ht kernel's params carry from this object: symm, wait context of `op`, PDL, the
+  // trace buffer and (diagnostics builds) the ablation bits. Defined in ht.cu.
+  template <typename Params>
+  void fill_launch_common(Params& p, uint32_t op) const;
   void fill_notify(HtNotifyParams& p, const TensorView& topk_idx, int64_t T) const;
   void check_outside_region(const TensorView& t, const char* op, const char* name) const;
   void raise_device_error();

@@ -93,6 +93,16 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   WaitContext wait_context(uint32_t op) const {
     return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group_.rank(), op};
   }
+  // What both ll kernels' params carry from this object.
+  template <typename Params>
+  void fill_launch_common(Params& p, uint32_t op) const {
+    p.symm = symm_;
+    p.wait = wait_context(op);
+    p.pdl = pdl_;
+#ifdef EPX_LL_TRACE
+    p.trace = trace_;
+#endif
+  }
   void require_usable(const char* op) const {
     EPX_CHECK(!broken_, ErrorCode::kInternal, op,
               ": the ll state of this buffer is unusable after ", broken_why_,
@@ -386,12 +396,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
       p.stats_stride = stats.strides[0];
     }
   }
-  p.symm = symm_;
-  p.wait = wait_context(kOpLlDispatch);
-  p.pdl = pdl_;
-#ifdef EPX_LL_TRACE
-  p.trace = trace_;
-#endif
+  fill_launch_common(p, kOpLlDispatch);
 
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
@@ -463,12 +468,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.num_tokens = static_cast<int32_t>(T);
   p.slot = slot;
   p.rank = group_.rank();
-  p.symm = symm_;
-  p.wait = wait_context(kOpLlCombine);
-  p.pdl = pdl_;
-#ifdef EPX_LL_TRACE
-  p.trace = trace_;
-#endif
+  fill_launch_common(p, kOpLlCombine);
 
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
