@@ -104,7 +104,15 @@ class Buffer {
   TensorView ll_next_combine_buffer(const LlHandle& handle);
   // Collective. Resets ll state (after ht used the memory, or after an error). Operations still
   // waiting for their hooks are discarded: calling such a hook afterwards raises InvalidArgument.
+  // After a Timeout in ll, ll operations raise OutOfStep until every rank called this (or
+  // reset()). Each rank waits up to twice the group's timeout for the others (docs/semantics.md
+  // §4.3).
   void ll_clean();
+  // Collective. After a Timeout in ht or ll, that mode's operations raise OutOfStep until every
+  // rank called this: it waits (up to twice the group's timeout) until every rank is out of its
+  // earlier operations and here, then resets both modes as ll_clean() resets ll. A Timeout from
+  // reset() itself leaves the buffer refusing: call it again on every rank.
+  void reset();
 
   // Internal.
   detail::BufferImpl& impl() { return *impl_; }

@@ -159,6 +159,11 @@ class Dispatcher {
                           Stream stream = nullptr);
   Tensor combine(const CombineInput& input);
 
+  // Collective: back in step after a Timeout (docs/semantics.md §4.3). Buffer::reset() (backend
+  // deep_ep) or A2a::set_active_ranks with every rank active (backend a2a, on `stream`, unset:
+  // stream()); the stage returns to initial and the call in flight is dropped.
+  void reset(std::optional<Stream> stream = std::nullopt);
+
   // The stream of the last stage called (what the next stage defaults to; nullptr initially).
   Stream stream() const;
 

@@ -18,6 +18,9 @@ enum class ErrorCode {
   kCuda,             // a CUDA runtime/driver call failed
   kNccl,             // an NCCL call failed
   kInternal,         // a bug in epx, or a peer that aborted the collective
+  kOutOfStep,        // ranks at different collective calls (a peer at another operation or call
+                     // number), or an object that refuses operations after a Timeout until its
+                     // collective reset (docs/semantics.md §4.3)
 };
 
 // Stable lower-case name of a code ("invalid_argument", "timeout", ...).

@@ -25,7 +25,7 @@ from . import _torch  # noqa: E402  (registers torch with the C++ extension)
 from .buffer import (A2a, A2aDispatchResult, Buffer, HtCombineResult, HtDispatchResult,
                      HtHandle, HtLayout, LlCombineResult, LlDispatchResult, LlHandle)
 from .dispatcher import DispatchOutput, Dispatcher
-from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError,
+from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError, OutOfStep,
                      OutOfCapacity, Timeout, Unsupported)
 from .group import Group
 
@@ -42,5 +42,5 @@ __all__ = [
     "A2a", "A2aDispatchResult", "Buffer", "CudaError", "DispatchOutput", "Dispatcher", "EpxError",
     "Group", "HtCombineResult", "HtDispatchResult", "HtHandle", "HtLayout", "InternalError",
     "InvalidArgument", "LlCombineResult", "LlDispatchResult", "LlHandle", "NcclError",
-    "OutOfCapacity", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype", "has_fp8_dtype",
+    "OutOfCapacity", "OutOfStep", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype", "has_fp8_dtype",
 ]

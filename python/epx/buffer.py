@@ -141,8 +141,15 @@ class Buffer:
         return self._native.ll_next_combine_buffer(handle)
 
     def ll_clean(self):
-        """Collective. Resets ll state."""
+        """Collective. Resets ll state; after a Timeout in ll, ll calls raise OutOfStep until
+        every rank called this (or reset())."""
         self._native.ll_clean()
+
+    def reset(self):
+        """Collective. After a Timeout, calls of that mode raise OutOfStep until every rank called
+        this: it waits (up to twice the group's timeout) for every rank to leave its earlier
+        calls, then resets ht and ll (docs/semantics.md §4.3)."""
+        self._native.reset()
 
 
 class A2a:

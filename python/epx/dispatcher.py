@@ -205,6 +205,12 @@ class Dispatcher:
         it waits on the host for the stream of the last call (where the counts were recorded)."""
         return torch.tensor(self._native.expert_load(), dtype=torch.int64)
 
+    def reset(self):
+        """Collective. Back in step after a Timeout (docs/semantics.md §4.3): resets the buffer
+        (backend deep_ep) or makes every rank active again (backend a2a, on the current stream);
+        the stage returns to initial and the call in flight is dropped."""
+        self._native.reset(_current_stream(self._device))
+
     def reset_expert_load(self):
         """Zeroes the counts; on CUDA queued on the current stream (before later dispatches on
         it)."""

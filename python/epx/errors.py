@@ -54,9 +54,16 @@ class InternalError(EpxError):
     code = "internal"
 
 
+class OutOfStep(EpxError):
+    """Ranks at different collective calls, or an object that refuses operations after a Timeout
+    until every rank called its reset (``Buffer.reset`` / ``ll_clean``, ``Dispatcher.reset``)."""
+
+    code = "out_of_step"
+
+
 # In epx::ErrorCode order (include/epx/error.h).
 BY_CODE = (InvalidArgument, Unsupported, OutOfCapacity, Timeout, CudaError, NcclError,
-           InternalError)
+           InternalError, OutOfStep)
 
 
 def _message(cls, op, text):

@@ -294,7 +294,8 @@ void bind_buffer(py::module_& m) {
             return view_to_torch(b->ll_next_combine_buffer(*h), owner_of(b));
           },
           py::arg("handle"))
-      .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>());
+      .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>())
+      .def("reset", &Buffer::reset, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace epx::python

@@ -219,6 +219,16 @@ void bind_dispatcher(py::module_& m) {
           },
           py::arg("stream").none(true) = py::none())
       .def(
+          "reset",
+          [](PyDispatcher& d, std::optional<uintptr_t> stream) {
+            {
+              py::gil_scoped_release release;
+              d.native->reset(as_stream(stream));
+            }
+            d.x = d.topk_idx = d.topk_weights = d.y = py::none();
+          },
+          py::arg("stream").none(true) = py::none())
+      .def(
           "reset_expert_load",
           [](PyDispatcher& d, std::optional<uintptr_t> stream) {
             d.native->reset_expert_load(as_stream(stream));

@@ -32,7 +32,7 @@ namespace epx::python {
 namespace py = pybind11;
 
 inline constexpr int kNumDTypes = 8;
-inline constexpr int kNumErrorCodes = 7;
+inline constexpr int kNumErrorCodes = 8;
 
 // What the Python package registers once at import (epx/_torch.py calls _epx._init_torch).
 struct TorchApi {

@@ -122,6 +122,8 @@ TensorView Buffer::ll_next_combine_buffer(const LlHandle& handle) {
   return impl_->ll_next_combine_buffer(handle);
 }
 
+void Buffer::reset() { impl_->reset(); }
+
 void Buffer::ll_clean() {
   EPX_CHECK_ARG(impl_->config.enable_ll,
                 "ll_clean: this buffer was created with enable_ll = false, expected true");

@@ -40,6 +40,8 @@ class BufferImpl {
   virtual LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) = 0;
   virtual TensorView ll_next_combine_buffer(const LlHandle& handle) = 0;
   virtual void ll_clean() = 0;
+  // Collective: ht and ll back in step after a Timeout (docs/semantics.md §4.3).
+  virtual void reset() = 0;
 
   const Group group;
   const MoeShape shape;

@@ -11,6 +11,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kCuda: return "cuda";
     case ErrorCode::kNccl: return "nccl";
     case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kOutOfStep: return "out_of_step";
   }
   return "unknown";
 }

@@ -10,11 +10,16 @@
 // of its region.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
+#include <string>
 #include <type_traits>
 
 #include "core/buffer_impl.h"
+#include "core/check.h"
 #include "transport/transport.h"
 
 namespace epx::detail {
@@ -47,6 +52,71 @@ auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> d
   }
 }
 
+// ---- keeping ranks in step (docs/semantics.md §4.3) -------------------------------------------
+//
+// Every header an operation publishes starts with a Stamp: which call of its mode it is (1, 2, ...
+// since the last reset) and the generation (the transport epoch its last reset adopted, the same
+// on every rank that took part). A reader pairs only headers whose stamp is its own: a peer at
+// another call, or still writing (call 0), is OutOfStep on every rank that sees it, never rows of
+// two steps. The stamp is a seqlock: the owner zeroes `call` before writing its payload and sets
+// it last (release); a reader re-reads every peer's stamp after copying (acquire fence first), so
+// a pull that overlapped a peer's next publication raises instead of returning mixed rows.
+struct Stamp {
+  std::atomic<uint64_t> call;
+  std::atomic<uint64_t> generation;
+
+  void begin_publish() {
+    call.store(0, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // before any payload byte
+  }
+  void end_publish(uint64_t gen, uint64_t c) {
+    generation.store(gen, std::memory_order_relaxed);
+    call.store(c, std::memory_order_release);
+  }
+  bool is(uint64_t gen, uint64_t c) const {
+    return call.load(std::memory_order_acquire) == c &&
+           generation.load(std::memory_order_relaxed) == gen;
+  }
+  std::string describe() const;  // "call #c (generation g)", or "writing its next operation"
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "stamps live in shared memory");
+
+// One mode's side of it on this rank: the generation and call count its stamps carry, and, after
+// a Timeout escaped one of its operations, why it refuses every later one until its reset.
+struct StepState {
+  uint64_t generation = 0;
+  uint64_t calls = 0;
+  std::string refused;
+
+  // Throws OutOfStep while refused (naming `reset`, the call that ends it); else counts the call.
+  uint64_t begin(const char* op, const char* reset) {
+    require_in_step(op, reset);
+    return ++calls;
+  }
+  // The same check for the local calls that write memory peers read (zero-copy views).
+  void require_in_step(const char* op, const char* reset) const;
+  // Called with every error escaping an operation or hook of the mode: a Timeout refuses later
+  // operations.
+  void failed(const Error& e) {
+    if (e.code() == ErrorCode::kTimeout && refused.empty()) refused = e.what();
+  }
+  // After a successful resync that adopted `epoch`: in step again.
+  void reset(uint64_t epoch) {
+    generation = epoch;
+    calls = 0;
+    refused.clear();
+  }
+};
+
+// The peers' stamps of one operation: OutOfStep naming each peer not at (gen, call), before the
+// pull; and after it, OutOfStep if any peer's stamp moved (it published again while this rank
+// was reading). `stamp_of(p)` is rank p's published Stamp.
+void check_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
+                  const std::function<const Stamp&(int)>& stamp_of,
+                  const std::function<std::string(int)>& peer_op);
+void recheck_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
+                    const std::function<const Stamp&(int)>& stamp_of);
+
 struct CpuLlState;  // defined in ll.cc
 
 class CpuBuffer final : public BufferImpl {
@@ -66,13 +136,19 @@ class CpuBuffer final : public BufferImpl {
   LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;
   TensorView ll_next_combine_buffer(const LlHandle& handle) override;
   void ll_clean() override;
+  void reset() override;
 
  private:
+  // The collective part of ll_clean and reset: every rank out of its earlier operations.
+  uint64_t resync(const char* what);
+  void reset_ll_state(uint64_t epoch);
+
   Transport& transport() const { return *group.transport(); }
 
   std::shared_ptr<SymmetricMemory> ht_mem_;  // cpu_ht_bytes(shape, R), when enable_ht
   std::shared_ptr<SymmetricMemory> ll_mem_;  // cpu_ll_bytes(shape, R), when enable_ll
   std::shared_ptr<CpuLlState> ll_state_;     // owned by ll.cc (created in ll.cc's helpers)
+  StepState ht_step_;
 };
 
 }  // namespace epx::detail

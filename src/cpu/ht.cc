@@ -79,6 +79,7 @@ const char* op_name(int32_t op) {
 // Written by the owner before the first barrier of an op, read by peers before the second.
 // The per-call values every rank must pass alike are compared there (check_peer_headers).
 struct RegionHeader {
+  Stamp stamp;          // first: reset() clears it through the region's base pointer
   int32_t op;           // HtOp
   int32_t x_dtype;      // DType of x (dispatch)
   int32_t scale_dtype;  // DType of the scales, -1 without
@@ -152,12 +153,16 @@ std::string show_given(int64_t v) { return v ? "given" : "absent"; }
 
 // Every rank must be in the same op with the same per-call values: all ranks read the same
 // headers, so all of them throw together, naming every value that differs with each rank's.
-void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op) {
+void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op, const StepState& step) {
   auto header = [&](int p) { return static_cast<const RegionHeader*>(mem.peer(p)); };
+  check_stamps(
+      op_name(op), mem.rank(), R, step.generation, step.calls,
+      [&](int p) -> const Stamp& { return header(p)->stamp; },
+      [&](int p) { return std::string(op_name(header(p)->op)); });
   for (int p = 0; p < R; ++p) {
-    EPX_CHECK_ARG(header(p)->op == op, op_name(op), ": rank ", p, " called ",
-                  op_name(header(p)->op),
-                  " instead; every rank must call the same operations in the same order");
+    EPX_CHECK(header(p)->op == op, ErrorCode::kOutOfStep, op_name(op), ": rank ", p, " called ",
+              op_name(header(p)->op), " at the same call #", step.calls,
+              " instead; every rank must call the same operations in the same order");
   }
   struct Field {
     const char* what;
@@ -246,7 +251,8 @@ HtLayout CpuBuffer::ht_layout(const TensorView& topk_idx, Stream, const Allocato
   return out;
 }
 
-HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator& alloc) {
+HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator& alloc) try {
+  const uint64_t call = ht_step_.begin(a.handle ? "ht_dispatch (cached)" : "ht_dispatch", "reset()");
   const int R = group.size(), r = group.rank(), K = shape.top_k;
   const int L = shape.num_experts / R;
   const int64_t H = shape.hidden, T = a.x.shape[0];
@@ -264,6 +270,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   advise_huge_pages(mem);
   uint8_t* mine = region(r);
   auto* header = reinterpret_cast<RegionHeader*>(mine);
+  header->stamp.begin_publish();
   header->op = cached ? kOpCachedDispatch : kOpDispatch;
   header->x_dtype = static_cast<int32_t>(a.x.dtype);
   header->scale_dtype = fp8 ? static_cast<int32_t>(scale_dtype) : -1;
@@ -292,11 +299,16 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
       for (int d = 0; d < R; ++d) counts[d] += goes[d];
     }
   }
+  header->stamp.end_publish(ht_step_.generation, call);
   transport().barrier(cached ? "ht_dispatch (cached, publish)" : "ht_dispatch (publish)");
 
   // ---- pull ------------------------------------------------------------------------------------
+  auto recheck = [&] {
+    recheck_stamps(op_name(header->op), r, R, ht_step_.generation, call,
+                   [&](int p) -> const Stamp& { return reinterpret_cast<RegionHeader*>(region(p))->stamp; });
+  };
   return pull_then_barrier(transport(), "ht_dispatch (pull)", [&] {
-    check_peer_headers(mem, R, header->op);
+    check_peer_headers(mem, R, header->op, ht_step_);
     HtDispatchResult res;
     // Receive rows per source, from the exchanged counts or from the handle.
     std::vector<int32_t> prefix(static_cast<size_t>(R) * R);
@@ -352,6 +364,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
       std::memset(recv_x + N * x_row_bytes, 0, (rows - N) * x_row_bytes);
       if (fp8) std::memset(recv_scales + N * scale_row_bytes, 0, (rows - N) * scale_row_bytes);
       res.handle = *a.handle;
+      recheck();
       return res;
     }
 
@@ -440,19 +453,25 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     h.num_worst_tokens = worst;
     h.top_k = K;
     h.buffer_id = id;
+    recheck();
     return res;
   });
+} catch (const Error& e) {
+  ht_step_.failed(e);
+  throw;
 }
 
 // The combine's y section of this rank's region: the rows ht_combine publishes (zero-copy: the
 // caller wrote them there). Free between a dispatch's closing barrier and the combine.
 TensorView CpuBuffer::ht_combine_buffer(const HtHandle& handle) const {
+  ht_step_.require_in_step("ht_combine_buffer", "reset()");
   const HtRegion reg = ht_region(shape, group.size());
   return TensorView::contiguous(static_cast<uint8_t*>(ht_mem_->local()) + reg.y, DType::kBF16,
                                 {ht_handle_rows(handle), shape.hidden});
 }
 
-HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& alloc) {
+HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& alloc) try {
+  const uint64_t call = ht_step_.begin("ht_combine", "reset()");
   const int R = group.size(), r = group.rank(), K = shape.top_k;
   const int64_t H = shape.hidden;
   const HtHandle& handle = *a.handle;
@@ -466,6 +485,7 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   advise_huge_pages(mem);
   uint8_t* mine = region(r);
   auto* header = reinterpret_cast<RegionHeader*>(mine);
+  header->stamp.begin_publish();
   header->op = kOpCombine;
   header->x_dtype = static_cast<int32_t>(DType::kBF16);
   header->scale_dtype = -1;
@@ -481,11 +501,12 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
     for (int64_t i = 0; i < N; ++i)
       for (int k = 0; k < K; ++k) w[i * K + k] = element<float>(a.topk_weights, i, k);
   }
+  header->stamp.end_publish(ht_step_.generation, call);
   transport().barrier("ht_combine (publish)");
 
   // ---- pull and reduce -------------------------------------------------------------------------
   return pull_then_barrier(transport(), "ht_combine (pull)", [&] {
-    check_peer_headers(mem, R, kOpCombine);
+    check_peer_headers(mem, R, kOpCombine, ht_step_);
     const int32_t* prefix = handle.rank_prefix_matrix.ptr<int32_t>();
     std::vector<const uint16_t*> y(R);
     std::vector<const float*> w(R);
@@ -536,8 +557,14 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
         }
       }
     }
+    recheck_stamps("ht_combine", r, R, ht_step_.generation, call, [&](int p) -> const Stamp& {
+      return reinterpret_cast<RegionHeader*>(region(p))->stamp;
+    });
     return res;
   });
+} catch (const Error& e) {
+  ht_step_.failed(e);
+  throw;
 }
 
 }  // namespace epx::detail

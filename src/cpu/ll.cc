@@ -79,21 +79,23 @@ struct CpuLlState {
   uint64_t generation = 0;                      // bumped by ll_clean; older hooks refuse to run
   bool dispatch_in_flight[2] = {false, false};  // published, hook not called yet
   bool combine_in_flight[2] = {false, false};
+  StepState step;  // stamps' generation; refusal after a Timeout (its call count is unused)
 };
 
 namespace {
 
 constexpr size_t kAlign = 64;  // every section offset
+constexpr const char* kLlReset = "ll_clean() or reset()";
 
 struct DispatchHeader {
-  uint64_t seq;  // 1, 2, ... per dispatch; 0 = nothing published
+  Stamp stamp;  // call = the dispatch's sequence number, 1, 2, ... since the last reset
   int64_t num_tokens;
   int32_t use_fp8;
   int32_t round_scale;
 };
 
 struct CombineHeader {
-  uint64_t seq;  // 1, 2, ... per combine
+  Stamp stamp;  // call = the combine's sequence number
 };
 
 // The ll region of one rank: used for sizing and for every pointer.
@@ -136,19 +138,30 @@ CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
 // happens.
 LlHook receive_or_hook(const std::shared_ptr<CpuLlState>& st, bool is_dispatch, int slot,
                        bool return_recv_hook, std::function<void()> receive) {
+  // A Timeout in the receive refuses later ll operations until ll_clean / reset.
+  auto receive_noting_timeouts = [st, receive = std::move(receive)] {
+    try {
+      receive();
+    } catch (const Error& e) {
+      st->step.failed(e);
+      throw;
+    }
+  };
   if (!return_recv_hook) {
-    receive();
+    receive_noting_timeouts();
     return {};
   }
   (is_dispatch ? st->dispatch_in_flight : st->combine_in_flight)[slot] = true;
   const uint64_t generation = st->generation;
   auto called = std::make_shared<bool>(false);
-  return [st, is_dispatch, slot, receive = std::move(receive), called, generation]() {
+  return [st, is_dispatch, slot, receive = std::move(receive_noting_timeouts), called,
+          generation]() {
     const char* op = is_dispatch ? "ll_dispatch hook" : "ll_combine hook";
     EPX_CHECK_ARG(!*called, op, ": called a second time, expected exactly one call per operation");
     EPX_CHECK_ARG(st->generation == generation, op,
                   ": its operation was discarded by ll_clean, expected the hook to be called "
                   "before ll_clean");
+    st->step.require_in_step(op, kLlReset);
     *called = true;
     bool& in_flight = is_dispatch ? st->dispatch_in_flight[slot] : st->combine_in_flight[slot];
     struct Release {
@@ -167,7 +180,7 @@ struct DispatchRecv {
   std::shared_ptr<SymmetricMemory> mem;
   LlLayout lay;
   int slot;
-  uint64_t seq;
+  uint64_t generation, seq;
   bool use_fp8, round_scale, use_ue8m0;
   Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
   TensorView stats;  // optional, caller-owned
@@ -194,16 +207,17 @@ void DispatchRecv::operator()() const {
 
     // Every source in this dispatch, with the same quantisation options (every rank reads every
     // header, so all raise together, naming each differing option with each rank's value).
+    auto header = [&](int src) {
+      return reinterpret_cast<const DispatchHeader*>(static_cast<const char*>(mem->peer(src)) +
+                                                     lay.dispatch_off(slot));
+    };
+    auto stamp = [&](int src) -> const Stamp& { return header(src)->stamp; };
+    check_stamps("ll_dispatch", r, R, generation, seq, stamp,
+                 [&](int) { return cat("dispatch slot ", slot, " at"); });
     std::vector<int64_t> fp8_of(R), round_of(R);
     for (int src = 0; src < R; ++src) {
-      DispatchHeader h;
-      std::memcpy(&h, static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot),
-                  sizeof(h));
-      EPX_CHECK_ARG(h.seq == seq, "ll_dispatch: rank ", src, " published dispatch #", h.seq,
-                    " in slot ", slot, " but this rank expected #", seq,
-                    "; every rank must call the same ll operations in the same order");
-      fp8_of[src] = h.use_fp8;
-      round_of[src] = h.round_scale;
+      fp8_of[src] = header(src)->use_fp8;
+      round_of[src] = header(src)->round_scale;
     }
     std::string differ;
     if (!all_equal(fp8_of))
@@ -215,8 +229,7 @@ void DispatchRecv::operator()() const {
 
     for (int src = 0; src < R; ++src) {
       const char* region = static_cast<const char*>(mem->peer(src)) + lay.dispatch_off(slot);
-      DispatchHeader h;
-      std::memcpy(&h, region, sizeof(h));
+      const DispatchHeader& h = *header(src);
       EPX_CHECK_ARG(h.num_tokens >= 0 && h.num_tokens <= lay.max_tokens, "ll_dispatch: rank ", src,
                     " published T = ", h.num_tokens, ", expected 0..", lay.max_tokens);
       for (auto& v : tokens_of) v.clear();
@@ -255,6 +268,7 @@ void DispatchRecv::operator()() const {
         out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(tokens_of[l].size());
       }
     }
+    recheck_stamps("ll_dispatch", r, R, generation, seq, stamp);
     for (int l = 0; l < L; ++l) {
       recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
       if (stats.defined())
@@ -270,7 +284,7 @@ struct CombineRecv {
   std::shared_ptr<SymmetricMemory> mem;
   LlLayout lay;
   int slot;
-  uint64_t seq;
+  uint64_t generation, seq;
   int64_t num_tokens;
   int num_experts;
   std::vector<int32_t> topk;   // [T, K], copied at send time
@@ -288,13 +302,13 @@ void CombineRecv::operator()() const {
     const int r = mem->rank();
     const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
 
-    for (int d = 0; d < R; ++d) {
-      CombineHeader h;
-      std::memcpy(&h, static_cast<const char*>(mem->peer(d)) + lay.combine_off(slot), sizeof(h));
-      EPX_CHECK_ARG(h.seq == seq, "ll_combine: rank ", d, " published combine #", h.seq,
-                    " in slot ", slot, " but this rank expected #", seq,
-                    "; every rank must call the same ll operations in the same order");
-    }
+    auto stamp = [&](int d) -> const Stamp& {
+      return reinterpret_cast<const CombineHeader*>(static_cast<const char*>(mem->peer(d)) +
+                                                    lay.combine_off(slot))
+          ->stamp;
+    };
+    check_stamps("ll_combine", r, R, generation, seq, stamp,
+                 [&](int) { return cat("combine slot ", slot, " at"); });
     // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
     std::vector<int64_t> row_in_block(T * K, -1);
     std::vector<int64_t> num_selected(E, 0);
@@ -338,6 +352,7 @@ void CombineRecv::operator()() const {
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
       for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
     }
+    recheck_stamps("ll_combine", r, R, generation, seq, stamp);
   });
 }
 
@@ -354,6 +369,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   const int L = lay.num_local_experts, K = lay.top_k;
   const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
   const int64_t T = args.x.shape[0];
+  st.step.require_in_step("ll_dispatch", kLlReset);
   const int slot = static_cast<int>(st.num_dispatches % 2);
   EPX_CHECK_ARG(!st.dispatch_in_flight[slot], "ll_dispatch: dispatch slot ", slot,
                 " still holds a dispatch whose hook was not called; expected at most two "
@@ -362,8 +378,11 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
 
   // Publish: header, topk as int32, one message per token.
   char* region = static_cast<char*>(ll_mem_->local()) + lay.dispatch_off(slot);
-  const DispatchHeader header{seq, T, args.use_fp8, args.round_scale};
-  std::memcpy(region, &header, sizeof(header));
+  auto* header = reinterpret_cast<DispatchHeader*>(region);
+  header->stamp.begin_publish();
+  header->num_tokens = T;
+  header->use_fp8 = args.use_fp8;
+  header->round_scale = args.round_scale;
   auto* topk = reinterpret_cast<int32_t*>(region + lay.topk_off);
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k)
@@ -378,6 +397,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
       std::memcpy(msg, x, sizeof(uint16_t) * H);
     }
   }
+  header->stamp.end_publish(st.step.generation, seq);
 
   // Outputs, allocated now, filled by the receive half.
   LlDispatchResult res;
@@ -403,6 +423,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
                     ll_mem_,
                     lay,
                     slot,
+                    st.step.generation,
                     seq,
                     args.use_fp8,
                     args.round_scale,
@@ -425,6 +446,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   const int L = lay.num_local_experts, K = lay.top_k;
   const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = h.num_tokens;
   const int slot = h.slot;
+  st.step.require_in_step("ll_combine", kLlReset);
   EPX_CHECK_ARG(!st.combine_in_flight[slot], "ll_combine: combine slot ", slot,
                 " still holds a combine whose hook was not called; expected its hook to be called "
                 "before another combine through a handle of slot ",
@@ -433,8 +455,8 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
 
   // Publish: header, this rank's layout_range, y's valid rows (unless already there).
   char* region = static_cast<char*>(ll_mem_->local()) + lay.combine_off(slot);
-  const CombineHeader header{seq};
-  std::memcpy(region, &header, sizeof(header));
+  auto* header = reinterpret_cast<CombineHeader*>(region);
+  header->stamp.begin_publish();
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
   const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
@@ -453,6 +475,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                     sizeof(uint16_t) * H);
     }
   }
+  header->stamp.end_publish(st.step.generation, seq);
 
   LlCombineResult res;
   if (args.out.defined()) {
@@ -460,8 +483,17 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   } else {
     res.out = alloc(DType::kBF16, {T, H}, Device::cpu());
   }
-  CombineRecv recv{group.transport(), ll_mem_, lay, slot,   seq, T,
-                   shape.num_experts, {},      {},  res.out};
+  CombineRecv recv{group.transport(),
+                   ll_mem_,
+                   lay,
+                   slot,
+                   st.step.generation,
+                   seq,
+                   T,
+                   shape.num_experts,
+                   {},
+                   {},
+                   res.out};
   recv.topk.resize(T * K);
   recv.weights.resize(T * K);
   const TensorView& w = args.topk_weights;
@@ -478,6 +510,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
 TensorView CpuBuffer::ll_next_combine_buffer(const LlHandle& handle) {
   CpuLlState& st = state_of(ll_state_);
   const LlLayout lay(shape, group.size());
+  st.step.require_in_step("ll_next_combine_buffer", kLlReset);
   EPX_CHECK_ARG(!st.combine_in_flight[handle.slot], "ll_next_combine_buffer: combine slot ",
                 handle.slot,
                 " still holds a combine whose hook was not called; expected its "
@@ -487,18 +520,21 @@ TensorView CpuBuffer::ll_next_combine_buffer(const LlHandle& handle) {
                                 {lay.num_local_experts, lay.rows_per_expert, lay.hidden});
 }
 
-void CpuBuffer::ll_clean() {
+void CpuBuffer::ll_clean() { reset_ll_state(resync("ll_clean")); }
+
+// After a resync that adopted `epoch`: no ll operation runs on any rank.
+void CpuBuffer::reset_ll_state(uint64_t epoch) {
   CpuLlState& st = state_of(ll_state_);
-  transport().barrier("ll_clean");  // every rank finished its earlier operations
   const LlLayout lay(shape, group.size());
   char* base = static_cast<char*>(ll_mem_->local());
   for (int slot = 0; slot < 2; ++slot) {
-    std::memset(base + lay.dispatch_off(slot), 0, sizeof(DispatchHeader));
-    std::memset(base + lay.combine_off(slot), 0, sizeof(CombineHeader));
+    reinterpret_cast<DispatchHeader*>(base + lay.dispatch_off(slot))->stamp.begin_publish();
+    reinterpret_cast<CombineHeader*>(base + lay.combine_off(slot))->stamp.begin_publish();
   }
   st.num_dispatches = 0;
   st.num_combines = 0;
   ++st.generation;
+  st.step.reset(epoch);
   for (int slot = 0; slot < 2; ++slot)
     st.dispatch_in_flight[slot] = st.combine_in_flight[slot] = false;
   // Peers read these headers only after the barrier of their next operation, which this rank

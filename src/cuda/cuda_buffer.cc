@@ -73,6 +73,10 @@ TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle& handle) {
 void CudaBuffer::ll_clean() {
   cuda_ll_clean(*ll_);
 }
+void CudaBuffer::reset() {
+  if (ht_) ht_->reset();
+  if (ll_) cuda_ll_clean(*ll_);
+}
 
 // ---- factories and sizing ----------------------------------------------------------------------
 

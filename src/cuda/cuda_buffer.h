@@ -35,6 +35,7 @@ class CudaBuffer final : public BufferImpl {
   LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;
   TensorView ll_next_combine_buffer(const LlHandle& handle) override;
   void ll_clean() override;
+  void reset() override;
 
   // The ht kernels' CTA split (benchmarks print it); enable_ht only.
   const HtTuning& tuning() const;

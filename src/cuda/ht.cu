@@ -142,8 +142,26 @@ CudaHt::~CudaHt() {
 }
 
 void CudaHt::require_usable(const char* op) const {
-  EPX_CHECK(!broken_, ErrorCode::kInternal, op,
-            ": this buffer is unusable after an earlier error (", broken_why_, ")");
+  EPX_CHECK(!broken_, ErrorCode::kOutOfStep, op, ": the ht state of this buffer is unusable after ",
+            broken_why_, "; call reset() on every rank to reset it");
+}
+
+// Collective, as CudaLl::clean: no ht kernel runs on any rank, then the control words of the
+// region (everything before the rows) and the host's mirrors of them start over as at
+// construction.
+void CudaHt::reset() {
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");  // every kernel is bounded
+  group_.transport()->resync("reset (ht)", group_.transport()->all_members(),
+                             2 * group_.timeout());
+  EPX_CUDA_CHECK(cudaMemset(local(), 0, region_.x_off), "reset");
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");
+  *error_host_ = DeviceErrorRecord{};
+  result_host_->ticket = 0;
+  ticket_ = 0;
+  broken_ = false;
+  broken_why_.clear();
+  group_.transport()->barrier("reset (ht, done)");  // nobody signals into a region not yet reset
 }
 
 // kDevErrHtCallDiffers: which per-call value differs between the source (e.peer) and the rank
@@ -204,8 +222,8 @@ void CudaHt::check() {
                   cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(), " ms for ",
                       device_wait_name(static_cast<uint32_t>(e.a)), " (rank ", e.peer,
                       timeout_flag_values(e),
-                      "); the buffer is unusable (every rank must call the "
-                      "same operations in the same order)"));
+                      "); the ht state of this buffer is unusable until reset() on every rank "
+                      "(every rank must call the same operations in the same order)"));
     case kDevErrBadExpert:
       throw_error(
           ErrorCode::kInvalidArgument,

@@ -56,6 +56,8 @@ class CudaHt {
   void require_usable(const char* op) const;
   // Raises the error a kernel recorded, if any (clears it unless it was a timeout).
   void check();
+  // Collective: usable again after a timeout (Buffer::reset).
+  void reset();
 
   HtLayout layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc);
   HtDispatchResult dispatch(const HtDispatchArgs& args, const Allocator& alloc);

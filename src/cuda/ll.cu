@@ -104,9 +104,9 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
 #endif
   }
   void require_usable(const char* op) const {
-    EPX_CHECK(!broken_, ErrorCode::kInternal, op,
+    EPX_CHECK(!broken_, ErrorCode::kOutOfStep, op,
               ": the ll state of this buffer is unusable after ", broken_why_,
-              "; call ll_clean() on every rank to reset it");
+              "; call ll_clean() or reset() on every rank to reset it");
   }
   Tensor allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
                   const char* op, const char* name) const;
@@ -522,7 +522,10 @@ void CudaLl::clean() {
   DeviceGuard guard(device_);
   // Every kernel is bounded: this returns, and then no ll kernel runs on this rank.
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
-  group_.transport()->barrier("ll_clean");  // no ll kernel runs on any rank
+  // No ll kernel runs on any rank (each waits up to twice the timeout: a straggler still inside
+  // an operation times out of it first).
+  group_.transport()->resync("ll_clean", group_.transport()->all_members(),
+                             2 * group_.timeout());
   EPX_CUDA_CHECK(cudaMemset(local(), 0, layout_.control_bytes()), "ll_clean");
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
   *error_host_ = DeviceErrorRecord{};

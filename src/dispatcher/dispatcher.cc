@@ -110,7 +110,16 @@ struct Dispatcher::State {
 
   State(const Group& g, const DispatcherConfig& c) : group(g), config(c) {}
 
+  // Why stages are refused (a Timeout escaped one) until reset(); empty while usable.
+  std::string refused;
+  void failed(const Error& e) {
+    if (e.code() == ErrorCode::kTimeout && refused.empty()) refused = e.what();
+  }
+
   void expect(Stage want, const char* call) {
+    EPX_CHECK(refused.empty(), ErrorCode::kOutOfStep, "Dispatcher::", call,
+              ": refused, since an earlier stage timed out (", refused,
+              "); expected every rank to call reset() first");
     EPX_CHECK_ARG(stage == want, "Dispatcher::", call, ": called in stage ", stage_str(stage),
                   ", expected stage ", stage_str(want),
                   " (order: dispatch_a -> dispatch_b -> combine_a -> combine_b)");
@@ -218,13 +227,30 @@ std::vector<int64_t> Dispatcher::expert_load(std::optional<Stream> stream) const
 void Dispatcher::reset_expert_load(std::optional<Stream> stream) {
   s_->load->reset(stream.value_or(s_->stream));
 }
+void Dispatcher::reset(std::optional<Stream> stream) {
+  State& s = *s_;
+  if (s.buffer) s.buffer->reset();
+  if (s.a2a) s.a2a->set_active_ranks(std::vector<bool>(s.num_ranks, true), stream.value_or(s.stream));
+  s.stage = Stage::kInitial;
+  s.refused.clear();
+  s.ht = {};
+  s.ll = {};
+  s.ll_combine = {};
+  s.ht_combine = {};
+  s.a2a_recv = {};
+  s.a2a_out = {};
+  s.keep_alive.clear();
+  s.out = {};
+  s.topk_idx = s.topk_weights = TensorView{};
+  s.num_tokens = 0;
+}
 Stream Dispatcher::stream() const { return s_->stream; }
 OutputFormat Dispatcher::last_format() const { return s_->format; }
 const char* Dispatcher::stage_name() const { return stage_str(s_->stage); }
 
 void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
                             const TensorView& topk_weights, ForwardMode forward_mode,
-                            std::optional<float> global_scale, Stream stream) {
+                            std::optional<float> global_scale, Stream stream) try {
   State& s = *s_;
   s.expect(Stage::kInitial, "dispatch_a");
   const DispatcherConfig& c = s.config;
@@ -333,9 +359,12 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
   }
   s.stage = Stage::kAfterDispatchA;
   for (auto& hook : s.hooks) hook();
+} catch (const Error& e) {
+  s_->failed(e);
+  throw;
 }
 
-DispatchOutput Dispatcher::dispatch_b(std::optional<Stream> stream) {
+DispatchOutput Dispatcher::dispatch_b(std::optional<Stream> stream) try {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchA, "dispatch_b");
   const DispatcherConfig& c = s.config;
@@ -375,9 +404,12 @@ DispatchOutput Dispatcher::dispatch_b(std::optional<Stream> stream) {
   }
   s.stage = Stage::kAfterDispatchB;
   return out;
+} catch (const Error& e) {
+  s_->failed(e);
+  throw;
 }
 
-void Dispatcher::combine_a(const CombineInput& input) {
+void Dispatcher::combine_a(const CombineInput& input) try {
   State& s = *s_;
   s.expect(Stage::kAfterDispatchB, "combine_a");
   if (input.stream) s.stream = *input.stream;
@@ -416,9 +448,12 @@ void Dispatcher::combine_a(const CombineInput& input) {
     }
   }
   s.stage = Stage::kAfterCombineA;
+} catch (const Error& e) {
+  s_->failed(e);
+  throw;
 }
 
-Tensor Dispatcher::combine_b(std::optional<Stream> stream) {
+Tensor Dispatcher::combine_b(std::optional<Stream> stream) try {
   State& s = *s_;
   s.expect(Stage::kAfterCombineA, "combine_b");
   if (s.format == OutputFormat::kLl && s.ll_combine.hook) s.ll_combine.hook();  // combine_a's stream
@@ -428,6 +463,9 @@ Tensor Dispatcher::combine_b(std::optional<Stream> stream) {
   Tensor out = s.out;
   s.out = Tensor{};
   return out;
+} catch (const Error& e) {
+  s_->failed(e);
+  throw;
 }
 
 DispatchOutput Dispatcher::dispatch(const TensorView& x, const TensorView& topk_idx,

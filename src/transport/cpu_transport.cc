@@ -83,17 +83,29 @@ class CpuTransportBase : public Transport {
   // the others; then the arrive counters of all members are stable (nobody is inside a barrier)
   // and each member adopts the largest as its epoch. Round 2 (join = 2n): nobody starts the next
   // barrier (raising its arrive counter) before every member has read the counters of round 1.
-  void resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) override {
+  // A resync that times out does not count: the member puts its join slot back to 2(n - 1) and
+  // its retry has the same n, so a late member's first resync meets its peers' retry — it neither
+  // passes on their higher counters nor on the slots of their failed attempt.
+  uint64_t resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) override {
     const uint64_t n = ++resyncs_;
-    control_->join[rank_].epoch.store(2 * n - 1, std::memory_order_release);
-    wait_all(what, control_->join, members, 2 * n - 1, timeout, "to join the resynchronisation");
-    uint64_t epoch = epoch_;
-    for (int p = 0; p < size_; ++p)
-      if (members >> p & 1)
-        epoch = std::max(epoch, control_->arrive[p].epoch.load(std::memory_order_acquire));
-    epoch_ = epoch;
-    control_->join[rank_].epoch.store(2 * n, std::memory_order_release);
-    wait_all(what, control_->join, members, 2 * n, timeout, "to join the resynchronisation");
+    try {
+      control_->join[rank_].epoch.store(2 * n - 1, std::memory_order_release);
+      wait_all(what, control_->join, members, 2 * n - 1, timeout, "to join the resynchronisation");
+      uint64_t epoch = epoch_;
+      for (int p = 0; p < size_; ++p)
+        if (members >> p & 1)
+          epoch = std::max(epoch, control_->arrive[p].epoch.load(std::memory_order_acquire));
+      control_->join[rank_].epoch.store(2 * n, std::memory_order_release);
+      wait_all(what, control_->join, members, 2 * n, timeout, "to join the resynchronisation");
+      epoch_ = epoch;
+      return epoch;
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::kTimeout) {
+        control_->join[rank_].epoch.store(2 * (n - 1), std::memory_order_release);
+        --resyncs_;
+      }
+      throw;
+    }
   }
 
   // Publish into this rank's board, barrier, read every board, barrier (nobody rewrites a board

@@ -81,17 +81,22 @@ class Transport {
   // non-member's state). resync() re-establishes the barrier generations among the members after
   // a Timeout left them at different points (each may have passed a different number of
   // barriers): collective over the members, who must all be out of every earlier barrier (a
-  // member still inside one is waited for, up to `timeout`), and who must call resync the same
-  // number of times. Throws Timeout naming the members that did not arrive. Transports that
-  // synchronise on the device raise Unsupported for a proper subset.
+  // member still inside one is waited for, up to `timeout`). Throws Timeout naming the members
+  // that did not arrive; a member whose resync timed out calls it again, and its retry meets the
+  // others' (a timed-out resync does not count). Transports that synchronise on the device raise
+  // Unsupported for a proper subset.
   virtual void barrier(const char* what, uint64_t members) {
     if (members == all_members()) return barrier(what);
     throw_unsupported_subset(what);
   }
-  virtual void resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) {
-    (void)members;
+  // (Default: a plain barrier over all ranks, for transports whose barriers do not recover from
+  // a timeout anyway; a subset is Unsupported.)
+  // Returns the barrier epoch the members adopted (equal on every member; 0 for the default).
+  virtual uint64_t resync(const char* what, uint64_t members, std::chrono::milliseconds timeout) {
     (void)timeout;
-    throw_unsupported_subset(what);
+    if (members != all_members()) throw_unsupported_subset(what);
+    barrier(what);
+    return 0;
   }
   uint64_t all_members() const {
     return size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << size()) - 1;

@@ -377,3 +377,67 @@ def test_wrong_handle_types_name_the_argument_without_printing_tensors():
         dbuf.combine(torch.zeros(4, 256, dtype=torch.bfloat16), big)
     assert "combine: argument 'handle' is a Tensor" in str(info.value)
     assert "12345" not in str(info.value)
+
+
+# ---- out-of-step ranks (docs/semantics.md §4.3) -------------------------------------------------
+
+def body_straggler_then_reset(ctx, mode):
+    """Rank 1 comes 2.5 timeouts late to the dispatch: rank 0 raises Timeout, its next call is
+    refused with OutOfStep at once, its reset right away meets rank 1 (which times out of the
+    old call first); after the reset a dispatch in step returns the exact rows on both ranks."""
+    import time
+    import torch.distributed as dist
+    g = epx.Group.from_comm(NamedComm(ctx.group), timeout=0.4)
+    ll = mode == "ll"
+    buf = epx.Buffer(g, hidden=128, top_k=2, num_experts=4, max_tokens_per_rank=4,
+                     enable_ht=not ll, enable_ll=ll)
+    x = torch.full((4, 128), float(ctx.rank + 1), dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]])
+
+    def dispatch():
+        if ll:
+            return buf.ll_dispatch(x, idx, use_fp8=False).recv_count.tolist()
+        return buf.ht_dispatch(x, idx).recv_x.float().sum().item()
+
+    seen = []
+    if ctx.rank == 1:
+        time.sleep(1.0)
+    try:
+        dispatch()
+        seen.append("ok")
+    except epx.EpxError as e:
+        seen.append(type(e).__name__)
+        if isinstance(e, epx.Timeout):
+            t0 = time.monotonic()
+            with pytest.raises(epx.OutOfStep, match="refused"):
+                dispatch()
+            assert time.monotonic() - t0 < 0.2
+        try:
+            buf.reset()
+            seen.append("reset")
+        except epx.Timeout:
+            seen.append("reset Timeout")
+    dist.barrier(ctx.group)
+    buf.reset()  # every rank, together
+    got = dispatch()
+    # Each rank receives the same rows from both ranks: 1s from rank 0, 2s from rank 1.
+    want = [4, 4] if ll else None
+    if ll:
+        assert got == want, got
+    else:
+        assert got == 128 * 3.0 * 3, got  # 3 tokens from each rank (its 2 experts' tokens)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_straggler_timeout_refusal_and_reset(pool2, mode):
+    seen = pool2.run(body_straggler_then_reset, mode)
+    assert seen[0][0] == "Timeout", seen
+    assert seen[1][0] in ("ok", "Timeout"), seen
+    assert "reset" in seen[0] or "reset Timeout" in seen[0], seen
+
+
+def test_out_of_step_is_its_own_class():
+    assert issubclass(epx.OutOfStep, epx.EpxError)
+    assert epx.OutOfStep.code == "out_of_step"
+    assert _epx.error_code_names[-1] == "out_of_step"
