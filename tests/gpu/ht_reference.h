@@ -1,7 +1,10 @@
-// tests/gpu/ht_reference.h — inputs for every rank of an ht case, generated from one seed in
-// every process, and the naive expected results written straight from docs/semantics.md §1 (loops,
-// no cleverness). The GPU tests compare the cuda backend with these bit for bit, and with the cpu
-// backend where it implements ht (cpu_backend_ht below).
+// tests/gpu/ht_reference.h — what the GPU ht tests add to the naive oracle: a case (HtCase), the
+// inputs of every rank generated from the case seed in every process, in the oracle's input form,
+// and the same case through the cpu backend (cpu_backend_ht below).
+//
+// The expected results come from the one ht oracle, tests/support/oracle_ht.h (docs/semantics.md
+// §1, straight loops), that the cpu unit tests and epx-bench --check use too: the GPU tests compare
+// the cuda backend with it bit for bit, and with the cpu backend where that implements ht.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/oracle_ht.h"
 #include "support/routing.h"
 
 namespace epx::gpu_testing {
@@ -30,64 +34,37 @@ struct HtCase {
   std::string describe() const;
   int64_t row_bytes() const { return hidden * (fp8 ? 1 : 2); }
   int num_scales() const { return fp8 ? static_cast<int>(ue8m0 ? hidden / 512 : hidden / 128) : 0; }
+  // The oracle's problem for this case; num_worst_tokens > 0: worst-case mode.
+  testing::HtProblem problem(int64_t num_worst_tokens = 0) const;
 };
 
-struct HtRankInput {
-  int64_t num_tokens = 0;
-  std::vector<int64_t> topk_idx;  // [T, K]
-  std::vector<float> topk_weights;
-  std::vector<uint8_t> x;        // [T, row_bytes]
-  std::vector<uint32_t> scales;  // [T, num_scales] (4-byte elements, bits)
-};
+// Inputs of every rank in the oracle's form: x rows and scale rows as bytes (scales are 4-byte
+// elements), topk ids int64 whatever topk_i32 says (the upload narrows them), topk_weights drawn
+// even when !weights (has_topk_weights = weights). `salt` varies x (and scales) only, keeping the
+// routing (cached mode).
+std::vector<testing::HtRankInput> make_ht_inputs(const HtCase& c, uint64_t salt = 0);
 
-// Inputs of every rank; `salt` varies x (and scales) only, keeping the routing (cached mode).
-std::vector<HtRankInput> make_ht_inputs(const HtCase& c, uint64_t salt = 0);
+// Combine inputs of every rank after the exact dispatch of `in`: y [N_r, H] bf16 and, where asked,
+// weights [N_r, K] and biases [T_r, H].
+std::vector<testing::HtCombineRankInput> make_combine_inputs(
+    const HtCase& c, const std::vector<testing::HtRankInput>& in, bool weights, bool bias0,
+    bool bias1, uint64_t salt);
 
-struct HtExpectedDispatch {
-  int64_t num_recv = 0;                        // N
-  std::vector<uint8_t> recv_x;                 // [N, row_bytes]
-  std::vector<uint32_t> recv_scales;           // [N, num_scales]
-  std::vector<int64_t> recv_topk_idx;          // [N, K]
-  std::vector<float> recv_topk_weights;        // [N, K]
-  std::vector<int32_t> recv_src_idx;           // [N]
-  std::vector<int> num_recv_per_expert;        // [L], aligned
-  std::vector<int32_t> rank_prefix_matrix;     // [R, R]
-  std::vector<int32_t> send_pos;               // [T, R] of this rank's tokens
-  std::vector<uint8_t> is_token_in_rank;       // [T, R]
-  std::vector<int32_t> num_tokens_per_rank;    // [R]
-  std::vector<int32_t> num_tokens_per_expert;  // [E]
-};
-std::vector<HtExpectedDispatch> expected_ht_dispatch(const HtCase& c,
-                                                     const std::vector<HtRankInput>& in);
-
-struct HtCombineInput {
-  std::vector<uint16_t> y;  // [N, H] bf16
-  bool has_weights = false;
-  std::vector<float> weights;   // [N, K] when has_weights
-  std::vector<uint16_t> bias0;  // [T, H] (empty: none)
-  std::vector<uint16_t> bias1;
-};
-std::vector<HtCombineInput> make_combine_inputs(const HtCase& c,
-                                                const std::vector<HtExpectedDispatch>& d,
-                                                bool weights, bool bias0, bool bias1,
-                                                uint64_t salt);
-
-struct HtExpectedCombine {
-  std::vector<uint16_t> out;    // [T, H]
-  std::vector<float> combined;  // [T, K] (when weights)
-};
-std::vector<HtExpectedCombine> expected_ht_combine(const HtCase& c,
-                                                   const std::vector<HtRankInput>& in,
-                                                   const std::vector<HtExpectedDispatch>& d,
-                                                   const std::vector<HtCombineInput>& y);
-
-// The same case through the cpu backend (R threads in this process). nullopt (with `why`) when
-// the cpu backend does not implement ht yet.
+// The same case through the cpu backend (R threads in this process), its outputs in the oracle's
+// result form. nullopt (with `why`) when the cpu backend does not implement ht yet.
 struct CpuHtResult {
-  std::vector<HtExpectedDispatch> dispatch;
-  std::vector<HtExpectedCombine> combine;
+  std::vector<testing::HtExpectedDispatch> dispatch;
+  std::vector<testing::HtExpectedCombine> combine;
 };
-std::optional<CpuHtResult> cpu_backend_ht(const HtCase& c, const std::vector<HtRankInput>& in,
-                                          const std::vector<HtCombineInput>& y, std::string* why);
+std::optional<CpuHtResult> cpu_backend_ht(const HtCase& c,
+                                          const std::vector<testing::HtRankInput>& in,
+                                          const std::vector<testing::HtCombineRankInput>& y,
+                                          std::string* why);
+
+// The outputs of rank r where the cpu backend differs from the oracle's `want` / `want_c` (bit for
+// bit; recv_topk_weights only where the case gives weights); empty when they agree.
+std::vector<std::string> cpu_backend_differences(const HtCase& c, const CpuHtResult& cpu, int r,
+                                                 const testing::HtExpectedDispatch& want,
+                                                 const testing::HtExpectedCombine& want_c);
 
 }  // namespace epx::gpu_testing

@@ -1,5 +1,6 @@
 // tests/gpu/ht_test.cc — the cuda ht mode on 1 and 2 GPUs, every output compared bit for bit
-// with the naive reference (ht_reference.h) and, where it implements ht, the cpu backend.
+// with the naive oracle (tests/support/oracle_ht.h; cases and inputs: ht_reference.h) and, where
+// it implements ht, the cpu backend.
 //
 // The correctness tests run every case under each path the library takes by itself (kPaths: the
 // default at 16 SMs, zero-copy dispatches, 32 SMs); within a path the cases reach its branches
@@ -36,6 +37,9 @@
 namespace epx::gpu_testing {
 namespace {
 
+using testing::HtCombineRankInput;
+using testing::HtExpectedDispatch;
+using testing::HtRankInput;
 using testing::Routing;
 
 // The paths of the correctness tests: each a GroupOptions::num_sms (0: the default 16) and
@@ -151,9 +155,10 @@ DeviceInputs upload(const HtCase& c, const HtRankInput& in, int dev) {
   }
   if (c.fp8) {
     const int S = c.num_scales();
-    std::vector<uint32_t> colmajor(in.scales.size());
+    std::vector<uint32_t> rowmajor(in.scales.size() / 4), colmajor(rowmajor.size());
+    if (!rowmajor.empty()) std::memcpy(rowmajor.data(), in.scales.data(), in.scales.size());
     for (int64_t t = 0; t < T; ++t)
-      for (int s = 0; s < S; ++s) colmajor[s * T + t] = in.scales[t * S + s];
+      for (int s = 0; s < S; ++s) colmajor[s * T + t] = rowmajor[t * S + s];
     d.scales = to_device(colmajor, c.ue8m0 ? DType::kI32 : DType::kF32, {S, T}, dev);
     d.scales.shape = {T, S};
     d.scales.strides = {1, T};
@@ -181,12 +186,14 @@ int64_t compare_topk(const HtCase& c, const std::string& ctx, int rank, const Te
 int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_backend) {
   const int r = g.rank(), dev = buf.device().index;
   const std::string ctx = c.describe();
+  const testing::HtProblem p = c.problem();
   const auto in = make_ht_inputs(c);
-  const auto want = expected_ht_dispatch(c, in);
-  const auto& w = want[r];
-  const auto yin = make_combine_inputs(c, want, /*weights=*/true, /*bias0=*/r % 2 == 0,
+  const testing::HtExpectedLayout lay_want =
+      testing::ht_oracle_layout(p, in[r].topk_idx, in[r].num_tokens);
+  const HtExpectedDispatch w = testing::ht_oracle_dispatch(p, in, r);
+  const auto yin = make_combine_inputs(c, in, /*weights=*/true, /*bias0=*/r % 2 == 0,
                                        /*bias1=*/c.seed % 2 == 0, /*salt=*/5);
-  const auto want_c = expected_ht_combine(c, in, want, yin);
+  const testing::HtExpectedCombine want_c = testing::ht_oracle_combine(p, in, yin, r);
   const Allocator alloc = gpu_testing::poison_allocator(0xAB);
   const DeviceInputs d = upload(c, in[r], dev);
   int64_t bad = 0;
@@ -194,27 +201,29 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   // Layout (local).
   stamp(g, "layout");
   HtLayout lay = buf.ht_layout(d.topk, gpu_testing::rank_stream(), alloc);
-  bad += compare("num_tokens_per_rank", ctx, r, lay.num_tokens_per_rank, w.num_tokens_per_rank);
   bad +=
-      compare("num_tokens_per_expert", ctx, r, lay.num_tokens_per_expert, w.num_tokens_per_expert);
-  bad += compare("is_token_in_rank", ctx, r, lay.is_token_in_rank, w.is_token_in_rank);
+      compare("num_tokens_per_rank", ctx, r, lay.num_tokens_per_rank, lay_want.num_tokens_per_rank);
+  bad += compare("num_tokens_per_expert", ctx, r, lay.num_tokens_per_expert,
+                 lay_want.num_tokens_per_expert);
+  bad += compare("is_token_in_rank", ctx, r, lay.is_token_in_rank, lay_want.is_token_in_rank);
 
   // Exact dispatch.
   stamp(g, "exact dispatch");
   HtDispatchResult res = buf.ht_dispatch(d.args(c), alloc);
-  if (res.recv_x.shape[0] != w.num_recv) {
+  if (res.recv_x.shape[0] != w.num_recv_tokens) {
     std::fprintf(stderr, "[rank %d] %s: N = %lld, expected %lld\n", r, ctx.c_str(),
-                 static_cast<long long>(res.recv_x.shape[0]), static_cast<long long>(w.num_recv));
+                 static_cast<long long>(res.recv_x.shape[0]),
+                 static_cast<long long>(w.num_recv_tokens));
     return 1;
   }
   bad += compare("recv_x", ctx, r, res.recv_x, w.recv_x);
   if (c.fp8) bad += compare("recv_x_scales", ctx, r, res.recv_x_scales, w.recv_scales);
-  bad += compare_topk(c, ctx, r, res.recv_topk_idx, w.recv_topk_idx, w.num_recv);
+  bad += compare_topk(c, ctx, r, res.recv_topk_idx, w.recv_topk_idx, w.num_recv_tokens);
   if (c.weights)
     bad += compare("recv_topk_weights", ctx, r, res.recv_topk_weights, w.recv_topk_weights);
   bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, w.recv_src_idx);
   bad += compare_list("num_recv_tokens_per_expert", ctx, r, res.num_recv_tokens_per_expert,
-                      w.num_recv_per_expert);
+                      w.num_recv_tokens_per_expert);
   bad += compare("rank_prefix_matrix", ctx, r, res.handle.rank_prefix_matrix, w.rank_prefix_matrix);
   bad += compare("send_pos", ctx, r, res.handle.send_pos, w.send_pos);
   bad +=
@@ -224,7 +233,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   stamp(g, "cached dispatch");
   {
     const auto in2 = make_ht_inputs(c, /*salt=*/1);
-    const auto want2 = expected_ht_dispatch(c, in2);
+    const HtExpectedDispatch want2 = testing::ht_oracle_dispatch(p, in2, r);
     const DeviceInputs d2 = upload(c, in2[r], dev);
     HtDispatchArgs a;
     a.x = d2.x;
@@ -233,55 +242,56 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
     a.zero_copy = g_zero_copy;
     a.stream = gpu_testing::rank_stream();
     HtDispatchResult cres = buf.ht_dispatch(a, alloc);
-    bad += compare("cached recv_x", ctx, r, cres.recv_x, want2[r].recv_x);
+    bad += compare("cached recv_x", ctx, r, cres.recv_x, want2.recv_x);
     if (c.fp8)
-      bad += compare("cached recv_x_scales", ctx, r, cres.recv_x_scales, want2[r].recv_scales);
+      bad += compare("cached recv_x_scales", ctx, r, cres.recv_x_scales, want2.recv_scales);
   }
 
   // Combine.
   stamp(g, "combine inputs");
   HtCombineArgs ca;
-  const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv, c.hidden}, dev);
-  const Tensor yw = to_device(yin[r].weights, DType::kF32, {w.num_recv, c.top_k}, dev);
+  const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv_tokens, c.hidden}, dev);
+  const Tensor yw = to_device(yin[r].topk_weights, DType::kF32, {w.num_recv_tokens, c.top_k}, dev);
   Tensor b0, b1;
   ca.y = y;
   ca.handle = &res.handle;
   ca.topk_weights = yw;
   ca.stream = gpu_testing::rank_stream();
-  if (!yin[r].bias0.empty())
+  if (yin[r].has_bias0)
     ca.bias0 = b0 = to_device(yin[r].bias0, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
-  if (!yin[r].bias1.empty())
+  if (yin[r].has_bias1)
     ca.bias1 = b1 = to_device(yin[r].bias1, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
   stamp(g, "combine launch");
   HtCombineResult cr = buf.ht_combine(ca, alloc);
   stamp(g, "combine returned");
-  bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
-  bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
+  bad += compare("combine out", ctx, r, cr.out, want_c.out);
+  bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
+                 want_c.combined_topk_weights);
   buf.check();
 
   // Zero-copy combine: y written into ht_combine_buffer, the peers read it from there.
   stamp(g, "zero-copy combine");
   {
     const TensorView view = buf.ht_combine_buffer(res.handle);
-    if (view.shape[0] != w.num_recv || view.shape[1] != c.hidden) {
+    if (view.shape[0] != w.num_recv_tokens || view.shape[1] != c.hidden) {
       std::fprintf(stderr, "[rank %d] %s: combine buffer %s\n", r, ctx.c_str(),
                    view.describe().c_str());
       return bad + 1;
     }
-    if (w.num_recv > 0)
+    if (w.num_recv_tokens > 0)
       cudaMemcpyAsync(view.data, y.data, y.nbytes(), cudaMemcpyDeviceToDevice,
                       static_cast<cudaStream_t>(gpu_testing::rank_stream()));
     HtCombineArgs cz = ca;
     cz.y = view;
     cz.zero_copy = true;
     HtCombineResult zr = buf.ht_combine(cz, alloc);
-    bad += compare("zero-copy combine out", ctx, r, zr.out, want_c[r].out);
+    bad += compare("zero-copy combine out", ctx, r, zr.out, want_c.out);
     bad += compare("zero-copy combined_topk_weights", ctx, r, zr.combined_topk_weights,
-                   want_c[r].combined);
+                   want_c.combined_topk_weights);
     buf.check();
   }
 
-  // The cpu backend on the same case (when it implements ht): must equal the reference too.
+  // The cpu backend on the same case (when it implements ht): must equal the oracle too.
   if (with_cpu_backend) {
     std::string why;
     auto cpu = cpu_backend_ht(c, in, yin, &why);
@@ -289,20 +299,11 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
       if (r == 0)
         std::fprintf(stderr, "[rank 0] cpu-backend comparison SKIPPED: %s\n", why.c_str());
     } else {
-      const auto& cd = cpu->dispatch[r];
-      int64_t cbad = 0;
-      cbad += cd.recv_x != w.recv_x;
-      cbad += cd.recv_src_idx != w.recv_src_idx;
-      cbad += cd.recv_topk_idx != w.recv_topk_idx;
-      cbad += c.weights && cd.recv_topk_weights != w.recv_topk_weights;
-      cbad += cd.num_recv_per_expert != w.num_recv_per_expert;
-      cbad += cpu->combine[r].out != want_c[r].out;
-      cbad += cpu->combine[r].combined != want_c[r].combined;
-      if (cbad)
-        std::fprintf(stderr,
-                     "[rank %d] %s: cpu backend differs from the reference in %lld outputs\n", r,
-                     ctx.c_str(), static_cast<long long>(cbad));
-      bad += cbad;
+      for (const std::string& what : cpu_backend_differences(c, *cpu, r, w, want_c)) {
+        std::fprintf(stderr, "[rank %d] %s: cpu backend's %s differs from the oracle\n", r,
+                     ctx.c_str(), what.c_str());
+        ++bad;
+      }
     }
   }
   if (bad)
@@ -359,8 +360,8 @@ std::vector<HtCase> routing_cases(int R, int64_t H, int K, int E, std::vector<in
   return cases;
 }
 
-// No GPU needed: the reference these tests trust agrees with the cpu backend (when it implements
-// ht) on every routing, fp8 scales, int32 ids, alignment and T = 0.
+// No GPU needed: the oracle these tests trust, on their inputs, agrees with the cpu backend (when
+// it implements ht) on every routing, fp8 scales, int32 ids, alignment and T = 0.
 TEST(HtReference, AgreesWithCpuBackend) {
   std::vector<HtCase> cases = routing_cases(2, 256, 8, 32, {133, 90}, 700);
   auto more = routing_cases(3, 128, 4, 12, {40, 0, 57}, 710);
@@ -380,25 +381,19 @@ TEST(HtReference, AgreesWithCpuBackend) {
   ue.seed = 721;
   cases.push_back(ue);
   for (const HtCase& c : cases) {
+    const testing::HtProblem p = c.problem();
     const auto in = make_ht_inputs(c);
-    const auto want = expected_ht_dispatch(c, in);
-    const auto yin = make_combine_inputs(c, want, true, true, c.seed % 2 == 0, 9);
-    const auto want_c = expected_ht_combine(c, in, want, yin);
+    const auto yin = make_combine_inputs(c, in, true, true, c.seed % 2 == 0, 9);
     std::string why;
     auto cpu = cpu_backend_ht(c, in, yin, &why);
     if (!cpu) GTEST_SKIP() << "cpu backend: " << why;
     for (int r = 0; r < c.num_ranks; ++r) {
-      const auto& g = cpu->dispatch[r];
-      const auto& w = want[r];
-      EXPECT_EQ(g.num_recv, w.num_recv) << c.describe() << " rank " << r;
-      EXPECT_TRUE(g.recv_x == w.recv_x) << c.describe() << " rank " << r;
-      EXPECT_TRUE(g.recv_scales == w.recv_scales) << c.describe() << " rank " << r;
-      EXPECT_TRUE(g.recv_topk_idx == w.recv_topk_idx) << c.describe() << " rank " << r;
-      if (c.weights) EXPECT_TRUE(g.recv_topk_weights == w.recv_topk_weights) << c.describe();
-      EXPECT_TRUE(g.recv_src_idx == w.recv_src_idx) << c.describe() << " rank " << r;
-      EXPECT_EQ(g.num_recv_per_expert, w.num_recv_per_expert) << c.describe() << " rank " << r;
-      EXPECT_TRUE(cpu->combine[r].out == want_c[r].out) << c.describe() << " rank " << r;
-      EXPECT_TRUE(cpu->combine[r].combined == want_c[r].combined) << c.describe() << " rank " << r;
+      std::string differ;
+      for (const std::string& what :
+           cpu_backend_differences(c, *cpu, r, testing::ht_oracle_dispatch(p, in, r),
+                                   testing::ht_oracle_combine(p, in, yin, r)))
+        differ += " " + what;
+      EXPECT_TRUE(differ.empty()) << c.describe() << " rank " << r << ": differs in" << differ;
     }
   }
 }
@@ -822,43 +817,48 @@ int graph_replays(const Group& g, int num_replays, int64_t T = 200) {
   for (int rep = 0; rep < num_replays; ++rep) {
     c.seed = 2000 + rep;
     const auto in = make_ht_inputs(c);
-    const auto want = expected_ht_dispatch(c, in);
-    std::vector<HtCombineInput> yin(R);
-    for (int d = 0; d < R; ++d) {
+    // Worst-case mode: the oracle's rows past N are the padding (x, scales and weights zero,
+    // topk -1, src -1), as the cuda backend writes them.
+    const testing::HtProblem p = c.problem(num_worst);
+    std::vector<HtExpectedDispatch> want(R);
+    std::vector<HtCombineRankInput> yin(R);
+    for (int d = 0; d < R; ++d) {  // y of every rank: its received rows, padding included
+      want[d] = testing::ht_oracle_dispatch(p, in, d);
       yin[d].y.resize(want[d].recv_x.size() / 2);
       std::memcpy(yin[d].y.data(), want[d].recv_x.data(), want[d].recv_x.size());
-      yin[d].has_weights = true;
-      yin[d].weights = want[d].recv_topk_weights;
+      yin[d].has_topk_weights = true;
+      yin[d].topk_weights = want[d].recv_topk_weights;
       std::mt19937_64 rng(rep * 131 + d);
+      yin[d].has_bias0 = true;
       yin[d].bias0 = testing::make_bf16(T, H, rng);
     }
-    const auto want_c = expected_ht_combine(c, in, want, yin);
+    const testing::HtExpectedCombine want_c = testing::ht_oracle_combine(p, in, yin, r);
     load(c, in, yin[r].bias0);
     cudaGraphLaunch(exec, stream);
     cudaStreamSynchronize(stream);
     buf.check();
     const std::string ctx = "graph replay " + std::to_string(rep) + " " + c.describe();
-    const auto& w = want[r];
-    std::vector<uint8_t> x_all = w.recv_x;
-    x_all.resize(num_worst * H * 2, 0);  // padding rows are zero
+    const HtExpectedDispatch& w = want[r];
+    if (w.num_rows != num_worst) {
+      std::fprintf(stderr, "[rank %d] %s: the oracle has %lld rows, expected %lld\n", r,
+                   ctx.c_str(), static_cast<long long>(w.num_rows),
+                   static_cast<long long>(num_worst));
+      ++bad;
+      continue;
+    }
     // Zero-copy: the view was valid until the combine (whose pushes reuse that memory); its copy
     // taken before the combine is what the test reads.
     bad += compare("recv_x", ctx, r,
                    g_zero_copy ? static_cast<const TensorView&>(y_copy)
                                : static_cast<const TensorView&>(res.recv_x),
-                   x_all);
-    std::vector<int64_t> topk_all = w.recv_topk_idx;
-    topk_all.resize(num_worst * K, -1);
-    bad += compare("recv_topk_idx", ctx, r, res.recv_topk_idx, topk_all);
-    std::vector<float> w_all = w.recv_topk_weights;
-    w_all.resize(num_worst * K, 0.0f);
-    bad += compare("recv_topk_weights", ctx, r, res.recv_topk_weights, w_all);
-    std::vector<int32_t> src_all = w.recv_src_idx;
-    src_all.resize(num_worst, -1);
-    bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, src_all);
+                   w.recv_x);
+    bad += compare("recv_topk_idx", ctx, r, res.recv_topk_idx, w.recv_topk_idx);
+    bad += compare("recv_topk_weights", ctx, r, res.recv_topk_weights, w.recv_topk_weights);
+    bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, w.recv_src_idx);
     bad += compare("send_pos", ctx, r, res.handle.send_pos, w.send_pos);
-    bad += compare("combine out", ctx, r, cres.out, want_c[r].out);
-    bad += compare("combined_topk_weights", ctx, r, cres.combined_topk_weights, want_c[r].combined);
+    bad += compare("combine out", ctx, r, cres.out, want_c.out);
+    bad += compare("combined_topk_weights", ctx, r, cres.combined_topk_weights,
+                   want_c.combined_topk_weights);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -956,10 +956,11 @@ TEST(HtGpu, DeviceErrorsAreReportedAndRecoverable) {
       }
     }
     // Worst-case overflow: num_worst_tokens below N.
-    const auto want = expected_ht_dispatch(c, make_ht_inputs(c));
-    d = upload(c, make_ht_inputs(c)[r], buf.device().index);
+    const auto good = make_ht_inputs(c);
+    const int64_t num_recv = testing::ht_oracle_num_recv_tokens(c.problem(), good, r);
+    d = upload(c, good[r], buf.device().index);
     HtDispatchArgs a = d.args(c);
-    a.num_worst_tokens = std::max<int64_t>(1, want[r].num_recv - 5);
+    a.num_worst_tokens = std::max<int64_t>(1, num_recv - 5);
     buf.ht_dispatch(a);
     cudaDeviceSynchronize();
     try {
@@ -995,17 +996,17 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
     const std::string ctx = std::string("zero-copy fast peer, ") + c.describe();
     for (int round = 0; round < 3; ++round) {
       const auto in1 = make_ht_inputs(c, /*salt=*/10 + round);
-      const auto want1 = expected_ht_dispatch(c, in1);
+      const HtExpectedDispatch want1 = testing::ht_oracle_dispatch(c.problem(), in1, r);
       const DeviceInputs d1 = upload(c, in1[r], dev);
       HtDispatchArgs a1 = d1.args(c);
       a1.zero_copy = true;
       HtDispatchResult res = buf.ht_dispatch(a1);
       if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      bad += compare("zero-copy recv_x (read late)", ctx, r, res.recv_x, want1[r].recv_x);
-      bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, want1[r].recv_src_idx);
+      bad += compare("zero-copy recv_x (read late)", ctx, r, res.recv_x, want1.recv_x);
+      bad += compare("recv_src_idx", ctx, r, res.recv_src_idx, want1.recv_src_idx);
       // Rank 1 goes straight on: cached zero-copy dispatch of new rows.
       const auto in2 = make_ht_inputs(c, /*salt=*/20 + round);
-      const auto want2 = expected_ht_dispatch(c, in2);
+      const HtExpectedDispatch want2 = testing::ht_oracle_dispatch(c.problem(), in2, r);
       const DeviceInputs d2 = upload(c, in2[r], dev);
       HtDispatchArgs a2;
       a2.x = d2.x;
@@ -1013,7 +1014,7 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
       a2.zero_copy = true;
       HtDispatchResult res2 = buf.ht_dispatch(a2);
       if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      bad += compare("cached zero-copy recv_x", ctx, r, res2.recv_x, want2[r].recv_x);
+      bad += compare("cached zero-copy recv_x", ctx, r, res2.recv_x, want2.recv_x);
       // The view is not accepted as y (local check, both ranks, before communicating).
       HtCombineArgs bad_y;
       bad_y.y = res2.recv_x;
@@ -1029,19 +1030,22 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
           ++bad;
         }
       }
-      const auto yin = make_combine_inputs(c, want1, /*weights=*/true, /*bias0=*/false,
+      const auto yin = make_combine_inputs(c, in1, /*weights=*/true, /*bias0=*/false,
                                            /*bias1=*/false, /*salt=*/7 + round);
-      const auto want_c = expected_ht_combine(c, in1, want1, yin);
-      const Tensor y = to_device(yin[r].y, DType::kBF16, {want1[r].num_recv, c.hidden}, dev);
-      const Tensor yw = to_device(yin[r].weights, DType::kF32, {want1[r].num_recv, c.top_k}, dev);
+      const testing::HtExpectedCombine want_c =
+          testing::ht_oracle_combine(c.problem(), in1, yin, r);
+      const int64_t N = want1.num_recv_tokens;
+      const Tensor y = to_device(yin[r].y, DType::kBF16, {N, c.hidden}, dev);
+      const Tensor yw = to_device(yin[r].topk_weights, DType::kF32, {N, c.top_k}, dev);
       HtCombineArgs ca;
       ca.y = y;
       ca.topk_weights = yw;
       ca.handle = &res.handle;
       HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
-      bad += compare("combine out", ctx, r, cr.out, want_c[r].out);
+      bad += compare("combine out", ctx, r, cr.out, want_c.out);
       stamp(g, "combine compared");
-      bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights, want_c[r].combined);
+      bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
+                     want_c.combined_topk_weights);
       buf.check();
     }
     if (bad)

@@ -3,7 +3,8 @@
 // Given the inputs of ALL ranks, it computes what one rank must get, with plain loops straight
 // from the spec. It shares no code with src/cpu/ht.cc (only the bf16 conversions of numeric.h), so
 // the cpu backend is tested against an independent reading of the spec, and the cuda backend
-// against both. Used by tests/unit/ht_test.cc and by epx-bench --check.
+// against both. The one ht oracle: used by tests/unit/ht_test.cc, by the GPU tests
+// (tests/gpu/ht_test.cc, on the inputs of tests/gpu/ht_reference.h) and by epx-bench --check.
 //
 // Conventions: every array is row-major and contiguous; topk ids are int64 whatever dtype the
 // caller passed; x rows and scale rows are raw bytes (the oracle only moves them).
