@@ -19,7 +19,6 @@ import torch
 import epx
 import epx.compat.flashinfer as fi
 import reference as ref
-from conftest import get_pool, gpu_skip_reason
 
 H = 64          # hidden; NVFP4 scale columns = H / 16 = 4
 K = 3           # top-k
@@ -534,14 +533,6 @@ def test_static_workspace_size():
 
 
 # ---- GPU tier --------------------------------------------------------------------------------
-
-@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
-def gpu_pool(request):
-    reason = gpu_skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    return get_pool(request.param, "nccl")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
