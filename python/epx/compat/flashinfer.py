@@ -53,7 +53,9 @@ How it maps, and what differs:
   ascending rank order, the sum rounded once to bfloat16 (the output dtype, whatever the
   payload's: bf16, fp16 or f32). epx moves the rounded rows in bfloat16 (f32 for an f32 payload
   in epx's workspace), so the bytes on the wire are not halved as in FlashInfer.
-* Multi-node NVLink: epx has no MNNVL fabric path; :func:`is_mnnvl_fabric_supported` is False.
+* Multi-node NVLink: epx has no MNNVL fabric path of its own; :func:`is_mnnvl_fabric_supported`
+  is False and ``MnnvlConfig``'s sizes are kept, unused. The cuda backend's memory is NCCL
+  symmetric memory over the ranks of the group's NVLink (LSA) domain (docs/semantics.md §8.1).
 
 Accepted options (every keyword of FlashInfer's API; what is not honoured raises
 ``epx.Unsupported`` naming it, never a TypeError; docs/semantics.md "FlashInfer drop-in: accepted
