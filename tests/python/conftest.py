@@ -53,6 +53,16 @@ def pool(request):
     return get_pool(request.param)
 
 
+@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
+def gpu_pool(request):
+    """An NCCL rank pool of R = 1, 2, 4 and 8 ranks, one GPU each (skipped with the reason where
+    there are not that many GPUs or epx has no cuda backend)."""
+    reason = gpu_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return get_pool(request.param, "nccl")
+
+
 @pytest.fixture
 def pool2():
     return get_pool(2)

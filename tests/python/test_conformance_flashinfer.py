@@ -19,7 +19,6 @@ import torch
 import epx
 import epx.compat.flashinfer as fi
 import reference as ref
-from conftest import get_pool, gpu_skip_reason
 
 H = 64          # hidden; NVFP4 scale columns = H / 16 = 4
 K = 3           # top-k
@@ -264,8 +263,9 @@ def test_eplb_stats(pool):
 
 
 def body_options(ctx, seed):
-    """combine's options, enable_rank_mask without a mask, the attributes FlashInfer has and epx
-    does not (Unsupported), on fresh random inputs."""
+    """combine's options, enable_rank_mask without a mask or with one leaving out this rank, the
+    attributes FlashInfer has and epx does not (Unsupported), on fresh random inputs
+    (use_low_precision: test_flashinfer_functional.py)."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = L * R
     mapping = fi.Mapping(world_size=R, rank=r, tp_size=R, moe_ep_size=R)
@@ -288,8 +288,6 @@ def body_options(ctx, seed):
         moe.dispatch(idx, [x], T)
         with pytest.raises(epx.Unsupported, match="output_scales"):
             moe.combine(y, T, output_scales=torch.zeros(T, 2, dtype=torch.uint8, device=dev))
-        with pytest.raises(epx.Unsupported, match="use_low_precision"):
-            moe.combine(y, T, use_low_precision=True)
         with pytest.raises(epx.InvalidArgument, match="output_dtype"):
             moe.combine(y, T, output_dtype=torch.float32)
         with pytest.raises(epx.InvalidArgument, match="'output'"):
@@ -330,6 +328,10 @@ def body_options(ctx, seed):
                             **_backend_kw(ctx))
     with pytest.raises(epx.InvalidArgument, match="enable_rank_mask=True"):
         masked.dispatch(idx, [x], T)  # as FlashInfer: a mask on every call
+    if R > 1:
+        with pytest.raises(epx.InvalidArgument, match="leaves out this rank"):
+            masked.dispatch(idx, [x], T, active_rank_mask=fi.moe_a2a_active_rank_mask(
+                [q for q in range(R) if q != r], R))
     everyone = fi.moe_a2a_active_rank_mask(torch.arange(R), R)
     masked.dispatch(idx, [x], T, None, None, None, everyone)  # FlashInfer's positional order
     with pytest.raises(epx.InvalidArgument, match="enable_rank_mask=True"):
@@ -419,26 +421,6 @@ def test_wrap_payload_tensor_in_workspace():
     assert flat.shape == (4, 4) and torch.equal(flat.reshape(-1).view(torch.uint8), ws[2, :64])
     with pytest.raises(epx.InvalidArgument, match="inside one row"):
         fi.moe_a2a_wrap_payload_tensor_in_workspace(ws, [1], S - 8, S + 8, torch.uint8)
-
-
-def test_functional_api_is_unsupported_not_a_type_error():
-    t = torch.zeros(2, 2)
-    calls = {
-        "moe_a2a_initialize": lambda: fi.moe_a2a_initialize(t, 0, 2, 8,
-                                                            eplb_stats_num_experts=0),
-        "moe_a2a_dispatch": lambda: fi.moe_a2a_dispatch(
-            t, [t], t, t, 2, 0, 2, 1, 4, enable_pdl=True, eplb_local_stats=None,
-            enable_rank_mask=False, active_rank_mask=None),
-        "moe_a2a_combine": lambda: fi.moe_a2a_combine(
-            t, 2, t, t, 2, 0, 2, 1, 0, False, None, None, 1.0, None, None,
-            use_low_precision=False, enable_pdl=None, enable_rank_mask=False,
-            active_rank_mask=None),
-        "moe_a2a_sanitize_expert_ids": lambda: fi.moe_a2a_sanitize_expert_ids(
-            t, t, t, 0, -1, enable_pdl=False),
-    }
-    for name, call in calls.items():
-        with pytest.raises(epx.Unsupported, match=name):
-            call()
 
 
 # FlashInfer's parameter lists (flashinfer/comm/trtllm_moe_alltoall.py, mapping.py, mnnvl.py), in
@@ -534,14 +516,6 @@ def test_static_workspace_size():
 
 
 # ---- GPU tier --------------------------------------------------------------------------------
-
-@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
-def gpu_pool(request):
-    reason = gpu_skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    return get_pool(request.param, "nccl")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -25,7 +25,6 @@ import torch
 
 import epx
 import reference as ref
-from conftest import get_pool, gpu_skip_reason
 
 H = 640  # 5 fp8 groups: UE8M0 scales need two int32 words; 40 NVFP4 blocks
 K = 3
@@ -673,14 +672,6 @@ def test_quant_references_agree_with_dequant():
 
 
 # ---- GPU tier ------------------------------------------------------------------------------------
-
-@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
-def gpu_pool(request):
-    reason = gpu_skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    return get_pool(request.param, "nccl")
-
 
 @pytest.mark.gpu
 def test_gpu_stage_machine(gpu_pool):

@@ -12,21 +12,13 @@ import test_deep_ep_ht as ht
 import test_deep_ep_ll as ll
 import test_epx
 import test_flashinfer as a2a
-from conftest import get_pool, gpu_skip_reason
+from conftest import gpu_skip_reason
 
 pytestmark = pytest.mark.gpu
 
 
 def _seed():
     return random.SystemRandom().randrange(1 << 30)
-
-
-@pytest.fixture(params=[1, 2, 4, 8], ids=lambda r: f"R{r}")
-def gpu_pool(request):
-    reason = gpu_skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    return get_pool(request.param, "nccl")
 
 
 def body_group(ctx, seed):

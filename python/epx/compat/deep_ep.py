@@ -58,7 +58,8 @@ How it differs, and why:
   SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
   DeepEP) is honoured: the epx group, the normal-mode agreement (shapes, largest T) and the
   per-expert sums go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
-  memory, whose handle type NCCL chooses. ``num_qps_per_rank``, ``num_nvl_bytes``,
+  memory, whose handle type NCCL chooses (docs/semantics.md §8.1: what epx does with both flags,
+  and what it needs from NCCL for an NVL72 domain). ``num_qps_per_rank``, ``num_nvl_bytes``,
   ``num_rdma_bytes``, ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept,
   with nothing to change in epx.
 """

@@ -33,7 +33,29 @@ How it maps, and what differs:
   continues. A workspace re-created for larger payloads needs every rank (it is collective over
   the whole group), so it raises Unsupported while a rank is masked off. ``dropped_counts()``
   (epx extension) returns (tokens, selections) the mask dropped from this rank's dispatches.
-* Multi-node NVLink: epx has no MNNVL fabric path; :func:`is_mnnvl_fabric_supported` is False.
+* The functional API (``moe_a2a_initialize``, ``moe_a2a_dispatch``, ``moe_a2a_combine``,
+  ``moe_a2a_sanitize_expert_ids``): ``moe_a2a_initialize(workspace, ...)`` (collective) creates a
+  context, a MoeAlltoAll over the group (the default torch.distributed group, or the epx-only
+  keyword ``comm_backend=``), and returns the metainfo naming it (CPU int64 [8]); the other calls
+  run the class's dispatch / combine in that context. The caller's ``workspace`` (uint8
+  ``[ep_size, size_per_rank]``, on the CPU for the cpu backend, on the GPU for cuda) is the
+  handle: its row size bounds epx's workspace, as ``workspace_size_per_rank`` does, and its row
+  ``ep_rank`` is where the caller may write the combine payload
+  (``moe_a2a_wrap_payload_tensor_in_workspace`` at ``combine_payload_offset``, which is 0; the
+  combine copies it from there). The data moves through epx's own workspace; the received views
+  are views of it. ``top_k`` / ``num_experts`` may change between dispatches (the next one
+  re-creates epx's workspace). The context lives while a metainfo tensor returned for it does.
+* Payload rows of any byte count (FlashInfer's test sends uint8 [T, 1] and bool rows): rows that
+  are not a multiple of 4 bytes travel padded (one copy into a zeroed uint8 [T, round4] tensor)
+  and come back as views of the padded rows.
+* ``use_low_precision=True``: FlashInfer's FP8 combine, its result: every row rounded to FP8
+  e4m3 (nearest, ties to even, saturating at +-448), the rounded values summed in float32 in
+  ascending rank order, the sum rounded once to bfloat16 (the output dtype, whatever the
+  payload's: bf16, fp16 or f32). epx moves the rounded rows in bfloat16 (f32 for an f32 payload
+  in epx's workspace), so the bytes on the wire are not halved as in FlashInfer.
+* Multi-node NVLink: epx has no MNNVL fabric path of its own; :func:`is_mnnvl_fabric_supported`
+  is False and ``MnnvlConfig``'s sizes are kept, unused. The cuda backend's memory is NCCL
+  symmetric memory over the ranks of the group's NVLink (LSA) domain (docs/semantics.md §8.1).
 
 Accepted options (every keyword of FlashInfer's API; what is not honoured raises
 ``epx.Unsupported`` naming it, never a TypeError; docs/semantics.md "FlashInfer drop-in: accepted
@@ -48,15 +70,20 @@ hidden_size, mnnvl_config)
 MoeAlltoAll(eplb_stats_num_experts=n)             honoured: dispatch(eplb_local_stats=[n] int32)
                                                   fills ``eplb_gathered_stats`` [ep_size, n]
                                                   (row r = rank r's stats; None after combine).
-                                                  Gathered on the host through the comm backend
-                                                  (waits for the stats' stream; Unsupported
-                                                  during CUDA-graph capture and while ranks are
-                                                  masked off); every rank passes it, or none
+                                                  Gathered on the device by a second, small epx
+                                                  A2a (stream-ordered, capturable, masked like
+                                                  the dispatch: masked-off rows unspecified);
+                                                  every rank passes stats, or none; the first
+                                                  gather while ranks are masked off is
+                                                  Unsupported (creating it needs every rank)
 MoeAlltoAll(enable_rank_mask=True)                honoured; a dispatch/combine without
-                                                  ``active_rank_mask`` is InvalidArgument (as in
+                                                  ``active_rank_mask``, or with one leaving out
+                                                  this rank, is InvalidArgument (as in
                                                   FlashInfer)
-dispatch(token_selected_experts, input_payloads,  honoured (T = 0 allowed)
-runtime_max_tokens_per_rank)
+MoeAlltoAll(num_experts=E), E not a multiple of   InvalidArgument (FlashInfer splits the
+ep_size                                           experts ceil/floor; epx's a2a E / ep_size)
+dispatch(token_selected_experts, input_payloads,  honoured (T = 0 allowed; rows of any byte
+runtime_max_tokens_per_rank)                      count, see above)
 dispatch(invalid_token_expert_id=v,               honoured (padding rows of that payload = v);
 expert_id_payload_index=i)                        ``i`` without ``v`` is ignored, ``v`` without
                                                   ``i`` is InvalidArgument
@@ -65,16 +92,20 @@ dispatch(eplb_local_stats=), combine/dispatch     honoured (see above)
 combine(payload, runtime_max_tokens_per_rank,     honoured
 payload_in_workspace)
 combine(output=t)                                 honoured: the result is copied into ``t``
-                                                  ([T, H], the payload's dtype and device,
-                                                  contiguous) and ``t`` is returned
+                                                  ([T, H], the output's dtype, the payload's
+                                                  device, contiguous) and ``t`` is returned
+combine(payload) of float16                       InvalidArgument without use_low_precision
+                                                  (epx's combine sums bf16 or f32 rows)
 combine(output_dtype=d)                           honoured when ``d`` is the payload's dtype;
                                                   another ``d`` without ``output_scales`` is
                                                   InvalidArgument (as in FlashInfer)
 combine(output_scales=)                           Unsupported (quantised MXFP8/MXFP4/NVFP4
-                                                  combine output)
+                                                  combine output; FlashInfer's need SM >= 100)
 combine(output_scalar_scale=, sf_layout=)         accepted; they only act with output_scales
                                                   (FlashInfer ignores them otherwise too)
-combine(use_low_precision=True)                   Unsupported (FP8 combine transport)
+combine(use_low_precision=True)                   honoured: FlashInfer's result (rows rounded
+                                                  to e4m3, f32 sum, bf16 output); the rows
+                                                  travel in bf16 (see above)
 get_combine_payload_tensor_in_workspace           honoured
 MoeAlltoAll.get_moe_workspace_size_per_rank       honoured (epx's sizes, 16-bit hidden states)
 (static), moe_a2a_get_workspace_size_per_rank
@@ -86,8 +117,11 @@ MoeAlltoAll.get_workspace                         and its metainfo do not exist 
                                                   symmetric memory is NCCL's, sized per payload)
 checkpoint_prepare, checkpoint_restore            Unsupported (MNNVL handles unmapped for
                                                   process checkpointing)
-moe_a2a_initialize, moe_a2a_dispatch,             Unsupported: the functional API runs on a
-moe_a2a_combine, moe_a2a_sanitize_expert_ids      caller-owned MNNVL workspace; use MoeAlltoAll
+moe_a2a_initialize, moe_a2a_dispatch,             honoured (see above); ``enable_pdl``
+moe_a2a_combine (output=, use_low_precision,      accepted (epx's PDL is EPX_PDL); a mask with
+enable_rank_mask, active_rank_mask),              enable_rank_mask=False, enable_rank_mask=True
+moe_a2a_sanitize_expert_ids                       without a mask, a mask leaving out ep_rank:
+                                                  InvalidArgument (as FlashInfer)
 moe_a2a_wrap_payload_tensor_in_workspace          honoured (a byte-range view of any tensor)
 moe_a2a_active_rank_mask                          honoured
 is_mnnvl_fabric_supported(device_idx)             False (no multi-node NVLink fabric path)
@@ -98,7 +132,10 @@ fabric_page_size)                                 (epx does not map fabric pages
 ================================================  =============================================
 """
 
+import contextlib
+import itertools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -153,6 +190,55 @@ def _mask_bools(op, active_rank_mask, ep_size):
 
 def _round4(n):
     return (n + 3) // 4 * 4
+
+
+#: The largest top-k of epx's a2a (include/epx/a2a.h, A2aShape; src/core/a2a_validate.cc).
+_MAX_A2A_TOP_K = 32
+
+#: Payload dtypes of combine(use_low_precision=True) (FlashInfer's combine dtypes but fp8).
+_LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _round_to_e4m3(x):
+    """float32 tensor of x's values rounded to FP8 e4m3 (fn: no infinities): the nearest e4m3
+    value, ties to the even one, magnitudes above 448 (infinities too) saturated to 448, NaN
+    kept -- the rounding of CUDA's saturating e4m3 conversion (cvt.rn.satfinite) that
+    FlashInfer's low-precision combine applies to every row. Elementwise torch ops on x's
+    device: no host synchronisation, capturable in CUDA graphs."""
+    xf = x.float()
+    mag = xf.abs().clamp(max=448.0)  # rounds to 448 at most; NaN stays NaN
+    _, exp = torch.frexp(mag)  # mag = m * 2**exp, 0.5 <= m < 1
+    # Spacing of the e4m3 values around mag: 2**(floor(log2 mag) - 3) = 2**(exp - 4) for normals,
+    # 2**-9 below 2**-6 (subnormals: exp <= -5); built from its float32 bits, exactly.
+    step = ((exp.clamp(-5, 9) + (127 - 4)).to(torch.int32) << 23).view(torch.float32)
+    return torch.copysign(torch.round(mag / step) * step, xf)
+
+
+def _pad_rows(payloads):
+    """epx's a2a moves rows of a multiple of 4 bytes; FlashInfer takes any (e.g. a uint8 [T, 1]).
+    -> (payloads with each other row copied into the first bytes of a zeroed uint8 [T,
+    round4(bytes)], per payload None or (dtype, trailing shape, bytes) to undo it)."""
+    if not isinstance(payloads, (list, tuple)):
+        return payloads, []
+    out, widths = [], []
+    for p in payloads:
+        n = p.element_size() * math.prod(p.shape[1:]) if isinstance(p, torch.Tensor) and \
+            p.dim() >= 1 else 0
+        if n % 4 == 0:
+            out.append(p)
+            widths.append(None)
+            continue
+        rows = p.contiguous().view(p.shape[0], n // p.element_size()).view(torch.uint8)
+        padded = torch.zeros(p.shape[0], _round4(n), dtype=torch.uint8, device=p.device)
+        padded[:, :n] = rows
+        out.append(padded)
+        widths.append((p.dtype, tuple(p.shape[1:]), n))
+    return type(payloads)(out), widths
+
+
+def _unpad_view(view, dtype, trailing, n):
+    """A received [R, M, round4(n)] uint8 view of padded rows -> [R, M, *trailing] of dtype."""
+    return view[:, :, :n].view(dtype).view(view.shape[0], view.shape[1], *trailing)
 
 
 def _backend_name():
@@ -353,17 +439,17 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     """Bytes per rank epx's a2a workspace takes for these payloads (on the cuda backend when it is
     built and a GPU is present, else the cpu one), with room for the alignment of up to 8
     separate payloads. ``eplb_stats_num_experts`` adds nothing: epx gathers the EPLB stats
-    outside the workspace."""
+    through a separate small A2a (MoeAlltoAll._gather_eplb)."""
     op = "moe_a2a_get_workspace_size_per_rank"
     errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
     errors.check_int(op, "ep_size", ep_size, 1)
     errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
     errors.check_int(op, "total_dispatch_payload_size_per_token",
-               total_dispatch_payload_size_per_token, 1)
-    errors.check_int(op, "combine_payload_size_per_token", combine_payload_size_per_token, 1)
+                     total_dispatch_payload_size_per_token, 0)
+    errors.check_int(op, "combine_payload_size_per_token", combine_payload_size_per_token, 0)
     num = _EpxA2a.workspace_bytes(max_num_tokens, 1, ep_size,
-                                  [_round4(total_dispatch_payload_size_per_token)],
-                                  _round4(combine_payload_size_per_token), ep_size,
+                                  [max(_round4(total_dispatch_payload_size_per_token), 4)],
+                                  max(_round4(combine_payload_size_per_token), 4), ep_size,
                                   _backend_name())
     return num + 2 * _epx.kMaxA2aPayloads * 256
 
@@ -394,40 +480,241 @@ def moe_a2a_wrap_payload_tensor_in_workspace(workspace, leading_shape, slice_sta
     return ws[row, start:end].view(dtype).view(*leading_shape, -1)
 
 
-def _functional_unsupported(op):
-    return errors.unsupported(op, "FlashInfer's functional all-to-all runs on a caller-owned "
-                              "MNNVL workspace and its metainfo, which epx does not have (its "
-                              "workspace is NCCL symmetric memory sized per payload); use "
-                              "MoeAlltoAll(...).dispatch / combine")
+# ---- the functional API -------------------------------------------------------------------------
+# FlashInfer's moe_a2a_* functions run on a caller-owned workspace ([ep_size, size_per_rank] uint8,
+# row r = rank r's MNNVL memory) and the metainfo moe_a2a_initialize returns. Here
+# moe_a2a_initialize creates a context: a MoeAlltoAll over the group (collective), whose epx A2a
+# moves the data. The workspace and the metainfo name that context; the workspace's row size
+# bounds epx's (as workspace_size_per_rank does) and its row ep_rank is where the caller may write
+# the combine payload (moe_a2a_wrap_payload_tensor_in_workspace at combine_payload_offset).
+
+_METAINFO_MAGIC = 0x657078A2A  # "epx a2a"
+# metainfo: [magic, context id, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+#            bytes per rank, combine_payload_offset], CPU int64.
+_METAINFO_FIELDS = 8
+_COMBINE_PAYLOAD_OFFSET = 0  # epx keeps nothing in the caller's workspace: the row is free
+_contexts = {}     # context id -> _FunctionalContext
+_context_ids = {}  # workspace (address, device, shape, row stride) + initialize's args -> id
+_context_counter = itertools.count(1)  # ids are never reused
 
 
-def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts=0):
-    """Unsupported in epx (see :class:`MoeAlltoAll`)."""
-    raise _functional_unsupported("moe_a2a_initialize")
+class _FunctionalContext:
+    def __init__(self, key, cid, moe, workspace, ep_rank, ep_size, max_num_tokens, eplb):
+        self.key, self.moe = key, moe
+        self.ptr, self.shape = workspace.data_ptr(), tuple(workspace.shape)
+        self.row_stride, self.device = workspace.stride(0), workspace.device
+        self.ep_rank, self.ep_size, self.eplb = ep_rank, ep_size, eplb
+        self.metainfo = [_METAINFO_MAGIC, cid, ep_rank, ep_size, max_num_tokens, eplb,
+                         self.shape[1], _COMBINE_PAYLOAD_OFFSET]
+        self.refs = 0  # metainfo tensors handed out and alive
 
 
+def _release_context(cid):
+    ctx = _contexts.get(cid)
+    if ctx is not None:
+        ctx.refs -= 1
+        if ctx.refs == 0:  # the last metainfo is gone: nobody can name the context any more
+            del _contexts[cid]
+            _context_ids.pop(ctx.key, None)
+
+
+def _context(op, workspace, metainfo, ep_rank, ep_size=None):
+    """The context `metainfo` names, checked against the call's workspace and ranks."""
+    ok = isinstance(metainfo, torch.Tensor) and metainfo.device.type == "cpu" and \
+        metainfo.dtype == torch.int64 and list(metainfo.shape) == [_METAINFO_FIELDS]
+    fields = metainfo.tolist() if ok else []
+    if not fields or fields[0] != _METAINFO_MAGIC:
+        raise errors.invalid(op, "argument 'metainfo' is not a tensor moe_a2a_initialize "
+                             f"returned, expected its CPU int64 [{_METAINFO_FIELDS}] metainfo")
+    ctx = _contexts.get(fields[1])
+    if ctx is None:
+        raise errors.invalid(op, "argument 'metainfo' names a workspace context that no longer "
+                             "exists (every metainfo moe_a2a_initialize returned for it was "
+                             "freed), expected a live one: call moe_a2a_initialize again")
+    if fields != ctx.metainfo:
+        raise errors.invalid(op, f"argument 'metainfo' is {fields}, expected {ctx.metainfo} "
+                             "(as moe_a2a_initialize returned it)")
+    if not isinstance(workspace, torch.Tensor) or workspace.data_ptr() != ctx.ptr or \
+            tuple(workspace.shape) != ctx.shape:
+        raise errors.invalid(op, f"argument 'workspace' is not the [{ctx.shape[0]}, "
+                             f"{ctx.shape[1]}] tensor moe_a2a_initialize was given with this "
+                             "metainfo")
+    if ep_rank != ctx.ep_rank or (ep_size is not None and ep_size != ctx.ep_size):
+        got = f"ep_rank = {ep_rank}" + ("" if ep_size is None else f", ep_size = {ep_size}")
+        raise errors.invalid(op, f"{got}, expected ep_rank = {ctx.ep_rank}, ep_size = "
+                             f"{ctx.ep_size} (the workspace's, from moe_a2a_initialize)")
+    return ctx
+
+
+def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size):
+    """The call's mask as ep_size bools, FlashInfer's rules: a mask needs enable_rank_mask=True,
+    and enable_rank_mask=True needs a mask (no all-active default)."""
+    if not enable_rank_mask:
+        if active_rank_mask is not None:
+            raise errors.invalid(op, "argument 'active_rank_mask' is given with "
+                                 "enable_rank_mask=False, expected enable_rank_mask=True")
+        return [True] * ep_size
+    if active_rank_mask is None:
+        raise errors.invalid(op, "enable_rank_mask=True without 'active_rank_mask', expected a "
+                             "mask on the call (as FlashInfer; every rank: "
+                             "moe_a2a_active_rank_mask(range(ep_size), ep_size))")
+    return _mask_bools(op, active_rank_mask, ep_size)
+
+
+def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts=0, *,
+                       comm_backend=None):
+    """Collective: every rank calls it once for its workspace before the other moe_a2a_* calls.
+    ``workspace``: uint8 ``[ep_size, size_per_rank]`` on this rank's device (a CPU tensor: the
+    cpu backend; on a GPU: cuda), row ``ep_rank`` zeroed here. Returns the metainfo (CPU int64
+    ``[8]``) that names the context the other calls run in: a :class:`MoeAlltoAll` over the group
+    (``comm_backend``, an epx-only keyword: a CommBackend or ProcessGroup; default: the default
+    torch.distributed group), whose epx workspace moves the data, bounded by ``size_per_rank``.
+    Calling it again with the same arguments returns an equal metainfo and the same context
+    (FlashInfer's is idempotent too). The context lives while a metainfo returned for it does."""
+    op = "moe_a2a_initialize"
+    errors.check_int(op, "ep_size", ep_size, 1)
+    errors.check_int(op, "ep_rank", ep_rank, 0)
+    errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
+    errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
+    if ep_rank >= ep_size:
+        raise errors.invalid(op, f"ep_rank = {ep_rank}, expected < ep_size = {ep_size}")
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or \
+            workspace.dim() != 2 or workspace.shape[0] != ep_size or workspace.shape[1] < 1 or \
+            workspace.stride(1) != 1:
+        got = (f"{workspace.dtype} {list(workspace.shape)}" if isinstance(workspace, torch.Tensor)
+               else type(workspace).__name__)
+        raise errors.invalid(op, f"argument 'workspace' is {got}, expected a uint8 tensor "
+                             f"[ep_size = {ep_size}, size_per_rank >= 1], rows contiguous")
+    key = (workspace.data_ptr(), str(workspace.device), tuple(workspace.shape),
+           workspace.stride(0), ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts)
+    workspace[ep_rank].zero_()
+    cid = _context_ids.get(key)
+    if cid is None:
+        mapping = Mapping(world_size=ep_size, rank=ep_rank, tp_size=ep_size, moe_ep_size=ep_size)
+        cfg = MnnvlConfig(comm_backend=comm_backend)
+        # top_k and num_experts come with every dispatch (MoeAlltoAll._set_geometry); every
+        # call passes its mask (enable_rank_mask=False: all ranks).
+        on_gpu = workspace.is_cuda
+        with torch.cuda.device(workspace.device) if on_gpu else contextlib.nullcontext():
+            moe = MoeAlltoAll(mapping, max_num_tokens, 1, ep_size, workspace.shape[1],
+                              mnnvl_config=cfg, enable_rank_mask=True,
+                              backend="cuda" if on_gpu else "cpu")
+        moe._eplb_capacity, moe._eplb_exact = eplb_stats_num_experts, False
+        cid = next(_context_counter)
+        _contexts[cid] = _FunctionalContext(key, cid, moe, workspace, ep_rank, ep_size,
+                                            max_num_tokens, eplb_stats_num_experts)
+        _context_ids[key] = cid
+    ctx = _contexts[cid]
+    metainfo = torch.tensor(ctx.metainfo, dtype=torch.int64)
+    ctx.refs += 1
+    weakref.finalize(metainfo, _release_context, cid).atexit = False
+    return metainfo
+
+
+@_torch.plain_torch
 def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo,
                      runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
                      enable_pdl=None, eplb_local_stats=None, enable_rank_mask=False,
                      active_rank_mask=None):
-    """Unsupported in epx: use :meth:`MoeAlltoAll.dispatch`."""
-    raise _functional_unsupported("moe_a2a_dispatch")
+    """Collective (over the active ranks): :meth:`MoeAlltoAll.dispatch` in the context of
+    ``metainfo``. -> ``(recv, combine_payload_offset, eplb_gathered_stats)``: the
+    ``[ep_size, runtime_max_tokens_per_rank, ...]`` views, one per payload; the byte offset in
+    row ``ep_rank`` of ``workspace`` where the caller may write the combine payload (0: epx keeps
+    nothing there); ``[ep_size, n]`` int32 (row r = rank r's ``eplb_local_stats`` of ``n <=
+    eplb_stats_num_experts`` entries) or None. ``top_k`` / ``num_experts`` may change between
+    calls (the next dispatch re-creates epx's workspace, collectively). ``enable_pdl`` is
+    accepted (epx's PDL is EPX_PDL)."""
+    op = "moe_a2a_dispatch"
+    ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
+    moe = ctx.moe
+    errors.check_int(op, "top_k", top_k, 1)
+    errors.check_int(op, "num_experts", num_experts, 1)
+    if not isinstance(token_selected_experts, torch.Tensor) or \
+            token_selected_experts.dim() != 2 or token_selected_experts.shape[1] != top_k:
+        got = (list(token_selected_experts.shape)
+               if isinstance(token_selected_experts, torch.Tensor)
+               else type(token_selected_experts).__name__)
+        raise errors.invalid(op, f"argument 'token_selected_experts' is {got}, expected "
+                             f"[local_num_tokens, top_k = {top_k}]")
+    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
+    if moe._state != "idle" and active == moe._active:
+        raise errors.invalid(op, "called twice without moe_a2a_combine in between; expected "
+                             "the order dispatch -> combine -> dispatch")
+    moe._set_geometry(op, top_k, num_experts)
+    recv = moe.dispatch(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                        eplb_local_stats=eplb_local_stats, active_rank_mask=active)
+    return recv, _COMBINE_PAYLOAD_OFFSET, moe.eplb_gathered_stats
 
 
+@_torch.plain_torch
 def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank,
                     ep_rank, ep_size, top_k, combine_payload_offset, payload_in_workspace=False,
                     output_dtype=None, output_scales=None, output_scalar_scale=1.0,
                     sf_layout=None, output=None, *, use_low_precision=False, enable_pdl=None,
                     enable_rank_mask=False, active_rank_mask=None):
-    """Unsupported in epx: use :meth:`MoeAlltoAll.combine`."""
-    raise _functional_unsupported("moe_a2a_combine")
+    """Collective (over the active ranks): :meth:`MoeAlltoAll.combine` in the context of
+    ``metainfo``, after its dispatch (``local_num_tokens``, ``top_k`` and
+    ``combine_payload_offset`` as that dispatch had and returned them). With
+    ``payload_in_workspace=True`` the payload is the view
+    ``moe_a2a_wrap_payload_tensor_in_workspace(workspace[ep_rank], [ep_size, M],
+    combine_payload_offset, ...)`` (checked, as FlashInfer does); epx reads it from there (one
+    copy into its own workspace). ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
+    op = "moe_a2a_combine"
+    ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
+    moe = ctx.moe
+    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
+    if moe._state != "dispatched":
+        raise errors.invalid(op, "called without a preceding moe_a2a_dispatch on this "
+                             "workspace; expected the order dispatch -> combine -> dispatch")
+    for name, value, want in (("local_num_tokens", local_num_tokens, moe._num_tokens),
+                              ("top_k", top_k, moe.top_k),
+                              ("combine_payload_offset", combine_payload_offset,
+                               _COMBINE_PAYLOAD_OFFSET)):
+        if value != want:
+            raise errors.invalid(op, f"argument '{name}' is {value!r}, expected {want} (the "
+                                 "preceding moe_a2a_dispatch's)")
+    if payload_in_workspace:
+        start = ctx.ptr + ctx.ep_rank * ctx.row_stride + _COMBINE_PAYLOAD_OFFSET
+        fits = isinstance(payload, torch.Tensor) and payload.device == ctx.device and \
+            payload.data_ptr() == start and payload.is_contiguous() and \
+            payload.numel() * payload.element_size() <= ctx.shape[1] - _COMBINE_PAYLOAD_OFFSET
+        if not fits:
+            raise errors.invalid(op, "payload_in_workspace=True but argument 'payload' is not "
+                                 "the contiguous view of row ep_rank of 'workspace' at "
+                                 "combine_payload_offset (moe_a2a_wrap_payload_tensor_in_"
+                                 "workspace)")
+    return moe.combine(payload, runtime_max_tokens_per_rank, False, output_dtype, output_scales,
+                       output_scalar_scale, sf_layout, output,
+                       use_low_precision=use_low_precision, active_rank_mask=active)
 
 
+@_torch.plain_torch
 def moe_a2a_sanitize_expert_ids(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id,
                                 enable_pdl=None):
-    """Unsupported in epx: ``MoeAlltoAll.dispatch(invalid_token_expert_id=...,
-    expert_id_payload_index=...)`` sanitises the padding rows."""
-    raise _functional_unsupported("moe_a2a_sanitize_expert_ids")
+    """In place: every row ``[s, j]`` of ``expert_ids`` (int32 ``[ep_size, M, top_k]``, the
+    expert-id view a moe_a2a_dispatch returned) with ``j >= recv_counts[s]`` of that dispatch,
+    i.e. every padding row, gets ``invalid_expert_id`` in all its entries; rows of tokens are
+    kept. Local, stream-ordered torch ops (capturable). ``enable_pdl`` is accepted."""
+    op = "moe_a2a_sanitize_expert_ids"
+    ctx = _context(op, workspace, metainfo, ep_rank)
+    if isinstance(invalid_expert_id, bool) or not isinstance(invalid_expert_id, int) or \
+            not -(1 << 31) <= invalid_expert_id < 1 << 31:
+        raise errors.invalid(op, f"argument 'invalid_expert_id' is {invalid_expert_id!r}, "
+                             "expected an int32 value")
+    ids = expert_ids
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 3 or \
+            ids.shape[0] != ctx.ep_size:
+        got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else \
+            type(ids).__name__
+        raise errors.invalid(op, f"argument 'expert_ids' is {got}, expected int32 [ep_size = "
+                             f"{ctx.ep_size}, runtime_max_tokens_per_rank, top_k]")
+    counts = ctx.moe.recv_counts
+    if counts is None:
+        raise errors.invalid(op, "called before any moe_a2a_dispatch on this workspace, "
+                             "expected after one (it reads that dispatch's receive counts)")
+    counts = counts.to(ids.device, torch.int64)
+    padding = torch.arange(ids.shape[1], device=ids.device)[None, :] >= counts[:, None]
+    ids.masked_fill_(padding[:, :, None], invalid_expert_id)
 
 
 class MoeAlltoAll:
@@ -523,6 +810,9 @@ class MoeAlltoAll:
         self.eplb_stats_num_experts = eplb_stats_num_experts
         self.enable_eplb = eplb_stats_num_experts > 0
         self._eplb_gathered = None
+        self._eplb_capacity = eplb_stats_num_experts  # stats entries the exchange holds
+        self._eplb_exact = True  # stats must have exactly that many (functional API: up to)
+        self._eplb_a2a = None  # (A2a, topk_idx to every rank, zero combine payload)
 
         comm = getattr(mnnvl_config, "comm_backend", None) if mnnvl_config is not None else None
         if comm is None:
@@ -543,10 +833,10 @@ class MoeAlltoAll:
             raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu' or "
                                  "'cuda'")
         device = "cpu" if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
-        self._comm = comm
         self._group = _EpxGroup.from_comm(comm, device)
         self._a2a = None
         self._a2a_bytes = []
+        self._a2a_geometry = None  # (top_k, num_experts) the A2a was created for
         self.enable_rank_mask = bool(enable_rank_mask)
         self._active = [True] * self.ep_size  # the mask applied (epx keeps it as state)
         self._state = "idle"  # idle -> dispatched -> idle
@@ -594,6 +884,8 @@ class MoeAlltoAll:
         except (AttributeError, TypeError):
             payload_bytes = None
         a2a = self._a2a
+        if a2a is not None and self._a2a_geometry != (self.top_k, self.num_experts):
+            a2a = None  # the functional API's dispatch changed top_k / num_experts
         if a2a is not None and payload_bytes is not None:
             have = self._a2a_bytes
             if len(have) == len(payload_bytes) and all(
@@ -601,8 +893,9 @@ class MoeAlltoAll:
                 return a2a
         if not all(self._active):
             raise errors.unsupported("MoeAlltoAll.dispatch", "payloads larger than the first "
-                                     "dispatch's while ranks are masked off: re-creating the "
-                                     "workspace is collective over every rank")
+                                     "dispatch's (or another top_k / num_experts) while ranks "
+                                     "are masked off: re-creating the workspace is collective "
+                                     "over every rank")
         for i, p in enumerate(payloads):
             if not isinstance(p, torch.Tensor) or p.dim() < 1:
                 raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads[{i}]' "
@@ -625,6 +918,7 @@ class MoeAlltoAll:
         self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
                             payload_bytes, self._combine_bytes(payload_bytes))
         self._a2a_bytes = payload_bytes
+        self._a2a_geometry = (self.top_k, self.num_experts)
         return self._a2a
 
     # ---- API ---------------------------------------------------------------------------------
@@ -641,7 +935,27 @@ class MoeAlltoAll:
         if not self.enable_rank_mask:
             raise errors.invalid(op, "argument 'active_rank_mask' is given but the MoeAlltoAll "
                                  "was created with enable_rank_mask=False, expected True")
-        return _mask_bools(op, active_rank_mask, self.ep_size)
+        active = _mask_bools(op, active_rank_mask, self.ep_size)
+        if not active[self.ep_rank]:
+            raise errors.invalid(op, f"argument 'active_rank_mask' leaves out this rank "
+                                 f"(ep_rank {self.ep_rank}), expected it marked active (as "
+                                 "FlashInfer)")
+        return active
+
+    def _set_geometry(self, op, top_k, num_experts):
+        """The functional API's dispatch: top_k and num_experts come with every call; a change
+        re-creates the A2a at this dispatch (collective, as for larger payloads)."""
+        if (top_k, num_experts) == (self.top_k, self.num_experts):
+            return
+        errors.check_int(op, "top_k", top_k, 1)
+        errors.check_int(op, "num_experts", num_experts, 1)
+        if num_experts % self.ep_size:
+            raise errors.invalid(op, f"num_experts = {num_experts}, expected a multiple of "
+                                 f"ep_size = {self.ep_size}")
+        if self._state != "idle":
+            raise errors.invalid(op, "called twice without combine in between; expected the "
+                                 "order dispatch -> combine -> dispatch")
+        self.top_k, self.num_experts = top_k, num_experts
 
     def reset_dropped_counts(self):
         """epx extension: zero the drop counters (see dropped_counts)."""
@@ -653,24 +967,61 @@ class MoeAlltoAll:
         dispatches (include/epx/a2a.h, A2aDropCounts)."""
         return (0, 0) if self._a2a is None else self._a2a.dropped_counts()
 
-    def _gather_eplb(self, op, stats, active):
-        """eplb_local_stats of every rank -> [ep_size, n] int32 (host all-gather, collective)."""
-        n = self.eplb_stats_num_experts
-        if not self.enable_eplb:
-            raise errors.invalid(op, "argument 'eplb_local_stats' is given but the MoeAlltoAll "
-                                 "was created with eplb_stats_num_experts=0, expected > 0")
-        if not isinstance(stats, torch.Tensor) or list(stats.shape) != [n] or \
-                stats.is_floating_point() or stats.dtype == torch.bool:
-            raise errors.invalid(op, f"argument 'eplb_local_stats' must be an integer tensor "
-                                 f"[{n}] (eplb_stats_num_experts)")
-        if not all(active):
-            raise errors.unsupported(op, "eplb_local_stats while ranks are masked off: epx "
-                                     "gathers them through the comm backend, over every rank")
-        if stats.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise errors.unsupported(op, "eplb_local_stats while a CUDA graph is being "
-                                     "captured: epx gathers them on the host")
-        rows = self._comm.allgather([int(v) for v in stats.cpu().tolist()])
-        return torch.tensor(rows, dtype=torch.int32).to(stats.device)
+    def _check_eplb(self, op, stats):
+        """eplb_local_stats checked before anything collective: an integer tensor of
+        eplb_stats_num_experts entries (functional API: 1 .. its reserve, at most
+        num_experts)."""
+        cap = self._eplb_capacity
+        if cap == 0:
+            raise errors.invalid(op, "argument 'eplb_local_stats' is given but the "
+                                 "MoeAlltoAll was created with eplb_stats_num_experts=0, "
+                                 "expected > 0")
+        ok = isinstance(stats, torch.Tensor) and stats.dim() == 1 and \
+            not stats.is_floating_point() and stats.dtype != torch.bool
+        n = stats.shape[0] if ok else -1
+        if self._eplb_exact:
+            ok, want = ok and n == cap, f"[{cap}] (eplb_stats_num_experts)"
+        else:
+            top = min(cap, self.num_experts)
+            ok, want = ok and 1 <= n <= top, (f"[n], 1 <= n <= {top} (the "
+                                             "eplb_stats_num_experts of moe_a2a_initialize, at "
+                                             "most num_experts)")
+        if not ok:
+            got = (f"{stats.dtype} {list(stats.shape)}" if isinstance(stats, torch.Tensor)
+                   else type(stats).__name__)
+            raise errors.invalid(op, f"argument 'eplb_local_stats' is {got}, expected an "
+                                 f"integer tensor {want}")
+
+    def _gather_eplb(self, stats):
+        """Every rank's eplb_local_stats -> [ep_size, n] int32, row r = rank r's: a view of a
+        second, small epx A2a, valid until the next gather. Each rank sends its stats as G =
+        ceil(ep_size / 32) tokens (top-k is at most 32), token g to ranks 32g .. 32g + 31 (one
+        expert per rank), so every rank receives exactly one row from each. On the device and
+        stream-ordered, so CUDA graphs capture it; it follows the rank mask (a masked-off rank's
+        row is unspecified). Created at the first gather, collectively (every rank passes stats,
+        or none)."""
+        R = self.ep_size
+        if self._eplb_a2a is None:
+            if not all(self._active):
+                raise errors.unsupported("MoeAlltoAll.dispatch", "the first eplb_local_stats "
+                                         "while ranks are masked off: creating epx's exchange "
+                                         "for them is collective over every rank")
+            k = min(R, _MAX_A2A_TOP_K)
+            g = -(-R // k)
+            a2a = _EpxA2a(self._group, g, k, R, [4 * self._eplb_capacity], 4)
+            dev = torch.device(a2a._native.device)
+            ids = torch.arange(g * k, dtype=torch.int32).view(g, k)
+            ids[ids >= R] = -1
+            self._eplb_a2a = (a2a, ids.to(dev),
+                              torch.zeros(R, g, 1, dtype=torch.float32, device=dev))
+        a2a, to_all, zeros = self._eplb_a2a
+        g, n = to_all.shape[0], stats.shape[0]
+        rows = stats.to(device=to_all.device, dtype=torch.int32).view(1, n)
+        if g > 1:
+            rows = rows.expand(g, n).contiguous()
+        recv = a2a.dispatch(to_all, [rows], g).recv[0]
+        a2a.combine(zeros, g)  # back to "idle" at once (dispatch -> combine -> dispatch)
+        return recv[:, 0]
 
     @_torch.plain_torch
     def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
@@ -696,19 +1047,26 @@ class MoeAlltoAll:
             raise errors.out_of_capacity(op, f"runtime_max_tokens_per_rank = "
                                          f"{runtime_max_tokens_per_rank} exceeds max_num_tokens "
                                          f"= {self.max_num_tokens}")
-        a2a = self._workspace(input_payloads)
-        gathered = None
         if eplb_local_stats is not None:
-            gathered = self._gather_eplb(op, eplb_local_stats, active)
+            self._check_eplb(op, eplb_local_stats)
+        input_payloads, widths = _pad_rows(input_payloads)
+        a2a = self._workspace(input_payloads)
         if active != self._active:  # collective over the ranks it marks active
-            a2a.set_active_ranks(active, stream=_torch.stream_of(token_selected_experts))
+            stream = _torch.stream_of(token_selected_experts)
+            a2a.set_active_ranks(active, stream=stream)
+            if self._eplb_a2a is not None:
+                self._eplb_a2a[0].set_active_ranks(active, stream=stream)
             self._active = list(active)
         elif self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
+        gathered = None
+        if eplb_local_stats is not None:
+            gathered = self._gather_eplb(eplb_local_stats)
         recv, counts = a2a.dispatch(token_selected_experts, list(input_payloads),
                                     runtime_max_tokens_per_rank, invalid_token_expert_id,
                                     expert_id_payload_index)
+        recv = [v if w is None else _unpad_view(v, *w) for v, w in zip(recv, widths)]
         self._state = "dispatched"
         self._eplb_gathered = gathered
         self._runtime_max = runtime_max_tokens_per_rank
@@ -735,15 +1093,19 @@ class MoeAlltoAll:
         token the sum, in ascending rank order, of the rows the active ranks it went to return
         (zeros when it went to none). With ``output``, the result is copied into it and it is
         returned. ``output_scalar_scale`` and ``sf_layout`` only matter for quantised outputs
-        (``output_scales``), which epx does not produce."""
+        (``output_scales``), which epx does not produce.
+
+        ``use_low_precision=True`` (FlashInfer's FP8 combine): every row is first rounded to FP8
+        e4m3 (nearest, ties to even, saturating at +-448), the rounded values are summed as
+        above in float32 and the sum is rounded once to bfloat16, the output's dtype whatever the
+        payload's (bf16, fp16 or f32). With ``payload_in_workspace`` the rows are rounded in
+        place. epx moves the rounded rows in bfloat16 (f32 for an f32 workspace payload): the
+        result is FlashInfer's, the bytes on the wire are not halved."""
         op = "MoeAlltoAll.combine"
         if output_scales is not None:
             raise errors.unsupported(op, "output_scales: epx's combine returns the payload's "
                                      "dtype; quantised (MXFP8/MXFP4/NVFP4) combine outputs are "
-                                     "not implemented")
-        if use_low_precision:
-            raise errors.unsupported(op, "use_low_precision=True: epx's combine moves the "
-                                     "payload's own dtype (no FP8 combine transport)")
+                                     "not implemented (FlashInfer's need SM >= 100)")
         if self._state != "dispatched":
             raise errors.invalid(op, "called without a preceding dispatch; expected the order "
                                  "dispatch -> combine -> dispatch")
@@ -751,7 +1113,21 @@ class MoeAlltoAll:
             raise errors.invalid(op, "argument 'active_rank_mask' differs from the mask of the "
                                  "preceding dispatch, expected the same mask")
         dtype = getattr(payload, "dtype", None)
-        if output_dtype is not None and output_dtype != dtype:
+        if use_low_precision:
+            if dtype not in _LOW_PRECISION_DTYPES:
+                raise errors.invalid(op, f"argument 'payload' has dtype {dtype} with "
+                                     "use_low_precision=True, expected bfloat16, float16 or "
+                                     "float32")
+            if payload_in_workspace and dtype == torch.float16:
+                raise errors.invalid(op, "argument 'payload' is float16 with "
+                                     "payload_in_workspace=True, expected the bfloat16 or "
+                                     "float32 view of get_combine_payload_tensor_in_workspace")
+            if output_dtype not in (None, torch.bfloat16):
+                raise errors.invalid(op, f"argument 'output_dtype' is {output_dtype} with "
+                                     "use_low_precision=True, expected bfloat16 (the "
+                                     "low-precision combine's output, as in FlashInfer)")
+            dtype = torch.bfloat16
+        elif output_dtype is not None and output_dtype != dtype:
             raise errors.invalid(op, f"argument 'output_dtype' is {output_dtype} without "
                                  f"output_scales, expected the payload's dtype {dtype}")
         if output is not None:
@@ -764,8 +1140,16 @@ class MoeAlltoAll:
                        if isinstance(output, torch.Tensor) else type(output).__name__)
                 raise errors.invalid(op, f"argument 'output' is {got}, expected a contiguous "
                                      f"{want} {dtype} tensor on {payload.device}")
+        if use_low_precision:
+            rows = _round_to_e4m3(payload)
+            if payload_in_workspace:  # bf16 or f32 (epx's workspace views): exact in place
+                payload.copy_(rows)
+            else:
+                payload = rows.to(torch.bfloat16)  # exact: e4m3 values are bf16 values
         out = self._a2a.combine(payload, int(runtime_max_tokens_per_rank),
                                 bool(payload_in_workspace))
+        if use_low_precision and out.dtype != torch.bfloat16:
+            out = out.to(torch.bfloat16)  # the f32 sum of an f32 workspace payload, rounded once
         self._state = "idle"
         self._eplb_gathered = None
         if output is not None:
