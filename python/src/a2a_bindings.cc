@@ -9,6 +9,7 @@
 
 #include <optional>
 
+#include "bindings.h"
 #include "epx/a2a.h"
 #include "torch_bridge.h"
 

@@ -8,6 +8,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include "bindings.h"
 #include "epx/buffer.h"
 #include "torch_bridge.h"
 

@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 
+#include "bindings.h"
 #include "epx/dispatcher.h"
 #include "torch_bridge.h"
 

@@ -10,15 +10,9 @@
 #include <chrono>
 #include <string>
 
+#include "bindings.h"
 #include "epx/epx.h"
 #include "torch_bridge.h"
-
-namespace epx::python {
-void bind_buffer(py::module_& m);
-void bind_a2a(py::module_& m);
-void bind_dispatcher(py::module_& m);
-void bind_timing(py::module_& m);
-}  // namespace epx::python
 
 namespace {
 

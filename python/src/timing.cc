@@ -15,6 +15,7 @@
 #include <mutex>
 #include <vector>
 
+#include "bindings.h"
 #include "epx/a2a.h"
 #include "epx/buffer.h"
 #include "torch_bridge.h"

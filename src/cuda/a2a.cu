@@ -1,6 +1,8 @@
 // src/cuda/a2a.cu — the cuda backend of the a2a mode (docs/semantics.md §3): CudaA2a (set-up, the
 // shape agreement, device-error reporting, teardown) and the dispatch / combine launchers. Device
-// code is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh).
+// code is in kernels/a2a/ (layout: a2a_layout.cuh; protocols: dispatch.cuh, combine.cuh). The
+// lifecycle every mode shares (device, workspace, error record, decode, teardown) is its
+// DeviceObject (device_object.h).
 //
 // Data flow, rank r of R, C CTAs per kernel (GroupOptions::num_sms, auto 64):
 //   construction  symmetric workspace (transport allocate: collective, zeroed) -> header {shape,
@@ -25,10 +27,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,7 @@
 #include "core/check.h"
 #include "cuda/a2a.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_object.h"
 #include "cuda/kernels/a2a/combine.cuh"
 #include "cuda/kernels/a2a/dispatch.cuh"
 #include "cuda/kernels/a2a/resync.cuh"
@@ -87,23 +90,25 @@ __global__ void a2a_gather_headers_kernel(A2aSymm symm, A2aHeader* out) {
         __ldcg(reinterpret_cast<const long long*>(src) + threadIdx.x);
 }
 
-struct PinnedDeleter {
-  void operator()(DeviceErrorRecord* p) const {
-    if (p) cudaFreeHost(p);
-  }
-};
+// What an a2a wait awaited (DeviceErrorRecord::a, ::op), in the words of the a2a protocol.
+const char* a2a_awaited(const DeviceErrorRecord& e) {
+  if (e.op == kOpA2aResync) return "the peer to take part in set_active_ranks";
+  if (e.a == kWaitReady) return "the peer to enter the same dispatch";
+  return e.op == kOpA2aDispatch ? "the rows and counts the peer sends"
+                                : "the peer's combine payload";
+}
 
 class CudaA2a final : public A2aImpl {
  public:
   CudaA2a(const Group& group, const A2aShape& shape);
   ~CudaA2a() override;
 
-  size_t bytes_allocated() const override { return mem_->bytes(); }
+  size_t bytes_allocated() const override { return dev_.bytes(); }
   void check() override;
   A2aDispatchResult dispatch(const A2aDispatchArgs& args) override;
   TensorView combine_payload_view(int64_t runtime_max, int64_t hidden, DType dtype) override {
     return TensorView::contiguous(layout_.combine(local()), dtype,
-                                  {group.size(), runtime_max, hidden}, Device::cuda(device_));
+                                  {group.size(), runtime_max, hidden}, Device::cuda(dev_.device()));
   }
   Tensor combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace, Stream stream,
                  const Allocator& alloc) override;
@@ -112,22 +117,16 @@ class CudaA2a final : public A2aImpl {
   void reset_dropped_counts(Stream stream) override;
 
  private:
-  char* local() const { return static_cast<char*>(mem_->local()); }
+  char* local() const { return dev_.local(); }
   A2aSymm symm() const;
-  WaitContext wait_context(uint32_t op) const {
-    return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group.rank(), op};
-  }
   template <typename V, bool kBf16>
   void launch_combine(const A2aCombineParams& p, cudaStream_t stream);
 
-  int device_ = 0;
+  // The device, the workspace, the error record; closed first in ~CudaA2a.
+  DeviceObject dev_;
   int num_ctas_ = 1;
   uint32_t peer_ctas_[kMaxRanks] = {};
-  uint64_t timeout_ns_ = 0;
   A2aLayout layout_;
-  std::shared_ptr<SymmetricMemory> mem_;
-  std::unique_ptr<DeviceErrorRecord, PinnedDeleter> error_host_;  // mapped pinned memory
-  DeviceErrorRecord* error_dev_ = nullptr;
   uint32_t resync_generation_ = 0;  // set_active_ranks calls so far
   // The last dispatch (combine reduces its tokens).
   int64_t num_tokens_ = 0;
@@ -135,30 +134,15 @@ class CudaA2a final : public A2aImpl {
   int64_t row_bytes_[kMaxA2aPayloads] = {};
 };
 
-CudaA2a::CudaA2a(const Group& group, const A2aShape& shape) : A2aImpl(group, shape) {
+CudaA2a::CudaA2a(const Group& group, const A2aShape& shape)
+    : A2aImpl(group, shape), dev_(group, "A2a") {
   const int R = group.size(), me = group.rank();
-  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "A2a: the group has ", R,
-            " ranks; the cuda a2a kernels support at most ", kMaxRanks);
-  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
-            "A2a: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
-            " ranks; the cuda a2a kernels support at most 2^30 receive rows per rank");
-  device_ = group.transport()->device().index;
-  DeviceGuard guard(device_);
-  int sms = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "A2a");
-  num_ctas_ = resolve_a2a_ctas(group.options().num_sms, sms);
-  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  DeviceGuard guard(dev_.device());
+  num_ctas_ = resolve_a2a_ctas(group.options().num_sms, dev_.multiprocessors());
   layout_ = A2aLayout::make(shape, R);
 
-  DeviceErrorRecord* rec = nullptr;
-  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&rec), sizeof(DeviceErrorRecord),
-                               cudaHostAllocMapped | cudaHostAllocPortable),
-                 "A2a");
-  error_host_.reset(rec);
-  *rec = DeviceErrorRecord{};
-  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), rec, 0), "A2a");
-
-  mem_ = group.transport()->allocate(layout_.total_bytes);  // collective; zeroed
+  // The workspace (collective; zeroed).
+  dev_.allocate_region(layout_.total_bytes, layout_.state_off + offsetof(A2aState, dev));
 
   // Every rank must have built the same layout: publish the shape (and C), read every peer's.
   A2aHeader header{};
@@ -195,23 +179,14 @@ CudaA2a::CudaA2a(const Group& group, const A2aShape& shape) : A2aImpl(group, sha
 }
 
 CudaA2a::~CudaA2a() {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then nothing of this rank uses the workspace. Local, as
-  // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
-  cudaDeviceSynchronize();
-  group.transport()->destruction_barrier("A2a destruction");
-  mem_.reset();
-  error_host_.reset();
-  cudaSetDevice(previous);
+  dev_.close("A2a destruction");
 }
 
 A2aSymm CudaA2a::symm() const {
   A2aSymm s{};
   s.local = local();
   for (int p = 0; p < group.size(); ++p) {
-    s.peers[p] = static_cast<char*>(mem_->peer(p));
+    s.peers[p] = dev_.peer(p);
     s.peer_ctas[p] = peer_ctas_[p];
   }
   s.layout = layout_;
@@ -219,26 +194,17 @@ A2aSymm CudaA2a::symm() const {
 }
 
 void CudaA2a::check() {
-  volatile DeviceErrorRecord* rec = error_host_.get();
-  if (rec->code == kDevErrNone) return;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
-  const bool is_dispatch = e.op == kOpA2aDispatch;
-  const char* op = is_dispatch            ? "a2a dispatch"
-                   : e.op == kOpA2aResync ? "a2a set_active_ranks"
-                                          : "a2a combine";
+  const std::optional<DeviceErrorRecord> rec = dev_.recorded();
+  if (!rec) return;
+  const DeviceErrorRecord& e = *rec;
+  const char* op = device_op_name(e.op);
   // Timeouts and mask differences keep the record (every later check() raises again) until
   // set_active_ranks clears it: the ranks no longer agree on epochs or on the mask.
   if (e.code == kDevErrTimeout) {
-    const char* what = e.op == kOpA2aResync ? "the peer to take part in set_active_ranks"
-                       : e.a == kWaitReady  ? "the peer to enter the same dispatch"
-                       : is_dispatch        ? "the rows and counts the peer sends"
-                                            : "the peer's combine payload";
-    const auto waited = e.op == kOpA2aResync ? 2 * group.timeout() : group.timeout();
-    throw_error(ErrorCode::kTimeout, cat(op, ": rank ", e.rank, " waited ", waited.count(),
-                                         " ms for ", what, " (rank ", e.peer,
-                                         "); this A2a is unusable until every surviving rank calls "
-                                         "set_active_ranks (without the failed ranks)"));
+    dev_.raise_timeout(e, {.awaited = a2a_awaited(e),
+                           .unusable = "this A2a is unusable until every surviving rank calls "
+                                       "set_active_ranks (without the failed ranks)",
+                           .timeout_multiple = e.op == kOpA2aResync ? 2 : 1});
   }
   if (e.code == kDevErrA2aMask) {
     auto show = [&](int64_t v) {
@@ -252,14 +218,7 @@ void CudaA2a::check() {
                     " (rank 0 first); expected the same mask on every active rank"));
   }
   // Not fatal: the collective completed. Let the device report the next error.
-  rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
-  if (e.code == kDevErrBadExpert) {
-    throw_error(
-        ErrorCode::kInvalidArgument,
-        cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
-            "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
-            shape.num_experts, "); that selection was dropped"));
-  }
+  dev_.rearm();
   if (e.code == kDevErrA2aGeometry) {
     const int64_t field = e.a >> 32;
     const auto mine = static_cast<int32_t>(static_cast<uint32_t>(e.a & 0xffffffff));
@@ -283,11 +242,11 @@ void CudaA2a::check() {
                     "; expected the same value on every rank (the outputs of this call are "
                     "undefined)"));
   }
-  throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+  DeviceObject::raise_common(e, shape.num_experts);  // out-of-range expert ids, unknown codes
 }
 
 A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   const int R = group.size(), me = group.rank();
   const TensorView& idx = args.topk_idx;
   const int64_t T = idx.shape[0], M = args.runtime_max_tokens_per_rank;
@@ -318,7 +277,7 @@ A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
   p.sanitise_index = args.invalid_expert_id.has_value() ? args.expert_id_payload_index : -1;
   p.invalid_expert_id = args.invalid_expert_id.value_or(0);
   p.symm = symm();
-  p.wait = wait_context(kOpA2aDispatch);
+  p.wait = dev_.wait_context(kOpA2aDispatch);
   a2a_dispatch_kernel<<<num_ctas_, kA2aThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError(), "a2a dispatch");
   num_tokens_ = T;
@@ -329,11 +288,11 @@ A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
     const TensorView& v = args.payloads[i];
     std::vector<int64_t> dims = {R, M};
     for (int d = 1; d < v.ndim; ++d) dims.push_back(v.shape[d]);
-    result.recv.push_back(
-        TensorView::contiguous(layout_.recv(local(), i), v.dtype, dims, Device::cuda(device_)));
+    result.recv.push_back(TensorView::contiguous(layout_.recv(local(), i), v.dtype, dims,
+                                                 Device::cuda(dev_.device())));
   }
-  result.recv_counts =
-      TensorView::contiguous(layout_.counts(local()), DType::kI32, {R}, Device::cuda(device_));
+  result.recv_counts = TensorView::contiguous(layout_.counts(local()), DType::kI32, {R},
+                                              Device::cuda(dev_.device()));
   return result;
 }
 
@@ -344,7 +303,7 @@ void CudaA2a::launch_combine(const A2aCombineParams& p, cudaStream_t stream) {
 
 Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
                         Stream stream_handle, const Allocator& alloc) {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int R = group.size(), me = group.rank();
   const int64_t H = y.shape[2], M = runtime_max;
@@ -365,18 +324,19 @@ Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_i
   p.runtime_max = static_cast<int32_t>(M);
   p.in_workspace = payload_in_workspace;
   p.symm = symm();
-  p.wait = wait_context(kOpA2aCombine);
+  p.wait = dev_.wait_context(kOpA2aCombine);
 
   // The output first. If the allocator fails, still run the collective part (publish, signal,
   // wait; no reduction) so the peers complete, then report.
   Tensor out;
   std::exception_ptr failed;
   try {
-    out = alloc(y.dtype, {num_tokens_, H}, Device::cuda(device_));
+    out = alloc(y.dtype, {num_tokens_, H}, Device::cuda(dev_.device()));
     EPX_CHECK(num_tokens_ * H == 0 || (out.data != nullptr && out.is_contiguous() &&
-                                       out.device == Device::cuda(device_)),
+                                       out.device == Device::cuda(dev_.device())),
               ErrorCode::kInvalidArgument, "a2a combine: the allocator returned ", out.describe(),
-              ", expected a contiguous tensor [", num_tokens_, ", ", H, "] on cuda:", device_);
+              ", expected a contiguous tensor [", num_tokens_, ", ", H,
+              "] on cuda:", dev_.device());
     p.out = static_cast<char*>(out.data);
   } catch (...) {
     failed = std::current_exception();
@@ -408,16 +368,16 @@ Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_i
 }
 
 void CudaA2a::set_active_ranks(uint64_t active_mask, Stream stream) {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   // The record of an earlier Timeout would be raised again by the next check() before the
   // resync kernel clears it on the device; the claim word stays set until then, so no kernel can
   // write a new record in between.
-  error_host_->code = kDevErrNone;
+  dev_.clear_record();
   A2aResyncParams p{};
   p.symm = symm();
-  p.wait = wait_context(kOpA2aResync);
-  p.wait.timeout_ns = 2 * timeout_ns_;
-  p.error = error_dev_;
+  p.wait = dev_.wait_context(kOpA2aResync);
+  p.wait.timeout_ns = 2 * dev_.timeout_ns();
+  p.error = dev_.error_on_device();
   p.active_mask = active_mask;
   p.generation = resync_generation_ + 1;
   p.num_ranks = group.size();
@@ -428,7 +388,7 @@ void CudaA2a::set_active_ranks(uint64_t active_mask, Stream stream) {
 }
 
 A2aDropCounts CudaA2a::dropped_counts() {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "a2a dropped_counts");
   unsigned long long v[2] = {0, 0};
   EPX_CUDA_CHECK(
@@ -442,7 +402,7 @@ static_assert(offsetof(A2aState, dropped_selections) ==
               "dropped_counts copies both counters at once");
 
 void CudaA2a::reset_dropped_counts(Stream stream) {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   EPX_CUDA_CHECK(cudaMemsetAsync(&layout_.state(local())->dropped_tokens, 0,
                                  2 * sizeof(unsigned long long), static_cast<cudaStream_t>(stream)),
                  "a2a reset_dropped_counts");
@@ -454,6 +414,13 @@ void CudaA2a::reset_dropped_counts(Stream stream) {
 std::unique_ptr<A2aImpl> cuda_a2a_create(const Group& group, const A2aShape& shape) {
   EPX_CHECK(group.backend() == Backend::kCuda, ErrorCode::kInvalidArgument,
             "A2a: the cuda backend needs a cuda group");
+  // The limits of the a2a kernels, before anything is allocated.
+  const int R = group.size();
+  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "A2a: the group has ", R,
+            " ranks; the cuda a2a kernels support at most ", kMaxRanks);
+  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
+            "A2a: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
+            " ranks; the cuda a2a kernels support at most 2^30 receive rows per rank");
   return std::make_unique<CudaA2a>(group, shape);
 }
 

@@ -1,19 +1,8 @@
-// src/cuda/device_error.cc — the host side of the device-error record (device_error.h), shared by
-// the cuda modes.
+// src/cuda/device_error.cc — the names of the signalling vocabulary (device_error.h) in host
+// messages, shared by the cuda modes.
 #include "cuda/device_error.h"
 
-#include <cuda_runtime.h>
-
-#include "cuda/cuda_check.h"
-
 namespace epx::detail {
-
-void rearm_device_error(volatile DeviceErrorRecord* record, uint32_t* claim_on_device, int device) {
-  record->code = kDevErrNone;
-  DeviceGuard guard(device);
-  const uint32_t zero = 0;
-  EPX_CUDA_CHECK(cudaMemcpy(claim_on_device, &zero, sizeof(zero), cudaMemcpyHostToDevice), "check");
-}
 
 const char* device_op_name(uint32_t op) {
   switch (op) {
@@ -27,6 +16,16 @@ const char* device_op_name(uint32_t op) {
       return "ht_combine";
     case kOpBarrier:
       return "barrier";
+    case kOpA2aDispatch:
+      return "a2a dispatch";
+    case kOpA2aCombine:
+      return "a2a combine";
+    case kOpA2aResync:
+      return "a2a set_active_ranks";
+    case kOpLlDispatch:
+      return "ll_dispatch";
+    case kOpLlCombine:
+      return "ll_combine";
     default:
       return "device operation";
   }

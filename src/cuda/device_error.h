@@ -1,18 +1,27 @@
-// src/cuda/device_error.h — how kernels report failures to the host (docs/semantics.md §4): a
-// record in mapped pinned host memory, written once per error by the first device thread that
-// claims it.
+// src/cuda/device_error.h — the signalling vocabulary the cuda modes share (docs/semantics.md
+// §4): what a kernel reports to the host (DeviceOp, DeviceErrorCode, DeviceWait and the fields
+// they name), the record it reports in, the per-rank device state its waits use, and the
+// WaitContext every kernel's params carry. One header for ht, ll and a2a: kernels (through
+// kernels/sync.cuh, the memory-ordering helpers and the bounded wait) and host objects
+// (device_object.h, which reads the record) name the same values.
 //
-// Protocol: a thread that detects an error claims the device-side word HtState::error_claim with
-// atomicCAS (device memory: host-memory atomics are not native over PCIe), writes the fields of
-// DeviceErrorRecord, __threadfence_system(), then stores `code` last. The host reads `code`
-// (volatile); non-zero means the fields are complete. After raising, the host clears both.
-// Timeouts also set HtState::abort so every other wait of the kernel stops promptly.
+// The record lives in mapped pinned host memory and is written once per error by the first
+// device thread that claims it.
+//
+// Protocol: a thread that detects an error claims the device-side word DeviceState::error_claim
+// with atomicCAS (device memory: host-memory atomics are not native over PCIe), writes the fields
+// of DeviceErrorRecord, __threadfence_system(), then stores `code` last. The host reads `code`
+// (volatile); non-zero means the fields are complete. After raising, the host clears both
+// (DeviceObject::rearm). Timeouts also set DeviceState::abort so every other wait of the kernel
+// stops promptly.
 #pragma once
 
 #include <cstdint>
 
 namespace epx::detail {
 
+// DeviceErrorRecord::op: the operation whose kernel reported (device_op_name: its name in
+// messages). ht 1-5, a2a 16-18, ll 32-33.
 enum DeviceOp : uint32_t {
   kOpNone = 0,
   kOpHtLayout = 1,
@@ -20,6 +29,11 @@ enum DeviceOp : uint32_t {
   kOpHtDispatch = 3,
   kOpHtCombine = 4,
   kOpBarrier = 5,
+  kOpA2aDispatch = 16,
+  kOpA2aCombine = 17,
+  kOpA2aResync = 18,  // a2a set_active_ranks
+  kOpLlDispatch = 32,
+  kOpLlCombine = 33,
 };
 
 enum DeviceErrorCode : uint32_t {
@@ -32,6 +46,19 @@ enum DeviceErrorCode : uint32_t {
   // first that differs). a = field << 32 | the source's word, b = this rank's word, peer = the
   // source. Every rank meets at least one source that differs, so every rank raises.
   kDevErrHtCallDiffers = 4,
+  // a2a: a peer used another geometry in the same call. a = field (A2aGeometryField) << 32 |
+  // this rank's value (as uint32), b = the peer's value, peer = the peer.
+  kDevErrA2aGeometry = 16,
+  // a2a set_active_ranks: an active peer applies another mask. a = this rank's active mask, b =
+  // the peer's, peer = the peer.
+  kDevErrA2aMask = 17,
+  // ll: a source used other fp8 options in the same dispatch. a = the source's (use_fp8 |
+  // round_scale << 1), b = this rank's, peer = the source.
+  kDevErrLlFormat = 32,
+  // ll combine: topk_idx selects expert b more often than its rank received from this rank (a =
+  // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is
+  // skipped.
+  kDevErrLlCombineRows = 33,
 };
 
 // The per-call values an ht count exchange message carries (HtCountMsg::call) and compares.
@@ -47,6 +74,16 @@ inline uint32_t ht_call_format(int x_dtype, int scale_dtype, bool zero_copy, boo
          << 8 | (zero_copy ? 1u << 16 : 0u) | (has_weights ? 1u << 17 : 0u);
 }
 
+// kDevErrA2aGeometry: which value differs.
+enum A2aGeometryField : int64_t {
+  kGeomRuntimeMax = 0,     // dispatch: runtime_max_tokens_per_rank
+  kGeomRowBytes = 1,       // dispatch: + payload index: bytes per token of the payload
+  kGeomCombineHidden = 9,  // combine: H of y
+  kGeomCombineDtype = 10,  // combine: DType of y
+};
+
+// kDevErrTimeout: what was awaited (DeviceErrorRecord::a; device_wait_name: the generic words,
+// each mode's host object may word it for its protocol).
 enum DeviceWait : uint32_t {
   kWaitReady = 1,     // the peer finishing its previous operation (its region free again)
   kWaitCounts = 2,    // the peer's token counts (count exchange)
@@ -64,7 +101,8 @@ struct DeviceErrorRecord {
   int64_t b;
 };
 
-// Per-rank device state of one buffer (device memory, zeroed at allocation).
+// Per-rank device state of one mode's region (device memory, zeroed at allocation; ll and a2a
+// use only abort and error_claim).
 struct DeviceState {
   uint32_t seq;          // operations completed on this rank (all ranks advance in lock-step)
   uint32_t finished;     // CTAs of the running operation that have finished (last-CTA pattern)
@@ -81,11 +119,18 @@ struct DeviceState {
   uint32_t send_next;
 };
 
-const char* device_op_name(uint32_t op);
+// Everything a bounded wait and the error path need; part of every kernel's params
+// (DeviceObject::wait_context fills it; kernels/sync.cuh: wait_flag, record_error).
+struct WaitContext {
+  DeviceState* state;
+  DeviceErrorRecord* error;  // mapped pinned host memory (device pointer)
+  uint64_t timeout_ns;
+  int32_t rank;
+  uint32_t op;  // DeviceOp
+};
 
-// After the host raised a non-fatal record: clears the record and the device-side claim word so
-// the device can report the next error (synchronous cudaMemcpy on `device`; error paths only).
-void rearm_device_error(volatile DeviceErrorRecord* record, uint32_t* claim_on_device, int device);
+// The names of DeviceOp and DeviceWait values in host messages.
+const char* device_op_name(uint32_t op);
 const char* device_wait_name(uint32_t what);
 
 }  // namespace epx::detail

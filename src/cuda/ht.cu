@@ -1,7 +1,8 @@
 // src/cuda/ht.cu — CudaHt (cuda/ht.h): set-up, teardown, device-error reporting, and the host
 // side of ht_layout / ht_dispatch / ht_combine: outputs, kernel parameters, launches (kernels in
 // kernels/ht/*.cuh, instantiated in ht_{notify,dispatch,combine}.cu; the copy engines' part in
-// ht_copy_engine.cu).
+// ht_copy_engine.cu). The lifecycle every mode shares (device, region, error record, decode,
+// teardown) is its DeviceObject (device_object.h).
 //
 //   ht_layout          notify kernel, layout only (no communication)
 //   ht_dispatch        plan: exact mode — notify (count exchange, ticket) -> ONE bounded host
@@ -24,6 +25,8 @@
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -84,29 +87,19 @@ static_assert(sizeof(DeviceState) <= 64, "DeviceState outgrew its 64 bytes in Ht
 // ---- set-up, teardown, errors -------------------------------------------------------------------
 
 CudaHt::CudaHt(const Group& group, const MoeShape& shape, uint64_t buffer_id)
-    : group_(group), shape_(shape), buffer_id_(buffer_id) {
+    : group_(group), shape_(shape), buffer_id_(buffer_id), dev_(group, "Buffer") {
   const int R = group.size();
-  device_ = group.transport()->device().index;
-  DeviceGuard guard(device_);
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, device_),
-                 "Buffer");
+  DeviceGuard guard(dev_.device());
   one_stream_ = group.transport()->ranks_share_device();
-  pdl_ = pdl_usable(device_, one_stream_, ht_dispatch_kernel_address());
+  pdl_ = pdl_usable(dev_.device(), one_stream_, ht_dispatch_kernel_address());
   // (Five streams per rank in the one-GPU mode: its own, the two copy-engine streams, the
   // per-thread one, and one spare — the margin that mode's tests ran with.)
   engine_kept_ = !one_stream_ || (env_one_gpu_side_streams() &&
                                   env_cuda_device_max_connections() >= 5 * group.size());
   engine_combine_ = !one_stream_;
-  tuning_ = resolve_ht_tuning(group.options().num_sms, device_sms_, R);
-  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  tuning_ = resolve_ht_tuning(group.options().num_sms, dev_.multiprocessors(), R);
   region_ =
       HtRegion::make(shape.hidden, shape.top_k, shape.num_experts, shape.max_tokens_per_rank, R);
-  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorRecord),
-                               cudaHostAllocMapped | cudaHostAllocPortable),
-                 "Buffer");
-  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-                 "Buffer");
-  *error_host_ = DeviceErrorRecord{};
   const size_t result_bytes =
       sizeof(HtHostResult) + 4 * ht_host_result_words(region_.num_local_experts, R);
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&result_host_), result_bytes,
@@ -115,52 +108,37 @@ CudaHt::CudaHt(const Group& group, const MoeShape& shape, uint64_t buffer_id)
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&result_dev_), result_host_, 0),
                  "Buffer");
   result_host_->ticket = 0;
-  mem_ = group.transport()->allocate(region_.total_bytes);  // collective; zeroed
+  dev_.allocate_region(region_.total_bytes, region_.state_off);  // collective; zeroed
 #ifdef EPX_HT_TRACE
-  trace_ = g_ht_traces.create(device_, kHtTraceWords);
+  trace_ = g_ht_traces.create(dev_.device(), kHtTraceWords);
 #endif
 }
 
 CudaHt::~CudaHt() {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local: the
-  // transport frees the region once every rank released it (no barrier, so ranks may destroy
-  // their Buffers at different times, as Python's garbage collector does) — except in the
-  // one-GPU test mode (Transport::destruction_barrier).
-  cudaDeviceSynchronize();
-  if (!broken_ && mem_) group_.transport()->destruction_barrier("Buffer destruction");
-  mem_.reset();
-  engines_.destroy();
-  if (error_host_) cudaFreeHost(error_host_);
-  if (result_host_) cudaFreeHost(result_host_);
+  // The destruction barrier only while ht is usable (after a timeout a peer may never come).
+  dev_.close(dev_.usable() ? "Buffer destruction" : nullptr, [this] {
+    engines_.destroy();
+    if (result_host_) cudaFreeHost(result_host_);
 #ifdef EPX_HT_TRACE
-  g_ht_traces.destroy(device_, trace_);
+    g_ht_traces.destroy(dev_.device(), trace_);
 #endif
-  cudaSetDevice(previous);
-}
-
-void CudaHt::require_usable(const char* op) const {
-  EPX_CHECK(!broken_, ErrorCode::kOutOfStep, op, ": the ht state of this buffer is unusable after ",
-            broken_why_, "; call reset() on every rank to reset it");
+  });
 }
 
 // Collective, as CudaLl::clean: no ht kernel runs on any rank, then the control words of the
 // region (everything before the rows) and the host's mirrors of them start over as at
 // construction.
 void CudaHt::reset() {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");  // every kernel is bounded
   group_.transport()->resync("reset (ht)", group_.transport()->all_members(),
                              2 * group_.timeout());
   EPX_CUDA_CHECK(cudaMemset(local(), 0, region_.x_off), "reset");
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");
-  *error_host_ = DeviceErrorRecord{};
+  dev_.clear_record();
   result_host_->ticket = 0;
   ticket_ = 0;
-  broken_ = false;
-  broken_why_.clear();
+  dev_.set_usable();
   group_.transport()->barrier("reset (ht, done)");  // nobody signals into a region not yet reset
 }
 
@@ -208,70 +186,51 @@ static std::string ht_call_differs_message(const DeviceErrorRecord& e) {
              "worst-case dispatch are undefined)");
 }
 
+// What a timeout or an unfinished count exchange leaves: require_usable's refusal.
+static std::string ht_unusable_after(const char* why) {
+  return cat("the ht state of this buffer is unusable after an earlier error (", why,
+             "); call reset() on every rank to reset it");
+}
+
 void CudaHt::check() {
   require_usable("check");
-  volatile DeviceErrorRecord* rec = error_host_;
-  if (rec->code == kDevErrNone) return;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
-  raise_device_error();  // clears the record; may mark ht broken
-  const char* op = device_op_name(e.op);
+  const std::optional<DeviceErrorRecord> rec = dev_.recorded();
+  if (!rec) return;
+  const DeviceErrorRecord& e = *rec;
+  if (e.code == kDevErrTimeout) {
+    // The device state is inconsistent: keep the record; ht stays unusable.
+    dev_.set_unusable(ErrorCode::kOutOfStep, ht_unusable_after("a device wait timed out"));
+    dev_.raise_timeout(e, {.awaited = device_wait_name(static_cast<uint32_t>(e.a)),
+                           .unusable = "the ht state of this buffer is unusable until reset() on "
+                                       "every rank (every rank must call the same operations in "
+                                       "the same order)",
+                           .seen = timeout_flag_values(e)});
+  }
+  dev_.rearm();  // not fatal: the collective completed; the device may report the next error
   switch (e.code) {
-    case kDevErrTimeout:
-      throw_error(ErrorCode::kTimeout,
-                  cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(), " ms for ",
-                      device_wait_name(static_cast<uint32_t>(e.a)), " (rank ", e.peer,
-                      timeout_flag_values(e),
-                      "); the ht state of this buffer is unusable until reset() on every rank "
-                      "(every rank must call the same operations in the same order)"));
-    case kDevErrBadExpert:
-      throw_error(
-          ErrorCode::kInvalidArgument,
-          cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
-              "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
-              shape_.num_experts, "); that selection was dropped"));
     case kDevErrOutOfCapacity:
       throw_error(
           ErrorCode::kOutOfCapacity,
-          cat(op, ": rank ", e.rank, " receives N = ", e.a,
+          cat(device_op_name(e.op), ": rank ", e.rank, " receives N = ", e.a,
               " tokens, more than argument 'num_worst_tokens' = ", e.b,
               "; expected num_worst_tokens >= N (found on the device; rows past it were not "
               "written)"));
     case kDevErrHtCallDiffers:
       throw_error(ErrorCode::kInvalidArgument, ht_call_differs_message(e));
     default:
-      throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+      DeviceObject::raise_common(e, shape_.num_experts);  // out-of-range expert ids, unknown codes
   }
-}
-
-void CudaHt::raise_device_error() {
-  volatile DeviceErrorRecord* rec = error_host_;
-  const uint32_t code = rec->code;
-  if (code == kDevErrTimeout) {
-    broken_ = true;
-    broken_why_ = "a device wait timed out";
-    return;  // the device state is inconsistent; keep the record
-  }
-  rearm_device_error(rec, &device_state()->error_claim, device_);
 }
 
 // ---- pieces every launch shares
 // ------------------------------------------------------------------
 
-DeviceState* CudaHt::device_state() const {
-  return reinterpret_cast<DeviceState*>(local() + region_.state_off);
-}
-
 HtSymm CudaHt::symm() const {
   HtSymm s{};
   s.local = local();
-  for (int p = 0; p < group_.size(); ++p) s.peers[p] = static_cast<char*>(mem_->peer(p));
+  for (int p = 0; p < group_.size(); ++p) s.peers[p] = dev_.peer(p);
   s.region = region_;
   return s;
-}
-
-WaitContext CudaHt::wait_context(uint32_t op) const {
-  return WaitContext{device_state(), error_dev_, timeout_ns_, group_.rank(), op};
 }
 
 template <typename Params>
@@ -284,7 +243,7 @@ void CudaHt::fill_launch_common(Params& p, uint32_t op) const {
   p.trace = trace_;
 #endif
   p.symm = symm();
-  p.wait = wait_context(op);
+  p.wait = dev_.wait_context(op);
 }
 
 // The count kernel's routing and shape fields (layout and count exchange alike).
@@ -326,20 +285,20 @@ const HtCopyPlan* CudaHt::copy_plan(const HtHandle& h) const {
 TensorView CudaHt::combine_buffer(const HtHandle& h) const {
   require_usable("ht_combine_buffer");
   return TensorView::contiguous(region_.combine_y_row(local(), 0, shape_.hidden * 2), DType::kBF16,
-                                {ht_handle_rows(h), shape_.hidden}, Device::cuda(device_));
+                                {ht_handle_rows(h), shape_.hidden}, Device::cuda(dev_.device()));
 }
 
 // ---- ht_layout ---------------------------------------------------------------------------------
 
 HtLayout CudaHt::layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc_fn) {
   require_usable("ht_layout");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   const int R = group_.size();
   const int64_t T = topk_idx.shape[0];
   HtLayout out;
-  out.num_tokens_per_rank = alloc(alloc_fn, DType::kI32, {R}, device_);
-  out.num_tokens_per_expert = alloc(alloc_fn, DType::kI32, {shape_.num_experts}, device_);
-  out.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, device_);
+  out.num_tokens_per_rank = alloc(alloc_fn, DType::kI32, {R}, dev_.device());
+  out.num_tokens_per_expert = alloc(alloc_fn, DType::kI32, {shape_.num_experts}, dev_.device());
+  out.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, dev_.device());
   HtNotifyParams p{};
   fill_notify(p, topk_idx, T);
   p.expert_alignment = 1;
@@ -347,7 +306,7 @@ HtLayout CudaHt::layout(const TensorView& topk_idx, Stream stream, const Allocat
   p.num_tokens_per_rank = out.num_tokens_per_rank.ptr<int32_t>();
   p.num_tokens_per_expert = out.num_tokens_per_expert.ptr<int32_t>();
   p.is_token_in_rank = out.is_token_in_rank.ptr<bool>();
-  p.wait = wait_context(kOpHtLayout);
+  p.wait = dev_.wait_context(kOpHtLayout);
   launch_ht_notify(p, static_cast<cudaStream_t>(stream));
   return out;
 }
@@ -356,7 +315,7 @@ HtLayout CudaHt::layout(const TensorView& topk_idx, Stream stream, const Allocat
 
 HtDispatchResult CudaHt::dispatch(const HtDispatchArgs& args, const Allocator& alloc_fn) {
   require_usable("ht_dispatch");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   auto stream = static_cast<cudaStream_t>(args.stream);
   const int64_t T = args.x.shape[0];
   EPX_CHECK(T <= shape_.max_tokens_per_rank, ErrorCode::kOutOfCapacity, "ht_dispatch: x has ", T,
@@ -373,7 +332,7 @@ HtDispatchResult CudaHt::dispatch(const HtDispatchArgs& args, const Allocator& a
   launch_dispatch(args, plan, res, stream);
   // Exact mode already waited for the count exchange: an out-of-range expert id it found is
   // raised now, after the dispatch kernel was launched, so every peer's collective completes.
-  if (!plan.cached && !plan.worst_case && error_host_->code != kDevErrNone) check();
+  if (!plan.cached && !plan.worst_case && dev_.recorded_code() != kDevErrNone) check();
   return res;
 }
 
@@ -394,9 +353,9 @@ HtHandle CudaHt::exchange_counts(const HtDispatchArgs& args, const Allocator& al
   const int64_t T = args.x.shape[0];
   const bool worst_case = args.num_worst_tokens > 0;
   HtHandle h;
-  h.rank_prefix_matrix = alloc(alloc_fn, DType::kI32, {R, R}, device_);
-  h.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, device_);
-  h.send_pos = alloc(alloc_fn, DType::kI32, {T, R}, device_);
+  h.rank_prefix_matrix = alloc(alloc_fn, DType::kI32, {R, R}, dev_.device());
+  h.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, dev_.device());
+  h.send_pos = alloc(alloc_fn, DType::kI32, {T, R}, dev_.device());
   h.num_tokens = T;
   h.top_k = shape_.top_k;
   h.buffer_id = buffer_id_;
@@ -422,7 +381,7 @@ HtHandle CudaHt::exchange_counts(const HtDispatchArgs& args, const Allocator& al
   np.ticket = worst_case ? 0u : ticket_;
   // The kept runs are searched for only where the copy engines may copy them.
   np.find_kept_runs = engine_kept_ ? 1 : 0;
-  np.wait = wait_context(kOpHtNotify);
+  np.wait = dev_.wait_context(kOpHtNotify);
 #ifdef EPX_HT_TRACE
   np.trace = trace_;
 #endif
@@ -436,7 +395,7 @@ HtHandle CudaHt::exchange_counts(const HtDispatchArgs& args, const Allocator& al
   // Per-call values that differ across ranks (seen by every rank's count exchange before its
   // ticket): every rank raises here, before any dispatch kernel, so no rows move with mismatched
   // formats.
-  if (error_host_->code == kDevErrHtCallDiffers) check();
+  if (dev_.recorded_code() == kDevErrHtCallDiffers) check();
   const volatile HtHostResult* r = result_host_;  // mapped memory the device wrote
   h.num_recv_tokens = r->num_recv_tokens;
   h.num_worst_tokens = 0;
@@ -458,13 +417,12 @@ void CudaHt::wait_count_exchange(uint32_t ticket, cudaStream_t stream) {
       std::chrono::steady_clock::now() + group_.timeout() + std::chrono::seconds(5);
   for (uint32_t spins = 0; r->ticket != ticket; ++spins) {
     if (spins % 1024 == 1023) {
-      if (error_host_->code == kDevErrTimeout) check();
+      if (dev_.recorded_code() == kDevErrTimeout) check();
       const cudaError_t q = cudaStreamQuery(stream);
       if (q != cudaSuccess && q != cudaErrorNotReady)
         throw_cuda(q, "count exchange", "ht_dispatch");
       if (std::chrono::steady_clock::now() > deadline) {
-        broken_ = true;
-        broken_why_ = "the count exchange did not complete in time";
+        dev_.set_unusable(ErrorCode::kOutOfStep, ht_unusable_after("the count exchange did not complete in time"));
         throw_error(ErrorCode::kTimeout,
                     cat("ht_dispatch: rank ", group_.rank(), " waited ", group_.timeout().count(),
                         " ms (+5 s) for the count ", "exchange to finish on its stream"));
@@ -504,25 +462,25 @@ void CudaHt::allocate_outputs(const HtDispatchArgs& args, const HtDispatchPlan& 
   const int64_t H = shape_.hidden, K = shape_.top_k, rows = plan.num_rows;
   const TensorView& x = args.x;
   if (plan.zero_copy) {
-    static_cast<TensorView&>(res.recv_x) =
-        TensorView::contiguous(local() + region_.x_off, x.dtype, {rows, H}, Device::cuda(device_));
+    static_cast<TensorView&>(res.recv_x) = TensorView::contiguous(
+        local() + region_.x_off, x.dtype, {rows, H}, Device::cuda(dev_.device()));
   } else {
-    res.recv_x = alloc(alloc_fn, x.dtype, {rows, H}, device_);
+    res.recv_x = alloc(alloc_fn, x.dtype, {rows, H}, dev_.device());
   }
   if (x.dtype == DType::kF8E4M3 && args.x_scales.defined()) {
     const DType dt = args.x_scales.dtype;
     if (plan.zero_copy) {
       static_cast<TensorView&>(res.recv_x_scales) = TensorView::contiguous(
-          local() + region_.scale_off, dt, {rows, plan.num_scales}, Device::cuda(device_));
+          local() + region_.scale_off, dt, {rows, plan.num_scales}, Device::cuda(dev_.device()));
     } else {
-      res.recv_x_scales = alloc(alloc_fn, dt, {rows, plan.num_scales}, device_);
+      res.recv_x_scales = alloc(alloc_fn, dt, {rows, plan.num_scales}, dev_.device());
     }
   }
   if (!plan.cached) {
-    res.recv_topk_idx = alloc(alloc_fn, args.topk_idx.dtype, {rows, K}, device_);
+    res.recv_topk_idx = alloc(alloc_fn, args.topk_idx.dtype, {rows, K}, dev_.device());
     if (args.topk_weights.defined())
-      res.recv_topk_weights = alloc(alloc_fn, DType::kF32, {rows, K}, device_);
-    res.recv_src_idx = alloc(alloc_fn, DType::kI32, {rows}, device_);
+      res.recv_topk_weights = alloc(alloc_fn, DType::kF32, {rows, K}, dev_.device());
+    res.recv_src_idx = alloc(alloc_fn, DType::kI32, {rows}, dev_.device());
     res.handle.recv_src_idx = res.recv_src_idx;
   }
 }
@@ -588,7 +546,7 @@ void CudaHt::launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& p
 
 HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& alloc_fn) {
   require_usable("ht_combine");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   auto stream = static_cast<cudaStream_t>(args.stream);
   const HtHandle& h = *args.handle;
   EPX_CHECK_ARG(h.buffer_id == buffer_id_, "ht_combine: argument 'handle' comes from buffer ",
@@ -598,9 +556,9 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   // Zero-copy: y is the combine buffer (validate_ht_combine checked it).
   if (!args.zero_copy) check_outside_region(args.y, "ht_combine", "y");
   HtCombineResult res;
-  res.out = alloc(alloc_fn, DType::kBF16, {T, H}, device_);
+  res.out = alloc(alloc_fn, DType::kBF16, {T, H}, dev_.device());
   if (args.topk_weights.defined())
-    res.combined_topk_weights = alloc(alloc_fn, DType::kF32, {T, K}, device_);
+    res.combined_topk_weights = alloc(alloc_fn, DType::kF32, {T, K}, dev_.device());
 
   HtCombineParams p{};
   p.y = static_cast<const char*>(args.y.data);
@@ -683,7 +641,7 @@ void CudaHt::combine_pull(const HtCombineArgs& args, HtCombineParams& p, int vb,
 bool CudaHt::engine_combine_pays(const HtHandle& h) const {
   const int R = group_.size(), grid = tuning_.num_sms;
   const HtCopyPlan* cp = copy_plan(h);
-  if (R <= 1 || cp == nullptr || !engine_combine_ || grid >= device_sms_) return false;
+  if (R <= 1 || cp == nullptr || !engine_combine_ || grid >= dev_.multiprocessors()) return false;
   int64_t max_pair_rows = 0;  // the largest block any rank sends another (same on every rank)
   for (int s = 0; s < R; ++s)
     for (int d = 0; d < R; ++d)

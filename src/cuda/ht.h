@@ -1,6 +1,7 @@
-// src/cuda/ht.h — CudaHt, the cuda backend of the ht mode (host side): the symmetric region, the
-// device-error record and count-exchange result in mapped host memory, the copy engines' side
-// streams, and the launchers of ht_layout / ht_dispatch / ht_combine (src/cuda/ht.cu). CudaBuffer
+// src/cuda/ht.h — CudaHt, the cuda backend of the ht mode (host side): the symmetric region and
+// the device-error record (its DeviceObject, device_object.h), the count-exchange result in
+// mapped host memory, the copy engines' side streams, and the launchers of ht_layout /
+// ht_dispatch / ht_combine (src/cuda/ht.cu). CudaBuffer
 // (cuda_buffer.h) owns one when BufferConfig::enable_ht and forwards its ht_* methods here.
 //
 // Kernels: kernels/ht/*.cuh (region layout: ht_region.cuh; protocols: notify.cuh, dispatch.cuh,
@@ -15,11 +16,11 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "core/buffer_impl.h"
 #include "cuda/device_error.h"
+#include "cuda/device_object.h"
 #include "cuda/ht_copy_engine.h"
 #include "cuda/kernels/ht/ht_region.cuh"
 #include "cuda/tuning.h"
@@ -27,10 +28,9 @@
 
 namespace epx::detail {
 
-// cuda/kernels/ht/ht_params.cuh, cuda/kernels/sync.cuh (device code: not included here)
+// cuda/kernels/ht/ht_params.cuh (device code: not included here)
 struct HtNotifyParams;
 struct HtSymm;
-struct WaitContext;
 
 // What the host decided for one dispatch before allocating its outputs.
 struct HtDispatchPlan {
@@ -50,10 +50,10 @@ class CudaHt {
   CudaHt(const CudaHt&) = delete;
   CudaHt& operator=(const CudaHt&) = delete;
 
-  size_t bytes() const { return mem_ ? mem_->bytes() : 0; }
+  size_t bytes() const { return dev_.bytes(); }
   const HtTuning& tuning() const { return tuning_; }
   // Internal error naming `op` when an earlier timeout left ht unusable.
-  void require_usable(const char* op) const;
+  void require_usable(const char* op) const { dev_.require_usable(op); }
   // Raises the error a kernel recorded, if any (clears it unless it was a timeout).
   void check();
   // Collective: usable again after a timeout (Buffer::reset).
@@ -81,24 +81,22 @@ class CudaHt {
   void combine_pull(const HtCombineArgs& args, HtCombineParams& p, int vb, cudaStream_t stream);
   void combine_engine_push(const HtHandle& h, HtCombineParams& p, int vb, cudaStream_t stream);
   // Pieces every launch shares.
-  char* local() const { return static_cast<char*>(mem_->local()); }
-  DeviceState* device_state() const;
+  char* local() const { return dev_.local(); }
   HtSymm symm() const;
-  WaitContext wait_context(uint32_t op) const;
   // What every ht kernel's params carry from this object: symm, wait context of `op`, PDL, the
   // trace buffer and (diagnostics builds) the ablation bits. Defined in ht.cu.
   template <typename Params>
   void fill_launch_common(Params& p, uint32_t op) const;
   void fill_notify(HtNotifyParams& p, const TensorView& topk_idx, int64_t T) const;
   void check_outside_region(const TensorView& t, const char* op, const char* name) const;
-  void raise_device_error();
   const HtCopyPlan* copy_plan(const HtHandle& h) const;
 
   Group group_;
   MoeShape shape_;
   uint64_t buffer_id_ = 0;
-  int device_ = 0;
-  int device_sms_ = 0;       // multiprocessors of device_
+  // The device, the symmetric region, the error record, unusable after a timeout; closed first
+  // in ~CudaHt.
+  DeviceObject dev_;
   bool one_stream_ = false;  // ranks share the GPU (one-GPU test mode)
   bool pdl_ = false;  // kernels with programmatic dependent launch (cuda/launch.h: EPX_PDL, sm_90,
                       // never when one_stream_: waiting CTAs would hold a peer's SMs)
@@ -113,19 +111,13 @@ class CudaHt {
   bool engine_kept_ = false;
   bool engine_combine_ = false;
   HtTuning tuning_;
-  uint64_t timeout_ns_ = 0;
   HtRegion region_;
-  std::shared_ptr<SymmetricMemory> mem_;
-  DeviceErrorRecord* error_host_ = nullptr;  // mapped pinned memory
-  DeviceErrorRecord* error_dev_ = nullptr;
   HtHostResult* result_host_ = nullptr;  // mapped pinned memory
   HtHostResult* result_dev_ = nullptr;
 #ifdef EPX_HT_TRACE
   uint64_t* trace_ = nullptr;  // kernels/ht/trace.cuh: kHtTraceWords, device memory
 #endif
   uint32_t ticket_ = 0;  // of the last exact-mode count exchange
-  bool broken_ = false;
-  std::string broken_why_;
   HtCopyEngines engines_;
 };
 

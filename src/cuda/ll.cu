@@ -2,7 +2,8 @@
 // state machine of hooks and slots, device-error reporting, ll_clean, teardown) and the dispatch
 // / combine launchers. Device code is in kernels/ll/ (region layout: ll_layout.cuh; protocols:
 // dispatch.cuh, combine.cuh). CudaBuffer (cuda_buffer.cc) owns one CudaLl when enable_ll and
-// forwards its ll_* methods here.
+// forwards its ll_* methods here. The lifecycle every mode shares (device, region, error record,
+// decode, teardown) is its DeviceObject (device_object.h).
 //
 // Data flow, rank r of R, C CTAs of 512 threads per kernel (resolve_ll_ctas), on the caller's
 // stream, no host synchronisation:
@@ -28,10 +29,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "core/agree.h"
@@ -39,6 +41,7 @@
 #include "core/check.h"
 #include "core/env.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_object.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
 #include "cuda/launch.h"
@@ -68,6 +71,41 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// What a timeout leaves of the ll state (the end of its message).
+constexpr const char* kLlUnusable =
+    "the ll state of this buffer is unusable until ll_clean() (every rank must call the same ll "
+    "operations and hooks in the same order)";
+
+// What an ll wait awaited (DeviceErrorRecord::a), in the words of the ll protocol.
+const char* ll_awaited(const DeviceErrorRecord& e) {
+  switch (e.a) {
+    case kWaitReady:
+      return "the peer to finish reading the previous dispatch of this slot";
+    case kWaitRows:
+      return e.op == kOpLlDispatch ? "the tokens the peer sends" : "the peer's expert outputs";
+    case kWaitBarrier:
+      return "the peer to finish pulling its rows of this combine";
+    default:
+      return "the peer";
+  }
+}
+
+// The limits of the ll kernels, checked before anything is allocated.
+void check_ll_supported(const Group& group, const MoeShape& shape) {
+  const int R = group.size();
+  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
+            " ranks; the cuda ll kernels support at most ", kMaxRanks);
+  EPX_CHECK(shape.num_experts <= kLlMaxExperts, ErrorCode::kUnsupported,
+            "Buffer: shape.num_experts is ", shape.num_experts,
+            "; the cuda ll kernels support at most ", kLlMaxExperts);
+  EPX_CHECK(shape.top_k >= 1 && shape.top_k <= kLlMaxTopK, ErrorCode::kUnsupported,
+            "Buffer: shape.top_k is ", shape.top_k, "; the cuda ll kernels support 1..",
+            kLlMaxTopK);
+  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
+            "Buffer: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
+            " ranks; the cuda ll kernels support at most 2^30 rows per local expert");
+}
+
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
 #endif
@@ -81,7 +119,7 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   CudaLl(const CudaLl&) = delete;
   CudaLl& operator=(const CudaLl&) = delete;
 
-  size_t bytes() const { return mem_ ? mem_->bytes() : 0; }
+  size_t bytes() const { return dev_.bytes(); }
   void check();
   LlDispatchResult dispatch(const LlDispatchArgs& args, const Allocator& alloc, uint64_t id);
   LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
@@ -89,24 +127,26 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   void clean();
 
  private:
-  char* local() const { return static_cast<char*>(mem_->local()); }
-  WaitContext wait_context(uint32_t op) const {
-    return WaitContext{&layout_.state(local())->dev, error_dev_, timeout_ns_, group_.rank(), op};
-  }
+  char* local() const { return dev_.local(); }
   // What both ll kernels' params carry from this object.
   template <typename Params>
   void fill_launch_common(Params& p, uint32_t op) const {
     p.symm = symm_;
-    p.wait = wait_context(op);
+    p.wait = dev_.wait_context(op);
     p.pdl = pdl_;
 #ifdef EPX_LL_TRACE
     p.trace = trace_;
 #endif
   }
   void require_usable(const char* op) const {
-    EPX_CHECK(!broken_, ErrorCode::kOutOfStep, op,
-              ": the ll state of this buffer is unusable after ", broken_why_,
-              "; call ll_clean() or reset() on every rank to reset it");
+    dev_.require_usable(op);
+  }
+  // After a timeout of `op` on `rank`: unusable until ll_clean or reset.
+  void set_unusable(const char* op, int rank) {
+    dev_.set_unusable(ErrorCode::kOutOfStep,
+                      cat("the ll state of this buffer is unusable after a device wait of ", op,
+                          " timed out on rank ", rank,
+                          "; call ll_clean() or reset() on every rank to reset it"));
   }
   Tensor allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
                   const char* op, const char* name) const;
@@ -114,22 +154,18 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
 
   Group group_;
   MoeShape shape_;
-  int device_ = 0;
+  // The device, the symmetric region, the error record, unusable after a timeout; closed first
+  // in ~CudaLl.
+  DeviceObject dev_;
   int num_ctas_ = 1;
   int units_per_expert_ = 1;
   bool pdl_ = false;  // programmatic dependent launch (cuda/launch.h: EPX_PDL, sm_90, own GPU)
-  uint64_t timeout_ns_ = 0;
   LlLayout layout_;
   LlSymm symm_{};
-  std::shared_ptr<SymmetricMemory> mem_;
   // Per slot, [T_max * K] routing (i64) and weights (f32) the hooked combine's send copies for
   // its receive (kernels/ll/combine.cuh, copy_own).
   int64_t* stash_ids_ = nullptr;
   float* stash_w_ = nullptr;
-  DeviceErrorRecord* error_host_ = nullptr;  // mapped pinned memory
-  DeviceErrorRecord* error_dev_ = nullptr;
-  bool broken_ = false;
-  std::string broken_why_;
   // Host state machine (equal on every rank that follows the same sequence), as on cpu.
   uint64_t num_dispatches_ = 0;
   uint64_t generation_ = 0;  // bumped by ll_clean; older hooks refuse to run
@@ -140,120 +176,61 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
 #endif
 };
 
-CudaLl::CudaLl(const Group& group, const MoeShape& shape) : group_(group), shape_(shape) {
+CudaLl::CudaLl(const Group& group, const MoeShape& shape)
+    : group_(group), shape_(shape), dev_(group, "Buffer") {
   const int R = group.size();
-  EPX_CHECK(R <= kMaxRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
-            " ranks; the cuda ll kernels support at most ", kMaxRanks);
-  EPX_CHECK(shape.num_experts <= kLlMaxExperts, ErrorCode::kUnsupported,
-            "Buffer: shape.num_experts is ", shape.num_experts,
-            "; the cuda ll kernels support at most ", kLlMaxExperts);
-  EPX_CHECK(shape.top_k >= 1 && shape.top_k <= kLlMaxTopK, ErrorCode::kUnsupported,
-            "Buffer: shape.top_k is ", shape.top_k, "; the cuda ll kernels support 1..",
-            kLlMaxTopK);
-  EPX_CHECK(shape.max_tokens_per_rank * R <= (int64_t{1} << 30), ErrorCode::kUnsupported,
-            "Buffer: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
-            " ranks; the cuda ll kernels support at most 2^30 rows per local expert");
-  device_ = group.transport()->device().index;
-  DeviceGuard guard(device_);
-  int sms = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "Buffer");
-  num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, sms);
-  pdl_ = pdl_usable(device_, group.transport()->ranks_share_device(),
+  DeviceGuard guard(dev_.device());
+  num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, dev_.multiprocessors());
+  pdl_ = pdl_usable(dev_.device(), group.transport()->ranks_share_device(),
                     reinterpret_cast<const void*>(ll::dispatch));
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
-  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
   layout_ = LlLayout::make(shape, R);
-  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorRecord),
-                               cudaHostAllocMapped | cudaHostAllocPortable),
-                 "Buffer");
-  *error_host_ = DeviceErrorRecord{};
-  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-                 "Buffer");
   const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
                  "Buffer");
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_w_), stash * sizeof(float)),
                  "Buffer");
-  mem_ = group.transport()->allocate(layout_.total_bytes);  // collective; zeroed
+  // The region (collective; zeroed).
+  dev_.allocate_region(layout_.total_bytes, layout_.state_off + offsetof(LlState, dev));
   symm_.local = local();
-  for (int p = 0; p < R; ++p) symm_.peers[p] = static_cast<char*>(mem_->peer(p));
+  for (int p = 0; p < R; ++p) symm_.peers[p] = dev_.peer(p);
   symm_.layout = layout_;
 #ifdef EPX_LL_TRACE
-  trace_ = g_ll_traces.create(device_, kLlTraceWords);
+  trace_ = g_ll_traces.create(dev_.device(), kLlTraceWords);
 #endif
 }
 
 CudaLl::~CudaLl() {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  // Kernels are bounded, so this returns; then nothing of this rank uses the region. Local, as
-  // the Buffer's (cuda_buffer.cc): the transport frees it once every rank released it.
-  cudaDeviceSynchronize();
-  if (mem_) group_.transport()->destruction_barrier("Buffer destruction (ll)");
-  mem_.reset();
-  if (error_host_) cudaFreeHost(error_host_);
-  if (stash_ids_) cudaFree(stash_ids_);
-  if (stash_w_) cudaFree(stash_w_);
+  dev_.close("Buffer destruction (ll)", [this] {
+    if (stash_ids_) cudaFree(stash_ids_);
+    if (stash_w_) cudaFree(stash_w_);
 #ifdef EPX_LL_TRACE
-  g_ll_traces.destroy(device_, trace_);
+    g_ll_traces.destroy(dev_.device(), trace_);
 #endif
-  cudaSetDevice(previous);
+  });
 }
 
 void CudaLl::check() {
   require_usable("ll");
-  volatile DeviceErrorRecord* rec = error_host_;
-  if (rec->code == kDevErrNone) return;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const DeviceErrorRecord e{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
-  const bool is_dispatch = e.op == kOpLlDispatch;
-  const char* op = is_dispatch ? "ll_dispatch" : "ll_combine";
+  const std::optional<DeviceErrorRecord> rec = dev_.recorded();
+  if (!rec) return;
+  const DeviceErrorRecord& e = *rec;
+  const char* op = device_op_name(e.op);
   if (e.code == kDevErrTimeout) {
-    broken_ = true;
-    broken_why_ = cat("a device wait of ", op, " timed out on rank ", e.rank);
-    const char* what = e.a == kWaitReady  ? "the peer to finish reading the previous dispatch of "
-                                            "this slot"
-                       : e.a == kWaitRows ? (is_dispatch ? "the tokens the peer sends"
-                                                         : "the peer's expert outputs")
-                       : e.a == kWaitBarrier ? "the peer to finish pulling its rows of this combine"
-                                             : "the peer";
-    throw_error(ErrorCode::kTimeout,
-                cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(), " ms for ", what,
-                    " (rank ", e.peer,
-                    "); the ll state of this buffer is unusable until ll_clean() (every rank must "
-                    "call the same ll operations and hooks in the same order)"));
+    set_unusable(op, e.rank);
+    dev_.raise_timeout(e, {.awaited = ll_awaited(e), .unusable = kLlUnusable});
   }
   // Not fatal: the collective completed. Let the device report the next error.
-  rearm_device_error(rec, &layout_.state(local())->dev.error_claim, device_);
+  dev_.rearm();
   // Unless a wait timed out after this error had claimed the record (its own report was lost,
   // but it set the abort word, read here after the re-arm so no timeout goes unseen): then the
   // state is unusable as after any timeout.
-  uint32_t aborted = 0;
-  {
-    DeviceGuard guard(device_);
-    EPX_CUDA_CHECK(cudaMemcpy(&aborted, &layout_.state(local())->dev.abort, sizeof(aborted),
-                              cudaMemcpyDeviceToHost),
-                   "ll check");
-  }
-  if (aborted) {
-    broken_ = true;
-    broken_why_ = cat("a device wait of ", op, " timed out on rank ", group_.rank());
-    throw_error(
-        ErrorCode::kTimeout,
-        cat(op, ": a device wait timed out on rank ", group_.rank(), " (after error code ", e.code,
-            " was reported); the ll state of this buffer is unusable until "
-            "ll_clean() (every rank must call the same ll operations and hooks in the "
-            "same order)"));
+  if (dev_.abort_raised("ll check")) {
+    set_unusable(op, group_.rank());
+    dev_.raise_lost_timeout(e, kLlUnusable);
   }
   switch (e.code) {
-    case kDevErrBadExpert:
-      throw_error(
-          ErrorCode::kInvalidArgument,
-          cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
-              "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
-              shape_.num_experts, "); that selection was dropped"));
     case kDevErrLlFormat: {
       // Each option that differs, both ranks' values, lower rank first (core/agree.h's format).
       std::string what;
@@ -279,17 +256,17 @@ void CudaLl::check() {
                       "; expected the topk_idx of the dispatch that made 'handle' (that selection "
                       "was skipped)"));
     default:
-      throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+      DeviceObject::raise_common(e, shape_.num_experts);  // out-of-range expert ids, unknown codes
   }
 }
 
 Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
                         const char* op, const char* name) const {
-  Tensor t = alloc(dtype, shape, Device::cuda(device_));
+  Tensor t = alloc(dtype, shape, Device::cuda(dev_.device()));
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   bool ok = t.dtype == dtype && t.ndim == static_cast<int>(shape.size()) && t.is_contiguous() &&
-            t.device == Device::cuda(device_) && (n == 0 || (t.data && aligned16(t.data)));
+            t.device == Device::cuda(dev_.device()) && (n == 0 || (t.data && aligned16(t.data)));
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.shape[i] == shape[i];
   if (!ok) {
     std::string dims;
@@ -297,7 +274,7 @@ Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<i
     throw_error(ErrorCode::kInvalidArgument,
                 cat(op, ": the allocator returned ", t.describe(), " for '", name,
                     "', expected a contiguous 16-byte aligned ", dtype_name(dtype), "[", dims,
-                    "] on cuda:", device_));
+                    "] on cuda:", dev_.device()));
   }
   return t;
 }
@@ -322,7 +299,7 @@ LlHook CudaLl::make_hook(bool is_dispatch, int slot, std::function<void()> launc
         is_dispatch ? self->dispatch_in_flight_[slot] : self->combine_in_flight_[slot];
     in_flight = false;
     self->require_usable(op);
-    DeviceGuard guard(self->device_);
+    DeviceGuard guard(self->dev_.device());
     launch();
     EPX_CUDA_CHECK(cudaGetLastError(), op);
   };
@@ -336,7 +313,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   EPX_CHECK_ARG(!dispatch_in_flight_[slot], op, ": dispatch slot ", slot,
                 " still holds a dispatch whose hook was not called; expected at most two "
                 "dispatches waiting for their hooks (call the older hook first)");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   const int R = group_.size(), L = layout_.num_local_experts;
   const int64_t H = layout_.hidden, G = layout_.num_groups, RT = layout_.rows_per_expert;
   const int64_t T = args.x.shape[0];
@@ -427,7 +404,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
                 " still holds a combine whose hook was not called; expected its hook to be called "
                 "before another combine through a handle of slot ",
                 slot);
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   const int64_t H = layout_.hidden, T = h.num_tokens;
   auto stream = static_cast<cudaStream_t>(args.stream);
 
@@ -515,11 +492,12 @@ TensorView CudaLl::next_combine_buffer(const LlHandle& handle) {
                 "hook to be called before writing the next expert outputs there");
   return TensorView::contiguous(
       layout_.comb_y(local(), handle.slot), DType::kBF16,
-      {layout_.num_local_experts, layout_.rows_per_expert, layout_.hidden}, Device::cuda(device_));
+      {layout_.num_local_experts, layout_.rows_per_expert, layout_.hidden},
+      Device::cuda(dev_.device()));
 }
 
 void CudaLl::clean() {
-  DeviceGuard guard(device_);
+  DeviceGuard guard(dev_.device());
   // Every kernel is bounded: this returns, and then no ll kernel runs on this rank.
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
   // No ll kernel runs on any rank (each waits up to twice the timeout: a straggler still inside
@@ -528,9 +506,8 @@ void CudaLl::clean() {
                              2 * group_.timeout());
   EPX_CUDA_CHECK(cudaMemset(local(), 0, layout_.control_bytes()), "ll_clean");
   EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
-  *error_host_ = DeviceErrorRecord{};
-  broken_ = false;
-  broken_why_.clear();
+  dev_.clear_record();
+  dev_.set_usable();
   num_dispatches_ = 0;
   ++generation_;
   for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
@@ -540,6 +517,7 @@ void CudaLl::clean() {
 // ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------
 
 std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape) {
+  check_ll_supported(group, shape);
   return std::make_shared<CudaLl>(group, shape);
 }
 size_t cuda_ll_allocated(const CudaLl* ll) {

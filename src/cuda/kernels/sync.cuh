@@ -5,13 +5,15 @@
 //   producer: plain stores of the payload (any threads of the warp/CTA)
 //             -> __syncwarp()/__syncthreads()   (orders the other threads' stores before ...)
 //             -> fence_acq_rel_sys() + red_add_relaxed_sys(flag)   or   st_release_sys(flag)
-//   consumer: wait_until(ld_acquire_sys(flag) ...) by one thread
+//   consumer: wait_flag(flag, ...) (ld_acquire_sys until it holds) by one thread
 //             -> __syncthreads()/__syncwarp()    (... the other threads' loads after it)
-//             -> plain loads of the payload
+//             -> plain loads of the payload (ld_landed: L2, never a stale L1 line)
 //
 // Flags are 32-bit and compared wrap-safely (seq_reached). Waits are bounded by the group timeout
 // (ns, %globaltimer); on timeout the waiter records who it waited for (DeviceErrorRecord), sets
-// the kernel-wide abort word so other waits stop too, and returns false. No trap.
+// the kernel-wide abort word so other waits stop too, and returns false. No trap. One flag per
+// rank with one thread per rank (ll, a2a): signal_ranks / wait_ranks. What a wait awaits and what
+// an error reports (DeviceWait, DeviceOp, DeviceErrorCode, WaitContext): cuda/device_error.h.
 #pragma once
 
 #include <cstdint>
@@ -79,15 +81,7 @@ __device__ __forceinline__ bool seq_reached(uint32_t seen, uint32_t want) {
   return static_cast<int32_t>(seen - want) >= 0;
 }
 
-// Everything a bounded wait and the error path need; part of every kernel's params.
-struct WaitContext {
-  DeviceState* state;
-  DeviceErrorRecord* error;  // mapped pinned host memory (device pointer)
-  uint64_t timeout_ns;
-  int32_t rank;
-  uint32_t op;  // DeviceOp
-};
-
+// WaitContext (device_error.h): part of every kernel's params.
 __device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t code, int32_t peer,
                                              int64_t a, int64_t b) {
   if (atomicCAS(&ctx.state->error_claim, 0u, 1u) != 0u) return;  // someone else reported first
@@ -132,6 +126,67 @@ __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext
       }
     }
   }
+}
+
+// ---- one flag per rank, one thread per rank (ll and a2a) ----------------------------------------
+// A rank mask (bit p = rank p) leaves ranks out: inactive ranks (a2a), and this rank where it
+// does not signal itself.
+
+__device__ __forceinline__ uint64_t rank_bit(int p) {
+  return uint64_t{1} << p;
+}
+__device__ __forceinline__ bool rank_skipped(uint64_t skip_mask, int p) {
+  return (skip_mask >> p) & 1u;
+}
+
+// Thread p < num_ranks (bit p of skip_mask clear) releases this CTA's earlier stores to rank p:
+// *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's stores
+// (cumulativity).
+template <typename CounterOf>
+__device__ __forceinline__ void signal_ranks(int num_ranks, uint64_t skip_mask,
+                                             CounterOf counter_of) {
+  const int p = threadIdx.x;
+  if (p < num_ranks && !rank_skipped(skip_mask, p)) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(counter_of(p), 1u);
+  }
+}
+
+// Thread s < num_ranks (bit s of skip_mask clear) waits until local flag[s] reached want_of(s)
+// (seq_reached); false on the whole CTA when a wait timed out or the kernel aborted (then the CTA
+// must leave). Skipped ranks are never read. Also the barrier that orders the CTA's later loads
+// after the acquire.
+template <typename WantOf>
+__device__ __forceinline__ bool wait_ranks(const uint32_t* flag, int num_ranks, uint64_t skip_mask,
+                                           WantOf want_of, const WaitContext& w, uint32_t what) {
+  bool ok = true;
+  const int s = threadIdx.x;
+  if (s < num_ranks && !rank_skipped(skip_mask, s))
+    ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
+  return __syncthreads_and(ok) != 0;
+}
+
+// ---- the payload loads of the consumer side
+// ------------------------------------------------------
+
+// Read-only input (not written during the kernel): non-coherent path.
+template <typename V>
+__device__ __forceinline__ V ld_input(const V* p) {
+  return __ldg(p);
+}
+template <typename V>
+__device__ __forceinline__ V ld_input(const void* p) {
+  return __ldg(static_cast<const V*>(p));
+}
+// Data another rank (or another CTA) wrote during this operation, read after an acquire, or
+// peer memory: L2, never a stale L1 line.
+template <typename V>
+__device__ __forceinline__ V ld_landed(const V* p) {
+  return __ldcg(p);
+}
+template <typename V>
+__device__ __forceinline__ V ld_landed(const void* p) {
+  return __ldcg(static_cast<const V*>(p));
 }
 
 }  // namespace epx::detail

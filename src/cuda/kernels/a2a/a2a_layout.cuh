@@ -57,22 +57,7 @@ inline constexpr int kA2aThreads = 512;  // dispatch / combine CTA size (16 warp
 inline constexpr int kA2aWarps = kA2aThreads / 32;
 inline constexpr int kA2aDefaultCtas = 64;  // auto tuning (see resolve_a2a_ctas in a2a.cu)
 
-// The a2a values of DeviceErrorRecord::op / ::code (apart from the ht ones in device_error.h).
-enum A2aDeviceOp : uint32_t { kOpA2aDispatch = 16, kOpA2aCombine = 17, kOpA2aResync = 18 };
-enum A2aDeviceError : uint32_t {
-  // A peer used another geometry in the same call. a = field << 32 | this rank's value (as
-  // uint32), b = the peer's value, peer = the peer.
-  kDevErrA2aGeometry = 16,
-  // set_active_ranks: an active peer applies another mask. a = this rank's active mask, b = the
-  // peer's, peer = the peer.
-  kDevErrA2aMask = 17,
-};
-enum A2aGeometryField : int64_t {
-  kGeomRuntimeMax = 0,     // dispatch: runtime_max_tokens_per_rank
-  kGeomRowBytes = 1,       // dispatch: + payload index: bytes per token of the payload
-  kGeomCombineHidden = 9,  // combine: H of y
-  kGeomCombineDtype = 10,  // combine: DType of y
-};
+// DeviceErrorRecord::op / ::code values (kOpA2a*, kDevErrA2a*, A2aGeometryField): device_error.h.
 inline constexpr int kA2aGeomWords = 1 + kMaxA2aPayloads;
 
 // Construction: what every rank must agree on, and what each rank tells its peers.

@@ -96,7 +96,7 @@ __device__ void a2a_stage_y(const A2aCombineParams& p) {
   const int64_t M = p.runtime_max;
   for (int s = 0; s < p.num_ranks; ++s) {
     if (s == p.rank) continue;
-    const int64_t count = a2a_ld_landed<int32_t>(counts + s);  // written by peer s
+    const int64_t count = ld_landed<int32_t>(counts + s);  // written by peer s
     const int64_t chunk = (count + gridDim.x - 1) / gridDim.x;
     const int64_t j_begin = min(static_cast<int64_t>(blockIdx.x) * chunk, count);
     const int64_t num_rows = min(j_begin + chunk, count) - j_begin;
@@ -110,8 +110,7 @@ __device__ void a2a_stage_y(const A2aCombineParams& p) {
       for (int u = 0; u < kReduceUnroll; ++u) {
         row[u] = j_begin + w.row;
         vec[u] = w.vec;
-        if (w.row < num_rows)
-          val[u] = a2a_ld_input<V>(src + row[u] * p.y_stride1 + vec[u] * sizeof(V));
+        if (w.row < num_rows) val[u] = ld_input<V>(src + row[u] * p.y_stride1 + vec[u] * sizeof(V));
         w.advance();
       }
 #pragma unroll
@@ -136,19 +135,20 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_combine_kernel(A2aCombinePara
 
   // 1-2. Publish this rank's y to its active peers.
   if (!p.in_workspace) a2a_stage_y<V>(p);
-  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x)) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(peers_skipped, threadIdx.x)) {
     int32_t* geom = g.sync(symm.peers[threadIdx.x])->combine_geom[me];
     geom[0] = p.hidden;
     geom[1] = p.dtype;
   }
   __syncthreads();
-  a2a_signal(R, peers_skipped, [&](int d) { return &g.sync(symm.peers[d])->combine_flag[me]; });
+  signal_ranks(R, peers_skipped, [&](int d) { return &g.sync(symm.peers[d])->combine_flag[me]; });
 
   // 3. Every active peer's region is ready.
-  if (!a2a_wait_all(g.sync(symm.local)->combine_flag, symm, R, peers_skipped, e, true, w,
-                    kWaitRows))
+  if (!wait_ranks(
+          g.sync(symm.local)->combine_flag, R, peers_skipped,
+          [&](int s) { return e * symm.peer_ctas[s]; }, w, kWaitRows))
     return;
-  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x)) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(peers_skipped, threadIdx.x)) {
     const int d = threadIdx.x;
     const volatile int32_t* geom = g.sync(symm.local)->combine_geom[d];
     if (geom[0] != p.hidden)
@@ -196,11 +196,11 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_combine_kernel(A2aCombinePara
         const int64_t slot = __ldg(slots + t[u] * R + d);
         const int64_t at = vec[u] * static_cast<int64_t>(sizeof(V));
         if (d != me) {
-          val[u] = a2a_ld_landed<V>(g.combine(symm.peers[d]) + (block_off + slot) * hb + at);
+          val[u] = ld_landed<V>(g.combine(symm.peers[d]) + (block_off + slot) * hb + at);
         } else if (p.in_workspace) {
-          val[u] = a2a_ld_input<V>(g.combine(symm.local) + (block_off + slot) * hb + at);
+          val[u] = ld_input<V>(g.combine(symm.local) + (block_off + slot) * hb + at);
         } else {
-          val[u] = a2a_ld_input<V>(p.y + me * p.y_stride0 + slot * p.y_stride1 + at);
+          val[u] = ld_input<V>(p.y + me * p.y_stride0 + slot * p.y_stride1 + at);
         }
       }
 #pragma unroll

@@ -2,7 +2,8 @@
 // the kernels see it (A2aSymm), per-CTA epochs, the completion counters, and a row walker that
 // spreads (row, vector) pairs of a block of rows over a CTA without per-element division.
 //
-// Signalling (sync.cuh vocabulary), per CTA and destination p:
+// Signalling (sync.cuh vocabulary: signal_ranks / wait_ranks, the inactive ranks skipped), per
+// CTA and destination p:
 //   all threads: plain stores of rows to p  -> __syncthreads()
 //   thread p:    fence_acq_rel_sys() + red_add_relaxed_sys(&sync(p)->X_flag[rank], 1)   (release)
 //   receiver:    thread s waits ld_acquire_sys(&sync(local)->X_flag[s]) >= e * C_s
@@ -39,39 +40,6 @@ __device__ __forceinline__ uint32_t a2a_next_epoch(uint32_t* epochs) {
   return s_epoch;
 }
 
-// Bit p set: rank p is skipped by a2a_signal / a2a_wait_all (inactive ranks, and this rank
-// where it does not signal itself).
-__device__ __forceinline__ bool a2a_skipped(uint64_t skip_mask, int p) {
-  return (skip_mask >> p) & 1u;
-}
-
-// Thread p < R (bit p of skip_mask clear) releases this CTA's stores to rank p:
-// *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's stores
-// (cumulativity).
-template <typename CounterOf>
-__device__ __forceinline__ void a2a_signal(int num_ranks, uint64_t skip_mask, CounterOf counter_of) {
-  const int p = threadIdx.x;
-  if (p < num_ranks && !a2a_skipped(skip_mask, p)) {
-    fence_acq_rel_sys();
-    red_add_relaxed_sys(counter_of(p), 1u);
-  }
-}
-
-// Thread s < R (bit s of skip_mask clear) waits until local counter[s] reached e * C_s (a
-// completion counter, per_cta) or e (an epoch flag); returns false on the whole CTA when any wait
-// timed out or the kernel aborted (then the CTA must exit). Skipped ranks are never read.
-__device__ __forceinline__ bool a2a_wait_all(const uint32_t* counter, const A2aSymm& symm,
-                                             int num_ranks, uint64_t skip_mask, uint32_t e,
-                                             bool per_cta, const WaitContext& w, uint32_t what) {
-  bool ok = true;
-  const int s = threadIdx.x;
-  if (s < num_ranks && !a2a_skipped(skip_mask, s)) {
-    const uint32_t want = per_cta ? e * symm.peer_ctas[s] : e;
-    ok = wait_flag<true>(counter + s, want, w, what, s);
-  }
-  return __syncthreads_and(ok) != 0;  // also the barrier that orders the CTA's later loads
-}
-
 // Walks the pairs (row, vector) of `num_rows` rows of `nv` vectors, row-major, thread-strided:
 // pair i = threadIdx.x + k * blockDim.x. Advancing by blockDim.x pairs is one add and one
 // compare (the stride is split into whole rows + remainder once).
@@ -94,16 +62,5 @@ struct RowWalker {
     }
   }
 };
-
-// Read-only input (not written during the kernel): non-coherent path.
-template <typename V>
-__device__ __forceinline__ V a2a_ld_input(const void* p) {
-  return __ldg(static_cast<const V*>(p));
-}
-// Data a peer (or another CTA) wrote after an acquire, or peer memory: L2, never a stale L1 line.
-template <typename V>
-__device__ __forceinline__ V a2a_ld_landed(const void* p) {
-  return __ldcg(static_cast<const V*>(p));
-}
 
 }  // namespace epx::detail

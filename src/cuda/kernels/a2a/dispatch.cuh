@@ -171,7 +171,7 @@ __device__ void a2a_push_rows(const A2aDispatchParams& p, const A2aPayloadDesc& 
       row[u] = w.row;
       vec[u] = w.vec;
       if (w.row < num_rows)
-        val[u] = a2a_ld_input<V>(pl.src + (t_begin + w.row) * pl.row_bytes + w.vec * sizeof(V));
+        val[u] = ld_input<V>(pl.src + (t_begin + w.row) * pl.row_bytes + w.vec * sizeof(V));
       w.advance();
     }
 #pragma unroll
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   const uint64_t peers_skipped = inactive | (uint64_t{1} << me);
 
   // 1. Entry: pairs with the wait in step 3 of every peer's CTAs.
-  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(peers_skipped, threadIdx.x))
+  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(peers_skipped, threadIdx.x))
     st_release_sys(&g.sync(symm.peers[threadIdx.x])->entered[me], e);
 
   // 2. Routing of this CTA's chunk.
@@ -235,16 +235,17 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
     a2a_route(p, t_begin, t_end, inactive, s_count, state);
 
   // 3. Every active peer entered this call.
-  if (!a2a_wait_all(g.sync(symm.local)->entered, symm, R, peers_skipped, e, false, w, kWaitReady))
+  if (!wait_ranks(
+          g.sync(symm.local)->entered, R, peers_skipped, [&](int) { return e; }, w, kWaitReady))
     return;
 
   // 4. Rows.
   for (int i = 0; i < p.num_payloads; ++i) a2a_push_payload(p, i, t_begin, t_end);
 
   // 5. Counts and geometry, from the CTA that routed every token.
-  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && a2a_skipped(inactive, threadIdx.x))
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && rank_skipped(inactive, threadIdx.x))
     g.counts(symm.local)[threadIdx.x] = 0;  // nothing comes from an inactive rank
-  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && !a2a_skipped(inactive, threadIdx.x)) {
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R && !rank_skipped(inactive, threadIdx.x)) {
     char* peer = symm.peers[threadIdx.x];
     g.counts(peer)[me] = static_cast<int32_t>(s_count[threadIdx.x]);
     int32_t* geom = g.sync(peer)->dispatch_geom[me];
@@ -255,13 +256,15 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   __syncthreads();
 
   // 6. Release this CTA's rows (and counts) to every active destination, self included.
-  a2a_signal(R, inactive, [&](int d) { return &g.sync(symm.peers[d])->dispatch_flag[me]; });
+  signal_ranks(R, inactive, [&](int d) { return &g.sync(symm.peers[d])->dispatch_flag[me]; });
 
   // 7. Everything sent to this rank landed.
-  if (!a2a_wait_all(g.sync(symm.local)->dispatch_flag, symm, R, inactive, e, true, w, kWaitRows))
+  if (!wait_ranks(
+          g.sync(symm.local)->dispatch_flag, R, inactive,
+          [&](int s) { return e * symm.peer_ctas[s]; }, w, kWaitRows))
     return;
   const int32_t* counts = g.counts(symm.local);
-  if (blockIdx.x == 0 && threadIdx.x < R && !a2a_skipped(inactive, threadIdx.x)) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(inactive, threadIdx.x)) {
     const int s = threadIdx.x;
     const volatile int32_t* geom = g.sync(symm.local)->dispatch_geom[s];
     auto compare = [&](int64_t field, int32_t mine, int32_t theirs) {
@@ -281,7 +284,7 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_dispatch_kernel(A2aDispatchPa
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int s = 0; s < R; ++s) {
-    const int64_t count = a2a_ld_landed<int32_t>(counts + s);
+    const int64_t count = ld_landed<int32_t>(counts + s);
     const int64_t n = (M - count) * K;  // contiguous: rows are K int32 wide
     int32_t* pad = ids + (s * M + count) * K;
     for (int64_t j = start; j < n; j += stride) pad[j] = p.invalid_expert_id;

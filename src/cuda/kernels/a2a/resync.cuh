@@ -47,14 +47,14 @@ __device__ __forceinline__ bool a2a_resync_round(const A2aResyncParams& p, uint3
   const A2aLayout& g = p.symm.layout;
   const uint64_t skipped = ~p.active_mask | (uint64_t{1} << p.rank);
   const int q = threadIdx.x;
-  if (q < p.num_ranks && !a2a_skipped(skipped, q)) {
+  if (q < p.num_ranks && !rank_skipped(skipped, q)) {
     A2aSync* peer = g.sync(p.symm.peers[q]);
     peer->active_mask[p.rank] = p.active_mask;
     fence_acq_rel_sys();  // cumulative over the other threads' step-2 stores (__syncthreads)
     st_release_sys(&peer->resync[p.rank], value);  // pairs with the peer's wait below
   }
   bool ok = true;
-  if (q < p.num_ranks && !a2a_skipped(skipped, q)) {
+  if (q < p.num_ranks && !rank_skipped(skipped, q)) {
     auto left_out = [&] {
       if (!first) return false;
       A2aSync* theirs = g.sync(p.symm.peers[q]);

@@ -1,4 +1,4 @@
-// src/cuda/kernels/ht/common.cuh — small device pieces shared by the ht kernels: typed loads,
+// src/cuda/kernels/ht/common.cuh — small device pieces shared by the ht kernels: expert ids,
 // prefix-matrix arithmetic, and the end-of-operation protocol (last CTA resets the block
 // counters, advances the sequence number and tells every peer its region is free again).
 #pragma once
@@ -14,17 +14,6 @@ inline constexpr int kHtThreads = 512;  // dispatch / combine CTA size (16 warps
 inline constexpr int kHtWarps = kHtThreads / 32;
 inline constexpr int kNotifyThreads = 1024;
 inline constexpr int kCopyUnroll = 8;  // 16-byte vectors in flight per lane in row copies
-
-// Read-only input (not written during the kernel): non-coherent path.
-template <typename V>
-__device__ __forceinline__ V ld_input(const V* p) {
-  return __ldg(p);
-}
-// Data written by a peer during this kernel (after an acquire): L2, never a stale L1 line.
-template <typename V>
-__device__ __forceinline__ V ld_landed(const V* p) {
-  return __ldcg(p);
-}
 
 // Expert id k of token t in a [T, K] int64 / int32 topk_idx, rows `stride` elements apart.
 __device__ __forceinline__ int64_t ht_load_expert(const void* topk, int64_t stride, int is_i64,

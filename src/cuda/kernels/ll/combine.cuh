@@ -133,14 +133,15 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
-  ll_signal(R, me, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+  signal_ranks(R, rank_bit(me),
+               [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
   EPX_LL_STAMP(p, 1, kTrCSignal);
 }
 
 // 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
 __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
   const auto* p = reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v;
-  if (!(src & 1)) return ll_ld_landed<uint4>(p);
+  if (!(src & 1)) return ld_landed<uint4>(p);
   uint16_t h[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) h[i] = __ldcg(p + i);
@@ -233,7 +234,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           const int d = i / L, l = i - d * L;
           v[u] = d == me ? __ldg(reinterpret_cast<const long long*>(p.layout_range) +
                                  l * p.layout_stride + me)
-                         : ll_ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
+                         : ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
@@ -353,11 +354,12 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   // Finish (see the file comment): pairs with the same code on every peer.
   auto pulled = [&](int d) { return &g.sync(symm.peers[d])->combine_pulled[q][me]; };
   __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
-  ll_signal(R, me, pulled);
+  signal_ranks(R, rank_bit(me), pulled);
   // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
   // receive kernel holds one SM, not C, while a peer is late.
-  if (blockIdx.x == 0 && !ll_wait_all(g.sync(symm.local)->combine_pulled[q], R, me, e * gridDim.x,
-                                      p.wait, kWaitBarrier))
+  if (blockIdx.x == 0 && !wait_ranks(
+                             g.sync(symm.local)->combine_pulled[q], R, rank_bit(me),
+                             [&](int) { return e * gridDim.x; }, p.wait, kWaitBarrier))
     return false;
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 1, kTrCExit);

@@ -1,8 +1,9 @@
 // src/cuda/kernels/ll/common.cuh — device pieces shared by the ll kernels: the region as the
-// kernels see it (LlSymm), 8-element bf16 loads and stores with an unaligned fallback, an ordered
-// block-wide compaction, the per-CTA signal / wait helpers and the "last CTA" finish.
+// kernels see it (LlSymm), 8-element bf16 loads and stores with an unaligned fallback and an
+// ordered block-wide compaction.
 //
-// Signalling (sync.cuh vocabulary):
+// Signalling (sync.cuh vocabulary: signal_ranks / wait_ranks, this rank's bit skipped where it
+// does not signal itself):
 //   all threads: plain stores to rank p            -> __syncthreads()
 //   thread p:    fence_acq_rel_sys() + red_add_relaxed_sys(&sync(p)->X[q][rank], 1)   (release)
 //   receiver:    thread s waits ld_acquire_sys(&sync(local)->X[q][s]) >= e * C
@@ -39,13 +40,6 @@ __device__ __forceinline__ uint4 ll_ld_input8(const uint16_t* p, bool vec16) {
   uint4 v;
   memcpy(&v, h, 16);
   return v;
-}
-
-// Data another rank (or another CTA) wrote during this operation, or peer memory: L2, never a
-// stale L1 line.
-template <typename V>
-__device__ __forceinline__ V ll_ld_landed(const void* p) {
-  return __ldcg(static_cast<const V*>(p));
 }
 
 __device__ __forceinline__ void ll_st8(uint16_t* p, const uint4& v, bool vec16) {
@@ -113,30 +107,6 @@ __device__ __forceinline__ int ll_block_scan(bool flag, int* total) {
   __syncthreads();  // s_warp may be rewritten by the next call
   *total = all;
   return before + __popc(b & ((1u << lane) - 1u));
-}
-
-// Thread p < R (p != skip) releases this CTA's earlier memory operations to rank p:
-// *counter_of(p) += add. Call after __syncthreads() so the fence covers every thread's
-// (cumulativity).
-template <typename CounterOf>
-__device__ __forceinline__ void ll_signal(int num_ranks, int skip, CounterOf counter_of,
-                                          uint32_t add = 1) {
-  const int p = threadIdx.x;
-  if (p < num_ranks && p != skip) {
-    fence_acq_rel_sys();
-    red_add_relaxed_sys(counter_of(p), add);
-  }
-}
-
-// Thread s < R (s != skip) waits until local flag[s] reached `want`; false on the whole CTA when
-// a wait timed out or the kernel aborted (then the CTA must leave). Also the barrier that
-// orders the CTA's later loads after the acquire.
-__device__ __forceinline__ bool ll_wait_all(const uint32_t* flag, int num_ranks, int skip,
-                                            uint32_t want, const WaitContext& w, uint32_t what) {
-  bool ok = true;
-  const int s = threadIdx.x;
-  if (s < num_ranks && s != skip) ok = wait_flag<true>(flag + s, want, w, what, s);
-  return __syncthreads_and(ok) != 0;
 }
 
 }  // namespace epx::detail

@@ -156,8 +156,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
-  if (!ll_wait_all(g.sync(symm.local)->dispatch_freed[q], R, -1, (e - 1) * gridDim.x, p.wait,
-                   kWaitReady))
+  if (!wait_ranks(
+          g.sync(symm.local)->dispatch_freed[q], R, 0, [&](int) { return (e - 1) * gridDim.x; },
+          p.wait, kWaitReady))
     return false;
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
@@ -301,7 +302,7 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
         const I m = i / static_cast<I>(nvm);
         vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
         idx[u] = sub + static_cast<int>(m) * S;
-        val[u] = ll_ld_landed<uint4>(list.msg[idx[u]] + 16 * static_cast<int64_t>(vec[u]));
+        val[u] = ld_landed<uint4>(list.msg[idx[u]] + 16 * static_cast<int64_t>(vec[u]));
       }
     }
 #pragma unroll
@@ -357,13 +358,13 @@ __device__ __forceinline__ bool ll_row_selects(const int32_t* row, int K, int32_
     if (vec4) {
 #pragma unroll
       for (int k = 0; k < kLlIdBatch / 4; ++k) {
-        const int4 v = k0 + 4 * k < K ? ll_ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
+        const int4 v = k0 + 4 * k < K ? ld_landed<int4>(row + k0 + 4 * k) : int4{-1, -1, -1, -1};
         id[4 * k] = v.x, id[4 * k + 1] = v.y, id[4 * k + 2] = v.z, id[4 * k + 3] = v.w;
       }
     } else {
 #pragma unroll
       for (int k = 0; k < kLlIdBatch; ++k)
-        id[k] = k0 + k < K ? ll_ld_landed<int32_t>(row + k0 + k) : -1;
+        id[k] = k0 + k < K ? ld_landed<int32_t>(row + k0 + k) : -1;
     }
 #pragma unroll
     for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
@@ -453,7 +454,7 @@ __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, ui
   const int R = g.num_ranks, me = p.rank, q = p.slot;
   auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
   __syncthreads();  // the CTA's reads are done: the fence below covers them (cumulativity)
-  ll_signal(R, -1, freed);
+  signal_ranks(R, 0, freed);
   if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
@@ -469,19 +470,21 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
 
   if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send).
-    if (!ll_wait_all(g.sync(symm.local)->dispatch_sent[q], R, -1, e * gridDim.x, p.wait, kWaitRows))
+    if (!wait_ranks(
+            g.sync(symm.local)->dispatch_sent[q], R, 0, [&](int) { return e * gridDim.x; }, p.wait,
+            kWaitRows))
       return false;
     EPX_LL_STAMP(p, 0, kTrDRecvWait);
     if (blockIdx.x == 0 && threadIdx.x < R) {
       const int s = threadIdx.x;
-      const int32_t theirs = ll_ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
+      const int32_t theirs = ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
       const int32_t mine = p.use_fp8 | (p.round_scale << 1);
       if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
     }
     // Every source's token count, read once (in parallel) for all units.
     __shared__ int32_t s_tokens[kMaxRanks];
     if (threadIdx.x < R) {
-      const int32_t n = ll_ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
+      const int32_t n = ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
       s_tokens[threadIdx.x] =
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }

@@ -67,17 +67,7 @@ inline constexpr int32_t kLlPhaseSend = 1;
 inline constexpr int32_t kLlPhaseRecv = 2;
 inline constexpr int32_t kLlPhaseBoth = kLlPhaseSend | kLlPhaseRecv;
 
-// The ll values of DeviceErrorRecord::op / ::code (apart from the ht and a2a ones).
-enum LlDeviceOp : uint32_t { kOpLlDispatch = 32, kOpLlCombine = 33 };
-enum LlDeviceError : uint32_t {
-  // A source used other fp8 options in the same dispatch. a = the source's (use_fp8 |
-  // round_scale << 1), b = this rank's, peer = the source.
-  kDevErrLlFormat = 32,
-  // combine: topk_idx selects expert b more often than its rank received from this rank (a =
-  // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is
-  // skipped.
-  kDevErrLlCombineRows = 33,
-};
+// DeviceErrorRecord::op / ::code values (kOpLl*, kDevErrLl*): device_error.h.
 
 struct LlState {
   DeviceState dev;  // abort + error_claim (seq / finished unused)

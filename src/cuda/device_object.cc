@@ -1,0 +1,107 @@
+// src/cuda/device_object.cc — DeviceObject (device_object.h): the set-up, error record, decode
+// and teardown the cuda modes share.
+#include "cuda/device_object.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+
+namespace epx::detail {
+
+DeviceObject::DeviceObject(const Group& group, const char* where) : group_(group) {
+  device_ = group.transport()->device().index;
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_),
+                 where);
+  timeout_ns_ = static_cast<uint64_t>(group.timeout().count()) * 1000000ull;
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 where);
+  *error_host_ = DeviceErrorRecord{};
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 where);
+}
+
+DeviceObject::~DeviceObject() {
+  mem_.reset();
+  if (error_host_) cudaFreeHost(error_host_);
+}
+
+void DeviceObject::allocate_region(size_t bytes, size_t state_off) {
+  mem_ = group_.transport()->allocate(bytes);  // collective; zeroed
+  state_ = reinterpret_cast<DeviceState*>(local() + state_off);
+}
+
+std::optional<DeviceErrorRecord> DeviceObject::recorded() const {
+  volatile DeviceErrorRecord* rec = error_host_;
+  if (rec->code == kDevErrNone) return std::nullopt;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return DeviceErrorRecord{rec->code, rec->op, rec->rank, rec->peer, rec->a, rec->b};
+}
+
+void DeviceObject::rearm() {
+  static_cast<volatile DeviceErrorRecord*>(error_host_)->code = kDevErrNone;
+  DeviceGuard guard(device_);
+  const uint32_t zero = 0;
+  EPX_CUDA_CHECK(cudaMemcpy(&state_->error_claim, &zero, sizeof(zero), cudaMemcpyHostToDevice),
+                 "check");
+}
+
+bool DeviceObject::abort_raised(const char* where) const {
+  uint32_t aborted = 0;
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaMemcpy(&aborted, &state_->abort, sizeof(aborted), cudaMemcpyDeviceToHost),
+                 where);
+  return aborted != 0;
+}
+
+void DeviceObject::clear_record() {
+  static_cast<volatile DeviceErrorRecord*>(error_host_)->code = kDevErrNone;
+}
+
+void DeviceObject::raise_timeout(const DeviceErrorRecord& e, const Timeout& t) const {
+  throw_error(ErrorCode::kTimeout, cat(device_op_name(e.op), ": rank ", e.rank, " waited ",
+                                       t.timeout_multiple * group_.timeout().count(), " ms for ",
+                                       t.awaited, " (rank ", e.peer, t.seen, "); ", t.unusable));
+}
+
+void DeviceObject::raise_lost_timeout(const DeviceErrorRecord& e, const char* unusable) const {
+  throw_error(ErrorCode::kTimeout,
+              cat(device_op_name(e.op), ": a device wait timed out on rank ", group_.rank(),
+                  " (after error code ", e.code, " was reported); ", unusable));
+}
+
+void DeviceObject::raise_common(const DeviceErrorRecord& e, int64_t num_experts) {
+  const char* op = device_op_name(e.op);
+  if (e.code == kDevErrBadExpert) {
+    throw_error(
+        ErrorCode::kInvalidArgument,
+        cat(op, ": argument 'topk_idx' has value ", e.b, " at [", e.a / 64, ", ", e.a % 64,
+            "] (found on the device of rank ", e.rank, "), expected -1 or an expert id in [0, ",
+            num_experts, "); that selection was dropped"));
+  }
+  throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
+}
+
+void DeviceObject::require_usable(const char* op) const {
+  EPX_CHECK(refusal_.empty(), refusal_code_, op, ": ", refusal_);
+}
+
+void DeviceObject::close(const char* barrier, const std::function<void()>& free_rest) noexcept {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();
+  if (barrier && mem_) group_.transport()->destruction_barrier(barrier);
+  mem_.reset();
+  if (free_rest) free_rest();
+  if (error_host_) cudaFreeHost(error_host_);
+  error_host_ = nullptr;
+  error_dev_ = nullptr;
+  cudaSetDevice(previous);
+}
+
+}  // namespace epx::detail
