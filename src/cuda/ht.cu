@@ -181,9 +181,14 @@ static std::string ht_call_differs_message(const DeviceErrorRecord& e) {
   } else {
     add(both("argument 'expert_alignment'", theirs, mine, show_int));
   }
-  return cat("ht_dispatch: ", what,
-             "; expected the same on every rank (found in the count exchange; the outputs of a "
-             "worst-case dispatch are undefined)");
+  if (e.op == kOpHtNotify)
+    return cat("ht_dispatch: ", what,
+               "; expected the same on every rank (found in the count exchange; the outputs of a "
+               "worst-case dispatch are undefined)");
+  return cat(e.op == kOpHtCombine ? "ht_combine: " : "ht_dispatch (cached): ", what,
+             "; expected the same on every rank (found when the rows arrived; the outputs of that "
+             "call are undefined and the ht state of this buffer is unusable until reset() on "
+             "every rank)");
 }
 
 // What a timeout or an unfinished count exchange leaves: require_usable's refusal.
@@ -216,6 +221,11 @@ void CudaHt::check() {
               "; expected num_worst_tokens >= N (found on the device; rows past it were not "
               "written)"));
     case kDevErrHtCallDiffers:
+      // Found by a cached dispatch or a combine on arrival: the kernel stopped with its counters
+      // half consumed, so ht waits for reset() (the count exchange's finds leave ht usable).
+      if (e.op != kOpHtNotify)
+        dev_.set_unusable(ErrorCode::kOutOfStep,
+                          ht_unusable_after("ranks passed different per-call values"));
       throw_error(ErrorCode::kInvalidArgument, ht_call_differs_message(e));
     default:
       DeviceObject::raise_common(e, shape_.num_experts);  // out-of-range expert ids, unknown codes
@@ -521,6 +531,10 @@ void CudaHt::launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& p
   p.num_ranks = group_.size();
   p.rank = group_.rank();
   p.cached = plan.cached;
+  if (plan.cached)
+    p.call_word = ht_call_format(
+        static_cast<int>(x.dtype),
+        plan.num_scales > 0 ? static_cast<int>(args.x_scales.dtype) : -1, plan.zero_copy, false);
   p.worst_case = plan.worst_case;
   // Zero-copy receivers copy no x rows from the slots: every CTA sends, then receives. With the
   // kept rows by copy engine the receivers only copy out: more senders.
@@ -586,6 +600,8 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   p.rank = group_.rank();
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
+  p.call_word = ht_call_format(static_cast<int>(DType::kBF16), -1, args.zero_copy,
+                               args.topk_weights.defined());
   fill_launch_common(p, kOpHtCombine);
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),

@@ -276,6 +276,56 @@ int ht_body(const Group& g) {
       break;
     }
   }
+  // Cached dispatch and combine: compared when the rows arrive (the format word each source
+  // stores before its signals); the next check() raises it on every rank, ht refuses until
+  // reset(), and after it a consistent round trip works.
+  auto after_reset_round_trip = [&](const char* label) {
+    try {
+      buf.ht_dispatch(args(), alloc);
+      f.fail(std::string(label) + ": no refusal before reset()");
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kOutOfStep) f.fail(std::string(label) + ": " + e.what());
+    }
+    buf.reset();
+    HtDispatchResult d2 = buf.ht_dispatch(args(), alloc);
+    HtCombineArgs c2;
+    c2.y = d2.recv_x;
+    c2.handle = &d2.handle;
+    c2.stream = stream;
+    buf.ht_combine(c2, alloc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    return d2;
+  };
+  {
+    HtDispatchArgs a;
+    a.x = odd ? x8 : x;
+    if (odd) a.x_scales = sc;
+    a.handle = &d.handle;
+    a.stream = stream;
+    buf.ht_dispatch(a, alloc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    f.expect_invalid([&] { buf.check(); },
+                     {"ht_dispatch (cached)", "the dtype of argument 'x' differs across ranks",
+                      "until reset()"},
+                     "cached fp8 vs bf16");
+    d = after_reset_round_trip("cached");
+  }
+  {
+    HtCombineArgs c;
+    c.y = d.recv_x;
+    c.handle = &d.handle;
+    c.stream = stream;
+    Tensor wn = gpu_testing::to_device(std::vector<float>(d.recv_x.shape[0] * 2, 0.5f),
+                                       DType::kF32, {d.recv_x.shape[0], 2}, dev);
+    if (odd) c.topk_weights = wn;
+    buf.ht_combine(c, alloc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    f.expect_invalid([&] { buf.check(); },
+                     {"ht_combine", "argument 'topk_weights' (given or absent) differs across ranks"},
+                     "combine weights");
+    after_reset_round_trip("combine");
+  }
   if (own) cudaStreamDestroy(own);
   return f.n;
 }

@@ -66,6 +66,7 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
     s_cnt[threadIdx.x] = rows_between(p.rank_prefix_matrix, R, threadIdx.x, me);
     s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, threadIdx.x, me);
     if (threadIdx.x != me && !wait_peer_ready(p.symm, w, threadIdx.x, cur)) s_ok = 0;
+    else if (threadIdx.x != me) store_call_word(g.callword(p.symm.peers[threadIdx.x]) + me, p.call_word);
   }
   __syncthreads();
   if (!s_ok) return;
@@ -259,7 +260,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     if (use && lane != me && p.pull) {
       // Zero-copy combine: rank `lane` wrote its y before its combine began (yready).
       if (last_block[lane] != kPulledReady) {
-        ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
+        ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane) &&
+             call_word_matches(w, g.callword(p.symm.peers[lane]) + lane, p.call_word, lane);
         last_block[lane] = kPulledReady;
       }
     } else if (use && lane != me) {
@@ -268,7 +270,8 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
       if (last_block[lane] != b) {
         const int rows = min(kHtRowsPerBlock, cnt - b * kHtRowsPerBlock);
         ok = wait_flag<false>(g.counter(p.symm.local, HtRegion::slot_of(lane, me), b),
-                              static_cast<uint32_t>(rows), w, kWaitRows, lane);
+                              static_cast<uint32_t>(rows), w, kWaitRows, lane) &&
+             (b != 0 || call_word_matches(w, g.callword(p.symm.local) + lane, p.call_word, lane));
         last_block[lane] = b;
       }
       if (ok && p.engine_y) {
@@ -361,6 +364,8 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
     publish_deferred_ready(p.symm, p.wait, R);
     // Zero-copy combine: this rank's y (written by the work before this kernel) may be read.
     if (p.pull) {
+      *reinterpret_cast<volatile uint32_t*>(p.symm.region.callword(p.symm.local) + me) =
+          p.call_word;
       __threadfence_system();
       signal_peers(p.symm, &HtRegion::yready, R, me, cur);
     }

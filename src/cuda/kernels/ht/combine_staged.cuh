@@ -116,7 +116,8 @@ __device__ void combine_reduce_staged(const HtCombineParams& p, uint32_t cur) {
     pos_next = lane < R && next < T ? p.send_pos[next * R + lane] : -1;
     bool use = pos >= 0, ok = true, acquired = false;
     if (use && lane != me && !seen) {
-      ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane);
+      ok = wait_flag<true>(g.yready(p.symm.local) + lane, cur, w, kWaitRows, lane) &&
+           call_word_matches(w, g.callword(p.symm.peers[lane]) + lane, p.call_word, lane);
       seen = acquired = true;
     }
     if (!__all_sync(0xffffffffu, ok)) return false;
@@ -255,6 +256,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_staged_kernel(HtComb
   const int R = p.num_ranks, me = p.rank;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     publish_deferred_ready(p.symm, p.wait, R);
+    *reinterpret_cast<volatile uint32_t*>(p.symm.region.callword(p.symm.local) + me) = p.call_word;
     __threadfence_system();  // this rank's y (written before this kernel) may be read
     signal_peers(p.symm, &HtRegion::yready, R, me, cur);
   }

@@ -112,4 +112,24 @@ __device__ __forceinline__ bool wait_peer_ready(const HtSymm& symm, const WaitCo
   return wait_flag<true>(symm.region.ready(symm.local) + p, cur - 1, w, kWaitReady, p);
 }
 
+// The per-call agreement of the cached dispatch and the combine (docs/semantics.md §4.2): a
+// source's format word (ht_call_format), stored by the source before the signals its rows are
+// acquired with (ht_region.cuh: callword), against this rank's, read once that signal was
+// acquired. A difference is recorded (kDevErrHtCallDiffers, the field kHtCallFormat, the peer)
+// and aborts the kernel's waits: the outputs are undefined and ht needs reset().
+__device__ __forceinline__ void store_call_word(uint32_t* word, uint32_t value) {
+  *reinterpret_cast<volatile uint32_t*>(word) = value;
+  __threadfence_system();  // before any signal of this thread's CTA (after its __syncthreads)
+}
+__device__ __forceinline__ bool call_word_matches(const WaitContext& w, const uint32_t* word,
+                                                  uint32_t mine, int peer) {
+  const uint32_t theirs = ld_landed(word);
+  if (theirs == mine) return true;
+  record_error(w, kDevErrHtCallDiffers, peer,
+               static_cast<int64_t>(static_cast<uint64_t>(kHtCallFormat) << 32 | theirs),
+               static_cast<int64_t>(mine));
+  atomicExch(&w.state->abort, 1u);
+  return false;
+}
+
 }  // namespace epx::detail

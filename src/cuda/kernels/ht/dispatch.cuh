@@ -168,6 +168,8 @@ __device__ void dispatch_send(const HtDispatchParams& p, uint32_t cur) {
   if (threadIdx.x < R) {
     s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, me, threadIdx.x);
     if (threadIdx.x != me && !wait_peer_ready(p.symm, w, threadIdx.x, cur)) s_ok = 0;
+    else if (threadIdx.x != me && p.cached)
+      store_call_word(g.callword(p.symm.peers[threadIdx.x]) + me, p.call_word);
   }
   __syncthreads();
   if (!s_ok) return;
@@ -368,6 +370,8 @@ __device__ void dispatch_receive(const HtDispatchParams& p) {
     if (threadIdx.x == 0) {
       s_ok = wait_flag<false>(g.counter(p.symm.local, slot, b), static_cast<uint32_t>(rows), w,
                               kWaitRows, s);
+      if (s_ok && p.cached && b == 0)
+        s_ok = call_word_matches(w, g.callword(p.symm.local) + s, p.call_word, s);
     }
     __syncthreads();
     if (!s_ok) return;

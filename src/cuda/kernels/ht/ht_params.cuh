@@ -60,6 +60,7 @@ struct HtDispatchParams {
   const int32_t* rank_prefix_matrix;        // [R, R]
   int num_tokens, top_k, num_local_experts, num_ranks, rank;
   int cached;                // 1: only x (and scales) move
+  uint32_t call_word;        // cached: ht_call_format of this call, compared on arrival
   char* recv_x;              // [num_rows, H] contiguous
   uint32_t* recv_scales;     // [num_rows, num_scales] or null
   void* recv_topk_idx;       // [num_rows, K], dtype of topk_idx (not cached)
@@ -116,6 +117,7 @@ struct HtCombineParams {
   char* out;                // [T, H] bf16 contiguous
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
+  uint32_t call_word;  // ht_call_format of this call (weights given, zero_copy), compared on arrival
 #ifdef EPX_DIAGNOSTICS
   int ablate;  // HtAblate bits (cuda/tuning.h, diagnostics builds only)
 #endif

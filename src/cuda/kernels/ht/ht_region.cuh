@@ -9,6 +9,12 @@
 //                                                 finished pushing here (p writes)
 //   yready   uint32 [kMaxHtRanks]                 yready[p] = last zero-copy combine whose y rank
 //                                                 p wrote (p writes, at the combine's start)
+//   callword uint32 [kMaxHtRanks]                 cached dispatch / combine: the per-call format
+//                                                 word (ht_call_format) of source p's call, p
+//                                                 writes it before its rows' signals (push: into
+//                                                 the receiver's [p] after its ready; zero-copy
+//                                                 combine: into its own [p] before yready); the
+//                                                 receiver compares it with its own on arrival
 //   counts   [R] x HtCountMsg                     count exchange: slot s written by rank s
 //                                                 {flag, per-call values [3], tokens per rank [R],
 //                                                  tokens per expert of this rank's experts [L]}
@@ -88,7 +94,8 @@ struct HtRegion {
   int64_t scale_row_bytes = 0;
   int64_t meta_row_bytes = 0;
   size_t count_slot_bytes = 0;
-  size_t state_off = 0, ready_off = 0, arrived_off = 0, yready_off = 0, count_off = 0;
+  size_t state_off = 0, ready_off = 0, arrived_off = 0, yready_off = 0, callword_off = 0;
+  size_t count_off = 0;
   size_t counter_off = 0, x_off = 0, scale_off = 0, meta_off = 0, yw_off = 0, total_bytes = 0;
 
   static HtRegion make(int64_t hidden, int top_k, int num_experts, int64_t max_tokens,
@@ -116,6 +123,8 @@ struct HtRegion {
     g.arrived_off = off;
     off += ht_round_up(4 * kMaxHtRanks, 64);
     g.yready_off = off;
+    off += ht_round_up(4 * kMaxHtRanks, 64);
+    g.callword_off = off;
     off += ht_round_up(4 * kMaxHtRanks, 64);
     g.count_off = off;
     off += ht_round_up(g.count_slot_bytes * num_ranks, 256);
@@ -146,6 +155,9 @@ struct HtRegion {
   }
   EPX_HT_HD uint32_t* yready(char* base) const {
     return reinterpret_cast<uint32_t*>(base + yready_off);
+  }
+  EPX_HT_HD uint32_t* callword(char* base) const {
+    return reinterpret_cast<uint32_t*>(base + callword_off);
   }
   // Zero-copy combine: row `row` of the rank's y (bf16, row_bytes = 2 H) and of its weights [K].
   EPX_HT_HD char* combine_y_row(char* base, int64_t row, int64_t row_bytes) const {
