@@ -68,10 +68,14 @@ enum HtCallField : uint32_t {
   kHtCallAlignment = 2,  // expert_alignment
 };
 // x dtype in bits 0-7, scales dtype + 1 in bits 8-15 (0: none), zero_copy bit 16, topk_weights
-// given bit 17.
-inline uint32_t ht_call_format(int x_dtype, int scale_dtype, bool zero_copy, bool has_weights) {
+// given bit 17; the operation (HtCallKind) in bits 24-31 of the word the cached dispatch and the
+// combine compare on arrival (the count exchange's is the exact / worst-case dispatch's, 0).
+enum HtCallKind : uint32_t { kHtCallExchange = 0, kHtCallCached = 1, kHtCallCombine = 2 };
+inline uint32_t ht_call_format(int x_dtype, int scale_dtype, bool zero_copy, bool has_weights,
+                               HtCallKind kind = kHtCallExchange) {
   return static_cast<uint32_t>(x_dtype & 0xff) | static_cast<uint32_t>((scale_dtype + 1) & 0xff)
-         << 8 | (zero_copy ? 1u << 16 : 0u) | (has_weights ? 1u << 17 : 0u);
+         << 8 | (zero_copy ? 1u << 16 : 0u) | (has_weights ? 1u << 17 : 0u) |
+         static_cast<uint32_t>(kind) << 24;
 }
 
 // kDevErrA2aGeometry: which value differs.

@@ -173,6 +173,12 @@ static std::string ht_call_differs_message(const DeviceErrorRecord& e) {
                part(mine, 8, 0xff) - 1, show_dtype));
     if (part(theirs, 16, 1) != part(mine, 16, 1))
       add(both("argument 'zero_copy'", part(theirs, 16, 1), part(mine, 16, 1), show_bool));
+    if (part(theirs, 24, 0xff) != part(mine, 24, 0xff))
+      add(both("the operation", part(theirs, 24, 0xff), part(mine, 24, 0xff), [](int64_t v) {
+        return std::string(v == kHtCallCombine  ? "called ht_combine"
+                           : v == kHtCallCached ? "called ht_dispatch (cached)"
+                                                : "called ht_dispatch");
+      }));
     if (part(theirs, 17, 1) != part(mine, 17, 1))
       add(both("argument 'topk_weights' (given or absent)", part(theirs, 17, 1), part(mine, 17, 1),
                [](int64_t v) { return std::string(v ? "given" : "absent"); }));
@@ -534,7 +540,8 @@ void CudaHt::launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& p
   if (plan.cached)
     p.call_word = ht_call_format(
         static_cast<int>(x.dtype),
-        plan.num_scales > 0 ? static_cast<int>(args.x_scales.dtype) : -1, plan.zero_copy, false);
+        plan.num_scales > 0 ? static_cast<int>(args.x_scales.dtype) : -1, plan.zero_copy, false,
+        kHtCallCached);
   p.worst_case = plan.worst_case;
   // Zero-copy receivers copy no x rows from the slots: every CTA sends, then receives. With the
   // kept rows by copy engine the receivers only copy out: more senders.
@@ -601,7 +608,7 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   p.out = static_cast<char*>(res.out.data);
   p.num_send_ctas = tuning_.combine_send_ctas;
   p.call_word = ht_call_format(static_cast<int>(DType::kBF16), -1, args.zero_copy,
-                               args.topk_weights.defined());
+                               args.topk_weights.defined(), kHtCallCombine);
   fill_launch_common(p, kOpHtCombine);
   const int vb =
       vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),

@@ -324,7 +324,29 @@ int ht_body(const Group& g) {
     f.expect_invalid([&] { buf.check(); },
                      {"ht_combine", "argument 'topk_weights' (given or absent) differs across ranks"},
                      "combine weights");
-    after_reset_round_trip("combine");
+    d = after_reset_round_trip("combine");
+  }
+  {
+    // The odd rank combines while the others dispatch with the handle (cached): the same slots and
+    // row counts (every rank routes alike), told apart by the operation in the format word.
+    HtDispatchArgs a;
+    a.x = x;
+    a.handle = &d.handle;
+    a.stream = stream;
+    HtCombineArgs c;
+    c.y = d.recv_x;
+    c.handle = &d.handle;
+    c.stream = stream;
+    if (odd)
+      buf.ht_combine(c, alloc);
+    else
+      buf.ht_dispatch(a, alloc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    f.expect_invalid([&] { buf.check(); },
+                     {"the operation differs across ranks", "called ht_combine",
+                      "called ht_dispatch (cached)"},
+                     "cached dispatch vs combine");
+    after_reset_round_trip("operation");
   }
   if (own) cudaStreamDestroy(own);
   return f.n;

@@ -258,11 +258,17 @@ def test_deep_ep_ll_shape_differs(pool23, name):
 
 def body_deep_ep_ll_switch_apart(ctx):
     """Ranks switch T_max at different calls: the rank that re-creates its buffer meets ranks that
-    dispatch on the old one. InvalidArgument on every rank (cpu backend), never mixed rows."""
+    dispatch on the old one (cpu backend): an error on every rank, never mixed rows — the
+    re-creating rank's construction exchange sees another call (InvalidArgument), a rank on the
+    old buffer finds the peer's header at another call (OutOfStep) or the exchange's board."""
     R, odd = ctx.world_size, ctx.rank == ctx.world_size - 1
     buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
     _ll_call(buf, R)
-    return _message(lambda: _ll_call(buf, R, T_max=16 if odd else 8))
+    try:
+        _ll_call(buf, R, T_max=16 if odd else 8)
+    except (epx.InvalidArgument, epx.OutOfStep) as e:
+        return str(e)
+    return ""
 
 
 def test_deep_ep_ll_ranks_switch_shape_apart(pool23):
