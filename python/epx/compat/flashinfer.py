@@ -4,6 +4,16 @@ import MoeAlltoAll, Mapping, moe_a2a_get_workspace_size_per_rank``. ``python3 -m
 prints a directory to put first on PYTHONPATH so that ``import flashinfer`` itself gives these names
 (epx/compat/shim/flashinfer/__init__.py).
 
+Where it lives: this module holds :class:`MoeAlltoAll`, the workspace sizing
+(:func:`moe_a2a_get_workspace_size_per_rank`) and :func:`moe_a2a_initialize` (it creates a
+MoeAlltoAll), and re-exports the rest from private siblings, which import nothing from here:
+``_flashinfer_functional`` (``moe_a2a_dispatch`` / ``_combine`` / ``_sanitize_expert_ids`` /
+``_wrap_payload_tensor_in_workspace`` and the registry of the contexts they run in),
+``_flashinfer_config`` (Mapping, MnnvlConfig, CommBackend, TorchDistBackend,
+is_mnnvl_fabric_supported) and ``_flashinfer_common`` (rank masks, the padding of rows of any
+byte count, the FP8 rounding of ``use_low_precision``, nvfp4_block_scale_interleave). Import every
+name from here.
+
 How it maps, and what differs:
 
 * The workspace: epx sizes it from the payloads. FlashInfer takes one byte count; epx creates its
@@ -133,7 +143,6 @@ fabric_page_size)                                 (epx does not map fabric pages
 """
 
 import contextlib
-import itertools
 import math
 import weakref
 
@@ -143,6 +152,16 @@ import torch.distributed as dist
 from .. import _epx, _torch, errors
 from ..buffer import A2a as _EpxA2a
 from ..group import Group as _EpxGroup
+from ._flashinfer_common import MOE_A2A_RANK_MASK_WORDS  # noqa: F401 (re-exported for the shim)
+from ._flashinfer_common import (_LOW_PRECISION_DTYPES, _backend_name, _mask_bools, _pad_rows,
+                                 _round4, _round_to_e4m3, _unpad_view, moe_a2a_active_rank_mask,
+                                 nvfp4_block_scale_interleave)
+from ._flashinfer_config import (CommBackend, Mapping, MnnvlConfig, TorchDistBackend,
+                                 is_mnnvl_fabric_supported)
+from ._flashinfer_functional import (_context_counter, _context_ids, _contexts, _FunctionalContext,
+                                     _release_context, moe_a2a_combine, moe_a2a_dispatch,
+                                     moe_a2a_sanitize_expert_ids,
+                                     moe_a2a_wrap_payload_tensor_in_workspace)
 
 __all__ = ["CommBackend", "Mapping", "MnnvlConfig", "MoeAlltoAll", "TorchDistBackend",
            "is_mnnvl_fabric_supported", "moe_a2a_active_rank_mask", "moe_a2a_combine",
@@ -150,286 +169,17 @@ __all__ = ["CommBackend", "Mapping", "MnnvlConfig", "MoeAlltoAll", "TorchDistBac
            "moe_a2a_sanitize_expert_ids", "moe_a2a_wrap_payload_tensor_in_workspace",
            "nvfp4_block_scale_interleave"]
 
-MOE_A2A_RANK_MASK_WORDS = 1  # one uint64 word: up to 64 ranks (FlashInfer's ABI)
-
-
-def moe_a2a_active_rank_mask(active_ranks, ep_size):
-    """CPU uint64 tensor [MOE_A2A_RANK_MASK_WORDS] with bit i set for each rank i of
-    `active_ranks` (ranks that take part; e.g. [0, 1, 3] when rank 2 failed)."""
-    mask = 0
-    for rank in active_ranks:
-        rank = int(rank)
-        if not 0 <= rank < ep_size:
-            raise errors.invalid("moe_a2a_active_rank_mask", f"rank {rank} is out of range, "
-                                 f"expected 0..{ep_size - 1}")
-        mask |= 1 << rank
-    dtype = getattr(torch, "uint64", None)
-    if dtype is None:  # older torch: the same 64 bits as int64
-        return torch.tensor([mask - (1 << 64) if mask >= 1 << 63 else mask], dtype=torch.int64)
-    return torch.tensor([mask], dtype=dtype)
-
-
-def _mask_bools(op, active_rank_mask, ep_size):
-    """active_rank_mask (uint64 tensor / int / sequence of bools) -> list of ep_size bools."""
-    if isinstance(active_rank_mask, torch.Tensor):
-        if active_rank_mask.numel() != MOE_A2A_RANK_MASK_WORDS:
-            raise errors.invalid(op, f"argument 'active_rank_mask' has "
-                                 f"{active_rank_mask.numel()} words, expected "
-                                 f"{MOE_A2A_RANK_MASK_WORDS}")
-        bits = int(active_rank_mask.reshape(-1)[0].item()) & ((1 << 64) - 1)
-    elif isinstance(active_rank_mask, int):
-        bits = active_rank_mask
-    else:
-        active = [bool(a) for a in active_rank_mask]
-        if len(active) != ep_size:
-            raise errors.invalid(op, f"argument 'active_rank_mask' has {len(active)} entries, "
-                                 f"expected {ep_size}")
-        return active
-    return [bool(bits >> r & 1) for r in range(ep_size)]
-
-
-def _round4(n):
-    return (n + 3) // 4 * 4
-
+# The public names the private siblings define are this module's, as before they moved there:
+# reprs, the type names in error messages and pickles name epx.compat.flashinfer.
+for _public in (CommBackend, Mapping, MnnvlConfig, TorchDistBackend, is_mnnvl_fabric_supported,
+                moe_a2a_active_rank_mask, moe_a2a_combine, moe_a2a_dispatch,
+                moe_a2a_sanitize_expert_ids, moe_a2a_wrap_payload_tensor_in_workspace,
+                nvfp4_block_scale_interleave):
+    _public.__module__ = __name__
+del _public
 
 #: The largest top-k of epx's a2a (include/epx/a2a.h, A2aShape; src/core/a2a_validate.cc).
 _MAX_A2A_TOP_K = 32
-
-#: Payload dtypes of combine(use_low_precision=True) (FlashInfer's combine dtypes but fp8).
-_LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _round_to_e4m3(x):
-    """float32 tensor of x's values rounded to FP8 e4m3 (fn: no infinities): the nearest e4m3
-    value, ties to the even one, magnitudes above 448 (infinities too) saturated to 448, NaN
-    kept -- the rounding of CUDA's saturating e4m3 conversion (cvt.rn.satfinite) that
-    FlashInfer's low-precision combine applies to every row. Elementwise torch ops on x's
-    device: no host synchronisation, capturable in CUDA graphs."""
-    xf = x.float()
-    mag = xf.abs().clamp(max=448.0)  # rounds to 448 at most; NaN stays NaN
-    _, exp = torch.frexp(mag)  # mag = m * 2**exp, 0.5 <= m < 1
-    # Spacing of the e4m3 values around mag: 2**(floor(log2 mag) - 3) = 2**(exp - 4) for normals,
-    # 2**-9 below 2**-6 (subnormals: exp <= -5); built from its float32 bits, exactly.
-    step = ((exp.clamp(-5, 9) + (127 - 4)).to(torch.int32) << 23).view(torch.float32)
-    return torch.copysign(torch.round(mag / step) * step, xf)
-
-
-def _pad_rows(payloads):
-    """epx's a2a moves rows of a multiple of 4 bytes; FlashInfer takes any (e.g. a uint8 [T, 1]).
-    -> (payloads with each other row copied into the first bytes of a zeroed uint8 [T,
-    round4(bytes)], per payload None or (dtype, trailing shape, bytes) to undo it)."""
-    if not isinstance(payloads, (list, tuple)):
-        return payloads, []
-    out, widths = [], []
-    for p in payloads:
-        n = p.element_size() * math.prod(p.shape[1:]) if isinstance(p, torch.Tensor) and \
-            p.dim() >= 1 else 0
-        if n % 4 == 0:
-            out.append(p)
-            widths.append(None)
-            continue
-        rows = p.contiguous().view(p.shape[0], n // p.element_size()).view(torch.uint8)
-        padded = torch.zeros(p.shape[0], _round4(n), dtype=torch.uint8, device=p.device)
-        padded[:, :n] = rows
-        out.append(padded)
-        widths.append((p.dtype, tuple(p.shape[1:]), n))
-    return type(payloads)(out), widths
-
-
-def _unpad_view(view, dtype, trailing, n):
-    """A received [R, M, round4(n)] uint8 view of padded rows -> [R, M, *trailing] of dtype."""
-    return view[:, :, :n].view(dtype).view(view.shape[0], view.shape[1], *trailing)
-
-
-def _backend_name():
-    return "cuda" if _epx.built_with_cuda and torch.cuda.is_available() else "cpu"
-
-
-class Mapping:
-    """Rank layout of a model-parallel job (TensorRT-LLM's Mapping, the fields MoeAlltoAll uses).
-
-    Ranks are laid out tp fastest, then cp, then pp: rank = (pp_rank * cp_size + cp_rank) *
-    tp_size + tp_rank. The MoE part splits the tp ranks into moe_tp_size x moe_ep_size (x
-    moe_cluster_size): moe_ep_rank = tp_rank % moe_ep_size.
-    """
-
-    def __init__(self, world_size=1, rank=0, gpus_per_node=8, *, cp_size=1, cp_config=None,
-                 tp_size=1, pp_size=1, moe_cluster_size=-1, moe_tp_size=-1, moe_ep_size=-1,
-                 attn_tp_size=-1, attn_cp_size=-1, auto_parallel=False,
-                 enable_attention_dp=False):
-        op = "Mapping"
-        for name, v in (("world_size", world_size), ("gpus_per_node", gpus_per_node),
-                        ("cp_size", cp_size), ("tp_size", tp_size), ("pp_size", pp_size)):
-            errors.check_int(op, name, v, 1)
-        errors.check_int(op, "rank", rank, 0)
-        if auto_parallel:  # every rank is rank 0 of its tp/pp/cp groups (FlashInfer's meaning)
-            if (tp_size, pp_size, cp_size) != (1, 1, 1):
-                raise errors.invalid(op, f"auto_parallel=True with tp_size, pp_size, cp_size = "
-                                     f"{tp_size}, {pp_size}, {cp_size}, expected 1, 1, 1")
-        elif world_size != tp_size * pp_size * cp_size:
-            raise errors.invalid(op, f"world_size = {world_size}, expected tp_size * pp_size * "
-                                 f"cp_size = {tp_size * pp_size * cp_size}")
-        if rank >= world_size:
-            raise errors.invalid(op, f"rank = {rank}, expected < world_size = {world_size}")
-        if attn_tp_size == -1 and attn_cp_size == -1:
-            attn_tp_size, attn_cp_size = tp_size * cp_size, 1
-        elif attn_tp_size == -1:
-            attn_tp_size = tp_size * cp_size // attn_cp_size
-        elif attn_cp_size == -1:
-            attn_cp_size = tp_size * cp_size // attn_tp_size
-        if attn_cp_size != 1 or attn_tp_size * attn_cp_size != tp_size * cp_size:
-            raise errors.invalid(op, f"attn_tp_size = {attn_tp_size}, attn_cp_size = "
-                                 f"{attn_cp_size}, expected attn_cp_size = 1 and attn_tp_size = "
-                                 f"tp_size * cp_size = {tp_size * cp_size}")
-        cluster = 1 if moe_cluster_size == -1 else moe_cluster_size
-        if moe_tp_size == -1 and moe_ep_size == -1:
-            moe_tp_size, moe_ep_size = tp_size // cluster, 1
-        elif moe_tp_size == -1:
-            moe_tp_size = tp_size // (moe_ep_size * cluster)
-        elif moe_ep_size == -1:
-            moe_ep_size = tp_size // (moe_tp_size * cluster)
-        for name, v in (("moe_cluster_size", cluster), ("moe_tp_size", moe_tp_size),
-                        ("moe_ep_size", moe_ep_size)):
-            errors.check_int(op, name, v, 1)
-        if moe_tp_size * moe_ep_size * cluster != tp_size:
-            raise errors.invalid(op, f"moe_tp_size * moe_ep_size * moe_cluster_size = "
-                                 f"{moe_tp_size * moe_ep_size * cluster}, expected tp_size = "
-                                 f"{tp_size}")
-        self.world_size, self.rank, self.gpus_per_node = world_size, rank, gpus_per_node
-        self.cp_size, self.tp_size, self.pp_size = cp_size, tp_size, pp_size
-        self.moe_cluster_size, self.moe_tp_size, self.moe_ep_size = cluster, moe_tp_size, \
-            moe_ep_size
-        self.enable_attention_dp = bool(enable_attention_dp)
-        self.cp_config = cp_config if cp_config is not None else {}
-        self.attn_tp_size, self.attn_cp_size = attn_tp_size, attn_cp_size
-        self.auto_parallel = bool(auto_parallel)
-
-    @property
-    def tp_rank(self):
-        return 0 if self.auto_parallel else self.rank % self.tp_size
-
-    @property
-    def cp_rank(self):
-        return 0 if self.auto_parallel else (self.rank // self.tp_size) % self.cp_size
-
-    @property
-    def pp_rank(self):
-        return 0 if self.auto_parallel else self.rank // (self.tp_size * self.cp_size)
-
-    @property
-    def moe_ep_rank(self):
-        return self.tp_rank % self.moe_ep_size
-
-    @property
-    def moe_tp_rank(self):
-        return self.tp_rank // (self.moe_ep_size * self.moe_cluster_size)
-
-    @property
-    def local_rank(self):
-        return self.rank % self.gpus_per_node
-
-    def __repr__(self):
-        return (f"Mapping(world_size={self.world_size}, rank={self.rank}, tp_size="
-                f"{self.tp_size}, pp_size={self.pp_size}, cp_size={self.cp_size}, moe_tp_size="
-                f"{self.moe_tp_size}, moe_ep_size={self.moe_ep_size})")
-
-
-class CommBackend:
-    """The bootstrap interface MoeAlltoAll needs from a communicator."""
-
-    def Get_rank(self):
-        raise NotImplementedError
-
-    def Get_size(self):
-        raise NotImplementedError
-
-    def allgather(self, data):
-        raise NotImplementedError
-
-    def barrier(self):
-        raise NotImplementedError
-
-
-class TorchDistBackend(CommBackend):
-    """CommBackend over a torch ProcessGroup (default: the default group)."""
-
-    def __init__(self, group=None):
-        self.group = group if group is not None else dist.group.WORLD
-
-    def Get_rank(self):
-        return dist.get_rank(self.group)
-
-    def Get_size(self):
-        return dist.get_world_size(self.group)
-
-    def allgather(self, data):
-        out = [None] * self.Get_size()
-        dist.all_gather_object(out, data, group=self.group)
-        return out
-
-    def barrier(self):
-        dist.barrier(group=self.group)
-
-
-class MnnvlConfig:
-    """Holds the communication backend MoeAlltoAll bootstraps through (the other fields, in
-    FlashInfer's order, are kept and not used: epx maps no fabric pages)."""
-
-    def __init__(self, comm_backend=None, allocation_granularity=0, fabric_page_size=1 << 29):
-        self.comm_backend = comm_backend
-        self.allocation_granularity = allocation_granularity
-        self.fabric_page_size = fabric_page_size
-
-    def __repr__(self):
-        return (f"MnnvlConfig(comm_backend={self.comm_backend!r}, allocation_granularity="
-                f"{self.allocation_granularity}, fabric_page_size={self.fabric_page_size})")
-
-
-def is_mnnvl_fabric_supported(device_idx=None):
-    """False: epx has no multi-node NVLink (MNNVL fabric) path; its cuda backend reaches the peers
-    of one NVLink domain through NCCL symmetric memory. Engines that ask (FlashInfer's
-    ``flashinfer.comm.mnnvl.is_mnnvl_fabric_supported(device_idx)``) then pick their single-node
-    set-up. ``device_idx`` (an int, a torch.device or None) is not looked at."""
-    return False
-
-
-def _pad_up(n, m):
-    return (n + m - 1) // m * m
-
-
-def nvfp4_block_scale_interleave(unswizzled_sf):
-    """FlashInfer's ``nvfp4_block_scale_interleave`` (``block_scale_interleave``): the NVFP4 block
-    scale factors ``[rows, cols]`` or ``[batch, rows, cols]`` (one byte each: uint8 / int8 /
-    float8, or bfloat16) in the 128x4-tiled order CUTLASS's NVFP4 GEMMs read, as one flat tensor
-    of ``batch * pad128(rows) * pad4(cols)`` elements of the input's dtype on its device (padding
-    0). Within one batch entry, scale ``(r, c)`` lands at
-
-        (r // 128) * 128 * pad4(cols) + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4
-        + c % 4
-
-    i.e. 128-row x 4-column tiles (512 bytes), row tiles outermost, and inside a tile the 32 rows
-    r, r + 32, r + 64, r + 96 interleaved, each with its 4 columns contiguous."""
-    op = "nvfp4_block_scale_interleave"
-    sf = unswizzled_sf
-    if not isinstance(sf, torch.Tensor) or sf.dim() not in (2, 3):
-        raise errors.invalid(op, "argument 'unswizzled_sf' must be a torch.Tensor [rows, cols] or "
-                             "[batch, rows, cols]")
-    if not (sf.element_size() == 1 and sf.dtype != torch.bool or sf.dtype == torch.bfloat16):
-        raise errors.invalid(op, f"argument 'unswizzled_sf' has dtype {sf.dtype}, expected a "
-                             "one-byte dtype (uint8, float8_e4m3fn, ...) or bfloat16")
-    batch = sf.shape[0] if sf.dim() == 3 else 1
-    rows, cols = sf.shape[-2], sf.shape[-1]
-    rows_p, cols_p = _pad_up(rows, 128), _pad_up(cols, 4)
-    src = sf.reshape(batch, rows, cols)
-    if sf.element_size() == 1 and sf.dtype != torch.uint8:
-        src = src.view(torch.uint8)  # the permutation moves bytes; any one-byte dtype alike
-    padded = src.new_zeros(batch, rows_p, cols_p)
-    padded[:, :rows, :cols] = src
-    # [b, row tile, r // 32 % 4, r % 32, column tile, c % 4] -> [b, row tile, column tile,
-    # r % 32, r // 32 % 4, c % 4]
-    out = padded.view(batch, rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 1, 4, 3, 2, 5)
-    out = out.reshape(-1)
-    return out.view(sf.dtype) if out.dtype != sf.dtype else out
 
 
 def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
@@ -454,113 +204,8 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     return num + 2 * _epx.kMaxA2aPayloads * 256
 
 
-def moe_a2a_wrap_payload_tensor_in_workspace(workspace, leading_shape, slice_start, slice_end,
-                                             dtype):
-    """The bytes ``[slice_start, slice_end)`` of ``workspace`` (``[ep_size, size_per_rank]`` or
-    ``[size_per_rank]``; offsets count from the start of row 0, and the range must lie in one
-    row) as a view of ``dtype`` and shape ``leading_shape + [-1]`` (FlashInfer's meaning; pure
-    view arithmetic, no communication)."""
-    op = "moe_a2a_wrap_payload_tensor_in_workspace"
-    if not isinstance(workspace, torch.Tensor) or workspace.dim() not in (1, 2):
-        raise errors.invalid(op, "argument 'workspace' must be a torch.Tensor [ep_size, "
-                             "size_per_rank] or [size_per_rank]")
-    errors.check_int(op, "slice_start", slice_start, 0)
-    errors.check_int(op, "slice_end", slice_end, slice_start)
-    ws = workspace if workspace.dim() == 2 else workspace.unsqueeze(0)
-    if ws.stride(1) != 1:
-        raise errors.invalid(op, "argument 'workspace' must be contiguous in its last dimension")
-    ws = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
-    row_bytes, row_stride = ws.shape[1], ws.stride(0)
-    row, start = divmod(slice_start, row_stride) if ws.shape[0] > 1 else (0, slice_start)
-    end = start + (slice_end - slice_start)
-    if row >= ws.shape[0] or end > row_bytes:
-        raise errors.invalid(op, f"bytes [{slice_start}, {slice_end}) leave workspace row "
-                             f"{row} (rows of {row_bytes} bytes, stride {row_stride}), expected a "
-                             "range inside one row")
-    return ws[row, start:end].view(dtype).view(*leading_shape, -1)
-
-
-# ---- the functional API -------------------------------------------------------------------------
-# FlashInfer's moe_a2a_* functions run on a caller-owned workspace ([ep_size, size_per_rank] uint8,
-# row r = rank r's MNNVL memory) and the metainfo moe_a2a_initialize returns. Here
-# moe_a2a_initialize creates a context: a MoeAlltoAll over the group (collective), whose epx A2a
-# moves the data. The workspace and the metainfo name that context; the workspace's row size
-# bounds epx's (as workspace_size_per_rank does) and its row ep_rank is where the caller may write
-# the combine payload (moe_a2a_wrap_payload_tensor_in_workspace at combine_payload_offset).
-
-_METAINFO_MAGIC = 0x657078A2A  # "epx a2a"
-# metainfo: [magic, context id, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
-#            bytes per rank, combine_payload_offset], CPU int64.
-_METAINFO_FIELDS = 8
-_COMBINE_PAYLOAD_OFFSET = 0  # epx keeps nothing in the caller's workspace: the row is free
-_contexts = {}     # context id -> _FunctionalContext
-_context_ids = {}  # workspace (address, device, shape, row stride) + initialize's args -> id
-_context_counter = itertools.count(1)  # ids are never reused
-
-
-class _FunctionalContext:
-    def __init__(self, key, cid, moe, workspace, ep_rank, ep_size, max_num_tokens, eplb):
-        self.key, self.moe = key, moe
-        self.ptr, self.shape = workspace.data_ptr(), tuple(workspace.shape)
-        self.row_stride, self.device = workspace.stride(0), workspace.device
-        self.ep_rank, self.ep_size, self.eplb = ep_rank, ep_size, eplb
-        self.metainfo = [_METAINFO_MAGIC, cid, ep_rank, ep_size, max_num_tokens, eplb,
-                         self.shape[1], _COMBINE_PAYLOAD_OFFSET]
-        self.refs = 0  # metainfo tensors handed out and alive
-
-
-def _release_context(cid):
-    ctx = _contexts.get(cid)
-    if ctx is not None:
-        ctx.refs -= 1
-        if ctx.refs == 0:  # the last metainfo is gone: nobody can name the context any more
-            del _contexts[cid]
-            _context_ids.pop(ctx.key, None)
-
-
-def _context(op, workspace, metainfo, ep_rank, ep_size=None):
-    """The context `metainfo` names, checked against the call's workspace and ranks."""
-    ok = isinstance(metainfo, torch.Tensor) and metainfo.device.type == "cpu" and \
-        metainfo.dtype == torch.int64 and list(metainfo.shape) == [_METAINFO_FIELDS]
-    fields = metainfo.tolist() if ok else []
-    if not fields or fields[0] != _METAINFO_MAGIC:
-        raise errors.invalid(op, "argument 'metainfo' is not a tensor moe_a2a_initialize "
-                             f"returned, expected its CPU int64 [{_METAINFO_FIELDS}] metainfo")
-    ctx = _contexts.get(fields[1])
-    if ctx is None:
-        raise errors.invalid(op, "argument 'metainfo' names a workspace context that no longer "
-                             "exists (every metainfo moe_a2a_initialize returned for it was "
-                             "freed), expected a live one: call moe_a2a_initialize again")
-    if fields != ctx.metainfo:
-        raise errors.invalid(op, f"argument 'metainfo' is {fields}, expected {ctx.metainfo} "
-                             "(as moe_a2a_initialize returned it)")
-    if not isinstance(workspace, torch.Tensor) or workspace.data_ptr() != ctx.ptr or \
-            tuple(workspace.shape) != ctx.shape:
-        raise errors.invalid(op, f"argument 'workspace' is not the [{ctx.shape[0]}, "
-                             f"{ctx.shape[1]}] tensor moe_a2a_initialize was given with this "
-                             "metainfo")
-    if ep_rank != ctx.ep_rank or (ep_size is not None and ep_size != ctx.ep_size):
-        got = f"ep_rank = {ep_rank}" + ("" if ep_size is None else f", ep_size = {ep_size}")
-        raise errors.invalid(op, f"{got}, expected ep_rank = {ctx.ep_rank}, ep_size = "
-                             f"{ctx.ep_size} (the workspace's, from moe_a2a_initialize)")
-    return ctx
-
-
-def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size):
-    """The call's mask as ep_size bools, FlashInfer's rules: a mask needs enable_rank_mask=True,
-    and enable_rank_mask=True needs a mask (no all-active default)."""
-    if not enable_rank_mask:
-        if active_rank_mask is not None:
-            raise errors.invalid(op, "argument 'active_rank_mask' is given with "
-                                 "enable_rank_mask=False, expected enable_rank_mask=True")
-        return [True] * ep_size
-    if active_rank_mask is None:
-        raise errors.invalid(op, "enable_rank_mask=True without 'active_rank_mask', expected a "
-                             "mask on the call (as FlashInfer; every rank: "
-                             "moe_a2a_active_rank_mask(range(ep_size), ep_size))")
-    return _mask_bools(op, active_rank_mask, ep_size)
-
-
+# moe_a2a_initialize creates a MoeAlltoAll, so it lives here; the other functional calls
+# (_flashinfer_functional) only use the context it registers there.
 def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts=0, *,
                        comm_backend=None):
     """Collective: every rank calls it once for its workspace before the other moe_a2a_* calls.
@@ -609,112 +254,6 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
     ctx.refs += 1
     weakref.finalize(metainfo, _release_context, cid).atexit = False
     return metainfo
-
-
-@_torch.plain_torch
-def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo,
-                     runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
-                     enable_pdl=None, eplb_local_stats=None, enable_rank_mask=False,
-                     active_rank_mask=None):
-    """Collective (over the active ranks): :meth:`MoeAlltoAll.dispatch` in the context of
-    ``metainfo``. -> ``(recv, combine_payload_offset, eplb_gathered_stats)``: the
-    ``[ep_size, runtime_max_tokens_per_rank, ...]`` views, one per payload; the byte offset in
-    row ``ep_rank`` of ``workspace`` where the caller may write the combine payload (0: epx keeps
-    nothing there); ``[ep_size, n]`` int32 (row r = rank r's ``eplb_local_stats`` of ``n <=
-    eplb_stats_num_experts`` entries) or None. ``top_k`` / ``num_experts`` may change between
-    calls (the next dispatch re-creates epx's workspace, collectively). ``enable_pdl`` is
-    accepted (epx's PDL is EPX_PDL)."""
-    op = "moe_a2a_dispatch"
-    ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
-    moe = ctx.moe
-    errors.check_int(op, "top_k", top_k, 1)
-    errors.check_int(op, "num_experts", num_experts, 1)
-    if not isinstance(token_selected_experts, torch.Tensor) or \
-            token_selected_experts.dim() != 2 or token_selected_experts.shape[1] != top_k:
-        got = (list(token_selected_experts.shape)
-               if isinstance(token_selected_experts, torch.Tensor)
-               else type(token_selected_experts).__name__)
-        raise errors.invalid(op, f"argument 'token_selected_experts' is {got}, expected "
-                             f"[local_num_tokens, top_k = {top_k}]")
-    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
-    if moe._state != "idle" and active == moe._active:
-        raise errors.invalid(op, "called twice without moe_a2a_combine in between; expected "
-                             "the order dispatch -> combine -> dispatch")
-    moe._set_geometry(op, top_k, num_experts)
-    recv = moe.dispatch(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
-                        eplb_local_stats=eplb_local_stats, active_rank_mask=active)
-    return recv, _COMBINE_PAYLOAD_OFFSET, moe.eplb_gathered_stats
-
-
-@_torch.plain_torch
-def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank,
-                    ep_rank, ep_size, top_k, combine_payload_offset, payload_in_workspace=False,
-                    output_dtype=None, output_scales=None, output_scalar_scale=1.0,
-                    sf_layout=None, output=None, *, use_low_precision=False, enable_pdl=None,
-                    enable_rank_mask=False, active_rank_mask=None):
-    """Collective (over the active ranks): :meth:`MoeAlltoAll.combine` in the context of
-    ``metainfo``, after its dispatch (``local_num_tokens``, ``top_k`` and
-    ``combine_payload_offset`` as that dispatch had and returned them). With
-    ``payload_in_workspace=True`` the payload is the view
-    ``moe_a2a_wrap_payload_tensor_in_workspace(workspace[ep_rank], [ep_size, M],
-    combine_payload_offset, ...)`` (checked, as FlashInfer does); epx reads it from there (one
-    copy into its own workspace). ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
-    op = "moe_a2a_combine"
-    ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
-    moe = ctx.moe
-    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
-    if moe._state != "dispatched":
-        raise errors.invalid(op, "called without a preceding moe_a2a_dispatch on this "
-                             "workspace; expected the order dispatch -> combine -> dispatch")
-    for name, value, want in (("local_num_tokens", local_num_tokens, moe._num_tokens),
-                              ("top_k", top_k, moe.top_k),
-                              ("combine_payload_offset", combine_payload_offset,
-                               _COMBINE_PAYLOAD_OFFSET)):
-        if value != want:
-            raise errors.invalid(op, f"argument '{name}' is {value!r}, expected {want} (the "
-                                 "preceding moe_a2a_dispatch's)")
-    if payload_in_workspace:
-        start = ctx.ptr + ctx.ep_rank * ctx.row_stride + _COMBINE_PAYLOAD_OFFSET
-        fits = isinstance(payload, torch.Tensor) and payload.device == ctx.device and \
-            payload.data_ptr() == start and payload.is_contiguous() and \
-            payload.numel() * payload.element_size() <= ctx.shape[1] - _COMBINE_PAYLOAD_OFFSET
-        if not fits:
-            raise errors.invalid(op, "payload_in_workspace=True but argument 'payload' is not "
-                                 "the contiguous view of row ep_rank of 'workspace' at "
-                                 "combine_payload_offset (moe_a2a_wrap_payload_tensor_in_"
-                                 "workspace)")
-    return moe.combine(payload, runtime_max_tokens_per_rank, False, output_dtype, output_scales,
-                       output_scalar_scale, sf_layout, output,
-                       use_low_precision=use_low_precision, active_rank_mask=active)
-
-
-@_torch.plain_torch
-def moe_a2a_sanitize_expert_ids(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id,
-                                enable_pdl=None):
-    """In place: every row ``[s, j]`` of ``expert_ids`` (int32 ``[ep_size, M, top_k]``, the
-    expert-id view a moe_a2a_dispatch returned) with ``j >= recv_counts[s]`` of that dispatch,
-    i.e. every padding row, gets ``invalid_expert_id`` in all its entries; rows of tokens are
-    kept. Local, stream-ordered torch ops (capturable). ``enable_pdl`` is accepted."""
-    op = "moe_a2a_sanitize_expert_ids"
-    ctx = _context(op, workspace, metainfo, ep_rank)
-    if isinstance(invalid_expert_id, bool) or not isinstance(invalid_expert_id, int) or \
-            not -(1 << 31) <= invalid_expert_id < 1 << 31:
-        raise errors.invalid(op, f"argument 'invalid_expert_id' is {invalid_expert_id!r}, "
-                             "expected an int32 value")
-    ids = expert_ids
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 3 or \
-            ids.shape[0] != ctx.ep_size:
-        got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else \
-            type(ids).__name__
-        raise errors.invalid(op, f"argument 'expert_ids' is {got}, expected int32 [ep_size = "
-                             f"{ctx.ep_size}, runtime_max_tokens_per_rank, top_k]")
-    counts = ctx.moe.recv_counts
-    if counts is None:
-        raise errors.invalid(op, "called before any moe_a2a_dispatch on this workspace, "
-                             "expected after one (it reads that dispatch's receive counts)")
-    counts = counts.to(ids.device, torch.int64)
-    padding = torch.arange(ids.shape[1], device=ids.device)[None, :] >= counts[:, None]
-    ids.masked_fill_(padding[:, :, None], invalid_expert_id)
 
 
 class MoeAlltoAll:
