@@ -35,9 +35,15 @@ def _native_group(group):
                          "epx.Group (see epx.Group.from_process_group)")
 
 
+_tuple_new = tuple.__new__  # a namedtuple from the extension's tuple, without its __new__ frame
+
+#: x dtypes ll refuses (it quantises bf16 x itself): fp8 and uint8.
+_LL_NOT_X = frozenset((_torch.FP8_DTYPE, torch.uint8))
+
+
 def _check_ll_x(op, x):
     """ll takes bf16 x and quantises it itself (use_fp8): an fp8 (or uint8) x is a mistake."""
-    if isinstance(x, torch.Tensor) and (_torch.is_fp8(x) or x.dtype is torch.uint8):
+    if isinstance(x, torch.Tensor) and x.dtype in _LL_NOT_X:
         raise errors.invalid(op, f"argument 'x' has dtype {x.dtype}, expected bfloat16: ll "
                              "dispatch quantises bf16 x to fp8 itself (use_fp8=True) and takes "
                              "no scales")
@@ -123,17 +129,17 @@ class Buffer:
         """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
         handle, hook). With return_recv_hook the outputs are valid once hook() returned."""
         _check_ll_x("ll_dispatch", x)
-        return LlDispatchResult(*self._native.ll_dispatch(
+        return _tuple_new(LlDispatchResult, self._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats, _stream(x)))
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x)))
 
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
                    return_recv_hook=False, out=None):
         """Collective. -> LlCombineResult(out[T, H] bf16, hook)."""
-        return LlCombineResult(*self._native.ll_combine(
+        return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
-            _stream(topk_weights)))
+            _torch.stream_of(topk_weights)))
 
     @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):
