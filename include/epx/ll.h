@@ -36,8 +36,9 @@ struct LlHandle {
 // Waits for and finishes the receive half of an operation sent with return_recv_hook.
 // Call exactly once, in the same order on every rank; a second call, or a call after ll_clean,
 // raises InvalidArgument. The library-allocated outputs are kept alive by the hook; caller-owned
-// views it writes (cumulative_local_expert_recv_stats, LlCombineArgs::out) must stay alive until
-// it has run. See Buffer for how many operations may wait for their hooks at once.
+// views it writes (cumulative_local_expert_recv_stats, the wait-cost stats, LlCombineArgs::out)
+// must stay alive until it has run. See Buffer for how many operations may wait for their hooks
+// at once.
 using LlHook = std::function<void()>;
 
 struct LlDispatchArgs {
@@ -51,6 +52,10 @@ struct LlDispatchArgs {
   // Optional [L] int32: recv_count is added to it when the receive finishes (in the hook with
   // return_recv_hook), not when the receive raises an error.
   TensorView cumulative_local_expert_recv_stats;
+  // Optional [R] int64, contiguous, on the buffer's device (DeepEP's
+  // dispatch_wait_recv_cost_stats): element s is ADDED the nanoseconds this rank's receive waited
+  // for source rank s's tokens (docs/semantics.md §2.5; with return_recv_hook, in the hook).
+  TensorView dispatch_wait_recv_cost_stats;
   Stream stream = nullptr;
 };
 
@@ -72,6 +77,10 @@ struct LlCombineArgs {
   bool zero_copy = false;   // y was written into ll_next_combine_buffer(handle)
   bool return_recv_hook = false;
   TensorView out;  // optional [T, H] bf16 (stride(1) 1) to write into
+  // Optional [R] int64, contiguous, on the buffer's device (DeepEP's
+  // combine_wait_recv_cost_stats): element s is ADDED the nanoseconds this rank's receive waited
+  // for the expert outputs of rank s (docs/semantics.md §2.5; with return_recv_hook, in the hook).
+  TensorView combine_wait_recv_cost_stats;
   Stream stream = nullptr;
 };
 

@@ -125,21 +125,31 @@ class Buffer:
     # ---- ll ----------------------------------------------------------------------------------
     @_torch.plain_torch
     def ll_dispatch(self, x, topk_idx, use_fp8=True, round_scale=False, use_ue8m0=False,
-                    return_recv_hook=False, cumulative_local_expert_recv_stats=None):
+                    return_recv_hook=False, cumulative_local_expert_recv_stats=None,
+                    dispatch_wait_recv_cost_stats=None):
         """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
-        handle, hook). With return_recv_hook the outputs are valid once hook() returned."""
+        handle, hook). With return_recv_hook the outputs are valid once hook() returned.
+
+        dispatch_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
+        is added the nanoseconds this rank's receive waited for rank s's tokens (in the hook with
+        return_recv_hook; docs/semantics.md §2.5)."""
         _check_ll_x("ll_dispatch", x)
         return _tuple_new(LlDispatchResult, self._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x)))
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
+            dispatch_wait_recv_cost_stats))
 
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
-                   return_recv_hook=False, out=None):
-        """Collective. -> LlCombineResult(out[T, H] bf16, hook)."""
+                   return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        """Collective. -> LlCombineResult(out[T, H] bf16, hook).
+
+        combine_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
+        is added the nanoseconds this rank's receive waited for rank s's expert outputs (in the
+        hook with return_recv_hook; docs/semantics.md §2.5)."""
         return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
-            _torch.stream_of(topk_weights)))
+            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats))
 
     @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):

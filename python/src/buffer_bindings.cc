@@ -42,10 +42,14 @@ struct Hook {
   }
 };
 
-py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op, py::handle keep) {
+// `keep0`, `keep1`: what the hook's kernel writes (Hook::keep); the tuple is built only when
+// there is a hook.
+py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op, py::handle keep0,
+                     py::handle keep1) {
   if (!fn) return py::none();
-  return py::cast(std::make_shared<Hook>(
-      Hook{std::move(fn), owner, op, py::make_tuple(py::reinterpret_borrow<py::object>(keep))}));
+  py::tuple keep = py::make_tuple(py::reinterpret_borrow<py::object>(keep0),
+                                  py::reinterpret_borrow<py::object>(keep1));
+  return py::cast(std::make_shared<Hook>(Hook{std::move(fn), owner, op, std::move(keep)}));
 }
 
 std::shared_ptr<void> owner_of(const BufferPtr& b) {
@@ -166,7 +170,7 @@ py::tuple ht_combine(const BufferPtr& b, py::handle y, py::handle handle_obj,
 
 py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, bool use_fp8,
                       bool round_scale, bool use_ue8m0, bool return_recv_hook, py::handle stats,
-                      uintptr_t stream) {
+                      uintptr_t stream, py::handle wait_stats) {
   LlDispatchArgs args;
   args.x = to_view(x, "ll_dispatch: argument 'x'");
   args.topk_idx = to_view(topk_idx, "ll_dispatch: argument 'topk_idx'");
@@ -176,6 +180,8 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
   args.return_recv_hook = return_recv_hook;
   args.cumulative_local_expert_recv_stats =
       to_view(stats, "ll_dispatch: argument 'cumulative_local_expert_recv_stats'");
+  args.dispatch_wait_recv_cost_stats =
+      to_view(wait_stats, "ll_dispatch: argument 'dispatch_wait_recv_cost_stats'");
   args.stream = as_stream(stream);
   LlDispatchResult r;
   {
@@ -183,7 +189,7 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
     r = b->ll_dispatch(args, torch_allocator());
   }
   const auto owner = owner_of(b);
-  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch", stats);
+  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch", stats, wait_stats);
   return py::make_tuple(to_torch(r.recv_x, owner), to_torch(r.recv_scales, owner),
                         to_torch(r.recv_count, owner),
                         py::cast(std::make_shared<LlHandle>(std::move(r.handle))), hook);
@@ -191,7 +197,7 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
 
 py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::handle topk_weights,
                      py::handle handle_obj, bool zero_copy, bool return_recv_hook, py::handle out,
-                     uintptr_t stream) {
+                     uintptr_t stream, py::handle wait_stats) {
   const std::shared_ptr<LlHandle> handle_ptr = ll_handle_arg(handle_obj, "ll_combine");
   const LlHandle& handle = *handle_ptr;
   LlCombineArgs args;
@@ -202,6 +208,8 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   args.zero_copy = zero_copy;
   args.return_recv_hook = return_recv_hook;
   args.out = to_view(out, "ll_combine: argument 'out'");
+  args.combine_wait_recv_cost_stats =
+      to_view(wait_stats, "ll_combine: argument 'combine_wait_recv_cost_stats'");
   args.stream = as_stream(stream);
   LlCombineResult r;
   {
@@ -210,7 +218,7 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   }
   py::object result =
       out.is_none() ? to_torch(r.out, owner_of(b)) : py::reinterpret_borrow<py::object>(out);
-  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine", result));
+  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine", result, wait_stats));
 }
 
 }  // namespace
@@ -295,10 +303,11 @@ void bind_buffer(py::module_& m) {
           py::arg("handle"))
       .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
            py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("return_recv_hook"),
-           py::arg("cumulative_local_expert_recv_stats"), py::arg("stream") = 0)
+           py::arg("cumulative_local_expert_recv_stats"), py::arg("stream") = 0,
+           py::arg("dispatch_wait_recv_cost_stats") = py::none())
       .def("ll_combine", &ll_combine, py::arg("y"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("handle"), py::arg("zero_copy"), py::arg("return_recv_hook"), py::arg("out"),
-           py::arg("stream") = 0)
+           py::arg("stream") = 0, py::arg("combine_wait_recv_cost_stats") = py::none())
       .def(
           "ll_next_combine_buffer",
           [](const BufferPtr& b, py::handle handle) {

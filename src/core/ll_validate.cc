@@ -5,9 +5,11 @@
 //   ll_dispatch: x bf16 [T, H] (H == shape.hidden, H % 128 == 0, innermost stride 1),
 //                T <= T_max = shape.max_tokens_per_rank (else OutOfCapacity),
 //                topk_idx [T, K] int64/int32 in [-1, E), use_ue8m0 => use_fp8 && round_scale,
-//                cumulative_local_expert_recv_stats int32 [L] when given.
+//                cumulative_local_expert_recv_stats int32 [L] when given,
+//                dispatch_wait_recv_cost_stats int64 [R] contiguous when given.
 //   ll_combine:  a handle of this buffer, topk_idx/topk_weights [T, K] with T == handle.num_tokens,
-//                y bf16 [L, R * T_max, H] unless zero_copy, out bf16 [T, H] when given.
+//                y bf16 [L, R * T_max, H] unless zero_copy, out bf16 [T, H] when given,
+//                combine_wait_recv_cost_stats int64 [R] contiguous when given.
 #include "core/check.h"
 #include "core/numeric.h"
 #include "core/validate.h"
@@ -33,6 +35,14 @@ void check_tensor(const BufferImpl& b, const TensorView& t, const char* op, cons
   check_shape(t, op, name, shape);
   check_device(t, op, name, b.device());
   check_inner_contiguous(t, op, name);
+}
+
+// An optional wait-cost statistics tensor (docs/semantics.md §2.5): int64 [R], contiguous (the
+// kernels add into element s at offset s), on the buffer's device.
+void check_wait_stats(const BufferImpl& b, const TensorView& t, const char* op, const char* name) {
+  if (!t.defined()) return;
+  check_tensor(b, t, op, name, DType::kI64, {b.group.size()});
+  check_contiguous(t, op, name);
 }
 
 }  // namespace
@@ -66,6 +76,7 @@ void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args) {
   const TensorView& stats = args.cumulative_local_expert_recv_stats;
   if (stats.defined())
     check_tensor(b, stats, op, "cumulative_local_expert_recv_stats", DType::kI32, {L});
+  check_wait_stats(b, args.dispatch_wait_recv_cost_stats, op, "dispatch_wait_recv_cost_stats");
 }
 
 void validate_ll_handle(const BufferImpl& b, const LlHandle& h, const char* op) {
@@ -114,6 +125,7 @@ void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args) {
                 " (the tokens of the dispatch that made 'handle')");
   check_tensor(b, args.topk_weights, op, "topk_weights", DType::kF32, {T, K});
   if (args.out.defined()) check_tensor(b, args.out, op, "out", DType::kBF16, {T, H});
+  check_wait_stats(b, args.combine_wait_recv_cost_stats, op, "combine_wait_recv_cost_stats");
 }
 
 }  // namespace epx::detail

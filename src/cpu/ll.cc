@@ -12,6 +12,7 @@
 //     lists the same expert several times in its row counts ONCE for that expert and gets one
 //     row): copy message t to recv_x[l][row_l++], src_info[l][row] = t; then
 //     layout_range[l][src] = (begin << 32) | count of that source's block; recv_count[l] = row_l;
+//     dispatch_wait_recv_cost_stats[src] += max(0, published_ns(src) - recv_start) (below);
 //     barrier (no rank reuses slot s before every peer finished reading it).
 //       recv_x      [L, RT, H]  fp8 e4m3 or bf16, rows >= recv_count[l] are not written
 //       recv_scales f32 [L, RT, G], or UE8M0 int32 [L, RT, ceil(G / 4)] (group g in byte g % 4 of
@@ -28,15 +29,26 @@
 //         acc = 0.0f;
 //         for k = 0 .. K-1:  if topk_idx[t][k] != -1:  acc = std::fmaf(w[t][k], f32(y(t, k)), acc);
 //         out[t] = bf16_rne(acc)            (tokens with no expert get +0)
-//     barrier.
+//     combine_wait_recv_cost_stats[d] += max(0, published_ns(d) - recv_start) (below) when T > 0
+//     (a rank without tokens waits for no expert outputs, as on cuda); barrier.
+//
+// Wait-cost statistics (docs/semantics.md §2.5). A receive waits for its sources in one barrier,
+// so it cannot see when each of them arrived; the publisher says so instead: every header carries
+// published_ns, the steady clock (CLOCK_MONOTONIC: one clock for all threads and processes of
+// the host) when its publication ended, and the receive notes recv_start, the steady clock when
+// it began waiting (entry of the receive half: right after the publish, or when the hook was
+// called). Source s's wait is max(0, published_ns(s) - recv_start): the nanoseconds this rank
+// waited for s's data, 0 for data that was already there (this rank's own, and a hook called
+// late). Added after the pull succeeded (with cumulative_local_expert_recv_stats), never on an
+// error.
 //
 // Region of one rank (cpu_ll_bytes; every offset a multiple of 64 bytes):
 //   dispatch slot 0, dispatch slot 1:
-//     DispatchHeader                 {seq, num_tokens, use_fp8, round_scale}
+//     DispatchHeader                 {stamp, num_tokens, use_fp8, round_scale, published_ns}
 //     topk   int32 [T_max, K]
 //     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16
 //   combine slot 0, combine slot 1:
-//     CombineHeader                  {seq}
+//     CombineHeader                  {stamp, published_ns}
 //     layout int64 [L, R]            the expert rank's handle.layout_range
 //     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns
 //
@@ -54,12 +66,14 @@
 //   - zero_copy: ll_next_combine_buffer(h) is the same memory for every handle of slot h.slot
 //     (dispatches 2 apart): write it for one handle at a time, and only once the previous combine
 //     through that slot has finished (its hook ran);
-//   - caller-owned views a hook writes (cumulative_local_expert_recv_stats, out) must stay alive
-//     until the hook ran (the outputs the library allocated are kept alive by the hook).
+//   - caller-owned views a hook writes (cumulative_local_expert_recv_stats, the wait-cost stats,
+//     out) must stay alive until the hook ran (the outputs the library allocated are kept alive
+//     by the hook).
 // Misuse is reported, never silently wrong: a third dispatch while two wait for their hooks, a
 // combine or ll_next_combine_buffer on a combine slot whose combine still waits, a second call of
 // a hook and a hook called after ll_clean throw InvalidArgument.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -92,11 +106,31 @@ struct DispatchHeader {
   int64_t num_tokens;
   int32_t use_fp8;
   int32_t round_scale;
+  int64_t published_ns;  // steady_ns() when the publication ended (wait-cost statistics)
 };
 
 struct CombineHeader {
   Stamp stamp;  // call = the combine's sequence number
+  int64_t published_ns;
 };
+
+// The steady clock in nanoseconds (CLOCK_MONOTONIC on Linux: comparable across the threads and
+// processes of one host, which is where the cpu backend's ranks are).
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Adds max(0, published_ns(s) - recv_start) to stats[s] for every source s (stats: int64 [R],
+// contiguous, validated).
+void add_wait_costs(const TensorView& stats, const std::vector<int64_t>& published_ns,
+                    int64_t recv_start) {
+  if (!stats.defined()) return;
+  auto* out = stats.ptr<int64_t>();
+  for (size_t s = 0; s < published_ns.size(); ++s)
+    out[s] += std::max<int64_t>(0, published_ns[s] - recv_start);
+}
 
 // The ll region of one rank: used for sizing and for every pointer.
 struct LlLayout {
@@ -183,12 +217,14 @@ struct DispatchRecv {
   uint64_t generation, seq;
   bool use_fp8, round_scale, use_ue8m0;
   Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
-  TensorView stats;  // optional, caller-owned
+  TensorView stats;       // optional, caller-owned
+  TensorView wait_stats;  // optional, caller-owned: dispatch_wait_recv_cost_stats
 
   void operator()() const;
 };
 
 void DispatchRecv::operator()() const {
+  const int64_t recv_start = steady_ns();
   transport->barrier("ll_dispatch (receive)");
   // A mismatch is raised after the release barrier, so peers are not left waiting.
   pull_then_barrier(*transport, "ll_dispatch (release)", [&] {
@@ -214,10 +250,11 @@ void DispatchRecv::operator()() const {
     auto stamp = [&](int src) -> const Stamp& { return header(src)->stamp; };
     check_stamps("ll_dispatch", r, R, generation, seq, stamp,
                  [&](int) { return cat("dispatch slot ", slot, " at"); });
-    std::vector<int64_t> fp8_of(R), round_of(R);
+    std::vector<int64_t> fp8_of(R), round_of(R), published_ns(R);
     for (int src = 0; src < R; ++src) {
       fp8_of[src] = header(src)->use_fp8;
       round_of[src] = header(src)->round_scale;
+      published_ns[src] = header(src)->published_ns;
     }
     std::string differ;
     if (!all_equal(fp8_of))
@@ -274,6 +311,7 @@ void DispatchRecv::operator()() const {
       if (stats.defined())
         stats.ptr<int32_t>()[l * stats.strides[0]] += static_cast<int32_t>(num_rows[l]);
     }
+    add_wait_costs(wait_stats, published_ns, recv_start);
   });
 }
 
@@ -290,11 +328,13 @@ struct CombineRecv {
   std::vector<int32_t> topk;   // [T, K], copied at send time
   std::vector<float> weights;  // [T, K]
   Tensor out;                  // [T, H] bf16 (allocated, or the caller's without storage)
+  TensorView wait_stats;       // optional, caller-owned: combine_wait_recv_cost_stats
 
   void operator()() const;
 };
 
 void CombineRecv::operator()() const {
+  const int64_t recv_start = steady_ns();
   transport->barrier("ll_combine (receive)");
   // A mismatch is raised after the release barrier, so peers are not left waiting.
   pull_then_barrier(*transport, "ll_combine (release)", [&] {
@@ -302,13 +342,15 @@ void CombineRecv::operator()() const {
     const int r = mem->rank();
     const int64_t H = lay.hidden, RT = lay.rows_per_expert, T = num_tokens;
 
-    auto stamp = [&](int d) -> const Stamp& {
+    auto header = [&](int d) {
       return reinterpret_cast<const CombineHeader*>(static_cast<const char*>(mem->peer(d)) +
-                                                    lay.combine_off(slot))
-          ->stamp;
+                                                    lay.combine_off(slot));
     };
+    auto stamp = [&](int d) -> const Stamp& { return header(d)->stamp; };
     check_stamps("ll_combine", r, R, generation, seq, stamp,
                  [&](int) { return cat("combine slot ", slot, " at"); });
+    std::vector<int64_t> published_ns(R);
+    for (int d = 0; d < R; ++d) published_ns[d] = header(d)->published_ns;
     // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
     std::vector<int64_t> row_in_block(T * K, -1);
     std::vector<int64_t> num_selected(E, 0);
@@ -353,6 +395,7 @@ void CombineRecv::operator()() const {
       for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
     }
     recheck_stamps("ll_combine", r, R, generation, seq, stamp);
+    if (T > 0) add_wait_costs(wait_stats, published_ns, recv_start);  // T = 0: nothing awaited
   });
 }
 
@@ -397,6 +440,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
       std::memcpy(msg, x, sizeof(uint16_t) * H);
     }
   }
+  header->published_ns = steady_ns();
   header->stamp.end_publish(st.step.generation, seq);
 
   // Outputs, allocated now, filled by the receive half.
@@ -433,7 +477,8 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
                     res.recv_count,
                     res.handle.src_info,
                     res.handle.layout_range,
-                    args.cumulative_local_expert_recv_stats};
+                    args.cumulative_local_expert_recv_stats,
+                    args.dispatch_wait_recv_cost_stats};
   res.hook = receive_or_hook(ll_state_, true, slot, args.return_recv_hook, std::move(recv));
   return res;
 }
@@ -475,6 +520,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                     sizeof(uint16_t) * H);
     }
   }
+  header->published_ns = steady_ns();
   header->stamp.end_publish(st.step.generation, seq);
 
   LlCombineResult res;
@@ -493,7 +539,8 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                    shape.num_experts,
                    {},
                    {},
-                   res.out};
+                   res.out,
+                   args.combine_wait_recv_cost_stats};
   recv.topk.resize(T * K);
   recv.weights.resize(T * K);
   const TensorView& w = args.topk_weights;

@@ -372,6 +372,8 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
       p.stats = stats.ptr<int32_t>();
       p.stats_stride = stats.strides[0];
     }
+    // Validated: int64 [R], contiguous, on this device (null: not measured).
+    p.wait_stats = static_cast<int64_t*>(args.dispatch_wait_recv_cost_stats.data);
   }
   fill_launch_common(p, kOpLlDispatch);
 
@@ -385,7 +387,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   launch_kernel(ll::dispatch, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
   dispatch_in_flight_[slot] = true;
   // The receive reads only epx's memory; the hook keeps the outputs it writes alive (the caller
-  // keeps its stats tensor alive until the hook ran: the Python hook holds it).
+  // keeps its stats tensors alive until the hook ran: the Python hook holds them).
   p.phases = kLlPhaseRecv;
   const int ctas = num_ctas_;
   res.hook =
@@ -441,6 +443,9 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
     p.out = res.out.ptr<uint16_t>();
     p.out_stride = res.out.strides[0];
     p.out_vec16 = aligned16(res.out.data) && (res.out.strides[0] * 2) % 16 == 0;
+    // Validated: int64 [R], contiguous, on this device (null: not measured). Read by the
+    // receive half only (the hook's launch with return_recv_hook).
+    p.wait_stats = static_cast<int64_t*>(args.combine_wait_recv_cost_stats.data);
   }
   p.num_tokens = static_cast<int32_t>(T);
   p.slot = slot;

@@ -65,6 +65,27 @@ cudaStream_t rank_stream();
 int device_of(const Group& group);
 // `own` when this thread has no rank stream; else rank_stream() (bodies shared by both modes).
 inline cudaStream_t stream_or(cudaStream_t own) { return rank_stream() ? rank_stream() : own; }
+// The stream a test rank works on: under run_cuda_ranks_one_gpu the rank's own stream, else one
+// created here with `flags` (cudaStreamCreateWithFlags) and destroyed with this object.
+class RankStream {
+ public:
+  explicit RankStream(unsigned flags = cudaStreamDefault) : stream_(rank_stream()) {
+    if (!stream_) {
+      CUDA_OK(cudaStreamCreateWithFlags(&own_, flags));
+      stream_ = own_;
+    }
+  }
+  ~RankStream() {
+    if (own_) cudaStreamDestroy(own_);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t own_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
 // default_allocator(), except under run_cuda_ranks_one_gpu: stream-ordered allocations from the
 // rank's own pool / cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise
 // the device).

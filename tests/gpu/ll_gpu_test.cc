@@ -38,6 +38,7 @@
 namespace epx {
 namespace {
 
+using gpu_testing::RankStream;
 using gpu_testing::run_cuda_ranks;
 using gpu_testing::to_host_bytes;
 using testing::LlExpectedDispatch;
@@ -227,28 +228,6 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
   }
   return err;
 }
-
-// The stream a test rank works on: under run_cuda_ranks_one_gpu the rank's own stream, else one
-// created here with `flags` (cudaStreamCreateWithFlags) and destroyed with this object.
-class RankStream {
- public:
-  explicit RankStream(unsigned flags = cudaStreamDefault) : stream_(gpu_testing::rank_stream()) {
-    if (!stream_) {
-      CUDA_OK(cudaStreamCreateWithFlags(&own_, flags));
-      stream_ = own_;
-    }
-  }
-  ~RankStream() {
-    if (own_) cudaStreamDestroy(own_);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t own_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-};
 
 // `body` on R forked GPU ranks, or on R ranks sharing GPU 0 when `one_gpu`.
 int run_ranks(int R, bool one_gpu, const std::function<int(const Group&)>& body,

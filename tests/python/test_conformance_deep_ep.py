@@ -1143,7 +1143,7 @@ def body_every_kwarg(ctx, seed):
     stats = torch.zeros(L, dtype=torch.int32, device=dev)
     # use_fp8=False last: its handle (the latest dispatch's) serves the combines below.
     dispatch_ll_kw = dict(cumulative_local_expert_recv_stats=stats,
-                          dispatch_wait_recv_cost_stats=torch.zeros(R, R, dtype=torch.int64,
+                          dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64,
                                                                     device=dev),
                           round_scale=True, use_ue8m0=True, async_finish=True,
                           return_recv_hook=True, use_fp8=False)
@@ -1168,6 +1168,8 @@ def body_every_kwarg(ctx, seed):
                            extra.get("use_ue8m0", False), f"seed={seed} {k}")
         if k == "cumulative_local_expert_recv_stats":
             assert torch.equal(stats.cpu(), res[1].cpu()), k
+        if k == "dispatch_wait_recv_cost_stats":  # ns waited per source (semantics.md §2.5)
+            assert (v.cpu() >= 0).all(), (k, v)
         if k == "use_fp8":
             handle = res[2]
     ys = [ll._y(seed, d, L, R, T_max) for d in range(R)]
@@ -1175,7 +1177,7 @@ def body_every_kwarg(ctx, seed):
     combine_ll_kw = dict(use_logfmt=True, zero_copy=True, async_finish=True,
                          return_recv_hook=True,
                          out=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
-                         combine_wait_recv_cost_stats=torch.zeros(R, R, dtype=torch.int64,
+                         combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64,
                                                                   device=dev))
     for k, v in combine_ll_kw.items():
         if k == "zero_copy":
@@ -1191,6 +1193,8 @@ def body_every_kwarg(ctx, seed):
             assert hook is None, k
         if k == "out":
             assert combined is v, k
+        if k == "combine_wait_recv_cost_stats":
+            assert (v.cpu() >= 0).all() and v[r].item() == 0, (k, v)  # nothing for its own rows
         if k == "async_finish":
             assert ev.extra_tensors is not None, k
         assert torch.equal(combined.cpu(), lwant), k
@@ -1234,8 +1238,7 @@ def body_every_kwarg(ctx, seed):
 # The options epx names as Unsupported (anything else must be honoured).
 EXPECTED_UNSUPPORTED = sorted({
     "Buffer(allow_nvlink_for_low_latency_mode)", "Buffer(enable_shrink)",
-    "dispatch(num_tokens_per_rdma_rank)", "low_latency_dispatch(dispatch_wait_recv_cost_stats)",
-    "low_latency_combine(use_logfmt)", "low_latency_combine(combine_wait_recv_cost_stats)",
+    "dispatch(num_tokens_per_rdma_rank)", "low_latency_combine(use_logfmt)",
     "low_latency_update_mask_buffer(mask)", "low_latency_query_mask_buffer(mask_status)",
     "low_latency_clean_mask_buffer()", "get_local_buffer_tensor(use_rdma_buffer)"} |
     {f"internode_dispatch({k})" for k in (

@@ -5,9 +5,11 @@ outputs the caller provides are poisoned first; every valid element is compared 
 """
 
 import random
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import epx
 import epx.compat.deep_ep as deep_ep
@@ -207,12 +209,8 @@ def body_ll_errors(ctx, seed):
             x, idx, T_max, E, use_nvfp4=True)),
         (epx.Unsupported, "x_global_scale", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, x_global_scale=torch.ones(1))),
-        (epx.Unsupported, "dispatch_wait_recv_cost_stats", lambda: buf.low_latency_dispatch(
-            x, idx, T_max, E, dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
         (epx.Unsupported, "use_logfmt", lambda: buf.low_latency_combine(
             y, idx, w, handle, use_logfmt=True)),
-        (epx.Unsupported, "combine_wait_recv_cost_stats", lambda: buf.low_latency_combine(
-            y, idx, w, handle, combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
         (epx.InvalidArgument, "async_finish", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, async_finish=True, return_recv_hook=True)),
         (epx.OutOfCapacity, "T_max", lambda: buf.low_latency_dispatch(
@@ -298,6 +296,113 @@ def test_ll_staggered_destroy(pool):
 
 def test_ll_errors(pool):
     pool.run(body_ll_errors, _seed())
+
+
+WAIT_DELAY_S = 0.2  # how late the straggler makes its calls
+WAIT_DELAY_NS = int(WAIT_DELAY_S * 1e9)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def body_ll_wait_stats(ctx, seed):
+    """dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats (docs/semantics.md §2.5):
+    int64 [R] views into a larger tensor (guards on both sides), started at non-zero values. The
+    last rank makes every call WAIT_DELAY_S late (after a barrier); every other rank must add at
+    least half of that, in nanoseconds, to the straggler's element, on dispatch and on combine,
+    over two rounds (the second with return_recv_hook: counted in the hook) that accumulate. Data
+    that was there before the receive began costs 0 on the cpu backend (the own element, the
+    straggler's whole vector) and little on cuda; nothing is negative; the guards stay. Then the
+    validation errors, each naming the argument."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    L = E // R
+    T_max = 8
+    straggler = R - 1
+    on_cpu = dev.type == "cpu"
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    inputs = _inputs(seed, R, E, lambda s: 5)
+    mine = inputs[r]
+    x, idx, w = mine["x"].to(dev), mine["topk_idx"].to(dev), mine["topk_weights"].to(dev)
+    ys = [_y(seed, d, L, R, T_max) for d in range(R)]
+    guard = -12345
+    bases = [torch.full((R + 2,), guard, dtype=torch.int64, device=dev) for _ in range(2)]
+    dstats, cstats = (b[1:R + 1] for b in bases)
+    dstats.copy_(torch.arange(R) * 1000 + 7)
+    cstats.copy_(torch.arange(R) * 1000 + 11)
+    start = (dstats.cpu().clone(), cstats.cpu().clone())
+
+    def check(what, before, after):
+        added = (after - before).tolist()
+        ctx_what = f"seed={seed} {what}: {before.tolist()} -> {after.tolist()}"
+        assert all(a >= 0 for a in added), ctx_what
+        for s, a in enumerate(added):
+            if what.startswith("combine") and s == r:
+                assert a == 0, ctx_what  # a rank does not wait for its own rows
+            elif r == straggler or s == r:
+                # There before the receive began.
+                assert a == 0 if on_cpu else a < WAIT_DELAY_NS // 2, (s, ctx_what)
+            elif s == straggler:
+                assert a >= WAIT_DELAY_NS // 2, (s, ctx_what)
+            else:
+                assert a < WAIT_DELAY_NS // 2, (s, ctx_what)
+
+    # The first call creates the epx buffer (collectively): made here, so that the timed calls
+    # below wait for data only.
+    handle = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=False)[2]
+    for round_, hooked in enumerate((False, True)):
+        dist.barrier(group=ctx.group)
+        before = dstats.cpu().clone()
+        if r == straggler and R > 1:
+            time.sleep(WAIT_DELAY_S)
+        res = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=False,
+                                       dispatch_wait_recv_cost_stats=dstats,
+                                       return_recv_hook=hooked)
+        if hooked:
+            res[4]()
+        _sync(dev)
+        _check_dispatch(ctx, inputs, res, E, T_max, False, False, False, f"seed={seed}")
+        check(f"dispatch round {round_}", before, dstats.cpu())
+        handle = res[2]
+        dist.barrier(group=ctx.group)
+        before = cstats.cpu().clone()
+        if r == straggler and R > 1:
+            time.sleep(WAIT_DELAY_S)
+        out, _, hook = buf.low_latency_combine(ys[r].to(dev), idx, w, handle,
+                                               return_recv_hook=hooked,
+                                               combine_wait_recv_cost_stats=cstats)
+        if hooked:
+            hook()
+        _sync(dev)
+        _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), mine["topk_idx"], L,
+                         f"seed={seed} round={round_}", buf)
+        check(f"combine round {round_}", before, cstats.cpu())
+    if R > 1 and r != straggler:  # two delays' worth, on top of the starting values
+        assert dstats[straggler].item() - start[0][straggler].item() >= WAIT_DELAY_NS
+        assert cstats[straggler].item() - start[1][straggler].item() >= WAIT_DELAY_NS
+    for b in bases:
+        assert b[0].item() == guard and b[R + 1].item() == guard, b.tolist()
+
+    # Validation: each refused before any communication, naming the argument.
+    bad = [torch.zeros(R, dtype=torch.int32, device=dev),          # dtype
+           torch.zeros(R + 1, dtype=torch.int64, device=dev),      # shape
+           torch.zeros(R, R, dtype=torch.int64, device=dev),       # DeepEP's docstring shape
+           torch.zeros(2 * R, dtype=torch.int64, device=dev)[::2]]  # not contiguous
+    if R == 1:
+        bad.pop()  # one element: contiguous whatever its stride
+    if dev.type == "cuda":
+        bad.append(torch.zeros(R, dtype=torch.int64))  # not on the buffer's device
+    for t in bad:
+        with pytest.raises(epx.InvalidArgument, match="dispatch_wait_recv_cost_stats"):
+            buf.low_latency_dispatch(x, idx, T_max, E, dispatch_wait_recv_cost_stats=t)
+        with pytest.raises(epx.InvalidArgument, match="combine_wait_recv_cost_stats"):
+            buf.low_latency_combine(ys[r].to(dev), idx, w, handle, combine_wait_recv_cost_stats=t)
+
+
+def test_ll_wait_stats(pool):
+    pool.run(body_ll_wait_stats, _seed())
 
 
 def test_low_latency_rdma_size_hint():

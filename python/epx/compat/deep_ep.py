@@ -46,13 +46,21 @@ How it differs, and why:
   ``return_recv_hook=True`` the send half copies what the receive needs (the combine's expert
   rows, topk_idx, topk_weights, the layout) into epx's memory, so the caller may drop or
   overwrite them before calling the hook; the hook keeps the tensors it writes
-  (``cumulative_local_expert_recv_stats``, ``out``) alive until it ran.
+  (``cumulative_local_expert_recv_stats``, the wait-cost stats, ``out``) alive until it ran.
+* Wait-cost statistics: ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``
+  are int64 ``[num_ranks]`` tensors on the buffer's device (the shape DeepEP's C++ checks; its
+  docstring's ``[num_ranks, num_ranks]`` is refused there too), accumulated into per source rank,
+  in NANOSECONDS, not DeepEP's SM clock cycles (clock64): epx times waits with ``%globaltimer``,
+  which does not change with the SM clock and means the same on every GPU and on the cpu
+  backend. One wait per source per call (DeepEP adds one per local expert and source); with
+  ``return_recv_hook`` in the hook. Ratios between ranks, which slow-rank detection reads, are
+  unaffected by the unit; docs/semantics.md §2.5.
 * Kernels: one CUDA kernel per op, hook or not (profiler rows ``epx::ll::dispatch`` and
   ``epx::ll::combine``: the hook launches the receive half of the same kernel), as DeepEP.
 * Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
   mask-buffer API), allow_nvlink_for_low_latency_mode=False, use_logfmt=True, use_nvfp4=True /
-  x_global_scale, dispatch/combine_wait_recv_cost_stats, num_tokens_per_rdma_rank,
-  get_local_buffer_tensor, internode_dispatch / internode_combine.
+  x_global_scale, num_tokens_per_rdma_rank, get_local_buffer_tensor, internode_dispatch /
+  internode_combine.
   ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
   multi-node NVLink domain; epx reaches the ranks NCCL's symmetric memory can map (engines such as
   SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
@@ -700,9 +708,6 @@ class Buffer:
         if x_global_scale is not None:
             raise errors.unsupported(op, "x_global_scale (NVFP4 global scale): epx has no NVFP4 "
                                      "path yet")
-        if dispatch_wait_recv_cost_stats is not None:
-            raise errors.unsupported(op, "dispatch_wait_recv_cost_stats: epx does not measure "
-                                     "per-rank receive wait times")
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
@@ -728,7 +733,8 @@ class Buffer:
             buf = self._ll_buffer(op, *key)
         recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x))
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
+            dispatch_wait_recv_cost_stats)
         handle = _LlHandle(native, buf, self._ll_tail)
         packed = (recv_x, scales) if use_fp8 else recv_x
         event = (self._event(True, (x, topk_idx, recv_x, scales, count)) if async_finish else
@@ -746,9 +752,6 @@ class Buffer:
             self._check_ll(op)
         if use_logfmt:
             raise errors.unsupported(op, "use_logfmt=True: epx combines in bf16 only")
-        if combine_wait_recv_cost_stats is not None:
-            raise errors.unsupported(op, "combine_wait_recv_cost_stats: epx does not measure "
-                                     "per-rank receive wait times")
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
@@ -759,7 +762,7 @@ class Buffer:
         self._device = _torch.device_key(topk_weights)
         combined, hook = handle._buffer._native.ll_combine(
             x, topk_idx, topk_weights, handle._handle, bool(zero_copy), bool(return_recv_hook),
-            out, _torch.stream_of(topk_weights))
+            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats)
         event = (self._event(True, (x, topk_idx, topk_weights, combined)) if async_finish else
                  EventOverlap())
         return combined, event, hook

@@ -76,6 +76,14 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// Wait-cost statistics (docs/semantics.md §2.5): adds the nanoseconds since `start` (a
+// globaltimer_ns() reading of this thread) to *acc.
+__device__ __forceinline__ void add_wait_ns(int64_t* acc, uint64_t start) {
+  const uint64_t now = globaltimer_ns();
+  atomicAdd(reinterpret_cast<unsigned long long*>(acc),
+            static_cast<unsigned long long>(now > start ? now - start : 0));
+}
+
 // Sequence numbers wrap at 2^32: `seen` has reached `want` if it is not behind it.
 __device__ __forceinline__ bool seq_reached(uint32_t seen, uint32_t want) {
   return static_cast<int32_t>(seen - want) >= 0;
@@ -155,14 +163,24 @@ __device__ __forceinline__ void signal_ranks(int num_ranks, uint64_t skip_mask,
 // Thread s < num_ranks (bit s of skip_mask clear) waits until local flag[s] reached want_of(s)
 // (seq_reached); false on the whole CTA when a wait timed out or the kernel aborted (then the CTA
 // must leave). Skipped ranks are never read. Also the barrier that orders the CTA's later loads
-// after the acquire.
+// after the acquire. `wait_ns` (optional, [num_ranks] int64): thread s adds the nanoseconds from
+// its start until it saw flag[s] ready to wait_ns[s] (not when its wait failed); null costs one
+// branch.
 template <typename WantOf>
 __device__ __forceinline__ bool wait_ranks(const uint32_t* flag, int num_ranks, uint64_t skip_mask,
-                                           WantOf want_of, const WaitContext& w, uint32_t what) {
+                                           WantOf want_of, const WaitContext& w, uint32_t what,
+                                           int64_t* wait_ns = nullptr) {
   bool ok = true;
   const int s = threadIdx.x;
-  if (s < num_ranks && !rank_skipped(skip_mask, s))
-    ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
+  if (s < num_ranks && !rank_skipped(skip_mask, s)) {
+    if (wait_ns == nullptr) {
+      ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
+    } else {
+      const uint64_t start = globaltimer_ns();
+      ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
+      if (ok) add_wait_ns(wait_ns + s, start);
+    }
+  }
   return __syncthreads_and(ok) != 0;
 }
 

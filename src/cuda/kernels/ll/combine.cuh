@@ -19,6 +19,10 @@
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
 //   5. waits combine_ready[q][d] >= e * C for every peer d, then reads begin/count of its block
 //      in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r);
+//      wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens
+//      whenever T > 0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the
+//      nanoseconds until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing
+//      for d = r, whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
 //   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
 //      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
 //      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode);
@@ -71,7 +75,9 @@ struct LlCombineParams {
   int32_t copy_own;
   int64_t* stash_ids;
   float* stash_w;
-  int32_t pdl;         // launched with programmatic dependent launch (cuda/launch.h)
+  int32_t pdl;  // launched with programmatic dependent launch (cuda/launch.h)
+  // Optional [R] int64, contiguous: combine_wait_recv_cost_stats (the receive half adds to it).
+  int64_t* wait_stats;
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -249,10 +255,14 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     __shared__ int s_ok;
     if (threadIdx.x < 32) {
       bool ok = true;
-      for (int d = threadIdx.x; d < R && ok; d += 32)
-        if (d != me)
-          ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
-                               kWaitRows, d);
+      int64_t* const wait_ns = blockIdx.x == 0 ? p.wait_stats : nullptr;
+      const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
+      for (int d = threadIdx.x; d < R && ok; d += 32) {
+        if (d == me) continue;
+        ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
+                             kWaitRows, d);
+        if (wait_ns && ok) add_wait_ns(wait_ns + d, wait_start);
+      }
       ok = __all_sync(0xffffffffu, ok);
       __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
       EPX_LL_STAMP(p, 1, kTrCReadyWait);

@@ -28,6 +28,10 @@
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t;
 //   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
+//   Wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0's thread s reads
+//   %globaltimer when it starts waiting for dispatch_sent[q][s] and adds the nanoseconds until it
+//   saw it reached to wait_stats[s] (atomicAdd; one wait per source per call: every unit waits
+//   for the same counters at about the same time, so CTA 0's wait stands for all of them).
 //   Every CTA then releases +1 into dispatch_freed[q][r] on every rank (its reads of the staging
 //   are done: the senders may overwrite it once all C did) and sets its epoch word to e.
 // Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
@@ -59,6 +63,7 @@ struct LlDispatchParams {
   int64_t* layout_range;     // [L, R]
   int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
+  int64_t* wait_stats;  // optional [R] int64, contiguous: dispatch_wait_recv_cost_stats
   int32_t phases;   // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
   int32_t pdl;      // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
@@ -469,10 +474,11 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
 
   if (static_cast<int>(blockIdx.x) < units) {
-    // Every source's tokens for this slot landed (pairs with step 4 of the send).
+    // Every source's tokens for this slot landed (pairs with step 4 of the send); CTA 0 times
+    // each source's wait when asked to.
     if (!wait_ranks(
             g.sync(symm.local)->dispatch_sent[q], R, 0, [&](int) { return e * gridDim.x; }, p.wait,
-            kWaitRows))
+            kWaitRows, blockIdx.x == 0 ? p.wait_stats : nullptr))
       return false;
     EPX_LL_STAMP(p, 0, kTrDRecvWait);
     if (blockIdx.x == 0 && threadIdx.x < R) {
