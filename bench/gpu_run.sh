@@ -29,7 +29,8 @@
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
 #             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
-#             shape, ll decode shape; the cpu backend beside it) and its pytest
+#             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
+#             beside it) and its pytest
 #   main      scripts/run.sh (the README's main job: the demo on every GPU, epx-bench --check)
 #
 # Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -221,11 +222,11 @@ batch_trace() {
 batch_overhead() {
   local rows="^T=|^\||skipped"
   step overhead.cuda_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --device cuda \
-    --iters 3000 --parts --alloc-ab
+    --iters 3000 --parts --alloc-ab --breakdown 10
   step overhead.cuda_decode 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 --max-tokens 128
   step overhead.cpu_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --iters 3000 \
-    --parts --alloc-ab
+    --parts --alloc-ab --breakdown 10
   step overhead.pytest 240 "passed|failed" "$EPX_PYTHON" -m pytest -q -rs \
     tests/python/test_overhead_script.py
 }

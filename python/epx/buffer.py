@@ -35,9 +35,15 @@ def _native_group(group):
                          "epx.Group (see epx.Group.from_process_group)")
 
 
+_tuple_new = tuple.__new__  # a namedtuple from the extension's tuple, without its __new__ frame
+
+#: x dtypes ll refuses (it quantises bf16 x itself): fp8 and uint8.
+_LL_NOT_X = frozenset((_torch.FP8_DTYPE, torch.uint8))
+
+
 def _check_ll_x(op, x):
     """ll takes bf16 x and quantises it itself (use_fp8): an fp8 (or uint8) x is a mistake."""
-    if isinstance(x, torch.Tensor) and (_torch.is_fp8(x) or x.dtype is torch.uint8):
+    if isinstance(x, torch.Tensor) and x.dtype in _LL_NOT_X:
         raise errors.invalid(op, f"argument 'x' has dtype {x.dtype}, expected bfloat16: ll "
                              "dispatch quantises bf16 x to fp8 itself (use_fp8=True) and takes "
                              "no scales")
@@ -128,10 +134,10 @@ class Buffer:
         is added the nanoseconds this rank's receive waited for rank s's tokens (in the hook with
         return_recv_hook; docs/semantics.md §2.5)."""
         _check_ll_x("ll_dispatch", x)
-        return LlDispatchResult(*self._native.ll_dispatch(
+        return _tuple_new(LlDispatchResult, self._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats, _stream(x),
-            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats))
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
+            dispatch_wait_recv_cost_stats))
 
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
@@ -141,9 +147,9 @@ class Buffer:
         combine_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
         is added the nanoseconds this rank's receive waited for rank s's expert outputs (in the
         hook with return_recv_hook; docs/semantics.md §2.5)."""
-        return LlCombineResult(*self._native.ll_combine(
+        return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
-            _stream(topk_weights), combine_wait_recv_cost_stats=combine_wait_recv_cost_stats))
+            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats))
 
     @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):

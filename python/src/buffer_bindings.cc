@@ -42,8 +42,13 @@ struct Hook {
   }
 };
 
-py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op, py::object keep) {
+// `keep0`, `keep1`: what the hook's kernel writes (Hook::keep); the tuple is built only when
+// there is a hook.
+py::object make_hook(LlHook fn, const BufferPtr& owner, const char* op, py::handle keep0,
+                     py::handle keep1) {
   if (!fn) return py::none();
+  py::tuple keep = py::make_tuple(py::reinterpret_borrow<py::object>(keep0),
+                                  py::reinterpret_borrow<py::object>(keep1));
   return py::cast(std::make_shared<Hook>(Hook{std::move(fn), owner, op, std::move(keep)}));
 }
 
@@ -89,14 +94,26 @@ py::tuple ht_layout(const BufferPtr& b, py::handle topk_idx, uintptr_t stream) {
                         to_torch(r.is_token_in_rank));
 }
 
+// The C++ object behind a handle argument, or null where it is no T (one type look-up; the
+// message of the error is built only when there is one).
+template <typename T>
+std::shared_ptr<T> handle_or_null(py::handle h) {
+  if (h.is_none()) return nullptr;
+  py::detail::make_caster<std::shared_ptr<T>> caster;
+  if (!caster.load(h, false)) return nullptr;
+  return py::detail::cast_op<std::shared_ptr<T>>(caster);
+}
+
 // The handle arguments: an HtHandle / LlHandle, else InvalidArgument naming the argument.
 std::shared_ptr<HtHandle> ht_handle_arg(py::handle h, const char* op, bool allow_none = false) {
+  if (auto p = handle_or_null<HtHandle>(h)) return p;
   return bound_arg<HtHandle>(h, std::string(op) + ": argument 'handle'",
                              std::string("an epx HtHandle (the handle ht_dispatch returned)") +
                                  (allow_none ? " or None" : ""),
                              allow_none);
 }
 std::shared_ptr<LlHandle> ll_handle_arg(py::handle h, const char* op) {
+  if (auto p = handle_or_null<LlHandle>(h)) return p;
   return bound_arg<LlHandle>(h, std::string(op) + ": argument 'handle'",
                              "an epx LlHandle (the handle ll_dispatch returned)");
 }
@@ -172,9 +189,7 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
     r = b->ll_dispatch(args, torch_allocator());
   }
   const auto owner = owner_of(b);
-  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch",
-                              py::make_tuple(py::reinterpret_borrow<py::object>(stats),
-                                             py::reinterpret_borrow<py::object>(wait_stats)));
+  py::object hook = make_hook(std::move(r.hook), b, "ll_dispatch", stats, wait_stats);
   return py::make_tuple(to_torch(r.recv_x, owner), to_torch(r.recv_scales, owner),
                         to_torch(r.recv_count, owner),
                         py::cast(std::make_shared<LlHandle>(std::move(r.handle))), hook);
@@ -203,8 +218,7 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   }
   py::object result =
       out.is_none() ? to_torch(r.out, owner_of(b)) : py::reinterpret_borrow<py::object>(out);
-  py::tuple keep = py::make_tuple(result, py::reinterpret_borrow<py::object>(wait_stats));
-  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine", std::move(keep)));
+  return py::make_tuple(result, make_hook(std::move(r.hook), b, "ll_combine", result, wait_stats));
 }
 
 }  // namespace

@@ -135,7 +135,8 @@ void bind_timing(py::module_& m) {
         return py::make_tuple(s.calls, s.ns);
       },
       py::arg("reset") = false,
-      "(calls, host ns) of the torch allocator since the last reset (reset=True zeroes).");
+      "(calls, host ns) of the torch allocator since the last reset (reset=True zeroes); the "
+      "first call starts the host timing (no clock read per allocation before).");
   m.def("_set_alloc_new_empty", &set_torch_alloc_new_empty, py::arg("on"),
         "Outputs by a cached template's new_empty (True, default) or by torch.empty (False).");
   m.def("_time_ll_cpp", &time_ll, py::arg("buffer"), py::arg("x"), py::arg("topk_idx"),

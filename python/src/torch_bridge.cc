@@ -22,12 +22,17 @@ namespace {
 TorchApi* g_api = new TorchApi();
 
 std::atomic<uint64_t> g_alloc_calls{0}, g_alloc_ns{0};
+// Host time of the allocations is measured from the first torch_alloc_stats() call on (two clock
+// reads per output, ≈ 0.05 µs: none until a benchmark asks); calls are always counted.
+std::atomic<bool> g_alloc_timed{false};
 
-// Owns one reference to a torch tensor; the deleter of an allocated Tensor's storage.
+// Owns one reference to a torch tensor; the deleter of an allocated Tensor's storage. Its dtype
+// and shape (a fixed array: no heap allocation per output) let to_torch() recognise the tensor.
 struct PyRef {
   PyObject* obj = nullptr;
   DType dtype = DType::kU8;
-  std::vector<int64_t> shape;
+  int ndim = 0;
+  std::array<int64_t, kMaxDims> shape{};
   void operator()(void*) const {
     if (obj == nullptr || !Py_IsInitialized()) return;
     PyGILState_STATE state = PyGILState_Ensure();
@@ -125,6 +130,8 @@ struct Names {
   PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
   PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
   PyObject* get_device = PyUnicode_InternFromString("get_device");
+  PyObject* mT = PyUnicode_InternFromString("mT");
+  PyObject* as_strided = PyUnicode_InternFromString("as_strided");
 };
 
 const Names& names() {
@@ -147,10 +154,11 @@ const py::dict& empty_kwargs(DType dtype, Device device) {
   return it->second;
 }
 
-// A 0-element tensor of (dtype, device), one per pair, built once (never freed, as the dicts
-// above): outputs are made by its new_empty(sizes), which skips torch.empty's keyword parsing —
-// ≈ 1 µs less per output on CUDA (docs/perf.md §4.5, 8acf6bc).
-PyObject* empty_template(DType dtype, Device device) {
+// The bound method new_empty of a 0-element tensor of (dtype, device), one per pair, built once
+// (never freed, as the dicts above): outputs are made by new_empty(sizes), which skips
+// torch.empty's keyword parsing — ≈ 1 µs less per output on CUDA (docs/perf.md §4.5, 8acf6bc);
+// bound once, so no method look-up per output.
+PyObject* empty_template_new_empty(DType dtype, Device device) {
   static auto* cache = new std::map<int, py::object>();
   const int key =
       static_cast<int>(dtype) * 4096 + (device.type == DeviceType::kCpu ? 0 : 1 + device.index);
@@ -159,7 +167,10 @@ PyObject* empty_template(DType dtype, Device device) {
     py::object t = py::reinterpret_steal<py::object>(PyObject_Call(
         torch_api().empty.ptr(), py::make_tuple(0).ptr(), empty_kwargs(dtype, device).ptr()));
     if (!t) throw py::error_already_set();
-    it = cache->emplace(key, std::move(t)).first;
+    py::object method =
+        py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), names().new_empty));
+    if (!method) throw py::error_already_set();
+    it = cache->emplace(key, std::move(method)).first;
   }
   return it->second.ptr();
 }
@@ -255,7 +266,9 @@ TensorView to_view(py::handle t, const char* what) {
 const Allocator& torch_allocator() {
   static const Allocator alloc = [](DType dtype, const std::vector<int64_t>& shape,
                                     Device device) -> Tensor {
-    const auto start = std::chrono::steady_clock::now();
+    const bool timed = g_alloc_timed.load(std::memory_order_relaxed);
+    const auto start =
+        timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     py::gil_scoped_acquire gil;
     py::tuple sizes(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
@@ -264,7 +277,7 @@ const Allocator& torch_allocator() {
     py::object t;
     if (g_alloc_new_empty.load(std::memory_order_relaxed)) {
       t = py::reinterpret_steal<py::object>(
-          PyObject_CallMethodOneArg(empty_template(dtype, device), names().new_empty, sizes.ptr()));
+          PyObject_CallOneArg(empty_template_new_empty(dtype, device), sizes.ptr()));
     } else {  // torch.empty(sizes, dtype=, device=): the A/B of bench_overhead.py
       py::tuple args = py::make_tuple(sizes);
       t = py::reinterpret_steal<py::object>(
@@ -277,16 +290,24 @@ const Allocator& torch_allocator() {
     void* data = PyLong_AsVoidPtr(ptr.ptr());
     Tensor out;
     static_cast<TensorView&>(out) = TensorView::contiguous(data, dtype, shape, device);
-    out.storage = std::shared_ptr<void>(data, PyRef{t.release().ptr(), dtype, shape});
-    const std::chrono::duration<double, std::nano> ns = std::chrono::steady_clock::now() - start;
+    PyRef ref;
+    ref.dtype = dtype;
+    ref.ndim = out.ndim;
+    for (int i = 0; i < out.ndim; ++i) ref.shape[i] = out.shape[i];
+    ref.obj = t.release().ptr();
+    out.storage = std::shared_ptr<void>(data, ref);
     g_alloc_calls.fetch_add(1, std::memory_order_relaxed);
-    g_alloc_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
+    if (timed) {
+      const std::chrono::duration<double, std::nano> ns = std::chrono::steady_clock::now() - start;
+      g_alloc_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
+    }
     return out;
   };
   return alloc;
 }
 
 AllocStats torch_alloc_stats(bool reset) {
+  g_alloc_timed.store(true, std::memory_order_relaxed);
   AllocStats s;
   s.calls = reset ? g_alloc_calls.exchange(0) : g_alloc_calls.load();
   s.ns = reset ? g_alloc_ns.exchange(0) : g_alloc_ns.load();
@@ -333,12 +354,33 @@ py::object to_torch(const Tensor& t, const std::shared_ptr<void>& fallback_owner
   }
   py::handle base(ref->obj);
   char* base_ptr = static_cast<char*>(t.storage.get());
-  bool same_shape = t.ndim == static_cast<int>(ref->shape.size());
+  bool same_shape = t.ndim == ref->ndim;
   for (int i = 0; same_shape && i < t.ndim; ++i) same_shape = t.shape[i] == ref->shape[i];
   if (t.data == base_ptr && t.dtype == ref->dtype && same_shape && t.is_contiguous()) {
     return py::reinterpret_borrow<py::object>(base);
   }
-  // A view of the allocation with other shape, strides, offset or dtype (column-major scales).
+  // The allocation with its last two dims swapped (ll's column-major fp8 scales): base.mT, an
+  // attribute (≈ 1 µs less than as_strided's argument parsing; torch >= 1.11, else as_strided).
+  if (t.data == base_ptr && t.dtype == ref->dtype && t.ndim >= 2 && t.ndim == ref->ndim) {
+    const int n = t.ndim;
+    std::array<int64_t, kMaxDims> base_strides{};  // the allocation's: contiguous
+    int64_t acc = 1;
+    for (int k = n - 1; k >= 0; --k) {
+      base_strides[k] = acc;
+      acc *= ref->shape[k];
+    }
+    bool swapped = true;
+    for (int i = 0; swapped && i < n; ++i) {
+      const int j = i == n - 1 ? n - 2 : i == n - 2 ? n - 1 : i;
+      swapped = t.shape[i] == ref->shape[j] && t.strides[i] == base_strides[j];
+    }
+    if (swapped) {
+      PyObject* mt = PyObject_GetAttr(base.ptr(), names().mT);
+      if (mt != nullptr) return py::reinterpret_steal<py::object>(mt);
+      PyErr_Clear();
+    }
+  }
+  // A view of the allocation with other shape, strides, offset or dtype.
   py::object storage = py::reinterpret_borrow<py::object>(base);
   if (t.dtype != ref->dtype) {
     storage = storage.attr("reshape")(-1)
@@ -357,7 +399,7 @@ py::object to_torch(const Tensor& t, const std::shared_ptr<void>& fallback_owner
     sizes[i] = py::int_(t.shape[i]);
     strides[i] = py::int_(t.strides[i]);
   }
-  return storage.attr("as_strided")(sizes, strides, offset_bytes / elem);
+  return storage.attr(py::handle(names().as_strided))(sizes, strides, offset_bytes / elem);
 }
 
 }  // namespace epx::python

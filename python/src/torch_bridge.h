@@ -58,7 +58,8 @@ const Allocator& torch_allocator();
 
 // Calls of torch_allocator() and the host nanoseconds spent in them (GIL taken back, new_empty,
 // data_ptr) since the last reset: the allocation share of a Python call's cost
-// (tests/python/bench_overhead.py). `reset`: zero both after reading.
+// (tests/python/bench_overhead.py). `reset`: zero both after reading. The first call starts the
+// timing (until then the allocator reads no clock: ns stays 0; calls are always counted).
 struct AllocStats {
   uint64_t calls = 0;
   uint64_t ns = 0;

@@ -17,11 +17,16 @@ calls back to back. Both devices: "allocs" and "in the allocator" are the epx ro
 allocations per iteration and the host time spent in them (epx._epx._alloc_stats; the mean over
 all runs, where the row is the best run), a part of its overhead.
 
+--breakdown ROUNDS: where the host time of one ll dispatch + combine goes, layer by layer (the
+DeepEP drop-in as bench/engine_timing.py calls it, epx.Buffer, the extension's calls, the C++ op,
+the output allocations; ll_breakdown), docs/perf.md §4.5.
+
     PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N] [--device cuda]
 """
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -45,25 +50,28 @@ class Clock:
         self.stream_us = {}
         self.alloc = {}  # name -> (allocations, us) per iteration
 
+    def run(self, fn, iters):
+        """One run: host us per iteration of `iters` calls of fn (on CUDA in chunks)."""
+        every = self.every or iters
+        total, done = 0.0, 0
+        while done < iters:
+            n = min(every, iters - done)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            total += time.perf_counter() - start
+            done += n
+            if self.sync:
+                self.sync()
+        return total / iters * 1e6
+
     def timed(self, fn, iters, name=None):
         fn()  # warm up (lazy buffer creation)
         if self.sync:
             self.sync()
         every = self.every or iters
-        samples = []
         _epx._alloc_stats(True)
-        for _ in range(self.repeats):
-            total, done = 0.0, 0
-            while done < iters:
-                n = min(every, iters - done)
-                start = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                total += time.perf_counter() - start
-                done += n
-                if self.sync:
-                    self.sync()
-            samples.append(total / iters * 1e6)
+        samples = [self.run(fn, iters) for _ in range(self.repeats)]
         calls, ns = _epx._alloc_stats(True)
         if name:
             n = iters * self.repeats
@@ -115,6 +123,79 @@ def ll_parts(clock, buf, x, idx, w, y, iters):
              clock.timed(empties, iters))]
 
 
+def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
+    """Where the host time of one ll dispatch + combine goes, layer by layer (docs/perf.md §4.5):
+    the DeepEP drop-in called as the engine harness calls it (bench/engine_timing.py: fp8,
+    cumulative_local_expert_recv_stats, no hook; and bf16 without stats), then the same pair one
+    layer lower each time, on the same epx buffer:
+      compat   deep_ep.Buffer.low_latency_dispatch + low_latency_combine
+      epx      epx.Buffer.ll_dispatch + ll_combine
+      native   the extension's two calls (Buffer._native), the stream looked up once: pybind11's
+               argument handling, the tensor views, the GIL, the output allocations, the result
+               tuple and handle
+      cpp      the C++ op alone, in a C++ loop (caching allocator; no stats tensor)
+    and the output allocations inside the native calls (torch's allocator, called from C++ with
+    the GIL taken back). Each layer's differences to the next: the per-pair cost of that layer.
+    Each round times every layer once (`iters` pairs each, the layers interleaved); each layer's
+    time is its best round (the machine may be shared), the allocations' the least of the native
+    rounds'."""
+    from epx import _torch
+    stats = torch.zeros(E, dtype=torch.int32, device=dev)
+    s = _torch.stream_of(x)
+    out = {}
+    for fp8, with_stats in ((True, True), (False, False)):
+        st = stats if with_stats else None
+        dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+        dbuf.low_latency_dispatch(x, idx, T_max, E, cumulative_local_expert_recv_stats=st,
+                                  use_fp8=fp8)  # creates the epx buffer
+        buf = dbuf._ll
+        nat = buf._native
+
+        def compat():
+            r = dbuf.low_latency_dispatch(x, idx, T_max, E, cumulative_local_expert_recv_stats=st,
+                                          use_fp8=fp8)
+            dbuf.low_latency_combine(y, idx, w, r[2])
+
+        def wrapper():
+            r = buf.ll_dispatch(x, idx, use_fp8=fp8, cumulative_local_expert_recv_stats=st)
+            buf.ll_combine(y, idx, w, r.handle)
+
+        def native():
+            r = nat.ll_dispatch(x, idx, fp8, False, False, False, st, s)
+            nat.ll_combine(y, idx, w, r[3], False, False, None, s)
+
+        layers = {"compat": compat, "epx": wrapper, "native": native}
+        for fn in layers.values():
+            fn()
+        if clock.sync:
+            clock.sync()
+        best = {k: float("inf") for k in ("compat", "epx", "native", "cpp")}
+        allocs = []  # (allocations, host us) per pair, each round's native loop
+        for _ in range(rounds):
+            for k, fn in layers.items():
+                if k == "native":
+                    _epx._alloc_stats(True)
+                best[k] = min(best[k], clock.run(fn, iters))
+                if k == "native":
+                    calls, ns = _epx._alloc_stats(True)
+                    allocs.append((calls / iters, ns / iters / 1e3))
+            best["cpp"] = min(best["cpp"], _epx._time_ll_cpp(nat, x, idx, w, fp8, iters, clock.sync,
+                                                             clock.every) / 1e3)
+        n_alloc = statistics.median(a[0] for a in allocs)
+        alloc_us = min(a[1] for a in allocs)
+        out["fp8 + stats" if with_stats else "bf16"] = [
+            ("compat pair (the engine's call)", best["compat"]),
+            ("host overhead: compat - C++ op", best["compat"] - best["cpp"]),
+            ("deep_ep layer: compat - epx", best["compat"] - best["epx"]),
+            ("epx.Buffer layer: epx - native", best["epx"] - best["native"]),
+            ("bindings: native - cpp - allocations", best["native"] - best["cpp"] - alloc_us),
+            ("output allocations per pair (count)", n_alloc),
+            ("output allocations (us)", alloc_us),
+            ("C++ op (C++ loop)", best["cpp"])]
+        del dbuf, buf, nat
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
@@ -129,6 +210,10 @@ def main():
     parser.add_argument("--alloc-ab", action="store_true",
                         help="also time the epx rows with outputs made by torch.empty instead of "
                         "the default new_empty on a cached template")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="ROUNDS",
+                        help="also time an ll pair layer by layer through the DeepEP drop-in "
+                        "(fp8 with stats, as bench/engine_timing.py calls it, and bf16): best of "
+                        "ROUNDS rounds of --iters pairs")
     parser.add_argument("--parts", action="store_true",
                         help="also time the parts of the ll bf16 row (wrapper, stream look-up, "
                         "torch.empty of its outputs' shapes)")
@@ -179,6 +264,9 @@ def main():
                      clock.timed(compat_ll, args.iters)))
         if args.parts and not fp8:
             parts = ll_parts(clock, buf, x, idx, w, y, args.iters)
+
+    if args.breakdown:
+        breakdown = ll_breakdown(clock, dev, x, idx, w, y, T_max, E, args.iters, args.breakdown)
 
     # ---- a2a ----
     idx32 = idx.to(torch.int32)
@@ -255,6 +343,13 @@ def main():
                 alloc_us.append(clock.alloc[name][1])
             print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "
                   f"{alloc_us[0]:.1f} | {alloc_us[1]:.1f} |")
+    if args.breakdown:
+        cols = list(breakdown)
+        print(f"| ll dispatch + combine, layer (best of {args.breakdown} rounds) | " +
+              " | ".join(f"us per pair, {c}" for c in cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for i, (name, _) in enumerate(breakdown[cols[0]]):
+            print(f"| {name} | " + " | ".join(f"{breakdown[c][i][1]:.1f}" for c in cols) + " |")
     if args.parts:
         print("| ll bf16 dispatch + combine, part | us per iteration |")
         print("|---|---|")

@@ -36,9 +36,15 @@ def run_overhead(*flags):
 
 
 def test_overhead_script_runs_on_the_cpu_backend():
-    out, rows = run_overhead()
+    out, rows = run_overhead("--breakdown", "1")
     assert "R=1 cpu backend" in out
     assert all(len(v) == 7 for v in rows.values()), out
+    # The ll pair layer by layer (perf.md §4.5): both configurations, every layer.
+    assert "| ll dispatch + combine, layer (best of 1 rounds) | us per pair, fp8 + stats | " \
+        "us per pair, bf16 |" in out, out
+    for layer in ("compat pair", "deep_ep layer", "epx.Buffer layer", "bindings",
+                  "output allocations (us)", "C++ op"):
+        assert f"| {layer}" in out, (layer, out)
 
 
 @pytest.mark.gpu  # skipped with the reason where there is no GPU (conftest.py)

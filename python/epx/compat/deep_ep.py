@@ -183,11 +183,13 @@ class _HtHandle(tuple):
 
 class _LlHandle(tuple):
     """DeepEP's low-latency handle (src_info, layout_range, T_max, hidden, num_experts); also
-    carries the epx handle and the buffer that made it."""
+    carries the epx handle and the buffer that made it. `tail`: (T_max, hidden, num_experts) of
+    the buffer when the caller has them (the handle's own, read from it otherwise)."""
 
-    def __new__(cls, native, buffer):
-        self = super().__new__(cls, (native.src_info, native.layout_range, native.max_tokens,
-                                     native.hidden, native.num_experts))
+    def __new__(cls, native, buffer, tail=None):
+        if tail is None:
+            tail = (native.max_tokens, native.hidden, native.num_experts)
+        self = _tuple_new(cls, (native.src_info, native.layout_range) + tail)
         self._handle = native
         self._buffer = buffer
         return self
@@ -220,6 +222,12 @@ def _ll_state(op, handle):
         raise errors.invalid(op, f"argument 'handle' is a {type(handle).__name__}, expected the "
                              "handle returned by Buffer.low_latency_dispatch")
     return handle._handle, handle._buffer
+
+
+_tuple_new = tuple.__new__
+
+#: x dtypes the low-latency dispatch refuses (it quantises bf16 x itself): fp8 and uint8.
+_LL_NOT_X = frozenset((_torch.FP8_DTYPE, torch.uint8))
 
 
 def _tensor(op, name, value, ndim=None):
@@ -282,6 +290,7 @@ class Buffer:
         self._ht_key = None     # (device, num_sms, H, K, E)
         self._ll = None         # epx Buffer for low-latency mode
         self._ll_key = None     # (device, T_max, H, K, E)
+        self._ll_tail = None    # (T_max, H, E) of the ll buffer, as its handles carry them
         self._device = None     # 'cpu' / 'cuda:i' of the last op
 
     # ---- class-level API ---------------------------------------------------------------------
@@ -474,6 +483,8 @@ class Buffer:
             self._ll = _EpxBuffer(group, hidden, top_k, num_experts, max_tokens, enable_ht=False,
                                   enable_ll=True)
             self._ll_key = key
+            # The int fields of every handle of this buffer (DeepEP's handle[2:]), read once.
+            self._ll_tail = (self._ll.max_tokens_per_rank, self._ll.hidden, self._ll.num_experts)
         return self._ll
 
     def _begin(self, op, t, previous_event):
@@ -687,7 +698,11 @@ class Buffer:
         None unless return_recv_hook.
         """
         op = "low_latency_dispatch"
-        self._check_ll(op)
+        # Per call (docs/perf.md §4.5): each check is a plain test with the full check, and its
+        # message, behind it; the epx op is called through the extension directly (the checks of
+        # epx.Buffer.ll_dispatch are made here), no per-call object beyond the results.
+        if not self.low_latency_mode:
+            self._check_ll(op)
         if use_nvfp4:
             raise errors.unsupported(op, "use_nvfp4=True: epx has no NVFP4 path yet")
         if x_global_scale is not None:
@@ -696,25 +711,35 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
-        _tensor(op, "x", x, 2)
-        if _torch.is_fp8(x) or x.dtype is torch.uint8:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            _tensor(op, "x", x, 2)
+        if x.dtype in _LL_NOT_X:
             raise errors.invalid(op, f"argument 'x' has dtype {x.dtype}, expected "
                                  "torch.bfloat16: the low-latency dispatch quantises bf16 x to "
                                  "fp8 itself (use_fp8=True) and takes no scales")
-        _tensor(op, "topk_idx", topk_idx, 2)
-        errors.check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        errors.check_int(op, "num_experts", num_experts, 1)
-        device = self._begin(op, x, None)
-        buf = self._ll_buffer(op, device, num_max_dispatch_tokens_per_rank, x.shape[1],
-                              topk_idx.shape[1], num_experts)
-        recv_x, scales, count, native, hook = buf.ll_dispatch(
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            _tensor(op, "topk_idx", topk_idx, 2)
+        max_tokens = num_max_dispatch_tokens_per_rank
+        if type(max_tokens) is not int or max_tokens < 1:
+            errors.check_int(op, "num_max_dispatch_tokens_per_rank", max_tokens, 1)
+        if type(num_experts) is not int or num_experts < 1:
+            errors.check_int(op, "num_experts", num_experts, 1)
+        if self._destroyed:
+            self._check_alive(op)
+        device = self._device = _torch.device_key(x)
+        key = (device, max_tokens, x.shape[1], topk_idx.shape[1], num_experts)
+        buf = self._ll
+        if buf is None or key != self._ll_key:
+            buf = self._ll_buffer(op, *key)
+        recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-            bool(return_recv_hook), cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
-        handle = _LlHandle(native, buf)
+            bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
+            dispatch_wait_recv_cost_stats)
+        handle = _LlHandle(native, buf, self._ll_tail)
         packed = (recv_x, scales) if use_fp8 else recv_x
-        return packed, count, handle, self._event(async_finish, (x, topk_idx, recv_x, scales,
-                                                                 count)), hook
+        event = (self._event(True, (x, topk_idx, recv_x, scales, count)) if async_finish else
+                 EventOverlap())
+        return packed, count, handle, event, hook
 
     @_torch.plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
@@ -723,18 +748,24 @@ class Buffer:
         """Low-latency combine (docs/semantics.md §2.3): out[t] = sum_k w[t][k] * x(t, k).
         -> (combined_x[T, H], event, hook)."""
         op = "low_latency_combine"
-        self._check_ll(op)
+        if not self.low_latency_mode:
+            self._check_ll(op)
         if use_logfmt:
             raise errors.unsupported(op, "use_logfmt=True: epx combines in bf16 only")
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
-        native, buf = _ll_state(op, handle)
-        self._begin(op, topk_weights, None)
-        combined, hook = buf.ll_combine(x, topk_idx, topk_weights, native, bool(zero_copy),
-                                        bool(return_recv_hook), out,
-                                        combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
-        return combined, self._event(async_finish, (x, topk_idx, topk_weights, combined)), hook
+        if not isinstance(handle, _LlHandle):
+            _ll_state(op, handle)
+        if self._destroyed:
+            self._check_alive(op)
+        self._device = _torch.device_key(topk_weights)
+        combined, hook = handle._buffer._native.ll_combine(
+            x, topk_idx, topk_weights, handle._handle, bool(zero_copy), bool(return_recv_hook),
+            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats)
+        event = (self._event(True, (x, topk_idx, topk_weights, combined)) if async_finish else
+                 EventOverlap())
+        return combined, event, hook
 
     @_torch.plain_torch
     def get_next_low_latency_combine_buffer(self, handle):
