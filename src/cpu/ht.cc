@@ -151,10 +151,21 @@ Tensor alloc_tensor(const Allocator& alloc, DType dtype, std::vector<int64_t> sh
 
 std::string show_given(int64_t v) { return v ? "given" : "absent"; }
 
+// Rank p's header, at the start of its region.
+const RegionHeader* peer_header(const SymmetricMemory& mem, int p) {
+  return static_cast<const RegionHeader*>(mem.peer(p));
+}
+
+// After the pull: OutOfStep if a peer republished while this rank read (cpu_buffer.h, Stamp).
+void recheck_peer_stamps(const SymmetricMemory& mem, int R, int32_t op, const StepState& step) {
+  recheck_stamps(op_name(op), mem.rank(), R, step.generation, step.calls,
+                 [&](int p) -> const Stamp& { return peer_header(mem, p)->stamp; });
+}
+
 // Every rank must be in the same op with the same per-call values: all ranks read the same
 // headers, so all of them throw together, naming every value that differs with each rank's.
 void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op, const StepState& step) {
-  auto header = [&](int p) { return static_cast<const RegionHeader*>(mem.peer(p)); };
+  auto header = [&](int p) { return peer_header(mem, p); };
   check_stamps(
       op_name(op), mem.rank(), R, step.generation, step.calls,
       [&](int p) -> const Stamp& { return header(p)->stamp; },
@@ -252,7 +263,8 @@ HtLayout CpuBuffer::ht_layout(const TensorView& topk_idx, Stream, const Allocato
 }
 
 HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator& alloc) try {
-  const uint64_t call = ht_step_.begin(a.handle ? "ht_dispatch (cached)" : "ht_dispatch", "reset()");
+  const uint64_t call =
+      ht_step_.begin(a.handle ? "ht_dispatch (cached)" : "ht_dispatch", "reset()");
   const int R = group.size(), r = group.rank(), K = shape.top_k;
   const int L = shape.num_experts / R;
   const int64_t H = shape.hidden, T = a.x.shape[0];
@@ -303,10 +315,6 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   transport().barrier(cached ? "ht_dispatch (cached, publish)" : "ht_dispatch (publish)");
 
   // ---- pull ------------------------------------------------------------------------------------
-  auto recheck = [&] {
-    recheck_stamps(op_name(header->op), r, R, ht_step_.generation, call,
-                   [&](int p) -> const Stamp& { return reinterpret_cast<RegionHeader*>(region(p))->stamp; });
-  };
   return pull_then_barrier(transport(), "ht_dispatch (pull)", [&] {
     check_peer_headers(mem, R, header->op, ht_step_);
     HtDispatchResult res;
@@ -364,7 +372,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
       std::memset(recv_x + N * x_row_bytes, 0, (rows - N) * x_row_bytes);
       if (fp8) std::memset(recv_scales + N * scale_row_bytes, 0, (rows - N) * scale_row_bytes);
       res.handle = *a.handle;
-      recheck();
+      recheck_peer_stamps(mem, R, header->op, ht_step_);
       return res;
     }
 
@@ -453,7 +461,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     h.num_worst_tokens = worst;
     h.top_k = K;
     h.buffer_id = id;
-    recheck();
+    recheck_peer_stamps(mem, R, header->op, ht_step_);
     return res;
   });
 } catch (const Error& e) {
@@ -557,9 +565,7 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
         }
       }
     }
-    recheck_stamps("ht_combine", r, R, ht_step_.generation, call, [&](int p) -> const Stamp& {
-      return reinterpret_cast<RegionHeader*>(region(p))->stamp;
-    });
+    recheck_peer_stamps(mem, R, kOpCombine, ht_step_);
     return res;
   });
 } catch (const Error& e) {

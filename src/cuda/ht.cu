@@ -438,7 +438,8 @@ void CudaHt::wait_count_exchange(uint32_t ticket, cudaStream_t stream) {
       if (q != cudaSuccess && q != cudaErrorNotReady)
         throw_cuda(q, "count exchange", "ht_dispatch");
       if (std::chrono::steady_clock::now() > deadline) {
-        dev_.set_unusable(ErrorCode::kOutOfStep, ht_unusable_after("the count exchange did not complete in time"));
+        dev_.set_unusable(ErrorCode::kOutOfStep,
+                          ht_unusable_after("the count exchange did not complete in time"));
         throw_error(ErrorCode::kTimeout,
                     cat("ht_dispatch: rank ", group_.rank(), " waited ", group_.timeout().count(),
                         " ms (+5 s) for the count ", "exchange to finish on its stream"));

@@ -230,7 +230,8 @@ void Dispatcher::reset_expert_load(std::optional<Stream> stream) {
 void Dispatcher::reset(std::optional<Stream> stream) {
   State& s = *s_;
   if (s.buffer) s.buffer->reset();
-  if (s.a2a) s.a2a->set_active_ranks(std::vector<bool>(s.num_ranks, true), stream.value_or(s.stream));
+  if (s.a2a)
+    s.a2a->set_active_ranks(std::vector<bool>(s.num_ranks, true), stream.value_or(s.stream));
   s.stage = Stage::kInitial;
   s.refused.clear();
   s.ht = {};

@@ -105,7 +105,8 @@ class Rank {
     };
     f.at(r, kBeforeDispatch);
     if (mode_ == StepMode::kDispatcher) {
-      DispatchOutput d = disp_->dispatch(x, topk, w, ForwardMode::kExtend, std::nullopt, io_.stream);
+      DispatchOutput d =
+          disp_->dispatch(x, topk, w, ForwardMode::kExtend, std::nullopt, io_.stream);
       add(d.x);
       add(d.topk_idx);
       add(d.topk_weights);
@@ -328,7 +329,8 @@ ScenarioReport run_out_of_step_scenario(
         const auto t0 = Clock::now();
         auto [again, why] = try_step(2 * i, Fault{});
         const bool quick = Clock::now() - t0 < 4 * timeout;
-        note("call after a Timeout", again == kOutOfStepSeen && quick ? kOutOfStepSeen : kOtherError,
+        note("call after a Timeout",
+             again == kOutOfStepSeen && quick ? kOutOfStepSeen : kOtherError,
              why + (quick ? "" : " (not at once)"));
       }
       if (res != kOk) {

@@ -66,7 +66,8 @@ __device__ void combine_send(const HtCombineParams& p, uint32_t cur) {
     s_cnt[threadIdx.x] = rows_between(p.rank_prefix_matrix, R, threadIdx.x, me);
     s_excl[threadIdx.x] = prefix_before(p.rank_prefix_matrix, R, threadIdx.x, me);
     if (threadIdx.x != me && !wait_peer_ready(p.symm, w, threadIdx.x, cur)) s_ok = 0;
-    else if (threadIdx.x != me) store_call_word(g.callword(p.symm.peers[threadIdx.x]) + me, p.call_word);
+    else if (threadIdx.x != me)
+      store_call_word(g.callword(p.symm.peers[threadIdx.x]) + me, p.call_word);
   }
   __syncthreads();
   if (!s_ok) return;
