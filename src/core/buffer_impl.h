@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "epx/a2a.h"
 #include "epx/buffer.h"
@@ -18,6 +19,26 @@ namespace epx::detail {
 // n rounded up to a multiple of `alignment`: the section offsets of the backends' buffer layouts.
 inline size_t align_up(size_t n, size_t alignment) {
   return (n + alignment - 1) / alignment * alignment;
+}
+
+// The ll handle's two tensors from ONE allocation (a torch allocation costs ≈ 2.5 us of host time
+// per dispatch, docs/perf.md §4.5): `alloc(dtype, shape)` makes the block, int64
+// [L*R + ceil(L*RT / 2)]; layout_range int64 [L, R] is its start, src_info int32 [L, RT] follows
+// (8-byte aligned); both views share the block's storage.
+template <typename Alloc>
+void allocate_ll_handle(LlHandle& h, const Alloc& alloc, int64_t L, int64_t R, int64_t RT) {
+  const int64_t range_words = L * R;
+  Tensor block = alloc(DType::kI64, std::vector<int64_t>{range_words + (L * RT + 1) / 2});
+  h.layout_range = block;
+  h.layout_range.ndim = 2;
+  h.layout_range.shape = {L, R};
+  h.layout_range.strides = {R, 1};
+  h.src_info = block;
+  h.src_info.data = block.data ? static_cast<int64_t*>(block.data) + range_words : nullptr;
+  h.src_info.dtype = DType::kI32;
+  h.src_info.ndim = 2;
+  h.src_info.shape = {L, RT};
+  h.src_info.strides = {RT, 1};
 }
 
 class BufferImpl {

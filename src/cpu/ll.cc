@@ -454,8 +454,10 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
     res.recv_scales.strides = {cols * RT, 1, RT};
   }
   res.recv_count = alloc(DType::kI32, {L}, Device::cpu());
-  res.handle.src_info = alloc(DType::kI32, {L, RT}, Device::cpu());
-  res.handle.layout_range = alloc(DType::kI64, {L, R}, Device::cpu());
+  allocate_ll_handle(
+      res.handle,
+      [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, Device::cpu()); }, L, R,
+      RT);
   res.handle.max_tokens = lay.max_tokens;
   res.handle.hidden = H;
   res.handle.num_experts = shape.num_experts;

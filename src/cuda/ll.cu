@@ -335,8 +335,12 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
       res.recv_scales.strides = {cols * RT, 1, RT};
     }
     res.recv_count = allocate(alloc, DType::kI32, {L}, op, "recv_count");
-    res.handle.src_info = allocate(alloc, DType::kI32, {L, RT}, op, "src_info");
-    res.handle.layout_range = allocate(alloc, DType::kI64, {L, R}, op, "layout_range");
+    allocate_ll_handle(
+        res.handle,
+        [&](DType dt, const std::vector<int64_t>& s) {
+          return allocate(alloc, dt, s, op, "handle");
+        },
+        L, R, RT);
   } catch (...) {
     failed = std::current_exception();
   }
