@@ -20,7 +20,8 @@
 #             EPX_BENCH_ARGS added (e.g. "--check --iters 20")
 #   gpubench  the per-mode GPU benchmarks (bench/*_gpu_bench*): ht T = 4096 at 16, 24, 32 SMs,
 #             ll T in 1..512, a2a (R = the visible GPUs, NCCL and ceiling rows), the one-GPU ht
-#             proxy (epx_ht_onegpu_bench), and with >= 2 GPUs epx_store_probe
+#             proxy (epx_ht_onegpu_bench), ll at one-GPU R = 2, 4, 8 (epx_ll_onegpu_bench), and
+#             with >= 2 GPUs epx_store_probe
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -176,6 +177,7 @@ batch_gpubench() {
     --iters 20
   step gpubench.a2a 150 "$rows" "$B/bench/epx_a2a_gpu_bench" --ranks "$G" --iters 20
   step gpubench.ht_onegpu 150 "dispatch|combine" "$B/bench/epx_ht_onegpu_bench" --sms 16
+  step gpubench.ll_onegpu 150 "^\|" "$B/bench/epx_ll_onegpu_bench" --ranks 2,4,8
   if [ "$G" -ge 2 ]; then
     step gpubench.store_probe 60 "." "$B/bench/epx_store_probe" --ctas 128 --tokens-per-cta 1
   else
