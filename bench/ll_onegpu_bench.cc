@@ -72,7 +72,10 @@ Times run_tokens(const Group& g, const Options& o, int64_t T) {
   shape.top_k = kTopK;
   shape.num_experts = o.experts;
   shape.max_tokens_per_rank = T;
-  Buffer buf(g, shape);
+  BufferConfig ll_only;
+  ll_only.enable_ht = false;
+  ll_only.enable_ll = true;
+  Buffer buf(g, shape, ll_only);
   LlDispatchArgs da;
   da.x = x;
   da.topk_idx = topk;
