@@ -14,6 +14,8 @@ host columns only). For each T of --tokens and hook off / on it prints:
 --ht-tokens T[,T..] adds normal mode (ht) as DeepEP's test_intranode times it: a cached dispatch
 (with the handle) and a combine, each alone between CUDA events after one L2 flush, its host time,
 and the profiler's device rows (kernels and copies, mean per launch, launches per call).
+--peer DIR adds the same ll rows of DeepEP itself (a checkout built by bench/build_deepep.sh),
+measured in the same processes after epx's: the side-by-side of docs/perf.md §4.3.
 Options: --default-device makes torch.set_default_device('cuda') current first (DeepEP's test
 utilities do, and engines may): every torch call in Python then passes through a
 TorchFunctionMode. --breakdown prints cProfile's top functions of 200 pairs (host time per call:
@@ -29,6 +31,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 
@@ -111,8 +114,29 @@ def kernel_rows(prof, names, phases):
     return out
 
 
+def peer_module(path):
+    """DeepEP itself from a checkout built by bench/build_deepep.sh (its deep_ep package and
+    deep_ep_cpp extension at the top of `path`)."""
+    sys.path.insert(0, path)
+    try:
+        import deep_ep
+    finally:
+        sys.path.remove(path)
+    return deep_ep
+
+
 def run(rank, world, args):
-    import epx.compat.deep_ep as deep_ep
+    import epx.compat.deep_ep as epx_deep_ep
+    modules = [("epx", epx_deep_ep)] + ([("DeepEP", peer_module(args.peer))] if args.peer else [])
+    results = []
+    for name, deep_ep in modules:
+        for row in run_module(rank, world, args, deep_ep):
+            row["module"] = name
+            results.append(row)
+    return results
+
+
+def run_module(rank, world, args, deep_ep):
     cuda = not args.cpu
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -123,7 +147,8 @@ def run(rank, world, args):
     results = []
     gen = torch.Generator().manual_seed(1234 + rank)
     for T in args.tokens:
-        buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True,
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+        buf = deep_ep.Buffer(dist.group.WORLD, 0, rdma, low_latency_mode=True,
                              num_qps_per_rank=max(E // world, 1), explicitly_destroy=True)
         x = torch.randn(T, H, generator=gen, device="cpu").to(torch.bfloat16).to(device)
         scores = torch.rand(T, E, generator=gen, device="cpu")
@@ -275,6 +300,9 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="the cpu backend (host columns only)")
     ap.add_argument("--default-device", action="store_true",
                     help="torch.set_default_device('cuda') first, as DeepEP's test utilities")
+    ap.add_argument("--peer", default="", metavar="DIR",
+                    help="also DeepEP itself, from a checkout built by bench/build_deepep.sh "
+                         "(ll rows; the same processes, after epx's)")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="cProfile's top N functions (by own time) of 200 pairs, rank 0")
     args = ap.parse_args()
@@ -313,14 +341,15 @@ def main():
     print(f"engine timing: R = {world}, H = {args.hidden}, K = {args.topk}, E = {args.experts}, "
           f"{'cpu' if args.cpu else 'cuda'}, default device "
           f"{'cuda' if args.default_device else 'unset'}; us")
-    print(f"{'rank':>4} {'T':>5} | {'dispatch row':>13} {'combine row':>12} | "
+    print(f"{'module':>6} {'rank':>4} {'T':>5} | {'dispatch row':>13} {'combine row':>12} | "
           f"{'hooked dispatch':>16} {'hooked combine':>15} | {'events mean/min':>16} | "
           f"{'host pair':>9} {'hooked':>7} {'idle':>6} {'hooked':>7}")
     for rank in sorted(results):
         for row in results[rank]:
             rp, rh = row.get("rows_plain", {}), row.get("rows_hook", {})
             ev = row.get("events_plain")
-            print(f"{rank:>4} {row['T']:>5} | {fmt_rows(rp.get('dispatch', '-')):>13} "
+            print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | "
+                  f"{fmt_rows(rp.get('dispatch', '-')):>13} "
                   f"{fmt_rows(rp.get('combine', '-')):>12} | "
                   f"{fmt_rows(rh.get('dispatch', '-')):>16} {fmt_rows(rh.get('combine', '-')):>15}"
                   f" | {(f'{ev[0]:.1f} / {ev[1]:.1f}' if ev else '-'):>16} | "
@@ -330,7 +359,7 @@ def main():
     print("host per call, median us: dispatch / its hook / combine / its hook")
     for rank in sorted(results):
         for row in results[rank]:
-            print(f"{rank:>4} {row['T']:>5} | no hook " +
+            print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | no hook " +
                   " / ".join(f"{v:.1f}" for v in row["calls_plain"]) + " | hook " +
                   " / ".join(f"{v:.1f}" for v in row["calls_hook"]))
     for rank in sorted(results):

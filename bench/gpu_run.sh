@@ -25,7 +25,10 @@
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
-#             test scripts against epx (skipped unless EPX_DEEPEP_TESTS names DeepEP's tests/)
+#             test scripts against epx (skipped unless EPX_DEEPEP_TESTS names DeepEP's tests/ or
+#             EPX_DEEPEP_SRC a DeepEP checkout); with EPX_DEEPEP_SRC, DeepEP is built there
+#             (bench/build_deepep.sh) and each script and bench/engine_timing.py --peer also run
+#             with DeepEP itself, in the same run
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
 #             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy
@@ -195,12 +198,24 @@ batch_profile() {
 }
 
 batch_peer() {
-  if [ -z "${EPX_DEEPEP_TESTS:-}" ]; then
-    skip peer "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/ (bench/peer_deepep.sh)"
+  local tests=${EPX_DEEPEP_TESTS:-}
+  [ -n "$tests" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || tests=$EPX_DEEPEP_SRC/tests
+  if [ -z "$tests" ]; then
+    skip peer "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to a \
+DeepEP checkout (bench/peer_deepep.sh)"
     return
   fi
-  step peer 540 "^== |passed|failed|Error" bash bench/peer_deepep.sh "$EPX_DEEPEP_TESTS" \
-    "${EPX_PEER_PROCS:-1}"
+  local self=""
+  if [ -n "${EPX_DEEPEP_SRC:-}" ] &&
+    step peer.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
+    self=$EPX_DEEPEP_SRC
+  fi
+  step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" env EPX_DEEPEP_SELF="$self" \
+    bash bench/peer_deepep.sh "$tests" "${EPX_PEER_PROCS:-1}"
+  if [ -n "$self" ]; then
+    step peer.engine_timing 300 "^ *[0-9]+ |^T|rows|events|host|module" "$EPX_PYTHON" \
+      bench/engine_timing.py --tokens 128 --experts 288 --peer "$self"
+  fi
 }
 
 batch_trace() {

@@ -10,7 +10,9 @@
 # test_intranode.py; NUM_PROCESSES (default 1) is their --num-processes (one GPU each). Needs the
 # extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
-# terminal; the exit status is the number of scripts that failed.
+# terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
+# checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
+# way (a run of DeepEP that fails counts too).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dir=$(cd "${1:?usage: peer_deepep.sh DEEPEP_TESTS_DIR [NUM_PROCESSES] [SCRIPT...]}" && pwd)
@@ -26,6 +28,14 @@ shim=$(PYTHONPATH="$repo/python" "$py" -m epx.compat.shim) || exit 1
 export PYTHONPATH="$shim:$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=0
 for s in "${scripts[@]}"; do
+  if [ -n "${EPX_DEEPEP_SELF:-}" ]; then
+    t0=$(date +%s)
+    echo "== $s --num-processes $n (deep_ep = DeepEP itself, $EPX_DEEPEP_SELF)"
+    (cd "$dir" && PYTHONPATH="$EPX_DEEPEP_SELF" "$py" "$s" --num-processes "$n")
+    rc=$?
+    echo "== $s with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+  fi
   t0=$(date +%s)
   echo "== $s --num-processes $n (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
   (cd "$dir" && "$py" "$s" --num-processes "$n")
