@@ -90,23 +90,36 @@ __device__ __forceinline__ void ll_copy16(int64_t n, int batch, Item item) {
 
 // ---- block-wide helpers (every thread of the CTA must call them) ------------------------------
 
-// Exclusive prefix of `flag` over the CTA in thread order; *total = flags set in the CTA.
-__device__ __forceinline__ int ll_block_scan(bool flag, int* total) {
-  __shared__ int s_warp[kLlWarps];
+// For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the
+// CTA in thread order (pos[i]) and the number of threads with it set (total[i]); one barrier
+// pair for all n.
+__device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n,
+                                                    int (&pos)[kLlUnitGroup],
+                                                    int (&total)[kLlUnitGroup]) {
+  __shared__ int s_warp[kLlUnitGroup][kLlWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t b = __ballot_sync(0xffffffffu, flag);
-  if (lane == 0) s_warp[warp] = __popc(b);
-  __syncthreads();
-  int before = 0, all = 0;
+  uint32_t b[kLlUnitGroup];
 #pragma unroll
-  for (int w = 0; w < kLlWarps; ++w) {
-    const int c = s_warp[w];
-    before += w < warp ? c : 0;
-    all += c;
+  for (int i = 0; i < kLlUnitGroup; ++i) {
+    b[i] = i < n ? __ballot_sync(0xffffffffu, flags >> i & 1) : 0;
+    if (lane == 0 && i < n) s_warp[i][warp] = __popc(b[i]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kLlUnitGroup; ++i) {
+    int before = 0, all = 0;
+    if (i < n) {
+#pragma unroll
+      for (int w = 0; w < kLlWarps; ++w) {
+        const int c = s_warp[i][w];
+        before += w < warp ? c : 0;
+        all += c;
+      }
+    }
+    pos[i] = before + __popc(b[i] & ((1u << lane) - 1u));
+    total[i] = all;
   }
   __syncthreads();  // s_warp may be rewritten by the next call
-  *total = all;
-  return before + __popc(b & ((1u << lane) - 1u));
 }
 
 }  // namespace epx::detail

@@ -20,7 +20,8 @@
 //   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
 // receive half (kLlPhaseRecv: the hook, or the second half without one):
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
-//   b, b + C, ...  A unit waits dispatch_sent[q][s] >= e * C for every s, then over the
+//   b, b + C, ... in groups of up to kLlUnitGroup that share each scan and copy round (more than
+//   one only when L > C). A unit waits dispatch_sent[q][s] >= e * C for every s, then over the
 //   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
 //   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
 //   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
@@ -352,12 +353,14 @@ __device__ __forceinline__ void ll_dispatch_copy_entries(const LlDispatchParams&
     ll_dispatch_copy_list<int64_t>(p, list, total, sub, S);
 }
 
-// Whether the K ids of a staged routing row list `expert`, kLlIdBatch ids at a time (independent
-// loads: one latency per batch); `vec4` (K % 4 == 0, the row 16-byte aligned): as int4 loads.
-__device__ __forceinline__ bool ll_row_selects(const int32_t* row, int K, int32_t expert,
-                                               bool vec4) {
+// Which of the n experts `experts[i]` the K ids of a staged routing row list (bit i), kLlIdBatch
+// ids at a time (independent loads: one latency per batch); `vec4` (K % 4 == 0, the row 16-byte
+// aligned): as int4 loads.
+__device__ __forceinline__ uint32_t ll_row_selects(const int32_t* row, int K,
+                                                   const int32_t (&experts)[kLlUnitGroup], int n,
+                                                   bool vec4) {
   static_assert(kLlIdBatch % 4 == 0, "int4 batches");
-  bool sel = false;
+  uint32_t sel = 0;
   for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
     int32_t id[kLlIdBatch];
     if (vec4) {
@@ -372,7 +375,13 @@ __device__ __forceinline__ bool ll_row_selects(const int32_t* row, int K, int32_
         id[k] = k0 + k < K ? ld_landed<int32_t>(row + k0 + k) : -1;
     }
 #pragma unroll
-    for (int k = 0; k < kLlIdBatch; ++k) sel |= id[k] == expert;
+    for (int i = 0; i < kLlUnitGroup; ++i) {
+      if (i >= n) break;
+      bool hit = false;
+#pragma unroll
+      for (int k = 0; k < kLlIdBatch; ++k) hit |= id[k] == experts[i];
+      sel |= static_cast<uint32_t>(hit) << i;
+    }
   }
   return sel;
 }
@@ -383,68 +392,94 @@ struct LlRecvSources {
   int64_t first[kMaxRanks + 1];  // entries before source s
 };
 
-// Whether entry j (< first[R]) selects local expert `expert` (once, however often its row lists
-// it); *s / *t its source and token. A routing row's ids are loaded as int4 vectors when K % 4
-// == 0 (the topk blocks are 64-byte aligned), else kLlIdBatch at a time.
-__device__ __forceinline__ bool ll_recv_selects(const LlDispatchParams& p,
-                                                const LlRecvSources& srcs, int64_t j,
-                                                int32_t expert, int* s, int64_t* t) {
+// Which of the group's experts entry j (< first[R]) selects (bit i: experts[i], once however
+// often its row lists it); *s / *t its source and token. A routing row's ids are loaded once.
+__device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
+                                                    const LlRecvSources& srcs, int64_t j,
+                                                    const int32_t (&experts)[kLlUnitGroup], int n,
+                                                    int* s, int64_t* t) {
   const LlLayout& g = p.symm.layout;
   const int K = g.top_k;
   int src = 0;
   while (j >= srcs.first[src + 1]) ++src;
   *s = src;
   *t = j - srcs.first[src];
-  return ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, expert, K % 4 == 0);
+  return ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, experts, n, K % 4 == 0);
 }
 
-// The receive's units, one pass over the sources: a unit compacts the concatenated list, 512 entries at a time, and copies each group's rows with
-// ll_dispatch_copy_list (rows and scales in one round), so R sources cost one scan and one copy
-// round instead of R of each. layout_range comes from per-source counts (shared-memory adds:
-// counts, never order).
+// The receive's units, one pass over the sources: a CTA takes its units in groups of up to
+// kLlUnitGroup (units u, u + C, ...: more than one only when L > C, e.g. R = 1, E = 288 on 128
+// CTAs, and then S = 1), compacts the concatenated list for all of them at once, 512 entries at a
+// time (one load of each routing row, one block scan for the group), lists their rows together
+// and copies them with ONE ll_dispatch_copy_list round (rows and scales), so a CTA's units cost
+// one scan and one copy latency instead of one each (a list that would overflow is copied
+// first). layout_range comes from per-source counts (shared-memory adds: counts, never order).
 __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
                                                const LlRecvSources& srcs) {
   __shared__ LlRecvList list;
-  __shared__ int32_t s_cnt[kMaxRanks];
+  __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts;
   const int me = p.rank, S = p.units_per_expert;
   const int units = L * S;
+  const int C = static_cast<int>(gridDim.x);
   const int64_t NT = srcs.first[R];
   EPX_LL_TRACE_DECL(scan);
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int l = u / S, sub = u - l * S;
-    const int32_t expert = me * L + l;
-    __syncthreads();  // thread 0 read the previous unit's s_cnt
-    for (int s = threadIdx.x; s < R; s += blockDim.x) s_cnt[s] = 0;
+  for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
+    // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
+    const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+    int l[kLlUnitGroup];
+    int32_t expert[kLlUnitGroup];
+#pragma unroll
+    for (int i = 0; i < kLlUnitGroup; ++i) {
+      l[i] = (u0 + i * C) / S;
+      expert[i] = me * L + l[i];
+    }
+    const int sub = u0 - l[0] * S;
+    __syncthreads();  // threads < n read the previous group's s_cnt
+    for (int i = threadIdx.x; i < n * kMaxRanks; i += blockDim.x)
+      s_cnt[i / kMaxRanks][i % kMaxRanks] = 0;
     __syncthreads();
-    int64_t running = 0;
+    int64_t running[kLlUnitGroup] = {};
     for (int64_t base = 0; base < NT; base += blockDim.x) {
       EPX_LL_TRACE_BEGIN(scan);
       const int64_t j = base + threadIdx.x;
       int s = 0;
       int64_t t = 0;
-      const bool sel = j < NT && ll_recv_selects(p, srcs, j, expert, &s, &t);
-      int total = 0;
-      const int pos = ll_block_scan(sel, &total);
-      if (sel) {
-        ll_recv_list_put(p, list, pos, s, t, l, running + pos);
-        atomicAdd(&s_cnt[s], 1);
+      const uint32_t sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t) : 0;
+      int pos[kLlUnitGroup], total[kLlUnitGroup];
+      ll_block_scan_group(sel, n, pos, total);
+      EPX_LL_TRACE_END(scan);
+      int filled = 0;  // entries listed, uniform
+#pragma unroll
+      for (int i = 0; i < kLlUnitGroup; ++i) {
+        if (i >= n) break;
+        if (filled + total[i] > kLlThreads) {  // copy what is listed first (n > 1: S = 1)
+          __syncthreads();
+          ll_dispatch_copy_entries(p, list, filled, 0, 1);
+          filled = 0;
+          __syncthreads();  // the list is rewritten below
+        }
+        if (sel >> i & 1) {
+          ll_recv_list_put(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
+          atomicAdd(&s_cnt[i][s], 1);
+        }
+        filled += total[i];
+        running[i] += total[i];
       }
       __syncthreads();
-      EPX_LL_TRACE_END(scan);
-      ll_dispatch_copy_entries(p, list, total, sub, S);
-      running += total;
-      __syncthreads();  // the list is rewritten by the next group
+      ll_dispatch_copy_entries(p, list, filled, n > 1 ? 0 : sub, n > 1 ? 1 : S);
+      __syncthreads();  // the list is rewritten by the next group of entries
     }
-    if (sub == 0 && threadIdx.x == 0) {
+    if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
+      const int i = threadIdx.x;
       int64_t begin = 0;
       for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[l * R + s] = (begin << 32) | s_cnt[s];
-        begin += s_cnt[s];
+        if (p.layout_range) p.layout_range[l[i] * R + s] = (begin << 32) | s_cnt[i][s];
+        begin += s_cnt[i][s];
       }
-      if (p.recv_count) p.recv_count[l] = static_cast<int32_t>(running);
-      if (p.stats) p.stats[l * p.stats_stride] += static_cast<int32_t>(running);
+      if (p.recv_count) p.recv_count[l[i]] = static_cast<int32_t>(running[i]);
+      if (p.stats) p.stats[l[i] * p.stats_stride] += static_cast<int32_t>(running[i]);
     }
   }
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);

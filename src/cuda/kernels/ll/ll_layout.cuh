@@ -59,6 +59,7 @@ inline constexpr int kLlIdBatch = 8;    // ids of a routing row loaded together
 inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K kept in registers
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
+inline constexpr int kLlUnitGroup = 4;       // dispatch receive: units a CTA takes at once
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
 // Which halves one launch of epx::ll::dispatch / epx::ll::combine runs (LlDispatchParams::phases,
 // LlCombineParams::phases): both without a hook; with one, the call runs the send and the hook
