@@ -193,7 +193,7 @@ batch_profile() {
   step profile.kernels 300 "^(op|ll|ht|a2a|profile)" "$EPX_PYTHON" bench/profile_kernels.py \
     ${EPX_PROFILE_ARGS:-}
   # shellcheck disable=SC2086
-  step profile.engine_timing 300 "^ *[0-9]+ |^T|rows|events|host" "$EPX_PYTHON" \
+  step profile.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^ht" "$EPX_PYTHON" \
     bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
 }
 
@@ -213,7 +213,7 @@ DeepEP checkout (bench/peer_deepep.sh)"
   step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" env EPX_DEEPEP_SELF="$self" \
     bash bench/peer_deepep.sh "$tests" "${EPX_PEER_PROCS:-1}"
   if [ -n "$self" ]; then
-    step peer.engine_timing 300 "^ *[0-9]+ |^T|rows|events|host|module" "$EPX_PYTHON" \
+    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" "$EPX_PYTHON" \
       bench/engine_timing.py --tokens 128 --experts 288 --peer "$self"
   fi
 }

