@@ -86,6 +86,19 @@ void DeviceObject::raise_common(const DeviceErrorRecord& e, int64_t num_experts)
   throw_error(ErrorCode::kInternal, cat(op, ": unknown device error code ", e.code));
 }
 
+void DeviceObject::reset_region(const char* op, const char* done, size_t control_bytes,
+                                const std::function<void()>& host_reset) {
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), op);  // every kernel is bounded
+  group_.transport()->resync(op, group_.transport()->all_members(), 2 * group_.timeout());
+  EPX_CUDA_CHECK(cudaMemset(local(), 0, control_bytes), op);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), op);
+  clear_record();
+  if (host_reset) host_reset();
+  set_usable();
+  group_.transport()->barrier(done);
+}
+
 void DeviceObject::require_usable(const char* op) const {
   EPX_CHECK(refusal_.empty(), refusal_code_, op, ": ", refusal_);
 }

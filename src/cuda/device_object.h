@@ -103,6 +103,13 @@ class DeviceObject {
   void set_usable() { refusal_.clear(); }
   bool usable() const { return refusal_.empty(); }
   void require_usable(const char* op) const;
+  // Collective reset (ht reset, ll_clean): wait for this rank's kernels (bounded); resync every
+  // rank, each waiting up to twice the timeout (a straggler still inside an operation times out
+  // of it first); zero the region's first `control_bytes`; no record; `host_reset` (the mode's
+  // host mirrors and call counters); usable again; a barrier named `done`, so that nobody
+  // signals into a region not yet reset.
+  void reset_region(const char* op, const char* done, size_t control_bytes,
+                    const std::function<void()>& host_reset);
 
   // ---- teardown, in this order, on this object's device (the caller's device restored after):
   // wait for the device (kernels are bounded, so this returns; then nothing of this rank uses

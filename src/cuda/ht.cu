@@ -125,21 +125,14 @@ CudaHt::~CudaHt() {
   });
 }
 
-// Collective, as CudaLl::clean: no ht kernel runs on any rank, then the control words of the
-// region (everything before the rows) and the host's mirrors of them start over as at
-// construction.
+// Collective (DeviceObject::reset_region, as CudaLl::clean): no ht kernel runs on any rank, then
+// the control words of the region (everything before the rows) and the host's mirrors of them
+// start over as at construction.
 void CudaHt::reset() {
-  DeviceGuard guard(dev_.device());
-  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");  // every kernel is bounded
-  group_.transport()->resync("reset (ht)", group_.transport()->all_members(),
-                             2 * group_.timeout());
-  EPX_CUDA_CHECK(cudaMemset(local(), 0, region_.x_off), "reset");
-  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "reset");
-  dev_.clear_record();
-  result_host_->ticket = 0;
-  ticket_ = 0;
-  dev_.set_usable();
-  group_.transport()->barrier("reset (ht, done)");  // nobody signals into a region not yet reset
+  dev_.reset_region("reset (ht)", "reset (ht, done)", region_.x_off, [this] {
+    result_host_->ticket = 0;
+    ticket_ = 0;
+  });
 }
 
 // kDevErrHtCallDiffers: which per-call value differs between the source (e.peer) and the rank

@@ -506,21 +506,11 @@ TensorView CudaLl::next_combine_buffer(const LlHandle& handle) {
 }
 
 void CudaLl::clean() {
-  DeviceGuard guard(dev_.device());
-  // Every kernel is bounded: this returns, and then no ll kernel runs on this rank.
-  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
-  // No ll kernel runs on any rank (each waits up to twice the timeout: a straggler still inside
-  // an operation times out of it first).
-  group_.transport()->resync("ll_clean", group_.transport()->all_members(),
-                             2 * group_.timeout());
-  EPX_CUDA_CHECK(cudaMemset(local(), 0, layout_.control_bytes()), "ll_clean");
-  EPX_CUDA_CHECK(cudaDeviceSynchronize(), "ll_clean");
-  dev_.clear_record();
-  dev_.set_usable();
-  num_dispatches_ = 0;
-  ++generation_;
-  for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
-  group_.transport()->barrier("ll_clean (reset)");  // nobody signals into a region not yet reset
+  dev_.reset_region("ll_clean", "ll_clean (reset)", layout_.control_bytes(), [this] {
+    num_dispatches_ = 0;
+    ++generation_;
+    for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
+  });
 }
 
 // ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------
