@@ -40,6 +40,20 @@ void RailStatus::raise_if_failed(const char* op, int sender, int node) const {
           "there, failed in this call: ", std::string(message, strnlen(message, sizeof(message)))));
 }
 
+void raise_forwarder_errors(const char* op, Topology topology, int rank,
+                            const std::function<const RailStatus&(int)>& status_of) {
+  const int n = topology.node_of(rank);
+  for (int m = 0; m < topology.num_nodes; ++m)
+    if (m != n) status_of(m).raise_if_failed(op, topology.rank_of(m, topology.local_of(rank)), m);
+}
+
+const float* next_partial_row(const char* op, int m, int64_t& cursor, int64_t num_rows,
+                              const float* rows, int64_t width) {
+  EPX_CHECK(cursor < num_rows, ErrorCode::kInternal, op, ": node ", m,
+            " returned fewer partial rows than this rank's tokens that went there");
+  return rows + cursor++ * width;
+}
+
 std::exception_ptr run_noting_error(const std::function<void()>& body,
                                     const std::vector<RailStatus*>& statuses) {
   try {

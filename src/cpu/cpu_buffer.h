@@ -150,6 +150,17 @@ struct RailStatus {
   void raise_if_failed(const char* op, int sender, int node) const;
 };
 
+// Raises the failure of the first other node whose forwarder (of `rank`'s local index) failed;
+// status_of(m): the status of the partials `rank` received from node m.
+void raise_forwarder_errors(const char* op, Topology topology, int rank,
+                            const std::function<const RailStatus&(int)>& status_of);
+
+// The next row (`cursor`, then advanced) of the partials a rank received from node m: rows of
+// `width` floats, one per token of the rank that went to m, in token order; Internal when node m
+// returned fewer than `num_rows`.
+const float* next_partial_row(const char* op, int m, int64_t& cursor, int64_t num_rows,
+                              const float* rows, int64_t width);
+
 // Runs `body`; an epx::Error escaping it is returned (and its status written into every header of
 // `statuses`), so a rank that failed still takes part in the rest of the operation's exchanges.
 std::exception_ptr run_noting_error(const std::function<void()>& body,

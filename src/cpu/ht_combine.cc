@@ -193,11 +193,9 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
   return pull_then_barrier(transport(), "ht_combine (pull)", [&] {
     if (forward_error) std::rethrow_exception(forward_error);
     auto partial_of = [&](int m) { return partials[Topology::other_index(m, n)]; };
-    for (int m = 0; m < topology_.num_nodes; ++m) {
-      if (m == n) continue;
-      reinterpret_cast<const HtPartialHeader*>(partial_of(m))
-          ->status.raise_if_failed("ht_combine", topology_.rank_of(m, topology_.local_of(r)), m);
-    }
+    raise_forwarder_errors("ht_combine", topology_, r, [&](int m) -> const RailStatus& {
+      return reinterpret_cast<const HtPartialHeader*>(partial_of(m))->status;
+    });
     // Every rank's header: this node's in their regions, the others' in their node's partials.
     auto header_of = [&](int p) {
       const int m = topology_.node_of(p);
@@ -244,11 +242,12 @@ HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& a
         for (int d = m * G; d < (m + 1) * G && m != n; ++d) went |= send_pos[t * R + d] >= 0;
         if (!went) continue;
         const uint8_t* chunk = partial_of(m);
-        const int64_t i = partial_row[m]++;
-        EPX_CHECK(i < reinterpret_cast<const HtPartialHeader*>(chunk)->num_rows,
-                  ErrorCode::kInternal, "ht_combine: node ", m, " returned fewer partial rows ",
-                  "than this rank's tokens that went there");
-        add_f32_row(acc.data(), reinterpret_cast<const float*>(chunk + reg.partial) + i * H, H);
+        const int64_t rows = reinterpret_cast<const HtPartialHeader*>(chunk)->num_rows;
+        const int64_t i = partial_row[m];
+        add_f32_row(acc.data(),
+                    next_partial_row("ht_combine", m, partial_row[m], rows,
+                                     reinterpret_cast<const float*>(chunk + reg.partial), H),
+                    H);
         if (cw)
           add_f32_row(acc_w.data(),
                       reinterpret_cast<const float*>(chunk + reg.partial_weights) + i * K, K);

@@ -183,14 +183,7 @@ LlSource ll_source(const SymmetricMemory& mem, const LlLayout& lay, int slot, in
 }
 
 // Everything the receive half of a dispatch needs; copied into the hook.
-struct DispatchRecv {
-  std::shared_ptr<Transport> transport;
-  std::shared_ptr<SymmetricMemory> mem;
-  std::shared_ptr<RailTransport> rail;  // N > 1
-  std::shared_ptr<CpuLlState> st;
-  LlLayout lay;
-  int slot;
-  uint64_t generation, seq;
+struct DispatchRecv : LlReceive {
   bool use_fp8, round_scale, use_ue8m0;
   Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
   TensorView stats;       // optional, caller-owned
@@ -409,24 +402,18 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   res.handle.slot = slot;
   res.handle.buffer_id = id;
 
-  DispatchRecv recv{group.transport(),
-                    ll_mem_,
-                    ll_rail_,
-                    ll_state_,
-                    lay,
-                    slot,
-                    st.step.generation,
-                    seq,
-                    args.use_fp8,
-                    args.round_scale,
-                    args.use_ue8m0,
-                    res.recv_x,
-                    res.recv_scales,
-                    res.recv_count,
-                    res.handle.src_info,
-                    res.handle.layout_range,
-                    args.cumulative_local_expert_recv_stats,
-                    args.dispatch_wait_recv_cost_stats};
+  DispatchRecv recv{
+      {group.transport(), ll_mem_, ll_rail_, ll_state_, lay, slot, st.step.generation, seq},
+      args.use_fp8,
+      args.round_scale,
+      args.use_ue8m0,
+      res.recv_x,
+      res.recv_scales,
+      res.recv_count,
+      res.handle.src_info,
+      res.handle.layout_range,
+      args.cumulative_local_expert_recv_stats,
+      args.dispatch_wait_recv_cost_stats};
   res.hook = receive_or_hook(ll_state_, true, slot, args.return_recv_hook, std::move(recv));
   return res;
 }

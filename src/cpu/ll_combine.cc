@@ -43,14 +43,7 @@
 namespace epx::detail {
 namespace {
 
-struct CombineRecv {
-  std::shared_ptr<Transport> transport;
-  std::shared_ptr<SymmetricMemory> mem;
-  std::shared_ptr<RailTransport> rail;  // N > 1
-  std::shared_ptr<CpuLlState> st;
-  LlLayout lay;
-  int slot;
-  uint64_t generation, seq;
+struct CombineRecv : LlReceive {
   int64_t num_tokens;
   int num_experts;
   std::vector<int32_t> topk;   // [T, K], copied at send time
@@ -232,11 +225,9 @@ void CombineRecv::operator()() const {
     const int first = topo.rank_of(n, 0), last = first + per_node;  // this node's ranks
     const int64_t H = lay.hidden, T = num_tokens;
     auto partial_of = [&](int m) { return partials[Topology::other_index(m, n)]; };
-    for (int m = 0; m < topo.num_nodes; ++m) {
-      if (m == n) continue;
-      reinterpret_cast<const LlPartialHeader*>(partial_of(m))
-          ->status.raise_if_failed("ll_combine", topo.rank_of(m, topo.local_of(r)), m);
-    }
+    raise_forwarder_errors("ll_combine", topo, r, [&](int m) -> const RailStatus& {
+      return reinterpret_cast<const LlPartialHeader*>(partial_of(m))->status;
+    });
     // Every expert rank's header: this node's in their regions, the others' in the partials.
     auto header_of = [&](int d) {
       const int m = topo.node_of(d);
@@ -271,11 +262,10 @@ void CombineRecv::operator()() const {
           went |= topk[t * K + k] >= 0 && topk[t * K + k] / L / per_node == m;
         if (!went) continue;
         const char* chunk = partial_of(m);
-        const int64_t i = partial_row[m]++;
-        EPX_CHECK(i < reinterpret_cast<const LlPartialHeader*>(chunk)->num_rows,
-                  ErrorCode::kInternal, "ll_combine: node ", m, " returned fewer partial rows ",
-                  "than this rank's tokens that went there");
-        const float* p = reinterpret_cast<const float*>(chunk + lay.partial_off) + i * H;
+        const float* p =
+            next_partial_row("ll_combine", m, partial_row[m],
+                             reinterpret_cast<const LlPartialHeader*>(chunk)->num_rows,
+                             reinterpret_cast<const float*>(chunk + lay.partial_off), H);
         for (int64_t c = 0; c < H; ++c) acc[c] += p[c];
       }
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
@@ -334,20 +324,14 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
   } else {
     res.out = alloc(DType::kBF16, {T, H}, Device::cpu());
   }
-  CombineRecv recv{group.transport(),
-                   ll_mem_,
-                   ll_rail_,
-                   ll_state_,
-                   lay,
-                   slot,
-                   st.step.generation,
-                   seq,
-                   T,
-                   shape.num_experts,
-                   {},
-                   {},
-                   res.out,
-                   args.combine_wait_recv_cost_stats};
+  CombineRecv recv{
+      {group.transport(), ll_mem_, ll_rail_, ll_state_, lay, slot, st.step.generation, seq},
+      T,
+      shape.num_experts,
+      {},
+      {},
+      res.out,
+      args.combine_wait_recv_cost_stats};
   recv.topk.resize(T * K);
   recv.weights.resize(T * K);
   const TensorView& w = args.topk_weights;

@@ -115,6 +115,17 @@ struct LlLayout {
 
 CpuLlState& state_of(std::shared_ptr<CpuLlState>& p);
 
+// What the receive half of a dispatch or a combine needs of the buffer (copied into its hook).
+struct LlReceive {
+  std::shared_ptr<Transport> transport;
+  std::shared_ptr<SymmetricMemory> mem;
+  std::shared_ptr<RailTransport> rail;  // N > 1
+  std::shared_ptr<CpuLlState> st;
+  LlLayout lay;
+  int slot;
+  uint64_t generation, seq;
+};
+
 // Runs the receive half now (returns no hook), or marks its slot in flight and returns it wrapped
 // as the caller's hook: callable once only, not after ll_clean, and freeing the slot whatever
 // happens.

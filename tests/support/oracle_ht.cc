@@ -163,14 +163,22 @@ HtExpectedCombine ht_oracle_combine(const HtProblem& p, const std::vector<HtRank
   HtExpectedCombine ex;
   for (int64_t t = 0; t < T; ++t) {
     const std::vector<int32_t>& pos = all_pos[t];
-    // The sum over node m's ranks of value(d, pos) from `start`; `reached` = some rank of m got t.
-    auto node_sum = [&](int m, float start, bool& reached, auto value) {
+    // acc = start + this node's value(d, pos[d]), then each other node's sum (from 0.0f) that
+    // has a rank t went to, nodes in `order`.
+    auto node_first = [&](float start, auto value) {
       float acc = start;
-      reached = false;
-      for (int d = m * per_node; d < (m + 1) * per_node; ++d) {
-        if (pos[d] < 0) continue;
-        reached = true;
-        acc += value(d, pos[d]);
+      for (int m : order) {
+        float partial = m == own ? acc : 0.0f;
+        bool reached = false;
+        for (int d = m * per_node; d < (m + 1) * per_node; ++d) {
+          if (pos[d] < 0) continue;
+          reached = true;
+          partial += value(d, pos[d]);
+        }
+        if (m == own)
+          acc = partial;
+        else if (reached)
+          acc += partial;
       }
       return acc;
     };
@@ -178,31 +186,14 @@ HtExpectedCombine ht_oracle_combine(const HtProblem& p, const std::vector<HtRank
       float acc = 0.0f;
       if (mine.has_bias0) acc += detail::bf16_to_f32(mine.bias0[t * H + h]);
       if (mine.has_bias1) acc += detail::bf16_to_f32(mine.bias1[t * H + h]);
-      auto y = [&](int d, int32_t row) { return detail::bf16_to_f32(combine[d].y[row * H + h]); };
-      for (int m : order) {
-        bool reached = false;
-        const float partial = node_sum(m, m == own ? acc : 0.0f, reached, y);
-        if (m == own)
-          acc = partial;
-        else if (reached)
-          acc += partial;
-      }
+      acc = node_first(
+          acc, [&](int d, int32_t row) { return detail::bf16_to_f32(combine[d].y[row * H + h]); });
       ex.out.push_back(detail::f32_to_bf16(acc));
     }
     if (!weights) continue;
-    for (int k = 0; k < K; ++k) {
-      float acc = 0.0f;
-      auto w = [&](int d, int32_t row) { return combine[d].topk_weights[row * K + k]; };
-      for (int m : order) {
-        bool reached = false;
-        const float partial = node_sum(m, m == own ? acc : 0.0f, reached, w);
-        if (m == own)
-          acc = partial;
-        else if (reached)
-          acc += partial;
-      }
-      ex.combined_topk_weights.push_back(acc);
-    }
+    for (int k = 0; k < K; ++k)
+      ex.combined_topk_weights.push_back(node_first(
+          0.0f, [&](int d, int32_t row) { return combine[d].topk_weights[row * K + k]; }));
   }
   return ex;
 }

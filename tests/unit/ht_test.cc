@@ -449,12 +449,6 @@ TEST(HtRandomProcesses, ProcessesMatchOracle) {
 // every output checked against the oracle with that topology (its combine sums node-first,
 // docs/semantics.md §1.6), cached dispatch on every other case. The node-first sums must differ
 // from the flat ones somewhere, or the cases could not tell a flat combine from the right one.
-struct Topo {
-  int nodes, per_node;
-};
-void PrintTo(const Topo& t, std::ostream* os) {
-  *os << t.nodes << "x" << t.per_node;
-}
 
 // Whether some combine output of `d` differs from what one node (the flat order) would give.
 bool differs_from_flat(const CaseData& d) {
@@ -469,13 +463,12 @@ bool differs_from_flat(const CaseData& d) {
   return false;
 }
 
-class HtNodes : public ::testing::TestWithParam<Topo> {};
+class HtNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
 
 TEST_P(HtNodes, ThreadsMatchOracle) {
-  const Topo topo = GetParam();
-  const int R = topo.nodes * topo.per_node;
-  GroupOptions options;
-  options.ranks_per_node = topo.per_node;
+  const testing::NodeTopology topo = GetParam();
+  const int R = topo.num_ranks();
+  const GroupOptions options = topo.options();
   int combined = 0, cached = 0, worst = 0, order_differs = 0;
   for (int i = 0; i < 12; ++i) {
     const int index = 20000 + 100 * topo.nodes + 10 * topo.per_node + i;
@@ -509,16 +502,11 @@ TEST_P(HtNodes, ThreadsMatchOracle) {
   EXPECT_GT(order_differs, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Topologies, HtNodes,
-                         ::testing::Values(Topo{2, 2}, Topo{2, 4}, Topo{4, 2}, Topo{3, 1}),
-                         [](const ::testing::TestParamInfo<Topo>& info) {
-                           return std::to_string(info.param.nodes) + "x" +
-                                  std::to_string(info.param.per_node);
-                         });
+INSTANTIATE_TEST_SUITE_P(Topologies, HtNodes, ::testing::ValuesIn(testing::kCiTopologies),
+                         [](const auto& info) { return testing::topology_name(info.param); });
 
 TEST(HtNodesProcesses, TwoByTwoProcessesMatchOracle) {
-  GroupOptions options;
-  options.ranks_per_node = 2;
+  const GroupOptions options = testing::NodeTopology{2, 2}.options();
   for (int i = 0; i < 3; ++i) {
     const int index = 30000 + i;
     CaseData d = make_case(index, base_seed() * 7919ull + index, 4, 2);

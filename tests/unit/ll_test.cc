@@ -214,17 +214,11 @@ TEST(Ll, MatchesOracleOnProcesses) {
 // against the oracle with that topology (its combine adds per-node fma chains, own node first,
 // docs/semantics.md §2.3); hooks, two batches in flight, zero_copy and the rest drawn as above.
 // At least one case per topology must see the node-first order change a result.
-struct Topo {
-  int nodes, per_node;
-};
-void PrintTo(const Topo& t, std::ostream* os) {
-  *os << t.nodes << "x" << t.per_node;
-}
-class LlNodes : public ::testing::TestWithParam<Topo> {};
+class LlNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
 
 TEST_P(LlNodes, MatchesOracleOnThreads) {
-  const Topo topo = GetParam();
-  const int R = topo.nodes * topo.per_node;
+  const testing::NodeTopology topo = GetParam();
+  const int R = topo.num_ranks();
   int hooks = 0, order_differs = 0;
   for (int i = 0; i < 16; ++i) {
     Case c = testing::random_ll_case(R, 200000 + 1000 * R + 10 * topo.per_node + i, 0.3);
@@ -243,12 +237,8 @@ TEST_P(LlNodes, MatchesOracleOnThreads) {
   EXPECT_GT(order_differs, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Topologies, LlNodes,
-                         ::testing::Values(Topo{2, 2}, Topo{2, 4}, Topo{4, 2}, Topo{3, 1}),
-                         [](const ::testing::TestParamInfo<Topo>& info) {
-                           return std::to_string(info.param.nodes) + "x" +
-                                  std::to_string(info.param.per_node);
-                         });
+INSTANTIATE_TEST_SUITE_P(Topologies, LlNodes, ::testing::ValuesIn(testing::kCiTopologies),
+                         [](const auto& info) { return testing::topology_name(info.param); });
 
 TEST(LlNodesProcesses, TwoByTwoMatchesOracle) {
   for (int i = 0; i < 3; ++i) {

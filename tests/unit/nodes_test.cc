@@ -7,11 +7,10 @@
 // and 3x1 are HtNodes (ht_test.cc) and LlNodes (ll_test.cc).
 #include <gtest/gtest.h>
 
-#include <exception>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/numeric.h"
@@ -44,27 +43,6 @@ GroupOptions nodes_of(int ranks_per_node) {
   GroupOptions o;
   o.ranks_per_node = ranks_per_node;
   return o;
-}
-
-// Runs body(group) on R threads of one cpu_threads group, rank r with options[r].
-void run_threads_with(int R, const std::vector<GroupOptions>& options,
-                      const std::function<void(const Group&)>& body) {
-  const std::string name = testing::unique_group_name("nodes");
-  std::exception_ptr first;
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(Group::cpu_threads(r, R, name, options[r]));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
 }
 
 // ---- the option ---------------------------------------------------------------------------------
@@ -118,16 +96,19 @@ TEST(NodesGroup, CudaAcrossNodesIsUnsupported) {
 TEST(NodesBuffer, RanksPerNodeMustAgree) {
   std::vector<GroupOptions> options(4, nodes_of(2));
   options[3] = nodes_of(4);
-  run_threads_with(4, options, [](const Group& g) {
-    expect_error(
-        [&] {
-          Buffer buf(g, MoeShape{128, 2, 8, 4});
-        },
-        ErrorCode::kInvalidArgument,
-        {"Buffer: GroupOptions::ranks_per_node differs across ranks: ranks 0-2 have 2, "
-         "rank 3 has 4"},
-        "rank " + std::to_string(g.rank()));
-  });
+  testing::run_threads(
+      4,
+      [](const Group& g) {
+        expect_error(
+            [&] {
+              Buffer buf(g, MoeShape{128, 2, 8, 4});
+            },
+            ErrorCode::kInvalidArgument,
+            {"Buffer: GroupOptions::ranks_per_node differs across ranks: ranks 0-2 have "
+             "2, rank 3 has 4"},
+            "rank " + std::to_string(g.rank()));
+      },
+      options);
 }
 
 TEST(NodesBuffer, BytesNeededIsWhatIsAllocated) {
@@ -174,68 +155,69 @@ float expected_by_hand(int nodes, int rank) {
   return nodes == 4 && rank == 3 ? 1.0f : 0.0f;
 }
 
-TEST(NodesHt, CombineOrderByHand) {
+// Runs `dispatch_and_combine` (a rank's dispatch of the token above and its combine; returns its
+// out, bf16 [1, 128]) at 1, 2 and 4 nodes and checks every element against expected_by_hand.
+void check_by_hand(const std::function<Tensor(const Group&)>& dispatch_and_combine) {
   for (int nodes : {1, 2, 4}) {
     testing::run_threads(
         4,
         [&](const Group& g) {
-          const int r = g.rank();
-          Buffer buf(g, MoeShape{128, 3, 4, 2});
-          std::vector<int64_t> topk{1, 2, 3};
-          std::vector<uint16_t> x(128, detail::f32_to_bf16(1.0f + r));
-          HtDispatchArgs a;
-          a.x = TensorView::contiguous(x.data(), DType::kBF16, {1, 128});
-          a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {1, 3});
-          HtDispatchResult res = buf.ht_dispatch(a, testing::poison_allocator(0xAB));
-          const int64_t N = res.recv_x.shape[0];
-          ASSERT_EQ(N, r == 0 ? 0 : 4);
-          for (int64_t i = 0; i < N; ++i)  // the rows arrive in source order, as on one node
-            EXPECT_EQ(res.recv_x.ptr<uint16_t>()[i * 128], detail::f32_to_bf16(1.0f + i));
-          std::vector<uint16_t> y(std::max<int64_t>(N, 1) * 128, kValueBits[r]);
-          HtCombineArgs c;
-          c.y = TensorView::contiguous(y.data(), DType::kBF16, {N, 128});
-          c.handle = &res.handle;
-          HtCombineResult out = buf.ht_combine(c, testing::poison_allocator(0xAB));
+          const Tensor out = dispatch_and_combine(g);
+          const uint16_t want = detail::f32_to_bf16(expected_by_hand(nodes, g.rank()));
           for (int h = 0; h < 128; ++h)
-            ASSERT_EQ(out.out.ptr<uint16_t>()[h], detail::f32_to_bf16(expected_by_hand(nodes, r)))
-                << nodes << " nodes, rank " << r << ", h " << h;
+            ASSERT_EQ(out.ptr<uint16_t>()[h], want)
+                << nodes << " nodes, rank " << g.rank() << ", h " << h;
         },
         nodes_of(4 / nodes));
   }
 }
 
+TEST(NodesHt, CombineOrderByHand) {
+  check_by_hand([](const Group& g) {
+    const int r = g.rank();
+    Buffer buf(g, MoeShape{128, 3, 4, 2});
+    std::vector<int64_t> topk{1, 2, 3};
+    std::vector<uint16_t> x(128, detail::f32_to_bf16(1.0f + r));
+    HtDispatchArgs a;
+    a.x = TensorView::contiguous(x.data(), DType::kBF16, {1, 128});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {1, 3});
+    HtDispatchResult res = buf.ht_dispatch(a, testing::poison_allocator(0xAB));
+    const int64_t N = res.recv_x.shape[0];
+    EXPECT_EQ(N, r == 0 ? 0 : 4);
+    for (int64_t i = 0; i < N; ++i)  // the rows arrive in source order, as on one node
+      EXPECT_EQ(res.recv_x.ptr<uint16_t>()[i * 128], detail::f32_to_bf16(1.0f + i));
+    std::vector<uint16_t> y(std::max<int64_t>(N, 1) * 128, kValueBits[r]);
+    HtCombineArgs c;
+    c.y = TensorView::contiguous(y.data(), DType::kBF16, {N, 128});
+    c.handle = &res.handle;
+    return buf.ht_combine(c, testing::poison_allocator(0xAB)).out;
+  });
+}
+
 TEST(NodesLl, CombineOrderByHand) {
-  for (int nodes : {1, 2, 4}) {
-    testing::run_threads(
-        4,
-        [&](const Group& g) {
-          const int r = g.rank();
-          constexpr int64_t kTmax = 2, kRT = 4 * kTmax;
-          Buffer buf(g, MoeShape{128, 3, 4, kTmax}, {false, true});
-          std::vector<int64_t> topk{1, 2, 3};
-          std::vector<float> w{1.0f, 1.0f, 1.0f};
-          std::vector<uint16_t> x(128, detail::f32_to_bf16(1.0f + r));
-          LlDispatchArgs a;
-          a.use_fp8 = false;
-          a.x = TensorView::contiguous(x.data(), DType::kBF16, {1, 128});
-          a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {1, 3});
-          LlDispatchResult res = buf.ll_dispatch(a, testing::poison_allocator(0xAB));
-          ASSERT_EQ(res.recv_count.ptr<int32_t>()[0], r == 0 ? 0 : 4);
-          for (int s = 0; s < 4 && r > 0; ++s)  // source order, as on one node
-            EXPECT_EQ(res.recv_x.ptr<uint16_t>()[s * 128], detail::f32_to_bf16(1.0f + s));
-          std::vector<uint16_t> y(kRT * 128, kValueBits[r]);
-          LlCombineArgs c;
-          c.y = TensorView::contiguous(y.data(), DType::kBF16, {1, kRT, 128});
-          c.topk_idx = a.topk_idx;
-          c.topk_weights = TensorView::contiguous(w.data(), DType::kF32, {1, 3});
-          c.handle = &res.handle;
-          LlCombineResult out = buf.ll_combine(c, testing::poison_allocator(0xAB));
-          for (int h = 0; h < 128; ++h)
-            ASSERT_EQ(out.out.ptr<uint16_t>()[h], detail::f32_to_bf16(expected_by_hand(nodes, r)))
-                << nodes << " nodes, rank " << r << ", h " << h;
-        },
-        nodes_of(4 / nodes));
-  }
+  check_by_hand([](const Group& g) {
+    const int r = g.rank();
+    constexpr int64_t kTmax = 2, kRT = 4 * kTmax;
+    Buffer buf(g, MoeShape{128, 3, 4, kTmax}, {false, true});
+    std::vector<int64_t> topk{1, 2, 3};
+    std::vector<float> w{1.0f, 1.0f, 1.0f};  // fmaf(1, y, acc) is acc + y, rounded once
+    std::vector<uint16_t> x(128, detail::f32_to_bf16(1.0f + r));
+    LlDispatchArgs a;
+    a.use_fp8 = false;
+    a.x = TensorView::contiguous(x.data(), DType::kBF16, {1, 128});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {1, 3});
+    LlDispatchResult res = buf.ll_dispatch(a, testing::poison_allocator(0xAB));
+    EXPECT_EQ(res.recv_count.ptr<int32_t>()[0], r == 0 ? 0 : 4);
+    for (int s = 0; s < 4 && r > 0; ++s)  // source order, as on one node
+      EXPECT_EQ(res.recv_x.ptr<uint16_t>()[s * 128], detail::f32_to_bf16(1.0f + s));
+    std::vector<uint16_t> y(kRT * 128, kValueBits[r]);
+    LlCombineArgs c;
+    c.y = TensorView::contiguous(y.data(), DType::kBF16, {1, kRT, 128});
+    c.topk_idx = a.topk_idx;
+    c.topk_weights = TensorView::contiguous(w.data(), DType::kF32, {1, 3});
+    c.handle = &res.handle;
+    return buf.ll_combine(c, testing::poison_allocator(0xAB)).out;
+  });
 }
 
 // ---- per-call values are compared across nodes --------------------------------------------------
