@@ -20,6 +20,8 @@
 #include "epx/group.h"
 #include "support/a2a_cycle.h"
 #include "support/harness.h"
+#include "support/ll_cases.h"
+#include "support/routing.h"
 
 namespace epx {
 namespace {
@@ -273,6 +275,95 @@ TEST(NodesAgreement, PerCallValuesComparedAcrossNodes) {
         // Rank 0's experts 0, 1 get token 0 of every rank; the others two tokens of every rank.
         EXPECT_EQ(lr.recv_count.ptr<int32_t>()[0] + lr.recv_count.ptr<int32_t>()[1],
                   r == 0 ? 4 : 8);
+      },
+      nodes_of(2));
+}
+
+// ---- a mismatch only a forwarder sees -----------------------------------------------------------
+// 2x2, ll: rank 3 combines with a topk_idx that is not its dispatch's (token 0: expert 1 of rank 0
+// instead of expert 0). Its forwarder on node 0 (rank 1) finds the counts wrong and raises; rank 3,
+// whose tokens it could not reduce, raises its message; ranks 0 and 2 are exact.
+TEST(NodesForwarder, LlCombineTopkOfAnotherDispatch) {
+  testing::LlCase c;
+  c.p = {4, 4, 128, 2, 8, false, false, false, 2};
+  std::mt19937_64 rng(99);
+  testing::LlBatch b;
+  const std::vector<std::vector<int64_t>> topk = {
+      {0, 5, 2, 7, 4, 1}, {6, 3, 1, -1, 0, 2}, {5, 0, 7, 6, 3, 4}, {0, 6, 2, 5, 7, -1}};
+  for (int r = 0; r < 4; ++r) {
+    testing::LlRankInput in;
+    in.num_tokens = 3;
+    in.x = testing::make_bf16(3, 128, rng);
+    in.topk_idx = topk[r];
+    in.topk_weights = testing::make_topk_weights(in.topk_idx, rng);
+    b.in.push_back(in);
+  }
+  testing::finish_ll_batch(c, b, rng);
+  testing::run_threads(
+      4,
+      [&](const Group& g) {
+        const int r = g.rank();
+        Buffer buf(g, MoeShape{128, 2, 8, 4}, {false, true});
+        const testing::LlRankInput& in = b.in[r];
+        LlDispatchArgs a;
+        a.use_fp8 = false;
+        a.x = TensorView::contiguous(const_cast<uint16_t*>(in.x.data()), DType::kBF16, {3, 128});
+        a.topk_idx =
+            TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64, {3, 2});
+        LlDispatchResult d = buf.ll_dispatch(a);
+        std::vector<int64_t> wrong = in.topk_idx;
+        if (r == 3) wrong[0] = 1;
+        LlCombineArgs ca;
+        ca.y = TensorView::contiguous(const_cast<uint16_t*>(b.y[r].data()), DType::kBF16,
+                                      {2, 16, 128});
+        ca.topk_idx = TensorView::contiguous(wrong.data(), DType::kI64, {3, 2});
+        ca.topk_weights =
+            TensorView::contiguous(const_cast<float*>(in.topk_weights.data()), DType::kF32, {3, 2});
+        ca.handle = &d.handle;
+        const std::string found =
+            "argument 'topk_idx' of rank 3 selects expert 0 with 0 tokens but rank 0 received 1 "
+            "from it";
+        if (r == 1 || r == 3) {
+          std::vector<std::string> has{found};
+          if (r == 3)
+            has.push_back(
+                "ll_combine: rank 1 (node 0), which forwards this rank's rows there, "
+                "failed in this call");
+          expect_error([&] { buf.ll_combine(ca); }, ErrorCode::kInvalidArgument, has,
+                       "rank " + std::to_string(r));
+          return;
+        }
+        LlCombineResult out = buf.ll_combine(ca, testing::poison_allocator(0xFF));
+        EXPECT_EQ(testing::check_ll_combine(c.p, b.want_out[r], out.out), "") << "rank " << r;
+      },
+      nodes_of(2));
+}
+
+// 2x2, ht: rank 3 combines with the handle of an earlier dispatch of another routing. Every rank
+// raises InvalidArgument: rank 2 (rank 3's node) and rank 3 see the rows of their node differ,
+// ranks 0 and 1 hear it from their forwarders on node 1.
+TEST(NodesForwarder, HtCombineHandleOfAnotherDispatch) {
+  testing::run_threads(
+      4,
+      [](const Group& g) {
+        const int r = g.rank();
+        Buffer buf(g, MoeShape{128, 2, 8, 4});
+        std::vector<uint16_t> x(4 * 128, detail::f32_to_bf16(1.0f));
+        std::vector<int64_t> first{0, 1, 2, 3, 4, 5, 6, 7}, second{7, -1, 6, -1, 5, -1, 4, -1};
+        HtDispatchArgs a;
+        a.x = TensorView::contiguous(x.data(), DType::kBF16, {4, 128});
+        a.topk_idx = TensorView::contiguous(first.data(), DType::kI64, {4, 2});
+        HtDispatchResult old = buf.ht_dispatch(a);
+        a.topk_idx = TensorView::contiguous(second.data(), DType::kI64, {4, 2});
+        HtDispatchResult res = buf.ht_dispatch(a);
+        const HtDispatchResult& mine = r == 3 ? old : res;
+        HtCombineArgs c;
+        c.y = mine.recv_x;
+        c.handle = &mine.handle;
+        std::vector<std::string> has{"argument 'handle'"};
+        if (r < 2) has.push_back("(node 1), which forwards this rank's rows there, failed");
+        expect_error([&] { buf.ht_combine(c); }, ErrorCode::kInvalidArgument, has,
+                     "rank " + std::to_string(r));
       },
       nodes_of(2));
 }
