@@ -59,6 +59,9 @@ TEST(OutOfStep, HtCachedStragglersAcrossNodes) {
 TEST(OutOfStep, LlHookStragglersAcrossNodes) {
   run_scenario(StepMode::kLlHook, 1);
 }
+TEST(OutOfStep, DispatcherStragglersAcrossNodes) {
+  run_scenario(StepMode::kDispatcher, 1);
+}
 
 // Random inputs of one rank for the cases below.
 struct Input {
