@@ -67,9 +67,8 @@ size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Bac
                 ", expected 0 (one node) or a divisor of num_ranks = ", num_ranks);
   const int nodes = ranks_per_node == 0 ? 1 : num_ranks / ranks_per_node;
   EPX_CHECK(backend == Backend::kCpu || nodes == 1, ErrorCode::kUnsupported,
-            "Buffer::bytes_needed: ", nodes,
-            " nodes on the cuda backend, which has no "
-            "across-node path yet (docs/design.md §13)");
+            "Buffer::bytes_needed: ", nodes, " nodes on the cuda backend, which has no across-node",
+            " path yet (docs/design.md §13)");
   detail::validate_shape(shape, num_ranks, "Buffer::bytes_needed");
   const bool cpu = backend == Backend::kCpu;
   if (mode != Mode::kA2a)

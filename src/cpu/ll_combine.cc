@@ -181,26 +181,27 @@ std::exception_ptr CombineRecv::forward(std::vector<const char*>& partials) cons
   }
   std::exception_ptr error = run_noting_error(
       [&] { rail->exchange("ll_combine (rail, forward)", sends, recvs, nullptr); }, {});
-  // The partials go out in the send chunks (the forward chunks were sent), the other nodes'
-  // partials of this rank's tokens come in where the forward chunks came (those were used).
+  // The partials go out in the send chunks (the forward chunks are sent) and come back in host
+  // chunks of their own (the forward chunks received are read while the partials are reduced).
+  // A failed exchange or reduction goes into every partial's status.
   std::vector<const char*> chunks;
-  std::vector<char*> outgoing;
+  std::vector<char*> outgoing, incoming;
   std::vector<RailStatus*> statuses;
-  for (size_t i = 0; i < sends.size(); ++i) {
+  const int others = static_cast<int>(sends.size());
+  for (int i = 0; i < others; ++i) {
     chunks.push_back(static_cast<const char*>(recvs[i].data));
     outgoing.push_back(reinterpret_cast<char*>(st->rail_sends.chunk(i, lay.rail_chunk_bytes())));
+    incoming.push_back(
+        reinterpret_cast<char*>(st->rail_recvs.chunk(others + i, lay.partial_bytes)));
     statuses.push_back(&reinterpret_cast<LlPartialHeader*>(outgoing.back())->status);
     statuses.back()->set_ok();
   }
-  std::vector<char*> incoming;
-  for (size_t i = 0; i < sends.size(); ++i)
-    incoming.push_back(reinterpret_cast<char*>(st->rail_recvs.chunk(
-        static_cast<int>(i) + static_cast<int>(sends.size()), lay.partial_bytes)));
-  if (error) {
-    for (RailStatus* s : statuses) s->set(Error(ErrorCode::kOutOfStep, "its rail exchange failed"));
-  } else {
-    error = run_noting_error([&] { reduce_forwarded(chunks, outgoing); }, statuses);
-  }
+  error = run_noting_error(
+      [&] {
+        if (error) std::rethrow_exception(error);
+        reduce_forwarded(chunks, outgoing);
+      },
+      statuses);
   for (size_t i = 0; i < sends.size(); ++i) {
     sends[i] = {sends[i].node, outgoing[i], lay.partial_bytes};
     recvs[i] = {recvs[i].node, incoming[i], lay.partial_bytes};
