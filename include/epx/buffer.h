@@ -50,8 +50,10 @@ class Buffer {
   Buffer& operator=(Buffer&&) noexcept;
 
   // Symmetric bytes per rank that `mode` (kHt or kLl) needs for `shape` on `num_ranks` ranks of
-  // `backend`.
-  static size_t bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend);
+  // `backend`, in nodes of `ranks_per_node` ranks (GroupOptions::ranks_per_node; 0 = one node;
+  // more than one node adds the cpu backend's rail chunks and is Unsupported on cuda).
+  static size_t bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend,
+                             int ranks_per_node = 0);
   // Symmetric bytes per rank this buffer allocated, all modes together.
   size_t bytes_allocated() const;
 

@@ -42,6 +42,15 @@ struct GroupOptions {
   // SMs the cuda kernels may use: 0..kMaxGroupNumSms; 0 = EPX_NUM_SMS when set, else auto
   // (resolved in one place per mode). More than the device has counts as all of them.
   int num_sms = 0;
+  // Topology (docs/design.md §13): the group's R ranks are R / ranks_per_node nodes of
+  // ranks_per_node ranks each, node-major (rank = node * ranks_per_node + local rank). 0 = every
+  // rank on one node (the default). It must divide R (InvalidArgument otherwise, naming the
+  // divisors) and be the same on every rank (a Buffer compares it). With more than one node the
+  // cpu backend runs ht and ll hierarchically (tokens cross between nodes once per node, over the
+  // "rail" between equal local ranks; combines reduce inside each node first, in the order of
+  // docs/semantics.md §1.6 / §2.3); a2a is the same on every topology. The cuda backend has no
+  // across-node path yet: more than one node is Unsupported there.
+  int ranks_per_node = 0;
 };
 
 // The 128 opaque bytes of an ncclUniqueId.
@@ -109,7 +118,10 @@ class Group {
   int size() const;
   Backend backend() const;
   std::chrono::milliseconds timeout() const;
+  // options().ranks_per_node is resolved: the size for one node.
   const GroupOptions& options() const;
+  int ranks_per_node() const { return options_.ranks_per_node; }
+  int num_nodes() const { return size() / options_.ranks_per_node; }
 
   // Barrier over the group, bounded by the timeout (collective). On the host for cpu and
   // cuda_shared_device groups; a cuda group runs a device barrier on its own stream and waits for it.

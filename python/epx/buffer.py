@@ -68,10 +68,11 @@ class Buffer:
 
     @staticmethod
     def bytes_needed(mode, hidden, top_k, num_experts, max_tokens_per_rank, num_ranks,
-                     backend="cpu"):
-        """Symmetric bytes per rank `mode` ('ht' or 'll') takes on `backend`."""
+                     backend="cpu", ranks_per_node=0):
+        """Symmetric bytes per rank `mode` ('ht' or 'll') takes on `backend`, in nodes of
+        `ranks_per_node` ranks (0: one node; see Group.from_process_group)."""
         return _epx.Buffer.bytes_needed(mode, hidden, top_k, num_experts, max_tokens_per_rank,
-                                        num_ranks, backend)
+                                        num_ranks, backend, int(ranks_per_node))
 
     hidden = property(lambda self: self._native.hidden)
     top_k = property(lambda self: self._native.top_k)

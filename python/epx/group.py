@@ -59,6 +59,19 @@ def _num_sms(num_sms, op="Group"):
     return n
 
 
+def _ranks_per_node(ranks_per_node, op="Group"):
+    """`ranks_per_node` (an int >= 0, or anything with __index__; GroupOptions::ranks_per_node).
+    That it divides the group size is checked by C++ at group creation."""
+    try:
+        n = None if isinstance(ranks_per_node, bool) else operator.index(ranks_per_node)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise errors.invalid(op, f"argument 'ranks_per_node' is {ranks_per_node!r}, expected an "
+                                 "int >= 0 dividing the group size (0: every rank on one node)")
+    return n
+
+
 def _as_device(device):
     if device is None:
         return None
@@ -123,7 +136,7 @@ class Group:
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
-    def from_process_group(group=None, device=None, timeout=None, num_sms=0):
+    def from_process_group(group=None, device=None, timeout=None, num_sms=0, ranks_per_node=0):
         """Collective over `group` (default: the default ProcessGroup).
 
         `device`: 'cpu' (cpu backend) or a CUDA device (cuda backend). Default: cuda on the
@@ -131,10 +144,15 @@ class Group:
         0.001 .. 86400 s; None: EPX_TIMEOUT_MS, else 30 s) bounds every wait for a peer;
         `num_sms` (0 .. 1024; 0: EPX_NUM_SMS, else auto) caps the SMs of the cuda kernels. The
         ranges are the C++ ones (GroupOptions) and the environment's; anything outside them, or
-        an invalid EPX_* environment variable, raises InvalidArgument.
+        an invalid EPX_* environment variable, raises InvalidArgument. `ranks_per_node` (0: every
+        rank on one node, else a divisor of the group size, the same on every rank): the ranks
+        form nodes of that many consecutive ranks, and ht / ll run hierarchically across them
+        (docs/design.md §13; cpu backend only, the cuda backend raises Unsupported for more than
+        one node).
         """
         op = "Group.from_process_group"
         timeout_ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
+        ranks_per_node = _ranks_per_node(ranks_per_node, op)
         if group is None:
             if not dist.is_initialized():
                 raise errors.invalid("Group.from_process_group",
@@ -153,35 +171,39 @@ class Group:
                     "backend")
             ptr = _nccl_comm_ptr(group, device)
             if ptr:
-                return Group(_epx.Group.cuda_from_comm(ptr, device.index, timeout_ms, num_sms))
-        return Group.from_comm(_ProcessGroupComm(group), device, timeout, num_sms)
+                return Group(_epx.Group.cuda_from_comm(ptr, device.index, timeout_ms, num_sms,
+                                                       ranks_per_node))
+        return Group.from_comm(_ProcessGroupComm(group), device, timeout, num_sms, ranks_per_node)
 
     @staticmethod
-    def from_comm(comm, device="cpu", timeout=None, num_sms=0):
+    def from_comm(comm, device="cpu", timeout=None, num_sms=0, ranks_per_node=0):
         """Collective over `comm`, anything with Get_rank(), Get_size() and allgather(obj)
         (FlashInfer's CommBackend, mpi4py's communicators)."""
         op = "Group.from_comm"
         ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
+        ranks_per_node = _ranks_per_node(ranks_per_node, op)
         device = _as_device(device) or torch.device("cpu")
         rank, size = int(comm.Get_rank()), int(comm.Get_size())
         if device.type == "cpu":
             name = f"epx-{uuid.uuid4().hex}" if rank == 0 else None
             name = comm.allgather(name)[0]
-            return Group(_epx.Group.cpu_processes(rank, size, name, ms, num_sms))
+            return Group(_epx.Group.cpu_processes(rank, size, name, ms, num_sms, ranks_per_node))
         if not _epx.built_with_cuda:
             raise errors.unsupported(
                 "Group.from_comm", f"device {device} needs the cuda backend, but epx was built "
                 "without CUDA (EPX_WITH_CUDA=OFF); use CPU tensors for the cpu backend")
         uid = _epx.new_unique_id() if rank == 0 else None
         uid = comm.allgather(uid)[0]
-        return Group(_epx.Group.cuda(rank, size, uid, device.index, ms, num_sms))
+        return Group(_epx.Group.cuda(rank, size, uid, device.index, ms, num_sms, ranks_per_node))
 
     @staticmethod
-    def cuda_from_comm(nccl_comm, device, timeout=None, num_sms=0):
+    def cuda_from_comm(nccl_comm, device, timeout=None, num_sms=0, ranks_per_node=0):
         """Adopts an existing ncclComm_t (an int pointer); epx does not destroy it."""
         op = "Group.cuda_from_comm"
         ms, num_sms = _timeout_ms(timeout, op), _num_sms(num_sms, op)
-        return Group(_epx.Group.cuda_from_comm(int(nccl_comm), int(device), ms, num_sms))
+        ranks_per_node = _ranks_per_node(ranks_per_node, op)
+        return Group(_epx.Group.cuda_from_comm(int(nccl_comm), int(device), ms, num_sms,
+                                               ranks_per_node))
 
     # ---- properties --------------------------------------------------------------------------
     @property
@@ -203,6 +225,15 @@ class Group:
     @property
     def num_sms(self):
         return self._native.num_sms
+
+    @property
+    def ranks_per_node(self):
+        """Ranks per node (resolved: the size for one node)."""
+        return self._native.ranks_per_node
+
+    @property
+    def num_nodes(self):
+        return self._native.num_nodes
 
     def barrier(self):
         """Host barrier over the group, bounded by the timeout (cpu backend)."""

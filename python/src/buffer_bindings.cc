@@ -271,13 +271,14 @@ void bind_buffer(py::module_& m) {
       .def_static(
           "bytes_needed",
           [](const std::string& mode, int64_t hidden, int top_k, int num_experts,
-             int64_t max_tokens, int num_ranks, const std::string& backend) {
+             int64_t max_tokens, int num_ranks, const std::string& backend, int ranks_per_node) {
             return Buffer::bytes_needed(parse_mode(mode),
                                         make_shape(hidden, top_k, num_experts, max_tokens),
-                                        num_ranks, parse_backend(backend));
+                                        num_ranks, parse_backend(backend), ranks_per_node);
           },
           py::arg("mode"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
-          py::arg("max_tokens_per_rank"), py::arg("num_ranks"), py::arg("backend"))
+          py::arg("max_tokens_per_rank"), py::arg("num_ranks"), py::arg("backend"),
+          py::arg("ranks_per_node") = 0)
       .def_property_readonly("bytes_allocated", &Buffer::bytes_allocated)
       .def_property_readonly("id", &Buffer::id)
       .def_property_readonly("hidden", [](const Buffer& b) { return b.shape().hidden; })

@@ -20,10 +20,11 @@ namespace py = pybind11;
 using namespace epx;
 using namespace epx::python;
 
-GroupOptions make_options(int64_t timeout_ms, int num_sms) {
+GroupOptions make_options(int64_t timeout_ms, int num_sms, int ranks_per_node) {
   GroupOptions o;
   o.timeout = std::chrono::milliseconds(timeout_ms);
   o.num_sms = num_sms;
+  o.ranks_per_node = ranks_per_node;
   return o;
 }
 
@@ -92,23 +93,28 @@ PYBIND11_MODULE(_epx, m) {
   py::class_<Group>(m, "Group", "An EP group. Creation is collective.")
       .def_static(
           "cpu_processes",
-          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms) {
+          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms,
+             int ranks_per_node) {
             py::gil_scoped_release nogil;
-            return Group::cpu_processes(rank, size, name, make_options(timeout_ms, num_sms));
+            return Group::cpu_processes(rank, size, name,
+                                        make_options(timeout_ms, num_sms, ranks_per_node));
           },
           py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("timeout_ms") = 0,
-          py::arg("num_sms") = 0)
+          py::arg("num_sms") = 0, py::arg("ranks_per_node") = 0)
       .def_static(
           "cpu_threads",
-          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms) {
+          [](int rank, int size, const std::string& name, int64_t timeout_ms, int num_sms,
+             int ranks_per_node) {
             py::gil_scoped_release nogil;
-            return Group::cpu_threads(rank, size, name, make_options(timeout_ms, num_sms));
+            return Group::cpu_threads(rank, size, name,
+                                      make_options(timeout_ms, num_sms, ranks_per_node));
           },
           py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("timeout_ms") = 0,
-          py::arg("num_sms") = 0)
+          py::arg("num_sms") = 0, py::arg("ranks_per_node") = 0)
       .def_static(
           "cuda",
-          [](int rank, int size, const py::bytes& id, int device, int64_t timeout_ms, int num_sms) {
+          [](int rank, int size, const py::bytes& id, int device, int64_t timeout_ms, int num_sms,
+             int ranks_per_node) {
             std::string raw = id;
             UniqueId uid;
             if (raw.size() != uid.bytes.size()) {
@@ -118,19 +124,20 @@ PYBIND11_MODULE(_epx, m) {
             }
             std::copy(raw.begin(), raw.end(), uid.bytes.begin());
             py::gil_scoped_release nogil;
-            return Group::cuda(rank, size, uid, device, make_options(timeout_ms, num_sms));
+            return Group::cuda(rank, size, uid, device,
+                               make_options(timeout_ms, num_sms, ranks_per_node));
           },
           py::arg("rank"), py::arg("size"), py::arg("unique_id"), py::arg("device"),
-          py::arg("timeout_ms") = 0, py::arg("num_sms") = 0)
+          py::arg("timeout_ms") = 0, py::arg("num_sms") = 0, py::arg("ranks_per_node") = 0)
       .def_static(
           "cuda_from_comm",
-          [](uintptr_t comm, int device, int64_t timeout_ms, int num_sms) {
+          [](uintptr_t comm, int device, int64_t timeout_ms, int num_sms, int ranks_per_node) {
             py::gil_scoped_release nogil;
             return Group::cuda_from_comm(reinterpret_cast<void*>(comm), device,
-                                         make_options(timeout_ms, num_sms));
+                                         make_options(timeout_ms, num_sms, ranks_per_node));
           },
           py::arg("nccl_comm"), py::arg("device"), py::arg("timeout_ms") = 0,
-          py::arg("num_sms") = 0)
+          py::arg("num_sms") = 0, py::arg("ranks_per_node") = 0)
       .def_property_readonly("rank", &Group::rank)
       .def_property_readonly("size", &Group::size)
       .def_property_readonly("backend",
@@ -138,6 +145,8 @@ PYBIND11_MODULE(_epx, m) {
       .def_property_readonly(
           "timeout_ms", [](const Group& g) { return static_cast<int64_t>(g.timeout().count()); })
       .def_property_readonly("num_sms", [](const Group& g) { return g.options().num_sms; })
+      .def_property_readonly("ranks_per_node", &Group::ranks_per_node)
+      .def_property_readonly("num_nodes", &Group::num_nodes)
       .def("barrier", &Group::barrier, py::call_guard<py::gil_scoped_release>())
       .def(
           "agree",

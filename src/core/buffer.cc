@@ -26,7 +26,8 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
       {"shape.num_experts", shape.num_experts},
       {"shape.max_tokens_per_rank", shape.max_tokens_per_rank},
       {"config.enable_ht", config.enable_ht, detail::show_bool},
-      {"config.enable_ll", config.enable_ll, detail::show_bool}};
+      {"config.enable_ll", config.enable_ll, detail::show_bool},
+      {"GroupOptions::ranks_per_node", group.ranks_per_node()}};
   if (group.backend() == Backend::kCuda) {
     // The ll kernels' flag targets count every rank's CTAs alike (src/cuda/ll.cu).
     fields.push_back({"the ll kernels' CTA count (from GroupOptions::num_sms and the GPU's SMs)",
@@ -42,9 +43,11 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
                 shape.hidden, ", expected a multiple of 128 when ll is enabled (fp8 groups)");
   // Sizes before any allocation (OutOfCapacity naming the fields and the bytes).
   if (config.enable_ht)
-    detail::check_buffer_capacity(shape, group.size(), Mode::kHt, group.backend(), "Buffer");
+    detail::check_buffer_capacity(shape, group.size(), Mode::kHt, group.backend(), "Buffer",
+                                  group.num_nodes());
   if (config.enable_ll)
-    detail::check_buffer_capacity(shape, group.size(), Mode::kLl, group.backend(), "Buffer");
+    detail::check_buffer_capacity(shape, group.size(), Mode::kLl, group.backend(), "Buffer",
+                                  group.num_nodes());
   const uint64_t id = next_buffer_id();
   impl_ = group.backend() == Backend::kCpu ? detail::make_cpu_buffer(group, shape, config, id)
                                            : detail::make_cuda_buffer(group, shape, config, id);
@@ -54,18 +57,29 @@ Buffer::~Buffer() = default;
 Buffer::Buffer(Buffer&&) noexcept = default;
 Buffer& Buffer::operator=(Buffer&&) noexcept = default;
 
-size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend) {
+size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Backend backend,
+                            int ranks_per_node) {
   EPX_CHECK_ARG(num_ranks >= 1, "Buffer::bytes_needed: 'num_ranks' is ", num_ranks,
                 ", expected >= 1");
+  EPX_CHECK_ARG(ranks_per_node >= 0 && ranks_per_node <= num_ranks &&
+                    (ranks_per_node == 0 || num_ranks % ranks_per_node == 0),
+                "Buffer::bytes_needed: 'ranks_per_node' is ", ranks_per_node,
+                ", expected 0 (one node) or a divisor of num_ranks = ", num_ranks);
+  const int nodes = ranks_per_node == 0 ? 1 : num_ranks / ranks_per_node;
+  EPX_CHECK(backend == Backend::kCpu || nodes == 1, ErrorCode::kUnsupported,
+            "Buffer::bytes_needed: ", nodes, " nodes on the cuda backend, which has no across-node",
+            " path yet (docs/design.md §13)");
   detail::validate_shape(shape, num_ranks, "Buffer::bytes_needed");
   const bool cpu = backend == Backend::kCpu;
   if (mode != Mode::kA2a)
-    detail::check_buffer_capacity(shape, num_ranks, mode, backend, "Buffer::bytes_needed");
+    detail::check_buffer_capacity(shape, num_ranks, mode, backend, "Buffer::bytes_needed", nodes);
   switch (mode) {
     case Mode::kHt:
-      return cpu ? detail::cpu_ht_bytes(shape, num_ranks) : detail::cuda_ht_bytes(shape, num_ranks);
+      return cpu ? detail::cpu_ht_bytes(shape, num_ranks, nodes)
+                 : detail::cuda_ht_bytes(shape, num_ranks);
     case Mode::kLl:
-      return cpu ? detail::cpu_ll_bytes(shape, num_ranks) : detail::cuda_ll_bytes(shape, num_ranks);
+      return cpu ? detail::cpu_ll_bytes(shape, num_ranks, nodes)
+                 : detail::cuda_ll_bytes(shape, num_ranks);
     case Mode::kA2a: break;
   }
   detail::throw_error(ErrorCode::kInvalidArgument,

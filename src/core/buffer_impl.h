@@ -116,9 +116,10 @@ std::unique_ptr<A2aImpl> make_cuda_a2a(const Group& group, const A2aShape& shape
 // the Buffer's agreement compares it). Unsupported in a build without CUDA.
 int cuda_ll_num_ctas(const Group& group, const MoeShape& shape);
 
-// Symmetric bytes per rank of each mode, per backend (each backend owns its buffer layout).
-size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks);
-size_t cpu_ll_bytes(const MoeShape& shape, int num_ranks);
+// Symmetric bytes per rank of each mode, per backend (each backend owns its buffer layout). The
+// cpu ones on `num_nodes` nodes (Group::num_nodes(); > 1 adds the rail's chunks, design §13).
+size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks, int num_nodes = 1);
+size_t cpu_ll_bytes(const MoeShape& shape, int num_ranks, int num_nodes = 1);
 size_t cpu_a2a_bytes(const A2aShape& shape, int num_ranks);
 size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks);
 size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks);

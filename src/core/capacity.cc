@@ -47,21 +47,33 @@ struct Bounds {
   u128 upper = 0;  // >= the bytes, and every intermediate sum, of every backend's layout
 };
 
-// ht: dispatch rows and combine rows of R * Tm tokens (cpu src/cpu/ht.cc ht_region, cuda
-// src/cuda/kernels/ht/ht_region.cuh HtRegion::make).
-Bounds ht_bounds(const MoeShape& s, int R) {
+// Across N > 1 nodes, the cpu backend's rail chunks: at most `chunks` chunks of Tm rows of at most
+// `row` bytes each, with headers (src/cpu/ht_region.h, src/cpu/ll_region.h, the rail's staging).
+u128 rail_bound(int num_nodes, u128 chunks, u128 Tm, u128 row, int R) {
+  if (num_nodes <= 1) return 0;
+  return mul(mul(num_nodes - 1, chunks), add(mul(Tm, row), add(mul(1024, R + 1), u128{1} << 16)));
+}
+
+// ht: dispatch rows and combine rows of R * Tm tokens (cpu src/cpu/ht_region.h ht_region, cuda
+// src/cuda/kernels/ht/ht_region.cuh HtRegion::make); across nodes a received dispatch chunk and
+// a rail slot per other node (a slot holds a dispatch chunk or a combine partial of 4H + 4K
+// bytes a row).
+Bounds ht_bounds(const MoeShape& s, int R, int num_nodes) {
   const u128 Tm = u(s.max_tokens_per_rank), H = u(s.hidden), K = u(s.top_k);
   const u128 G = add(H, 127) / 128, E = u(s.num_experts);
   const u128 row = add(add(mul(2, H), mul(4, G)), add(mul(32, K), 128));
   Bounds b;
   b.lower = mul(R, Tm, 2, H);
   b.upper = add(add(mul(R + 1, Tm, row), mul(256, R, add(R, E))), u128{1} << 20);
+  b.upper = add(b.upper, rail_bound(num_nodes, 2, Tm, add(row, add(mul(4, H), mul(4, K))), R));
   return b;
 }
 
 // ll: two dispatch slots of R sources' T_max messages and two combine slots of L experts x R *
-// T_max rows (cpu src/cpu/ll.cc LlLayout, cuda src/cuda/kernels/ll/ll_layout.cuh LlLayout::make).
-Bounds ll_bounds(const MoeShape& s, int R) {
+// T_max rows (cpu src/cpu/ll_region.h LlLayout, cuda src/cuda/kernels/ll/ll_layout.cuh
+// LlLayout::make); across nodes two received dispatch chunks (one per slot) and a rail slot per
+// other node (a dispatch chunk, a forward chunk or a partial of 4H bytes a row).
+Bounds ll_bounds(const MoeShape& s, int R, int num_nodes) {
   const u128 Tm = u(s.max_tokens_per_rank), H = u(s.hidden), K = u(s.top_k);
   const u128 G = add(H, 127) / 128, E = u(s.num_experts);
   const u128 msg = add(add(mul(2, H), mul(4, G)), add(mul(4, K), 64));
@@ -69,6 +81,7 @@ Bounds ll_bounds(const MoeShape& s, int R) {
   b.lower = mul(4, E, Tm, H);
   b.upper = add(add(mul(2 * (R + 1), Tm, msg), mul(4, E, Tm, H)),
                 add(mul(64, E), add(mul(1024, R + 1), u128{1} << 20)));
+  b.upper = add(b.upper, rail_bound(num_nodes, 3, Tm, add(msg, add(mul(4, H), mul(8, K))), R));
   return b;
 }
 
@@ -118,20 +131,22 @@ std::string on_ranks(int num_ranks, Backend backend) {
 }  // namespace
 
 void check_buffer_capacity(const MoeShape& s, int num_ranks, Mode mode, Backend backend,
-                           const char* op) {
+                           const char* op, int num_nodes) {
   const bool cpu = backend == Backend::kCpu;
   const std::string where = on_ranks(num_ranks, backend);
   if (mode == Mode::kHt) {
     check_bounds(
-        ht_bounds(s, num_ranks),
-        [&] { return cpu ? cpu_ht_bytes(s, num_ranks) : cuda_ht_bytes(s, num_ranks); }, op,
+        ht_bounds(s, num_ranks, num_nodes),
+        [&] { return cpu ? cpu_ht_bytes(s, num_ranks, num_nodes) : cuda_ht_bytes(s, num_ranks); },
+        op,
         cat("shape.max_tokens_per_rank = ", s.max_tokens_per_rank, " and shape.hidden = ", s.hidden,
             " (top_k ", s.top_k, ")"),
         cat("ht", where), "shape.max_tokens_per_rank or shape.hidden");
   } else {
     check_bounds(
-        ll_bounds(s, num_ranks),
-        [&] { return cpu ? cpu_ll_bytes(s, num_ranks) : cuda_ll_bytes(s, num_ranks); }, op,
+        ll_bounds(s, num_ranks, num_nodes),
+        [&] { return cpu ? cpu_ll_bytes(s, num_ranks, num_nodes) : cuda_ll_bytes(s, num_ranks); },
+        op,
         cat("shape.max_tokens_per_rank = ", s.max_tokens_per_rank, ", shape.hidden = ", s.hidden,
             " and shape.num_experts = ", s.num_experts),
         cat("ll", where), "shape.max_tokens_per_rank (T_max), shape.hidden or shape.num_experts");

@@ -36,27 +36,53 @@ static GroupOptions resolve(GroupOptions o, const char* op) {
   return o;
 }
 
+// The topology (GroupOptions::ranks_per_node) against the group's size: 0 (one node, resolved to
+// the size) or a divisor of it; more than one node only on the cpu backend (the cuda backend's
+// across-node path is not built, docs/design.md §13). A size the transport will refuse passes
+// here unchanged (the transport names it).
+static GroupOptions resolve_topology(GroupOptions o, int size, Backend backend, const char* op) {
+  if (size < 1 || size > detail::kMaxRanks) return o;
+  std::string divisors;
+  for (int d = 1; d <= size; ++d)
+    if (size % d == 0) divisors += detail::cat(divisors.empty() ? "" : ", ", d);
+  const int rpn = o.ranks_per_node;
+  EPX_CHECK_ARG(rpn >= 0 && rpn <= size && (rpn == 0 || size % rpn == 0), op,
+                ": GroupOptions::ranks_per_node is ", rpn,
+                ", expected 0 (every rank on one node) or a divisor of the group size ", size, " (",
+                divisors, ")");
+  if (rpn == 0) o.ranks_per_node = size;
+  EPX_CHECK(backend == Backend::kCpu || o.ranks_per_node == size, ErrorCode::kUnsupported, op,
+            ": GroupOptions::ranks_per_node = ", rpn, " makes ", size / rpn, " nodes of ", rpn,
+            " ranks; the cuda backend has no across-node path yet (docs/design.md §13), expected 0 "
+            "or the group size ",
+            size);
+  return o;
+}
+
 Group::Group(std::shared_ptr<detail::Transport> t, GroupOptions options)
     : transport_(std::move(t)), options_(options) {}
 
 Group Group::cpu_threads(int rank, int size, const std::string& world_name, GroupOptions options) {
-  options = resolve(options, "Group::cpu_threads");
+  options = resolve_topology(resolve(options, "Group::cpu_threads"), size, Backend::kCpu,
+                             "Group::cpu_threads");
   return Group(detail::make_cpu_thread_transport(rank, size, world_name, options.timeout), options);
 }
 
 Group Group::cpu_processes(int rank, int size, const std::string& name, GroupOptions options) {
-  options = resolve(options, "Group::cpu_processes");
+  options = resolve_topology(resolve(options, "Group::cpu_processes"), size, Backend::kCpu,
+                             "Group::cpu_processes");
   return Group(detail::make_cpu_process_transport(rank, size, name, options.timeout), options);
 }
 
 Group Group::cuda(int rank, int size, const UniqueId& id, int cuda_device, GroupOptions options) {
-  options = resolve(options, "Group::cuda");
+  options = resolve_topology(resolve(options, "Group::cuda"), size, Backend::kCuda, "Group::cuda");
   return Group(detail::make_nccl_transport(rank, size, id, cuda_device, options.timeout), options);
 }
 
 Group Group::cuda_shared_device(int rank, int size, const std::string& world_name,
                                 int cuda_device, GroupOptions options) {
-  options = resolve(options, "Group::cuda_shared_device");
+  options = resolve_topology(resolve(options, "Group::cuda_shared_device"), size, Backend::kCuda,
+                             "Group::cuda_shared_device");
   auto t = detail::make_cuda_shared_device_transport(rank, size, world_name, cuda_device, &options);
   return Group(std::move(t), options);
 }
@@ -64,8 +90,9 @@ Group Group::cuda_shared_device(int rank, int size, const std::string& world_nam
 Group Group::cuda_from_comm(void* nccl_comm, int cuda_device, GroupOptions options) {
   options = resolve(options, "Group::cuda_from_comm");
   EPX_CHECK_ARG(nccl_comm != nullptr, "Group::cuda_from_comm: argument 'nccl_comm' is null");
-  return Group(detail::make_nccl_transport_from_comm(nccl_comm, cuda_device, options.timeout),
-               options);
+  auto t = detail::make_nccl_transport_from_comm(nccl_comm, cuda_device, options.timeout);
+  options = resolve_topology(options, t->size(), Backend::kCuda, "Group::cuda_from_comm");
+  return Group(std::move(t), options);
 }
 
 int Group::rank() const { return transport_->rank(); }

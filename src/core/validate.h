@@ -30,9 +30,10 @@ void validate_a2a_shape(const A2aShape& shape, int num_ranks);
 
 // Before any allocation (src/core/capacity.cc): OutOfCapacity naming the shape fields and the
 // bytes when `mode`'s symmetric memory (per rank) exceeds kMaxSymmetricBytes (1 TiB), computed
-// without overflow. The shape must have passed validate_shape / validate_a2a_shape.
+// without overflow. The shape must have passed validate_shape / validate_a2a_shape. `num_nodes`:
+// the group's (more than one adds the cpu backend's rail chunks).
 void check_buffer_capacity(const MoeShape& shape, int num_ranks, Mode mode, Backend backend,
-                           const char* op);
+                           const char* op, int num_nodes = 1);
 void check_a2a_capacity(const A2aShape& shape, int num_ranks, Backend backend, const char* op);
 void validate_a2a_dispatch(const A2aImpl& a, const A2aDispatchArgs& args);
 void validate_a2a_combine(const A2aImpl& a, const TensorView& y, int64_t runtime_max,

@@ -6,8 +6,14 @@
 // peer may still read. Written the obviously correct way (it is the oracle of the GPU tests), with
 // rows moved by memcpy. Streams are ignored: every call is synchronous.
 //
-// Mode files: ht.cc (ht_* and cpu_ht_bytes), ll.cc (ll_* and cpu_ll_bytes), each owning the layout
-// of its region.
+// Mode files: ht.cc (ht_layout, ht_dispatch, cpu_ht_bytes; the region in ht_region.h),
+// ht_combine.cc, ll.cc (ll_* and cpu_ll_bytes), each owning the layout of its region.
+//
+// Across nodes (Group::num_nodes() > 1, docs/design.md §13) the same operations run
+// hierarchically: a rank's pull reads the ranks of its own node as above, and every other rank's
+// data from the chunk the rank of its node with that rank's local index (its "forwarder")
+// received over the rail (transport/rail.h). With one node there is no rail and no chunk: the
+// pull is the flat one.
 #pragma once
 
 #include <atomic>
@@ -17,9 +23,11 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "core/buffer_impl.h"
 #include "core/check.h"
+#include "transport/rail.h"
 #include "transport/transport.h"
 
 namespace epx::detail {
@@ -111,13 +119,69 @@ struct StepState {
 // The peers' stamps of one operation: OutOfStep naming each peer not at (gen, call), before the
 // pull; and after it, OutOfStep if any peer's stamp moved (it published again while this rank
 // was reading). `stamp_of(p)` is rank p's published Stamp.
-void check_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
-                  const std::function<const Stamp&(int)>& stamp_of,
-                  const std::function<std::string(int)>& peer_op);
-void recheck_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
-                    const std::function<const Stamp&(int)>& stamp_of);
+// The _range forms check ranks [first, last) only (a forwarder's own node).
+void check_stamps_range(const char* op, int rank, int first, int last, uint64_t gen, uint64_t call,
+                        const std::function<const Stamp&(int)>& stamp_of,
+                        const std::function<std::string(int)>& peer_op);
+void recheck_stamps_range(const char* op, int rank, int first, int last, uint64_t gen,
+                          uint64_t call, const std::function<const Stamp&(int)>& stamp_of);
+inline void check_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
+                         const std::function<const Stamp&(int)>& stamp_of,
+                         const std::function<std::string(int)>& peer_op) {
+  check_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of, peer_op);
+}
+inline void recheck_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
+                           const std::function<const Stamp&(int)>& stamp_of) {
+  recheck_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of);
+}
+
+// ---- across nodes ------------------------------------------------------------------------------
+//
+// What a chunk says about its sender's part of the operation: code 0, or the error that stopped
+// it (a forwarder that could not reduce its node's rows), so every receiver raises it too instead
+// of using the chunk's rows.
+struct RailStatus {
+  int32_t code;  // 0 = ok, else 1 + ErrorCode
+  char message[380];
+
+  void set_ok() { code = 0, message[0] = 0; }
+  void set(const Error& e);
+  // Throws the sender's error (its code; the message names `op`, the sender and its node).
+  void raise_if_failed(const char* op, int sender, int node) const;
+};
+
+// Raises the failure of the first other node whose forwarder (of `rank`'s local index) failed;
+// status_of(m): the status of the partials `rank` received from node m.
+void raise_forwarder_errors(const char* op, Topology topology, int rank,
+                            const std::function<const RailStatus&(int)>& status_of);
+
+// The next row (`cursor`, then advanced) of the partials a rank received from node m: rows of
+// `width` floats, one per token of the rank that went to m, in token order; Internal when node m
+// returned fewer than `num_rows`.
+const float* next_partial_row(const char* op, int m, int64_t& cursor, int64_t num_rows,
+                              const float* rows, int64_t width);
+
+// Runs `body`; an epx::Error escaping it is returned (and its status written into every header of
+// `statuses`), so a rank that failed still takes part in the rest of the operation's exchanges.
+std::exception_ptr run_noting_error(const std::function<void()>& body,
+                                    const std::vector<RailStatus*>& statuses);
+
+// Reusable host memory of a rank's rail chunks: sends packed before an exchange, receives that
+// only this rank reads (combine partials). Grown on demand, never shrunk.
+struct ChunkScratch {
+  std::vector<std::vector<uint8_t>> chunks;  // [N - 1]
+  uint8_t* chunk(int i, size_t bytes) {
+    if (chunks.size() <= static_cast<size_t>(i)) chunks.resize(i + 1);
+    if (chunks[i].size() < bytes) chunks[i].resize(bytes);
+    return chunks[i].data();
+  }
+};
 
 struct CpuLlState;  // defined in ll.cc
+
+// ll.cc's sizes: the ll region (cpu_ll_bytes less the rail's staging) and the rail's chunk.
+size_t cpu_ll_region_bytes(const MoeShape& shape, int num_ranks, Topology topology);
+size_t cpu_ll_rail_chunk_bytes(const MoeShape& shape, int num_ranks, Topology topology);
 
 class CpuBuffer final : public BufferImpl {
  public:
@@ -145,10 +209,20 @@ class CpuBuffer final : public BufferImpl {
 
   Transport& transport() const { return *group.transport(); }
 
-  std::shared_ptr<SymmetricMemory> ht_mem_;  // cpu_ht_bytes(shape, R), when enable_ht
-  std::shared_ptr<SymmetricMemory> ll_mem_;  // cpu_ll_bytes(shape, R), when enable_ll
+  // Across nodes (ht.cc, ht_combine.cc): this rank's chunks for the other nodes over the rail.
+  void send_ht_chunks(const HtDispatchArgs& a, uint64_t call);
+  void send_ht_partials(const HtCombineArgs& a, uint64_t call, std::vector<uint8_t*>& partials);
+
+  const Topology topology_;
+  std::shared_ptr<SymmetricMemory> ht_mem_;  // cpu_ht_bytes(shape, R, N), when enable_ht
+  std::shared_ptr<SymmetricMemory> ll_mem_;  // cpu_ll_bytes(shape, R, N), when enable_ll
   std::shared_ptr<CpuLlState> ll_state_;     // owned by ll.cc (created in ll.cc's helpers)
   StepState ht_step_;
+  // N > 1: the rails of ht and ll (cpu_ht_rail_chunk_bytes / cpu_ll_rail_chunk_bytes) and the
+  // host memory of ht's chunks (ll keeps its own in CpuLlState: hooks hold them).
+  std::unique_ptr<RailTransport> ht_rail_;
+  std::shared_ptr<RailTransport> ll_rail_;  // held by ll hooks too
+  ChunkScratch ht_sends_, ht_recvs_;
 };
 
 }  // namespace epx::detail

@@ -1,30 +1,27 @@
-// src/cpu/ht.cc — the ht mode of the cpu reference backend (docs/semantics.md §1).
+// src/cpu/ht.cc — the ht mode of the cpu reference backend (docs/semantics.md §1): layout and
+// dispatch; the combine is in ht_combine.cc, the region layout in ht_region.h.
 //
 // Data flow. Every collective op is "publish, barrier, pull, barrier" (cpu_buffer.h). A rank that
 // fails after the first barrier (worst-case overflow, a handle that does not match its peers, an
 // allocator error) still takes part in the closing barrier, then throws: its peers never hang.
 //   ht_layout    local, no communication: counts from topk_idx.
 //   ht_dispatch  rank s publishes T_s, send_counts[d] (its tokens that go to d), topk_idx (as
-//                int64), topk_weights, x rows and scale rows; barrier. Rank r builds
-//                rank_prefix_matrix from every rank's send_counts ([s][d] = sum of send_counts_q[d]
-//                over q <= s), N = rank_prefix_matrix[R-1][r], then for s = 0..R-1, t = 0..T_s-1
-//                copies (memcpy) the row of every token that goes to r: recv row of (s, t) =
-//                rank_prefix_matrix[s-1][r] + #{t' < t of s that go to r}; barrier.
-//                send_pos[t][d] on rank s is the same number seen from the sender.
-//   cached       x and scales only are published; the receiver takes the row order from the
+//                int64), topk_weights, x rows and scale rows; across nodes (N > 1) it then packs,
+//                for every other node m, the tokens that go to some rank of m (each once,
+//                ascending) into chunk m and exchanges chunks over the rail: (n, g) sends chunk m
+//                to (m, g) and receives every (m, g)'s chunk for node n into its region; barrier.
+//                Rank r reads source s through ht_source (s's region when s is on r's node, else
+//                the chunk of r's forwarder for s: the same rows, once per node). It builds
+//                rank_prefix_matrix from every source's send_counts ([s][d] = sum of
+//                send_counts_q[d] over q <= s), N = rank_prefix_matrix[R-1][r], then for
+//                s = 0..R-1, t = 0..T_s-1 copies (memcpy) the row of every token that goes to r:
+//                recv row of (s, t) = rank_prefix_matrix[s-1][r] + #{t' < t of s that go to r};
+//                barrier. send_pos[t][d] on rank s is the same number seen from the sender. A
+//                forwarder also keeps, in its handle, where each row it received over the rail
+//                landed on its node's ranks (HtForwardRoute, for the combine).
+//   cached       x and scales only are published (and sent over the rail for the tokens the
+//                handle routes to each other node); the receiver takes the row order from the
 //                handle (rows [prefix[s-1][r], prefix[s][r]) come from s, token recv_src_idx[row]).
-//   ht_combine   rank d publishes y[0, N_d) (and topk_weights[0, N_d)); barrier; rank s reduces
-//                out[t] from y_d[send_pos[t][d]] over d ascending; barrier.
-//
-// Region of one rank inside the symmetric buffer (cpu_ht_bytes(shape, R) bytes; sections 64-byte
-// aligned; Tm = max_tokens_per_rank; rows packed at the op's row size):
-//   header       RegionHeader                      op tag, dtypes, T, rows, has_weights
-//   send_counts  int32 [R]                         dispatch: tokens this rank sends to each rank
-//   payload, a union of the two views:
-//     dispatch   topk_idx int64 [Tm, K] | topk_weights f32 [Tm, K] | x [Tm, H] (2H bytes a row
-//                reserved) | scales [Tm, ceil(H/128)] 4-byte elements (f32 H/128 or i32
-//                ceil(H/512))
-//     combine    y bf16 [R*Tm, H] | topk_weights f32 [R*Tm, K]    (a rank receives <= R*Tm rows)
 //
 // Exact semantics (the cuda backend reproduces them bit for bit):
 //   layout      num_tokens_per_rank[d] = #{t: some topk_idx[t][k] lives on d};
@@ -34,16 +31,8 @@
 //               num_recv_tokens_per_expert[l] = round_up(#{(row, k): recv_topk_idx == l},
 //               expert_alignment) (exact mode only). Worst-case rows [N, num_worst_tokens):
 //               recv_x and scales 0, recv_topk_idx -1, weights 0, recv_src_idx -1.
-//   combine     out[t][h] = f32_to_bf16(acc) with float32 acc computed in exactly this order:
-//                 acc = 0.0f; if bias0: acc += bf16_to_f32(bias0[t][h]);
-//                 if bias1: acc += bf16_to_f32(bias1[t][h]);
-//                 for d = 0..R-1 with send_pos[t][d] >= 0:
-//                   acc += bf16_to_f32(y_d[send_pos[t][d]][h])
-//               combined_topk_weights[t][k] = acc with acc = 0.0f; for d ascending as above:
-//                 acc += w_d[send_pos[t][d]][k]
-//               (f32_to_bf16: round to nearest even, numeric.h). A token that went nowhere gets
-//               0.0f + biases. Starting from 0.0f matters: 0.0f + -0.0f is +0.0f, so a kernel
-//               that starts from bias0 (or from the first y row) differs on signed zeros.
+//               The same on every topology: the rail moves rows, it never reorders them.
+//   combine     ht_combine.cc.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -55,86 +44,27 @@
 #include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
-#include "core/numeric.h"
 #include "core/validate.h"
-#include "cpu/cpu_buffer.h"
+#include "cpu/ht_region.h"
 
 namespace epx::detail {
 namespace {
 
-enum HtOp : int32_t { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3 };
-
-const char* op_name(int32_t op) {
-  switch (op) {
-    case kOpDispatch:
-      return "ht_dispatch";
-    case kOpCachedDispatch:
-      return "ht_dispatch (cached)";
-    case kOpCombine:
-      return "ht_combine";
-  }
-  return "another operation";
-}
-
-// Written by the owner before the first barrier of an op, read by peers before the second.
-// The per-call values every rank must pass alike are compared there (check_peer_headers).
-struct RegionHeader {
-  Stamp stamp;          // first: reset() clears it through the region's base pointer
-  int32_t op;           // HtOp
-  int32_t x_dtype;      // DType of x (dispatch)
-  int32_t scale_dtype;  // DType of the scales, -1 without
-  int32_t has_weights;  // topk_weights given
-  int64_t num_tokens;   // T of this rank
-  int64_t num_rows;     // combine: rows of y published (N of this rank)
-  int64_t num_worst_tokens;  // dispatch: the call's (cached: the handle's)
-  int32_t expert_alignment;  // dispatch (not cached)
-  int32_t zero_copy;         // dispatch and combine
-};
-
-struct HtRegion {
-  size_t send_counts, topk_idx, topk_weights, x, scales;  // dispatch view
-  size_t y, y_weights;                                    // combine view
-  size_t bytes;
-};
-
-HtRegion ht_region(const MoeShape& s, int R) {
+// Offsets of a rows block of capacity Tm starting at `off`; returns its end.
+size_t rows_block(const MoeShape& s, size_t off, HtRows& rows) {
   const size_t Tm = static_cast<size_t>(s.max_tokens_per_rank);
   const size_t K = static_cast<size_t>(s.top_k), H = static_cast<size_t>(s.hidden);
-  HtRegion g{};
-  size_t off = align_up(sizeof(RegionHeader), 64);
-  g.send_counts = off;
-  off += align_up(4 * static_cast<size_t>(R), 64);
-  const size_t payload = off;
-  g.topk_idx = off;
+  const size_t begin = off;
+  rows.topk_idx = off - begin;
   off += align_up(Tm * K * 8, 64);
-  g.topk_weights = off;
+  rows.topk_weights = off - begin;
   off += align_up(Tm * K * 4, 64);
-  g.x = off;
+  rows.x = off - begin;
   off += align_up(Tm * H * 2, 64);
-  g.scales = off;
+  rows.scales = off - begin;
   off += align_up(Tm * 4 * ((H + 127) / 128), 64);
-  const size_t dispatch_end = off;
-  off = payload;
-  g.y = off;
-  off += align_up(static_cast<size_t>(R) * Tm * H * 2, 64);
-  g.y_weights = off;
-  off += align_up(static_cast<size_t>(R) * Tm * K * 4, 64);
-  g.bytes = std::max(dispatch_end, off);
-  return g;
-}
-
-// Copies the first `rows` rows of a [rows, cols] view with innermost stride 1 into packed rows.
-void pack_rows(const TensorView& v, int64_t rows, uint8_t* dst) {
-  const size_t row_bytes = static_cast<size_t>(v.shape[1]) * dtype_size(v.dtype);
-  const size_t pitch_bytes = static_cast<size_t>(v.strides[0]) * dtype_size(v.dtype);
-  if (rows <= 0 || row_bytes == 0) return;
-  if (pitch_bytes == row_bytes) {
-    std::memcpy(dst, v.data, row_bytes * static_cast<size_t>(rows));
-    return;
-  }
-  const auto* src = static_cast<const uint8_t*>(v.data);
-  for (int64_t t = 0; t < rows; ++t)
-    std::memcpy(dst + t * row_bytes, src + t * pitch_bytes, row_bytes);
+  rows.bytes = off - begin;
+  return off;
 }
 
 // Copies a [rows, cols] view of 4-byte elements with any strides into packed rows.
@@ -149,30 +79,86 @@ Tensor alloc_tensor(const Allocator& alloc, DType dtype, std::vector<int64_t> sh
   return alloc(dtype, shape, Device::cpu());
 }
 
-std::string show_given(int64_t v) { return v ? "given" : "absent"; }
-
-// Rank p's header, at the start of its region.
-const RegionHeader* peer_header(const SymmetricMemory& mem, int p) {
-  return static_cast<const RegionHeader*>(mem.peer(p));
+std::string show_given(int64_t v) {
+  return v ? "given" : "absent";
 }
 
-// After the pull: OutOfStep if a peer republished while this rank read (cpu_buffer.h, Stamp).
-void recheck_peer_stamps(const SymmetricMemory& mem, int R, int32_t op, const StepState& step) {
-  recheck_stamps(op_name(op), mem.rank(), R, step.generation, step.calls,
-                 [&](int p) -> const Stamp& { return peer_header(mem, p)->stamp; });
+}  // namespace
+
+const char* ht_op_name(int32_t op) {
+  switch (op) {
+    case kOpDispatch:
+      return "ht_dispatch";
+    case kOpCachedDispatch:
+      return "ht_dispatch (cached)";
+    case kOpCombine:
+      return "ht_combine";
+  }
+  return "another operation";
 }
 
-// Every rank must be in the same op with the same per-call values: all ranks read the same
-// headers, so all of them throw together, naming every value that differs with each rank's.
-void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op, const StepState& step) {
-  auto header = [&](int p) { return peer_header(mem, p); };
+HtRegion ht_region(const MoeShape& s, int R, Topology topology) {
+  const size_t Tm = static_cast<size_t>(s.max_tokens_per_rank);
+  const size_t K = static_cast<size_t>(s.top_k), H = static_cast<size_t>(s.hidden);
+  const size_t G = static_cast<size_t>(topology.ranks_per_node);
+  HtRegion g{};
+  size_t off = align_up(sizeof(RegionHeader), 64);
+  g.send_counts = off;
+  off += align_up(4 * static_cast<size_t>(R), 64);
+  g.payload = off;
+  const size_t dispatch_end = rows_block(s, off, g.rows);
+  off = g.payload;
+  g.y = off;
+  off += align_up(static_cast<size_t>(R) * Tm * H * 2, 64);
+  g.y_weights = off;
+  off += align_up(static_cast<size_t>(R) * Tm * K * 4, 64);
+  g.rail = align_up(std::max(dispatch_end, off), 64);
+  // A dispatch chunk, and a partial chunk (host memory only; sized for the rail's slots).
+  HtRows chunk_rows{};
+  g.chunk_counts = align_up(sizeof(HtChunkHeader), 64);
+  g.chunk_rows = g.chunk_counts + align_up(4 * static_cast<size_t>(R), 64);
+  g.chunk_src_idx = rows_block(s, g.chunk_rows, chunk_rows);
+  g.chunk_bytes = g.chunk_src_idx + align_up(Tm * 4, 64);
+  g.partial_headers = align_up(sizeof(HtPartialHeader), 64);
+  g.partial = g.partial_headers + align_up(G * sizeof(RegionHeader), 64);
+  g.partial_weights = g.partial + align_up(Tm * H * 4, 64);
+  g.partial_bytes = g.partial_weights + align_up(Tm * K * 4, 64);
+  g.bytes = g.rail + static_cast<size_t>(topology.num_nodes - 1) * g.chunk_bytes;
+  return g;
+}
+
+HtSource ht_source(const SymmetricMemory& mem, const HtRegion& reg, Topology topology, int s) {
+  const int r = mem.rank(), n = topology.node_of(r);
+  if (topology.node_of(s) == n) {
+    const auto* region = static_cast<const uint8_t*>(mem.peer(s));
+    const auto* header = reinterpret_cast<const RegionHeader*>(region);
+    return {header, reinterpret_cast<const int32_t*>(region + reg.send_counts),
+            region + reg.payload, nullptr, header->num_tokens};
+  }
+  const int forwarder = topology.rank_of(n, topology.local_of(s));
+  const uint8_t* chunk = static_cast<const uint8_t*>(mem.peer(forwarder)) +
+                         reg.chunk(Topology::other_index(topology.node_of(s), n));
+  const auto* header = reinterpret_cast<const HtChunkHeader*>(chunk);
+  return {&header->source, reinterpret_cast<const int32_t*>(chunk + reg.chunk_counts),
+          chunk + reg.chunk_rows, reinterpret_cast<const int32_t*>(chunk + reg.chunk_src_idx),
+          header->num_rows};
+}
+
+void recheck_ht_stamps(int rank, int num_ranks, int32_t op, const StepState& step,
+                       const std::function<const RegionHeader*(int)>& header_of) {
+  recheck_stamps(ht_op_name(op), rank, num_ranks, step.generation, step.calls,
+                 [&](int p) -> const Stamp& { return header_of(p)->stamp; });
+}
+
+void check_ht_headers(int rank, int R, int32_t op, const StepState& step,
+                      const std::function<const RegionHeader*(int)>& header_of) {
   check_stamps(
-      op_name(op), mem.rank(), R, step.generation, step.calls,
-      [&](int p) -> const Stamp& { return header(p)->stamp; },
-      [&](int p) { return std::string(op_name(header(p)->op)); });
+      ht_op_name(op), rank, R, step.generation, step.calls,
+      [&](int p) -> const Stamp& { return header_of(p)->stamp; },
+      [&](int p) { return std::string(ht_op_name(header_of(p)->op)); });
   for (int p = 0; p < R; ++p) {
-    EPX_CHECK(header(p)->op == op, ErrorCode::kOutOfStep, op_name(op), ": rank ", p, " called ",
-              op_name(header(p)->op), " at the same call #", step.calls,
+    EPX_CHECK(header_of(p)->op == op, ErrorCode::kOutOfStep, ht_op_name(op), ": rank ", p,
+              " called ", ht_op_name(header_of(p)->op), " at the same call #", step.calls,
               " instead; every rank must call the same operations in the same order");
   }
   struct Field {
@@ -204,15 +190,28 @@ void check_peer_headers(const SymmetricMemory& mem, int R, int32_t op, const Ste
   std::string message;
   std::vector<int64_t> values(R);
   for (const Field& f : fields) {
-    for (int p = 0; p < R; ++p) values[p] = f.get(*header(p));
+    for (int p = 0; p < R; ++p) values[p] = f.get(*header_of(p));
     if (all_equal(values)) continue;
     message += cat(message.empty() ? "" : "; ", f.what, " differs across ranks: ",
                    per_rank_values(values, f.show));
   }
-  EPX_CHECK_ARG(message.empty(), op_name(op), ": ", message, "; expected the same on every rank");
+  EPX_CHECK_ARG(message.empty(), ht_op_name(op), ": ", message,
+                "; expected the same on every rank");
 }
 
-// Asks for transparent huge pages on this rank's region (a hint; ignored where unsupported).
+void pack_rows(const TensorView& v, int64_t rows, uint8_t* dst) {
+  const size_t row_bytes = static_cast<size_t>(v.shape[1]) * dtype_size(v.dtype);
+  const size_t pitch_bytes = static_cast<size_t>(v.strides[0]) * dtype_size(v.dtype);
+  if (rows <= 0 || row_bytes == 0) return;
+  if (pitch_bytes == row_bytes) {
+    std::memcpy(dst, v.data, row_bytes * static_cast<size_t>(rows));
+    return;
+  }
+  const auto* src = static_cast<const uint8_t*>(v.data);
+  for (int64_t t = 0; t < rows; ++t)
+    std::memcpy(dst + t * row_bytes, src + t * pitch_bytes, row_bytes);
+}
+
 // First touches of 4 KiB pages are what the cpu ht ops spend most time on otherwise: the region is
 // large (R * Tm * H * 2 bytes for combine) and written by its owner only.
 void advise_huge_pages(const SymmetricMemory& mem) {
@@ -222,18 +221,11 @@ void advise_huge_pages(const SymmetricMemory& mem) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-void add_bf16_row(float* __restrict acc, const uint16_t* __restrict row, int64_t n) {
-  for (int64_t h = 0; h < n; ++h) acc[h] += bf16_to_f32(row[h]);
-}
-
-void round_row(uint16_t* __restrict out, const float* __restrict acc, int64_t n) {
-  for (int64_t h = 0; h < n; ++h) out[h] = f32_to_bf16(acc[h]);
-}
-
-}  // namespace
-
-size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks) {
-  return ht_region(shape, num_ranks).bytes;
+size_t cpu_ht_bytes(const MoeShape& shape, int num_ranks, int num_nodes) {
+  const Topology topology{num_nodes, num_ranks / num_nodes};
+  const HtRegion reg = ht_region(shape, num_ranks, topology);
+  return reg.bytes +
+         (topology.hierarchical() ? cpu_rail_bytes(topology, reg.rail_chunk_bytes()) : 0);
 }
 
 HtLayout CpuBuffer::ht_layout(const TensorView& topk_idx, Stream, const Allocator& alloc) {
@@ -262,15 +254,125 @@ HtLayout CpuBuffer::ht_layout(const TensorView& topk_idx, Stream, const Allocato
   return out;
 }
 
+// Across nodes: for every other node m, the rows of this rank's tokens that go to some rank of m
+// (cached: that the handle routes there), from its published rows block into chunk m, exchanged
+// over the rail; the chunks of the other nodes' ranks of this local index land in this rank's
+// rail section, where its node's ranks pull them.
+void CpuBuffer::send_ht_chunks(const HtDispatchArgs& a, uint64_t call) {
+  const int R = group.size(), r = group.rank(), K = shape.top_k, L = shape.num_experts / R;
+  const int n = topology_.node_of(r), G = topology_.ranks_per_node;
+  const HtRegion reg = ht_region(shape, R, topology_);
+  uint8_t* mine = static_cast<uint8_t*>(ht_mem_->local());
+  const auto* header = reinterpret_cast<const RegionHeader*>(mine);
+  const bool cached = a.handle != nullptr;
+  const int64_t T = header->num_tokens;
+  const size_t x_row_bytes = static_cast<size_t>(shape.hidden) * dtype_size(a.x.dtype);
+  const size_t scale_row_bytes = a.x.dtype == DType::kF8E4M3 ? 4 * a.x_scales.shape[1] : 0;
+  const uint8_t* own = mine + reg.payload;
+  const auto* own_idx = reinterpret_cast<const int64_t*>(own + reg.rows.topk_idx);
+  const bool* in_rank = cached ? a.handle->is_token_in_rank.ptr<bool>() : nullptr;
+  std::vector<RailChunk> sends, recvs;
+  for (int m = 0; m < topology_.num_nodes; ++m) {
+    if (m == n) continue;
+    const int slot = Topology::other_index(m, n);
+    uint8_t* chunk = ht_sends_.chunk(slot, reg.chunk_bytes);
+    auto* ch = reinterpret_cast<HtChunkHeader*>(chunk);
+    std::memcpy(static_cast<void*>(&ch->source), header, sizeof(RegionHeader));
+    ch->source.stamp.end_publish(ht_step_.generation, call);
+    if (!cached) std::memcpy(chunk + reg.chunk_counts, mine + reg.send_counts, 4 * R);
+    uint8_t* rows = chunk + reg.chunk_rows;
+    auto* src_idx = reinterpret_cast<int32_t*>(chunk + reg.chunk_src_idx);
+    int64_t num_rows = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      bool goes = false;
+      for (int d = m * G; d < (m + 1) * G && cached; ++d) goes |= in_rank[t * R + d];
+      for (int k = 0; k < K && !cached; ++k)
+        goes |= own_idx[t * K + k] >= 0 && own_idx[t * K + k] / L / G == m;
+      if (!goes) continue;
+      auto copy = [&](size_t offset, size_t row_bytes) {
+        std::memcpy(rows + offset + num_rows * row_bytes, own + offset + t * row_bytes, row_bytes);
+      };
+      copy(reg.rows.x, x_row_bytes);
+      copy(reg.rows.scales, scale_row_bytes);
+      if (!cached) copy(reg.rows.topk_idx, 8 * K);
+      if (!cached && header->has_weights) copy(reg.rows.topk_weights, 4 * K);
+      src_idx[num_rows++] = static_cast<int32_t>(t);
+    }
+    ch->num_rows = num_rows;
+    sends.push_back({m, chunk, reg.chunk_bytes});
+    recvs.push_back({m, mine + reg.chunk(slot), reg.chunk_bytes});
+  }
+  ht_rail_->exchange(cached ? "ht_dispatch (cached, rail)" : "ht_dispatch (rail)", sends, recvs,
+                     a.stream);
+}
+
+namespace {
+
+// Cached mode: the rows of source s for rank r, in the handle's order. `src` is s's rows: its
+// region (row t = token t) or its chunk (ascending tokens, found by walking along).
+void pull_cached_rows(const HtSource& src, const HtRegion& reg, int s, const int32_t* recv_src_idx,
+                      int64_t begin, int64_t end, size_t x_row_bytes, size_t scale_row_bytes,
+                      uint8_t* recv_x, uint8_t* recv_scales) {
+  int64_t i = 0;  // chunk row
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t t = recv_src_idx[row];
+    if (src.src_idx) {
+      while (i < src.num_rows && src.src_idx[i] < t) ++i;
+    } else {
+      i = t;
+    }
+    EPX_CHECK_ARG(t >= 0 && i < src.num_rows && src.token(i) == t,
+                  "ht_dispatch: argument 'handle' has recv_src_idx[", row, "] = ", t, " but rank ",
+                  s, src.src_idx ? " did not send that token to this node" : " dispatched ",
+                  src.src_idx ? "" : cat(src.num_rows, " tokens"),
+                  ", expected the handle of a dispatch with the same routing");
+    std::memcpy(recv_x + row * x_row_bytes, src.rows + reg.rows.x + i * x_row_bytes, x_row_bytes);
+    if (recv_scales)
+      std::memcpy(recv_scales + row * scale_row_bytes,
+                  src.rows + reg.rows.scales + i * scale_row_bytes, scale_row_bytes);
+  }
+}
+
+// The forwarder's routing (HtForwardRoute) of the chunks rank r received, from the dispatch's
+// rank_prefix_matrix: a source's rows on rank d are in its token order from prefix[s-1][d].
+std::shared_ptr<const void> forward_route(const SymmetricMemory& mem, const HtRegion& reg,
+                                          Topology topology, int R, int L, int K,
+                                          const std::vector<int32_t>& prefix) {
+  auto route = std::make_shared<HtForwardRoute>();
+  const int r = mem.rank(), n = topology.node_of(r), G = topology.ranks_per_node;
+  for (int m = 0; m < topology.num_nodes; ++m) {
+    if (m == n) continue;
+    const int s = topology.rank_of(m, topology.local_of(r));
+    const uint8_t* chunk =
+        static_cast<const uint8_t*>(mem.local()) + reg.chunk(Topology::other_index(m, n));
+    const auto* header = reinterpret_cast<const HtChunkHeader*>(chunk);
+    const auto* idx = reinterpret_cast<const int64_t*>(chunk + reg.chunk_rows + reg.rows.topk_idx);
+    std::vector<int32_t> next(G);
+    for (int g = 0; g < G; ++g) next[g] = s == 0 ? 0 : prefix[(s - 1) * R + topology.rank_of(n, g)];
+    std::vector<int32_t> pos(static_cast<size_t>(header->num_rows) * G);
+    for (int64_t i = 0; i < header->num_rows; ++i) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t lo = static_cast<int64_t>(topology.rank_of(n, g)) * L, hi = lo + L;
+        bool goes = false;
+        for (int k = 0; k < K; ++k) goes |= idx[i * K + k] >= lo && idx[i * K + k] < hi;
+        pos[i * G + g] = goes ? next[g]++ : -1;
+      }
+    }
+    route->pos.push_back(std::move(pos));
+  }
+  return route;
+}
+
+}  // namespace
+
 HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator& alloc) try {
   const uint64_t call =
       ht_step_.begin(a.handle ? "ht_dispatch (cached)" : "ht_dispatch", "reset()");
   const int R = group.size(), r = group.rank(), K = shape.top_k;
   const int L = shape.num_experts / R;
   const int64_t H = shape.hidden, T = a.x.shape[0];
-  const HtRegion reg = ht_region(shape, R);
+  const HtRegion reg = ht_region(shape, R, topology_);
   SymmetricMemory& mem = *ht_mem_;
-  auto region = [&](int p) { return static_cast<uint8_t*>(mem.peer(p)); };
   const bool cached = a.handle != nullptr;
   const bool fp8 = a.x.dtype == DType::kF8E4M3;
   const DType scale_dtype = fp8 ? a.x_scales.dtype : DType::kF32;
@@ -278,9 +380,10 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   const size_t x_row_bytes = static_cast<size_t>(H) * dtype_size(a.x.dtype);
   const size_t scale_row_bytes = static_cast<size_t>(scale_cols) * 4;
 
-  // ---- publish -------------------------------------------------------------------------------
+  // ---- publish (and, across nodes, the rail) ---------------------------------------------------
   advise_huge_pages(mem);
-  uint8_t* mine = region(r);
+  uint8_t* mine = static_cast<uint8_t*>(mem.local());
+  uint8_t* own = mine + reg.payload;  // this rank's rows block
   auto* header = reinterpret_cast<RegionHeader*>(mine);
   header->stamp.begin_publish();
   header->op = cached ? kOpCachedDispatch : kOpDispatch;
@@ -292,12 +395,12 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
   header->num_worst_tokens = cached ? a.handle->num_worst_tokens : a.num_worst_tokens;
   header->expert_alignment = cached ? 0 : a.expert_alignment;
   header->zero_copy = a.zero_copy ? 1 : 0;
-  pack_rows(a.x, T, mine + reg.x);
-  if (fp8) pack_words(a.x_scales, T, reinterpret_cast<uint32_t*>(mine + reg.scales));
+  pack_rows(a.x, T, own + reg.rows.x);
+  if (fp8) pack_words(a.x_scales, T, reinterpret_cast<uint32_t*>(own + reg.rows.scales));
   if (!cached) {
     auto* counts = reinterpret_cast<int32_t*>(mine + reg.send_counts);
-    auto* idx = reinterpret_cast<int64_t*>(mine + reg.topk_idx);
-    auto* w = reinterpret_cast<float*>(mine + reg.topk_weights);
+    auto* idx = reinterpret_cast<int64_t*>(own + reg.rows.topk_idx);
+    auto* w = reinterpret_cast<float*>(own + reg.rows.topk_weights);
     std::fill(counts, counts + R, 0);
     std::vector<char> goes(R);
     for (int64_t t = 0; t < T; ++t) {
@@ -311,12 +414,19 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
       for (int d = 0; d < R; ++d) counts[d] += goes[d];
     }
   }
-  header->stamp.end_publish(ht_step_.generation, call);
+  // A rank whose rail failed leaves its stamp unset: its node's ranks raise OutOfStep naming it.
+  std::exception_ptr rail_error;
+  if (topology_.hierarchical()) rail_error = run_noting_error([&] { send_ht_chunks(a, call); }, {});
+  if (!rail_error) header->stamp.end_publish(ht_step_.generation, call);
   transport().barrier(cached ? "ht_dispatch (cached, publish)" : "ht_dispatch (publish)");
 
   // ---- pull ------------------------------------------------------------------------------------
   return pull_then_barrier(transport(), "ht_dispatch (pull)", [&] {
-    check_peer_headers(mem, R, header->op, ht_step_);
+    if (rail_error) std::rethrow_exception(rail_error);
+    std::vector<HtSource> sources;
+    for (int s = 0; s < R; ++s) sources.push_back(ht_source(mem, reg, topology_, s));
+    auto header_of = [&](int p) { return sources[p].header; };
+    check_ht_headers(r, R, header->op, ht_step_, header_of);
     HtDispatchResult res;
     // Receive rows per source, from the exchanged counts or from the handle.
     std::vector<int32_t> prefix(static_cast<size_t>(R) * R);
@@ -326,7 +436,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
       for (int d = 0; d < R; ++d) {
         int32_t run = 0;
         for (int s = 0; s < R; ++s) {
-          run += reinterpret_cast<const int32_t*>(region(s) + reg.send_counts)[d];
+          run += sources[s].send_counts[d];
           prefix[s * R + d] = run;
         }
       }
@@ -353,26 +463,13 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     }
 
     if (cached) {
-      const int32_t* src_idx = a.handle->recv_src_idx.ptr<int32_t>();
-      for (int s = 0; s < R; ++s) {
-        const uint8_t* peer = region(s);
-        const int64_t peer_tokens = reinterpret_cast<const RegionHeader*>(peer)->num_tokens;
-        for (int64_t row = begin_of(s, r); row < prefix[s * R + r]; ++row) {
-          const int64_t t = src_idx[row];
-          EPX_CHECK_ARG(t >= 0 && t < peer_tokens,
-                        "ht_dispatch: argument 'handle' has recv_src_idx[", row, "] = ", t,
-                        " but rank ", s, " dispatched ", peer_tokens,
-                        " tokens, expected the handle of a dispatch with the same routing");
-          std::memcpy(recv_x + row * x_row_bytes, peer + reg.x + t * x_row_bytes, x_row_bytes);
-          if (fp8)
-            std::memcpy(recv_scales + row * scale_row_bytes,
-                        peer + reg.scales + t * scale_row_bytes, scale_row_bytes);
-        }
-      }
+      for (int s = 0; s < R; ++s)
+        pull_cached_rows(sources[s], reg, s, a.handle->recv_src_idx.ptr<int32_t>(), begin_of(s, r),
+                         prefix[s * R + r], x_row_bytes, scale_row_bytes, recv_x, recv_scales);
       std::memset(recv_x + N * x_row_bytes, 0, (rows - N) * x_row_bytes);
       if (fp8) std::memset(recv_scales + N * scale_row_bytes, 0, (rows - N) * scale_row_bytes);
       res.handle = *a.handle;
-      recheck_peer_stamps(mem, R, header->op, ht_step_);
+      recheck_ht_stamps(r, R, header->op, ht_step_, header_of);
       return res;
     }
 
@@ -387,18 +484,19 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     const int64_t lo = static_cast<int64_t>(r) * L, hi = lo + L;
     int64_t row = 0;
     for (int s = 0; s < R; ++s) {
-      const uint8_t* peer = region(s);
-      const int64_t peer_tokens = reinterpret_cast<const RegionHeader*>(peer)->num_tokens;
-      const auto* idx = reinterpret_cast<const int64_t*>(peer + reg.topk_idx);
-      const auto* w = reinterpret_cast<const float*>(peer + reg.topk_weights);
-      for (int64_t t = 0; t < peer_tokens; ++t) {
-        const int64_t* sel = idx + t * K;
+      const HtSource& src = sources[s];
+      const auto* idx = reinterpret_cast<const int64_t*>(src.rows + reg.rows.topk_idx);
+      const auto* w = reinterpret_cast<const float*>(src.rows + reg.rows.topk_weights);
+      const uint8_t* xs = src.rows + reg.rows.x;
+      const uint8_t* scales = src.rows + reg.rows.scales;
+      for (int64_t i = 0; i < src.num_rows; ++i) {
+        const int64_t* sel = idx + i * K;
         bool goes = false;
         for (int k = 0; k < K; ++k) goes |= sel[k] >= lo && sel[k] < hi;
         if (!goes) continue;
-        std::memcpy(recv_x + row * x_row_bytes, peer + reg.x + t * x_row_bytes, x_row_bytes);
+        std::memcpy(recv_x + row * x_row_bytes, xs + i * x_row_bytes, x_row_bytes);
         if (fp8)
-          std::memcpy(recv_scales + row * scale_row_bytes, peer + reg.scales + t * scale_row_bytes,
+          std::memcpy(recv_scales + row * scale_row_bytes, scales + i * scale_row_bytes,
                       scale_row_bytes);
         for (int k = 0; k < K; ++k) {
           const bool local = sel[k] >= lo && sel[k] < hi;
@@ -407,10 +505,10 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
             res.recv_topk_idx.ptr<int64_t>()[row * K + k] = l;
           else
             res.recv_topk_idx.ptr<int32_t>()[row * K + k] = static_cast<int32_t>(l);
-          if (recv_w) recv_w[row * K + k] = local ? w[t * K + k] : 0.0f;
+          if (recv_w) recv_w[row * K + k] = local ? w[i * K + k] : 0.0f;
           if (local) ++per_expert[l];
         }
-        src_idx[row] = static_cast<int32_t>(t);
+        src_idx[row] = static_cast<int32_t>(src.token(i));
         ++row;
       }
       EPX_CHECK(row == prefix[s * R + r], ErrorCode::kInternal, "ht_dispatch: rank ", r, " pulled ",
@@ -443,7 +541,7 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     h.send_pos = alloc_tensor(alloc, DType::kI32, {T, R});
     auto* in_rank = h.is_token_in_rank.ptr<bool>();
     auto* send_pos = h.send_pos.ptr<int32_t>();
-    const auto* my_idx = reinterpret_cast<const int64_t*>(mine + reg.topk_idx);
+    const auto* my_idx = reinterpret_cast<const int64_t*>(own + reg.rows.topk_idx);
     std::vector<int32_t> next(R);
     for (int d = 0; d < R; ++d) next[d] = begin_of(r, d);
     std::vector<char> goes(R);
@@ -461,111 +559,9 @@ HtDispatchResult CpuBuffer::ht_dispatch(const HtDispatchArgs& a, const Allocator
     h.num_worst_tokens = worst;
     h.top_k = K;
     h.buffer_id = id;
-    recheck_peer_stamps(mem, R, header->op, ht_step_);
-    return res;
-  });
-} catch (const Error& e) {
-  ht_step_.failed(e);
-  throw;
-}
-
-// The combine's y section of this rank's region: the rows ht_combine publishes (zero-copy: the
-// caller wrote them there). Free between a dispatch's closing barrier and the combine.
-TensorView CpuBuffer::ht_combine_buffer(const HtHandle& handle) const {
-  ht_step_.require_in_step("ht_combine_buffer", "reset()");
-  const HtRegion reg = ht_region(shape, group.size());
-  return TensorView::contiguous(static_cast<uint8_t*>(ht_mem_->local()) + reg.y, DType::kBF16,
-                                {ht_handle_rows(handle), shape.hidden});
-}
-
-HtCombineResult CpuBuffer::ht_combine(const HtCombineArgs& a, const Allocator& alloc) try {
-  const uint64_t call = ht_step_.begin("ht_combine", "reset()");
-  const int R = group.size(), r = group.rank(), K = shape.top_k;
-  const int64_t H = shape.hidden;
-  const HtHandle& handle = *a.handle;
-  const int64_t T = handle.num_tokens, N = handle.num_recv_tokens;
-  const HtRegion reg = ht_region(shape, R);
-  SymmetricMemory& mem = *ht_mem_;
-  auto region = [&](int p) { return static_cast<uint8_t*>(mem.peer(p)); };
-  const bool has_weights = a.topk_weights.defined();
-
-  // ---- publish: y rows [0, N) and their weights ------------------------------------------------
-  advise_huge_pages(mem);
-  uint8_t* mine = region(r);
-  auto* header = reinterpret_cast<RegionHeader*>(mine);
-  header->stamp.begin_publish();
-  header->op = kOpCombine;
-  header->x_dtype = static_cast<int32_t>(DType::kBF16);
-  header->scale_dtype = -1;
-  header->has_weights = has_weights ? 1 : 0;
-  header->num_tokens = T;
-  header->num_rows = N;
-  header->num_worst_tokens = 0;
-  header->expert_alignment = 0;
-  header->zero_copy = a.zero_copy ? 1 : 0;
-  if (!a.zero_copy) pack_rows(a.y, N, mine + reg.y);  // zero-copy: y is in place (validated)
-  if (has_weights) {
-    auto* w = reinterpret_cast<float*>(mine + reg.y_weights);
-    for (int64_t i = 0; i < N; ++i)
-      for (int k = 0; k < K; ++k) w[i * K + k] = element<float>(a.topk_weights, i, k);
-  }
-  header->stamp.end_publish(ht_step_.generation, call);
-  transport().barrier("ht_combine (publish)");
-
-  // ---- pull and reduce -------------------------------------------------------------------------
-  return pull_then_barrier(transport(), "ht_combine (pull)", [&] {
-    check_peer_headers(mem, R, kOpCombine, ht_step_);
-    const int32_t* prefix = handle.rank_prefix_matrix.ptr<int32_t>();
-    std::vector<const uint16_t*> y(R);
-    std::vector<const float*> w(R);
-    std::vector<int64_t> peer_rows(R);
-    for (int d = 0; d < R; ++d) {
-      peer_rows[d] = reinterpret_cast<const RegionHeader*>(region(d))->num_rows;
-      EPX_CHECK_ARG(peer_rows[d] == prefix[(R - 1) * R + d], "ht_combine: argument 'handle' says ",
-                    "rank ", d, " received ", prefix[(R - 1) * R + d], " tokens but rank ", d,
-                    " combines ", peer_rows[d],
-                    " rows, expected every rank to pass the handle of the same dispatch");
-      y[d] = reinterpret_cast<const uint16_t*>(region(d) + reg.y);
-      w[d] = reinterpret_cast<const float*>(region(d) + reg.y_weights);
-    }
-    const int32_t* send_pos = handle.send_pos.ptr<int32_t>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int d = 0; d < R; ++d)
-        EPX_CHECK_ARG(send_pos[t * R + d] < peer_rows[d], "ht_combine: argument 'handle' has ",
-                      "send_pos[", t, "][", d, "] = ", send_pos[t * R + d], " but rank ", d,
-                      " has ", peer_rows[d], " rows, expected the handle of this dispatch");
-
-    HtCombineResult res;
-    res.out = alloc_tensor(alloc, DType::kBF16, {T, H});
-    auto* out = res.out.ptr<uint16_t>();
-    std::vector<float> acc(static_cast<size_t>(H));
-    const auto* b0 = a.bias0.defined() ? a.bias0.ptr<uint16_t>() : nullptr;
-    const auto* b1 = a.bias1.defined() ? a.bias1.ptr<uint16_t>() : nullptr;
-    for (int64_t t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      if (b0) add_bf16_row(acc.data(), b0 + t * a.bias0.strides[0], H);
-      if (b1) add_bf16_row(acc.data(), b1 + t * a.bias1.strides[0], H);
-      for (int d = 0; d < R; ++d) {
-        const int32_t pos = send_pos[t * R + d];
-        if (pos >= 0) add_bf16_row(acc.data(), y[d] + static_cast<int64_t>(pos) * H, H);
-      }
-      round_row(out + t * H, acc.data(), H);
-    }
-    if (has_weights) {
-      res.combined_topk_weights = alloc_tensor(alloc, DType::kF32, {T, K});
-      auto* cw = res.combined_topk_weights.ptr<float>();
-      for (int64_t t = 0; t < T; ++t) {
-        for (int k = 0; k < K; ++k) {
-          float sum = 0.0f;
-          for (int d = 0; d < R; ++d) {
-            const int32_t pos = send_pos[t * R + d];
-            if (pos >= 0) sum += w[d][static_cast<int64_t>(pos) * K + k];
-          }
-          cw[t * K + k] = sum;
-        }
-      }
-    }
-    recheck_peer_stamps(mem, R, kOpCombine, ht_step_);
+    if (topology_.hierarchical())
+      h.backend_state = forward_route(mem, reg, topology_, R, L, K, prefix);
+    recheck_ht_stamps(r, R, header->op, ht_step_, header_of);
     return res;
   });
 } catch (const Error& e) {

@@ -153,6 +153,38 @@ def body_native_a2a(ctx, seed):
         a2a.combine_payload_view(M, H, torch.int8)
 
 
+def body_group_nodes(ctx, seed):
+    """Group(ranks_per_node=): the topology (docs/design.md §13) is validated, resolved and
+    honoured: ht and ll across R nodes of one rank return what one node returns (values whose
+    float32 sums are exact in any order, so the node-first combine order cannot show)."""
+    R, r = ctx.world_size, ctx.rank
+    for per_node in [d for d in range(1, R + 1) if R % d == 0] + [0]:
+        g = epx.Group.from_process_group(ctx.group, ranks_per_node=per_node)
+        assert g.ranks_per_node == (per_node or R) and g.num_nodes == R // (per_node or R)
+    for bad, match in [(True, "ranks_per_node"), (-1, "ranks_per_node"), (R + 1, "divisor")]:
+        with pytest.raises(epx.InvalidArgument, match=match):
+            epx.Group.from_process_group(ctx.group, ranks_per_node=bad)
+    H, K, E, T = 256, 2, 2 * R, 6
+    gen = ref.generator(seed, r)
+    x = torch.randint(-4, 5, (T, H), generator=gen).to(torch.bfloat16)
+    idx = ref.routing("uniform", T, K, E, R, gen)
+    w = torch.ones(T, K)
+    outs = []
+    for per_node in (0, 1):
+        group = epx.Group.from_process_group(ctx.group, ranks_per_node=per_node)
+        buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T,
+                         enable_ht=True, enable_ll=True)
+        assert buf.bytes_allocated == sum(
+            epx.Buffer.bytes_needed(m, H, K, E, T, R, "cpu", per_node) for m in ("ht", "ll"))
+        d = buf.ht_dispatch(x, idx)
+        c = buf.ht_combine(d.recv_x, d.handle)
+        ld = buf.ll_dispatch(x, idx, use_fp8=False)
+        lc = buf.ll_combine(ld.recv_x, idx, w, ld.handle)
+        outs.append([d.recv_x, d.recv_src_idx, c.out, ld.recv_count, lc.out])
+    for one, across in zip(*outs):
+        assert torch.equal(one, across)
+
+
 def body_gil_released(ctx, seed):
     """While rank 0 waits in a collective for a late rank 1, another Python thread of rank 0 keeps
     running (the op does not hold the GIL)."""
@@ -224,6 +256,10 @@ def test_native_ht_zero_copy(pool):
 
 def test_native_a2a(pool):
     pool.run(body_native_a2a, _seed())
+
+
+def test_group_nodes(pool):
+    pool.run(body_group_nodes, _seed())
 
 
 def test_gil_released_while_waiting(pool2):

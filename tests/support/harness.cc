@@ -17,6 +17,11 @@ std::string unique_group_name(const std::string& tag) {
 }
 
 void run_threads(int R, const std::function<void(const Group&)>& body, GroupOptions options) {
+  run_threads(R, body, std::vector<GroupOptions>(R, options));
+}
+
+void run_threads(int R, const std::function<void(const Group&)>& body,
+                 const std::vector<GroupOptions>& options) {
   const std::string name = unique_group_name("thr");
   std::exception_ptr first;
   std::mutex mu;
@@ -24,7 +29,7 @@ void run_threads(int R, const std::function<void(const Group&)>& body, GroupOpti
   for (int r = 0; r < R; ++r) {
     threads.emplace_back([&, r] {
       try {
-        Group g = Group::cpu_threads(r, R, name, options);
+        Group g = Group::cpu_threads(r, R, name, options[r]);
         body(g);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
@@ -43,6 +48,20 @@ Allocator poison_allocator(uint8_t byte) {
     if (t.nbytes() > 0) std::memset(t.data, byte, t.nbytes());
     return t;
   };
+}
+
+GroupOptions NodeTopology::options() const {
+  GroupOptions o;
+  o.ranks_per_node = per_node;
+  return o;
+}
+
+std::string topology_name(const NodeTopology& t) {
+  return std::to_string(t.nodes) + "x" + std::to_string(t.per_node);
+}
+
+void PrintTo(const NodeTopology& t, std::ostream* os) {
+  *os << topology_name(t);
 }
 
 int run_processes(int R, const std::function<int(const Group&)>& body, GroupOptions options) {

@@ -150,28 +150,50 @@ HtExpectedDispatch ht_oracle_dispatch(const HtProblem& p, const std::vector<HtRa
 HtExpectedCombine ht_oracle_combine(const HtProblem& p, const std::vector<HtRankInput>& inputs,
                                     const std::vector<HtCombineRankInput>& combine, int rank) {
   const int R = p.num_ranks, K = p.top_k;
+  const int per_node = p.ranks_per_node > 0 ? p.ranks_per_node : R, nodes = R / per_node;
+  const int own = rank / per_node;
   const int64_t H = p.hidden, T = inputs[rank].num_tokens;
   const auto all_pos = positions(p, inputs, rank);
   const HtCombineRankInput& mine = combine[rank];
   const bool weights = mine.has_topk_weights;
+  // Nodes in summation order: this rank's first, then the others ascending.
+  std::vector<int> order{own};
+  for (int m = 0; m < nodes; ++m)
+    if (m != own) order.push_back(m);
   HtExpectedCombine ex;
   for (int64_t t = 0; t < T; ++t) {
     const std::vector<int32_t>& pos = all_pos[t];
+    // acc = start + this node's value(d, pos[d]), then each other node's sum (from 0.0f) that
+    // has a rank t went to, nodes in `order`.
+    auto node_first = [&](float start, auto value) {
+      float acc = start;
+      for (int m : order) {
+        float partial = m == own ? acc : 0.0f;
+        bool reached = false;
+        for (int d = m * per_node; d < (m + 1) * per_node; ++d) {
+          if (pos[d] < 0) continue;
+          reached = true;
+          partial += value(d, pos[d]);
+        }
+        if (m == own)
+          acc = partial;
+        else if (reached)
+          acc += partial;
+      }
+      return acc;
+    };
     for (int64_t h = 0; h < H; ++h) {
       float acc = 0.0f;
       if (mine.has_bias0) acc += detail::bf16_to_f32(mine.bias0[t * H + h]);
       if (mine.has_bias1) acc += detail::bf16_to_f32(mine.bias1[t * H + h]);
-      for (int d = 0; d < R; ++d)
-        if (pos[d] >= 0) acc += detail::bf16_to_f32(combine[d].y[pos[d] * H + h]);
+      acc = node_first(
+          acc, [&](int d, int32_t row) { return detail::bf16_to_f32(combine[d].y[row * H + h]); });
       ex.out.push_back(detail::f32_to_bf16(acc));
     }
     if (!weights) continue;
-    for (int k = 0; k < K; ++k) {
-      float acc = 0.0f;
-      for (int d = 0; d < R; ++d)
-        if (pos[d] >= 0) acc += combine[d].topk_weights[pos[d] * K + k];
-      ex.combined_topk_weights.push_back(acc);
-    }
+    for (int k = 0; k < K; ++k)
+      ex.combined_topk_weights.push_back(node_first(
+          0.0f, [&](int d, int32_t row) { return combine[d].topk_weights[row * K + k]; }));
   }
   return ex;
 }

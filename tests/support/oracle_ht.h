@@ -27,6 +27,8 @@ struct HtProblem {
                                // or 0 (bf16)
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;  // > 0: worst-case mode
+  int ranks_per_node = 0;        // GroupOptions::ranks_per_node: 0 = one node (only the
+                                 // combine's summation order depends on it)
 };
 
 // One rank's dispatch inputs.
@@ -88,8 +90,10 @@ HtExpectedDispatch ht_oracle_dispatch(const HtProblem& p, const std::vector<HtRa
                                       int rank);
 
 // What `rank` gets back from a combine after the dispatch of `inputs`, with `combine[d]` the
-// combine inputs of rank d. Sums exactly as docs/semantics.md §1.6 / src/cpu/ht.cc document:
-// float32, 0.0f + bias0 + bias1 + y of each destination rank ascending, one rounding to bf16.
+// combine inputs of rank d. Sums exactly as docs/semantics.md §1.6 / src/cpu/ht_combine.cc
+// document: float32, 0.0f + bias0 + bias1 + y of each destination rank of this rank's node
+// ascending, then for every other node ascending that the token reached, the float32 sum (from
+// 0.0f) of its ranks' y ascending; one rounding to bf16. One node: 0.0f + biases + y of d = 0..R-1.
 HtExpectedCombine ht_oracle_combine(const HtProblem& p, const std::vector<HtRankInput>& inputs,
                                     const std::vector<HtCombineRankInput>& combine, int rank);
 

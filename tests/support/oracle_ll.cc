@@ -4,7 +4,9 @@
 //     row of l: its bf16 row, or quantize_row_fp8 of it; src_info = t. layout_range[l][s] is the
 //     (begin << 32) | count of the rows taken from s.
 //   combine: the row of (source rank, token) in every expert is found again by the same walk,
-//     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order.
+//     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order — across nodes
+//     one chain per node (its experts' k in order, from 0.0f), this rank's node's first, then
+//     the others that the token reached, ascending, added.
 #include "support/oracle_ll.h"
 
 #include <cmath>
@@ -16,7 +18,11 @@
 namespace epx::testing {
 
 std::string LlProblem::describe() const {
-  return detail::cat("R=", num_ranks, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
+  const std::string nodes =
+      ranks_per_node > 0 && ranks_per_node < num_ranks
+          ? detail::cat(" (", num_ranks / ranks_per_node, "x", ranks_per_node, ")")
+          : "";
+  return detail::cat("R=", num_ranks, nodes, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
                      " E=", num_experts, use_fp8 ? " fp8" : " bf16",
                      round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "");
 }
@@ -108,18 +114,32 @@ std::vector<uint16_t> combine_rank(const LlProblem& p, const std::vector<LlRankI
                                    const std::vector<std::vector<uint16_t>>& y,
                                    const std::vector<std::vector<int64_t>>& row_of, int rank) {
   const int L = p.num_local_experts(), K = p.top_k;
+  const int per_node = p.ranks_per_node > 0 ? p.ranks_per_node : p.num_ranks;
+  const int nodes = p.num_ranks / per_node, own = rank / per_node;
   const int64_t RT = p.rows_per_expert(), H = p.hidden;
   const LlRankInput& in = inputs[rank];
+  std::vector<int> order{own};  // nodes in summation order
+  for (int m = 0; m < nodes; ++m)
+    if (m != own) order.push_back(m);
   std::vector<uint16_t> out(in.num_tokens * H);
   for (int64_t t = 0; t < in.num_tokens; ++t) {
     for (int64_t c = 0; c < H; ++c) {
       float acc = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = in.topk_idx[t * K + k];
-        if (e == -1) continue;
-        const int64_t row = row_of[e][rank * p.max_tokens + t];
-        const uint16_t v = y[e / L][((e % L) * RT + row) * H + c];
-        acc = std::fmaf(in.topk_weights[t * K + k], detail::bf16_to_f32(v), acc);
+      for (int m : order) {
+        float chain = 0.0f;
+        bool reached = false;
+        for (int k = 0; k < K; ++k) {
+          const int64_t e = in.topk_idx[t * K + k];
+          if (e == -1 || e / L / per_node != m) continue;
+          reached = true;
+          const int64_t row = row_of[e][rank * p.max_tokens + t];
+          const uint16_t v = y[e / L][((e % L) * RT + row) * H + c];
+          chain = std::fmaf(in.topk_weights[t * K + k], detail::bf16_to_f32(v), chain);
+        }
+        if (m == own)
+          acc = chain;
+        else if (reached)
+          acc += chain;
       }
       out[t * H + c] = detail::f32_to_bf16(acc);
     }

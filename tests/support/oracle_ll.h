@@ -25,6 +25,8 @@ struct LlProblem {
   bool use_fp8 = false;
   bool round_scale = false;
   bool use_ue8m0 = false;
+  int ranks_per_node = 0;  // GroupOptions::ranks_per_node: 0 = one node (only the combine's
+                           // summation order depends on it)
 
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
@@ -55,7 +57,10 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
                                       int rank);
 
 // y[d]: rank d's expert outputs, bf16 [L, R*T_max, H] (only rows < rank d's recv_count are read).
-// Returns rank `rank`'s out [T, H] bf16.
+// Returns rank `rank`'s out [T, H] bf16: per node, the fmaf chain over the token's k in order
+// whose expert lives on that node (from 0.0f); this rank's node's chain, plus each other node's
+// that the token reached, nodes ascending; one rounding (src/cpu/ll_combine.cc). One node: the
+// fmaf chain over every k.
 std::vector<uint16_t> oracle_ll_combine(const LlProblem& p, const std::vector<LlRankInput>& inputs,
                                         const std::vector<std::vector<uint16_t>>& y, int rank);
 // Every rank's out at once (walks the routing once for all ranks).

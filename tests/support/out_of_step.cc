@@ -204,13 +204,19 @@ class Rank {
 };
 
 // The outputs of every step on every rank, from a run of the cpu backend without faults.
-std::vector<std::vector<std::vector<uint8_t>>> reference(StepMode mode, int num_steps) {
+std::vector<std::vector<std::vector<uint8_t>>> reference(StepMode mode, int num_steps,
+                                                         int ranks_per_node) {
   std::vector<std::vector<std::vector<uint8_t>>> ref(num_steps,
                                                      std::vector<std::vector<uint8_t>>(kRanks));
-  run_threads(kRanks, [&](const Group& g) {
-    Rank rank(g, mode, cpu_step_io());
-    for (int s = 0; s < num_steps; ++s) ref[s][g.rank()] = rank.step(s, Fault{});
-  });
+  GroupOptions options;
+  options.ranks_per_node = ranks_per_node;
+  run_threads(
+      kRanks,
+      [&](const Group& g) {
+        Rank rank(g, mode, cpu_step_io());
+        for (int s = 0; s < num_steps; ++s) ref[s][g.rank()] = rank.step(s, Fault{});
+      },
+      options);
   return ref;
 }
 
@@ -268,9 +274,9 @@ ScenarioReport run_out_of_step_scenario(
     StepMode mode, milliseconds timeout,
     const std::function<void(const std::function<void(const Group&)>&)>& run_ranks,
     const std::function<StepIo(const Group&)>& make_io,
-    const std::function<void(const ScenarioReport&)>& on_done) {
+    const std::function<void(const ScenarioReport&)>& on_done, int ranks_per_node) {
   // Steps 2i: the faulty step of iteration i; 2i + 1: the check after it, without faults.
-  const auto ref = reference(mode, 2 * kIterations);
+  const auto ref = reference(mode, 2 * kIterations, ranks_per_node);
   std::mt19937 rng(static_cast<uint32_t>(mode) + 77);
   const double delays[] = {0, 0.24, 0.8, 1.32, 1.8, 2.48, 3.6};  // x the timeout
   std::vector<Fault> faults(kIterations);

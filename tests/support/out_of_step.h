@@ -47,12 +47,13 @@ struct ScenarioReport {
 // Runs the scenario: `run_ranks(body)` runs body(group) on the scenario's ranks, every group with
 // the given timeout; `io(group)` is each rank's StepIo. `on_done`, if given, gets the report on
 // rank 0 inside body, once every rank finished (for runners that run the ranks in a child
-// process, where the returned report stays empty).
+// process, where the returned report stays empty). `ranks_per_node`: the topology run_ranks'
+// groups have (GroupOptions::ranks_per_node; the fault-free reference runs on the same).
 ScenarioReport run_out_of_step_scenario(
     StepMode mode, std::chrono::milliseconds timeout,
     const std::function<void(const std::function<void(const Group&)>&)>& run_ranks,
     const std::function<StepIo(const Group&)>& io,
-    const std::function<void(const ScenarioReport&)>& on_done = {});
+    const std::function<void(const ScenarioReport&)>& on_done = {}, int ranks_per_node = 0);
 
 inline constexpr int kOutOfStepRanks = 3;
 

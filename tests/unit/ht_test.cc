@@ -25,99 +25,30 @@
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "support/harness.h"
+#include "support/ht_inputs.h"
 #include "support/oracle_ht.h"
 #include "support/routing.h"
 
 namespace epx {
 namespace {
 
+using testing::as_bytes;
+using testing::fast_bf16;
 using testing::HtCombineRankInput;
 using testing::HtExpectedCombine;
 using testing::HtExpectedDispatch;
 using testing::HtExpectedLayout;
 using testing::HtProblem;
 using testing::HtRankInput;
+using testing::make_strided;
+using testing::random_bytes;
 using testing::Routing;
+using testing::Strided;
+using testing::wide_bf16;
 
 uint64_t base_seed() {
   const char* s = std::getenv("EPX_TEST_SEED");
   return s ? std::strtoull(s, nullptr, 10) : 20240611ull;
-}
-
-// n random bytes, 8 per draw.
-std::vector<uint8_t> random_bytes(size_t n, std::mt19937_64& rng) {
-  std::vector<uint8_t> v(n);
-  for (size_t i = 0; i < n; i += 8) {
-    const uint64_t b = rng();
-    std::memcpy(&v[i], &b, std::min<size_t>(8, n - i));
-  }
-  return v;
-}
-
-// A [rows, cols] matrix stored with a row pitch (elements) >= cols, or column-major; the padding
-// holds garbage.
-struct Strided {
-  std::vector<uint8_t> bytes;
-  TensorView view;
-};
-
-Strided make_strided(const std::vector<uint8_t>& packed, int64_t rows, int64_t cols, DType dtype,
-                     int64_t pad, bool col_major, std::mt19937_64& rng) {
-  const size_t es = dtype_size(dtype);
-  Strided s;
-  const int64_t pitch = cols + pad;
-  s.bytes = random_bytes(
-      static_cast<size_t>(col_major ? rows * cols : rows * pitch) * es + es,  // never empty
-      rng);
-  for (int64_t t = 0; t < rows; ++t) {
-    if (!col_major) {
-      std::memcpy(&s.bytes[t * pitch * es], &packed[t * cols * es], cols * es);
-      continue;
-    }
-    for (int64_t c = 0; c < cols; ++c)
-      std::memcpy(&s.bytes[(c * rows + t) * es], &packed[(t * cols + c) * es], es);
-  }
-  s.view = TensorView::contiguous(s.bytes.data(), dtype, {rows, cols});
-  s.view.strides = col_major ? std::array<int64_t, kMaxDims>{1, rows > 0 ? rows : 1}
-                             : std::array<int64_t, kMaxDims>{pitch, 1};
-  return s;
-}
-
-// Cheap random bf16: magnitudes 2^-7..2^8, either sign, 1 in 64 a signed zero (0.0f + -0.0f
-// rounds to +0, which the combine order must reproduce).
-std::vector<uint16_t> fast_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng) {
-  std::vector<uint16_t> v(static_cast<size_t>(rows * cols));
-  for (size_t i = 0; i < v.size(); ++i) {
-    const uint64_t b = rng();
-    const uint16_t sign = (b & 1) ? 0x8000 : 0;
-    v[i] = (b >> 1) % 64 == 0
-               ? sign
-               : static_cast<uint16_t>(sign | ((120 + (b >> 8) % 16) << 7) | ((b >> 16) & 0x7F));
-  }
-  return v;
-}
-
-// bf16 that make float32 sums depend on their order: few distinct magnitudes 2^-24..2^24 (so
-// a + -a + small cancels one way and absorbs `small` the other), either sign, 1 in 64 a signed
-// zero.
-std::vector<uint16_t> wide_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng) {
-  std::vector<uint16_t> v(static_cast<size_t>(rows * cols));
-  for (size_t i = 0; i < v.size(); ++i) {
-    const uint64_t b = rng();
-    const uint16_t sign = (b & 1) ? 0x8000 : 0;
-    const int exponent = 127 + 12 * static_cast<int>((b >> 8) % 5) - 24;
-    v[i] = (b >> 1) % 64 == 0
-               ? sign
-               : static_cast<uint16_t>(sign | (exponent << 7) | (((b >> 16) & 7) << 4));
-  }
-  return v;
-}
-
-template <typename T>
-std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
-  std::vector<uint8_t> b(v.size() * sizeof(T));
-  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
-  return b;
 }
 
 enum class XKind { kBf16, kFp8F32, kFp8Ue8m0 };
@@ -132,11 +63,14 @@ struct Case {
   int64_t worst = 0;
   bool cached = false, combine_weights = false;
   int num_biases = 0, expert_alignment = 1;
+  int ranks_per_node = 0;      // 0: one node
   std::vector<int64_t> T;      // per rank
   std::vector<bool> topk_i32;  // per rank
   std::string describe() const {
     std::ostringstream os;
-    os << "case " << index << ": R=" << R << " E=" << E << " K=" << K << " H=" << H << " T=[";
+    os << "case " << index << ": R=" << R;
+    if (ranks_per_node > 0) os << " (" << R / ranks_per_node << "x" << ranks_per_node << ")";
+    os << " E=" << E << " K=" << K << " H=" << H << " T=[";
     for (int r = 0; r < R; ++r) os << (r ? "," : "") << T[r] << (topk_i32[r] ? "i32" : "i64");
     os << "] align=" << expert_alignment << " max_tokens=" << max_tokens
        << " x=" << static_cast<int>(xkind) << " strided=" << strided
@@ -161,13 +95,17 @@ struct CaseData {
   bool any_overflow = false;
 };
 
-CaseData make_case(int index, uint64_t seed) {
+// R > 0 replaces the random rank count (after its draw, so the other draws stay the same);
+// ranks_per_node: the topology the case runs on (0: one node).
+CaseData make_case(int index, uint64_t seed, int R = 0, int ranks_per_node = 0) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::initializer_list<int64_t> v) { return *(v.begin() + rng() % v.size()); };
   CaseData d;
   Case& c = d.c;
   c.index = index;
   c.R = static_cast<int>(pick({1, 2, 3, 4, 8}));
+  if (R > 0) c.R = R;
+  c.ranks_per_node = ranks_per_node;
   c.H = rng() % 10 == 0 ? 7168 : 128;
   c.K = static_cast<int>(pick({1, 8, 9}));
   c.E = c.R * static_cast<int>(1 + rng() % (288 / c.R));
@@ -193,6 +131,7 @@ CaseData make_case(int index, uint64_t seed) {
 
   HtProblem& p = d.problem;
   p.num_ranks = c.R;
+  p.ranks_per_node = ranks_per_node;
   p.num_experts = c.E;
   p.top_k = c.K;
   p.hidden = c.H;
@@ -501,6 +440,85 @@ TEST(HtRandomProcesses, ProcessesMatchOracle) {
       if (!s.empty()) std::fprintf(stderr, "%s", s.c_str());
       return s.empty() ? 0 : 1;
     });
+    ASSERT_EQ(rc, 0) << d.c.describe();
+  }
+}
+
+// ---- across nodes: the hierarchical algorithm (docs/design.md §13) -----------------------------
+// Random cases at nodes x ranks per node = 2x2, 2x4, 4x2, 3x1 (Group option ranks_per_node),
+// every output checked against the oracle with that topology (its combine sums node-first,
+// docs/semantics.md §1.6), cached dispatch on every other case. The node-first sums must differ
+// from the flat ones somewhere, or the cases could not tell a flat combine from the right one.
+
+// Whether some combine output of `d` differs from what one node (the flat order) would give.
+bool differs_from_flat(const CaseData& d) {
+  HtProblem flat = d.problem;
+  flat.ranks_per_node = 0;
+  for (int r = 0; r < d.c.R; ++r) {
+    const HtExpectedCombine one = testing::ht_oracle_combine(flat, d.inputs, d.combine, r);
+    if (one.out != d.expected_combine[r].out ||
+        one.combined_topk_weights != d.expected_combine[r].combined_topk_weights)
+      return true;
+  }
+  return false;
+}
+
+class HtNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
+
+TEST_P(HtNodes, ThreadsMatchOracle) {
+  const testing::NodeTopology topo = GetParam();
+  const int R = topo.num_ranks();
+  const GroupOptions options = topo.options();
+  int combined = 0, cached = 0, worst = 0, order_differs = 0;
+  for (int i = 0; i < 12; ++i) {
+    const int index = 20000 + 100 * topo.nodes + 10 * topo.per_node + i;
+    CaseData d = make_case(index, base_seed() * 104729ull + index, R, topo.per_node);
+    d.c.cached = i % 2 == 0;
+    if (std::getenv("EPX_HT_VERBOSE")) std::printf("%s\n", d.c.describe().c_str());
+    std::mutex mu;
+    std::string report;
+    testing::run_threads(
+        R,
+        [&](const Group& g) {
+          EXPECT_EQ(g.num_nodes(), topo.nodes);
+          std::string s = run_rank(d, g);
+          std::lock_guard<std::mutex> lock(mu);
+          report += s;
+        },
+        options);
+    ASSERT_TRUE(report.empty()) << report;
+    worst += d.c.worst > 0;
+    if (d.any_overflow) continue;
+    ++combined;
+    cached += d.c.cached;
+    order_differs += differs_from_flat(d);
+  }
+  std::printf(
+      "%dx%d: %d cases combined (%d after a cached dispatch), %d worst-case, %d where "
+      "the node-first order changes a result\n",
+      topo.nodes, topo.per_node, combined, cached, worst, order_differs);
+  EXPECT_GE(cached, 2);
+  EXPECT_GE(combined - cached, 2);
+  EXPECT_GT(order_differs, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, HtNodes, ::testing::ValuesIn(testing::kCiTopologies),
+                         [](const auto& info) { return testing::topology_name(info.param); });
+
+TEST(HtNodesProcesses, TwoByTwoProcessesMatchOracle) {
+  const GroupOptions options = testing::NodeTopology{2, 2}.options();
+  for (int i = 0; i < 3; ++i) {
+    const int index = 30000 + i;
+    CaseData d = make_case(index, base_seed() * 7919ull + index, 4, 2);
+    d.c.cached = i != 1;
+    const int rc = testing::run_processes(
+        4,
+        [&](const Group& g) {
+          const std::string s = run_rank(d, g);
+          if (!s.empty()) std::fprintf(stderr, "%s", s.c_str());
+          return s.empty() ? 0 : 1;
+        },
+        options);
     ASSERT_EQ(rc, 0) << d.c.describe();
   }
 }

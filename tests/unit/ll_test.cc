@@ -170,18 +170,23 @@ void run_case(const Case& c, bool processes) {
     }
   } timer{c, t0};
   const std::vector<Batch> batches = testing::make_ll_batches(c);
+  GroupOptions options;
+  options.ranks_per_node = c.p.ranks_per_node;
   if (processes) {
-    int rc = testing::run_processes(c.p.num_ranks, [&](const Group& g) {
-      std::string e = run_rank(c, batches, g);
-      if (!e.empty()) std::fprintf(stderr, "%s\n", e.c_str());
-      return e.empty() ? 0 : 1;
-    });
+    int rc = testing::run_processes(
+        c.p.num_ranks,
+        [&](const Group& g) {
+          std::string e = run_rank(c, batches, g);
+          if (!e.empty()) std::fprintf(stderr, "%s\n", e.c_str());
+          return e.empty() ? 0 : 1;
+        },
+        options);
     EXPECT_EQ(rc, 0);
     return;
   }
   std::vector<std::string> errors(c.p.num_ranks);
-  testing::run_threads(c.p.num_ranks,
-                       [&](const Group& g) { errors[g.rank()] = run_rank(c, batches, g); });
+  testing::run_threads(
+      c.p.num_ranks, [&](const Group& g) { errors[g.rank()] = run_rank(c, batches, g); }, options);
   for (const auto& e : errors) EXPECT_EQ(e, "");
 }
 
@@ -201,6 +206,45 @@ TEST(Ll, MatchesOracleOnProcesses) {
   for (int i = 0; i < 8; ++i) {
     Case c = random_case(100000 + i);
     if (c.p.num_ranks == 1) c.p.num_ranks = 2, c.p.num_experts *= 2;
+    run_case(c, true);
+  }
+}
+
+// Across nodes (docs/design.md §13): random cases at nodes x ranks per node = 2x2, 2x4, 4x2, 3x1,
+// against the oracle with that topology (its combine adds per-node fma chains, own node first,
+// docs/semantics.md §2.3); hooks, two batches in flight, zero_copy and the rest drawn as above.
+// At least one case per topology must see the node-first order change a result.
+class LlNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
+
+TEST_P(LlNodes, MatchesOracleOnThreads) {
+  const testing::NodeTopology topo = GetParam();
+  const int R = topo.num_ranks();
+  int hooks = 0, order_differs = 0;
+  for (int i = 0; i < 16; ++i) {
+    Case c = testing::random_ll_case(R, 200000 + 1000 * R + 10 * topo.per_node + i, 0.3);
+    c.p.ranks_per_node = topo.per_node;
+    c.hook = i % 2 == 1;
+    c.reverse_hooks = c.hook && c.num_batches == 2 && i % 4 == 3;
+    hooks += c.hook;
+    run_case(c, false);
+    // The same inputs summed in the flat order must differ somewhere in some case.
+    LlProblem flat = c.p;
+    flat.ranks_per_node = 0;
+    for (const Batch& b : testing::make_ll_batches(c))
+      order_differs += testing::oracle_ll_combine_all(flat, b.in, b.y) != b.want_out;
+  }
+  EXPECT_EQ(hooks, 8);
+  EXPECT_GT(order_differs, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, LlNodes, ::testing::ValuesIn(testing::kCiTopologies),
+                         [](const auto& info) { return testing::topology_name(info.param); });
+
+TEST(LlNodesProcesses, TwoByTwoMatchesOracle) {
+  for (int i = 0; i < 3; ++i) {
+    Case c = testing::random_ll_case(4, 300000 + i, 0.5);
+    c.p.ranks_per_node = 2;
+    c.hook = i != 0;
     run_case(c, true);
   }
 }

@@ -32,15 +32,17 @@ constexpr auto kTimeout = 250ms;
 constexpr int64_t kH = 128, kTMax = 12;
 constexpr int kK = 3, kE = 6;
 
-void run_scenario(StepMode mode) {
+// ranks_per_node 1: the 3 ranks are 3 nodes (the hierarchical ht and ll, docs/design.md §13).
+void run_scenario(StepMode mode, int ranks_per_node = 0) {
   GroupOptions options;
   options.timeout = kTimeout;
+  options.ranks_per_node = ranks_per_node;
   const testing::ScenarioReport report = testing::run_out_of_step_scenario(
       mode, kTimeout,
       [&](const std::function<void(const Group&)>& body) {
         testing::run_threads(testing::kOutOfStepRanks, body, options);
       },
-      [](const Group&) { return testing::cpu_step_io(); });
+      [](const Group&) { return testing::cpu_step_io(); }, {}, ranks_per_node);
   std::printf("%s\n", report.summary(mode).c_str());
   for (const auto& f : report.failures) ADD_FAILURE() << testing::step_mode_name(mode) << ": " << f;
   EXPECT_GT(report.failed_steps, 0) << "no step met a fault";
@@ -51,6 +53,15 @@ TEST(OutOfStep, HtCachedStragglers) { run_scenario(StepMode::kHtCached); }
 TEST(OutOfStep, LlStragglers) { run_scenario(StepMode::kLl); }
 TEST(OutOfStep, LlHookStragglers) { run_scenario(StepMode::kLlHook); }
 TEST(OutOfStep, DispatcherStragglers) { run_scenario(StepMode::kDispatcher); }
+TEST(OutOfStep, HtCachedStragglersAcrossNodes) {
+  run_scenario(StepMode::kHtCached, 1);
+}
+TEST(OutOfStep, LlHookStragglersAcrossNodes) {
+  run_scenario(StepMode::kLlHook, 1);
+}
+TEST(OutOfStep, DispatcherStragglersAcrossNodes) {
+  run_scenario(StepMode::kDispatcher, 1);
+}
 
 // Random inputs of one rank for the cases below.
 struct Input {

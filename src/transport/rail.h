@@ -1,0 +1,76 @@
+// src/transport/rail.h — the across-node seam (docs/design.md §13): the group's topology and the
+// "rail", the network leg between the ranks of equal local rank on every node.
+//
+// R = N nodes x G ranks per node, node-major: rank = node * G + local. Inside a node ranks reach
+// each other through the group's Transport (symmetric memory: LSA windows on cuda, shared memory
+// on cpu). Between nodes only the rail moves data: rank (n, g) exchanges chunks with (m, g) for
+// every other node m, in one collective call whose sends and receives pair up as grouped
+// ncclSend / ncclRecv do (equal byte counts on both sides of a pair). The backends' hierarchical
+// algorithms (cpu: src/cpu/ht*.cc, src/cpu/ll*.cc) call only this interface for the network
+// leg, so a NCCL send/recv rail (on the rail communicator, capturable in a graph inside a group)
+// or a GIN rail (device-initiated RDMA) fills the same seam later; the cpu rail is the one built.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "epx/group.h"
+#include "epx/tensor.h"
+
+namespace epx::detail {
+
+class Transport;
+
+// Nodes x ranks per node of a group (GroupOptions::ranks_per_node, resolved by group creation).
+struct Topology {
+  int num_nodes = 1;
+  int ranks_per_node = 1;
+
+  static Topology of(const Group& group) { return {group.num_nodes(), group.ranks_per_node()}; }
+  bool hierarchical() const { return num_nodes > 1; }
+  int node_of(int rank) const { return rank / ranks_per_node; }
+  int local_of(int rank) const { return rank % ranks_per_node; }
+  int rank_of(int node, int local) const { return node * ranks_per_node + local; }
+  // Index of node m among the nodes other than n (0 .. N - 2): the slot of n's chunk for or from m.
+  static int other_index(int m, int n) { return m < n ? m : m - 1; }
+};
+
+// One side of a rail pair: `bytes` bytes of this rank's memory, sent to or received from the rank
+// of this rank's local index on node `node` (never this rank's node).
+struct RailChunk {
+  int node = 0;
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+class RailTransport {
+ public:
+  virtual ~RailTransport() = default;
+
+  // Collective over the group: every rank calls it at the same point of the same operation, and
+  // every send has the equal-sized receive of its partner (a size that differs is Internal). When
+  // it returns, this rank's receives have arrived and its send memory may be reused (cpu:
+  // synchronous; a stream-ordered rail completes in `stream` order). A partner at another
+  // exchange (ranks out of step) is OutOfStep, raised after the exchange's synchronisation so no
+  // rank is left waiting. At most max_chunk_bytes() per chunk.
+  virtual void exchange(const char* what, const std::vector<RailChunk>& sends,
+                        const std::vector<RailChunk>& recvs, Stream stream) = 0;
+  virtual size_t max_chunk_bytes() const = 0;
+  // Symmetric bytes per rank the rail took (its staging), counted in Buffer::bytes_allocated.
+  virtual size_t bytes_allocated() const = 0;
+  // After the group's resync (Buffer::reset, ll_clean): exchanges are numbered from 1 again on
+  // every rank. Local.
+  virtual void reset() = 0;
+};
+
+// The cpu rail: each rank stages its sends in its slot (one per other node) of a symmetric
+// allocation of cpu_rail_bytes(topology, max_chunk_bytes) per rank, made here (collective); a
+// group barrier; each rank copies its partners' slots for it into its receives; a second barrier
+// before any slot is written again. Each slot carries the exchange's number (a seqlock), so a
+// partner at another exchange is OutOfStep, never mixed bytes.
+std::unique_ptr<RailTransport> make_cpu_rail(std::shared_ptr<Transport> transport,
+                                             Topology topology, size_t max_chunk_bytes);
+size_t cpu_rail_bytes(Topology topology, size_t max_chunk_bytes);
+
+}  // namespace epx::detail
