@@ -4,13 +4,15 @@
 // the dtype tables and the Python exception classes; from then on every epx::Error raised in C++
 // reaches Python as the class registered for its code (epx.InvalidArgument, ...) with the C++
 // message unchanged. The C++ core stays torch-free: this module sees torch only through Python
-// objects handed to it.
+// objects handed to it, and through the C table of epx._epx_torch (torch_aten_api.h) where that
+// module is built: _torch.py then calls _init_torch_aten(capsule) as well.
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <string>
 
 #include "bindings.h"
+#include "core/env.h"
 #include "epx/epx.h"
 #include "torch_bridge.h"
 
@@ -66,6 +68,18 @@ PYBIND11_MODULE(_epx, m) {
   m.def("_init_torch", &init_torch, py::arg("empty"), py::arg("from_dlpack"),
         py::arg("device_ctor"), py::arg("dtype_code"), py::arg("dtype_of"),
         py::arg("error_classes"));
+
+  // The ATen path (docs/design.md §12): whether CMake built epx._epx_torch next to this module
+  // and, when not, why (cmake/torch_aten.cmake); EPX_TORCH_BRIDGE as src/core/env.cc reads it
+  // (-1 unset, 0, 1; InvalidArgument for another value); the registration; the tests' switch.
+  m.attr("torch_aten_built") = static_cast<bool>(EPX_TORCH_ATEN_BUILT);
+  m.attr("torch_aten_note") = EPX_TORCH_ATEN_NOTE;
+  m.def("_torch_aten_env", []() { return detail::env_torch_bridge(); });
+  m.def("_init_torch_aten", &register_aten_api, py::arg("capsule"));
+  m.def("_torch_aten_active", &aten_enabled);
+  m.def("_set_torch_aten", &set_aten_enabled, py::arg("on"),
+        "Use the registered ATen path (True) or the attribute path and new_empty (False); "
+        "returns the previous state. Tests and benchmarks only.");
 
 #if defined(EPX_WITH_CUDA)
   m.attr("built_with_cuda") = true;
