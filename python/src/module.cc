@@ -47,6 +47,17 @@ void init_torch(py::object empty, py::object from_dlpack, py::object device_ctor
   api.ready = true;
 }
 
+// (data pointer, dtype name, shape, strides, device) of a view, for the tests.
+py::object view_tuple(const TensorView& v) {
+  py::tuple shape(v.ndim), strides(v.ndim);
+  for (int i = 0; i < v.ndim; ++i) {
+    shape[i] = py::int_(v.shape[i]);
+    strides[i] = py::int_(v.strides[i]);
+  }
+  return py::make_tuple(reinterpret_cast<uintptr_t>(v.data), dtype_name(v.dtype), shape, strides,
+                        v.device.str());
+}
+
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
@@ -80,6 +91,20 @@ PYBIND11_MODULE(_epx, m) {
   m.def("_set_torch_aten", &set_aten_enabled, py::arg("on"),
         "Use the registered ATen path (True) or the attribute path and new_empty (False); "
         "returns the previous state. Tests and benchmarks only.");
+  // What to_view() reads from `tensor` (data pointer, dtype, shape, strides, device) or the
+  // error it raises, what the ATen path alone reads, and an output as torch_allocator() makes
+  // it (cuda_index -1: cpu): the tests comparing the two paths (test_torch_aten.py).
+  m.def("_tensor_view", [](py::handle tensor, const std::string& what) {
+    return view_tuple(to_view(tensor, what.c_str()));
+  });
+  m.def("_aten_view", [](py::handle tensor) {  // None: the ATen path is off or declines it
+    TensorView v;
+    return aten_view(tensor, v) ? view_tuple(v) : py::none();
+  });
+  m.def("_torch_empty", [](int dtype, const std::vector<int64_t>& shape, int cuda_index) {
+    const Device device = cuda_index < 0 ? Device::cpu() : Device::cuda(cuda_index);
+    return to_torch(torch_allocator()(static_cast<DType>(dtype), shape, device));
+  });
 
 #if defined(EPX_WITH_CUDA)
   m.attr("built_with_cuda") = true;

@@ -261,6 +261,14 @@ bool aten_enabled() {
   return aten() != nullptr;
 }
 
+bool aten_view(py::handle tensor, TensorView& out) {
+  const EpxAtenApi* a = aten();
+  EpxAtenView read;
+  if (a == nullptr || !a->view(tensor.ptr(), &read)) return false;
+  out = from_aten(read);
+  return true;
+}
+
 bool set_aten_enabled(bool on) {
   const bool was = aten_enabled();
   g_aten_on.store(on && g_aten != nullptr);
@@ -300,10 +308,7 @@ TensorView to_view(py::handle t, const char* what) {
   if (t.is_none()) return v;
   TorchApi& api = torch_api();
   if (!api.ready) throw_epx(ErrorCode::kInternal, "epx._epx used before epx was imported");
-  if (const EpxAtenApi* a = aten()) {
-    EpxAtenView read;
-    if (a->view(t.ptr(), &read)) return from_aten(read);
-  }
+  if (aten_view(t, v)) return v;
   const Names& n = names();
   PyObject* o = t.ptr();
   auto not_a_tensor = [&]() {

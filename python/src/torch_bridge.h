@@ -83,6 +83,9 @@ void register_aten_api(py::handle capsule);
 // and new_empty in the same process). set_aten_enabled returns the previous state.
 bool aten_enabled();
 bool set_aten_enabled(bool on);
+// The ATen path's read of `tensor` alone: false when the path is off or declines the object
+// (to_view() then reads it through the attribute path).
+bool aten_view(py::handle tensor, TensorView& out);
 
 // epx::Tensor -> torch.Tensor (None when undefined). Tensors that were not made by
 // torch_allocator() are exported through DLPack, kept alive by `fallback_owner` (or their own
