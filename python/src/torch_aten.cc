@@ -144,16 +144,17 @@ PyMethodDef g_methods[] = {
      "aten_api(dtype_of, code_of) -> the capsule epx._epx._init_torch_aten takes"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef g_module = {PyModuleDef_HEAD_INIT,
-                        "_epx_torch",
-                        "epx's ATen half of the torch bridge (built against torch " EPX_TORCH_VERSION
-                        "); loaded by epx._torch, not for direct use",
-                        -1,
-                        g_methods,
-                        nullptr,
-                        nullptr,
-                        nullptr,
-                        nullptr};
+PyModuleDef g_module = {
+    PyModuleDef_HEAD_INIT,
+    "_epx_torch",
+    "epx's ATen half of the torch bridge (built against torch " EPX_TORCH_VERSION
+    "); loaded by epx._torch, not for direct use",
+    -1,
+    g_methods,
+    nullptr,
+    nullptr,
+    nullptr,
+    nullptr};
 
 }  // namespace
 

@@ -248,10 +248,10 @@ void register_aten_api(py::handle capsule) {
               std::string("_init_torch_aten: expected the capsule ") + expected);
   }
   if (table->version != EPX_ATEN_API_VERSION || table->size != sizeof(EpxAtenApi)) {
-    throw_epx(ErrorCode::kInternal,
-              "_init_torch_aten: epx._epx_torch has table version " +
-                  std::to_string(table->version) + ", this epx._epx expects " +
-                  std::to_string(EPX_ATEN_API_VERSION) + " (rebuild both)");
+    throw_epx(ErrorCode::kInternal, "_init_torch_aten: epx._epx_torch has table version " +
+                                        std::to_string(table->version) +
+                                        ", this epx._epx expects " +
+                                        std::to_string(EPX_ATEN_API_VERSION) + " (rebuild both)");
   }
   g_aten = table;
   g_aten_on.store(true);
