@@ -14,6 +14,7 @@
 #include "bindings.h"
 #include "core/env.h"
 #include "epx/epx.h"
+#include "torch_aten_build.h"  // generated: EPX_TORCH_ATEN_BUILT, EPX_TORCH_ATEN_NOTE
 #include "torch_bridge.h"
 
 namespace {

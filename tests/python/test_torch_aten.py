@@ -33,11 +33,16 @@ def _seed():
     return random.SystemRandom().randrange(1 << 30)
 
 
+def _require_built():
+    """Skips, with CMake's reason, where CMake did not build epx._epx_torch."""
+    if not _epx.torch_aten_built:
+        pytest.skip(f"CMake did not build epx._epx_torch: {_epx.torch_aten_note}")
+
+
 def _require_aten():
     """Skips where the ATen path cannot be compared: CMake did not build it (its reason), or
     this environment turned it off (test_aten_loaded_where_built checks that case)."""
-    if not _epx.torch_aten_built:
-        pytest.skip(f"CMake did not build epx._epx_torch: {_epx.torch_aten_note}")
+    _require_built()
     status = _torch.aten_status()
     if not status.active and os.environ.get("EPX_TORCH_BRIDGE") == "0":
         pytest.skip("EPX_TORCH_BRIDGE=0 in this environment")
@@ -92,8 +97,7 @@ def _on_and_off(run):
 # ---- the module is there where CMake built it ---------------------------------------------------
 
 def test_aten_loaded_where_built():
-    if not _epx.torch_aten_built:
-        pytest.skip(f"CMake did not build epx._epx_torch: {_epx.torch_aten_note}")
+    _require_built()
     assert _epx.torch_aten_note == ""
     status = _torch.aten_status()
     if os.environ.get("EPX_TORCH_BRIDGE") == "0":
@@ -469,8 +473,7 @@ def _probe(setup="", env=None):
 
 
 def test_switch_off_and_on():
-    if not _epx.torch_aten_built:
-        pytest.skip(f"CMake did not build epx._epx_torch: {_epx.torch_aten_note}")
+    _require_built()
     assert _probe(env={"EPX_TORCH_BRIDGE": "0"}) == (
         False, "EPX_TORCH_BRIDGE=0", ["epx: the torch bridge's ATen path is off: "
                                       "EPX_TORCH_BRIDGE=0"], [])
@@ -499,8 +502,7 @@ def test_switch_bad_value():
      "sys.modules['epx._epx_torch'] = m", "epx._epx_torch was built against torch 0.0-other"),
 ], ids=["import_fails", "other_torch"])
 def test_fallback_when_the_module_does_not_load(setup, expect):
-    if not _epx.torch_aten_built:
-        pytest.skip(f"CMake did not build epx._epx_torch: {_epx.torch_aten_note}")
+    _require_built()
     active, reason, records, warned = _probe(setup=setup)
     assert not active and reason.startswith(expect), reason
     assert records == [f"epx: the torch bridge's ATen path is off: {reason}"] and not warned
