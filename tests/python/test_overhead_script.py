@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-import epx
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = ("ll bf16", "ll fp8", "a2a bf16", "ht bf16")
 
@@ -43,7 +41,7 @@ def test_overhead_script_runs_on_the_cpu_backend():
     assert all(len(v) == 7 for v in rows.values()), out
     # The ll pair layer by layer (perf.md §4.5): both configurations, every layer; with the
     # torch bridge's ATen path and without it where it is loaded (design.md §12).
-    paths = ("ATen", "attrs") if epx._torch.aten_status().active else ("attrs",)
+    paths = ("ATen", "attrs") if "torch bridge: ATen path" in out else ("attrs",)
     cols = [f"us per pair, {c}, {p}" for c in ("fp8 + stats", "bf16") for p in paths]
     assert "| ll dispatch + combine, layer (best of 1 rounds) | " + " | ".join(cols) + " |" \
         in out, out
