@@ -3,10 +3,15 @@
 epx's C++ core never includes torch; at import this module hands the extension torch.empty (from
 which the allocator every op uses for its outputs makes one 0-element template tensor per dtype
 and device, whose new_empty makes the outputs), torch.utils.dlpack.from_dlpack (for workspace
-views), the dtype tables and the exception classes.
+views), the dtype tables and the exception classes. Where CMake built epx._epx_torch against
+this torch (the ATen path, docs/design.md §12) it also registers that module's C table: inputs
+are then read and outputs made through ATen, with the same results; aten_status() says whether
+that happened and, if not, why (EPX_TORCH_BRIDGE=0 turns it off).
 """
 
+import collections
 import functools
+import logging
 
 import torch
 import torch.utils.dlpack
@@ -33,6 +38,45 @@ assert list(_epx.error_code_names) == [c.code for c in errors.BY_CODE]
 
 _epx._init_torch(torch.empty, torch.utils.dlpack.from_dlpack, torch.device, CODE_OF,
                  list(DTYPE_OF), list(errors.BY_CODE))
+
+
+def _load_aten():
+    """Registers epx._epx_torch's table with the extension: '' when done, else why not."""
+    if not _epx.torch_aten_built:
+        return f"epx._epx_torch was not built ({_epx.torch_aten_note})"
+    try:
+        if _epx._torch_aten_env() == 0:
+            return "EPX_TORCH_BRIDGE=0"
+    except errors.InvalidArgument as e:  # creating a Group raises it as well
+        return str(e)
+    try:
+        from . import _epx_torch
+    except Exception as e:  # an ABI mismatch: undefined symbols, another libtorch
+        return f"epx._epx_torch does not import ({e})"
+    if _epx_torch.torch_version != torch.__version__:
+        return (f"epx._epx_torch was built against torch {_epx_torch.torch_version}, not this "
+                f"torch {torch.__version__} (rebuild epx)")
+    try:
+        _epx._init_torch_aten(_epx_torch.aten_api(list(DTYPE_OF), CODE_OF))
+    except Exception as e:
+        return f"epx._epx_torch does not register ({e})"
+    return ""
+
+
+_ATEN_REASON = _load_aten()
+if _ATEN_REASON:  # said once, at import; the ops then take the attribute path, unchanged
+    logging.getLogger("epx").info("epx: the torch bridge's ATen path is off: %s", _ATEN_REASON)
+
+AtenStatus = collections.namedtuple("AtenStatus", "active reason")
+
+
+def aten_status():
+    """AtenStatus(active, reason): whether input tensors are read and outputs made through ATen
+    (epx._epx_torch) rather than torch's Python methods, and if not, why (reason '' when
+    active). Results are the same either way; the ATen path costs less host time."""
+    if _epx._torch_aten_active():
+        return AtenStatus(True, "")
+    return AtenStatus(False, _ATEN_REASON or "turned off by _epx._set_torch_aten(False)")
 
 
 def is_fp8(t):

@@ -4,14 +4,17 @@
 // the dtype tables and the Python exception classes; from then on every epx::Error raised in C++
 // reaches Python as the class registered for its code (epx.InvalidArgument, ...) with the C++
 // message unchanged. The C++ core stays torch-free: this module sees torch only through Python
-// objects handed to it.
+// objects handed to it, and through the C table of epx._epx_torch (torch_aten_api.h) where that
+// module is built: _torch.py then calls _init_torch_aten(capsule) as well.
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <string>
 
 #include "bindings.h"
+#include "core/env.h"
 #include "epx/epx.h"
+#include "torch_aten_build.h"  // generated: EPX_TORCH_ATEN_BUILT, EPX_TORCH_ATEN_NOTE
 #include "torch_bridge.h"
 
 namespace {
@@ -46,6 +49,17 @@ void init_torch(py::object empty, py::object from_dlpack, py::object device_ctor
   api.ready = true;
 }
 
+// (data pointer, dtype name, shape, strides, device) of a view, for the tests.
+py::object view_tuple(const TensorView& v) {
+  py::tuple shape(v.ndim), strides(v.ndim);
+  for (int i = 0; i < v.ndim; ++i) {
+    shape[i] = py::int_(v.shape[i]);
+    strides[i] = py::int_(v.strides[i]);
+  }
+  return py::make_tuple(reinterpret_cast<uintptr_t>(v.data), dtype_name(v.dtype), shape, strides,
+                        v.device.str());
+}
+
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
@@ -67,6 +81,32 @@ PYBIND11_MODULE(_epx, m) {
   m.def("_init_torch", &init_torch, py::arg("empty"), py::arg("from_dlpack"),
         py::arg("device_ctor"), py::arg("dtype_code"), py::arg("dtype_of"),
         py::arg("error_classes"));
+
+  // The ATen path (docs/design.md §12): whether CMake built epx._epx_torch next to this module
+  // and, when not, why (cmake/torch_aten.cmake); EPX_TORCH_BRIDGE as src/core/env.cc reads it
+  // (-1 unset, 0, 1; InvalidArgument for another value); the registration; the tests' switch.
+  m.attr("torch_aten_built") = static_cast<bool>(EPX_TORCH_ATEN_BUILT);
+  m.attr("torch_aten_note") = EPX_TORCH_ATEN_NOTE;
+  m.def("_torch_aten_env", []() { return detail::env_torch_bridge(); });
+  m.def("_init_torch_aten", &register_aten_api, py::arg("capsule"));
+  m.def("_torch_aten_active", &aten_enabled);
+  m.def("_set_torch_aten", &set_aten_enabled, py::arg("on"),
+        "Use the registered ATen path (True) or the attribute path and new_empty (False); "
+        "returns the previous state. Tests and benchmarks only.");
+  // What to_view() reads from `tensor` (data pointer, dtype, shape, strides, device) or the
+  // error it raises, what the ATen path alone reads, and an output as torch_allocator() makes
+  // it (cuda_index -1: cpu): the tests comparing the two paths (test_torch_aten.py).
+  m.def("_tensor_view", [](py::handle tensor, const std::string& what) {
+    return view_tuple(to_view(tensor, what.c_str()));
+  });
+  m.def("_aten_view", [](py::handle tensor) {  // None: the ATen path is off or declines it
+    TensorView v;
+    return aten_view(tensor, v) ? view_tuple(v) : py::none();
+  });
+  m.def("_torch_empty", [](int dtype, const std::vector<int64_t>& shape, int cuda_index) {
+    const Device device = cuda_index < 0 ? Device::cpu() : Device::cuda(cuda_index);
+    return to_torch(torch_allocator()(static_cast<DType>(dtype), shape, device));
+  });
 
 #if defined(EPX_WITH_CUDA)
   m.attr("built_with_cuda") = true;

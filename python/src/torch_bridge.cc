@@ -14,7 +14,11 @@
 #include <map>
 #include <vector>
 
+#include "torch_aten_api.h"
+
 namespace epx::python {
+
+static_assert(EPX_ATEN_MAX_DIMS == kMaxDims);
 
 namespace {
 
@@ -177,7 +181,99 @@ PyObject* empty_template_new_empty(DType dtype, Device device) {
 
 std::atomic<bool> g_alloc_new_empty{true};
 
+// The ATen path (torch_aten_api.h): set once at import, under the GIL; used when g_aten_on.
+const EpxAtenApi* g_aten = nullptr;
+std::atomic<bool> g_aten_on{false};
+
+const EpxAtenApi* aten() {
+  return g_aten_on.load(std::memory_order_relaxed) ? g_aten : nullptr;
+}
+
+TensorView from_aten(const EpxAtenView& a) {
+  TensorView v;
+  v.data = a.data;
+  v.dtype = static_cast<DType>(a.dtype);
+  v.device = a.device_type == 0 ? Device::cpu() : Device::cuda(a.device_index);
+  v.ndim = a.ndim;
+  for (int i = 0; i < a.ndim; ++i) {
+    v.shape[i] = a.shape[i];
+    v.strides[i] = a.strides[i];
+  }
+  return v;
+}
+
+// A new torch tensor of `shape` (GIL held), its data pointer in *data: through the ATen path
+// when it is on, else the template's new_empty (or torch.empty: bench_overhead.py's A/B) and
+// data_ptr().
+py::object new_torch_tensor(DType dtype, const std::vector<int64_t>& shape, Device device,
+                            void** data) {
+  if (const EpxAtenApi* a = aten()) {
+    PyObject* t = a->allocate(static_cast<int32_t>(dtype), static_cast<int32_t>(shape.size()),
+                              shape.data(), device.type == DeviceType::kCpu ? 0 : 1,
+                              device.type == DeviceType::kCpu ? 0 : device.index, data);
+    if (t == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(t);
+  }
+  py::tuple sizes(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    PyTuple_SET_ITEM(sizes.ptr(), i, PyLong_FromLongLong(shape[i]));
+  }
+  py::object t;
+  if (g_alloc_new_empty.load(std::memory_order_relaxed)) {
+    t = py::reinterpret_steal<py::object>(
+        PyObject_CallOneArg(empty_template_new_empty(dtype, device), sizes.ptr()));
+  } else {
+    py::tuple args = py::make_tuple(sizes);
+    t = py::reinterpret_steal<py::object>(
+        PyObject_Call(torch_api().empty.ptr(), args.ptr(), empty_kwargs(dtype, device).ptr()));
+  }
+  if (!t) throw py::error_already_set();
+  py::object ptr =
+      py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), names().data_ptr));
+  if (!ptr) throw py::error_already_set();
+  *data = PyLong_AsVoidPtr(ptr.ptr());
+  return t;
+}
+
 }  // namespace
+
+void register_aten_api(py::handle capsule) {
+  const char* expected = EPX_ATEN_API_CAPSULE;
+  auto* table = PyCapsule_CheckExact(capsule.ptr())
+                    ? static_cast<const EpxAtenApi*>(PyCapsule_GetPointer(capsule.ptr(), expected))
+                    : nullptr;
+  if (table == nullptr) {
+    PyErr_Clear();
+    throw_epx(ErrorCode::kInternal,
+              std::string("_init_torch_aten: expected the capsule ") + expected);
+  }
+  if (table->version != EPX_ATEN_API_VERSION || table->size != sizeof(EpxAtenApi)) {
+    throw_epx(ErrorCode::kInternal, "_init_torch_aten: epx._epx_torch has table version " +
+                                        std::to_string(table->version) +
+                                        ", this epx._epx expects " +
+                                        std::to_string(EPX_ATEN_API_VERSION) + " (rebuild both)");
+  }
+  g_aten = table;
+  g_aten_on.store(true);
+}
+
+bool aten_enabled() {
+  return aten() != nullptr;
+}
+
+bool aten_view(py::handle tensor, TensorView& out) {
+  const EpxAtenApi* a = aten();
+  EpxAtenView read;
+  if (a == nullptr || !a->view(tensor.ptr(), &read)) return false;
+  out = from_aten(read);
+  return true;
+}
+
+bool set_aten_enabled(bool on) {
+  const bool was = aten_enabled();
+  g_aten_on.store(on && g_aten != nullptr);
+  return was;
+}
 
 void set_torch_alloc_new_empty(bool on) {
   g_alloc_new_empty.store(on);
@@ -212,6 +308,7 @@ TensorView to_view(py::handle t, const char* what) {
   if (t.is_none()) return v;
   TorchApi& api = torch_api();
   if (!api.ready) throw_epx(ErrorCode::kInternal, "epx._epx used before epx was imported");
+  if (aten_view(t, v)) return v;
   const Names& n = names();
   PyObject* o = t.ptr();
   auto not_a_tensor = [&]() {
@@ -270,24 +367,8 @@ const Allocator& torch_allocator() {
     const auto start =
         timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     py::gil_scoped_acquire gil;
-    py::tuple sizes(shape.size());
-    for (size_t i = 0; i < shape.size(); ++i) {
-      PyTuple_SET_ITEM(sizes.ptr(), i, PyLong_FromLongLong(shape[i]));
-    }
-    py::object t;
-    if (g_alloc_new_empty.load(std::memory_order_relaxed)) {
-      t = py::reinterpret_steal<py::object>(
-          PyObject_CallOneArg(empty_template_new_empty(dtype, device), sizes.ptr()));
-    } else {  // torch.empty(sizes, dtype=, device=): the A/B of bench_overhead.py
-      py::tuple args = py::make_tuple(sizes);
-      t = py::reinterpret_steal<py::object>(
-          PyObject_Call(torch_api().empty.ptr(), args.ptr(), empty_kwargs(dtype, device).ptr()));
-    }
-    if (!t) throw py::error_already_set();
-    py::object ptr =
-        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), names().data_ptr));
-    if (!ptr) throw py::error_already_set();
-    void* data = PyLong_AsVoidPtr(ptr.ptr());
+    void* data = nullptr;
+    py::object t = new_torch_tensor(dtype, shape, device, &data);
     Tensor out;
     static_cast<TensorView&>(out) = TensorView::contiguous(data, dtype, shape, device);
     PyRef ref;

@@ -15,6 +15,9 @@
 //                                                  buffer) exported through a DLPack capsule that
 //                                                  keeps the owning Buffer/A2a alive
 // The GIL is released while an op runs; the allocator and the deleters take it back.
+// Where epx._epx_torch is built and loaded (the ATen path, torch_aten_api.h), to_view() reads
+// plain tensors and the allocator makes outputs through it instead of the Python calls above,
+// with the same results; whatever it declines still takes the attribute path.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -66,9 +69,23 @@ struct AllocStats {
 };
 AllocStats torch_alloc_stats(bool reset);
 
-// How torch_allocator() makes a tensor: a cached 0-element template's new_empty(sizes) (true,
-// the default) or torch.empty(sizes, dtype=, device=) (false; bench_overhead.py's A/B).
+// How torch_allocator() makes a tensor when the ATen path is off: a cached 0-element template's
+// new_empty(sizes) (true, the default) or torch.empty(sizes, dtype=, device=) (false;
+// bench_overhead.py's A/B).
 void set_torch_alloc_new_empty(bool on);
+
+// The ATen path: registers the table in `capsule` (epx._epx_torch.aten_api(); InternalError for
+// any other object or another EPX_ATEN_API_VERSION) and turns the path on. Called once, at
+// import, by epx/_torch.py.
+void register_aten_api(py::handle capsule);
+// Whether to_view() and torch_allocator() use the registered table (false when none is):
+// epx/_torch.py's aten_status() and the tests' A/B (set_aten_enabled(false): the attribute path
+// and new_empty in the same process). set_aten_enabled returns the previous state.
+bool aten_enabled();
+bool set_aten_enabled(bool on);
+// The ATen path's read of `tensor` alone: false when the path is off or declines the object
+// (to_view() then reads it through the attribute path).
+bool aten_view(py::handle tensor, TensorView& out);
 
 // epx::Tensor -> torch.Tensor (None when undefined). Tensors that were not made by
 // torch_allocator() are exported through DLPack, kept alive by `fallback_owner` (or their own

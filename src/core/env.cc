@@ -82,12 +82,19 @@ bool env_one_gpu_side_streams() {
                     "not)") == 1;
 }
 
+int env_torch_bridge() {
+  return env_switch("EPX_TORCH_BRIDGE",
+                    "1 or unset (the Python package reads tensors and makes outputs through ATen "
+                    "where epx._epx_torch is built), 0 (through torch's Python methods)");
+}
+
 void check_environment(const char* op) {
   try {
     (void)env_default_timeout();
     (void)env_default_num_sms();
     (void)env_pdl();
     (void)env_one_gpu_side_streams();
+    (void)env_torch_bridge();
   } catch (const Error& e) {
     rethrow_with_op(e, op);
   }

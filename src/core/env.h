@@ -15,6 +15,10 @@
 //                    Opt-in because the driver may put a Buffer's side stream in the same
 //                    hardware queue as a peer's stream, and work queued behind a peer's spinning
 //                    kernel then stalls until the group timeout.
+//   EPX_TORCH_BRIDGE 0: the Python package reads input tensors and makes outputs through torch's
+//                    Python methods even where epx._epx_torch (the ATen path, python/src/
+//                    torch_aten.cc) is built; 1 or unset: through ATen there (read by
+//                    epx/_torch.py at import through _epx; checked here at group creation)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode: 1..32 (8 when unset, as
 //                    CUDA); checked when that mode's group is created
 //   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
@@ -41,6 +45,7 @@ int env_cuda_device_max_connections();
 std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when unset: LAZY)
 int env_pdl();                          // EPX_PDL: -1 unset or empty, 1 when "1", 0 when "0"
 bool env_one_gpu_side_streams();        // EPX_ONE_GPU_SIDE_STREAMS == "1"
+int env_torch_bridge();                 // EPX_TORCH_BRIDGE: -1 unset or empty, 1 or 0
 
 // Reads every EPX_* variable above and throws InvalidArgument for the first invalid one, its
 // message starting with `op` (the group constructor). Called at every group creation.

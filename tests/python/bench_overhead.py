@@ -19,7 +19,9 @@ all runs, where the row is the best run), a part of its overhead.
 
 --breakdown ROUNDS: where the host time of one ll dispatch + combine goes, layer by layer (the
 DeepEP drop-in as bench/engine_timing.py calls it, epx.Buffer, the extension's calls, the C++ op,
-the output allocations; ll_breakdown), docs/perf.md §4.5.
+the output allocations; ll_breakdown), docs/perf.md §4.5; where the torch bridge's ATen path is
+loaded (epx._epx_torch, docs/design.md §12), once with it ("ATen") and once with the attribute
+path and new_empty ("attrs"), interleaved in every round of the same process.
 
     PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N] [--device cuda]
 """
@@ -138,11 +140,14 @@ def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
     the GIL taken back). Each layer's differences to the next: the per-pair cost of that layer.
     Each round times every layer once (`iters` pairs each, the layers interleaved); each layer's
     time is its best round (the machine may be shared), the allocations' the least of the native
-    rounds'."""
+    rounds'. With the ATen path loaded every round times the three Python layers with it and
+    without it (_epx._set_torch_aten), and each layer has a column per path."""
     from epx import _torch
     stats = torch.zeros(E, dtype=torch.int32, device=dev)
     s = _torch.stream_of(x)
     out = {}
+    aten_was = _epx._torch_aten_active()
+    paths = (("ATen", True), ("attrs", False)) if aten_was else (("attrs", False),)
     for fp8, with_stats in ((True, True), (False, False)):
         st = stats if with_stats else None
         dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
@@ -169,29 +174,35 @@ def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
             fn()
         if clock.sync:
             clock.sync()
-        best = {k: float("inf") for k in ("compat", "epx", "native", "cpp")}
-        allocs = []  # (allocations, host us) per pair, each round's native loop
+        best = {(p, k): float("inf") for p, _ in paths for k in layers}
+        cpp = float("inf")
+        allocs = {p: [] for p, _ in paths}  # (allocations, host us) per pair, native loops
         for _ in range(rounds):
-            for k, fn in layers.items():
-                if k == "native":
-                    _epx._alloc_stats(True)
-                best[k] = min(best[k], clock.run(fn, iters))
-                if k == "native":
-                    calls, ns = _epx._alloc_stats(True)
-                    allocs.append((calls / iters, ns / iters / 1e3))
-            best["cpp"] = min(best["cpp"], _epx._time_ll_cpp(nat, x, idx, w, fp8, iters, clock.sync,
-                                                             clock.every) / 1e3)
-        n_alloc = statistics.median(a[0] for a in allocs)
-        alloc_us = min(a[1] for a in allocs)
-        out["fp8 + stats" if with_stats else "bf16"] = [
-            ("compat pair (the engine's call)", best["compat"]),
-            ("host overhead: compat - C++ op", best["compat"] - best["cpp"]),
-            ("deep_ep layer: compat - epx", best["compat"] - best["epx"]),
-            ("epx.Buffer layer: epx - native", best["epx"] - best["native"]),
-            ("bindings: native - cpp - allocations", best["native"] - best["cpp"] - alloc_us),
-            ("output allocations per pair (count)", n_alloc),
-            ("output allocations (us)", alloc_us),
-            ("C++ op (C++ loop)", best["cpp"])]
+            for p, on in paths:
+                _epx._set_torch_aten(on)
+                for k, fn in layers.items():
+                    if k == "native":
+                        _epx._alloc_stats(True)
+                    best[p, k] = min(best[p, k], clock.run(fn, iters))
+                    if k == "native":
+                        calls, ns = _epx._alloc_stats(True)
+                        allocs[p].append((calls / iters, ns / iters / 1e3))
+            cpp = min(cpp, _epx._time_ll_cpp(nat, x, idx, w, fp8, iters, clock.sync,
+                                             clock.every) / 1e3)
+        _epx._set_torch_aten(aten_was)
+        for p, _ in paths:
+            n_alloc = statistics.median(a[0] for a in allocs[p])
+            alloc_us = min(a[1] for a in allocs[p])
+            b = {k: best[p, k] for k in layers}
+            out[f"{'fp8 + stats' if with_stats else 'bf16'}, {p}"] = [
+                ("compat pair (the engine's call)", b["compat"]),
+                ("host overhead: compat - C++ op", b["compat"] - cpp),
+                ("deep_ep layer: compat - epx", b["compat"] - b["epx"]),
+                ("epx.Buffer layer: epx - native", b["epx"] - b["native"]),
+                ("bindings: native - cpp - allocations", b["native"] - cpp - alloc_us),
+                ("output allocations per pair (count)", n_alloc),
+                ("output allocations (us)", alloc_us),
+                ("C++ op (C++ loop)", cpp)]
         del dbuf, buf, nat
     return out
 
@@ -208,8 +219,8 @@ def main():
                         help="cuda: iterations between untimed synchronisations")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--alloc-ab", action="store_true",
-                        help="also time the epx rows with outputs made by torch.empty instead of "
-                        "the default new_empty on a cached template")
+                        help="also time the epx rows with outputs made by the ATen path (where "
+                        "loaded), new_empty on a cached template and torch.empty")
     parser.add_argument("--breakdown", type=int, default=0, metavar="ROUNDS",
                         help="also time an ll pair layer by layer through the DeepEP drop-in "
                         "(fp8 with stats, as bench/engine_timing.py calls it, and bf16): best of "
@@ -317,8 +328,10 @@ def main():
 
     where = (f"cuda backend on {torch.cuda.get_device_name(0)}, chunks of {args.every}" if cuda
              else "cpu backend")
+    aten = epx._torch.aten_status()
     print(f"T={T} H={H} K={K} E={E} T_max={T_max} R=1 {where}, torch {torch.__version__}, "
-          f"{args.iters} iterations (ht: {args.iters // 4}), best of {args.repeats}")
+          f"{args.iters} iterations (ht: {args.iters // 4}), best of {args.repeats}; torch "
+          f"bridge: {'ATen path' if aten.active else 'attribute path (' + aten.reason + ')'}")
     stream_head = " stream us (epx) |" if cuda else ""
     print("| op (dispatch + combine) | C++ loop us | epx.Buffer/A2a us | compat us | "
           f"overhead per call, epx | overhead per call, compat | allocs (epx) | "
@@ -330,19 +343,25 @@ def main():
         print(f"| {name} | {cpp:.1f} | {e:.1f} | {c:.1f} | {(e - cpp) / 2:.1f} | "
               f"{(c - cpp) / 2:.1f} | {allocs:.1f} | {alloc_us:.1f} |{stream}")
     if args.alloc_ab:
-        # The bridge's two ways of making an output, same process: new_empty on a cached
-        # template (the default), torch.empty(sizes, dtype=, device=), new_empty again (drift).
-        print("| op (epx row) | us, new_empty | us, torch.empty | us, new_empty again | "
-              "in alloc us, new_empty | in alloc us, torch.empty |")
-        print("|---|---|---|---|---|---|")
+        # The bridge's ways of making an output, same process: the ATen path (where loaded; it
+        # also reads the inputs), new_empty on a cached template, torch.empty(sizes, dtype=,
+        # device=), then the first again (drift).
+        ways = [("ATen", True, True)] if aten.active else []
+        ways += [("new_empty", False, True), ("torch.empty", False, False)]
+        ways.append((ways[0][0] + " again",) + ways[0][1:])
+        print("| op (epx row) | " + " | ".join(f"us, {w[0]}" for w in ways) + " | " +
+              " | ".join(f"in alloc us, {w[0]}" for w in ways[:-1]) + " |")
+        print("|---|" + "---|" * (2 * len(ways) - 1))
         for name, (fn, n) in epx_fns.items():
             times, alloc_us = [], []
-            for on in (True, False, True):
-                _epx._set_alloc_new_empty(on)
+            for _, on, new_empty in ways:
+                _epx._set_torch_aten(on)
+                _epx._set_alloc_new_empty(new_empty)
                 times.append(clock.timed(fn, n, name))
                 alloc_us.append(clock.alloc[name][1])
-            print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "
-                  f"{alloc_us[0]:.1f} | {alloc_us[1]:.1f} |")
+            print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " | " +
+                  " | ".join(f"{a:.1f}" for a in alloc_us[:-1]) + " |")
+        _epx._set_torch_aten(aten.active)
     if args.breakdown:
         cols = list(breakdown)
         print(f"| ll dispatch + combine, layer (best of {args.breakdown} rounds) | " +

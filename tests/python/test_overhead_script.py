@@ -39,9 +39,12 @@ def test_overhead_script_runs_on_the_cpu_backend():
     out, rows = run_overhead("--breakdown", "1")
     assert "R=1 cpu backend" in out
     assert all(len(v) == 7 for v in rows.values()), out
-    # The ll pair layer by layer (perf.md §4.5): both configurations, every layer.
-    assert "| ll dispatch + combine, layer (best of 1 rounds) | us per pair, fp8 + stats | " \
-        "us per pair, bf16 |" in out, out
+    # The ll pair layer by layer (perf.md §4.5): both configurations, every layer; with the
+    # torch bridge's ATen path and without it where it is loaded (design.md §12).
+    paths = ("ATen", "attrs") if "torch bridge: ATen path" in out else ("attrs",)
+    cols = [f"us per pair, {c}, {p}" for c in ("fp8 + stats", "bf16") for p in paths]
+    assert "| ll dispatch + combine, layer (best of 1 rounds) | " + " | ".join(cols) + " |" \
+        in out, out
     for layer in ("compat pair", "deep_ep layer", "epx.Buffer layer", "bindings",
                   "output allocations (us)", "C++ op"):
         assert f"| {layer}" in out, (layer, out)
