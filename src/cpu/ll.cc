@@ -20,7 +20,9 @@
 //                   {G' * RT, 1, RT} (column-major in the last two dims)
 //   ll_combine, send (publish): copy y's valid rows into combine slot handle.slot of this rank's
 //     region (skipped with zero_copy: the caller wrote them through ll_next_combine_buffer), and
-//     publish handle.layout_range next to them.
+//     publish handle.layout_range next to them. use_logfmt: every valid row is encoded instead
+//     (core/logfmt.h logfmt_encode_row: from y, or in place with zero_copy) into its slot there,
+//     its meta words beside it.
 //   ll_combine, receive (inline, or in the hook): barrier; for each token t and each k,
 //     y(t, k) is row  begin + j  of local expert l = e % L on rank d = e / L (e = topk_idx[t][k]),
 //     where begin comes from rank d's published layout_range[l][r] and j counts this rank's
@@ -29,6 +31,8 @@
 //         acc = 0.0f;
 //         for k = 0 .. K-1:  if topk_idx[t][k] != -1:  acc = std::fmaf(w[t][k], f32(y(t, k)), acc);
 //         out[t] = bf16_rne(acc)            (tokens with no expert get +0)
+//     use_logfmt: f32(y(t, k)) is logfmt_decode_row of the encoded row (every rank's headers must
+//     agree on use_logfmt, else InvalidArgument on every rank).
 //     combine_wait_recv_cost_stats[d] += max(0, published_ns(d) - recv_start) (below) when T > 0
 //     (a rank without tokens waits for no expert outputs, as on cuda); barrier.
 //
@@ -48,9 +52,11 @@
 //     topk   int32 [T_max, K]
 //     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16
 //   combine slot 0, combine slot 1:
-//     CombineHeader                  {stamp, published_ns}
+//     CombineHeader                  {stamp, published_ns, use_logfmt}
 //     layout int64 [L, R]            the expert rank's handle.layout_range
-//     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns
+//     meta   uint32 [L, RT, G]       use_logfmt: the rows' LogFMT meta words
+//     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns (use_logfmt: the
+//                                    encoded rows, each in its own 2H-byte slot)
 //
 // Double buffering. Each ll_dispatch takes dispatch slot (number of dispatches so far) % 2; its
 // handle records it (handle.slot) and ll_combine(handle) publishes into combine slot handle.slot.
@@ -81,6 +87,7 @@
 #include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
+#include "core/logfmt.h"
 #include "core/numeric.h"
 #include "cpu/cpu_buffer.h"
 
@@ -112,6 +119,7 @@ struct DispatchHeader {
 struct CombineHeader {
   Stamp stamp;  // call = the combine's sequence number
   int64_t published_ns;
+  int32_t use_logfmt;  // compared by every receive
 };
 
 // The steady clock in nanoseconds (CLOCK_MONOTONIC on Linux: comparable across the threads and
@@ -137,7 +145,7 @@ struct LlLayout {
   int num_ranks, num_local_experts, top_k;
   int64_t max_tokens, hidden, num_groups, rows_per_expert;
   size_t msg_bytes, topk_off, msgs_off, dispatch_slot_bytes;
-  size_t layout_off, y_off, combine_slot_bytes;
+  size_t layout_off, meta_off, y_off, combine_slot_bytes;
 
   LlLayout(const MoeShape& s, int R)
       : num_ranks(R),
@@ -153,7 +161,8 @@ struct LlLayout {
     msgs_off = topk_off + align_up(sizeof(int32_t) * max_tokens * top_k, kAlign);
     dispatch_slot_bytes = msgs_off + align_up(msg_bytes * max_tokens, kAlign);
     layout_off = align_up(sizeof(CombineHeader), kAlign);
-    y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kAlign);
+    meta_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kAlign);
+    y_off = meta_off + align_up(sizeof(uint32_t) * num_local_experts * rows_per_expert * G, kAlign);
     combine_slot_bytes =
         y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H, kAlign);
   }
@@ -325,6 +334,7 @@ struct CombineRecv {
   uint64_t generation, seq;
   int64_t num_tokens;
   int num_experts;
+  bool use_logfmt;
   std::vector<int32_t> topk;   // [T, K], copied at send time
   std::vector<float> weights;  // [T, K]
   Tensor out;                  // [T, H] bf16 (allocated, or the caller's without storage)
@@ -349,8 +359,14 @@ void CombineRecv::operator()() const {
     auto stamp = [&](int d) -> const Stamp& { return header(d)->stamp; };
     check_stamps("ll_combine", r, R, generation, seq, stamp,
                  [&](int) { return cat("combine slot ", slot, " at"); });
-    std::vector<int64_t> published_ns(R);
-    for (int d = 0; d < R; ++d) published_ns[d] = header(d)->published_ns;
+    std::vector<int64_t> published_ns(R), logfmt_of(R);
+    for (int d = 0; d < R; ++d) {
+      published_ns[d] = header(d)->published_ns;
+      logfmt_of[d] = header(d)->use_logfmt;
+    }
+    // Every rank reads every header, so all raise together.
+    EPX_CHECK_ARG(all_equal(logfmt_of), "ll_combine: argument 'use_logfmt' differs across ranks: ",
+                  per_rank_values(logfmt_of, show_bool), "; expected the same on every rank");
     // row_in_block[t * K + k]: j of the formula above; num_selected[e]: this rank's tokens on e.
     std::vector<int64_t> row_in_block(T * K, -1);
     std::vector<int64_t> num_selected(E, 0);
@@ -377,18 +393,23 @@ void CombineRecv::operator()() const {
                     " tokens but rank ", e / L, " received ", count,
                     " from this rank; expected the topk_idx of the dispatch that made 'handle'");
     }
-    std::vector<float> acc(H);
+    std::vector<float> acc(H), decoded(use_logfmt ? H : 0);
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < K; ++k) {
         const int32_t e = topk[t * K + k];
         if (e == -1) continue;
-        const int64_t row = begin[e] + row_in_block[t * K + k];
-        const auto* y =
-            reinterpret_cast<const uint16_t*>(static_cast<const char*>(mem->peer(e / L)) +
-                                              lay.combine_off(slot) + lay.y_off) +
-            ((e % L) * RT + row) * H;
+        const int64_t row = (e % L) * RT + begin[e] + row_in_block[t * K + k];
+        const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
+        const auto* y = reinterpret_cast<const uint16_t*>(region + lay.y_off) + row * H;
         const float w = weights[t * K + k];
+        if (use_logfmt) {
+          const auto* meta = reinterpret_cast<const uint32_t*>(region + lay.meta_off);
+          logfmt_decode_row(reinterpret_cast<const uint8_t*>(y), meta + row * lay.num_groups, H,
+                            decoded.data());
+          for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, decoded[c], acc[c]);
+          continue;
+        }
         for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, bf16_to_f32(y[c]), acc[c]);
       }
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
@@ -498,26 +519,35 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                 slot);
   const uint64_t seq = ++st.num_combines;
 
-  // Publish: header, this rank's layout_range, y's valid rows (unless already there).
+  // Publish: header, this rank's layout_range, y's valid rows (unless already there), encoded
+  // with use_logfmt.
   char* region = static_cast<char*>(ll_mem_->local()) + lay.combine_off(slot);
   auto* header = reinterpret_cast<CombineHeader*>(region);
   header->stamp.begin_publish();
+  header->use_logfmt = args.use_logfmt;
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
   const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
     for (int s = 0; s < R; ++s) layout[l * R + s] = element<int64_t>(range, l, s);
-  if (!args.zero_copy) {
-    auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
-    for (int l = 0; l < L; ++l) {
-      int64_t num_rows = 0;
-      for (int s = 0; s < R; ++s) {
-        const int64_t v = layout[l * R + s];
-        num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+  auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
+  auto* meta = reinterpret_cast<uint32_t*>(region + lay.meta_off);
+  for (int l = 0; (!args.zero_copy || args.use_logfmt) && l < L; ++l) {
+    int64_t num_rows = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = layout[l * R + s];
+      num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+    }
+    for (int64_t row = 0; row < num_rows; ++row) {
+      uint16_t* dst = y + (l * RT + row) * H;
+      const uint16_t* src =
+          args.zero_copy ? dst
+                         : args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1];
+      if (args.use_logfmt) {
+        logfmt_encode_row(src, H, reinterpret_cast<uint8_t*>(dst),
+                          meta + (l * RT + row) * lay.num_groups);
+      } else {
+        std::memcpy(dst, src, sizeof(uint16_t) * H);
       }
-      for (int64_t row = 0; row < num_rows; ++row)
-        std::memcpy(y + (l * RT + row) * H,
-                    args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1],
-                    sizeof(uint16_t) * H);
     }
   }
   header->published_ns = steady_ns();
@@ -537,6 +567,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                    seq,
                    T,
                    shape.num_experts,
+                   args.use_logfmt,
                    {},
                    {},
                    res.out,

@@ -4,21 +4,25 @@
 //     row of l: its bf16 row, or quantize_row_fp8 of it; src_info = t. layout_range[l][s] is the
 //     (begin << 32) | count of the rows taken from s.
 //   combine: the row of (source rank, token) in every expert is found again by the same walk,
-//     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order.
+//     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order (use_logfmt:
+//     y_d[l][row] replaced by its LogFMT decoding, support/logfmt_ref.h).
 #include "support/oracle_ll.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/check.h"
 #include "core/numeric.h"
+#include "support/logfmt_ref.h"
 
 namespace epx::testing {
 
 std::string LlProblem::describe() const {
   return detail::cat("R=", num_ranks, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
                      " E=", num_experts, use_fp8 ? " fp8" : " bf16",
-                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "");
+                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "",
+                     use_logfmt ? " logfmt" : "");
 }
 
 namespace {
@@ -111,6 +115,22 @@ std::vector<uint16_t> combine_rank(const LlProblem& p, const std::vector<LlRankI
   const int64_t RT = p.rows_per_expert(), H = p.hidden;
   const LlRankInput& in = inputs[rank];
   std::vector<uint16_t> out(in.num_tokens * H);
+  if (p.use_logfmt) {  // the same chain, over whole decoded rows
+    std::vector<float> acc(H), row_values(H);
+    for (int64_t t = 0; t < in.num_tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = in.topk_idx[t * K + k];
+        if (e == -1) continue;
+        const int64_t row = row_of[e][rank * p.max_tokens + t];
+        logfmt_ref_row(y[e / L].data() + ((e % L) * RT + row) * H, H, row_values.data());
+        for (int64_t c = 0; c < H; ++c)
+          acc[c] = std::fmaf(in.topk_weights[t * K + k], row_values[c], acc[c]);
+      }
+      for (int64_t c = 0; c < H; ++c) out[t * H + c] = detail::f32_to_bf16(acc[c]);
+    }
+    return out;
+  }
   for (int64_t t = 0; t < in.num_tokens; ++t) {
     for (int64_t c = 0; c < H; ++c) {
       float acc = 0.0f;

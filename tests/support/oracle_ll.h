@@ -25,6 +25,7 @@ struct LlProblem {
   bool use_fp8 = false;
   bool round_scale = false;
   bool use_ue8m0 = false;
+  bool use_logfmt = false;  // combine: y(t, k) as LogFMT-10 decodes it (support/logfmt_ref.h)
 
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
@@ -55,7 +56,7 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
                                       int rank);
 
 // y[d]: rank d's expert outputs, bf16 [L, R*T_max, H] (only rows < rank d's recv_count are read).
-// Returns rank `rank`'s out [T, H] bf16.
+// Returns rank `rank`'s out [T, H] bf16 (p.use_logfmt: every y row as logfmt_ref_row decodes it).
 std::vector<uint16_t> oracle_ll_combine(const LlProblem& p, const std::vector<LlRankInput>& inputs,
                                         const std::vector<std::vector<uint16_t>>& y, int rank);
 // Every rank's out at once (walks the routing once for all ranks).

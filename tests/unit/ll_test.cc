@@ -138,6 +138,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
         a.out = TensorView::contiguous(outs[b].data(), DType::kBF16, {T, H});
       }
       a.return_recv_hook = c.hook;
+      a.use_logfmt = p.use_logfmt;
       cr[b] = buf.ll_combine(a, alloc);
       if (static_cast<bool>(cr[b].hook) != c.hook) fail("combine", "hook presence is wrong");
       if (c.out_given && cr[b].out.data != outs[b].data())
@@ -221,6 +222,26 @@ TEST(Ll, FixedCases) {
     c.out_given = true;
     c.seed = seed++;
     run_case(c, false);
+  }
+}
+
+// use_logfmt (docs/semantics.md §2.3.1) against the oracle, whose LogFMT is the independent
+// tests/support/logfmt_ref.h: every hook / zero_copy / out combination, DeepSeek-like H, K above
+// the cuda kernel's load batch, duplicates, T = 0 on a rank, two rounds per buffer; the random
+// cases above draw use_logfmt too.
+TEST(Ll, LogfmtFixedCases) {
+  int seed = 600000;
+  for (int v = 0; v < 8; ++v) {
+    Case c;
+    c.p = {3, 9, v % 2 ? 7168 : 384, v < 4 ? 8 : 16, 12, v % 3 == 0, false, false, true};
+    c.routing = v == 5 ? Routing::kDuplicates : Routing::kUniform;
+    c.hook = v & 1;
+    c.zero_copy = v & 2;
+    c.out_given = v & 4;
+    c.fixed_tokens = {9, 0, 5};
+    c.num_iters = 2;
+    c.seed = seed++;
+    run_case(c, v == 7);
   }
 }
 
