@@ -188,14 +188,13 @@ int ll_body(const Group& g) {
                                     {2, RT, H}, dev);
   Tensor w = gpu_testing::to_device(std::vector<float>(T * 2, 0.5f), DType::kF32, {T, 2}, dev);
   for (bool consistent : {false, true}) {
-    LlCombineArgs c;
-    c.y = y;
-    c.topk_idx = topk;
-    c.topk_weights = w;
-    c.handle = &d.handle;
-    c.stream = stream;
-    c.use_logfmt = consistent || me == R - 1;
-    buf.ll_combine(c, alloc);
+    buf.ll_combine({.y = y,
+                    .topk_idx = topk,
+                    .topk_weights = w,
+                    .handle = &d.handle,
+                    .use_logfmt = consistent || me == R - 1,
+                    .stream = stream},
+                   alloc);
     CUDA_OK(cudaStreamSynchronize(stream));
     const char* name = "argument 'use_logfmt' differs across ranks";
     if (!consistent) {

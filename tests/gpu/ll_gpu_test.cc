@@ -591,18 +591,20 @@ INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpuLifetime, ::testing::Values(2, 4, 8),
 // ---- CUDA graphs ---------------------------------------------------------------------------
 
 // dispatch + combine captured once without hooks (fp8, UE8M0, stats, y copied into the zero-copy
-// buffer inside the graph) and once with both hooks (bf16, y from the caller), each replayed
+// buffer inside the graph), once with both hooks (bf16, y from the caller) and once without hooks
+// with use_logfmt (fp8, the zero-copy buffer encoded in place at every replay), each replayed
 // kReplays times on new inputs written into the captured input buffers; every replay checked.
 // R ranks, one GPU each (R = 1: the graph paths on a one-GPU machine).
 int graph_replays(int R) {
   constexpr int kReplays = 100;
-  Case cases[2];
+  Case cases[3];  // the third: use_logfmt, zero_copy encoded in place in every replay
   cases[0].p = {R, 32, 256, 4, 8 * R, true, true, true};
   cases[1].p = {R, 32, 256, 4, 8 * R, false, false, false};
+  cases[2].p = {R, 32, 256, 4, 8 * R, true, false, false, true};
   const std::vector<Routing> all = testing::all_routings();
-  std::vector<Batch> data[2];
+  std::vector<Batch> data[3];
   std::mt19937_64 rng(4242);
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < 3; ++m) {
     cases[m].fixed_tokens.assign(R, 32);
     cases[m].fixed_tokens[0] = 29;
     for (int i = 0; i <= kReplays; ++i) {  // batch 0: the eager warm-up call
@@ -636,7 +638,7 @@ int graph_replays(int R) {
     Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
     int bad = 0;
     {
-      for (int m = 0; m < 2 && bad == 0; ++m) {
+      for (int m = 0; m < 3 && bad == 0; ++m) {
         const bool hook = m == 1;
         const LlProblem& p = cases[m].p;
         auto upload = [&](const Batch& b) {
@@ -671,6 +673,7 @@ int graph_replays(int R) {
           ca.handle = &d.handle;
           ca.out = out;
           ca.return_recv_hook = hook;
+          ca.use_logfmt = p.use_logfmt;
           ca.stream = stream;
           if (!hook) {
             TensorView v = buf.ll_next_combine_buffer(d.handle);

@@ -352,6 +352,9 @@ def body_ll_logfmt(ctx, seed):
     with pytest.raises(epx.InvalidArgument, match="argument 'use_logfmt' differs across ranks"):
         buf.low_latency_combine(y, inp["topk_idx"].to(dev), inp["topk_weights"].to(dev), res[2],
                                 use_logfmt=r == R - 1)
+        if dev.type == "cuda":  # found on the device: raised by check()
+            torch.cuda.synchronize(dev)
+            buf._ll.check()
     buf.clean_low_latency_buffer(T_max, H, E)
     res = buf.low_latency_dispatch(inp["x"].to(dev), inp["topk_idx"].to(dev), T_max, E,
                                    use_fp8=False)

@@ -381,25 +381,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         const int tl = static_cast<int>(i / nv);
         const int64_t v = i - tl * nv;
         const uintptr_t* src = s_src + tl * K;
-        const float* w = s_w + tl * K;
         float acc[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-        for (int kb = 0; kb < K; kb += kLlLoadBatch) {
-          uint4 val[kLlLoadBatch];
-#pragma unroll
-          for (int kk = 0; kk < kLlLoadBatch; ++kk)
-            if (kb + kk < K && src[kb + kk]) val[kk] = ll_ld_expert_row8(src[kb + kk], v);
-#pragma unroll
-          for (int kk = 0; kk < kLlLoadBatch; ++kk) {
-            if (kb + kk >= K || !src[kb + kk]) continue;
-            float f[8];
-            ll_bf16x8_to_f32(val[kk], f);
-            const float wk = w[kb + kk];
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[c] = __fmaf_rn(wk, f[c], acc[c]);
-          }
-        }
+        ll_reduce8<kLlLoadBatch>(
+            K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
+            [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
         if (p.out) {
           const uint4 packed = f32_to_bf16_vec<uint4>(acc);
           ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);

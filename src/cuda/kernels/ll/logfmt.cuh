@@ -139,39 +139,21 @@ __device__ void ll_logfmt_reduce(const LlSymm& symm, int64_t c0, int n, const ui
       const int gl = static_cast<int>(vv >> 4), j = static_cast<int>(vv & 15);
       const int64_t byte_off = (g0 + gl) * kLogfmtRawBytes;
       const uintptr_t* src = s_src + tl * K;
-      const float* w = s_w + tl * K;
+      const uint32_t* meta = s_meta + tl * K * gc + gl;  // selection k's: meta[k * gc]
+      // Raw: 8 bf16; cast: {low bytes (x, y), hs (z)}.
+      auto load = [&](int k) {
+        const char* grp = reinterpret_cast<const char*>(src[k]) + byte_off;
+        if (meta[k * gc] == kLogfmtRawMeta) return ld_landed<uint4>(grp + 16 * j);
+        const uint2 lo = ld_landed<uint2>(grp + 8 * j);
+        return make_uint4(lo.x, lo.y, ld_landed<uint16_t>(grp + kLogfmtGroup + 2 * j), 0);
+      };
+      auto decode = [&](int k, const uint4& val, float* f) {
+        if (meta[k * gc] == kLogfmtRawMeta) return ll_bf16x8_to_f32(val, f);
+        const uint64_t low = static_cast<uint64_t>(val.y) << 32 | val.x;
+        logfmt_decode8(low, val.z, logfmt_params(meta[k * gc], table), f);
+      };
       float acc[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-      for (int kb = 0; kb < K; kb += kLlLogfmtLoadBatch) {
-        uint4 val[kLlLogfmtLoadBatch];  // raw: 8 bf16; cast: {low bytes (x, y), hs (z)}
-#pragma unroll
-        for (int kk = 0; kk < kLlLogfmtLoadBatch; ++kk) {
-          if (kb + kk >= K || !src[kb + kk]) continue;
-          const char* grp = reinterpret_cast<const char*>(src[kb + kk]) + byte_off;
-          if (s_meta[(tl * K + kb + kk) * gc + gl] == kLogfmtRawMeta) {
-            val[kk] = ld_landed<uint4>(grp + 16 * j);
-          } else {
-            const uint2 lo = ld_landed<uint2>(grp + 8 * j);
-            val[kk] = make_uint4(lo.x, lo.y, ld_landed<uint16_t>(grp + kLogfmtGroup + 2 * j), 0);
-          }
-        }
-#pragma unroll
-        for (int kk = 0; kk < kLlLogfmtLoadBatch; ++kk) {
-          if (kb + kk >= K || !src[kb + kk]) continue;
-          const uint32_t meta = s_meta[(tl * K + kb + kk) * gc + gl];
-          float f[8];
-          if (meta == kLogfmtRawMeta) {
-            ll_bf16x8_to_f32(val[kk], f);
-          } else {
-            const uint64_t low = static_cast<uint64_t>(val[kk].y) << 32 | val[kk].x;
-            logfmt_decode8(low, val[kk].z, logfmt_params(meta, table), f);
-          }
-          const float wk = w[kb + kk];
-#pragma unroll
-          for (int c = 0; c < 8; ++c) acc[c] = __fmaf_rn(wk, f[c], acc[c]);
-        }
-      }
+      ll_reduce8<kLlLogfmtLoadBatch>(K, src, s_w + tl * K, load, decode, acc);
       if (out) {
         const uint4 packed = f32_to_bf16_vec<uint4>(acc);
         ll_st8(out + (c0 + tl) * out_stride + 8 * ((g0 + gl) * 16 + j), packed, out_vec16);
