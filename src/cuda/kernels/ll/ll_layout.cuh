@@ -34,7 +34,8 @@
 //                          staging: e * C after epoch e (a sender waits for (e - 1) * C on every
 //                          d before writing slot q again)
 //   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
-//                          and its layout: e * C when ready
+//                          and its layout: e * C when ready (d's own word too: a LogFMT
+//                          receive waits for its own rows, which every CTA encodes)
 //   combine_pulled[q][s]   += 1 by each of s's C receive CTAs once it finished pulling its rows
 //                          of combine e from here: e * C
 #pragma once
