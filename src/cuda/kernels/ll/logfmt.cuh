@@ -27,7 +27,6 @@
 namespace epx::detail {
 
 inline constexpr int kLlLogfmtMetaWords = 2048;  // meta words a combine CTA holds per chunk
-inline constexpr int kLlLogfmtLoadBatch = 4;     // rows loaded together per thread (registers)
 
 // The table of core/logfmt.h in constant memory; each CTA copies it to shared memory, where the
 // per-value lookups (any index per lane) are cheap.
@@ -153,7 +152,7 @@ __device__ void ll_logfmt_reduce(const LlSymm& symm, int64_t c0, int n, const ui
         logfmt_decode8(low, val.z, logfmt_params(meta[k * gc], table), f);
       };
       float acc[8];
-      ll_reduce8<kLlLogfmtLoadBatch>(K, src, s_w + tl * K, load, decode, acc);
+      ll_reduce8<kLlLoadBatch>(K, src, s_w + tl * K, load, decode, acc);
       if (out) {
         const uint4 packed = f32_to_bf16_vec<uint4>(acc);
         ll_st8(out + (c0 + tl) * out_stride + 8 * ((g0 + gl) * 16 + j), packed, out_vec16);
