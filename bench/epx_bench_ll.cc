@@ -1,4 +1,5 @@
-// bench/epx_bench_ll.cc — epx-bench ll: low-latency dispatch (fp8 or bf16) and combine (bf16).
+// bench/epx_bench_ll.cc — epx-bench ll: low-latency dispatch (fp8 or bf16) and combine (bf16, and
+// LogFMT-10).
 //
 // Workload on every rank (T tokens, T_max = T, L = E / R, RT = R * T_max, G = H / 128):
 //   ll_dispatch(x [T, H] bf16, topk_idx [T, K] int64, use_fp8) ->
@@ -7,6 +8,10 @@
 //     y = fill_hash_bf16 on the rows < recv_count[l] of each local expert, zeros elsewhere
 // Rows: (token, distinct expert) pairs — a token selecting the same expert twice gets one row.
 // Dispatch bytes per row: fp8 H + 4G (values + scales), bf16 2H; combine bytes per row 2H.
+// ll.combine logfmt (use_logfmt, docs/semantics.md §2.3.1): y * 2^-4 (|y| < 0.5, so every group is
+// cast, as in DeepEP's perf case); bytes per row = the mean over this rank's rows of what LogFMT
+// puts on the wire (core/logfmt.h logfmt_wire_bytes: 164 per cast group, 260 per raw one; 1.25 H
+// + H / 32 when all cast, 64 % of bf16's 2H). Computed from the encoding, not measured.
 // Timing: repeated ll_dispatch (no hooks), then repeated ll_combine with the last handle; both
 // legal in any order on every backend (ll double-buffers, see src/cpu/ll.cc).
 // --check compares with tests/support/oracle_ll.h before and after timing.
@@ -14,6 +19,7 @@
 
 #include "bench/epx_bench.h"
 #include "core/check.h"
+#include "core/logfmt.h"
 #include "support/oracle_ll.h"
 
 namespace epx::bench {
@@ -78,6 +84,30 @@ std::vector<uint16_t> make_y(const Options& o, int d, int L, int64_t RT,
   return y;
 }
 
+// y for the LogFMT combine: every value * 2^-4 (exact in bf16 for these magnitudes).
+std::vector<uint16_t> logfmt_y(const std::vector<uint16_t>& y) {
+  std::vector<uint16_t> out(y.size());
+  for (size_t i = 0; i < y.size(); ++i)
+    out[i] = detail::f32_to_bf16(detail::bf16_to_f32(y[i]) * 0.0625f);
+  return out;
+}
+
+// Mean LogFMT wire bytes of the rows < counts[l] of y [L, RT, H] (2H when there are none).
+double logfmt_row_bytes(const std::vector<uint16_t>& y, int64_t RT, int64_t H,
+                        const std::vector<int32_t>& counts) {
+  std::vector<uint16_t> row(H);
+  std::vector<uint32_t> meta(H / detail::kLogfmtGroup);
+  double bytes = 0, rows = 0;
+  for (size_t l = 0; l < counts.size(); ++l) {
+    for (int64_t r = 0; r < counts[l]; ++r, ++rows) {
+      std::copy_n(y.begin() + (l * RT + r) * H, H, row.begin());
+      detail::logfmt_encode_row(row.data(), H, reinterpret_cast<uint8_t*>(row.data()), meta.data());
+      for (uint32_t m : meta) bytes += detail::logfmt_wire_bytes(m);
+    }
+  }
+  return rows > 0 ? bytes / rows : 2.0 * H;
+}
+
 LlDispatchResult to_host(const LlDispatchResult& r) {
   LlDispatchResult h;
   h.recv_x = host_copy(r.recv_x);
@@ -121,6 +151,9 @@ void run_ll(Ctx& ctx, int64_t T) {
   Tensor weights = upload(data[rank].topk_weights, DType::kF32, {T, K}, ctx.device);
   const std::vector<uint16_t> y_host = make_y(o, rank, L, RT, counts[rank]);
   Tensor y = upload(y_host, DType::kBF16, {L, RT, H}, ctx.device);
+  const std::vector<uint16_t> y_lf_host = logfmt_y(y_host);
+  Tensor y_lf = upload(y_lf_host, DType::kBF16, {L, RT, H}, ctx.device);
+  const double lf_row_bytes = logfmt_row_bytes(y_lf_host, RT, H, counts[rank]);
 
   testing::LlProblem p;
   p.num_ranks = R;
@@ -130,7 +163,7 @@ void run_ll(Ctx& ctx, int64_t T) {
   p.num_experts = o.num_experts;
   std::vector<testing::LlRankInput> inputs;
   std::vector<std::vector<uint16_t>> ys;
-  std::vector<uint16_t> want_out;
+  std::vector<uint16_t> want_out, want_out_lf;
   if (o.check) {
     for (int r = 0; r < R; ++r) {
       testing::LlRankInput in;
@@ -142,6 +175,10 @@ void run_ll(Ctx& ctx, int64_t T) {
       ys.push_back(r == rank ? y_host : make_y(o, r, L, RT, counts[r]));
     }
     want_out = testing::oracle_ll_combine(p, inputs, ys, rank);
+    for (auto& yd : ys) yd = logfmt_y(yd);
+    testing::LlProblem plf = p;
+    plf.use_logfmt = true;
+    want_out_lf = testing::oracle_ll_combine(plf, inputs, ys, rank);
     ys.clear();
   }
 
@@ -157,19 +194,23 @@ void run_ll(Ctx& ctx, int64_t T) {
     dargs.use_fp8 = fp8;
     dargs.stream = ctx.stream;
     LlDispatchResult recv;
-    LlCombineResult combined;
+    LlCombineResult combined, combined_lf;
     auto dispatch = [&] { recv = buffer.ll_dispatch(dargs, ctx.alloc); };
-    auto combine = [&] {
+    auto combine_with = [&](bool logfmt) {
       LlCombineArgs cargs;
-      cargs.y = y;
+      cargs.y = logfmt ? y_lf : y;
       cargs.topk_idx = topk;
       cargs.topk_weights = weights;
       cargs.handle = &recv.handle;
+      cargs.use_logfmt = logfmt;
       cargs.stream = ctx.stream;
-      combined = buffer.ll_combine(cargs, ctx.alloc);
+      (logfmt ? combined_lf : combined) = buffer.ll_combine(cargs, ctx.alloc);
     };
+    auto combine = [&] { combine_with(false); };
+    auto combine_lf = [&] { combine_with(true); };
+    const bool with_lf = fp8 == fp8s.back();  // one LogFMT row per run
 
-    Check check_dispatch, check_combine;
+    Check check_dispatch, check_combine, check_lf;
     testing::LlExpectedDispatch want;
     auto verify = [&](const char* when) {
       device_synchronize(ctx.device);
@@ -177,33 +218,44 @@ void run_ll(Ctx& ctx, int64_t T) {
       if (!d.empty()) check_dispatch.fail(std::string(when) + ": " + d);
       const std::string c = testing::check_ll_combine(p, want_out, host_copy(combined.out));
       if (!c.empty()) check_combine.fail(std::string(when) + ": " + c);
+      if (!with_lf) return;
+      const std::string lf = testing::check_ll_combine(p, want_out_lf, host_copy(combined_lf.out));
+      if (!lf.empty()) check_lf.fail(std::string(when) + ": " + lf);
     };
     if (o.check) {
       progress(ctx, tag + " " + dt + ": checking against the oracle");
       want = testing::oracle_ll_dispatch(p, inputs, rank);
       check_dispatch.run = check_combine.run = true;
+      check_lf.run = with_lf;
       dispatch();
       combine();
+      if (with_lf) combine_lf();
       verify("first call");
     }
 
     progress(ctx, tag + " " + dt + ": timing " + std::to_string(ctx.iters) + " iterations");
     const double G = static_cast<double>(H / 128);
     const LlBytes bytes = ll_bytes(data, R, L, K, fp8 ? H + 4 * G : 2.0 * H, 2.0 * H);
-    Timing t_dispatch, t_combine;
+    const LlBytes lf_bytes = ll_bytes(data, R, L, K, 0, lf_row_bytes);
+    Timing t_dispatch, t_combine, t_lf;
     if (ctx.is_cuda()) {
       t_dispatch = time_op(ctx, dispatch);
       t_combine = time_op(ctx, combine);
+      if (with_lf) t_lf = time_op(ctx, combine_lf);
     } else {
       const std::vector<Timing> t = time_sequence(ctx, {dispatch, combine});
       t_dispatch = t[0];
       t_combine = t[1];
+      if (with_lf) t_lf = time_sequence(ctx, {dispatch, combine_lf})[1];
     }
     if (o.check) verify("after timing");
     add_result(ctx, std::string("ll.dispatch ") + dt, T, t_dispatch, bytes.dispatch_cross,
                bytes.dispatch_recv, sym_bytes, check_dispatch);
     add_result(ctx, "ll.combine", T, t_combine, bytes.combine_cross, bytes.combine_recv, sym_bytes,
                check_combine);
+    if (with_lf)
+      add_result(ctx, "ll.combine logfmt", T, t_lf, lf_bytes.combine_cross, lf_bytes.combine_recv,
+                 sym_bytes, check_lf);
   }
 }
 

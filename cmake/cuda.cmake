@@ -33,8 +33,10 @@ function(epx_cuda_target target)
                                              CUDA_SEPARABLE_COMPILATION OFF)
   set_target_properties(${target} PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
   # No fast-math anywhere: float32 reductions must match the cpu backend bit for bit.
+  # The host half of .cu files evaluates core/logfmt.h too: no host fma contraction there either.
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo
-                                           --expt-relaxed-constexpr -Xcompiler=-Wall>)
+                                           --expt-relaxed-constexpr -Xcompiler=-Wall
+                                           -Xcompiler=-ffp-contract=off>)
 endfunction()
 
 set(_epx_pip_nccl /opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl)

@@ -11,7 +11,8 @@
 //     recv_count[L] int32       rows per local expert (masked_m); rows >= recv_count[l] of
 //                               recv_x, recv_scales and src_info are unspecified (not written)
 //   ll_combine(y[L, R*T_max, H]) -> out[t] = sum over k of w[t][k] * y(t, k), float32 fma in k
-//                               order, one rounding to bf16
+//                               order, one rounding to bf16 (use_logfmt: y(t, k) as LogFMT-10
+//                               decodes it)
 // A token that selects the same local expert twice gets one row; both selections read it back.
 #pragma once
 
@@ -76,6 +77,11 @@ struct LlCombineArgs {
   const LlHandle* handle = nullptr;
   bool zero_copy = false;   // y was written into ll_next_combine_buffer(handle)
   bool return_recv_hook = false;
+  // LogFMT-10 (DeepEP's use_logfmt, docs/semantics.md §2.3.1): every expert row y(t, k) crosses
+  // as 10-bit log-domain codes per 128-channel group where the group allows it, and the sum uses
+  // the decoded values. Equal on every rank (else InvalidArgument). With zero_copy the rows of
+  // ll_next_combine_buffer are encoded in place (their contents after the call are unspecified).
+  bool use_logfmt = false;
   TensorView out;  // optional [T, H] bf16 (stride(1) 1) to write into
   // Optional [R] int64, contiguous, on the buffer's device (DeepEP's
   // combine_wait_recv_cost_stats): element s is ADDED the nanoseconds this rank's receive waited

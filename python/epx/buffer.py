@@ -142,15 +142,18 @@ class Buffer:
 
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
-                   return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+                   return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
+                   use_logfmt=False):
         """Collective. -> LlCombineResult(out[T, H] bf16, hook).
 
         combine_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
         is added the nanoseconds this rank's receive waited for rank s's expert outputs (in the
-        hook with return_recv_hook; docs/semantics.md §2.5)."""
+        hook with return_recv_hook; docs/semantics.md §2.5).
+        use_logfmt: the expert rows cross as LogFMT-10 and are summed as decoded
+        (docs/semantics.md §2.3.1); the same on every rank."""
         return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
-            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats))
+            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt)))
 
     @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):

@@ -197,7 +197,7 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
 
 py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::handle topk_weights,
                      py::handle handle_obj, bool zero_copy, bool return_recv_hook, py::handle out,
-                     uintptr_t stream, py::handle wait_stats) {
+                     uintptr_t stream, py::handle wait_stats, bool use_logfmt) {
   const std::shared_ptr<LlHandle> handle_ptr = ll_handle_arg(handle_obj, "ll_combine");
   const LlHandle& handle = *handle_ptr;
   LlCombineArgs args;
@@ -206,6 +206,7 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   args.topk_weights = to_view(topk_weights, "ll_combine: argument 'topk_weights'");
   args.handle = &handle;
   args.zero_copy = zero_copy;
+  args.use_logfmt = use_logfmt;
   args.return_recv_hook = return_recv_hook;
   args.out = to_view(out, "ll_combine: argument 'out'");
   args.combine_wait_recv_cost_stats =
@@ -308,7 +309,8 @@ void bind_buffer(py::module_& m) {
            py::arg("dispatch_wait_recv_cost_stats") = py::none())
       .def("ll_combine", &ll_combine, py::arg("y"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("handle"), py::arg("zero_copy"), py::arg("return_recv_hook"), py::arg("out"),
-           py::arg("stream") = 0, py::arg("combine_wait_recv_cost_stats") = py::none())
+           py::arg("stream") = 0, py::arg("combine_wait_recv_cost_stats") = py::none(),
+           py::arg("use_logfmt") = false)
       .def(
           "ll_next_combine_buffer",
           [](const BufferPtr& b, py::handle handle) {

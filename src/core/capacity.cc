@@ -70,16 +70,17 @@ Bounds ht_bounds(const MoeShape& s, int R, int num_nodes) {
 }
 
 // ll: two dispatch slots of R sources' T_max messages and two combine slots of L experts x R *
-// T_max rows (cpu src/cpu/ll_region.h LlLayout, cuda src/cuda/kernels/ll/ll_layout.cuh
-// LlLayout::make); across nodes two received dispatch chunks (one per slot) and a rail slot per
-// other node (a dispatch chunk, a forward chunk or a partial of 4H bytes a row).
+// T_max rows and their LogFMT meta words (cpu src/cpu/ll_region.h LlLayout, cuda
+// src/cuda/kernels/ll/ll_layout.cuh LlLayout::make); across nodes two received dispatch chunks
+// (one per slot) and a rail slot per other node (a dispatch chunk, a forward chunk or a partial
+// of 4H bytes a row).
 Bounds ll_bounds(const MoeShape& s, int R, int num_nodes) {
   const u128 Tm = u(s.max_tokens_per_rank), H = u(s.hidden), K = u(s.top_k);
   const u128 G = add(H, 127) / 128, E = u(s.num_experts);
   const u128 msg = add(add(mul(2, H), mul(4, G)), add(mul(4, K), 64));
   Bounds b;
   b.lower = mul(4, E, Tm, H);
-  b.upper = add(add(mul(2 * (R + 1), Tm, msg), mul(4, E, Tm, H)),
+  b.upper = add(add(mul(2 * (R + 1), Tm, msg), add(mul(4, E, Tm, H), mul(8, E, Tm, G))),
                 add(mul(64, E), add(mul(1024, R + 1), u128{1} << 20)));
   b.upper = add(b.upper, rail_bound(num_nodes, 3, Tm, add(msg, add(mul(4, H), mul(8, K))), R));
   return b;

@@ -104,7 +104,8 @@ LlLayout::LlLayout(const MoeShape& s, int R, Topology topo)
       partial_headers_off + align_up(sizeof(CombineHeader) * topology.ranks_per_node, kLlAlign);
   partial_bytes = partial_off + align_up(sizeof(float) * Tm * H, kLlAlign);
   layout_off = align_up(sizeof(CombineHeader), kLlAlign);
-  y_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kLlAlign);
+  meta_off = layout_off + align_up(sizeof(int64_t) * num_local_experts * R, kLlAlign);
+  y_off = meta_off + align_up(sizeof(uint32_t) * num_local_experts * rows_per_expert * G, kLlAlign);
   combine_slot_bytes =
       y_off + align_up(sizeof(uint16_t) * num_local_experts * rows_per_expert * H, kLlAlign);
 }

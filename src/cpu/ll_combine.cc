@@ -5,7 +5,9 @@
 // node):
 //   send (publish): copy y's valid rows into combine slot handle.slot of this rank's region
 //     (skipped with zero_copy: the caller wrote them through ll_next_combine_buffer), and publish
-//     handle.layout_range next to them.
+//     handle.layout_range next to them. use_logfmt: every valid row is encoded instead
+//     (core/logfmt.h logfmt_encode_row: from y, or in place with zero_copy) into its slot there,
+//     its meta words beside it.
 //   receive (inline, or in the hook): barrier; then, across nodes, the forward stage over the
 //     rail: (1) r sends every other node m its tokens that select an expert of m (topk row and
 //     weights, ascending) to (m, g) and receives those of every (m, g) for node n;
@@ -28,6 +30,10 @@
 //       acc += p;
 //     out[t] = bf16_rne(acc)            (tokens with no expert get +0)
 // With one node: acc = fma chain over every k in order (docs/semantics.md §2.3).
+// use_logfmt: f32(y(t, k)) is logfmt_decode_row of the encoded row, wherever a row is read (this
+// node's rows here, the other nodes' rows by their forwarders; the partials stay float32). Every
+// rank's header must agree on use_logfmt, else InvalidArgument on every rank (each rank sees
+// every header: its node's in their regions, the others' in the partials).
 // combine_wait_recv_cost_stats[d] += max(0, published_ns(d) - recv_start) when T > 0 (a rank
 // without tokens waits for no expert outputs, as on cuda).
 #include <algorithm>
@@ -35,8 +41,10 @@
 #include <cstring>
 #include <vector>
 
+#include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
+#include "core/logfmt.h"
 #include "core/numeric.h"
 #include "cpu/ll_region.h"
 
@@ -46,6 +54,7 @@ namespace {
 struct CombineRecv : LlReceive {
   int64_t num_tokens;
   int num_experts;
+  bool use_logfmt;
   std::vector<int32_t> topk;   // [T, K], copied at send time
   std::vector<float> weights;  // [T, K]
   Tensor out;                  // [T, H] bf16 (allocated, or the caller's without storage)
@@ -59,16 +68,26 @@ struct CombineRecv : LlReceive {
     return reinterpret_cast<const CombineHeader*>(static_cast<const char*>(mem->peer(d)) +
                                                   lay.combine_off(slot));
   }
-  // Row of y(t, k) of expert e on rank e / L (on this rank's node) for source s, from its
-  // published layout_range; j = the source's tokens before t that select e.
-  const uint16_t* y_row(int e, int s, int64_t j) const {
+  // acc[c] = std::fmaf(w, f32(y(t, k))[c], acc[c]) for c < H, y(t, k) the row of expert e on
+  // rank e / L (on this rank's node) for source s, from its published layout_range; j = the
+  // source's tokens before t that select e. use_logfmt: the row decoded into `decoded` [H] first.
+  void add_row(int e, int s, int64_t j, float w, float* acc, float* decoded) const {
     const int L = lay.num_local_experts, R = lay.num_ranks;
+    const int64_t H = lay.hidden;
     const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
     int64_t range;
     std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + s),
                 sizeof(range));
-    return reinterpret_cast<const uint16_t*>(region + lay.y_off) +
-           ((e % L) * lay.rows_per_expert + (range >> 32) + j) * lay.hidden;
+    const int64_t row = (e % L) * lay.rows_per_expert + (range >> 32) + j;
+    const auto* y = reinterpret_cast<const uint16_t*>(region + lay.y_off) + row * H;
+    if (use_logfmt) {
+      const auto* meta = reinterpret_cast<const uint32_t*>(region + lay.meta_off);
+      logfmt_decode_row(reinterpret_cast<const uint8_t*>(y), meta + row * lay.num_groups, H,
+                        decoded);
+      for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, decoded[c], acc[c]);
+      return;
+    }
+    for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, bf16_to_f32(y[c]), acc[c]);
   }
   // Source s's rows per expert must be what expert e's rank received from it (with `ranges` of
   // the experts of this node): InvalidArgument naming the source's topk_idx otherwise.
@@ -121,6 +140,7 @@ void CombineRecv::reduce_forwarded(const std::vector<const char*>& chunks,
   const int r = mem->rank(), n = topo.node_of(r);
   const int first = topo.rank_of(n, 0), last = first + per_node;
   const int64_t H = lay.hidden;
+  std::vector<float> decoded(use_logfmt ? H : 0);
   check_stamps_range(
       "ll_combine", r, first, last, generation, seq,
       [&](int d) -> const Stamp& { return header(d)->stamp; },
@@ -145,8 +165,7 @@ void CombineRecv::reduce_forwarded(const std::vector<const char*>& chunks,
       for (int k = 0; k < K; ++k) {
         const int32_t e = topk[i * K + k];
         if (e < 0 || e / L < first || e / L >= last) continue;
-        const uint16_t* y = y_row(e, s, row_in_block[i * K + k]);
-        for (int64_t h = 0; h < H; ++h) acc[h] = std::fmaf(w[i * K + k], bf16_to_f32(y[h]), acc[h]);
+        add_row(e, s, row_in_block[i * K + k], w[i * K + k], acc, decoded.data());
       }
     }
   }
@@ -239,23 +258,27 @@ void CombineRecv::operator()() const {
     auto stamp = [&](int d) -> const Stamp& { return header_of(d)->stamp; };
     check_stamps("ll_combine", r, R, generation, seq, stamp,
                  [&](int) { return cat("combine slot ", slot, " at"); });
-    std::vector<int64_t> published_ns(R);
-    for (int d = 0; d < R; ++d) published_ns[d] = header_of(d)->published_ns;
+    std::vector<int64_t> published_ns(R), logfmt_of(R);
+    for (int d = 0; d < R; ++d) {
+      published_ns[d] = header_of(d)->published_ns;
+      logfmt_of[d] = header_of(d)->use_logfmt;
+    }
+    // Every rank reads every header, so all raise together.
+    EPX_CHECK_ARG(all_equal(logfmt_of),
+                  differs_message("ll_combine", "argument 'use_logfmt'", logfmt_of, show_bool));
     // row_in_block[t * K + k]: j of y(t, k); num_selected[e]: this rank's tokens on e. Checked
     // here for this node's experts, by the forwarders for the others'.
     std::vector<int64_t> row_in_block, num_selected;
     number_rows(topk.data(), T, K, E, row_in_block, num_selected);
     check_counts(r, num_selected, first * L, last * L, "");
-    std::vector<float> acc(H);
+    std::vector<float> acc(H), decoded(use_logfmt ? H : 0);
     std::vector<int64_t> partial_row(topo.num_nodes, 0);  // next row of each node's partials
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < K; ++k) {
         const int32_t e = topk[t * K + k];
         if (e == -1 || e / L < first || e / L >= last) continue;
-        const uint16_t* y = y_row(e, r, row_in_block[t * K + k]);
-        const float w = weights[t * K + k];
-        for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, bf16_to_f32(y[c]), acc[c]);
+        add_row(e, r, row_in_block[t * K + k], weights[t * K + k], acc.data(), decoded.data());
       }
       for (int m = 0; m < topo.num_nodes; ++m) {
         bool went = false;
@@ -294,26 +317,35 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                 slot);
   const uint64_t seq = ++st.num_combines;
 
-  // Publish: header, this rank's layout_range, y's valid rows (unless already there).
+  // Publish: header, this rank's layout_range, y's valid rows (unless already there), encoded
+  // with use_logfmt.
   char* region = static_cast<char*>(ll_mem_->local()) + lay.combine_off(slot);
   auto* header = reinterpret_cast<CombineHeader*>(region);
   header->stamp.begin_publish();
+  header->use_logfmt = args.use_logfmt;
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
   const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
     for (int s = 0; s < R; ++s) layout[l * R + s] = element<int64_t>(range, l, s);
-  if (!args.zero_copy) {
-    auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
-    for (int l = 0; l < L; ++l) {
-      int64_t num_rows = 0;
-      for (int s = 0; s < R; ++s) {
-        const int64_t v = layout[l * R + s];
-        num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+  auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
+  auto* meta = reinterpret_cast<uint32_t*>(region + lay.meta_off);
+  for (int l = 0; (!args.zero_copy || args.use_logfmt) && l < L; ++l) {
+    int64_t num_rows = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = layout[l * R + s];
+      num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+    }
+    for (int64_t row = 0; row < num_rows; ++row) {
+      uint16_t* dst = y + (l * RT + row) * H;
+      const uint16_t* src =
+          args.zero_copy ? dst
+                         : args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1];
+      if (args.use_logfmt) {
+        logfmt_encode_row(src, H, reinterpret_cast<uint8_t*>(dst),
+                          meta + (l * RT + row) * lay.num_groups);
+      } else {
+        std::memcpy(dst, src, sizeof(uint16_t) * H);
       }
-      for (int64_t row = 0; row < num_rows; ++row)
-        std::memcpy(y + (l * RT + row) * H,
-                    args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1],
-                    sizeof(uint16_t) * H);
     }
   }
   header->published_ns = steady_ns();
@@ -329,6 +361,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
       {group.transport(), ll_mem_, ll_rail_, ll_state_, lay, slot, st.step.generation, seq},
       T,
       shape.num_experts,
+      args.use_logfmt,
       {},
       {},
       res.out,

@@ -12,9 +12,11 @@
 //            out as the slot above (LlChunkHeader in place of the header, so a source's topk and
 //            messages sit at the same offsets in both) followed by src_idx int32 [T_max]
 //   combine slot 0, combine slot 1:
-//     CombineHeader                  {stamp, published_ns}
+//     CombineHeader                  {stamp, published_ns, use_logfmt}
 //     layout int64 [L, R]            the expert rank's handle.layout_range
-//     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns
+//     meta   uint32 [L, RT, G]       use_logfmt: the rows' LogFMT meta words
+//     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns (use_logfmt: the
+//                                    encoded rows, each in its own 2H-byte slot)
 // Host memory of the combine's rail legs (CpuLlState; nobody else reads it), capacity T_max rows:
 //   forward chunk (source (m, g) -> forwarder (n, g)): LlForwardHeader {num_rows} | topk int32
 //     [T_max, K] | weights f32 [T_max, K]: the source's tokens that select an expert of node n,
@@ -49,6 +51,7 @@ struct DispatchHeader {
 struct CombineHeader {
   Stamp stamp;  // call = the combine's sequence number
   int64_t published_ns;
+  int32_t use_logfmt;  // compared by every receive (across nodes: in the partials' headers)
 };
 
 struct LlChunkHeader {
@@ -101,7 +104,7 @@ struct LlLayout {
   size_t chunk_src_off, chunk_bytes;                            // a dispatch chunk
   size_t forward_topk_off, forward_weights_off, forward_bytes;  // a forward chunk
   size_t partial_headers_off, partial_off, partial_bytes;       // a partial chunk
-  size_t layout_off, y_off, combine_slot_bytes;
+  size_t layout_off, meta_off, y_off, combine_slot_bytes;
 
   LlLayout(const MoeShape& s, int R, Topology topology);
   size_t dispatch_off(int slot) const { return slot * dispatch_slot_bytes; }

@@ -59,6 +59,9 @@ enum DeviceErrorCode : uint32_t {
   // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is
   // skipped.
   kDevErrLlCombineRows = 33,
+  // ll combine: an expert rank used another use_logfmt in the same combine. a = the expert
+  // rank's, b = this rank's, peer = the expert rank.
+  kDevErrLlCombineFormat = 34,
 };
 
 // The per-call values an ht count exchange message carries (HtCountMsg::call) and compares.

@@ -24,8 +24,9 @@
 // may be rewritten. Hooks launch on the stream of their call.
 //
 // Errors found on the device (timeouts, out-of-range expert ids, ranks disagreeing on the fp8
-// options, a combine topk_idx that is not the dispatch's) are raised by the next host call on the
-// Buffer or by check(). After a timeout ll is unusable until ll_clean() (collective) resets it.
+// options or on use_logfmt, a combine topk_idx that is not the dispatch's) are raised by the next
+// host call on the Buffer or by check(). After a timeout ll is unusable until ll_clean()
+// (collective) resets it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -249,6 +250,16 @@ void CudaLl::check() {
                       "; expected the same on every rank (the outputs of this call are "
                       "undefined)"));
     }
+    case kDevErrLlCombineFormat: {
+      const bool peer_first = e.peer < e.rank;
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": argument 'use_logfmt' differs across ranks: rank ", std::min(e.peer, e.rank),
+              " has ", show_bool((peer_first ? e.a : e.b) != 0), ", rank ",
+              std::max(e.peer, e.rank), " has ", show_bool((peer_first ? e.b : e.a) != 0),
+              "; expected the same on every rank (the outputs of this call are "
+              "undefined)"));
+    }
     case kDevErrLlCombineRows:
       throw_error(ErrorCode::kInvalidArgument,
                   cat(op, ": argument 'topk_idx' selects expert ", e.b, " at [", e.a / 64, ", ",
@@ -435,6 +446,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
                 (args.y.strides[1] * 2) % 16 == 0;
   }
   p.zero_copy = args.zero_copy;
+  p.use_logfmt = args.use_logfmt;
   p.layout_range = h.layout_range.ptr<int64_t>();
   p.layout_stride = h.layout_range.strides[0];
   p.units_per_expert = units_per_expert_;

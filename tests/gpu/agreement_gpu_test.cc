@@ -5,7 +5,7 @@
 //   - construction: Buffer (ht, ll: hidden, top_k, E, T_max, enable flags), A2a, Dispatcher
 //     (the exchange through the transport, before anything is mapped);
 //   - ll dispatch: use_fp8 / round_scale differing (the kernel's format compare, raised by
-//     check());
+//     check()); ll combine: use_logfmt differing (the receive's compare, raised by check());
 //   - ht dispatch, exact mode: fp8 vs bf16, expert_alignment, zero_copy, weights given on some
 //     ranks (the count exchange's compare, raised by ht_dispatch before any dispatch kernel);
 //     worst-case mode: num_worst_tokens differing (raised by the next check()).
@@ -182,6 +182,31 @@ int ll_body(const Group& g) {
   int64_t rows = 0;
   for (int32_t c : counts) rows += c;
   if (rows <= 0) f.fail("consistent dispatch received nothing");
+  // ll combine: use_logfmt on the last rank only, then the same on every rank.
+  const int64_t RT = R * 8;
+  Tensor y = gpu_testing::to_device(std::vector<uint16_t>(2 * RT * H, 0x3C00), DType::kBF16,
+                                    {2, RT, H}, dev);
+  Tensor w = gpu_testing::to_device(std::vector<float>(T * 2, 0.5f), DType::kF32, {T, 2}, dev);
+  for (bool consistent : {false, true}) {
+    buf.ll_combine({.y = y,
+                    .topk_idx = topk,
+                    .topk_weights = w,
+                    .handle = &d.handle,
+                    .use_logfmt = consistent || me == R - 1,
+                    .stream = stream},
+                   alloc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const char* name = "argument 'use_logfmt' differs across ranks";
+    if (!consistent) {
+      f.expect_invalid([&] { buf.check(); }, {"ll_combine: ", name, "expected the same"}, name);
+      continue;
+    }
+    try {
+      buf.check();
+    } catch (const Error& e) {
+      f.fail(std::string("consistent combine: ") + e.what());
+    }
+  }
   if (own) cudaStreamDestroy(own);
   return f.n;
 }

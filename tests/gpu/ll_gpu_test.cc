@@ -212,6 +212,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
         a.out = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
       }
       a.return_recv_hook = c.hook;
+      a.use_logfmt = p.use_logfmt;
       a.stream = stream;
       cr[b] = buf.ll_combine(a, alloc);
       if (static_cast<bool>(cr[b].hook) != c.hook) fail("combine", "hook presence is wrong");
@@ -323,6 +324,46 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
 
+// use_logfmt (docs/semantics.md §2.3.1) against the oracle, whose LogFMT is the independent
+// tests/support/logfmt_ref.h that the cpu backend matches bit for bit (tests/unit/ll_test.cc): so
+// cuda == cpu. Every hook / zero_copy / out combination, H = 7168 and 384, K = 8 and 16, fp8 and
+// bf16 dispatches, duplicates, T = 0 on rank 1, two rounds per buffer; then K = 32 over 256
+// tokens (several meta chunks per token group, many CTAs). y rows take every LogFMT group kind
+// (ll_cases.h make_logfmt_bf16).
+std::vector<Case> logfmt_cases(int R, uint64_t seed) {
+  std::vector<Case> cases;
+  for (int v = 0; v < 8; ++v) {
+    Case c;
+    c.p = {R, 9, v % 2 ? 7168 : 384, v < 4 ? 8 : 16, 4 * R, v % 3 == 0, false, false, true};
+    c.routing = v == 5 ? Routing::kDuplicates : Routing::kUniform;
+    c.hook = v & 1;
+    c.zero_copy = v & 2;
+    c.out_given = v & 4;
+    c.fixed_tokens.assign(R, 9);
+    if (R > 1) c.fixed_tokens[1] = 0;
+    c.num_iters = 2;
+    c.seed = seed + v;
+    cases.push_back(c);
+  }
+  Case big;
+  big.p = {R, 256, 2048, 32, 8 * R, false, false, false, true};
+  big.fixed_tokens.assign(R, 256);
+  big.hook = true;
+  big.zero_copy = true;
+  big.seed = seed + 100;
+  cases.push_back(big);
+  return cases;
+}
+
+TEST_P(LlGpu, LogfmtCasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  const std::vector<Case> cases = logfmt_cases(R, 800000 + 1000 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
+  EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
@@ -341,6 +382,15 @@ TEST_P(LlOneGpu, RandomCasesMatchOracle) {
     cases.push_back(random_case(R, 7000 * R + i));
     data.push_back(testing::make_ll_batches(cases.back()));
   }
+  EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
+}
+
+TEST_P(LlOneGpu, LogfmtCasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  const std::vector<Case> cases = logfmt_cases(R, 900000 + 1000 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
 }
 
@@ -541,18 +591,20 @@ INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpuLifetime, ::testing::Values(2, 4, 8),
 // ---- CUDA graphs ---------------------------------------------------------------------------
 
 // dispatch + combine captured once without hooks (fp8, UE8M0, stats, y copied into the zero-copy
-// buffer inside the graph) and once with both hooks (bf16, y from the caller), each replayed
+// buffer inside the graph), once with both hooks (bf16, y from the caller) and once without hooks
+// with use_logfmt (fp8, the zero-copy buffer encoded in place at every replay), each replayed
 // kReplays times on new inputs written into the captured input buffers; every replay checked.
 // R ranks, one GPU each (R = 1: the graph paths on a one-GPU machine).
 int graph_replays(int R) {
   constexpr int kReplays = 100;
-  Case cases[2];
+  Case cases[3];  // the third: use_logfmt, zero_copy encoded in place in every replay
   cases[0].p = {R, 32, 256, 4, 8 * R, true, true, true};
   cases[1].p = {R, 32, 256, 4, 8 * R, false, false, false};
+  cases[2].p = {R, 32, 256, 4, 8 * R, true, false, false, true};
   const std::vector<Routing> all = testing::all_routings();
-  std::vector<Batch> data[2];
+  std::vector<Batch> data[3];
   std::mt19937_64 rng(4242);
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < 3; ++m) {
     cases[m].fixed_tokens.assign(R, 32);
     cases[m].fixed_tokens[0] = 29;
     for (int i = 0; i <= kReplays; ++i) {  // batch 0: the eager warm-up call
@@ -586,7 +638,7 @@ int graph_replays(int R) {
     Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
     int bad = 0;
     {
-      for (int m = 0; m < 2 && bad == 0; ++m) {
+      for (int m = 0; m < 3 && bad == 0; ++m) {
         const bool hook = m == 1;
         const LlProblem& p = cases[m].p;
         auto upload = [&](const Batch& b) {
@@ -621,6 +673,7 @@ int graph_replays(int R) {
           ca.handle = &d.handle;
           ca.out = out;
           ca.return_recv_hook = hook;
+          ca.use_logfmt = p.use_logfmt;
           ca.stream = stream;
           if (!hook) {
             TensorView v = buf.ll_next_combine_buffer(d.handle);

@@ -10,6 +10,8 @@ saturating at 448; float32 accumulations replayed in float64 with one rounding t
 (exact for the products of bf16 by float32 used here).
 """
 
+import math
+
 import torch
 
 # ---- random inputs -----------------------------------------------------------------------------
@@ -163,6 +165,83 @@ def f32_fma(a, b, c):
     return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
 
 
+def f32_fma_exact(a, b, c):
+    """float32 fma(a, b, c) with one rounding for any float32 a, b, c: a * b is exact in float64,
+    the float64 sum's error is kept (TwoSum), and where the float64 sum lies exactly halfway
+    between two floats (the only case a second rounding can go wrong) the error decides."""
+    a, b, c = (v.to(torch.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.to(torch.float32)
+    below = torch.nextafter(r, torch.full_like(r, -math.inf))
+    lo = torch.where(r.to(torch.float64) <= s, r, below)
+    hi = torch.nextafter(lo, torch.full_like(lo, math.inf))
+    tie = (lo.to(torch.float64) + hi.to(torch.float64)) / 2 == s
+    return torch.where(tie & (err > 0), hi, torch.where(tie & (err < 0), lo, r))
+
+
+# ---- LogFMT-10 (docs/semantics.md §2.3.1): the ll combine's compressed rows -------------------
+# Written from the spec in float32 torch ops, one rounding each (torch never fuses them).
+
+LOGFMT_LOG2 = torch.tensor([math.log2(1 + k / 128) for k in range(128)],
+                           dtype=torch.float64).to(torch.float32)
+LOGFMT_EXP2 = torch.tensor([math.log(2) ** k / math.factorial(k) for k in range(10)],
+                           dtype=torch.float64).to(torch.float32)
+
+
+def logfmt_log2(mag):
+    """log2b of bf16 magnitude bits (int64 tensor, 1 .. 0x7F7F) as float32: E + table[F]."""
+    e, f = mag >> 7, mag & 0x7F
+    high = torch.zeros_like(f)  # the highest set bit of f (subnormals)
+    for b in range(7):
+        high = torch.where((f >> b) & 1 == 1, torch.full_like(f, b), high)
+    sub = e == 0
+    f = torch.where(sub, (f << (7 - high)) & 0x7F, f)
+    e = torch.where(sub, high - 6, e)
+    return (e - 127).to(torch.float32) + LOGFMT_LOG2[f]
+
+
+def logfmt_exp2(t):
+    """exp2x of the spec: Horner of the Taylor coefficients on t - floor(t), times 2^floor(t)."""
+    n = torch.floor(t)
+    f = t - n
+    q = LOGFMT_EXP2[9].expand_as(f)
+    for k in range(8, -1, -1):
+        q = q * f + LOGFMT_EXP2[k]
+    ni = n.to(torch.int64)
+    normal = ni >= -126
+    scale = torch.pow(2.0, torch.where(normal, ni, ni + 126).to(torch.float64))
+    r = q * scale.to(torch.float32)
+    r = torch.where(normal, r, r * torch.tensor(2.0 ** -126, dtype=torch.float32))
+    return torch.where(ni < -252, torch.zeros_like(r), r)
+
+
+def logfmt_decode(x):
+    """The float32 values LogFMT-10 delivers for bf16 `x` [..., H] (H % 128 == 0): each group of
+    128 channels cast (10-bit log codes) or raw (unchanged)."""
+    shape = x.shape
+    x = x.reshape(-1, 128)
+    h = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    mag, sign = h & 0x7FFF, h >> 15
+    amax = mag.amax(dim=1, keepdim=True)
+    amin = mag.amin(dim=1, keepdim=True)
+    cast = (amax < 0x3F80) & (amin < amax)
+    la = logfmt_log2(torch.where(cast, amax, torch.ones_like(amax)))
+    clip = la - 32.0
+    lb = torch.where(amin > 0, torch.maximum(logfmt_log2(amin.clamp(min=1)), clip), clip)
+    step = (la - lb) / 510.0
+    inv = torch.div(torch.ones_like(step), step)
+    y = (logfmt_log2(mag.clamp(min=1)) - lb) * inv + 1.5
+    code = torch.where(y >= 511, torch.full_like(y, 511), torch.floor(y))
+    code = torch.where((y >= 1) & (mag > 0), code, torch.zeros_like(code)).to(torch.int64)
+    v = logfmt_exp2(lb + (code - 1).to(torch.float32) * step)
+    v = torch.where(code == 0, torch.zeros_like(v), v)
+    v = torch.where(sign == 1, -v, v)
+    return torch.where(cast, v, x.to(torch.float32)).reshape(shape)
+
+
 # ---- ht (docs/semantics.md §1) ------------------------------------------------------------------
 
 def goes_to(topk_idx, rank, num_experts, num_ranks):
@@ -280,10 +359,10 @@ def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round
     return out
 
 
-def ll_combine(inputs, ys, rank, num_experts, num_ranks):
+def ll_combine(inputs, ys, rank, num_experts, num_ranks, use_logfmt=False):
     """out[t] = fma chain over k (topk_idx != -1) of w[t][k] * y(t, k), one rounding to bf16.
     ys[d] = y [L, R*T_max, H] of rank d; y(t, k) = the row of (rank, t) in expert e's block on
-    rank e / L."""
+    rank e / L (use_logfmt: as logfmt_decode delivers it)."""
     L = num_experts // num_ranks
     idx = inputs[rank]["topk_idx"]
     w = inputs[rank]["topk_weights"]
@@ -304,6 +383,9 @@ def ll_combine(inputs, ys, rank, num_experts, num_ranks):
             if e < 0:
                 continue
             d, l, row = row_of[(e, t)]
+            if use_logfmt:
+                acc[t] = f32_fma_exact(w[t, k].expand(H), logfmt_decode(ys[d][l, row]), acc[t])
+                continue
             acc[t] = f32_fma(w[t, k].expand(H), ys[d][l, row].to(torch.float32), acc[t])
     return acc.to(torch.bfloat16)
 

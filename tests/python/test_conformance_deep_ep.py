@@ -542,20 +542,24 @@ def body_low_latency(ctx, seed):
 
                 simulated_gemm_x = _ll_simulated_gemm(packed_recv_x, use_fp8)
                 ys = _ll_ref_ys(inputs, R, E, T, use_fp8, round_scale)
-                want = ref.ll_combine(inputs, ys, r, E, R)
-                for zero_copy in (False, True):
+                wants = {lf: ref.ll_combine(inputs, ys, r, E, R, use_logfmt=lf)
+                         for lf in (False, True)}
+                # DeepEP's loop, and its --use-logfmt run (with zero_copy too, which it refuses).
+                for zero_copy, use_logfmt in ((False, False), (True, False), (False, True),
+                                              (True, True)):
                     if zero_copy:
                         buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = \
                             simulated_gemm_x.to(dev)
                     out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
                     combined_x, event, hook = buffer.low_latency_combine(
                         _fresh(simulated_gemm_x, dev), topk_idx, topk_weights, handle,
-                        use_logfmt=False, async_finish=not return_recv_hook, zero_copy=zero_copy,
-                        return_recv_hook=return_recv_hook, out=out)
+                        use_logfmt=use_logfmt, async_finish=not return_recv_hook,
+                        zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
                     hook() if return_recv_hook else event.current_stream_wait()
                     assert combined_x is out, what
-                    ll._assert_combined(combined_x.cpu(), want, mine["topk_idx"], L,
-                                        f"{what} zero_copy={zero_copy}", buffer)
+                    ll._assert_combined(combined_x.cpu(), wants[use_logfmt], mine["topk_idx"], L,
+                                        f"{what} zero_copy={zero_copy} logfmt={use_logfmt}",
+                                        buffer)
                     assert int(torch.isnan(combined_x).sum()) == 0
                     if not round_scale:  # DeepEP's own tolerance
                         w = mine["topk_weights"].masked_fill(mine["topk_idx"] == -1, 0)
@@ -1174,6 +1178,7 @@ def body_every_kwarg(ctx, seed):
             handle = res[2]
     ys = [ll._y(seed, d, L, R, T_max) for d in range(R)]
     lwant = ref.ll_combine(linputs, ys, r, E, R)
+    lwant_logfmt = ref.ll_combine(linputs, ys, r, E, R, use_logfmt=True)
     combine_ll_kw = dict(use_logfmt=True, zero_copy=True, async_finish=True,
                          return_recv_hook=True,
                          out=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
@@ -1197,7 +1202,7 @@ def body_every_kwarg(ctx, seed):
             assert (v.cpu() >= 0).all() and v[r].item() == 0, (k, v)  # nothing for its own rows
         if k == "async_finish":
             assert ev.extra_tensors is not None, k
-        assert torch.equal(combined.cpu(), lwant), k
+        assert torch.equal(combined.cpu(), lwant_logfmt if k == "use_logfmt" else lwant), k
     lb.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank=T_max, hidden=H, num_experts=E)
     for qual, kwarg, fn in (
             ("low_latency_update_mask_buffer", "mask",
@@ -1238,7 +1243,7 @@ def body_every_kwarg(ctx, seed):
 # The options epx names as Unsupported (anything else must be honoured).
 EXPECTED_UNSUPPORTED = sorted({
     "Buffer(allow_nvlink_for_low_latency_mode)", "Buffer(enable_shrink)",
-    "dispatch(num_tokens_per_rdma_rank)", "low_latency_combine(use_logfmt)",
+    "dispatch(num_tokens_per_rdma_rank)",
     "low_latency_update_mask_buffer(mask)", "low_latency_query_mask_buffer(mask_status)",
     "low_latency_clean_mask_buffer()", "get_local_buffer_tensor(use_rdma_buffer)"} |
     {f"internode_dispatch({k})" for k in (

@@ -209,8 +209,6 @@ def body_ll_errors(ctx, seed):
             x, idx, T_max, E, use_nvfp4=True)),
         (epx.Unsupported, "x_global_scale", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, x_global_scale=torch.ones(1))),
-        (epx.Unsupported, "use_logfmt", lambda: buf.low_latency_combine(
-            y, idx, w, handle, use_logfmt=True)),
         (epx.InvalidArgument, "async_finish", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, async_finish=True, return_recv_hook=True)),
         (epx.OutOfCapacity, "T_max", lambda: buf.low_latency_dispatch(
@@ -280,6 +278,93 @@ def body_ll_staggered_destroy(ctx, seed):
         if r != 0:
             del old
         del buf, res, out
+
+
+def _calc_diff(x, y):
+    """DeepEP's tests' measure: 1 - 2 sum((x + 1)(y + 1)) / sum((x + 1)^2 + (y + 1)^2)."""
+    x, y = x.double() + 1, y.double() + 1
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+def body_ll_logfmt(ctx, seed):
+    """low_latency_combine(use_logfmt=True) as DeepEP's test_low_latency.py --use-logfmt drives
+    it: x batches of randn * 0.5 * u (and u = 0.2 with a few zeros: clipped groups), the identity
+    expert (y = the received rows, fp8 cast back); hook or not, zero_copy or not, a poisoned out.
+    Each result equals reference.ll_combine(use_logfmt=True) bit for bit (an independent torch
+    implementation of LogFMT-10) and is within DeepEP's tolerance (calc_diff against x * sum(w)
+    below 1e-5 after a bf16 dispatch, 9e-4 after an fp8 one). Then use_logfmt differing across
+    ranks: InvalidArgument on every rank, and the buffer works after clean_low_latency_buffer."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 4 * R
+    L = E // R
+    T_max = 16
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    for batch in range(3):
+        inputs = []
+        for s in range(R):
+            g = ref.generator(seed + batch, s)
+            T = 0 if (batch == 1 and s == R - 1 and R > 1) else T_max - s % 3
+            u = 0.2 if batch == 2 else 0.5 * float(torch.rand(1, generator=g))
+            x = (torch.randn(T, H, generator=g) * u).to(torch.bfloat16)
+            if batch == 2 and T:
+                x[:, 7] = 0  # a zero in group 0: lb = la - 32
+            inputs.append(dict(x=x, topk_idx=ref.routing("uniform", T, K, E, R, g),
+                               topk_weights=ref.rand_weights(T, K, g)))
+        mine = {k: v.to(dev) for k, v in inputs[r].items()}
+        T = mine["x"].shape[0]
+        for use_fp8 in (False, True):
+            recv, _, handle, _, _ = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], T_max,
+                                                             E, use_fp8=use_fp8)
+            ys = []  # every rank's combine input: what it received, cast back to bf16
+            for d in range(R):
+                y = torch.zeros(L, R * T_max, H, dtype=torch.bfloat16)
+                for l, w in enumerate(ref.ll_dispatch(inputs, d, E, R, T_max, use_fp8, False)):
+                    if w["count"] and use_fp8:
+                        f = ref.e4m3_decode(w["x"]).reshape(-1, H // 128, 128)
+                        y[l, :w["count"]] = (f * w["scales"].reshape(-1, H // 128, 1)).reshape(
+                            -1, H).to(torch.bfloat16)
+                    elif w["count"]:
+                        y[l, :w["count"]] = w["x"]
+                ys.append(y)
+            want = ref.ll_combine(inputs, ys, r, E, R, use_logfmt=True)
+            wsum = inputs[r]["topk_weights"].masked_fill(inputs[r]["topk_idx"] == -1, 0).sum(1)
+            for hooked, zero_copy in ((False, False), (True, False), (False, True), (True, True)):
+                what = f"seed={seed} batch={batch} fp8={use_fp8} hook={hooked} zc={zero_copy}"
+                if zero_copy:
+                    buf.get_next_low_latency_combine_buffer(handle).copy_(ys[r].to(dev))
+                out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+                combined, _, hook = buf.low_latency_combine(
+                    ys[r].to(dev, copy=True), mine["topk_idx"], mine["topk_weights"], handle,
+                    use_logfmt=True, zero_copy=zero_copy, return_recv_hook=hooked, out=out)
+                if hooked:
+                    hook()
+                assert combined is out, what
+                _assert_combined(combined.cpu(), want, inputs[r]["topk_idx"], L, what, buf)
+                if T:
+                    diff = _calc_diff(inputs[r]["x"].float() * wsum.view(-1, 1), combined.cpu())
+                    assert diff < (9e-4 if use_fp8 else 1e-5), (what, diff)
+    if R == 1:
+        return
+    inp = inputs[r]
+    res = buf.low_latency_dispatch(inp["x"].to(dev), inp["topk_idx"].to(dev), T_max, E,
+                                   use_fp8=False)
+    y = torch.zeros(L, R * T_max, H, dtype=torch.bfloat16, device=dev)
+    with pytest.raises(epx.InvalidArgument, match="argument 'use_logfmt' differs across ranks"):
+        buf.low_latency_combine(y, inp["topk_idx"].to(dev), inp["topk_weights"].to(dev), res[2],
+                                use_logfmt=r == R - 1)
+        if dev.type == "cuda":  # found on the device: raised by check()
+            torch.cuda.synchronize(dev)
+            buf._ll.check()
+    buf.clean_low_latency_buffer(T_max, H, E)
+    res = buf.low_latency_dispatch(inp["x"].to(dev), inp["topk_idx"].to(dev), T_max, E,
+                                   use_fp8=False)
+    out, _, _ = buf.low_latency_combine(y, inp["topk_idx"].to(dev), inp["topk_weights"].to(dev),
+                                        res[2], use_logfmt=True)
+    assert not torch.isnan(out).any()
+
+
+def test_ll_logfmt(pool):
+    pool.run(body_ll_logfmt, _seed())
 
 
 def test_ll_dispatch_combine(pool):

@@ -156,7 +156,8 @@ def body_native_a2a(ctx, seed):
 def body_group_nodes(ctx, seed):
     """Group(ranks_per_node=): the topology (docs/design.md §13) is validated, resolved and
     honoured: ht and ll across R nodes of one rank return what one node returns (values whose
-    float32 sums are exact in any order, so the node-first combine order cannot show)."""
+    float32 sums are exact in any order, so the node-first combine order cannot show; the ll
+    combine with use_logfmt too, whose groups stay raw at these values)."""
     R, r = ctx.world_size, ctx.rank
     for per_node in [d for d in range(1, R + 1) if R % d == 0] + [0]:
         g = epx.Group.from_process_group(ctx.group, ranks_per_node=per_node)
@@ -180,7 +181,9 @@ def body_group_nodes(ctx, seed):
         c = buf.ht_combine(d.recv_x, d.handle)
         ld = buf.ll_dispatch(x, idx, use_fp8=False)
         lc = buf.ll_combine(ld.recv_x, idx, w, ld.handle)
-        outs.append([d.recv_x, d.recv_src_idx, c.out, ld.recv_count, lc.out])
+        lf = buf.ll_combine(ld.recv_x, idx, w, ld.handle, use_logfmt=True)
+        assert torch.equal(lf.out, lc.out)
+        outs.append([d.recv_x, d.recv_src_idx, c.out, ld.recv_count, lc.out, lf.out])
     for one, across in zip(*outs):
         assert torch.equal(one, across)
 

@@ -38,7 +38,8 @@ def test_gpu_deep_ep_normal(gpu_pool, body):
 
 
 @pytest.mark.parametrize("body", [ll.body_ll_roundtrip, ll.body_ll_hook_zero_copy_out,
-                                  ll.body_ll_staggered_destroy, ll.body_ll_wait_stats],
+                                  ll.body_ll_staggered_destroy, ll.body_ll_wait_stats,
+                                  ll.body_ll_logfmt],
                          ids=lambda b: b.__name__)
 def test_gpu_deep_ep_low_latency(gpu_pool, body):
     gpu_pool.run(body, _seed())

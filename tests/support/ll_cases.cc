@@ -1,7 +1,10 @@
 #include "support/ll_cases.h"
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
+
+#include "core/numeric.h"
 
 namespace epx::testing {
 
@@ -48,7 +51,44 @@ LlCase random_ll_case(int R, uint64_t seed, double two_iters) {
   c.stats = coin(0.5);
   c.padded = coin(0.25);
   c.num_iters = coin(two_iters) ? 2 : 1;
+  c.p.use_logfmt = coin(0.3);  // drawn last: the other fields of a seed stay what they were
   return c;
+}
+
+std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng) {
+  std::vector<uint16_t> v(static_cast<size_t>(rows * cols));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> kind_of(0, 15), scale_of(-12, -1), col_of(0, 127);
+  auto bf16 = [](float f) { return detail::f32_to_bf16(f); };
+  for (int64_t g0 = 0; g0 < rows * cols; g0 += 128) {
+    uint16_t* grp = v.data() + g0;
+    const int kind = kind_of(rng);
+    const float m = std::ldexp(1.0f, scale_of(rng));
+    for (int i = 0; i < 128; ++i) grp[i] = bf16(normal(rng) * m);  // kinds 0-8: cast
+    if (kind >= 6 && kind <= 8) {  // zeros, +0 and -0, at a few places
+      for (int z = 0; z < 1 + kind; ++z) grp[col_of(rng)] = z % 2 ? 0x8000 : 0;
+    } else if (kind == 9) {  // one magnitude: raw
+      const uint16_t mag = grp[0] & 0x7FFF;
+      for (int i = 0; i < 128; ++i) grp[i] = static_cast<uint16_t>((grp[i] & 0x8000) | mag);
+    } else if (kind == 10) {  // a value >= 1: raw
+      grp[col_of(rng)] = bf16(1.0f + std::fabs(normal(rng)));
+    } else if (kind == 11) {  // subnormal bf16 values among tiny normals: cast
+      for (int i = 0; i < 128; i += 2)
+        grp[i] = static_cast<uint16_t>((grp[i] & 0x8000) | (1 + rng() % 127));
+      for (int i = 1; i < 128; i += 2) grp[i] = bf16(normal(rng) * 0x1p-120f);
+    } else if (kind == 12) {  // magnitudes over 2^-45 .. 2^-1: lb clipped to la - 32
+      for (int i = 0; i < 128; ++i)
+        grp[i] = bf16(normal(rng) * std::ldexp(1.0f, -1 - static_cast<int>(rng() % 45)));
+    } else if (kind == 13) {  // one non-zero value: cast, amin = 0
+      for (int i = 0; i < 128; ++i) grp[i] = 0;
+      grp[col_of(rng)] = bf16(normal(rng) * m);
+    } else if (kind == 14) {  // all zeros: raw
+      for (int i = 0; i < 128; ++i) grp[i] = i % 3 ? 0 : 0x8000;
+    } else if (kind == 15) {  // NaN or Inf: raw
+      grp[col_of(rng)] = rng() % 2 ? 0x7FC0 : 0xFF80;
+    }
+  }
+  return v;
 }
 
 LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng) {
@@ -86,7 +126,9 @@ void finish_ll_batch(const LlCase& c, LlBatch& b, std::mt19937_64& rng) {
     b.want.push_back(oracle_ll_dispatch(p, b.in, r));
     std::vector<uint16_t> y(L * RT * H, kLlPoisonBf16);
     for (int l = 0; l < L; ++l) {
-      const std::vector<uint16_t> rows = make_bf16(b.want[r].recv_count[l], H, rng);
+      const int64_t n = b.want[r].recv_count[l];
+      const std::vector<uint16_t> rows =
+          p.use_logfmt ? make_logfmt_bf16(n, H, rng) : make_bf16(n, H, rng);
       std::copy(rows.begin(), rows.end(), y.begin() + l * RT * H);
     }
     b.y.push_back(std::move(y));

@@ -33,15 +33,22 @@ struct LlCase {
 struct LlBatch {
   std::vector<LlRankInput> in;                  // [R]
   std::vector<std::vector<uint16_t>> y;         // [R] bf16 [L, R*T_max, H], NaN past counts
+                                                // (use_logfmt: make_logfmt_bf16 rows)
   std::vector<LlExpectedDispatch> want;         // [R]
   std::vector<std::vector<uint16_t>> want_out;  // [R] [T, H]
   std::vector<std::vector<int32_t>> stats0;     // [R] [L] initial cumulative stats
 };
 
 // A random case from `seed`: problem (R ranks, or R picked from {1, 2, 3, 4, 8} when R <= 0),
-// dtype options, routing and call options, sized to keep memory and time modest; two rounds on
-// one buffer with probability `two_iters`.
+// dtype options, routing and call options (use_logfmt in 30 %), sized to keep memory and time
+// modest; two rounds on one buffer with probability `two_iters`.
 LlCase random_ll_case(int R, uint64_t seed, double two_iters);
+
+// bf16 rows [rows, cols] (cols % 128 == 0) whose 128-channel groups take every LogFMT case
+// (docs/semantics.md §2.3.1), group by group at random: cast groups of random scale, with zeros
+// (+0 and -0), with bf16 subnormals, spanning more than 2^32 (lb clipped), with a single non-zero
+// value; raw groups with one magnitude, a value >= 1, NaN or Inf, all zeros.
+std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng);
 
 // New random inputs for every rank (T per rank from c.fixed_tokens or random), then
 // finish_ll_batch.

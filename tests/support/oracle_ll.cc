@@ -6,14 +6,17 @@
 //   combine: the row of (source rank, token) in every expert is found again by the same walk,
 //     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order — across nodes
 //     one chain per node (its experts' k in order, from 0.0f), this rank's node's first, then
-//     the others that the token reached, ascending, added.
+//     the others that the token reached, ascending, added (use_logfmt: y_d[l][row] replaced by
+//     its LogFMT decoding, support/logfmt_ref.h, in every chain; the sums stay float32).
 #include "support/oracle_ll.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/check.h"
 #include "core/numeric.h"
+#include "support/logfmt_ref.h"
 
 namespace epx::testing {
 
@@ -24,7 +27,8 @@ std::string LlProblem::describe() const {
           : "";
   return detail::cat("R=", num_ranks, nodes, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
                      " E=", num_experts, use_fp8 ? " fp8" : " bf16",
-                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "");
+                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "",
+                     use_logfmt ? " logfmt" : "");
 }
 
 namespace {
@@ -122,27 +126,31 @@ std::vector<uint16_t> combine_rank(const LlProblem& p, const std::vector<LlRankI
   for (int m = 0; m < nodes; ++m)
     if (m != own) order.push_back(m);
   std::vector<uint16_t> out(in.num_tokens * H);
+  std::vector<float> acc(H), chain(H), values(H);
   for (int64_t t = 0; t < in.num_tokens; ++t) {
-    for (int64_t c = 0; c < H; ++c) {
-      float acc = 0.0f;
-      for (int m : order) {
-        float chain = 0.0f;
-        bool reached = false;
-        for (int k = 0; k < K; ++k) {
-          const int64_t e = in.topk_idx[t * K + k];
-          if (e == -1 || e / L / per_node != m) continue;
-          reached = true;
-          const int64_t row = row_of[e][rank * p.max_tokens + t];
-          const uint16_t v = y[e / L][((e % L) * RT + row) * H + c];
-          chain = std::fmaf(in.topk_weights[t * K + k], detail::bf16_to_f32(v), chain);
+    for (int m : order) {
+      std::fill(chain.begin(), chain.end(), 0.0f);
+      bool reached = false;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = in.topk_idx[t * K + k];
+        if (e == -1 || e / L / per_node != m) continue;
+        reached = true;
+        const int64_t row = row_of[e][rank * p.max_tokens + t];
+        const uint16_t* y_row = y[e / L].data() + ((e % L) * RT + row) * H;
+        if (p.use_logfmt) {
+          logfmt_ref_row(y_row, H, values.data());
+        } else {
+          for (int64_t c = 0; c < H; ++c) values[c] = detail::bf16_to_f32(y_row[c]);
         }
-        if (m == own)
-          acc = chain;
-        else if (reached)
-          acc += chain;
+        for (int64_t c = 0; c < H; ++c)
+          chain[c] = std::fmaf(in.topk_weights[t * K + k], values[c], chain[c]);
       }
-      out[t * H + c] = detail::f32_to_bf16(acc);
+      if (m == own)
+        acc = chain;
+      else if (reached)
+        for (int64_t c = 0; c < H; ++c) acc[c] += chain[c];
     }
+    for (int64_t c = 0; c < H; ++c) out[t * H + c] = detail::f32_to_bf16(acc[c]);
   }
   return out;
 }

@@ -2,7 +2,7 @@
 //
 // Given every rank's inputs, computes what one rank must receive from ll_dispatch and what its
 // ll_combine must return, with plain loops over experts, ranks and tokens (no code shared with
-// src/cpu/ll.cc; the fp8/bf16 conversions of core/numeric.h are the reference formats). Used by
+// src/cpu/ll*.cc; the fp8/bf16 conversions of core/numeric.h are the reference formats). Used by
 // tests/unit/ll_test.cc and by epx-bench --check; check_* compare a backend's result (host-readable
 // tensors: copy device tensors to the host first) bit for bit on every row the spec defines.
 #pragma once
@@ -25,8 +25,9 @@ struct LlProblem {
   bool use_fp8 = false;
   bool round_scale = false;
   bool use_ue8m0 = false;
-  int ranks_per_node = 0;  // GroupOptions::ranks_per_node: 0 = one node (only the combine's
-                           // summation order depends on it)
+  bool use_logfmt = false;  // combine: y(t, k) as LogFMT-10 decodes it (support/logfmt_ref.h)
+  int ranks_per_node = 0;   // GroupOptions::ranks_per_node: 0 = one node (only the combine's
+                            // summation order depends on it)
 
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
@@ -60,7 +61,7 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
 // Returns rank `rank`'s out [T, H] bf16: per node, the fmaf chain over the token's k in order
 // whose expert lives on that node (from 0.0f); this rank's node's chain, plus each other node's
 // that the token reached, nodes ascending; one rounding (src/cpu/ll_combine.cc). One node: the
-// fmaf chain over every k.
+// fmaf chain over every k. p.use_logfmt: every y row as logfmt_ref_row decodes it.
 std::vector<uint16_t> oracle_ll_combine(const LlProblem& p, const std::vector<LlRankInput>& inputs,
                                         const std::vector<std::vector<uint16_t>>& y, int rank);
 // Every rank's out at once (walks the routing once for all ranks).

@@ -138,6 +138,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
         a.out = TensorView::contiguous(outs[b].data(), DType::kBF16, {T, H});
       }
       a.return_recv_hook = c.hook;
+      a.use_logfmt = p.use_logfmt;
       cr[b] = buf.ll_combine(a, alloc);
       if (static_cast<bool>(cr[b].hook) != c.hook) fail("combine", "hook presence is wrong");
       if (c.out_given && cr[b].out.data != outs[b].data())
@@ -212,29 +213,43 @@ TEST(Ll, MatchesOracleOnProcesses) {
 
 // Across nodes (docs/design.md §13): random cases at nodes x ranks per node = 2x2, 2x4, 4x2, 3x1,
 // against the oracle with that topology (its combine adds per-node fma chains, own node first,
-// docs/semantics.md §2.3); hooks, two batches in flight, zero_copy and the rest drawn as above.
-// At least one case per topology must see the node-first order change a result.
+// docs/semantics.md §2.3); hooks, two batches in flight, zero_copy and the rest drawn as above;
+// use_logfmt on every third case and on a last, fixed one (§2.3.1: each node's chain over decoded
+// rows, float32 partials). At least one case per topology, and one LogFMT case, must see the
+// node-first order change a result.
 class LlNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
 
 TEST_P(LlNodes, MatchesOracleOnThreads) {
   const testing::NodeTopology topo = GetParam();
   const int R = topo.num_ranks();
-  int hooks = 0, order_differs = 0;
-  for (int i = 0; i < 16; ++i) {
+  int hooks = 0, logfmt = 0, order_differs = 0, logfmt_order_differs = 0;
+  for (int i = 0; i < 17; ++i) {
     Case c = testing::random_ll_case(R, 200000 + 1000 * R + 10 * topo.per_node + i, 0.3);
+    if (i == 16) {  // LogFMT with tokens that reach several nodes
+      c.p = {R, 64, 1024, 8, 4 * R, false, false, false, true};
+      c.routing = Routing::kUniform;
+      c.num_iters = 2;
+    }
     c.p.ranks_per_node = topo.per_node;
+    c.p.use_logfmt = i % 3 == 0 || i == 16;
     c.hook = i % 2 == 1;
     c.reverse_hooks = c.hook && c.num_batches == 2 && i % 4 == 3;
     hooks += c.hook;
+    logfmt += c.p.use_logfmt;
     run_case(c, false);
     // The same inputs summed in the flat order must differ somewhere in some case.
     LlProblem flat = c.p;
     flat.ranks_per_node = 0;
-    for (const Batch& b : testing::make_ll_batches(c))
-      order_differs += testing::oracle_ll_combine_all(flat, b.in, b.y) != b.want_out;
+    for (const Batch& b : testing::make_ll_batches(c)) {
+      const bool differs = testing::oracle_ll_combine_all(flat, b.in, b.y) != b.want_out;
+      order_differs += differs;
+      logfmt_order_differs += differs && c.p.use_logfmt;
+    }
   }
   EXPECT_EQ(hooks, 8);
+  EXPECT_EQ(logfmt, 7);
   EXPECT_GT(order_differs, 0);
+  EXPECT_GT(logfmt_order_differs, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Topologies, LlNodes, ::testing::ValuesIn(testing::kCiTopologies),
@@ -244,6 +259,7 @@ TEST(LlNodesProcesses, TwoByTwoMatchesOracle) {
   for (int i = 0; i < 3; ++i) {
     Case c = testing::random_ll_case(4, 300000 + i, 0.5);
     c.p.ranks_per_node = 2;
+    c.p.use_logfmt = i == 2;
     c.hook = i != 0;
     run_case(c, true);
   }
@@ -265,6 +281,26 @@ TEST(Ll, FixedCases) {
     c.out_given = true;
     c.seed = seed++;
     run_case(c, false);
+  }
+}
+
+// use_logfmt (docs/semantics.md §2.3.1) against the oracle, whose LogFMT is the independent
+// tests/support/logfmt_ref.h: every hook / zero_copy / out combination, DeepSeek-like H, K above
+// the cuda kernel's load batch, duplicates, T = 0 on a rank, two rounds per buffer; the random
+// cases above draw use_logfmt too.
+TEST(Ll, LogfmtFixedCases) {
+  int seed = 600000;
+  for (int v = 0; v < 8; ++v) {
+    Case c;
+    c.p = {3, 9, v % 2 ? 7168 : 384, v < 4 ? 8 : 16, 12, v % 3 == 0, false, false, true};
+    c.routing = v == 5 ? Routing::kDuplicates : Routing::kUniform;
+    c.hook = v & 1;
+    c.zero_copy = v & 2;
+    c.out_given = v & 4;
+    c.fixed_tokens = {9, 0, 5};
+    c.num_iters = 2;
+    c.seed = seed++;
+    run_case(c, v == 7);
   }
 }
 

@@ -285,7 +285,7 @@ TEST(NodesAgreement, PerCallValuesComparedAcrossNodes) {
 // whose tokens it could not reduce, raises its message; ranks 0 and 2 are exact.
 TEST(NodesForwarder, LlCombineTopkOfAnotherDispatch) {
   testing::LlCase c;
-  c.p = {4, 4, 128, 2, 8, false, false, false, 2};
+  c.p = {4, 4, 128, 2, 8, false, false, false, false, 2};
   std::mt19937_64 rng(99);
   testing::LlBatch b;
   const std::vector<std::vector<int64_t>> topk = {

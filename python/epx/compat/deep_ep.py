@@ -58,7 +58,7 @@ How it differs, and why:
 * Kernels: one CUDA kernel per op, hook or not (profiler rows ``epx::ll::dispatch`` and
   ``epx::ll::combine``: the hook launches the receive half of the same kernel), as DeepEP.
 * Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
-  mask-buffer API), allow_nvlink_for_low_latency_mode=False, use_logfmt=True, use_nvfp4=True /
+  mask-buffer API), allow_nvlink_for_low_latency_mode=False, use_nvfp4=True /
   x_global_scale, num_tokens_per_rdma_rank, get_local_buffer_tensor, internode_dispatch /
   internode_combine.
   ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
@@ -746,12 +746,10 @@ class Buffer:
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
         """Low-latency combine (docs/semantics.md §2.3): out[t] = sum_k w[t][k] * x(t, k).
-        -> (combined_x[T, H], event, hook)."""
+        -> (combined_x[T, H], event, hook). use_logfmt: LogFMT-10 rows (§2.3.1), zero_copy too."""
         op = "low_latency_combine"
         if not self.low_latency_mode:
             self._check_ll(op)
-        if use_logfmt:
-            raise errors.unsupported(op, "use_logfmt=True: epx combines in bf16 only")
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
@@ -762,7 +760,7 @@ class Buffer:
         self._device = _torch.device_key(topk_weights)
         combined, hook = handle._buffer._native.ll_combine(
             x, topk_idx, topk_weights, handle._handle, bool(zero_copy), bool(return_recv_hook),
-            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats)
+            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt))
         event = (self._event(True, (x, topk_idx, topk_weights, combined)) if async_finish else
                  EventOverlap())
         return combined, event, hook

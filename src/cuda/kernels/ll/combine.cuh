@@ -12,12 +12,17 @@
 //      dispatch. zero_copy: the caller already wrote comb_y(r, q) (ll_next_combine_buffer).
 //      With a hook (copy_own) also s = r, and topk_idx / topk_weights into the stash: the hook's
 //      receive reads nothing of the caller's (they may be dropped once the call returned).
-//   2. CTA 0: handle.layout_range -> comb_layout(r, q).
-//   3. Every CTA: release +1 into combine_ready[q][r] of every peer.
+//      use_logfmt: instead every row of every source, s = r included, is encoded into comb_y(r,
+//      q) and comb_meta(r, q) (from y, or in place with zero_copy; logfmt.cuh), same units.
+//   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q).
+//   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
+//      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
 // receive half (kLlPhaseRecv: the hook, or the second half without one), the source:
 //   Tokens in C contiguous chunks. A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
-//   5. waits combine_ready[q][d] >= e * C for every peer d, then reads begin/count of its block
+//   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt), compares
+//      comb_format(d, q) with its own use_logfmt (kDevErrLlCombineFormat; a rank with T = 0 does
+//      this in CTA 0 too, so every rank reports), then reads begin/count of its block
 //      in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r);
 //      wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens
 //      whenever T > 0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the
@@ -25,13 +30,14 @@
 //      for d = r, whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
 //   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
 //      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
-//      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode);
-//   7. EXACT ORDER of the cpu backend (src/cpu/ll.cc), token t, element c:
+//      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode without use_logfmt);
+//   7. EXACT ORDER of the cpu backend (src/cpu/ll_combine.cc, one node), token t, element c:
 //        acc = 0.0f;
 //        for k = 0 .. K-1 with topk_idx[t][k] != -1:  acc = __fmaf_rn(w[t][k], f32(y(t, k)[c]),
 //        acc); out[t][c] = f32_to_bf16(acc)   (core/numeric.h, one rounding; the device uses the
 //        hardware conversion f32x2_to_bf16x2, the same bits)
 //      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
+//      use_logfmt: f32(y(t, k)[c]) is the LogFMT decoding of the pulled bytes (logfmt.cuh).
 //   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done)
 //   and sets its epoch word to e; CTA 0 then waits combine_pulled[q][d] >= e * C for every peer
 //   d (nobody reads this rank's comb_y(r, q) any more). So when a combine completes on a
@@ -42,6 +48,7 @@
 #pragma once
 
 #include "cuda/kernels/ll/common.cuh"
+#include "cuda/kernels/ll/logfmt.cuh"
 
 namespace epx::detail {
 
@@ -52,6 +59,7 @@ struct LlCombineParams {
   int64_t y_stride1;
   int32_t y_vec16;              // y rows 16-byte aligned
   int32_t zero_copy;            // y is comb_y(r, q)
+  int32_t use_logfmt;           // rows cross as LogFMT-10 (core/logfmt.h); equal on every rank
   const int64_t* layout_range;  // this rank's handle.layout_range [L, R], row stride below
   int64_t layout_stride;
   int32_t units_per_expert;  // S
@@ -93,7 +101,25 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   uint16_t* buf = g.comb_y(symm.local, q);
 
-  if (!p.zero_copy && p.y) {
+  if (p.use_logfmt) {
+    const int S = p.units_per_expert;
+    for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
+      const int l = u / S, sub = u - l * S;
+      int64_t rows = 0;  // expert l's rows [0, rows) hold data (every source's block, packed)
+      for (int s = 0; s < R; ++s) {
+        const int64_t range =
+            __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
+        rows = max(rows, min((range >> 32) + (range & 0xFFFFFFFF), RT));
+      }
+      const int64_t n_mine = rows > sub ? (rows - sub + S - 1) / S : 0;
+      ll_logfmt_encode_rows(
+          symm, q, n_mine, l * RT + sub, S, p.zero_copy != 0, [&](int64_t m, int64_t c) {
+            const int64_t row = sub + m * S;
+            if (p.zero_copy) return ld_landed<uint4>(buf + (l * RT + row) * H + c);
+            return ll_ld_input8(p.y + l * p.y_stride0 + row * p.y_stride1 + c, p.y_vec16);
+          });
+    }
+  } else if (!p.zero_copy && p.y) {
     const int S = p.units_per_expert;
     const int64_t nv = H / 8;
     for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
@@ -129,6 +155,7 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
     }
   }
   if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) *g.comb_format(symm.local, q) = p.use_logfmt;
     int64_t* layout = g.comb_layout(symm.local, q);
     for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
       const int l = i / R, s = i - l * R;
@@ -139,8 +166,7 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
-  signal_ranks(R, rank_bit(me),
-               [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+  signal_ranks(R, 0, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
   EPX_LL_STAMP(p, 1, kTrCSignal);
 }
 
@@ -156,6 +182,31 @@ __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
   return r;
 }
 
+// Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d (and this rank with
+// use_logfmt: its encoded rows come from every CTA of its send half), each peer's use_logfmt
+// compared with this rank's; `wait_ns` (optional) as in step 5. False when a wait failed (on
+// every lane).
+__device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int64_t* wait_ns) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int me = p.rank, q = p.slot;
+  bool ok = true;
+  const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
+  for (int d = threadIdx.x; d < g.num_ranks && ok; d += 32) {
+    if (d == me && !p.use_logfmt) continue;
+    ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait, kWaitRows,
+                         d);
+    if (!ok || d == me) continue;
+    if (wait_ns) add_wait_ns(wait_ns + d, wait_start);
+    const int32_t theirs = ld_landed<int32_t>(g.comb_format(symm.peers[d], q));
+    if (theirs != p.use_logfmt)
+      record_error(p.wait, kDevErrLlCombineFormat, d, theirs, p.use_logfmt);
+  }
+  ok = __all_sync(0xffffffffu, ok);
+  __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
+  return ok;
+}
+
 // Steps 4-7 and the finish. False when a wait failed.
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   constexpr int kSlots = kLlCombineTokens * kLlMaxTopK;
@@ -164,7 +215,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   __shared__ int32_t s_ids[kSlots];
   __shared__ int32_t s_row[kSlots];
   __shared__ uintptr_t s_src[kSlots];
+  __shared__ uintptr_t s_mrow[kSlots];  // use_logfmt: the rows' meta words (0: skipped)
   __shared__ float s_w[kSlots];
+  __shared__ int s_ok;
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
@@ -252,19 +305,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     // Warp 0 waits for the peers (step 5, pairs with step 3 of every peer) and reads the
     // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
     // the wait and the remote round trip of the ranges overlap the local work.
-    __shared__ int s_ok;
     if (threadIdx.x < 32) {
-      bool ok = true;
-      int64_t* const wait_ns = blockIdx.x == 0 ? p.wait_stats : nullptr;
-      const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
-      for (int d = threadIdx.x; d < R && ok; d += 32) {
-        if (d == me) continue;
-        ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait,
-                             kWaitRows, d);
-        if (wait_ns && ok) add_wait_ns(wait_ns + d, wait_start);
-      }
-      ok = __all_sync(0xffffffffu, ok);
-      __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
+      const bool ok = ll_combine_wait_ready(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
       if (ok) load_ranges(threadIdx.x, 32);
       if (threadIdx.x == 0) s_ok = ok;
@@ -301,7 +343,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         const int tl = i / K, k = i - tl * K;
         const int* ids = s_ids + tl * K;
         const int id = ids[k];
-        uintptr_t src = 0;
+        uintptr_t src = 0, mrow = 0;
         if (id >= 0) {
           int k0 = 0;
           while (ids[k0] != id) ++k0;
@@ -313,43 +355,36 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
             record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
           } else {
             const int64_t row = begin + j;
-            if (d == me && !p.zero_copy) {
+            if (d == me && !p.zero_copy && !p.use_logfmt) {
               src = reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
                     (p.y_vec16 ? 0 : 1);
             } else {
               src = reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
+              if (p.use_logfmt)
+                mrow = reinterpret_cast<uintptr_t>(g.comb_meta(symm.peers[d], q) +
+                                                   (l * RT + row) * g.num_groups);
             }
           }
         }
         s_src[i] = src;
+        s_mrow[i] = mrow;
         if (!src) s_w[i] = 0.0f;
       }
       __syncthreads();
       EPX_LL_TRACE_END(ids);
       // 7.
+      if (p.use_logfmt) {
+        ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
+        continue;  // (it ends with a barrier, like the loop below)
+      }
       for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
         const int tl = static_cast<int>(i / nv);
         const int64_t v = i - tl * nv;
         const uintptr_t* src = s_src + tl * K;
-        const float* w = s_w + tl * K;
         float acc[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-        for (int kb = 0; kb < K; kb += kLlLoadBatch) {
-          uint4 val[kLlLoadBatch];
-#pragma unroll
-          for (int kk = 0; kk < kLlLoadBatch; ++kk)
-            if (kb + kk < K && src[kb + kk]) val[kk] = ll_ld_expert_row8(src[kb + kk], v);
-#pragma unroll
-          for (int kk = 0; kk < kLlLoadBatch; ++kk) {
-            if (kb + kk >= K || !src[kb + kk]) continue;
-            float f[8];
-            ll_bf16x8_to_f32(val[kk], f);
-            const float wk = w[kb + kk];
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[c] = __fmaf_rn(wk, f[c], acc[c]);
-          }
-        }
+        ll_reduce8<kLlLoadBatch>(
+            K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
+            [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
         if (p.out) {
           const uint4 packed = f32_to_bf16_vec<uint4>(acc);
           ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
@@ -359,6 +394,14 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     }
     EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
     EPX_LL_STAMP(p, 1, kTrCPull);
+  } else if (blockIdx.x == 0) {
+    // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
+    if (threadIdx.x < 32) {
+      const bool ok = ll_combine_wait_ready(p, e, nullptr);
+      if (threadIdx.x == 0) s_ok = ok;
+    }
+    __syncthreads();
+    if (!s_ok) return false;
   }
 
   // Finish (see the file comment): pairs with the same code on every peer.
@@ -391,6 +434,7 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
   using namespace detail;
   pdl_begin(p.pdl);
   const uint32_t e = ll_combine_epoch(p);
+  if (p.use_logfmt) ll_logfmt_load_table();
   if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 1, kTrCEntry);
     ll_combine_send(p);

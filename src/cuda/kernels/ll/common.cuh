@@ -88,6 +88,32 @@ __device__ __forceinline__ void ll_copy16(int64_t n, int batch, Item item) {
   }
 }
 
+// One combine output vector (docs/semantics.md §2.3): acc[c] = the fma chain over k = 0 .. K-1 in
+// order of w[k] * f_k[c], selections with src[k] == 0 skipped, from 0.0f; the caller rounds once.
+// load(k) fetches selection k's data (kBatch selections in flight), decode(k, data, f) makes its
+// 8 floats f_k.
+template <int kBatch, typename Load, typename Decode>
+__device__ __forceinline__ void ll_reduce8(int K, const uintptr_t* src, const float* w, Load load,
+                                           Decode decode, float* acc) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+  for (int kb = 0; kb < K; kb += kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int kk = 0; kk < kBatch; ++kk)
+      if (kb + kk < K && src[kb + kk]) val[kk] = load(kb + kk);
+#pragma unroll
+    for (int kk = 0; kk < kBatch; ++kk) {
+      if (kb + kk >= K || !src[kb + kk]) continue;
+      float f[8];
+      decode(kb + kk, val[kk], f);
+      const float wk = w[kb + kk];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] = __fmaf_rn(wk, f[c], acc[c]);
+    }
+  }
+}
+
 // ---- block-wide helpers (every thread of the CTA must call them) ------------------------------
 
 // For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the

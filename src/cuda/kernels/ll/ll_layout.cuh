@@ -17,10 +17,15 @@
 //   combine, slot 0 and slot 1:
 //     layout  int64 [L, R]                     this rank's handle.layout_range of the combine
 //                                              (begin << 32 | count), read by the sources
+//     format  int32                            this rank's use_logfmt of the combine, compared
+//                                              by the sources (kDevErrLlCombineFormat)
+//     meta    uint32 [L, RT, G]                use_logfmt: each row's LogFMT meta words
+//                                              (core/logfmt.h), read by the sources
 //     y       bf16 [L, RT, H]                  the expert outputs the sources pull; the view
-//                                              ll_next_combine_buffer returns
-// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * 2H): at EP2, T_max = 128, H = 7168,
-// E = 256 that is 7.4 MB of staging + 940 MB of combine buffers.
+//                                              ll_next_combine_buffer returns; use_logfmt: each
+//                                              row's groups encoded in place (logfmt.h layout)
+// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * (2H + 4G)): at EP2, T_max = 128,
+// H = 7168, E = 256 that is 7.4 MB of staging + 954 MB of combine buffers.
 //
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
@@ -29,7 +34,8 @@
 //                          staging: e * C after epoch e (a sender waits for (e - 1) * C on every
 //                          d before writing slot q again)
 //   combine_ready[q][d]    += 1 by each of d's C combine CTAs once d's combine slot q holds y
-//                          and its layout: e * C when ready
+//                          and its layout: e * C when ready (d's own word too: a LogFMT
+//                          receive waits for its own rows, which every CTA encodes)
 //   combine_pulled[q][s]   += 1 by each of s's C receive CTAs once it finished pulling its rows
 //                          of combine e from here: e * C
 #pragma once
@@ -101,7 +107,8 @@ struct LlLayout {
   size_t state_off = 0, sync_off = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
-  size_t comb_layout_off = 0, comb_y_off = 0;  // within one combine slot
+  size_t comb_layout_off = 0, comb_format_off = 0, comb_meta_off = 0,
+         comb_y_off = 0;  // within one combine slot
   size_t combine_off[2] = {};
   size_t total_bytes = 0;
 
@@ -125,7 +132,9 @@ struct LlLayout {
     g.src_msgs_off = g.src_topk_off + ll_round_up(4 * T * g.top_k, 64);
     g.src_bytes = ll_round_up(g.src_msgs_off + T * g.msg_bytes, 256);
     g.comb_layout_off = 0;
-    g.comb_y_off = ll_round_up(8 * L * R, 256);
+    g.comb_format_off = ll_round_up(8 * L * R, 16);
+    g.comb_meta_off = ll_round_up(g.comb_format_off + 16, 256);
+    g.comb_y_off = ll_round_up(g.comb_meta_off + 4 * L * g.rows_per_expert * G, 256);
     const size_t comb_bytes = ll_round_up(g.comb_y_off + 2 * L * g.rows_per_expert * H, 256);
     size_t off = 0;
     g.state_off = off;
@@ -165,6 +174,12 @@ struct LlLayout {
   }
   EPX_LL_HD int64_t* comb_layout(char* base, int slot) const {
     return reinterpret_cast<int64_t*>(base + combine_off[slot] + comb_layout_off);
+  }
+  EPX_LL_HD int32_t* comb_format(char* base, int slot) const {
+    return reinterpret_cast<int32_t*>(base + combine_off[slot] + comb_format_off);
+  }
+  EPX_LL_HD uint32_t* comb_meta(char* base, int slot) const {
+    return reinterpret_cast<uint32_t*>(base + combine_off[slot] + comb_meta_off);
   }
   EPX_LL_HD uint16_t* comb_y(char* base, int slot) const {
     return reinterpret_cast<uint16_t*>(base + combine_off[slot] + comb_y_off);
