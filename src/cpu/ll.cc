@@ -5,8 +5,10 @@
 //
 //   ll_dispatch, send (publish): write this rank's T, topk_idx (as int32) and one message per
 //     token into dispatch slot s of its own region. A message is the token's bf16 row, or with
-//     use_fp8 its e4m3 row followed by its G float32 scales (quantize_row_fp8 of core/numeric.h,
-//     quantised once per token on the sender, as the cuda kernel does).
+//     use_fp8 its e4m3 row followed by its G float32 scales (quantize_row_fp8 of core/numeric.h),
+//     or with use_nvfp4 its e2m1 pairs [H/2] followed by its e4m3 scales [H/16]
+//     (quantize_row_nvfp4 of core/quant.h), quantised once per token on the sender, as the cuda
+//     kernel does.
 //   ll_dispatch, receive (inline, or in the hook): barrier; for each source rank src ascending,
 //     for each source token t ascending, for each local expert l the token selects (a token that
 //     lists the same expert several times in its row counts ONCE for that expert and gets one
@@ -18,6 +20,9 @@
 //       recv_scales f32 [L, RT, G], or UE8M0 int32 [L, RT, ceil(G / 4)] (group g in byte g % 4 of
 //                   int g / 4, unused bytes 0); storage [L, G', RT], so the view has strides
 //                   {G' * RT, 1, RT} (column-major in the last two dims)
+//       NVFP4: recv_x u8 storage [L, RT, H/2]; recv_scales e4m3 storage [L, ceil(RT/128), H/64,
+//                   32, 4, 4] = per expert the interleaved layout (core/quant.h nvfp4_sf_offset);
+//                   both returned as the views of core/quant.h set_ll_nvfp4_views
 //   ll_combine, send (publish): copy y's valid rows into combine slot handle.slot of this rank's
 //     region (skipped with zero_copy: the caller wrote them through ll_next_combine_buffer), and
 //     publish handle.layout_range next to them.
@@ -44,9 +49,11 @@
 //
 // Region of one rank (cpu_ll_bytes; every offset a multiple of 64 bytes):
 //   dispatch slot 0, dispatch slot 1:
-//     DispatchHeader                 {stamp, num_tokens, use_fp8, round_scale, published_ns}
+//     DispatchHeader                 {stamp, num_tokens, use_fp8, round_scale, use_nvfp4,
+//                                     global_scale_bits, published_ns}
 //     topk   int32 [T_max, K]
-//     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16
+//     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16 (>= the
+//                                    NVFP4 message's 9 H / 16)
 //   combine slot 0, combine slot 1:
 //     CombineHeader                  {stamp, published_ns}
 //     layout int64 [L, R]            the expert rank's handle.layout_range
@@ -82,6 +89,8 @@
 #include "core/check.h"
 #include "core/host_view.h"
 #include "core/numeric.h"
+#include "core/quant.h"
+#include "core/validate.h"
 #include "cpu/cpu_buffer.h"
 
 namespace epx::detail {
@@ -106,7 +115,9 @@ struct DispatchHeader {
   int64_t num_tokens;
   int32_t use_fp8;
   int32_t round_scale;
-  int64_t published_ns;  // steady_ns() when the publication ended (wait-cost statistics)
+  int32_t use_nvfp4;
+  uint32_t global_scale_bits;  // use_nvfp4: the bits of the float32 global scale g, else 0
+  int64_t published_ns;        // steady_ns() when the publication ended (wait-cost statistics)
 };
 
 struct CombineHeader {
@@ -215,7 +226,7 @@ struct DispatchRecv {
   LlLayout lay;
   int slot;
   uint64_t generation, seq;
-  bool use_fp8, round_scale, use_ue8m0;
+  bool use_fp8, round_scale, use_ue8m0, use_nvfp4;
   Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
   TensorView stats;       // optional, caller-owned
   TensorView wait_stats;  // optional, caller-owned: dispatch_wait_recv_cost_stats
@@ -232,7 +243,9 @@ void DispatchRecv::operator()() const {
     const int r = mem->rank();
     const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
     const int64_t packed_groups = (G + 3) / 4;
-    const size_t row_bytes = use_fp8 ? H : 2 * H;
+    const size_t row_bytes = use_nvfp4 ? H / 2 : use_fp8 ? H : 2 * H;
+    const int64_t num_sf = H / kNvfp4Block;  // NVFP4 scales per row
+    const int64_t sf_expert_bytes = ll_nvfp4_scale_expert_bytes(RT, H);
 
     auto* out_x = static_cast<uint8_t*>(recv_x.data);
     auto* out_src = src_info.ptr<int32_t>();
@@ -250,18 +263,24 @@ void DispatchRecv::operator()() const {
     auto stamp = [&](int src) -> const Stamp& { return header(src)->stamp; };
     check_stamps("ll_dispatch", r, R, generation, seq, stamp,
                  [&](int) { return cat("dispatch slot ", slot, " at"); });
-    std::vector<int64_t> fp8_of(R), round_of(R), published_ns(R);
+    std::vector<int64_t> fp8_of(R), round_of(R), nvfp4_of(R), scale_of(R), published_ns(R);
     for (int src = 0; src < R; ++src) {
       fp8_of[src] = header(src)->use_fp8;
       round_of[src] = header(src)->round_scale;
+      nvfp4_of[src] = header(src)->use_nvfp4;
+      scale_of[src] = header(src)->global_scale_bits;
       published_ns[src] = header(src)->published_ns;
     }
     std::string differ;
-    if (!all_equal(fp8_of))
-      differ = cat("argument 'use_fp8' differs across ranks: ", per_rank_values(fp8_of, show_bool));
-    if (!all_equal(round_of))
-      differ += cat(differ.empty() ? "" : "; ", "argument 'round_scale' differs across ranks: ",
-                    per_rank_values(round_of, show_bool));
+    auto note = [&](const char* name, const std::vector<int64_t>& v, ShowValue show) {
+      if (!all_equal(v))
+        differ += cat(differ.empty() ? "" : "; ", "argument '", name, "' differs across ranks: ",
+                      per_rank_values(v, show));
+    };
+    note("use_fp8", fp8_of, show_bool);
+    note("round_scale", round_of, show_bool);
+    note("use_nvfp4", nvfp4_of, show_bool);
+    if (all_equal(nvfp4_of) && nvfp4_of[0]) note("x_global_scale", scale_of, show_f32_bits);
     EPX_CHECK_ARG(differ.empty(), "ll_dispatch: ", differ, "; expected the same on every rank");
 
     for (int src = 0; src < R; ++src) {
@@ -287,6 +306,11 @@ void DispatchRecv::operator()() const {
           const char* msg = region + lay.msgs_off + static_cast<size_t>(t) * lay.msg_bytes;
           std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
           out_src[l * RT + row] = t;
+          if (use_nvfp4) {
+            auto* sf = static_cast<uint8_t*>(recv_scales.data) + l * sf_expert_bytes;
+            for (int64_t j = 0; j < num_sf; ++j)
+              sf[nvfp4_sf_offset(row, j, num_sf)] = static_cast<uint8_t>(msg[H / 2 + j]);
+          }
           if (!use_fp8) continue;
           std::memcpy(scales.data(), msg + H, sizeof(float) * G);
           if (!use_ue8m0) {
@@ -426,6 +450,9 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   header->num_tokens = T;
   header->use_fp8 = args.use_fp8;
   header->round_scale = args.round_scale;
+  header->use_nvfp4 = args.use_nvfp4;
+  const float global_scale = args.use_nvfp4 ? ll_host_global_scale(args) : 0.0f;
+  header->global_scale_bits = args.use_nvfp4 ? f32_bits(global_scale) : 0;
   auto* topk = reinterpret_cast<int32_t*>(region + lay.topk_off);
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k)
@@ -436,6 +463,9 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
     if (args.use_fp8) {
       quantize_row_fp8(x, H, args.round_scale, reinterpret_cast<uint8_t*>(msg),
                        reinterpret_cast<float*>(msg + H));
+    } else if (args.use_nvfp4) {
+      quantize_row_nvfp4(x, H, global_scale, reinterpret_cast<uint8_t*>(msg),
+                         reinterpret_cast<uint8_t*>(msg + H / 2));
     } else {
       std::memcpy(msg, x, sizeof(uint16_t) * H);
     }
@@ -445,7 +475,13 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
 
   // Outputs, allocated now, filled by the receive half.
   LlDispatchResult res;
-  res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
+  if (args.use_nvfp4) {
+    res.recv_x = alloc(DType::kU8, ll_nvfp4_x_storage(L, RT, H), Device::cpu());
+    res.recv_scales = alloc(DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), Device::cpu());
+    set_ll_nvfp4_views(res.recv_x, res.recv_scales);
+  } else {
+    res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
+  }
   if (args.use_fp8) {
     const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
     res.recv_scales =
@@ -472,6 +508,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
                     args.use_fp8,
                     args.round_scale,
                     args.use_ue8m0,
+                    args.use_nvfp4,
                     res.recv_x,
                     res.recv_scales,
                     res.recv_count,
