@@ -143,12 +143,9 @@ void cuda_nvfp4_block_scale_interleave(const TensorView& sf, const Nvfp4Interlea
   const char* op = "nvfp4_block_scale_interleave";
   require_cuda(sf, op, "sf");
   require_same_device(out, sf.device, op, "out");
-  Nvfp4InterleaveParams p{};
-  p.sf = sf.data;
-  p.shape = shape;
-  p.out = out.data;
   const int64_t n = shape.batch * shape.per_batch;
   if (n == 0) return;
+  const Nvfp4InterleaveParams p{sf.data, shape, out.data};
   DeviceGuard guard(sf.device.index);
   const int blocks = blocks_for(n, QuantConfig::kInterleaveThreads, QuantConfig::kMaxBlocks);
   if (dtype_size(sf.dtype) == 1)

@@ -847,8 +847,7 @@ int nvfp4_disagree_case(bool one_gpu) {
     const int K = c.p.top_k;
     int failures = 0;
     auto fail = [&](const std::string& what) {
-      std::fprintf(stderr, "rank %d: %s
-", r, what.c_str());
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
       ++failures;
     };
     const RankStream rs;

@@ -8,8 +8,6 @@ layout DeepEP's NVFP4 forks return). The bodies are device-generic: test_gpu.py 
 GPU per rank.
 """
 
-import random
-
 import pytest
 import torch
 
@@ -18,24 +16,7 @@ import epx.compat.deep_ep as deep_ep
 import epx.compat.flashinfer as fi
 import reference as ref
 from conftest import gpu_skip_reason
-
-H = 384  # 24 blocks of 16: 6 scale words per row
-K = 4
-
-
-def _seed():
-    return random.SystemRandom().randrange(1 << 30)
-
-
-def _inputs(seed, R, E, T_of, kind="uniform"):
-    out = []
-    for s in range(R):
-        g = ref.generator(seed, s)
-        T = T_of(s)
-        out.append(dict(x=ref.rand_bf16((T, H), g, scale=3.0),
-                        topk_idx=ref.routing(kind, T, K, E, R, g),
-                        topk_weights=ref.rand_weights(T, K, g)))
-    return out
+from test_deep_ep_ll import H, K, _inputs, _seed  # H = 256: 16 blocks, 4 scale words a row
 
 
 def _check_nvfp4(ctx, inputs, recv_x, scales, count, E, T_max, g, what):

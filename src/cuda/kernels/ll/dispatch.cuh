@@ -87,16 +87,9 @@ struct LlDispatchParams {
 #endif
 };
 
-// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
-// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
-// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
-// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
-// msg(d, q, r, t) of every rank d in `mask`.
-__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
-                                            bool active, uint64_t mask, int64_t t) {
-  const LlLayout& g = p.symm.layout;
-  const int64_t H = g.hidden;
-  float f[8];
+// The 8 bf16 of an input vector as float into f (zeros when !active) and their amax (core/numeric.h
+// order: NaN skipped), the lane's share of a quantisation group's or block's amax.
+__device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, float* f) {
   if (active) {
     ll_bf16x8_to_f32(raw, f);
   } else {
@@ -109,6 +102,20 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
     const float a = f[i] < 0 ? -f[i] : f[i];
     amax = a > amax ? a : amax;
   }
+  return amax;
+}
+
+// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
+// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
+// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
+// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
+// msg(d, q, r, t) of every rank d in `mask`.
+__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
+                                            bool active, uint64_t mask, int64_t t) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden;
+  float f[8];
+  float amax = ll_vector_amax(raw, active, f);
 #pragma unroll
   for (int off = 8; off > 0; off >>= 1) {
     const float o = __shfl_xor_sync(0xffffffffu, amax, off);
@@ -138,18 +145,7 @@ __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const u
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
-  if (active) {
-    ll_bf16x8_to_f32(raw, f);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = 0.0f;
-  }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float a = f[i] < 0 ? -f[i] : f[i];
-    amax = a > amax ? a : amax;
-  }
+  float amax = ll_vector_amax(raw, active, f);
   const float o = __shfl_xor_sync(0xffffffffu, amax, 1);
   amax = o > amax ? o : amax;
   const Nvfp4Scale s = nvfp4_block_scale(amax, gs);
