@@ -277,8 +277,9 @@ Options parse(int argc, char** argv) {
                 ": ht fp8 needs --hidden a multiple of 128 (one scale per 128 channels); use "
                 "--dtype bf16, or omit --dtype to run ht bf16 alone at this hidden size");
   if (o.dtype == DTypeChoice::kNvfp4 && (has("ht") || has("a2a")))
-    usage_error("--quant nvfp4 runs mode ll only (ht moves bf16 or fp8 rows, the a2a workload "
-                "bf16); select mode ll");
+    usage_error(
+        "--quant nvfp4 runs mode ll only (ht moves bf16 or fp8 rows, the a2a workload "
+        "bf16); select mode ll");
   if (has("ll") && o.hidden % 128 != 0)
     usage_error("mode ll with --hidden " + hidden +
                 ": ll needs --hidden a multiple of 128 (its fp8 groups)" + only);
@@ -471,8 +472,8 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
   // The op column as wide as the longest name, so long names keep the table aligned.
   int w = 24;
   for (const Row& row : rows) w = std::max(w, static_cast<int>(std::strlen(row.op.op)));
-  std::printf("%-*s %6s %10s %10s %10s %7s %9s %9s %8s %8s", w, "op", "T", "median_us",
-              "min_us", "max_us", "row_B", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
+  std::printf("%-*s %6s %10s %10s %10s %7s %9s %9s %8s %8s", w, "op", "T", "median_us", "min_us",
+              "max_us", "row_B", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
   if (cuda) std::printf(" %9s %9s %8s %8s", "nccl_us", "ceil_us", "epx/nccl", "ceil/epx");
   std::printf(" %5s %9s %5s\n", "SMs", "sym_MB", "check");
   for (const Row& row : rows) {
@@ -570,8 +571,7 @@ bool write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     }
     f << (i ? "," : "") << "\n    {\"op\": " << json_str(o.op) << ", \"tokens\": " << o.num_tokens
       << ", \"time\": " << json_timing(o.time) << ", \"cross_bytes\": " << num(o.cross_bytes, 0)
-      << ", \"recv_bytes\": " << num(o.recv_bytes, 0)
-      << ", \"row_bytes\": " << num(o.row_bytes, 0)
+      << ", \"recv_bytes\": " << num(o.recv_bytes, 0) << ", \"row_bytes\": " << num(o.row_bytes, 0)
       << ", \"cross_gbps\": " << num(med > 0 ? o.cross_bytes / (med * 1e3) : 0, 3)
       << ", \"recv_gbps\": " << num(med > 0 ? o.recv_bytes / (med * 1e3) : 0, 3);
     if (o.has_baselines) {

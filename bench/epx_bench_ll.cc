@@ -157,7 +157,7 @@ void run_ll(Ctx& ctx, int64_t T) {
     ys.clear();
   }
 
-  const LlQuant quant = o.dtype == DTypeChoice::kBf16     ? LlQuant::kBf16
+  const LlQuant quant = o.dtype == DTypeChoice::kBf16    ? LlQuant::kBf16
                         : o.dtype == DTypeChoice::kNvfp4 ? LlQuant::kNvfp4
                                                          : LlQuant::kFp8;  // standard: fp8
   {

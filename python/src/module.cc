@@ -173,8 +173,8 @@ PYBIND11_MODULE(_epx, m) {
         Tensor out;
         {
           py::gil_scoped_release nogil;
-          out = nvfp4_block_scale_interleave(v, torch_allocator(),
-                                             reinterpret_cast<Stream>(stream));
+          out =
+              nvfp4_block_scale_interleave(v, torch_allocator(), reinterpret_cast<Stream>(stream));
         }
         return to_torch(out);
       },

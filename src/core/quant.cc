@@ -134,8 +134,9 @@ std::vector<int64_t> ll_nvfp4_x_storage(int64_t num_local_experts, int64_t rows_
 
 std::vector<int64_t> ll_nvfp4_scale_storage(int64_t num_local_experts, int64_t rows_per_expert,
                                             int64_t hidden) {
-  return {num_local_experts, nvfp4_sf_padded_rows(rows_per_expert) / kNvfp4SfTileRows,
-          hidden / (kNvfp4Block * kNvfp4SfTileCols), 32, 4, 4};
+  const int64_t row_tiles = nvfp4_sf_padded_rows(rows_per_expert) / kNvfp4SfTileRows;
+  const int64_t col_tiles = hidden / (kNvfp4Block * kNvfp4SfTileCols);
+  return {num_local_experts, row_tiles, col_tiles, 32, 4, 4};
 }
 
 void set_ll_nvfp4_views(Tensor& recv_x, Tensor& recv_scales) {

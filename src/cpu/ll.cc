@@ -274,8 +274,8 @@ void DispatchRecv::operator()() const {
     std::string differ;
     auto note = [&](const char* name, const std::vector<int64_t>& v, ShowValue show) {
       if (!all_equal(v))
-        differ += cat(differ.empty() ? "" : "; ", "argument '", name, "' differs across ranks: ",
-                      per_rank_values(v, show));
+        differ += cat(differ.empty() ? "" : "; ", "argument '", name,
+                      "' differs across ranks: ", per_rank_values(v, show));
     };
     note("use_fp8", fp8_of, show_bool);
     note("round_scale", round_of, show_bool);

@@ -333,8 +333,8 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   try {
     if (args.use_nvfp4) {
       res.recv_x = allocate(alloc, DType::kU8, ll_nvfp4_x_storage(L, RT, H), op, "recv_x");
-      res.recv_scales = allocate(alloc, DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), op,
-                                 "recv_scales");
+      res.recv_scales =
+          allocate(alloc, DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), op, "recv_scales");
       set_ll_nvfp4_views(res.recv_x, res.recv_scales);
     } else {
       res.recv_x =

@@ -185,10 +185,12 @@ Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
   // On a cuda group the device counter is made here, so no dispatch allocates it (capture).
   s_->load = std::make_unique<detail::ExpertLoad>(s_->num_local_experts, group.transport()->device());
   if (c.backend == DispatcherBackend::kDeepEp) {
+    const char* mode = dispatch_mode_name(c.mode);
     EPX_CHECK(c.quant != DispatchQuant::kNvfp4 || c.mode == DispatchMode::kLowLatency,
-              ErrorCode::kUnsupported, "Dispatcher: 'quant' nvfp4 with backend deepep needs mode ",
-              "low_latency (ll quantises NVFP4 in its dispatch; ht moves bf16 or fp8 rows), got "
-              "mode ", dispatch_mode_name(c.mode), "; expected mode low_latency or backend a2a");
+              ErrorCode::kUnsupported,
+              "Dispatcher: 'quant' nvfp4 with backend deepep needs mode low_latency (ll quantises "
+              "NVFP4 in its dispatch; ht moves bf16 or fp8 rows), got mode ",
+              mode, "; expected mode low_latency or backend a2a");
     MoeShape shape{c.hidden, c.top_k, c.num_experts, c.max_tokens_per_rank};
     BufferConfig bc;
     bc.enable_ht = c.mode != DispatchMode::kLowLatency;

@@ -233,9 +233,10 @@ void record_ll_rows(Records& rec, const std::string& tag, const DispatchOutput& 
           int64_t e = (l * RT + row) * cols + c;  // the element's logical index
           if (nvfp4 && is_x) e = (row * cols + c) * L + l;
           if (nvfp4 && !is_x) {
+            // (row % 32, row % 128 / 32, row / 128, c % 4, c / 4, l) of (32, 4, rm, 4, rk, L)
             const int64_t rm = t->shape[2], rk = t->shape[4];
-            e = ((((row % 32 * 4 + row % 128 / 32) * rm + row / 128) * 4 + c % 4) * rk + c / 4) *
-                    L + l;
+            const int64_t row_part = (row % 32 * 4 + row % 128 / 32) * rm + row / 128;
+            e = ((row_part * 4 + c % 4) * rk + c / 4) * L + l;
           }
           rows.insert(rows.end(), all.begin() + e * es, all.begin() + (e + 1) * es);
         }

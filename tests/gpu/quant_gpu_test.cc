@@ -319,8 +319,8 @@ TEST(QuantGpu, Nvfp4InterleaveMatchesCpuBitForBit) {
           h.strides[h.ndim - 1] = step;
           h.strides[h.ndim - 2] = cols * step;
           if (batched) h.strides[0] = rows * cols * step;
-          const Tensor d_in = gpu_testing::to_device(
-              host.data(), host.size(), DType::kU8, {static_cast<int64_t>(host.size())}, 0);
+          const Tensor d_in = gpu_testing::to_device(host.data(), host.size(), DType::kU8,
+                                                     {static_cast<int64_t>(host.size())}, 0);
           TensorView d = h;
           d.data = d_in.data;
           d.device = Device::cuda(0);

@@ -18,10 +18,10 @@
 namespace epx::testing {
 
 std::string LlProblem::describe() const {
+  const char* format = use_fp8 ? " fp8" : use_nvfp4 ? " nvfp4" : " bf16";
   return detail::cat("R=", num_ranks, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
-                     " E=", num_experts, use_fp8 ? " fp8" : use_nvfp4 ? " nvfp4" : " bf16",
-                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "",
-                     use_nvfp4 ? detail::cat(" g=", global_scale) : "");
+                     " E=", num_experts, format, round_scale ? " round_scale" : "",
+                     use_ue8m0 ? " ue8m0" : "", use_nvfp4 ? detail::cat(" g=", global_scale) : "");
 }
 
 namespace {

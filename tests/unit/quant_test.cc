@@ -353,8 +353,7 @@ TEST(Nvfp4Interleave, EveryElementOfEveryShape) {
   for (const auto& shape : shapes) {
     for (DType dtype : {DType::kU8, DType::kF8E4M3, DType::kBF16}) {
       const bool batched = shape.size() == 3;
-      const int64_t B = batched ? shape[0] : 1, rows = shape[shape.size() - 2],
-                    cols = shape.back();
+      const int64_t B = batched ? shape[0] : 1, rows = shape[shape.size() - 2], cols = shape.back();
       const size_t elem = dtype_size(dtype);
       // Strided: every other column of a [B, rows, 2 * cols] buffer.
       std::vector<uint8_t> buf(std::max<int64_t>(B * rows * 2 * cols, 1) * elem);
@@ -372,10 +371,10 @@ TEST(Nvfp4Interleave, EveryElementOfEveryShape) {
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t at = b * per + interleaved_at(r, c, cols);
             seen[at] = true;
-            ASSERT_EQ(std::memcmp(static_cast<const uint8_t*>(out.data) + at * elem,
-                                  buf.data() + (b * rows * 2 * cols + r * 2 * cols + 2 * c) * elem,
-                                  elem),
-                      0)
+            ASSERT_EQ(
+                std::memcmp(static_cast<const uint8_t*>(out.data) + at * elem,
+                            buf.data() + (b * rows * 2 * cols + r * 2 * cols + 2 * c) * elem, elem),
+                0)
                 << v.describe() << " (" << b << ", " << r << ", " << c << ")";
           }
       for (int64_t i = 0; i < B * per; ++i)

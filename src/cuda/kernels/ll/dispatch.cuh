@@ -223,7 +223,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
   // The NVFP4 global scale, read once (x_global_scale was written before this kernel).
-  const float gs = !p.use_nvfp4          ? 0.0f
+  const float gs = !p.use_nvfp4         ? 0.0f
                    : p.global_scale_ptr ? __ldg(p.global_scale_ptr)
                                         : p.global_scale;
 
@@ -323,9 +323,13 @@ __device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRe
   const int64_t per_row = p.use_ue8m0 ? (g.num_groups + 3) / 4 : g.num_groups;
   list.msg[pos] = g.msg(p.symm.local, p.slot, s, t);
   list.lrow[pos] = l * RT + row;
-  list.sbase[pos] = p.use_nvfp4 ? (l * ll_nvfp4_scale_expert_bytes(RT, g.hidden) +
-                                   nvfp4_sf_offset(row, 0, g.hidden / kNvfp4Block)) / 4
-                                : l * per_row * RT + row;
+  if (p.use_nvfp4) {
+    const int64_t bytes = l * ll_nvfp4_scale_expert_bytes(RT, g.hidden) +
+                          nvfp4_sf_offset(row, 0, g.hidden / kNvfp4Block);
+    list.sbase[pos] = bytes / 4;
+  } else {
+    list.sbase[pos] = l * per_row * RT + row;
+  }
   list.tok[pos] = static_cast<int32_t>(t);
 }
 
@@ -364,10 +368,10 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   const int G = static_cast<int>(g.num_groups);
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
   const int64_t row_bytes = ll_row_bytes(p);
-  const int nvx = static_cast<int>(row_bytes / 16);  // row vectors
-  const int nsv = ll_scale_vectors(p);               // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                 // first vector copied
-  const int nvm = nvx + nsv - v0;                    // vectors per entry
+  const int nvx = static_cast<int>(row_bytes / 16);                 // row vectors
+  const int nsv = ll_scale_vectors(p);                              // scale vectors
+  const int v0 = p.recv_x ? 0 : nvx;                                // first vector copied
+  const int nvm = nvx + nsv - v0;                                   // vectors per entry
   const int nvfp4_words = static_cast<int>(H / (4 * kNvfp4Block));  // NVFP4 scale words per row
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
