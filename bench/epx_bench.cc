@@ -39,7 +39,7 @@ ceiling of the same bytes measured in the same run.
 
 MODE (positional, any of; default all):
   ht     high-throughput dispatch (bf16 and/or fp8, exact and cached) and combine
-  ll     low-latency dispatch (fp8 or bf16) and combine
+  ll     low-latency dispatch (fp8, bf16 or NVFP4) and combine
   a2a    fixed-geometry all-to-all: hidden bf16 + expert ids + weights, then combine
   all    ht ll a2a
 
@@ -58,8 +58,11 @@ FLAGS:
   --hidden H          hidden size (default 7168; a multiple of 128 for fp8 and ll)
   --topk K            experts per token (default 8)
   --experts E         number of experts, a multiple of R (default 256)
-  --dtype bf16|fp8    dispatch dtype of ht and ll (fp8 for ll means use_fp8). Default: the
-                      standard set: ht bf16 and fp8, ll fp8. Combine is always bf16.
+  --dtype bf16|fp8|nvfp4, --quant (the same)
+                      dispatch dtype of ht and ll (fp8 for ll means use_fp8; nvfp4, ll only:
+                      e2m1 values + e4m3 scales per 16, global scale 448 * 6 / 8: the rows lie in
+                      (-8, 8)). Default:
+                      the standard set: ht bf16 and fp8, ll fp8. Combine is always bf16.
   --routing NAME      uniform (default), skewed, all_to_one, empty_rank, all_minus_one,
                       duplicates (the generators of tests/support/routing.h)
   --iters N           timed iterations per operation (default: cuda 50, cpu 10)
@@ -89,6 +92,9 @@ COLUMNS:
                       (--timing says when each call starts).
                       Outputs come from a caching pool (as with PyTorch's allocator), so no
                       timed call pays cudaMalloc/cudaFree or fresh host pages.
+  row B               bytes of one token row on the wire, per destination rank (ll: the
+                      dispatch message, fp8 H + 4 H/128, bf16 2 H, nvfp4 H/2 + H/16 = 9 H/16;
+                      combine 2 H); '-' where not reported.
   cross MB            bytes a rank receives from OTHER ranks (its own tokens excluded), per
                       rank, averaged over ranks: the payload rows (hidden plus fp8 scales; a2a:
                       all payloads) that must cross between GPUs. Routing metadata not counted.
@@ -192,11 +198,13 @@ Options parse(int argc, char** argv) {
       o.top_k = static_cast<int>(parse_int(a, value(), 1, 32));
     } else if (a == "--experts") {
       o.num_experts = static_cast<int>(parse_int(a, value(), 1, 1 << 16));
-    } else if (a == "--dtype") {
+    } else if (a == "--dtype" || a == "--quant") {
       dtype = value();
-      if (dtype != "bf16" && dtype != "fp8")
-        usage_error("--dtype is '" + dtype + "', expected bf16 or fp8");
-      o.dtype = dtype == "bf16" ? DTypeChoice::kBf16 : DTypeChoice::kFp8;
+      if (dtype != "bf16" && dtype != "fp8" && dtype != "nvfp4")
+        usage_error(a + " is '" + dtype + "', expected bf16, fp8 or nvfp4");
+      o.dtype = dtype == "bf16"  ? DTypeChoice::kBf16
+                : dtype == "fp8" ? DTypeChoice::kFp8
+                                 : DTypeChoice::kNvfp4;
     } else if (a == "--routing") {
       o.routing = value();
       try {
@@ -268,6 +276,10 @@ Options parse(int argc, char** argv) {
     usage_error("--dtype fp8 with --hidden " + hidden +
                 ": ht fp8 needs --hidden a multiple of 128 (one scale per 128 channels); use "
                 "--dtype bf16, or omit --dtype to run ht bf16 alone at this hidden size");
+  if (o.dtype == DTypeChoice::kNvfp4 && (has("ht") || has("a2a")))
+    usage_error(
+        "--quant nvfp4 runs mode ll only (ht moves bf16 or fp8 rows, the a2a workload "
+        "bf16); select mode ll");
   if (has("ll") && o.hidden % 128 != 0)
     usage_error("mode ll with --hidden " + hidden +
                 ": ll needs --hidden a multiple of 128 (its fp8 groups)" + only);
@@ -460,8 +472,8 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
   // The op column as wide as the longest name, so long names keep the table aligned.
   int w = 24;
   for (const Row& row : rows) w = std::max(w, static_cast<int>(std::strlen(row.op.op)));
-  std::printf("%-*s %6s %10s %10s %10s %9s %9s %8s %8s", w, "op", "T", "median_us", "min_us",
-              "max_us", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
+  std::printf("%-*s %6s %10s %10s %10s %7s %9s %9s %8s %8s", w, "op", "T", "median_us", "min_us",
+              "max_us", "row_B", "cross_MB", "recv_MB", "GB/s", "recvGB/s");
   if (cuda) std::printf(" %9s %9s %8s %8s", "nccl_us", "ceil_us", "epx/nccl", "ceil/epx");
   std::printf(" %5s %9s %5s\n", "SMs", "sym_MB", "check");
   for (const Row& row : rows) {
@@ -474,9 +486,10 @@ void print_table(const Options& opt, const std::vector<Row>& rows) {
     const double med = o.time.median_us;
     const double gbs = med > 0 ? o.cross_bytes / (med * 1e3) : 0;
     const double rgbs = med > 0 ? o.recv_bytes / (med * 1e3) : 0;
-    std::printf("%-*s %6lld %10.1f %10.1f %10.1f %9.3f %9.3f %8.2f %8.2f", w, o.op,
+    std::printf("%-*s %6lld %10.1f %10.1f %10.1f %7s %9.3f %9.3f %8.2f %8.2f", w, o.op,
                 static_cast<long long>(o.num_tokens), med, o.time.min_us, o.time.max_us,
-                o.cross_bytes / 1e6, o.recv_bytes / 1e6, gbs, rgbs);
+                o.row_bytes > 0 ? num(o.row_bytes, 0).c_str() : "-", o.cross_bytes / 1e6,
+                o.recv_bytes / 1e6, gbs, rgbs);
     if (cuda) {
       if (o.has_baselines) {
         std::printf(" %9.1f %9.1f %8.2f %8.2f", o.nccl.median_us, o.ceiling.median_us,
@@ -558,7 +571,7 @@ bool write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     }
     f << (i ? "," : "") << "\n    {\"op\": " << json_str(o.op) << ", \"tokens\": " << o.num_tokens
       << ", \"time\": " << json_timing(o.time) << ", \"cross_bytes\": " << num(o.cross_bytes, 0)
-      << ", \"recv_bytes\": " << num(o.recv_bytes, 0)
+      << ", \"recv_bytes\": " << num(o.recv_bytes, 0) << ", \"row_bytes\": " << num(o.row_bytes, 0)
       << ", \"cross_gbps\": " << num(med > 0 ? o.cross_bytes / (med * 1e3) : 0, 3)
       << ", \"recv_gbps\": " << num(med > 0 ? o.recv_bytes / (med * 1e3) : 0, 3);
     if (o.has_baselines) {

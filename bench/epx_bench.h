@@ -31,7 +31,9 @@ namespace epx::bench {
 
 // ---- options ----------------------------------------------------------------------------------
 
-enum class DTypeChoice { kStandard, kBf16, kFp8 };
+// --dtype / --quant: what the dispatches move (kStandard: each mode's standard set; kNvfp4: ll
+// only).
+enum class DTypeChoice { kStandard, kBf16, kFp8, kNvfp4 };
 
 struct Options {
   std::vector<std::string> modes;  // subset of {ht, ll, a2a}, in that order
@@ -71,6 +73,7 @@ struct OpResult {
   Timing time;         // this rank's timing (the parent reports rank 0's)
   double cross_bytes;  // see the file comment
   double recv_bytes;
+  double row_bytes;    // bytes of one token row as it crosses to a rank (0: not reported)
   bool has_baselines;  // cuda: nccl and ceiling are set
   Timing nccl;         // NCCL all-to-all of cross_bytes / (R - 1) per peer
   Timing ceiling;      // SM-driven peer copy of the same bytes
@@ -201,8 +204,10 @@ struct Check {
 
 // Appends a result row for this rank: the timing, the byte totals, the check outcome and, on
 // cuda, the NCCL all-to-all and NVLink-ceiling baselines of the same cross bytes (collective).
+// row_bytes: bytes of one token row on the wire (the row_B column; 0: not reported).
 void add_result(Ctx& ctx, const std::string& op, int64_t num_tokens, const Timing& t,
-                double cross_bytes, double recv_bytes, int64_t sym_bytes, const Check& check);
+                double cross_bytes, double recv_bytes, int64_t sym_bytes, const Check& check,
+                double row_bytes = 0);
 // Progress line on stderr from rank 0.
 void progress(const Ctx& ctx, const std::string& line);
 

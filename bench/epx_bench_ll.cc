@@ -1,13 +1,15 @@
-// bench/epx_bench_ll.cc — epx-bench ll: low-latency dispatch (fp8 or bf16) and combine (bf16, and
-// LogFMT-10).
+// bench/epx_bench_ll.cc — epx-bench ll: low-latency dispatch (fp8, bf16 or NVFP4) and combine
+// (bf16, and LogFMT-10).
 //
 // Workload on every rank (T tokens, T_max = T, L = E / R, RT = R * T_max, G = H / 128):
-//   ll_dispatch(x [T, H] bf16, topk_idx [T, K] int64, use_fp8) ->
-//     recv_x [L, RT, H], recv_scales f32 [L, RT, G] (fp8), recv_count [L], handle
+//   ll_dispatch(x [T, H] bf16, topk_idx [T, K] int64, use_fp8 / use_nvfp4) ->
+//     recv_x [L, RT, H], recv_scales f32 [L, RT, G] (fp8; NVFP4: the e2m1 pairs and the
+//     interleaved e4m3 scales of epx/ll.h), recv_count [L], handle
 //   ll_combine(y [L, RT, H] bf16, topk_idx, topk_weights, handle) -> out [T, H] bf16
 //     y = fill_hash_bf16 on the rows < recv_count[l] of each local expert, zeros elsewhere
 // Rows: (token, distinct expert) pairs — a token selecting the same expert twice gets one row.
-// Dispatch bytes per row: fp8 H + 4G (values + scales), bf16 2H; combine bytes per row 2H.
+// Dispatch bytes per row (the row_B column): fp8 H + 4G (values + scales), bf16 2H, NVFP4
+// H/2 + H/16 = 9H/16 (4032 at H = 7168; fp8 7392, bf16 14336); combine bytes per row 2H.
 // ll.combine logfmt (use_logfmt, docs/semantics.md §2.3.1): y * 2^-4 (|y| < 0.5, so every group is
 // cast, as in DeepEP's perf case); bytes per row = the mean over this rank's rows of what LogFMT
 // puts on the wire (core/logfmt.h logfmt_wire_bytes: 164 per cast group, 260 per raw one; 1.25 H
@@ -25,6 +27,15 @@
 namespace epx::bench {
 
 namespace {
+
+// NVFP4's global scale: 448 * 6 / 8 (fill_hash_bf16's rows lie in (-8, 8)), equal on every rank.
+constexpr float kNvfp4GlobalScale = 448.0f * 6.0f / 8.0f;
+
+enum class LlQuant { kBf16, kFp8, kNvfp4 };
+
+const char* ll_quant_name(LlQuant q) {
+  return q == LlQuant::kBf16 ? "bf16" : q == LlQuant::kFp8 ? "fp8" : "nvfp4";
+}
 
 // counts[d][l]: rows local expert l of rank d receives, from every rank's routing.
 std::vector<std::vector<int32_t>> ll_counts(const std::vector<RankData>& data, int R, int L,
@@ -182,16 +193,20 @@ void run_ll(Ctx& ctx, int64_t T) {
     ys.clear();
   }
 
-  std::vector<bool> fp8s;
-  if (o.dtype != DTypeChoice::kBf16) fp8s.push_back(true);
-  if (o.dtype == DTypeChoice::kBf16) fp8s.push_back(false);
-  for (bool fp8 : fp8s) {
-    const char* dt = fp8 ? "fp8" : "bf16";
-    p.use_fp8 = fp8;
+  const LlQuant quant = o.dtype == DTypeChoice::kBf16    ? LlQuant::kBf16
+                        : o.dtype == DTypeChoice::kNvfp4 ? LlQuant::kNvfp4
+                                                         : LlQuant::kFp8;  // standard: fp8
+  {
+    const char* dt = ll_quant_name(quant);
+    p.use_fp8 = quant == LlQuant::kFp8;
+    p.use_nvfp4 = quant == LlQuant::kNvfp4;
+    p.global_scale = kNvfp4GlobalScale;
     LlDispatchArgs dargs;
     dargs.x = x;
     dargs.topk_idx = topk;
-    dargs.use_fp8 = fp8;
+    dargs.use_fp8 = p.use_fp8;
+    dargs.use_nvfp4 = p.use_nvfp4;
+    if (p.use_nvfp4) dargs.global_scale = kNvfp4GlobalScale;
     dargs.stream = ctx.stream;
     LlDispatchResult recv;
     LlCombineResult combined, combined_lf;
@@ -235,7 +250,10 @@ void run_ll(Ctx& ctx, int64_t T) {
 
     progress(ctx, tag + " " + dt + ": timing " + std::to_string(ctx.iters) + " iterations");
     const double G = static_cast<double>(H / 128);
-    const LlBytes bytes = ll_bytes(data, R, L, K, fp8 ? H + 4 * G : 2.0 * H, 2.0 * H);
+    const double row = quant == LlQuant::kFp8     ? H + 4 * G
+                       : quant == LlQuant::kNvfp4 ? H / 2.0 + H / 16.0
+                                                  : 2.0 * H;
+    const LlBytes bytes = ll_bytes(data, R, L, K, row, 2.0 * H);
     const LlBytes lf_bytes = ll_bytes(data, R, L, K, 0, lf_row_bytes);
     Timing t_dispatch, t_combine, t_lf;
     if (ctx.is_cuda()) {
@@ -250,12 +268,12 @@ void run_ll(Ctx& ctx, int64_t T) {
     }
     if (o.check) verify("after timing");
     add_result(ctx, std::string("ll.dispatch ") + dt, T, t_dispatch, bytes.dispatch_cross,
-               bytes.dispatch_recv, sym_bytes, check_dispatch);
+               bytes.dispatch_recv, sym_bytes, check_dispatch, row);
     add_result(ctx, "ll.combine", T, t_combine, bytes.combine_cross, bytes.combine_recv, sym_bytes,
-               check_combine);
+               check_combine, 2.0 * H);
     if (with_lf)
       add_result(ctx, "ll.combine logfmt", T, t_lf, lf_bytes.combine_cross, lf_bytes.combine_recv,
-                 sym_bytes, check_lf);
+                 sym_bytes, check_lf, lf_row_bytes);
   }
 }
 

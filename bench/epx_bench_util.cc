@@ -318,7 +318,8 @@ std::vector<Timing> time_sequence(Ctx& ctx, const std::vector<std::function<void
 }
 
 void add_result(Ctx& ctx, const std::string& op, int64_t num_tokens, const Timing& t,
-                double cross_bytes, double recv_bytes, int64_t sym_bytes, const Check& check) {
+                double cross_bytes, double recv_bytes, int64_t sym_bytes, const Check& check,
+                double row_bytes) {
   RankReport& rep = ctx.report;
   EPX_CHECK(rep.num_ops < kMaxOps, ErrorCode::kInternal, "epx-bench: more than ", kMaxOps,
             " result rows");
@@ -329,6 +330,7 @@ void add_result(Ctx& ctx, const std::string& op, int64_t num_tokens, const Timin
   r.time = t;
   r.cross_bytes = cross_bytes;
   r.recv_bytes = recv_bytes;
+  r.row_bytes = row_bytes;
   r.num_sms = ctx.opt.num_sms;
   r.sym_bytes = sym_bytes;
   r.check = !check.run ? CheckState::kNotRun : check.ok() ? CheckState::kPass : CheckState::kFail;

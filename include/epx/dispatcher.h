@@ -30,10 +30,10 @@
 // ht read x until dispatch_b's. Host waits: ht exact mode (one per dispatch_a, the count
 // exchange), an ht -> ll switch under auto (ll_clean: a device-wide synchronisation and a
 // barrier), expert_load(), and the construction.
-// CUDA graphs: ll (bf16 and fp8, with or without return_recv_hook), a2a and ht worst-case mode
-// (num_worst_tokens > 0) are capturable on a non-default stream; ht exact mode and the ht -> ll
-// switch raise Unsupported while the stream is capturing. Outputs of a captured call come from
-// the allocator at capture time (replays rewrite the same memory).
+// CUDA graphs: ll (bf16, fp8 and NVFP4, with or without return_recv_hook), a2a and ht
+// worst-case mode (num_worst_tokens > 0) are capturable on a non-default stream; ht exact mode
+// and the ht -> ll switch raise Unsupported while the stream is capturing. Outputs of a captured
+// call come from the allocator at capture time (replays rewrite the same memory).
 #pragma once
 
 #include <cstdint>
@@ -56,7 +56,9 @@ enum class DispatchMode { kNormal, kLowLatency, kAuto };
 // values and a float32 global scale). Scale layouts in DispatchOutput: f32 scales row-major in
 // ht; UE8M0 column-major and TMA-aligned in ht (see DispatchOutput); ll column-major in the last
 // two dims (as ll_dispatch returns them); a2a row-major per received row (payload views).
-// NVFP4 needs backend a2a (Unsupported with deepep).
+// NVFP4 needs backend a2a, or backend deepep with mode low_latency (ll's NVFP4 dispatch: x and
+// x_scale in the interleaved layout of epx/ll.h); with deepep and mode normal or auto it is
+// Unsupported (ht moves bf16 or fp8 rows).
 enum class DispatchQuant { kBf16, kFp8, kFp8Ue8m0, kNvfp4 };
 enum class ForwardMode { kExtend, kDecode };
 enum class OutputFormat { kHt, kLl, kA2a };
@@ -100,6 +102,8 @@ struct DispatchOutput {
   //      (m in [N, M)) are 0. (Worst-case rows past the received ones are 0 too.)
   // ll:  x [L, R*T_max, H], x_scale, masked_m [L] int32, expected_m; topk_idx and topk_weights
   //      are the caller's dispatch_a views (not owned: keep them alive until combine_a).
+  //      NVFP4: x and x_scale are ll_dispatch's NVFP4 views (epx/ll.h): x (R*T_max, H/2, L)
+  //      e2m1 pairs, x_scale (32, 4, ceil(R*T_max/128), 4, H/64, L) e4m3, interleaved.
   // a2a: M = max_tokens_per_rank. x [R, M, H] (or NVFP4 [R, M, H/2] u8), x_scale, topk_idx
   //      [R, M, K] int32 global ids (padding rows -1), topk_weights [R, M, K], moe_output_view
   //      [R, M, H] bf16 to write into. Views of the workspace, valid until the next dispatch.

@@ -8,5 +8,6 @@
 #include "epx/group.h"
 #include "epx/ht.h"
 #include "epx/ll.h"
+#include "epx/nvfp4.h"
 #include "epx/shape.h"
 #include "epx/tensor.h"

@@ -10,6 +10,15 @@
 //                               {cols * R*T_max, 1, R*T_max})
 //     recv_count[L] int32       rows per local expert (masked_m); rows >= recv_count[l] of
 //                               recv_x, recv_scales and src_info are unspecified (not written)
+//   With use_nvfp4 (the layout of DeepEP's NVFP4 forks, what the cute-dsl masked grouped GEMM
+//   reads; docs/semantics.md §2.2):
+//     recv_x                    u8 storage [L, R*T_max, H/2] (e2m1 pairs, element 2i in the
+//                               low nibble), returned as the view (R*T_max, H/2, L) with strides
+//                               {H/2, 1, R*T_max*H/2}
+//     recv_scales               e4m3 storage [L, ceil(R*T_max/128), H/64, 32, 4, 4], returned as
+//                               the view (32, 4, ceil(R*T_max/128), 4, H/64, L): scale j of row
+//                               `row` of expert l at byte l*ceil(R*T_max/128)*128*H/16 + the
+//                               offset of (row, j) in epx/nvfp4.h's interleaved layout
 //   ll_combine(y[L, R*T_max, H]) -> out[t] = sum over k of w[t][k] * y(t, k), float32 fma in k
 //                               order, one rounding to bf16 (use_logfmt: y(t, k) as LogFMT-10
 //                               decodes it)
@@ -18,6 +27,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 
 #include "epx/tensor.h"
 
@@ -49,6 +59,17 @@ struct LlDispatchArgs {
   bool use_fp8 = true;
   bool round_scale = false;  // power-of-two scales
   bool use_ue8m0 = false;    // packed exponent bytes; requires use_fp8 and round_scale
+  // NVFP4: e2m1 values with an e4m3 scale per 16 values from the global scale g
+  // (docs/semantics.md §2.2). Requires use_fp8 = false (InvalidArgument) and use_ue8m0 = false
+  // (Unsupported); round_scale is not used. Every rank passes the same use_nvfp4 and g (else
+  // InvalidArgument on every rank).
+  bool use_nvfp4 = false;
+  // g for use_nvfp4, exactly one of the two (else InvalidArgument): x_global_scale, a float32
+  // tensor of >= 1 element on the buffer's device whose element 0 the dispatch reads in stream
+  // order (capturable: a replay reads the value of its time; DeepEP's x_global_scale), or
+  // global_scale, a value on the host (finite, > 0). Not read without use_nvfp4.
+  TensorView x_global_scale;
+  std::optional<float> global_scale;
   bool return_recv_hook = false;
   // Optional [L] int32: recv_count is added to it when the receive finishes (in the hook with
   // return_recv_hook), not when the receive raises an error.
@@ -62,7 +83,7 @@ struct LlDispatchArgs {
 
 struct LlDispatchResult {
   Tensor recv_x;       // see above
-  Tensor recv_scales;  // fp8 only
+  Tensor recv_scales;  // fp8 and NVFP4 only
   Tensor recv_count;   // [L] int32
   LlHandle handle;
   LlHook hook;         // set when return_recv_hook: outputs are valid after hook() returns

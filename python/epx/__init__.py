@@ -28,6 +28,7 @@ from .dispatcher import DispatchOutput, Dispatcher
 from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError, OutOfStep,
                      OutOfCapacity, Timeout, Unsupported)
 from .group import Group
+from .nvfp4 import nvfp4_block_scale_interleave
 
 __version__ = "0.1.0"
 
@@ -42,5 +43,6 @@ __all__ = [
     "A2a", "A2aDispatchResult", "Buffer", "CudaError", "DispatchOutput", "Dispatcher", "EpxError",
     "Group", "HtCombineResult", "HtDispatchResult", "HtHandle", "HtLayout", "InternalError",
     "InvalidArgument", "LlCombineResult", "LlDispatchResult", "LlHandle", "NcclError",
-    "OutOfCapacity", "OutOfStep", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype", "has_fp8_dtype",
+    "OutOfCapacity", "OutOfStep", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype",
+    "has_fp8_dtype", "nvfp4_block_scale_interleave",
 ]

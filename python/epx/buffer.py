@@ -127,18 +127,34 @@ class Buffer:
     @_torch.plain_torch
     def ll_dispatch(self, x, topk_idx, use_fp8=True, round_scale=False, use_ue8m0=False,
                     return_recv_hook=False, cumulative_local_expert_recv_stats=None,
-                    dispatch_wait_recv_cost_stats=None):
+                    dispatch_wait_recv_cost_stats=None, use_nvfp4=False, x_global_scale=None):
         """Collective. -> LlDispatchResult(recv_x[L, R*T_max, H], recv_scales, recv_count[L],
         handle, hook). With return_recv_hook the outputs are valid once hook() returned.
 
         dispatch_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
         is added the nanoseconds this rank's receive waited for rank s's tokens (in the hook with
-        return_recv_hook; docs/semantics.md §2.5)."""
+        return_recv_hook; docs/semantics.md §2.5).
+
+        use_nvfp4 (with use_fp8=False): e2m1 values with an e4m3 scale per 16 values from the
+        global scale ``x_global_scale`` — a float32 tensor on the buffer's device whose element 0
+        is read in stream order (capturable), or a Python float. recv_x is then the uint8 view
+        (R*T_max, H/2, L) of storage [L, R*T_max, H/2] and recv_scales the e4m3 view
+        (32, 4, ceil(R*T_max/128), 4, H/64, L), per expert in nvfp4_block_scale_interleave's
+        layout (docs/semantics.md §2.2; DeepEP's NVFP4 forks return the same)."""
         _check_ll_x("ll_dispatch", x)
+        tensor_scale = x_global_scale if isinstance(x_global_scale, torch.Tensor) else None
+        host_scale = None
+        if x_global_scale is not None and tensor_scale is None:
+            if not isinstance(x_global_scale, (int, float)) or isinstance(x_global_scale, bool):
+                raise errors.invalid("ll_dispatch", "argument 'x_global_scale' is a "
+                                     f"{type(x_global_scale).__name__}, expected a float32 "
+                                     "torch.Tensor or a float")
+            host_scale = float(x_global_scale)
         return _tuple_new(LlDispatchResult, self._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
             bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
-            dispatch_wait_recv_cost_stats))
+            dispatch_wait_recv_cost_stats, use_nvfp4=bool(use_nvfp4),
+            x_global_scale=tensor_scale, global_scale=host_scale))
 
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,

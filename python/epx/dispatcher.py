@@ -44,8 +44,10 @@ class DispatchOutput(namedtuple("DispatchOutput", _FIELDS)):
          stride() == (1, M), M = (N + 3) // 4 * 4, word (m, w) at offset m + w * M, padding
          words 0), topk_idx [N, K] local expert ids or -1, topk_weights [N, K] f32,
          num_recv_tokens_per_expert (list of L ints).
-    ll:  x [L, R*T_max, H] (bf16 or fp8 + x_scale [L, R*T_max, H/128]), masked_m [L] int32 (rows
-         valid per local expert), expected_m, topk_idx / topk_weights: the caller's own routing.
+    ll:  x [L, R*T_max, H] (bf16 or fp8 + x_scale [L, R*T_max, H/128]; NVFP4: the u8 view
+         (R*T_max, H/2, L) + the e4m3 x_scale view (32, 4, ceil(R*T_max/128), 4, H/64, L),
+         interleaved: docs/semantics.md §2.2.1), masked_m [L] int32 (rows valid per local
+         expert), expected_m, topk_idx / topk_weights: the caller's own routing.
     a2a: x [R, M, H] (fp8 [R, M, H] + scales, or NVFP4 u8 [R, M, H/2] + e4m3 scales
          [R, M, H/16]), topk_idx [R, M, K] int32 global ids (padding rows -1), topk_weights
          [R, M, K], moe_output_view [R, M, H] bf16 to write the weighted expert sums into.
@@ -97,7 +99,8 @@ class Dispatcher:
     backend: 'deepep' (ht + ll) or 'a2a'. mode: 'normal' (ht), 'low_latency' (ll) or 'auto'
       (extend batches ht, decode batches ll). quant: 'bf16', 'fp8' (e4m3 per token per 128
       channels, f32 scales), 'fp8_ue8m0' (power-of-two scales packed as UE8M0, column-major,
-      TMA-aligned) or 'nvfp4' (a2a only: e2m1 values, e4m3 scales per 16, a global scale).
+      TMA-aligned) or 'nvfp4' (e2m1 values, e4m3 scales per 16, a global scale; backend 'a2a',
+      or 'deepep' with mode 'low_latency': ll's NVFP4 dispatch).
     num_worst_tokens: ht worst-case rows (0: exact, one host sync per dispatch).
     return_recv_hook: ll dispatch_a only sends; dispatch_b (after the hooks) receives.
     ht_zero_copy: ht x (and fp8 x_scale) are views of the buffer, valid until the next dispatch_a

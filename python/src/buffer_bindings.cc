@@ -170,8 +170,12 @@ py::tuple ht_combine(const BufferPtr& b, py::handle y, py::handle handle_obj,
 
 py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, bool use_fp8,
                       bool round_scale, bool use_ue8m0, bool return_recv_hook, py::handle stats,
-                      uintptr_t stream, py::handle wait_stats) {
+                      uintptr_t stream, py::handle wait_stats, bool use_nvfp4,
+                      py::handle x_global_scale, std::optional<float> global_scale) {
   LlDispatchArgs args;
+  args.use_nvfp4 = use_nvfp4;
+  args.x_global_scale = to_view(x_global_scale, "ll_dispatch: argument 'x_global_scale'");
+  args.global_scale = global_scale;
   args.x = to_view(x, "ll_dispatch: argument 'x'");
   args.topk_idx = to_view(topk_idx, "ll_dispatch: argument 'topk_idx'");
   args.use_fp8 = use_fp8;
@@ -306,7 +310,8 @@ void bind_buffer(py::module_& m) {
       .def("ll_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
            py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("return_recv_hook"),
            py::arg("cumulative_local_expert_recv_stats"), py::arg("stream") = 0,
-           py::arg("dispatch_wait_recv_cost_stats") = py::none())
+           py::arg("dispatch_wait_recv_cost_stats") = py::none(), py::arg("use_nvfp4") = false,
+           py::arg("x_global_scale") = py::none(), py::arg("global_scale") = py::none())
       .def("ll_combine", &ll_combine, py::arg("y"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("handle"), py::arg("zero_copy"), py::arg("return_recv_hook"), py::arg("out"),
            py::arg("stream") = 0, py::arg("combine_wait_recv_cost_stats") = py::none(),

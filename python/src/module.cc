@@ -213,6 +213,22 @@ PYBIND11_MODULE(_epx, m) {
     return py::bytes(id.bytes.data(), id.bytes.size());
   });
 
+  // epx.nvfp4_block_scale_interleave's native part (epx/nvfp4.h): sf a u8 / fp8 / bf16 tensor
+  // [rows, cols] or [B, rows, cols] (the Python function views other one-byte dtypes as u8).
+  m.def(
+      "nvfp4_block_scale_interleave",
+      [](py::handle sf, uintptr_t stream) {
+        const TensorView v = to_view(sf, "nvfp4_block_scale_interleave: argument 'sf'");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out =
+              nvfp4_block_scale_interleave(v, torch_allocator(), reinterpret_cast<Stream>(stream));
+        }
+        return to_torch(out);
+      },
+      py::arg("sf"), py::arg("stream") = 0);
+
   bind_buffer(m);
   bind_a2a(m);
   bind_dispatcher(m);

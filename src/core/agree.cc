@@ -6,6 +6,7 @@
 #include "core/agree.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "core/check.h"
@@ -52,6 +53,14 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 std::string show_int(int64_t v) { return std::to_string(v); }
 std::string show_bool(int64_t v) { return v ? "true" : "false"; }
+std::string show_f32_bits(int64_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.9g", static_cast<double>(f));
+  return text;
+}
 std::string show_dtype(int64_t v) {
   if (v < 0 || v > static_cast<int64_t>(DType::kBool)) return v == -1 ? "none" : cat("dtype #", v);
   return dtype_name(static_cast<DType>(v));

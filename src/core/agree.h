@@ -27,6 +27,7 @@ using ShowValue = std::string (*)(int64_t);
 std::string show_int(int64_t v);
 std::string show_bool(int64_t v);   // false / true
 std::string show_dtype(int64_t v);  // dtype_name(DType(v)); -1: "none"
+std::string show_f32_bits(int64_t v);  // the float32 whose bits are the low 32 bits of v
 
 // "rank 0 has 256, rank 1 has 512"; ranks with the same value are listed together, values in the
 // order of their first rank: "ranks 0, 2 have 256, rank 1 has 512" ("ranks 0-5, 7 have ..." for

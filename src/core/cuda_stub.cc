@@ -75,6 +75,10 @@ void cuda_quantize_nvfp4(const TensorView&, float, const TensorView&, const Tens
 void cuda_ue8m0_to_column_major(const TensorView&, const TensorView&, Stream) {
   no_cuda_kernels("ue8m0_to_column_major");
 }
+void cuda_nvfp4_block_scale_interleave(const TensorView&, const Nvfp4InterleaveShape&,
+                                       const TensorView&, Stream) {
+  no_cuda_kernels("nvfp4_block_scale_interleave");
+}
 void cuda_narrow_topk_idx(const TensorView&, const TensorView&, Stream) {
   no_cuda_kernels("narrow_topk_idx");
 }

@@ -5,6 +5,9 @@
 //   ll_dispatch: x bf16 [T, H] (H == shape.hidden, H % 128 == 0, innermost stride 1),
 //                T <= T_max = shape.max_tokens_per_rank (else OutOfCapacity),
 //                topk_idx [T, K] int64/int32 in [-1, E), use_ue8m0 => use_fp8 && round_scale,
+//                use_nvfp4: not with use_fp8 (InvalidArgument) or use_ue8m0 (Unsupported), and
+//                exactly one global scale: x_global_scale f32 of >= 1 element on the buffer's
+//                device, or global_scale finite and > 0,
 //                cumulative_local_expert_recv_stats int32 [L] when given,
 //                dispatch_wait_recv_cost_stats int64 [R] contiguous when given.
 //   ll_combine:  a handle of this buffer, topk_idx/topk_weights [T, K] with T == handle.num_tokens,
@@ -45,7 +48,39 @@ void check_wait_stats(const BufferImpl& b, const TensorView& t, const char* op, 
   check_contiguous(t, op, name);
 }
 
+// use_nvfp4's options and its global scale.
+void validate_ll_nvfp4(const BufferImpl& b, const LlDispatchArgs& args, const char* op) {
+  EPX_CHECK_ARG(!args.use_fp8, op,
+                ": arguments 'use_fp8' and 'use_nvfp4' are both true, expected at most one "
+                "(use_fp8 = false with use_nvfp4 = true; DeepEP's use_fp8 defaults to true)");
+  EPX_CHECK(!args.use_ue8m0, ErrorCode::kUnsupported, op,
+            ": argument 'use_ue8m0' is true with use_nvfp4: UE8M0 block scales for NVFP4 are not "
+            "built, expected use_ue8m0 = false (e4m3 block scales)");
+  const TensorView& g = args.x_global_scale;
+  EPX_CHECK_ARG(g.defined() != args.global_scale.has_value(), op,
+                g.defined() ? ": arguments 'x_global_scale' and 'global_scale' are both given, "
+                              "expected exactly one NVFP4 global scale"
+                            : ": argument 'x_global_scale' is required with use_nvfp4, expected "
+                              "a float32 tensor (element 0 is the global scale) or a host "
+                              "global_scale");
+  if (g.defined()) {
+    check_dtype(g, op, "x_global_scale", {DType::kF32});
+    check_device(g, op, "x_global_scale", b.device());
+    EPX_CHECK_ARG(g.numel() >= 1 && g.data != nullptr, op, ": argument 'x_global_scale' is ",
+                  g.describe(), ", expected at least one element (element 0 is read)");
+  } else {
+    const float v = *args.global_scale;
+    EPX_CHECK_ARG(v > 0.0f && v < 3.0e38f, op, ": argument 'global_scale' is ", v,
+                  ", expected a finite value > 0");
+  }
+}
+
 }  // namespace
+
+float ll_host_global_scale(const LlDispatchArgs& args) {
+  if (args.global_scale) return *args.global_scale;
+  return *static_cast<const float*>(args.x_global_scale.data);
+}
 
 void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args) {
   const char* op = "ll_dispatch";
@@ -66,6 +101,7 @@ void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args) {
   EPX_CHECK_ARG(args.topk_idx.shape[0] == T, op, ": argument 'topk_idx' has ",
                 args.topk_idx.shape[0], " rows, expected T = ", T, " (the rows of 'x')");
 
+  if (args.use_nvfp4) validate_ll_nvfp4(b, args, op);
   EPX_CHECK_ARG(!args.use_ue8m0 || args.use_fp8, op,
                 ": argument 'use_ue8m0' is true but use_fp8 is false, expected use_fp8 = true "
                 "(UE8M0 packs fp8 scales)");

@@ -10,6 +10,9 @@
 //                   column-major storage [W, align4(N)] above, padding tokens 0
 //   quantize_nvfp4  x [T, H] bf16 -> values u8 [T, H/2], scales u8 [T, H/16]
 //   narrow_topk_idx topk_idx [T, K] int64/int32 -> int32 [T, K] contiguous
+//   nvfp4_block_scale_interleave (public, epx/nvfp4.h)  scales [B, rows, cols] -> the flat
+//                   128 x 4 tiled layout; every output element is computed from its own offset
+//                   (nvfp4_sf_coords), so the padding is written 0 in the same pass
 #include "core/quant.h"
 
 #include <cstring>
@@ -17,6 +20,7 @@
 
 #include "core/check.h"
 #include "core/quant_cuda.h"
+#include "epx/nvfp4.h"
 
 namespace epx::detail {
 
@@ -123,6 +127,27 @@ QuantizedTensor quantize_nvfp4(const TensorView& x, float global_scale, const Al
   return out;
 }
 
+std::vector<int64_t> ll_nvfp4_x_storage(int64_t num_local_experts, int64_t rows_per_expert,
+                                        int64_t hidden) {
+  return {num_local_experts, rows_per_expert, hidden / 2};
+}
+
+std::vector<int64_t> ll_nvfp4_scale_storage(int64_t num_local_experts, int64_t rows_per_expert,
+                                            int64_t hidden) {
+  const int64_t row_tiles = nvfp4_sf_padded_rows(rows_per_expert) / kNvfp4SfTileRows;
+  const int64_t col_tiles = hidden / (kNvfp4Block * kNvfp4SfTileCols);
+  return {num_local_experts, row_tiles, col_tiles, 32, 4, 4};
+}
+
+void set_ll_nvfp4_views(Tensor& recv_x, Tensor& recv_scales) {
+  const int64_t L = recv_x.shape[0], RT = recv_x.shape[1], half = recv_x.shape[2];
+  recv_x.shape = {RT, half, L};
+  recv_x.strides = {half, 1, RT * half};
+  const int64_t rm = recv_scales.shape[1], rk = recv_scales.shape[2];
+  recv_scales.shape = {32, 4, rm, 4, rk, L};
+  recv_scales.strides = {16, 4, rk * 512, 1, 512, rm * rk * 512};
+}
+
 Tensor narrow_topk_idx(const TensorView& topk_idx, const Allocator& alloc, Stream stream) {
   const char* op = "narrow_topk_idx";
   check_defined(topk_idx, op, "topk_idx");
@@ -145,3 +170,44 @@ Tensor narrow_topk_idx(const TensorView& topk_idx, const Allocator& alloc, Strea
 }
 
 }  // namespace epx::detail
+
+namespace epx {
+
+Tensor nvfp4_block_scale_interleave(const TensorView& sf, const Allocator& alloc, Stream stream) {
+  using namespace detail;
+  const char* op = "nvfp4_block_scale_interleave";
+  check_defined(sf, op, "sf");
+  EPX_CHECK_ARG(sf.ndim == 2 || sf.ndim == 3, op, ": argument 'sf' is ", sf.describe(),
+                ", expected [rows, cols] or [batch, rows, cols]");
+  check_dtype(sf, op, "sf", {DType::kU8, DType::kF8E4M3, DType::kBF16});
+  Nvfp4InterleaveShape s;
+  s.batch = sf.ndim == 3 ? sf.shape[0] : 1;
+  s.rows = sf.size(-2);
+  s.cols = sf.size(-1);
+  s.stride_batch = sf.ndim == 3 ? sf.strides[0] : 0;
+  s.stride_row = sf.stride(-2);
+  s.stride_col = sf.stride(-1);
+  s.padded_cols = nvfp4_sf_padded_cols(s.cols);
+  s.per_batch = nvfp4_sf_padded_rows(s.rows) * s.padded_cols;
+  Tensor out = (alloc ? alloc : default_allocator())(sf.dtype, {s.batch * s.per_batch}, sf.device);
+  if (sf.device.type == DeviceType::kCuda) {
+    cuda_nvfp4_block_scale_interleave(sf, s, out, stream);
+    return out;
+  }
+  const size_t elem = dtype_size(sf.dtype);
+  const auto* src = static_cast<const char*>(sf.data);
+  auto* dst = static_cast<char*>(out.data);
+  for (int64_t o = 0; o < s.batch * s.per_batch; ++o) {
+    const int64_t b = o / s.per_batch;
+    int64_t r = 0, c = 0;
+    nvfp4_sf_coords(o % s.per_batch, s.padded_cols, &r, &c);
+    if (r < s.rows && c < s.cols)
+      std::memcpy(dst + o * elem,
+                  src + (b * s.stride_batch + r * s.stride_row + c * s.stride_col) * elem, elem);
+    else
+      std::memset(dst + o * elem, 0, elem);
+  }
+  return out;
+}
+
+}  // namespace epx

@@ -15,7 +15,14 @@
 //   q_i  = e2m1( x_i * inv )                        round-to-nearest-even, saturating at 6
 //   dequant: x_i ~= e2m1_value(q_i) * f32(sf) / g
 //   Values packed two per byte, element 2j in the low nibble. Output: values u8 [T, H/2],
-//   scales u8 [T, H/16] (row-major).
+//   scales u8 [T, H/16] (row-major). nvfp4_block_scale / nvfp4_pack8 are the formula, used by
+//   the host loops, the quantisation kernel and the ll dispatch kernel alike.
+//
+// NVFP4 scale interleave (FlashInfer's nvfp4_block_scale_interleave; docs/semantics.md §8): the
+// scales [rows, cols] of one batch entry in 128 x 4 tiles of 512 elements, row tiles outermost,
+// inside a tile rows r, r + 32, r + 64, r + 96 interleaved, each with its 4 columns contiguous;
+// rows padded to a multiple of 128, columns to a multiple of 4 (nvfp4_sf_offset). The ll NVFP4
+// dispatch writes its received scales in this layout per local expert.
 //
 // Devices: cpu tensors are quantised on the calling thread (quant.cc); cuda tensors by the
 // kernels of src/cuda/quant.cu on the given stream (asynchronous; Unsupported in a build without
@@ -24,6 +31,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "core/numeric.h"
 #include "epx/tensor.h"
@@ -57,22 +65,101 @@ EPX_HD float e2m1_to_f32(uint8_t code) {
   return (code & 8) ? -v : v;
 }
 
+// The block scale of one 16-value block from its amax (amax_bf16's order: NaNs skipped) and the
+// global scale g: sf = e4m3((amax / 6) * g) and the multiplier inv = g / f32(sf) (0 when sf
+// is 0) applied before the e2m1 conversion. IEEE operations only.
+struct Nvfp4Scale {
+  uint8_t sf;
+  float inv;
+};
+EPX_HD Nvfp4Scale nvfp4_block_scale(float amax, float global_scale) {
+  const uint8_t sf = f32_to_fp8_e4m3((amax / 6.0f) * global_scale);
+  const float sf_f = fp8_e4m3_to_f32(sf);
+  return {sf, sf_f == 0.0f ? 0.0f : global_scale / sf_f};
+}
+
+// 8 values -> 4 bytes: byte j = e2m1(f[2j] * inv) | e2m1(f[2j + 1] * inv) << 4 (little endian).
+EPX_HD uint32_t nvfp4_pack8(const float* f, float inv) {
+  uint32_t packed = 0;
+  for (int i = 0; i < 8; i += 2) {
+    const uint32_t lo = f32_to_e2m1(f[i] * inv);
+    const uint32_t hi = f32_to_e2m1(f[i + 1] * inv);
+    packed |= (lo | (hi << 4)) << (4 * i);
+  }
+  return packed;
+}
+
 // One token row of `hidden` bf16 values (hidden % 16 == 0).
 inline void quantize_row_nvfp4(const uint16_t* x, int64_t hidden, float global_scale,
                                uint8_t* q, uint8_t* scales) {
   for (int64_t b = 0; b < hidden / kNvfp4Block; ++b) {
-    const float amax = amax_bf16(x + b * kNvfp4Block, kNvfp4Block);
-    const uint8_t sf = f32_to_fp8_e4m3((amax / 6.0f) * global_scale);
-    const float sf_f = fp8_e4m3_to_f32(sf);
-    const float inv = sf_f == 0.0f ? 0.0f : global_scale / sf_f;
-    for (int i = 0; i < kNvfp4Block; i += 2) {
-      const uint8_t lo = f32_to_e2m1(bf16_to_f32(x[b * kNvfp4Block + i]) * inv);
-      const uint8_t hi = f32_to_e2m1(bf16_to_f32(x[b * kNvfp4Block + i + 1]) * inv);
-      q[(b * kNvfp4Block + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    const Nvfp4Scale s =
+        nvfp4_block_scale(amax_bf16(x + b * kNvfp4Block, kNvfp4Block), global_scale);
+    for (int half = 0; half < 2; ++half) {
+      float f[8];
+      for (int i = 0; i < 8; ++i) f[i] = bf16_to_f32(x[b * kNvfp4Block + 8 * half + i]);
+      const uint32_t packed = nvfp4_pack8(f, s.inv);
+      for (int j = 0; j < 4; ++j)
+        q[b * kNvfp4Block / 2 + 4 * half + j] = static_cast<uint8_t>(packed >> (8 * j));
     }
-    scales[b] = sf;
+    scales[b] = s.sf;
   }
 }
+
+// ---- the interleaved (128 x 4 tiled) scale layout ---------------------------------------------
+
+inline constexpr int64_t kNvfp4SfTileRows = 128;  // rows of one tile
+inline constexpr int64_t kNvfp4SfTileCols = 4;    // columns of one tile (512 elements a tile)
+
+EPX_HD int64_t nvfp4_sf_padded_rows(int64_t rows) {
+  return (rows + kNvfp4SfTileRows - 1) / kNvfp4SfTileRows * kNvfp4SfTileRows;
+}
+EPX_HD int64_t nvfp4_sf_padded_cols(int64_t cols) {
+  return (cols + kNvfp4SfTileCols - 1) / kNvfp4SfTileCols * kNvfp4SfTileCols;
+}
+
+// Offset of scale (row, col) within one batch entry (padded_cols = nvfp4_sf_padded_cols(cols)):
+//   (row / 128) * 128 * padded_cols + (col / 4) * 512 + (row % 32) * 16 + (row % 128 / 32) * 4
+//   + col % 4
+EPX_HD int64_t nvfp4_sf_offset(int64_t row, int64_t col, int64_t padded_cols) {
+  return (row / 128) * 128 * padded_cols + (col / 4) * 512 + (row % 32) * 16 +
+         (row % 128 / 32) * 4 + col % 4;
+}
+
+// One interleave call's geometry (nvfp4_block_scale_interleave): strides in elements
+// (stride_batch 0 for a 2-D input), per_batch = pad128(rows) * pad4(cols).
+struct Nvfp4InterleaveShape {
+  int64_t batch = 1, rows = 0, cols = 0;
+  int64_t stride_batch = 0, stride_row = 0, stride_col = 0;
+  int64_t padded_cols = 0, per_batch = 0;
+};
+
+// The inverse within one batch entry: the (row, col) whose scale nvfp4_sf_offset puts at `offset`
+// (row may lie in the padding rows, col in the padding columns).
+EPX_HD void nvfp4_sf_coords(int64_t offset, int64_t padded_cols, int64_t* row, int64_t* col) {
+  const int64_t tile_row = offset / (128 * padded_cols);
+  const int64_t in_row_tile = offset % (128 * padded_cols);
+  const int64_t in_tile = in_row_tile % 512;
+  *row = tile_row * 128 + (in_tile % 16) / 4 * 32 + in_tile / 16;
+  *col = in_row_tile / 512 * 4 + in_tile % 4;
+}
+
+// ---- the ll NVFP4 outputs (epx/ll.h; the layout of DeepEP's NVFP4 forks) ---------------------
+// Storages: values u8 [L, RT, H/2]; scales e4m3 [L, ceil(RT/128), H/64, 32, 4, 4], i.e. per local
+// expert the interleaved layout of its [RT, H/16] scales (H % 64 == 0: no padding columns).
+
+// Bytes of one local expert's scales: pad128(RT) * H/16.
+EPX_HD int64_t ll_nvfp4_scale_expert_bytes(int64_t rows_per_expert, int64_t hidden) {
+  return nvfp4_sf_padded_rows(rows_per_expert) * (hidden / kNvfp4Block);
+}
+std::vector<int64_t> ll_nvfp4_x_storage(int64_t num_local_experts, int64_t rows_per_expert,
+                                        int64_t hidden);
+std::vector<int64_t> ll_nvfp4_scale_storage(int64_t num_local_experts, int64_t rows_per_expert,
+                                            int64_t hidden);
+// The storages (contiguous, shapes above) -> the returned views: recv_x (RT, H/2, L) with strides
+// {H/2, 1, RT*H/2}; recv_scales (32, 4, ceil(RT/128), 4, H/64, L), the storage permuted by
+// (3, 4, 1, 5, 2, 0).
+void set_ll_nvfp4_views(Tensor& recv_x, Tensor& recv_scales);
 
 // An expert id narrowed to int32 (the a2a routing input): ids outside int32 become INT32_MIN,
 // which is < -1 and so reported as an out-of-range id instead of aliasing a valid expert.

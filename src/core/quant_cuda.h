@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/quant.h"
 #include "epx/tensor.h"
 
 namespace epx::detail {
@@ -31,6 +32,12 @@ void cuda_ue8m0_to_column_major(const TensorView& words, const TensorView& out, 
 // x [T, H] bf16, H % 16 == 0. values u8 [T, H/2], scales u8 [T, H/16], both contiguous.
 void cuda_quantize_nvfp4(const TensorView& x, float global_scale, const TensorView& values,
                          const TensorView& scales, Stream stream);
+
+// sf [B, rows, cols] (2-D: B = 1) of one- or two-byte elements, described by `shape` (strides in
+// elements) -> out, B * shape.per_batch contiguous elements: out[b * per_batch + o] = the scale
+// nvfp4_sf_coords(o) names, or 0 in the padding.
+void cuda_nvfp4_block_scale_interleave(const TensorView& sf, const Nvfp4InterleaveShape& shape,
+                                       const TensorView& out, Stream stream);
 
 // topk_idx [T, K] int64/int32 (any strides) -> out int32 [T, K] contiguous (narrow_expert_id).
 void cuda_narrow_topk_idx(const TensorView& topk_idx, const TensorView& out, Stream stream);

@@ -23,6 +23,9 @@ void validate_ht_combine_buffer(const BufferImpl& b, const HtHandle& handle,
                                 const char* op = "ht_combine_buffer");
 
 void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args);
+// The NVFP4 global scale g of validated args whose g is on the host: global_scale, or element 0
+// of a cpu x_global_scale.
+float ll_host_global_scale(const LlDispatchArgs& args);
 void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args);
 void validate_ll_handle(const BufferImpl& b, const LlHandle& handle, const char* op);
 

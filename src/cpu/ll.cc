@@ -6,8 +6,10 @@
 //
 //   ll_dispatch, send (publish): write this rank's T, topk_idx (as int32) and one message per
 //     token into dispatch slot s of its own region. A message is the token's bf16 row, or with
-//     use_fp8 its e4m3 row followed by its G float32 scales (quantize_row_fp8 of core/numeric.h,
-//     quantised once per token on the sender, as the cuda kernel does).
+//     use_fp8 its e4m3 row followed by its G float32 scales (quantize_row_fp8 of core/numeric.h),
+//     or with use_nvfp4 its e2m1 pairs [H/2] followed by its e4m3 scales [H/16]
+//     (quantize_row_nvfp4 of core/quant.h), quantised once per token on the sender, as the cuda
+//     kernel does. Across nodes the rail carries the messages (any format) byte for byte.
 //   ll_dispatch, receive (inline, or in the hook): across nodes (N nodes > 1) first the rail:
 //     rank (n, g) packs, for every other node m, the messages of its tokens that select an expert
 //     of m (each once, ascending, with their topk rows and token indices) and exchanges them with
@@ -25,6 +27,9 @@
 //       recv_scales f32 [L, RT, G], or UE8M0 int32 [L, RT, ceil(G / 4)] (group g in byte g % 4 of
 //                   int g / 4, unused bytes 0); storage [L, G', RT], so the view has strides
 //                   {G' * RT, 1, RT} (column-major in the last two dims)
+//       NVFP4: recv_x u8 storage [L, RT, H/2]; recv_scales e4m3 storage [L, ceil(RT/128), H/64,
+//                   32, 4, 4] = per expert the interleaved layout (core/quant.h nvfp4_sf_offset);
+//                   both returned as the views of core/quant.h set_ll_nvfp4_views
 //   ll_combine: ll_combine.cc.
 //
 // Wait-cost statistics (docs/semantics.md §2.5). A receive waits for its sources in one barrier,
@@ -66,6 +71,8 @@
 #include "core/check.h"
 #include "core/host_view.h"
 #include "core/numeric.h"
+#include "core/quant.h"
+#include "core/validate.h"
 #include "cpu/ll_region.h"
 
 namespace epx::detail {
@@ -89,7 +96,7 @@ LlLayout::LlLayout(const MoeShape& s, int R, Topology topo)
       rows_per_expert(R * s.max_tokens_per_rank) {
   const size_t H = static_cast<size_t>(hidden), G = static_cast<size_t>(num_groups);
   const size_t Tm = static_cast<size_t>(max_tokens), K = static_cast<size_t>(top_k);
-  msg_bytes = align_up(std::max(2 * H, H + 4 * G), 16);
+  msg_bytes = align_up(std::max(2 * H, H + 4 * G), 16);  // >= the NVFP4 message's 9 H / 16
   topk_off = align_up(std::max(sizeof(DispatchHeader), sizeof(LlChunkHeader)), kLlAlign);
   msgs_off = topk_off + align_up(sizeof(int32_t) * Tm * K, kLlAlign);
   own_bytes = msgs_off + align_up(msg_bytes * Tm, kLlAlign);
@@ -185,7 +192,7 @@ LlSource ll_source(const SymmetricMemory& mem, const LlLayout& lay, int slot, in
 
 // Everything the receive half of a dispatch needs; copied into the hook.
 struct DispatchRecv : LlReceive {
-  bool use_fp8, round_scale, use_ue8m0;
+  bool use_fp8, round_scale, use_ue8m0, use_nvfp4;
   Tensor recv_x, recv_scales, recv_count, src_info, layout_range;
   TensorView stats;       // optional, caller-owned
   TensorView wait_stats;  // optional, caller-owned: dispatch_wait_recv_cost_stats
@@ -245,7 +252,9 @@ void DispatchRecv::operator()() const {
     const int r = mem->rank();
     const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
     const int64_t packed_groups = (G + 3) / 4;
-    const size_t row_bytes = use_fp8 ? H : 2 * H;
+    const size_t row_bytes = use_nvfp4 ? H / 2 : use_fp8 ? H : 2 * H;
+    const int64_t num_sf = H / kNvfp4Block;  // NVFP4 scales per row
+    const int64_t sf_expert_bytes = ll_nvfp4_scale_expert_bytes(RT, H);
 
     auto* out_x = static_cast<uint8_t*>(recv_x.data);
     auto* out_src = src_info.ptr<int32_t>();
@@ -261,18 +270,25 @@ void DispatchRecv::operator()() const {
     auto stamp = [&](int src) -> const Stamp& { return sources[src].header->stamp; };
     check_stamps("ll_dispatch", r, R, generation, seq, stamp,
                  [&](int) { return cat("dispatch slot ", slot, " at"); });
-    std::vector<int64_t> fp8_of(R), round_of(R), published_ns(R);
+    std::vector<int64_t> fp8_of(R), round_of(R), nvfp4_of(R), scale_of(R), published_ns(R);
     for (int src = 0; src < R; ++src) {
-      fp8_of[src] = sources[src].header->use_fp8;
-      round_of[src] = sources[src].header->round_scale;
-      published_ns[src] = sources[src].header->published_ns;
+      const DispatchHeader& h = *sources[src].header;
+      fp8_of[src] = h.use_fp8;
+      round_of[src] = h.round_scale;
+      nvfp4_of[src] = h.use_nvfp4;
+      scale_of[src] = h.global_scale_bits;
+      published_ns[src] = h.published_ns;
     }
     std::string differ;
-    if (!all_equal(fp8_of))
-      differ = cat("argument 'use_fp8' differs across ranks: ", per_rank_values(fp8_of, show_bool));
-    if (!all_equal(round_of))
-      differ += cat(differ.empty() ? "" : "; ", "argument 'round_scale' differs across ranks: ",
-                    per_rank_values(round_of, show_bool));
+    auto note = [&](const char* name, const std::vector<int64_t>& v, ShowValue show) {
+      if (!all_equal(v))
+        differ += cat(differ.empty() ? "" : "; ", "argument '", name,
+                      "' differs across ranks: ", per_rank_values(v, show));
+    };
+    note("use_fp8", fp8_of, show_bool);
+    note("round_scale", round_of, show_bool);
+    note("use_nvfp4", nvfp4_of, show_bool);
+    if (all_equal(nvfp4_of) && nvfp4_of[0]) note("x_global_scale", scale_of, show_f32_bits);
     EPX_CHECK_ARG(differ.empty(), "ll_dispatch: ", differ, "; expected the same on every rank");
 
     for (int src = 0; src < R; ++src) {
@@ -300,6 +316,11 @@ void DispatchRecv::operator()() const {
           const char* msg = source.base + lay.msgs_off + static_cast<size_t>(i) * lay.msg_bytes;
           std::memcpy(out_x + (l * RT + row) * row_bytes, msg, row_bytes);
           out_src[l * RT + row] = static_cast<int32_t>(source.token(i));
+          if (use_nvfp4) {
+            auto* sf = static_cast<uint8_t*>(recv_scales.data) + l * sf_expert_bytes;
+            for (int64_t j = 0; j < num_sf; ++j)
+              sf[nvfp4_sf_offset(row, j, num_sf)] = static_cast<uint8_t>(msg[H / 2 + j]);
+          }
           if (!use_fp8) continue;
           std::memcpy(scales.data(), msg + H, sizeof(float) * G);
           if (!use_ue8m0) {
@@ -366,6 +387,9 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   header->num_tokens = T;
   header->use_fp8 = args.use_fp8;
   header->round_scale = args.round_scale;
+  header->use_nvfp4 = args.use_nvfp4;
+  const float global_scale = args.use_nvfp4 ? ll_host_global_scale(args) : 0.0f;
+  header->global_scale_bits = args.use_nvfp4 ? f32_bits(global_scale) : 0;
   auto* topk = reinterpret_cast<int32_t*>(region + lay.topk_off);
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k)
@@ -376,6 +400,9 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
     if (args.use_fp8) {
       quantize_row_fp8(x, H, args.round_scale, reinterpret_cast<uint8_t*>(msg),
                        reinterpret_cast<float*>(msg + H));
+    } else if (args.use_nvfp4) {
+      quantize_row_nvfp4(x, H, global_scale, reinterpret_cast<uint8_t*>(msg),
+                         reinterpret_cast<uint8_t*>(msg + H / 2));
     } else {
       std::memcpy(msg, x, sizeof(uint16_t) * H);
     }
@@ -385,7 +412,13 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
 
   // Outputs, allocated now, filled by the receive half.
   LlDispatchResult res;
-  res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
+  if (args.use_nvfp4) {
+    res.recv_x = alloc(DType::kU8, ll_nvfp4_x_storage(L, RT, H), Device::cpu());
+    res.recv_scales = alloc(DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), Device::cpu());
+    set_ll_nvfp4_views(res.recv_x, res.recv_scales);
+  } else {
+    res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
+  }
   if (args.use_fp8) {
     const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
     res.recv_scales =
@@ -410,6 +443,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
       args.use_fp8,
       args.round_scale,
       args.use_ue8m0,
+      args.use_nvfp4,
       res.recv_x,
       res.recv_scales,
       res.recv_count,

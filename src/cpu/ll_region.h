@@ -5,9 +5,11 @@
 // Region of one rank (cpu_ll_region_bytes; every offset a multiple of 64 bytes; N nodes of G
 // ranks, T_max = max_tokens_per_rank):
 //   dispatch slot 0, dispatch slot 1:
-//     DispatchHeader                 {stamp, num_tokens, use_fp8, round_scale, published_ns}
+//     DispatchHeader                 {stamp, num_tokens, use_fp8, round_scale, use_nvfp4,
+//                                     global_scale_bits, published_ns}
 //     topk   int32 [T_max, K]
-//     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16
+//     msgs   [T_max, msg_bytes]      msg_bytes = max(2 H, H + 4 G) rounded up to 16 (>= the
+//                                    NVFP4 message's 9 H / 16)
 //     rail   N > 1: N - 1 dispatch chunks received over the rail (slot other_index(m, n)), laid
 //            out as the slot above (LlChunkHeader in place of the header, so a source's topk and
 //            messages sit at the same offsets in both) followed by src_idx int32 [T_max]
@@ -45,7 +47,9 @@ struct DispatchHeader {
   int64_t num_tokens;
   int32_t use_fp8;
   int32_t round_scale;
-  int64_t published_ns;  // steady_ns() when the publication ended (wait-cost statistics)
+  int32_t use_nvfp4;
+  uint32_t global_scale_bits;  // use_nvfp4: the bits of the float32 global scale g, else 0
+  int64_t published_ns;        // steady_ns() when the publication ended (wait-cost statistics)
 };
 
 struct CombineHeader {

@@ -52,8 +52,9 @@ enum DeviceErrorCode : uint32_t {
   // a2a set_active_ranks: an active peer applies another mask. a = this rank's active mask, b =
   // the peer's, peer = the peer.
   kDevErrA2aMask = 17,
-  // ll: a source used other fp8 options in the same dispatch. a = the source's (use_fp8 |
-  // round_scale << 1), b = this rank's, peer = the source.
+  // ll: a source used other quantisation options in the same dispatch. a = the source's format
+  // (use_fp8 | round_scale << 1 | use_nvfp4 << 2) | its NVFP4 global scale's bits << 32 (0
+  // without use_nvfp4), b = this rank's, peer = the source.
   kDevErrLlFormat = 32,
   // ll combine: topk_idx selects expert b more often than its rank received from this rank (a =
   // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is

@@ -23,10 +23,10 @@
 // peer finished pulling from it, so when its hook ran (stream order) the slot's combine buffer
 // may be rewritten. Hooks launch on the stream of their call.
 //
-// Errors found on the device (timeouts, out-of-range expert ids, ranks disagreeing on the fp8
-// options or on use_logfmt, a combine topk_idx that is not the dispatch's) are raised by the next
-// host call on the Buffer or by check(). After a timeout ll is unusable until ll_clean()
-// (collective) resets it.
+// Errors found on the device (timeouts, out-of-range expert ids, ranks disagreeing on the
+// quantisation options, the NVFP4 global scale or use_logfmt, a combine topk_idx that is not the
+// dispatch's) are raised by the next host call on the Buffer or by check(). After a timeout ll is
+// unusable until ll_clean() (collective) resets it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,6 +41,7 @@
 #include "core/buffer_impl.h"
 #include "core/check.h"
 #include "core/env.h"
+#include "core/quant.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_object.h"
 #include "cuda/kernels/ll/combine.cuh"
@@ -233,18 +234,22 @@ void CudaLl::check() {
   }
   switch (e.code) {
     case kDevErrLlFormat: {
-      // Each option that differs, both ranks' values, lower rank first (core/agree.h's format).
+      // Each option that differs, both ranks' values, lower rank first (core/agree.h's format);
+      // the global scale only when both use NVFP4 (bits 32-63 of the words).
+      const bool source_first = e.peer < e.rank;
+      const int64_t first = source_first ? e.a : e.b, second = source_first ? e.b : e.a;
       std::string what;
-      for (int bit = 0; bit < 2; ++bit) {
-        if (((e.a ^ e.b) >> bit & 1) == 0) continue;
-        const bool source_first = e.peer < e.rank;
-        const int64_t first = ((source_first ? e.a : e.b) >> bit) & 1;
-        const int64_t second = ((source_first ? e.b : e.a) >> bit) & 1;
-        what += cat(what.empty() ? "" : "; ", "argument '", bit ? "round_scale" : "use_fp8",
-                    "' differs across ranks: rank ", std::min(e.peer, e.rank), " has ",
-                    show_bool(first), ", rank ", std::max(e.peer, e.rank), " has ",
-                    show_bool(second));
-      }
+      auto note = [&](const char* name, int64_t v1, int64_t v2, ShowValue show) {
+        if (v1 == v2) return;
+        what += cat(what.empty() ? "" : "; ", "argument '", name, "' differs across ranks: rank ",
+                    std::min(e.peer, e.rank), " has ", show(v1), ", rank ",
+                    std::max(e.peer, e.rank), " has ", show(v2));
+      };
+      const char* names[3] = {"use_fp8", "round_scale", "use_nvfp4"};
+      for (int bit = 0; bit < 3; ++bit)
+        note(names[bit], first >> bit & 1, second >> bit & 1, show_bool);
+      if ((first >> 2 & 1) && (second >> 2 & 1))
+        note("x_global_scale", first >> 32 & 0xFFFFFFFF, second >> 32 & 0xFFFFFFFF, show_f32_bits);
       throw_error(ErrorCode::kInvalidArgument,
                   cat(op, ": ", what,
                       "; expected the same on every rank (the outputs of this call are "
@@ -336,8 +341,15 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   LlDispatchResult res;
   std::exception_ptr failed;
   try {
-    res.recv_x =
-        allocate(alloc, args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, op, "recv_x");
+    if (args.use_nvfp4) {
+      res.recv_x = allocate(alloc, DType::kU8, ll_nvfp4_x_storage(L, RT, H), op, "recv_x");
+      res.recv_scales =
+          allocate(alloc, DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), op, "recv_scales");
+      set_ll_nvfp4_views(res.recv_x, res.recv_scales);
+    } else {
+      res.recv_x =
+          allocate(alloc, args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, op, "recv_x");
+    }
     if (args.use_fp8) {
       const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
       res.recv_scales = allocate(alloc, args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT},
@@ -373,6 +385,12 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   p.use_fp8 = args.use_fp8;
   p.round_scale = args.round_scale;
   p.use_ue8m0 = args.use_ue8m0;
+  p.use_nvfp4 = args.use_nvfp4;
+  if (args.use_nvfp4) {
+    // Validated: exactly one of them; the tensor is float32 on this device.
+    p.global_scale_ptr = static_cast<const float*>(args.x_global_scale.data);
+    p.global_scale = args.global_scale.value_or(0.0f);
+  }
   p.slot = slot;
   p.rank = group_.rank();
   p.units_per_expert = units_per_expert_;

@@ -13,6 +13,8 @@
 //   ue8m0   words [N, W] int32 (any strides) -> column-major [W, align4(N)], padding tokens 0
 //   nvfp4   x [T, H] bf16 -> values [T, H/2] u8, scales [T, H/16] u8
 //   narrow  [T, K] int64/int32 -> [T, K] int32
+//   interleave  NVFP4 scales [B, rows, cols] -> the flat 128 x 4 tiled layout (one thread per
+//           output element, padding 0)
 //   load    int64 [L] on the device, added to by the rows / counts kernels
 #include <cuda_runtime.h>
 
@@ -133,6 +135,25 @@ void cuda_quantize_nvfp4(const TensorView& x, float global_scale, const TensorVi
   DeviceGuard guard(x.device.index);
   nvfp4_quant_kernel<<<blocks_for(num_units, QuantConfig::kNvfp4Threads, QuantConfig::kMaxBlocks),
                        QuantConfig::kNvfp4Threads, 0, as_stream(stream)>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError(), op);
+}
+
+void cuda_nvfp4_block_scale_interleave(const TensorView& sf, const Nvfp4InterleaveShape& shape,
+                                       const TensorView& out, Stream stream) {
+  const char* op = "nvfp4_block_scale_interleave";
+  require_cuda(sf, op, "sf");
+  require_same_device(out, sf.device, op, "out");
+  const int64_t n = shape.batch * shape.per_batch;
+  if (n == 0) return;
+  const Nvfp4InterleaveParams p{sf.data, shape, out.data};
+  DeviceGuard guard(sf.device.index);
+  const int blocks = blocks_for(n, QuantConfig::kInterleaveThreads, QuantConfig::kMaxBlocks);
+  if (dtype_size(sf.dtype) == 1)
+    nvfp4_interleave_kernel<uint8_t>
+        <<<blocks, QuantConfig::kInterleaveThreads, 0, as_stream(stream)>>>(p);
+  else
+    nvfp4_interleave_kernel<uint16_t>
+        <<<blocks, QuantConfig::kInterleaveThreads, 0, as_stream(stream)>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError(), op);
 }
 

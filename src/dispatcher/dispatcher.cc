@@ -4,7 +4,8 @@
 //   dispatch_a: resolve the mode (normal -> ht, low_latency -> ll, auto: extend -> ht,
 //               decode -> ll; ht -> ll switches clean the ll state), quantise when the mode
 //               moves quantised rows (ht: fp8 rows + scales; a2a: fp8 or NVFP4 payloads; ll
-//               quantises inside its kernel), start the dispatch (ll with the hook: send only).
+//               quantises inside its kernel, fp8 or NVFP4), start the dispatch (ll with the hook:
+//               send only).
 //               ht with UE8M0: the received row-major scale words are re-laid column-major,
 //               TMA-aligned (core/quant.h) on the same stream.
 //   hooks:      run in registration order.
@@ -184,8 +185,12 @@ Dispatcher::Dispatcher(const Group& group, const DispatcherConfig& c)
   // On a cuda group the device counter is made here, so no dispatch allocates it (capture).
   s_->load = std::make_unique<detail::ExpertLoad>(s_->num_local_experts, group.transport()->device());
   if (c.backend == DispatcherBackend::kDeepEp) {
-    EPX_CHECK(c.quant != DispatchQuant::kNvfp4, ErrorCode::kUnsupported,
-              "Dispatcher: 'quant' nvfp4 needs backend a2a (ht and ll move bf16 or fp8)");
+    const char* mode = dispatch_mode_name(c.mode);
+    EPX_CHECK(c.quant != DispatchQuant::kNvfp4 || c.mode == DispatchMode::kLowLatency,
+              ErrorCode::kUnsupported,
+              "Dispatcher: 'quant' nvfp4 with backend deepep needs mode low_latency (ll quantises "
+              "NVFP4 in its dispatch; ht moves bf16 or fp8 rows), got mode ",
+              mode, "; expected mode low_latency or backend a2a");
     MoeShape shape{c.hidden, c.top_k, c.num_experts, c.max_tokens_per_rank};
     BufferConfig bc;
     bc.enable_ht = c.mode != DispatchMode::kLowLatency;
@@ -322,9 +327,11 @@ void Dispatcher::dispatch_a(const TensorView& x, const TensorView& topk_idx,
       LlDispatchArgs args;
       args.x = x;
       args.topk_idx = topk_idx;
-      args.use_fp8 = c.quant != DispatchQuant::kBf16;
+      args.use_fp8 = c.quant == DispatchQuant::kFp8 || c.quant == DispatchQuant::kFp8Ue8m0;
       args.round_scale = c.quant == DispatchQuant::kFp8Ue8m0;
       args.use_ue8m0 = c.quant == DispatchQuant::kFp8Ue8m0;
+      args.use_nvfp4 = c.quant == DispatchQuant::kNvfp4;
+      if (args.use_nvfp4) args.global_scale = global_scale;  // by value: capturable as is
       args.return_recv_hook = c.return_recv_hook;
       args.stream = stream;
       s.ll = s.buffer->ll_dispatch(args, alloc);

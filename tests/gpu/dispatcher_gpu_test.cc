@@ -2,11 +2,12 @@
 // with the reason, where fewer GPUs than ranks are visible.
 //
 // The same sequence of calls (a2a with bf16/fp8/fp8_ue8m0/nvfp4, deepep auto with ht/ll switches,
-// worst-case ht, int32 topk, T = 0 ranks) on the cpu backend (threads, in the parent) and on
-// R = 1, 2, 4, 8 forked cuda ranks, on the legacy default stream and on a created one; every valid
-// received row, scale, routing row, masked_m, combine output and the expert load after every call
-// must be identical, and ht's UE8M0 x_scale storage (MN-major, TMA-aligned, padding included)
-// byte for byte. The cpu run's expert load is also checked against a count from the routing.
+// ll NVFP4, worst-case ht, int32 topk, T = 0 ranks) on the cpu backend (threads, in the parent)
+// and on R = 1, 2, 4, 8 forked cuda ranks, on the legacy default stream and on a created one;
+// every valid received row, scale, routing row, masked_m, combine output and the expert load
+// after every call must be identical (ll's rows and scales read through their views), and ht's
+// UE8M0 x_scale storage (MN-major, TMA-aligned, padding included) byte for byte. The cpu run's
+// expert load is also checked against a count from the routing.
 // Then the capturable paths (ll with and without hooks, auto, a2a, ht worst-case) captured in a
 // CUDA graph on a side stream and replayed on new inputs, every replay checked; ht exact mode
 // must refuse capture.
@@ -201,11 +202,52 @@ void load_y(CallTensors& t, const DispatchOutput& out, int R, int c, int r, Devi
   std::vector<int64_t> shape;
   if (out.format == OutputFormat::kA2a) shape = {R, kTMax, kH};
   if (out.format == OutputFormat::kHt) shape = {out.x.shape[0], kH};
-  if (out.format == OutputFormat::kLl) shape = {kE / R, out.x.shape[1], kH};
+  if (out.format == OutputFormat::kLl) shape = {kE / R, R * kTMax, kH};
   if (!same_shape(t.y, shape)) t.y = default_allocator()(DType::kBF16, shape, device);
   std::mt19937_64 yrng(1000003ull * c + r);
   const std::vector<uint16_t> yh = testing::make_bf16(t.y.numel() / kH, kH, yrng);
   copy_in(t.y, yh.data(), yh.size() * 2, stream);
+}
+
+// ll: every valid row (rows < masked_m[l]) of x and x_scale, element by element through the
+// views ([L, RT, cols], or NVFP4's (RT, H/2, L) and (32, 4, rm, 4, rk, L) of epx/ll.h).
+void record_ll_rows(Records& rec, const std::string& tag, const DispatchOutput& out, int R) {
+  const std::vector<uint8_t> masked = logical_bytes(out.masked_m);
+  const int L = kE / R;
+  const int64_t RT = R * kTMax;
+  const bool nvfp4 = out.x.dtype == DType::kU8;
+  const std::pair<const char*, const TensorView*> views[] = {{"x", &out.x},
+                                                             {"x_scale", &out.x_scale}};
+  for (const auto& [name, t] : views) {
+    if (!t->defined()) continue;
+    const bool is_x = t == &out.x;
+    const std::vector<uint8_t> all = logical_bytes(*t);
+    const size_t es = dtype_size(t->dtype);
+    const int64_t cols = !nvfp4 ? t->shape[2] : is_x ? kH / 2 : kH / 16;
+    std::vector<uint8_t> rows;
+    for (int l = 0; l < L; ++l) {
+      int32_t n = 0;
+      std::memcpy(&n, masked.data() + 4 * l, 4);
+      for (int64_t row = 0; row < n; ++row)
+        for (int64_t c = 0; c < cols; ++c) {
+          int64_t e = (l * RT + row) * cols + c;  // the element's logical index
+          if (nvfp4 && is_x) e = (row * cols + c) * L + l;
+          if (nvfp4 && !is_x) {
+            // (row % 32, row % 128 / 32, row / 128, c % 4, c / 4, l) of (32, 4, rm, 4, rk, L)
+            const int64_t rm = t->shape[2], rk = t->shape[4];
+            const int64_t row_part = (row % 32 * 4 + row % 128 / 32) * rm + row / 128;
+            e = ((row_part * 4 + c % 4) * rk + c / 4) * L + l;
+          }
+          rows.insert(rows.end(), all.begin() + e * es, all.begin() + (e + 1) * es);
+        }
+    }
+    rec.emplace_back(tag + name + " valid rows", rows);
+  }
+}
+
+// The NVFP4 global scale the calls pass (nullopt without NVFP4).
+std::optional<float> global_scale_of(const DispCase& dc) {
+  return dc.quant == DispatchQuant::kNvfp4 ? std::optional<float>(1.5f) : std::nullopt;
 }
 
 // What call c's outputs must agree on between the cpu and the cuda runs.
@@ -259,6 +301,7 @@ void record_outputs(Records& rec, const DispatcherConfig& cfg, const Problem& p,
   } else {
     put(tag + "masked_m", out.masked_m);
     rec.emplace_back(tag + "expected_m", as_bytes({out.expected_m}));
+    record_ll_rows(rec, tag, out, R);
   }
 }
 
@@ -285,9 +328,7 @@ Records run_calls(const Group& g, const DispCase& dc, const Problem& p, Device d
   for (int c = 0; c < num_calls; ++c) {
     CallTensors t;
     load_inputs(t, p.calls[c][r], dc.topk_i32, device, stream);
-    const std::optional<float> gs =
-        dc.quant == DispatchQuant::kNvfp4 ? std::optional<float>(1.5f) : std::nullopt;
-    DispatchOutput out = d.dispatch(t.x, t.idx, t.w, p.modes[c], gs, stream);
+    DispatchOutput out = d.dispatch(t.x, t.idx, t.w, p.modes[c], global_scale_of(dc), stream);
     record_outputs(rec, cfg, p, c, r, out);
     load_y(t, out, R, c, r, device, stream);
     CombineInput ci;
@@ -324,7 +365,7 @@ Records run_graph_calls(const Group& g, const DispCase& dc, const Problem& p) {
         arena.replay();
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
       }
-      out = d.dispatch(t.x, t.idx, t.w, p.modes[c], std::nullopt, stream);
+      out = d.dispatch(t.x, t.idx, t.w, p.modes[c], global_scale_of(dc), stream);
       if (c == 0) load_y(t, out, R, c, r, device, stream);  // allocates the captured y
       CombineInput ci;
       ci.y = t.y;
@@ -401,6 +442,7 @@ std::vector<DispCase> disp_cases() {
       {"a2a_fp8", B::kA2a, M::kNormal, Q::kFp8, 0, false, true},
       {"a2a_fp8_ue8m0", B::kA2a, M::kAuto, Q::kFp8Ue8m0, 0, false, false},
       {"a2a_nvfp4", B::kA2a, M::kAuto, Q::kNvfp4, 0, false, false},
+      {"deepep_ll_nvfp4_hook", B::kDeepEp, M::kLowLatency, Q::kNvfp4, 0, true, true},
       {"deepep_auto_fp8_hook", B::kDeepEp, M::kAuto, Q::kFp8, 0, true, false},
       {"deepep_auto_ue8m0_worst", B::kDeepEp, M::kAuto, Q::kFp8Ue8m0, 1, false, false},
       {"deepep_normal_ue8m0", B::kDeepEp, M::kNormal, Q::kFp8Ue8m0, 0, false, false},
@@ -459,7 +501,7 @@ TEST_P(DispatcherGpu, CudaMatchesCpuBackend) {
   EXPECT_EQ(rc, 0) << "see stderr for the first difference per case";
 }
 
-// The capturable paths: ll (bf16 and fp8, with and without return_recv_hook), a2a and ht
+// The capturable paths: ll (bf16, fp8 and NVFP4, with and without return_recv_hook), a2a and ht
 // worst-case mode, each dispatch + combine captured on a side stream and replayed kGraphCalls - 1
 // times on new inputs; every replay's outputs, combine and expert load against the cpu backend
 // run eagerly on the same calls. Then ht exact mode under capture must raise Unsupported.
@@ -476,6 +518,8 @@ TEST_P(DispatcherGpu, CapturedGraphReplaysMatchCpuBackend) {
       {"ll_fp8", B::kDeepEp, M::kLowLatency, Q::kFp8, 0, false, false},
       {"ll_fp8_hook_auto", B::kDeepEp, M::kAuto, Q::kFp8, 0, true, false},
       {"ll_ue8m0_hook", B::kDeepEp, M::kLowLatency, Q::kFp8Ue8m0, 0, true, false},
+      {"ll_nvfp4", B::kDeepEp, M::kLowLatency, Q::kNvfp4, 0, false, false},
+      {"ll_nvfp4_hook", B::kDeepEp, M::kLowLatency, Q::kNvfp4, 0, true, false},
       {"a2a_bf16", B::kA2a, M::kNormal, Q::kBf16, 0, false, false},
       {"a2a_fp8", B::kA2a, M::kAuto, Q::kFp8, 0, false, true},
       {"ht_worst_fp8", B::kDeepEp, M::kNormal, Q::kFp8, 1, false, false},

@@ -2,8 +2,9 @@
 // (tests/support/oracle_ll.h, which the cpu backend also matches bit for bit), on R = 1, 2, 4 and 8
 // forked ranks, one GPU each. Skipped, with the reason, where fewer GPUs are visible.
 //
-// Every check compares every defined element bit for bit: recv_x bytes (fp8 or bf16) and
-// recv_scales (f32 or packed UE8M0, column-major) of every valid row, recv_count, src_info,
+// Every check compares every defined element bit for bit: recv_x bytes (fp8, bf16 or NVFP4 e2m1
+// pairs) and recv_scales (f32 or packed UE8M0, column-major; NVFP4 e4m3, interleaved) of every
+// valid row, recv_count, src_info,
 // layout_range, the cumulative stats and combine's out. Outputs are poisoned before the library
 // writes them (allocator outputs and a given out are filled with 0xFF; graph outputs before every
 // replay); y rows past the received counts are NaN, so a wrong row read shows up in out.
@@ -150,6 +151,14 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
       a.use_fp8 = p.use_fp8;
       a.round_scale = p.round_scale;
       a.use_ue8m0 = p.use_ue8m0;
+      a.use_nvfp4 = p.use_nvfp4;
+      if (p.use_nvfp4 && c.seed % 2) {  // g as a device tensor (element 0 read) or a host value
+        keep.push_back(gpu_testing::to_device(std::vector<float>{p.global_scale, -1.0f},
+                                              DType::kF32, {2}, dev));
+        a.x_global_scale = keep.back();
+      } else if (p.use_nvfp4) {
+        a.global_scale = p.global_scale;
+      }
       a.return_recv_hook = c.hook;
       if (c.stats) {
         stats[b] = gpu_testing::to_device(bs[b]->stats0[r], DType::kI32, {L}, dev);
@@ -364,6 +373,19 @@ TEST_P(LlGpu, LogfmtCasesMatchOracle) {
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
 
+// NVFP4 edge cases (tests/support/ll_cases.h: DeepSeek's H with two batches in flight, a partial
+// 128-row scale tile, H = 128, saturating and flushing global scales, every routing; g as a
+// device tensor or a host value): every value byte and interleaved scale equals the oracle's,
+// which the cpu backend matches bit for bit (tests/unit/ll_test.cc Ll.Nvfp4CasesMatchOracle).
+TEST_P(LlGpu, Nvfp4CasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  const std::vector<Case> cases = testing::nvfp4_ll_cases(R, 800000 + 100 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
+  EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, LlGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
@@ -389,6 +411,15 @@ TEST_P(LlOneGpu, LogfmtCasesMatchOracle) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
   const std::vector<Case> cases = logfmt_cases(R, 900000 + 1000 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
+  EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
+}
+
+TEST_P(LlOneGpu, Nvfp4CasesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  const std::vector<Case> cases = testing::nvfp4_ll_cases(R, 810000 + 100 * R);
   std::vector<std::vector<Batch>> data;
   for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
@@ -591,24 +622,33 @@ INSTANTIATE_TEST_SUITE_P(Ranks, LlOneGpuLifetime, ::testing::Values(2, 4, 8),
 // ---- CUDA graphs ---------------------------------------------------------------------------
 
 // dispatch + combine captured once without hooks (fp8, UE8M0, stats, y copied into the zero-copy
-// buffer inside the graph), once with both hooks (bf16, y from the caller) and once without hooks
-// with use_logfmt (fp8, the zero-copy buffer encoded in place at every replay), each replayed
-// kReplays times on new inputs written into the captured input buffers; every replay checked.
-// R ranks, one GPU each (R = 1: the graph paths on a one-GPU machine).
+// buffer inside the graph), once with both hooks (bf16, y from the caller), once without hooks
+// with use_logfmt (fp8, the zero-copy buffer encoded in place at every replay) and once without
+// hooks in NVFP4 with x_global_scale a device tensor rewritten before every replay (the kernel
+// reads the replay's g), each replayed kReplays times on new inputs written into the captured
+// input buffers; every replay checked. R ranks, one GPU each (R = 1: the graph paths on a
+// one-GPU machine).
 int graph_replays(int R) {
-  constexpr int kReplays = 100;
-  Case cases[3];  // the third: use_logfmt, zero_copy encoded in place in every replay
+  constexpr int kReplays = 100, kModes = 4;
+  Case cases[kModes];  // [2]: use_logfmt, zero_copy encoded in place; [3]: NVFP4
   cases[0].p = {R, 32, 256, 4, 8 * R, true, true, true};
   cases[1].p = {R, 32, 256, 4, 8 * R, false, false, false};
   cases[2].p = {R, 32, 256, 4, 8 * R, true, false, false, true};
+  cases[3].p = {R, 32, 256, 4, 8 * R, false, false, false};
+  cases[3].p.use_nvfp4 = true;
   const std::vector<Routing> all = testing::all_routings();
-  std::vector<Batch> data[3];
+  std::vector<Batch> data[kModes];
+  std::vector<float> gvals;  // NVFP4: replay i's g
   std::mt19937_64 rng(4242);
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < kModes; ++m) {
     cases[m].fixed_tokens.assign(R, 32);
     cases[m].fixed_tokens[0] = 29;
     for (int i = 0; i <= kReplays; ++i) {  // batch 0: the eager warm-up call
       cases[m].routing = all[(i + m) % all.size()];
+      if (cases[m].p.use_nvfp4) {
+        cases[m].p.global_scale = std::ldexp(1.0f + (i % 7) / 8.0f, i % 11 - 3);
+        gvals.push_back(cases[m].p.global_scale);
+      }
       data[m].push_back(testing::make_ll_batch(cases[m], rng));
     }
   }
@@ -636,13 +676,18 @@ int graph_replays(int R) {
     Tensor y = default_allocator()(DType::kBF16, {L, RT, H}, Device::cuda(dev));
     Tensor out = default_allocator()(DType::kBF16, {T, H}, Device::cuda(dev));
     Tensor stats = default_allocator()(DType::kI32, {L}, Device::cuda(dev));
+    Tensor gscale = default_allocator()(DType::kF32, {1}, Device::cuda(dev));
     int bad = 0;
     {
-      for (int m = 0; m < 3 && bad == 0; ++m) {
+      for (int m = 0; m < kModes && bad == 0; ++m) {
         const bool hook = m == 1;
         const LlProblem& p = cases[m].p;
+        int batch = 0;  // the batch upload() wrote
         auto upload = [&](const Batch& b) {
           const LlRankInput& in = b.in[r];
+          batch = static_cast<int>(&b - data[m].data());
+          if (p.use_nvfp4)
+            CUDA_OK(cudaMemcpyAsync(gscale.data, &gvals[batch], 4, cudaMemcpyHostToDevice, stream));
           CUDA_OK(cudaMemcpyAsync(x.data, in.x.data(), 2 * T * H, cudaMemcpyHostToDevice, stream));
           CUDA_OK(cudaMemcpyAsync(topk.data, in.topk_idx.data(), 8 * T * K, cudaMemcpyHostToDevice,
                                   stream));
@@ -660,6 +705,8 @@ int graph_replays(int R) {
         da.use_fp8 = p.use_fp8;
         da.round_scale = p.round_scale;
         da.use_ue8m0 = p.use_ue8m0;
+        da.use_nvfp4 = p.use_nvfp4;
+        if (p.use_nvfp4) da.x_global_scale = gscale;
         da.return_recv_hook = hook;
         if (!hook) da.cumulative_local_expert_recv_stats = stats;
         da.stream = stream;
@@ -835,6 +882,73 @@ int bad_expert_case(bool one_gpu) {
     return failures;
   };
   return run_ranks(2, one_gpu, body);
+}
+
+// Ranks that disagree on use_nvfp4, then on the NVFP4 global scale (a device tensor on rank 0, a
+// host value on rank 1): the receive finds it on the device; check() raises InvalidArgument on
+// every rank naming the option and both ranks' values; ll_clean, then an agreeing NVFP4 case is
+// exact. Two GPUs, or (one_gpu) two ranks sharing GPU 0.
+int nvfp4_disagree_case(bool one_gpu) {
+  const Case c = small_case(2, 41);
+  Case agree = c;
+  agree.p.use_fp8 = false;
+  agree.p.use_nvfp4 = true;
+  agree.p.global_scale = 3.0f;
+  const std::vector<Batch> clean = testing::make_ll_batches(agree);
+  const auto body = [&](const Group& g) {
+    const int r = g.rank(), dev = one_gpu ? 0 : r;
+    const int64_t H = c.p.hidden, T = 11;
+    const int K = c.p.top_k;
+    int failures = 0;
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+      ++failures;
+    };
+    const RankStream rs;
+    Buffer buf(g, shape_of(c.p), ll_only());
+    Tensor x = gpu_testing::to_device(clean[0].in[r].x, DType::kBF16, {T, H}, dev);
+    Tensor topk = upload_topk(clean[0].in[r].topk_idx, T, K, false, dev);
+    Tensor gs = gpu_testing::to_device(std::vector<float>{2.0f}, DType::kF32, {1}, dev);
+    auto expect_differs = [&](LlDispatchArgs da, std::initializer_list<const char*> needles) {
+      da.x = x;
+      da.topk_idx = topk;
+      da.use_fp8 = false;
+      da.stream = rs.get();
+      try {
+        buf.ll_dispatch(da, poison_allocator());
+        CUDA_OK(cudaStreamSynchronize(rs.get()));
+        buf.check();
+        fail(std::string("no error for ") + *needles.begin());
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        bool ok = e.code() == ErrorCode::kInvalidArgument;
+        for (const char* n : needles) ok = ok && m.find(n) != std::string::npos;
+        if (!ok) fail("unexpected error: " + m);
+      }
+      buf.ll_clean();
+    };
+    LlDispatchArgs a;
+    a.use_nvfp4 = r == 0;
+    if (r == 0) a.x_global_scale = gs;
+    expect_differs(a, {"'use_nvfp4'", "rank 0 has true", "rank 1 has false"});
+    a.use_nvfp4 = true;
+    if (r == 1) a.global_scale = 0.5f;
+    expect_differs(a, {"'x_global_scale'", "rank 0 has 2", "rank 1 has 0.5"});
+    const std::string err = run_rank(agree, clean, g, rs.get());
+    if (!err.empty()) fail("agreeing NVFP4 case after the errors: " + err);
+    return failures;
+  };
+  return run_ranks(2, one_gpu, body);
+}
+
+TEST(LlGpuErrors, Nvfp4DisagreementIsInvalidArgument) {
+  EPX_REQUIRE_GPUS(2);
+  EXPECT_EQ(nvfp4_disagree_case(false), 0);
+}
+
+TEST(LlGpuErrors, Nvfp4DisagreementIsInvalidArgumentOneGpu) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(nvfp4_disagree_case(true), 0);
 }
 
 TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {

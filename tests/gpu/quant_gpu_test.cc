@@ -11,7 +11,8 @@
 // and unused group bytes, NVFP4 values and scales), after the device outputs were poisoned with
 // 0xFF. The UE8M0 re-layout (row-major words -> column-major, TMA-aligned; ht's x_scale) from
 // contiguous, padded-row and transposed words, every storage byte incl. the padding tokens.
-// Narrowing: int64/int32 ids, out-of-int32-range ids, strided and transposed views.
+// Narrowing: int64/int32 ids, out-of-int32-range ids, strided and transposed views. NVFP4 scale
+// interleave: shapes, dtypes and strides against the cpu path, every output byte.
 // Expert load: local ids (int64/int32, duplicates, -1, out of range), a2a global ids with
 // counts and garbage past them, ll counts, small and shared-memory-exceeding L, more rows than one
 // grid covers, reset; the device counter against the host counter after every call.
@@ -285,6 +286,58 @@ TEST(QuantGpu, Nvfp4MatchesCpuBitForBit) {
         ++n;
       }
     std::fprintf(stderr, "nvfp4: %d cases compared\n", n);
+    return errors;
+  });
+  EXPECT_EQ(rc, 0) << "see stderr for the differing bytes";
+}
+
+// ---- NVFP4 scale interleave ---------------------------------------------------------------
+
+// nvfp4_block_scale_interleave of cuda tensors (one kernel on a created stream) against the cpu
+// path, every output byte (padding included, after poisoning): 2-D and batched shapes with
+// partial row and column tiles, u8 / e4m3 / bf16, contiguous and strided (every other column)
+// inputs; plus DeepSeek's ll shape ([L, RT, H/16] with RT = 1024, H = 7168).
+TEST(QuantGpu, Nvfp4InterleaveMatchesCpuBitForBit) {
+  EPX_REQUIRE_GPUS(1);
+  const int rc = run_on_gpu([] {
+    std::string errors;
+    std::mt19937_64 rng(17);
+    const std::vector<std::vector<int64_t>> shapes = {
+        {1, 1}, {128, 4}, {130, 5}, {300, 10}, {2, 127, 6}, {3, 33, 1}, {4, 0, 4}, {8, 1024, 448}};
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreate(&stream));
+    for (const auto& shape : shapes)
+      for (DType dtype : {DType::kU8, DType::kF8E4M3, DType::kBF16})
+        for (bool strided : {false, true}) {
+          const bool batched = shape.size() == 3;
+          const int64_t B = batched ? shape[0] : 1, rows = shape[shape.size() - 2];
+          const int64_t cols = shape.back(), step = strided ? 2 : 1;
+          const size_t elem = dtype_size(dtype);
+          std::vector<uint8_t> host(std::max<int64_t>(B * rows * cols * step, 1) * elem);
+          for (auto& b : host) b = static_cast<uint8_t>(rng());
+          TensorView h = TensorView::contiguous(host.data(), dtype, shape);
+          h.strides[h.ndim - 1] = step;
+          h.strides[h.ndim - 2] = cols * step;
+          if (batched) h.strides[0] = rows * cols * step;
+          const Tensor d_in = gpu_testing::to_device(host.data(), host.size(), DType::kU8,
+                                                     {static_cast<int64_t>(host.size())}, 0);
+          TensorView d = h;
+          d.data = d_in.data;
+          d.device = Device::cuda(0);
+          const Tensor want = nvfp4_block_scale_interleave(h);
+          const Tensor got = nvfp4_block_scale_interleave(d, poison_allocator(), stream);
+          CUDA_OK(cudaStreamSynchronize(stream));
+          const std::string what = "interleave " + h.describe();
+          if (got.device != Device::cuda(0) || got.dtype != dtype || got.ndim != 1 ||
+              got.shape[0] != want.shape[0]) {
+            errors += what + ": got " + got.describe() + "\n";
+            continue;
+          }
+          const std::string e = diff_bytes(what, storage_bytes(want, want.shape[0]),
+                                           storage_bytes(got, got.shape[0]));
+          if (!e.empty()) errors += e + "\n";
+        }
+    CUDA_OK(cudaStreamDestroy(stream));
     return errors;
   });
   EXPECT_EQ(rc, 0) << "see stderr for the differing bytes";

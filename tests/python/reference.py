@@ -155,6 +155,53 @@ def ue8m0_pack(scales):
     return word.to(torch.int32)
 
 
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def e2m1_encode(v):
+    """float32 -> e2m1 code (sign bit 3): nearest grid value, ties to the even code, saturated."""
+    a = v.abs().to(torch.float64).flatten()
+    hi = torch.searchsorted(_E2M1, a).clamp(max=7)
+    lo = (hi - 1).clamp(min=0)
+    d_hi, d_lo = (_E2M1[hi] - a).abs(), (a - _E2M1[lo]).abs()
+    code = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+    code[a >= 6.0] = 7
+    return (code | (torch.signbit(v.flatten()).to(torch.int64) << 3)).reshape(v.shape)
+
+
+def e2m1_decode(code):
+    code = code.to(torch.int64)
+    mag = _E2M1[code & 7].to(torch.float32)
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def quantize_nvfp4(x, g):
+    """docs/semantics.md §2.2 (NVFP4): per token per 16 values sf = e4m3((amax / 6) * g),
+    q = e2m1(x * (g / sf)) (0 when sf is 0). x [T, H] bf16 -> (values u8 [T, H/2], element 2i in
+    the low nibble; e4m3 scales u8 [T, H/16])."""
+    T, H = x.shape
+    xf = x.to(torch.float32).reshape(T, H // 16, 16)
+    gs = torch.tensor(g, dtype=torch.float32)
+    sf = e4m3_encode(xf.abs().amax(dim=2) / torch.tensor(6.0) * gs)
+    sf_f = e4m3_decode(sf)
+    inv = torch.where(sf_f == 0, torch.zeros_like(sf_f), gs / sf_f)
+    code = e2m1_encode(xf * inv[:, :, None]).reshape(T, H // 2, 2)
+    return (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8), sf
+
+
+def nvfp4_ll_rows(recv_x, recv_scales):
+    """The NVFP4 views an ll dispatch returns (docs/semantics.md §2.2; DeepEP's forks' layout):
+    recv_x (RT, H/2, L) and recv_scales (32, 4, ceil(RT/128), 4, H/64, L), scale j of row r at
+    (r % 32, r % 128 // 32, r // 128, j % 4, j // 4, l) -> (values u8 [L, RT, H/2], scales u8
+    [L, RT, H/16]), read through the views' indexing (CPU copies)."""
+    x = recv_x.cpu().permute(2, 0, 1)
+    s = recv_scales.cpu().view(torch.uint8)
+    L, RT = x.shape[0], x.shape[1]
+    rm, rk = s.shape[2], s.shape[4]
+    rows = s.permute(5, 2, 1, 0, 4, 3).reshape(L, rm * 128, rk * 4)
+    return x, rows[:, :RT]
+
+
 def f32_add(a, b):
     """float32 a + b with one rounding (a, b float32 tensors)."""
     return (a.to(torch.float64) + b.to(torch.float64)).to(torch.float32)
@@ -322,9 +369,11 @@ def ht_combine(inputs, ys, rank, num_experts, num_ranks, bias0=None, bias1=None)
 
 # ---- ll (docs/semantics.md §2) ------------------------------------------------------------------
 
-def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round_scale=False):
+def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round_scale=False,
+                nvfp4_scale=None):
     """Expert-major receive of `rank`: per local expert l, rows by source rank then source index;
-    a token that lists expert e several times gets one row for e."""
+    a token that lists expert e several times gets one row for e. With `nvfp4_scale` (g): the
+    rows' NVFP4 values [n, H/2] and e4m3 scales [n, H/16] (quantize_nvfp4)."""
     L = num_experts // num_ranks
     rows = [[] for _ in range(L)]  # (src_rank, src_idx)
     for s in range(num_ranks):
@@ -334,14 +383,16 @@ def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round
             for t in (idx == e).any(dim=1).nonzero().flatten().tolist():
                 rows[l].append((s, t))
     quant = {}
-    if use_fp8:
-        for s in range(num_ranks):
+    for s in range(num_ranks):
+        if nvfp4_scale is not None:
+            quant[s] = quantize_nvfp4(inputs[s]["x"], nvfp4_scale)
+        elif use_fp8:
             quant[s] = quantize_fp8(inputs[s]["x"], round_scale)
     out = []
     for l in range(L):
         xs, sc, src = [], [], []
         for s, t in rows[l]:
-            if use_fp8:
+            if quant:
                 xs.append(quant[s][0][t])
                 sc.append(quant[s][1][t])
             else:

@@ -205,10 +205,17 @@ def body_ll_errors(ctx, seed):
     handle = res[2]
     y = torch.zeros(E // R, R * T_max, H, dtype=torch.bfloat16)
     cases = [
-        (epx.Unsupported, "use_nvfp4", lambda: buf.low_latency_dispatch(
-            x, idx, T_max, E, use_nvfp4=True)),
-        (epx.Unsupported, "x_global_scale", lambda: buf.low_latency_dispatch(
-            x, idx, T_max, E, x_global_scale=torch.ones(1))),
+        # NVFP4 (DeepEP's use_fp8 defaults to True): one of the two; a global scale; e4m3 scales.
+        (epx.InvalidArgument, "'use_nvfp4'", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_nvfp4=True, x_global_scale=torch.ones(1))),
+        (epx.InvalidArgument, "'x_global_scale' is required", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_fp8=False, use_nvfp4=True)),
+        (epx.InvalidArgument, "'x_global_scale'", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_fp8=False, use_nvfp4=True,
+            x_global_scale=torch.ones(1, dtype=torch.float64))),
+        (epx.Unsupported, "'use_ue8m0'", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_fp8=False, use_nvfp4=True, round_scale=True, use_ue8m0=True,
+            x_global_scale=torch.ones(1))),
         (epx.InvalidArgument, "async_finish", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, async_finish=True, return_recv_hook=True)),
         (epx.OutOfCapacity, "T_max", lambda: buf.low_latency_dispatch(

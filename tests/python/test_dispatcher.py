@@ -73,36 +73,9 @@ def _fp8_ref(x, quant):
     return q, (ref.ue8m0_pack(s) if quant == "fp8_ue8m0" else s)
 
 
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-
-
-def _e2m1_encode(v):
-    """float32 -> e2m1 code (sign bit 3): nearest grid value, ties to the even code, saturated."""
-    a = v.abs().to(torch.float64).flatten()
-    hi = torch.searchsorted(_E2M1, a).clamp(max=7)
-    lo = (hi - 1).clamp(min=0)
-    d_hi, d_lo = (_E2M1[hi] - a).abs(), (a - _E2M1[lo]).abs()
-    code = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
-    code[a >= 6.0] = 7
-    return (code | (torch.signbit(v.flatten()).to(torch.int64) << 3)).reshape(v.shape)
-
-
-def _e2m1_decode(code):
-    code = code.to(torch.int64)
-    mag = _E2M1[code & 7].to(torch.float32)
-    return torch.where((code & 8) != 0, -mag, mag)
-
-
 def _nvfp4_ref(x, g):
     """x [T, H] bf16 -> (values u8 [T, H/2], e4m3 scales u8 [T, H/16])."""
-    T = x.shape[0]
-    xf = x.to(torch.float32).reshape(T, H // 16, 16)
-    gs = torch.tensor(g, dtype=torch.float32)
-    sf = ref.e4m3_encode(xf.abs().amax(dim=2) / torch.tensor(6.0) * gs)
-    sf_f = ref.e4m3_decode(sf)
-    inv = torch.where(sf_f == 0, torch.zeros_like(sf_f), gs / sf_f)
-    code = _e2m1_encode(xf * inv[:, :, None]).reshape(T, H // 2, 2)
-    return (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8), sf
+    return ref.quantize_nvfp4(x, g)
 
 
 def _dequant(x, scale, quant):
@@ -114,7 +87,8 @@ def _dequant(x, scale, quant):
     scale = scale.cpu().contiguous()
     if quant == "nvfp4":
         b = x.contiguous().to(torch.int64)
-        v = torch.stack([_e2m1_decode(b & 0xF), _e2m1_decode(b >> 4)], dim=-1).reshape(*lead, H)
+        v = torch.stack([ref.e2m1_decode(b & 0xF), ref.e2m1_decode(b >> 4)],
+                        dim=-1).reshape(*lead, H)
         sf = ref.e4m3_decode(scale).repeat_interleave(16, dim=-1)
         return v * sf / torch.tensor(GSCALE, dtype=torch.float32)
     v = ref.e4m3_decode(_bits(x).contiguous())
@@ -182,7 +156,8 @@ def body_stage_machine(ctx, seed):
             (dict(quant="int4"), epx.InvalidArgument, "'quant' is 'int4'"),
             (dict(num_experts=E + 1), epx.InvalidArgument, f"'num_experts' is {E + 1}"),
             (dict(hidden=100), epx.InvalidArgument, "'hidden' is 100"),
-            (dict(quant="nvfp4"), epx.Unsupported, "nvfp4 needs backend a2a"),
+            (dict(quant="nvfp4"), epx.Unsupported,
+             "nvfp4 with backend deepep needs mode low_latency"),
             (dict(backend="a2a", mode="low_latency"), epx.InvalidArgument, "low_latency")]:
         if R == 1 and "num_experts" in kw:
             continue  # E + 1 is a multiple of 1
@@ -380,7 +355,8 @@ def body_ll(ctx, seed, quant, return_recv_hook, check_load=True):
     x, idx, w = _to(inputs[r], ctx.device)
     hooked = []
     d.register_hook(lambda: hooked.append(d.stage))
-    out = d.dispatch(x, idx, w, forward_mode="extend")  # low_latency ignores the forward mode
+    gs = GSCALE if quant == "nvfp4" else None
+    out = d.dispatch(x, idx, w, forward_mode="extend", global_scale=gs)  # ll ignores the mode
     assert out.format == "ll" and hooked == ["after_dispatch_a"]
     assert out.expected_m == (x.shape[0] * R * K + E) // E
     assert out.topk_idx is idx and out.topk_weights is w  # the caller's own routing
@@ -395,9 +371,20 @@ def body_ll(ctx, seed, quant, return_recv_hook, check_load=True):
 def _check_ll_dispatch(out, inputs, r, R, quant):
     """out (an ll DispatchOutput) against the reference: masked_m, layouts, every valid row."""
     L = E // R
-    want = ref.ll_dispatch(inputs, r, E, R, T_MAX, quant != "bf16", quant == "fp8_ue8m0")
+    want = ref.ll_dispatch(inputs, r, E, R, T_MAX, quant != "bf16", quant == "fp8_ue8m0",
+                           nvfp4_scale=GSCALE if quant == "nvfp4" else None)
     assert out.masked_m.dtype == torch.int32
     assert out.masked_m.cpu().tolist() == [c["count"] for c in want]
+    if quant == "nvfp4":  # the views of epx/ll.h, read through their indexing
+        RT = R * T_MAX
+        assert out.x.shape == (RT, H // 2, L) and out.x.stride() == (H // 2, 1, RT * H // 2)
+        assert out.x_scale.shape == (32, 4, (RT + 127) // 128, 4, H // 64, L)
+        xs, ss = ref.nvfp4_ll_rows(out.x, out.x_scale)
+        for l, c in enumerate(want):
+            m = c["count"]
+            if m:
+                assert torch.equal(xs[l, :m], c["x"]) and torch.equal(ss[l, :m], c["scales"]), l
+        return
     assert out.x.shape == (L, R * T_MAX, H)
     G = H // 128
     if quant != "bf16":
@@ -441,15 +428,16 @@ def body_ll_graph(ctx, seed, quant, return_recv_hook, num_replays=10):
     y = ys[r].to(ctx.device)
     side = torch.cuda.Stream(ctx.device)
     side.wait_stream(torch.cuda.current_stream(ctx.device))
+    gs = GSCALE if quant == "nvfp4" else None
     with torch.cuda.stream(side):
-        out = d.dispatch(x, idx, w, forward_mode="decode")
+        out = d.dispatch(x, idx, w, forward_mode="decode", global_scale=gs)
         res = d.combine(y)
     side.synchronize()
     assert hooked == [side.cuda_stream]  # hooks run with the dispatch's stream current
     check(inputs, ys, out, res)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        out = d.dispatch(x, idx, w, forward_mode="decode")
+        out = d.dispatch(x, idx, w, forward_mode="decode", global_scale=gs)
         res = d.combine(y)
     for call in range(1, num_replays + 1):
         inputs, ys = call_inputs(call)
@@ -518,7 +506,10 @@ def _expert_weights(seed, e):
 def run_experts(out, quant, W_local, rank, num_local):
     """The expert GEMMs of one rank on a DispatchOutput (float32, a loop over local experts) ->
     what combine takes. Shared with demo/epx_demo.py's logic, written here independently."""
-    xd = _dequant(out.x, out.x_scale, quant)
+    if out.format == "ll" and quant == "nvfp4":
+        xd = _dequant(*ref.nvfp4_ll_rows(out.x, out.x_scale), quant)
+    else:
+        xd = _dequant(out.x, out.x_scale, quant)
     if out.format == "ht":
         idx, w = out.topk_idx.cpu(), out.topk_weights.cpu()
         y = torch.zeros(xd.shape[0], H)
@@ -634,7 +625,8 @@ def test_ht_worst_case_rows(pool, quant):
     _run(pool, body_ht, quant, 4 * T_MAX + 1)  # 49 rows: UE8M0 pads them to 52
 
 
-@pytest.mark.parametrize("quant,hook", [("bf16", True), ("fp8", False), ("fp8_ue8m0", True)])
+@pytest.mark.parametrize("quant,hook", [("bf16", True), ("fp8", False), ("fp8_ue8m0", True),
+                                        ("nvfp4", True), ("nvfp4", False)])
 def test_ll_outputs_and_combine(pool, quant, hook):
     _run(pool, body_ll, quant, hook)
 
@@ -646,7 +638,8 @@ def test_a2a_outputs_and_combine(pool, quant, view):
 
 
 LAYER_CONFIGS = [("deepep", "normal", "bf16"), ("deepep", "normal", "fp8"),
-                 ("deepep", "low_latency", "fp8_ue8m0"), ("deepep", "auto", "fp8"),
+                 ("deepep", "low_latency", "fp8_ue8m0"), ("deepep", "low_latency", "nvfp4"),
+                 ("deepep", "auto", "fp8"),
                  ("a2a", "normal", "bf16"), ("a2a", "normal", "nvfp4")]
 
 
@@ -707,14 +700,14 @@ def test_gpu_ht_worst_case_ue8m0(gpu_pool):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", QUANTS + ("nvfp4",))
 def test_gpu_ll(gpu_pool, quant):
     _run(gpu_pool, body_ll, quant, True, False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant,hook", [("bf16", False), ("bf16", True), ("fp8", False),
-                                        ("fp8", True)])
+                                        ("fp8", True), ("nvfp4", False), ("nvfp4", True)])
 def test_gpu_ll_side_stream_and_graph(gpu_pool, quant, hook):
     _run(gpu_pool, body_ll_graph, quant, hook)
 

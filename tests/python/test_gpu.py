@@ -12,6 +12,7 @@ import test_deep_ep_ht as ht
 import test_deep_ep_ll as ll
 import test_epx
 import test_flashinfer as a2a
+import test_nvfp4 as nvfp4
 from conftest import gpu_skip_reason
 
 pytestmark = pytest.mark.gpu
@@ -42,6 +43,14 @@ def test_gpu_deep_ep_normal(gpu_pool, body):
                                   ll.body_ll_logfmt],
                          ids=lambda b: b.__name__)
 def test_gpu_deep_ep_low_latency(gpu_pool, body):
+    gpu_pool.run(body, _seed())
+
+
+@pytest.mark.parametrize("body", [nvfp4.body_native_nvfp4, nvfp4.body_deep_ep_nvfp4],
+                         ids=lambda b: b.__name__)
+def test_gpu_ll_nvfp4(gpu_pool, body):
+    """NVFP4 ll dispatch (epx.Buffer and the DeepEP drop-in) on the cuda backend, every valid
+    byte and scale against reference.py (test_nvfp4.py)."""
     gpu_pool.run(body, _seed())
 
 

@@ -52,7 +52,42 @@ LlCase random_ll_case(int R, uint64_t seed, double two_iters) {
   c.padded = coin(0.25);
   c.num_iters = coin(two_iters) ? 2 : 1;
   c.p.use_logfmt = coin(0.3);  // drawn last: the other fields of a seed stay what they were
+  // Last, so the cases above keep their seeds' draws: some bf16 cases become NVFP4, with g an
+  // engine's 448 * 6 / amax for rows up to 2^6 * 4, 1, or g saturating / flushing the scales.
+  if (!c.p.use_fp8 && coin(0.5)) {
+    c.p.use_nvfp4 = true;
+    c.p.global_scale = pick(2688.0f / 256.0f, 1.0f, 5000.0f, 1e-3f);
+  }
   return c;
+}
+
+std::vector<LlCase> nvfp4_ll_cases(int R, uint64_t seed) {
+  std::vector<LlCase> cases;
+  auto add = [&](LlProblem p, Routing routing, float g) {
+    LlCase c;
+    c.p = p;
+    c.p.use_nvfp4 = true;
+    c.p.global_scale = g;
+    c.routing = routing;
+    c.seed = seed++;
+    cases.push_back(c);
+    return &cases.back();
+  };
+  LlCase* c = add({R, 7, 7168, 8, 16 * R}, Routing::kUniform, 2688.0f / 256.0f);
+  c->hook = true;
+  c->num_batches = 2;
+  c->fixed_tokens.assign(R, 7);
+  c = add({R, 130, 384, 9, 3 * R}, Routing::kSkewed, 5000.0f);  // R * 130 rows: partial tile
+  c->zero_copy = c->out_given = c->stats = true;
+  c->num_iters = 2;
+  c = add({R, 33, 128, 1, R}, Routing::kAllToOne, 1e-3f);
+  c->topk_i32 = c->padded = c->hook = true;
+  int i = 0;
+  for (Routing routing : all_routings()) {
+    c = add({R, 64, 256, 4, 4 * R}, routing, i % 2 ? 1.0f : 2688.0f / 64.0f);
+    c->hook = i++ % 2 == 0;
+  }
+  return cases;
 }
 
 std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng) {

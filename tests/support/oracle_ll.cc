@@ -1,8 +1,9 @@
 // tests/support/oracle_ll.cc — the naive ll oracle. Data flow, for rank r:
 //   dispatch: for each local expert l (global e = r * L + l), walk every source rank s ascending
 //     and its tokens t ascending; a token whose topk row contains e (once or more) takes the next
-//     row of l: its bf16 row, or quantize_row_fp8 of it; src_info = t. layout_range[l][s] is the
-//     (begin << 32) | count of the rows taken from s.
+//     row of l: its bf16 row, quantize_row_fp8 of it, or oracle_nvfp4_row of it (below, written
+//     from the formula); src_info = t. layout_range[l][s] is the (begin << 32) | count of the
+//     rows taken from s. The same on every topology (ranks_per_node is not read), NVFP4 included.
 //   combine: the row of (source rank, token) in every expert is found again by the same walk,
 //     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order — across nodes
 //     one chain per node (its experts' k in order, from 0.0f), this rank's node's first, then
@@ -11,6 +12,7 @@
 #include "support/oracle_ll.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -25,10 +27,11 @@ std::string LlProblem::describe() const {
       ranks_per_node > 0 && ranks_per_node < num_ranks
           ? detail::cat(" (", num_ranks / ranks_per_node, "x", ranks_per_node, ")")
           : "";
+  const char* format = use_fp8 ? " fp8" : use_nvfp4 ? " nvfp4" : " bf16";
   return detail::cat("R=", num_ranks, nodes, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
-                     " E=", num_experts, use_fp8 ? " fp8" : " bf16",
-                     round_scale ? " round_scale" : "", use_ue8m0 ? " ue8m0" : "",
-                     use_logfmt ? " logfmt" : "");
+                     " E=", num_experts, format, round_scale ? " round_scale" : "",
+                     use_ue8m0 ? " ue8m0" : "", use_logfmt ? " logfmt" : "",
+                     use_nvfp4 ? detail::cat(" g=", global_scale) : "");
 }
 
 namespace {
@@ -53,6 +56,20 @@ std::vector<std::vector<int64_t>> rows_of_all_experts(const LlProblem& p,
   return row_of;
 }
 
+// The e2m1 code of v: the nearest of {0, .5, 1, 1.5, 2, 3, 4, 6} (ties to the even code,
+// saturating), sign in bit 3 (negative zero included); NaN -> 0.
+uint8_t e2m1_code(float v) {
+  static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  if (std::isnan(v)) return 0;
+  const float a = std::fabs(v);
+  int best = 0;
+  for (int c = 1; c < 8; ++c) {
+    const float d = std::fabs(a - kMag[c]), db = std::fabs(a - kMag[best]);
+    if (d < db || (d == db && c % 2 == 0)) best = c;
+  }
+  return static_cast<uint8_t>(best | (std::signbit(v) ? 8 : 0));
+}
+
 uint8_t exponent_byte(float pow2) {
   uint32_t bits;
   std::memcpy(&bits, &pow2, 4);
@@ -61,15 +78,35 @@ uint8_t exponent_byte(float pow2) {
 
 }  // namespace
 
+void oracle_nvfp4_row(const uint16_t* x, int64_t hidden, float global_scale, uint8_t* q,
+                      uint8_t* sf) {
+  for (int64_t b = 0; b < hidden / 16; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      const float v = std::fabs(detail::bf16_to_f32(x[16 * b + i]));
+      if (v > amax) amax = v;  // NaN is skipped
+    }
+    sf[b] = detail::f32_to_fp8_e4m3((amax / 6.0f) * global_scale);
+    const float s = detail::fp8_e4m3_to_f32(sf[b]);
+    const float inv = s == 0.0f ? 0.0f : global_scale / s;
+    for (int i = 0; i < 16; i += 2) {
+      const uint8_t lo = e2m1_code(detail::bf16_to_f32(x[16 * b + i]) * inv);
+      const uint8_t hi = e2m1_code(detail::bf16_to_f32(x[16 * b + i + 1]) * inv);
+      q[(16 * b + i) / 2] = static_cast<uint8_t>(lo | hi << 4);
+    }
+  }
+}
+
 LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRankInput>& inputs,
                                       int rank) {
   const int L = p.num_local_experts();
   const int64_t RT = p.rows_per_expert(), H = p.hidden, G = p.num_groups();
   const int64_t packed = (G + 3) / 4;
-  const int64_t elem = p.use_fp8 ? 1 : 2;
+  const int64_t row_bytes = p.use_nvfp4 ? H / 2 : p.use_fp8 ? H : 2 * H;
   LlExpectedDispatch out;
   out.recv_count.assign(L, 0);
-  out.recv_x.assign(L * RT * H * elem, 0);
+  out.recv_x.assign(L * RT * row_bytes, 0);
+  if (p.use_nvfp4) out.recv_sf.assign(L * RT * (H / 16), 0);
   if (p.use_fp8 && !p.use_ue8m0) out.recv_scales.assign(L * RT * G, 0.0f);
   if (p.use_fp8 && p.use_ue8m0) out.recv_packed.assign(L * RT * packed, 0);
   out.src_info.assign(L * RT, 0);
@@ -86,8 +123,11 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
       for (int64_t t = 0; t < in.num_tokens; ++t) {
         if (!selects(p, in, t, e)) continue;
         const uint16_t* x = in.x.data() + t * H;
-        uint8_t* dst = out.recv_x.data() + (l * RT + row) * H * elem;
-        if (!p.use_fp8) {
+        uint8_t* dst = out.recv_x.data() + (l * RT + row) * row_bytes;
+        if (p.use_nvfp4) {
+          uint8_t* sf = out.recv_sf.data() + (l * RT + row) * (H / 16);
+          oracle_nvfp4_row(x, H, p.global_scale, dst, sf);
+        } else if (!p.use_fp8) {
           std::memcpy(dst, x, H * 2);
         } else {
           detail::quantize_row_fp8(x, H, p.round_scale, q.data(), scales.data());
@@ -203,6 +243,50 @@ T at(const TensorView& t, std::initializer_list<int64_t> idx) {
   return static_cast<const T*>(t.data)[off];
 }
 
+// The NVFP4 views' dtypes, shapes and strides (epx/ll.h: the storages [L, RT, H/2] and
+// [L, ceil(RT/128), H/64, 32, 4, 4] as DeepEP's forks return them).
+std::string check_nvfp4_views(const LlProblem& p, const LlDispatchResult& got) {
+  const int64_t L = p.num_local_experts(), RT = p.rows_per_expert(), H = p.hidden;
+  const TensorView& x = got.recv_x;
+  if (x.dtype != DType::kU8 || !shape_is(x, {RT, H / 2, L}) || x.strides[0] != H / 2 ||
+      x.strides[1] != 1 || x.strides[2] != RT * H / 2)
+    return "recv_x is " + x.describe() +
+           detail::cat(", expected u8[", RT, ", ", H / 2, ", ", L, "] strides [", H / 2, ", 1, ",
+                       RT * H / 2, "]");
+  const TensorView& s = got.recv_scales;
+  const int64_t rm = (RT + 127) / 128, rk = H / 64;
+  const std::array<int64_t, 6> strides{16, 4, rk * 512, 1, 512, rm * rk * 512};
+  bool ok = s.dtype == DType::kF8E4M3 && shape_is(s, {32, 4, rm, 4, rk, L});
+  for (int i = 0; ok && i < 6; ++i) ok = s.strides[i] == strides[i];
+  if (!ok)
+    return "recv_scales is " + s.describe() +
+           detail::cat(", expected fp8_e4m3[32, 4, ", rm, ", 4, ", rk, ", ", L,
+                       "] strides [16, 4, ", rk * 512, ", 1, 512, ", rm * rk * 512, "]");
+  return "";
+}
+
+// Every value byte and scale of row `row` of expert l, through the views.
+template <typename M>
+void check_nvfp4_row(const LlProblem& p, const LlExpectedDispatch& want,
+                     const LlDispatchResult& got, int l, int64_t row, M& m) {
+  const int64_t RT = p.rows_per_expert(), H = p.hidden;
+  for (int64_t c = 0; c < H / 2; ++c) {
+    const uint8_t v = at<uint8_t>(got.recv_x, {row, c, l});
+    const uint8_t w = want.recv_x[(l * RT + row) * (H / 2) + c];
+    if (v != w)
+      m.add("recv_x[row ", row, "][", c, "][expert ", l, "] = 0x", std::hex, int{v},
+            ", expected 0x", int{w}, std::dec);
+  }
+  for (int64_t j = 0; j < H / 16; ++j) {
+    const uint8_t v =
+        at<uint8_t>(got.recv_scales, {row % 32, row % 128 / 32, row / 128, j % 4, j / 4, l});
+    const uint8_t w = want.recv_sf[(l * RT + row) * (H / 16) + j];
+    if (v != w)
+      m.add("recv_scales of expert ", l, " row ", row, " block ", j, " = 0x", std::hex, int{v},
+            ", expected 0x", int{w}, std::dec);
+  }
+}
+
 }  // namespace
 
 std::string check_ll_dispatch(const LlProblem& p, const LlExpectedDispatch& want,
@@ -211,9 +295,13 @@ std::string check_ll_dispatch(const LlProblem& p, const LlExpectedDispatch& want
   const int64_t RT = p.rows_per_expert(), H = p.hidden, G = p.num_groups();
   const int64_t packed = (G + 3) / 4;
   const DType x_dtype = p.use_fp8 ? DType::kF8E4M3 : DType::kBF16;
-  if (got.recv_x.dtype != x_dtype || !shape_is(got.recv_x, {L, RT, H}))
+  if (p.use_nvfp4) {
+    const std::string e = check_nvfp4_views(p, got);
+    if (!e.empty()) return e;
+  } else if (got.recv_x.dtype != x_dtype || !shape_is(got.recv_x, {L, RT, H})) {
     return "recv_x is " + got.recv_x.describe() + ", expected " + dtype_name(x_dtype) +
            detail::cat("[", L, ", ", RT, ", ", H, "]");
+  }
   if (got.recv_count.dtype != DType::kI32 || !shape_is(got.recv_count, {L}))
     return "recv_count is " + got.recv_count.describe();
   if (got.handle.src_info.dtype != DType::kI32 || !shape_is(got.handle.src_info, {L, RT}))
@@ -245,6 +333,10 @@ std::string check_ll_dispatch(const LlProblem& p, const LlExpectedDispatch& want
       const int32_t src = at<int32_t>(got.handle.src_info, {l, row});
       if (src != want.src_info[l * RT + row])
         m.add("src_info[", l, "][", row, "] = ", src, ", expected ", want.src_info[l * RT + row]);
+      if (p.use_nvfp4) {
+        check_nvfp4_row(p, want, got, l, row, m);
+        continue;
+      }
       for (int64_t c = 0; c < H; ++c) {
         if (p.use_fp8) {
           const uint8_t v = at<uint8_t>(got.recv_x, {l, row, c});

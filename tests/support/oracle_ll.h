@@ -28,6 +28,8 @@ struct LlProblem {
   bool use_logfmt = false;  // combine: y(t, k) as LogFMT-10 decodes it (support/logfmt_ref.h)
   int ranks_per_node = 0;   // GroupOptions::ranks_per_node: 0 = one node (only the combine's
                             // summation order depends on it)
+  bool use_nvfp4 = false;     // dispatch: NVFP4 messages (set by name: fields after this one)
+  float global_scale = 1.0f;  // NVFP4's g (every rank's)
 
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
@@ -47,7 +49,8 @@ struct LlRankInput {
 // hold zeros here.
 struct LlExpectedDispatch {
   std::vector<int32_t> recv_count;    // [L]
-  std::vector<uint8_t> recv_x;        // [L, R*T_max, H * (fp8 ? 1 : 2)] bytes
+  std::vector<uint8_t> recv_x;        // [L, R*T_max, H * (fp8 ? 1 : 2)] bytes, NVFP4 [.., H/2]
+  std::vector<uint8_t> recv_sf;       // [L, R*T_max, H/16] e4m3 bytes   NVFP4
   std::vector<float> recv_scales;     // [L, R*T_max, G]            fp8 without ue8m0
   std::vector<int32_t> recv_packed;   // [L, R*T_max, ceil(G / 4)]  fp8 with ue8m0
   std::vector<int32_t> src_info;      // [L, R*T_max]
@@ -69,8 +72,16 @@ std::vector<std::vector<uint16_t>> oracle_ll_combine_all(
     const LlProblem& p, const std::vector<LlRankInput>& inputs,
     const std::vector<std::vector<uint16_t>>& y);
 
+// NVFP4 of one token row, written here from the definitions of docs/semantics.md §2.2 with
+// core/numeric.h's e4m3 conversions (the e2m1 code by nearest-value search, ties to the even
+// code; independent of core/quant.h): q [H/2] pairs (element 2i low nibble), sf [H/16].
+void oracle_nvfp4_row(const uint16_t* x, int64_t hidden, float global_scale, uint8_t* q,
+                      uint8_t* sf);
+
 // "" when `got` matches `want` on every defined element, else a description of the first
-// mismatch (and how many there were). Tensors are read through their strides.
+// mismatch (and how many there were). Tensors are read through their strides; NVFP4 outputs
+// through DeepEP's logical views (recv_x (RT, H/2, L); scale j of row `row` of expert l at
+// (row % 32, row % 128 / 32, row / 128, j % 4, j / 4, l) of the 6-dim view).
 std::string check_ll_dispatch(const LlProblem& p, const LlExpectedDispatch& want,
                               const LlDispatchResult& got);
 std::string check_ll_combine(const LlProblem& p, const std::vector<uint16_t>& want,

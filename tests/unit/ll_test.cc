@@ -1,7 +1,8 @@
 // ll mode of the cpu backend against the naive oracle (tests/support/oracle_ll.h), bit for bit on
 // every defined element: recv_x bytes, recv_scales (f32 or packed UE8M0, column-major), recv_count,
 // src_info, layout_range, cumulative stats, combine out. Random cases cover R, T per rank
-// (0..T_max), H, K, E, every routing, bf16/fp8/round_scale/ue8m0, hooks (two dispatches in
+// (0..T_max), H, K, E, every routing, bf16/fp8/round_scale/ue8m0/NVFP4 (g as a tensor or a host
+// value; recv_x and the interleaved scales read through DeepEP's views), hooks (two dispatches in
 // flight, reversed hook order), zero_copy, caller-provided out, padded strides, int32 topk, threads
 // and processes. Every output the library allocates comes from a poisoning allocator; every
 // caller-provided output is poisoned. Then every ll error case of docs/semantics.md §4, and
@@ -10,6 +11,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -68,6 +70,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
     // Dispatch every batch, then run the hooks.
     std::vector<Rows> xs;
     std::vector<std::vector<int32_t>> topk32(nb), stats(nb);
+    std::vector<std::vector<float>> gscale(nb);
     std::vector<LlDispatchResult> d(nb);
     for (int b = 0; b < nb; ++b) {
       const LlRankInput& in = bs[b]->in[r];
@@ -86,6 +89,13 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
       a.use_fp8 = p.use_fp8;
       a.round_scale = p.round_scale;
       a.use_ue8m0 = p.use_ue8m0;
+      a.use_nvfp4 = p.use_nvfp4;
+      if (p.use_nvfp4 && c.seed % 2) {  // g as a tensor (element 0 read; the rest poison)
+        gscale[b] = {p.global_scale, -1.0f, 0.0f};
+        a.x_global_scale = TensorView::contiguous(gscale[b].data(), DType::kF32, {3});
+      } else if (p.use_nvfp4) {
+        a.global_scale = p.global_scale;
+      }
       a.return_recv_hook = c.hook;
       if (c.stats) {
         stats[b] = bs[b]->stats0[r];
@@ -216,13 +226,22 @@ TEST(Ll, MatchesOracleOnProcesses) {
 // docs/semantics.md §2.3); hooks, two batches in flight, zero_copy and the rest drawn as above;
 // use_logfmt on every third case and on a last, fixed one (§2.3.1: each node's chain over decoded
 // rows, float32 partials). At least one case per topology, and one LogFMT case, must see the
-// node-first order change a result.
+// node-first order change a result. At 2x2 and 3x1 half the cases (i % 4 = 2, 3: with and
+// without hooks) are NVFP4, whose 9 H / 16-byte messages cross the rail as they are: topology
+// and NVFP4 together, every element against the oracle.
 class LlNodes : public ::testing::TestWithParam<testing::NodeTopology> {};
+
+void make_nvfp4(LlProblem& p, int i) {
+  p.use_fp8 = p.round_scale = p.use_ue8m0 = false;
+  p.use_nvfp4 = true;
+  p.global_scale = i % 8 == 2 ? 2688.0f / 256.0f : 5000.0f;
+}
 
 TEST_P(LlNodes, MatchesOracleOnThreads) {
   const testing::NodeTopology topo = GetParam();
   const int R = topo.num_ranks();
-  int hooks = 0, logfmt = 0, order_differs = 0, logfmt_order_differs = 0;
+  const bool nvfp4_topology = (topo.nodes == 2 && topo.per_node == 2) || topo.per_node == 1;
+  int hooks = 0, logfmt = 0, nvfp4 = 0, order_differs = 0, logfmt_order_differs = 0;
   for (int i = 0; i < 17; ++i) {
     Case c = testing::random_ll_case(R, 200000 + 1000 * R + 10 * topo.per_node + i, 0.3);
     if (i == 16) {  // LogFMT with tokens that reach several nodes
@@ -234,8 +253,10 @@ TEST_P(LlNodes, MatchesOracleOnThreads) {
     c.p.use_logfmt = i % 3 == 0 || i == 16;
     c.hook = i % 2 == 1;
     c.reverse_hooks = c.hook && c.num_batches == 2 && i % 4 == 3;
+    if (nvfp4_topology && i % 4 >= 2) make_nvfp4(c.p, i);
     hooks += c.hook;
     logfmt += c.p.use_logfmt;
+    nvfp4 += c.p.use_nvfp4;
     run_case(c, false);
     // The same inputs summed in the flat order must differ somewhere in some case.
     LlProblem flat = c.p;
@@ -250,6 +271,7 @@ TEST_P(LlNodes, MatchesOracleOnThreads) {
   EXPECT_EQ(logfmt, 7);
   EXPECT_GT(order_differs, 0);
   EXPECT_GT(logfmt_order_differs, 0);
+  if (nvfp4_topology) EXPECT_GE(nvfp4, 8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Topologies, LlNodes, ::testing::ValuesIn(testing::kCiTopologies),
@@ -261,6 +283,7 @@ TEST(LlNodesProcesses, TwoByTwoMatchesOracle) {
     c.p.ranks_per_node = 2;
     c.p.use_logfmt = i == 2;
     c.hook = i != 0;
+    if (i == 2) make_nvfp4(c.p, i);
     run_case(c, true);
   }
 }
@@ -302,6 +325,56 @@ TEST(Ll, LogfmtFixedCases) {
     c.seed = seed++;
     run_case(c, v == 7);
   }
+}
+
+// NVFP4 edge cases (tests/support/ll_cases.h) on 1, 2 and 4 threads, and on 2 processes.
+TEST(Ll, Nvfp4CasesMatchOracle) {
+  for (int R : {1, 2, 4})
+    for (const Case& c : testing::nvfp4_ll_cases(R, 600000 + 100 * R)) run_case(c, false);
+  run_case(testing::nvfp4_ll_cases(2, 610000)[1], true);
+}
+
+// The worked example of docs/semantics.md §2.2 through the dispatch, bytes and scale positions
+// computed by hand: R = 1, E = 1, H = 128, 130 tokens; token t has x = 3 and 1.2 in the first two
+// elements of block j = t % 8 (zeros elsewhere); g = 896 -> sf = e4m3((3 / 6) * 896) = 448 =
+// 0x7E, inv = 2; 3 * 2 = 6 -> code 7, bf16(1.2) * 2 = 2.40625 -> code 4 (2.0): byte 8j = 0x47.
+TEST(Ll, Nvfp4WorkedExample) {
+  testing::run_threads(1, [](const Group& g) {
+    const int64_t T = 130, H = 128;
+    Buffer buf(g, MoeShape{H, 1, 1, T}, {false, true});
+    std::vector<uint16_t> x(T * H, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      x[t * H + 16 * (t % 8)] = detail::f32_to_bf16(3.0f);
+      x[t * H + 16 * (t % 8) + 1] = detail::f32_to_bf16(1.2f);
+    }
+    std::vector<int64_t> topk(T, 0);
+    LlDispatchArgs a;
+    a.x = TensorView::contiguous(x.data(), DType::kBF16, {T, H});
+    a.topk_idx = TensorView::contiguous(topk.data(), DType::kI64, {T, 1});
+    a.use_fp8 = false;
+    a.use_nvfp4 = true;
+    a.global_scale = 896.0f;
+    const LlDispatchResult d = buf.ll_dispatch(a, testing::poison_allocator(0xA5));
+    ASSERT_EQ(d.recv_count.ptr<int32_t>()[0], T);
+    const auto* q = d.recv_x.ptr<uint8_t>();        // storage [1, 130, 64]
+    const auto* sf = d.recv_scales.ptr<uint8_t>();  // storage [1, 2, 2, 32, 4, 4]: 2048 bytes
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < H / 2; ++c)
+        ASSERT_EQ(q[t * H / 2 + c], c == 8 * (t % 8) ? 0x47 : 0) << "row " << t << " byte " << c;
+    // Scale (row, j) at (row / 128) * 1024 + (j / 4) * 512 + (row % 32) * 16 + (row % 128 / 32)
+    // * 4 + j % 4: row 0 (j 0) at 0, row 37 (j 5) at 597, row 129 (j 1) at 1041.
+    EXPECT_EQ(sf[0], 0x7E);
+    EXPECT_EQ(sf[597], 0x7E);
+    EXPECT_EQ(sf[1041], 0x7E);
+    EXPECT_EQ(sf[1], 0);     // row 0, j 1: an all-zero block
+    EXPECT_EQ(sf[596], 0);   // row 37, j 4
+    EXPECT_EQ(sf[1040], 0);  // row 129, j 0
+    // The views: recv_x (130, 64, 1), recv_scales (32, 4, 2, 4, 2, 1).
+    EXPECT_EQ(d.recv_x.ndim, 3);
+    EXPECT_EQ(d.recv_x.shape[0], T);
+    EXPECT_EQ(d.recv_scales.ndim, 6);
+    EXPECT_EQ(d.recv_scales.shape[2], 2);
+  });
 }
 
 // Two-batch overlap: dispatch(A); hookA; dispatch(B); combine(A); hookB; combine(B); hooks.
@@ -471,6 +544,64 @@ TEST(LlErrors, DispatchArguments) {
   });
 }
 
+TEST(LlErrors, Nvfp4Arguments) {
+  testing::run_threads(2, [](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    const auto IA = ErrorCode::kInvalidArgument;
+    std::vector<float> gs{448.0f * 6.0f};
+    std::vector<int32_t> gi{1};
+    auto nvfp4_with = [&](const std::function<void(LlDispatchArgs&)>& edit) {
+      return [&, edit] {
+        LlDispatchArgs a = s.dispatch_args();
+        a.use_fp8 = false;
+        a.use_nvfp4 = true;
+        a.x_global_scale = TensorView::contiguous(gs.data(), DType::kF32, {1});
+        edit(a);
+        buf.ll_dispatch(a);
+      };
+    };
+    expect_error(nvfp4_with([](auto& a) { a.use_fp8 = true; }), IA,
+                 {"ll_dispatch", "'use_fp8'", "'use_nvfp4'", "at most one"});
+    expect_error(nvfp4_with([](auto& a) { a.round_scale = a.use_ue8m0 = true; }),
+                 ErrorCode::kUnsupported, {"'use_ue8m0'", "use_nvfp4"});
+    expect_error(nvfp4_with([](auto& a) { a.x_global_scale = TensorView(); }), IA,
+                 {"'x_global_scale'", "required"});
+    expect_error(nvfp4_with([](auto& a) { a.global_scale = 1.0f; }), IA,
+                 {"'x_global_scale'", "'global_scale'", "exactly one"});
+    expect_error(nvfp4_with([&](auto& a) {
+                   a.x_global_scale = TensorView::contiguous(gi.data(), DType::kI32, {1});
+                 }),
+                 IA, {"'x_global_scale'", "f32"});
+    expect_error(nvfp4_with([&](auto& a) {
+                   a.x_global_scale = TensorView::contiguous(gs.data(), DType::kF32, {0});
+                 }),
+                 IA, {"'x_global_scale'", "at least one element"});
+    expect_error(nvfp4_with([](auto& a) { a.x_global_scale.device = Device::cuda(0); }), IA,
+                 {"'x_global_scale'", "cuda:0"});
+    for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity()})
+      expect_error(nvfp4_with([bad](auto& a) {
+                     a.x_global_scale = TensorView();
+                     a.global_scale = bad;
+                   }),
+                   IA, {"'global_scale'", "finite value > 0"});
+    // Without use_nvfp4 a global scale is not read (DeepEP's forks pass it on every call).
+    LlDispatchArgs a = s.dispatch_args();
+    a.x_global_scale = TensorView::contiguous(gi.data(), DType::kI32, {1});
+    EXPECT_EQ(buf.ll_dispatch(a).recv_count.ptr<int32_t>()[1], g.rank() == 0 ? 10 : 0);
+    // A 0-dim tensor (DeepEP's x_global_scale) is one element.
+    a = s.dispatch_args();
+    a.use_fp8 = false;
+    a.use_nvfp4 = true;
+    a.x_global_scale =
+        TensorView::contiguous(gs.data(), DType::kF32, std::initializer_list<int64_t>{});
+    const LlDispatchResult d = buf.ll_dispatch(a);
+    EXPECT_EQ(d.recv_count.ptr<int32_t>()[1], g.rank() == 0 ? 10 : 0);
+    EXPECT_EQ(d.recv_x.dtype, DType::kU8);
+    EXPECT_EQ(d.recv_scales.dtype, DType::kF8E4M3);
+  });
+}
+
 TEST(LlErrors, BufferWithoutLlOrBadHidden) {
   testing::run_threads(1, [](const Group& g) {
     Small s;
@@ -599,6 +730,29 @@ TEST(LlErrors, RanksDisagreeOnFp8) {
     buf.ll_clean();
     EXPECT_EQ(buf.ll_dispatch(s.dispatch_args()).recv_count.ptr<int32_t>()[1],
               g.rank() == 0 ? 10 : 0);
+  });
+}
+
+// use_nvfp4 on one rank only, then NVFP4 everywhere with different global scales: every rank
+// raises InvalidArgument naming the option and each rank's value; ll_clean recovers.
+TEST(LlErrors, RanksDisagreeOnNvfp4) {
+  testing::run_threads(2, [&](const Group& g) {
+    Small s;
+    Buffer buf(g, s.shape, ll_only());
+    LlDispatchArgs a = s.dispatch_args();
+    a.use_fp8 = false;
+    a.use_nvfp4 = g.rank() == 0;
+    if (a.use_nvfp4) a.global_scale = 2.0f;
+    expect_error([&] { buf.ll_dispatch(a); }, ErrorCode::kInvalidArgument,
+                 {"ll_dispatch", "'use_nvfp4'", "rank 0 has true", "rank 1 has false"});
+    buf.ll_clean();
+    a.use_nvfp4 = true;
+    a.global_scale = g.rank() == 0 ? 2.0f : 0.5f;
+    expect_error([&] { buf.ll_dispatch(a); }, ErrorCode::kInvalidArgument,
+                 {"'x_global_scale'", "rank 0 has 2", "rank 1 has 0.5", "same on every rank"});
+    buf.ll_clean();
+    a.global_scale = 2.0f;
+    EXPECT_EQ(buf.ll_dispatch(a).recv_count.ptr<int32_t>()[1], g.rank() == 0 ? 10 : 0);
   });
 }
 

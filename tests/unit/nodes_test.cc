@@ -271,6 +271,17 @@ TEST(NodesAgreement, PerCallValuesComparedAcrossNodes) {
                      "ll dispatch, rank " + std::to_string(r));
         buf.ll_clean();
         l.use_fp8 = false;
+        // NVFP4's g travels in the source's header through the rail chunk: node 1's rank 2
+        // differs.
+        l.use_nvfp4 = true;
+        l.global_scale = r == 2 ? 0.5f : 2.0f;
+        expect_error([&] { buf.ll_dispatch(l); }, ErrorCode::kInvalidArgument,
+                     {"ll_dispatch: argument 'x_global_scale' differs across ranks: ranks 0, 1, 3 "
+                      "have 2, rank 2 has 0.5"},
+                     "ll nvfp4 dispatch, rank " + std::to_string(r));
+        buf.ll_clean();
+        l.use_nvfp4 = false;
+        l.global_scale.reset();
         LlDispatchResult lr = buf.ll_dispatch(l);
         // Rank 0's experts 0, 1 get token 0 of every rank; the others two tokens of every rank.
         EXPECT_EQ(lr.recv_count.ptr<int32_t>()[0] + lr.recv_count.ptr<int32_t>()[1],
@@ -285,7 +296,8 @@ TEST(NodesAgreement, PerCallValuesComparedAcrossNodes) {
 // whose tokens it could not reduce, raises its message; ranks 0 and 2 are exact.
 TEST(NodesForwarder, LlCombineTopkOfAnotherDispatch) {
   testing::LlCase c;
-  c.p = {4, 4, 128, 2, 8, false, false, false, false, 2};
+  c.p = {4, 4, 128, 2, 8};
+  c.p.ranks_per_node = 2;
   std::mt19937_64 rng(99);
   testing::LlBatch b;
   const std::vector<std::vector<int64_t>> topk = {

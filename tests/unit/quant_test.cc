@@ -5,7 +5,8 @@
 // counter against a count written here (local ids, a2a global ids with counts, ll counts, reset),
 // and the Dispatcher's a2a path on the cpu backend: every received row of every source equals the
 // quantisation of the source's row, the routing payload is the narrowed ids, and the expert load
-// equals the routing's count.
+// equals the routing's count; nvfp4_block_scale_interleave on hand-made positions (FlashInfer's
+// worked example) and on every element of batched, strided inputs of every dtype.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -312,6 +313,107 @@ TEST(DispatcherA2aCpu, ReceivedRowsAreTheSourcesQuantisedRows) {
   }
 }
 
+// ---- nvfp4_block_scale_interleave (epx/nvfp4.h) ---------------------------------------------
+
+// The layout's offset written out here (docs/semantics.md §8), independent of core/quant.h.
+int64_t interleaved_at(int64_t r, int64_t c, int64_t cols) {
+  const int64_t cols4 = (cols + 3) / 4 * 4;
+  return (r / 128) * 128 * cols4 + (c / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4;
+}
+
+// FlashInfer's worked example: 130 x 5 -> 256 x 8 elements; hand-made positions.
+TEST(Nvfp4Interleave, WorkedExample) {
+  std::vector<uint8_t> sf(130 * 5);
+  for (size_t i = 0; i < sf.size(); ++i) sf[i] = static_cast<uint8_t>(1 + i % 255);
+  const Tensor out = nvfp4_block_scale_interleave(
+      TensorView::contiguous(sf.data(), DType::kU8, {130, 5}), testing::poison_allocator(0xA5));
+  ASSERT_EQ(out.ndim, 1);
+  ASSERT_EQ(out.shape[0], 256 * 8);
+  ASSERT_EQ(out.dtype, DType::kU8);
+  const auto* o = out.ptr<uint8_t>();
+  const std::vector<std::pair<std::pair<int, int>, int>> cases = {
+      {{0, 0}, 0},   {{0, 3}, 3},   {{1, 0}, 16},        {{31, 2}, 31 * 16 + 2},
+      {{32, 0}, 4},  {{64, 1}, 9},  {{96, 3}, 15},       {{127, 3}, 511},
+      {{0, 4}, 512}, {{5, 4}, 592}, {{128, 0}, 128 * 8}, {{129, 4}, 1552}};
+  for (const auto& [rc, pos] : cases) {
+    const auto [r, c] = rc;
+    EXPECT_EQ(pos, interleaved_at(r, c, 5));
+    EXPECT_EQ(o[pos], sf[r * 5 + c]) << "(" << r << ", " << c << ") at " << pos;
+  }
+  int nonzero = 0;
+  for (int64_t i = 0; i < out.shape[0]; ++i) nonzero += o[i] != 0;
+  EXPECT_EQ(nonzero, 130 * 5);  // everything else is padding, written 0
+}
+
+// Every element of random batched, strided inputs of every dtype; the padding is 0.
+TEST(Nvfp4Interleave, EveryElementOfEveryShape) {
+  std::mt19937_64 rng(11);
+  const std::vector<std::vector<int64_t>> shapes = {
+      {1, 1}, {128, 4}, {129, 3}, {300, 10}, {2, 127, 6}, {3, 33, 1}, {4, 0, 4}, {2, 256, 8}};
+  for (const auto& shape : shapes) {
+    for (DType dtype : {DType::kU8, DType::kF8E4M3, DType::kBF16}) {
+      const bool batched = shape.size() == 3;
+      const int64_t B = batched ? shape[0] : 1, rows = shape[shape.size() - 2], cols = shape.back();
+      const size_t elem = dtype_size(dtype);
+      // Strided: every other column of a [B, rows, 2 * cols] buffer.
+      std::vector<uint8_t> buf(std::max<int64_t>(B * rows * 2 * cols, 1) * elem);
+      for (auto& b : buf) b = static_cast<uint8_t>(rng() % 255 + 1);
+      TensorView v = TensorView::contiguous(buf.data(), dtype, shape);
+      v.strides[v.ndim - 1] = 2;
+      v.strides[v.ndim - 2] = 2 * cols;
+      if (batched) v.strides[0] = rows * 2 * cols;
+      const Tensor out = nvfp4_block_scale_interleave(v);
+      const int64_t per = (rows + 127) / 128 * 128 * ((cols + 3) / 4 * 4);
+      ASSERT_EQ(out.shape[0], B * per) << v.describe();
+      std::vector<bool> seen(static_cast<size_t>(B * per), false);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t at = b * per + interleaved_at(r, c, cols);
+            seen[at] = true;
+            ASSERT_EQ(
+                std::memcmp(static_cast<const uint8_t*>(out.data) + at * elem,
+                            buf.data() + (b * rows * 2 * cols + r * 2 * cols + 2 * c) * elem, elem),
+                0)
+                << v.describe() << " (" << b << ", " << r << ", " << c << ")";
+          }
+      for (int64_t i = 0; i < B * per; ++i)
+        for (size_t k = 0; k < elem && !seen[i]; ++k)
+          ASSERT_EQ(static_cast<const uint8_t*>(out.data)[i * elem + k], 0)
+              << v.describe() << " padding " << i;
+    }
+  }
+}
+
+TEST(Nvfp4Interleave, CoordsInvertTheOffset) {
+  for (int64_t cols : {4, 8, 448}) {
+    const int64_t per = 256 * cols;
+    for (int64_t o = 0; o < per; ++o) {
+      int64_t r = 0, c = 0;
+      detail::nvfp4_sf_coords(o, cols, &r, &c);
+      ASSERT_EQ(detail::nvfp4_sf_offset(r, c, cols), o) << cols << " " << o;
+      ASSERT_EQ(interleaved_at(r, c, cols), o);
+    }
+  }
+}
+
+TEST(Nvfp4Interleave, BadArguments) {
+  std::vector<int32_t> words(16);
+  auto expect_invalid = [](const TensorView& v, const char* needle) {
+    try {
+      nvfp4_block_scale_interleave(v);
+      ADD_FAILURE() << "no error for " << v.describe();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_invalid(TensorView::contiguous(words.data(), DType::kI32, {4, 4}), "'sf'");
+  expect_invalid(TensorView::contiguous(words.data(), DType::kU8, {16}), "[rows, cols]");
+  expect_invalid(TensorView::contiguous(words.data(), DType::kU8, {2, 2, 2, 2}), "[rows, cols]");
+  expect_invalid(TensorView(), "'sf'");
+}
+
 #ifndef EPX_WITH_CUDA
 // Without CUDA the cuda entry points are stubs: cuda tensors raise Unsupported, naming the op.
 TEST(QuantNoCuda, CudaTensorsAreUnsupported) {
@@ -324,10 +426,12 @@ TEST(QuantNoCuda, CudaTensorsAreUnsupported) {
   const TensorView x = TensorView::contiguous(never_read, DType::kBF16, {2, 128}, Device::cuda(0));
   const TensorView ids = TensorView::contiguous(never_read, DType::kI64, {2, 4}, Device::cuda(0));
   const TensorView counts = TensorView::contiguous(never_read, DType::kI32, {3}, Device::cuda(0));
+  const TensorView sf = TensorView::contiguous(never_read, DType::kU8, {2, 4}, Device::cuda(0));
   const std::vector<std::pair<const char*, std::function<void()>>> calls = {
       {"quantize_fp8", [&] { detail::quantize_fp8(x, true, no_memory); }},
       {"quantize_nvfp4", [&] { detail::quantize_nvfp4(x, 1.0f, no_memory); }},
       {"narrow_topk_idx", [&] { detail::narrow_topk_idx(ids, no_memory); }},
+      {"nvfp4_block_scale_interleave", [&] { nvfp4_block_scale_interleave(sf, no_memory); }},
       {"without CUDA", [&] { detail::ExpertLoad(3).add_counts(counts, nullptr); }},
   };
   for (const auto& [op, call] : calls) {

@@ -6,7 +6,8 @@ its MoeAlltoAll and the functional API share.
 * Payload rows of any byte count: ``_pad_rows`` / ``_unpad_view`` (epx's a2a moves rows of a
   multiple of 4 bytes), ``_round4``.
 * Low precision: ``_round_to_e4m3`` (the FP8 rounding of ``combine(use_low_precision=True)``,
-  ``_LOW_PRECISION_DTYPES``) and :func:`nvfp4_block_scale_interleave`.
+  ``_LOW_PRECISION_DTYPES``) and :func:`nvfp4_block_scale_interleave` (epx's own,
+  :mod:`epx.nvfp4`: the permutation in epx's C++ core, a kernel on CUDA tensors).
 * ``_backend_name``: the backend a MoeAlltoAll (and the workspace sizing) picks by default.
 """
 
@@ -15,6 +16,7 @@ import math
 import torch
 
 from .. import _epx, errors
+from ..nvfp4 import nvfp4_block_scale_interleave as _interleave
 
 MOE_A2A_RANK_MASK_WORDS = 1  # one uint64 word: up to 64 ranks (FlashInfer's ABI)
 
@@ -104,44 +106,11 @@ def _unpad_view(view, dtype, trailing, n):
     return view[:, :, :n].view(dtype).view(view.shape[0], view.shape[1], *trailing)
 
 
+def nvfp4_block_scale_interleave(unswizzled_sf):
+    """FlashInfer's ``nvfp4_block_scale_interleave`` (alias ``block_scale_interleave``): epx's
+    own, :func:`epx.nvfp4_block_scale_interleave` (docs/semantics.md §8 has the layout)."""
+    return _interleave(unswizzled_sf)
+
+
 def _backend_name():
     return "cuda" if _epx.built_with_cuda and torch.cuda.is_available() else "cpu"
-
-
-def _pad_up(n, m):
-    return (n + m - 1) // m * m
-
-
-def nvfp4_block_scale_interleave(unswizzled_sf):
-    """FlashInfer's ``nvfp4_block_scale_interleave`` (``block_scale_interleave``): the NVFP4 block
-    scale factors ``[rows, cols]`` or ``[batch, rows, cols]`` (one byte each: uint8 / int8 /
-    float8, or bfloat16) in the 128x4-tiled order CUTLASS's NVFP4 GEMMs read, as one flat tensor
-    of ``batch * pad128(rows) * pad4(cols)`` elements of the input's dtype on its device (padding
-    0). Within one batch entry, scale ``(r, c)`` lands at
-
-        (r // 128) * 128 * pad4(cols) + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4
-        + c % 4
-
-    i.e. 128-row x 4-column tiles (512 bytes), row tiles outermost, and inside a tile the 32 rows
-    r, r + 32, r + 64, r + 96 interleaved, each with its 4 columns contiguous."""
-    op = "nvfp4_block_scale_interleave"
-    sf = unswizzled_sf
-    if not isinstance(sf, torch.Tensor) or sf.dim() not in (2, 3):
-        raise errors.invalid(op, "argument 'unswizzled_sf' must be a torch.Tensor [rows, cols] or "
-                             "[batch, rows, cols]")
-    if not (sf.element_size() == 1 and sf.dtype != torch.bool or sf.dtype == torch.bfloat16):
-        raise errors.invalid(op, f"argument 'unswizzled_sf' has dtype {sf.dtype}, expected a "
-                             "one-byte dtype (uint8, float8_e4m3fn, ...) or bfloat16")
-    batch = sf.shape[0] if sf.dim() == 3 else 1
-    rows, cols = sf.shape[-2], sf.shape[-1]
-    rows_p, cols_p = _pad_up(rows, 128), _pad_up(cols, 4)
-    src = sf.reshape(batch, rows, cols)
-    if sf.element_size() == 1 and sf.dtype != torch.uint8:
-        src = src.view(torch.uint8)  # the permutation moves bytes; any one-byte dtype alike
-    padded = src.new_zeros(batch, rows_p, cols_p)
-    padded[:, :rows, :cols] = src
-    # [b, row tile, r // 32 % 4, r % 32, column tile, c % 4] -> [b, row tile, column tile,
-    # r % 32, r // 32 % 4, c % 4]
-    out = padded.view(batch, rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 1, 4, 3, 2, 5)
-    out = out.reshape(-1)
-    return out.view(sf.dtype) if out.dtype != sf.dtype else out

@@ -47,29 +47,28 @@ How it differs, and why:
   rows, topk_idx, topk_weights, the layout) into epx's memory, so the caller may drop or
   overwrite them before calling the hook; the hook keeps the tensors it writes
   (``cumulative_local_expert_recv_stats``, the wait-cost stats, ``out``) alive until it ran.
-* Wait-cost statistics: ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``
-  are int64 ``[num_ranks]`` tensors on the buffer's device (the shape DeepEP's C++ checks; its
-  docstring's ``[num_ranks, num_ranks]`` is refused there too), accumulated into per source rank,
-  in NANOSECONDS, not DeepEP's SM clock cycles (clock64): epx times waits with ``%globaltimer``,
-  which does not change with the SM clock and means the same on every GPU and on the cpu
-  backend. One wait per source per call (DeepEP adds one per local expert and source); with
-  ``return_recv_hook`` in the hook. Ratios between ranks, which slow-rank detection reads, are
-  unaffected by the unit; docs/semantics.md §2.5.
+* Wait-cost statistics (``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``,
+  int64 ``[num_ranks]`` on the buffer's device, as DeepEP's C++ checks): accumulated per source
+  rank in NANOSECONDS (``%globaltimer``), not DeepEP's clock64 cycles; one wait per source per
+  call; with ``return_recv_hook`` in the hook. Ratios between ranks are unaffected by the unit
+  (docs/semantics.md §2.5).
 * Kernels: one CUDA kernel per op, hook or not (profiler rows ``epx::ll::dispatch`` and
   ``epx::ll::combine``: the hook launches the receive half of the same kernel), as DeepEP.
+* NVFP4 (``low_latency_dispatch(use_nvfp4=True, x_global_scale=g, use_fp8=False)``, DeepEP's
+  hybrid-ep / sglang forks): returns ``(recv_x, recv_scales)`` in the forks' layout — uint8
+  (R*T_max, H/2, L) and e4m3 (32, 4, ceil(R*T_max/128), 4, H/64, L), the scales already
+  interleaved per expert; quantised with epx's formula (docs/semantics.md §2.2), so a rare byte
+  may differ from the forks' approximate reciprocals. ``use_fp8=True`` with it is
+  InvalidArgument (DeepEP's use_fp8 defaults to True), ``use_ue8m0=True`` Unsupported;
+  ``x_global_scale`` without ``use_nvfp4`` is accepted and unused, as in the forks.
 * Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
-  mask-buffer API), allow_nvlink_for_low_latency_mode=False, use_nvfp4=True /
-  x_global_scale, num_tokens_per_rdma_rank, get_local_buffer_tensor, internode_dispatch /
-  internode_combine.
-  ``allow_mnnvl=True`` is accepted (kept as ``allow_mnnvl``): it permits, and does not require, a
-  multi-node NVLink domain; epx reaches the ranks NCCL's symmetric memory can map (engines such as
-  SGLang always pass True). ``comm=`` (an mpi4py communicator, used when ``group`` is None, as in
-  DeepEP) is honoured: the epx group, the normal-mode agreement (shapes, largest T) and the
-  per-expert sums go through its ``allgather``. ``use_fabric`` is accepted: epx's memory is NCCL symmetric
-  memory, whose handle type NCCL chooses (docs/semantics.md §8.1: what epx does with both flags,
-  and what it needs from NCCL for an NVL72 domain). ``num_qps_per_rank``, ``num_nvl_bytes``,
-  ``num_rdma_bytes``, ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept,
-  with nothing to change in epx.
+  mask-buffer API), allow_nvlink_for_low_latency_mode=False, num_tokens_per_rdma_rank,
+  get_local_buffer_tensor, internode_dispatch / internode_combine.
+  ``allow_mnnvl=True`` (kept as ``allow_mnnvl``) permits, and does not require, a multi-node
+  NVLink domain; ``use_fabric`` is accepted: NCCL picks the handle type (docs/semantics.md §8.1).
+  ``comm=`` (an mpi4py communicator, used when ``group`` is None) is honoured through its
+  ``allgather``. ``num_qps_per_rank``, ``num_nvl_bytes``, ``num_rdma_bytes``,
+  ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept, changing nothing.
 """
 
 import torch
@@ -78,15 +77,14 @@ import torch.distributed as dist
 from .. import _epx, _torch, errors
 from ..buffer import Buffer as _EpxBuffer
 from ..group import Group as _EpxGroup
+from ._deep_ep_types import Config, EventOverlap, _align, _CudaEvent
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 #: dtype of topk_idx in DeepEP.
 topk_idx_t = torch.int64
 
-
-def _align(n, a=128):
-    return (n + a - 1) // a * a
+_NO_KW = {}  # no extra keywords (never written)
 
 
 def _next_pow2(n):
@@ -95,79 +93,6 @@ def _next_pow2(n):
 
 def _backend_name():
     return "cuda" if _epx.built_with_cuda else "cpu"
-
-
-class Config:
-    """Tuning of a normal-mode call. epx keeps ``num_sms`` (SMs the kernels use) and accepts the
-    chunk sizes, which its kernels do not use."""
-
-    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
-                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
-                 num_max_rdma_chunked_recv_tokens=256):
-        op = "Config"
-        self.num_sms = errors.check_int(op, "num_sms", num_sms, 1)
-        if num_sms % 2:
-            raise errors.invalid(op, f"argument 'num_sms' is {num_sms}, expected an even number")
-        self.num_max_nvl_chunked_send_tokens = errors.check_int(
-            op, "num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
-        self.num_max_nvl_chunked_recv_tokens = errors.check_int(
-            op, "num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
-        self.num_max_rdma_chunked_send_tokens = errors.check_int(
-            op, "num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
-        self.num_max_rdma_chunked_recv_tokens = errors.check_int(
-            op, "num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
-
-    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk
-        of num_max_nvl_chunked_recv_tokens rows of hidden_bytes per rank and SM pair. epx sizes
-        its buffers itself, so the value only has to be accepted back."""
-        errors.check_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
-        errors.check_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks, 1)
-        rows = self.num_max_nvl_chunked_recv_tokens * num_ranks * max(self.num_sms // 2, 1)
-        return _align(rows * (hidden_bytes + 64))
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """0: epx moves data over NVLink within a node only (no RDMA buffer)."""
-        errors.check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
-        errors.check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
-        return 0
-
-    def __repr__(self):
-        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
-                f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
-                f"{self.num_max_nvl_chunked_recv_tokens}, num_max_rdma_chunked_send_tokens="
-                f"{self.num_max_rdma_chunked_send_tokens}, num_max_rdma_chunked_recv_tokens="
-                f"{self.num_max_rdma_chunked_recv_tokens})")
-
-
-class _CudaEvent:
-    """A torch.cuda.Event recorded on the current stream (DeepEP's EventHandle)."""
-
-    def __init__(self):
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream())
-
-    def current_stream_wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-class EventOverlap:
-    """An event (or None) plus tensors kept alive until it completes. ``with`` waits on exit."""
-
-    def __init__(self, event=None, extra_tensors=None):
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self):
-        """Makes the current stream wait for the event (nothing to wait for on CPU)."""
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        self.current_stream_wait()
 
 
 class _HtHandle(tuple):
@@ -694,8 +619,9 @@ class Buffer:
         """Low-latency dispatch (docs/semantics.md §2.1-2.2).
 
         -> (recv_x or (recv_x, recv_scales), recv_count[L] i32, handle, event, hook); recv_x
-        [L, R*T_max, H] (fp8 or bf16), recv_scales column-major in the last two dims; hook is
-        None unless return_recv_hook.
+        [L, R*T_max, H] (fp8 or bf16), recv_scales column-major in the last two dims; with
+        use_nvfp4 the forks' NVFP4 views (module docstring); hook is None unless
+        return_recv_hook.
         """
         op = "low_latency_dispatch"
         # Per call (docs/perf.md §4.5): each check is a plain test with the full check, and its
@@ -703,11 +629,6 @@ class Buffer:
         # epx.Buffer.ll_dispatch are made here), no per-call object beyond the results.
         if not self.low_latency_mode:
             self._check_ll(op)
-        if use_nvfp4:
-            raise errors.unsupported(op, "use_nvfp4=True: epx has no NVFP4 path yet")
-        if x_global_scale is not None:
-            raise errors.unsupported(op, "x_global_scale (NVFP4 global scale): epx has no NVFP4 "
-                                     "path yet")
         if async_finish and return_recv_hook:
             raise errors.invalid(op, "async_finish and return_recv_hook are both True, expected "
                                  "at most one")
@@ -731,14 +652,16 @@ class Buffer:
         buf = self._ll
         if buf is None or key != self._ll_key:
             buf = self._ll_buffer(op, *key)
+        # Without use_nvfp4, x_global_scale is not read (the forks accept it with fp8 and bf16).
+        nvfp4 = {"use_nvfp4": True, "x_global_scale": x_global_scale} if use_nvfp4 else _NO_KW
         recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
             bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),
-            dispatch_wait_recv_cost_stats)
+            dispatch_wait_recv_cost_stats, **nvfp4)
         handle = _LlHandle(native, buf, self._ll_tail)
-        packed = (recv_x, scales) if use_fp8 else recv_x
-        event = (self._event(True, (x, topk_idx, recv_x, scales, count)) if async_finish else
-                 EventOverlap())
+        packed = (recv_x, scales) if use_fp8 or use_nvfp4 else recv_x
+        event = (self._event(True, (x, topk_idx, recv_x, scales, count, x_global_scale))
+                 if async_finish else EventOverlap())
         return packed, count, handle, event, hook
 
     @_torch.plain_torch

@@ -11,8 +11,9 @@ MoeAlltoAll), and re-exports the rest from private siblings, which import nothin
 ``_wrap_payload_tensor_in_workspace`` and the registry of the contexts they run in),
 ``_flashinfer_config`` (Mapping, MnnvlConfig, CommBackend, TorchDistBackend,
 is_mnnvl_fabric_supported) and ``_flashinfer_common`` (rank masks, the padding of rows of any
-byte count, the FP8 rounding of ``use_low_precision``, nvfp4_block_scale_interleave). Import every
-name from here.
+byte count, the FP8 rounding of ``use_low_precision``, nvfp4_block_scale_interleave: epx's own,
+:func:`epx.nvfp4_block_scale_interleave`, in C++ with a CUDA kernel). Import every name from
+here.
 
 How it maps, and what differs:
 

@@ -16,7 +16,13 @@
 //        fp8:  per 128-channel group g (16 lanes of 8 elements): amax (core/numeric.h order),
 //              scale = fp8_scale_from_amax, q_i = e4m3(x_i * (1 / scale)) (the hardware
 //              conversion, f32x2_to_fp8x2_e4m3); bytes [H]
-//              then f32 scales [G];   bf16: the row as is.
+//              then f32 scales [G];
+//        NVFP4: per 16-value block (2 lanes of 8 elements): amax, (sf, inv) =
+//              nvfp4_block_scale(amax, g), 4 bytes of e2m1 pairs per lane (nvfp4_pack8; sm_90 has
+//              no e2m1 conversion: core/quant.h's f32_to_e2m1 is the definition); e2m1 [H/2]
+//              then the e4m3 scales [H/16], 4 per 32-bit store (lanes 8i gather them);
+//              g is element 0 of x_global_scale (read once per CTA) or the host value;
+//        bf16: the row as is.
 //   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
 // receive half (kLlPhaseRecv: the hook, or the second half without one):
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
@@ -27,7 +33,9 @@
 //   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
 //   is written, rows and scales in one round of loads:
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
-//     [l][g / 4][row]) = scales, src_info[l][row] = t;
+//     [l][g / 4][row]) = scales, src_info[l][row] = t; NVFP4: recv_x[l][row] = the e2m1 pairs,
+//     and scales 4j..4j+3 (one 32-bit word) at byte l * pad128(RT) * H/16 +
+//     nvfp4_sf_offset(row, 4j) of recv_scales (the interleaved layout, epx/ll.h);
 //   sub 0 writes layout_range[l][s] = begin << 32 | count, recv_count[l], stats[l] += count.
 //   Wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0's thread s reads
 //   %globaltimer when it starts waiting for dispatch_sent[q][s] and adds the nanoseconds until it
@@ -39,6 +47,7 @@
 // host passes null when the allocator failed, so the collective still completes).
 #pragma once
 
+#include "core/quant.h"
 #include "cuda/kernels/ll/common.cuh"
 
 namespace epx::detail {
@@ -54,11 +63,16 @@ struct LlDispatchParams {
   int32_t use_fp8;
   int32_t round_scale;
   int32_t use_ue8m0;
+  int32_t use_nvfp4;
+  const float* global_scale_ptr;  // NVFP4: element 0 is g (device memory), or null: global_scale
+  float global_scale;
   int32_t slot;              // q
   int32_t rank;              // r
   int32_t units_per_expert;  // S
-  uint8_t* recv_x;           // [L, RT, H] e4m3 or bf16, contiguous (or null)
-  void* recv_scales;         // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32 (or null)
+  uint8_t* recv_x;           // [L, RT, H] e4m3 or bf16, or [L, RT, H/2] e2m1 pairs, contiguous
+                             // (or null)
+  void* recv_scales;         // storage [L, G, RT] f32 or [L, ceil(G/4), RT] int32, or NVFP4
+                             // [L, pad128(RT) * H/16] e4m3 interleaved (or null)
   int32_t* recv_count;       // [L]
   int32_t* src_info;         // [L, RT]
   int64_t* layout_range;     // [L, R]
@@ -74,16 +88,9 @@ struct LlDispatchParams {
 #endif
 };
 
-// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
-// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
-// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
-// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
-// msg(d, q, r, t) of every rank d in `mask`.
-__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
-                                            bool active, uint64_t mask, int64_t t) {
-  const LlLayout& g = p.symm.layout;
-  const int64_t H = g.hidden;
-  float f[8];
+// The 8 bf16 of an input vector as float into f (zeros when !active) and their amax (core/numeric.h
+// order: NaN skipped), the lane's share of a quantisation group's or block's amax.
+__device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, float* f) {
   if (active) {
     ll_bf16x8_to_f32(raw, f);
   } else {
@@ -96,6 +103,20 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
     const float a = f[i] < 0 ? -f[i] : f[i];
     amax = a > amax ? a : amax;
   }
+  return amax;
+}
+
+// fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
+// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
+// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
+// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
+// msg(d, q, r, t) of every rank d in `mask`.
+__device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
+                                            bool active, uint64_t mask, int64_t t) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden;
+  float f[8];
+  float amax = ll_vector_amax(raw, active, f);
 #pragma unroll
   for (int off = 8; off > 0; off >>= 1) {
     const float o = __shfl_xor_sync(0xffffffffu, amax, off);
@@ -115,6 +136,35 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
   }
 }
 
+// NVFP4 step 3 of one vector: lanes 2i and 2i + 1 hold one 16-value block (`active` is uniform
+// per 8 lanes); every lane of the warp calls it (shuffles). Quantises the 8 elements of vector v
+// of token t with core/quant.h's formula and stores their 4 bytes of e2m1 pairs, and lane 8i the
+// 4 scales of lanes 8i .. 8i + 7 (one 32-bit word), into msg(d, q, r, t) of every rank d in
+// `mask`.
+__device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const uint4& raw, int v,
+                                              bool active, uint64_t mask, int64_t t, float gs) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t H = g.hidden;
+  float f[8];
+  float amax = ll_vector_amax(raw, active, f);
+  const float o = __shfl_xor_sync(0xffffffffu, amax, 1);
+  amax = o > amax ? o : amax;
+  const Nvfp4Scale s = nvfp4_block_scale(amax, gs);
+  const uint32_t packed = nvfp4_pack8(f, s.inv);
+  // Lane 8i gathers the scales of blocks 4i .. 4i + 3 of the warp (lanes 8i, +2, +4, +6).
+  const uint32_t sf = s.sf;
+  const uint32_t sf_word = sf | __shfl_down_sync(0xffffffffu, sf, 2) << 8 |
+                           __shfl_down_sync(0xffffffffu, sf, 4) << 16 |
+                           __shfl_down_sync(0xffffffffu, sf, 6) << 24;
+  if (!active) return;
+  for (uint64_t m = mask; m != 0; m &= m - 1) {
+    const int d = __ffsll(static_cast<long long>(m)) - 1;
+    char* msg = g.msg(p.symm.peers[d], p.slot, p.rank, t);
+    *reinterpret_cast<uint32_t*>(msg + 4 * v) = packed;
+    if ((threadIdx.x & 7) == 0) *reinterpret_cast<uint32_t*>(msg + H / 2 + v / 2) = sf_word;
+  }
+}
+
 // bf16 step 3 of one vector: vector v of token t into msg(d, q, r, t) of every rank d in `mask`.
 __device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const uint4& raw, int v,
                                              uint64_t mask, int64_t t) {
@@ -122,6 +172,11 @@ __device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const ui
     const int d = __ffsll(static_cast<long long>(m)) - 1;
     *reinterpret_cast<uint4*>(p.symm.layout.msg(p.symm.peers[d], p.slot, p.rank, t) + 16 * v) = raw;
   }
+}
+
+// The format word of a header (LlSourceHeader::format).
+__device__ __forceinline__ int32_t ll_format(const LlDispatchParams& p) {
+  return p.use_fp8 | (p.round_scale << 1) | (p.use_nvfp4 << 2);
 }
 
 // Send step 4 (after __syncthreads): thread d < R releases the CTA's stores to rank d,
@@ -168,11 +223,17 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     return false;
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
+  // The NVFP4 global scale, read once (x_global_scale was written before this kernel).
+  const float gs = !p.use_nvfp4         ? 0.0f
+                   : p.global_scale_ptr ? __ldg(p.global_scale_ptr)
+                                        : p.global_scale;
+
   // 2. Header.
   if (blockIdx.x == 0 && threadIdx.x < R) {
     LlSourceHeader* h = g.header(symm.peers[threadIdx.x], q, me);
     h->num_tokens = p.num_tokens;
-    h->format = p.use_fp8 | (p.round_scale << 1);
+    h->format = ll_format(p);
+    h->global_scale_bits = p.use_nvfp4 ? __float_as_uint(gs) : 0u;
   }
 
   // 3. Tokens.
@@ -201,12 +262,16 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     }
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
-    if (p.use_fp8) {
-      // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (nv is a multiple of 16,
-      // so a half-warp is active or not as a whole); every lane takes part in the shuffles, so
-      // the loops below run per warp (`base`, the warp's first vector, is warp-uniform).
+    if (p.use_fp8 || p.use_nvfp4) {
+      // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (fp8) or 8 16-value
+      // blocks (NVFP4) (nv is a multiple of 16, so a half-warp is active or not as a whole);
+      // every lane takes part in the shuffles, so the loops below run per warp (`base`, the
+      // warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
-        ll_send_fp8(p, raw, v, v < nv, mask, t);
+        if (p.use_nvfp4)
+          ll_send_nvfp4(p, raw, v, v < nv, mask, t, gs);
+        else
+          ll_send_fp8(p, raw, v, v < nv, mask, t);
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
@@ -245,7 +310,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 struct LlRecvList {
   const char* msg[kLlThreads];
   int64_t lrow[kLlThreads];   // l * RT + row
-  int64_t sbase[kLlThreads];  // (l * G) * RT + row (f32) or (l * ceil(G / 4)) * RT + row (UE8M0)
+  // (l * G) * RT + row (f32) or (l * ceil(G / 4)) * RT + row (UE8M0); NVFP4: the 32-bit word of
+  // scales 0..3 of the row, (l * pad128(RT) * H/16 + nvfp4_sf_offset(row, 0)) / 4
+  int64_t sbase[kLlThreads];
   int32_t tok[kLlThreads];
 };
 
@@ -257,17 +324,35 @@ __device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRe
   const int64_t per_row = p.use_ue8m0 ? (g.num_groups + 3) / 4 : g.num_groups;
   list.msg[pos] = g.msg(p.symm.local, p.slot, s, t);
   list.lrow[pos] = l * RT + row;
-  list.sbase[pos] = l * per_row * RT + row;
+  if (p.use_nvfp4) {
+    const int64_t bytes = l * ll_nvfp4_scale_expert_bytes(RT, g.hidden) +
+                          nvfp4_sf_offset(row, 0, g.hidden / kNvfp4Block);
+    list.sbase[pos] = bytes / 4;
+  } else {
+    list.sbase[pos] = l * per_row * RT + row;
+  }
   list.tok[pos] = static_cast<int32_t>(t);
 }
 
-// Vectors per entry of ll_dispatch_copy_list (row vectors unless recv_x is null, then the scale
-// vectors of fp8 with scales).
-__device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
+// Bytes of one received row: e4m3 [H], e2m1 pairs [H/2] or bf16 [H].
+__device__ __forceinline__ int64_t ll_row_bytes(const LlDispatchParams& p) {
+  const int64_t H = p.symm.layout.hidden;
+  return p.use_nvfp4 ? H / 2 : p.use_fp8 ? H : 2 * H;
+}
+
+// 16-byte scale vectors of one message (0 without scales or without recv_scales): fp8 4 f32
+// scales each, NVFP4 16 e4m3 scales (4 words) each.
+__device__ __forceinline__ int ll_scale_vectors(const LlDispatchParams& p) {
   const LlLayout& g = p.symm.layout;
-  const int nvx = static_cast<int>((p.use_fp8 ? g.hidden : 2 * g.hidden) / 16);
-  const int nsv = p.use_fp8 && p.recv_scales ? static_cast<int>((g.num_groups + 3) / 4) : 0;
-  return (p.recv_x ? nvx : 0) + nsv;
+  if (!p.recv_scales) return 0;
+  if (p.use_nvfp4) return static_cast<int>((g.hidden / kNvfp4Block + 15) / 16);
+  return p.use_fp8 ? static_cast<int>((g.num_groups + 3) / 4) : 0;
+}
+
+// Vectors per entry of ll_dispatch_copy_list (row vectors unless recv_x is null, then the scale
+// vectors).
+__device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
+  return (p.recv_x ? static_cast<int>(ll_row_bytes(p) / 16) : 0) + ll_scale_vectors(p);
 }
 
 // The list copy: entries i = sub, sub + S, ... < total of `list` in ONE round of loads: the
@@ -283,11 +368,12 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   const int G = static_cast<int>(g.num_groups);
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
-  const int64_t row_bytes = p.use_fp8 ? H : 2 * H;
-  const int nvx = static_cast<int>(row_bytes / 16);              // row vectors
-  const int nsv = p.use_fp8 && p.recv_scales ? (G + 3) / 4 : 0;  // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                             // first vector copied
-  const int nvm = nvx + nsv - v0;                                // vectors per entry
+  const int64_t row_bytes = ll_row_bytes(p);
+  const int nvx = static_cast<int>(row_bytes / 16);                 // row vectors
+  const int nsv = ll_scale_vectors(p);                              // scale vectors
+  const int v0 = p.recv_x ? 0 : nvx;                                // first vector copied
+  const int nvm = nvx + nsv - v0;                                   // vectors per entry
+  const int nvfp4_words = static_cast<int>(H / (4 * kNvfp4Block));  // NVFP4 scale words per row
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
@@ -321,9 +407,15 @@ __device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvLis
         continue;
       }
       const int64_t sbase = list.sbase[idx[u]];
-      const int j = v - nvx;  // scale vector j: groups 4j .. 4j + 3
+      const int j = v - nvx;  // scale vector j: groups 4j .. 4j + 3 (NVFP4: words 4j .. 4j + 3)
       const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
-      if (!p.use_ue8m0) {
+      if (p.use_nvfp4) {
+        // Word k (scales 4k .. 4k + 3 of the row) is 512 bytes after word k - 1.
+        auto* out = static_cast<uint32_t*>(p.recv_scales);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (4 * j + c < nvfp4_words) out[sbase + (4 * j + c) * 128] = w[c];
+      } else if (!p.use_ue8m0) {
         auto* out = static_cast<float*>(p.recv_scales);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -517,9 +609,15 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       return false;
     EPX_LL_STAMP(p, 0, kTrDRecvWait);
     if (blockIdx.x == 0 && threadIdx.x < R) {
+      // Every source's format and NVFP4 global scale equal this rank's (its own header, written
+      // by its send half, holds its g).
+      auto word = [&](int s) {
+        const LlSourceHeader* h = g.header(symm.local, q, s);
+        return static_cast<int64_t>(static_cast<uint32_t>(ld_landed<int32_t>(&h->format))) |
+               static_cast<int64_t>(ld_landed<uint32_t>(&h->global_scale_bits)) << 32;
+      };
       const int s = threadIdx.x;
-      const int32_t theirs = ld_landed<int32_t>(&g.header(symm.local, q, s)->format);
-      const int32_t mine = p.use_fp8 | (p.round_scale << 1);
+      const int64_t theirs = word(s), mine = word(p.rank);
       if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
     }
     // Every source's token count, read once (in parallel) for all units.

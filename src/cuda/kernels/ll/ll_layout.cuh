@@ -9,11 +9,13 @@
 //   sync      LlSync                           written by peers (column p by rank p): the flags
 //   dispatch staging, slot 0 and slot 1:       what every source sent to this rank
 //     for each source s (block of src_bytes):
-//       header  LlSourceHeader                 {T_s, use_fp8, round_scale}
+//       header  LlSourceHeader                 {T_s, format (use_fp8 | round_scale << 1 |
+//                                              use_nvfp4 << 2), NVFP4 global scale bits}
 //       topk    int32 [T_max, K]               s's routing row of every token (ids out of [0, E)
 //                                              already replaced by -1), for every token < T_s
-//       msgs    [T_max, msg]                   token t's row: e4m3 [H] + f32 scales [G], or
-//                                              bf16 [H]; written only for tokens going here
+//       msgs    [T_max, msg]                   token t's row: e4m3 [H] + f32 scales [G],
+//                                              e2m1 pairs [H/2] + e4m3 scales [H/16] (NVFP4),
+//                                              or bf16 [H]; written only for tokens going here
 //   combine, slot 0 and slot 1:
 //     layout  int64 [L, R]                     this rank's handle.layout_range of the combine
 //                                              (begin << 32 | count), read by the sources
@@ -93,8 +95,9 @@ struct LlSync {
 
 struct LlSourceHeader {
   int32_t num_tokens;
-  int32_t format;  // use_fp8 | round_scale << 1
-  int32_t pad[14];
+  int32_t format;              // use_fp8 | round_scale << 1 | use_nvfp4 << 2
+  uint32_t global_scale_bits;  // use_nvfp4: the float32 global scale's bits, else 0
+  int32_t pad[13];
 };
 
 EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {

@@ -23,9 +23,13 @@
 //
 // nvfp4_quant_kernel — one thread per (token t, 16-value block b), units u = t * B + b,
 //   B = H / 16, grid-stride:
-//     amax over the block; sf = f32_to_fp8_e4m3((amax / 6.0f) * g_scale);
-//     inv = f32(sf) == 0 ? 0 : g_scale / f32(sf); q_i = f32_to_e2m1(x_i * inv)
+//     amax over the block; (sf, inv) = nvfp4_block_scale(amax, g) (core/quant.h:
+//     sf = e4m3((amax / 6) * g), inv = f32(sf) == 0 ? 0 : g / f32(sf)); q_i = e2m1(x_i * inv)
 //     values[t][8b .. 8b+7] = pairs (element 2j low nibble), one 64-bit store; scales[t][b] = sf.
+//
+// nvfp4_interleave_kernel — one thread per output element o (grid-stride): b = o / per_batch,
+//   (r, c) = nvfp4_sf_coords(o % per_batch); out[o] = sf[b][r][c], or 0 in the padding (r >= rows
+//   or c >= cols). Coalesced stores; the loads gather (scales are small).
 //
 // narrow_topk_kernel — one thread per element: out[t][k] = narrow_expert_id(topk_idx[t][k]).
 //
@@ -45,6 +49,7 @@ struct QuantConfig {
   static constexpr int kNvfp4Threads = 256;      // one 16-value block per thread
   static constexpr int kNarrowThreads = 256;     // one id per thread
   static constexpr int kTransposeThreads = 256;  // one UE8M0 word per thread
+  static constexpr int kInterleaveThreads = 256;  // one interleaved scale per thread
   static constexpr int kMaxBlocks = 8192;        // grid-stride beyond this
 };
 
@@ -83,6 +88,12 @@ struct Nvfp4QuantParams {
   int32_t x_vec16;  // x rows and base 16-byte aligned: two 128-bit loads per block
   uint8_t* values;  // [T, H/2] packed e2m1, contiguous
   uint8_t* scales;  // [T, H/16] e4m3, contiguous
+};
+
+struct Nvfp4InterleaveParams {
+  const void* sf;  // [B, rows, cols], strides in shape
+  Nvfp4InterleaveShape shape;
+  void* out;  // [B * per_batch] contiguous
 };
 
 struct NarrowTopkParams {
@@ -199,19 +210,28 @@ __global__ void __launch_bounds__(QuantConfig::kNvfp4Threads)
       const float a = f[i] < 0 ? -f[i] : f[i];
       amax = a > amax ? a : amax;
     }
-    const uint8_t sf = f32_to_fp8_e4m3((amax / 6.0f) * p.global_scale);
-    const float sf_f = fp8_e4m3_to_f32(sf);
-    const float inv = sf_f == 0.0f ? 0.0f : p.global_scale / sf_f;
-    uint32_t packed[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < kNvfp4Block; i += 2) {
-      const uint32_t lo = f32_to_e2m1(f[i] * inv);
-      const uint32_t hi = f32_to_e2m1(f[i + 1] * inv);
-      packed[i / 8] |= (lo | (hi << 4)) << (4 * (i % 8));
-    }
+    const Nvfp4Scale s = nvfp4_block_scale(amax, p.global_scale);
     *reinterpret_cast<uint2*>(p.values + t * (p.num_blocks * kNvfp4Block / 2) + b * 8) =
-        make_uint2(packed[0], packed[1]);
-    p.scales[t * p.num_blocks + b] = sf;
+        make_uint2(nvfp4_pack8(f, s.inv), nvfp4_pack8(f + 8, s.inv));
+    p.scales[t * p.num_blocks + b] = s.sf;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(QuantConfig::kInterleaveThreads)
+    nvfp4_interleave_kernel(const Nvfp4InterleaveParams p) {
+  const Nvfp4InterleaveShape& s = p.shape;
+  const int64_t n = s.batch * s.per_batch;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < n; o += step) {
+    const int64_t b = o / s.per_batch;
+    int64_t r = 0, c = 0;
+    nvfp4_sf_coords(o - b * s.per_batch, s.padded_cols, &r, &c);
+    T v = 0;
+    if (r < s.rows && c < s.cols)
+      v = __ldg(static_cast<const T*>(p.sf) + b * s.stride_batch + r * s.stride_row +
+                c * s.stride_col);
+    static_cast<T*>(p.out)[o] = v;
   }
 }
 

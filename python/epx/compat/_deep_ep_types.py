@@ -1,0 +1,83 @@
+"""Private to :mod:`epx.compat.deep_ep` (import the names from there): DeepEP's ``Config`` and
+``EventOverlap``, and the CUDA event the drop-in's ``async_finish`` records."""
+
+import torch
+
+from .. import errors
+
+
+def _align(n, a=128):
+    return (n + a - 1) // a * a
+
+
+class Config:
+    """Tuning of a normal-mode call. epx keeps ``num_sms`` (SMs the kernels use) and accepts the
+    chunk sizes, which its kernels do not use."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        op = "Config"
+        self.num_sms = errors.check_int(op, "num_sms", num_sms, 1)
+        if num_sms % 2:
+            raise errors.invalid(op, f"argument 'num_sms' is {num_sms}, expected an even number")
+        self.num_max_nvl_chunked_send_tokens = errors.check_int(
+            op, "num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
+        self.num_max_nvl_chunked_recv_tokens = errors.check_int(
+            op, "num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
+        self.num_max_rdma_chunked_send_tokens = errors.check_int(
+            op, "num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
+        self.num_max_rdma_chunked_recv_tokens = errors.check_int(
+            op, "num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk
+        of num_max_nvl_chunked_recv_tokens rows of hidden_bytes per rank and SM pair. epx sizes
+        its buffers itself, so the value only has to be accepted back."""
+        errors.check_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        errors.check_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks, 1)
+        rows = self.num_max_nvl_chunked_recv_tokens * num_ranks * max(self.num_sms // 2, 1)
+        return _align(rows * (hidden_bytes + 64))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """0: epx moves data over NVLink within a node only (no RDMA buffer)."""
+        errors.check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
+        errors.check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
+        return 0
+
+    def __repr__(self):
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
+                f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
+                f"{self.num_max_nvl_chunked_recv_tokens}, num_max_rdma_chunked_send_tokens="
+                f"{self.num_max_rdma_chunked_send_tokens}, num_max_rdma_chunked_recv_tokens="
+                f"{self.num_max_rdma_chunked_recv_tokens})")
+
+
+class _CudaEvent:
+    """A torch.cuda.Event recorded on the current stream (DeepEP's EventHandle)."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """An event (or None) plus tensors kept alive until it completes. ``with`` waits on exit."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        """Makes the current stream wait for the event (nothing to wait for on CPU)."""
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.current_stream_wait()
