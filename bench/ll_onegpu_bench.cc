@@ -21,7 +21,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -142,15 +141,6 @@ int run_rank(const Group& g, const Options& o, std::vector<std::vector<Times>>& 
   return 0;
 }
 
-template <typename T>
-std::vector<T> parse_list(const char* s) {
-  std::vector<T> v;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) v.push_back(static_cast<T>(std::atoll(item.c_str())));
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -165,11 +155,12 @@ int main(int argc, char** argv) {
       return a == "--help" ? 0 : 2;
     }
     const char* v = argv[++i];
-    if (a == "--ranks")
-      o.ranks = parse_list<int>(v);
-    else if (a == "--tokens")
-      o.tokens = parse_list<int64_t>(v);
-    else if (a == "--experts")
+    if (a == "--ranks") {
+      o.ranks.clear();
+      for (int64_t r : gpu_testing::parse_int_list(v)) o.ranks.push_back(static_cast<int>(r));
+    } else if (a == "--tokens") {
+      o.tokens = gpu_testing::parse_int_list(v);
+    } else if (a == "--experts")
       o.experts = std::atoi(v);
     else if (a == "--pairs")
       o.pairs = std::atoi(v);
@@ -195,14 +186,15 @@ int main(int argc, char** argv) {
     std::printf("epx_ll_onegpu_bench: no GPU visible, nothing to measure\n");
     return 0;
   }
-  std::printf("| R (one GPU) | T | dispatch us | combine us | pair us | slowest rank's pair us |\n"
-              "|---|---|---|---|---|---|\n");
+  std::printf(
+      "| R (one GPU) | T | dispatch us | combine us | pair us | slowest rank's pair us |\n"
+      "|---|---|---|---|---|---|\n");
   std::fflush(stdout);  // before the fork: the child would print the buffer again
   int rc = 0;
   for (int R : o.ranks) {
     std::vector<std::vector<Times>> all(o.tokens.size(), std::vector<Times>(R));
-    rc |= gpu_testing::run_cuda_ranks_one_gpu(
-        R, 0, [&](const Group& g) { return run_rank(g, o, all); });
+    rc |= gpu_testing::run_cuda_ranks_one_gpu(R, 0,
+                                              [&](const Group& g) { return run_rank(g, o, all); });
     if (rc) break;
   }
   return rc;
