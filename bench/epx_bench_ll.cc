@@ -223,7 +223,6 @@ void run_ll(Ctx& ctx, int64_t T) {
     };
     auto combine = [&] { combine_with(false); };
     auto combine_lf = [&] { combine_with(true); };
-    const bool with_lf = true;  // one LogFMT combine row per run, beside the plain one
 
     Check check_dispatch, check_combine, check_lf;
     testing::LlExpectedDispatch want;
@@ -233,18 +232,16 @@ void run_ll(Ctx& ctx, int64_t T) {
       if (!d.empty()) check_dispatch.fail(std::string(when) + ": " + d);
       const std::string c = testing::check_ll_combine(p, want_out, host_copy(combined.out));
       if (!c.empty()) check_combine.fail(std::string(when) + ": " + c);
-      if (!with_lf) return;
       const std::string lf = testing::check_ll_combine(p, want_out_lf, host_copy(combined_lf.out));
       if (!lf.empty()) check_lf.fail(std::string(when) + ": " + lf);
     };
     if (o.check) {
       progress(ctx, tag + " " + dt + ": checking against the oracle");
       want = testing::oracle_ll_dispatch(p, inputs, rank);
-      check_dispatch.run = check_combine.run = true;
-      check_lf.run = with_lf;
+      check_dispatch.run = check_combine.run = check_lf.run = true;
       dispatch();
       combine();
-      if (with_lf) combine_lf();
+      combine_lf();
       verify("first call");
     }
 
@@ -259,21 +256,20 @@ void run_ll(Ctx& ctx, int64_t T) {
     if (ctx.is_cuda()) {
       t_dispatch = time_op(ctx, dispatch);
       t_combine = time_op(ctx, combine);
-      if (with_lf) t_lf = time_op(ctx, combine_lf);
+      t_lf = time_op(ctx, combine_lf);
     } else {
       const std::vector<Timing> t = time_sequence(ctx, {dispatch, combine});
       t_dispatch = t[0];
       t_combine = t[1];
-      if (with_lf) t_lf = time_sequence(ctx, {dispatch, combine_lf})[1];
+      t_lf = time_sequence(ctx, {dispatch, combine_lf})[1];
     }
     if (o.check) verify("after timing");
     add_result(ctx, std::string("ll.dispatch ") + dt, T, t_dispatch, bytes.dispatch_cross,
                bytes.dispatch_recv, sym_bytes, check_dispatch, row);
     add_result(ctx, "ll.combine", T, t_combine, bytes.combine_cross, bytes.combine_recv, sym_bytes,
                check_combine, 2.0 * H);
-    if (with_lf)
-      add_result(ctx, "ll.combine logfmt", T, t_lf, lf_bytes.combine_cross, lf_bytes.combine_recv,
-                 sym_bytes, check_lf, lf_row_bytes);
+    add_result(ctx, "ll.combine logfmt", T, t_lf, lf_bytes.combine_cross, lf_bytes.combine_recv,
+               sym_bytes, check_lf, lf_row_bytes);
   }
 }
 
