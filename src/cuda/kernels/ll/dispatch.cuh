@@ -31,7 +31,7 @@
 //   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
 //   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
 //   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
-//   is written, rows and scales in one round of loads:
+//   is written by warps taking 4 KB chunks of a message each (ll_dispatch_copy_entries):
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t; NVFP4: recv_x[l][row] = the e2m1 pairs,
 //     and scales 4j..4j+3 (one 32-bit word) at byte l * pad128(RT) * H/16 +
@@ -214,7 +214,13 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
   };
-  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) prefetch(blockIdx.x);
+  // The first token's routing ids too (threads < K), before the wait.
+  int64_t first_id = -1;
+  if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) {
+    prefetch(blockIdx.x);
+    if (static_cast<int>(threadIdx.x) < K)
+      first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, threadIdx.x);
+  }
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
   if (!wait_ranks(
@@ -241,7 +247,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     if (t != blockIdx.x) prefetch(t);
     __syncthreads();  // the previous token's s_ids / s_dest are no longer read
     if (threadIdx.x < K) {
-      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
+      int64_t id = t == blockIdx.x
+                       ? first_id
+                       : ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
       if (id < -1 || id >= E) {
         record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
         id = -1;
@@ -349,100 +357,81 @@ __device__ __forceinline__ int ll_scale_vectors(const LlDispatchParams& p) {
   return p.use_fp8 ? static_cast<int>((g.num_groups + 3) / 4) : 0;
 }
 
-// Vectors per entry of ll_dispatch_copy_list (row vectors unless recv_x is null, then the scale
-// vectors).
-__device__ __forceinline__ int ll_recv_vectors(const LlDispatchParams& p) {
-  return (p.recv_x ? static_cast<int>(ll_row_bytes(p) / 16) : 0) + ll_scale_vectors(p);
+// The scale vector j of an entry (16 bytes of its message after the row) into recv_scales: fp8
+// groups 4j .. 4j + 3 column-major (f32) or packed into UE8M0 word j; NVFP4 words 4j .. 4j + 3
+// of the interleaved layout (word k is 512 bytes after word k - 1).
+__device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p, int64_t sbase,
+                                                      int j, const uint4& val) {
+  const LlLayout& g = p.symm.layout;
+  const int64_t RT = g.rows_per_expert;
+  const int G = static_cast<int>(g.num_groups);
+  const uint32_t w[4] = {val.x, val.y, val.z, val.w};
+  if (p.use_nvfp4) {
+    const int nvfp4_words = static_cast<int>(g.hidden / (4 * kNvfp4Block));
+    auto* out = static_cast<uint32_t*>(p.recv_scales);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (4 * j + c < nvfp4_words) out[sbase + (4 * j + c) * 128] = w[c];
+  } else if (!p.use_ue8m0) {
+    auto* out = static_cast<float*>(p.recv_scales);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (4 * j + c < G) out[sbase + (4 * j + c) * RT] = __uint_as_float(w[c]);
+  } else {
+    uint32_t word = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (4 * j + c < G)
+        word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
+    static_cast<int32_t*>(p.recv_scales)[sbase + j * RT] = static_cast<int32_t>(word);
+  }
 }
 
-// The list copy: entries i = sub, sub + S, ... < total of `list` in ONE round of loads: the
-// rows' vectors and, for fp8 with scales, the message's scale vectors (4 f32 scales each, right
-// after the row in the message) are items of the same batched copy; the thread holding scale
-// vector j stores groups 4j..4j+3 column-major (f32) or packs them into UE8M0 word j; then
-// src_info. Item indices are `I` (32-bit unless a list's items could exceed 2^31): no 64-bit
-// divisions.
-template <typename I>
-__device__ void ll_dispatch_copy_list(const LlDispatchParams& p, const LlRecvList& list, int total,
-                                      int sub, int S) {
-  const LlLayout& g = p.symm.layout;
-  const int64_t H = g.hidden, RT = g.rows_per_expert;
-  const int G = static_cast<int>(g.num_groups);
+// The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
+// recv_x and its scale vectors (right after the row in the message) into recv_scales. Warps take
+// (entry, chunk) items, a chunk being kLlCopyBatch vectors per lane (32 * kLlCopyBatch vectors,
+// 4 KB) of the entry's vectors [v0, nvx + nsv): one warp-uniform division per item, then lane i
+// loads vectors i, i + 32, ... of the chunk together and stores them, so a lane's work per
+// vector is a load, a store and no index arithmetic (the copies are bound by instruction
+// latency, not by bytes: docs/perf.md §4.3). Scale vectors, in the last chunk only, are
+// scattered by ll_store_scale_vector. Then src_info.
+__device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
+                                         int total, int sub, int S) {
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
-  const int64_t row_bytes = ll_row_bytes(p);
-  const int nvx = static_cast<int>(row_bytes / 16);                 // row vectors
-  const int nsv = ll_scale_vectors(p);                              // scale vectors
-  const int v0 = p.recv_x ? 0 : nvx;                                // first vector copied
-  const int nvm = nvx + nsv - v0;                                   // vectors per entry
-  const int nvfp4_words = static_cast<int>(H / (4 * kNvfp4Block));  // NVFP4 scale words per row
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
       p.src_info[list.lrow[idx]] = list.tok[idx];
     }
   }
-  if (n_mine == 0 || nvm <= 0) return;
-  const I n = static_cast<I>(n_mine) * static_cast<I>(nvm);
-  const int batch = kLlCopyBatch;
-  for (I i0 = threadIdx.x; i0 < n; i0 += static_cast<I>(batch) * blockDim.x) {
+  const int64_t row_bytes = ll_row_bytes(p);
+  const int nvx = static_cast<int>(row_bytes / 16);  // row vectors
+  const int v0 = p.recv_x ? 0 : nvx;                 // first vector copied
+  const int nvm = nvx + ll_scale_vectors(p);         // end of the vectors copied
+  if (n_mine == 0 || nvm <= v0) return;
+  constexpr int kChunk = 32 * kLlCopyBatch;
+  const int chunks = (nvm - v0 + kChunk - 1) / kChunk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int items = n_mine * chunks;
+  for (int w = warp; w < items; w += kLlWarps) {
+    const int m = w / chunks;
+    const int idx = sub + m * S;
+    const int first = v0 + (w - m * chunks) * kChunk + lane;  // this lane's first vector
+    const char* src = list.msg[idx] + 16 * int64_t{first};
     uint4 val[kLlCopyBatch];
-    int idx[kLlCopyBatch], vec[kLlCopyBatch];
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u)
+      if (first + 32 * u < nvm) val[u] = ld_landed<uint4>(src + 512 * u);
+    uint8_t* dst = p.recv_x ? p.recv_x + list.lrow[idx] * row_bytes + 16 * int64_t{first} : nullptr;
 #pragma unroll
     for (int u = 0; u < kLlCopyBatch; ++u) {
-      const I i = i0 + static_cast<I>(u) * blockDim.x;
-      idx[u] = -1;
-      if (u < batch && i < n) {
-        const I m = i / static_cast<I>(nvm);
-        vec[u] = static_cast<int>(i - m * static_cast<I>(nvm)) + v0;
-        idx[u] = sub + static_cast<int>(m) * S;
-        val[u] = ld_landed<uint4>(list.msg[idx[u]] + 16 * static_cast<int64_t>(vec[u]));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u) {
-      if (idx[u] < 0) continue;
-      const int v = vec[u];
-      if (v < nvx) {
-        *reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx[u]] * row_bytes + 16 * int64_t{v}) =
-            val[u];
-        continue;
-      }
-      const int64_t sbase = list.sbase[idx[u]];
-      const int j = v - nvx;  // scale vector j: groups 4j .. 4j + 3 (NVFP4: words 4j .. 4j + 3)
-      const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
-      if (p.use_nvfp4) {
-        // Word k (scales 4k .. 4k + 3 of the row) is 512 bytes after word k - 1.
-        auto* out = static_cast<uint32_t*>(p.recv_scales);
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (4 * j + c < nvfp4_words) out[sbase + (4 * j + c) * 128] = w[c];
-      } else if (!p.use_ue8m0) {
-        auto* out = static_cast<float*>(p.recv_scales);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int gi = 4 * j + c;
-          if (gi < G) out[sbase + gi * RT] = __uint_as_float(w[c]);
-        }
-      } else {
-        uint32_t word = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (4 * j + c < G)
-            word |= static_cast<uint32_t>(ue8m0_of_scale(__uint_as_float(w[c]))) << (8 * c);
-        static_cast<int32_t*>(p.recv_scales)[sbase + j * RT] = static_cast<int32_t>(word);
-      }
+      const int v = first + 32 * u;
+      if (v < nvx)
+        *reinterpret_cast<uint4*>(dst + 512 * u) = val[u];
+      else if (v < nvm)
+        ll_store_scale_vector(p, list.sbase[idx], v - nvx, val[u]);
     }
   }
-}
-
-// ll_dispatch_copy_list with the index type its size needs.
-__device__ __forceinline__ void ll_dispatch_copy_entries(const LlDispatchParams& p,
-                                                         const LlRecvList& list, int total, int sub,
-                                                         int S) {
-  const bool small = static_cast<uint64_t>(kLlThreads) * ll_recv_vectors(p) < (uint64_t{1} << 31);
-  if (small)
-    ll_dispatch_copy_list<uint32_t>(p, list, total, sub, S);
-  else
-    ll_dispatch_copy_list<int64_t>(p, list, total, sub, S);
 }
 
 // Which of the n experts `experts[i]` the K ids of a staged routing row list (bit i), kLlIdBatch
@@ -560,7 +549,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
         running[i] += total[i];
       }
       __syncthreads();
-      ll_dispatch_copy_entries(p, list, filled, n > 1 ? 0 : sub, n > 1 ? 1 : S);
+      ll_dispatch_copy_entries(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
       __syncthreads();  // the list is rewritten by the next group of entries
     }
     if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
