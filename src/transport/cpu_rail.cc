@@ -50,6 +50,8 @@ class CpuRail final : public RailTransport {
       slot(transport_->rank(), i)->seq.store(0, std::memory_order_release);
   }
 
+  void abort() override {}  // see RailTransport::abort
+
   void exchange(const char* what, const std::vector<RailChunk>& sends,
                 const std::vector<RailChunk>& recvs, Stream) override {
     const int me = transport_->rank(), node = topology_.node_of(me);

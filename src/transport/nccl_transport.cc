@@ -38,23 +38,13 @@
 
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "transport/nccl_check.h"
 #include "transport/nccl_device_ops.h"
+#include "transport/rail.h"
 
 namespace epx::detail {
 
 namespace {
-
-[[noreturn]] void throw_nccl(ncclResult_t r, const char* call, const char* where) {
-  const char* last = ncclGetLastError(nullptr);
-  throw_error(ErrorCode::kNccl, cat(where, ": ", call, " failed: ", ncclGetErrorString(r),
-                                    (last && last[0]) ? cat(" (", last, ")") : std::string()));
-}
-
-#define EPX_NCCL_CHECK(call, where)                                             \
-  do {                                                                          \
-    ncclResult_t epx_r_ = (call);                                               \
-    if (epx_r_ != ncclSuccess) ::epx::detail::throw_nccl(epx_r_, #call, where); \
-  } while (0)
 
 constexpr size_t kWindowGranularity = size_t(2) << 20;
 // Released flags exchanged per allocate(): the first this many windows of the registry take part
@@ -425,6 +415,31 @@ std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cu
                 cuda_device, " but the communicator is bound to cuda:", comm_device);
   EPX_CUDA_CHECK(cudaSetDevice(cuda_device), "Group::cuda_from_comm");
   return std::make_shared<NcclTransport>(bind_comm(comm, false, cuda_device), timeout);
+}
+
+std::shared_ptr<Transport> make_nccl_node_transport(void* parent_comm, Topology topology,
+                                                    int cuda_device,
+                                                    std::chrono::milliseconds timeout) {
+  const char* what = "node communicator";
+  auto parent = static_cast<ncclComm_t>(parent_comm);
+  int rank = 0, size = 0;
+  EPX_NCCL_CHECK(ncclCommUserRank(parent, &rank), what);
+  EPX_NCCL_CHECK(ncclCommCount(parent, &size), what);
+  EPX_CHECK(size == topology.num_nodes * topology.ranks_per_node, ErrorCode::kInternal, what,
+            ": the parent communicator has ", size, " ranks, expected ", topology.num_nodes,
+            " nodes x ", topology.ranks_per_node);
+  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);
+  const RailSplit split = rail_split(topology, rank);
+  ncclComm_t node = nullptr;
+  EPX_NCCL_CHECK(ncclCommSplit(parent, split.node_color, split.node_key, &node, nullptr), what);
+  auto comm = bind_comm(node, true, cuda_device);  // owned from here (freed on any throw below)
+  int node_rank = -1, node_size = 0;
+  EPX_NCCL_CHECK(ncclCommUserRank(node, &node_rank), what);
+  EPX_NCCL_CHECK(ncclCommCount(node, &node_size), what);
+  EPX_CHECK(node_rank == split.node_key && node_size == topology.ranks_per_node,
+            ErrorCode::kInternal, what, ": rank ", node_rank, " of ", node_size,
+            " after the split, expected ", split.node_key, " of ", topology.ranks_per_node);
+  return std::make_shared<NcclTransport>(std::move(comm), timeout);
 }
 
 void* nccl_comm_of(const Transport& transport) {

@@ -99,6 +99,11 @@ class RailTransport {
   // After the group's resync (Buffer::reset, ll_clean): exchanges are numbered from 1 again on
   // every rank. Local.
   virtual void reset() = 0;
+  // Ends what still waits for a partner (the caller's bounded wait for the exchange's results
+  // timed out, or the group failed): the NCCL rail aborts its communicator, so NCCL's kernels
+  // stop waiting, and refuses later exchanges (Internal). The cpu rail waits only in the
+  // transport's bounded barriers, which Transport::abort ends: nothing to do. Local, idempotent.
+  virtual void abort() = 0;
 };
 
 // The cpu rail: each rank stages its sends in its slot (one per other node) of a symmetric
