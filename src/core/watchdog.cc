@@ -48,7 +48,8 @@ void Watchdog::loop() {
       continue;
     }
     const uint64_t generation = generation_;
-    if (cv_.wait_until(lock, deadline_) != std::cv_status::timeout) continue;  // disarmed / re-armed
+    if (cv_.wait_until(lock, deadline_) != std::cv_status::timeout)
+      continue;  // disarmed / re-armed
     if (!armed_ || generation_ != generation) continue;
     expired_ = expiring_ = true;
     armed_ = false;

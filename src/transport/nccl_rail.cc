@@ -85,10 +85,10 @@ class NcclRail final : public RailTransport {
     if (expired) {
       std::string peers;
       for (const RailOp& op : ops) peers += cat(peers.empty() ? "" : ", ", op.peer);
-      throw_error(ErrorCode::kTimeout,
-                  cat(what, ": rank ", rank_, " waited ", timeout_.count(),
-                      " ms for its rail partners [", peers, "] to join the exchange; the rail ",
-                      "communicator was aborted"));
+      throw_error(
+          ErrorCode::kTimeout,
+          cat(what, ": rank ", rank_, " waited ", timeout_.count(), " ms for its rail partners [",
+              peers, "] to join the exchange; the rail ", "communicator was aborted"));
     }
     if (result != ncclSuccess) {
       abort();  // a group that failed half-way leaves the partners' operations unmatched

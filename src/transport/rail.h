@@ -78,8 +78,7 @@ struct RailOp {
 // exchange; inside a NCCL group any order completes, this one is the same on every rank).
 std::vector<RailOp> plan_rail_exchange(const char* what, Topology topology, int rank,
                                        const std::vector<RailChunk>& sends,
-                                       const std::vector<RailChunk>& recvs,
-                                       size_t max_chunk_bytes);
+                                       const std::vector<RailChunk>& recvs, size_t max_chunk_bytes);
 
 class RailTransport {
  public:

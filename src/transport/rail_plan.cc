@@ -25,13 +25,13 @@ std::vector<std::optional<RailChunk>> by_node(const char* what, Topology topolog
                                               size_t max_chunk_bytes, const char* side) {
   std::vector<std::optional<RailChunk>> out(topology.num_nodes);
   for (const RailChunk& c : chunks) {
-    EPX_CHECK(c.node >= 0 && c.node < topology.num_nodes && c.node != node &&
-                  c.bytes <= max_chunk_bytes,
-              ErrorCode::kInternal, what, ": rail ", side, " with node ", c.node, " of ", c.bytes,
-              " bytes, expected another node of ", topology.num_nodes, " than ", node,
-              " and at most ", max_chunk_bytes, " bytes");
-    EPX_CHECK(!out[c.node], ErrorCode::kInternal, what, ": two rail ", side, "s with node ",
-              c.node, ", expected at most one per node");
+    EPX_CHECK(
+        c.node >= 0 && c.node < topology.num_nodes && c.node != node && c.bytes <= max_chunk_bytes,
+        ErrorCode::kInternal, what, ": rail ", side, " with node ", c.node, " of ", c.bytes,
+        " bytes, expected another node of ", topology.num_nodes, " than ", node, " and at most ",
+        max_chunk_bytes, " bytes");
+    EPX_CHECK(!out[c.node], ErrorCode::kInternal, what, ": two rail ", side, "s with node ", c.node,
+              ", expected at most one per node");
     out[c.node] = c;
   }
   return out;

@@ -45,8 +45,8 @@ constexpr int kRanks = 2;
 // transport only (each GPU a node). Returns 0 when both bodies returned 0.
 int run_two_ranks(bool sockets, const std::function<int(int, ncclComm_t)>& body) {
   static int counter = 0;
-  const std::string path = "/tmp/epx-rail-test-uid-" + std::to_string(getpid()) + "-" +
-                           std::to_string(counter++);
+  const std::string path =
+      "/tmp/epx-rail-test-uid-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
   std::remove(path.c_str());
   const int rc = launch_local(
       kRanks,
@@ -132,8 +132,8 @@ constexpr size_t kMaxChunk = size_t(3) << 20;
 TEST(NcclRail, Exchange) {
   EPX_REQUIRE_GPUS(2);
   EXPECT_EQ(0, run_two_ranks(true, [](int rank, ncclComm_t parent) {
-              auto rail = detail::make_nccl_rail(parent, kTwoNodes, kMaxChunk, rank,
-                                                 milliseconds(30000));
+              auto rail =
+                  detail::make_nccl_rail(parent, kTwoNodes, kMaxChunk, rank, milliseconds(30000));
               if (rail->bytes_allocated() != 0 || rail->max_chunk_bytes() != kMaxChunk) return 1;
               cudaStream_t stream;
               CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -156,8 +156,8 @@ TEST(NcclRail, Exchange) {
 TEST(NcclRail, GraphReplay) {
   EPX_REQUIRE_GPUS(2);
   EXPECT_EQ(0, run_two_ranks(true, [](int rank, ncclComm_t parent) {
-              auto rail = detail::make_nccl_rail(parent, kTwoNodes, kMaxChunk, rank,
-                                                 milliseconds(30000));
+              auto rail =
+                  detail::make_nccl_rail(parent, kTwoNodes, kMaxChunk, rank, milliseconds(30000));
               cudaStream_t stream;
               CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
               Chunks c(size_t(1) << 18);
@@ -169,8 +169,7 @@ TEST(NcclRail, GraphReplay) {
               cudaGraph_t graph;
               cudaGraphExec_t exec;
               CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-              rail->exchange("test (rail, captured)", c.sends(1 - rank), c.recvs(1 - rank),
-                             stream);
+              rail->exchange("test (rail, captured)", c.sends(1 - rank), c.recvs(1 - rank), stream);
               CUDA_OK(cudaStreamEndCapture(stream, &graph));
               CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
               for (int round = 1; round <= 3; ++round) {
@@ -233,21 +232,23 @@ TEST(NcclRail, NodeTransport) {
   EPX_REQUIRE_GPUS(2);
   // 2 nodes of 1 (sockets between them) and 1 node of 2 (the GPUs' P2P inside the node).
   for (const Topology t : {Topology{2, 1}, Topology{1, 2}}) {
-    EXPECT_EQ(0, run_two_ranks(t.num_nodes == 2, [t](int rank, ncclComm_t parent) {
-                auto node = detail::make_nccl_node_transport(parent, t, rank, milliseconds(30000));
-                if (node->size() != t.ranks_per_node || node->rank() != t.local_of(rank)) {
-                  std::fprintf(stderr, "[rank %d] node transport is rank %d of %d\n", rank,
-                               node->rank(), node->size());
-                  return 1;
-                }
-                auto mem = node->allocate(4096);
-                node->barrier("test (node transport)");
-                // The rail of the same topology: with one node it has nothing to exchange.
-                auto rail = detail::make_nccl_rail(parent, t, 4096, rank, milliseconds(30000));
-                if (t.num_nodes == 1)
-                  rail->exchange("test (one node)", {}, {}, nullptr);
-                return mem->bytes() == 4096 ? 0 : 1;
-              }))
+    EXPECT_EQ(
+        0, run_two_ranks(
+               t.num_nodes == 2,
+               [t](int rank, ncclComm_t parent) {
+                 auto node = detail::make_nccl_node_transport(parent, t, rank, milliseconds(30000));
+                 if (node->size() != t.ranks_per_node || node->rank() != t.local_of(rank)) {
+                   std::fprintf(stderr, "[rank %d] node transport is rank %d of %d\n", rank,
+                                node->rank(), node->size());
+                   return 1;
+                 }
+                 auto mem = node->allocate(4096);
+                 node->barrier("test (node transport)");
+                 // The rail of the same topology: with one node it has nothing to exchange.
+                 auto rail = detail::make_nccl_rail(parent, t, 4096, rank, milliseconds(30000));
+                 if (t.num_nodes == 1) rail->exchange("test (one node)", {}, {}, nullptr);
+                 return mem->bytes() == 4096 ? 0 : 1;
+               }))
         << t.num_nodes << " x " << t.ranks_per_node;
   }
 }
