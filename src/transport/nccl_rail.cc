@@ -24,6 +24,7 @@
 #include "core/watchdog.h"
 #include "cuda/cuda_check.h"
 #include "transport/nccl_check.h"
+#include "transport/nccl_transport.h"
 
 namespace epx::detail {
 namespace {
@@ -118,27 +119,10 @@ class NcclRail final : public RailTransport {
 std::unique_ptr<RailTransport> make_nccl_rail(void* parent_comm, Topology topology,
                                               size_t max_chunk_bytes, int cuda_device,
                                               std::chrono::milliseconds timeout) {
-  const char* what = "rail communicator";
-  auto parent = static_cast<ncclComm_t>(parent_comm);
-  int rank = 0, size = 0;
-  EPX_NCCL_CHECK(ncclCommUserRank(parent, &rank), what);
-  EPX_NCCL_CHECK(ncclCommCount(parent, &size), what);
-  EPX_CHECK(size == topology.num_nodes * topology.ranks_per_node, ErrorCode::kInternal, what,
-            ": the parent communicator has ", size, " ranks, expected ", topology.num_nodes,
-            " nodes x ", topology.ranks_per_node);
-  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);
-  const RailSplit split = rail_split(topology, rank);
-  ncclComm_t comm = nullptr;
-  EPX_NCCL_CHECK(ncclCommSplit(parent, split.rail_color, split.rail_key, &comm, nullptr), what);
-  auto rail =  // owns the communicator from here (freed on any throw below)
-      std::make_unique<NcclRail>(comm, topology, rank, max_chunk_bytes, cuda_device, timeout);
-  int rail_rank = -1, rail_size = 0;
-  EPX_NCCL_CHECK(ncclCommUserRank(comm, &rail_rank), what);
-  EPX_NCCL_CHECK(ncclCommCount(comm, &rail_size), what);
-  EPX_CHECK(rail_rank == split.rail_key && rail_size == topology.num_nodes, ErrorCode::kInternal,
-            what, ": rank ", rail_rank, " of ", rail_size, " after the split, expected ",
-            split.rail_key, " of ", topology.num_nodes);
-  return rail;
+  int rank = 0;
+  auto comm = static_cast<ncclComm_t>(
+      nccl_split(parent_comm, topology, false, cuda_device, &rank, "rail communicator"));
+  return std::make_unique<NcclRail>(comm, topology, rank, max_chunk_bytes, cuda_device, timeout);
 }
 
 }  // namespace epx::detail

@@ -417,29 +417,39 @@ std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cu
   return std::make_shared<NcclTransport>(bind_comm(comm, false, cuda_device), timeout);
 }
 
-std::shared_ptr<Transport> make_nccl_node_transport(void* parent_comm, Topology topology,
-                                                    int cuda_device,
-                                                    std::chrono::milliseconds timeout) {
-  const char* what = "node communicator";
+void* nccl_split(void* parent_comm, Topology topology, bool node, int cuda_device, int* rank,
+                 const char* what) {
   auto parent = static_cast<ncclComm_t>(parent_comm);
-  int rank = 0, size = 0;
-  EPX_NCCL_CHECK(ncclCommUserRank(parent, &rank), what);
+  int size = 0;
+  EPX_NCCL_CHECK(ncclCommUserRank(parent, rank), what);
   EPX_NCCL_CHECK(ncclCommCount(parent, &size), what);
   EPX_CHECK(size == topology.num_nodes * topology.ranks_per_node, ErrorCode::kInternal, what,
             ": the parent communicator has ", size, " ranks, expected ", topology.num_nodes,
             " nodes x ", topology.ranks_per_node);
   EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);
-  const RailSplit split = rail_split(topology, rank);
-  ncclComm_t node = nullptr;
-  EPX_NCCL_CHECK(ncclCommSplit(parent, split.node_color, split.node_key, &node, nullptr), what);
-  auto comm = bind_comm(node, true, cuda_device);  // owned from here (freed on any throw below)
-  int node_rank = -1, node_size = 0;
-  EPX_NCCL_CHECK(ncclCommUserRank(node, &node_rank), what);
-  EPX_NCCL_CHECK(ncclCommCount(node, &node_size), what);
-  EPX_CHECK(node_rank == split.node_key && node_size == topology.ranks_per_node,
-            ErrorCode::kInternal, what, ": rank ", node_rank, " of ", node_size,
-            " after the split, expected ", split.node_key, " of ", topology.ranks_per_node);
-  return std::make_shared<NcclTransport>(std::move(comm), timeout);
+  const RailSplit split = rail_split(topology, *rank);
+  const int color = node ? split.node_color : split.rail_color;
+  const int key = node ? split.node_key : split.rail_key;
+  const int want_size = node ? topology.ranks_per_node : topology.num_nodes;
+  ncclComm_t comm = nullptr;
+  EPX_NCCL_CHECK(ncclCommSplit(parent, color, key, &comm, nullptr), what);
+  int got_rank = -1, got_size = 0;
+  if (ncclCommUserRank(comm, &got_rank) != ncclSuccess ||
+      ncclCommCount(comm, &got_size) != ncclSuccess || got_rank != key || got_size != want_size) {
+    ncclCommDestroy(comm);
+    throw_error(ErrorCode::kInternal, cat(what, ": rank ", got_rank, " of ", got_size,
+                                          " after the split, expected ", key, " of ", want_size));
+  }
+  return comm;
+}
+
+std::shared_ptr<Transport> make_nccl_node_transport(void* parent_comm, Topology topology,
+                                                    int cuda_device,
+                                                    std::chrono::milliseconds timeout) {
+  int rank = 0;
+  auto node = static_cast<ncclComm_t>(
+      nccl_split(parent_comm, topology, true, cuda_device, &rank, "node communicator"));
+  return std::make_shared<NcclTransport>(bind_comm(node, true, cuda_device), timeout);
 }
 
 void* nccl_comm_of(const Transport& transport) {

@@ -19,6 +19,14 @@ std::shared_ptr<Transport> make_nccl_transport(int rank, int size, const UniqueI
 std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cuda_device,
                                                          std::chrono::milliseconds timeout);
 
+// CUDA builds only (no stub): the communicator of this rank's node (`node` true) or of its rail
+// (rail_split()'s colors and keys) split from `parent_comm` (an ncclComm_t of the whole group,
+// ranks node-major), bound to `cuda_device`; `*rank` gets this rank's rank in the parent. Checks
+// the parent's size and the new communicator's rank and size (Internal naming `what`). The
+// caller owns the returned ncclComm_t. Collective over the parent.
+void* nccl_split(void* parent_comm, Topology topology, bool node, int cuda_device, int* rank,
+                 const char* what);
+
 // CUDA builds only (no stub), for the hierarchical path (docs/design.md §13): the transport of
 // this rank's node, on the communicator split from `parent_comm` (an ncclComm_t of the whole
 // group, ranks node-major) with rail_split()'s node color and key, which the transport owns. Its

@@ -76,6 +76,14 @@ def rand_bf16(shape, g, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
+def rand_bf16_wide(shape, g):
+    """Random bf16 values of magnitude about 1 or about 2^24, half each: a float32 sum of them
+    absorbs the small ones or not depending on the order (1 + 2^24 - 2^24), so a combine in
+    another order than the semantics' gives other bits somewhere."""
+    v = torch.randn(*shape, generator=g)
+    return (v * torch.exp2(24.0 * torch.randint(0, 2, shape, generator=g))).to(torch.bfloat16)
+
+
 def rand_weights(num_tokens, top_k, g):
     return torch.rand(num_tokens, top_k, generator=g, dtype=torch.float32) + 0.05
 

@@ -188,14 +188,6 @@ def body_group_nodes(ctx, seed):
         assert torch.equal(one, across)
 
 
-def _wide_bf16(shape, g):
-    """Random bf16 values of magnitude about 1 or about 2^24, half each: a float32 sum of them
-    absorbs the small ones or not depending on the order (1 + 2^24 - 2^24), so a combine in
-    another order than the topology's gives other bits somewhere."""
-    v = ref.rand_bf16(shape, g).to(torch.float32)
-    return (v * torch.exp2(24.0 * torch.randint(0, 2, shape, generator=g))).to(torch.bfloat16)
-
-
 def body_nodes_vs_flat(ctx, seed):
     """ht and ll with fresh random inputs (T differing per rank, -1 slots, fp8 ll) on every
     topology of R ranks (`ranks_per_node` = each divisor of R, and 0 = one node): every dispatch
@@ -203,8 +195,9 @@ def body_nodes_vs_flat(ctx, seed):
     per-expert counts, the handle's rank_prefix_matrix / is_token_in_rank / send_pos; ll: rows,
     scales, counts, src_info, layout_range); every combine equals reference.py's with that
     topology bit for bit (the node-first order of docs/semantics.md §1.6 / §2.3, with biases
-    and wide-range values). Returns {ranks_per_node: whether the node-first order changed some
-    element of this rank's reference}, so the test can require that the comparison could fail."""
+    and wide-range values). Returns {ranks_per_node: (ht, ll) whether the node-first order
+    changed some element of this rank's reference}, so the test can require that the comparison
+    could fail."""
     R, r = ctx.world_size, ctx.rank
     H, K, E, T = 256, 4, 4 * R, 10
     L = E // R
@@ -212,15 +205,17 @@ def body_nodes_vs_flat(ctx, seed):
     for s in range(R):
         g = ref.generator(seed, s)
         n = T - s % 3
+        # Unit weights: the ll combine's +-2^24 rows cancel, which exposes its order (random
+        # weights: the one-node suites).
         inputs.append(dict(x=ref.rand_bf16((n, H), g),
                            topk_idx=ref.routing("uniform", n, K, E, R, g),
-                           topk_weights=ref.rand_weights(n, K, g)))
+                           topk_weights=torch.ones(n, K)))
     mine = inputs[r]
     n_recv = [len(ref.ht_dispatch(inputs, d, E, R)["recv_src_idx"]) for d in range(R)]
-    ys = [_wide_bf16((n_recv[d], H), ref.generator(seed, d, "y")) for d in range(R)]
-    lys = [_wide_bf16((L, R * T, H), ref.generator(seed, d, "ly")) for d in range(R)]
+    ys = [ref.rand_bf16_wide((n_recv[d], H), ref.generator(seed, d, "y")) for d in range(R)]
+    lys = [ref.rand_bf16_wide((L, R * T, H), ref.generator(seed, d, "ly")) for d in range(R)]
     g = ref.generator(seed, r, "bias")
-    b0, b1 = _wide_bf16(mine["x"].shape, g), _wide_bf16(mine["x"].shape, g)
+    b0, b1 = ref.rand_bf16_wide(mine["x"].shape, g), ref.rand_bf16_wide(mine["x"].shape, g)
     flat_ht = ref.ht_combine(inputs, ys, r, E, R, b0, b1)
     flat_ll = ref.ll_combine(inputs, lys, r, E, R)
     outs, changed = {}, {}
@@ -244,7 +239,7 @@ def body_nodes_vs_flat(ctx, seed):
             outs[per_node] += [ld.recv_x[l, :n].view(torch.uint8),
                                ld.recv_scales[l, :n].contiguous().view(torch.int32),
                                ld.handle.src_info[l, :n]]
-        changed[per_node] = not (torch.equal(want_ht, flat_ht) and torch.equal(want_ll, flat_ll))
+        changed[per_node] = (not torch.equal(want_ht, flat_ht), not torch.equal(want_ll, flat_ll))
     for per_node, out in outs.items():
         for i, (one, across) in enumerate(zip(outs[0], out)):
             assert torch.equal(one, across), (per_node, i)
@@ -332,8 +327,8 @@ def test_nodes_vs_flat(pool):
     seed = _seed()
     changed = pool.run(body_nodes_vs_flat, seed)
     for per_node in changed[0]:
-        if per_node:  # across nodes: the order must matter somewhere
-            assert any(c[per_node] for c in changed), (per_node, seed)
+        if per_node:  # across nodes: the order must matter somewhere, in ht and in ll
+            assert all(any(c[per_node][m] for c in changed) for m in (0, 1)), (per_node, seed)
 
 
 def test_gil_released_while_waiting(pool2):

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -25,36 +26,41 @@ std::string name(Topology t) {
   return std::to_string(t.num_nodes) + "x" + std::to_string(t.ranks_per_node);
 }
 
+// color -> (key -> rank), as ncclCommSplit forms the communicators.
+using Comms = std::map<int, std::map<int, int>>;
+
+// `comms` must be `count` communicators of `size` ranks each, with keys 0 .. size - 1 and the
+// rank of key k in the one of color c being rank_of(c, k).
+void expect_comms(const Comms& comms, int count, int size,
+                  const std::function<int(int color, int key)>& rank_of, const std::string& what) {
+  ASSERT_EQ(static_cast<int>(comms.size()), count) << what;
+  for (const auto& [color, ranks] : comms) {
+    ASSERT_EQ(static_cast<int>(ranks.size()), size) << what;
+    int i = 0;
+    for (const auto& [key, r] : ranks) {
+      EXPECT_EQ(key, i) << what << " color " << color;
+      EXPECT_EQ(r, rank_of(color, i++)) << what << " color " << color;
+    }
+  }
+}
+
 TEST(RailSplit, NodeAndRailCommunicators) {
   for (const Topology t : kTopologies) {
     const int R = t.num_nodes * t.ranks_per_node;
-    // color -> (key -> rank), as ncclCommSplit forms the communicators
-    std::map<int, std::map<int, int>> node_comms, rail_comms;
+    Comms node_comms, rail_comms;
     for (int r = 0; r < R; ++r) {
       const RailSplit s = rail_split(t, r);
       EXPECT_TRUE(node_comms[s.node_color].emplace(s.node_key, r).second) << name(t) << " " << r;
       EXPECT_TRUE(rail_comms[s.rail_color].emplace(s.rail_key, r).second) << name(t) << " " << r;
     }
     // Node communicators: node n's ranks n*G .. n*G + G - 1, ranked by local index.
-    ASSERT_EQ(static_cast<int>(node_comms.size()), t.num_nodes) << name(t);
-    for (const auto& [color, ranks] : node_comms) {
-      ASSERT_EQ(static_cast<int>(ranks.size()), t.ranks_per_node) << name(t);
-      int i = 0;
-      for (const auto& [key, r] : ranks) {
-        EXPECT_EQ(r, t.rank_of(color, i)) << name(t) << " node " << color;
-        EXPECT_EQ(key, i++) << name(t);
-      }
-    }
+    expect_comms(
+        node_comms, t.num_nodes, t.ranks_per_node, [&](int n, int g) { return t.rank_of(n, g); },
+        name(t) + " nodes");
     // Rail communicators: local index g on every node, ranked by node.
-    ASSERT_EQ(static_cast<int>(rail_comms.size()), t.ranks_per_node) << name(t);
-    for (const auto& [color, ranks] : rail_comms) {
-      ASSERT_EQ(static_cast<int>(ranks.size()), t.num_nodes) << name(t);
-      int m = 0;
-      for (const auto& [key, r] : ranks) {
-        EXPECT_EQ(r, t.rank_of(m, color)) << name(t) << " rail " << color;
-        EXPECT_EQ(key, m++) << name(t);
-      }
-    }
+    expect_comms(
+        rail_comms, t.ranks_per_node, t.num_nodes, [&](int g, int m) { return t.rank_of(m, g); },
+        name(t) + " rails");
   }
 }
 
