@@ -51,6 +51,14 @@ FLAGS:
                       every visible GPU (one process per GPU, GPU i = rank i).
   --procs             cpu only: run the ranks as forked processes over POSIX shared memory
                       instead of threads.
+  --nodes N           the R ranks as N nodes of R / N ranks, node-major
+                      (GroupOptions::ranks_per_node = R / N; N must divide R). ht and ll then
+                      run hierarchically: tokens cross between nodes once per node over the
+                      rail, combines reduce inside each node first (docs/design.md §13); a2a is
+                      the same on every topology. --check compares with the oracle of that
+                      topology. Default 1. cpu only for N > 1: the cuda backend has no
+                      across-node path yet, and a cuda group of several nodes is refused with
+                      an Unsupported error naming the option (never a flat run).
   --tokens T[,T...]   tokens per rank (one table row group per value). Default (the
                       standard workloads): ht 4096, ll 128, a2a 128 on cuda; on cpu smaller so a
                       run takes seconds on a small machine: ht 256, ll 8, a2a 64.
@@ -187,6 +195,8 @@ Options parse(int argc, char** argv) {
       o.num_ranks = static_cast<int>(parse_int(a, value(), 1, detail::kMaxRanks));
     } else if (a == "--procs") {
       o.procs = true;
+    } else if (a == "--nodes") {
+      o.num_nodes = static_cast<int>(parse_int(a, value(), 1, detail::kMaxRanks));
     } else if (a == "--tokens") {
       std::stringstream ss(value());
       std::string item;
@@ -254,6 +264,13 @@ Options parse(int argc, char** argv) {
                   std::to_string(num_gpus) + " GPUs are visible");
   } else if (o.num_ranks == 0) {
     o.num_ranks = 4;
+  }
+  if (o.num_ranks % o.num_nodes != 0) {
+    std::string divisors;
+    for (int d = 1; d <= o.num_ranks; ++d)
+      if (o.num_ranks % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
+    usage_error("--nodes is " + std::to_string(o.num_nodes) + ", expected a divisor of --ranks " +
+                std::to_string(o.num_ranks) + " (" + divisors + ")");
   }
   const bool cuda = o.backend == Backend::kCuda;
   if (o.pipelined && !cuda)
@@ -356,15 +373,21 @@ int run_rank(const Options& opt, const Group& group, RankReport& report) {
 GroupOptions group_options(const Options& opt) {
   GroupOptions g;
   g.num_sms = opt.num_sms;
+  g.ranks_per_node = opt.num_nodes > 1 ? opt.num_ranks / opt.num_nodes : 0;
   if (opt.timeout_ms > 0) g.timeout = std::chrono::milliseconds(opt.timeout_ms);
   return g;
 }
 
-// Records an error that happened outside run_rank (group creation) in the rank's report.
-int rank_error(RankReport& report, int rank, const std::exception& e) {
-  std::snprintf(report.error, sizeof(report.error), "%s", e.what());
+// Records an error that happened outside run_rank (group creation) in the rank's report; an
+// Unsupported topology is said to come from --nodes.
+int rank_error(const Options& opt, RankReport& report, int rank, const std::exception& e) {
+  const auto* error = dynamic_cast<const Error*>(&e);
+  const std::string from = opt.num_nodes > 1 && error && error->code() == ErrorCode::kUnsupported
+                               ? "--nodes " + std::to_string(opt.num_nodes) + ": "
+                               : "";
+  std::snprintf(report.error, sizeof(report.error), "%s%s", from.c_str(), e.what());
   report.failed = 1;
-  std::fprintf(stderr, "[epx-bench rank %d] error: %s\n", rank, e.what());
+  std::fprintf(stderr, "[epx-bench rank %d] error: %s\n", rank, report.error);
   return 1;
 }
 
@@ -384,7 +407,7 @@ int run_all(const Options& opt, RankReport* reports) {
             Group g = Group::cuda(r, R, id, r, gopt);
             return run_rank(opt, g, reports[r]);
           } catch (const std::exception& e) {
-            return rank_error(reports[r], r, e);
+            return rank_error(opt, reports[r], r, e);
           }
         },
         limit);
@@ -397,7 +420,7 @@ int run_all(const Options& opt, RankReport* reports) {
             Group g = Group::cpu_processes(r, R, name, gopt);
             return run_rank(opt, g, reports[r]);
           } catch (const std::exception& e) {
-            return rank_error(reports[r], r, e);
+            return rank_error(opt, reports[r], r, e);
           }
         },
         limit);
@@ -410,7 +433,7 @@ int run_all(const Options& opt, RankReport* reports) {
         Group g = Group::cpu_threads(r, R, name, gopt);
         rc[r] = run_rank(opt, g, reports[r]);
       } catch (const std::exception& e) {
-        rc[r] = rank_error(reports[r], r, e);
+        rc[r] = rank_error(opt, reports[r], r, e);
       }
     });
   }
@@ -454,17 +477,24 @@ std::string num(double v, int prec) {
   return b;
 }
 
+// " as N nodes x G" for --nodes N > 1, else "".
+std::string nodes_label(const Options& opt) {
+  if (opt.num_nodes == 1) return "";
+  return " as " + std::to_string(opt.num_nodes) + " nodes x " +
+         std::to_string(opt.num_ranks / opt.num_nodes);
+}
+
 void print_table(const Options& opt, const std::vector<Row>& rows) {
   const bool cuda = opt.backend == Backend::kCuda;
   std::printf(
-      "\nepx-bench: backend %s%s, %d ranks, H=%lld K=%d E=%d, routing %s, %d iters "
+      "\nepx-bench: backend %s%s, %d ranks%s, H=%lld K=%d E=%d, routing %s, %d iters "
       "(+%d warmup)%s, seed %llu\n",
       backend_name(opt.backend),
       cuda        ? " (one process per GPU)"
       : opt.procs ? " (processes)"
                   : " (threads)",
-      opt.num_ranks, static_cast<long long>(opt.hidden), opt.top_k, opt.num_experts,
-      opt.routing.c_str(), opt.iters, opt.warmup,
+      opt.num_ranks, nodes_label(opt).c_str(), static_cast<long long>(opt.hidden), opt.top_k,
+      opt.num_experts, opt.routing.c_str(), opt.iters, opt.warmup,
       !cuda           ? ""
       : opt.pipelined ? ", timing pipelined (calls back to back)"
                       : ", timing barrier (each call alone)",
@@ -545,11 +575,11 @@ bool write_json(const Options& opt, const std::vector<Row>& rows, const RankRepo
     << ",\n  \"cpu_cores\": " << std::thread::hardware_concurrency()
     << ",\n  \"command\": " << json_str(opt.command_line)
     << ",\n  \"backend\": " << json_str(backend_name(opt.backend))
-    << ",\n  \"ranks\": " << opt.num_ranks << ",\n  \"procs\": " << (opt.procs ? "true" : "false")
-    << ",\n  \"hidden\": " << opt.hidden << ",\n  \"topk\": " << opt.top_k
-    << ",\n  \"experts\": " << opt.num_experts << ",\n  \"routing\": " << json_str(opt.routing)
-    << ",\n  \"iters\": " << opt.iters << ",\n  \"warmup\": " << opt.warmup
-    << ",\n  \"num_sms\": " << opt.num_sms
+    << ",\n  \"ranks\": " << opt.num_ranks << ",\n  \"nodes\": " << opt.num_nodes
+    << ",\n  \"procs\": " << (opt.procs ? "true" : "false") << ",\n  \"hidden\": " << opt.hidden
+    << ",\n  \"topk\": " << opt.top_k << ",\n  \"experts\": " << opt.num_experts
+    << ",\n  \"routing\": " << json_str(opt.routing) << ",\n  \"iters\": " << opt.iters
+    << ",\n  \"warmup\": " << opt.warmup << ",\n  \"num_sms\": " << opt.num_sms
     << ",\n  \"timing\": " << json_str(opt.pipelined ? "pipelined" : "barrier")
     << ",\n  \"seed\": " << opt.seed << ",\n  \"check\": " << (opt.check ? "true" : "false")
     << ",\n  \"errors\": [";
@@ -611,8 +641,8 @@ int main_impl(int argc, char** argv) {
   }
   auto* reports = static_cast<RankReport*>(mem);
   std::memset(static_cast<void*>(reports), 0, bytes);
-  std::fprintf(stderr, "[epx-bench] %s backend, %d ranks, modes:", backend_name(opt.backend),
-               opt.num_ranks);
+  std::fprintf(stderr, "[epx-bench] %s backend, %d ranks%s, modes:", backend_name(opt.backend),
+               opt.num_ranks, nodes_label(opt).c_str());
   for (const auto& m : opt.modes) std::fprintf(stderr, " %s", m.c_str());
   std::fprintf(stderr, "%s\n", opt.check ? " (with --check)" : "");
 

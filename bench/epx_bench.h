@@ -40,6 +40,7 @@ struct Options {
   Backend backend = Backend::kCpu;
   int num_ranks = 0;            // 0 = default (cpu: 4; cuda: every visible GPU)
   bool procs = false;           // cpu: forked processes over POSIX shared memory
+  int num_nodes = 1;            // --nodes: the group's ranks as nodes of R / N ranks
   std::vector<int64_t> tokens;  // empty = per-mode default
   int64_t hidden = 7168;
   int top_k = 8;

@@ -162,6 +162,7 @@ void run_ht(Ctx& ctx, int64_t T) {
       progress(ctx, tag + " " + dt + ": checking dispatch against the oracle");
       testing::HtProblem p;
       p.num_ranks = R;
+      p.ranks_per_node = ctx.group.ranks_per_node();
       p.num_experts = o.num_experts;
       p.top_k = K;
       p.hidden = H;
@@ -256,6 +257,7 @@ void run_ht(Ctx& ctx, int64_t T) {
     progress(ctx, tag + ": checking combine against the oracle");
     testing::HtProblem p;
     p.num_ranks = R;
+    p.ranks_per_node = ctx.group.ranks_per_node();
     p.num_experts = o.num_experts;
     p.top_k = K;
     p.hidden = H;

@@ -168,6 +168,7 @@ void run_ll(Ctx& ctx, int64_t T) {
 
   testing::LlProblem p;
   p.num_ranks = R;
+  p.ranks_per_node = ctx.group.ranks_per_node();
   p.max_tokens = T_max;
   p.hidden = H;
   p.top_k = K;

@@ -4,10 +4,11 @@
 // Staging, one symmetric allocation per rail (cpu_rail_bytes), on rank (n, g):
 //   slot i, i = Topology::other_index(m, n) for every other node m (N - 1 slots):
 //     SlotHeader {seq (seqlock), bytes}   then max_chunk_bytes of data: what (n, g) sends to (m, g)
-// exchange #s on (n, g): for each send to m: seq = 0, copy, bytes, seq = s (release); barrier;
-// for each receive from m: the partner (m, g)'s slot other_index(n, m) must carry seq = s and the
-// receive's size; copy; re-read seq (a partner that moved on while this rank copied is
-// OutOfStep); barrier (no slot is rewritten before every partner copied it). Errors found after
+// exchange #s on (n, g), in the order of plan_rail_exchange (which checks the chunks): for each
+// send to m: seq = 0, copy, bytes, seq = s (release); barrier; for each receive from m: the
+// partner (m, g)'s slot other_index(n, m) must carry seq = s and the receive's size; copy;
+// re-read seq (a partner that moved on while this rank copied is OutOfStep); barrier (no slot
+// is rewritten before every partner copied it). Errors found after
 // the first barrier are raised after the second, so partners never wait for a rank that failed.
 #include <atomic>
 #include <cstring>
@@ -49,31 +50,33 @@ class CpuRail final : public RailTransport {
       slot(transport_->rank(), i)->seq.store(0, std::memory_order_release);
   }
 
+  void abort() override {}  // see RailTransport::abort
+
   void exchange(const char* what, const std::vector<RailChunk>& sends,
                 const std::vector<RailChunk>& recvs, Stream) override {
-    const uint64_t seq = ++exchanges_;
     const int me = transport_->rank(), node = topology_.node_of(me);
-    const int local = topology_.local_of(me);
-    for (const RailChunk& c : sends) {
-      check_chunk(what, c, "send");
-      SlotHeader* h = slot(me, Topology::other_index(c.node, node));
+    const std::vector<RailOp> ops =
+        plan_rail_exchange(what, topology_, me, sends, recvs, max_chunk_bytes_);
+    const uint64_t seq = ++exchanges_;
+    for (const RailOp& op : ops) {
+      if (!op.send) continue;
+      SlotHeader* h = slot(me, Topology::other_index(op.node, node));
       h->seq.store(0, std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_seq_cst);  // before any data byte
-      std::memcpy(reinterpret_cast<char*>(h) + kSlotData, c.data, c.bytes);
-      h->bytes = c.bytes;
+      std::memcpy(reinterpret_cast<char*>(h) + kSlotData, op.data, op.bytes);
+      h->bytes = op.bytes;
       h->seq.store(seq, std::memory_order_release);
     }
     transport_->barrier(what);
     std::exception_ptr error;
     try {
-      for (const RailChunk& c : recvs) {
-        check_chunk(what, c, "receive");
-        const int partner = topology_.rank_of(c.node, local);
-        const SlotHeader* h = slot(partner, Topology::other_index(node, c.node));
-        check_slot(what, *h, seq, partner, c);
-        std::memcpy(c.data, reinterpret_cast<const char*>(h) + kSlotData, c.bytes);
+      for (const RailOp& op : ops) {
+        if (op.send) continue;
+        const SlotHeader* h = slot(op.peer, Topology::other_index(node, op.node));
+        check_slot(what, *h, seq, op);
+        std::memcpy(op.data, reinterpret_cast<const char*>(h) + kSlotData, op.bytes);
         std::atomic_thread_fence(std::memory_order_acquire);  // the copy before the re-read
-        check_slot(what, *h, seq, partner, c);
+        check_slot(what, *h, seq, op);
       }
     } catch (...) {
       error = std::current_exception();
@@ -88,23 +91,13 @@ class CpuRail final : public RailTransport {
                                          static_cast<size_t>(index) * slot_bytes(max_chunk_bytes_));
   }
 
-  void check_chunk(const char* what, const RailChunk& c, const char* side) const {
-    const int node = topology_.node_of(transport_->rank());
-    EPX_CHECK(c.node >= 0 && c.node < topology_.num_nodes && c.node != node &&
-                  c.bytes <= max_chunk_bytes_,
-              ErrorCode::kInternal, what, ": rail ", side, " with node ", c.node, " of ", c.bytes,
-              " bytes, expected another node of ", topology_.num_nodes, " and at most ",
-              max_chunk_bytes_, " bytes");
-  }
-
-  static void check_slot(const char* what, const SlotHeader& h, uint64_t seq, int partner,
-                         const RailChunk& c) {
+  static void check_slot(const char* what, const SlotHeader& h, uint64_t seq, const RailOp& op) {
     const uint64_t got = h.seq.load(std::memory_order_acquire);
-    EPX_CHECK(got == seq, ErrorCode::kOutOfStep, what, ": rank ", partner, " (node ", c.node,
+    EPX_CHECK(got == seq, ErrorCode::kOutOfStep, what, ": rank ", op.peer, " (node ", op.node,
               ") is at rail exchange #", got, " while this rank is at #", seq,
               " (ranks out of step); expected every rank at the same exchange");
-    EPX_CHECK(h.bytes == c.bytes, ErrorCode::kInternal, what, ": rank ", partner, " sent ", h.bytes,
-              " bytes over the rail, this rank expected ", c.bytes);
+    EPX_CHECK(h.bytes == op.bytes, ErrorCode::kInternal, what, ": rank ", op.peer, " sent ",
+              h.bytes, " bytes over the rail, this rank expected ", op.bytes);
   }
 
   std::shared_ptr<Transport> transport_;

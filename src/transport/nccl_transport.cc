@@ -38,23 +38,13 @@
 
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "transport/nccl_check.h"
 #include "transport/nccl_device_ops.h"
+#include "transport/rail.h"
 
 namespace epx::detail {
 
 namespace {
-
-[[noreturn]] void throw_nccl(ncclResult_t r, const char* call, const char* where) {
-  const char* last = ncclGetLastError(nullptr);
-  throw_error(ErrorCode::kNccl, cat(where, ": ", call, " failed: ", ncclGetErrorString(r),
-                                    (last && last[0]) ? cat(" (", last, ")") : std::string()));
-}
-
-#define EPX_NCCL_CHECK(call, where)                                             \
-  do {                                                                          \
-    ncclResult_t epx_r_ = (call);                                               \
-    if (epx_r_ != ncclSuccess) ::epx::detail::throw_nccl(epx_r_, #call, where); \
-  } while (0)
 
 constexpr size_t kWindowGranularity = size_t(2) << 20;
 // Released flags exchanged per allocate(): the first this many windows of the registry take part
@@ -425,6 +415,41 @@ std::shared_ptr<Transport> make_nccl_transport_from_comm(void* nccl_comm, int cu
                 cuda_device, " but the communicator is bound to cuda:", comm_device);
   EPX_CUDA_CHECK(cudaSetDevice(cuda_device), "Group::cuda_from_comm");
   return std::make_shared<NcclTransport>(bind_comm(comm, false, cuda_device), timeout);
+}
+
+void* nccl_split(void* parent_comm, Topology topology, bool node, int cuda_device, int* rank,
+                 const char* what) {
+  auto parent = static_cast<ncclComm_t>(parent_comm);
+  int size = 0;
+  EPX_NCCL_CHECK(ncclCommUserRank(parent, rank), what);
+  EPX_NCCL_CHECK(ncclCommCount(parent, &size), what);
+  EPX_CHECK(size == topology.num_nodes * topology.ranks_per_node, ErrorCode::kInternal, what,
+            ": the parent communicator has ", size, " ranks, expected ", topology.num_nodes,
+            " nodes x ", topology.ranks_per_node);
+  EPX_CUDA_CHECK(cudaSetDevice(cuda_device), what);
+  const RailSplit split = rail_split(topology, *rank);
+  const int color = node ? split.node_color : split.rail_color;
+  const int key = node ? split.node_key : split.rail_key;
+  const int want_size = node ? topology.ranks_per_node : topology.num_nodes;
+  ncclComm_t comm = nullptr;
+  EPX_NCCL_CHECK(ncclCommSplit(parent, color, key, &comm, nullptr), what);
+  int got_rank = -1, got_size = 0;
+  if (ncclCommUserRank(comm, &got_rank) != ncclSuccess ||
+      ncclCommCount(comm, &got_size) != ncclSuccess || got_rank != key || got_size != want_size) {
+    ncclCommDestroy(comm);
+    throw_error(ErrorCode::kInternal, cat(what, ": rank ", got_rank, " of ", got_size,
+                                          " after the split, expected ", key, " of ", want_size));
+  }
+  return comm;
+}
+
+std::shared_ptr<Transport> make_nccl_node_transport(void* parent_comm, Topology topology,
+                                                    int cuda_device,
+                                                    std::chrono::milliseconds timeout) {
+  int rank = 0;
+  auto node = static_cast<ncclComm_t>(
+      nccl_split(parent_comm, topology, true, cuda_device, &rank, "node communicator"));
+  return std::make_shared<NcclTransport>(bind_comm(node, true, cuda_device), timeout);
 }
 
 void* nccl_comm_of(const Transport& transport) {

@@ -7,8 +7,11 @@
 // every other node m, in one collective call whose sends and receives pair up as grouped
 // ncclSend / ncclRecv do (equal byte counts on both sides of a pair). The backends' hierarchical
 // algorithms (cpu: src/cpu/ht*.cc, src/cpu/ll*.cc) call only this interface for the network
-// leg, so a NCCL send/recv rail (on the rail communicator, capturable in a graph inside a group)
-// or a GIN rail (device-initiated RDMA) fills the same seam later; the cpu rail is the one built.
+// leg: the cpu rail (cpu_rail.cc) and the NCCL send/recv rail (nccl_rail.cc: grouped ncclSend /
+// ncclRecv on the rail communicator, capturable in a graph) fill it; a GIN rail (device-initiated
+// RDMA) can fill it later. Both rails post what plan_rail_exchange() plans, so the checks and the
+// peer order are one piece of host code, unit-tested without either transport
+// (tests/unit/rail_plan_test.cc).
 #pragma once
 
 #include <cstddef>
@@ -44,6 +47,39 @@ struct RailChunk {
   size_t bytes = 0;
 };
 
+// How a group's communicator splits for the hierarchical path (ncclCommSplit's color and key):
+// the node communicator holds the ranks of this rank's node, ranked by local index (it carries
+// the LSA windows of the node-local kernels: NCCL 2.28.9's ncclDevCommCreate turns GIN on for a
+// communicator spanning nodes); the rail communicator holds the ranks of this rank's local index,
+// one per node, ranked by node (so a rail peer's rank there is its node).
+struct RailSplit {
+  int node_color = 0, node_key = 0;
+  int rail_color = 0, rail_key = 0;
+};
+RailSplit rail_split(Topology topology, int rank);
+
+// One point-to-point operation of a rail exchange, as the NCCL rail posts it.
+struct RailOp {
+  bool send = false;
+  int node = 0;  // the partner's node: its rank in the rail communicator
+  int peer = 0;  // the partner's rank in the group: (node, this rank's local index)
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// The operations of one exchange (RailTransport::exchange) in posting order, after checking it:
+// every chunk names another node of the topology and holds at most max_chunk_bytes; per other
+// node at most one send and one receive, and a send only with the receive from the same node, of
+// the same size (every leg of the hierarchical algorithms is symmetric like this, and it is what
+// this rank can check of NCCL's rule that a send and its receive have equal counts: its partner
+// computes the same sizes from the same agreed shape). Violations are Internal naming `what`.
+// Order: for s = 1 .. N - 1, the send to node (n + s) mod N, then the receive from node
+// (n - s) mod N, so at every step each rank's send meets its partner's receive (pairwise
+// exchange; inside a NCCL group any order completes, this one is the same on every rank).
+std::vector<RailOp> plan_rail_exchange(const char* what, Topology topology, int rank,
+                                       const std::vector<RailChunk>& sends,
+                                       const std::vector<RailChunk>& recvs, size_t max_chunk_bytes);
+
 class RailTransport {
  public:
   virtual ~RailTransport() = default;
@@ -62,6 +98,11 @@ class RailTransport {
   // After the group's resync (Buffer::reset, ll_clean): exchanges are numbered from 1 again on
   // every rank. Local.
   virtual void reset() = 0;
+  // Ends what still waits for a partner (the caller's bounded wait for the exchange's results
+  // timed out, or the group failed): the NCCL rail aborts its communicator, so NCCL's kernels
+  // stop waiting, and refuses later exchanges (Internal). The cpu rail waits only in the
+  // transport's bounded barriers, which Transport::abort ends: nothing to do. Local, idempotent.
+  virtual void abort() = 0;
 };
 
 // The cpu rail: each rank stages its sends in its slot (one per other node) of a symmetric

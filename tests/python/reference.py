@@ -76,6 +76,14 @@ def rand_bf16(shape, g, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
+def rand_bf16_wide(shape, g):
+    """Random bf16 values of magnitude about 1 or about 2^24, half each: a float32 sum of them
+    absorbs the small ones or not depending on the order (1 + 2^24 - 2^24), so a combine in
+    another order than the semantics' gives other bits somewhere."""
+    v = torch.randn(*shape, generator=g)
+    return (v * torch.exp2(24.0 * torch.randint(0, 2, shape, generator=g))).to(torch.bfloat16)
+
+
 def rand_weights(num_tokens, top_k, g):
     return torch.rand(num_tokens, top_k, generator=g, dtype=torch.float32) + 0.05
 
@@ -346,9 +354,22 @@ def rank_prefix_matrix(inputs, num_experts, num_ranks):
     return m.cumsum(dim=0).to(torch.int32)
 
 
-def ht_combine(inputs, ys, rank, num_experts, num_ranks, bias0=None, bias1=None):
-    """out[t] on `rank` = bias0 + bias1 + sum over d ascending of y_d[pos_d(t)], float32, one
-    rounding to bf16. ys[d] = y [N_d, H] of rank d (in d's recv_x order)."""
+def nodes_in_order(rank, num_ranks, ranks_per_node):
+    """The nodes of a combine's sum, as lists of their ranks: this rank's node first, then the
+    others ascending (docs/semantics.md §1.6 / §2.3; ranks_per_node 0: one node)."""
+    G = ranks_per_node or num_ranks
+    own = rank // G
+    return [list(range(m * G, (m + 1) * G))
+            for m in [own] + [m for m in range(num_ranks // G) if m != own]]
+
+
+def ht_combine(inputs, ys, rank, num_experts, num_ranks, bias0=None, bias1=None,
+               ranks_per_node=0):
+    """out[t] on `rank` = bias0 + bias1 + the y_d[pos_d(t)] of the ranks d that t went to,
+    float32, one rounding to bf16, in the order of docs/semantics.md §1.6: this rank's node's
+    ranks ascending into the sum that holds the biases, then per other node (ascending) that t
+    reached a partial from 0.0f over its ranks ascending (one node: the ranks ascending).
+    ys[d] = y [N_d, H] of rank d (in d's recv_x order)."""
     idx = inputs[rank]["topk_idx"]
     T = idx.shape[0]
     H = ys[0].shape[1] if ys else 0
@@ -357,13 +378,20 @@ def ht_combine(inputs, ys, rank, num_experts, num_ranks, bias0=None, bias1=None)
         acc = f32_add(acc, bias0.to(torch.float32))
     if bias1 is not None:
         acc = f32_add(acc, bias1.to(torch.float32))
-    for d in range(num_ranks):
-        # Rank d's rows: sources 0..rank-1 first, then this rank's tokens in index order.
-        before = sum(int(goes_to(inputs[s]["topk_idx"], d, num_experts, num_ranks).sum())
-                     for s in range(rank))
-        sel = goes_to(idx, d, num_experts, num_ranks).nonzero().flatten()
-        rows = ys[d][before:before + len(sel)].to(torch.float32)
-        acc[sel] = f32_add(acc[sel], rows)
+    for i, node in enumerate(nodes_in_order(rank, num_ranks, ranks_per_node)):
+        part = acc if i == 0 else torch.zeros(T, H, dtype=torch.float32)
+        reached = torch.zeros(T, dtype=torch.bool)
+        for d in node:
+            # Rank d's rows: sources 0..rank-1 first, then this rank's tokens in index order.
+            before = sum(int(goes_to(inputs[s]["topk_idx"], d, num_experts, num_ranks).sum())
+                         for s in range(rank))
+            went = goes_to(idx, d, num_experts, num_ranks)
+            sel = went.nonzero().flatten()
+            rows = ys[d][before:before + len(sel)].to(torch.float32)
+            part[sel] = f32_add(part[sel], rows)
+            reached |= went
+        if i > 0:
+            acc[reached] = f32_add(acc[reached], part[reached])
     return acc.to(torch.bfloat16)
 
 
@@ -410,10 +438,12 @@ def ll_dispatch(inputs, rank, num_experts, num_ranks, max_tokens, use_fp8, round
     return out
 
 
-def ll_combine(inputs, ys, rank, num_experts, num_ranks, use_logfmt=False):
+def ll_combine(inputs, ys, rank, num_experts, num_ranks, use_logfmt=False, ranks_per_node=0):
     """out[t] = fma chain over k (topk_idx != -1) of w[t][k] * y(t, k), one rounding to bf16.
     ys[d] = y [L, R*T_max, H] of rank d; y(t, k) = the row of (rank, t) in expert e's block on
-    rank e / L (use_logfmt: as logfmt_decode delivers it)."""
+    rank e / L (use_logfmt: as logfmt_decode delivers it). Across nodes (docs/semantics.md §2.3)
+    one chain per node over the k whose expert lives there, this rank's node's first, then the
+    other nodes' that t reached, ascending, each from 0.0f, added in float32."""
     L = num_experts // num_ranks
     idx = inputs[rank]["topk_idx"]
     w = inputs[rank]["topk_weights"]
@@ -427,17 +457,21 @@ def ll_combine(inputs, ys, rank, num_experts, num_ranks, use_logfmt=False):
         mine = (idx == e).any(dim=1).nonzero().flatten().tolist()
         for j, t in enumerate(mine):
             row_of[(e, t)] = (d, l, before + j)
+    nodes = nodes_in_order(rank, num_ranks, ranks_per_node)
     acc = torch.zeros(T, H, dtype=torch.float32)
     for t in range(T):
-        for k in range(K):
-            e = int(idx[t, k])
-            if e < 0:
+        for i, node in enumerate(nodes):
+            ks = [k for k in range(K) if int(idx[t, k]) >= 0 and int(idx[t, k]) // L in node]
+            if i > 0 and not ks:
                 continue
-            d, l, row = row_of[(e, t)]
-            if use_logfmt:
-                acc[t] = f32_fma_exact(w[t, k].expand(H), logfmt_decode(ys[d][l, row]), acc[t])
-                continue
-            acc[t] = f32_fma(w[t, k].expand(H), ys[d][l, row].to(torch.float32), acc[t])
+            part = acc[t] if i == 0 else torch.zeros(H, dtype=torch.float32)
+            for k in ks:
+                d, l, row = row_of[(int(idx[t, k]), t)]
+                if use_logfmt:
+                    part = f32_fma_exact(w[t, k].expand(H), logfmt_decode(ys[d][l, row]), part)
+                else:
+                    part = f32_fma(w[t, k].expand(H), ys[d][l, row].to(torch.float32), part)
+            acc[t] = part if i == 0 else f32_add(acc[t], part)
     return acc.to(torch.bfloat16)
 
 

@@ -1078,7 +1078,10 @@ def body_every_kwarg(ctx, seed):
     ys = [ref.rand_bf16((len(ref.ht_dispatch(inputs, d, E, R)["recv_src_idx"]), H),
                         ref.generator(seed, d, "y")) for d in range(R)]
     expect_combine = ref.ht_combine(inputs, ys, r, E, R)
-    dispatch_kw = dict(num_tokens_per_rank=pr, num_tokens_per_rdma_rank=pr, is_token_in_rank=ir,
+    # One node here: num_tokens_per_rdma_rank holds one count (the layout returns None for it).
+    per_node = ir.any(dim=1).sum(dim=0, dtype=torch.int32).reshape(1)
+    dispatch_kw = dict(num_tokens_per_rank=pr, num_tokens_per_rdma_rank=per_node,
+                       is_token_in_rank=ir,
                        num_tokens_per_expert=pe, topk_weights=w, expert_alignment=4,
                        num_worst_tokens=R * (T + R), config=deep_ep.Config(num_sms=22),
                        previous_event=deep_ep.Buffer.capture(), async_finish=True,
@@ -1128,15 +1131,17 @@ def body_every_kwarg(ctx, seed):
             assert torch.equal(cw.cpu(), orig), k
         else:
             assert cw is None, k
-    # internode_*: epx is intranode; every keyword raises Unsupported, none a TypeError.
+    # internode_*: this group is one node, where DeepEP's internode kernels do not run: every
+    # keyword is accepted and the call raises InvalidArgument, none a TypeError (across nodes:
+    # test_deep_ep_internode.py).
     for k, v in dict(dispatch_kw, handle=handle).items():
         if k == "topk_weights":
             v = w
-        assert call("internode_dispatch", k,
-                    lambda: base.internode_dispatch(x, **{k: v})) is None
+        with pytest.raises(epx.InvalidArgument, match="internode_dispatch: .* one node"):
+            base.internode_dispatch(x, **{k: v})
     for k, v in combine_kw.items():
-        assert call("internode_combine", k,
-                    lambda: base.internode_combine(x, handle, **{k: v})) is None
+        with pytest.raises(epx.InvalidArgument, match="internode_combine: .* one node"):
+            base.internode_combine(x, handle, **{k: v})
 
     # ---- low-latency mode
     lb = deep_ep.Buffer(ctx.group, low_latency_mode=True)
@@ -1243,16 +1248,8 @@ def body_every_kwarg(ctx, seed):
 # The options epx names as Unsupported (anything else must be honoured).
 EXPECTED_UNSUPPORTED = sorted({
     "Buffer(allow_nvlink_for_low_latency_mode)", "Buffer(enable_shrink)",
-    "dispatch(num_tokens_per_rdma_rank)",
     "low_latency_update_mask_buffer(mask)", "low_latency_query_mask_buffer(mask_status)",
-    "low_latency_clean_mask_buffer()", "get_local_buffer_tensor(use_rdma_buffer)"} |
-    {f"internode_dispatch({k})" for k in (
-        "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
-        "num_tokens_per_expert", "topk_weights", "expert_alignment", "num_worst_tokens", "config",
-        "previous_event", "async_finish", "allocate_on_comm_stream", "handle")} |
-    {f"internode_combine({k})" for k in (
-        "topk_weights", "bias", "config", "previous_event", "async_finish",
-        "allocate_on_comm_stream")})
+    "low_latency_clean_mask_buffer()", "get_local_buffer_tensor(use_rdma_buffer)"})
 
 
 class _GroupComm:

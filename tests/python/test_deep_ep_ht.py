@@ -278,8 +278,9 @@ def body_ht_errors(ctx, seed):
         (epx.InvalidArgument, "expected torch.bool", lambda: buf.dispatch(
             x, num_tokens_per_expert=pe, is_token_in_rank=torch.zeros(5, R, dtype=torch.int32,
                                                                       device=dev))),
-        (epx.Unsupported, "num_tokens_per_rdma_rank", lambda: buf.dispatch(
-            x, num_tokens_per_rdma_rank=pe, num_tokens_per_expert=pe, topk_idx=idx)),
+        (epx.InvalidArgument, f"'num_tokens_per_rdma_rank' has shape [{E}], expected [1]",
+         lambda: buf.dispatch(x, num_tokens_per_rdma_rank=pe, num_tokens_per_expert=pe,
+                              topk_idx=idx)),
         (epx.InvalidArgument, "expert_alignment", lambda: buf.dispatch(
             x, num_tokens_per_expert=pe, topk_idx=idx, expert_alignment=0)),
         (epx.InvalidArgument, "is_token_in_rank", lambda: buf.dispatch(

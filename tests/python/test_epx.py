@@ -188,6 +188,64 @@ def body_group_nodes(ctx, seed):
         assert torch.equal(one, across)
 
 
+def body_nodes_vs_flat(ctx, seed):
+    """ht and ll with fresh random inputs (T differing per rank, -1 slots, fp8 ll) on every
+    topology of R ranks (`ranks_per_node` = each divisor of R, and 0 = one node): every dispatch
+    output equals the one-node output bit for bit (ht: rows, top-k, weights, source indices,
+    per-expert counts, the handle's rank_prefix_matrix / is_token_in_rank / send_pos; ll: rows,
+    scales, counts, src_info, layout_range); every combine equals reference.py's with that
+    topology bit for bit (the node-first order of docs/semantics.md §1.6 / §2.3, with biases
+    and wide-range values). Returns {ranks_per_node: (ht, ll) whether the node-first order
+    changed some element of this rank's reference}, so the test can require that the comparison
+    could fail."""
+    R, r = ctx.world_size, ctx.rank
+    H, K, E, T = 256, 4, 4 * R, 10
+    L = E // R
+    inputs = []
+    for s in range(R):
+        g = ref.generator(seed, s)
+        n = T - s % 3
+        # Unit weights: the ll combine's +-2^24 rows cancel, which exposes its order (random
+        # weights: the one-node suites).
+        inputs.append(dict(x=ref.rand_bf16((n, H), g),
+                           topk_idx=ref.routing("uniform", n, K, E, R, g),
+                           topk_weights=torch.ones(n, K)))
+    mine = inputs[r]
+    n_recv = [len(ref.ht_dispatch(inputs, d, E, R)["recv_src_idx"]) for d in range(R)]
+    ys = [ref.rand_bf16_wide((n_recv[d], H), ref.generator(seed, d, "y")) for d in range(R)]
+    lys = [ref.rand_bf16_wide((L, R * T, H), ref.generator(seed, d, "ly")) for d in range(R)]
+    g = ref.generator(seed, r, "bias")
+    b0, b1 = ref.rand_bf16_wide(mine["x"].shape, g), ref.rand_bf16_wide(mine["x"].shape, g)
+    flat_ht = ref.ht_combine(inputs, ys, r, E, R, b0, b1)
+    flat_ll = ref.ll_combine(inputs, lys, r, E, R)
+    outs, changed = {}, {}
+    for per_node in [0] + [d for d in range(1, R) if R % d == 0]:
+        group = epx.Group.from_process_group(ctx.group, ranks_per_node=per_node)
+        buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T,
+                         enable_ht=True, enable_ll=True)
+        d = buf.ht_dispatch(mine["x"], mine["topk_idx"], mine["topk_weights"])
+        h = d.handle
+        c = buf.ht_combine(ys[r].clone(), h, bias0=b0, bias1=b1)
+        want_ht = ref.ht_combine(inputs, ys, r, E, R, b0, b1, ranks_per_node=per_node)
+        assert torch.equal(c.out.view(torch.int16), want_ht.view(torch.int16)), per_node
+        ld = buf.ll_dispatch(mine["x"], mine["topk_idx"], use_fp8=True)
+        lc = buf.ll_combine(lys[r].clone(), mine["topk_idx"], mine["topk_weights"], ld.handle)
+        want_ll = ref.ll_combine(inputs, lys, r, E, R, ranks_per_node=per_node)
+        assert torch.equal(lc.out.view(torch.int16), want_ll.view(torch.int16)), per_node
+        outs[per_node] = [d.recv_x, d.recv_topk_idx, d.recv_topk_weights, d.recv_src_idx,
+                          torch.tensor(d.num_recv_tokens_per_expert), h.rank_prefix_matrix,
+                          h.is_token_in_rank, h.send_pos, ld.recv_count, ld.handle.layout_range]
+        for l, n in enumerate(ld.recv_count.tolist()):  # the rows past the count are undefined
+            outs[per_node] += [ld.recv_x[l, :n].view(torch.uint8),
+                               ld.recv_scales[l, :n].contiguous().view(torch.int32),
+                               ld.handle.src_info[l, :n]]
+        changed[per_node] = (not torch.equal(want_ht, flat_ht), not torch.equal(want_ll, flat_ll))
+    for per_node, out in outs.items():
+        for i, (one, across) in enumerate(zip(outs[0], out)):
+            assert torch.equal(one, across), (per_node, i)
+    return changed
+
+
 def body_gil_released(ctx, seed):
     """While rank 0 waits in a collective for a late rank 1, another Python thread of rank 0 keeps
     running (the op does not hold the GIL)."""
@@ -263,6 +321,14 @@ def test_native_a2a(pool):
 
 def test_group_nodes(pool):
     pool.run(body_group_nodes, _seed())
+
+
+def test_nodes_vs_flat(pool):
+    seed = _seed()
+    changed = pool.run(body_nodes_vs_flat, seed)
+    for per_node in changed[0]:
+        if per_node:  # across nodes: the order must matter somewhere, in ht and in ll
+            assert all(any(c[per_node][m] for c in changed) for m in (0, 1)), (per_node, seed)
 
 
 def test_gil_released_while_waiting(pool2):

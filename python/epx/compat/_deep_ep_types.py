@@ -12,7 +12,11 @@ def _align(n, a=128):
 
 class Config:
     """Tuning of a normal-mode call. epx keeps ``num_sms`` (SMs the kernels use) and accepts the
-    chunk sizes, which its kernels do not use."""
+    chunk sizes, checked as DeepEP checks them, which its kernels do not use: DeepEP streams
+    tokens through ring buffers of num_max_*_chunked_recv_tokens in chunks of
+    num_max_*_chunked_send_tokens (nvl: within a node, rdma: between nodes); epx moves each
+    node's tokens over the rail in one chunk of the buffer's token capacity (docs/design.md
+    §13)."""
 
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
@@ -29,6 +33,20 @@ class Config:
             op, "num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
         self.num_max_rdma_chunked_recv_tokens = errors.check_int(
             op, "num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
+        # DeepEP's own checks (csrc/config.hpp): a send chunk smaller than the receive ring, and
+        # the RDMA ring (rounded up to whole send chunks) at least two send chunks.
+        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
+        if nvl_send >= nvl_recv:
+            raise errors.invalid(op, f"argument 'num_max_nvl_chunked_send_tokens' is {nvl_send},"
+                                 f" expected less than num_max_nvl_chunked_recv_tokens "
+                                 f"({nvl_recv})")
+        rdma_send = num_max_rdma_chunked_send_tokens
+        rdma_recv = _align(num_max_rdma_chunked_recv_tokens, rdma_send)
+        if rdma_send > rdma_recv // 2:
+            raise errors.invalid(op, f"argument 'num_max_rdma_chunked_send_tokens' is "
+                                 f"{rdma_send}, expected at most half of "
+                                 f"num_max_rdma_chunked_recv_tokens rounded up to a multiple of "
+                                 f"it ({rdma_recv})")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk
@@ -40,7 +58,8 @@ class Config:
         return _align(rows * (hidden_bytes + 64))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """0: epx moves data over NVLink within a node only (no RDMA buffer)."""
+        """0: epx sizes its memory across nodes (the rail's chunks) from the calls' shapes, so
+        Buffer(num_rdma_bytes=) has nothing to ask for."""
         errors.check_int("Config.get_rdma_buffer_size_hint", "hidden_bytes", hidden_bytes, 1)
         errors.check_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks, 1)
         return 0

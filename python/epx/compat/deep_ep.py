@@ -27,11 +27,34 @@ How it differs, and why:
   ``previous_event`` is waited on first, ``async_finish`` returns an event recorded after the op,
   ``allocate_on_comm_stream`` is accepted and has nothing to change, ``get_comm_stream()``
   returns the current stream (None on CPU). On CPU every op is synchronous.
-* Handles. The normal-mode handle is a 6-tuple ``(rank_prefix_matrix, None, None,
-  recv_src_idx, is_token_in_rank, send_pos)``: handle[0] is the [R, R] int32 inclusive prefix
-  over source ranks of the tokens each rank receives (DeepEP's meaning); epx has no channels, so
-  the two channel matrices are None. The low-latency handle is ``(src_info, layout_range,
+* Nodes. As DeepEP, a group that spans nodes runs normal mode (and low latency) across them: on
+  epx's hierarchical path (docs/design.md §13; the cpu backend only for now, the cuda backend
+  raises Unsupported at the first op). The node size: ``Buffer(..., ranks_per_node=n)`` (an epx
+  keyword after DeepEP's, a divisor of the group size); else the whole group with
+  ``allow_mnnvl=True`` (one NVLink domain); else ``LOCAL_WORLD_SIZE`` from the environment
+  (torchrun's ranks per host, at most the group size); else DeepEP's NUM_MAX_NVL_PEERS rule,
+  min(8, R). Ranks are node-major (rank = node * ranks_per_node + local), as DeepEP's. Kept as
+  ``Buffer.ranks_per_node`` / ``Buffer.num_nodes``.
+* Handles. The normal-mode handle of one node is DeepEP's intranode 6-tuple
+  ``(rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, send_pos)``: handle[0] is
+  the [R, R] int32 inclusive prefix over source ranks of the tokens each rank receives (DeepEP's
+  meaning); epx has no channels, so the two channel matrices are None. Across nodes it is
+  DeepEP's internode 10-tuple ``(is_token_in_rank, None, None, None, recv_rdma_rank_prefix_sum,
+  None, recv_gbl_rank_prefix_sum, recv_src_idx, None, None)``: recv_rdma_rank_prefix_sum int32
+  [N] is the inclusive prefix over source nodes m of the tokens rank (m, this local index) sends
+  to this node (DeepEP's meaning), recv_gbl_rank_prefix_sum int32 [R] the inclusive prefix over
+  source ranks of the tokens this rank receives (handle[-4], which DeepEP's test reads), and
+  DeepEP's opaque SourceMeta rows are the received rows' source token indices (int32 [N_recv]);
+  the channel matrices and DeepEP's ring heads (send_rdma_head, send_nvl_head) have no epx
+  counterpart and are None. The low-latency handle is ``(src_info, layout_range,
   num_max_dispatch_tokens_per_rank, hidden, num_experts)`` as in DeepEP.
+* Internode arguments: get_dispatch_layout returns num_tokens_per_rdma_rank (int32 [N], this
+  rank's tokens that go to each node) across nodes, None on one node, as DeepEP;
+  dispatch(num_tokens_per_rdma_rank=) is shape-checked ([N]) and optional (the routing
+  decides, as for num_tokens_per_rank); internode_dispatch / internode_combine are dispatch /
+  combine of a group that spans nodes (InvalidArgument on one node, where DeepEP's internode
+  kernels do not run); Config's rdma chunk sizes are checked as DeepEP checks them and kept;
+  num_rdma_bytes is kept (epx sizes the rail's chunks from the shapes).
 * fp8 on torch without ``float8_e4m3fn`` (1.13): fp8 tensors are uint8 tensors holding e4m3 bit
   patterns, in both directions.
 * Routing of a normal-mode dispatch: by ``topk_idx`` when given (``num_tokens_per_rank`` and
@@ -62,14 +85,17 @@ How it differs, and why:
   InvalidArgument (DeepEP's use_fp8 defaults to True), ``use_ue8m0=True`` Unsupported;
   ``x_global_scale`` without ``use_nvfp4`` is accepted and unused, as in the forks.
 * Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
-  mask-buffer API), allow_nvlink_for_low_latency_mode=False, num_tokens_per_rdma_rank,
-  get_local_buffer_tensor, internode_dispatch / internode_combine.
+  mask-buffer API), allow_nvlink_for_low_latency_mode=False, get_local_buffer_tensor.
   ``allow_mnnvl=True`` (kept as ``allow_mnnvl``) permits, and does not require, a multi-node
-  NVLink domain; ``use_fabric`` is accepted: NCCL picks the handle type (docs/semantics.md §8.1).
+  NVLink domain, which is then one node (see Nodes); ``use_fabric`` is accepted: NCCL picks the
+  handle type (docs/semantics.md §8.1).
   ``comm=`` (an mpi4py communicator, used when ``group`` is None) is honoured through its
   ``allgather``. ``num_qps_per_rank``, ``num_nvl_bytes``, ``num_rdma_bytes``,
-  ``allocate_on_comm_stream`` and Config's chunk sizes are accepted and kept, changing nothing.
+  ``allocate_on_comm_stream`` and Config's chunk sizes (checked as DeepEP checks them) are
+  accepted and kept, changing nothing.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -96,11 +122,19 @@ def _backend_name():
 
 
 class _HtHandle(tuple):
-    """DeepEP's normal-mode handle; also carries the epx handle and the buffer that made it."""
+    """DeepEP's normal-mode handle; also carries the epx handle and the buffer that made it.
+    One node: DeepEP's intranode 6-tuple. Across nodes (`rdma_prefix` given: the
+    recv_rdma_rank_prefix_sum of this dispatch): its internode 10-tuple (module docstring)."""
 
-    def __new__(cls, native, buffer):
-        self = super().__new__(cls, (native.rank_prefix_matrix, None, None, native.recv_src_idx,
-                                     native.is_token_in_rank, native.send_pos))
+    def __new__(cls, native, buffer, rank, rdma_prefix=None):
+        if rdma_prefix is None:
+            items = (native.rank_prefix_matrix, None, None, native.recv_src_idx,
+                     native.is_token_in_rank, native.send_pos)
+        else:
+            items = (native.is_token_in_rank, None, None, None, rdma_prefix, None,
+                     native.rank_prefix_matrix[:, rank].contiguous(), native.recv_src_idx, None,
+                     None)
+        self = super().__new__(cls, items)
         self._handle = native
         self._buffer = buffer
         return self
@@ -133,6 +167,45 @@ def _dispatch_names(experts_given):
     return {"hidden": "hidden (x.shape[1])", "top_k": "top-k (topk_idx.shape[1])",
             "num_experts": "the number of experts (num_tokens_per_expert.shape[0])"
             if experts_given else "the number of experts (this Buffer's previous one)"}
+
+
+#: DeepEP's NUM_MAX_NVL_PEERS: the ranks per node it assumes (num_rdma_ranks = R / 8 above 8).
+_NUM_MAX_NVL_PEERS = 8
+
+
+def _node_size(op, group_size, ranks_per_node, allow_mnnvl, environ):
+    """Ranks per node of a Buffer's group (module docstring, "Nodes"): `ranks_per_node` when
+    given (a divisor of the group size); else the whole group with allow_mnnvl (one NVLink
+    domain); else LOCAL_WORLD_SIZE from `environ` (torchrun's ranks on this host; at most the
+    group size) when set; else DeepEP's min(8, R). InvalidArgument naming the source when it
+    does not divide the group size."""
+    R = group_size
+    divisors = ", ".join(str(d) for d in range(1, R + 1) if R % d == 0)
+    expected = f"expected a divisor of the group size {R} ({divisors})"
+    if ranks_per_node is not None:
+        n = errors.check_int(op, "ranks_per_node", ranks_per_node, 1)
+        if R % n:
+            raise errors.invalid(op, f"argument 'ranks_per_node' is {n}, {expected}")
+        return n
+    if allow_mnnvl:
+        return R
+    local = environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:
+        try:
+            n = min(int(local), R)
+        except ValueError:
+            n = 0
+        if n < 1 or R % n:
+            raise errors.invalid(op, f"LOCAL_WORLD_SIZE is {local!r} (the ranks per node), "
+                                 f"{expected}; pass Buffer(..., ranks_per_node=) to override")
+        return n
+    n = min(_NUM_MAX_NVL_PEERS, R)
+    if R % n:
+        raise errors.invalid(op, f"the group of {R} ranks is not a whole number of nodes of "
+                             f"{n} (DeepEP's 8 GPUs per node; LOCAL_WORLD_SIZE is not set), "
+                             f"{expected}; pass Buffer(..., ranks_per_node=) or set "
+                             "LOCAL_WORLD_SIZE")
+    return n
 
 
 def _ht_state(op, handle):
@@ -173,7 +246,8 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
-                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None,
+                 ranks_per_node=None):
         op = "Buffer"
         if enable_shrink:
             raise errors.unsupported(op, "enable_shrink=True: epx has no fault-tolerant masking")
@@ -202,6 +276,10 @@ class Buffer:
             self.rank = int(comm.Get_rank())
             self.group_size = int(comm.Get_size())
         self.allow_mnnvl = bool(allow_mnnvl)
+        #: Ranks per node and nodes of the group (epx's; module docstring, "Nodes").
+        self.ranks_per_node = _node_size(op, self.group_size, ranks_per_node, self.allow_mnnvl,
+                                         os.environ)
+        self.num_nodes = self.group_size // self.ranks_per_node
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
@@ -295,29 +373,44 @@ class Buffer:
                            expert_alignment=1, num_worst_tokens=0, config=None,
                            previous_event=None, async_finish=False,
                            allocate_on_comm_stream=False):
-        """DeepEP's internode (RDMA + NVLink) dispatch: epx is intranode only."""
-        raise errors.unsupported("internode_dispatch", "epx moves data within one NVLink domain "
-                                 "(dispatch() serves every rank of it)")
+        """DeepEP's internode dispatch: dispatch() of a group that spans nodes (on one node
+        InvalidArgument, as DeepEP's internode kernels need more than one node)."""
+        self._check_internode("internode_dispatch")
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, num_worst_tokens, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
                           previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """DeepEP's internode (RDMA + NVLink) combine: epx is intranode only."""
-        raise errors.unsupported("internode_combine", "epx moves data within one NVLink domain "
-                                 "(combine() serves every rank of it)")
+        """DeepEP's internode combine: combine() of a group that spans nodes (on one node
+        InvalidArgument)."""
+        self._check_internode("internode_combine")
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     # ---- internals ---------------------------------------------------------------------------
     def _check_alive(self, op):
         if self._destroyed:
             raise errors.invalid(op, "the Buffer was destroyed")
 
+    def _check_internode(self, op):
+        if self.num_nodes == 1:
+            raise errors.invalid(op, f"the group's {self.group_size} ranks are one node "
+                                 f"(ranks_per_node {self.ranks_per_node}), expected a group that "
+                                 "spans nodes; dispatch() / combine() serve one node")
+
     def _group_for(self, device, num_sms):
         key = (device, num_sms)
         group = self._groups.get(key)
         if group is None:
+            per_node = self.ranks_per_node if self.num_nodes > 1 else 0
             if self._comm is not None:
-                group = _EpxGroup.from_comm(self._comm, device=device, num_sms=num_sms)
+                group = _EpxGroup.from_comm(self._comm, device=device, num_sms=num_sms,
+                                            ranks_per_node=per_node)
             else:
-                group = _EpxGroup.from_process_group(self.group, device=device, num_sms=num_sms)
+                group = _EpxGroup.from_process_group(self.group, device=device, num_sms=num_sms,
+                                                     ranks_per_node=per_node)
             self._groups[key] = group
         return group
 
@@ -357,9 +450,11 @@ class Buffer:
         dist.all_reduce(t, group=self.group)
         return [int(c) for c in t.tolist()]
 
-    def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms, names):
-        """The normal-mode epx buffer for this shape, created or grown collectively when the
-        largest T over the ranks exceeds its capacity. Outside CUDA graph capture every call
+    def _ht_buffer(self, op, device, num_tokens, hidden, top_k, num_experts, num_sms, names,
+                   extra=()):
+        """(buffer, rows): the normal-mode epx buffer for this shape, created or grown
+        collectively when the largest T over the ranks exceeds its capacity, and every rank's
+        `extra` ints (None during capture). Outside CUDA graph capture every call
         first agrees with the other ranks (one small all-gather, _agree): H, K and E
         must be the same on every rank (else InvalidArgument on every rank naming the DeepEP
         argument each comes from, ``names`` = its names for 'hidden', 'top_k', 'num_experts'),
@@ -376,17 +471,45 @@ class Buffer:
                     op, f"T = {num_tokens} tokens exceeds the normal-mode buffer's capacity of "
                     f"{buf.max_tokens_per_rank}, and the buffer cannot grow during CUDA graph "
                     "capture; run a call with the largest T before capturing")
-            return buf
+            return buf, None
         gathered = self._agree(op, [(names["hidden"], hidden), (names["top_k"], top_k),
-                                    (names["num_experts"], num_experts)], [num_tokens], device)
+                                    (names["num_experts"], num_experts)],
+                               [num_tokens] + list(extra), device)
+        rows = [v[1:] for v in gathered]
         need = max(v[0] for v in gathered)
         if buf is not None and need <= buf.max_tokens_per_rank:
-            return buf
+            return buf, rows
         self._ht = None  # release before allocating the replacement
-        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts, _next_pow2(max(need, 1)),
-                              enable_ht=True, enable_ll=False)
+        self._ht = _EpxBuffer(self._group_for(device, num_sms), hidden, top_k, num_experts,
+                              _next_pow2(max(need, 1)), enable_ht=True, enable_ll=False)
         self._ht_key = key
-        return self._ht
+        return self._ht, rows
+
+    def _tokens_per_node(self, reached):
+        """The ints DeepEP calls num_tokens_per_rdma_rank: per node, this rank's tokens that go to
+        some rank of it, from `reached` (bool [T, num_nodes])."""
+        return [int(c) for c in reached.sum(dim=0).tolist()]
+
+    def _reached_nodes(self, topk_idx, num_experts):
+        """bool [T, num_nodes]: token t selects an expert of some rank of node m (values outside
+        [0, E) count for none; the dispatch refuses them)."""
+        N = self.num_nodes
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        nodes = torch.where(valid, topk_idx // (num_experts // N), torch.full_like(topk_idx, N))
+        reached = torch.zeros(topk_idx.shape[0], N + 1, dtype=torch.bool,
+                              device=topk_idx.device)
+        reached.scatter_(1, nodes.long(), True)
+        return reached[:, :N]
+
+    def _rdma_prefix(self, rows, device):
+        """DeepEP's recv_rdma_rank_prefix_sum (int32 [num_nodes]): the inclusive prefix over the
+        source nodes m of the tokens rank (m, g) sends to this rank's node, own node included,
+        from every rank's tokens per node (`rows`, gathered by _ht_buffer; never None here: a
+        group that spans nodes is cpu-only, so no call is captured)."""
+        G = self.ranks_per_node
+        node, local = self.rank // G, self.rank % G
+        counts = [rows[m * G + local][node] for m in range(self.num_nodes)]
+        return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
     def _ll_buffer(self, op, device, max_tokens, hidden, top_k, num_experts):
         """The low-latency epx buffer of this shape. (Re-)creating it is collective and starts
@@ -440,11 +563,15 @@ class Buffer:
         top_k = topk_idx.shape[1]
         if buf is None or key[0] != device or key[3] != top_k or key[4] != num_experts:
             hidden = key[2] if key is not None else 128  # H is unknown until dispatch
-            buf = self._ht_buffer(op, device, topk_idx.shape[0], hidden, top_k, num_experts,
-                                  Buffer.num_sms, _LAYOUT_NAMES)
+            buf, _ = self._ht_buffer(op, device, topk_idx.shape[0], hidden, top_k, num_experts,
+                                     Buffer.num_sms, _LAYOUT_NAMES)
         per_rank, per_expert, in_rank = buf.ht_layout(topk_idx)
-        return (per_rank, None, per_expert, in_rank,
-                self._event(async_finish, (topk_idx, per_rank, per_expert, in_rank)))
+        per_node = None  # DeepEP's num_tokens_per_rdma_rank: None on one node
+        if self.num_nodes > 1:
+            per_node = in_rank.view(-1, self.num_nodes, self.ranks_per_node).any(dim=2).sum(
+                dim=0, dtype=torch.int32)
+        return (per_rank, per_node, per_expert, in_rank,
+                self._event(async_finish, (topk_idx, per_rank, per_node, per_expert, in_rank)))
 
     @_torch.plain_torch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -480,9 +607,6 @@ class Buffer:
                                  "deep_ep.Config")
         errors.check_int(op, "expert_alignment", expert_alignment, 1)
         errors.check_int(op, "num_worst_tokens", num_worst_tokens, 0)
-        if num_tokens_per_rdma_rank is not None:
-            raise errors.unsupported(op, "num_tokens_per_rdma_rank: epx is intranode only (the "
-                                     "layout returns None for it)")
         device = self._begin(op, x_data, previous_event)
         stream = _torch.stream_of(x_data)
         fp8 = x_scales is not None
@@ -514,6 +638,14 @@ class Buffer:
         if is_token_in_rank is not None and tuple(is_token_in_rank.shape) != (T, R):
             raise errors.invalid(op, f"argument 'is_token_in_rank' has shape "
                                  f"{list(is_token_in_rank.shape)}, expected [{T}, {R}]")
+        if num_tokens_per_rdma_rank is not None:
+            N = self.num_nodes
+            _tensor(op, "num_tokens_per_rdma_rank", num_tokens_per_rdma_rank)
+            if tuple(num_tokens_per_rdma_rank.shape) != (N,):
+                raise errors.invalid(op, f"argument 'num_tokens_per_rdma_rank' has shape "
+                                     f"{list(num_tokens_per_rdma_rank.shape)}, expected [{N}] "
+                                     f"(a count per node: {N} nodes of {self.ranks_per_node} "
+                                     "ranks)")
         num_sms = config.num_sms if config is not None else Buffer.num_sms
         if topk_idx is None:
             if topk_weights is not None:
@@ -525,12 +657,16 @@ class Buffer:
                                           async_finish)
         _tensor(op, "topk_idx", topk_idx, 2)
         K = topk_idx.shape[1]
-        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms,
-                              _dispatch_names(num_tokens_per_expert is not None))
+        across = self.num_nodes > 1
+        per_node = self._tokens_per_node(self._reached_nodes(topk_idx, num_experts)) \
+            if across else ()
+        buf, rows = self._ht_buffer(op, device, T, H, K, num_experts, num_sms,
+                                    _dispatch_names(num_tokens_per_expert is not None), per_node)
         r = buf.ht_dispatch(x_data, topk_idx, topk_weights, x_scales=x_scales,
                             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
         recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
-        new_handle = _HtHandle(r.handle, buf)
+        new_handle = _HtHandle(r.handle, buf, self.rank,
+                               self._rdma_prefix(rows, device) if across else None)
         event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r.recv_topk_idx,
                                            r.recv_topk_weights))
         return (recv_x, r.recv_topk_idx, r.recv_topk_weights, list(r.num_recv_tokens_per_expert),
@@ -569,10 +705,16 @@ class Buffer:
         if K > R:
             routed = torch.cat([routed, routed.new_full((T, K - R), -1)], dim=1)
         routed = routed.contiguous()
-        buf = self._ht_buffer(op, device, T, H, K, num_experts, num_sms, _BY_RANK_NAMES)
+        across = self.num_nodes > 1
+        per_node = self._tokens_per_node(
+            is_token_in_rank.view(T, self.num_nodes, self.ranks_per_node).any(dim=2)) \
+            if across else ()
+        buf, rows = self._ht_buffer(op, device, T, H, K, num_experts, num_sms, _BY_RANK_NAMES,
+                                    per_node)
         r = buf.ht_dispatch(x_data, routed, x_scales=x_scales, num_worst_tokens=num_worst_tokens)
         recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
-        new_handle = _HtHandle(r.handle, buf)
+        new_handle = _HtHandle(r.handle, buf, self.rank,
+                               self._rdma_prefix(rows, device) if across else None)
         if num_worst_tokens > 0:
             per_expert = []  # DeepEP returns no list in worst-case mode
         else:
