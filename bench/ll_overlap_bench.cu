@@ -47,12 +47,12 @@ using namespace epx;
 
 namespace {
 
-#define CUBLAS_OK(call)                                                                    \
-  do {                                                                                     \
-    const cublasStatus_t s_ = (call);                                                      \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                       \
-      throw Error(ErrorCode::kCuda, std::string(#call) + ": cuBLAS status " +             \
-                                        std::to_string(static_cast<int>(s_)));             \
+#define CUBLAS_OK(call)                                                                            \
+  do {                                                                                             \
+    const cublasStatus_t s_ = (call);                                                              \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                               \
+      throw Error(ErrorCode::kCuda,                                                                \
+                  std::string(#call) + ": cuBLAS status " + std::to_string(static_cast<int>(s_))); \
   } while (0)
 
 struct Options {
@@ -108,8 +108,8 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
   const auto idx = epx::testing::make_topk_idx(epx::testing::Routing::kUniform, T, K, E, R, rng);
   Tensor x = gpu_testing::to_device(epx::testing::make_bf16(T, H, rng), DType::kBF16, {T, H}, dev);
   Tensor topk = gpu_testing::to_device(idx, DType::kI64, {T, K}, dev);
-  Tensor w = gpu_testing::to_device(epx::testing::make_topk_weights(idx, rng), DType::kF32, {T, K},
-                                    dev);
+  Tensor w =
+      gpu_testing::to_device(epx::testing::make_topk_weights(idx, rng), DType::kF32, {T, K}, dev);
   BufferConfig ll_only;
   ll_only.enable_ht = false;
   ll_only.enable_ll = true;
@@ -308,23 +308,26 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (o.replays < 1 || o.tokens < 1 || o.hidden % 128 != 0 || o.inter < 1 ||
-      o.local_experts < 1 || o.block_m < 1 || o.ranks.empty() || o.sms.empty()) {
-    std::fprintf(stderr, "--replays, --tokens, --inter, --local-experts and --block-m must be >= 1 "
-                         "and --hidden a multiple of 128\n");
+  if (o.replays < 1 || o.tokens < 1 || o.hidden % 128 != 0 || o.inter < 1 || o.local_experts < 1 ||
+      o.block_m < 1 || o.ranks.empty() || o.sms.empty()) {
+    std::fprintf(stderr,
+                 "--replays, --tokens, --inter, --local-experts and --block-m must be >= 1 "
+                 "and --hidden a multiple of 128\n");
     return 2;
   }
   if (gpu_testing::visible_gpus() == 0) {
     std::printf("epx_ll_overlap_bench: no GPU visible, nothing to measure\n");
     return 0;
   }
-  std::printf("ll combine overlapped with the down GEMM: T = %lld, H = %lld, I = %lld, K = %d, "
-              "L = %d per rank, median of %d graph replays, us (R > 1: ranks share GPU 0)\n",
-              static_cast<long long>(o.tokens), static_cast<long long>(o.hidden),
-              static_cast<long long>(o.inter), o.top_k, o.local_experts, o.replays);
-  std::printf("| R | signals | S | gemm | gemm-S | combine | send+hook | (a) gemm, combine | "
-              "(b) gemm-S || send, hook | gain (a)-(b) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "ll combine overlapped with the down GEMM: T = %lld, H = %lld, I = %lld, K = %d, "
+      "L = %d per rank, median of %d graph replays, us (R > 1: ranks share GPU 0)\n",
+      static_cast<long long>(o.tokens), static_cast<long long>(o.hidden),
+      static_cast<long long>(o.inter), o.top_k, o.local_experts, o.replays);
+  std::printf(
+      "| R | signals | S | gemm | gemm-S | combine | send+hook | (a) gemm, combine | "
+      "(b) gemm-S || send, hook | gain (a)-(b) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);  // before the fork: the child would print the buffer again
   int rc = 0;
   for (int R : o.ranks) {

@@ -102,10 +102,10 @@ void validate_ll_overlap(const BufferImpl& b, const LlCombineArgs& args, const c
   const int R = b.group.size();
   const int64_t need = ll_overlap_num_signals(b.shape, R, o.block_rows);
   EPX_CHECK_ARG(o.signals.numel() >= need, op, ": argument 'overlap.signals' has ",
-                o.signals.numel(), " elements, expected at least ", need, " (L = ",
-                b.shape.num_local_experts(R), " local experts x ",
-                need / b.shape.num_local_experts(R), " signals each for block_rows = ",
-                o.block_rows, ")");
+                o.signals.numel(), " elements, expected at least ", need,
+                " (L = ", b.shape.num_local_experts(R), " local experts x ",
+                need / b.shape.num_local_experts(R),
+                " signals each for block_rows = ", o.block_rows, ")");
   if (o.recv_count.defined())
     check_tensor(b, o.recv_count, op, "overlap.recv_count", DType::kI32,
                  {b.shape.num_local_experts(R)});

@@ -319,7 +319,9 @@ void wait_overlap_signal(const LlCombineOverlap& o, int64_t blocks, int l, int64
   const int64_t idx = l * blocks + b;
   int32_t* signal = o.signals.ptr<int32_t>() + idx;
   const auto want = static_cast<uint32_t>(o.expected);
-  auto reached = [&](int32_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v) - want) >= 0; };
+  auto reached = [&](int32_t v) {
+    return static_cast<int32_t>(static_cast<uint32_t>(v) - want) >= 0;
+  };
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t spins = 0;; ++spins) {
     const int32_t v = __atomic_load_n(signal, __ATOMIC_ACQUIRE);  // pairs with the GEMM's release
@@ -331,12 +333,13 @@ void wait_overlap_signal(const LlCombineOverlap& o, int64_t blocks, int l, int64
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
     if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout) {
-      throw_error(ErrorCode::kTimeout,
-                  cat("ll_combine: rank ", rank, " waited ", timeout.count(),
-                      " ms for the GEMM's signal of local expert ", l, ", block ", b,
-                      " (overlap.signals[", idx, "] wanted >= ", want, ", seen ",
-                      static_cast<uint32_t>(v), "); the ll state of this buffer is unusable until "
-                      "ll_clean() (the caller raises every signal of its GEMM, after zeroing them)"));
+      throw_error(
+          ErrorCode::kTimeout,
+          cat("ll_combine: rank ", rank, " waited ", timeout.count(),
+              " ms for the GEMM's signal of local expert ", l, ", block ", b, " (overlap.signals[",
+              idx, "] wanted >= ", want, ", seen ", static_cast<uint32_t>(v),
+              "); the ll state of this buffer is unusable until "
+              "ll_clean() (the caller raises every signal of its GEMM, after zeroing them)"));
     }
   }
 }
@@ -346,9 +349,10 @@ void wait_overlap_signal(const LlCombineOverlap& o, int64_t blocks, int l, int64
 void check_overlap_recv_count(const LlCombineOverlap& o, const std::vector<int64_t>& num_rows) {
   if (!o.recv_count.defined()) return;
   for (size_t l = 0; l < num_rows.size(); ++l) {
-    const int32_t v = o.recv_count.ptr<int32_t>()[static_cast<int64_t>(l) * o.recv_count.strides[0]];
-    EPX_CHECK_ARG(v == num_rows[l], "ll_combine: argument 'overlap.recv_count' has [", l, "] = ",
-                  v, ", expected ", num_rows[l],
+    const int32_t v =
+        o.recv_count.ptr<int32_t>()[static_cast<int64_t>(l) * o.recv_count.strides[0]];
+    EPX_CHECK_ARG(v == num_rows[l], "ll_combine: argument 'overlap.recv_count' has [", l, "] = ", v,
+                  ", expected ", num_rows[l],
                   " (the recv_count of the dispatch that made 'handle')");
   }
 }

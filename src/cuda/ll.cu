@@ -44,8 +44,8 @@
 #include "core/check.h"
 #include "core/env.h"
 #include "core/quant.h"
-#include "cuda/cuda_check.h"
 #include "core/validate.h"
+#include "cuda/cuda_check.h"
 #include "cuda/device_object.h"
 #include "cuda/dyn_smem.h"
 #include "cuda/kernels/ll/combine.cuh"
@@ -236,9 +236,9 @@ void CudaLl::check() {
       throw_error(ErrorCode::kTimeout,
                   cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(),
                       " ms for the GEMM's signal of local expert ", (e.a >> 8) & 0xFFFFFF,
-                      ", block ", e.peer, " (overlap.signals[", e.a >> 32, "] wanted >= ",
-                      static_cast<uint64_t>(e.b) >> 32, ", seen ", e.b & 0xFFFFFFFF, "); ",
-                      kLlUnusable));
+                      ", block ", e.peer, " (overlap.signals[", e.a >> 32,
+                      "] wanted >= ", static_cast<uint64_t>(e.b) >> 32, ", seen ", e.b & 0xFFFFFFFF,
+                      "); ", kLlUnusable));
     }
     dev_.raise_timeout(e, {.awaited = ll_awaited(e), .unusable = kLlUnusable});
   }
@@ -279,24 +279,25 @@ void CudaLl::check() {
       const bool peer_first = e.peer < e.rank;
       const int64_t first = peer_first ? e.a : e.b, second = peer_first ? e.b : e.a;
       const bool logfmt = (first ^ second) & 1;
-      throw_error(ErrorCode::kInvalidArgument,
-                  cat(op, ": ", logfmt ? "argument 'use_logfmt'" : "whether argument 'overlap' is given",
-                      " differs across ranks: rank ", std::min(e.peer, e.rank), " has ",
-                      show_bool(first >> (logfmt ? 0 : 1) & 1), ", rank ",
-                      std::max(e.peer, e.rank), " has ", show_bool(second >> (logfmt ? 0 : 1) & 1),
-                      "; expected the same on every rank (the outputs of this call are "
-                      "undefined)"));
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": ", logfmt ? "argument 'use_logfmt'" : "whether argument 'overlap' is given",
+              " differs across ranks: rank ", std::min(e.peer, e.rank), " has ",
+              show_bool(first >> (logfmt ? 0 : 1) & 1), ", rank ", std::max(e.peer, e.rank),
+              " has ", show_bool(second >> (logfmt ? 0 : 1) & 1),
+              "; expected the same on every rank (the outputs of this call are "
+              "undefined)"));
     }
     case kDevErrLlOverlapCount:
-      throw_error(ErrorCode::kInvalidArgument,
-                  cat(op, ": argument 'overlap.recv_count' has [", e.a, "] = ", e.b >> 32,
-                      ", expected ", e.b & 0xFFFFFFFF,
-                      " (the recv_count of the dispatch that made 'handle')"));
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": argument 'overlap.recv_count' has [", e.a, "] = ", e.b >> 32, ", expected ",
+              e.b & 0xFFFFFFFF, " (the recv_count of the dispatch that made 'handle')"));
     case kDevErrLlOverlapRoute:
       throw_error(ErrorCode::kInvalidArgument,
-                  cat(op, ": argument 'topk_idx' of rank ", e.peer, " does not select expert ",
-                      e.b, " for its token ", e.a, ", which the dispatch delivered to rank ",
-                      e.rank, "; expected the topk_idx of the dispatch that made 'handle' (that "
+                  cat(op, ": argument 'topk_idx' of rank ", e.peer, " does not select expert ", e.b,
+                      " for its token ", e.a, ", which the dispatch delivered to rank ", e.rank,
+                      "; expected the topk_idx of the dispatch that made 'handle' (that "
                       "row was not sent)"));
     case kDevErrLlCombineRows:
       throw_error(ErrorCode::kInvalidArgument,

@@ -91,8 +91,8 @@ GemmIo make_gemm_io(const LlProblem& p, const OverlapForm& form, int dev) {
   GemmIo io;
   io.capacity = L * blocks * form.parts;
   const Allocator alloc = gpu_testing::device_allocator();
-  io.parts = alloc(DType::kU8, {io.capacity * int64_t{sizeof(OverlapGemmPart)} + 1},
-                   Device::cuda(dev));
+  io.parts =
+      alloc(DType::kU8, {io.capacity * int64_t{sizeof(OverlapGemmPart)} + 1}, Device::cuda(dev));
   io.num_parts = alloc(DType::kI32, {1}, Device::cuda(dev));
   io.src = alloc(DType::kBF16, {L, RT, H}, Device::cuda(dev));
   io.signals = alloc(DType::kI32, {L * blocks}, Device::cuda(dev));
@@ -102,9 +102,8 @@ GemmIo make_gemm_io(const LlProblem& p, const OverlapForm& form, int dev) {
 // Uploads rank r's GEMM of batch b (parts from `rng`; `skip_signal`: one never raised).
 void upload_gemm(GemmIo& io, const LlProblem& p, const OverlapForm& form, const LlBatch& b, int r,
                  std::mt19937_64& rng, cudaStream_t stream, int skip_signal = -1) {
-  const std::vector<OverlapGemmPart> parts =
-      testing::overlap_gemm_parts(b.want[r].recv_count, p.rows_per_expert(), p.hidden, form, rng,
-                                  20000, skip_signal);
+  const std::vector<OverlapGemmPart> parts = testing::overlap_gemm_parts(
+      b.want[r].recv_count, p.rows_per_expert(), p.hidden, form, rng, 20000, skip_signal);
   const int n = static_cast<int>(parts.size());
   gpu_testing::upload_on_rank_stream(io.parts.data, parts.data(), parts.size() * sizeof(parts[0]),
                                      stream);
@@ -166,8 +165,8 @@ RankInputs upload_inputs(const LlProblem& p, const LlBatch& b, int r, int dev,
   gpu_testing::upload_on_rank_stream(io.x.data, in.x.data(), in.x.size() * 2, stream);
   gpu_testing::upload_on_rank_stream(io.topk.data, in.topk_idx.data(), in.topk_idx.size() * 8,
                                      stream);
-  gpu_testing::upload_on_rank_stream(io.w.data, in.topk_weights.data(),
-                                     in.topk_weights.size() * 4, stream);
+  gpu_testing::upload_on_rank_stream(io.w.data, in.topk_weights.data(), in.topk_weights.size() * 4,
+                                     stream);
   return io;
 }
 
@@ -428,9 +427,9 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
         std::fprintf(stderr, "rank %d: no Timeout\n", r);
         ++bad;
       } catch (const Error& e) {
-        const std::string want =
-            "local expert " + std::to_string(skip / blocks) + ", block 0 (overlap.signals[" +
-            std::to_string(skip) + "] wanted >= 2, seen 0)";
+        const std::string want = "local expert " + std::to_string(skip / blocks) +
+                                 ", block 0 (overlap.signals[" + std::to_string(skip) +
+                                 "] wanted >= 2, seen 0)";
         if (e.code() != ErrorCode::kTimeout ||
             (r == 0 && std::string(e.what()).find(want) == std::string::npos)) {
           std::fprintf(stderr, "rank %d: %s\n", r, e.what());
@@ -585,8 +584,8 @@ int graph_replays(int R, bool one_gpu) {
       auto upload = [&](const LlBatch& b) {
         const testing::LlRankInput& in = b.in[r];
         gpu_testing::upload_on_rank_stream(io.x.data, in.x.data(), in.x.size() * 2, main);
-        gpu_testing::upload_on_rank_stream(io.topk.data, in.topk_idx.data(),
-                                           in.topk_idx.size() * 8, main);
+        gpu_testing::upload_on_rank_stream(io.topk.data, in.topk_idx.data(), in.topk_idx.size() * 8,
+                                           main);
         gpu_testing::upload_on_rank_stream(io.w.data, in.topk_weights.data(),
                                            in.topk_weights.size() * 4, main);
         upload_gemm(gemm, p, oc.form, b, r, grng, main);

@@ -111,8 +111,8 @@ LlCombineArgs combine_args(const LlCase& c, const LlBatch& b, int r, const LlHan
   a.handle = &h;
   a.topk_idx = TensorView::contiguous(const_cast<int64_t*>(in.topk_idx.data()), DType::kI64,
                                       {in.num_tokens, c.p.top_k});
-  a.topk_weights = TensorView::contiguous(const_cast<float*>(in.topk_weights.data()),
-                                          DType::kF32, {in.num_tokens, c.p.top_k});
+  a.topk_weights = TensorView::contiguous(const_cast<float*>(in.topk_weights.data()), DType::kF32,
+                                          {in.num_tokens, c.p.top_k});
   return a;
 }
 
@@ -123,8 +123,8 @@ std::string same_out(const TensorView& a, const TensorView& b, int64_t T, int64_
       const uint16_t x = a.ptr<uint16_t>()[t * a.strides[0] + c];
       const uint16_t y = b.ptr<uint16_t>()[t * b.strides[0] + c];
       if (x != y)
-        return "out[" + std::to_string(t) + "][" + std::to_string(c) + "] = " +
-               std::to_string(x) + ", the plain combine's " + std::to_string(y);
+        return "out[" + std::to_string(t) + "][" + std::to_string(c) + "] = " + std::to_string(x) +
+               ", the plain combine's " + std::to_string(y);
     }
   return "";
 }
@@ -140,8 +140,8 @@ LlCombineResult overlapped_combine(Buffer& buf, const OverlapCase& oc, const LlB
   const int L = p.num_local_experts();
   const int64_t RT = p.rows_per_expert(), H = p.hidden, T = b.in[r].num_tokens;
   std::mt19937_64 rng(c.seed * 31 + r);
-  const std::vector<OverlapGemmPart> parts = testing::overlap_gemm_parts(
-      b.want[r].recv_count, RT, H, oc.form, rng, 100000, skip_signal);
+  const std::vector<OverlapGemmPart> parts =
+      testing::overlap_gemm_parts(b.want[r].recv_count, RT, H, oc.form, rng, 100000, skip_signal);
   std::vector<int32_t> signals(L * testing::overlap_blocks(RT, oc.form.block_rows), 0);
   std::vector<uint16_t> y(c.zero_copy ? 0 : L * RT * H, testing::kLlPoisonBf16);
   LlCombineArgs a = combine_args(c, b, r, h);
@@ -162,8 +162,8 @@ LlCombineResult overlapped_combine(Buffer& buf, const OverlapCase& oc, const LlB
   }
   a.return_recv_hook = c.hook;
   LlCombineOverlap o;
-  o.signals = TensorView::contiguous(signals.data(), DType::kI32,
-                                     {static_cast<int64_t>(signals.size())});
+  o.signals =
+      TensorView::contiguous(signals.data(), DType::kI32, {static_cast<int64_t>(signals.size())});
   o.block_rows = oc.form.block_rows;
   o.expected = oc.form.parts;
   o.num_sms = oc.num_sms;
@@ -287,9 +287,10 @@ TEST(LlOverlap, SignalNeverRaisedTimesOutThenCleanRecovers) {
           err = "no Timeout";
         } catch (const Error& e) {
           const std::string what = e.what();
-          const std::string want = "local expert " + std::to_string(skip / blocks) + ", block 0 "
-                                   "(overlap.signals[" + std::to_string(skip) +
-                                   "] wanted >= 2, seen 0)";
+          const std::string want = "local expert " + std::to_string(skip / blocks) +
+                                   ", block 0 "
+                                   "(overlap.signals[" +
+                                   std::to_string(skip) + "] wanted >= 2, seen 0)";
           if (e.code() != ErrorCode::kTimeout) err = "code " + std::to_string(int(e.code()));
           if (r == 0 && what.find(want) == std::string::npos) err = "message: " + what;
         }
@@ -298,8 +299,8 @@ TEST(LlOverlap, SignalNeverRaisedTimesOutThenCleanRecovers) {
           dispatch(buf, oc.c, batches[1], r);
           if (err.empty()) err = "ll_dispatch after the Timeout was not refused";
         } catch (const Error& e) {
-          if (e.code() != ErrorCode::kOutOfStep && err.empty()) err = std::string("refusal: ") +
-                                                                      e.what();
+          if (e.code() != ErrorCode::kOutOfStep && err.empty())
+            err = std::string("refusal: ") + e.what();
         }
         buf.ll_clean();
         const LlDispatchResult d2 = dispatch(buf, oc.c, batches[1], r);
@@ -353,10 +354,10 @@ TEST(LlOverlap, ArgumentErrors) {
              o.block_rows = 3;
              o.signals.shape[0] = 7;
            });
-    expect(ErrorCode::kInvalidArgument, "'overlap.signals'", [&](LlCombineArgs&,
-                                                                   LlCombineOverlap& o) {
-      o.signals = TensorView::contiguous(signals64.data(), DType::kI64, {64});
-    });
+    expect(ErrorCode::kInvalidArgument, "'overlap.signals'",
+           [&](LlCombineArgs&, LlCombineOverlap& o) {
+             o.signals = TensorView::contiguous(signals64.data(), DType::kI64, {64});
+           });
     expect(ErrorCode::kInvalidArgument, "'overlap.signals'",
            [&](LlCombineArgs&, LlCombineOverlap& o) { o.signals = TensorView(); });
     expect(ErrorCode::kInvalidArgument, "'overlap.block_rows' is -1",

@@ -26,13 +26,13 @@
 //   Tokens in C contiguous chunks. A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
 //   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt or
-//      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0 does
-//      this in CTA 0 too, so every rank reports), then reads begin/count of its block
-//      in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r);
-//      wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens
-//      whenever T > 0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the
-//      nanoseconds until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing
-//      for d = r, whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
+//      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0
+//      does this in CTA 0 too, so every rank reports), then reads begin/count of its block in every
+//      expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r); wait-cost
+//      statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens whenever T >
+//      0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the nanoseconds
+//      until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing for d = r,
+//      whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
 //   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
 //      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
 //      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode without use_logfmt);
@@ -104,7 +104,7 @@ struct LlCombineParams {
   const int32_t* recv_count;  // optional [L]: compared with the handle (kDevErrLlOverlapCount)
   const int32_t* src_info;    // the handle's [L, RT], row stride src_info_stride
   int64_t src_info_stride;
-  int32_t recv_ctas;          // C: the receive's CTAs (the shares of combine_ready)
+  int32_t recv_ctas;  // C: the receive's CTAs (the shares of combine_ready)
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -299,7 +299,8 @@ __device__ uintptr_t ll_overlap_dest(const LlCombineParams& p, const long long* 
     for (int kb = 0; kb < K && k0 < 0; kb += kLlIdBatch) {
       int32_t id[kLlIdBatch];
 #pragma unroll
-      for (int u = 0; u < kLlIdBatch; ++u) id[u] = kb + u < K ? ld_landed<int32_t>(route + kb + u) : -1;
+      for (int u = 0; u < kLlIdBatch; ++u)
+        id[u] = kb + u < K ? ld_landed<int32_t>(route + kb + u) : -1;
 #pragma unroll
       for (int u = kLlIdBatch - 1; u >= 0; --u)
         if (id[u] == expert) k0 = kb + u;
@@ -324,7 +325,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   auto* s_range = reinterpret_cast<long long*>(ll_overlap_smem);  // [L, R]
   auto* s_dst = reinterpret_cast<uintptr_t*>(s_range + L * R);    // [kLlThreads]
-  auto rows_of = [&](const long long* ranges) {  // n_l (ranges: the expert's [R])
+  auto rows_of = [&](const long long* ranges) {                   // n_l (ranges: the expert's [R])
     int64_t n = 0;
     for (int s = 0; s < R; ++s) {
       const int64_t range = ranges[s];
@@ -602,8 +603,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           if (j >= count || begin + j >= RT) {
             record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
           } else if (p.overlap) {
-            src = reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) +
-                                              ((c0 + tl) * K + k0) * H);
+            src =
+                reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + ((c0 + tl) * K + k0) * H);
           } else {
             const int64_t row = begin + j;
             if (d == me && !p.zero_copy && !p.use_logfmt) {
