@@ -44,12 +44,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
+#include "core/host_wait.h"
 #include "core/logfmt.h"
 #include "core/numeric.h"
 #include "core/validate.h"
@@ -322,17 +322,10 @@ void wait_overlap_signal(const LlCombineOverlap& o, int64_t blocks, int l, int64
   auto reached = [&](int32_t v) {
     return static_cast<int32_t>(static_cast<uint32_t>(v) - want) >= 0;
   };
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spins = 0;; ++spins) {
+  for (HostBackoff backoff(timeout);;) {
     const int32_t v = __atomic_load_n(signal, __ATOMIC_ACQUIRE);  // pairs with the GEMM's release
     if (reached(v)) return;
-    if (spins < 64) continue;
-    if (spins < 2048) {
-      std::this_thread::yield();
-      continue;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-    if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout) {
+    if (!backoff.pause()) {
       throw_error(
           ErrorCode::kTimeout,
           cat("ll_combine: rank ", rank, " waited ", timeout.count(),

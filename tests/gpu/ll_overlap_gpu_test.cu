@@ -44,6 +44,7 @@ using gpu_testing::RankStream;
 using testing::LlBatch;
 using testing::LlCase;
 using testing::LlProblem;
+using testing::OverlapCase;
 using testing::OverlapForm;
 using testing::OverlapGemmPart;
 
@@ -129,16 +130,6 @@ void launch_gemm(const GemmIo& io, const TensorView& dst, const LlProblem& p, cu
 
 // ---- one rank ------------------------------------------------------------------------------
 
-struct OverlapCase {
-  LlCase c;
-  OverlapForm form;
-  int num_sms = 0;
-  bool check_count = false;  // pass recv_count (checked on the device)
-  std::string describe() const {
-    return c.describe() + " overlap: " + form.describe() + " num_sms=" + std::to_string(num_sms);
-  }
-};
-
 BufferConfig ll_only() {
   BufferConfig config;
   config.enable_ht = false;
@@ -197,80 +188,89 @@ std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want, con
   return testing::check_ll_combine(p, want, v);
 }
 
-// The overlapped combine of `io` on `side`, overlapped with the GEMM on `main`; hook on `side`,
-// then main joins. Returns the combine's result (out valid once `main` is synchronised).
-LlCombineResult overlapped(Buffer& buf, const OverlapCase& oc, const RankInputs& io,
-                           const LlDispatchResult& d, GemmIo& gemm, cudaStream_t main,
-                           cudaStream_t side, cudaEvent_t fork, cudaEvent_t join,
-                           const TensorView& out = {}) {
-  LlCombineArgs a = combine_args(io, d.handle, side);
-  TensorView dst = io.y;
-  if (oc.c.zero_copy) {
-    dst = buf.ll_next_combine_buffer(d.handle);
-    a.zero_copy = true;
-  } else {
-    a.y = io.y;
-  }
-  a.out = out;
-  a.return_recv_hook = oc.c.hook;
-  LlCombineOverlap o;
-  o.signals = gemm.signals;
-  o.block_rows = oc.form.block_rows;
-  o.expected = oc.form.parts;
-  o.num_sms = oc.num_sms;
-  if (oc.check_count) o.recv_count = d.recv_count;
-  a.overlap = o;
-  launch_gemm(gemm, dst, oc.c.p, main, fork);
-  CUDA_OK(cudaStreamWaitEvent(side, fork, 0));
-  LlCombineResult res = buf.ll_combine(a, gpu_testing::poison_allocator());
-  if (res.hook) res.hook();
-  CUDA_OK(cudaEventRecord(join, side));
-  CUDA_OK(cudaStreamWaitEvent(main, join, 0));
-  return res;
-}
-
-// Streams and events of one rank: the main stream (the rank stream under one-GPU mode) and a
-// side stream for the combine.
-struct Streams {
-  RankStream main{cudaStreamNonBlocking};
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  Streams() {
+// One rank's set-up for a case: a Buffer of its shape, the GEMM's device memory, the main stream
+// (the rank stream under one-GPU mode), a side stream for the combine, the fork / join events.
+struct Rig {
+  Rig(const Group& g, const OverlapCase& oc)
+      : r(g.rank()),
+        dev(gpu_testing::device_of(g)),
+        main(main_stream.get()),
+        buf(g, MoeShape{oc.c.p.hidden, oc.c.p.top_k, oc.c.p.num_experts, oc.c.p.max_tokens},
+            ll_only()),
+        gemm(make_gemm_io(oc.c.p, oc.form, dev)) {
     CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   }
-  ~Streams() {
+  ~Rig() {
     cudaEventDestroy(fork);
     cudaEventDestroy(join);
     cudaStreamDestroy(side);
   }
+  Rig(const Rig&) = delete;
+  Rig& operator=(const Rig&) = delete;
+
+  // The overlapped combine of `io` on the side stream, overlapped with the GEMM on the main one;
+  // the hook on the side stream, then the main stream joins. Returns the combine's result (out
+  // valid once the main stream is synchronised).
+  LlCombineResult overlapped(const OverlapCase& oc, const RankInputs& io, const LlDispatchResult& d,
+                             const TensorView& out = {}) {
+    LlCombineArgs a = combine_args(io, d.handle, side);
+    TensorView dst = io.y;
+    if (oc.c.zero_copy) {
+      dst = buf.ll_next_combine_buffer(d.handle);
+      a.zero_copy = true;
+    } else {
+      a.y = io.y;
+    }
+    a.out = out;
+    a.return_recv_hook = oc.c.hook;
+    LlCombineOverlap o;
+    o.signals = gemm.signals;
+    o.block_rows = oc.form.block_rows;
+    o.expected = oc.form.parts;
+    o.num_sms = oc.num_sms;
+    if (oc.check_count) o.recv_count = d.recv_count;
+    a.overlap = o;
+    launch_gemm(gemm, dst, oc.c.p, main, fork);
+    CUDA_OK(cudaStreamWaitEvent(side, fork, 0));
+    LlCombineResult res = buf.ll_combine(a, gpu_testing::poison_allocator());
+    if (res.hook) res.hook();
+    CUDA_OK(cudaEventRecord(join, side));
+    CUDA_OK(cudaStreamWaitEvent(main, join, 0));
+    return res;
+  }
+
+  const int r, dev;
+  RankStream main_stream{cudaStreamNonBlocking};
+  const cudaStream_t main;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  Buffer buf;
+  GemmIo gemm;
 };
 
 // Case oc on this rank: per batch a dispatch, the plain combine, the overlapped one; "" or the
 // first failure.
 std::string run_rank(const OverlapCase& oc, const std::vector<LlBatch>& batches, const Group& g) {
   const LlProblem& p = oc.c.p;
-  const int r = g.rank(), dev = gpu_testing::device_of(g);
-  Streams st;
-  const cudaStream_t main = st.main.get();
-  Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, ll_only());
-  GemmIo gemm = make_gemm_io(p, oc.form, dev);
+  Rig rig(g, oc);
+  const int r = rig.r;
   std::mt19937_64 rng(oc.c.seed * 131 + r);
   for (size_t i = 0; i < batches.size(); ++i) {
     const LlBatch& b = batches[i];
     const std::string where = "rank " + std::to_string(r) + " batch " + std::to_string(i) + ": ";
-    RankInputs io = upload_inputs(p, b, r, dev, main);
-    const LlDispatchResult d = dispatch(buf, io, main);
-    gpu_testing::upload_on_rank_stream(io.y.data, b.y[r].data(), b.y[r].size() * 2, main);
-    const LlCombineResult plain = buf.ll_combine(combine_args(io, d.handle, main));
-    CUDA_OK(cudaStreamSynchronize(main));
+    RankInputs io = upload_inputs(p, b, r, rig.dev, rig.main);
+    const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
+    gpu_testing::upload_on_rank_stream(io.y.data, b.y[r].data(), b.y[r].size() * 2, rig.main);
+    const LlCombineResult plain = rig.buf.ll_combine(combine_args(io, d.handle, rig.main));
+    CUDA_OK(cudaStreamSynchronize(rig.main));
     std::string e = check_out(p, b.want_out[r], plain.out);
     if (!e.empty()) return where + "plain combine: " + e;
-    upload_gemm(gemm, p, oc.form, b, r, rng, main);
-    const LlCombineResult ov = overlapped(buf, oc, io, d, gemm, main, st.side, st.fork, st.join);
-    CUDA_OK(cudaStreamSynchronize(main));
-    buf.check();
+    upload_gemm(rig.gemm, p, oc.form, b, r, rng, rig.main);
+    const LlCombineResult ov = rig.overlapped(oc, io, d);
+    CUDA_OK(cudaStreamSynchronize(rig.main));
+    rig.buf.check();
     e = check_out(p, b.want_out[r], ov.out);
     if (!e.empty()) return where + "overlapped combine: " + e;
   }
@@ -394,36 +394,27 @@ TEST(LlOverlapEdge, EmptyExpertsAreNotWaitedFor) {
 TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
   EPX_REQUIRE_GPUS(1);
   const bool two = gpu_testing::visible_gpus() >= 2;
-  OverlapCase oc;
-  oc.c.p = LlProblem{2, 16, 256, 2, 4};
-  oc.c.fixed_tokens = {16, 16};
-  oc.c.num_iters = 2;
-  oc.c.seed = 17;
-  oc.form = {4, 2};
+  const OverlapCase oc = testing::two_round_case(LlProblem{2, 16, 256, 2, 4}, 17, {4, 2});
   const std::vector<LlBatch> batches = testing::make_ll_batches(oc.c);
   const LlProblem& p = oc.c.p;
   GroupOptions options;
   options.timeout = std::chrono::milliseconds(2000);
   auto body = [&](const Group& g) {
-    const int r = g.rank(), dev = gpu_testing::device_of(g);
-    Streams st;
-    const cudaStream_t main = st.main.get();
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, ll_only());
-    GemmIo gemm = make_gemm_io(p, oc.form, dev);
+    Rig rig(g, oc);
+    const int r = rig.r;
     std::mt19937_64 rng(5 + r);
-    int skip = -1;  // rank 0's first block with rows
+    const int skip = testing::first_signal_with_rows(batches[0].want[0].recv_count,
+                                                     p.rows_per_expert(), oc.form.block_rows);
     const int64_t blocks = testing::overlap_blocks(p.rows_per_expert(), oc.form.block_rows);
-    for (int l = 0; l < p.num_local_experts() && skip < 0; ++l)
-      if (batches[0].want[0].recv_count[l] > 0) skip = static_cast<int>(l * blocks);
     int bad = 0;
     {
-      RankInputs io = upload_inputs(p, batches[0], r, dev, main);
-      const LlDispatchResult d = dispatch(buf, io, main);
-      upload_gemm(gemm, p, oc.form, batches[0], r, rng, main, r == 0 ? skip : -1);
-      overlapped(buf, oc, io, d, gemm, main, st.side, st.fork, st.join);
-      CUDA_OK(cudaStreamSynchronize(main));
+      RankInputs io = upload_inputs(p, batches[0], r, rig.dev, rig.main);
+      const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
+      upload_gemm(rig.gemm, p, oc.form, batches[0], r, rng, rig.main, r == 0 ? skip : -1);
+      rig.overlapped(oc, io, d);
+      CUDA_OK(cudaStreamSynchronize(rig.main));
       try {
-        buf.check();
+        rig.buf.check();
         std::fprintf(stderr, "rank %d: no Timeout\n", r);
         ++bad;
       } catch (const Error& e) {
@@ -437,13 +428,13 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
         }
       }
     }
-    buf.ll_clean();
-    RankInputs io = upload_inputs(p, batches[1], r, dev, main);
-    const LlDispatchResult d = dispatch(buf, io, main);
-    upload_gemm(gemm, p, oc.form, batches[1], r, rng, main);
-    const LlCombineResult res = overlapped(buf, oc, io, d, gemm, main, st.side, st.fork, st.join);
-    CUDA_OK(cudaStreamSynchronize(main));
-    buf.check();
+    rig.buf.ll_clean();
+    RankInputs io = upload_inputs(p, batches[1], r, rig.dev, rig.main);
+    const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
+    upload_gemm(rig.gemm, p, oc.form, batches[1], r, rng, rig.main);
+    const LlCombineResult res = rig.overlapped(oc, io, d);
+    CUDA_OK(cudaStreamSynchronize(rig.main));
+    rig.buf.check();
     const std::string e = check_out(p, batches[1].want_out[r], res.out);
     if (!e.empty()) {
       std::fprintf(stderr, "rank %d after ll_clean: %s\n", r, e.c_str());
@@ -460,25 +451,17 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
 // then a recv_count that is not the handle's: InvalidArgument from check(), the result exact.
 TEST(LlOverlapErrors, DisagreementAndRecvCount) {
   EPX_REQUIRE_GPUS(1);
-  OverlapCase oc;
-  oc.c.p = LlProblem{2, 8, 128, 2, 4};
-  oc.c.fixed_tokens = {8, 8};
-  oc.c.num_iters = 2;
-  oc.c.seed = 23;
-  oc.form = {0, 1};
+  const OverlapCase oc = testing::two_round_case(LlProblem{2, 8, 128, 2, 4}, 23, {0, 1});
   const std::vector<LlBatch> batches = testing::make_ll_batches(oc.c);
   const LlProblem& p = oc.c.p;
   auto body = [&](const Group& g) {
-    const int r = g.rank(), dev = gpu_testing::device_of(g);
-    Streams st;
-    const cudaStream_t main = st.main.get();
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, ll_only());
-    GemmIo gemm = make_gemm_io(p, oc.form, dev);
+    Rig rig(g, oc);
+    const int r = rig.r;
     std::mt19937_64 rng(7 + r);
     int bad = 0;
     auto expect_invalid = [&](const char* what, const std::string& needle) {
       try {
-        buf.check();
+        rig.buf.check();
         std::fprintf(stderr, "rank %d %s: no error\n", r, what);
         ++bad;
       } catch (const Error& e) {
@@ -489,22 +472,22 @@ TEST(LlOverlapErrors, DisagreementAndRecvCount) {
         }
       }
     };
-    RankInputs io = upload_inputs(p, batches[0], r, dev, main);
-    LlDispatchResult d = dispatch(buf, io, main);
-    upload_gemm(gemm, p, oc.form, batches[0], r, rng, main);
+    RankInputs io = upload_inputs(p, batches[0], r, rig.dev, rig.main);
+    LlDispatchResult d = dispatch(rig.buf, io, rig.main);
+    upload_gemm(rig.gemm, p, oc.form, batches[0], r, rng, rig.main);
     gpu_testing::upload_on_rank_stream(io.y.data, batches[0].y[r].data(),
-                                       batches[0].y[r].size() * 2, main);
+                                       batches[0].y[r].size() * 2, rig.main);
     if (r == 0) {
-      overlapped(buf, oc, io, d, gemm, main, st.side, st.fork, st.join);
+      rig.overlapped(oc, io, d);
     } else {
-      buf.ll_combine(combine_args(io, d.handle, main));
+      rig.buf.ll_combine(combine_args(io, d.handle, rig.main));
     }
-    CUDA_OK(cudaStreamSynchronize(main));
+    CUDA_OK(cudaStreamSynchronize(rig.main));
     expect_invalid("disagreement", "whether argument 'overlap' is given differs across ranks");
     // A wrong recv_count on rank 1 only: its check raises, the result is still exact.
-    io = upload_inputs(p, batches[1], r, dev, main);
-    d = dispatch(buf, io, main);
-    upload_gemm(gemm, p, oc.form, batches[1], r, rng, main);
+    io = upload_inputs(p, batches[1], r, rig.dev, rig.main);
+    d = dispatch(rig.buf, io, rig.main);
+    upload_gemm(rig.gemm, p, oc.form, batches[1], r, rng, rig.main);
     OverlapCase checked = oc;
     checked.check_count = true;
     LlDispatchResult d_wrong = d;
@@ -512,14 +495,13 @@ TEST(LlOverlapErrors, DisagreementAndRecvCount) {
     if (r == 1) {
       std::vector<int32_t> count = batches[1].want[r].recv_count;
       count[0] += 3;
-      wrong = gpu_testing::to_device(count, DType::kI32, {p.num_local_experts()}, dev);
+      wrong = gpu_testing::to_device(count, DType::kI32, {p.num_local_experts()}, rig.dev);
       d_wrong.recv_count = wrong;
     }
-    const LlCombineResult res =
-        overlapped(buf, checked, io, d_wrong, gemm, main, st.side, st.fork, st.join);
-    CUDA_OK(cudaStreamSynchronize(main));
+    const LlCombineResult res = rig.overlapped(checked, io, d_wrong);
+    CUDA_OK(cudaStreamSynchronize(rig.main));
     if (r == 1) expect_invalid("recv_count", "'overlap.recv_count' has [0] = ");
-    buf.check();
+    rig.buf.check();
     const std::string e = check_out(p, batches[1].want_out[r], res.out);
     if (!e.empty()) {
       std::fprintf(stderr, "rank %d: %s\n", r, e.c_str());
@@ -558,29 +540,26 @@ int graph_replays(int R, bool one_gpu) {
     }
   }
   auto body = [&](const Group& g) {
-    const int r = g.rank(), dev = gpu_testing::device_of(g);
-    const LlProblem& p = modes[0].c.p;
-    const int64_t T = modes[0].c.fixed_tokens[r];
-    Streams st;
-    const cudaStream_t main = st.main.get();
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, ll_only());
-    // Outputs at fixed addresses: one tensor per (dtype, shape), made by the eager call.
-    auto pool = std::make_shared<std::map<std::string, Tensor>>();
-    const Allocator base = gpu_testing::device_allocator();
-    const Allocator alloc = [pool, base](DType dt, const std::vector<int64_t>& s, Device d) {
-      std::string key = dtype_name(dt);
-      for (int64_t v : s) key.append(",").append(std::to_string(v));
-      auto it = pool->find(key);
-      if (it == pool->end()) it = pool->emplace(key, base(dt, s, d)).first;
-      return it->second;
-    };
-    Tensor out = base(DType::kBF16, {T, p.hidden}, Device::cuda(dev));
     int bad = 0;
     for (int m = 0; m < 2 && bad == 0; ++m) {
       const OverlapCase& oc = modes[m];
-      GemmIo gemm = make_gemm_io(p, oc.form, dev);
+      const LlProblem& p = oc.c.p;
+      Rig rig(g, oc);
+      const int r = rig.r;
+      const cudaStream_t main = rig.main;
+      // Outputs at fixed addresses: one tensor per (dtype, shape), made by the eager call.
+      auto pool = std::make_shared<std::map<std::string, Tensor>>();
+      const Allocator base = gpu_testing::device_allocator();
+      const Allocator alloc = [pool, base](DType dt, const std::vector<int64_t>& s, Device d) {
+        std::string key = dtype_name(dt);
+        for (int64_t v : s) key.append(",").append(std::to_string(v));
+        auto it = pool->find(key);
+        if (it == pool->end()) it = pool->emplace(key, base(dt, s, d)).first;
+        return it->second;
+      };
+      Tensor out = base(DType::kBF16, {oc.c.fixed_tokens[r], p.hidden}, Device::cuda(rig.dev));
       std::mt19937_64 grng(1000 * m + r);
-      RankInputs io = upload_inputs(p, data[m][0], r, dev, main);
+      RankInputs io = upload_inputs(p, data[m][0], r, rig.dev, main);
       auto upload = [&](const LlBatch& b) {
         const testing::LlRankInput& in = b.in[r];
         gpu_testing::upload_on_rank_stream(io.x.data, in.x.data(), in.x.size() * 2, main);
@@ -588,7 +567,7 @@ int graph_replays(int R, bool one_gpu) {
                                            main);
         gpu_testing::upload_on_rank_stream(io.w.data, in.topk_weights.data(),
                                            in.topk_weights.size() * 4, main);
-        upload_gemm(gemm, p, oc.form, b, r, grng, main);
+        upload_gemm(rig.gemm, p, oc.form, b, r, grng, main);
         CUDA_OK(cudaMemsetAsync(out.data, 0xFF, out.nbytes(), main));
       };
       LlDispatchResult d;
@@ -598,13 +577,13 @@ int graph_replays(int R, bool one_gpu) {
         a.topk_idx = io.topk;
         a.use_fp8 = false;
         a.stream = main;
-        d = buf.ll_dispatch(a, alloc);
-        overlapped(buf, oc, io, d, gemm, main, st.side, st.fork, st.join, out);
+        d = rig.buf.ll_dispatch(a, alloc);
+        rig.overlapped(oc, io, d, out);
       };
       auto verify = [&](int i) {
         std::string e;
         try {
-          buf.check();
+          rig.buf.check();
           e = check_out(p, data[m][i].want_out[r], out);
         } catch (const std::exception& ex) {
           e = std::string("exception: ") + ex.what();

@@ -10,6 +10,28 @@ std::string OverlapForm::describe() const {
                         : "experts, " + std::to_string(parts) + " CTAs";
 }
 
+std::string OverlapCase::describe() const {
+  return c.describe() + " overlap: " + form.describe() + " num_sms=" + std::to_string(num_sms) +
+         (check_count ? " recv_count" : "");
+}
+
+OverlapCase two_round_case(const LlProblem& p, uint64_t seed, const OverlapForm& form) {
+  OverlapCase oc;
+  oc.c.p = p;
+  oc.c.fixed_tokens.assign(p.num_ranks, p.max_tokens);
+  oc.c.num_iters = 2;
+  oc.c.seed = seed;
+  oc.form = form;
+  return oc;
+}
+
+int first_signal_with_rows(const std::vector<int32_t>& recv_count, int64_t rows_per_expert,
+                           int64_t block_rows) {
+  for (size_t l = 0; l < recv_count.size(); ++l)
+    if (recv_count[l] > 0) return static_cast<int>(l * overlap_blocks(rows_per_expert, block_rows));
+  return -1;
+}
+
 int64_t overlap_blocks(int64_t rows_per_expert, int64_t block_rows) {
   return block_rows > 0 ? (rows_per_expert + block_rows - 1) / block_rows : 1;
 }

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "support/ll_cases.h"
+
 namespace epx::testing {
 
 struct OverlapForm {
@@ -35,6 +37,25 @@ struct OverlapGemmPart {
   int64_t row_begin, row_end, col_begin, col_end;
   int64_t delay_ns;
 };
+
+// One case: the ll case (problem, routing, hook, zero_copy, out, rounds), the signal form, the
+// send's SM budget (LlCombineOverlap::num_sms) and whether recv_count is passed (and checked).
+struct OverlapCase {
+  LlCase c;
+  OverlapForm form;
+  int num_sms = 0;
+  bool check_count = false;
+  std::string describe() const;
+};
+
+// The error tests' case: T = T_max tokens on every rank of p, two batches (a failing round and
+// the round after ll_clean).
+OverlapCase two_round_case(const LlProblem& p, uint64_t seed, const OverlapForm& form);
+
+// The lowest signal whose block has rows (what a GEMM that never raises it leaves waiting), or
+// -1.
+int first_signal_with_rows(const std::vector<int32_t>& recv_count, int64_t rows_per_expert,
+                           int64_t block_rows);
 
 // Signals per local expert (ceil(RT / block_rows), or 1) — the library's count.
 int64_t overlap_blocks(int64_t rows_per_expert, int64_t block_rows);

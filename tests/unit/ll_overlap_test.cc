@@ -29,17 +29,9 @@ namespace {
 using testing::LlBatch;
 using testing::LlCase;
 using testing::LlProblem;
+using testing::OverlapCase;
 using testing::OverlapForm;
 using testing::OverlapGemmPart;
-
-struct OverlapCase {
-  LlCase c;
-  OverlapForm form;
-  int num_sms = 0;
-  std::string describe() const {
-    return c.describe() + " overlap: " + form.describe() + " num_sms=" + std::to_string(num_sms);
-  }
-};
 
 OverlapCase random_case(uint64_t seed, int R) {
   std::mt19937_64 rng(seed * 104729 + 3);
@@ -69,6 +61,7 @@ OverlapCase random_case(uint64_t seed, int R) {
     oc.form.parts = static_cast<int>(pick({1, 2, 4}));
   }
   oc.num_sms = static_cast<int>(pick({0, 1, 3}));
+  oc.check_count = coin();
   return oc;
 }
 
@@ -168,7 +161,7 @@ LlCombineResult overlapped_combine(Buffer& buf, const OverlapCase& oc, const LlB
   o.expected = oc.form.parts;
   o.num_sms = oc.num_sms;
   std::vector<int32_t> recv_count = b.want[r].recv_count;
-  if (c.seed % 2) o.recv_count = TensorView::contiguous(recv_count.data(), DType::kI32, {L});
+  if (oc.check_count) o.recv_count = TensorView::contiguous(recv_count.data(), DType::kI32, {L});
   a.overlap = o;
   std::thread gemm = start_gemm(parts, b.y[r], dst, signals, RT, H);
   LlCombineResult res;
@@ -254,12 +247,7 @@ TEST(LlOverlap, EmptyExpertsAreNotWaitedFor) {
 // block, the value wanted and the value seen; rank 1's waits for rank 0 in its barrier and times
 // out too. After ll_clean on both, a new dispatch and overlapped combine are exact.
 TEST(LlOverlap, SignalNeverRaisedTimesOutThenCleanRecovers) {
-  OverlapCase oc;
-  oc.c.p = LlProblem{2, 8, 128, 2, 4};
-  oc.c.fixed_tokens = {8, 8};
-  oc.c.num_iters = 2;
-  oc.c.seed = 5;
-  oc.form = {3, 2};
+  const OverlapCase oc = testing::two_round_case(LlProblem{2, 8, 128, 2, 4}, 5, {3, 2});
   const std::vector<LlBatch> batches = testing::make_ll_batches(oc.c);
   const LlProblem& p = oc.c.p;
   GroupOptions options;
@@ -275,12 +263,9 @@ TEST(LlOverlap, SignalNeverRaisedTimesOutThenCleanRecovers) {
         config.enable_ll = true;
         Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, config);
         const LlDispatchResult d = dispatch(buf, oc.c, batches[0], r);
-        // The signal of rank 0's first block with rows.
-        int skip = -1;
-        const std::vector<int32_t>& count = batches[0].want[0].recv_count;
+        const int skip =
+            testing::first_signal_with_rows(batches[0].want[0].recv_count, p.rows_per_expert(), 3);
         const int64_t blocks = testing::overlap_blocks(p.rows_per_expert(), 3);
-        for (int l = 0; l < p.num_local_experts() && skip < 0; ++l)
-          if (count[l] > 0) skip = static_cast<int>(l * blocks);
         std::vector<uint16_t> out;
         try {
           overlapped_combine(buf, oc, batches[0], r, d.handle, out, r == 0 ? skip : -1);

@@ -245,17 +245,6 @@ EPX_LL_HD size_t ll_overlap_smem_bytes(const LlLayout& g) {
   return 8 * static_cast<size_t>(g.num_local_experts) * g.num_ranks + 8 * kLlThreads;
 }
 
-// 8 bf16 of y that the GEMM stored during this kernel: coherent loads (L2).
-__device__ __forceinline__ uint4 ll_ld_gemm8(const uint16_t* p, bool vec16) {
-  if (vec16) return ld_landed<uint4>(p);
-  uint16_t h[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = __ldcg(p + i);
-  uint4 v;
-  memcpy(&v, h, 16);
-  return v;
-}
-
 // O3's wait, one thread: signal i = l * blocks + b reached; false on timeout (recorded: Timeout,
 // peer = b, a = kWaitSignal | l << 8 | i << 32, b = wanted << 32 | seen) or when the kernel
 // aborted.
@@ -403,7 +392,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
           *dst = d ? reinterpret_cast<uint4*>(d) + v : nullptr;
           if (!d) return uint4{};
           if (p.zero_copy) return ld_landed<uint4>(own_y + (l * RT + row) * H + 8 * v);
-          return ll_ld_gemm8(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
+          return ll_ld8<true>(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
         });
         __syncthreads();  // s_dst is rewritten by the next chunk
       }
@@ -421,14 +410,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
 
 // 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
 __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
-  const auto* p = reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v;
-  if (!(src & 1)) return ld_landed<uint4>(p);
-  uint16_t h[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = __ldcg(p + i);
-  uint4 r;
-  memcpy(&r, h, 16);
-  return r;
+  return ll_ld8<true>(reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v, !(src & 1));
 }
 
 // Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d (and this rank with
