@@ -170,8 +170,8 @@ def _fork_overlap(op, handle, packed_recv_count, comp_signal, block_m, threshold
                              "block_m rows of each local expert) and 'src_signals' (one per "
                              "local expert); got " + ("both" if comp_signal is not None else
                                                       "neither"))
-    _, _, max_tokens, _, num_experts = handle
-    num_ranks = handle._handle.layout_range.shape[1]
+    _, layout_range, max_tokens, _, num_experts = handle
+    num_ranks = layout_range.shape[1]
     experts = num_experts // num_ranks
     if comp_signal is not None:
         for name, v in (("block_m", block_m), ("threshold", threshold), ("num_sms", num_sms)):
