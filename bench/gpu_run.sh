@@ -22,6 +22,10 @@
 #             ll T in 1..512, a2a (R = the visible GPUs, NCCL and ceiling rows), the one-GPU ht
 #             proxy (epx_ht_onegpu_bench), ll at one-GPU R = 2, 4, 8 (epx_ll_onegpu_bench), and
 #             with >= 2 GPUs epx_store_probe
+#   overlap   epx_ll_overlap_bench: the ll combine overlapped with a cuBLAS down GEMM (T = 128,
+#             H = 7168, I = 2048, K = 8, 32 local experts; R = 1 and one-GPU R = 2; send SMs 3, 8,
+#             16, 32; both signal forms) against the GEMM then the plain combine, and each part
+#             alone: one table (docs/design.md §7.6); EPX_OVERLAP_ARGS added
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -45,7 +49,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench profile peer trace overhead main"
+BATCHES="build tests pytest bench gpubench overlap profile peer trace overhead main"
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -188,6 +192,16 @@ batch_gpubench() {
   fi
 }
 
+batch_overlap() {
+  if [ ! -x "$B/bench/epx_ll_overlap_bench" ]; then
+    skip overlap "epx_ll_overlap_bench was not built (no cuBLAS in the CUDA toolkit)"
+    return
+  fi
+  # shellcheck disable=SC2086
+  step overlap 120 "^ll combine|^\|" "$B/bench/epx_ll_overlap_bench" --ranks 1,2 \
+    ${EPX_OVERLAP_ARGS:-}
+}
+
 batch_profile() {
   # shellcheck disable=SC2086
   step profile.kernels 300 "^(op|ll|ht|a2a|profile)" "$EPX_PYTHON" bench/profile_kernels.py \
@@ -256,7 +270,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | pytest | profile | overhead | main | tests | bench | gpubench | trace)
+      peer | pytest | profile | overhead | main | tests | bench | gpubench | overlap | trace)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else

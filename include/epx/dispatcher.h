@@ -129,6 +129,10 @@ struct CombineInput {
   bool y_in_output_view = false;
   // The stream of combine_a; unset: the stream the dispatch ended on (see the top).
   std::optional<Stream> stream;
+  // ll only: combine overlapped with the expert GEMM (epx/ll.h LlCombineOverlap): combine_a,
+  // called on another stream after the GEMM was enqueued, sends each block of y once its
+  // signal is reached; combine_b receives. Other formats: InvalidArgument.
+  std::optional<LlCombineOverlap> overlap;
 };
 
 class Dispatcher {

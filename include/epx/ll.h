@@ -89,6 +89,36 @@ struct LlDispatchResult {
   LlHook hook;         // set when return_recv_hook: outputs are valid after hook() returns
 };
 
+// Combine overlapped with the expert GEMM (docs/semantics.md §2.6; DeepEP antgroup-opt's
+// comp_signal and hybrid-ep's src_signals). The caller's down GEMM writes y (its tensor, or
+// ll_next_combine_buffer with zero_copy) and raises `signals` as parts of it are stored; the
+// combine, called after the GEMM was enqueued (on another stream, so that both run at once),
+// sends each part to its source ranks as soon as its signal is reached, on `num_sms` SMs. The
+// result is the plain combine's, bit for bit, whatever order the signals come in. A signal that
+// is never reached ends the send in Timeout naming (l, block, wanted, seen) after the group's
+// timeout. epx never writes the signals: the caller zeroes them before each GEMM (CUDA-graph
+// replays included).
+struct LlCombineOverlap {
+  // int32, contiguous, on the buffer's device (cpu backend: host memory, read with atomic loads
+  // while another thread raises it). With block_rows > 0: at least L * ceil(R*T_max /
+  // block_rows) elements, signal l * ceil(R*T_max / block_rows) + b covering rows
+  // [b * block_rows, min((b + 1) * block_rows, recv_count[l])) of local expert l; with
+  // block_rows = 0: at least L elements, signal l covering all of expert l's rows. Experts
+  // without rows are not waited for. (uint32 signals travel as their int32 view: only the bits
+  // count.)
+  TensorView signals;
+  int64_t block_rows = 0;
+  // A signal is reached when (int32_t)(value - expected) >= 0 (wrap-safe). 1 .. 2^31 - 1.
+  int64_t expected = 1;
+  // SMs (CTAs) of the send half: 0 = auto (3 with block_rows > 0, 32 without, the forks'
+  // defaults), clamped to the ll kernels' CTAs on cuda. The GEMM should leave them free.
+  int num_sms = 0;
+  // Optional [L] int32 on the buffer's device: the dispatch's recv_count (DeepEP's
+  // packed_recv_count). A value that differs from the handle's raises InvalidArgument (cuda:
+  // from the device, by the next call or check()).
+  TensorView recv_count;
+};
+
 struct LlCombineArgs {
   TensorView y;             // [L, R * T_max, H] bf16, stride(2) 1 (ignored when zero_copy); only
                             // rows < recv_count[l] are read
@@ -108,6 +138,10 @@ struct LlCombineArgs {
   // combine_wait_recv_cost_stats): element s is ADDED the nanoseconds this rank's receive waited
   // for the expert outputs of rank s (docs/semantics.md §2.5; with return_recv_hook, in the hook).
   TensorView combine_wait_recv_cost_stats;
+  // Signal-driven send, overlapped with the expert GEMM (above). Not with use_logfmt
+  // (Unsupported). Every rank passes it, or none (else every rank raises InvalidArgument). y is
+  // read while the GEMM writes it: each part only after its signal was reached.
+  std::optional<LlCombineOverlap> overlap;
   Stream stream = nullptr;
 };
 

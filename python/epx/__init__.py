@@ -23,7 +23,8 @@ except ImportError as e:  # pragma: no cover - depends on the build
         "with `pip install --no-build-isolation ./python`.") from e
 from . import _torch  # noqa: E402  (registers torch with the C++ extension)
 from .buffer import (A2a, A2aDispatchResult, Buffer, HtCombineResult, HtDispatchResult,
-                     HtHandle, HtLayout, LlCombineResult, LlDispatchResult, LlHandle)
+                     HtHandle, HtLayout, LlCombineOverlap, LlCombineResult, LlDispatchResult,
+                     LlHandle)
 from .dispatcher import DispatchOutput, Dispatcher
 from .errors import (CudaError, EpxError, InternalError, InvalidArgument, NcclError, OutOfStep,
                      OutOfCapacity, Timeout, Unsupported)
@@ -42,7 +43,8 @@ fp8_dtype = _torch.FP8_DTYPE
 __all__ = [
     "A2a", "A2aDispatchResult", "Buffer", "CudaError", "DispatchOutput", "Dispatcher", "EpxError",
     "Group", "HtCombineResult", "HtDispatchResult", "HtHandle", "HtLayout", "InternalError",
-    "InvalidArgument", "LlCombineResult", "LlDispatchResult", "LlHandle", "NcclError",
+    "InvalidArgument", "LlCombineOverlap", "LlCombineResult", "LlDispatchResult", "LlHandle",
+    "NcclError",
     "OutOfCapacity", "OutOfStep", "Timeout", "Unsupported", "built_with_cuda", "fp8_dtype",
     "has_fp8_dtype", "nvfp4_block_scale_interleave",
 ]

@@ -21,6 +21,38 @@ HtCombineResult = namedtuple("HtCombineResult", "out combined_topk_weights")
 LlDispatchResult = namedtuple("LlDispatchResult", "recv_x recv_scales recv_count handle hook")
 LlCombineResult = namedtuple("LlCombineResult", "out hook")
 A2aDispatchResult = namedtuple("A2aDispatchResult", "recv recv_counts")
+#: The overlapped ll combine's signals and options (include/epx/ll.h LlCombineOverlap,
+#: docs/semantics.md §2.6): `signals` an int32 (or uint32) tensor on the buffer's device the
+#: expert GEMM raises; `block_rows` rows per signal (0: one signal per local expert);
+#: `expected` the value a signal must reach (wrap-safe); `num_sms` the send's SMs (0: auto, 3
+#: with blocks, 32 per expert); `recv_count` optional, the dispatch's recv_count, checked.
+LlCombineOverlap = namedtuple("LlCombineOverlap", "signals block_rows expected num_sms recv_count",
+                              defaults=(0, 1, 0, None))
+
+#: torch.uint32 where this torch has it (signals of the forks' Blackwell form are uint32).
+_UINT32 = getattr(torch, "uint32", None)
+
+
+def _overlap_arg(op, overlap):
+    """None, or `overlap` (an LlCombineOverlap) as the tuple the extension takes, uint32
+    signals as their int32 view (the comparison is wrap-safe: only the bits count)."""
+    if overlap is None:
+        return None
+    if not isinstance(overlap, LlCombineOverlap):
+        raise errors.invalid(op, f"argument 'overlap' is a {type(overlap).__name__}, expected "
+                             "epx.LlCombineOverlap(signals, block_rows, expected, num_sms, "
+                             "recv_count)")
+    signals = overlap.signals
+    if _UINT32 is not None and isinstance(signals, torch.Tensor) and signals.dtype == _UINT32:
+        signals = signals.view(torch.int32)
+    values = []
+    for name in ("block_rows", "expected", "num_sms"):
+        v = getattr(overlap, name)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise errors.invalid(op, f"argument 'overlap.{name}' is a {type(v).__name__}, "
+                                 "expected an int")
+        values.append(v)
+    return (signals, *values, overlap.recv_count)
 
 HtHandle = _epx.HtHandle
 LlHandle = _epx.LlHandle
@@ -159,17 +191,21 @@ class Buffer:
     @_torch.plain_torch
     def ll_combine(self, y, topk_idx, topk_weights, handle, zero_copy=False,
                    return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
-                   use_logfmt=False):
+                   use_logfmt=False, overlap=None):
         """Collective. -> LlCombineResult(out[T, H] bf16, hook).
 
         combine_wait_recv_cost_stats: optional int64 [R] tensor on the buffer's device; element s
         is added the nanoseconds this rank's receive waited for rank s's expert outputs (in the
         hook with return_recv_hook; docs/semantics.md §2.5).
         use_logfmt: the expert rows cross as LogFMT-10 and are summed as decoded
-        (docs/semantics.md §2.3.1); the same on every rank."""
+        (docs/semantics.md §2.3.1); the same on every rank.
+        overlap: an epx.LlCombineOverlap: the combine, called on another stream after the
+        expert GEMM was enqueued, sends each block of y as soon as the GEMM raised its signal
+        (docs/semantics.md §2.6); the result is the plain combine's, bit for bit."""
+        kw = {} if overlap is None else {"overlap": _overlap_arg("ll_combine", overlap)}
         return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
-            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt)))
+            _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt), **kw))
 
     @_torch.plain_torch
     def ll_next_combine_buffer(self, handle):

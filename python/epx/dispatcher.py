@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _epx, _torch, errors
+from .buffer import _overlap_arg
 from .group import Group
 
 _FIELDS = ("format x x_scale topk_idx topk_weights num_recv_tokens_per_expert masked_m "
@@ -159,13 +160,19 @@ class Dispatcher:
         return DispatchOutput(*self._native.dispatch_b(_current_stream(self._device)))
 
     @_torch.plain_torch
-    def combine_a(self, y=None, y_in_output_view=None):
+    def combine_a(self, y=None, y_in_output_view=None, overlap=None):
         """Collective. Starts the combine of the expert outputs ``y``: ht [N, H] bf16 weighted by
         the caller; ll [L, R*T_max, H] bf16 (combine applies the weights); a2a [R, M, H] bf16
-        weighted sums, or None when the experts wrote into ``moe_output_view``."""
+        weighted sums, or None when the experts wrote into ``moe_output_view``.
+
+        overlap (ll only): an epx.LlCombineOverlap; call combine_a on another stream after the
+        expert GEMM that writes ``y`` and raises the signals was enqueued: each block is sent as
+        soon as its signal is reached (docs/semantics.md §2.6)."""
         if y_in_output_view is None:
             y_in_output_view = y is None
-        self._native.combine_a(y, bool(y_in_output_view), _current_stream(self._device))
+        kw = {} if overlap is None else {
+            "overlap": _overlap_arg("Dispatcher.combine_a", overlap)}
+        self._native.combine_a(y, bool(y_in_output_view), _current_stream(self._device), **kw)
 
     @_torch.plain_torch
     def combine_b(self):

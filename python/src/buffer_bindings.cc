@@ -201,7 +201,7 @@ py::tuple ll_dispatch(const BufferPtr& b, py::handle x, py::handle topk_idx, boo
 
 py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::handle topk_weights,
                      py::handle handle_obj, bool zero_copy, bool return_recv_hook, py::handle out,
-                     uintptr_t stream, py::handle wait_stats, bool use_logfmt) {
+                     uintptr_t stream, py::handle wait_stats, bool use_logfmt, py::handle overlap) {
   const std::shared_ptr<LlHandle> handle_ptr = ll_handle_arg(handle_obj, "ll_combine");
   const LlHandle& handle = *handle_ptr;
   LlCombineArgs args;
@@ -215,6 +215,7 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
   args.out = to_view(out, "ll_combine: argument 'out'");
   args.combine_wait_recv_cost_stats =
       to_view(wait_stats, "ll_combine: argument 'combine_wait_recv_cost_stats'");
+  args.overlap = ll_overlap_arg(overlap, "ll_combine");
   args.stream = as_stream(stream);
   LlCombineResult r;
   {
@@ -227,6 +228,24 @@ py::tuple ll_combine(const BufferPtr& b, py::handle y, py::handle topk_idx, py::
 }
 
 }  // namespace
+
+std::optional<LlCombineOverlap> ll_overlap_arg(py::handle overlap, const char* op) {
+  if (overlap.is_none()) return std::nullopt;
+  const std::string what = std::string(op) + ": argument 'overlap'";
+  if (!py::isinstance<py::tuple>(overlap) || py::len(overlap) != 5)
+    throw_epx(ErrorCode::kInvalidArgument,
+              what + " is a " + type_name(overlap) +
+                  ", expected epx.LlCombineOverlap(signals, block_rows, expected, num_sms, "
+                  "recv_count)");
+  const auto t = py::reinterpret_borrow<py::tuple>(overlap);
+  LlCombineOverlap o;
+  o.signals = to_view(t[0], (what + ".signals").c_str());
+  o.block_rows = t[1].cast<int64_t>();
+  o.expected = t[2].cast<int64_t>();
+  o.num_sms = t[3].cast<int>();
+  o.recv_count = to_view(t[4], (what + ".recv_count").c_str());
+  return o;
+}
 
 void bind_buffer(py::module_& m) {
   py::class_<HtHandle, std::shared_ptr<HtHandle>>(m, "HtHandle",
@@ -315,7 +334,7 @@ void bind_buffer(py::module_& m) {
       .def("ll_combine", &ll_combine, py::arg("y"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("handle"), py::arg("zero_copy"), py::arg("return_recv_hook"), py::arg("out"),
            py::arg("stream") = 0, py::arg("combine_wait_recv_cost_stats") = py::none(),
-           py::arg("use_logfmt") = false)
+           py::arg("use_logfmt") = false, py::arg("overlap") = py::none())
       .def(
           "ll_next_combine_buffer",
           [](const BufferPtr& b, py::handle handle) {

@@ -140,11 +140,12 @@ py::tuple dispatch_b(PyDispatcher& d, std::optional<uintptr_t> stream) {
 }
 
 void combine_a(PyDispatcher& d, py::object y, bool y_in_output_view,
-               std::optional<uintptr_t> stream) {
+               std::optional<uintptr_t> stream, py::handle overlap) {
   CombineInput in;
   in.y = to_view(y, "Dispatcher.combine_a: argument 'y'");
   in.y_in_output_view = y_in_output_view;
   in.stream = as_stream(stream);
+  in.overlap = ll_overlap_arg(overlap, "Dispatcher.combine_a");
   {
     py::gil_scoped_release nogil;
     d.native->combine_a(in);
@@ -199,7 +200,7 @@ void bind_dispatcher(py::module_& m) {
            py::arg("forward_mode"), py::arg("global_scale").none(true), py::arg("stream") = 0)
       .def("dispatch_b", &dispatch_b, py::arg("stream").none(true) = py::none())
       .def("combine_a", &combine_a, py::arg("y").none(true), py::arg("y_in_output_view"),
-           py::arg("stream").none(true) = py::none())
+           py::arg("stream").none(true) = py::none(), py::arg("overlap") = py::none())
       .def("combine_b", &combine_b, py::arg("stream").none(true) = py::none())
       .def(
           "register_hook",

@@ -12,7 +12,13 @@
 //                dispatch_wait_recv_cost_stats int64 [R] contiguous when given.
 //   ll_combine:  a handle of this buffer, topk_idx/topk_weights [T, K] with T == handle.num_tokens,
 //                y bf16 [L, R * T_max, H] unless zero_copy, out bf16 [T, H] when given,
-//                combine_wait_recv_cost_stats int64 [R] contiguous when given.
+//                combine_wait_recv_cost_stats int64 [R] contiguous when given; overlap:
+//                signals int32 contiguous on the buffer's device with at least
+//                ll_overlap_num_signals elements, block_rows >= 0, expected in 1 .. 2^31 - 1,
+//                num_sms >= 0, recv_count int32 [L] when given, not with use_logfmt
+//                (Unsupported).
+#include <limits>
+
 #include "core/check.h"
 #include "core/numeric.h"
 #include "core/validate.h"
@@ -75,7 +81,46 @@ void validate_ll_nvfp4(const BufferImpl& b, const LlDispatchArgs& args, const ch
   }
 }
 
+// The overlapped combine's signals and options (epx/ll.h, LlCombineOverlap).
+void validate_ll_overlap(const BufferImpl& b, const LlCombineArgs& args, const char* op) {
+  const LlCombineOverlap& o = *args.overlap;
+  EPX_CHECK(!args.use_logfmt, ErrorCode::kUnsupported, op,
+            ": arguments 'overlap' and 'use_logfmt' are both set: LogFMT rows in the overlapped "
+            "combine are not built, expected use_logfmt = false");
+  EPX_CHECK_ARG(o.block_rows >= 0, op, ": argument 'overlap.block_rows' is ", o.block_rows,
+                ", expected >= 0 (0: one signal per local expert)");
+  EPX_CHECK_ARG(o.expected >= 1 && o.expected <= std::numeric_limits<int32_t>::max(), op,
+                ": argument 'overlap.expected' is ", o.expected, ", expected 1 .. ",
+                std::numeric_limits<int32_t>::max());
+  EPX_CHECK_ARG(o.num_sms >= 0, op, ": argument 'overlap.num_sms' is ", o.num_sms,
+                ", expected >= 0 (0: auto)");
+  const char* name = "overlap.signals";
+  check_defined(o.signals, op, name);
+  check_dtype(o.signals, op, name, {DType::kI32});
+  check_device(o.signals, op, name, b.device());
+  check_contiguous(o.signals, op, name);
+  const int R = b.group.size();
+  const int64_t need = ll_overlap_num_signals(b.shape, R, o.block_rows);
+  EPX_CHECK_ARG(o.signals.numel() >= need, op, ": argument 'overlap.signals' has ",
+                o.signals.numel(), " elements, expected at least ", need,
+                " (L = ", b.shape.num_local_experts(R), " local experts x ",
+                need / b.shape.num_local_experts(R),
+                " signals each for block_rows = ", o.block_rows, ")");
+  if (o.recv_count.defined())
+    check_tensor(b, o.recv_count, op, "overlap.recv_count", DType::kI32,
+                 {b.shape.num_local_experts(R)});
+}
+
 }  // namespace
+
+int64_t ll_overlap_blocks(const MoeShape& shape, int num_ranks, int64_t block_rows) {
+  const int64_t RT = num_ranks * shape.max_tokens_per_rank;
+  return block_rows > 0 ? (RT + block_rows - 1) / block_rows : 1;
+}
+
+int64_t ll_overlap_num_signals(const MoeShape& shape, int num_ranks, int64_t block_rows) {
+  return shape.num_local_experts(num_ranks) * ll_overlap_blocks(shape, num_ranks, block_rows);
+}
 
 float ll_host_global_scale(const LlDispatchArgs& args) {
   if (args.global_scale) return *args.global_scale;
@@ -162,6 +207,7 @@ void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args) {
   check_tensor(b, args.topk_weights, op, "topk_weights", DType::kF32, {T, K});
   if (args.out.defined()) check_tensor(b, args.out, op, "out", DType::kBF16, {T, H});
   check_wait_stats(b, args.combine_wait_recv_cost_stats, op, "combine_wait_recv_cost_stats");
+  if (args.overlap) validate_ll_overlap(b, args, op);
 }
 
 }  // namespace epx::detail

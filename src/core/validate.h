@@ -27,6 +27,10 @@ void validate_ll_dispatch(const BufferImpl& b, const LlDispatchArgs& args);
 // of a cpu x_global_scale.
 float ll_host_global_scale(const LlDispatchArgs& args);
 void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args);
+// The overlapped combine's signals (epx/ll.h, LlCombineOverlap): blocks per local expert
+// (ceil(R * T_max / block_rows), or 1 with block_rows = 0) and L times that.
+int64_t ll_overlap_blocks(const MoeShape& shape, int num_ranks, int64_t block_rows);
+int64_t ll_overlap_num_signals(const MoeShape& shape, int num_ranks, int64_t block_rows);
 void validate_ll_handle(const BufferImpl& b, const LlHandle& handle, const char* op);
 
 void validate_a2a_shape(const A2aShape& shape, int num_ranks);

@@ -7,7 +7,11 @@
 //     (skipped with zero_copy: the caller wrote them through ll_next_combine_buffer), and publish
 //     handle.layout_range next to them. use_logfmt: every valid row is encoded instead
 //     (core/logfmt.h logfmt_encode_row: from y, or in place with zero_copy) into its slot there,
-//     its meta words beside it.
+//     its meta words beside it. overlap (epx/ll.h LlCombineOverlap): expert by expert, block by
+//     block (the cuda send's item order), first wait until the block's signal is reached (atomic
+//     acquire loads, bounded by the group's timeout: Timeout naming the expert, the block, the
+//     value wanted and the value seen), then copy its rows; the rest is unchanged, so the result
+//     is the plain combine's.
 //   receive (inline, or in the hook): barrier; then, across nodes, the forward stage over the
 //     rail: (1) r sends every other node m its tokens that select an expert of m (topk row and
 //     weights, ascending) to (m, g) and receives those of every (m, g) for node n;
@@ -37,6 +41,7 @@
 // combine_wait_recv_cost_stats[d] += max(0, published_ns(d) - recv_start) when T > 0 (a rank
 // without tokens waits for no expert outputs, as on cuda).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -44,8 +49,10 @@
 #include "core/agree.h"
 #include "core/check.h"
 #include "core/host_view.h"
+#include "core/host_wait.h"
 #include "core/logfmt.h"
 #include "core/numeric.h"
+#include "core/validate.h"
 #include "cpu/ll_region.h"
 
 namespace epx::detail {
@@ -258,14 +265,18 @@ void CombineRecv::operator()() const {
     auto stamp = [&](int d) -> const Stamp& { return header_of(d)->stamp; };
     check_stamps("ll_combine", r, R, generation, seq, stamp,
                  [&](int) { return cat("combine slot ", slot, " at"); });
-    std::vector<int64_t> published_ns(R), logfmt_of(R);
+    std::vector<int64_t> published_ns(R), logfmt_of(R), overlap_of(R);
     for (int d = 0; d < R; ++d) {
       published_ns[d] = header_of(d)->published_ns;
       logfmt_of[d] = header_of(d)->use_logfmt;
+      overlap_of[d] = header_of(d)->overlap;
     }
     // Every rank reads every header, so all raise together.
     EPX_CHECK_ARG(all_equal(logfmt_of),
                   differs_message("ll_combine", "argument 'use_logfmt'", logfmt_of, show_bool));
+    EPX_CHECK_ARG(all_equal(overlap_of),
+                  differs_message("ll_combine", "whether argument 'overlap' is given", overlap_of,
+                                  show_bool));
     // row_in_block[t * K + k]: j of y(t, k); num_selected[e]: this rank's tokens on e. Checked
     // here for this node's experts, by the forwarders for the others'.
     std::vector<int64_t> row_in_block, num_selected;
@@ -300,6 +311,45 @@ void CombineRecv::operator()() const {
   });
 }
 
+// Overlap: rows [b * block, ...) of local expert l may be read once signal l * blocks + b is
+// reached; spins, then yields, then sleeps 50 us (as the transport's barrier), bounded by the
+// group's timeout.
+void wait_overlap_signal(const LlCombineOverlap& o, int64_t blocks, int l, int64_t b, int rank,
+                         std::chrono::milliseconds timeout) {
+  const int64_t idx = l * blocks + b;
+  int32_t* signal = o.signals.ptr<int32_t>() + idx;
+  const auto want = static_cast<uint32_t>(o.expected);
+  auto reached = [&](int32_t v) {
+    return static_cast<int32_t>(static_cast<uint32_t>(v) - want) >= 0;
+  };
+  for (HostBackoff backoff(timeout);;) {
+    const int32_t v = __atomic_load_n(signal, __ATOMIC_ACQUIRE);  // pairs with the GEMM's release
+    if (reached(v)) return;
+    if (!backoff.pause()) {
+      throw_error(
+          ErrorCode::kTimeout,
+          cat("ll_combine: rank ", rank, " waited ", timeout.count(),
+              " ms for the GEMM's signal of local expert ", l, ", block ", b, " (overlap.signals[",
+              idx, "] wanted >= ", want, ", seen ", static_cast<uint32_t>(v),
+              "); the ll state of this buffer is unusable until "
+              "ll_clean() (the caller raises every signal of its GEMM, after zeroing them)"));
+    }
+  }
+}
+
+// Overlap: recv_count, when given, is the handle's (host-visible on the cpu backend: raised
+// before this rank publishes, as a bad argument).
+void check_overlap_recv_count(const LlCombineOverlap& o, const std::vector<int64_t>& num_rows) {
+  if (!o.recv_count.defined()) return;
+  for (size_t l = 0; l < num_rows.size(); ++l) {
+    const int32_t v =
+        o.recv_count.ptr<int32_t>()[static_cast<int64_t>(l) * o.recv_count.strides[0]];
+    EPX_CHECK_ARG(v == num_rows[l], "ll_combine: argument 'overlap.recv_count' has [", l, "] = ", v,
+                  ", expected ", num_rows[l],
+                  " (the recv_count of the dispatch that made 'handle')");
+  }
+}
+
 }  // namespace
 
 LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator& alloc) {
@@ -315,36 +365,57 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
                 " still holds a combine whose hook was not called; expected its hook to be called "
                 "before another combine through a handle of slot ",
                 slot);
+  // Expert l's rows [0, num_rows[l]) hold data (every source's block, packed).
+  const TensorView& range = h.layout_range;
+  std::vector<int64_t> num_rows(L, 0);
+  for (int l = 0; l < L; ++l) {
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = element<int64_t>(range, l, s);
+      num_rows[l] = std::max(num_rows[l], std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
+    }
+  }
+  const LlCombineOverlap* overlap = args.overlap ? &*args.overlap : nullptr;
+  if (overlap) check_overlap_recv_count(*overlap, num_rows);
+
   const uint64_t seq = ++st.num_combines;
 
   // Publish: header, this rank's layout_range, y's valid rows (unless already there), encoded
-  // with use_logfmt.
+  // with use_logfmt; with overlap, block by block as their signals are reached.
   char* region = static_cast<char*>(ll_mem_->local()) + lay.combine_off(slot);
   auto* header = reinterpret_cast<CombineHeader*>(region);
   header->stamp.begin_publish();
   header->use_logfmt = args.use_logfmt;
+  header->overlap = overlap != nullptr;
   auto* layout = reinterpret_cast<int64_t*>(region + lay.layout_off);
-  const TensorView& range = h.layout_range;
   for (int l = 0; l < L; ++l)
     for (int s = 0; s < R; ++s) layout[l * R + s] = element<int64_t>(range, l, s);
   auto* y = reinterpret_cast<uint16_t*>(region + lay.y_off);
   auto* meta = reinterpret_cast<uint32_t*>(region + lay.meta_off);
-  for (int l = 0; (!args.zero_copy || args.use_logfmt) && l < L; ++l) {
-    int64_t num_rows = 0;
-    for (int s = 0; s < R; ++s) {
-      const int64_t v = layout[l * R + s];
-      num_rows = std::max(num_rows, std::min((v >> 32) + (v & 0xFFFFFFFF), RT));
-    }
-    for (int64_t row = 0; row < num_rows; ++row) {
-      uint16_t* dst = y + (l * RT + row) * H;
-      const uint16_t* src =
-          args.zero_copy ? dst
-                         : args.y.ptr<uint16_t>() + l * args.y.strides[0] + row * args.y.strides[1];
-      if (args.use_logfmt) {
-        logfmt_encode_row(src, H, reinterpret_cast<uint8_t*>(dst),
-                          meta + (l * RT + row) * lay.num_groups);
-      } else {
-        std::memcpy(dst, src, sizeof(uint16_t) * H);
+  const bool copy_rows = !args.zero_copy || args.use_logfmt;
+  const int64_t blocks = overlap ? ll_overlap_blocks(shape, R, overlap->block_rows) : 1;
+  for (int l = 0; l < L; ++l) {
+    const int64_t block = overlap && overlap->block_rows > 0 ? overlap->block_rows : num_rows[l];
+    for (int64_t b = 0; b * block < num_rows[l]; ++b) {
+      if (overlap) {
+        try {
+          wait_overlap_signal(*overlap, blocks, l, b, group.rank(), group.timeout());
+        } catch (const Error& e) {
+          st.step.failed(e);
+          throw;
+        }
+      }
+      for (int64_t row = b * block; copy_rows && row < std::min((b + 1) * block, num_rows[l]);
+           ++row) {
+        uint16_t* dst = y + (l * RT + row) * H;
+        const uint16_t* src = args.zero_copy ? dst
+                                             : args.y.ptr<uint16_t>() + l * args.y.strides[0] +
+                                                   row * args.y.strides[1];
+        if (args.use_logfmt) {
+          logfmt_encode_row(src, H, reinterpret_cast<uint8_t*>(dst),
+                            meta + (l * RT + row) * lay.num_groups);
+        } else {
+          std::memcpy(dst, src, sizeof(uint16_t) * H);
+        }
       }
     }
   }

@@ -14,7 +14,7 @@
 //            out as the slot above (LlChunkHeader in place of the header, so a source's topk and
 //            messages sit at the same offsets in both) followed by src_idx int32 [T_max]
 //   combine slot 0, combine slot 1:
-//     CombineHeader                  {stamp, published_ns, use_logfmt}
+//     CombineHeader                  {stamp, published_ns, use_logfmt, overlap}
 //     layout int64 [L, R]            the expert rank's handle.layout_range
 //     meta   uint32 [L, RT, G]       use_logfmt: the rows' LogFMT meta words
 //     y      bf16  [L, RT, H]        the view ll_next_combine_buffer returns (use_logfmt: the
@@ -56,6 +56,7 @@ struct CombineHeader {
   Stamp stamp;  // call = the combine's sequence number
   int64_t published_ns;
   int32_t use_logfmt;  // compared by every receive (across nodes: in the partials' headers)
+  int32_t overlap;     // LlCombineArgs::overlap given; compared the same way
 };
 
 struct LlChunkHeader {

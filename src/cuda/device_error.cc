@@ -43,6 +43,8 @@ const char* device_wait_name(uint32_t what) {
       return "the peer at a barrier";
     case kWaitBulkCopy:
       return "its own bulk load to land (staged combine)";
+    case kWaitSignal:
+      return "the expert GEMM's signal";
     default:
       return "the peer";
   }

@@ -60,9 +60,15 @@ enum DeviceErrorCode : uint32_t {
   // token * 64 + k, peer = the expert's rank): not the dispatch's topk_idx. The selection is
   // skipped.
   kDevErrLlCombineRows = 33,
-  // ll combine: an expert rank used another use_logfmt in the same combine. a = the expert
-  // rank's, b = this rank's, peer = the expert rank.
+  // ll combine: a rank used another combine format (use_logfmt | overlap << 1) in the same
+  // combine. a = that rank's, b = this rank's, peer = that rank.
   kDevErrLlCombineFormat = 34,
+  // ll overlapped combine: overlap.recv_count[a] (b >> 32) differs from the handle's rows of
+  // local expert a (b & 0xFFFFFFFF).
+  kDevErrLlOverlapCount = 35,
+  // ll overlapped combine: source `peer`'s topk_idx row a (its token) does not select expert b,
+  // which the dispatch delivered to this rank: not the dispatch's topk_idx. The row is not sent.
+  kDevErrLlOverlapRoute = 36,
 };
 
 // The per-call values an ht count exchange message carries (HtCountMsg::call) and compares.
@@ -98,6 +104,9 @@ enum DeviceWait : uint32_t {
   kWaitRows = 3,      // rows from the peer (dispatch / combine data)
   kWaitBarrier = 4,   // the peer arriving at a device barrier
   kWaitBulkCopy = 5,  // this rank's own bulk load (ht staged pull reducer) never landed
+  // ll overlapped combine: the GEMM's signal of (local expert peer, block a >> 32) never reached
+  // the value wanted (the record's peer is the expert, not a rank).
+  kWaitSignal = 6,
 };
 
 struct DeviceErrorRecord {

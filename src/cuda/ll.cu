@@ -12,7 +12,9 @@
 //   ll_dispatch   outputs from the allocator; ONE kernel (send + receive), or with
 //                 return_recv_hook the send kernel now and the receive kernel when the hook runs
 //   ll_combine    out from the allocator (or the caller's); ONE kernel (publish + pull/reduce),
-//                 or with the hook the publish now and the pull/reduce when the hook runs
+//                 or with the hook the publish now and the pull/reduce when the hook runs;
+//                 with overlap (docs/design.md §7.6) the signal-driven send on S CTAs now and
+//                 the receive (C CTAs) right after it on the stream, or when the hook runs
 // Both are CUDA-graph capturable: epochs live on the device and advance in the kernels; slots,
 // T, pointers and flags are fixed at capture like any kernel argument.
 //
@@ -42,8 +44,10 @@
 #include "core/check.h"
 #include "core/env.h"
 #include "core/quant.h"
+#include "core/validate.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_object.h"
+#include "cuda/dyn_smem.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
 #include "cuda/launch.h"
@@ -82,7 +86,9 @@ constexpr const char* kLlUnusable =
 const char* ll_awaited(const DeviceErrorRecord& e) {
   switch (e.a) {
     case kWaitReady:
-      return "the peer to finish reading the previous dispatch of this slot";
+      return e.op == kOpLlDispatch
+                 ? "the peer to finish reading the previous dispatch of this slot"
+                 : "the peer to start this combine (its routing, for the overlapped send)";
     case kWaitRows:
       return e.op == kOpLlDispatch ? "the tokens the peer sends" : "the peer's expert outputs";
     case kWaitBarrier:
@@ -107,6 +113,9 @@ void check_ll_supported(const Group& group, const MoeShape& shape) {
             "Buffer: shape.max_tokens_per_rank is ", shape.max_tokens_per_rank, " on ", R,
             " ranks; the cuda ll kernels support at most 2^30 rows per local expert");
 }
+
+// The combine kernel's dynamic shared memory (only the overlapped send uses it).
+DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine));
 
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
@@ -153,6 +162,8 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   Tensor allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
                   const char* op, const char* name) const;
   LlHook make_hook(bool is_dispatch, int slot, std::function<void()> launch);
+  LlCombineResult combine_overlapped(const LlCombineArgs& args, LlCombineParams p,
+                                     LlCombineResult res, std::exception_ptr failed);
 
   Group group_;
   MoeShape shape_;
@@ -221,6 +232,14 @@ void CudaLl::check() {
   const char* op = device_op_name(e.op);
   if (e.code == kDevErrTimeout) {
     set_unusable(op, e.rank);
+    if ((e.a & 0xFF) == kWaitSignal) {  // kernels/ll/combine.cuh, ll_overlap_wait_signal
+      throw_error(ErrorCode::kTimeout,
+                  cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(),
+                      " ms for the GEMM's signal of local expert ", (e.a >> 8) & 0xFFFFFF,
+                      ", block ", e.peer, " (overlap.signals[", e.a >> 32,
+                      "] wanted >= ", static_cast<uint64_t>(e.b) >> 32, ", seen ", e.b & 0xFFFFFFFF,
+                      "); ", kLlUnusable));
+    }
     dev_.raise_timeout(e, {.awaited = ll_awaited(e), .unusable = kLlUnusable});
   }
   // Not fatal: the collective completed. Let the device report the next error.
@@ -256,15 +275,30 @@ void CudaLl::check() {
                       "undefined)"));
     }
     case kDevErrLlCombineFormat: {
+      // The format word: use_logfmt | overlap << 1 (kernels/ll/combine.cuh).
       const bool peer_first = e.peer < e.rank;
+      const int64_t first = peer_first ? e.a : e.b, second = peer_first ? e.b : e.a;
+      const bool logfmt = (first ^ second) & 1;
       throw_error(
           ErrorCode::kInvalidArgument,
-          cat(op, ": argument 'use_logfmt' differs across ranks: rank ", std::min(e.peer, e.rank),
-              " has ", show_bool((peer_first ? e.a : e.b) != 0), ", rank ",
-              std::max(e.peer, e.rank), " has ", show_bool((peer_first ? e.b : e.a) != 0),
+          cat(op, ": ", logfmt ? "argument 'use_logfmt'" : "whether argument 'overlap' is given",
+              " differs across ranks: rank ", std::min(e.peer, e.rank), " has ",
+              show_bool(first >> (logfmt ? 0 : 1) & 1), ", rank ", std::max(e.peer, e.rank),
+              " has ", show_bool(second >> (logfmt ? 0 : 1) & 1),
               "; expected the same on every rank (the outputs of this call are "
               "undefined)"));
     }
+    case kDevErrLlOverlapCount:
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          cat(op, ": argument 'overlap.recv_count' has [", e.a, "] = ", e.b >> 32, ", expected ",
+              e.b & 0xFFFFFFFF, " (the recv_count of the dispatch that made 'handle')"));
+    case kDevErrLlOverlapRoute:
+      throw_error(ErrorCode::kInvalidArgument,
+                  cat(op, ": argument 'topk_idx' of rank ", e.peer, " does not select expert ", e.b,
+                      " for its token ", e.a, ", which the dispatch delivered to rank ", e.rank,
+                      "; expected the topk_idx of the dispatch that made 'handle' (that "
+                      "row was not sent)"));
     case kDevErrLlCombineRows:
       throw_error(ErrorCode::kInvalidArgument,
                   cat(op, ": argument 'topk_idx' selects expert ", e.b, " at [", e.a / 64, ", ",
@@ -485,6 +519,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.slot = slot;
   p.rank = group_.rank();
   fill_launch_common(p, kOpLlCombine);
+  if (args.overlap) return combine_overlapped(args, p, std::move(res), failed);
 
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
@@ -518,6 +553,69 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   pr.weights_stride = shape_.top_k;
   // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   const int ctas = num_ctas_;
+  res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
+    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, "ll_combine hook", pr);
+  });
+  return res;
+}
+
+// The overlapped combine (docs/design.md §7.6, kernels/ll/combine.cuh O1-O4): the send on S CTAs
+// now; the receive on C CTAs right after it on the stream, or when the hook runs. The receive
+// reads only epx's memory (land, route, the layout, the weights the send stashed), so the caller
+// may drop its inputs once the send ran; y is read by the send while the GEMM writes it.
+LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineParams p,
+                                           LlCombineResult res, std::exception_ptr failed) {
+  const char* op = "ll_combine";
+  const LlCombineOverlap& o = *args.overlap;
+  const LlHandle& h = *args.handle;
+  const int R = group_.size(), K = shape_.top_k, slot = h.slot;
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  const int S = resolve_ll_overlap_ctas(o.block_rows, o.num_sms, num_ctas_);
+  // Ranks sharing a GPU (the one-GPU test mode) wait for each other's sends, which wait for
+  // their GEMMs: the GEMMs need SMs that the sends do not hold.
+  EPX_CHECK_ARG(!group_.transport()->ranks_share_device() || R * S < dev_.multiprocessors(), op,
+                ": argument 'overlap.num_sms' resolves to ", S, " send CTAs per rank; ", R,
+                " ranks share one GPU of ", dev_.multiprocessors(),
+                " SMs, expected ranks x send CTAs below that (the GEMMs need SMs too)");
+  const size_t smem = ll_overlap_smem_bytes(layout_);
+  const DynSmemFacts facts = g_ll_combine_smem.facts(op);
+  EPX_CHECK(facts.static_smem + smem <= static_cast<size_t>(facts.optin), ErrorCode::kUnsupported,
+            op, ": the overlapped send needs ", facts.static_smem + smem,
+            " bytes of shared memory per CTA for L * R = ", layout_.num_local_experts * R,
+            " layout ranges; this GPU allows ", facts.optin);
+  g_ll_combine_smem.allow(static_cast<int>(smem), op);
+
+  p.overlap = 1;
+  p.signals = o.signals.ptr<int32_t>();
+  p.block_rows = o.block_rows;
+  p.blocks = ll_overlap_blocks(shape_, R, o.block_rows);
+  p.expected = static_cast<uint32_t>(o.expected);
+  p.recv_count = o.recv_count.defined() ? o.recv_count.ptr<int32_t>() : nullptr;
+  p.src_info = h.src_info.ptr<int32_t>();
+  p.src_info_stride = h.src_info.strides[0];
+  p.recv_ctas = num_ctas_;
+  p.stash_w = stash_w_ + static_cast<size_t>(slot) * shape_.max_tokens_per_rank * K;
+  p.phases = kLlPhaseSend;
+  launch_kernel(ll::combine, S, kLlThreads, smem, stream, p.pdl, op, p);
+
+  LlCombineParams pr = p;
+  pr.phases = kLlPhaseRecv;
+  pr.y = nullptr;
+  pr.layout_range = reinterpret_cast<const int64_t*>(layout_.comb_layout(local(), slot));
+  pr.layout_stride = R;
+  pr.topk_idx = layout_.comb_route(local(), slot);
+  pr.topk_is_i64 = 0;
+  pr.topk_stride = K;
+  pr.weights = p.stash_w;
+  pr.weights_stride = K;
+  const int ctas = num_ctas_;
+  if (failed || !args.return_recv_hook) {
+    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, op, pr);
+    if (failed) std::rethrow_exception(failed);
+    return res;
+  }
+  combine_in_flight_[slot] = true;
+  // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
     launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, "ll_combine hook", pr);
   });

@@ -55,6 +55,15 @@ inline bool ht_engine_combine_pays(int num_sms, int64_t max_pair_bytes) {
   return num_sms <= 24 && max_pair_bytes >= (int64_t{32} << 20);
 }
 
+// The overlapped ll combine's send CTAs (LlCombineOverlap::num_sms; docs/design.md §7.6): auto
+// is 3 with one signal per block (DeepEP antgroup-opt's num_sms default, the SMs the GEMM leaves)
+// and 32 with one per expert (hybrid-ep's send grid, what sglang keeps off its GEMM); clamped to
+// [1, recv_ctas] (the receive's C CTAs: the send adds C to combine_ready in S shares).
+inline int resolve_ll_overlap_ctas(int64_t block_rows, int requested, int recv_ctas) {
+  const int s = requested > 0 ? requested : block_rows > 0 ? 3 : 32;
+  return s < 1 ? 1 : s > recv_ctas ? recv_ctas : s;
+}
+
 #ifdef EPX_DIAGNOSTICS
 // Diagnostics builds only (-DEPX_DIAGNOSTICS=ON; the GPU benchmarks' --ablate, --send-pct).
 //

@@ -423,6 +423,10 @@ void Dispatcher::combine_a(const CombineInput& input) try {
   if (input.stream) s.stream = *input.stream;
   const Stream stream = s.stream;  // every cuda operation of this stage
   const Allocator alloc = s.config.allocator ? s.config.allocator : default_allocator();
+  EPX_CHECK_ARG(!input.overlap || s.format == OutputFormat::kLl,
+                "combine_a: CombineInput::overlap is given for a",
+                s.format == OutputFormat::kHt ? "n ht" : " a2a",
+                " dispatch, expected it only with ll (mode low_latency, or auto for decode)");
   if (s.format == OutputFormat::kHt) {
     HtCombineArgs args;
     args.y = input.y;
@@ -443,6 +447,7 @@ void Dispatcher::combine_a(const CombineInput& input) try {
     args.topk_weights = s.topk_weights;
     args.handle = &s.ll.handle;
     args.return_recv_hook = s.config.return_recv_hook;
+    args.overlap = input.overlap;
     args.stream = stream;
     s.ll_combine = s.buffer->ll_combine(args, alloc);
     s.out = s.ll_combine.out;

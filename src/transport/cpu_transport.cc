@@ -34,6 +34,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/host_wait.h"
 #include "transport/transport.h"
 
 namespace epx::detail {
@@ -139,8 +140,7 @@ class CpuTransportBase : public Transport {
   void wait_all(const char* what, const ArriveSlot* slots, uint64_t members, uint64_t target,
                 std::chrono::milliseconds timeout, const char* doing) {
     ControlBlock* c = control_;
-    const auto start = std::chrono::steady_clock::now();
-    for (uint64_t spins = 0;; ++spins) {
+    for (HostBackoff backoff(timeout);;) {
       bool all = true;
       for (int p = 0; p < size_ && all; ++p)
         all = !(members >> p & 1) || slots[p].epoch.load(std::memory_order_acquire) >= target;
@@ -151,13 +151,7 @@ class CpuTransportBase : public Transport {
                     cat(what, ": rank ", aborted - 1, " aborted the collective (",
                         std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
       }
-      if (spins < 64) continue;
-      if (spins < 2048) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() - start > timeout) {
+      if (!backoff.pause()) {
         std::vector<int> missing;
         for (int p = 0; p < size_; ++p)
           if ((members >> p & 1) && slots[p].epoch.load(std::memory_order_acquire) < target)

@@ -12,6 +12,7 @@ import test_deep_ep_ht as ht
 import test_deep_ep_ll as ll
 import test_epx
 import test_flashinfer as a2a
+import test_ll_overlap as overlap
 import test_nvfp4 as nvfp4
 from conftest import gpu_skip_reason
 
@@ -59,6 +60,15 @@ def test_gpu_deep_ep_low_latency_graph(gpu_pool, hooked):
     """epx.compat.deep_ep's low-latency calls captured with torch.cuda.graph and replayed on new
     inputs, every replay checked (test_deep_ep_ll.body_ll_graph)."""
     assert gpu_pool.run(ll.body_ll_graph, _seed(), hooked) == [20] * gpu_pool.world_size
+
+
+@pytest.mark.parametrize("body", [overlap.body_native, overlap.body_dispatcher,
+                                  overlap.body_compat, overlap.body_compat_errors],
+                         ids=lambda b: b.__name__)
+def test_gpu_ll_overlap(gpu_pool, body):
+    """The overlapped ll combine through Python on the cuda backend: the stand-in GEMM on the
+    main stream, the combine on a side stream (test_ll_overlap.py)."""
+    gpu_pool.run(body, _seed())
 
 
 def test_gpu_deep_ep_normal_graph(gpu_pool):

@@ -84,6 +84,13 @@ How it differs, and why:
   may differ from the forks' approximate reciprocals. ``use_fp8=True`` with it is
   InvalidArgument (DeepEP's use_fp8 defaults to True), ``use_ue8m0=True`` Unsupported;
   ``x_global_scale`` without ``use_nvfp4`` is accepted and unused, as in the forks.
+* Combine overlapped with the expert GEMM (``low_latency_combine(overlap=True, ...)``, both
+  forks' forms, as sglang calls them): ``comp_signal`` (DeepEP antgroup-opt: int32 [L *
+  ceil(R*T_max / block_m)], one signal per expert block, reached at ``threshold``; ``num_sms``
+  send SMs, ``packed_recv_count`` checked against the handle) or ``src_signals`` (hybrid-ep:
+  [L] uint32 or int32, one per expert, reached at ``src_signal_expect_value``; 32 send SMs).
+  Exactly one of them with ``overlap=True``; ``overlap=False`` ignores them all, as the forks do.
+  The result equals the plain combine's bit for bit (docs/semantics.md §2.6).
 * Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
   mask-buffer API), allow_nvlink_for_low_latency_mode=False, get_local_buffer_tensor.
   ``allow_mnnvl=True`` (kept as ``allow_mnnvl``) permits, and does not require, a multi-node
@@ -102,6 +109,7 @@ import torch.distributed as dist
 
 from .. import _epx, _torch, errors
 from ..buffer import Buffer as _EpxBuffer
+from ..buffer import LlCombineOverlap, _overlap_arg
 from ..group import Group as _EpxGroup
 from ._deep_ep_types import Config, EventOverlap, _align, _CudaEvent
 
@@ -223,6 +231,41 @@ def _ll_state(op, handle):
 
 
 _tuple_new = tuple.__new__
+
+
+def _fork_overlap(op, handle, packed_recv_count, comp_signal, block_m, threshold, num_sms,
+                  src_signals, src_signal_expect_value):
+    """The epx.LlCombineOverlap of low_latency_combine(overlap=True, ...): the Hopper form
+    (comp_signal, antgroup-opt) or the Blackwell form (src_signals, hybrid-ep), exactly one;
+    their values checked under the forks' names."""
+    if (comp_signal is None) == (src_signals is None):
+        raise errors.invalid(op, "overlap=True needs exactly one of 'comp_signal' (one signal per "
+                             "block_m rows of each local expert) and 'src_signals' (one per "
+                             "local expert); got " + ("both" if comp_signal is not None else
+                                                      "neither"))
+    _, layout_range, max_tokens, _, num_experts = handle
+    num_ranks = layout_range.shape[1]
+    experts = num_experts // num_ranks
+    if comp_signal is not None:
+        for name, v in (("block_m", block_m), ("threshold", threshold), ("num_sms", num_sms)):
+            if type(v) is not int or v < 1:
+                errors.check_int(op, name, v, 1)
+        need = experts * -(-num_ranks * max_tokens // block_m)
+        signals, form = comp_signal, f"L * ceil(R * T_max / block_m) = {need}"
+        options = (block_m, threshold, num_sms, packed_recv_count)
+    else:
+        v = src_signal_expect_value
+        if type(v) is not int or v < 1:
+            errors.check_int(op, "src_signal_expect_value", v, 1)
+        need, signals, form = experts, src_signals, f"L = {experts}"
+        options = (0, v, 0, None)  # 0 SMs: auto, the forks' 32
+    name = "comp_signal" if comp_signal is not None else "src_signals"
+    if not isinstance(signals, torch.Tensor) or signals.numel() < need:
+        seen = (f"a tensor of {signals.numel()} elements" if isinstance(signals, torch.Tensor)
+                else f"a {type(signals).__name__}")
+        raise errors.invalid(op, f"argument '{name}' is {seen}, expected a tensor of at least "
+                             f"{form} elements")
+    return LlCombineOverlap(signals, *options)
 
 #: x dtypes the low-latency dispatch refuses (it quantises bf16 x itself): fp8 and uint8.
 _LL_NOT_X = frozenset((_torch.FP8_DTYPE, torch.uint8))
@@ -809,9 +852,18 @@ class Buffer:
     @_torch.plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
-                            out=None, combine_wait_recv_cost_stats=None):
+                            out=None, combine_wait_recv_cost_stats=None, overlap=False,
+                            packed_recv_count=None, comp_signal=None, block_m=64, threshold=0,
+                            num_sms=3, src_signals=None, src_signal_expect_value=0):
         """Low-latency combine (docs/semantics.md §2.3): out[t] = sum_k w[t][k] * x(t, k).
-        -> (combined_x[T, H], event, hook). use_logfmt: LogFMT-10 rows (§2.3.1), zero_copy too."""
+        -> (combined_x[T, H], event, hook). use_logfmt: LogFMT-10 rows (§2.3.1), zero_copy too.
+
+        overlap=True (the forks' signal-driven combine, §2.6): called on another stream after the
+        expert GEMM that writes x and raises the signals was enqueued, it sends each part of x
+        as soon as its signal is reached. Either comp_signal (int32, one signal per block of
+        block_m rows of each local expert, reached at threshold; num_sms send SMs;
+        packed_recv_count, the dispatch's recv_count, checked) or src_signals (one per local
+        expert, reached at src_signal_expect_value; 32 send SMs). overlap=False ignores them."""
         op = "low_latency_combine"
         if not self.low_latency_mode:
             self._check_ll(op)
@@ -823,9 +875,13 @@ class Buffer:
         if self._destroyed:
             self._check_alive(op)
         self._device = _torch.device_key(topk_weights)
+        kw = _NO_KW if not overlap else {"overlap": _overlap_arg(op, _fork_overlap(
+            op, handle, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
+            src_signal_expect_value))}
         combined, hook = handle._buffer._native.ll_combine(
             x, topk_idx, topk_weights, handle._handle, bool(zero_copy), bool(return_recv_hook),
-            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt))
+            out, _torch.stream_of(topk_weights), combine_wait_recv_cost_stats, bool(use_logfmt),
+            **kw)
         event = (self._event(True, (x, topk_idx, topk_weights, combined)) if async_finish else
                  EventOverlap())
         return combined, event, hook

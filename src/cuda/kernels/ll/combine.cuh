@@ -14,23 +14,30 @@
 //      receive reads nothing of the caller's (they may be dropped once the call returned).
 //      use_logfmt: instead every row of every source, s = r included, is encoded into comb_y(r,
 //      q) and comb_meta(r, q) (from y, or in place with zero_copy; logfmt.cuh), same units.
-//   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q).
+//   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q); then
+//      combine_routed[q][r] = e on every rank (what an overlapped peer waits for, so ranks that
+//      disagree on overlap raise InvalidArgument instead of timing out).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
 //      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
+//   overlap (LlCombineOverlap; docs/design.md §7.6): the send half is ll_combine_send_overlap
+//   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
+//   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.
 // receive half (kLlPhaseRecv: the hook, or the second half without one), the source:
 //   Tokens in C contiguous chunks. A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
-//   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt), compares
-//      comb_format(d, q) with its own use_logfmt (kDevErrLlCombineFormat; a rank with T = 0 does
-//      this in CTA 0 too, so every rank reports), then reads begin/count of its block
-//      in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r);
-//      wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens
-//      whenever T > 0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the
-//      nanoseconds until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing
-//      for d = r, whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
+//   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt or
+//      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0
+//      does this in CTA 0 too, so every rank reports), then reads begin/count of its block in every
+//      expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r); wait-cost
+//      statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens whenever T >
+//      0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the nanoseconds
+//      until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing for d = r,
+//      whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
 //   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
 //      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
 //      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode without use_logfmt);
+//      overlap: land(r, q)[t][k0] (k0: the first k of t's row with that expert), wherever the
+//      expert lives (the row count is checked as above);
 //   7. EXACT ORDER of the cpu backend (src/cpu/ll_combine.cc, one node), token t, element c:
 //        acc = 0.0f;
 //        for k = 0 .. K-1 with topk_idx[t][k] != -1:  acc = __fmaf_rn(w[t][k], f32(y(t, k)[c]),
@@ -86,6 +93,18 @@ struct LlCombineParams {
   int32_t pdl;  // launched with programmatic dependent launch (cuda/launch.h)
   // Optional [R] int64, contiguous: combine_wait_recv_cost_stats (the receive half adds to it).
   int64_t* wait_stats;
+  // Overlap (LlCombineOverlap): the send half is ll_combine_send_overlap on S CTAs; the receive
+  // reads land(r, q) and its routing from route(r, q) (topk_idx above points there), weights
+  // from stash_w.
+  int32_t overlap;
+  const int32_t* signals;     // [L * blocks]: signal l * blocks + b covers block b of expert l
+  int64_t block_rows;         // rows per block (0: the whole expert)
+  int64_t blocks;             // signals per local expert
+  uint32_t expected;          // reached when (int32_t)(signal - expected) >= 0
+  const int32_t* recv_count;  // optional [L]: compared with the handle (kDevErrLlOverlapCount)
+  const int32_t* src_info;    // the handle's [L, RT], row stride src_info_stride
+  int64_t src_info_stride;
+  int32_t recv_ctas;  // C: the receive's CTAs (the shares of combine_ready)
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -93,8 +112,36 @@ struct LlCombineParams {
 #endif
 };
 
+// This combine's format word: what every rank compares (kDevErrLlCombineFormat).
+__device__ __forceinline__ int32_t ll_combine_format(const LlCombineParams& p) {
+  return p.use_logfmt | p.overlap << 1;
+}
+
+// Step 2 (CTA 0): handle.layout_range -> comb_layout(r, q), the format word -> comb_format.
+__device__ void ll_combine_publish_layout(const LlCombineParams& p) {
+  const LlLayout& g = p.symm.layout;
+  const int R = g.num_ranks, L = g.num_local_experts;
+  if (threadIdx.x == 0) *g.comb_format(p.symm.local, p.slot) = ll_combine_format(p);
+  int64_t* layout = g.comb_layout(p.symm.local, p.slot);
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+    const int l = i / R, s = i - l * R;
+    layout[i] = __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
+  }
+}
+
+// Step 2's end, CTA 0 after a barrier: combine_routed[q][r] = e on every rank, releasing this
+// CTA's writes of comb_layout, comb_format (and with overlap the route) of slot q.
+__device__ __forceinline__ void ll_combine_publish_routed(const LlCombineParams& p, uint32_t e) {
+  const LlSymm& symm = p.symm;
+  const int d = threadIdx.x;
+  if (d < symm.layout.num_ranks) {
+    fence_acq_rel_sys();
+    st_relaxed_sys(&symm.layout.sync(symm.peers[d])->combine_routed[p.slot][p.rank], e);
+  }
+}
+
 // Steps 1-3.
-__device__ void ll_combine_send(const LlCombineParams& p) {
+__device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, me = p.rank, q = p.slot;
@@ -154,32 +201,216 @@ __device__ void ll_combine_send(const LlCombineParams& p) {
       p.stash_w[i] = p.weights[t * p.weights_stride + k];
     }
   }
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) *g.comb_format(symm.local, q) = p.use_logfmt;
-    int64_t* layout = g.comb_layout(symm.local, q);
-    for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
-      const int l = i / R, s = i - l * R;
-      layout[i] =
-          __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
-    }
-  }
+  if (blockIdx.x == 0) ll_combine_publish_layout(p);
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
+  if (blockIdx.x == 0) ll_combine_publish_routed(p, e);
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
   signal_ranks(R, 0, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
   EPX_LL_STAMP(p, 1, kTrCSignal);
 }
 
+// ---- the overlapped send (LlCombineOverlap; docs/design.md §7.6) -----------------------------
+//
+// S = gridDim.x CTAs (the call's SM budget), epoch e, slot q, rank r; n_l = the handle's rows of
+// local expert l; block = block_rows, or n_l (one signal per expert):
+//   O1. CTA 0: this rank's routing (topk_idx as int32; ids outside [-1, E) reported and stored
+//       as -1) -> route(r, q), its weights -> stash_w (local, for its own receive), step 2's
+//       layout and format word; recv_count, when given, compared with n_l
+//       (kDevErrLlOverlapCount); a barrier, then combine_routed[q][r] = e on every rank.
+//   O2. Every CTA: the handle's layout_range into shared memory; waits combine_routed[q][s] >= e
+//       for every s: s's route, layout and format of this combine are in place, and s's previous
+//       receive through slot q has finished reading land(s, q) (stream order on s). A source
+//       whose format differs (a plain combine) is reported (kDevErrLlCombineFormat) and gets no
+//       rows.
+//   O3. Items (l, b) with rows, b < ceil(n_l / block), expert-major (the GEMM's order): CTA i
+//       takes the blocks b = (i - l) mod S, + S, ... of each expert l (round robin across
+//       experts too). Per item and chunk of up to kLlThreads rows, thread m finds row m's
+//       destination: its source s (the block of layout_range holding it), t = src_info[l][row],
+//       k0 = the first k of route(s, q)[t] that selects expert r * L + l (none:
+//       kDevErrLlOverlapRoute, the row is not sent): land(s, q)[t][k0]. Meanwhile, before the
+//       item's first chunk, thread 0 waits until the item's signal is reached
+//       (ld.acquire.gpu with __nanosleep, bounded by the group timeout: Timeout naming l, b, the
+//       value wanted and the value seen); a barrier; the chunk's rows are copied with coherent
+//       (L2) loads of y — the GEMM wrote them during this kernel, never the read-only path — and
+//       16-byte stores into the sources' land (s = r: this rank's own).
+//   O4. Every CTA: a barrier, then releases its share of C (C / S, + 1 for the first C % S) into
+//       combine_ready[q][r] of every rank: the shares sum to C, so the receive's e * C holds
+//       whichever form each combine took. The receive half is ll_combine_recv with p.overlap.
+// Dynamic shared memory (host: ll_overlap_smem_bytes): the layout ranges [L, R] int64 and one
+// destination per row of a chunk [kLlThreads].
+
+// Dynamic shared memory of the overlapped send.
+EPX_LL_HD size_t ll_overlap_smem_bytes(const LlLayout& g) {
+  return 8 * static_cast<size_t>(g.num_local_experts) * g.num_ranks + 8 * kLlThreads;
+}
+
+// O3's wait, one thread: signal i = l * blocks + b reached; false on timeout (recorded: Timeout,
+// peer = b, a = kWaitSignal | l << 8 | i << 32, b = wanted << 32 | seen) or when the kernel
+// aborted.
+__device__ bool ll_overlap_wait_signal(const LlCombineParams& p, int l, int64_t b) {
+  const int64_t i = l * p.blocks + b;
+  const auto* signal = reinterpret_cast<const uint32_t*>(p.signals + i);
+  uint32_t v = ld_acquire_gpu(signal);  // pairs with the GEMM's release (fence + add)
+  if (seq_reached(v, p.expected)) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spins = 0;; ++spins) {
+    __nanosleep(32);
+    v = ld_acquire_gpu(signal);
+    if (seq_reached(v, p.expected)) return true;
+    if ((spins & 63u) == 63u) {
+      if (*reinterpret_cast<volatile uint32_t*>(&p.wait.state->abort)) return false;
+      if (globaltimer_ns() - start > p.wait.timeout_ns) {
+        record_error(p.wait, kDevErrTimeout, static_cast<int32_t>(b),
+                     static_cast<int64_t>(kWaitSignal) | static_cast<int64_t>(l) << 8 | i << 32,
+                     static_cast<int64_t>(static_cast<uint64_t>(p.expected) << 32 | v));
+        atomicExch(&p.wait.state->abort, 1u);
+        return false;
+      }
+    }
+  }
+}
+
+// O3: where row `row` of local expert l lands (0: not sent), `ranges` the expert's [R] layout.
+__device__ uintptr_t ll_overlap_dest(const LlCombineParams& p, const long long* ranges, int l,
+                                     int64_t row, uint64_t skip) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k;
+  int s = 0;  // the last source whose block begins at or before the row (blocks are packed)
+  while (s + 1 < R && (ranges[s + 1] >> 32) <= row) ++s;
+  if (rank_skipped(skip, s)) return 0;
+  const int64_t t = __ldg(p.src_info + l * p.src_info_stride + row);
+  const int32_t expert = p.rank * g.num_local_experts + l;
+  int k0 = -1;
+  if (t >= 0 && t < g.max_tokens) {
+    const int32_t* route = g.comb_route(symm.peers[s], p.slot) + t * K;
+    for (int kb = 0; kb < K && k0 < 0; kb += kLlIdBatch) {
+      int32_t id[kLlIdBatch];
+#pragma unroll
+      for (int u = 0; u < kLlIdBatch; ++u)
+        id[u] = kb + u < K ? ld_landed<int32_t>(route + kb + u) : -1;
+#pragma unroll
+      for (int u = kLlIdBatch - 1; u >= 0; --u)
+        if (id[u] == expert) k0 = kb + u;
+    }
+  }
+  if (k0 < 0) {
+    record_error(p.wait, kDevErrLlOverlapRoute, s, t, expert);
+    return 0;
+  }
+  return reinterpret_cast<uintptr_t>(g.comb_land(symm.peers[s], p.slot) + (t * K + k0) * g.hidden);
+}
+
+// O1-O4. False when a wait failed (this CTA then signals nothing: the peers time out).
+__device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
+  extern __shared__ __align__(16) unsigned char ll_overlap_smem[];
+  __shared__ unsigned long long s_skip;
+  __shared__ int s_ok;
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k, E = g.num_experts;
+  const int me = p.rank, q = p.slot, S = gridDim.x;
+  const int64_t H = g.hidden, RT = g.rows_per_expert;
+  auto* s_range = reinterpret_cast<long long*>(ll_overlap_smem);  // [L, R]
+  auto* s_dst = reinterpret_cast<uintptr_t*>(s_range + L * R);    // [kLlThreads]
+  auto rows_of = [&](const long long* ranges) {                   // n_l (ranges: the expert's [R])
+    int64_t n = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t range = ranges[s];
+      n = max(n, min((range >> 32) + (range & 0xFFFFFFFF), RT));
+    }
+    return n;
+  };
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x)
+    s_range[i] = __ldg(reinterpret_cast<const long long*>(p.layout_range) +
+                       (i / R) * p.layout_stride + i % R);
+  if (threadIdx.x == 0) s_skip = 0;
+  __syncthreads();
+
+  // O1.
+  if (blockIdx.x == 0) {
+    ll_combine_publish_layout(p);
+    int32_t* route = g.comb_route(symm.local, q);
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(p.num_tokens) * K; i += blockDim.x) {
+      const int64_t t = i / K;
+      const int k = static_cast<int>(i - t * K);
+      int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
+      if (id < -1 || id >= E) {
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, id);
+        id = -1;
+      }
+      route[i] = static_cast<int32_t>(id);
+      p.stash_w[i] = __ldg(p.weights + t * p.weights_stride + k);
+    }
+    for (int l = threadIdx.x; p.recv_count && l < L; l += blockDim.x) {
+      const int64_t n = rows_of(s_range + l * R);
+      const int32_t v = __ldg(p.recv_count + l);
+      if (v != n)
+        record_error(p.wait, kDevErrLlOverlapCount, -1, l, static_cast<int64_t>(v) << 32 | n);
+    }
+    __syncthreads();
+    ll_combine_publish_routed(p, e);
+  }
+
+  // O2. Pairs with O1 (or step 2) of every rank.
+  if (!wait_ranks(
+          g.sync(symm.local)->combine_routed[q], R, 0, [&](int) { return e; }, p.wait, kWaitReady))
+    return false;
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int d = threadIdx.x;
+    const int32_t theirs = ld_landed<int32_t>(g.comb_format(symm.peers[d], q));
+    const int32_t mine = ll_combine_format(p);
+    if (theirs != mine) {
+      if (blockIdx.x == 0) record_error(p.wait, kDevErrLlCombineFormat, d, theirs, mine);
+      atomicOr(&s_skip, static_cast<unsigned long long>(rank_bit(d)));
+    }
+  }
+  __syncthreads();
+
+  // O3.
+  const int64_t nv = H / 8;
+  const uint16_t* own_y = g.comb_y(symm.local, q);
+  for (int l = 0; l < L; ++l) {
+    const long long* ranges = s_range + l * R;
+    const int64_t n = rows_of(ranges);
+    if (n == 0) continue;
+    const int64_t block = p.block_rows > 0 ? p.block_rows : n;
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = ((static_cast<int>(blockIdx.x) - l) % S + S) % S; b < nb; b += S) {
+      const int64_t r0 = b * block, r1 = min(n, r0 + block);
+      for (int64_t c0 = r0; c0 < r1; c0 += kLlThreads) {
+        const int rows = static_cast<int>(min(static_cast<int64_t>(kLlThreads), r1 - c0));
+        if (static_cast<int>(threadIdx.x) < rows)
+          s_dst[threadIdx.x] = ll_overlap_dest(p, ranges, l, c0 + threadIdx.x, s_skip);
+        if (threadIdx.x == 0) s_ok = c0 != r0 || ll_overlap_wait_signal(p, l, b);
+        __syncthreads();  // the block's rows were stored: y loads after the acquire
+        if (!s_ok) return false;
+        ll_copy16(rows * nv, kLlCopyBatch, [&](int64_t i, uint4** dst) {
+          const int64_t m = i / nv, v = i - m * nv, row = c0 + m;
+          const uintptr_t d = s_dst[m];
+          *dst = d ? reinterpret_cast<uint4*>(d) + v : nullptr;
+          if (!d) return uint4{};
+          if (p.zero_copy) return ld_landed<uint4>(own_y + (l * RT + row) * H + 8 * v);
+          return ll_ld8<true>(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
+        });
+        __syncthreads();  // s_dst is rewritten by the next chunk
+      }
+    }
+  }
+
+  // O4. Pairs with step 5 of every rank's receive.
+  const uint32_t share = p.recv_ctas / S + (static_cast<int>(blockIdx.x) < p.recv_ctas % S);
+  if (static_cast<int>(threadIdx.x) < R) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(&g.sync(symm.peers[threadIdx.x])->combine_ready[q][me], share);
+  }
+  return true;
+}
+
 // 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
 __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
-  const auto* p = reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v;
-  if (!(src & 1)) return ld_landed<uint4>(p);
-  uint16_t h[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = __ldcg(p + i);
-  uint4 r;
-  memcpy(&r, h, 16);
-  return r;
+  return ll_ld8<true>(reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v, !(src & 1));
 }
 
 // Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d (and this rank with
@@ -192,15 +423,15 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
   const int me = p.rank, q = p.slot;
   bool ok = true;
   const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
+  const int32_t mine = ll_combine_format(p);
   for (int d = threadIdx.x; d < g.num_ranks && ok; d += 32) {
-    if (d == me && !p.use_logfmt) continue;
+    if (d == me && !p.use_logfmt && !p.overlap) continue;
     ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait, kWaitRows,
                          d);
     if (!ok || d == me) continue;
     if (wait_ns) add_wait_ns(wait_ns + d, wait_start);
     const int32_t theirs = ld_landed<int32_t>(g.comb_format(symm.peers[d], q));
-    if (theirs != p.use_logfmt)
-      record_error(p.wait, kDevErrLlCombineFormat, d, theirs, p.use_logfmt);
+    if (theirs != mine) record_error(p.wait, kDevErrLlCombineFormat, d, theirs, mine);
   }
   ok = __all_sync(0xffffffffu, ok);
   __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
@@ -353,6 +584,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           const int d = id / L, l = id - d * L;
           if (j >= count || begin + j >= RT) {
             record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
+          } else if (p.overlap) {
+            src =
+                reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + ((c0 + tl) * K + k0) * H);
           } else {
             const int64_t row = begin + j;
             if (d == me && !p.zero_copy && !p.use_logfmt) {
@@ -437,7 +671,11 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
   if (p.use_logfmt) ll_logfmt_load_table();
   if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 1, kTrCEntry);
-    ll_combine_send(p);
+    if (p.overlap) {
+      ll_combine_send_overlap(p, e);
+    } else {
+      ll_combine_send(p, e);
+    }
   }
   if (p.phases & kLlPhaseRecv) ll_combine_recv(p, e);
 }

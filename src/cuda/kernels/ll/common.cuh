@@ -30,16 +30,23 @@ struct LlSymm {
 
 // ---- loads and stores ----------------------------------------------------------------------
 
-// Read-only input of the kernel (x, y, topk_idx, weights): non-coherent path.
-// 8 bf16 at p; `vec16`: p is 16-byte aligned.
-__device__ __forceinline__ uint4 ll_ld_input8(const uint16_t* p, bool vec16) {
-  if (vec16) return __ldg(reinterpret_cast<const uint4*>(p));
+// 8 bf16 at p; `vec16`: p is 16-byte aligned. kLanded: coherent (L2) loads, for data written
+// during the kernel (peers' rows, the overlapped combine's GEMM output); else the non-coherent
+// path of the kernel's read-only inputs.
+template <bool kLanded>
+__device__ __forceinline__ uint4 ll_ld8(const uint16_t* p, bool vec16) {
+  if (vec16) return kLanded ? ld_landed<uint4>(p) : __ldg(reinterpret_cast<const uint4*>(p));
   uint16_t h[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) h[i] = __ldg(p + i);
+  for (int i = 0; i < 8; ++i) h[i] = kLanded ? __ldcg(p + i) : __ldg(p + i);
   uint4 v;
   memcpy(&v, h, 16);
   return v;
+}
+
+// Read-only input of the kernel (x, y, topk_idx, weights): non-coherent path.
+__device__ __forceinline__ uint4 ll_ld_input8(const uint16_t* p, bool vec16) {
+  return ll_ld8<false>(p, vec16);
 }
 
 __device__ __forceinline__ void ll_st8(uint16_t* p, const uint4& v, bool vec16) {

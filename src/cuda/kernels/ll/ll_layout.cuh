@@ -19,15 +19,22 @@
 //   combine, slot 0 and slot 1:
 //     layout  int64 [L, R]                     this rank's handle.layout_range of the combine
 //                                              (begin << 32 | count), read by the sources
-//     format  int32                            this rank's use_logfmt of the combine, compared
-//                                              by the sources (kDevErrLlCombineFormat)
+//     format  int32                            this rank's use_logfmt | overlap << 1 of the
+//                                              combine, compared by the sources and, with
+//                                              overlap, by the experts (kDevErrLlCombineFormat)
+//     route   int32 [T_max, K]                 overlap: this rank's topk_idx of the combine (ids
+//                                              out of [-1, E) as -1), read by the experts' sends
+//                                              (where each row lands) and this rank's receive
 //     meta    uint32 [L, RT, G]                use_logfmt: each row's LogFMT meta words
 //                                              (core/logfmt.h), read by the sources
 //     y       bf16 [L, RT, H]                  the expert outputs the sources pull; the view
 //                                              ll_next_combine_buffer returns; use_logfmt: each
 //                                              row's groups encoded in place (logfmt.h layout)
-// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * (2H + 4G)): at EP2, T_max = 128,
-// H = 7168, E = 256 that is 7.4 MB of staging + 954 MB of combine buffers.
+//     land    bf16 [T_max, K, H]               overlap: y(t, k0) pushed by the expert's rank,
+//                                              k0 = the first k of each distinct expert of t
+// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * (2H + 4G) + T_max * K * (2H + 4)): at
+// EP2, T_max = 128, H = 7168, E = 256 that is 7.4 MB of staging + 954 MB of combine buffers +
+// 29.4 MB of landing rows.
 //
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
@@ -40,6 +47,12 @@
 //                          receive waits for its own rows, which every CTA encodes)
 //   combine_pulled[q][s]   += 1 by each of s's C receive CTAs once it finished pulling its rows
 //                          of combine e from here: e * C
+//   combine_routed[q][s]   = e, stored by CTA 0 of s's combine send (any form) once s's route,
+//                          format and layout of combine e are in place; an overlapped send
+//                          waits for it before reading s's route and pushing into s's land
+//                          (s's previous receive through slot q is done by then: stream order)
+//   combine_ready counts C per combine in either form: an overlapped send of S CTAs adds C / S
+//   per CTA (+1 for the first C % S), so the receive's e * C and the next combine's hold.
 #pragma once
 
 #include <cstddef>
@@ -91,6 +104,7 @@ struct LlSync {
   uint32_t dispatch_freed[2][kMaxRanks];
   uint32_t combine_ready[2][kMaxRanks];
   uint32_t combine_pulled[2][kMaxRanks];
+  uint32_t combine_routed[2][kMaxRanks];
 };
 
 struct LlSourceHeader {
@@ -110,8 +124,8 @@ struct LlLayout {
   size_t state_off = 0, sync_off = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
-  size_t comb_layout_off = 0, comb_format_off = 0, comb_meta_off = 0,
-         comb_y_off = 0;  // within one combine slot
+  size_t comb_layout_off = 0, comb_format_off = 0, comb_route_off = 0, comb_meta_off = 0,
+         comb_y_off = 0, comb_land_off = 0;  // within one combine slot
   size_t combine_off[2] = {};
   size_t total_bytes = 0;
 
@@ -136,9 +150,11 @@ struct LlLayout {
     g.src_bytes = ll_round_up(g.src_msgs_off + T * g.msg_bytes, 256);
     g.comb_layout_off = 0;
     g.comb_format_off = ll_round_up(8 * L * R, 16);
-    g.comb_meta_off = ll_round_up(g.comb_format_off + 16, 256);
+    g.comb_route_off = ll_round_up(g.comb_format_off + 16, 256);
+    g.comb_meta_off = ll_round_up(g.comb_route_off + 4 * T * g.top_k, 256);
     g.comb_y_off = ll_round_up(g.comb_meta_off + 4 * L * g.rows_per_expert * G, 256);
-    const size_t comb_bytes = ll_round_up(g.comb_y_off + 2 * L * g.rows_per_expert * H, 256);
+    g.comb_land_off = ll_round_up(g.comb_y_off + 2 * L * g.rows_per_expert * H, 256);
+    const size_t comb_bytes = ll_round_up(g.comb_land_off + 2 * T * g.top_k * H, 256);
     size_t off = 0;
     g.state_off = off;
     off += ll_round_up(sizeof(LlState), 256);
@@ -180,6 +196,12 @@ struct LlLayout {
   }
   EPX_LL_HD int32_t* comb_format(char* base, int slot) const {
     return reinterpret_cast<int32_t*>(base + combine_off[slot] + comb_format_off);
+  }
+  EPX_LL_HD int32_t* comb_route(char* base, int slot) const {
+    return reinterpret_cast<int32_t*>(base + combine_off[slot] + comb_route_off);
+  }
+  EPX_LL_HD uint16_t* comb_land(char* base, int slot) const {
+    return reinterpret_cast<uint16_t*>(base + combine_off[slot] + comb_land_off);
   }
   EPX_LL_HD uint32_t* comb_meta(char* base, int slot) const {
     return reinterpret_cast<uint32_t*>(base + combine_off[slot] + comb_meta_off);
