@@ -198,7 +198,7 @@ batch_overlap() {
     return
   fi
   # shellcheck disable=SC2086
-  step overlap 120 "^ll combine|^\|" "$B/bench/epx_ll_overlap_bench" --ranks 1,2 \
+  step overlap 120 "^ll combine|^\|" "$B/bench/epx_ll_overlap_bench" --ranks 1 \
     ${EPX_OVERLAP_ARGS:-}
 }
 

@@ -173,6 +173,7 @@ LlDispatchResult dispatch(Buffer& buf, const RankInputs& io, cudaStream_t stream
 LlCombineArgs combine_args(const RankInputs& io, const LlHandle& h, cudaStream_t stream) {
   LlCombineArgs a;
   a.handle = &h;
+  a.y = io.y;  // copy mode (the overlapped zero_copy case clears it)
   a.topk_idx = io.topk;
   a.topk_weights = io.w;
   a.stream = stream;
@@ -220,8 +221,7 @@ struct Rig {
     if (oc.c.zero_copy) {
       dst = buf.ll_next_combine_buffer(d.handle);
       a.zero_copy = true;
-    } else {
-      a.y = io.y;
+      a.y = {};
     }
     a.out = out;
     a.return_recv_hook = oc.c.hook;
