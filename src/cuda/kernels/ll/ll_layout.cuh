@@ -7,6 +7,8 @@
 //   state     LlState                          local only: abort / error claim, per-slot epochs
 //                                              and finished-CTA counters
 //   sync      LlSync                           written by peers (column p by rank p): the flags
+//   mask      LlMask                           local only: the ranks this rank masks
+//                                              (enable_shrink; kept by ll_clean)
 //   dispatch staging, slot 0 and slot 1:       what every source sent to this rank
 //     for each source s (block of src_bytes):
 //       header  LlSourceHeader                 {T_s, format (use_fp8 | round_scale << 1 |
@@ -93,6 +95,13 @@ struct LlSync {
   uint32_t combine_pulled[2][kMaxRanks];
 };
 
+// enable_shrink (docs/semantics.md §2.6): bit p = rank p masked. Written by the mask kernel
+// (ll_update_mask / ll_clean_mask, stream-ordered), by ll_clean on the host (the ranks its
+// barriers missed) and by this rank's ll waits that time out (atomicOr); read by every ll CTA.
+struct LlMask {
+  unsigned long long masked;
+};
+
 struct LlSourceHeader {
   int32_t num_tokens;
   int32_t format;              // use_fp8 | round_scale << 1 | use_nvfp4 << 2
@@ -107,7 +116,7 @@ EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {
 struct LlLayout {
   int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
   int64_t max_tokens = 0, hidden = 0, num_groups = 0, rows_per_expert = 0, msg_bytes = 0;
-  size_t state_off = 0, sync_off = 0;
+  size_t state_off = 0, sync_off = 0, mask_off = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
   size_t comb_layout_off = 0, comb_format_off = 0, comb_meta_off = 0,
@@ -144,6 +153,8 @@ struct LlLayout {
     off += ll_round_up(sizeof(LlState), 256);
     g.sync_off = off;
     off += ll_round_up(sizeof(LlSync), 256);
+    g.mask_off = off;
+    off += ll_round_up(sizeof(LlMask), 256);
     for (int q = 0; q < 2; ++q) {
       g.dispatch_off[q] = off;
       off += R * g.src_bytes;
@@ -156,13 +167,16 @@ struct LlLayout {
     return g;
   }
 
-  // state + sync: what ll_clean zeroes.
-  EPX_LL_HD size_t control_bytes() const { return dispatch_off[0]; }
+  // state + sync: what ll_clean zeroes (not the mask).
+  EPX_LL_HD size_t control_bytes() const { return mask_off; }
 
   EPX_LL_HD LlState* state(char* base) const {
     return reinterpret_cast<LlState*>(base + state_off);
   }
   EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + sync_off); }
+  EPX_LL_HD unsigned long long* mask(char* base) const {
+    return &reinterpret_cast<LlMask*>(base + mask_off)->masked;
+  }
   EPX_LL_HD char* staging(char* base, int slot, int src) const {
     return base + dispatch_off[slot] + static_cast<size_t>(src) * src_bytes;
   }
