@@ -93,7 +93,9 @@ const char* ll_awaited(const DeviceErrorRecord& e) {
     case kWaitRows:
       return e.op == kOpLlDispatch ? "the tokens the peer sends" : "the peer's expert outputs";
     case kWaitBarrier:
-      return "the peer to finish pulling its rows of this combine";
+      return e.op == kOpLlDispatch
+                 ? "this rank's other receive CTAs (enable_shrink: they agree on the mask)"
+                 : "the peer to finish pulling its rows of this combine";
     default:
       return "the peer";
   }

@@ -218,8 +218,7 @@ TEST(LlMask, UpdateQueryClean) {
   for (const std::string& e : errors) EXPECT_EQ(e, "");
 }
 
-// ---- DeepEP's --shrink-test: ranks that stop calling
-// ---------------------------------------------
+// ---- DeepEP's --shrink-test: ranks that stop calling ------------------------------------------
 
 // One rank of the dead-peer scenario; "" or its first failure. Live ranks check every output and
 // their mask after every step, and how long each step took: about one timeout where a rank died

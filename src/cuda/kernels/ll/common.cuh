@@ -35,9 +35,10 @@ struct LlSymm {
 // signals or waits for them. Its waits (ll_wait_ranks, ll_wait_or_mask) mask a peer they time out
 // on (atomicOr: no error record, no abort word) and stop waiting for a peer masked meanwhile;
 // the CTA then reads the mask again and goes on without it. Another CTA of the same kernel may
-// have seen that peer's flag just before: for the call during which a slow peer is masked, units
-// may differ on it (each unit's outputs stay consistent). Without enable_shrink the mask is 0
-// and every wait is the plain bounded one (a timeout is an error).
+// have seen that peer's flag just before: where CTAs share outputs (the dispatch receive's units
+// of one expert) they agree on the mask first (dispatch.cuh); elsewhere each CTA's outputs are
+// consistent on their own (a combine token's terms, a send's signals). Without enable_shrink the
+// mask is 0 and every wait is the plain bounded one (a timeout is an error).
 
 // The mask now (0 without enable_shrink), the same value for every thread of the CTA (block-wide:
 // every thread must call it).

@@ -46,7 +46,8 @@
 // Rank mask (enable_shrink, common.cuh): the send skips the ranks this rank masks in steps 1-4
 // (no wait, nothing written, no signal), and a step-1 wait that times out masks its rank; the
 // receive neither waits for nor reads a masked source (0 tokens: layout_range count 0) and
-// releases only the unmasked ranks.
+// releases only the unmasked ranks; its CTAs agree on the mask first (ll_dispatch_recv_agree),
+// so a peer masked during the call by one CTA's wait is absent from every expert's rows.
 // Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
 // host passes null when the allocator failed, so the collective still completes).
 #pragma once
@@ -598,6 +599,24 @@ __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, ui
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
+// enable_shrink: the receive's `n` CTAs with units agree on the mask before they read it. Each
+// adds 1 to recv_waited[q] once its waits are over (release) and waits until all n have (e * n;
+// acquire): a peer masked by any of them (a wait that timed out) is then masked in the view of
+// all, so the CTAs sharing one expert's rows (S > 1) list the same sources. False when the wait
+// failed.
+__device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p, uint32_t e,
+                                                       int n) {
+  uint32_t* waited = &p.symm.layout.state(p.symm.local)->recv_waited[p.slot];
+  bool ok = true;
+  __syncthreads();  // every thread's mask updates before the release below (cumulativity)
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(waited, 1u);
+    ok = wait_flag<true>(waited, e * n, p.wait, kWaitBarrier, p.rank);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // Receive half. False when a wait failed.
 __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
@@ -615,6 +634,8 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
             symm, p.rank, g.sync(symm.local)->dispatch_sent[q], ll_masked_uniform(symm),
             [&](int) { return e * gridDim.x; }, p.wait, kWaitRows,
             blockIdx.x == 0 ? p.wait_stats : nullptr))
+      return false;
+    if (symm.shrink && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
       return false;
     const uint64_t masked = ll_masked_uniform(symm);
     EPX_LL_STAMP(p, 0, kTrDRecvWait);

@@ -86,6 +86,9 @@ struct LlState {
   // completed on this rank; CTA b of every ll kernel reads its own word at its start.
   uint32_t dispatch_epoch[2][kLlMaxCtas];
   uint32_t combine_epoch[2][kLlMaxCtas];
+  // enable_shrink: per slot, the dispatch receive CTAs that finished their waits (+1 each per
+  // dispatch: e * n after the e-th), so that all of them read the same mask (dispatch.cuh).
+  uint32_t recv_waited[2];
 };
 
 struct LlSync {
