@@ -27,14 +27,14 @@ bool reached(const Death& d, int round, int step) {
 
 }  // namespace
 
-LlDeathPlan LlDeathPlan::for_ranks(int num_ranks) {
+LlDeathPlan LlDeathPlan::for_ranks(int num_ranks, bool clean_death) {
   LlDeathPlan p;
   if (num_ranks >= 2) p.at_dispatch = 1;
   if (num_ranks >= 4)
     p.at_combine = 3;
   else if (num_ranks == 3)
     p.at_combine = 2;
-  if (num_ranks >= 6) p.at_clean = 5;
+  if (num_ranks >= 6 && clean_death) p.at_clean = 5;
   return p;
 }
 
@@ -51,6 +51,28 @@ uint64_t LlDeathPlan::masked(int round, int step) const {
   return m;
 }
 
+std::string LlDeathPlan::check_time(int round, int step, double took, double timeout,
+                                    double slack) const {
+  const uint64_t before = step > 0 ? masked(round, step - 1) : round > 0 ? masked(round - 1, 2) : 0;
+  const double waits = masked(round, step) == before ? 0 : step == 2 ? 2 : 1;
+  const bool ok = waits == 0
+                      ? took < 0.9 * timeout
+                      : took >= 0.9 * waits * timeout && took < (waits + 1) * timeout + slack;
+  if (ok) return "";
+  const char* names[3] = {"dispatch", "combine", "ll_clean"};
+  return detail::cat(
+      names[step], " took ", took, " s, expected ",
+      waits == 0 ? std::string("no wait") : detail::cat(waits, " timeouts of ", timeout, " s"));
+}
+
+BufferConfig ll_mask_config() {
+  BufferConfig c;
+  c.enable_ht = false;
+  c.enable_ll = true;
+  c.enable_shrink = true;
+  return c;
+}
+
 LlBatch make_ll_masked_batch(const LlCase& c, uint64_t masked_dispatch, uint64_t masked_combine,
                              std::mt19937_64& rng) {
   LlCase masked = c;
@@ -59,7 +81,7 @@ LlBatch make_ll_masked_batch(const LlCase& c, uint64_t masked_dispatch, uint64_t
   return make_ll_batch(masked, rng);
 }
 
-LlMaskScenario make_ll_mask_scenario(int num_ranks, uint64_t seed) {
+LlMaskScenario make_ll_mask_scenario(int num_ranks, uint64_t seed, bool clean_death) {
   LlMaskScenario s;
   LlProblem& p = s.c.p;
   p.num_ranks = num_ranks;
@@ -70,7 +92,7 @@ LlMaskScenario make_ll_mask_scenario(int num_ranks, uint64_t seed) {
   p.use_fp8 = seed % 2 == 1;
   s.c.routing = Routing::kUniform;
   s.c.seed = seed;
-  s.plan = LlDeathPlan::for_ranks(num_ranks);
+  s.plan = LlDeathPlan::for_ranks(num_ranks, clean_death);
   std::mt19937_64 rng(seed);
   for (int round = 0; round < kLlMaskRounds; ++round)
     s.rounds.push_back(

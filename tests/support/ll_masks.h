@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/buffer.h"
 #include "support/ll_cases.h"
 
 namespace epx::testing {
@@ -29,14 +30,23 @@ struct LlDeathPlan {
   int at_dispatch = -1, at_combine = -1, at_clean = -1;  // ranks that stop there (-1: none)
 
   // DeepEP's ranks (1, 3, 5) where R allows: rank 1 at the dispatch (R >= 2); rank 3 at the
-  // combine (R >= 4; rank 2 at R = 3); rank 5 at the clean (R >= 6).
-  static LlDeathPlan for_ranks(int num_ranks);
+  // combine (R >= 4; rank 2 at R = 3); rank 5 at the clean (R >= 6, with `clean_death`).
+  static LlDeathPlan for_ranks(int num_ranks, bool clean_death = true);
   // Whether `rank` stops before `step` (0 dispatch, 1 combine, 2 ll_clean) of `round`, or has
   // stopped earlier.
   bool stopped(int rank, int round, int step) const;
   // The ranks every live rank masks while running `step` of `round` (after it: the next step's).
   uint64_t masked(int round, int step) const;
+  // "" when a live rank's `step` of `round` that took `took` seconds waited as it should, with
+  // the group's timeout `timeout` (seconds): a step that meets a rank dead just before it waits
+  // one timeout (ll_clean: two, its barrier waits twice the timeout) — at least 0.9 of that and
+  // less than one timeout plus `slack` more; any other step less than 0.9 timeouts. Else what
+  // is wrong.
+  std::string check_time(int round, int step, double took, double timeout, double slack) const;
 };
+
+// The Buffer of the mask tests: ll only, enable_shrink.
+BufferConfig ll_mask_config();
 
 // One scenario: a small problem (R ranks, uniform routing over every rank's experts), the plan,
 // and one batch per round whose expected outputs use that round's masks.
@@ -47,7 +57,7 @@ struct LlMaskScenario {
   // Call options of round i: hooks on odd rounds, fp8 from the seed.
   bool hook(int round) const { return round % 2 == 1; }
 };
-LlMaskScenario make_ll_mask_scenario(int num_ranks, uint64_t seed);
+LlMaskScenario make_ll_mask_scenario(int num_ranks, uint64_t seed, bool clean_death = true);
 
 // The batch of `c`'s problem with masks (masked_dispatch, masked_combine): inputs from `rng`,
 // expected outputs from the oracle with those masks.

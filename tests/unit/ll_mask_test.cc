@@ -38,9 +38,7 @@ double seconds_since(Clock::time_point t0) {
 }
 
 BufferConfig shrink_config(bool shrink = true) {
-  BufferConfig c;
-  c.enable_ht = false;
-  c.enable_ll = true;
+  BufferConfig c = testing::ll_mask_config();
   c.enable_shrink = shrink;
   return c;
 }
@@ -230,24 +228,12 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
   std::string err;
   for (int round = 0; round < testing::kLlMaskRounds && err.empty(); ++round) {
     const std::string where = "rank " + std::to_string(r) + " round " + std::to_string(round);
-    // Step `step` took `took` seconds and left the mask `mask`.
+    // Step `step` took `took` seconds (the waits it should have) and left the mask it should.
     auto check_step = [&](int step, double took) {
-      const uint64_t before = step > 0    ? s.plan.masked(round, step - 1)
-                              : round > 0 ? s.plan.masked(round - 1, 2)
-                                          : 0;
-      const uint64_t after = s.plan.masked(round, step);
-      const double waits = after == before ? 0 : step == 2 ? 2 : 1;  // timeouts expected
-      // No timeout waited: under 0.9 timeouts; else at least 0.9 of the timeouts expected, and
-      // not much more (no hang).
-      const bool ok = waits == 0
-                          ? took < 0.9 * timeout
-                          : took >= 0.9 * waits * timeout && took < (waits + 1) * timeout + 2;
-      const char* names[3] = {"dispatch", "combine", "ll_clean"};
-      if (err.empty() && !ok)
-        err = where + " " + names[step] + " took " + std::to_string(took) + " s, expected " +
-              (waits == 0 ? "no wait" : std::to_string(waits) + " timeouts");
-      const std::string m = testing::check_mask_status(query(buf), after);
-      if (err.empty() && !m.empty()) err = where + " after " + names[step] + ": " + m;
+      const std::string t = s.plan.check_time(round, step, took, timeout, 2);
+      if (err.empty() && !t.empty()) err = where + " " + t;
+      const std::string m = testing::check_mask_status(query(buf), s.plan.masked(round, step));
+      if (err.empty() && !m.empty()) err = where + " step " + std::to_string(step) + ": " + m;
     };
     const testing::LlBatch& b = s.rounds[round];
     if (s.plan.stopped(r, round, 0)) break;
