@@ -296,11 +296,12 @@ void DispatchRecv::operator()() const {
     std::vector<LlSource> sources;
     for (int s = 0; s < R; ++s) sources.push_back(ll_source(*mem, lay, slot, s));
     auto stamp = [&](int src) -> const Stamp& { return sources[src].header->stamp; };
+    const uint64_t masked = mask_maskers(*st, r, R, [&](int src) {
+      return sources[src].header->masked.load(std::memory_order_relaxed);
+    });
     check_stamps(
         "ll_dispatch", r, R, generation, seq, stamp,
-        [&](int) { return cat("dispatch slot ", slot, " at"); }, st->masked);
-    const uint64_t masked =
-        mask_maskers(*st, r, R, [&](int src) { return sources[src].header->masked; });
+        [&](int) { return cat("dispatch slot ", slot, " at"); }, masked);
     auto is_masked = [&](int src) { return (masked >> src & 1) != 0; };
     std::vector<int64_t> fp8_of(R), round_of(R), nvfp4_of(R), scale_of(R), published_ns(R);
     for (int src = 0; src < R; ++src) {
@@ -447,7 +448,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
     }
   }
   header->published_ns = steady_ns();
-  header->masked = st.masked;
+  header->masked.store(st.masked, std::memory_order_relaxed);
   header->stamp.end_publish(st.step.generation, seq);
 
   // Outputs, allocated now, filled by the receive half.

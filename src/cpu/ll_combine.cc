@@ -263,11 +263,12 @@ void CombineRecv::operator()() const {
              topo.local_of(d);
     };
     auto stamp = [&](int d) -> const Stamp& { return header_of(d)->stamp; };
+    // Masked expert ranks (enable_shrink) are not read: their terms are left out.
+    const uint64_t masked = mask_maskers(
+        *st, r, R, [&](int d) { return header_of(d)->masked.load(std::memory_order_relaxed); });
     check_stamps(
         "ll_combine", r, R, generation, seq, stamp,
-        [&](int) { return cat("combine slot ", slot, " at"); }, st->masked);
-    // Masked expert ranks (enable_shrink) are not read: their terms are left out.
-    const uint64_t masked = mask_maskers(*st, r, R, [&](int d) { return header_of(d)->masked; });
+        [&](int) { return cat("combine slot ", slot, " at"); }, masked);
     auto is_masked = [&](int d) { return (masked >> d & 1) != 0; };
     std::vector<int64_t> published_ns(R), logfmt_of(R);
     for (int d = 0; d < R; ++d) {
@@ -363,7 +364,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
     }
   }
   header->published_ns = steady_ns();
-  header->masked = st.masked;
+  header->masked.store(st.masked, std::memory_order_relaxed);
   header->stamp.end_publish(st.step.generation, seq);
 
   LlCombineResult res;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,14 +51,16 @@ struct DispatchHeader {
   int32_t use_nvfp4;
   uint32_t global_scale_bits;  // use_nvfp4: the bits of the float32 global scale g, else 0
   int64_t published_ns;        // steady_ns() when the publication ended (wait-cost statistics)
-  uint64_t masked;             // enable_shrink: the ranks the publisher masks (bit p)
+  // enable_shrink: the ranks the publisher masks (bit p); atomic: read before the stamp is
+  // checked (mask_maskers), also while the publisher rewrites the header.
+  std::atomic<uint64_t> masked;
 };
 
 struct CombineHeader {
   Stamp stamp;  // call = the combine's sequence number
   int64_t published_ns;
   int32_t use_logfmt;  // compared by every receive (across nodes: in the partials' headers)
-  uint64_t masked;     // enable_shrink: the ranks the publisher masks (bit p)
+  std::atomic<uint64_t> masked;  // as DispatchHeader::masked
 };
 
 struct LlChunkHeader {
@@ -135,9 +138,10 @@ CpuLlState& state_of(std::shared_ptr<CpuLlState>& p);
 // Returns the ranks it masked.
 uint64_t ll_barrier(Transport& transport, CpuLlState& st, const char* what,
                     int timeout_multiple = 1);
-// With enable_shrink, after the stamps were checked: masks every unmasked rank p != `rank` whose
+// With enable_shrink, before the stamps are checked: masks every unmasked rank p != `rank` whose
 // header says it masks `rank` (masked_of(p), its published mask), as the cuda backend's waits for
-// such a rank would after a timeout. Returns st.masked.
+// such a rank would after a timeout. Such a rank does not wait for this one, so it may already
+// be rewriting its header: its stamp is not checked, its rows not read. Returns st.masked.
 uint64_t mask_maskers(CpuLlState& st, int rank, int num_ranks,
                       const std::function<uint64_t(int)>& masked_of);
 
