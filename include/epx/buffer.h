@@ -37,6 +37,11 @@ class BufferImpl;
 struct BufferConfig {
   bool enable_ht = true;
   bool enable_ll = false;
+  // ll rank masks (DeepEP's enable_shrink; docs/semantics.md §2.6): every rank keeps a mask of
+  // the ranks its ll operations skip, and an ll wait for a peer that does not arrive within the
+  // group's timeout masks that peer and completes without it instead of raising Timeout. Needs
+  // enable_ll and one node (else InvalidArgument / Unsupported); compared across the ranks.
+  bool enable_shrink = false;
 };
 
 class Buffer {
@@ -108,8 +113,30 @@ class Buffer {
   // waiting for their hooks are discarded: calling such a hook afterwards raises InvalidArgument.
   // After a Timeout in ll, ll operations raise OutOfStep until every rank called this (or
   // reset()). Each rank waits up to twice the group's timeout for the others (docs/semantics.md
-  // §4.3).
+  // §4.3). With enable_shrink: collective over the ranks this rank does not mask; a rank that
+  // does not arrive within the group's timeout is masked instead (no Timeout); it is also where
+  // ranks that were unmasked take part again (docs/semantics.md §2.6).
   void ll_clean();
+
+  // ---- ll rank masks (BufferConfig::enable_shrink, else InvalidArgument; DeepEP's
+  // low_latency_{update,query,clean}_mask_buffer; docs/semantics.md §2.6) ----------------------
+  // Each rank has its own mask: its ll operations neither send to nor wait for a rank it masks;
+  // that rank's tokens are absent from its dispatches (recv_count, layout_range, src_info as if
+  // the rank had no tokens for this rank's experts) and its experts' terms are left out of its
+  // combines (as if those topk_idx entries were -1). Its waits mask the peers they time out on.
+  // All three are local and stream-ordered on `stream` (cuda: one small kernel, capturable; a
+  // captured ll operation reads the mask at replay); the cpu backend applies them at once.
+  //
+  // [IN] rank in [0, R), mask: true masks it, false unmasks it. This rank cannot mask itself
+  // (InvalidArgument). An unmasked rank takes part again once every rank that takes part called
+  // ll_clean() after unmasking it (it resets every flag the ranks count; without it the next wait
+  // for that rank may time out and mask it again).
+  void ll_update_mask(int rank, bool mask, Stream stream = nullptr);
+  // [OUT] mask_status: int32 [R] (any stride) on the buffer's device; element p = 1 when this rank
+  // masks rank p (by ll_update_mask or after a wait for it timed out), else 0.
+  void ll_query_mask(const TensorView& mask_status, Stream stream = nullptr) const;
+  // Unmasks every rank (see ll_update_mask for taking part again).
+  void ll_clean_mask(Stream stream = nullptr);
   // Collective. After a Timeout in ht or ll, that mode's operations raise OutOfStep until every
   // rank called this: it waits (up to twice the group's timeout) until every rank is out of its
   // earlier operations and here, then resets both modes as ll_clean() resets ll. A Timeout from

@@ -89,7 +89,7 @@ struct LlDispatchResult {
   LlHook hook;         // set when return_recv_hook: outputs are valid after hook() returns
 };
 
-// Combine overlapped with the expert GEMM (docs/semantics.md §2.6; DeepEP antgroup-opt's
+// Combine overlapped with the expert GEMM (docs/semantics.md §2.7; DeepEP antgroup-opt's
 // comp_signal and hybrid-ep's src_signals). The caller's down GEMM writes y (its tensor, or
 // ll_next_combine_buffer with zero_copy) and raises `signals` as parts of it are stored; the
 // combine, called after the GEMM was enqueued (on another stream, so that both run at once),

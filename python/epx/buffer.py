@@ -22,7 +22,7 @@ LlDispatchResult = namedtuple("LlDispatchResult", "recv_x recv_scales recv_count
 LlCombineResult = namedtuple("LlCombineResult", "out hook")
 A2aDispatchResult = namedtuple("A2aDispatchResult", "recv recv_counts")
 #: The overlapped ll combine's signals and options (include/epx/ll.h LlCombineOverlap,
-#: docs/semantics.md §2.6): `signals` an int32 (or uint32) tensor on the buffer's device the
+#: docs/semantics.md §2.7): `signals` an int32 (or uint32) tensor on the buffer's device the
 #: expert GEMM raises; `block_rows` rows per signal (0: one signal per local expert);
 #: `expected` the value a signal must reach (wrap-safe); `num_sms` the send's SMs (0: auto, 3
 #: with blocks, 32 per expert); `recv_count` optional, the dispatch's recv_count, checked.
@@ -89,14 +89,17 @@ class Buffer:
     """Communication buffer for ht and ll, sized from the MoE shape. Collective to create.
 
     `max_tokens_per_rank`: ht, the largest T of any call; ll, T_max (equal on every rank).
+    `enable_shrink` (with enable_ll): the ll rank masks (ll_update_mask, ll_query_mask,
+    ll_clean_mask; docs/semantics.md §2.7): an ll wait for a peer that times out masks it and
+    completes without it instead of raising TimeoutError.
     """
 
     def __init__(self, group, hidden, top_k, num_experts, max_tokens_per_rank, enable_ht=True,
-                 enable_ll=False):
+                 enable_ll=False, enable_shrink=False):
         self.group = group if isinstance(group, Group) else Group(_native_group(group))
         self._native = _epx.Buffer(_native_group(group), int(hidden), int(top_k),
                                    int(num_experts), int(max_tokens_per_rank), bool(enable_ht),
-                                   bool(enable_ll))
+                                   bool(enable_ll), bool(enable_shrink))
 
     @staticmethod
     def bytes_needed(mode, hidden, top_k, num_experts, max_tokens_per_rank, num_ranks,
@@ -201,7 +204,7 @@ class Buffer:
         (docs/semantics.md §2.3.1); the same on every rank.
         overlap: an epx.LlCombineOverlap: the combine, called on another stream after the
         expert GEMM was enqueued, sends each block of y as soon as the GEMM raised its signal
-        (docs/semantics.md §2.6); the result is the plain combine's, bit for bit."""
+        (docs/semantics.md §2.7); the result is the plain combine's, bit for bit."""
         kw = {} if overlap is None else {"overlap": _overlap_arg("ll_combine", overlap)}
         return _tuple_new(LlCombineResult, self._native.ll_combine(
             y, topk_idx, topk_weights, handle, bool(zero_copy), bool(return_recv_hook), out,
@@ -214,8 +217,32 @@ class Buffer:
 
     def ll_clean(self):
         """Collective. Resets ll state; after a Timeout in ll, ll calls raise OutOfStep until
-        every rank called this (or reset())."""
+        every rank called this (or reset()). With enable_shrink: over the ranks this rank does not
+        mask; one that does not arrive within twice the group's timeout is masked."""
         self._native.ll_clean()
+
+    # ---- ll rank masks (enable_shrink; docs/semantics.md §2.7) ------------------------------
+    def ll_update_mask(self, rank, mask):
+        """Local. Masks (mask=True) or unmasks rank `rank` for this rank's ll calls: they neither
+        send to nor wait for a masked rank; its tokens are absent from the dispatch, its experts'
+        terms from the combine. An unmasked rank takes part again after every rank that takes
+        part called ll_clean(). Stream-ordered on the current stream (cuda)."""
+        self._native.ll_update_mask(int(rank), bool(mask), self._current_stream())
+
+    def ll_query_mask(self, mask_status):
+        """Local. Writes into `mask_status` (int32 [R] on the buffer's device) 1 for every rank
+        this rank masks (set by ll_update_mask, or by a wait that timed out), else 0.
+        Stream-ordered on the current stream (cuda)."""
+        self._native.ll_query_mask(mask_status, self._current_stream())
+
+    def ll_clean_mask(self):
+        """Local. Unmasks every rank (see ll_update_mask for taking part again)."""
+        self._native.ll_clean_mask(self._current_stream())
+
+    def _current_stream(self):
+        # The cpu backend ignores streams (0); on cuda the current stream of the buffer's device.
+        device = torch.device(self._native.device)
+        return _torch.current_stream(device) if device.type == "cuda" else 0
 
     def reset(self):
         """Collective. After a Timeout, calls of that mode raise OutOfStep until every rank called

@@ -167,7 +167,7 @@ class Dispatcher:
 
         overlap (ll only): an epx.LlCombineOverlap; call combine_a on another stream after the
         expert GEMM that writes ``y`` and raises the signals was enqueued: each block is sent as
-        soon as its signal is reached (docs/semantics.md §2.6)."""
+        soon as its signal is reached (docs/semantics.md §2.7)."""
         if y_in_output_view is None:
             y_in_output_view = y is None
         kw = {} if overlap is None else {

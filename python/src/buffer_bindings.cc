@@ -281,17 +281,19 @@ void bind_buffer(py::module_& m) {
 
   py::class_<Buffer, BufferPtr>(m, "Buffer")
       .def(py::init([](const Group& group, int64_t hidden, int top_k, int num_experts,
-                       int64_t max_tokens_per_rank, bool enable_ht, bool enable_ll) {
+                       int64_t max_tokens_per_rank, bool enable_ht, bool enable_ll,
+                       bool enable_shrink) {
              BufferConfig config;
              config.enable_ht = enable_ht;
              config.enable_ll = enable_ll;
+             config.enable_shrink = enable_shrink;
              MoeShape shape = make_shape(hidden, top_k, num_experts, max_tokens_per_rank);
              py::gil_scoped_release nogil;
              return std::make_shared<Buffer>(group, shape, config);
            }),
            py::arg("group"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
            py::arg("max_tokens_per_rank"), py::arg("enable_ht") = true,
-           py::arg("enable_ll") = false)
+           py::arg("enable_ll") = false, py::arg("enable_shrink") = false)
       .def_static(
           "bytes_needed",
           [](const std::string& mode, int64_t hidden, int top_k, int num_experts,
@@ -343,6 +345,24 @@ void bind_buffer(py::module_& m) {
           },
           py::arg("handle"))
       .def("ll_clean", &Buffer::ll_clean, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "ll_update_mask",
+          [](Buffer& b, int rank, bool mask, uintptr_t stream) {
+            b.ll_update_mask(rank, mask, as_stream(stream));
+          },
+          py::arg("rank"), py::arg("mask"), py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "ll_query_mask",
+          [](const Buffer& b, py::handle mask_status, uintptr_t stream) {
+            const TensorView v = to_view(mask_status, "ll_query_mask: argument 'mask_status'");
+            py::gil_scoped_release nogil;
+            b.ll_query_mask(v, as_stream(stream));
+          },
+          py::arg("mask_status"), py::arg("stream") = 0)
+      .def(
+          "ll_clean_mask", [](Buffer& b, uintptr_t stream) { b.ll_clean_mask(as_stream(stream)); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("reset", &Buffer::reset, py::call_guard<py::gil_scoped_release>());
 }
 

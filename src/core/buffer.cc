@@ -27,6 +27,7 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
       {"shape.max_tokens_per_rank", shape.max_tokens_per_rank},
       {"config.enable_ht", config.enable_ht, detail::show_bool},
       {"config.enable_ll", config.enable_ll, detail::show_bool},
+      {"config.enable_shrink", config.enable_shrink, detail::show_bool},
       {"GroupOptions::ranks_per_node", group.ranks_per_node()}};
   if (group.backend() == Backend::kCuda) {
     // The ll kernels' flag targets count every rank's CTAs alike (src/cuda/ll.cu).
@@ -41,6 +42,13 @@ Buffer::Buffer(const Group& group, const MoeShape& shape, const BufferConfig& co
                 "Buffer: config enables neither ht nor ll, expected at least one");
   EPX_CHECK_ARG(!config.enable_ll || shape.hidden % 128 == 0, "Buffer: shape.hidden is ",
                 shape.hidden, ", expected a multiple of 128 when ll is enabled (fp8 groups)");
+  EPX_CHECK_ARG(!config.enable_shrink || config.enable_ll,
+                "Buffer: config.enable_shrink is true but enable_ll is false, expected enable_ll = "
+                "true (the rank masks are ll's)");
+  EPX_CHECK(!config.enable_shrink || group.num_nodes() == 1, ErrorCode::kUnsupported,
+            "Buffer: config.enable_shrink on ", group.num_nodes(),
+            " nodes: the ll rank masks are built for one node (GroupOptions::ranks_per_node 0 or "
+            "the group size)");
   // Sizes before any allocation (OutOfCapacity naming the fields and the bytes).
   if (config.enable_ht)
     detail::check_buffer_capacity(shape, group.size(), Mode::kHt, group.backend(), "Buffer",
@@ -142,6 +150,24 @@ void Buffer::ll_clean() {
   EPX_CHECK_ARG(impl_->config.enable_ll,
                 "ll_clean: this buffer was created with enable_ll = false, expected true");
   impl_->ll_clean();
+}
+
+void Buffer::ll_update_mask(int rank, bool mask, Stream stream) {
+  impl_->check();
+  detail::validate_ll_update_mask(*impl_, rank, mask);
+  impl_->ll_update_mask(rank, mask, stream);
+}
+
+void Buffer::ll_query_mask(const TensorView& mask_status, Stream stream) const {
+  impl_->check();
+  detail::validate_ll_query_mask(*impl_, mask_status);
+  impl_->ll_query_mask(mask_status, stream);
+}
+
+void Buffer::ll_clean_mask(Stream stream) {
+  impl_->check();
+  detail::validate_ll_mask_op(*impl_, "ll_clean_mask");
+  impl_->ll_clean_mask(stream);
 }
 
 }  // namespace epx

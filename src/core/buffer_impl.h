@@ -61,6 +61,10 @@ class BufferImpl {
   virtual LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) = 0;
   virtual TensorView ll_next_combine_buffer(const LlHandle& handle) = 0;
   virtual void ll_clean() = 0;
+  // The ll rank mask (validated by epx::Buffer: enable_shrink, rank, tensor).
+  virtual void ll_update_mask(int rank, bool mask, Stream stream) = 0;
+  virtual void ll_query_mask(const TensorView& mask_status, Stream stream) = 0;
+  virtual void ll_clean_mask(Stream stream) = 0;
   // Collective: ht and ll back in step after a Timeout (docs/semantics.md §4.3).
   virtual void reset() = 0;
 

@@ -11,7 +11,9 @@ namespace epx::detail {
 
 // Call pause() between two looks at what is awaited: the first 64 calls return at once, the
 // calls up to the 2048th yield the thread, later ones sleep 50 us. False once `timeout` has
-// passed since construction (looked at every 64th call): the wait should give up.
+// passed since construction, looked at before every yield or sleep: under load a sleep may take
+// milliseconds, and a waiter that notices its timeout late keeps its peers waiting (with the ll
+// masks a live peer may then mask it).
 class HostBackoff {
  public:
   explicit HostBackoff(std::chrono::milliseconds timeout)
@@ -20,12 +22,12 @@ class HostBackoff {
   bool pause() {
     const uint64_t spins = spins_++;
     if (spins < 64) return true;
-    if (spins < 2048) {
+    if (std::chrono::steady_clock::now() - start_ > timeout_) return false;
+    if (spins < 2048)
       std::this_thread::yield();
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-    return (spins & 63) != 0 || std::chrono::steady_clock::now() - start_ <= timeout_;
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    return true;
   }
 
  private:

@@ -17,6 +17,8 @@
 //                ll_overlap_num_signals elements, block_rows >= 0, expected in 1 .. 2^31 - 1,
 //                num_sms >= 0, recv_count int32 [L] when given, not with use_logfmt
 //                (Unsupported).
+//   ll masks:    enable_ll and enable_shrink; ll_update_mask: rank in [0, R), not this rank when
+//                masking; ll_query_mask: int32 [R] (any stride) on the buffer's device.
 #include <limits>
 
 #include "core/check.h"
@@ -208,6 +210,31 @@ void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args) {
   if (args.out.defined()) check_tensor(b, args.out, op, "out", DType::kBF16, {T, H});
   check_wait_stats(b, args.combine_wait_recv_cost_stats, op, "combine_wait_recv_cost_stats");
   if (args.overlap) validate_ll_overlap(b, args, op);
+}
+
+void validate_ll_mask_op(const BufferImpl& b, const char* op) {
+  check_ll_enabled(b, op);
+  EPX_CHECK_ARG(b.config.enable_shrink, op,
+                ": this buffer was created with enable_shrink = false, expected "
+                "BufferConfig::enable_shrink = true (the ll rank masks need it)");
+}
+
+void validate_ll_update_mask(const BufferImpl& b, int rank, bool mask) {
+  const char* op = "ll_update_mask";
+  validate_ll_mask_op(b, op);
+  const int R = b.group.size();
+  EPX_CHECK_ARG(rank >= 0 && rank < R, op, ": argument 'rank' is ", rank, ", expected 0..", R - 1);
+  EPX_CHECK_ARG(!mask || rank != b.group.rank(), op, ": argument 'rank' is ", rank,
+                ", this rank, with mask = true; expected another rank (a rank cannot mask itself)");
+}
+
+void validate_ll_query_mask(const BufferImpl& b, const TensorView& t) {
+  const char* op = "ll_query_mask";
+  validate_ll_mask_op(b, op);
+  check_defined(t, op, "mask_status");
+  check_dtype(t, op, "mask_status", {DType::kI32});
+  check_shape(t, op, "mask_status", {b.group.size()});
+  check_device(t, op, "mask_status", b.device());
 }
 
 }  // namespace epx::detail

@@ -32,6 +32,11 @@ void validate_ll_combine(const BufferImpl& b, const LlCombineArgs& args);
 int64_t ll_overlap_blocks(const MoeShape& shape, int num_ranks, int64_t block_rows);
 int64_t ll_overlap_num_signals(const MoeShape& shape, int num_ranks, int64_t block_rows);
 void validate_ll_handle(const BufferImpl& b, const LlHandle& handle, const char* op);
+// The ll rank mask (docs/semantics.md §2.6): enable_ll and enable_shrink; a rank in [0, R) that is
+// not this one when masking; an int32 [R] tensor on the buffer's device to query into.
+void validate_ll_mask_op(const BufferImpl& b, const char* op);
+void validate_ll_update_mask(const BufferImpl& b, int rank, bool mask);
+void validate_ll_query_mask(const BufferImpl& b, const TensorView& mask_status);
 
 void validate_a2a_shape(const A2aShape& shape, int num_ranks);
 

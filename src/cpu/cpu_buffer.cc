@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "cpu/ht_region.h"
+#include "cpu/ll_region.h"
 
 namespace epx::detail {
 
@@ -18,6 +19,7 @@ CpuBuffer::CpuBuffer(const Group& group, const MoeShape& shape, const BufferConf
       ht_rail_ = make_cpu_rail(group.transport(), topology_, reg.rail_chunk_bytes());
   }
   if (config.enable_ll) {
+    state_of(ll_state_).shrink = config.enable_shrink;
     ll_mem_ = transport().allocate(cpu_ll_region_bytes(shape, R, topology_));
     if (topology_.hierarchical())
       ll_rail_ =
@@ -79,10 +81,10 @@ void StepState::require_in_step(const char* op, const char* reset) const {
 
 void check_stamps_range(const char* op, int rank, int first, int last, uint64_t gen, uint64_t call,
                         const std::function<const Stamp&(int)>& stamp_of,
-                        const std::function<std::string(int)>& peer_op) {
+                        const std::function<std::string(int)>& peer_op, uint64_t skip) {
   std::string differ;
   for (int p = first; p < last; ++p) {
-    if (p == rank || stamp_of(p).is(gen, call)) continue;
+    if (p == rank || (skip >> p & 1) || stamp_of(p).is(gen, call)) continue;
     differ += cat(differ.empty() ? "" : "; ", "rank ", p, " published ", peer_op(p), " ",
                   stamp_of(p).describe());
   }
@@ -93,12 +95,13 @@ void check_stamps_range(const char* op, int rank, int first, int last, uint64_t 
 }
 
 void recheck_stamps_range(const char* op, int rank, int first, int last, uint64_t gen,
-                          uint64_t call, const std::function<const Stamp&(int)>& stamp_of) {
+                          uint64_t call, const std::function<const Stamp&(int)>& stamp_of,
+                          uint64_t skip) {
   std::atomic_thread_fence(std::memory_order_acquire);  // every copy above before the re-read
   for (int p = first; p < last; ++p) {
-    EPX_CHECK(p == rank || stamp_of(p).is(gen, call), ErrorCode::kOutOfStep, op, ": rank ", p,
-              " published its next operation while this rank (", rank, ") was reading call #",
-              call, " (ranks out of step); the rows read are discarded");
+    EPX_CHECK(p == rank || (skip >> p & 1) || stamp_of(p).is(gen, call), ErrorCode::kOutOfStep, op,
+              ": rank ", p, " published its next operation while this rank (", rank,
+              ") was reading call #", call, " (ranks out of step); the rows read are discarded");
   }
 }
 

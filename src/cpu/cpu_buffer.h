@@ -32,11 +32,11 @@
 
 namespace epx::detail {
 
-// The "pull, barrier" half of an operation: runs `pull`, then the closing barrier even when `pull`
-// throws, so a rank that fails (a bad argument only the exchange reveals, an allocator error)
-// never leaves its peers waiting; rethrows afterwards. Returns what `pull` returns.
-template <typename Pull>
-auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> decltype(pull()) {
+// The "pull, barrier" half of an operation: runs `pull`, then the closing `barrier()` even when
+// `pull` throws, so a rank that fails (a bad argument only the exchange reveals, an allocator
+// error) never leaves its peers waiting; rethrows afterwards. Returns what `pull` returns.
+template <typename Barrier, typename Pull>
+auto pull_then(Barrier&& barrier, Pull&& pull) -> decltype(pull()) {
   using Result = decltype(pull());
   std::exception_ptr error;
   if constexpr (std::is_void_v<Result>) {
@@ -45,7 +45,7 @@ auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> d
     } catch (...) {
       error = std::current_exception();
     }
-    transport.barrier(what);
+    barrier();
     if (error) std::rethrow_exception(error);
   } else {
     Result result{};
@@ -54,10 +54,15 @@ auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> d
     } catch (...) {
       error = std::current_exception();
     }
-    transport.barrier(what);
+    barrier();
     if (error) std::rethrow_exception(error);
     return result;
   }
+}
+// pull_then with the transport's barrier over every rank, named `what`.
+template <typename Pull>
+auto pull_then_barrier(Transport& transport, const char* what, Pull&& pull) -> decltype(pull()) {
+  return pull_then([&] { transport.barrier(what); }, std::forward<Pull>(pull));
 }
 
 // ---- keeping ranks in step (docs/semantics.md §4.3) -------------------------------------------
@@ -118,21 +123,23 @@ struct StepState {
 
 // The peers' stamps of one operation: OutOfStep naming each peer not at (gen, call), before the
 // pull; and after it, OutOfStep if any peer's stamp moved (it published again while this rank
-// was reading). `stamp_of(p)` is rank p's published Stamp.
+// was reading). `stamp_of(p)` is rank p's published Stamp. Ranks in `skip` (bit p: the ll rank
+// mask) are not read.
 // The _range forms check ranks [first, last) only (a forwarder's own node).
 void check_stamps_range(const char* op, int rank, int first, int last, uint64_t gen, uint64_t call,
                         const std::function<const Stamp&(int)>& stamp_of,
-                        const std::function<std::string(int)>& peer_op);
+                        const std::function<std::string(int)>& peer_op, uint64_t skip = 0);
 void recheck_stamps_range(const char* op, int rank, int first, int last, uint64_t gen,
-                          uint64_t call, const std::function<const Stamp&(int)>& stamp_of);
+                          uint64_t call, const std::function<const Stamp&(int)>& stamp_of,
+                          uint64_t skip = 0);
 inline void check_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
                          const std::function<const Stamp&(int)>& stamp_of,
-                         const std::function<std::string(int)>& peer_op) {
-  check_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of, peer_op);
+                         const std::function<std::string(int)>& peer_op, uint64_t skip = 0) {
+  check_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of, peer_op, skip);
 }
 inline void recheck_stamps(const char* op, int rank, int num_ranks, uint64_t gen, uint64_t call,
-                           const std::function<const Stamp&(int)>& stamp_of) {
-  recheck_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of);
+                           const std::function<const Stamp&(int)>& stamp_of, uint64_t skip = 0) {
+  recheck_stamps_range(op, rank, 0, num_ranks, gen, call, stamp_of, skip);
 }
 
 // ---- across nodes ------------------------------------------------------------------------------
@@ -200,6 +207,9 @@ class CpuBuffer final : public BufferImpl {
   LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;
   TensorView ll_next_combine_buffer(const LlHandle& handle) override;
   void ll_clean() override;
+  void ll_update_mask(int rank, bool mask, Stream stream) override;
+  void ll_query_mask(const TensorView& mask_status, Stream stream) override;
+  void ll_clean_mask(Stream stream) override;
   void reset() override;
 
  private:

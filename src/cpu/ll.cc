@@ -32,6 +32,11 @@
 //                   both returned as the views of core/quant.h set_ll_nvfp4_views
 //   ll_combine: ll_combine.cc.
 //
+// Rank masks (enable_shrink, docs/semantics.md §2.6): the receive's barriers run over the ranks
+// this rank does not mask and mask those that miss them (ll_barrier: Timeout becomes a mask);
+// then a source this rank masks, or whose header says it masks this rank (mask_maskers), is not
+// read: none of its tokens, layout_range[l][src] = (rows before it) << 32 | 0. One node only.
+//
 // Wait-cost statistics (docs/semantics.md §2.5). A receive waits for its sources in one barrier,
 // so it cannot see when each of them arrived; the publisher says so instead: every header carries
 // published_ns, the steady clock (CLOCK_MONOTONIC: one clock for all threads and processes of
@@ -120,6 +125,25 @@ LlLayout::LlLayout(const MoeShape& s, int R, Topology topo)
 CpuLlState& state_of(std::shared_ptr<CpuLlState>& p) {
   if (!p) p = std::make_shared<CpuLlState>();
   return *p;
+}
+
+uint64_t ll_barrier(Transport& transport, CpuLlState& st, const char* what, int timeout_multiple) {
+  if (!st.shrink) {
+    transport.barrier(what);
+    return 0;
+  }
+  const uint64_t missing = transport.barrier_or_missing(what, transport.all_members() & ~st.masked,
+                                                        timeout_multiple * transport.timeout());
+  st.masked |= missing;
+  return missing;
+}
+
+uint64_t mask_maskers(CpuLlState& st, int rank, int num_ranks,
+                      const std::function<uint64_t(int)>& masked_of) {
+  for (int p = 0; st.shrink && p < num_ranks; ++p)
+    if (p != rank && !(st.masked >> p & 1) && (masked_of(p) >> rank & 1))
+      st.masked |= uint64_t{1} << p;
+  return st.masked;
 }
 
 LlHook receive_or_hook(const std::shared_ptr<CpuLlState>& st, bool is_dispatch, int slot,
@@ -244,9 +268,12 @@ void DispatchRecv::operator()() const {
   const int64_t recv_start = steady_ns();
   std::exception_ptr rail_error;
   if (rail) rail_error = run_noting_error([&] { exchange_chunks(); }, {});
-  transport->barrier("ll_dispatch (receive)");
+  const uint64_t masked_before = st->masked;
+  const uint64_t missed = ll_barrier(*transport, *st, "ll_dispatch (receive)");
+  const int64_t barrier_end = steady_ns();
   // A mismatch is raised after the release barrier, so peers are not left waiting.
-  pull_then_barrier(*transport, "ll_dispatch (release)", [&] {
+  auto release = [&] { ll_barrier(*transport, *st, "ll_dispatch (release)"); };
+  pull_then(release, [&] {
     if (rail_error) std::rethrow_exception(rail_error);
     const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k;
     const int r = mem->rank();
@@ -265,19 +292,28 @@ void DispatchRecv::operator()() const {
 
     // Every source in this dispatch, with the same quantisation options (every rank reads every
     // header, so all raise together, naming each differing option with each rank's value).
+    // Masked sources (enable_shrink) are not read: no tokens from them, as if they had none.
     std::vector<LlSource> sources;
     for (int s = 0; s < R; ++s) sources.push_back(ll_source(*mem, lay, slot, s));
     auto stamp = [&](int src) -> const Stamp& { return sources[src].header->stamp; };
-    check_stamps("ll_dispatch", r, R, generation, seq, stamp,
-                 [&](int) { return cat("dispatch slot ", slot, " at"); });
+    const uint64_t masked = mask_maskers(*st, r, R, [&](int src) {
+      return sources[src].header->masked.load(std::memory_order_relaxed);
+    });
+    check_stamps(
+        "ll_dispatch", r, R, generation, seq, stamp,
+        [&](int) { return cat("dispatch slot ", slot, " at"); }, masked);
+    auto is_masked = [&](int src) { return (masked >> src & 1) != 0; };
     std::vector<int64_t> fp8_of(R), round_of(R), nvfp4_of(R), scale_of(R), published_ns(R);
     for (int src = 0; src < R; ++src) {
-      const DispatchHeader& h = *sources[src].header;
+      const DispatchHeader& h = *sources[is_masked(src) ? r : src].header;
       fp8_of[src] = h.use_fp8;
       round_of[src] = h.round_scale;
       nvfp4_of[src] = h.use_nvfp4;
       scale_of[src] = h.global_scale_bits;
-      published_ns[src] = h.published_ns;
+      // A source masked during this call counts the time until it was masked.
+      published_ns[src] = (masked_before >> src & 1) ? recv_start
+                          : (missed >> src & 1)      ? barrier_end
+                                                     : sources[src].header->published_ns;
     }
     std::string differ;
     auto note = [&](const char* name, const std::vector<int64_t>& v, ShowValue show) {
@@ -292,6 +328,10 @@ void DispatchRecv::operator()() const {
     EPX_CHECK_ARG(differ.empty(), "ll_dispatch: ", differ, "; expected the same on every rank");
 
     for (int src = 0; src < R; ++src) {
+      if (is_masked(src)) {
+        for (int l = 0; l < L; ++l) out_range[l * R + src] = num_rows[l] << 32;
+        continue;
+      }
       const LlSource& source = sources[src];
       const DispatchHeader& h = *source.header;
       EPX_CHECK_ARG(
@@ -339,7 +379,7 @@ void DispatchRecv::operator()() const {
         out_range[l * R + src] = (begin << 32) | static_cast<int64_t>(rows_of[l].size());
       }
     }
-    recheck_stamps("ll_dispatch", r, R, generation, seq, stamp);
+    recheck_stamps("ll_dispatch", r, R, generation, seq, stamp, masked);
     for (int l = 0; l < L; ++l) {
       recv_count.ptr<int32_t>()[l] = static_cast<int32_t>(num_rows[l]);
       if (stats.defined())
@@ -408,6 +448,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
     }
   }
   header->published_ns = steady_ns();
+  header->masked.store(st.masked, std::memory_order_relaxed);
   header->stamp.end_publish(st.step.generation, seq);
 
   // Outputs, allocated now, filled by the receive half.
@@ -455,7 +496,34 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   return res;
 }
 
-void CpuBuffer::ll_clean() { reset_ll_state(resync("ll_clean")); }
+void CpuBuffer::ll_clean() {
+  CpuLlState& st = state_of(ll_state_);
+  if (!st.shrink) return reset_ll_state(resync("ll_clean"));
+  // Over the unmasked ranks, masking those that do not come within twice the timeout (a rank
+  // may still be in an operation waiting for a rank only it does not mask yet): then none of
+  // them runs an ll operation. The live ranks passed the same barriers (the ll barriers mask, they
+  // never fail), so no resync is needed; a new generation keeps a late rank's headers from pairing.
+  // (The cuda backend also needs a barrier after its reset: peers signal into its flags; here a
+  // rank's headers are read only after its next operation's barrier.)
+  ll_barrier(transport(), st, "ll_clean", 2);
+  reset_ll_state(st.step.generation + 1);
+}
+
+void CpuBuffer::ll_update_mask(int rank, bool mask, Stream) {
+  CpuLlState& st = state_of(ll_state_);
+  const uint64_t bit = uint64_t{1} << rank;
+  st.masked = mask ? st.masked | bit : st.masked & ~bit;
+}
+
+void CpuBuffer::ll_query_mask(const TensorView& mask_status, Stream) {
+  const uint64_t masked = state_of(ll_state_).masked;
+  for (int p = 0; p < group.size(); ++p)
+    mask_status.ptr<int32_t>()[p * mask_status.strides[0]] = static_cast<int32_t>(masked >> p & 1);
+}
+
+void CpuBuffer::ll_clean_mask(Stream) {
+  state_of(ll_state_).masked = 0;
+}
 
 // After a resync that adopted `epoch`: no ll operation runs on any rank.
 void CpuBuffer::reset_ll_state(uint64_t epoch) {

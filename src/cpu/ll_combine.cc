@@ -34,6 +34,8 @@
 //       acc += p;
 //     out[t] = bf16_rne(acc)            (tokens with no expert get +0)
 // With one node: acc = fma chain over every k in order (docs/semantics.md §2.3).
+// enable_shrink (§2.6): a k whose expert lives on a rank this rank masks is left out of the
+// chain, as if topk_idx[t][k] were -1 (one node only).
 // use_logfmt: f32(y(t, k)) is logfmt_decode_row of the encoded row, wherever a row is read (this
 // node's rows here, the other nodes' rows by their forwarders; the partials stay float32). Every
 // rank's header must agree on use_logfmt, else InvalidArgument on every rank (each rank sees
@@ -97,9 +99,10 @@ struct CombineRecv : LlReceive {
     for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w, bf16_to_f32(y[c]), acc[c]);
   }
   // Source s's rows per expert must be what expert e's rank received from it (with `ranges` of
-  // the experts of this node): InvalidArgument naming the source's topk_idx otherwise.
+  // the experts of this node; experts of ranks in `skip`, the mask, are not read):
+  // InvalidArgument naming the source's topk_idx otherwise.
   void check_counts(int s, const std::vector<int64_t>& num_selected, int first_expert,
-                    int last_expert, const char* whose) const;
+                    int last_expert, const char* whose, uint64_t skip = 0) const;
 };
 
 // The selections of `rows` tokens ([rows, K] topk): row_in_block[i * K + k] = j of y(t, k) (the
@@ -121,9 +124,10 @@ void number_rows(const int32_t* topk, int64_t rows, int K, int E,
 }
 
 void CombineRecv::check_counts(int s, const std::vector<int64_t>& num_selected, int first_expert,
-                               int last_expert, const char* whose) const {
+                               int last_expert, const char* whose, uint64_t skip) const {
   const int L = lay.num_local_experts, R = lay.num_ranks;
   for (int e = first_expert; e < last_expert; ++e) {
+    if (skip >> (e / L) & 1) continue;
     const char* region = static_cast<const char*>(mem->peer(e / L)) + lay.combine_off(slot);
     int64_t range;
     std::memcpy(&range, region + lay.layout_off + sizeof(int64_t) * ((e % L) * R + s),
@@ -240,11 +244,14 @@ std::exception_ptr CombineRecv::forward(std::vector<const char*>& partials) cons
 
 void CombineRecv::operator()() const {
   const int64_t recv_start = steady_ns();
-  transport->barrier("ll_combine (receive)");
+  const uint64_t masked_before = st->masked;
+  const uint64_t missed = ll_barrier(*transport, *st, "ll_combine (receive)");
+  const int64_t barrier_end = steady_ns();
   std::vector<const char*> partials;  // [N - 1], slot other_index(m, n)
   const std::exception_ptr forward_error = rail ? forward(partials) : nullptr;
   // A mismatch is raised after the release barrier, so peers are not left waiting.
-  pull_then_barrier(*transport, "ll_combine (release)", [&] {
+  auto release = [&] { ll_barrier(*transport, *st, "ll_combine (release)"); };
+  pull_then(release, [&] {
     if (forward_error) std::rethrow_exception(forward_error);
     const Topology& topo = lay.topology;
     const int R = lay.num_ranks, L = lay.num_local_experts, K = lay.top_k, E = num_experts;
@@ -263,13 +270,21 @@ void CombineRecv::operator()() const {
              topo.local_of(d);
     };
     auto stamp = [&](int d) -> const Stamp& { return header_of(d)->stamp; };
-    check_stamps("ll_combine", r, R, generation, seq, stamp,
-                 [&](int) { return cat("combine slot ", slot, " at"); });
+    // Masked expert ranks (enable_shrink) are not read: their terms are left out.
+    const uint64_t masked = mask_maskers(
+        *st, r, R, [&](int d) { return header_of(d)->masked.load(std::memory_order_relaxed); });
+    check_stamps(
+        "ll_combine", r, R, generation, seq, stamp,
+        [&](int) { return cat("combine slot ", slot, " at"); }, masked);
+    auto is_masked = [&](int d) { return (masked >> d & 1) != 0; };
     std::vector<int64_t> published_ns(R), logfmt_of(R), overlap_of(R);
     for (int d = 0; d < R; ++d) {
-      published_ns[d] = header_of(d)->published_ns;
-      logfmt_of[d] = header_of(d)->use_logfmt;
-      overlap_of[d] = header_of(d)->overlap;
+      // A rank masked during this call counts the time until it was masked.
+      published_ns[d] = (masked_before >> d & 1) ? recv_start
+                        : (missed >> d & 1)      ? barrier_end
+                                                 : header_of(d)->published_ns;
+      logfmt_of[d] = header_of(is_masked(d) ? r : d)->use_logfmt;
+      overlap_of[d] = header_of(is_masked(d) ? r : d)->overlap;
     }
     // Every rank reads every header, so all raise together.
     EPX_CHECK_ARG(all_equal(logfmt_of),
@@ -281,14 +296,14 @@ void CombineRecv::operator()() const {
     // here for this node's experts, by the forwarders for the others'.
     std::vector<int64_t> row_in_block, num_selected;
     number_rows(topk.data(), T, K, E, row_in_block, num_selected);
-    check_counts(r, num_selected, first * L, last * L, "");
+    check_counts(r, num_selected, first * L, last * L, "", masked);
     std::vector<float> acc(H), decoded(use_logfmt ? H : 0);
     std::vector<int64_t> partial_row(topo.num_nodes, 0);  // next row of each node's partials
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < K; ++k) {
         const int32_t e = topk[t * K + k];
-        if (e == -1 || e / L < first || e / L >= last) continue;
+        if (e == -1 || e / L < first || e / L >= last || is_masked(e / L)) continue;
         add_row(e, r, row_in_block[t * K + k], weights[t * K + k], acc.data(), decoded.data());
       }
       for (int m = 0; m < topo.num_nodes; ++m) {
@@ -306,7 +321,7 @@ void CombineRecv::operator()() const {
       uint16_t* o = out.ptr<uint16_t>() + t * out.strides[0];
       for (int64_t c = 0; c < H; ++c) o[c] = f32_to_bf16(acc[c]);
     }
-    recheck_stamps("ll_combine", r, R, generation, seq, stamp);
+    recheck_stamps("ll_combine", r, R, generation, seq, stamp, masked);
     if (T > 0) add_wait_costs(wait_stats, published_ns, recv_start);  // T = 0: nothing awaited
   });
 }
@@ -420,6 +435,7 @@ LlCombineResult CpuBuffer::ll_combine(const LlCombineArgs& args, const Allocator
     }
   }
   header->published_ns = steady_ns();
+  header->masked.store(st.masked, std::memory_order_relaxed);
   header->stamp.end_publish(st.step.generation, seq);
 
   LlCombineResult res;

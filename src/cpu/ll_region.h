@@ -28,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,9 @@ struct DispatchHeader {
   int32_t use_nvfp4;
   uint32_t global_scale_bits;  // use_nvfp4: the bits of the float32 global scale g, else 0
   int64_t published_ns;        // steady_ns() when the publication ended (wait-cost statistics)
+  // enable_shrink: the ranks the publisher masks (bit p); atomic: read before the stamp is
+  // checked (mask_maskers), also while the publisher rewrites the header.
+  std::atomic<uint64_t> masked;
 };
 
 struct CombineHeader {
@@ -57,6 +61,7 @@ struct CombineHeader {
   int64_t published_ns;
   int32_t use_logfmt;  // compared by every receive (across nodes: in the partials' headers)
   int32_t overlap;     // LlCombineArgs::overlap given; compared the same way
+  std::atomic<uint64_t> masked;  // as DispatchHeader::masked
 };
 
 struct LlChunkHeader {
@@ -81,6 +86,11 @@ struct CpuLlState {
   bool dispatch_in_flight[2] = {false, false};  // published, hook not called yet
   bool combine_in_flight[2] = {false, false};
   StepState step;  // stamps' generation; refusal after a Timeout (its call count is unused)
+  // BufferConfig::enable_shrink and this rank's mask (bit p = rank p; docs/semantics.md §2.6):
+  // set by ll_update_mask / ll_clean_mask, and by the ll barriers (ll_barrier) and the headers
+  // of ranks that mask this one (mask_maskers).
+  bool shrink = false;
+  uint64_t masked = 0;
   // N > 1: the host memory of the rail's chunks, used inside a receive half only (the cpu rail is
   // collective and synchronous, so the receive half, not the send half, packs and exchanges; one
   // receive half runs at a time).
@@ -122,6 +132,19 @@ struct LlLayout {
 };
 
 CpuLlState& state_of(std::shared_ptr<CpuLlState>& p);
+
+// The barriers of the ll receive halves and of ll_clean (docs/semantics.md §2.6): over every
+// rank; with enable_shrink over the ranks `st` does not mask, and a rank that does not arrive
+// within `timeout_multiple` times the group's timeout is masked instead of raising Timeout.
+// Returns the ranks it masked.
+uint64_t ll_barrier(Transport& transport, CpuLlState& st, const char* what,
+                    int timeout_multiple = 1);
+// With enable_shrink, before the stamps are checked: masks every unmasked rank p != `rank` whose
+// header says it masks `rank` (masked_of(p), its published mask), as the cuda backend's waits for
+// such a rank would after a timeout. Such a rank does not wait for this one, so it may already
+// be rewriting its header: its stamp is not checked, its rows not read. Returns st.masked.
+uint64_t mask_maskers(CpuLlState& st, int rank, int num_ranks,
+                      const std::function<uint64_t(int)>& masked_of);
 
 // What the receive half of a dispatch or a combine needs of the buffer (copied into its hook).
 struct LlReceive {

@@ -19,7 +19,7 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   device_ = group.transport()->device().index;
   // Each collective, in this order on every rank.
   if (config.enable_ht) ht_ = std::make_unique<CudaHt>(group, shape, id);
-  if (config.enable_ll) ll_ = cuda_ll_create(group, shape);
+  if (config.enable_ll) ll_ = cuda_ll_create(group, shape, config.enable_shrink);
 }
 
 CudaBuffer::~CudaBuffer() {
@@ -72,6 +72,15 @@ TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle& handle) {
 }
 void CudaBuffer::ll_clean() {
   cuda_ll_clean(*ll_);
+}
+void CudaBuffer::ll_update_mask(int rank, bool mask, Stream stream) {
+  cuda_ll_update_mask(*ll_, rank, mask, stream);
+}
+void CudaBuffer::ll_query_mask(const TensorView& mask_status, Stream stream) {
+  cuda_ll_query_mask(*ll_, mask_status, stream);
+}
+void CudaBuffer::ll_clean_mask(Stream stream) {
+  cuda_ll_clean_mask(*ll_, stream);
 }
 void CudaBuffer::reset() {
   if (ht_) ht_->reset();

@@ -35,6 +35,9 @@ class CudaBuffer final : public BufferImpl {
   LlCombineResult ll_combine(const LlCombineArgs& args, const Allocator& alloc) override;
   TensorView ll_next_combine_buffer(const LlHandle& handle) override;
   void ll_clean() override;
+  void ll_update_mask(int rank, bool mask, Stream stream) override;
+  void ll_query_mask(const TensorView& mask_status, Stream stream) override;
+  void ll_clean_mask(Stream stream) override;
   void reset() override;
 
   // The ht kernels' CTA split (benchmarks print it); enable_ht only.

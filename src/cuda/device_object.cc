@@ -99,6 +99,27 @@ void DeviceObject::reset_region(const char* op, const char* done, size_t control
   group_.transport()->barrier(done);
 }
 
+void DeviceObject::reset_region_masked(const char* op, const char* done, size_t control_bytes,
+                                       unsigned long long* mask,
+                                       const std::function<void()>& host_reset) {
+  DeviceGuard guard(device_);
+  Transport& t = *group_.transport();
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), op);  // every kernel is bounded
+  unsigned long long masked = 0;
+  EPX_CUDA_CHECK(cudaMemcpy(&masked, mask, sizeof(masked), cudaMemcpyDeviceToHost), op);
+  auto barrier = [&](const char* what) {
+    masked |= t.barrier_or_missing(what, t.all_members() & ~masked, 2 * group_.timeout());
+    EPX_CUDA_CHECK(cudaMemcpy(mask, &masked, sizeof(masked), cudaMemcpyHostToDevice), op);
+  };
+  barrier(op);
+  EPX_CUDA_CHECK(cudaMemset(local(), 0, control_bytes), op);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize(), op);
+  clear_record();
+  if (host_reset) host_reset();
+  set_usable();
+  barrier(done);  // nobody signals into a region not yet reset
+}
+
 void DeviceObject::require_usable(const char* op) const {
   EPX_CHECK(refusal_.empty(), refusal_code_, op, ": ", refusal_);
 }

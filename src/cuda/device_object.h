@@ -110,6 +110,13 @@ class DeviceObject {
   // signals into a region not yet reset.
   void reset_region(const char* op, const char* done, size_t control_bytes,
                     const std::function<void()>& host_reset);
+  // reset_region over the ranks this rank does not mask (the ll rank masks, enable_shrink; docs/
+  // semantics.md §2.6): `mask` is this rank's mask word in the region (bit p = rank p, past
+  // `control_bytes`, kept). Both barriers run over the unmasked ranks and mask, in `mask`, those
+  // that do not arrive within twice the timeout instead of raising Timeout
+  // (Transport::barrier_or_missing); no resync: those ranks passed the same barriers.
+  void reset_region_masked(const char* op, const char* done, size_t control_bytes,
+                           unsigned long long* mask, const std::function<void()>& host_reset);
 
   // ---- teardown, in this order, on this object's device (the caller's device restored after):
   // wait for the device (kernels are bounded, so this returns; then nothing of this rank uses

@@ -29,6 +29,12 @@
 // quantisation options, the NVFP4 global scale or use_logfmt, a combine topk_idx that is not the
 // dispatch's) are raised by the next host call on the Buffer or by check(). After a timeout ll is
 // unusable until ll_clean() (collective) resets it.
+//
+// Rank mask (enable_shrink, docs/semantics.md §2.6): a word in the region (LlMask) that the ll
+// kernels read and set (a wait for a peer that times out masks it: no error, no unusable state),
+// that ll_update_mask / ll_clean_mask / ll_query_mask reach with one small kernel on the
+// caller's stream (kernels/ll/mask.cuh), and that ll_clean keeps: its barriers run over the
+// unmasked ranks and mask the ones that miss them (DeviceObject::reset_region_masked).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,6 +56,7 @@
 #include "cuda/dyn_smem.h"
 #include "cuda/kernels/ll/combine.cuh"
 #include "cuda/kernels/ll/dispatch.cuh"
+#include "cuda/kernels/ll/mask.cuh"
 #include "cuda/launch.h"
 #include "cuda/ll.h"
 #include "cuda/trace_buffers.h"
@@ -92,7 +99,9 @@ const char* ll_awaited(const DeviceErrorRecord& e) {
     case kWaitRows:
       return e.op == kOpLlDispatch ? "the tokens the peer sends" : "the peer's expert outputs";
     case kWaitBarrier:
-      return "the peer to finish pulling its rows of this combine";
+      return e.op == kOpLlDispatch
+                 ? "this rank's other receive CTAs (enable_shrink: they agree on the mask)"
+                 : "the peer to finish pulling its rows of this combine";
     default:
       return "the peer";
   }
@@ -125,7 +134,7 @@ TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench o
 
 class CudaLl : public std::enable_shared_from_this<CudaLl> {
  public:
-  CudaLl(const Group& group, const MoeShape& shape);
+  CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink);
   ~CudaLl();
   CudaLl(const CudaLl&) = delete;
   CudaLl& operator=(const CudaLl&) = delete;
@@ -136,6 +145,8 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
   TensorView next_combine_buffer(const LlHandle& handle);
   void clean();
+  // The rank mask's kernel (kernels/ll/mask.cuh) on `stream`: op, and its rank or output.
+  void mask_op(LlMaskOp op, int rank, const TensorView& out, cudaStream_t stream);
 
  private:
   char* local() const { return dev_.local(); }
@@ -189,7 +200,7 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
 #endif
 };
 
-CudaLl::CudaLl(const Group& group, const MoeShape& shape)
+CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
     : group_(group), shape_(shape), dev_(group, "Buffer") {
   const int R = group.size();
   DeviceGuard guard(dev_.device());
@@ -209,6 +220,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape)
   symm_.local = local();
   for (int p = 0; p < R; ++p) symm_.peers[p] = dev_.peer(p);
   symm_.layout = layout_;
+  symm_.shrink = enable_shrink;
 #ifdef EPX_LL_TRACE
   trace_ = g_ll_traces.create(dev_.device(), kLlTraceWords);
 #endif
@@ -634,18 +646,37 @@ TensorView CudaLl::next_combine_buffer(const LlHandle& handle) {
 }
 
 void CudaLl::clean() {
-  dev_.reset_region("ll_clean", "ll_clean (reset)", layout_.control_bytes(), [this] {
+  auto host_reset = [this] {
     num_dispatches_ = 0;
     ++generation_;
     for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
-  });
+  };
+  if (symm_.shrink) {
+    dev_.reset_region_masked("ll_clean", "ll_clean (reset)", layout_.control_bytes(),
+                             layout_.mask(local()), host_reset);
+  } else {
+    dev_.reset_region("ll_clean", "ll_clean (reset)", layout_.control_bytes(), host_reset);
+  }
+}
+
+void CudaLl::mask_op(LlMaskOp op, int rank, const TensorView& out, cudaStream_t stream) {
+  DeviceGuard guard(dev_.device());
+  LlMaskParams p{};
+  p.mask = layout_.mask(local());
+  p.op = op;
+  p.rank = rank;
+  p.out = static_cast<int32_t*>(out.data);
+  p.out_stride = out.defined() ? out.strides[0] : 0;
+  p.num_ranks = group_.size();
+  launch_kernel(ll::mask, 1, 1, 0, stream, false, "ll mask", p);
 }
 
 // ---- entry points for CudaBuffer (src/cuda/cuda_buffer.cc) ------------------------------------
 
-std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape) {
+std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape,
+                                       bool enable_shrink) {
   check_ll_supported(group, shape);
-  return std::make_shared<CudaLl>(group, shape);
+  return std::make_shared<CudaLl>(group, shape, enable_shrink);
 }
 size_t cuda_ll_allocated(const CudaLl* ll) {
   return ll ? ll->bytes() : 0;
@@ -665,6 +696,15 @@ TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle) {
 }
 void cuda_ll_clean(CudaLl& ll) {
   ll.clean();
+}
+void cuda_ll_update_mask(CudaLl& ll, int rank, bool mask, Stream stream) {
+  ll.mask_op(mask ? kLlMaskSet : kLlMaskClear, rank, {}, static_cast<cudaStream_t>(stream));
+}
+void cuda_ll_query_mask(CudaLl& ll, const TensorView& mask_status, Stream stream) {
+  ll.mask_op(kLlMaskQuery, 0, mask_status, static_cast<cudaStream_t>(stream));
+}
+void cuda_ll_clean_mask(CudaLl& ll, Stream stream) {
+  ll.mask_op(kLlMaskClearAll, 0, {}, static_cast<cudaStream_t>(stream));
 }
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks) {
   return LlLayout::make(shape, num_ranks).total_bytes;

@@ -12,8 +12,9 @@ namespace epx::detail {
 
 class CudaLl;
 
-// Collective (allocates the ll region).
-std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape);
+// Collective (allocates the ll region). `enable_shrink`: BufferConfig::enable_shrink.
+std::shared_ptr<CudaLl> cuda_ll_create(const Group& group, const MoeShape& shape,
+                                       bool enable_shrink);
 size_t cuda_ll_allocated(const CudaLl* ll);  // 0 for null
 void cuda_ll_check(CudaLl& ll);
 LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const Allocator& alloc,
@@ -21,6 +22,10 @@ LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const 
 LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc);
 TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
 void cuda_ll_clean(CudaLl& ll);
+// The rank mask (docs/semantics.md §2.6), stream-ordered on `stream`.
+void cuda_ll_update_mask(CudaLl& ll, int rank, bool mask, Stream stream);
+void cuda_ll_query_mask(CudaLl& ll, const TensorView& mask_status, Stream stream);
+void cuda_ll_clean_mask(CudaLl& ll, Stream stream);
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
 
 }  // namespace epx::detail

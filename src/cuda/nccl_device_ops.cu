@@ -3,9 +3,10 @@
 //
 // lsa_pointers_kernel: thread p writes ncclGetLsaPointer(window, 0, p) to out[p]; run once per
 //   window, so kernels later use plain peer pointers (no window lookups in hot loops).
-// device_barrier_kernel: thread p (p != rank) stores epoch into rank p's slots.arrive[rank]
-//   (release), then waits until the local slots.arrive[p] reaches epoch (acquire), bounded by the
-//   timeout; it reports per peer 0 arrived / 1 timed out / 2 aborted into mapped host memory.
+// device_barrier_kernel: thread p (p != rank, p a member) stores epoch into rank p's
+//   slots.arrive[rank] (release), then waits until the local slots.arrive[p] reaches epoch
+//   (acquire), bounded by the timeout; it reports per peer 0 arrived (or not a member) / 1 timed
+//   out / 2 aborted into mapped host memory.
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
@@ -26,6 +27,10 @@ __global__ void lsa_pointers_kernel(ncclWindow_t window, int num_ranks, void** o
 __global__ void device_barrier_kernel(DeviceBarrierArgs args) {
   const int p = threadIdx.x;
   if (p >= args.size || p == args.rank) return;
+  if (!((args.members >> p) & 1u) && !args.abort) {
+    args.status[p] = 0;
+    return;
+  }
   uint32_t* arrive_there = &args.peers[p]->arrive[args.rank];
   uint32_t* abort_there = &args.peers[p]->aborted[args.rank];
   if (args.abort) {

@@ -80,6 +80,13 @@ class CpuTransportBase : public Transport {
     wait_all(what, control_->arrive, members, target, timeout_, "to arrive");
   }
 
+  uint64_t barrier_or_missing(const char* what, uint64_t members,
+                              std::chrono::milliseconds timeout) override {
+    const uint64_t target = ++epoch_;
+    control_->arrive[rank_].epoch.store(target, std::memory_order_release);  // as barrier()
+    return wait_members(what, control_->arrive, members, target, timeout);
+  }
+
   // Round 1: every member announces it left its earlier barriers (join = 2n - 1) and waits for
   // the others; then the arrive counters of all members are stable (nobody is inside a barrier)
   // and each member adopts the largest as its epoch. Round 2 (join = 2n): nobody starts the next
@@ -139,28 +146,39 @@ class CpuTransportBase : public Transport {
   // Waits until slots[p] >= target for every member p (acquire), bounded by `timeout`.
   void wait_all(const char* what, const ArriveSlot* slots, uint64_t members, uint64_t target,
                 std::chrono::milliseconds timeout, const char* doing) {
+    const uint64_t missing = wait_members(what, slots, members, target, timeout);
+    if (missing == 0) return;
+    std::vector<int> ranks;
+    for (int p = 0; p < size_; ++p)
+      if (missing >> p & 1) ranks.push_back(p);
+    throw_error(
+        ErrorCode::kTimeout,
+        cat(what, ": rank ", rank_, " waited ", timeout.count(), " ms for ranks ", fmt_ranks(ranks),
+            " ", doing, " (timeout; set GroupOptions::timeout or EPX_TIMEOUT_MS)"));
+  }
+
+  // wait_all's wait: returns the members p whose slots[p] had not reached `target` when
+  // `timeout` expired (0: none). Throws Internal when a peer aborted.
+  uint64_t wait_members(const char* what, const ArriveSlot* slots, uint64_t members,
+                        uint64_t target, std::chrono::milliseconds timeout) {
     ControlBlock* c = control_;
+    auto behind = [&] {
+      uint64_t m = 0;
+      for (int p = 0; p < size_; ++p)
+        if ((members >> p & 1) && slots[p].epoch.load(std::memory_order_acquire) < target)
+          m |= uint64_t{1} << p;
+      return m;
+    };
     for (HostBackoff backoff(timeout);;) {
-      bool all = true;
-      for (int p = 0; p < size_ && all; ++p)
-        all = !(members >> p & 1) || slots[p].epoch.load(std::memory_order_acquire) >= target;
-      if (all) return;
+      const uint64_t missing = behind();
+      if (missing == 0) return 0;
       int32_t aborted = c->aborted_by.load(std::memory_order_acquire);
       if (aborted != 0) {
         throw_error(ErrorCode::kInternal,
                     cat(what, ": rank ", aborted - 1, " aborted the collective (",
                         std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
       }
-      if (!backoff.pause()) {
-        std::vector<int> missing;
-        for (int p = 0; p < size_; ++p)
-          if ((members >> p & 1) && slots[p].epoch.load(std::memory_order_acquire) < target)
-            missing.push_back(p);
-        throw_error(ErrorCode::kTimeout,
-                    cat(what, ": rank ", rank_, " waited ", timeout.count(), " ms for ranks ",
-                        fmt_ranks(missing), " ", doing,
-                        " (timeout; set GroupOptions::timeout or EPX_TIMEOUT_MS)"));
-      }
+      if (!backoff.pause()) return behind();
     }
   }
 

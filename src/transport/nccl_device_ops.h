@@ -28,9 +28,11 @@ struct DeviceBarrierArgs {
   int rank = 0;
   int size = 1;
   uint32_t epoch = 0;
+  uint64_t members = ~uint64_t{0};  // bit p: rank p takes part (others: neither told nor awaited)
   bool abort = false;  // announce abort instead of arriving; do not wait
   uint64_t timeout_ns = 0;
-  int32_t* status = nullptr;  // mapped host memory [kMaxRanks]: 0 arrived, 1 timed out, 2 aborted
+  int32_t* status = nullptr;  // mapped host memory [kMaxRanks]: 0 arrived (or not a member),
+                              // 1 timed out, 2 aborted
 };
 
 // Enqueues the barrier on `stream` (the caller synchronises and reads `status`).

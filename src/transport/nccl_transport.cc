@@ -67,11 +67,17 @@ struct NcclComm {
   ncclDevComm dev_comm{};
   bool dev_comm_created = false;
   bool failed = false;  // a barrier timed out or abort() was called: abort instead of finalize
+  // barrier_or_missing found a member missing: still usable among the others, but torn down as
+  // a failed one (collective NCCL teardown would wait for the missing rank).
+  bool peer_missing = false;
+  bool abort_teardown() const { return failed || peer_missing; }
   std::mutex mu;        // guards windows (a garbage collector may drop memory on any thread)
   std::vector<NcclWindow> windows;  // allocation order; the same list on every rank
 
   void free_window(const NcclWindow& w) {
-    if (failed) return;  // NCCL may hang on a failed communicator: leave it to the process exit
+    if (abort_teardown())
+      return;  // NCCL may hang on a failed communicator: leave it to the
+               // process exit
     if (w.window) ncclCommWindowDeregister(comm, w.window);
     if (w.base) ncclMemFree(w.base);
   }
@@ -88,9 +94,9 @@ struct NcclComm {
     cudaSetDevice(device);
     for (auto it = windows.rbegin(); it != windows.rend(); ++it) free_window(*it);
     windows.clear();
-    if (dev_comm_created && !failed) ncclDevCommDestroy(comm, &dev_comm);
+    if (dev_comm_created && !abort_teardown()) ncclDevCommDestroy(comm, &dev_comm);
     if (owned && comm) {
-      if (failed) {
+      if (abort_teardown()) {
         ncclCommAbort(comm);
       } else {
         ncclCommFinalize(comm);
@@ -322,6 +328,32 @@ class NcclTransport final : public Transport {
                   cat(what, ": rank ", rank_, " waited ", timeout_.count(),
                       " ms at a barrier for rank(s) [", missing, "] that did not arrive"));
     }
+  }
+
+  uint64_t barrier_or_missing(const char* what, uint64_t members,
+                              std::chrono::milliseconds timeout) override {
+    check_usable(what);
+    DeviceGuard guard(comm_->device);
+    DeviceBarrierArgs args = barrier_args();
+    args.epoch = ++epoch_;
+    args.members = members;
+    args.timeout_ns = static_cast<uint64_t>(timeout.count()) * 1000000ull;
+    launch_device_barrier(args, stream_);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_), what);  // bounded: the kernel gives up
+    uint64_t missing = 0;
+    std::string aborted;
+    for (int p = 0; p < size_; ++p) {
+      const int32_t s = reinterpret_cast<volatile int32_t*>(status_)[p];
+      if (p != rank_ && s == 1) missing |= uint64_t{1} << p;
+      if (p != rank_ && s == 2) aborted += cat(aborted.empty() ? "" : ", ", p);
+    }
+    if (!aborted.empty()) {
+      comm_->failed = true;
+      throw_error(ErrorCode::kInternal,
+                  cat(what, ": rank ", rank_, ": peer rank(s) [", aborted, "] aborted the group"));
+    }
+    if (missing) comm_->peer_missing = true;
+    return missing;
   }
 
   void abort(const std::string& why) override {

@@ -98,6 +98,13 @@ class Transport {
     barrier(what);
     return 0;
   }
+  // A barrier over `members` (this rank included) that does not fail on a timeout: returns the
+  // members that did not arrive within `timeout` (bit p = rank p; 0: every member arrived) and
+  // stays usable among those that did, who all passed the same barriers. The ll rank masks
+  // (BufferConfig::enable_shrink) mask the missing ones instead of raising Timeout. A peer's
+  // abort() still throws.
+  virtual uint64_t barrier_or_missing(const char* what, uint64_t members,
+                                      std::chrono::milliseconds timeout) = 0;
   uint64_t all_members() const {
     return size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << size()) - 1;
   }

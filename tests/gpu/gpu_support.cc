@@ -197,6 +197,29 @@ std::vector<uint8_t> to_host_bytes(const TensorView& t) {
   return out;
 }
 
+Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
+  Tensor h;
+  if (!t.defined()) return h;
+  keep.push_back(to_host_bytes(t));
+  static_cast<TensorView&>(h) = t;
+  h.data = keep.back().data();
+  h.device = Device::cpu();
+  return h;
+}
+
+LlDispatchResult host_ll_dispatch(const LlDispatchResult& d,
+                                  std::vector<std::vector<uint8_t>>& keep) {
+  keep.reserve(keep.size() + 8);
+  LlDispatchResult h;
+  h.recv_x = host_copy(d.recv_x, keep);
+  h.recv_scales = host_copy(d.recv_scales, keep);
+  h.recv_count = host_copy(d.recv_count, keep);
+  h.handle = d.handle;
+  h.handle.src_info = host_copy(d.handle.src_info, keep);
+  h.handle.layout_range = host_copy(d.handle.layout_range, keep);
+  return h;
+}
+
 std::vector<uint8_t> storage_bytes(const TensorView& t, int64_t elems) {
   std::vector<uint8_t> out(static_cast<size_t>(elems) * dtype_size(t.dtype));
   if (out.empty()) return out;

@@ -16,6 +16,7 @@
 
 #include "epx/error.h"
 #include "epx/group.h"
+#include "epx/ll.h"
 #include "epx/tensor.h"
 
 namespace epx::gpu_testing {
@@ -117,6 +118,13 @@ std::vector<T> to_host(const TensorView& t) {
   if (!b.empty()) std::memcpy(out.data(), b.data(), out.size() * sizeof(T));
   return out;
 }
+
+// A host tensor with t's shape and strides over a copy of its whole storage, which `keep` holds
+// (every tensor `keep` holds stays valid as long as `keep`: it only grows).
+Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep);
+// An ll dispatch result with every tensor copied to the host (host_copy), for the oracle checks.
+LlDispatchResult host_ll_dispatch(const LlDispatchResult& d,
+                                  std::vector<std::vector<uint8_t>>& keep);
 
 // `elems` elements from the start of t's storage (cpu or cuda; cuda: after a device sync), as
 // bytes.

@@ -39,6 +39,8 @@
 namespace epx {
 namespace {
 
+using gpu_testing::host_copy;
+using gpu_testing::host_ll_dispatch;
 using gpu_testing::RankStream;
 using gpu_testing::run_cuda_ranks;
 using gpu_testing::to_host_bytes;
@@ -77,29 +79,6 @@ Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32,
     return gpu_testing::to_device(v, DType::kI32, {T, K}, device);
   }
   return gpu_testing::to_device(topk, DType::kI64, {T, K}, device);
-}
-
-// A host copy of a device tensor with the same shape and strides (storage copied whole).
-Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
-  Tensor h;
-  if (!t.defined()) return h;
-  keep.push_back(to_host_bytes(t));
-  static_cast<TensorView&>(h) = t;
-  h.data = keep.back().data();
-  h.device = Device::cpu();
-  return h;
-}
-
-LlDispatchResult host_dispatch(const LlDispatchResult& d, std::vector<std::vector<uint8_t>>& keep) {
-  keep.reserve(keep.size() + 8);
-  LlDispatchResult h;
-  h.recv_x = host_copy(d.recv_x, keep);
-  h.recv_scales = host_copy(d.recv_scales, keep);
-  h.recv_count = host_copy(d.recv_count, keep);
-  h.handle = d.handle;
-  h.handle.src_info = host_copy(d.handle.src_info, keep);
-  h.handle.layout_range = host_copy(d.handle.layout_range, keep);
-  return h;
 }
 
 std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want,
@@ -176,7 +155,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
       const std::string where = "iter " + std::to_string(iter) + " batch " + std::to_string(b);
       std::vector<std::vector<uint8_t>> hk;
       fail(where + " dispatch",
-           testing::check_ll_dispatch(p, bs[b]->want[r], host_dispatch(d[b], hk)));
+           testing::check_ll_dispatch(p, bs[b]->want[r], host_ll_dispatch(d[b], hk)));
       if (c.stats) {
         const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats[b]);
         for (int l = 0; l < L; ++l)
@@ -550,7 +529,7 @@ std::string run_schedule(const Case& c, const Batch* bs[2], const std::vector<St
   buf.check();
   for (int b = 0; b < 2; ++b) {
     std::vector<std::vector<uint8_t>> hk;
-    std::string e = testing::check_ll_dispatch(p, bs[b]->want[r], host_dispatch(d[b], hk));
+    std::string e = testing::check_ll_dispatch(p, bs[b]->want[r], host_ll_dispatch(d[b], hk));
     if (e.empty()) e = check_out(p, bs[b]->want_out[r], cr[b].out);
     if (!e.empty()) return "rank " + std::to_string(r) + " batch " + std::to_string(b) + ": " + e;
   }
@@ -737,7 +716,7 @@ int graph_replays(int R) {
           try {
             buf.check();
             std::vector<std::vector<uint8_t>> keep;
-            err = testing::check_ll_dispatch(p, b.want[r], host_dispatch(d, keep));
+            err = testing::check_ll_dispatch(p, b.want[r], host_ll_dispatch(d, keep));
             const std::string cerr = check_out(p, b.want_out[r], out);
             if (!cerr.empty()) err += (err.empty() ? "" : "\n") + cerr;
             if (!hook) {
@@ -858,7 +837,7 @@ int bad_expert_case(bool one_gpu) {
     CUDA_OK(cudaStreamSynchronize(stream));
     expect_invalid(buf, "ll_dispatch");
     std::vector<std::vector<uint8_t>> keep;
-    std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_dispatch(d, keep));
+    std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_ll_dispatch(d, keep));
     if (!err.empty()) fail("dispatch with dropped selections: " + err);
     TensorView v = buf.ll_next_combine_buffer(d.handle);
     gpu_testing::upload_on_rank_stream(v.data, dropped.y[r].data(), dropped.y[r].size() * 2,
@@ -1044,7 +1023,7 @@ int missing_peer_case(bool one_gpu) {
       LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
       CUDA_OK(cudaStreamSynchronize(stream));
       buf.check();
-      std::string err = testing::check_ll_dispatch(c.p, data[0].want[r], host_dispatch(d, keep));
+      std::string err = testing::check_ll_dispatch(c.p, data[0].want[r], host_ll_dispatch(d, keep));
       err += check_out(c.p, data[0].want_out[r], cr.out);
       if (!err.empty()) fail("round after ll_clean: " + err);
     }
@@ -1148,7 +1127,7 @@ TEST(LlGpuErrors, HookMisuseAndCapacity) {
     CUDA_OK(cudaStreamSynchronize(stream));
     buf.check();
     std::vector<std::vector<uint8_t>> keep;
-    std::string err = testing::check_ll_dispatch(c.p, data[0].want[0], host_dispatch(e, keep));
+    std::string err = testing::check_ll_dispatch(c.p, data[0].want[0], host_ll_dispatch(e, keep));
     err += check_out(c.p, data[0].want_out[0], ce.out);
     if (!err.empty()) {
       std::fprintf(stderr, "round after misuse: %s\n", err.c_str());

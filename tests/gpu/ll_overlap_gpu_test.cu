@@ -1,4 +1,4 @@
-// GPU tier of the overlapped ll combine (LlCombineArgs::overlap, docs/semantics.md §2.6,
+// GPU tier of the overlapped ll combine (LlCombineArgs::overlap, docs/semantics.md §2.7,
 // docs/design.md §7.6) on the cuda backend.
 //
 // A stand-in expert GEMM (stand_in_gemm below) runs on the rank's main stream: it stores y part

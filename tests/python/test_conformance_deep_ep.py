@@ -1048,7 +1048,7 @@ def body_every_kwarg(ctx, seed):
             continue
         assert (b.rank, b.group_size, b.group) == (r, R, ctx.group), k
         if k in ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
-                 "allow_mnnvl", "use_fabric", "explicitly_destroy"):
+                 "allow_mnnvl", "use_fabric", "explicitly_destroy", "enable_shrink"):
             assert getattr(b, k) == v, k
         if k == "explicitly_destroy":
             b.destroy()
@@ -1144,7 +1144,7 @@ def body_every_kwarg(ctx, seed):
             base.internode_combine(x, handle, **{k: v})
 
     # ---- low-latency mode
-    lb = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    lb = deep_ep.Buffer(ctx.group, low_latency_mode=True, enable_shrink=True)
     linputs = _engine_inputs(seed + 1, R, E, K, lambda s: T)
     lmine = linputs[r]
     lx, lidx, lw = _fresh(lmine["x"], dev), _fresh(lmine["topk_idx"], dev), \
@@ -1209,16 +1209,21 @@ def body_every_kwarg(ctx, seed):
             assert ev.extra_tensors is not None, k
         assert torch.equal(combined.cpu(), lwant_logfmt if k == "use_logfmt" else lwant), k
     lb.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank=T_max, hidden=H, num_experts=E)
-    for qual, kwarg, fn in (
-            ("low_latency_update_mask_buffer", "mask",
-             lambda: lb.low_latency_update_mask_buffer(rank_to_mask=0, mask=True)),
-            ("low_latency_query_mask_buffer", "mask_status",
-             lambda: lb.low_latency_query_mask_buffer(mask_status=torch.zeros(R, dtype=torch.int))),
-            ("low_latency_clean_mask_buffer", "", lambda: lb.low_latency_clean_mask_buffer()),
-            ("get_local_buffer_tensor", "use_rdma_buffer",
-             lambda: lb.get_local_buffer_tensor(dtype=torch.bfloat16, size=torch.Size([4]),
-                                                offset=0, use_rdma_buffer=True))):
-        assert call(qual, kwarg, fn) is None, qual
+    # The rank mask (enable_shrink), by keyword: this rank masks the next one, reads it back,
+    # cleans it (no ll call in between, so nobody waits for anyone).
+    peer = (r + 1) % R
+    call("low_latency_update_mask_buffer", "mask",
+         lambda: lb.low_latency_update_mask_buffer(rank_to_mask=peer, mask=peer != r))
+    status = torch.full((R,), -1, dtype=torch.int, device=dev)
+    call("low_latency_query_mask_buffer", "mask_status",
+         lambda: lb.low_latency_query_mask_buffer(mask_status=status))
+    assert status.tolist() == [int(p == peer and peer != r) for p in range(R)], status
+    call("low_latency_clean_mask_buffer", "", lambda: lb.low_latency_clean_mask_buffer())
+    lb.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * R, status
+    assert call("get_local_buffer_tensor", "use_rdma_buffer",
+                lambda: lb.get_local_buffer_tensor(dtype=torch.bfloat16, size=torch.Size([4]),
+                                                   offset=0, use_rdma_buffer=True)) is None
     assert (lb.get_comm_stream() is None) == (dev.type == "cpu")
 
     # ---- static and Config / EventOverlap keywords
@@ -1247,9 +1252,7 @@ def body_every_kwarg(ctx, seed):
 
 # The options epx names as Unsupported (anything else must be honoured).
 EXPECTED_UNSUPPORTED = sorted({
-    "Buffer(allow_nvlink_for_low_latency_mode)", "Buffer(enable_shrink)",
-    "low_latency_update_mask_buffer(mask)", "low_latency_query_mask_buffer(mask_status)",
-    "low_latency_clean_mask_buffer()", "get_local_buffer_tensor(use_rdma_buffer)"})
+    "Buffer(allow_nvlink_for_low_latency_mode)", "get_local_buffer_tensor(use_rdma_buffer)"})
 
 
 class _GroupComm:

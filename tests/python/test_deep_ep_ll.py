@@ -4,6 +4,7 @@ Every rank regenerates every rank's inputs from the test's seed, so it knows wha
 outputs the caller provides are poisoned first; every valid element is compared bit for bit.
 """
 
+import os
 import random
 import time
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import epx
 import epx.compat.deep_ep as deep_ep
 import reference as ref
+from conftest import get_pool, gpu_skip_reason
 
 H = 256  # two fp8 groups of 128; ll needs H % 128 == 0
 K = 4
@@ -572,3 +574,186 @@ def body_ll_graph(ctx, seed, hooked, num_replays=20):
         _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), inputs[r]["topk_idx"],
                          L, what, buf)
     return num_replays
+
+
+# ---- rank masks: DeepEP's test_low_latency.py --shrink-test (docs/semantics.md §2.6) ----------
+
+SHRINK_TIMEOUT_S = 1.5  # the epx group's timeout in the shrink test: what a dead rank costs
+# DeepEP's failing ranks: the rank that stops at its first call of each API (where R has it).
+SHRINK_FAILS = {"dispatch": 1, "combine": 3, "clean": 5}
+
+
+def _fp8_back(q, scales, use_ue8m0):
+    """DeepEP's per_token_cast_back of one expert's rows: e4m3 bits [n, H] and their scales
+    (f32 [n, G], or packed UE8M0 int32 [n, ceil(G/4)]) -> bf16 [n, H]."""
+    n = q.shape[0]
+    if use_ue8m0:
+        exps = scales.contiguous().view(torch.uint8).reshape(n, -1)[:, :H // 128]
+        scales = (exps.to(torch.int32) << 23).view(torch.float32)
+    f = ref.e4m3_decode(q).reshape(n, H // 128, 128) * scales.reshape(n, H // 128, 1)
+    return f.reshape(n, H).to(torch.bfloat16)
+
+
+def body_ll_shrink(ctx, seed):
+    """DeepEP's --shrink-test on epx.compat.deep_ep with enable_shrink=True: rank 1 stops calling
+    at its first low-latency dispatch, rank 3 at its first combine, rank 5 at its first
+    clean_low_latency_buffer (those below R), as DeepEP's simulate_failure_and_skip; the live
+    ranks go on through DeepEP's loop (x batches, hook or not, bf16 / fp8 / round_scale / UE8M0,
+    one or two dispatches, combine plain and zero-copy, clean after each round) and after every
+    call low_latency_query_mask_buffer shows exactly the failed ranks. Each call that meets a
+    newly dead rank returns after about the group's timeout (clean: two), the others wait for
+    nobody; every dispatch and combine equals reference.py bit for bit with the dead ranks'
+    tokens absent and their experts' terms left out (DeepEP checks the same within its
+    tolerances). One warm-up round first: epx creates the low-latency buffer collectively at the
+    first call, which DeepEP's test makes rank 1 skip (docs/semantics.md §9)."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    T, E = 16, 4 * R
+    L = E // R
+    fails = {api: q for api, q in SHRINK_FAILS.items() if q < R}
+    inputs = _inputs(seed, R, E, lambda s: T)
+    for s, inp in enumerate(inputs):  # DeepEP's x: the source rank, the token index at the end
+        inp["x"] = torch.full((T, H), s - 128.0, dtype=torch.bfloat16)
+        inp["x"][:, -128:] = torch.arange(T, dtype=torch.bfloat16).view(-1, 1)
+    x_list = [inputs[r]["x"], (torch.randn(T, H, generator=ref.generator(seed, r, "x")) * 0.1)
+              .to(torch.bfloat16)]
+    all_x = [[inputs[s]["x"] for s in range(R)],
+             [(torch.randn(T, H, generator=ref.generator(seed, s, "x")) * 0.1).to(torch.bfloat16)
+              for s in range(R)]]
+    saved = os.environ.get("EPX_TIMEOUT_MS")
+    os.environ["EPX_TIMEOUT_MS"] = str(int(SHRINK_TIMEOUT_S * 1000))
+    try:
+        buf = deep_ep.Buffer(ctx.group, low_latency_mode=True, enable_shrink=True)
+        mine = {k: v.to(dev) for k, v in inputs[r].items()}
+        # Warm-up: every rank's first call creates the buffer (collective, not masked).
+        res = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], T, E, use_fp8=False)
+        buf.low_latency_combine(torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=dev),
+                                mine["topk_idx"], mine["topk_weights"], res[2])
+    finally:
+        if saved is None:
+            del os.environ["EPX_TIMEOUT_MS"]
+        else:
+            os.environ["EPX_TIMEOUT_MS"] = saved
+    status = torch.zeros(R, dtype=torch.int32, device=dev)
+    failed = set()  # DeepEP's expected_masked_ranks
+
+    def stops(api):  # DeepEP's simulate_failure_and_skip
+        if r in failed:
+            return True
+        if api in fails:
+            failed.add(fails[api])
+            return fails[api] == r
+        return False
+
+    def checked(api, call):
+        """Runs call(), then: the mask is exactly `failed`, and the call waited about one
+        timeout per rank it found dead (clean: two), else less than one."""
+        buf.low_latency_query_mask_buffer(status)
+        before = set(status.nonzero().flatten().tolist())
+        t0 = time.monotonic()
+        out = call()
+        took = time.monotonic() - t0
+        buf.low_latency_query_mask_buffer(status)
+        assert set(status.nonzero().flatten().tolist()) == failed, (api, status, failed)
+        waits = (2 if api == "clean" else 1) if failed != before else 0
+        if waits:
+            assert 0.9 * waits * SHRINK_TIMEOUT_S <= took < (waits + 1) * SHRINK_TIMEOUT_S + 5, \
+                (api, took)
+        else:
+            assert took < 0.9 * SHRINK_TIMEOUT_S, (api, took)
+        return out
+
+    num_times = 0
+    for which, current_x in enumerate(x_list):
+        for return_recv_hook in (False, True):
+            for use_fp8 in (False, True):
+                for round_scale in ((False, True) if use_fp8 else (False,)):
+                    for use_ue8m0 in ((False, True) if round_scale else (False,)):
+                        if stops("dispatch"):
+                            break
+                        what = (f"seed={seed} x={which} hook={return_recv_hook} fp8={use_fp8} "
+                                f"round={round_scale} ue8m0={use_ue8m0}")
+                        masked_at_dispatch = set(failed)
+                        # The reference's inputs: this round's x, dead ranks without tokens.
+                        live = [dict(inputs[s], x=all_x[which][s]) if s not in failed else
+                                dict(x=inputs[s]["x"][:0], topk_idx=inputs[s]["topk_idx"][:0],
+                                     topk_weights=inputs[s]["topk_weights"][:0])
+                                for s in range(R)]
+                        num_times += 1
+                        for _ in range(num_times % 2 + 1):
+                            stats = torch.zeros(L, dtype=torch.int32, device=dev)
+
+                            def dispatch():
+                                res = buf.low_latency_dispatch(
+                                    current_x.to(dev), mine["topk_idx"], T, E,
+                                    cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+                                    round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                    async_finish=not return_recv_hook,
+                                    return_recv_hook=return_recv_hook)
+                                if return_recv_hook:
+                                    res[4]()
+                                else:
+                                    res[3].current_stream_wait()
+                                return res
+                            res = checked("dispatch", dispatch)
+                            _check_dispatch(ctx, live, res, E, T, use_fp8, round_scale,
+                                            use_ue8m0, what)
+                            assert stats.tolist() == res[1].tolist(), what
+                        # Every rank's expert input: what it received, cast back (DeepEP's
+                        # simulated_gemm_x).
+                        ys = []
+                        for d in range(R):
+                            y = torch.zeros(L, R * T, H, dtype=torch.bfloat16)
+                            for l, w in enumerate(ref.ll_dispatch(live, d, E, R, T, use_fp8,
+                                                                  round_scale)):
+                                if w["count"]:
+                                    y[l, :w["count"]] = _fp8_back(
+                                        w["x"], ref.ue8m0_pack(w["scales"]) if use_ue8m0 else
+                                        w["scales"], use_ue8m0) if use_fp8 else w["x"]
+                            ys.append(y)
+                        if stops("combine"):
+                            break
+                        for zero_copy in (False, True):
+                            if zero_copy:
+                                buf.get_next_low_latency_combine_buffer(res[2]).copy_(ys[r].to(dev))
+                            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16,
+                                             device=dev)
+
+                            def combine():
+                                combined, event, hook = buf.low_latency_combine(
+                                    ys[r].to(dev), mine["topk_idx"], mine["topk_weights"],
+                                    res[2], async_finish=not return_recv_hook,
+                                    zero_copy=zero_copy, return_recv_hook=return_recv_hook,
+                                    out=out)
+                                if return_recv_hook:
+                                    hook()
+                                else:
+                                    event.current_stream_wait()
+                                return combined
+                            combined = checked("combine", combine)
+                            # DeepEP: the failed owners' topk entries count as -1.
+                            dropped = [dict(inp, topk_idx=torch.where(
+                                (inp["topk_idx"] >= 0) & torch.isin(
+                                    inp["topk_idx"] // L, torch.tensor(sorted(failed))),
+                                -1, inp["topk_idx"])) for inp in live]
+                            want = ref.ll_combine(dropped, ys, r, E, R)
+                            _assert_combined(combined.cpu(), want, inputs[r]["topk_idx"], L,
+                                             f"{what} zero_copy={zero_copy} masked at the "
+                                             f"dispatch {sorted(masked_at_dispatch)}", buf)
+                        if stops("clean"):
+                            break
+                        checked("clean", lambda: buf.clean_low_latency_buffer(T, H, E))
+    assert num_times > 0 or r == fails.get("dispatch")
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_ll_shrink(R):
+    get_pool(R).run(body_ll_shrink, _seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_ll_shrink_gpu(R):
+    reason = gpu_skip_reason(R)
+    if reason:
+        pytest.skip(reason)
+    get_pool(R, "nccl").run(body_ll_shrink, _seed())

@@ -303,6 +303,45 @@ def body_timeout(ctx, seed):
     assert isinstance(info.value, TimeoutError)
 
 
+def body_shrink(ctx, seed):
+    """The same dead rank 0 with enable_shrink=True: the others' dispatch and combine complete
+    after about the group's timeout (no Timeout), without rank 0's tokens and experts, and
+    ll_query_mask shows it masked; ll_update_mask / ll_clean_mask and their errors."""
+    R, r = ctx.world_size, ctx.rank
+    group = epx.Group.from_process_group(ctx.group, timeout=1.0)
+    plain = epx.Buffer(group, hidden=128, top_k=1, num_experts=R, max_tokens_per_rank=4,
+                       enable_ht=False, enable_ll=True)
+    with pytest.raises(epx.InvalidArgument, match="enable_shrink = false"):
+        plain.ll_update_mask((r + 1) % R, True)
+    buf = epx.Buffer(group, hidden=128, top_k=1, num_experts=R, max_tokens_per_rank=4,
+                     enable_ht=False, enable_ll=True, enable_shrink=True)
+    status = torch.full((R,), -1, dtype=torch.int32)
+    with pytest.raises(epx.InvalidArgument, match="cannot mask itself"):
+        buf.ll_update_mask(r, True)
+    with pytest.raises(epx.InvalidArgument, match="'mask_status'"):
+        buf.ll_query_mask(torch.zeros(R, dtype=torch.int64))
+    buf.ll_update_mask((r + 1) % R, True)
+    buf.ll_query_mask(status)
+    assert status.tolist() == [int(p == (r + 1) % R) for p in range(R)]
+    buf.ll_clean_mask()
+    buf.ll_query_mask(status)
+    assert status.tolist() == [0] * R
+    if r == 0:
+        return None
+    x = torch.ones(2, 128, dtype=torch.bfloat16) * r
+    idx = torch.tensor([[0], [r]], dtype=torch.int64)  # rank 0's expert, and this rank's own
+    start = time.monotonic()
+    res = buf.ll_dispatch(x, idx, use_fp8=False)
+    combined = buf.ll_combine(res.recv_x, idx, torch.ones(2, 1), res.handle).out
+    elapsed = time.monotonic() - start
+    assert 0.9 < elapsed < 5.0, elapsed
+    buf.ll_query_mask(status)
+    assert status.tolist() == [1] + [0] * (R - 1)
+    assert res.recv_count.tolist() == [1]  # its own token 1 (the others' go to rank 0)
+    assert combined[0].float().abs().sum() == 0  # rank 0's expert: left out (+0)
+    assert torch.equal(combined[1], x[1])
+
+
 def test_group_from_process_group(pool):
     pool.run(body_group, _seed())
 
@@ -337,3 +376,8 @@ def test_gil_released_while_waiting(pool2):
 
 def test_timeout_instead_of_hang(pool2):
     pool2.run(body_timeout, _seed())
+
+
+def test_shrink_masks_instead_of_timeout(pool):
+    if pool.world_size > 1:
+        pool.run(body_shrink, _seed())

@@ -1,4 +1,4 @@
-"""The overlapped ll combine (docs/semantics.md §2.6) through Python: epx.Buffer.ll_combine
+"""The overlapped ll combine (docs/semantics.md §2.7) through Python: epx.Buffer.ll_combine
 (overlap=epx.LlCombineOverlap), epx.Dispatcher.combine_a(overlap=...) and
 epx.compat.deep_ep's low_latency_combine in both forks' forms (comp_signal and src_signals).
 

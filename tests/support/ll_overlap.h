@@ -1,5 +1,5 @@
 // tests/support/ll_overlap.h — the stand-in expert GEMM of the overlapped ll combine's tests
-// (docs/semantics.md §2.6): which parts of y it stores, in which order, and which signal each
+// (docs/semantics.md §2.7): which parts of y it stores, in which order, and which signal each
 // part raises. Shared by the cpu tier (tests/unit/ll_overlap_test.cc: a host thread plays the
 // GEMM) and the GPU tier (tests/gpu/ll_overlap_gpu_test.cu: a kernel plays it), so both raise
 // the signals the same way.

@@ -4,6 +4,8 @@
 //     row of l: its bf16 row, quantize_row_fp8 of it, or oracle_nvfp4_row of it (below, written
 //     from the formula); src_info = t. layout_range[l][s] is the (begin << 32) | count of the
 //     rows taken from s. The same on every topology (ranks_per_node is not read), NVFP4 included.
+//   masks (p.masked_dispatch, p.masked_combine): a source masked at the dispatch takes no rows
+//     (its layout_range count is 0); at the combine an expert on a masked rank is skipped like -1.
 //   combine: the row of (source rank, token) in every expert is found again by the same walk,
 //     then out[t] = bf16(fmaf-chain over k of w[t][k] * y_d[l][row]) in k order — across nodes
 //     one chain per node (its experts' k in order, from 0.0f), this rank's node's first, then
@@ -31,7 +33,10 @@ std::string LlProblem::describe() const {
   return detail::cat("R=", num_ranks, nodes, " T_max=", max_tokens, " H=", hidden, " K=", top_k,
                      " E=", num_experts, format, round_scale ? " round_scale" : "",
                      use_ue8m0 ? " ue8m0" : "", use_logfmt ? " logfmt" : "",
-                     use_nvfp4 ? detail::cat(" g=", global_scale) : "");
+                     use_nvfp4 ? detail::cat(" g=", global_scale) : "",
+                     masked_dispatch || masked_combine
+                         ? detail::cat(" masked=", masked_dispatch, "/", masked_combine)
+                         : "");
 }
 
 namespace {
@@ -42,6 +47,10 @@ bool selects(const LlProblem& p, const LlRankInput& in, int64_t t, int expert) {
   return false;
 }
 
+bool masked_in(uint64_t mask, int64_t rank) {
+  return (mask >> rank & 1) != 0;
+}
+
 // row_of[e][s * T_max + t]: the row of source s's token t in expert e, or -1.
 std::vector<std::vector<int64_t>> rows_of_all_experts(const LlProblem& p,
                                                       const std::vector<LlRankInput>& inputs) {
@@ -50,7 +59,7 @@ std::vector<std::vector<int64_t>> rows_of_all_experts(const LlProblem& p,
   for (int e = 0; e < p.num_experts; ++e) {
     int64_t row = 0;
     for (int s = 0; s < p.num_ranks; ++s)
-      for (int64_t t = 0; t < inputs[s].num_tokens; ++t)
+      for (int64_t t = 0; t < inputs[s].num_tokens && !masked_in(p.masked_dispatch, s); ++t)
         if (selects(p, inputs[s], t, e)) row_of[e][s * p.max_tokens + t] = row++;
   }
   return row_of;
@@ -120,7 +129,7 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
     for (int s = 0; s < p.num_ranks; ++s) {
       const int64_t begin = row;
       const LlRankInput& in = inputs[s];
-      for (int64_t t = 0; t < in.num_tokens; ++t) {
+      for (int64_t t = 0; t < in.num_tokens && !masked_in(p.masked_dispatch, s); ++t) {
         if (!selects(p, in, t, e)) continue;
         const uint16_t* x = in.x.data() + t * H;
         uint8_t* dst = out.recv_x.data() + (l * RT + row) * row_bytes;
@@ -162,6 +171,8 @@ std::vector<uint16_t> combine_rank(const LlProblem& p, const std::vector<LlRankI
   const int nodes = p.num_ranks / per_node, own = rank / per_node;
   const int64_t RT = p.rows_per_expert(), H = p.hidden;
   const LlRankInput& in = inputs[rank];
+  // A rank the others mask at the dispatch sent them nothing: its combine is not defined here.
+  if (masked_in(p.masked_dispatch, rank)) return std::vector<uint16_t>(in.num_tokens * p.hidden, 0);
   std::vector<int> order{own};  // nodes in summation order
   for (int m = 0; m < nodes; ++m)
     if (m != own) order.push_back(m);
@@ -173,7 +184,7 @@ std::vector<uint16_t> combine_rank(const LlProblem& p, const std::vector<LlRankI
       bool reached = false;
       for (int k = 0; k < K; ++k) {
         const int64_t e = in.topk_idx[t * K + k];
-        if (e == -1 || e / L / per_node != m) continue;
+        if (e == -1 || e / L / per_node != m || masked_in(p.masked_combine, e / L)) continue;
         reached = true;
         const int64_t row = row_of[e][rank * p.max_tokens + t];
         const uint16_t* y_row = y[e / L].data() + ((e % L) * RT + row) * H;

@@ -30,6 +30,11 @@ struct LlProblem {
                             // summation order depends on it)
   bool use_nvfp4 = false;     // dispatch: NVFP4 messages (set by name: fields after this one)
   float global_scale = 1.0f;  // NVFP4's g (every rank's)
+  // The ll rank masks (enable_shrink, docs/semantics.md §2.6), bit p = rank p, the same on every
+  // live rank: masked during the dispatch (the rank's tokens are absent) and during the combine
+  // (the rank's experts' terms are left out; a superset of the dispatch's).
+  uint64_t masked_dispatch = 0;
+  uint64_t masked_combine = 0;
 
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
@@ -64,7 +69,8 @@ LlExpectedDispatch oracle_ll_dispatch(const LlProblem& p, const std::vector<LlRa
 // Returns rank `rank`'s out [T, H] bf16: per node, the fmaf chain over the token's k in order
 // whose expert lives on that node (from 0.0f); this rank's node's chain, plus each other node's
 // that the token reached, nodes ascending; one rounding (src/cpu/ll_combine.cc). One node: the
-// fmaf chain over every k. p.use_logfmt: every y row as logfmt_ref_row decodes it.
+// fmaf chain over every k. p.use_logfmt: every y row as logfmt_ref_row decodes it. Experts of
+// ranks in p.masked_combine are left out of every chain.
 std::vector<uint16_t> oracle_ll_combine(const LlProblem& p, const std::vector<LlRankInput>& inputs,
                                         const std::vector<std::vector<uint16_t>>& y, int rank);
 // Every rank's out at once (walks the routing once for all ranks).

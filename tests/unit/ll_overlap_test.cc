@@ -1,4 +1,4 @@
-// The overlapped ll combine (LlCombineArgs::overlap, docs/semantics.md §2.6) on the cpu backend.
+// The overlapped ll combine (LlCombineArgs::overlap, docs/semantics.md §2.7) on the cpu backend.
 // Per rank a host thread plays the expert GEMM (tests/support/ll_overlap.h): it stores y part by
 // part in a seeded random order with random delays and raises each part's signal with a release
 // add, while the rank's combine waits for the signals. y (or the zero-copy buffer) is poisoned

@@ -90,9 +90,20 @@ How it differs, and why:
   send SMs, ``packed_recv_count`` checked against the handle) or ``src_signals`` (hybrid-ep:
   [L] uint32 or int32, one per expert, reached at ``src_signal_expect_value``; 32 send SMs).
   Exactly one of them with ``overlap=True``; ``overlap=False`` ignores them all, as the forks do.
-  The result equals the plain combine's bit for bit (docs/semantics.md §2.6).
-* Options epx cannot honour raise ``epx.Unsupported`` naming them: enable_shrink=True (and the
-  mask-buffer API), allow_nvlink_for_low_latency_mode=False, get_local_buffer_tensor.
+  The result equals the plain combine's bit for bit (docs/semantics.md §2.7).
+* Rank masks (``enable_shrink=True``, ``low_latency_update_mask_buffer`` /
+  ``low_latency_query_mask_buffer`` / ``low_latency_clean_mask_buffer``): epx's ll masks
+  (docs/semantics.md §2.6), the same meaning: a masked rank is neither sent to nor waited for,
+  its tokens and its experts' terms are left out, and a low-latency wait (or
+  clean_low_latency_buffer's) that times out masks the rank it waited for instead of failing.
+  Differences: the low-latency buffer of a shape is created collectively at its first call, so
+  every rank makes that first call (engines do at warm-up; DeepEP's own --shrink-test stops a
+  rank before it, which then times out its peers' first call), and a call that needs a new
+  buffer while ranks are masked raises Unsupported; a rank cannot mask itself; an unmasked
+  rank takes part again after clean_low_latency_buffer on every rank that takes part.
+* Options epx cannot honour raise ``epx.Unsupported`` naming them:
+  allow_nvlink_for_low_latency_mode=False, num_tokens_per_rdma_rank, get_local_buffer_tensor,
+  internode_dispatch / internode_combine.
   ``allow_mnnvl=True`` (kept as ``allow_mnnvl``) permits, and does not require, a multi-node
   NVLink domain, which is then one node (see Nodes); ``use_fabric`` is accepted: NCCL picks the
   handle type (docs/semantics.md §8.1).
@@ -292,8 +303,6 @@ class Buffer:
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None,
                  ranks_per_node=None):
         op = "Buffer"
-        if enable_shrink:
-            raise errors.unsupported(op, "enable_shrink=True: epx has no fault-tolerant masking")
         if not allow_nvlink_for_low_latency_mode:
             raise errors.unsupported(op, "allow_nvlink_for_low_latency_mode=False: epx's "
                                      "low-latency mode always uses NVLink within the node")
@@ -329,7 +338,8 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.use_fabric = bool(use_fabric)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
+        self._mask_pending = 0  # enable_shrink: the rank mask while no low-latency buffer exists
         self._destroyed = False
         self._groups = {}       # (device, num_sms) -> epx Group (num_sms 0: ll, epx's own grid)
         self._ht = None         # epx Buffer for normal mode
@@ -563,6 +573,11 @@ class Buffer:
         # throttles them; epx's ll kernels take their default grid (group num_sms 0).
         key = (device, max_tokens, hidden, top_k, num_experts)
         if self._ll is None or self._ll_key != key:
+            if self.enable_shrink and self._masked_ranks():
+                raise errors.unsupported(op, "a low-latency call of another shape (or the first "
+                                         "one) while ranks are masked: epx creates the "
+                                         "low-latency buffer of a shape collectively over every "
+                                         f"rank, and ranks {self._masked_ranks()} are masked")
             # Through the epx group (not the ProcessGroup): a rank that re-creates its buffer
             # while its peers still dispatch on theirs then meets them in epx's own exchange,
             # where (cpu) every rank raises InvalidArgument instead of waiting for a timeout.
@@ -572,7 +587,7 @@ class Buffer:
                              ("argument 'num_experts'", num_experts)])
             self._ll = None  # release before allocating the replacement
             self._ll = _EpxBuffer(group, hidden, top_k, num_experts, max_tokens, enable_ht=False,
-                                  enable_ll=True)
+                                  enable_ll=True, enable_shrink=self.enable_shrink)
             self._ll_key = key
             # The int fields of every handle of this buffer (DeepEP's handle[2:]), read once.
             self._ll_tail = (self._ll.max_tokens_per_rank, self._ll.hidden, self._ll.num_experts)
@@ -858,7 +873,7 @@ class Buffer:
         """Low-latency combine (docs/semantics.md §2.3): out[t] = sum_k w[t][k] * x(t, k).
         -> (combined_x[T, H], event, hook). use_logfmt: LogFMT-10 rows (§2.3.1), zero_copy too.
 
-        overlap=True (the forks' signal-driven combine, §2.6): called on another stream after the
+        overlap=True (the forks' signal-driven combine, §2.7): called on another stream after the
         expert GEMM that writes x and raises the signals was enqueued, it sends each part of x
         as soon as its signal is reached. Either comp_signal (int32, one signal per block of
         block_m rows of each local expert, reached at threshold; num_sms send SMs;
@@ -910,15 +925,67 @@ class Buffer:
                 key[4] == num_experts:
             self._ll.ll_clean()
 
-    # ---- fault tolerance (enable_shrink), not supported -------------------------------------
+    # ---- rank masks (enable_shrink; docs/semantics.md §2.6) ----------------------------------
+    def _check_shrink(self, op):
+        self._check_alive(op)
+        if not self.enable_shrink:
+            raise errors.invalid(op, "the Buffer was created with enable_shrink=False, expected "
+                                 "True (the rank mask needs it)")
+
+    def _masked_ranks(self):
+        """The ranks this rank masks, as a sorted list (host copy of the low-latency buffer's
+        mask, or the mask kept while none exists)."""
+        if self._ll is None:
+            bits = self._mask_pending
+        else:
+            status = torch.zeros(self.group_size, dtype=torch.int32,
+                                 device=torch.device(self._ll._native.device))
+            self._ll.ll_query_mask(status)
+            bits = sum(1 << p for p, v in enumerate(status.tolist()) if v)
+        return [p for p in range(self.group_size) if bits >> p & 1]
+
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        raise errors.unsupported("low_latency_update_mask_buffer", "needs enable_shrink=True, "
-                                 "which epx does not support")
+        """Masks (mask=True) or unmasks rank ``rank_to_mask`` for this rank's low-latency calls
+        (and clean_low_latency_buffer): nothing is sent to it, it is not waited for, its tokens
+        and its experts' terms are left out (docs/semantics.md §2.6). Local, on the current
+        stream. A rank cannot mask itself. An unmasked rank takes part again once every rank that
+        takes part called clean_low_latency_buffer()."""
+        op = "low_latency_update_mask_buffer"
+        self._check_shrink(op)
+        errors.check_int(op, "rank_to_mask", rank_to_mask)
+        if rank_to_mask >= self.group_size:
+            raise errors.invalid(op, f"argument 'rank_to_mask' is {rank_to_mask}, expected 0.."
+                                 f"{self.group_size - 1}")
+        if self._ll is not None:
+            self._ll.ll_update_mask(rank_to_mask, bool(mask))
+            return
+        if mask and rank_to_mask == self.rank:
+            raise errors.invalid(op, f"argument 'rank_to_mask' is {rank_to_mask}, this rank, with "
+                                 "mask=True; expected another rank (a rank cannot mask itself)")
+        bit = 1 << rank_to_mask
+        self._mask_pending = self._mask_pending | bit if mask else self._mask_pending & ~bit
 
     def low_latency_query_mask_buffer(self, mask_status):
-        raise errors.unsupported("low_latency_query_mask_buffer", "needs enable_shrink=True, "
-                                 "which epx does not support")
+        """Writes into ``mask_status`` (int32 [num_ranks] on the low-latency calls' device) 1 for
+        every rank this rank masks (by low_latency_update_mask_buffer, or because a wait for it
+        timed out), else 0. On the current stream."""
+        op = "low_latency_query_mask_buffer"
+        self._check_shrink(op)
+        if self._ll is not None:
+            self._ll.ll_query_mask(mask_status)
+            return
+        _tensor(op, "mask_status", mask_status, 1)
+        if mask_status.dtype != torch.int32 or mask_status.numel() != self.group_size:
+            raise errors.invalid(op, f"argument 'mask_status' is {mask_status.dtype} "
+                                 f"{list(mask_status.shape)}, expected torch.int32 "
+                                 f"[{self.group_size}]")
+        bits = [self._mask_pending >> p & 1 for p in range(self.group_size)]
+        mask_status.copy_(torch.tensor(bits, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        raise errors.unsupported("low_latency_clean_mask_buffer", "needs enable_shrink=True, "
-                                 "which epx does not support")
+        """Unmasks every rank (see low_latency_update_mask_buffer for taking part again)."""
+        op = "low_latency_clean_mask_buffer"
+        self._check_shrink(op)
+        self._mask_pending = 0
+        if self._ll is not None:
+            self._ll.ll_clean_mask()

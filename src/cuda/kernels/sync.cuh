@@ -115,12 +115,26 @@ struct NeverGiveUp {
   __device__ bool operator()() const { return false; }
 };
 
+// The default of wait_flag's `on_timeout`: record the timeout (b: the value wanted in the high
+// half, the value last seen in the low half, for the message) and set the abort word, so every
+// other wait of this rank stops too.
+struct RecordTimeout {
+  __device__ void operator()(const WaitContext& ctx, uint32_t what, int32_t peer, uint32_t want,
+                             uint32_t seen) const {
+    record_error(ctx, kDevErrTimeout, peer, what,
+                 static_cast<int64_t>((static_cast<uint64_t>(want) << 32) | seen));
+    atomicExch(&ctx.state->abort, 1u);
+  }
+};
+
 // Spins until *flag (read with acquire) satisfies seq_reached(*flag, want) for kSeq, or equals
-// `want` otherwise. Returns false on timeout or abort, or when `give_up()` (asked every 64 spins,
-// after the abort word) returns true — it records its own error; never traps.
-template <bool kSeq, typename GiveUp = NeverGiveUp>
+// `want` otherwise. Returns false on timeout (after `on_timeout(ctx, what, peer, want, seen)`) or
+// abort, or when `give_up()` (asked every 64 spins, after the abort word) returns true — it
+// records its own error; never traps.
+template <bool kSeq, typename GiveUp = NeverGiveUp, typename OnTimeout = RecordTimeout>
 __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext& ctx,
-                          uint32_t what, int32_t peer, GiveUp give_up = {}) {
+                          uint32_t what, int32_t peer, GiveUp give_up = {},
+                          OnTimeout on_timeout = {}) {
   auto ok = [&](uint32_t v) { return kSeq ? seq_reached(v, want) : v == want; };
   uint32_t v = ld_acquire_sys(flag);
   if (ok(v)) return true;
@@ -132,10 +146,7 @@ __device__ bool wait_flag(const uint32_t* flag, uint32_t want, const WaitContext
       if (*reinterpret_cast<volatile uint32_t*>(&ctx.state->abort)) return false;
       if (give_up()) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
-        // b: the value wanted (high half) and the value last seen (low half), for the message.
-        record_error(ctx, kDevErrTimeout, peer, what,
-                     static_cast<int64_t>((static_cast<uint64_t>(want) << 32) | v));
-        atomicExch(&ctx.state->abort, 1u);
+        on_timeout(ctx, what, peer, want, v);
         return false;
       }
     }

@@ -52,6 +52,10 @@
 //   ll_next_combine_buffer, or by the next copy.
 // Ids outside [-1, E) are reported (InvalidArgument) and skipped; a selection whose row lies past
 // what its expert received from this rank (topk_idx is not the dispatch's) is reported and skipped.
+// Rank mask (enable_shrink, common.cuh): the send copies no rows for masked sources and signals
+// only unmasked ranks; the receive neither waits for nor reads a masked expert rank (a wait that
+// times out masks it): its selections are skipped as if their ids were -1 (step 6: no source),
+// and the finish releases and awaits only unmasked ranks.
 #pragma once
 
 #include "cuda/kernels/ll/common.cuh"
@@ -147,6 +151,7 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   const int R = g.num_ranks, L = g.num_local_experts, me = p.rank, q = p.slot;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   uint16_t* buf = g.comb_y(symm.local, q);
+  const uint64_t masked = ll_masked_uniform(symm);
 
   if (p.use_logfmt) {
     const int S = p.units_per_expert;
@@ -173,6 +178,7 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
       const int l = u / S, sub = u - l * S;
       for (int s = 0; s < R; ++s) {
         if (s == me && !p.copy_own) continue;  // read straight from y by this rank's pulls
+        if (rank_skipped(masked, s)) continue;  // a masked source pulls nothing from here
         const int64_t range =
             __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
         const int64_t begin = range >> 32;
@@ -206,7 +212,7 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   __syncthreads();
   if (blockIdx.x == 0) ll_combine_publish_routed(p, e);
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
-  signal_ranks(R, 0, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+  signal_ranks(R, masked, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
   EPX_LL_STAMP(p, 1, kTrCSignal);
 }
 
@@ -413,11 +419,12 @@ __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
   return ll_ld8<true>(reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v, !(src & 1));
 }
 
-// Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d (and this rank with
-// use_logfmt: its encoded rows come from every CTA of its send half), each peer's use_logfmt
-// compared with this rank's; `wait_ns` (optional) as in step 5. False when a wait failed (on
-// every lane).
-__device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int64_t* wait_ns) {
+// Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d not in `masked` (and
+// this rank with use_logfmt: its encoded rows come from every CTA of its send half), each peer's
+// use_logfmt compared with this rank's; `wait_ns` (optional) as in step 5 (with enable_shrink
+// also for a peer masked while awaited). False when a wait failed (on every lane).
+__device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int64_t* wait_ns,
+                                      uint64_t masked) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int me = p.rank, q = p.slot;
@@ -425,17 +432,31 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
   const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
   const int32_t mine = ll_combine_format(p);
   for (int d = threadIdx.x; d < g.num_ranks && ok; d += 32) {
-    if (d == me && !p.use_logfmt && !p.overlap) continue;
-    ok = wait_flag<true>(g.sync(symm.local)->combine_ready[q] + d, e * gridDim.x, p.wait, kWaitRows,
-                         d);
+    if ((d == me && !p.use_logfmt && !p.overlap) || rank_skipped(masked, d)) continue;
+    const uint32_t* ready = g.sync(symm.local)->combine_ready[q] + d;
+    bool arrived = true;
+    if (symm.shrink && d != me)
+      arrived = ll_wait_or_mask(symm, ready, e * gridDim.x, p.wait, kWaitRows, d);
+    else
+      ok = wait_flag<true>(ready, e * gridDim.x, p.wait, kWaitRows, d);
     if (!ok || d == me) continue;
     if (wait_ns) add_wait_ns(wait_ns + d, wait_start);
+    if (!arrived) continue;
     const int32_t theirs = ld_landed<int32_t>(g.comb_format(symm.peers[d], q));
     if (theirs != mine) record_error(p.wait, kDevErrLlCombineFormat, d, theirs, mine);
   }
   ok = __all_sync(0xffffffffu, ok);
   __syncwarp();  // orders the lanes' loads below after the acquires (as a barrier)
   return ok;
+}
+
+// The mask now, read by lane 0 and shuffled to the warp (warp-uniform; 0 without enable_shrink).
+__device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
+  if (!symm.shrink) return 0;
+  uint64_t m = 0;
+  if ((threadIdx.x & 31) == 0)
+    m = *reinterpret_cast<volatile unsigned long long*>(symm.layout.mask(symm.local));
+  return __shfl_sync(0xffffffffu, m, 0);
 }
 
 // Steps 4-7 and the finish. False when a wait failed.
@@ -449,6 +470,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   __shared__ uintptr_t s_mrow[kSlots];  // use_logfmt: the rows' meta words (0: skipped)
   __shared__ float s_w[kSlots];
   __shared__ int s_ok;
+  __shared__ uint64_t s_masked;  // the ranks this CTA skips (after its waits)
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
@@ -462,6 +484,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   };
   EPX_LL_STAMP(p, 1, kTrCRecvEntry);
   EPX_LL_TRACE_DECL(ids);
+  const uint64_t masked0 = ll_masked_uniform(symm);
+  if (threadIdx.x == 0) s_masked = masked0;  // CTAs without tokens: read at the finish
 
   if (t_begin < t_end) {
     // 4. The counts of the tokens before the chunk, per expert.
@@ -512,8 +536,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
       }
     };
     // 5. The begin / count of this rank's block in every expert: comb_layout(d, q)[l][r] of the
-    // expert's rank d (its own handle for d = r), threads `first`, `first + stride`, ...
-    auto load_ranges = [&](int first, int stride) {
+    // expert's rank d (its own handle for d = r; 0 for a rank in `masked`: not read), threads
+    // `first`, `first + stride`, ...
+    auto load_ranges = [&](int first, int stride, uint64_t masked) {
       constexpr int kBatch = 8;  // loads in flight per thread (one round trip at E <= 8 * stride)
       for (int i0 = first; i0 < E; i0 += kBatch * stride) {
         long long v[kBatch];
@@ -524,7 +549,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           const int d = i / L, l = i - d * L;
           v[u] = d == me ? __ldg(reinterpret_cast<const long long*>(p.layout_range) +
                                  l * p.layout_stride + me)
-                         : ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
+                 : rank_skipped(masked, d)
+                     ? 0
+                     : ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
@@ -537,10 +564,12 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
     // the wait and the remote round trip of the ranges overlap the local work.
     if (threadIdx.x < 32) {
-      const bool ok = ll_combine_wait_ready(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr);
+      const bool ok =
+          ll_combine_wait_ready(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
-      if (ok) load_ranges(threadIdx.x, 32);
-      if (threadIdx.x == 0) s_ok = ok;
+      const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
+      if (ok) load_ranges(threadIdx.x, 32, masked);
+      if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
       EPX_LL_STAMP(p, 1, kTrCRange);
     } else {
       count_before(threadIdx.x - 32, blockDim.x - 32);
@@ -575,7 +604,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         const int* ids = s_ids + tl * K;
         const int id = ids[k];
         uintptr_t src = 0, mrow = 0;
-        if (id >= 0) {
+        if (id >= 0 && !rank_skipped(s_masked, id / L)) {
           int k0 = 0;
           while (ids[k0] != id) ++k0;
           const int64_t j = s_row[tl * K + k0];
@@ -631,22 +660,25 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   } else if (blockIdx.x == 0) {
     // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
     if (threadIdx.x < 32) {
-      const bool ok = ll_combine_wait_ready(p, e, nullptr);
+      const bool ok = ll_combine_wait_ready(p, e, nullptr, masked0);
       if (threadIdx.x == 0) s_ok = ok;
     }
     __syncthreads();
     if (!s_ok) return false;
   }
 
-  // Finish (see the file comment): pairs with the same code on every peer.
+  // Finish (see the file comment): pairs with the same code on every peer, the ranks this CTA
+  // masks left out.
   auto pulled = [&](int d) { return &g.sync(symm.peers[d])->combine_pulled[q][me]; };
   __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
-  signal_ranks(R, rank_bit(me), pulled);
+  const uint64_t skip = s_masked | rank_bit(me);
+  signal_ranks(R, skip, pulled);
   // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
   // receive kernel holds one SM, not C, while a peer is late.
-  if (blockIdx.x == 0 && !wait_ranks(
-                             g.sync(symm.local)->combine_pulled[q], R, rank_bit(me),
-                             [&](int) { return e * gridDim.x; }, p.wait, kWaitBarrier))
+  if (blockIdx.x == 0 &&
+      !ll_wait_ranks(
+          symm, me, g.sync(symm.local)->combine_pulled[q], skip | ll_masked_uniform(symm),
+          [&](int) { return e * gridDim.x; }, p.wait, kWaitBarrier))
     return false;
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 1, kTrCExit);

@@ -26,7 +26,69 @@ struct LlSymm {
   char* local;
   char* peers[kMaxRanks];  // peers[rank] == local
   LlLayout layout;
+  int32_t shrink;  // BufferConfig::enable_shrink: the rank mask applies, a timed-out wait masks
 };
+
+// ---- the rank mask (enable_shrink, docs/semantics.md §2.6) -------------------------------------
+//
+// A CTA reads the mask once per phase (ll_masked_uniform) and skips the ranks in it: no stores,
+// signals or waits for them. Its waits (ll_wait_ranks, ll_wait_or_mask) mask a peer they time out
+// on (atomicOr: no error record, no abort word) and stop waiting for a peer masked meanwhile;
+// the CTA then reads the mask again and goes on without it. Another CTA of the same kernel may
+// have seen that peer's flag just before: where CTAs share outputs (the dispatch receive's units
+// of one expert) they agree on the mask first (dispatch.cuh); elsewhere each CTA's outputs are
+// consistent on their own (a combine token's terms, a send's signals). Without enable_shrink the
+// mask is 0 and every wait is the plain bounded one (a timeout is an error).
+
+// The mask now (0 without enable_shrink), the same value for every thread of the CTA (block-wide:
+// every thread must call it).
+__device__ __forceinline__ uint64_t ll_masked_uniform(const LlSymm& symm) {
+  if (!symm.shrink) return 0;  // uniform: a kernel argument
+  __shared__ uint64_t s_masked;
+  __syncthreads();  // a previous call's value is read by every thread before it is replaced
+  if (threadIdx.x == 0)
+    s_masked = *reinterpret_cast<volatile unsigned long long*>(symm.layout.mask(symm.local));
+  __syncthreads();
+  return s_masked;
+}
+
+// One thread's wait for flag >= want from rank `peer` (!= this rank) with enable_shrink: true
+// when it was reached; false when the wait timed out (it then masks `peer`) or found `peer`
+// masked meanwhile.
+__device__ __forceinline__ bool ll_wait_or_mask(const LlSymm& symm, const uint32_t* flag,
+                                                uint32_t want, const WaitContext& w, uint32_t what,
+                                                int peer) {
+  unsigned long long* mask = symm.layout.mask(symm.local);
+  const unsigned long long bit = 1ull << peer;
+  return wait_flag<true>(
+      flag, want, w, what, peer,
+      [&] { return (*reinterpret_cast<volatile unsigned long long*>(mask) & bit) != 0; },
+      [&](const WaitContext&, uint32_t, int32_t, uint32_t, uint32_t) { atomicOr(mask, bit); });
+}
+
+// wait_ranks for the ll protocols (every thread of the CTA calls it): thread s < R, s not in
+// `skip`, waits local flag[s] >= want_of(s). With enable_shrink a peer's wait masks instead of
+// failing (ll_wait_or_mask); this rank's own (me) fails as without it. False when a wait failed;
+// `wait_ns` as wait_ranks', with enable_shrink also for a peer masked while it was awaited (the
+// time until then).
+template <typename WantOf>
+__device__ __forceinline__ bool ll_wait_ranks(const LlSymm& symm, int me, const uint32_t* flag,
+                                              uint64_t skip, WantOf want_of, const WaitContext& w,
+                                              uint32_t what, int64_t* wait_ns = nullptr) {
+  const int R = symm.layout.num_ranks;
+  if (!symm.shrink) return wait_ranks(flag, R, skip, want_of, w, what, wait_ns);
+  const int s = threadIdx.x;
+  bool ok = true;
+  if (s < R && !rank_skipped(skip, s)) {
+    const uint64_t start = globaltimer_ns();
+    if (s == me)
+      ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
+    else
+      ll_wait_or_mask(symm, flag + s, want_of(s), w, what, s);
+    if (ok && wait_ns) add_wait_ns(wait_ns + s, start);
+  }
+  return __syncthreads_and(ok) != 0;
+}
 
 // ---- loads and stores ----------------------------------------------------------------------
 

@@ -43,6 +43,11 @@
 //   for the same counters at about the same time, so CTA 0's wait stands for all of them).
 //   Every CTA then releases +1 into dispatch_freed[q][r] on every rank (its reads of the staging
 //   are done: the senders may overwrite it once all C did) and sets its epoch word to e.
+// Rank mask (enable_shrink, common.cuh): the send skips the ranks this rank masks in steps 1-4
+// (no wait, nothing written, no signal), and a step-1 wait that times out masks its rank; the
+// receive neither waits for nor reads a masked source (0 tokens: layout_range count 0) and
+// releases only the unmasked ranks; its CTAs agree on the mask first (ll_dispatch_recv_agree),
+// so a peer masked during the call by one CTA's wait is absent from every expert's rows.
 // Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
 // host passes null when the allocator failed, so the collective still completes).
 #pragma once
@@ -179,14 +184,12 @@ __device__ __forceinline__ int32_t ll_format(const LlDispatchParams& p) {
   return p.use_fp8 | (p.round_scale << 1) | (p.use_nvfp4 << 2);
 }
 
-// Send step 4 (after __syncthreads): thread d < R releases the CTA's stores to rank d,
-// dispatch_sent[q][r] += 1 there.
-__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p) {
+// Send step 4 (after __syncthreads): thread d < R, d not masked, releases the CTA's stores to
+// rank d, dispatch_sent[q][r] += 1 there.
+__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, uint64_t masked) {
   const LlLayout& g = p.symm.layout;
-  if (static_cast<int>(threadIdx.x) < g.num_ranks) {
-    fence_acq_rel_sys();
-    red_add_relaxed_sys(&g.sync(p.symm.peers[threadIdx.x])->dispatch_sent[p.slot][p.rank], 1u);
-  }
+  signal_ranks(g.num_ranks, masked,
+               [&](int d) { return &g.sync(p.symm.peers[d])->dispatch_sent[p.slot][p.rank]; });
 }
 
 // Send steps 1-4. False when a wait failed (the CTA must leave).
@@ -222,11 +225,13 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, threadIdx.x);
   }
 
-  // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank.
-  if (!wait_ranks(
-          g.sync(symm.local)->dispatch_freed[q], R, 0, [&](int) { return (e - 1) * gridDim.x; },
-          p.wait, kWaitReady))
+  // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank. Masked ranks
+  // (enable_shrink) are skipped here and in steps 2-4: nothing is sent to them.
+  if (!ll_wait_ranks(
+          symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform(symm),
+          [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady))
     return false;
+  const uint64_t masked = ll_masked_uniform(symm);
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
   // The NVFP4 global scale, read once (x_global_scale was written before this kernel).
@@ -235,7 +240,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
                                         : p.global_scale;
 
   // 2. Header.
-  if (blockIdx.x == 0 && threadIdx.x < R) {
+  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
     LlSourceHeader* h = g.header(symm.peers[threadIdx.x], q, me);
     h->num_tokens = p.num_tokens;
     h->format = ll_format(p);
@@ -264,9 +269,10 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       const int d = s_dest[k];
       if (d >= 0) mask |= uint64_t{1} << d;
     }
+    mask &= ~masked;
     for (int i = threadIdx.x; i < R * K; i += blockDim.x) {
       const int d = i / K, k = i - d * K;
-      g.topk(symm.peers[d], q, me)[t * K + k] = s_ids[k];
+      if (!rank_skipped(masked, d)) g.topk(symm.peers[d], q, me)[t * K + k] = s_ids[k];
     }
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
@@ -307,7 +313,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
   __syncthreads();
   EPX_LL_STAMP(p, 0, kTrDSent);
-  ll_dispatch_signal(p);
+  ll_dispatch_signal(p, masked);
   EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
@@ -566,18 +572,38 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
-// Receive finish, every CTA: tells every rank that this CTA's reads of the staging of slot q are
-// done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send), and advances its
-// epoch word.
+// Receive finish, every CTA: tells every rank it does not mask that this CTA's reads of the
+// staging of slot q are done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send),
+// and advances its epoch word.
 __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, me = p.rank, q = p.slot;
   auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
-  __syncthreads();  // the CTA's reads are done: the fence below covers them (cumulativity)
-  signal_ranks(R, 0, freed);
+  // (a barrier: the CTA's reads are done, so the fence below covers them: cumulativity)
+  const uint64_t masked = ll_masked_uniform(symm);
+  __syncthreads();
+  signal_ranks(R, masked, freed);
   if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 0, kTrDExit);
+}
+
+// enable_shrink: the receive's `n` CTAs with units agree on the mask before they read it. Each
+// adds 1 to recv_waited[q] once its waits are over (release) and waits until all n have (e * n;
+// acquire): a peer masked by any of them (a wait that timed out) is then masked in the view of
+// all, so the CTAs sharing one expert's rows (S > 1) list the same sources. False when the wait
+// failed.
+__device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p, uint32_t e,
+                                                       int n) {
+  uint32_t* waited = &p.symm.layout.state(p.symm.local)->recv_waited[p.slot];
+  bool ok = true;
+  __syncthreads();  // every thread's mask updates before the release below (cumulativity)
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(waited, 1u);
+    ok = wait_flag<true>(waited, e * n, p.wait, kWaitBarrier, p.rank);
+  }
+  return __syncthreads_and(ok) != 0;
 }
 
 // Receive half. False when a wait failed.
@@ -591,13 +617,18 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
 
   if (static_cast<int>(blockIdx.x) < units) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send); CTA 0 times
-    // each source's wait when asked to.
-    if (!wait_ranks(
-            g.sync(symm.local)->dispatch_sent[q], R, 0, [&](int) { return e * gridDim.x; }, p.wait,
-            kWaitRows, blockIdx.x == 0 ? p.wait_stats : nullptr))
+    // each source's wait when asked to. A masked source (enable_shrink) counts as one without
+    // tokens: not awaited, not read (layout_range count 0).
+    if (!ll_wait_ranks(
+            symm, p.rank, g.sync(symm.local)->dispatch_sent[q], ll_masked_uniform(symm),
+            [&](int) { return e * gridDim.x; }, p.wait, kWaitRows,
+            blockIdx.x == 0 ? p.wait_stats : nullptr))
       return false;
+    if (symm.shrink && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
+      return false;
+    const uint64_t masked = ll_masked_uniform(symm);
     EPX_LL_STAMP(p, 0, kTrDRecvWait);
-    if (blockIdx.x == 0 && threadIdx.x < R) {
+    if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
       // Every source's format and NVFP4 global scale equal this rank's (its own header, written
       // by its send half, holds its g).
       auto word = [&](int s) {
@@ -612,7 +643,9 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
     // Every source's token count, read once (in parallel) for all units.
     __shared__ int32_t s_tokens[kMaxRanks];
     if (threadIdx.x < R) {
-      const int32_t n = ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
+      const int32_t n = rank_skipped(masked, threadIdx.x)
+                            ? 0
+                            : ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
       s_tokens[threadIdx.x] =
           n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
     }

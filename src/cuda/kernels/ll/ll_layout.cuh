@@ -7,6 +7,8 @@
 //   state     LlState                          local only: abort / error claim, per-slot epochs
 //                                              and finished-CTA counters
 //   sync      LlSync                           written by peers (column p by rank p): the flags
+//   mask      LlMask                           local only: the ranks this rank masks
+//                                              (enable_shrink; kept by ll_clean)
 //   dispatch staging, slot 0 and slot 1:       what every source sent to this rank
 //     for each source s (block of src_bytes):
 //       header  LlSourceHeader                 {T_s, format (use_fp8 | round_scale << 1 |
@@ -97,6 +99,9 @@ struct LlState {
   // completed on this rank; CTA b of every ll kernel reads its own word at its start.
   uint32_t dispatch_epoch[2][kLlMaxCtas];
   uint32_t combine_epoch[2][kLlMaxCtas];
+  // enable_shrink: per slot, the dispatch receive CTAs that finished their waits (+1 each per
+  // dispatch: e * n after the e-th), so that all of them read the same mask (dispatch.cuh).
+  uint32_t recv_waited[2];
 };
 
 struct LlSync {
@@ -105,6 +110,13 @@ struct LlSync {
   uint32_t combine_ready[2][kMaxRanks];
   uint32_t combine_pulled[2][kMaxRanks];
   uint32_t combine_routed[2][kMaxRanks];
+};
+
+// enable_shrink (docs/semantics.md §2.6): bit p = rank p masked. Written by the mask kernel
+// (ll_update_mask / ll_clean_mask, stream-ordered), by ll_clean on the host (the ranks its
+// barriers missed) and by this rank's ll waits that time out (atomicOr); read by every ll CTA.
+struct LlMask {
+  unsigned long long masked;
 };
 
 struct LlSourceHeader {
@@ -121,7 +133,7 @@ EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {
 struct LlLayout {
   int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
   int64_t max_tokens = 0, hidden = 0, num_groups = 0, rows_per_expert = 0, msg_bytes = 0;
-  size_t state_off = 0, sync_off = 0;
+  size_t state_off = 0, sync_off = 0, mask_off = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
   size_t comb_layout_off = 0, comb_format_off = 0, comb_route_off = 0, comb_meta_off = 0,
@@ -160,6 +172,8 @@ struct LlLayout {
     off += ll_round_up(sizeof(LlState), 256);
     g.sync_off = off;
     off += ll_round_up(sizeof(LlSync), 256);
+    g.mask_off = off;
+    off += ll_round_up(sizeof(LlMask), 256);
     for (int q = 0; q < 2; ++q) {
       g.dispatch_off[q] = off;
       off += R * g.src_bytes;
@@ -172,13 +186,16 @@ struct LlLayout {
     return g;
   }
 
-  // state + sync: what ll_clean zeroes.
-  EPX_LL_HD size_t control_bytes() const { return dispatch_off[0]; }
+  // state + sync: what ll_clean zeroes (not the mask).
+  EPX_LL_HD size_t control_bytes() const { return mask_off; }
 
   EPX_LL_HD LlState* state(char* base) const {
     return reinterpret_cast<LlState*>(base + state_off);
   }
   EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + sync_off); }
+  EPX_LL_HD unsigned long long* mask(char* base) const {
+    return &reinterpret_cast<LlMask*>(base + mask_off)->masked;
+  }
   EPX_LL_HD char* staging(char* base, int slot, int src) const {
     return base + dispatch_off[slot] + static_cast<size_t>(src) * src_bytes;
   }
