@@ -1221,9 +1221,21 @@ def body_every_kwarg(ctx, seed):
     call("low_latency_clean_mask_buffer", "", lambda: lb.low_latency_clean_mask_buffer())
     lb.low_latency_query_mask_buffer(status)
     assert status.tolist() == [0] * R, status
-    assert call("get_local_buffer_tensor", "use_rdma_buffer",
-                lambda: lb.get_local_buffer_tensor(dtype=torch.bfloat16, size=torch.Size([4]),
-                                                   offset=0, use_rdma_buffer=True)) is None
+    # The raw buffers: views of num_nvl_bytes / num_rdma_bytes from a byte offset, persistent.
+    raw = deep_ep.Buffer(ctx.group, num_nvl_bytes=64, num_rdma_bytes=32)
+    t = call("get_local_buffer_tensor", "use_rdma_buffer",
+             lambda: raw.get_local_buffer_tensor(dtype=torch.bfloat16, size=torch.Size([2, 2]),
+                                                 offset=8, use_rdma_buffer=True))
+    assert (t.shape, t.dtype, t.device.type) == ((2, 2), torch.bfloat16, torch.device(dev).type)
+    t.fill_(1.5)
+    again = raw.get_local_buffer_tensor(torch.bfloat16, offset=8, use_rdma_buffer=True)
+    assert again.numel() == 12 and again[:4].tolist() == [1.5] * 4 and again[4:].eq(0).all()
+    assert raw.get_local_buffer_tensor(torch.int32).numel() == 16
+    with pytest.raises(epx.InvalidArgument, match="'size'"):
+        raw.get_local_buffer_tensor(torch.bfloat16, size=torch.Size([13]), offset=8,
+                                    use_rdma_buffer=True)
+    with pytest.raises(epx.InvalidArgument, match="'offset'"):
+        raw.get_local_buffer_tensor(torch.int32, offset=6)
     assert (lb.get_comm_stream() is None) == (dev.type == "cpu")
 
     # ---- static and Config / EventOverlap keywords
@@ -1251,8 +1263,7 @@ def body_every_kwarg(ctx, seed):
 
 
 # The options epx names as Unsupported (anything else must be honoured).
-EXPECTED_UNSUPPORTED = sorted({
-    "Buffer(allow_nvlink_for_low_latency_mode)", "get_local_buffer_tensor(use_rdma_buffer)"})
+EXPECTED_UNSUPPORTED = []
 
 
 class _GroupComm:

@@ -321,8 +321,9 @@ def body_buffer_api(ctx, seed):
                          explicitly_destroy=False, enable_shrink=False, comm=None)
     assert (buf.rank, buf.group_size, buf.group) == (r, R, ctx.group)
     assert (buf.num_nvl_bytes, buf.num_rdma_bytes, buf.low_latency_mode) == (256 << 20, 0, False)
-    with pytest.raises(epx.Unsupported, match="allow_nvlink_for_low_latency_mode"):
-        deep_ep.Buffer(ctx.group, allow_nvlink_for_low_latency_mode=False)
+    with pytest.warns(UserWarning, match="allow_nvlink_for_low_latency_mode=False is accepted"):
+        nonvl = deep_ep.Buffer(ctx.group, allow_nvlink_for_low_latency_mode=False)
+    assert nonvl.allow_nvlink_for_low_latency_mode is False
     assert deep_ep.Buffer(ctx.group, enable_shrink=True).enable_shrink
     # allow_mnnvl=True permits (does not require) multi-node NVLink: accepted (SGLang passes it);
     # comm= is used only without a group (as in DeepEP).

@@ -101,9 +101,10 @@ How it differs, and why:
   rank before it, which then times out its peers' first call), and a call that needs a new
   buffer while ranks are masked raises Unsupported; a rank cannot mask itself; an unmasked
   rank takes part again after clean_low_latency_buffer on every rank that takes part.
-* Options epx cannot honour raise ``epx.Unsupported`` naming them:
-  allow_nvlink_for_low_latency_mode=False, num_tokens_per_rdma_rank, get_local_buffer_tensor,
-  internode_dispatch / internode_combine.
+* ``allow_nvlink_for_low_latency_mode=False`` is accepted with a warning (DeepEP's choice of its
+  RDMA NICs within the node; epx's results are the same over NVLink), and
+  ``get_local_buffer_tensor`` views a raw buffer of ``num_nvl_bytes`` / ``num_rdma_bytes`` that
+  epx's kernels never touch (docs/semantics.md §9).
   ``allow_mnnvl=True`` (kept as ``allow_mnnvl``) permits, and does not require, a multi-node
   NVLink domain, which is then one node (see Nodes); ``use_fabric`` is accepted: NCCL picks the
   handle type (docs/semantics.md §8.1).
@@ -114,6 +115,7 @@ How it differs, and why:
 """
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -304,8 +306,12 @@ class Buffer:
                  ranks_per_node=None):
         op = "Buffer"
         if not allow_nvlink_for_low_latency_mode:
-            raise errors.unsupported(op, "allow_nvlink_for_low_latency_mode=False: epx's "
-                                     "low-latency mode always uses NVLink within the node")
+            # DeepEP then moves low-latency traffic over its RDMA NICs even within the node
+            # (NVSHMEM P2P off): a choice of transport, not of results. epx has no RDMA path on
+            # one node; its results are the same over NVLink.
+            warnings.warn("epx.compat.deep_ep: allow_nvlink_for_low_latency_mode=False is "
+                          "accepted; epx's low-latency kernels still use NVLink within the node "
+                          "(same results)", stacklevel=2)
         if group is None and comm is None:
             raise errors.invalid(op, "arguments 'group' and 'comm' are both None, expected a "
                                  "torch ProcessGroup as 'group' or an mpi4py communicator as "
@@ -348,6 +354,8 @@ class Buffer:
         self._ll_key = None     # (device, T_max, H, K, E)
         self._ll_tail = None    # (T_max, H, E) of the ll buffer, as its handles carry them
         self._device = None     # 'cpu' / 'cuda:i' of the last op
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self._raw = {}          # use_rdma_buffer -> the raw byte buffer of get_local_buffer_tensor
 
     # ---- class-level API ---------------------------------------------------------------------
     @staticmethod
@@ -398,6 +406,7 @@ class Buffer:
                                  "explicitly_destroy=False, expected True")
         self._ht = self._ll = None
         self._groups.clear()
+        self._raw.clear()
         self._destroyed = True
 
     def get_comm_stream(self):
@@ -415,10 +424,42 @@ class Buffer:
         return EventOverlap(None)
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        """DeepEP's raw buffer as a tensor: epx has no user-visible raw buffer."""
-        raise errors.unsupported("get_local_buffer_tensor", "epx sizes and lays out its buffers "
-                                 "itself and exposes no raw byte buffer; use "
-                                 "get_next_low_latency_combine_buffer for zero-copy combine")
+        """DeepEP's raw buffer as a tensor: a view of ``dtype`` elements from byte ``offset`` of a
+        raw buffer of ``num_nvl_bytes`` (``num_rdma_bytes`` with ``use_rdma_buffer``) that this
+        Buffer allocates at the first call, on its device, and keeps until it is destroyed;
+        ``size`` (a torch.Size) takes its first elements in that shape. DeepEP's raw buffer is
+        its communication buffer, which its kernels overwrite; epx's kernels use their own
+        memory, so this one holds what the caller writes (docs/semantics.md §9)."""
+        op = "get_local_buffer_tensor"
+        self._check_alive(op)
+        capacity = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        name = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        errors.check_int(op, "offset", offset, 0)
+        if not isinstance(dtype, torch.dtype):
+            raise errors.invalid(op, f"argument 'dtype' is {dtype!r}, expected a torch.dtype")
+        item = torch.empty((), dtype=dtype).element_size()
+        if offset > capacity or offset % item:
+            raise errors.invalid(op, f"argument 'offset' is {offset}, expected a multiple of "
+                                 f"{item} (the element size) at most {name} = {capacity}")
+        raw = self._raw.get(bool(use_rdma_buffer))
+        if raw is None:
+            device = self._device
+            if device is None:  # no op yet: the group's kind of device
+                on_gpu = (str(dist.get_backend(self.group)).lower() == "nccl"
+                          if self.group is not None else torch.cuda.is_available())
+                device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+            raw = torch.zeros(capacity, dtype=torch.uint8, device=device)
+            self._raw[bool(use_rdma_buffer)] = raw
+        count = (capacity - offset) // item
+        tensor = raw[offset:offset + count * item].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > count:
+            raise errors.invalid(op, f"argument 'size' is {tuple(size)} ({size.numel()} "
+                                 f"elements), expected at most {count} ({name} = {capacity} "
+                                 f"bytes from offset {offset})")
+        return tensor[:size.numel()].view(size)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
                            num_tokens_per_rdma_rank=None, is_token_in_rank=None,
