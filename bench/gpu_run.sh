@@ -26,6 +26,10 @@
 #             H = 7168, I = 2048, K = 8, 32 local experts; R = 1 and one-GPU R = 2; send SMs 3, 8,
 #             16, 32; both signal forms) against the GEMM then the plain combine, and each part
 #             alone: one table (docs/design.md §7.6); EPX_OVERLAP_ARGS added
+#   ab        a same-run A/B of the ll kernels: epx_ll_gpu_bench built from the commit
+#             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
+#             $EPX_BUILD_DIR-ab) and this tree's, alternately, two rounds each (R = the visible
+#             GPUs, --tokens 128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -49,7 +53,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap profile peer trace overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer trace overhead main"
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -202,6 +206,30 @@ batch_overlap() {
     ${EPX_OVERLAP_ARGS:-}
 }
 
+batch_ab() {
+  local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev gen=""
+  rev=$(git rev-parse --short "$base" 2>/dev/null) || {
+    skip ab "EPX_AB_BASE '$base' is not a commit of this checkout"
+    return
+  }
+  command -v ninja >/dev/null && gen="-G Ninja"
+  rm -rf "$dir.src" && mkdir -p "$dir.src" && git archive "$rev" | tar -x -C "$dir.src"
+  step ab.build 600 "" bash -c "cmake -S '$dir.src' -B '$dir' $gen -DCMAKE_BUILD_TYPE=Release \
+    -DEPX_WITH_CUDA=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$dir' -j $(nproc) \
+    --target epx_ll_gpu_bench" || return 1
+  local round side bin
+  for round in 1 2; do
+    for side in "$rev" head; do
+      bin="$B/bench/epx_ll_gpu_bench"
+      [ "$side" = head ] || bin="$dir/bench/epx_ll_gpu_bench"
+      step "ab.$side.$round" 120 "" "$bin" --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" \
+        --tokens 128,1 --iters 30 || continue
+      grep -E "^ +T \|" "$OUT/ab.$side.$round.log" | head -1 | sed "s/^/  [$side] /"
+      grep -E "^ +(1|128) \|" "$OUT/ab.$side.$round.log" | head -2 | sed "s/^/  [$side] /"
+    done
+  done
+}
+
 batch_profile() {
   # shellcheck disable=SC2086
   step profile.kernels 300 "^(op|ll|ht|a2a|profile)" "$EPX_PYTHON" bench/profile_kernels.py \
@@ -270,7 +298,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | pytest | profile | overhead | main | tests | bench | gpubench | overlap | trace)
+      peer | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else
