@@ -37,23 +37,27 @@ def moe_a2a_active_rank_mask(active_ranks, ep_size):
     return torch.tensor([mask], dtype=dtype)
 
 
-def _mask_bools(op, active_rank_mask, ep_size):
-    """active_rank_mask (uint64 tensor / int / sequence of bools) -> list of ep_size bools."""
+def _mask_bools(op, active_rank_mask, ep_size, ep_rank):
+    """active_rank_mask (uint64 tensor / int / sequence of bools) -> list of ep_size bools, with
+    ep_rank (the caller) among the active (InvalidArgument otherwise, as FlashInfer)."""
     if isinstance(active_rank_mask, torch.Tensor):
         if active_rank_mask.numel() != MOE_A2A_RANK_MASK_WORDS:
             raise errors.invalid(op, f"argument 'active_rank_mask' has "
                                  f"{active_rank_mask.numel()} words, expected "
                                  f"{MOE_A2A_RANK_MASK_WORDS}")
         bits = int(active_rank_mask.reshape(-1)[0].item()) & ((1 << 64) - 1)
+        active = [bool(bits >> r & 1) for r in range(ep_size)]
     elif isinstance(active_rank_mask, int):
-        bits = active_rank_mask
+        active = [bool(active_rank_mask >> r & 1) for r in range(ep_size)]
     else:
         active = [bool(a) for a in active_rank_mask]
         if len(active) != ep_size:
             raise errors.invalid(op, f"argument 'active_rank_mask' has {len(active)} entries, "
                                  f"expected {ep_size}")
-        return active
-    return [bool(bits >> r & 1) for r in range(ep_size)]
+    if not active[ep_rank]:
+        raise errors.invalid(op, f"argument 'active_rank_mask' leaves out this rank (ep_rank "
+                             f"{ep_rank}), expected it marked active (as FlashInfer)")
+    return active
 
 
 def _round4(n):

@@ -81,7 +81,7 @@ def _context(op, workspace, metainfo, ep_rank, ep_size=None):
     return ctx
 
 
-def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size):
+def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size, ep_rank):
     """The call's mask as ep_size bools, FlashInfer's rules: a mask needs enable_rank_mask=True,
     and enable_rank_mask=True needs a mask (no all-active default)."""
     if not enable_rank_mask:
@@ -93,7 +93,7 @@ def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size):
         raise errors.invalid(op, "enable_rank_mask=True without 'active_rank_mask', expected a "
                              "mask on the call (as FlashInfer; every rank: "
                              "moe_a2a_active_rank_mask(range(ep_size), ep_size))")
-    return _mask_bools(op, active_rank_mask, ep_size)
+    return _mask_bools(op, active_rank_mask, ep_size, ep_rank)
 
 
 @_torch.plain_torch
@@ -121,13 +121,14 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
                else type(token_selected_experts).__name__)
         raise errors.invalid(op, f"argument 'token_selected_experts' is {got}, expected "
                              f"[local_num_tokens, top_k = {top_k}]")
-    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
+    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size,
+                              ctx.ep_rank)
     if moe._state != "idle" and active == moe._active:
         raise errors.invalid(op, "called twice without moe_a2a_combine in between; expected "
                              "the order dispatch -> combine -> dispatch")
     moe._set_geometry(op, top_k, num_experts)
-    recv = moe.dispatch(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
-                        eplb_local_stats=eplb_local_stats, active_rank_mask=active)
+    recv = moe._dispatch(op, active, token_selected_experts, input_payloads,
+                         runtime_max_tokens_per_rank, eplb_local_stats=eplb_local_stats)
     return recv, _COMBINE_PAYLOAD_OFFSET, moe.eplb_gathered_stats
 
 
@@ -147,7 +148,8 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
     op = "moe_a2a_combine"
     ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
     moe = ctx.moe
-    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size)
+    active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size,
+                              ctx.ep_rank)
     if moe._state != "dispatched":
         raise errors.invalid(op, "called without a preceding moe_a2a_dispatch on this "
                              "workspace; expected the order dispatch -> combine -> dispatch")
@@ -168,9 +170,8 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
                                  "the contiguous view of row ep_rank of 'workspace' at "
                                  "combine_payload_offset (moe_a2a_wrap_payload_tensor_in_"
                                  "workspace)")
-    return moe.combine(payload, runtime_max_tokens_per_rank, False, output_dtype, output_scales,
-                       output_scalar_scale, sf_layout, output,
-                       use_low_precision=use_low_precision, active_rank_mask=active)
+    return moe._combine(op, lambda: active, payload, runtime_max_tokens_per_rank, False,
+                        output_dtype, output_scales, output, use_low_precision)
 
 
 @_torch.plain_torch
@@ -219,7 +220,9 @@ def moe_a2a_wrap_payload_tensor_in_workspace(workspace, leading_shape, slice_sta
         raise errors.invalid(op, "argument 'workspace' must be contiguous in its last dimension")
     ws = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
     row_bytes, row_stride = ws.shape[1], ws.stride(0)
-    row, start = divmod(slice_start, row_stride) if ws.shape[0] > 1 else (0, slice_start)
+    # rows that are views of one (stride 0, MoeAlltoAll.get_workspace's): row 0 is every row
+    row, start = divmod(slice_start, row_stride) if ws.shape[0] > 1 and row_stride else \
+        (0, slice_start)
     end = start + (slice_end - slice_start)
     if row >= ws.shape[0] or end > row_bytes:
         raise errors.invalid(op, f"bytes [{slice_start}, {slice_end}) leave workspace row "

@@ -205,6 +205,43 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     return num + 2 * _epx.kMaxA2aPayloads * 256
 
 
+def _check_backend(op, backend):
+    """The epx-only keyword ``backend``: "cpu" or "cuda" (None: :func:`_backend_name`)."""
+    if backend is None:
+        return _backend_name()
+    if backend not in ("cpu", "cuda"):
+        raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu' or 'cuda'")
+    return backend
+
+
+def _device_of(backend):
+    return torch.device("cpu") if backend == "cpu" else \
+        torch.device("cuda", torch.cuda.current_device())
+
+
+def _row_workspace(ep_size, size_per_rank, device):
+    """uint8 [ep_size, size_per_rank], zeroed, every row a view of one row (epx reads only row
+    ep_rank of a caller's workspace, the combine payload's place)."""
+    return torch.zeros(size_per_rank, dtype=torch.uint8, device=device).expand(ep_size, -1)
+
+
+def _comm_of(op, comm, ep_rank, ep_size, what):
+    """A CommBackend (anything with Get_rank / Get_size / allgather), a ProcessGroup, or None
+    (the default torch.distributed group) -> a CommBackend of rank ep_rank of ep_size."""
+    if comm is None:
+        if not dist.is_initialized():
+            raise errors.invalid(op, f"no {what} and torch.distributed is not initialised, "
+                                 "expected one of them")
+        comm = TorchDistBackend()
+    elif isinstance(comm, dist.ProcessGroup):
+        comm = TorchDistBackend(comm)
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    if (rank, size) != (ep_rank, ep_size):
+        raise errors.invalid(op, f"argument '{what}' has rank {rank} of {size}, expected "
+                             f"mapping.moe_ep_rank {ep_rank} of moe_ep_size {ep_size}")
+    return comm
+
+
 # moe_a2a_initialize creates a MoeAlltoAll, so it lives here; the other functional calls
 # (_flashinfer_functional) only use the context it registers there.
 def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts=0, *,
@@ -246,6 +283,7 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
                               mnnvl_config=cfg, enable_rank_mask=True,
                               backend="cuda" if on_gpu else "cpu")
         moe._eplb_capacity, moe._eplb_exact = eplb_stats_num_experts, False
+        moe._make_eplb_exchange()
         cid = next(_context_counter)
         _contexts[cid] = _FunctionalContext(key, cid, moe, workspace, ep_rank, ep_size,
                                             max_num_tokens, eplb_stats_num_experts)
@@ -275,39 +313,107 @@ class MoeAlltoAll:
             ep_size, max_num_tokens, hidden_size * 2 + top_k * 8 + extra_payload_bytes_per_token,
             hidden_size * 2, eplb_stats_num_experts)
 
+    #: get_workspace's workspaces, one per (workspace_size_per_rank, ep_rank, ep_size,
+    #: max_num_tokens, eplb_stats_num_experts, backend), as FlashInfer's class-level cache.
+    _WORKSPACE_CACHE = {}
+
     @classmethod
     def get_workspace(cls, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping,
-                      eplb_stats_num_experts=0):
-        """Unsupported: FlashInfer's raw MNNVL workspace does not exist in epx."""
-        raise errors.unsupported("MoeAlltoAll.get_workspace", "FlashInfer's raw MNNVL "
-                                 "workspace (and its metainfo) does not exist in epx; its "
-                                 "workspace is created per MoeAlltoAll, sized per payload")
+                      eplb_stats_num_experts=0, *, comm_backend=None, backend=None):
+        """Collective at the first call for these arguments (moe_a2a_initialize), cached after:
+        FlashInfer's dict of ``workspace_size_per_rank``, ``max_num_tokens``, ``ep_rank``,
+        ``ep_size``, ``eplb_stats_num_experts``, ``workspace`` (uint8 ``[ep_size,
+        workspace_size_per_rank]``, zeroed, on the backend's device; every row is a view of this
+        rank's one row, the only one epx's calls read, so it takes the memory of one row as
+        FlashInfer's MNNVL mapping does), ``metainfo`` (moe_a2a_initialize's for it) and
+        ``mnnvl_mem`` (None: epx maps no MNNVL memory). ``comm_backend`` and ``backend``
+        (``"cpu"`` / ``"cuda"``) are epx-only keywords, as for moe_a2a_initialize and
+        MoeAlltoAll."""
+        op = "MoeAlltoAll.get_workspace"
+        errors.check_int(op, "workspace_size_per_rank", workspace_size_per_rank, 1)
+        errors.check_int(op, "ep_size", ep_size, 1)
+        errors.check_int(op, "ep_rank", ep_rank, 0)
+        errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
+        errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
+        got = (getattr(mapping, "moe_ep_rank", None), getattr(mapping, "moe_ep_size", None))
+        if got != (ep_rank, ep_size):
+            raise errors.invalid(op, f"argument 'mapping' has moe_ep_rank, moe_ep_size = {got}, "
+                                 f"expected ep_rank, ep_size = {(ep_rank, ep_size)}")
+        backend = _check_backend(op, backend)
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+               backend)
+        if key not in cls._WORKSPACE_CACHE:
+            workspace = _row_workspace(ep_size, workspace_size_per_rank, _device_of(backend))
+            metainfo = moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens,
+                                          eplb_stats_num_experts, comm_backend=comm_backend)
+            cls._WORKSPACE_CACHE[key] = {
+                "workspace_size_per_rank": workspace_size_per_rank,
+                "max_num_tokens": max_num_tokens, "ep_rank": ep_rank, "ep_size": ep_size,
+                "eplb_stats_num_experts": eplb_stats_num_experts, "mnnvl_mem": None,
+                "workspace": workspace, "metainfo": metainfo}
+        return cls._WORKSPACE_CACHE[key]
 
     @property
     def workspace(self):
-        raise errors.unsupported("MoeAlltoAll.workspace", "FlashInfer's raw MNNVL workspace "
-                                 "tensor does not exist in epx; use "
-                                 "get_combine_payload_tensor_in_workspace / the dispatch views")
+        """uint8 ``[ep_size, workspace_size_per_rank]`` (FlashInfer's sizing from
+        ``hidden_size`` when not given): this MoeAlltoAll's handle for the functional API. With
+        :attr:`metainfo`, ``moe_a2a_dispatch`` / ``_combine`` / ``_sanitize_expert_ids`` run on
+        this object (its state, its epx workspace), as FlashInfer's methods run those ops on its
+        workspace. Made at the first access of either, locally (nothing collective); its rows
+        are views of one zeroed row (see get_workspace), row ``ep_rank`` is where the combine
+        payload may be written (``combine_payload_offset`` 0)."""
+        return self._handle()[0]
 
     @property
     def metainfo(self):
-        raise errors.unsupported("MoeAlltoAll.metainfo", "FlashInfer's workspace metainfo "
-                                 "(offsets into its MNNVL workspace) does not exist in epx")
+        """CPU int64 ``[8]`` naming this MoeAlltoAll for the functional API (see
+        :attr:`workspace`); ``moe_a2a_initialize(self.workspace, ep_rank, ep_size,
+        max_num_tokens, eplb_stats_num_experts)`` returns an equal one. Valid while the object
+        lives."""
+        return self._handle()[1]
 
     @property
     def mnnvl_mem(self):
-        raise errors.unsupported("MoeAlltoAll.mnnvl_mem", "epx allocates no MNNVL memory (its "
-                                 "workspace is NCCL symmetric memory)")
+        """None: epx maps no MNNVL memory (its cuda workspace is NCCL symmetric memory);
+        FlashInfer's own calls read it only to see whether checkpoint_prepare released the
+        workspace, which this class tracks itself."""
+        return None
 
     def checkpoint_prepare(self):
-        """Unsupported: epx cannot unmap its symmetric workspace for process checkpointing."""
-        raise errors.unsupported("MoeAlltoAll.checkpoint_prepare", "epx cannot unmap and "
-                                 "re-map its NCCL symmetric workspace for checkpointing")
+        """Collective over every rank: releases epx's workspaces (the A2a, the EPLB exchange)
+        and its group (the NCCL communicator on cuda) so that the process can be checkpointed;
+        checkpoint_restore re-creates them. Between the two, dispatch / combine raise
+        InvalidArgument. Again before a restore: nothing. Between dispatch and combine:
+        InvalidArgument (as FlashInfer)."""
+        op = "MoeAlltoAll.checkpoint_prepare"
+        if self._group is None:
+            return
+        if self._state != "idle":
+            raise errors.invalid(op, "called between dispatch and combine, expected the "
+                                 "MoeAlltoAll idle (after combine)")
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._group.barrier()  # no rank still reads a peer's workspace
+        self._a2a = self._eplb_a2a = None
+        self._group.barrier()  # every rank has released its workspaces
+        self._group = None
 
     def checkpoint_restore(self, comm_backend):
-        """Unsupported (see checkpoint_prepare)."""
-        raise errors.unsupported("MoeAlltoAll.checkpoint_restore", "epx cannot unmap and "
-                                 "re-map its NCCL symmetric workspace for checkpointing")
+        """Collective over every rank, after checkpoint_prepare (else nothing): a new group over
+        ``comm_backend`` (rank and size as the MoeAlltoAll's; a CommBackend or ProcessGroup),
+        the A2a re-created for the payload sizes and geometry it had, the EPLB exchange too;
+        every rank active again, the state idle."""
+        op = "MoeAlltoAll.checkpoint_restore"
+        if self._group is not None:
+            return
+        comm = _comm_of(op, comm_backend, self.ep_rank, self.ep_size, "comm_backend")
+        self._group = _EpxGroup.from_comm(comm, self._device)
+        self._active = [True] * self.ep_size
+        self._state = "idle"
+        self._eplb_gathered = self.recv_counts = None
+        if self._a2a_bytes:
+            self._create_a2a(self._a2a_bytes)
+        self._make_eplb_exchange()
 
     @property
     def eplb_gathered_stats(self):
@@ -349,31 +455,16 @@ class MoeAlltoAll:
                                  f"expected <= num_experts = {num_experts}")
         self.eplb_stats_num_experts = eplb_stats_num_experts
         self.enable_eplb = eplb_stats_num_experts > 0
-        self._eplb_gathered = None
         self._eplb_capacity = eplb_stats_num_experts  # stats entries the exchange holds
         self._eplb_exact = True  # stats must have exactly that many (functional API: up to)
         self._eplb_a2a = None  # (A2a, topk_idx to every rank, zero combine payload)
+        self._eplb_gathered = None
 
         comm = getattr(mnnvl_config, "comm_backend", None) if mnnvl_config is not None else None
-        if comm is None:
-            if not dist.is_initialized():
-                raise errors.invalid(op, "no mnnvl_config.comm_backend and torch.distributed is "
-                                     "not initialised, expected one of them")
-            comm = TorchDistBackend()
-        elif isinstance(comm, dist.ProcessGroup):
-            comm = TorchDistBackend(comm)
-        rank, size = int(comm.Get_rank()), int(comm.Get_size())
-        if size != self.ep_size or rank != self.ep_rank:
-            raise errors.invalid(op, f"the communicator has rank {rank} of {size}, expected "
-                                 f"mapping.moe_ep_rank {self.ep_rank} of moe_ep_size "
-                                 f"{self.ep_size}")
-        if backend is None:
-            backend = _backend_name()
-        if backend not in ("cpu", "cuda"):
-            raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu' or "
-                                 "'cuda'")
-        device = "cpu" if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
-        self._group = _EpxGroup.from_comm(comm, device)
+        comm = _comm_of(op, comm, self.ep_rank, self.ep_size, "mnnvl_config.comm_backend")
+        self._device = _device_of(_check_backend(op, backend))
+        self._group = _EpxGroup.from_comm(comm, self._device)
+        self._handles = None  # (workspace, metainfo) of the properties, made at first access
         self._a2a = None
         self._a2a_bytes = []
         self._a2a_geometry = None  # (top_k, num_experts) the A2a was created for
@@ -383,8 +474,58 @@ class MoeAlltoAll:
         self._runtime_max = 0
         self._num_tokens = 0
         self.recv_counts = None  # [ep_size] int32 of the last dispatch (epx extension)
+        self._make_eplb_exchange()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _handle(self):
+        """(workspace, metainfo) of the properties: a functional context whose MoeAlltoAll is
+        this object (a weak proxy: the registry does not keep it alive; it ends with it)."""
+        if self._handles is None:
+            size = self.workspace_size_per_rank or self.get_moe_workspace_size_per_rank(
+                self.ep_size, self.top_k, self.max_num_tokens, self.hidden_size,
+                eplb_stats_num_experts=self.eplb_stats_num_experts)
+            ws = _row_workspace(self.ep_size, size, self._device)
+            n = self.eplb_stats_num_experts
+            key = (ws.data_ptr(), str(ws.device), tuple(ws.shape), ws.stride(0), self.ep_rank,
+                   self.ep_size, self.max_num_tokens, n)
+            cid = next(_context_counter)
+            ctx = _FunctionalContext(key, cid, weakref.proxy(self), ws, self.ep_rank,
+                                     self.ep_size, self.max_num_tokens, n)
+            ctx.refs = 1  # this object's; released when it is collected
+            _contexts[cid], _context_ids[key] = ctx, cid
+            weakref.finalize(self, _release_context, cid).atexit = False
+            self._handles = (ws, torch.tensor(ctx.metainfo, dtype=torch.int64))
+        return self._handles
+
+    def _check_live(self, op):
+        if self._group is None:
+            raise errors.invalid(op, "called after checkpoint_prepare released the workspace, "
+                                 "expected checkpoint_restore(comm_backend) first")
+
+    def _create_a2a(self, payload_bytes):
+        """Collective: the A2a for payload rows of these byte counts (rounded) and the current
+        top_k / num_experts."""
+        self._a2a = None
+        self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
+                            payload_bytes, self._combine_bytes(payload_bytes))
+        self._a2a_bytes = payload_bytes
+        self._a2a_geometry = (self.top_k, self.num_experts)
+        return self._a2a
+
+    def _make_eplb_exchange(self):
+        """Collective: the EPLB stats' exchange (see _gather_eplb), made with the MoeAlltoAll
+        (every rank active then), so that no gather ever needs a collective creation."""
+        if self._eplb_capacity == 0:
+            return
+        R = self.ep_size
+        k = min(R, _MAX_A2A_TOP_K)
+        g = -(-R // k)
+        a2a = _EpxA2a(self._group, g, k, R, [4 * self._eplb_capacity], 4)
+        ids = torch.arange(g * k, dtype=torch.int32).view(g, k)
+        ids[ids >= R] = -1
+        self._eplb_a2a = (a2a, ids.to(self._device),
+                          torch.zeros(R, g, 1, dtype=torch.float32, device=self._device))
+
     def _combine_bytes(self, payload_bytes):
         cap = None if self.hidden_size is None else self.hidden_size * 4
         if self.workspace_size_per_rank is None:
@@ -454,12 +595,7 @@ class MoeAlltoAll:
                           [(f"the bytes per token of 'input_payloads[{i}]' (rounded up to 4, at "
                             "least the workspace's)", payload_bytes[i] if i < len(payload_bytes)
                             else 0) for i in range(_epx.kMaxA2aPayloads)])
-        self._a2a = None
-        self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
-                            payload_bytes, self._combine_bytes(payload_bytes))
-        self._a2a_bytes = payload_bytes
-        self._a2a_geometry = (self.top_k, self.num_experts)
-        return self._a2a
+        return self._create_a2a(payload_bytes)
 
     # ---- API ---------------------------------------------------------------------------------
     def _rank_mask(self, op, active_rank_mask):
@@ -475,12 +611,7 @@ class MoeAlltoAll:
         if not self.enable_rank_mask:
             raise errors.invalid(op, "argument 'active_rank_mask' is given but the MoeAlltoAll "
                                  "was created with enable_rank_mask=False, expected True")
-        active = _mask_bools(op, active_rank_mask, self.ep_size)
-        if not active[self.ep_rank]:
-            raise errors.invalid(op, f"argument 'active_rank_mask' leaves out this rank "
-                                 f"(ep_rank {self.ep_rank}), expected it marked active (as "
-                                 "FlashInfer)")
-        return active
+        return _mask_bools(op, active_rank_mask, self.ep_size, self.ep_rank)
 
     def _set_geometry(self, op, top_k, num_experts):
         """The functional API's dispatch: top_k and num_experts come with every call; a change
@@ -538,22 +669,7 @@ class MoeAlltoAll:
         ceil(ep_size / 32) tokens (top-k is at most 32), token g to ranks 32g .. 32g + 31 (one
         expert per rank), so every rank receives exactly one row from each. On the device and
         stream-ordered, so CUDA graphs capture it; it follows the rank mask (a masked-off rank's
-        row is unspecified). Created at the first gather, collectively (every rank passes stats,
-        or none)."""
-        R = self.ep_size
-        if self._eplb_a2a is None:
-            if not all(self._active):
-                raise errors.unsupported("MoeAlltoAll.dispatch", "the first eplb_local_stats "
-                                         "while ranks are masked off: creating epx's exchange "
-                                         "for them is collective over every rank")
-            k = min(R, _MAX_A2A_TOP_K)
-            g = -(-R // k)
-            a2a = _EpxA2a(self._group, g, k, R, [4 * self._eplb_capacity], 4)
-            dev = torch.device(a2a._native.device)
-            ids = torch.arange(g * k, dtype=torch.int32).view(g, k)
-            ids[ids >= R] = -1
-            self._eplb_a2a = (a2a, ids.to(dev),
-                              torch.zeros(R, g, 1, dtype=torch.float32, device=dev))
+        row is unspecified). Made with the MoeAlltoAll (_make_eplb_exchange)."""
         a2a, to_all, zeros = self._eplb_a2a
         g, n = to_all.shape[0], stats.shape[0]
         rows = stats.to(device=to_all.device, dtype=torch.int32).view(1, n)
@@ -574,7 +690,15 @@ class MoeAlltoAll:
         if self._state != "idle" and active_rank_mask is None:
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
-        active = self._rank_mask(op, active_rank_mask)
+        return self._dispatch(op, self._rank_mask(op, active_rank_mask), token_selected_experts,
+                              input_payloads, runtime_max_tokens_per_rank,
+                              invalid_token_expert_id, expert_id_payload_index, eplb_local_stats)
+
+    def _dispatch(self, op, active, token_selected_experts, input_payloads,
+                  runtime_max_tokens_per_rank, invalid_token_expert_id=None,
+                  expert_id_payload_index=None, eplb_local_stats=None):
+        """dispatch with the mask as ep_size bools (the functional API's checked its own)."""
+        self._check_live(op)
         if invalid_token_expert_id is None:
             expert_id_payload_index = None  # FlashInfer sanitises only with both given
         elif expert_id_payload_index is None:
@@ -620,6 +744,7 @@ class MoeAlltoAll:
         """The [ep_size, runtime_max, hidden_size] workspace view the MoE kernel writes its output
         into for combine(..., payload_in_workspace=True). Valid between dispatch and combine."""
         op = "MoeAlltoAll.get_combine_payload_tensor_in_workspace"
+        self._check_live(op)
         if self._state != "dispatched":
             raise errors.invalid(op, "called before dispatch; expected dispatch -> "
                                  "get_combine_payload_tensor_in_workspace -> combine")
@@ -642,6 +767,15 @@ class MoeAlltoAll:
         place. epx moves the rounded rows in bfloat16 (f32 for an f32 workspace payload): the
         result is FlashInfer's, the bytes on the wire are not halved."""
         op = "MoeAlltoAll.combine"
+        return self._combine(op, lambda: self._rank_mask(op, active_rank_mask), payload,
+                             runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
+                             output_scales, output, use_low_precision)
+
+    def _combine(self, op, mask, payload, runtime_max_tokens_per_rank, payload_in_workspace,
+                 output_dtype, output_scales, output, use_low_precision):
+        """combine; ``mask()`` gives the call's mask as ep_size bools (checked after the
+        state: the functional API's follows its own rules)."""
+        self._check_live(op)
         if output_scales is not None:
             raise errors.unsupported(op, "output_scales: epx's combine returns the payload's "
                                      "dtype; quantised (MXFP8/MXFP4/NVFP4) combine outputs are "
@@ -649,7 +783,7 @@ class MoeAlltoAll:
         if self._state != "dispatched":
             raise errors.invalid(op, "called without a preceding dispatch; expected the order "
                                  "dispatch -> combine -> dispatch")
-        if self._rank_mask(op, active_rank_mask) != self._active:
+        if mask() != self._active:
             raise errors.invalid(op, "argument 'active_rank_mask' differs from the mask of the "
                                  "preceding dispatch, expected the same mask")
         dtype = getattr(payload, "dtype", None)
