@@ -263,9 +263,9 @@ def test_eplb_stats(pool):
 
 
 def body_options(ctx, seed):
-    """combine's options, enable_rank_mask without a mask or with one leaving out this rank, the
-    attributes FlashInfer has and epx does not (Unsupported), on fresh random inputs
-    (use_low_precision: test_flashinfer_functional.py)."""
+    """combine's options, enable_rank_mask without a mask or with one leaving out this rank, on
+    fresh random inputs (use_low_precision: test_flashinfer_functional.py; workspace, metainfo,
+    get_workspace, checkpointing: test_flashinfer_workspace.py)."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = L * R
     mapping = fi.Mapping(world_size=R, rank=r, tp_size=R, moe_ep_size=R)
@@ -311,15 +311,6 @@ def body_options(ctx, seed):
             assert out is buf
         assert torch.equal(out.cpu(), want), (seed, call)
 
-    for attr in ("workspace", "metainfo", "mnnvl_mem"):
-        with pytest.raises(epx.Unsupported, match=attr):
-            getattr(moe, attr)
-    with pytest.raises(epx.Unsupported, match="checkpoint_prepare"):
-        moe.checkpoint_prepare()
-    with pytest.raises(epx.Unsupported, match="checkpoint_restore"):
-        moe.checkpoint_restore(EngineComm(ctx.group))
-    with pytest.raises(epx.Unsupported, match="get_workspace"):
-        fi.MoeAlltoAll.get_workspace(1 << 20, r, R, 8, mapping)
     assert (moe.ep_rank, moe.ep_size, moe.top_k, moe.num_experts, moe.max_num_tokens) == \
         (r, R, K, E, 8)
     assert moe.enable_rank_mask is False and moe.eplb_gathered_stats is None

@@ -9,6 +9,8 @@ moe_a2a_initialize creates a context: a MoeAlltoAll over the group (collective),
 moves the data. The workspace and the metainfo name that context; the workspace's row size
 bounds epx's (as workspace_size_per_rank does) and its row ep_rank is where the caller may write
 the combine payload (moe_a2a_wrap_payload_tensor_in_workspace at combine_payload_offset).
+A MoeAlltoAll's ``workspace`` / ``metainfo`` properties register a context too, whose MoeAlltoAll
+is that object (held weakly; the context ends with it), so the calls here run on its state.
 
 ``moe_a2a_initialize`` creates that MoeAlltoAll, so it lives beside the class in flashinfer.py and
 fills the registry here (``_contexts``, ``_context_ids``, ``_FunctionalContext``); the calls here

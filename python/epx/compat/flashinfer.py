@@ -83,10 +83,10 @@ MoeAlltoAll(eplb_stats_num_experts=n)             honoured: dispatch(eplb_local_
                                                   (row r = rank r's stats; None after combine).
                                                   Gathered on the device by a second, small epx
                                                   A2a (stream-ordered, capturable, masked like
-                                                  the dispatch: masked-off rows unspecified);
-                                                  every rank passes stats, or none; the first
-                                                  gather while ranks are masked off is
-                                                  Unsupported (creating it needs every rank)
+                                                  the dispatch: masked-off rows unspecified),
+                                                  made with the MoeAlltoAll (so a gather needs
+                                                  only the active ranks); every rank passes
+                                                  stats, or none
 MoeAlltoAll(enable_rank_mask=True)                honoured; a dispatch/combine without
                                                   ``active_rank_mask``, or with one leaving out
                                                   this rank, is InvalidArgument (as in
@@ -123,11 +123,19 @@ MoeAlltoAll.get_moe_workspace_size_per_rank       honoured (epx's sizes, 16-bit 
 (... eplb_stats_num_experts)
 eplb_gathered_stats, enable_rank_mask, ep_rank,   honoured (attributes)
 ep_size, top_k, num_experts, max_num_tokens
-workspace, metainfo, mnnvl_mem,                   Unsupported: FlashInfer's raw MNNVL workspace
-MoeAlltoAll.get_workspace                         and its metainfo do not exist in epx (its
-                                                  symmetric memory is NCCL's, sized per payload)
-checkpoint_prepare, checkpoint_restore            Unsupported (MNNVL handles unmapped for
-                                                  process checkpointing)
+MoeAlltoAll.get_workspace (classmethod)           honoured: collective at the first call for
+                                                  its arguments, then cached; FlashInfer's dict
+                                                  (workspace: uint8 [ep_size, size], rows views
+                                                  of one zeroed row; metainfo of
+                                                  moe_a2a_initialize; mnnvl_mem None)
+workspace, metainfo                               honoured: a workspace and a metainfo naming
+                                                  this object for the functional API (made at
+                                                  the first access, nothing collective)
+mnnvl_mem                                         None (epx maps no MNNVL memory)
+checkpoint_prepare, checkpoint_restore            honoured, collective: the A2a, the EPLB
+                                                  exchange and the group released, then made
+                                                  again over restore's comm_backend; between
+                                                  them dispatch / combine are InvalidArgument
 moe_a2a_initialize, moe_a2a_dispatch,             honoured (see above); ``enable_pdl``
 moe_a2a_combine (output=, use_low_precision,      accepted (epx's PDL is EPX_PDL); a mask with
 enable_rank_mask, active_rank_mask),              enable_rank_mask=False, enable_rank_mask=True
