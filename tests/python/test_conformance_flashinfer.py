@@ -421,10 +421,10 @@ FLASHINFER_SIGNATURES = {
                             "hidden_size mnnvl_config eplb_stats_num_experts enable_rank_mask",
     "MoeAlltoAll.dispatch": "token_selected_experts input_payloads runtime_max_tokens_per_rank "
                             "invalid_token_expert_id expert_id_payload_index eplb_local_stats "
-                            "active_rank_mask",
+                            "active_rank_mask enable_pdl",
     "MoeAlltoAll.combine": "payload runtime_max_tokens_per_rank payload_in_workspace output_dtype "
                            "output_scales output_scalar_scale sf_layout output "
-                           "*use_low_precision *active_rank_mask",
+                           "*use_low_precision *active_rank_mask *enable_pdl",
     "MoeAlltoAll.get_combine_payload_tensor_in_workspace": "runtime_max_tokens_per_rank "
                                                            "hidden_size dtype",
     "MoeAlltoAll.get_moe_workspace_size_per_rank": "ep_size top_k max_num_tokens hidden_size "

@@ -52,7 +52,9 @@ def body_get_workspace(ctx, seed):
     with pytest.raises(epx.InvalidArgument, match="'mapping'"):
         fi.MoeAlltoAll.get_workspace(size, r, R + 1, M, mapping)
     with pytest.raises(epx.InvalidArgument, match="'backend'"):
-        fi.MoeAlltoAll.get_workspace(size, r, R, M, mapping, backend="trtllm")
+        fi.MoeAlltoAll.get_workspace(size, r, R, M, mapping, backend="tpu")
+    with pytest.raises(epx.Unsupported, match="cake"):  # FlashInfer's: SM 100 / 103 only
+        fi.MoeAlltoAll.get_workspace(size, r, R, M, mapping, backend="cake")
     kw = dict(comm_backend=EngineComm(ctx.group), **_backend_kw(ctx))
     got = fi.MoeAlltoAll.get_workspace(size, r, R, M, mapping, n, **kw)
     ws, meta = got["workspace"], got["metainfo"]
@@ -93,9 +95,10 @@ def body_handles(ctx, seed):
     the handles end with the object."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E, M = 2 * R, MAX_TOKENS
+    # FlashInfer's default kernel choice named, where epx's default backend fits the pool.
     moe = fi.MoeAlltoAll(_mapping(ctx), M, K, E, hidden_size=H,
                          mnnvl_config=fi.MnnvlConfig(comm_backend=EngineComm(ctx.group)),
-                         **_backend_kw(ctx))
+                         **(_backend_kw(ctx) or {"backend": "trtllm"}))
     ws, meta = moe.workspace, moe.metainfo
     assert moe.workspace is ws and moe.metainfo is meta and moe.mnnvl_mem is None
     _check_zero_workspace(ws, R, fi.MoeAlltoAll.get_moe_workspace_size_per_rank(R, K, M, H), dev)
@@ -147,7 +150,8 @@ def body_checkpoint(ctx, seed):
         inputs = _inputs(seed, step, R, E, K, ref.ROUTINGS[step])
         idx = inputs[r]["topk_idx"].to(dev)
         recv = moe.dispatch(idx, [p.to(dev) for p in inputs[r]["payloads"]], M,
-                            eplb_local_stats=_stats(seed, step, r, n).to(dev))
+                            eplb_local_stats=_stats(seed, step, r, n).to(dev),
+                            enable_pdl=bool(step % 2))
         _check_recv(recv, inputs, r, E, R, M, f"step={step}")
         assert torch.equal(moe.eplb_gathered_stats.cpu(),
                            torch.stack([_stats(seed, step, s, n) for s in range(R)])), step
@@ -158,7 +162,7 @@ def body_checkpoint(ctx, seed):
         if step % 2:
             view = moe.get_combine_payload_tensor_in_workspace(M, H, torch.bfloat16)
             view.copy_(ys[r].to(dev))
-            out = moe.combine(view, M, payload_in_workspace=True)
+            out = moe.combine(view, M, payload_in_workspace=True, enable_pdl=True)
         else:
             out = moe.combine(ys[r].to(dev), M)
         assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), (seed, step)

@@ -91,6 +91,10 @@ MoeAlltoAll(enable_rank_mask=True)                honoured; a dispatch/combine w
                                                   ``active_rank_mask``, or with one leaving out
                                                   this rank, is InvalidArgument (as in
                                                   FlashInfer)
+MoeAlltoAll(backend=), get_workspace(backend=)    FlashInfer's "trtllm": epx's default backend;
+                                                  "cake" (SM 100 / 103 kernels): Unsupported;
+                                                  epx's "cpu" / "cuda": that backend
+dispatch(enable_pdl=), combine(enable_pdl=)       accepted (epx's PDL is EPX_PDL)
 MoeAlltoAll(num_experts=E), E not a multiple of   InvalidArgument (FlashInfer splits the
 ep_size                                           experts ceil/floor; epx's a2a E / ep_size)
 dispatch(token_selected_experts, input_payloads,  honoured (T = 0 allowed; rows of any byte
@@ -214,11 +218,17 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
 
 
 def _check_backend(op, backend):
-    """The epx-only keyword ``backend``: "cpu" or "cuda" (None: :func:`_backend_name`)."""
-    if backend is None:
+    """The keyword ``backend`` -> "cpu" or "cuda": epx's own "cpu" / "cuda"; None or FlashInfer's
+    default "trtllm" (its kernel choice): :func:`_backend_name`; FlashInfer's "cake" (generated
+    kernels for SM 100 / 103 only) is Unsupported."""
+    if backend is None or backend == "trtllm":
         return _backend_name()
+    if backend == "cake":
+        raise errors.unsupported(op, "backend='cake': FlashInfer's generated Blackwell kernels "
+                                 "(compute capability 10.0 / 10.3 only); epx runs its own a2a")
     if backend not in ("cpu", "cuda"):
-        raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu' or 'cuda'")
+        raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu', 'cuda' "
+                             "or FlashInfer's 'trtllm'")
     return backend
 
 
@@ -690,10 +700,11 @@ class MoeAlltoAll:
     @_torch.plain_torch
     def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
                  invalid_token_expert_id=None, expert_id_payload_index=None,
-                 eplb_local_stats=None, active_rank_mask=None):
+                 eplb_local_stats=None, active_rank_mask=None, enable_pdl=None):
         """Collective (over the active ranks). -> list of [ep_size, runtime_max_tokens_per_rank,
         ...] views of the receive workspace, one per payload: row [s][j] is the j-th token rank
-        s sent here (nothing from masked-off ranks)."""
+        s sent here (nothing from masked-off ranks). ``enable_pdl`` is accepted (epx's PDL is
+        EPX_PDL)."""
         op = "MoeAlltoAll.dispatch"
         if self._state != "idle" and active_rank_mask is None:
             raise errors.invalid(op, "called twice without combine in between; expected the "
@@ -761,7 +772,8 @@ class MoeAlltoAll:
     @_torch.plain_torch
     def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False,
                 output_dtype=None, output_scales=None, output_scalar_scale=1.0, sf_layout=None,
-                output=None, *, use_low_precision=False, active_rank_mask=None):
+                output=None, *, use_low_precision=False, active_rank_mask=None,
+                enable_pdl=None):
         """Collective (over the active ranks). payload [ep_size, runtime_max, H] -> [T, H]: per
         token the sum, in ascending rank order, of the rows the active ranks it went to return
         (zeros when it went to none). With ``output``, the result is copied into it and it is
@@ -773,7 +785,8 @@ class MoeAlltoAll:
         above in float32 and the sum is rounded once to bfloat16, the output's dtype whatever the
         payload's (bf16, fp16 or f32). With ``payload_in_workspace`` the rows are rounded in
         place. epx moves the rounded rows in bfloat16 (f32 for an f32 workspace payload): the
-        result is FlashInfer's, the bytes on the wire are not halved."""
+        result is FlashInfer's, the bytes on the wire are not halved. ``enable_pdl`` is accepted
+        (epx's PDL is EPX_PDL)."""
         op = "MoeAlltoAll.combine"
         return self._combine(op, lambda: self._rank_mask(op, active_rank_mask), payload,
                              runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
