@@ -434,22 +434,24 @@ FLASHINFER_SIGNATURES = {
                                  "eplb_stats_num_experts",
     "MoeAlltoAll.checkpoint_prepare": "",
     "MoeAlltoAll.checkpoint_restore": "comm_backend",
-    "moe_a2a_initialize": "workspace ep_rank ep_size max_num_tokens eplb_stats_num_experts",
+    "moe_a2a_initialize": "workspace ep_rank ep_size max_num_tokens eplb_stats_num_experts "
+                          "*backend",
     "moe_a2a_dispatch": "token_selected_experts input_payloads workspace metainfo "
                         "runtime_max_tokens_per_rank ep_rank ep_size top_k num_experts enable_pdl "
-                        "eplb_local_stats enable_rank_mask active_rank_mask",
+                        "eplb_local_stats enable_rank_mask active_rank_mask *backend",
     "moe_a2a_combine": "payload local_num_tokens workspace metainfo runtime_max_tokens_per_rank "
                        "ep_rank ep_size top_k combine_payload_offset payload_in_workspace "
                        "output_dtype output_scales output_scalar_scale sf_layout output "
-                       "*use_low_precision *enable_pdl *enable_rank_mask *active_rank_mask",
+                       "*use_low_precision *enable_pdl *enable_rank_mask *active_rank_mask "
+                       "*backend",
     "moe_a2a_sanitize_expert_ids": "expert_ids workspace metainfo ep_rank invalid_expert_id "
-                                   "enable_pdl",
+                                   "enable_pdl *backend",
     "moe_a2a_wrap_payload_tensor_in_workspace": "workspace leading_shape slice_start slice_end "
                                                 "dtype",
     "moe_a2a_get_workspace_size_per_rank": "ep_size max_num_tokens "
                                            "total_dispatch_payload_size_per_token "
                                            "combine_payload_size_per_token "
-                                           "eplb_stats_num_experts",
+                                           "eplb_stats_num_experts *backend",
     "moe_a2a_active_rank_mask": "active_ranks ep_size",
     "Mapping.__init__": "world_size rank gpus_per_node *cp_size *cp_config *tp_size *pp_size "
                         "*moe_cluster_size *moe_tp_size *moe_ep_size *attn_tp_size *attn_cp_size "

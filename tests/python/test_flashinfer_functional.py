@@ -322,10 +322,14 @@ def body_functional_errors(ctx, seed):
             fi.moe_a2a_initialize(bad, r, R, 8)
     with pytest.raises(epx.InvalidArgument, match="ep_rank"):
         fi.moe_a2a_initialize(ws, R, R, 8)
-    meta = fi.moe_a2a_initialize(ws, r, R, 8, comm_backend=ctx.group)
+    with pytest.raises(epx.Unsupported, match="backend='cake'"):
+        fi.moe_a2a_initialize(ws, r, R, 8, backend="cake", comm_backend=ctx.group)
+    meta = fi.moe_a2a_initialize(ws, r, R, 8, backend="trtllm", comm_backend=ctx.group)
     g = ref.generator(seed, r)
     idx = ref.routing("uniform", 3, K, E, R, g).to(torch.int32).to(dev)
     x = [ref.rand_bf16((3, H), g).to(dev)]
+    with pytest.raises(epx.Unsupported, match="backend='cake'"):  # before any collective step
+        fi.moe_a2a_dispatch(idx, x, ws, meta, 3, r, R, K, E, backend="cake")
     y = torch.zeros(R, M, H, dtype=torch.bfloat16, device=dev)
     other = _workspace(ctx, size)
     with pytest.raises(epx.InvalidArgument, match="'metainfo'"):
@@ -438,6 +442,14 @@ def test_workspace_size_zero_payloads():
     assert fi.moe_a2a_get_workspace_size_per_rank(4, 16, 100, 0, eplb_stats_num_experts=8) > 0
     with pytest.raises(epx.InvalidArgument, match="combine_payload_size_per_token"):
         fi.moe_a2a_get_workspace_size_per_rank(4, 16, 100, -1)
+    # FlashInfer's kernel choice: its default 'trtllm' is accepted (the same size), 'cake' (SM
+    # 100 / 103 only) is Unsupported, anything else InvalidArgument.
+    assert fi.moe_a2a_get_workspace_size_per_rank(4, 16, 128, 128, backend="trtllm") == \
+        fi.moe_a2a_get_workspace_size_per_rank(4, 16, 128, 128)
+    with pytest.raises(epx.Unsupported, match="backend='cake'"):
+        fi.moe_a2a_get_workspace_size_per_rank(4, 16, 128, 128, backend="cake")
+    with pytest.raises(epx.InvalidArgument, match="'backend' is 'bogus'"):
+        fi.moe_a2a_get_workspace_size_per_rank(4, 16, 128, 128, backend="bogus")
 
 
 # ---- GPU tier --------------------------------------------------------------------------------

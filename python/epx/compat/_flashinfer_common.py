@@ -118,3 +118,16 @@ def nvfp4_block_scale_interleave(unswizzled_sf):
 
 def _backend_name():
     return "cuda" if _epx.built_with_cuda and torch.cuda.is_available() else "cpu"
+
+
+def check_kernel_backend(op, backend):
+    """FlashInfer's ``backend`` keyword of the functional ops (its kernel choice): None or its
+    default "trtllm" are accepted (epx runs its own a2a on the workspace's device); "cake" (its
+    generated kernels for compute capability 10.0 / 10.3 only) is Unsupported."""
+    if backend is None or backend == "trtllm":
+        return
+    if backend == "cake":
+        raise errors.unsupported(op, "backend='cake': FlashInfer's generated Blackwell kernels "
+                                 "(compute capability 10.0 / 10.3 only); epx runs its own a2a")
+    raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected FlashInfer's 'trtllm' "
+                         "(or None)")

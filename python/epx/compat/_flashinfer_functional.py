@@ -23,7 +23,7 @@ import itertools
 import torch
 
 from .. import _torch, errors
-from ._flashinfer_common import _mask_bools
+from ._flashinfer_common import _mask_bools, check_kernel_backend
 
 _METAINFO_MAGIC = 0x657078A2A  # "epx a2a"
 # metainfo: [magic, context id, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
@@ -102,7 +102,7 @@ def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size, ep_rank):
 def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo,
                      runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
                      enable_pdl=None, eplb_local_stats=None, enable_rank_mask=False,
-                     active_rank_mask=None):
+                     active_rank_mask=None, *, backend=None):
     """Collective (over the active ranks): :meth:`MoeAlltoAll.dispatch` in the context of
     ``metainfo``. -> ``(recv, combine_payload_offset, eplb_gathered_stats)``: the
     ``[ep_size, runtime_max_tokens_per_rank, ...]`` views, one per payload; the byte offset in
@@ -112,6 +112,7 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
     calls (the next dispatch re-creates epx's workspace, collectively). ``enable_pdl`` is
     accepted (epx's PDL is EPX_PDL)."""
     op = "moe_a2a_dispatch"
+    check_kernel_backend(op, backend)
     ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
     moe = ctx.moe
     errors.check_int(op, "top_k", top_k, 1)
@@ -139,7 +140,7 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
                     ep_rank, ep_size, top_k, combine_payload_offset, payload_in_workspace=False,
                     output_dtype=None, output_scales=None, output_scalar_scale=1.0,
                     sf_layout=None, output=None, *, use_low_precision=False, enable_pdl=None,
-                    enable_rank_mask=False, active_rank_mask=None):
+                    enable_rank_mask=False, active_rank_mask=None, backend=None):
     """Collective (over the active ranks): :meth:`MoeAlltoAll.combine` in the context of
     ``metainfo``, after its dispatch (``local_num_tokens``, ``top_k`` and
     ``combine_payload_offset`` as that dispatch had and returned them). With
@@ -148,6 +149,7 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
     combine_payload_offset, ...)`` (checked, as FlashInfer does); epx reads it from there (one
     copy into its own workspace). ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
     op = "moe_a2a_combine"
+    check_kernel_backend(op, backend)
     ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
     moe = ctx.moe
     active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size,
@@ -178,12 +180,13 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
 
 @_torch.plain_torch
 def moe_a2a_sanitize_expert_ids(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id,
-                                enable_pdl=None):
+                                enable_pdl=None, *, backend=None):
     """In place: every row ``[s, j]`` of ``expert_ids`` (int32 ``[ep_size, M, top_k]``, the
     expert-id view a moe_a2a_dispatch returned) with ``j >= recv_counts[s]`` of that dispatch,
     i.e. every padding row, gets ``invalid_expert_id`` in all its entries; rows of tokens are
     kept. Local, stream-ordered torch ops (capturable). ``enable_pdl`` is accepted."""
     op = "moe_a2a_sanitize_expert_ids"
+    check_kernel_backend(op, backend)
     ctx = _context(op, workspace, metainfo, ep_rank)
     if isinstance(invalid_expert_id, bool) or not isinstance(invalid_expert_id, int) or \
             not -(1 << 31) <= invalid_expert_id < 1 << 31:

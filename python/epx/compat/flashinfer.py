@@ -167,8 +167,8 @@ from ..buffer import A2a as _EpxA2a
 from ..group import Group as _EpxGroup
 from ._flashinfer_common import MOE_A2A_RANK_MASK_WORDS  # noqa: F401 (re-exported for the shim)
 from ._flashinfer_common import (_LOW_PRECISION_DTYPES, _backend_name, _mask_bools, _pad_rows,
-                                 _round4, _round_to_e4m3, _unpad_view, moe_a2a_active_rank_mask,
-                                 nvfp4_block_scale_interleave)
+                                 _round4, _round_to_e4m3, _unpad_view, check_kernel_backend,
+                                 moe_a2a_active_rank_mask, nvfp4_block_scale_interleave)
 from ._flashinfer_config import (CommBackend, Mapping, MnnvlConfig, TorchDistBackend,
                                  is_mnnvl_fabric_supported)
 from ._flashinfer_functional import (_context_counter, _context_ids, _contexts, _FunctionalContext,
@@ -198,12 +198,13 @@ _MAX_A2A_TOP_K = 32
 def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
                                         total_dispatch_payload_size_per_token,
                                         combine_payload_size_per_token,
-                                        eplb_stats_num_experts=0):
+                                        eplb_stats_num_experts=0, *, backend=None):
     """Bytes per rank epx's a2a workspace takes for these payloads (on the cuda backend when it is
     built and a GPU is present, else the cpu one), with room for the alignment of up to 8
     separate payloads. ``eplb_stats_num_experts`` adds nothing: epx gathers the EPLB stats
     through a separate small A2a (MoeAlltoAll._gather_eplb)."""
     op = "moe_a2a_get_workspace_size_per_rank"
+    check_kernel_backend(op, backend)
     errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
     errors.check_int(op, "ep_size", ep_size, 1)
     errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
@@ -221,15 +222,13 @@ def _check_backend(op, backend):
     """The keyword ``backend`` -> "cpu" or "cuda": epx's own "cpu" / "cuda"; None or FlashInfer's
     default "trtllm" (its kernel choice): :func:`_backend_name`; FlashInfer's "cake" (generated
     kernels for SM 100 / 103 only) is Unsupported."""
-    if backend is None or backend == "trtllm":
-        return _backend_name()
-    if backend == "cake":
-        raise errors.unsupported(op, "backend='cake': FlashInfer's generated Blackwell kernels "
-                                 "(compute capability 10.0 / 10.3 only); epx runs its own a2a")
-    if backend not in ("cpu", "cuda"):
+    if backend in ("cpu", "cuda"):
+        return backend
+    if backend not in (None, "trtllm", "cake"):
         raise errors.invalid(op, f"argument 'backend' is {backend!r}, expected 'cpu', 'cuda' "
                              "or FlashInfer's 'trtllm'")
-    return backend
+    check_kernel_backend(op, backend)
+    return _backend_name()
 
 
 def _device_of(backend):
@@ -263,7 +262,7 @@ def _comm_of(op, comm, ep_rank, ep_size, what):
 # moe_a2a_initialize creates a MoeAlltoAll, so it lives here; the other functional calls
 # (_flashinfer_functional) only use the context it registers there.
 def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts=0, *,
-                       comm_backend=None):
+                       backend=None, comm_backend=None):
     """Collective: every rank calls it once for its workspace before the other moe_a2a_* calls.
     ``workspace``: uint8 ``[ep_size, size_per_rank]`` on this rank's device (a CPU tensor: the
     cpu backend; on a GPU: cuda), row ``ep_rank`` zeroed here. Returns the metainfo (CPU int64
@@ -273,6 +272,7 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
     Calling it again with the same arguments returns an equal metainfo and the same context
     (FlashInfer's is idempotent too). The context lives while a metainfo returned for it does."""
     op = "moe_a2a_initialize"
+    check_kernel_backend(op, backend)
     errors.check_int(op, "ep_size", ep_size, 1)
     errors.check_int(op, "ep_rank", ep_rank, 0)
     errors.check_int(op, "max_num_tokens", max_num_tokens, 1)
