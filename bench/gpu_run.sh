@@ -72,6 +72,8 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/epx-out}
 mkdir -p "$OUT"
 B=$EPX_BUILD_DIR
+GEN=""  # the generator of the extra builds (trace, ab): ninja where it exists
+command -v ninja >/dev/null && GEN="-G Ninja"
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
   G=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
 else
@@ -207,14 +209,13 @@ batch_overlap() {
 }
 
 batch_ab() {
-  local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev gen=""
+  local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev
   rev=$(git rev-parse --short "$base" 2>/dev/null) || {
     skip ab "EPX_AB_BASE '$base' is not a commit of this checkout"
     return
   }
-  command -v ninja >/dev/null && gen="-G Ninja"
   rm -rf "$dir.src" && mkdir -p "$dir.src" && git archive "$rev" | tar -x -C "$dir.src"
-  step ab.build 600 "" bash -c "cmake -S '$dir.src' -B '$dir' $gen -DCMAKE_BUILD_TYPE=Release \
+  step ab.build 600 "" bash -c "cmake -S '$dir.src' -B '$dir' $GEN -DCMAKE_BUILD_TYPE=Release \
     -DEPX_WITH_CUDA=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$dir' -j $(nproc) \
     --target epx_ll_gpu_bench" || return 1
   local round side bin
@@ -262,9 +263,7 @@ DeepEP checkout (bench/peer_deepep.sh)"
 
 batch_trace() {
   local T="$B-trace"
-  local generator=""
-  command -v ninja >/dev/null && generator="-G Ninja"
-  step trace.build 900 "" bash -c "cmake -S . -B '$T' $generator -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
+  step trace.build 900 "" bash -c "cmake -S . -B '$T' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
     -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON -DEPX_BUILD_PYTHON=OFF && cmake --build '$T' -j $(nproc) \
     --target epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench" || { tail -40 "$OUT/trace.build.log"; return 1; }
   local rows="^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)"

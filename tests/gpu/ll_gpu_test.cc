@@ -94,17 +94,13 @@ BufferConfig ll_only() {
   return c;
 }
 
-MoeShape shape_of(const LlProblem& p) {
-  return MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens};
-}
-
 // Runs case c on this rank with its own Buffer; returns "" or the first failure.
 std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Group& g,
                      cudaStream_t stream) {
   const LlProblem& p = c.p;
   const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = gpu_testing::device_of(g);
   const int64_t H = p.hidden, RT = p.rows_per_expert();
-  Buffer buf(g, shape_of(p), ll_only());
+  Buffer buf(g, p.moe_shape(), ll_only());
   const Allocator alloc = poison_allocator();
   std::string err;
   auto fail = [&](const std::string& where, const std::string& what) {
@@ -554,7 +550,7 @@ int two_batch_lifetime(int R, bool one_gpu) {
     const RankStream rs(cudaStreamNonBlocking);
     int bad = 0, runs = 0;
     for (size_t i = 0; i < cases.size() && bad == 0; ++i) {
-      Buffer buf(g, shape_of(cases[i].p), ll_only());
+      Buffer buf(g, cases[i].p.moe_shape(), ll_only());
       const Batch* bs[2] = {&data[i][0], &data[i][1]};
       for (int hk = 0; hk < 4 && bad == 0; ++hk) {
         const bool hooks[2] = {(hk & 1) != 0, (hk & 2) != 0};
@@ -638,7 +634,7 @@ int graph_replays(int R) {
     const int64_t H = p0.hidden, RT = p0.rows_per_expert(), T = cases[0].fixed_tokens[r];
     cudaStream_t stream = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    Buffer buf(g, shape_of(p0), ll_only());
+    Buffer buf(g, p0.moe_shape(), ll_only());
     // Captured inputs and outputs: allocated before capture; the allocator hands out one tensor
     // per (dtype, shape) (created by the eager warm-up call).
     auto pool = std::make_shared<std::map<std::string, Tensor>>();
@@ -824,7 +820,7 @@ int bad_expert_case(bool one_gpu) {
     };
     std::optional<RankStream> rs(std::in_place);
     const cudaStream_t stream = rs->get();
-    Buffer buf(g, shape_of(c.p), ll_only());
+    Buffer buf(g, c.p.moe_shape(), ll_only());
     Tensor x = gpu_testing::to_device(bad.in[r].x, DType::kBF16, {T, H}, dev);
     Tensor topk = upload_topk(bad.in[r].topk_idx, T, K, false, dev);
     Tensor w = gpu_testing::to_device(bad.in[r].topk_weights, DType::kF32, {T, K}, dev);
@@ -884,7 +880,7 @@ int nvfp4_disagree_case(bool one_gpu) {
       ++failures;
     };
     const RankStream rs;
-    Buffer buf(g, shape_of(c.p), ll_only());
+    Buffer buf(g, c.p.moe_shape(), ll_only());
     Tensor x = gpu_testing::to_device(clean[0].in[r].x, DType::kBF16, {T, H}, dev);
     Tensor topk = upload_topk(clean[0].in[r].topk_idx, T, K, false, dev);
     Tensor gs = gpu_testing::to_device(std::vector<float>{2.0f}, DType::kF32, {1}, dev);
@@ -963,7 +959,7 @@ int missing_peer_case(bool one_gpu) {
     const RankStream rs;
     const cudaStream_t stream = rs.get();
     {
-      Buffer buf(g, shape_of(c.p), ll_only());
+      Buffer buf(g, c.p.moe_shape(), ll_only());
       if (r == 1) {
         for (int i = 0; i < 3000 && access(done_path.c_str(), F_OK) != 0; ++i)
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -1068,7 +1064,7 @@ TEST(LlGpuErrors, HookMisuseAndCapacity) {
     const int64_t H = c.p.hidden, T = 11;
     const int K = c.p.top_k;
     int failures = 0;
-    Buffer buf(g, shape_of(c.p), ll_only());
+    Buffer buf(g, c.p.moe_shape(), ll_only());
     Tensor x = gpu_testing::to_device(data[0].in[0].x, DType::kBF16, {T, H}, 0);
     Tensor topk = upload_topk(data[0].in[0].topk_idx, T, K, false, 0);
     Tensor w = gpu_testing::to_device(data[0].in[0].topk_weights, DType::kF32, {T, K}, 0);
@@ -1158,7 +1154,7 @@ TEST(LlGpuLifetime, BuffersDestroyedAtDifferentTimesOnEachRank) {
     BufferConfig both;  // ht and ll regions: two windows
     int bad = 0;
     for (int round = 0; round < 4 && bad == 0; ++round) {
-      auto extra = std::make_unique<Buffer>(g, shape_of(c.p), both);
+      auto extra = std::make_unique<Buffer>(g, c.p.moe_shape(), both);
       if (g.rank() == 0) extra.reset();
       std::string err;
       try {
@@ -1173,7 +1169,7 @@ TEST(LlGpuLifetime, BuffersDestroyedAtDifferentTimesOnEachRank) {
       }
     }
     // One more collective allocation frees what every rank released; only its own window is left.
-    { Buffer last(g, shape_of(c.p), ll_only()); }
+    { Buffer last(g, c.p.moe_shape(), ll_only()); }
     const int64_t left = detail::nccl_window_count(*g.transport());
     if (base < 0 || left != base + 1) {
       std::fprintf(stderr, "rank %d: %lld windows before, %lld after (expected %lld)\n", g.rank(),

@@ -41,18 +41,11 @@ using testing::LlBatch;
 using testing::LlCase;
 using testing::LlProblem;
 using testing::LlRankInput;
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using testing::Clock;
+using testing::seconds_since;
 
 BufferConfig shrink_config() {
   return testing::ll_mask_config();
-}
-
-MoeShape shape_of(const LlProblem& p) {
-  return MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens};
 }
 
 GroupOptions mask_options() {
@@ -165,7 +158,7 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
                                 cudaStream_t stream, const DoneFlag& done) {
   const int r = g.rank(), R = g.size(), dev = gpu_testing::device_of(g);
   const LlProblem& p = s.c.p;
-  Buffer buf(g, shape_of(p), shrink_config());
+  Buffer buf(g, p.moe_shape(), shrink_config());
   const Allocator alloc = gpu_testing::poison_allocator();
   const double timeout = std::chrono::duration<double>(g.timeout()).count();
   std::string err;
@@ -308,7 +301,7 @@ int one_sided_case(int R, bool one_gpu) {
       const int r = g.rank(), dev = gpu_testing::device_of(g);
       const LlProblem& p = s.c.p;
       const double timeout = std::chrono::duration<double>(g.timeout()).count();
-      Buffer buf(g, shape_of(p), shrink_config());
+      Buffer buf(g, p.moe_shape(), shrink_config());
       const Allocator alloc = gpu_testing::poison_allocator();
       std::string err;
       auto fail = [&](const std::string& where, const std::string& e) {
@@ -370,7 +363,7 @@ int graph_case(int R, bool one_gpu) {
     return guarded(g, [&](const Group& g, cudaStream_t stream) {
       const int r = g.rank(), dev = gpu_testing::device_of(g);
       const LlProblem& p = s.c.p;
-      Buffer buf(g, shape_of(p), shrink_config());
+      Buffer buf(g, p.moe_shape(), shrink_config());
       std::string err;
       auto fail = [&](const std::string& where, const std::string& e) {
         if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;

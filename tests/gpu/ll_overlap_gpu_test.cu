@@ -196,8 +196,7 @@ struct Rig {
       : r(g.rank()),
         dev(gpu_testing::device_of(g)),
         main(main_stream.get()),
-        buf(g, MoeShape{oc.c.p.hidden, oc.c.p.top_k, oc.c.p.num_experts, oc.c.p.max_tokens},
-            ll_only()),
+        buf(g, oc.c.p.moe_shape(), ll_only()),
         gemm(make_gemm_io(oc.c.p, oc.form, dev)) {
     CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));

@@ -15,6 +15,7 @@
 // masked_combine); y rows past the counts are NaN, so a read of a masked rank's block shows.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -25,6 +26,12 @@
 namespace epx::testing {
 
 inline constexpr int kLlMaskRounds = 5;
+
+// The steps' clock: seconds from t0 to now (what LlDeathPlan::check_time takes).
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 struct LlDeathPlan {
   int at_dispatch = -1, at_combine = -1, at_clean = -1;  // ranks that stop there (-1: none)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epx/ll.h"
+#include "epx/shape.h"
 #include "epx/tensor.h"
 
 namespace epx::testing {
@@ -39,6 +40,7 @@ struct LlProblem {
   int num_local_experts() const { return num_experts / num_ranks; }
   int64_t rows_per_expert() const { return num_ranks * max_tokens; }  // R * T_max
   int64_t num_groups() const { return hidden / 128; }                 // G
+  MoeShape moe_shape() const { return MoeShape{hidden, top_k, num_experts, max_tokens}; }
   std::string describe() const;
 };
 

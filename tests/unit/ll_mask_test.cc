@@ -31,20 +31,13 @@ using testing::LlBatch;
 using testing::LlCase;
 using testing::LlProblem;
 using testing::LlRankInput;
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using testing::Clock;
+using testing::seconds_since;
 
 BufferConfig shrink_config(bool shrink = true) {
   BufferConfig c = testing::ll_mask_config();
   c.enable_shrink = shrink;
   return c;
-}
-
-MoeShape shape_of(const LlProblem& p) {
-  return MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens};
 }
 
 TensorView view_of(const std::vector<int64_t>& v, std::vector<int64_t> shape) {
@@ -132,14 +125,14 @@ TEST(LlMaskErrors, NeedShrinkAndValidArguments) {
     std::vector<int32_t> m(2);
     const TensorView status = TensorView::contiguous(m.data(), DType::kI32, {2});
     {
-      Buffer plain(g, shape_of(p), shrink_config(false));
+      Buffer plain(g, p.moe_shape(), shrink_config(false));
       for (auto& [what, f] : std::vector<std::pair<std::string, std::function<void()>>>{
                {"update", [&] { plain.ll_update_mask(1 - r, true); }},
                {"query", [&] { plain.ll_query_mask(status); }},
                {"clean", [&] { plain.ll_clean_mask(); }}})
         note(expect_error(f, ErrorCode::kInvalidArgument, "enable_shrink = false", what));
     }
-    Buffer buf(g, shape_of(p), shrink_config());
+    Buffer buf(g, p.moe_shape(), shrink_config());
     note(expect_error([&] { buf.ll_update_mask(2, true); }, ErrorCode::kInvalidArgument,
                       "argument 'rank' is 2, expected 0..1", "rank 2"));
     note(expect_error([&] { buf.ll_update_mask(-1, false); }, ErrorCode::kInvalidArgument,
@@ -161,8 +154,8 @@ TEST(LlMaskErrors, NeedShrinkAndValidArguments) {
   BufferConfig ht_only;
   ht_only.enable_shrink = true;
   testing::run_threads(1, [&](const Group& g) {
-    EXPECT_EQ(expect_error([&] { Buffer b(g, shape_of(p), ht_only); }, ErrorCode::kInvalidArgument,
-                           "enable_ll is false", "ht only"),
+    EXPECT_EQ(expect_error([&] { Buffer b(g, p.moe_shape(), ht_only); },
+                           ErrorCode::kInvalidArgument, "enable_ll is false", "ht only"),
               "");
   });
   GroupOptions nodes;
@@ -170,13 +163,13 @@ TEST(LlMaskErrors, NeedShrinkAndValidArguments) {
   testing::run_threads(
       2,
       [&](const Group& g) {
-        EXPECT_EQ(expect_error([&] { Buffer b(g, shape_of(p), shrink_config()); },
+        EXPECT_EQ(expect_error([&] { Buffer b(g, p.moe_shape(), shrink_config()); },
                                ErrorCode::kUnsupported, "nodes", "two nodes"),
                   "");
       },
       nodes);
   testing::run_threads(2, [&](const Group& g) {
-    EXPECT_EQ(expect_error([&] { Buffer b(g, shape_of(p), shrink_config(g.rank() == 0)); },
+    EXPECT_EQ(expect_error([&] { Buffer b(g, p.moe_shape(), shrink_config(g.rank() == 0)); },
                            ErrorCode::kInvalidArgument,
                            "config.enable_shrink differs across ranks: rank 0 has true, rank 1 "
                            "has false",
@@ -191,7 +184,7 @@ TEST(LlMask, UpdateQueryClean) {
   std::vector<std::string> errors(3);
   testing::run_threads(3, [&](const Group& g) {
     const int r = g.rank(), other = (r + 1) % 3, third = (r + 2) % 3;
-    Buffer buf(g, shape_of(p), shrink_config());
+    Buffer buf(g, p.moe_shape(), shrink_config());
     std::string& err = errors[r];
     auto note = [&](const std::string& e) {
       if (err.empty() && !e.empty()) err = e;
@@ -223,7 +216,7 @@ TEST(LlMask, UpdateQueryClean) {
 // before it (ll_clean: two, its barrier waits twice the timeout), less than one otherwise.
 std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g) {
   const int r = g.rank(), R = g.size();
-  Buffer buf(g, shape_of(s.c.p), shrink_config());
+  Buffer buf(g, s.c.p.moe_shape(), shrink_config());
   const double timeout = std::chrono::duration<double>(g.timeout()).count();
   std::string err;
   for (int round = 0; round < testing::kLlMaskRounds && err.empty(); ++round) {
@@ -334,7 +327,7 @@ TEST(LlMask, MaskedByItsPeersThenRejoins) {
       R,
       [&](const Group& g) {
         const int r = g.rank();
-        Buffer buf(g, shape_of(c.p), shrink_config());
+        Buffer buf(g, c.p.moe_shape(), shrink_config());
         std::string err;
         if (r != m) buf.ll_update_mask(m, true);
         const auto t0 = Clock::now();

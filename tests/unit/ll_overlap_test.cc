@@ -261,7 +261,7 @@ TEST(LlOverlap, SignalNeverRaisedTimesOutThenCleanRecovers) {
         BufferConfig config;
         config.enable_ht = false;
         config.enable_ll = true;
-        Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, config);
+        Buffer buf(g, p.moe_shape(), config);
         const LlDispatchResult d = dispatch(buf, oc.c, batches[0], r);
         const int skip =
             testing::first_signal_with_rows(batches[0].want[0].recv_count, p.rows_per_expert(), 3);
@@ -311,7 +311,7 @@ TEST(LlOverlap, ArgumentErrors) {
     BufferConfig config;
     config.enable_ht = false;
     config.enable_ll = true;
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, config);
+    Buffer buf(g, p.moe_shape(), config);
     const LlDispatchResult d = dispatch(buf, c, b, 0);
     std::vector<uint16_t> y = b.y[0];
     std::vector<int32_t> signals(64, 1);
@@ -381,7 +381,7 @@ TEST(LlOverlap, RanksDisagreeOnOverlap) {
     BufferConfig config;
     config.enable_ht = false;
     config.enable_ll = true;
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, config);
+    Buffer buf(g, p.moe_shape(), config);
     const LlDispatchResult d = dispatch(buf, oc.c, batches[0], r);
     std::string& err = errors[r];
     try {

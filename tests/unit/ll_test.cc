@@ -388,7 +388,7 @@ TEST(Ll, TwoBatchOverlapSequence) {
   testing::run_threads(3, [&](const Group& g) {
     const int r = g.rank();
     const LlProblem& p = c.p;
-    Buffer buf(g, MoeShape{p.hidden, p.top_k, p.num_experts, p.max_tokens}, {false, true});
+    Buffer buf(g, p.moe_shape(), {false, true});
     auto dispatch = [&](const Batch& b) {
       LlDispatchArgs a;
       const LlRankInput& in = b.in[r];

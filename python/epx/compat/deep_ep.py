@@ -445,8 +445,8 @@ class Buffer:
         if raw is None:
             device = self._device
             if device is None:  # no op yet: the group's kind of device
-                on_gpu = (str(dist.get_backend(self.group)).lower() == "nccl"
-                          if self.group is not None else torch.cuda.is_available())
+                on_gpu = self._nccl_group() if self.group is not None else \
+                    torch.cuda.is_available()
                 device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
             raw = torch.zeros(capacity, dtype=torch.uint8, device=device)
             self._raw[bool(use_rdma_buffer)] = raw
@@ -484,6 +484,10 @@ class Buffer:
                             allocate_on_comm_stream)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _nccl_group(self):
+        """Whether the ProcessGroup is NCCL's (its collectives take CUDA tensors)."""
+        return str(dist.get_backend(self.group)).lower() == "nccl"
+
     def _check_alive(self, op):
         if self._destroyed:
             raise errors.invalid(op, "the Buffer was destroyed")
@@ -522,7 +526,7 @@ class Buffer:
         elif self._comm is not None:
             rows = [[int(v) for v in row] for row in self._comm.allgather(values)]
         else:
-            on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
+            on_gpu = self._nccl_group()
             mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
             parts = [torch.empty_like(mine) for _ in range(self.group_size)]
             dist.all_gather(parts, mine, group=self.group)
@@ -539,8 +543,7 @@ class Buffer:
         if self._comm is not None:
             rows = self._comm.allgather([int(c) for c in counts.tolist()])
             return [sum(col) for col in zip(*rows)]
-        on_gpu = str(dist.get_backend(self.group)).lower() == "nccl"
-        t = counts.to(device if on_gpu else "cpu").clone()
+        t = counts.to(device if self._nccl_group() else "cpu").clone()
         dist.all_reduce(t, group=self.group)
         return [int(c) for c in t.tolist()]
 
