@@ -134,6 +134,13 @@ struct DeviceState {
   // ht dispatch: batches drawn so far by the sender warps (the next drawn batch is G + send_next,
   // G = sender warps: batch gw is warp gw's first); the dispatch's finishing CTA sets it to 0.
   uint32_t send_next;
+  // The first timeout after another error claimed the record (kernels/sync.cuh record_timeout):
+  // its fields as DeviceErrorRecord's (what = a), so the host can say which wait timed out.
+  uint32_t lost_claim;
+  uint32_t lost_what;
+  int32_t lost_peer;
+  uint32_t lost_what_hi;
+  int64_t lost_b;
 };
 
 // Everything a bounded wait and the error path need; part of every kernel's params

@@ -63,15 +63,23 @@ void DeviceObject::clear_record() {
 }
 
 void DeviceObject::raise_timeout(const DeviceErrorRecord& e, const Timeout& t) const {
-  throw_error(ErrorCode::kTimeout, cat(device_op_name(e.op), ": rank ", e.rank, " waited ",
-                                       t.timeout_multiple * group_.timeout().count(), " ms for ",
-                                       t.awaited, " (rank ", e.peer, t.seen, "); ", t.unusable));
+  throw_error(ErrorCode::kTimeout,
+              cat(device_op_name(e.op), ": rank ", e.rank, " waited ",
+                  t.timeout_multiple * group_.timeout().count(), " ms for ", t.awaited, " (rank ",
+                  e.peer, t.seen, ")", t.earlier, "; ", t.unusable));
 }
 
-void DeviceObject::raise_lost_timeout(const DeviceErrorRecord& e, const char* unusable) const {
-  throw_error(ErrorCode::kTimeout,
-              cat(device_op_name(e.op), ": a device wait timed out on rank ", group_.rank(),
-                  " (after error code ", e.code, " was reported); ", unusable));
+DeviceErrorRecord DeviceObject::lost_timeout(const DeviceErrorRecord& first) const {
+  DeviceState st{};
+  DeviceGuard guard(device_);
+  EPX_CUDA_CHECK(cudaMemcpy(&st, state_, sizeof(st), cudaMemcpyDeviceToHost), "check");
+  DeviceErrorRecord t{kDevErrTimeout, first.op, group_.rank(), -1, 0, 0};
+  if (st.lost_claim) {
+    t.peer = st.lost_peer;
+    t.a = static_cast<int64_t>(static_cast<uint64_t>(st.lost_what_hi) << 32 | st.lost_what);
+    t.b = st.lost_b;
+  }
+  return t;
 }
 
 void DeviceObject::raise_common(const DeviceErrorRecord& e, int64_t num_experts) {

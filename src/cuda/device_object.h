@@ -84,11 +84,13 @@ class DeviceObject {
     const char* unusable;      // what the timeout leaves of the object
     int timeout_multiple = 1;  // the wait's bound in group timeouts (a2a set_active_ranks: 2)
     std::string seen = {};     // after the peer (ht: the flag's values)
+    std::string earlier = {};  // a lost timeout's: the error that claimed the record first
   };
   [[noreturn]] void raise_timeout(const DeviceErrorRecord& e, const Timeout& t) const;
-  // A wait timed out after error e had claimed the record (abort_raised): Timeout, "<op>: a
-  // device wait timed out on rank R (after error code C was reported); <unusable>".
-  [[noreturn]] void raise_lost_timeout(const DeviceErrorRecord& e, const char* unusable) const;
+  // A wait timed out after error `first` had claimed the record (abort_raised): the timeout's
+  // record, from the DeviceState fields kernels/sync.cuh's record_timeout keeps (op and rank of
+  // `first`; peer -1 and what 0 when no timeout was kept, e.g. after a reset).
+  DeviceErrorRecord lost_timeout(const DeviceErrorRecord& first) const;
   // kDevErrBadExpert: InvalidArgument naming the value and where it was; every other code:
   // Internal "unknown device error code" (the mode's check() raises its own codes before).
   [[noreturn]] static void raise_common(const DeviceErrorRecord& e, int64_t num_experts);

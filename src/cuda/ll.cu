@@ -242,26 +242,31 @@ void CudaLl::check() {
   if (!rec) return;
   const DeviceErrorRecord& e = *rec;
   const char* op = device_op_name(e.op);
+  // A timeout (t), reported first or after `earlier` had claimed the record.
+  auto raise_timeout = [&](const DeviceErrorRecord& t, const std::string& earlier) {
+    if ((t.a & 0xFF) == kWaitSignal) {  // kernels/ll/combine.cuh, ll_overlap_wait_signal
+      throw_error(ErrorCode::kTimeout,
+                  cat(op, ": rank ", t.rank, " waited ", group_.timeout().count(),
+                      " ms for the GEMM's signal of local expert ", (t.a >> 8) & 0xFFFFFF,
+                      ", block ", t.peer, " (overlap.signals[", t.a >> 32, "] wanted >= ",
+                      static_cast<uint64_t>(t.b) >> 32, ", seen ", t.b & 0xFFFFFFFF, ")",
+                      earlier, "; ", kLlUnusable));
+    }
+    dev_.raise_timeout(t, {.awaited = ll_awaited(t), .unusable = kLlUnusable, .earlier = earlier});
+  };
   if (e.code == kDevErrTimeout) {
     set_unusable(op, e.rank);
-    if ((e.a & 0xFF) == kWaitSignal) {  // kernels/ll/combine.cuh, ll_overlap_wait_signal
-      throw_error(ErrorCode::kTimeout,
-                  cat(op, ": rank ", e.rank, " waited ", group_.timeout().count(),
-                      " ms for the GEMM's signal of local expert ", (e.a >> 8) & 0xFFFFFF,
-                      ", block ", e.peer, " (overlap.signals[", e.a >> 32,
-                      "] wanted >= ", static_cast<uint64_t>(e.b) >> 32, ", seen ", e.b & 0xFFFFFFFF,
-                      "); ", kLlUnusable));
-    }
-    dev_.raise_timeout(e, {.awaited = ll_awaited(e), .unusable = kLlUnusable});
+    raise_timeout(e, "");
   }
   // Not fatal: the collective completed. Let the device report the next error.
   dev_.rearm();
-  // Unless a wait timed out after this error had claimed the record (its own report was lost,
-  // but it set the abort word, read here after the re-arm so no timeout goes unseen): then the
-  // state is unusable as after any timeout.
+  // Unless a wait timed out after this error had claimed the record (it set the abort word,
+  // read here after the re-arm so no timeout goes unseen, and kept its fields in the device
+  // state): then the state is unusable as after any timeout.
   if (dev_.abort_raised("ll check")) {
     set_unusable(op, group_.rank());
-    dev_.raise_lost_timeout(e, kLlUnusable);
+    raise_timeout(dev_.lost_timeout(e),
+                  cat(", after device error code ", e.code, " (from rank ", e.peer, ") was reported"));
   }
   switch (e.code) {
     case kDevErrLlFormat: {

@@ -110,6 +110,32 @@ __device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t co
   __threadfence_system();
 }
 
+// A timed-out wait (what: DeviceWait, b: as the record's): the record when this is the first
+// error, else, when it is the first timeout, DeviceState's lost_* fields (the host reports the
+// earlier error's code and this wait); then the abort word, so every other wait stops too.
+__device__ __forceinline__ void record_timeout(const WaitContext& ctx, int32_t peer, int64_t what,
+                                               int64_t b) {
+  if (atomicCAS(&ctx.state->error_claim, 0u, 1u) == 0u) {
+    volatile DeviceErrorRecord* rec = ctx.error;
+    rec->op = ctx.op;
+    rec->rank = ctx.rank;
+    rec->peer = peer;
+    rec->a = what;
+    rec->b = b;
+    __threadfence_system();
+    rec->code = kDevErrTimeout;
+    __threadfence_system();
+  } else if (atomicCAS(&ctx.state->lost_claim, 0u, 1u) == 0u) {
+    volatile DeviceState* st = ctx.state;
+    st->lost_what = static_cast<uint32_t>(what);
+    st->lost_peer = peer;
+    st->lost_b = b;
+    st->lost_what_hi = static_cast<uint32_t>(static_cast<uint64_t>(what) >> 32);
+  }
+  __threadfence();
+  atomicExch(&ctx.state->abort, 1u);
+}
+
 // The default of wait_flag's `give_up`: wait until the flag, the abort word or the timeout.
 struct NeverGiveUp {
   __device__ bool operator()() const { return false; }
@@ -121,9 +147,8 @@ struct NeverGiveUp {
 struct RecordTimeout {
   __device__ void operator()(const WaitContext& ctx, uint32_t what, int32_t peer, uint32_t want,
                              uint32_t seen) const {
-    record_error(ctx, kDevErrTimeout, peer, what,
-                 static_cast<int64_t>((static_cast<uint64_t>(want) << 32) | seen));
-    atomicExch(&ctx.state->abort, 1u);
+    record_timeout(ctx, peer, what,
+                   static_cast<int64_t>((static_cast<uint64_t>(want) << 32) | seen));
   }
 };
 

@@ -56,8 +56,7 @@ __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, const W
     if (mbar_try_wait(bar, parity)) return true;
     if ((spins & 63u) == 63u) {
       if (globaltimer_ns() - start > ctx.timeout_ns) {
-        record_error(ctx, kDevErrTimeout, ctx.rank, kWaitBulkCopy, parity);
-        atomicExch(&ctx.state->abort, 1u);
+        record_timeout(ctx, ctx.rank, kWaitBulkCopy, parity);
         return false;
       }
     }

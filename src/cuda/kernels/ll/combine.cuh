@@ -267,10 +267,9 @@ __device__ bool ll_overlap_wait_signal(const LlCombineParams& p, int l, int64_t 
     if ((spins & 63u) == 63u) {
       if (*reinterpret_cast<volatile uint32_t*>(&p.wait.state->abort)) return false;
       if (globaltimer_ns() - start > p.wait.timeout_ns) {
-        record_error(p.wait, kDevErrTimeout, static_cast<int32_t>(b),
-                     static_cast<int64_t>(kWaitSignal) | static_cast<int64_t>(l) << 8 | i << 32,
-                     static_cast<int64_t>(static_cast<uint64_t>(p.expected) << 32 | v));
-        atomicExch(&p.wait.state->abort, 1u);
+        record_timeout(p.wait, static_cast<int32_t>(b),
+                       static_cast<int64_t>(kWaitSignal) | static_cast<int64_t>(l) << 8 | i << 32,
+                       static_cast<int64_t>(static_cast<uint64_t>(p.expected) << 32 | v));
         return false;
       }
     }
