@@ -69,6 +69,12 @@ void DeviceObject::raise_timeout(const DeviceErrorRecord& e, const Timeout& t) c
                   e.peer, t.seen, ")", t.earlier, "; ", t.unusable));
 }
 
+std::string DeviceObject::flag_values(const DeviceErrorRecord& e) {
+  if (e.a == kWaitBulkCopy) return "";
+  const auto b = static_cast<uint64_t>(e.b);
+  return cat(", flag ", b >> 32, " wanted, ", b & 0xffffffffu, " seen");
+}
+
 DeviceErrorRecord DeviceObject::lost_timeout(const DeviceErrorRecord& first) const {
   DeviceState st{};
   DeviceGuard guard(device_);

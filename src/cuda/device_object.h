@@ -87,6 +87,8 @@ class DeviceObject {
     std::string earlier = {};  // a lost timeout's: the error that claimed the record first
   };
   [[noreturn]] void raise_timeout(const DeviceErrorRecord& e, const Timeout& t) const;
+  // Timeout::seen of a flag wait: ", flag W wanted, S seen" ("" for kWaitBulkCopy).
+  static std::string flag_values(const DeviceErrorRecord& e);
   // A wait timed out after error `first` had claimed the record (abort_raised): the timeout's
   // record, from the DeviceState fields kernels/sync.cuh's record_timeout keeps (op and rank of
   // `first`; peer -1 and what 0 when no timeout was kept, e.g. after a reset).

@@ -60,12 +60,6 @@ Tensor alloc(const Allocator& a, DType dtype, std::vector<int64_t> shape, int de
 
 // ", flag W wanted, V seen" for a flag wait's timeout (wait_flag packs both into b); "" for the
 // bulk-copy wait, whose b is a parity.
-std::string timeout_flag_values(const DeviceErrorRecord& e) {
-  if (e.a == kWaitBulkCopy) return "";
-  const auto b = static_cast<uint64_t>(e.b);
-  return cat(", flag ", b >> 32, " wanted, ", b & 0xffffffffu, " seen");
-}
-
 #ifdef EPX_HT_TRACE
 TraceBuffers g_ht_traces;  // ht_trace_buffer: the newest live CudaHt's (bench only)
 #endif
@@ -208,7 +202,7 @@ void CudaHt::check() {
                            .unusable = "the ht state of this buffer is unusable until reset() on "
                                        "every rank (every rank must call the same operations in "
                                        "the same order)",
-                           .seen = timeout_flag_values(e)});
+                           .seen = DeviceObject::flag_values(e)});
   }
   dev_.rearm();  // not fatal: the collective completed; the device may report the next error
   switch (e.code) {

@@ -252,7 +252,10 @@ void CudaLl::check() {
                       static_cast<uint64_t>(t.b) >> 32, ", seen ", t.b & 0xFFFFFFFF, ")",
                       earlier, "; ", kLlUnusable));
     }
-    dev_.raise_timeout(t, {.awaited = ll_awaited(t), .unusable = kLlUnusable, .earlier = earlier});
+    dev_.raise_timeout(t, {.awaited = ll_awaited(t),
+                           .unusable = kLlUnusable,
+                           .seen = DeviceObject::flag_values(t),
+                           .earlier = earlier});
   };
   if (e.code == kDevErrTimeout) {
     set_unusable(op, e.rank);
