@@ -210,6 +210,15 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   layout_ = LlLayout::make(shape, R);
+  // The overlapped send's dynamic shared memory is allowed here, before any ll kernel of this
+  // Buffer runs, not at its first call: cudaFuncSetAttribute waits for running instances of the
+  // kernel, and under the one-GPU test mode a peer's combine kernel spins until this rank
+  // launches (a deadlock until the group timeout). Where it does not fit, the overlapped call
+  // raises Unsupported.
+  const DynSmemFacts facts = g_ll_combine_smem.facts("Buffer");
+  const size_t overlap_smem = ll_overlap_smem_bytes(layout_);
+  if (facts.static_smem + overlap_smem <= static_cast<size_t>(facts.optin))
+    g_ll_combine_smem.allow(static_cast<int>(overlap_smem), "Buffer");
   const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
                  "Buffer");
@@ -603,7 +612,6 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
             op, ": the overlapped send needs ", facts.static_smem + smem,
             " bytes of shared memory per CTA for L * R = ", layout_.num_local_experts * R,
             " layout ranges; this GPU allows ", facts.optin);
-  g_ll_combine_smem.allow(static_cast<int>(smem), op);
 
   p.overlap = 1;
   p.signals = o.signals.ptr<int32_t>();
