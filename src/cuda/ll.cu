@@ -550,9 +550,11 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   fill_launch_common(p, kOpLlCombine);
   if (args.overlap) return combine_overlapped(args, p, std::move(res), failed);
 
+  // LogFMT's shared memory is dynamic (kernels/ll/logfmt.cuh), below the 48 KB default limit.
+  const size_t smem = args.use_logfmt ? ll_logfmt_smem_bytes() : 0;
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
-    launch_kernel(ll::combine, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+    launch_kernel(ll::combine, num_ctas_, kLlThreads, smem, stream, p.pdl, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
@@ -564,7 +566,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.copy_own = 1;
   p.stash_ids = stash_ids_ + stash;
   p.stash_w = stash_w_ + stash;
-  launch_kernel(ll::combine, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+  launch_kernel(ll::combine, num_ctas_, kLlThreads, smem, stream, p.pdl, op, p);
   combine_in_flight_[slot] = true;
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -582,8 +584,8 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   pr.weights_stride = shape_.top_k;
   // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   const int ctas = num_ctas_;
-  res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
-    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, "ll_combine hook", pr);
+  res.hook = make_hook(false, slot, [pr, ctas, smem, stream, keep = res.out]() {
+    launch_kernel(ll::combine, ctas, kLlThreads, smem, stream, pr.pdl, "ll_combine hook", pr);
   });
   return res;
 }

@@ -309,7 +309,6 @@ __device__ uintptr_t ll_overlap_dest(const LlCombineParams& p, const long long* 
 
 // O1-O4. False when a wait failed (this CTA then signals nothing: the peers time out).
 __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
-  extern __shared__ __align__(16) unsigned char ll_overlap_smem[];
   __shared__ unsigned long long s_skip;
   __shared__ int s_ok;
   const LlSymm& symm = p.symm;
@@ -317,7 +316,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k, E = g.num_experts;
   const int me = p.rank, q = p.slot, S = gridDim.x;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
-  auto* s_range = reinterpret_cast<long long*>(ll_overlap_smem);  // [L, R]
+  auto* s_range = reinterpret_cast<long long*>(ll_dyn_smem());  // [L, R]
   auto* s_dst = reinterpret_cast<uintptr_t*>(s_range + L * R);    // [kLlThreads]
   auto rows_of = [&](const long long* ranges) {                   // n_l (ranges: the expert's [R])
     int64_t n = 0;
@@ -466,10 +465,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   __shared__ int32_t s_ids[kSlots];
   __shared__ int32_t s_row[kSlots];
   __shared__ uintptr_t s_src[kSlots];
-  __shared__ uintptr_t s_mrow[kSlots];  // use_logfmt: the rows' meta words (0: skipped)
   __shared__ float s_w[kSlots];
   __shared__ int s_ok;
   __shared__ uint64_t s_masked;  // the ranks this CTA skips (after its waits)
+  uintptr_t* const s_mrow = ll_logfmt_rows();  // use_logfmt: the rows' meta words (0: skipped)
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
@@ -629,7 +628,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           }
         }
         s_src[i] = src;
-        s_mrow[i] = mrow;
+        if (p.use_logfmt) s_mrow[i] = mrow;
         if (!src) s_w[i] = 0.0f;
       }
       __syncthreads();

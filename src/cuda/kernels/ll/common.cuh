@@ -40,6 +40,13 @@ struct LlSymm {
 // consistent on their own (a combine token's terms, a send's signals). Without enable_shrink the
 // mask is 0 and every wait is the plain bounded one (a timeout is an error).
 
+// The kernel's dynamic shared memory (the combine: the overlapped send's ranges, or LogFMT's
+// table and meta words; never both).
+__device__ __forceinline__ unsigned char* ll_dyn_smem() {
+  extern __shared__ __align__(16) unsigned char ll_dyn_smem_bytes[];
+  return ll_dyn_smem_bytes;
+}
+
 // The mask now (0 without enable_shrink), the same value for every thread of the CTA (block-wide:
 // every thread must call it).
 __device__ __forceinline__ uint64_t ll_masked_uniform(const LlSymm& symm) {

@@ -32,9 +32,27 @@ inline constexpr int kLlLogfmtMetaWords = 2048;  // meta words a combine CTA hol
 // per-value lookups (any index per lane) are cheap.
 static __constant__ float kLlLogfmtLog2Frac[128] = {EPX_LOGFMT_LOG2_FRAC};
 
+// A LogFMT combine's shared memory is the kernel's dynamic shared memory (the launch passes
+// ll_logfmt_smem_bytes with use_logfmt, 0 otherwise), not static: the plain combine then keeps
+// its static size below 32 KB, the L1 / shared-memory carveout it had before LogFMT (static, the
+// 10.5 KB here cost every plain combine 5.5 us in DeepEP's harness, docs/perf.md §4.3). Layout:
+// the table [128] f32, the meta words [kLlLogfmtMetaWords] u32, the rows' meta pointers
+// [kLlCombineTokens * kLlMaxTopK].
+inline constexpr size_t kLlLogfmtMetaOff = 128 * 4;
+inline constexpr size_t kLlLogfmtRowsOff = kLlLogfmtMetaOff + 4 * kLlLogfmtMetaWords;
+constexpr size_t ll_logfmt_smem_bytes() {
+  return kLlLogfmtRowsOff + sizeof(uintptr_t) * kLlCombineTokens * kLlMaxTopK;
+}
+
 __device__ __forceinline__ float* ll_logfmt_table() {
-  __shared__ float table[128];
-  return table;
+  return reinterpret_cast<float*>(ll_dyn_smem());
+}
+__device__ __forceinline__ uint32_t* ll_logfmt_meta() {
+  return reinterpret_cast<uint32_t*>(ll_dyn_smem() + kLlLogfmtMetaOff);
+}
+// s_mrow of the combine's receive (combine.cuh).
+__device__ __forceinline__ uintptr_t* ll_logfmt_rows() {
+  return reinterpret_cast<uintptr_t*>(ll_dyn_smem() + kLlLogfmtRowsOff);
 }
 
 // Every thread of the CTA calls it (a barrier).
@@ -114,7 +132,7 @@ __device__ void ll_logfmt_encode_rows(const LlSymm& symm, int q, int64_t num_row
 __device__ void ll_logfmt_reduce(const LlSymm& symm, int64_t c0, int n, const uintptr_t* s_src,
                                  const uintptr_t* s_mrow, const float* s_w, uint16_t* out,
                                  int64_t out_stride, bool out_vec16) {
-  __shared__ uint32_t s_meta[kLlLogfmtMetaWords];
+  uint32_t* const s_meta = ll_logfmt_meta();
   const LlLayout& g = symm.layout;
   const int K = g.top_k;
   const int64_t G = g.num_groups;
