@@ -210,15 +210,16 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   layout_ = LlLayout::make(shape, R);
-  // The overlapped send's dynamic shared memory is allowed here, before any ll kernel of this
-  // Buffer runs, not at its first call: cudaFuncSetAttribute waits for running instances of the
-  // kernel, and under the one-GPU test mode a peer's combine kernel spins until this rank
-  // launches (a deadlock until the group timeout). Where it does not fit, the overlapped call
-  // raises Unsupported.
+  // The combine's dynamic shared memory (the overlapped send's, LogFMT's) is allowed here, once,
+  // before any ll kernel of this Buffer runs, rather than at a first overlapped call. The limit
+  // set is the larger of the two: a smaller one would refuse the other's launches. Where the
+  // overlapped send's does not fit, the overlapped call raises Unsupported.
   const DynSmemFacts facts = g_ll_combine_smem.facts("Buffer");
+  size_t dyn_smem = ll_logfmt_smem_bytes();
   const size_t overlap_smem = ll_overlap_smem_bytes(layout_);
   if (facts.static_smem + overlap_smem <= static_cast<size_t>(facts.optin))
-    g_ll_combine_smem.allow(static_cast<int>(overlap_smem), "Buffer");
+    dyn_smem = std::max(dyn_smem, overlap_smem);
+  g_ll_combine_smem.allow(static_cast<int>(dyn_smem), "Buffer");
   const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
                  "Buffer");
