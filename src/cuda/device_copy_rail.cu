@@ -86,6 +86,7 @@ class DeviceCopyRail final : public RailTransport {
   }
 
   void check() override {
+    dev_.require_usable("rail exchange");  // an error raised before: OutOfStep until reset()
     const std::optional<DeviceErrorRecord> rec = dev_.recorded();
     if (!rec) return;
     const DeviceErrorRecord& e = *rec;
@@ -122,8 +123,8 @@ class DeviceCopyRail final : public RailTransport {
 
   void exchange(const char* what, const std::vector<RailChunk>& sends,
                 const std::vector<RailChunk>& recvs, Stream stream) override {
-    check();
     dev_.require_usable(what);
+    check();
     const int me = group_.rank();
     const std::vector<RailOp> ops =
         plan_rail_exchange(what, topology_, me, sends, recvs, max_chunk_bytes_);
