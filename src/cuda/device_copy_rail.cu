@@ -90,11 +90,11 @@ class DeviceCopyRail final : public RailTransport {
     const std::optional<DeviceErrorRecord> rec = dev_.recorded();
     if (!rec) return;
     const DeviceErrorRecord& e = *rec;
+    const char* why = e.code == kDevErrTimeout     ? "a device wait timed out"
+                      : e.code == kDevErrRailBytes ? "a rail pair of unequal sizes"
+                                                   : "ranks out of step";
     dev_.set_unusable(ErrorCode::kOutOfStep, cat("the rail is unusable after an earlier error (",
-                                                 e.code == kDevErrTimeout ? "a device wait timed "
-                                                                            "out"
-                                                                          : "ranks out of step",
-                                                 "); call reset() on every rank to reset it"));
+                                                 why, "); call reset() on every rank to reset it"));
     const auto a = static_cast<uint64_t>(e.a), b = static_cast<uint64_t>(e.b);
     switch (e.code) {
       case kDevErrTimeout:
@@ -108,9 +108,7 @@ class DeviceCopyRail final : public RailTransport {
             cat("rail exchange: rank ", e.peer, " (node ", topology_.node_of(e.peer),
                 ") posted exchange #", a & 0xffffffffu, " of ", leg_name(a >> 32), " while rank ",
                 e.rank, " is at #", b & 0xffffffffu, " of ", leg_name(b >> 32),
-                " (ranks out of step); expected every rank at the same "
-                "exchange; ",
-                kUnusable));
+                " (ranks out of step); expected every rank at the same exchange; ", kUnusable));
       case kDevErrRailBytes:
         throw_error(ErrorCode::kInternal,
                     cat("rail exchange: rank ", e.peer, " posted ", e.a, " bytes for rank ", e.rank,
