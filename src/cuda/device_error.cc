@@ -26,6 +26,8 @@ const char* device_op_name(uint32_t op) {
       return "ll_dispatch";
     case kOpLlCombine:
       return "ll_combine";
+    case kOpRailExchange:
+      return "rail exchange";
     default:
       return "device operation";
   }
@@ -45,6 +47,10 @@ const char* device_wait_name(uint32_t what) {
       return "its own bulk load to land (staged combine)";
     case kWaitSignal:
       return "the expert GEMM's signal";
+    case kWaitRailPost:
+      return "its rail partner's chunk of this exchange";
+    case kWaitRailCopied:
+      return "its rail partner to copy this rank's chunk";
     default:
       return "the peer";
   }

@@ -21,7 +21,7 @@
 namespace epx::detail {
 
 // DeviceErrorRecord::op: the operation whose kernel reported (device_op_name: its name in
-// messages). ht 1-5, a2a 16-18, ll 32-33.
+// messages). ht 1-5, a2a 16-18, ll 32-33, the device-copy rail 48.
 enum DeviceOp : uint32_t {
   kOpNone = 0,
   kOpHtLayout = 1,
@@ -34,6 +34,7 @@ enum DeviceOp : uint32_t {
   kOpA2aResync = 18,  // a2a set_active_ranks
   kOpLlDispatch = 32,
   kOpLlCombine = 33,
+  kOpRailExchange = 48,  // RailTransport::exchange of the device-copy rail (device_copy_rail.h)
 };
 
 enum DeviceErrorCode : uint32_t {
@@ -69,6 +70,11 @@ enum DeviceErrorCode : uint32_t {
   // ll overlapped combine: source `peer`'s topk_idx row a (its token) does not select expert b,
   // which the dispatch delivered to this rank: not the dispatch's topk_idx. The row is not sent.
   kDevErrLlOverlapRoute = 36,
+  // device-copy rail: the partner (peer) posted another exchange than this rank's (ranks out of
+  // step). a = the partner's leg tag << 32 | its exchange number, b = this rank's, the same way.
+  kDevErrRailStep = 48,
+  // device-copy rail: the partner (peer) posted a = bytes for this rank, which receives b bytes.
+  kDevErrRailBytes = 49,
 };
 
 // The per-call values an ht count exchange message carries (HtCountMsg::call) and compares.
@@ -107,6 +113,8 @@ enum DeviceWait : uint32_t {
   // ll overlapped combine: the GEMM's signal of (local expert peer, block a >> 32) never reached
   // the value wanted (the record's peer is the expert, not a rank).
   kWaitSignal = 6,
+  kWaitRailPost = 7,    // device-copy rail: the partner posting its chunk of this exchange
+  kWaitRailCopied = 8,  // device-copy rail: the partner copying this rank's chunk
 };
 
 struct DeviceErrorRecord {

@@ -7,10 +7,12 @@
 // every other node m, in one collective call whose sends and receives pair up as grouped
 // ncclSend / ncclRecv do (equal byte counts on both sides of a pair). The backends' hierarchical
 // algorithms (cpu: src/cpu/ht*.cc, src/cpu/ll*.cc) call only this interface for the network
-// leg: the cpu rail (cpu_rail.cc) and the NCCL send/recv rail (nccl_rail.cc: grouped ncclSend /
-// ncclRecv on the rail communicator, capturable in a graph) fill it; a GIN rail (device-initiated
-// RDMA) can fill it later. Both rails post what plan_rail_exchange() plans, so the checks and the
-// peer order are one piece of host code, unit-tested without either transport
+// leg: the cpu rail (cpu_rail.cc), the NCCL send/recv rail (nccl_rail.cc: grouped ncclSend /
+// ncclRecv on the rail communicator, capturable in a graph) and, where ranks share one GPU
+// ("virtual nodes" of the one-GPU test mode), the device-copy rail (device_copy_rail.h: one
+// kernel per exchange copying from the partner's memory) fill it; a GIN rail (device-initiated
+// RDMA) can fill it later. Every rail posts what plan_rail_exchange() plans, so the checks and the
+// peer order are one piece of host code, unit-tested without any transport
 // (tests/unit/rail_plan_test.cc).
 #pragma once
 
@@ -103,6 +105,11 @@ class RailTransport {
   // stop waiting, and refuses later exchanges (Internal). The cpu rail waits only in the
   // transport's bounded barriers, which Transport::abort ends: nothing to do. Local, idempotent.
   virtual void abort() = 0;
+  // Raises what a stream-ordered exchange found on the device since the last call (the
+  // device-copy rail: Timeout, OutOfStep, Internal; each exchange() also calls it first, so an
+  // error surfaces at the next exchange at the latest). The cpu and NCCL rails raise from
+  // exchange() itself: nothing here. Local, no synchronisation.
+  virtual void check() {}
 };
 
 // The cpu rail: each rank stages its sends in its slot (one per other node) of a symmetric
