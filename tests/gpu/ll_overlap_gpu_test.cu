@@ -262,7 +262,8 @@ std::string run_rank(const OverlapCase& oc, const std::vector<LlBatch>& batches,
     RankInputs io = upload_inputs(p, b, r, rig.dev, rig.main);
     const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
     gpu_testing::upload_on_rank_stream(io.y.data, b.y[r].data(), b.y[r].size() * 2, rig.main);
-    const LlCombineResult plain = rig.buf.ll_combine(combine_args(io, d.handle, rig.main));
+    const LlCombineResult plain =
+        rig.buf.ll_combine(combine_args(io, d.handle, rig.main), gpu_testing::poison_allocator());
     CUDA_OK(cudaStreamSynchronize(rig.main));
     std::string e = check_out(p, b.want_out[r], plain.out);
     if (!e.empty()) return where + "plain combine: " + e;
@@ -476,10 +477,15 @@ TEST(LlOverlapErrors, DisagreementAndRecvCount) {
     upload_gemm(rig.gemm, p, oc.form, batches[0], r, rng, rig.main);
     gpu_testing::upload_on_rank_stream(io.y.data, batches[0].y[r].data(),
                                        batches[0].y[r].size() * 2, rig.main);
+    // Every output from the rank's stream-ordered pool: the default allocator's cudaFree of a
+    // dropped output synchronises the device, and with ranks sharing it the rank then waits for
+    // its own combine, which waits for the peer whose API calls wait behind that free.
+    LlCombineResult plain;
     if (r == 0) {
       rig.overlapped(oc, io, d);
     } else {
-      rig.buf.ll_combine(combine_args(io, d.handle, rig.main));
+      plain =
+          rig.buf.ll_combine(combine_args(io, d.handle, rig.main), gpu_testing::poison_allocator());
     }
     CUDA_OK(cudaStreamSynchronize(rig.main));
     expect_invalid("disagreement", "whether argument 'overlap' is given differs across ranks");
