@@ -28,8 +28,11 @@
 #             alone: one table (docs/design.md §7.6); EPX_OVERLAP_ARGS added
 #   ab        a same-run A/B of the ll kernels: epx_ll_gpu_bench built from the commit
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
-#             $EPX_BUILD_DIR-ab) and this tree's, alternately, two rounds each (R = the visible
-#             GPUs, --tokens 128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T
+#             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
+#             and this tree's, alternately, two rounds each (R = the visible GPUs, --tokens
+#             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
+#             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
+#             (the base's extension built in its tree), alternately: its kernel rows
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -210,14 +213,24 @@ batch_overlap() {
 
 batch_ab() {
   local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev
-  rev=$(git rev-parse --short "$base" 2>/dev/null) || {
-    skip ab "EPX_AB_BASE '$base' is not a commit of this checkout"
-    return
-  }
-  rm -rf "$dir.src" && mkdir -p "$dir.src" && git archive "$rev" | tar -x -C "$dir.src"
+  rm -rf "$dir.src" && mkdir -p "$dir.src"
+  if [ -d "$base" ] && [ -f "$base/CMakeLists.txt" ]; then
+    # A source tree (e.g. `git archive <commit> | tar -x -C peers/base`, carried to a machine
+    # whose checkout lacks that commit).
+    rev=base
+    tar -C "$base" --exclude='./build*' -cf - . | tar -x -C "$dir.src"
+  else
+    rev=$(git rev-parse --short "$base" 2>/dev/null) || {
+      skip ab "EPX_AB_BASE '$base' is neither a commit of this checkout nor a source tree"
+      return
+    }
+    git archive "$rev" | tar -x -C "$dir.src"
+  fi
+  local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-}
+  [ -z "$tests" ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
   step ab.build 600 "" bash -c "cmake -S '$dir.src' -B '$dir' $GEN -DCMAKE_BUILD_TYPE=Release \
-    -DEPX_WITH_CUDA=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$dir' -j $(nproc) \
-    --target epx_ll_gpu_bench" || return 1
+    -DEPX_WITH_CUDA=ON -DEPX_BUILD_PYTHON=$py -DPython3_EXECUTABLE='$EPX_PYTHON' >/dev/null && \
+    cmake --build '$dir' -j $(nproc) --target $targets" || return 1
   local round side bin
   for round in 1 2; do
     for side in "$rev" head; do
@@ -227,6 +240,19 @@ batch_ab() {
         --tokens 128,1 --iters 30 || continue
       grep -E "^ +T \|" "$OUT/ab.$side.$round.log" | head -1 | sed "s/^/  [$side] /"
       grep -E "^ +(1|128) \|" "$OUT/ab.$side.$round.log" | head -2 | sed "s/^/  [$side] /"
+    done
+  done
+  [ -n "$tests" ] || return 0
+  # DeepEP's own harness through each tree's drop-in (the kernel rows engines compare), the two
+  # trees alternately.
+  local root
+  for round in 1 2; do
+    for side in "$rev" head; do
+      root=.
+      [ "$side" = head ] || root="$dir.src"
+      step "ab.peer.$side.$round" 150 "" bash "$root/bench/peer_deepep.sh" "$tests" 1 \
+        test_low_latency.py || continue
+      grep -E "avg_t|send/recv" "$OUT/ab.peer.$side.$round.log" | sed "s/^/  [$side] /"
     done
   done
 }
