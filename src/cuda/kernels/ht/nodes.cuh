@@ -173,9 +173,8 @@ __global__ void __launch_bounds__(kHtNodesThreads) ht_nodes_handle_kernel(HtNode
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
     const int m = d / G;
-    const int32_t* cols =
-        m == n ? p.own_cols
-               : reinterpret_cast<const int32_t*>(p.recv_cols + (m < n ? m : m - 1) * p.cols_stride);
+    const char* theirs = p.recv_cols + (m < n ? m : m - 1) * p.cols_stride;
+    const int32_t* cols = m == n ? p.own_cols : reinterpret_cast<const int32_t*>(theirs);
     int32_t acc = 0;
     for (int s = 0; s < R; ++s) {
       acc += cols[s * G + d % G];
