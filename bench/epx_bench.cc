@@ -56,9 +56,9 @@ FLAGS:
                       run hierarchically: tokens cross between nodes once per node over the
                       rail, combines reduce inside each node first (docs/design.md §13); a2a is
                       the same on every topology. --check compares with the oracle of that
-                      topology. Default 1. cpu only for N > 1: the cuda backend has no
-                      across-node path yet, and a cuda group of several nodes is refused with
-                      an Unsupported error naming the option (never a flat run).
+                      topology. Default 1. On cuda N > 1 runs ht only, and only on virtual
+                      nodes (ranks sharing one GPU); elsewhere the group's Unsupported error
+                      is reported naming the option (never a flat run).
   --tokens T[,T...]   tokens per rank (one table row group per value). Default (the
                       standard workloads): ht 4096, ll 128, a2a 128 on cuda; on cpu smaller so a
                       run takes seconds on a small machine: ht 256, ll 8, a2a 64.

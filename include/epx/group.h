@@ -48,8 +48,9 @@ struct GroupOptions {
   // divisors) and be the same on every rank (a Buffer compares it). With more than one node the
   // cpu backend runs ht and ll hierarchically (tokens cross between nodes once per node, over the
   // "rail" between equal local ranks; combines reduce inside each node first, in the order of
-  // docs/semantics.md §1.6 / §2.3); a2a is the same on every topology. The cuda backend has no
-  // across-node path yet: more than one node is Unsupported there.
+  // docs/semantics.md §1.6 / §2.3); a2a is the same on every topology. The cuda backend runs ht
+  // across nodes only for Group::cuda_shared_device ("virtual nodes" on one GPU; ll there is
+  // Unsupported); cuda groups with a GPU per rank refuse more than one node (Unsupported).
   int ranks_per_node = 0;
 };
 

@@ -66,6 +66,8 @@ Bounds ht_bounds(const MoeShape& s, int R, int num_nodes) {
   b.lower = mul(R, Tm, 2, H);
   b.upper = add(add(mul(R + 1, Tm, row), mul(256, R, add(R, E))), u128{1} << 20);
   b.upper = add(b.upper, rail_bound(num_nodes, 2, Tm, add(row, add(mul(4, H), mul(4, K))), R));
+  // cuda across nodes: this node's partial and ids (src/cuda/ht_nodes.cu).
+  if (num_nodes > 1) b.upper = add(b.upper, mul(Tm, add(mul(4, H), mul(8, K))));
   return b;
 }
 
@@ -138,7 +140,10 @@ void check_buffer_capacity(const MoeShape& s, int num_ranks, Mode mode, Backend 
   if (mode == Mode::kHt) {
     check_bounds(
         ht_bounds(s, num_ranks, num_nodes),
-        [&] { return cpu ? cpu_ht_bytes(s, num_ranks, num_nodes) : cuda_ht_bytes(s, num_ranks); },
+        [&] {
+          return cpu ? cpu_ht_bytes(s, num_ranks, num_nodes)
+                     : cuda_ht_bytes(s, num_ranks, num_nodes);
+        },
         op,
         cat("shape.max_tokens_per_rank = ", s.max_tokens_per_rank, " and shape.hidden = ", s.hidden,
             " (top_k ", s.top_k, ")"),

@@ -37,10 +37,13 @@ static GroupOptions resolve(GroupOptions o, const char* op) {
 }
 
 // The topology (GroupOptions::ranks_per_node) against the group's size: 0 (one node, resolved to
-// the size) or a divisor of it; more than one node only on the cpu backend (the cuda backend's
-// across-node path is not built, docs/design.md §13). A size the transport will refuse passes
-// here unchanged (the transport names it).
-static GroupOptions resolve_topology(GroupOptions o, int size, Backend backend, const char* op) {
+// the size) or a divisor of it; more than one node on the cpu backend, and on cuda only where
+// ranks share one GPU (`virtual_nodes`: Group::cuda_shared_device, whose ht runs across nodes
+// through the device-copy rail, docs/design.md §13.1); a group with a GPU per rank has no
+// across-node path yet. A size the transport will refuse passes here unchanged (the transport
+// names it).
+static GroupOptions resolve_topology(GroupOptions o, int size, Backend backend, const char* op,
+                                     bool virtual_nodes = false) {
   if (size < 1 || size > detail::kMaxRanks) return o;
   std::string divisors;
   for (int d = 1; d <= size; ++d)
@@ -51,10 +54,12 @@ static GroupOptions resolve_topology(GroupOptions o, int size, Backend backend, 
                 ", expected 0 (every rank on one node) or a divisor of the group size ", size, " (",
                 divisors, ")");
   if (rpn == 0) o.ranks_per_node = size;
-  EPX_CHECK(backend == Backend::kCpu || o.ranks_per_node == size, ErrorCode::kUnsupported, op,
-            ": GroupOptions::ranks_per_node = ", rpn, " makes ", size / rpn, " nodes of ", rpn,
-            " ranks; the cuda backend has no across-node path yet (docs/design.md §13), expected 0 "
-            "or the group size ",
+  EPX_CHECK(backend == Backend::kCpu || virtual_nodes || o.ranks_per_node == size,
+            ErrorCode::kUnsupported, op, ": GroupOptions::ranks_per_node = ", rpn, " makes ",
+            size / rpn, " nodes of ", rpn,
+            " ranks; the cuda backend has no across-node path yet for a GPU per rank (only for "
+            "virtual nodes of Group::cuda_shared_device; docs/design.md §13), expected 0 or the "
+            "group size ",
             size);
   return o;
 }
@@ -82,7 +87,7 @@ Group Group::cuda(int rank, int size, const UniqueId& id, int cuda_device, Group
 Group Group::cuda_shared_device(int rank, int size, const std::string& world_name,
                                 int cuda_device, GroupOptions options) {
   options = resolve_topology(resolve(options, "Group::cuda_shared_device"), size, Backend::kCuda,
-                             "Group::cuda_shared_device");
+                             "Group::cuda_shared_device", /*virtual_nodes=*/true);
   auto t = detail::make_cuda_shared_device_transport(rank, size, world_name, cuda_device, &options);
   return Group(std::move(t), options);
 }

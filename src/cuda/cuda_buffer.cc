@@ -6,6 +6,7 @@
 #include "cuda/a2a.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht.h"
+#include "cuda/ht_nodes.h"
 #include "cuda/ll.h"
 
 namespace epx::detail {
@@ -17,47 +18,63 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   EPX_CHECK(R <= kMaxHtRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
             " ranks; the cuda ht kernels support at most ", kMaxHtRanks);
   device_ = group.transport()->device().index;
+  EPX_CHECK(!config.enable_ll || group.num_nodes() == 1, ErrorCode::kUnsupported,
+            "Buffer: ll (config.enable_ll) across nodes on cuda (", group.num_nodes(),
+            " nodes of ", group.ranks_per_node(),
+            " ranks) is not built; expected enable_ll = false or one node (the cpu backend runs "
+            "ll across nodes)");
   // Each collective, in this order on every rank.
-  if (config.enable_ht) ht_ = std::make_unique<CudaHt>(group, shape, id);
+  if (config.enable_ht && group.num_nodes() > 1)
+    ht_nodes_ = std::make_unique<CudaHtNodes>(group, shape, id);
+  else if (config.enable_ht)
+    ht_ = std::make_unique<CudaHt>(group, shape, id);
   if (config.enable_ll) ll_ = cuda_ll_create(group, shape, config.enable_shrink);
 }
 
 CudaBuffer::~CudaBuffer() {
   ht_.reset();  // then ll_, as the members go
+  ht_nodes_.reset();
 }
 
 size_t CudaBuffer::bytes_allocated() const {
-  return (ht_ ? ht_->bytes() : 0) + cuda_ll_allocated(ll_.get());
+  return (ht_ ? ht_->bytes() : 0) + (ht_nodes_ ? ht_nodes_->bytes() : 0) +
+         cuda_ll_allocated(ll_.get());
 }
 
 void CudaBuffer::check() {
   if (ht_) ht_->require_usable("check");
+  if (ht_nodes_) ht_nodes_->require_usable("check");
   if (ll_) cuda_ll_check(*ll_);
   if (ht_) ht_->check();
+  if (ht_nodes_) ht_nodes_->check();
 }
 
-CudaHt& CudaBuffer::ht(const char* op) const {
-  EPX_CHECK(ht_ != nullptr, ErrorCode::kInvalidArgument, op,
+void CudaBuffer::require_ht(const char* op) const {
+  EPX_CHECK(ht_ != nullptr || ht_nodes_ != nullptr, ErrorCode::kInvalidArgument, op,
             ": this buffer was created with BufferConfig::enable_ht = false, expected true");
-  return *ht_;
 }
 
 const HtTuning& CudaBuffer::tuning() const {
-  return ht("tuning").tuning();
+  require_ht("tuning");
+  return ht_ ? ht_->tuning() : ht_nodes_->tuning();
 }
 
-// ht: validated by epx::Buffer; the mode lives in ht.cu.
+// ht: validated by epx::Buffer; the mode lives in ht.cu (one node) or ht_nodes.cu (across nodes).
 HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) {
-  return ht("ht_layout").layout(topk_idx, stream, alloc);
+  require_ht("ht_layout");
+  return ht_ ? ht_->layout(topk_idx, stream, alloc) : ht_nodes_->layout(topk_idx, stream, alloc);
 }
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) {
-  return ht("ht_dispatch").dispatch(args, alloc);
+  require_ht("ht_dispatch");
+  return ht_ ? ht_->dispatch(args, alloc) : ht_nodes_->dispatch(args, alloc);
 }
 HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocator& alloc) {
-  return ht("ht_combine").combine(args, alloc);
+  require_ht("ht_combine");
+  return ht_ ? ht_->combine(args, alloc) : ht_nodes_->combine(args, alloc);
 }
 TensorView CudaBuffer::ht_combine_buffer(const HtHandle& handle) const {
-  return ht("ht_combine_buffer").combine_buffer(handle);
+  require_ht("ht_combine_buffer");
+  return ht_ ? ht_->combine_buffer(handle) : ht_nodes_->combine_buffer(handle);
 }
 
 // ll: validated by epx::Buffer (enable_ll, so ll_ exists); the mode lives in ll.cu.
@@ -84,6 +101,7 @@ void CudaBuffer::ll_clean_mask(Stream stream) {
 }
 void CudaBuffer::reset() {
   if (ht_) ht_->reset();
+  if (ht_nodes_) ht_nodes_->reset();
   if (ll_) cuda_ll_clean(*ll_);
 }
 
@@ -100,7 +118,8 @@ std::unique_ptr<A2aImpl> make_cuda_a2a(const Group& group, const A2aShape& shape
   return cuda_a2a_create(group, shape);
 }
 
-size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks) {
+size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks, int num_nodes) {
+  if (num_nodes > 1) return cuda_ht_nodes_bytes(shape, num_ranks, num_nodes);
   return HtRegion::make(shape.hidden, shape.top_k, shape.num_experts, shape.max_tokens_per_rank,
                         num_ranks)
       .total_bytes;

@@ -1,6 +1,7 @@
 // src/cuda/cuda_buffer.h — the cuda backend behind epx::Buffer: a shell over the mode objects it
-// owns, CudaHt (src/cuda/ht.h, ht.cu; when BufferConfig::enable_ht) and CudaLl (src/cuda/ll.cu;
-// when enable_ll), each with its symmetric region, its device-error record and its launchers.
+// owns, CudaHt (src/cuda/ht.h, ht.cu; when BufferConfig::enable_ht; across nodes CudaHtNodes,
+// ht_nodes.h, over a node-local CudaHt) and CudaLl (src/cuda/ll.cu; when enable_ll, one node
+// only), each with its symmetric region, its device-error record and its launchers.
 //
 // Errors found on the device (timeouts, out-of-range expert ids, worst-case overflow) are raised
 // by the next host call on the buffer or by check().
@@ -14,7 +15,8 @@
 
 namespace epx::detail {
 
-class CudaHt;  // src/cuda/ht.h
+class CudaHt;       // src/cuda/ht.h
+class CudaHtNodes;  // src/cuda/ht_nodes.h
 class CudaLl;  // src/cuda/ll.cu
 
 class CudaBuffer final : public BufferImpl {
@@ -44,10 +46,13 @@ class CudaBuffer final : public BufferImpl {
   const HtTuning& tuning() const;
 
  private:
-  CudaHt& ht(const char* op) const;  // InvalidArgument without enable_ht
+  void require_ht(const char* op) const;  // InvalidArgument without enable_ht
+
 
   int device_ = 0;
-  std::unique_ptr<CudaHt> ht_;  // enable_ht: the ht mode (ht.cu)
+  std::unique_ptr<CudaHt> ht_;  // enable_ht on one node: the ht mode (ht.cu)
+  // enable_ht across nodes (virtual nodes of one GPU, Group::cuda_shared_device): ht_nodes.cu
+  std::unique_ptr<CudaHtNodes> ht_nodes_;
   std::shared_ptr<CudaLl> ll_;  // enable_ll: the ll mode (ll.cu)
 };
 

@@ -166,4 +166,6 @@ std::unique_ptr<RailTransport> make_device_copy_rail(const Group& group, Topolog
   return std::make_unique<DeviceCopyRail>(group, topology, max_chunk_bytes);
 }
 
+size_t device_copy_rail_bytes() { return sizeof(RailRegion); }
+
 }  // namespace epx::detail

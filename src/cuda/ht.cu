@@ -294,16 +294,24 @@ TensorView CudaHt::combine_buffer(const HtHandle& h) const {
 // ---- ht_layout ---------------------------------------------------------------------------------
 
 HtLayout CudaHt::layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc_fn) {
+  return layout_of(topk_idx, stream, alloc_fn, group_.size(), shape_.num_experts);
+}
+
+HtLayout CudaHt::layout_of(const TensorView& topk_idx, Stream stream, const Allocator& alloc_fn,
+                           int num_ranks, int num_experts) {
   require_usable("ht_layout");
   DeviceGuard guard(dev_.device());
-  const int R = group_.size();
+  const int R = num_ranks;
   const int64_t T = topk_idx.shape[0];
   HtLayout out;
   out.num_tokens_per_rank = alloc(alloc_fn, DType::kI32, {R}, dev_.device());
-  out.num_tokens_per_expert = alloc(alloc_fn, DType::kI32, {shape_.num_experts}, dev_.device());
+  out.num_tokens_per_expert = alloc(alloc_fn, DType::kI32, {num_experts}, dev_.device());
   out.is_token_in_rank = alloc(alloc_fn, DType::kBool, {T, R}, dev_.device());
   HtNotifyParams p{};
   fill_notify(p, topk_idx, T);
+  p.num_experts = num_experts;
+  p.num_local_experts = num_experts / R;
+  p.num_ranks = R;
   p.expert_alignment = 1;
   p.exchange = 0;
   p.num_tokens_per_rank = out.num_tokens_per_rank.ptr<int32_t>();
@@ -558,26 +566,59 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   DeviceGuard guard(dev_.device());
   auto stream = static_cast<cudaStream_t>(args.stream);
   const HtHandle& h = *args.handle;
-  EPX_CHECK_ARG(h.buffer_id == buffer_id_, "ht_combine: argument 'handle' comes from buffer ",
-                h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
-  const int K = shape_.top_k;
-  const int64_t H = shape_.hidden, T = h.num_tokens;
+  check_combine_handle(h);
   // Zero-copy: y is the combine buffer (validate_ht_combine checked it).
   if (!args.zero_copy) check_outside_region(args.y, "ht_combine", "y");
   HtCombineResult res;
-  res.out = alloc(alloc_fn, DType::kBF16, {T, H}, dev_.device());
+  res.out = alloc(alloc_fn, DType::kBF16, {h.num_tokens, shape_.hidden}, dev_.device());
   if (args.topk_weights.defined())
-    res.combined_topk_weights = alloc(alloc_fn, DType::kF32, {T, K}, dev_.device());
+    res.combined_topk_weights =
+        alloc(alloc_fn, DType::kF32, {h.num_tokens, shape_.top_k}, dev_.device());
+  int vb = 0;
+  HtCombineParams p = combine_params(args, static_cast<char*>(res.out.data),
+                                     res.combined_topk_weights.ptr<float>(), vb);
+  if (args.zero_copy) {
+    combine_pull(args, p, vb, stream);
+  } else if (engine_combine_pays(h)) {
+    combine_engine_push(h, p, vb, stream);
+  } else {
+    launch_ht_combine(p, vb, tuning_.num_sms, stream);  // the kernel's senders push the rows
+    EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+  }
+  return res;
+}
 
+void CudaHt::combine_partial(const HtCombineArgs& args, float* out, float* combined_weights) {
+  require_usable("ht_combine");
+  DeviceGuard guard(dev_.device());
+  check_combine_handle(*args.handle);
+  check_outside_region(args.y, "ht_combine", "y");
+  int vb = 0;
+  HtCombineParams p = combine_params(args, reinterpret_cast<char*>(out), combined_weights, vb);
+  p.out_f32 = 1;
+  launch_ht_combine(p, vb, tuning_.num_sms, static_cast<cudaStream_t>(args.stream));
+  EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+}
+
+void CudaHt::check_combine_handle(const HtHandle& h) const {
+  EPX_CHECK_ARG(h.buffer_id == buffer_id_, "ht_combine: argument 'handle' comes from buffer ",
+                h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
+}
+
+// The combine kernel's parameters (the copying path's; the paths adjust them) and the copy unit
+// `vb` the addresses allow.
+HtCombineParams CudaHt::combine_params(const HtCombineArgs& args, char* out,
+                                       float* combined_weights, int& vb) const {
+  const HtHandle& h = *args.handle;
   HtCombineParams p{};
   p.y = static_cast<const char*>(args.y.data);
   p.y_stride = args.y.strides[0] * 2;
   p.num_y_rows = args.y.shape[0];
-  p.row_bytes = H * 2;
+  p.row_bytes = shape_.hidden * 2;
   if (args.topk_weights.defined()) {
     p.weights = args.topk_weights.ptr<const float>();
     p.weights_stride = args.topk_weights.strides[0];
-    p.combined_weights = res.combined_topk_weights.ptr<float>();
+    p.combined_weights = combined_weights;
   }
   if (args.bias0.defined()) {
     p.bias0 = static_cast<const char*>(args.bias0.data);
@@ -589,29 +630,20 @@ HtCombineResult CudaHt::combine(const HtCombineArgs& args, const Allocator& allo
   }
   p.send_pos = h.send_pos.ptr<const int32_t>();
   p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<const int32_t>();
-  p.num_tokens = static_cast<int>(T);
-  p.top_k = K;
+  p.num_tokens = static_cast<int>(h.num_tokens);
+  p.top_k = shape_.top_k;
   p.num_ranks = group_.size();
   p.rank = group_.rank();
-  p.out = static_cast<char*>(res.out.data);
+  p.out = out;
   p.num_send_ctas = tuning_.combine_send_ctas;
   p.call_word = ht_call_format(static_cast<int>(DType::kBF16), -1, args.zero_copy,
                                args.topk_weights.defined(), kHtCallCombine);
   fill_launch_common(p, kOpHtCombine);
-  const int vb =
-      vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
-                    static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),
-                    reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
-                    reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
-  if (args.zero_copy) {
-    combine_pull(args, p, vb, stream);
-  } else if (engine_combine_pays(h)) {
-    combine_engine_push(h, p, vb, stream);
-  } else {
-    launch_ht_combine(p, vb, tuning_.num_sms, stream);  // the kernel's senders push the rows
-    EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
-  }
-  return res;
+  vb = vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride),
+                     static_cast<uint64_t>(p.row_bytes), reinterpret_cast<uint64_t>(p.out),
+                     reinterpret_cast<uint64_t>(p.bias0), static_cast<uint64_t>(p.bias0_stride),
+                     reinterpret_cast<uint64_t>(p.bias1), static_cast<uint64_t>(p.bias1_stride)});
+  return p;
 }
 
 // Zero-copy combine: the peers read y where the caller wrote it and the weights from their mirror

@@ -60,8 +60,16 @@ class CudaHt {
   void reset();
 
   HtLayout layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc);
+  // The layout of `num_ranks` ranks and `num_experts` experts (local, no communication): the
+  // hierarchical ht's (ht_nodes.h) over the whole group, from its node-local CudaHt.
+  HtLayout layout_of(const TensorView& topk_idx, Stream stream, const Allocator& alloc,
+                     int num_ranks, int num_experts);
   HtDispatchResult dispatch(const HtDispatchArgs& args, const Allocator& alloc);
   HtCombineResult combine(const HtCombineArgs& args, const Allocator& alloc);
+  // The combine's kernel-sender path with the sums unrounded: out [T, H] and combined_weights
+  // [T, K] (with args.topk_weights) float32, this rank's memory (the hierarchical ht's node-local
+  // partials, ht_nodes.h). Not zero-copy.
+  void combine_partial(const HtCombineArgs& args, float* out, float* combined_weights);
   TensorView combine_buffer(const HtHandle& handle) const;
 
  private:
@@ -77,6 +85,9 @@ class CudaHt {
   void launch_dispatch(const HtDispatchArgs& args, const HtDispatchPlan& plan,
                        HtDispatchResult& res, cudaStream_t stream);
   // Combine paths (ht.cu).
+  void check_combine_handle(const HtHandle& h) const;
+  HtCombineParams combine_params(const HtCombineArgs& args, char* out, float* combined_weights,
+                                 int& vb) const;
   bool engine_combine_pays(const HtHandle& h) const;
   void combine_pull(const HtCombineArgs& args, HtCombineParams& p, int vb, cudaStream_t stream);
   void combine_engine_push(const HtHandle& h, HtCombineParams& p, int vb, cudaStream_t stream);

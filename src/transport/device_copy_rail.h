@@ -27,5 +27,7 @@ namespace epx::detail {
 // control words). abort() refuses later exchanges (Internal) until reset().
 std::unique_ptr<RailTransport> make_device_copy_rail(const Group& group, Topology topology,
                                                      size_t max_chunk_bytes);
+// The symmetric bytes per rank one takes (its control words; what bytes_allocated() returns).
+size_t device_copy_rail_bytes();
 
 }  // namespace epx::detail

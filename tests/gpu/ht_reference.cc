@@ -56,6 +56,7 @@ testing::HtProblem HtCase::problem(int64_t num_worst_tokens) const {
   p.scale_row_bytes = static_cast<size_t>(num_scales()) * 4;
   p.expert_alignment = alignment;
   p.num_worst_tokens = num_worst_tokens;
+  p.ranks_per_node = ranks_per_node;
   return p;
 }
 
@@ -177,7 +178,7 @@ std::optional<CpuHtResult> cpu_backend_ht(const HtCase& c,
       res.combine[r].out = host_vec<uint16_t>(cr.out);
       if (yr.has_topk_weights)
         res.combine[r].combined_topk_weights = host_vec<float>(cr.combined_topk_weights);
-    });
+    }, GroupOptions{.ranks_per_node = c.ranks_per_node});
   } catch (const Error& e) {
     if (e.code() == ErrorCode::kUnsupported &&
         std::string(e.what()).find("not implemented") != std::string::npos) {

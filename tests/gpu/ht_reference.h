@@ -30,6 +30,7 @@ struct HtCase {
   bool weights = true;    // topk_weights given
   int alignment = 1;
   bool x_padded = false;  // x rows 32 bytes apart more than their size (strided x)
+  int ranks_per_node = 0;  // GroupOptions::ranks_per_node of the cpu backend and the oracle
   uint64_t seed = 1;
   std::string describe() const;
   int64_t row_bytes() const { return hidden * (fp8 ? 1 : 2); }

@@ -87,10 +87,9 @@ TEST(NodesGroup, CudaAcrossNodesIsUnsupported) {
   expect_error([] { Group::cuda(0, 4, UniqueId{}, 0, nodes_of(2)); }, ErrorCode::kUnsupported,
                {"Group::cuda", "2 nodes of 2 ranks", "no across-node path", "design.md §13"},
                "cuda");
-  expect_error(
-      [] { Group::cuda_shared_device(0, 4, testing::unique_group_name("c"), 0, nodes_of(1)); },
-      ErrorCode::kUnsupported, {"Group::cuda_shared_device", "4 nodes of 1 ranks"},
-      "cuda_shared_device");
+  // (Group::cuda_shared_device accepts virtual nodes: tests/gpu/ht_nodes_gpu_test.cc.)
+  expect_error([] { Group::cuda(0, 4, UniqueId{}, 0, nodes_of(1)); }, ErrorCode::kUnsupported,
+               {"4 nodes of 1 ranks", "GPU per rank", "Group::cuda_shared_device"}, "cuda 4x1");
   expect_error([] { Group::cuda(0, 4, UniqueId{}, 0, nodes_of(3)); }, ErrorCode::kInvalidArgument,
                {"ranks_per_node is 3"}, "cuda, not a divisor");
 }
@@ -137,7 +136,8 @@ TEST(NodesBuffer, BytesNeededIsWhatIsAllocated) {
                ErrorCode::kInvalidArgument, {"'ranks_per_node' is 3", "divisor of num_ranks = 8"},
                "bytes_needed 3");
   expect_error([&] { (void)Buffer::bytes_needed(Mode::kLl, shape, 8, Backend::kCuda, 4); },
-               ErrorCode::kUnsupported, {"2 nodes on the cuda backend"}, "bytes_needed cuda");
+               ErrorCode::kUnsupported, {"ll across 2 nodes on cuda", "not built"},
+               "bytes_needed cuda");
 }
 
 // ---- the combine order, by hand ----------------------------------------------------------------

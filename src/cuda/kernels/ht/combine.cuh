@@ -22,6 +22,8 @@
 //   signals yready[rank] = cur to every peer; a reducer reading rank d's rows waits once for
 //   yready[d] and loads y_d[send_pos[t][d]] straight from d's memory. At the end the last CTA
 //   signals ready and waits for every peer's ready (they finished reading this rank's y).
+// out_f32 (the hierarchical ht's node-local partials, ht_nodes.cu): out is [T, H] float32, the
+//   same sums without the rounding.
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -137,6 +139,22 @@ __device__ __forceinline__ V round_to_bf16(const float* acc) {
   }
 }
 
+// Stores one vector's accumulators: rounded to bf16 into o[i], or (p.out_f32, the node-local
+// partials of the hierarchical ht, ht_nodes.cu) as float32 into the row `o` points at, i.e.
+// elements i * kPerVec + e of a float row.
+template <typename V>
+__device__ __forceinline__ void store_acc(const HtCombineParams& p, V* o, int64_t i,
+                                          const float* acc) {
+  constexpr int kPerVec = sizeof(V) / 2;
+  if (p.out_f32) {
+    float* f = reinterpret_cast<float*>(o) + i * kPerVec;
+#pragma unroll
+    for (int e = 0; e < kPerVec; ++e) f[e] = acc[e];
+  } else {
+    o[i] = round_to_bf16<V>(acc);
+  }
+}
+
 // reduce_row for a token with at most two row sources (EP2 without biases: its own rank and one
 // peer): kPairUnroll vectors of each source in flight per lane per step and no accumulator array
 // across steps (fewer steps per row: each step waits for one round trip of its loads).
@@ -166,7 +184,7 @@ __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const 
       for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
       if (s0) accumulate(acc, a[u]);  // sources in order, as reduce_row
       if (s1) accumulate(acc, b[u]);
-      o[i] = round_to_bf16<V>(acc);
+      store_acc<V>(p, o, i, acc);
     }
   }
 }
@@ -211,7 +229,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = v0 + u * 32 + lane;
-      if (i < nv) o[i] = round_to_bf16<V>(acc[u]);
+      if (i < nv) store_acc<V>(p, o, i, acc[u]);
     }
   }
 }
@@ -321,7 +339,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     uint64_t landed = 0;
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
-    V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes);
+    V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes * (p.out_f32 ? 2 : 1));
     // The weights of up to two sources are loaded before the row (their latency overlaps it).
     const bool wpair = p.combined_weights && num_src <= 2 && p.top_k <= 32;
     float w0 = 0.0f, w1 = 0.0f;

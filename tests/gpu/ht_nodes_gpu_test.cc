@@ -1,0 +1,407 @@
+// tests/gpu/ht_nodes_gpu_test.cc — the cuda ht across nodes on one GPU ("virtual nodes":
+// Group::cuda_shared_device with GroupOptions::ranks_per_node, docs/design.md §13.1), every
+// output compared bit for bit with the oracle of that topology (tests/support/oracle_ht.h, whose
+// combine takes the node-first order of docs/semantics.md §1.6), which the cpu backend of the same
+// topology must equal too (so cuda equals the cpu backend).
+//
+// Every rank generates the inputs of all ranks from the case seed (ht_reference.h); outputs come
+// from the poisoning stream-ordered allocator (rows left unwritten show; a cudaFree would
+// synchronise the device that the ranks share).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "gpu_support.h"
+#include "ht_reference.h"
+#include "support/ht_inputs.h"
+
+namespace epx {
+namespace {
+
+using gpu_testing::HtCase;
+using gpu_testing::to_device;
+using testing::HtExpectedCombine;
+using testing::HtExpectedDispatch;
+
+// Elements of `got` (device) that differ from `want` bit for bit; prints the first.
+template <typename T>
+int64_t mismatches(const char* what, const std::string& ctx, int rank, const TensorView& got,
+                   const std::vector<T>& want) {
+  const std::vector<T> g = gpu_testing::to_host<T>(got);
+  if (g.size() != want.size()) {
+    std::fprintf(stderr, "[rank %d] %s: %s has %zu elements, expected %zu\n", rank, ctx.c_str(),
+                 what, g.size(), want.size());
+    return 1;
+  }
+  int64_t bad = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::memcmp(&g[i], &want[i], sizeof(T)) == 0) continue;
+    if (bad++ == 0)
+      std::fprintf(stderr, "[rank %d] %s: %s differs first at element %zu\n", rank, ctx.c_str(),
+                   what, i);
+  }
+  return bad;
+}
+
+struct Inputs {
+  Tensor x, scales, topk, weights;
+};
+
+Inputs upload(const HtCase& c, const testing::HtRankInput& in, int dev) {
+  Inputs d;
+  const int64_t T = in.num_tokens;
+  d.x = to_device(in.x, c.fp8 ? DType::kF8E4M3 : DType::kBF16, {T, c.hidden}, dev);
+  if (c.fp8) d.scales = to_device(in.scales, c.ue8m0 ? DType::kI32 : DType::kF32,
+                                  {T, c.num_scales()}, dev);
+  if (c.topk_i32)
+    d.topk = to_device(std::vector<int32_t>(in.topk_idx.begin(), in.topk_idx.end()), DType::kI32,
+                       {T, c.top_k}, dev);
+  else
+    d.topk = to_device(in.topk_idx, DType::kI64, {T, c.top_k}, dev);
+  d.weights = to_device(in.topk_weights, DType::kF32, {T, c.top_k}, dev);
+  return d;
+}
+
+int64_t check_topk(const HtCase& c, const std::string& ctx, int r, const TensorView& got,
+                   const std::vector<int64_t>& want) {
+  if (!c.topk_i32) return mismatches("recv_topk_idx", ctx, r, got, want);
+  return mismatches("recv_topk_idx", ctx, r, got, std::vector<int32_t>(want.begin(), want.end()));
+}
+
+// Replaces the combine's y rows by values whose float32 sums depend on their order (about 1 and
+// about 2^24, either sign): the node-first order then changes some bits.
+void widen(std::vector<testing::HtCombineRankInput>& y, const HtCase& c, uint64_t seed) {
+  for (size_t r = 0; r < y.size(); ++r) {
+    std::mt19937_64 rng(seed * 131 + r);
+    y[r].y = testing::wide_bf16(static_cast<int64_t>(y[r].y.size()) / c.hidden, c.hidden, rng);
+  }
+}
+
+// One case on `buf`: exact dispatch, cached dispatch of new x, combine (weights, biases).
+// `order_changed` is set when the node-first combine differs from the one-node one somewhere.
+int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& order_changed) {
+  const int r = g.rank(), dev = buf.device().index;
+  const std::string ctx = c.describe() + " nodes of " + std::to_string(c.ranks_per_node);
+  const testing::HtProblem p = c.problem();
+  const auto in = gpu_testing::make_ht_inputs(c);
+  const HtExpectedDispatch w = testing::ht_oracle_dispatch(p, in, r);
+  auto yin = gpu_testing::make_combine_inputs(c, in, /*weights=*/true, /*bias0=*/r % 2 == 0,
+                                              /*bias1=*/c.seed % 2 == 0, /*salt=*/5);
+  if (wide) widen(yin, c, c.seed);
+  const HtExpectedCombine want_c = testing::ht_oracle_combine(p, in, yin, r);
+  testing::HtProblem flat = p;
+  flat.ranks_per_node = 0;
+  if (testing::ht_oracle_combine(flat, in, yin, r).out != want_c.out) order_changed = true;
+  const Allocator alloc = gpu_testing::poison_allocator(0xAB);
+  const Inputs d = upload(c, in[r], dev);
+  const Stream stream = gpu_testing::rank_stream();
+  int64_t bad = 0;
+
+  HtLayout lay = buf.ht_layout(d.topk, stream, alloc);
+  const testing::HtExpectedLayout lw =
+      testing::ht_oracle_layout(p, in[r].topk_idx, in[r].num_tokens);
+  bad += mismatches("num_tokens_per_rank", ctx, r, lay.num_tokens_per_rank, lw.num_tokens_per_rank);
+  bad += mismatches("num_tokens_per_expert", ctx, r, lay.num_tokens_per_expert,
+                    lw.num_tokens_per_expert);
+  bad += mismatches("is_token_in_rank", ctx, r, lay.is_token_in_rank, lw.is_token_in_rank);
+
+  HtDispatchArgs a;
+  a.x = d.x;
+  if (c.fp8) a.x_scales = d.scales;
+  a.topk_idx = d.topk;
+  if (c.weights) a.topk_weights = d.weights;
+  a.expert_alignment = c.alignment;
+  a.stream = stream;
+  HtDispatchResult res = buf.ht_dispatch(a, alloc);
+  if (res.recv_x.shape[0] != w.num_recv_tokens) {
+    std::fprintf(stderr, "[rank %d] %s: N = %lld, expected %lld\n", r, ctx.c_str(),
+                 static_cast<long long>(res.recv_x.shape[0]),
+                 static_cast<long long>(w.num_recv_tokens));
+    return 1;
+  }
+  bad += mismatches("recv_x", ctx, r, res.recv_x, w.recv_x);
+  if (c.fp8) bad += mismatches("recv_x_scales", ctx, r, res.recv_x_scales, w.recv_scales);
+  bad += check_topk(c, ctx, r, res.recv_topk_idx, w.recv_topk_idx);
+  if (c.weights)
+    bad += mismatches("recv_topk_weights", ctx, r, res.recv_topk_weights, w.recv_topk_weights);
+  bad += mismatches("recv_src_idx", ctx, r, res.recv_src_idx, w.recv_src_idx);
+  if (res.num_recv_tokens_per_expert != w.num_recv_tokens_per_expert) {
+    std::fprintf(stderr, "[rank %d] %s: num_recv_tokens_per_expert differs\n", r, ctx.c_str());
+    ++bad;
+  }
+  bad += mismatches("rank_prefix_matrix", ctx, r, res.handle.rank_prefix_matrix,
+                    w.rank_prefix_matrix);
+  bad += mismatches("send_pos", ctx, r, res.handle.send_pos, w.send_pos);
+  bad += mismatches("handle.is_token_in_rank", ctx, r, res.handle.is_token_in_rank,
+                    w.is_token_in_rank);
+  if (res.handle.num_recv_tokens != w.num_recv_tokens) ++bad;
+
+  {  // Cached dispatch of new x, the same routing.
+    const auto in2 = gpu_testing::make_ht_inputs(c, /*salt=*/1);
+    const HtExpectedDispatch w2 = testing::ht_oracle_dispatch(p, in2, r);
+    const Inputs d2 = upload(c, in2[r], dev);
+    HtDispatchArgs ac;
+    ac.x = d2.x;
+    if (c.fp8) ac.x_scales = d2.scales;
+    ac.handle = &res.handle;
+    ac.stream = stream;
+    HtDispatchResult cr = buf.ht_dispatch(ac, alloc);
+    bad += mismatches("cached recv_x", ctx, r, cr.recv_x, w2.recv_x);
+    if (c.fp8) bad += mismatches("cached recv_x_scales", ctx, r, cr.recv_x_scales, w2.recv_scales);
+  }
+
+  HtCombineArgs ca;
+  const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv_tokens, c.hidden}, dev);
+  const Tensor yw =
+      to_device(yin[r].topk_weights, DType::kF32, {w.num_recv_tokens, c.top_k}, dev);
+  Tensor b0, b1;
+  ca.y = y;
+  ca.handle = &res.handle;
+  ca.topk_weights = yw;
+  ca.stream = stream;
+  if (yin[r].has_bias0)
+    ca.bias0 = b0 = to_device(yin[r].bias0, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
+  if (yin[r].has_bias1)
+    ca.bias1 = b1 = to_device(yin[r].bias1, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
+  HtCombineResult cr = buf.ht_combine(ca, alloc);
+  bad += mismatches("combine out", ctx, r, cr.out, want_c.out);
+  bad += mismatches("combined_topk_weights", ctx, r, cr.combined_topk_weights,
+                    want_c.combined_topk_weights);
+  buf.check();
+
+  // The cpu backend of the same topology equals the oracle (so cuda equals it); rank 0 runs it.
+  if (r == 0) {
+    std::string why;
+    auto cpu = gpu_testing::cpu_backend_ht(c, in, yin, &why);
+    if (!cpu) {
+      std::fprintf(stderr, "%s: the cpu backend did not run: %s\n", ctx.c_str(), why.c_str());
+      ++bad;
+    } else {
+      for (int q = 0; q < c.num_ranks; ++q)
+        for (const std::string& what : gpu_testing::cpu_backend_differences(
+                 c, *cpu, q, testing::ht_oracle_dispatch(p, in, q),
+                 testing::ht_oracle_combine(p, in, yin, q))) {
+          std::fprintf(stderr, "%s: cpu backend's %s of rank %d differs\n", ctx.c_str(),
+                       what.c_str(), q);
+          ++bad;
+        }
+    }
+  }
+  if (bad) std::fprintf(stderr, "[rank %d] FAIL %s: %lld mismatches\n", r, ctx.c_str(),
+                        static_cast<long long>(bad));
+  return bad;
+}
+
+MoeShape shape_of(const HtCase& c, int64_t max_tokens) {
+  MoeShape s;
+  s.hidden = c.hidden;
+  s.top_k = c.top_k;
+  s.num_experts = c.num_experts;
+  s.max_tokens_per_rank = max_tokens;
+  return s;
+}
+
+// Random cases of one topology (N nodes of G): dtypes, id widths, weights, alignment, routing
+// and token counts drawn (fresh each run unless EPX_TEST_SEED is set), one rank with no tokens.
+std::vector<HtCase> random_cases(int N, int G, int64_t hidden, uint64_t seed, int count) {
+  std::mt19937_64 rng(seed);
+  std::vector<HtCase> cases;
+  const testing::Routing routings[] = {testing::Routing::kUniform, testing::Routing::kSkewed,
+                                       testing::Routing::kAllToOne, testing::Routing::kEmptyRank,
+                                       testing::Routing::kDuplicates};
+  for (int i = 0; i < count; ++i) {
+    HtCase c;
+    c.num_ranks = N * G;
+    c.ranks_per_node = G;
+    c.hidden = hidden;
+    c.top_k = 1 + static_cast<int>(rng() % 8);
+    c.num_experts = c.num_ranks * (1 + static_cast<int>(rng() % 4));
+    c.routing = routings[rng() % 5];
+    c.fp8 = rng() % 2 == 0;
+    c.ue8m0 = c.fp8 && hidden % 512 == 0 && rng() % 2 == 0;
+    c.topk_i32 = rng() % 2 == 0;
+    c.weights = rng() % 4 != 0;
+    c.alignment = rng() % 2 == 0 ? 1 : 4;
+    c.seed = rng();
+    for (int q = 0; q < c.num_ranks; ++q)
+      c.num_tokens.push_back(q == i % c.num_ranks ? 0 : static_cast<int64_t>(rng() % 200));
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+uint64_t test_seed() {
+  if (const char* v = std::getenv("EPX_TEST_SEED")) return std::strtoull(v, nullptr, 10);
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+class HtNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HtNodesOneGpu, MatchesOracleAndCpuBackend) {
+  EPX_REQUIRE_GPUS(1);
+  const auto [N, G] = GetParam();
+  const uint64_t seed = test_seed();
+  std::fprintf(stderr, "HtNodesOneGpu %dx%d seed %llu\n", N, G,
+               static_cast<unsigned long long>(seed));
+  GroupOptions o;
+  o.ranks_per_node = G;
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, [&](const Group& g) {
+    int64_t bad = 0;
+    bool order_changed = false;
+    for (int64_t hidden : {int64_t{512}, int64_t{1024}}) {
+      const std::vector<HtCase> cases = random_cases(N, G, hidden, seed + hidden, 3);
+      Buffer buf(g, shape_of(cases[0], 200));
+      if (buf.bytes_allocated() !=
+          Buffer::bytes_needed(Mode::kHt, shape_of(cases[0], 200), N * G, Backend::kCuda, G)) {
+        std::fprintf(stderr, "[rank %d] bytes_allocated differs from bytes_needed\n", g.rank());
+        ++bad;
+      }
+      for (size_t i = 0; i < cases.size(); ++i) {
+        HtCase c = cases[i];
+        c.top_k = cases[0].top_k;  // the buffer's shape
+        c.num_experts = cases[0].num_experts;
+        bad += run_case(g, buf, c, /*wide=*/i % 2 == 1, order_changed);
+      }
+    }
+    // A case where the node-first order must change a result (so a flat combine would fail).
+    if (!order_changed) {
+      std::fprintf(stderr, "[rank %d] no case where the node-first order changed a result\n",
+                   g.rank());
+      ++bad;
+    }
+    return bad == 0 ? 0 : 1;
+  }, o);
+  EXPECT_EQ(rc, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, HtNodesOneGpu,
+                         ::testing::Values(std::pair{2, 2}, std::pair{2, 4}, std::pair{4, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" +
+                                  std::to_string(info.param.second);
+                         });
+
+// What is not built across nodes on cuda raises Unsupported naming the mode, never a flat run.
+TEST(HtNodesOneGpuLimits, UnbuiltPathsAreUnsupported) {
+  EPX_REQUIRE_GPUS(1);
+  GroupOptions o;
+  o.ranks_per_node = 1;
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(2, 0, [&](const Group& g) {
+    int bad = 0;
+    auto expect_unsupported = [&](const char* what, const std::function<void()>& f,
+                                  const char* words) {
+      try {
+        f();
+        std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
+        ++bad;
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kUnsupported || std::string(e.what()).find(words) ==
+                                                       std::string::npos) {
+          std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
+          ++bad;
+        }
+      }
+    };
+    HtCase c;
+    c.num_ranks = 2;
+    c.ranks_per_node = 1;
+    c.top_k = 2;
+    c.num_experts = 4;
+    c.num_tokens = {8, 8};
+    MoeShape shape = shape_of(c, 8);
+    BufferConfig ll;
+    ll.enable_ll = true;
+    expect_unsupported("ll Buffer", [&] { Buffer b(g, shape, ll); }, "across nodes on cuda");
+    Buffer buf(g, shape);
+    const auto in = gpu_testing::make_ht_inputs(c);
+    const Inputs d = upload(c, in[g.rank()], buf.device().index);
+    HtDispatchArgs a;
+    a.x = d.x;
+    a.topk_idx = d.topk;
+    a.stream = gpu_testing::rank_stream();
+    const Allocator alloc = gpu_testing::poison_allocator(0xAB);
+    HtDispatchArgs wc = a;
+    wc.num_worst_tokens = 16;
+    expect_unsupported("worst-case", [&] { buf.ht_dispatch(wc, alloc); }, "across nodes on cuda");
+    HtDispatchArgs zc = a;
+    zc.zero_copy = true;
+    expect_unsupported("zero-copy", [&] { buf.ht_dispatch(zc, alloc); }, "across nodes on cuda");
+    HtDispatchResult res = buf.ht_dispatch(a, alloc);
+    expect_unsupported("combine buffer", [&] { buf.ht_combine_buffer(res.handle); },
+                       "across nodes on cuda");
+    return bad;
+  }, o);
+  EXPECT_EQ(rc, 0);
+}
+
+// A straggler: rank R - 1 skips a dispatch. Every other rank raises Timeout or OutOfStep within
+// a few timeouts (no hang), then every rank resets and the next case is exact.
+TEST(HtNodesOneGpuErrors, StragglerRaisesTypedErrors) {
+  EPX_REQUIRE_GPUS(1);
+  const int N = 2, G = 2, R = N * G;
+  GroupOptions o;
+  o.ranks_per_node = G;
+  o.timeout = std::chrono::milliseconds(1500);
+  std::atomic<int> raised{0};
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(R, 0, [&](const Group& g) {
+    int bad = 0;
+    const int r = g.rank();
+    HtCase c = random_cases(N, G, 512, 77, 1)[0];
+    c.fp8 = false;
+    Buffer buf(g, shape_of(c, 200));
+    const auto in = gpu_testing::make_ht_inputs(c);
+    const Inputs d = upload(c, in[r], buf.device().index);
+    const Allocator alloc = gpu_testing::poison_allocator(0xAB);
+    if (r == R - 1) {
+      const auto start = std::chrono::steady_clock::now();
+      while (raised.load() < R - 1) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::seconds(30)) {
+          std::fprintf(stderr, "[rank %d] the peers did not raise within 30 s\n", r);
+          return 1;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } else {
+      HtDispatchArgs a;
+      a.x = d.x;
+      a.topk_idx = d.topk;
+      if (c.weights) a.topk_weights = d.weights;
+      a.expert_alignment = c.alignment;
+      a.stream = gpu_testing::rank_stream();
+      try {
+        for (int i = 0; i < 3; ++i) {  // the error shows within the call or the next ones
+          (void)buf.ht_dispatch(a, alloc);
+          buf.check();
+        }
+        std::fprintf(stderr, "[rank %d] no error without the straggler\n", r);
+        ++bad;
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kTimeout && e.code() != ErrorCode::kOutOfStep) {
+          std::fprintf(stderr, "[rank %d] unexpected error: %s\n", r, e.what());
+          ++bad;
+        }
+      }
+      raised.fetch_add(1);
+    }
+    // Every rank resets once every peer raised (reset waits 2 x the timeout for the others).
+    while (raised.load() < R - 1) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    buf.reset();
+    bool order_changed = false;
+    c.ranks_per_node = G;
+    return bad + static_cast<int>(run_case(g, buf, c, false, order_changed) != 0);
+  }, o);
+  EXPECT_EQ(rc, 0);
+}
+
+}  // namespace
+}  // namespace epx
