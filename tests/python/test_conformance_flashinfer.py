@@ -26,9 +26,11 @@ L = 4           # local experts per rank
 MAX_TOKENS = 12
 
 
-#: FlashInfer's quantised combines (output dtype, scale dtype, block): MXFP8, MXFP4, NVFP4.
-QUANTISED_COMBINES = ((torch.float8_e4m3fn, torch.uint8, 32), (torch.uint8, torch.uint8, 32),
-                      (torch.uint8, torch.float8_e4m3fn, 16))
+#: FlashInfer's quantised combines (output dtype, scale dtype, block): MXFP8, MXFP4, NVFP4
+#: (e4m3 as this torch holds it: uint8 on torch 1.13).
+_E4M3 = getattr(torch, "float8_e4m3fn", torch.uint8)
+QUANTISED_COMBINES = ((_E4M3, torch.uint8, 32), (torch.uint8, torch.uint8, 32),
+                      (torch.uint8, _E4M3, 16))
 #: Their Unsupported names the option and why: FlashInfer runs them on SM >= 100 only.
 QUANTISED_COMBINE_REASON = (r"output_scales: FlashInfer's quantised combine .* compute "
                             r"capability >= 10\.0: its binding \(csrc/trtllm_moe_alltoall\.cu\) "
