@@ -26,6 +26,17 @@ L = 4           # local experts per rank
 MAX_TOKENS = 12
 
 
+#: FlashInfer's quantised combines (output dtype, scale dtype, block): MXFP8, MXFP4, NVFP4
+#: (e4m3 as this torch holds it: uint8 on torch 1.13).
+_E4M3 = getattr(torch, "float8_e4m3fn", torch.uint8)
+QUANTISED_COMBINES = ((_E4M3, torch.uint8, 32), (torch.uint8, torch.uint8, 32),
+                      (torch.uint8, _E4M3, 16))
+#: Their Unsupported names the option and why: FlashInfer runs them on SM >= 100 only.
+QUANTISED_COMBINE_REASON = (r"output_scales: FlashInfer's quantised combine .* compute "
+                            r"capability >= 10\.0: its binding \(csrc/trtllm_moe_alltoall\.cu\) "
+                            r"rejects SM < 100")
+
+
 def _seed():
     return random.SystemRandom().randrange(1 << 30)
 
@@ -286,8 +297,12 @@ def body_options(ctx, seed):
         moe.dispatch(idx, [x], T, invalid_token_expert_id=-1)  # without expert_id_payload_index
     for call in range(3):
         moe.dispatch(idx, [x], T)
-        with pytest.raises(epx.Unsupported, match="output_scales"):
-            moe.combine(y, T, output_scales=torch.zeros(T, 2, dtype=torch.uint8, device=dev))
+        for out_dtype, sf_dtype, block in QUANTISED_COMBINES:  # refused before any collective
+            scales = torch.zeros(T * H // block, dtype=sf_dtype, device=dev)
+            for layout in (None, 0, 1, 2):  # FlashInfer's SfLayout: 128x4, 8x4, linear
+                with pytest.raises(epx.Unsupported, match=QUANTISED_COMBINE_REASON):
+                    moe.combine(y, T, output_dtype=out_dtype, output_scales=scales,
+                                output_scalar_scale=2.0, sf_layout=layout)
         with pytest.raises(epx.InvalidArgument, match="output_dtype"):
             moe.combine(y, T, output_dtype=torch.float32)
         with pytest.raises(epx.InvalidArgument, match="'output'"):

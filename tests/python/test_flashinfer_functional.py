@@ -22,6 +22,7 @@ import epx
 import epx.compat.flashinfer as fi
 import reference as ref
 from test_a2a_mask import _masked
+from test_conformance_flashinfer import QUANTISED_COMBINE_REASON, QUANTISED_COMBINES
 
 H = 64
 MAX_TOKENS = 12
@@ -368,9 +369,10 @@ def body_functional_errors(ctx, seed):
     with pytest.raises(epx.InvalidArgument, match="'expert_ids'"):
         fi.moe_a2a_sanitize_expert_ids(torch.zeros(R, M, K, dtype=torch.int64, device=dev), ws,
                                        meta, r, -1)
-    with pytest.raises(epx.Unsupported, match="output_scales"):
-        fi.moe_a2a_combine(y, 3, ws, meta, M, r, R, K, off,
-                           output_scales=torch.zeros(3, 2, dtype=torch.uint8, device=dev))
+    for out_dtype, sf_dtype, block in QUANTISED_COMBINES:  # positionally, FlashInfer's order
+        scales = torch.zeros(3 * H // block, dtype=sf_dtype, device=dev)
+        with pytest.raises(epx.Unsupported, match=QUANTISED_COMBINE_REASON):
+            fi.moe_a2a_combine(y, 3, ws, meta, M, r, R, K, off, False, out_dtype, scales, 0.5, 1)
     out = fi.moe_a2a_combine(y, 3, ws, meta, M, r, R, K, off)  # still dispatched: goes through
     assert list(out.shape) == [3, H] and not out.any()
     # A metainfo whose every original is gone names nothing any more (a clone does not count).

@@ -114,8 +114,13 @@ combine(payload) of float16                       InvalidArgument without use_lo
 combine(output_dtype=d)                           honoured when ``d`` is the payload's dtype;
                                                   another ``d`` without ``output_scales`` is
                                                   InvalidArgument (as in FlashInfer)
-combine(output_scales=)                           Unsupported (quantised MXFP8/MXFP4/NVFP4
-                                                  combine output; FlashInfer's need SM >= 100)
+combine(output_scales=)                           Unsupported: FlashInfer's quantised combine
+                                                  (MXFP8 / MXFP4 / NVFP4 outputs) runs only on
+                                                  compute capability >= 10.0, never on Hopper
+                                                  (its binding refuses SM < 100; its converters
+                                                  exist only for SM >= 100). What it computes,
+                                                  and FlashInfer's source files that say so:
+                                                  docs/semantics.md §8.2
 combine(output_scalar_scale=, sf_layout=)         accepted; they only act with output_scales
                                                   (FlashInfer ignores them otherwise too)
 combine(use_low_precision=True)                   honoured: FlashInfer's result (rows rounded
@@ -193,6 +198,16 @@ del _public
 
 #: The largest top-k of epx's a2a (include/epx/a2a.h, A2aShape; src/core/a2a_validate.cc).
 _MAX_A2A_TOP_K = 32
+
+#: Why combine(output_scales=) is Unsupported (docs/semantics.md §8.2 has what FlashInfer computes
+#: there): a program written for FlashInfer cannot use it on Hopper, so nothing reachable there is
+#: missing.
+_QUANTISED_COMBINE = (
+    "output_scales: FlashInfer's quantised combine (MXFP8 / MXFP4 / NVFP4 outputs) runs only on "
+    "compute capability >= 10.0: its binding (csrc/trtllm_moe_alltoall.cu) rejects SM < 100 and "
+    "its converters (csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh) are compiled "
+    "for SM >= 100 only, so no Hopper program uses it; epx's combine returns the sum in the "
+    "payload's dtype (docs/semantics.md §8.2)")
 
 
 def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
@@ -778,7 +793,8 @@ class MoeAlltoAll:
         token the sum, in ascending rank order, of the rows the active ranks it went to return
         (zeros when it went to none). With ``output``, the result is copied into it and it is
         returned. ``output_scalar_scale`` and ``sf_layout`` only matter for quantised outputs
-        (``output_scales``), which epx does not produce.
+        (``output_scales``), which raise Unsupported: FlashInfer produces them only on compute
+        capability >= 10.0 (docs/semantics.md §8.2).
 
         ``use_low_precision=True`` (FlashInfer's FP8 combine): every row is first rounded to FP8
         e4m3 (nearest, ties to even, saturating at +-448), the rounded values are summed as
@@ -798,9 +814,7 @@ class MoeAlltoAll:
         state: the functional API's follows its own rules)."""
         self._check_live(op)
         if output_scales is not None:
-            raise errors.unsupported(op, "output_scales: epx's combine returns the payload's "
-                                     "dtype; quantised (MXFP8/MXFP4/NVFP4) combine outputs are "
-                                     "not implemented (FlashInfer's need SM >= 100)")
+            raise errors.unsupported(op, _QUANTISED_COMBINE)
         if self._state != "dispatched":
             raise errors.invalid(op, "called without a preceding dispatch; expected the order "
                                  "dispatch -> combine -> dispatch")
