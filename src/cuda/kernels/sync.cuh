@@ -95,10 +95,10 @@ __device__ __forceinline__ bool seq_reached(uint32_t seen, uint32_t want) {
   return static_cast<int32_t>(seen - want) >= 0;
 }
 
-// WaitContext (device_error.h): part of every kernel's params.
-__device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t code, int32_t peer,
+// Fills the record (WaitContext, device_error.h: part of every kernel's params); the caller
+// claimed it (error_claim).
+__device__ __forceinline__ void write_record(const WaitContext& ctx, uint32_t code, int32_t peer,
                                              int64_t a, int64_t b) {
-  if (atomicCAS(&ctx.state->error_claim, 0u, 1u) != 0u) return;  // someone else reported first
   volatile DeviceErrorRecord* rec = ctx.error;
   rec->op = ctx.op;
   rec->rank = ctx.rank;
@@ -110,21 +110,19 @@ __device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t co
   __threadfence_system();
 }
 
+__device__ __forceinline__ void record_error(const WaitContext& ctx, uint32_t code, int32_t peer,
+                                             int64_t a, int64_t b) {
+  if (atomicCAS(&ctx.state->error_claim, 0u, 1u) != 0u) return;  // someone else reported first
+  write_record(ctx, code, peer, a, b);
+}
+
 // A timed-out wait (what: DeviceWait, b: as the record's): the record when this is the first
 // error, else, when it is the first timeout, DeviceState's lost_* fields (the host reports the
 // earlier error's code and this wait); then the abort word, so every other wait stops too.
 __device__ __forceinline__ void record_timeout(const WaitContext& ctx, int32_t peer, int64_t what,
                                                int64_t b) {
   if (atomicCAS(&ctx.state->error_claim, 0u, 1u) == 0u) {
-    volatile DeviceErrorRecord* rec = ctx.error;
-    rec->op = ctx.op;
-    rec->rank = ctx.rank;
-    rec->peer = peer;
-    rec->a = what;
-    rec->b = b;
-    __threadfence_system();
-    rec->code = kDevErrTimeout;
-    __threadfence_system();
+    write_record(ctx, kDevErrTimeout, peer, what, b);
   } else if (atomicCAS(&ctx.state->lost_claim, 0u, 1u) == 0u) {
     volatile DeviceState* st = ctx.state;
     st->lost_what = static_cast<uint32_t>(what);
