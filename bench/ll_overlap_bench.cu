@@ -11,13 +11,19 @@
 // L local experts (E = L * R), uniform routing (≈ T * R * K / E rows per expert); per expert a
 // cuBLAS bf16 GEMM y[l] [n_l, H] = act[l] [n_l, I] x W[l] [I, H] (W: L * I * H bf16, 0.94 GB at
 // the defaults), then a one-warp kernel raising the expert's signals (blocks form: every block of
-// block_m rows, reached at 1; experts form: its one signal). The combine reads y (copy mode) with
+// block_m rows, reached at 1; experts form: its one signal) on a third stream that waits for that
+// GEMM only, so the GEMMs still run back to back: a kernel between two GEMMs of one stream adds
+// kernel boundaries a GEMM that raises its signals in its epilogue does not have (suspected
+// for the ≈ 86 µs by which (b) ended after the GEMM at every S on 2026-12-01, when the signal
+// kernels ran on the GEMMs' stream; the gemm-S+sig column measures what they cost now). The
+// combine reads y (copy mode) with
 // the dispatch's routing. Every row is one CUDA graph replayed `replays` times after 10 warm-up
 // replays, each replay timed by events around its launch: the median, in µs.
 //
 // Columns, per R, signal form and send SM budget S:
 //   gemm       the GEMMs on every SM (cuBLAS's default)
 //   gemm-S     the GEMMs with cublasSetSmCountTarget(SMs - S)
+//   gemm-S+sig the same with the signal kernels (no combine): what raising the signals costs
 //   combine    the plain combine alone (one kernel, C CTAs)
 //   send+hook  the overlapped combine alone, signals already reached (send on S CTAs, receive)
 //   (a)        gemm, then the plain combine (one stream)
@@ -89,7 +95,7 @@ double median(std::vector<double> v) {
 struct Row {
   int R = 0, S = 0;
   std::string form;
-  double gemm = 0, gemm_s = 0, combine = 0, send_hook = 0, a = 0, b = 0;
+  double gemm = 0, gemm_s = 0, gemm_sig = 0, combine = 0, send_hook = 0, a = 0, b = 0;
 };
 
 // One rank: every graph of every row, timed; rank 0's medians into `rows`.
@@ -97,8 +103,9 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
   const int R = g.size(), r = g.rank(), dev = gpu_testing::device_of(g);
   const int K = o.top_k, L = o.local_experts, E = L * R;
   const int64_t T = o.tokens, H = o.hidden, I = o.inter, RT = R * T;
-  cudaStream_t main = gpu_testing::rank_stream(), side = nullptr;
+  cudaStream_t main = gpu_testing::rank_stream(), side = nullptr, sig = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&sig, cudaStreamNonBlocking));
   int sm_count = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
   const Allocator alloc = gpu_testing::device_allocator();
@@ -145,7 +152,11 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
     return h;
   };
   cublasHandle_t all_sms = make_handle(0);
-  // form: 0 none, 1 a signal per block of block_m rows, 2 one per expert.
+  // form: 0 none, 1 a signal per block of block_m rows, 2 one per expert. With a form, the
+  // signal kernels run on `sig`, each after its expert's GEMM (event gemm_done[l]); the caller
+  // forks `sig` from main before and joins it after (gemm_signalled below).
+  std::vector<cudaEvent_t> gemm_done(L);
+  for (cudaEvent_t& e : gemm_done) CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   auto gemm = [&](cublasHandle_t h, cudaStream_t s, int form) {
     CUBLAS_OK(cublasSetStream(h, s));
     const float one = 1.0f, zero = 0.0f;
@@ -160,10 +171,13 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
                              static_cast<int>(I), &one, wl, CUDA_R_16BF, static_cast<int>(H), al,
                              CUDA_R_16BF, static_cast<int>(I), &zero, yl, CUDA_R_16BF,
                              static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      if (form == 0) continue;
+      CUDA_OK(cudaEventRecord(gemm_done[l], s));
+      CUDA_OK(cudaStreamWaitEvent(sig, gemm_done[l], 0));
       if (form == 1)
-        raise_signals<<<1, 32, 0, s>>>(signals.ptr<int32_t>(), l * blocks,
-                                       static_cast<int>((n + o.block_m - 1) / o.block_m));
-      if (form == 2) raise_signals<<<1, 32, 0, s>>>(signals.ptr<int32_t>(), l, 1);
+        raise_signals<<<1, 32, 0, sig>>>(signals.ptr<int32_t>(), l * blocks,
+                                         static_cast<int>((n + o.block_m - 1) / o.block_m));
+      if (form == 2) raise_signals<<<1, 32, 0, sig>>>(signals.ptr<int32_t>(), l, 1);
     }
     CUDA_OK(cudaGetLastError());
   };
@@ -191,7 +205,18 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
     LlCombineResult res = buf.ll_combine(ca, alloc);
     res.hook();
   };
-  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr, sig_fork = nullptr, sig_join = nullptr;
+  CUDA_OK(cudaEventCreateWithFlags(&sig_fork, cudaEventDisableTiming));
+  CUDA_OK(cudaEventCreateWithFlags(&sig_join, cudaEventDisableTiming));
+  // `gemm` on main with signals, `sig` forked from main (after the signals were zeroed) and
+  // joined back.
+  auto gemm_signalled = [&](cublasHandle_t h, int form) {
+    CUDA_OK(cudaEventRecord(sig_fork, main));
+    CUDA_OK(cudaStreamWaitEvent(sig, sig_fork, 0));
+    gemm(h, main, form);
+    CUDA_OK(cudaEventRecord(sig_join, sig));
+    CUDA_OK(cudaStreamWaitEvent(main, sig_join, 0));
+  };
   CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
   CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   std::vector<cudaEvent_t> ev(o.replays + 1);
@@ -243,6 +268,10 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
       row.S = S;
       row.form = form == 1 ? "blocks of " + std::to_string(o.block_m) : "experts";
       row.gemm_s = gemm_s;
+      row.gemm_sig = time_graph([&] {
+        CUDA_OK(cudaMemsetAsync(signals.data, 0, signals.nbytes(), main));
+        gemm_signalled(budget, form);
+      });
       row.send_hook = time_graph([&] {
         CUDA_OK(cudaMemsetAsync(signals.data, 0x01, signals.nbytes(), main));  // all reached
         overlapped(main, form, S);
@@ -251,7 +280,7 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
         CUDA_OK(cudaMemsetAsync(signals.data, 0, signals.nbytes(), main));
         CUDA_OK(cudaEventRecord(fork, main));
         CUDA_OK(cudaStreamWaitEvent(side, fork, 0));
-        gemm(budget, main, form);
+        gemm_signalled(budget, form);
         overlapped(side, form, S);
         CUDA_OK(cudaEventRecord(join, side));
         CUDA_OK(cudaStreamWaitEvent(main, join, 0));
@@ -262,9 +291,13 @@ int run_rank(const Group& g, const Options& o, std::vector<Row>& rows) {
   }
   CUBLAS_OK(cublasDestroy(all_sms));
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  for (cudaEvent_t e : gemm_done) cudaEventDestroy(e);
   cudaEventDestroy(fork);
   cudaEventDestroy(join);
+  cudaEventDestroy(sig_fork);
+  cudaEventDestroy(sig_join);
   cudaStreamDestroy(side);
+  cudaStreamDestroy(sig);
   return 0;
 }
 
@@ -325,9 +358,9 @@ int main(int argc, char** argv) {
       static_cast<long long>(o.tokens), static_cast<long long>(o.hidden),
       static_cast<long long>(o.inter), o.top_k, o.local_experts, o.replays);
   std::printf(
-      "| R | signals | S | gemm | gemm-S | combine | send+hook | (a) gemm, combine | "
+      "| R | signals | S | gemm | gemm-S | gemm-S+sig | combine | send+hook | (a) gemm, combine | "
       "(b) gemm-S || send, hook | gain (a)-(b) |\n"
-      "|---|---|---|---|---|---|---|---|---|---|\n");
+      "|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);  // before the fork: the child would print the buffer again
   int rc = 0;
   for (int R : o.ranks) {
@@ -336,9 +369,9 @@ int main(int argc, char** argv) {
       const int status = run_rank(g, o, rows);
       if (g.rank() == 0) {
         for (const Row& w : rows)
-          std::printf("| %d | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", w.R,
-                      w.form.c_str(), w.S, w.gemm, w.gemm_s, w.combine, w.send_hook, w.a, w.b,
-                      w.a - w.b);
+          std::printf("| %d | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+                      w.R, w.form.c_str(), w.S, w.gemm, w.gemm_s, w.gemm_sig, w.combine,
+                      w.send_hook, w.a, w.b, w.a - w.b);
         std::fflush(stdout);
       }
       return status;
