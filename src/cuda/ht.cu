@@ -595,9 +595,7 @@ void CudaHt::combine_partial(const HtCombineArgs& args, float* out, float* combi
   check_outside_region(args.y, "ht_combine", "y");
   int vb = 0;
   HtCombineParams p = combine_params(args, reinterpret_cast<char*>(out), combined_weights, vb);
-  p.out_f32 = 1;
-  launch_ht_combine(p, vb, tuning_.num_sms, static_cast<cudaStream_t>(args.stream));
-  EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine");
+  launch_ht_combine_f32(p, vb, tuning_.num_sms, static_cast<cudaStream_t>(args.stream));
 }
 
 void CudaHt::check_combine_handle(const HtHandle& h) const {

@@ -72,32 +72,47 @@ void launch_ht_combine_staged(const HtCombineParams& p, int grid, cudaStream_t s
                 p);
 }
 
-void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
+namespace {
+
+// The kernel of the copy unit and the reducers' step; kOutF32: float32 out (ht_launch.h).
+template <bool kOutF32>
+void launch_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
   switch (vec_bytes) {
     case 16:
       if (p.num_ranks + (p.bias0 ? 1 : 0) + (p.bias1 ? 1 : 0) <= 2) {
         // Every token has <= 2 row sources.
-        launch_kernel(ht_combine_kernel<uint4, kStepPair>, grid, kHtThreads, 0, stream, p.pdl,
-                      "ht_combine: launch", p);
+        launch_kernel(ht_combine_kernel<uint4, kStepPair, kOutF32>, grid, kHtThreads, 0, stream,
+                      p.pdl, "ht_combine: launch", p);
       } else {
-        launch_kernel(ht_combine_kernel<uint4, kStepWide>, grid, kHtThreads, 0, stream, p.pdl,
-                      "ht_combine: launch", p);
+        launch_kernel(ht_combine_kernel<uint4, kStepWide, kOutF32>, grid, kHtThreads, 0, stream,
+                      p.pdl, "ht_combine: launch", p);
       }
       break;
     case 8:
-      launch_kernel(ht_combine_kernel<uint2>, grid, kHtThreads, 0, stream, p.pdl,
-                    "ht_combine: launch", p);
+      launch_kernel(ht_combine_kernel<uint2, kStepNarrow, kOutF32>, grid, kHtThreads, 0, stream,
+                    p.pdl, "ht_combine: launch", p);
       break;
     case 4:
-      launch_kernel(ht_combine_kernel<uint32_t>, grid, kHtThreads, 0, stream, p.pdl,
-                    "ht_combine: launch", p);
+      launch_kernel(ht_combine_kernel<uint32_t, kStepNarrow, kOutF32>, grid, kHtThreads, 0,
+                    stream, p.pdl, "ht_combine: launch", p);
       break;
     default:
-      launch_kernel(ht_combine_kernel<uint16_t>, grid, kHtThreads, 0, stream, p.pdl,
-                    "ht_combine: launch", p);
+      launch_kernel(ht_combine_kernel<uint16_t, kStepNarrow, kOutF32>, grid, kHtThreads, 0,
+                    stream, p.pdl, "ht_combine: launch", p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "ht_combine: launch");
+}
+
+}  // namespace
+
+void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream) {
+  launch_combine<false>(p, vec_bytes, grid, stream);
+}
+
+void launch_ht_combine_f32(const HtCombineParams& p, int vec_bytes, int grid,
+                           cudaStream_t stream) {
+  launch_combine<true>(p, vec_bytes, grid, stream);
 }
 
 }  // namespace epx::detail

@@ -16,6 +16,10 @@ const void* ht_dispatch_kernel_address();
 // The copy-engine combine's wait-ready / arrive steps around its copies (HtEngineSyncParams).
 void launch_ht_engine_sync(const HtEngineSyncParams& p, cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int vec_bytes, int grid, cudaStream_t stream);
+// The same kernels with out float32 and the sums unrounded (the hierarchical ht's node-local
+// partials, CudaHt::combine_partial); separate instantiations, so the bf16 ones stay as they are.
+void launch_ht_combine_f32(const HtCombineParams& p, int vec_bytes, int grid,
+                           cudaStream_t stream);
 // The zero-copy combine's staged reducer (kernels/ht/combine_staged.cuh): true when this device
 // runs it with `stages` x `chunk` (sm_90+, enough shared memory; the kernel's limit is raised);
 // InvalidArgument for a staging outside 2..8 x multiples of 512 in [512, 16384].

@@ -22,8 +22,8 @@
 //   signals yready[rank] = cur to every peer; a reducer reading rank d's rows waits once for
 //   yready[d] and loads y_d[send_pos[t][d]] straight from d's memory. At the end the last CTA
 //   signals ready and waits for every peer's ready (they finished reading this rank's y).
-// out_f32 (the hierarchical ht's node-local partials, ht_nodes.cu): out is [T, H] float32, the
-//   same sums without the rounding.
+// kOutF32 (the hierarchical ht's node-local partials, ht_nodes.cu; launch_ht_combine_f32): out is
+//   [T, H] float32, the same sums without the rounding.
 // End: the last CTA zeroes the consumed counters and signals ready (finish_operation).
 #pragma once
 
@@ -139,14 +139,14 @@ __device__ __forceinline__ V round_to_bf16(const float* acc) {
   }
 }
 
-// Stores one vector's accumulators: rounded to bf16 into o[i], or (p.out_f32, the node-local
+// Stores one vector's accumulators: rounded to bf16 into o[i], or (kOutF32, the node-local
 // partials of the hierarchical ht, ht_nodes.cu) as float32 into the row `o` points at, i.e.
-// elements i * kPerVec + e of a float row.
-template <typename V>
-__device__ __forceinline__ void store_acc(const HtCombineParams& p, V* o, int64_t i,
-                                          const float* acc) {
+// elements i * kPerVec + e of a float row. A template parameter, so the bf16 instantiations are
+// the one-node kernels unchanged.
+template <typename V, bool kOutF32>
+__device__ __forceinline__ void store_acc(V* o, int64_t i, const float* acc) {
   constexpr int kPerVec = sizeof(V) / 2;
-  if (p.out_f32) {
+  if constexpr (kOutF32) {
     float* f = reinterpret_cast<float*>(o) + i * kPerVec;
 #pragma unroll
     for (int e = 0; e < kPerVec; ++e) f[e] = acc[e];
@@ -159,7 +159,7 @@ __device__ __forceinline__ void store_acc(const HtCombineParams& p, V* o, int64_
 // peer): kPairUnroll vectors of each source in flight per lane per step and no accumulator array
 // across steps (fewer steps per row: each step waits for one round trip of its loads).
 inline constexpr int kPairUnroll = 7;
-template <typename V>
+template <typename V, bool kOutF32>
 __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const V* const* rsrc,
                                                 int num_rs, uint64_t landed, V* o, int64_t nv,
                                                 int lane) {
@@ -184,7 +184,7 @@ __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const 
       for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
       if (s0) accumulate(acc, a[u]);  // sources in order, as reduce_row
       if (s1) accumulate(acc, b[u]);
-      store_acc<V>(p, o, i, acc);
+      store_acc<V, kOutF32>(o, i, acc);
     }
   }
 }
@@ -192,7 +192,7 @@ __device__ __forceinline__ void reduce_row_pair(const HtCombineParams& p, const 
 // One token's output row: the vectors of its row sources rsrc[0 .. num_rs) (bit q of `landed`:
 // source q arrived from a peer, read through L2) accumulated in source order and rounded into o.
 // kUnroll vectors per lane per step, up to kGroup sources' loads in flight before their adds.
-template <typename V, int kUnroll, int kGroup>
+template <typename V, int kUnroll, int kGroup, bool kOutF32>
 __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* const* rsrc,
                                            int num_rs, uint64_t landed, V* o, int64_t nv,
                                            int lane) {
@@ -229,7 +229,7 @@ __device__ __forceinline__ void reduce_row(const HtCombineParams& p, const V* co
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = v0 + u * 32 + lane;
-      if (i < nv) store_acc<V>(p, o, i, acc[u]);
+      if (i < nv) store_acc<V, kOutF32>(o, i, acc[u]);
     }
   }
 }
@@ -250,7 +250,7 @@ inline constexpr int32_t kPulledReady = 0x7fffffff;  // last_block[d]: d's yread
 // sources: R + biases <= 2, chosen by the host).
 enum HtReduceStep : int { kStepWide = 0, kStepNarrow = 1, kStepPair = 2 };
 
-template <typename V, int kStep>
+template <typename V, int kStep, bool kOutF32>
 __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* s_last_block,
                                int32_t* s_last_chunk, const V** s_src, const float** s_wsrc,
                                const V** s_rsrc) {
@@ -339,7 +339,7 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
     uint64_t landed = 0;
     for (int k = 0; k < num_src; ++k)
       if (k != self_slot) landed |= 1ull << (nb + k);
-    V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes * (p.out_f32 ? 2 : 1));
+    V* o = reinterpret_cast<V*>(p.out + t * p.row_bytes * (kOutF32 ? 2 : 1));
     // The weights of up to two sources are loaded before the row (their latency overlaps it).
     const bool wpair = p.combined_weights && num_src <= 2 && p.top_k <= 32;
     float w0 = 0.0f, w1 = 0.0f;
@@ -348,11 +348,12 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
       if (num_src > 1) w1 = self_slot == 1 ? wsrc[1][lane] : ld_landed(wsrc[1] + lane);
     }
     if constexpr (kStep == kStepNarrow)
-      reduce_row<V, kReduceUnrollNarrow, kReduceGroupNarrow>(p, rsrc, num_rs, landed, o, nv, lane);
+      reduce_row<V, kReduceUnrollNarrow, kReduceGroupNarrow, kOutF32>(p, rsrc, num_rs, landed, o,
+                                                                       nv, lane);
     else if constexpr (kStep == kStepPair)
-      reduce_row_pair<V>(p, rsrc, num_rs, landed, o, nv, lane);
+      reduce_row_pair<V, kOutF32>(p, rsrc, num_rs, landed, o, nv, lane);
     else
-      reduce_row<V, kReduceUnroll, kReduceGroup>(p, rsrc, num_rs, landed, o, nv, lane);
+      reduce_row<V, kReduceUnroll, kReduceGroup, kOutF32>(p, rsrc, num_rs, landed, o, nv, lane);
     if (wpair) {
       if (lane < p.top_k)
         p.combined_weights[t * p.top_k + lane] = combined_weight_pair(num_src, w0, w1);
@@ -369,7 +370,9 @@ __device__ void combine_reduce(const HtCombineParams& p, uint32_t cur, int32_t* 
 }
 
 // kStep: the reducers' step (HtReduceStep; rows of vectors narrower than 16 bytes: kStepNarrow).
-template <typename V, int kStep = (sizeof(V) < 16 ? kStepNarrow : kStepWide)>
+// kOutF32: out is float32 (store_acc).
+template <typename V, int kStep = (sizeof(V) < 16 ? kStepNarrow : kStepWide),
+          bool kOutF32 = false>
 __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombineParams p) {
   pdl_begin(p.pdl);
   __shared__ int32_t s_last_block[kHtWarps * kMaxHtRanks];
@@ -392,7 +395,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ht_combine_kernel(HtCombinePara
   if (static_cast<int>(blockIdx.x) < p.num_send_ctas) {
     combine_send<V>(p, cur);
   } else {
-    combine_reduce<V, kStep>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
+    combine_reduce<V, kStep, kOutF32>(p, cur, s_last_block, s_last_chunk, s_src, s_wsrc, s_rsrc);
   }
   finish_operation(
       p.symm, p.wait, cur, R,

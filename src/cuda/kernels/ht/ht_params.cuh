@@ -114,8 +114,7 @@ struct HtCombineParams {
   const int32_t* send_pos;            // [T, R] from the handle
   const int32_t* rank_prefix_matrix;  // [R, R]
   int num_tokens, top_k, num_ranks, rank;
-  char* out;                // [T, H] bf16 contiguous, or float32 with out_f32
-  int out_f32;              // 1: the sums unrounded (the hierarchical ht's partials, ht_nodes.cu)
+  char* out;                // [T, H] bf16 contiguous (float32: launch_ht_combine_f32)
   float* combined_weights;  // [T, K] or null
   int num_send_ctas;
   uint32_t call_word;  // ht_call_format of this call (weights given, zero_copy), compared on arrival
