@@ -109,7 +109,11 @@ __global__ void __launch_bounds__(kHtNodesThreads) ht_nodes_pack_kernel(HtNodesP
     for (int s = 16; s > 0; s >>= 1) nodes |= __shfl_xor_sync(0xffffffffu, nodes, s);
     if (real && !cached && lane < K) {
       const bool valid = e >= -1 && e < p.num_experts;
-      p.own_ids[t * K + lane] = !valid ? static_cast<int32_t>(e)
+      // An invalid id stays invalid for the node-local count exchange, which reports it; an
+      // int64 one beyond the int32 range is clamped to it (never narrowed into a valid id).
+      constexpr int64_t kLo = INT32_MIN, kHi = INT32_MAX;
+      const int32_t invalid = static_cast<int32_t>(e < -1 ? max(e, kLo) : min(e, kHi));
+      p.own_ids[t * K + lane] = !valid                      ? invalid
                                 : e >= 0 && e / e_node == n ? static_cast<int32_t>(e - n * e_node)
                                                             : -1;
     }
