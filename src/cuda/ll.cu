@@ -123,8 +123,25 @@ void check_ll_supported(const Group& group, const MoeShape& shape) {
             " ranks; the cuda ll kernels support at most 2^30 rows per local expert");
 }
 
-// The combine kernel's dynamic shared memory (only the overlapped send uses it).
-DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine));
+// The overlapped combine's dynamic shared memory (its send's; LogFMT's is under the default
+// limit).
+DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap>));
+
+// One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode).
+void launch_combine(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
+                    const LlCombineParams& p) {
+  switch (mode) {
+    case kLlCombineLogfmt:
+      launch_kernel(ll::combine<kLlCombineLogfmt>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
+      break;
+    case kLlCombineOverlap:
+      launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what,
+                    p);
+      break;
+    default:
+      launch_kernel(ll::combine<kLlCombinePlain>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
+  }
+}
 
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
@@ -210,16 +227,13 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   layout_ = LlLayout::make(shape, R);
-  // The combine's dynamic shared memory (the overlapped send's, LogFMT's) is allowed here, once,
-  // before any ll kernel of this Buffer runs, rather than at a first overlapped call. The limit
-  // set is the larger of the two: a smaller one would refuse the other's launches. Where the
-  // overlapped send's does not fit, the overlapped call raises Unsupported.
+  // The overlapped send's dynamic shared memory is allowed here, once, before any ll kernel of
+  // this Buffer runs, rather than at a first overlapped call. Where it does not fit, the
+  // overlapped call raises Unsupported. (LogFMT's instantiation stays under the default limit.)
   const DynSmemFacts facts = g_ll_combine_smem.facts("Buffer");
-  size_t dyn_smem = ll_logfmt_smem_bytes();
   const size_t overlap_smem = ll_overlap_smem_bytes(layout_);
   if (facts.static_smem + overlap_smem <= static_cast<size_t>(facts.optin))
-    dyn_smem = std::max(dyn_smem, overlap_smem);
-  g_ll_combine_smem.allow(static_cast<int>(dyn_smem), "Buffer");
+    g_ll_combine_smem.allow(static_cast<int>(overlap_smem), "Buffer");
   const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
                  "Buffer");
@@ -553,9 +567,10 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
 
   // LogFMT's shared memory is dynamic (kernels/ll/logfmt.cuh), below the 48 KB default limit.
   const size_t smem = args.use_logfmt ? ll_logfmt_smem_bytes() : 0;
+  const int mode = args.use_logfmt ? kLlCombineLogfmt : kLlCombinePlain;
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
-    launch_kernel(ll::combine, num_ctas_, kLlThreads, smem, stream, p.pdl, op, p);
+    launch_combine(mode, num_ctas_, smem, stream, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
@@ -567,7 +582,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.copy_own = 1;
   p.stash_ids = stash_ids_ + stash;
   p.stash_w = stash_w_ + stash;
-  launch_kernel(ll::combine, num_ctas_, kLlThreads, smem, stream, p.pdl, op, p);
+  launch_combine(mode, num_ctas_, smem, stream, op, p);
   combine_in_flight_[slot] = true;
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -585,8 +600,8 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   pr.weights_stride = shape_.top_k;
   // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   const int ctas = num_ctas_;
-  res.hook = make_hook(false, slot, [pr, ctas, smem, stream, keep = res.out]() {
-    launch_kernel(ll::combine, ctas, kLlThreads, smem, stream, pr.pdl, "ll_combine hook", pr);
+  res.hook = make_hook(false, slot, [pr, ctas, mode, smem, stream, keep = res.out]() {
+    launch_combine(mode, ctas, smem, stream, "ll_combine hook", pr);
   });
   return res;
 }
@@ -627,7 +642,7 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
   p.recv_ctas = num_ctas_;
   p.stash_w = stash_w_ + static_cast<size_t>(slot) * shape_.max_tokens_per_rank * K;
   p.phases = kLlPhaseSend;
-  launch_kernel(ll::combine, S, kLlThreads, smem, stream, p.pdl, op, p);
+  launch_combine(kLlCombineOverlap, S, smem, stream, op, p);
 
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -641,14 +656,14 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
   pr.weights_stride = K;
   const int ctas = num_ctas_;
   if (failed || !args.return_recv_hook) {
-    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, op, pr);
+    launch_combine(kLlCombineOverlap, ctas, 0, stream, op, pr);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
   combine_in_flight_[slot] = true;
   // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
-    launch_kernel(ll::combine, ctas, kLlThreads, 0, stream, pr.pdl, "ll_combine hook", pr);
+    launch_combine(kLlCombineOverlap, ctas, 0, stream, "ll_combine hook", pr);
   });
   return res;
 }

@@ -76,7 +76,8 @@ How it differs, and why:
   call; with ``return_recv_hook`` in the hook. Ratios between ranks are unaffected by the unit
   (docs/semantics.md §2.5).
 * Kernels: one CUDA kernel per op, hook or not (profiler rows ``epx::ll::dispatch`` and
-  ``epx::ll::combine``: the hook launches the receive half of the same kernel), as DeepEP.
+  ``epx::ll::combine<N>``, N the combine's form: 0 plain, 1 LogFMT, 2 overlapped; the hook
+  launches the receive half of the same kernel), as DeepEP.
 * NVFP4 (``low_latency_dispatch(use_nvfp4=True, x_global_scale=g, use_fp8=False)``, DeepEP's
   hybrid-ep / sglang forks): returns ``(recv_x, recv_scales)`` in the forks' layout — uint8
   (R*T_max, H/2, L) and e4m3 (32, 4, ceil(R*T_max/128), 4, H/64, L), the scales already

@@ -116,6 +116,11 @@ struct LlCombineParams {
 #endif
 };
 
+// The combine kernel's instantiations (epx::ll::combine<kMode>): each form's code only, so the
+// plain combine carries no LogFMT or overlap code (its registers, shared memory and instruction
+// footprint as before those forms existed). The host picks the one matching use_logfmt / overlap.
+enum LlCombineMode : int { kLlCombinePlain = 0, kLlCombineLogfmt = 1, kLlCombineOverlap = 2 };
+
 // This combine's format word: what every rank compares (kDevErrLlCombineFormat).
 __device__ __forceinline__ int32_t ll_combine_format(const LlCombineParams& p) {
   return p.use_logfmt | p.overlap << 1;
@@ -144,7 +149,8 @@ __device__ __forceinline__ void ll_combine_publish_routed(const LlCombineParams&
   }
 }
 
-// Steps 1-3.
+// Steps 1-3 (kMode: plain or LogFMT).
+template <int kMode>
 __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
@@ -153,7 +159,7 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   uint16_t* buf = g.comb_y(symm.local, q);
   const uint64_t masked = ll_masked_uniform(symm);
 
-  if (p.use_logfmt) {
+  if constexpr (kMode == kLlCombineLogfmt) {
     const int S = p.units_per_expert;
     for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
@@ -421,6 +427,7 @@ __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
 // this rank with use_logfmt: its encoded rows come from every CTA of its send half), each peer's
 // use_logfmt compared with this rank's; `wait_ns` (optional) as in step 5 (with enable_shrink
 // also for a peer masked while awaited). False when a wait failed (on every lane).
+template <int kMode>
 __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int64_t* wait_ns,
                                       uint64_t masked) {
   const LlSymm& symm = p.symm;
@@ -430,7 +437,7 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
   const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
   const int32_t mine = ll_combine_format(p);
   for (int d = threadIdx.x; d < g.num_ranks && ok; d += 32) {
-    if ((d == me && !p.use_logfmt && !p.overlap) || rank_skipped(masked, d)) continue;
+    if ((d == me && kMode == kLlCombinePlain) || rank_skipped(masked, d)) continue;
     const uint32_t* ready = g.sync(symm.local)->combine_ready[q] + d;
     bool arrived = true;
     if (symm.shrink && d != me)
@@ -458,7 +465,9 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
 }
 
 // Steps 4-7 and the finish. False when a wait failed.
+template <int kMode>
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
+  constexpr bool kLogfmt = kMode == kLlCombineLogfmt;
   constexpr int kSlots = kLlCombineTokens * kLlMaxTopK;
   __shared__ int32_t s_cnt[kLlMaxExperts];      // tokens so far per expert (step 4, 6)
   __shared__ long long s_range[kLlMaxExperts];  // begin << 32 | count of this rank's block
@@ -563,7 +572,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     // the wait and the remote round trip of the ranges overlap the local work.
     if (threadIdx.x < 32) {
       const bool ok =
-          ll_combine_wait_ready(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+          ll_combine_wait_ready<kMode>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
       const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
       if (ok) load_ranges(threadIdx.x, 32, masked);
@@ -611,54 +620,55 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           const int d = id / L, l = id - d * L;
           if (j >= count || begin + j >= RT) {
             record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
-          } else if (p.overlap) {
+          } else if constexpr (kMode == kLlCombineOverlap) {
             src =
                 reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + ((c0 + tl) * K + k0) * H);
           } else {
             const int64_t row = begin + j;
-            if (d == me && !p.zero_copy && !p.use_logfmt) {
+            if (d == me && !p.zero_copy && !kLogfmt) {
               src = reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
                     (p.y_vec16 ? 0 : 1);
             } else {
               src = reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
-              if (p.use_logfmt)
+              if constexpr (kLogfmt)
                 mrow = reinterpret_cast<uintptr_t>(g.comb_meta(symm.peers[d], q) +
                                                    (l * RT + row) * g.num_groups);
             }
           }
         }
         s_src[i] = src;
-        if (p.use_logfmt) s_mrow[i] = mrow;
+        if constexpr (kLogfmt) s_mrow[i] = mrow;
         if (!src) s_w[i] = 0.0f;
       }
       __syncthreads();
       EPX_LL_TRACE_END(ids);
       // 7.
-      if (p.use_logfmt) {
+      if constexpr (kLogfmt) {
         ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
-        continue;  // (it ends with a barrier, like the loop below)
-      }
-      for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
-        const int tl = static_cast<int>(i / nv);
-        const int64_t v = i - tl * nv;
-        const uintptr_t* src = s_src + tl * K;
-        float acc[8];
-        ll_reduce8<kLlLoadBatch>(
-            K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
-            [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
-        if (p.out) {
-          const uint4 packed = f32_to_bf16_vec<uint4>(acc);
-          ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
+        // (it ends with a barrier, as the loop below)
+      } else {
+        for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
+          const int tl = static_cast<int>(i / nv);
+          const int64_t v = i - tl * nv;
+          const uintptr_t* src = s_src + tl * K;
+          float acc[8];
+          ll_reduce8<kLlLoadBatch>(
+              K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
+              [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
+          if (p.out) {
+            const uint4 packed = f32_to_bf16_vec<uint4>(acc);
+            ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
+          }
         }
+        __syncthreads();  // s_* are rewritten by the next group of tokens
       }
-      __syncthreads();  // s_* are rewritten by the next group of tokens
     }
     EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
     EPX_LL_STAMP(p, 1, kTrCPull);
   } else if (blockIdx.x == 0) {
     // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
     if (threadIdx.x < 32) {
-      const bool ok = ll_combine_wait_ready(p, e, nullptr, masked0);
+      const bool ok = ll_combine_wait_ready<kMode>(p, e, nullptr, masked0);
       if (threadIdx.x == 0) s_ok = ok;
     }
     __syncthreads();
@@ -692,22 +702,24 @@ __device__ __forceinline__ uint32_t ll_combine_epoch(const LlCombineParams& p) {
 
 namespace epx::ll {
 
-// The one ll combine kernel (profilers show one name per op, hook or not): p.phases selects the
-// send half (the call with a hook), the receive half (the hook) or both (no hook).
+// The ll combine kernel, one instantiation per form (LlCombineMode; profilers show one name,
+// epx::ll::combine, hook or not): p.phases selects the send half (the call with a hook), the
+// receive half (the hook) or both (no hook).
+template <int kMode>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombineParams p) {
   using namespace detail;
   pdl_begin(p.pdl);
   const uint32_t e = ll_combine_epoch(p);
-  if (p.use_logfmt) ll_logfmt_load_table();
+  if constexpr (kMode == kLlCombineLogfmt) ll_logfmt_load_table();
   if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 1, kTrCEntry);
-    if (p.overlap) {
+    if constexpr (kMode == kLlCombineOverlap) {
       ll_combine_send_overlap(p, e);
     } else {
-      ll_combine_send(p, e);
+      ll_combine_send<kMode>(p, e);
     }
   }
-  if (p.phases & kLlPhaseRecv) ll_combine_recv(p, e);
+  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode>(p, e);
 }
 
 }  // namespace epx::ll
