@@ -619,9 +619,10 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
   auto stream = static_cast<cudaStream_t>(args.stream);
   const int S = resolve_ll_overlap_ctas(o.block_rows, o.num_sms, num_ctas_);
   // Ranks sharing a GPU (the one-GPU test mode) wait for each other's sends, which wait for
-  // their GEMMs: the GEMMs need SMs that the sends do not hold.
-  EPX_CHECK_ARG(!group_.transport()->ranks_share_device() || R * S < dev_.multiprocessors(), op,
-                ": argument 'overlap.num_sms' resolves to ", S, " send CTAs per rank; ", R,
+  // their GEMMs: the GEMMs need SMs that the sends and receives do not hold (cuda/tuning.h).
+  EPX_CHECK_ARG(!group_.transport()->ranks_share_device() ||
+                    ll_overlap_fits_shared_gpu(R, S, dev_.multiprocessors()),
+                op, ": argument 'overlap.num_sms' resolves to ", S, " send CTAs per rank; ", R,
                 " ranks share one GPU of ", dev_.multiprocessors(),
                 " SMs, expected ranks x send CTAs below that (the GEMMs need SMs too)");
   const size_t smem = ll_overlap_smem_bytes(layout_);

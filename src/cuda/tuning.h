@@ -64,6 +64,16 @@ inline int resolve_ll_overlap_ctas(int64_t block_rows, int requested, int recv_c
   return s < 1 ? 1 : s > recv_ctas ? recv_ctas : s;
 }
 
+// Ranks sharing one GPU (the one-GPU test mode): whether R ranks' overlapped combines with S send
+// CTAs each can run, i.e. whatever the ranks' progress, a rank whose GEMM has not finished finds
+// an SM for it. A rank's send spins until its GEMM's signals; its receive (C CTAs, after its
+// send) until every rank's send is done; so at worst k ranks receive and R - k send, k < R:
+// k C + (R - k) S SMs spin, most at k = R - 1 (S <= C), and (R - 1) C + S < SMs is the condition.
+// Since the mode has R C <= SMs (its num_sms), that is R S < SMs (tests/unit/ll_ctas_test.cc).
+inline bool ll_overlap_fits_shared_gpu(int num_ranks, int send_ctas, int device_sms) {
+  return static_cast<int64_t>(num_ranks) * send_ctas < device_sms;
+}
+
 #ifdef EPX_DIAGNOSTICS
 // Diagnostics builds only (-DEPX_DIAGNOSTICS=ON; the GPU benchmarks' --ablate, --send-pct).
 //

@@ -19,10 +19,11 @@
 // R * max(2, num_sms) <= SMs and resolve auto num_sms to SMs / R (132 / 8 = 16 on an H200).
 // Streams beyond CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
 // 8) share a queue, and a rank's kernel queued behind a peer's spinning kernel would wait for it:
-// a rank uses its own stream and the per-thread stream of its allocations, plus a Buffer's side
-// streams only where EPX_ONE_GPU_SIDE_STREAMS=1 asks for them (core/env.h: the driver may still
-// put one in a peer's queue), so we require at least min(32, 3R) connections (the one-GPU test
-// harness sets 32 before CUDA starts).
+// a rank uses its own stream, the per-thread stream of its allocations and at most one side
+// stream of its own (the test harness makes both of the rank's streams once per run), plus a
+// Buffer's side streams only where EPX_ONE_GPU_SIDE_STREAMS=1 asks for them (core/env.h: the
+// driver may still put one in a peer's queue), so we require at least min(32, 3R) connections
+// (the one-GPU test harness sets 32 before CUDA starts).
 #include <cuda.h>
 #include <cuda_runtime.h>
 

@@ -66,6 +66,7 @@ int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
 
 namespace {
 thread_local cudaStream_t t_rank_stream = nullptr;
+thread_local cudaStream_t t_rank_side_stream = nullptr;
 // This rank's own memory pool under run_cuda_ranks_one_gpu (nullptr: the device's default pool).
 // With one pool for all ranks, cudaMallocAsync may reuse a block another rank freed with
 // cudaFreeAsync and make this rank's stream wait for that rank's stream (the pool's
@@ -80,6 +81,8 @@ bool env_flag(const char* name) {
 }  // namespace
 
 cudaStream_t rank_stream() { return t_rank_stream; }
+
+cudaStream_t rank_side_stream() { return t_rank_side_stream; }
 
 int device_of(const Group& group) { return group.transport()->device().index; }
 
@@ -96,12 +99,14 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
         std::vector<std::thread> threads;
         for (int r = 0; r < num_ranks; ++r) {
           threads.emplace_back([&, r] {
-            cudaStream_t stream = nullptr;
+            cudaStream_t stream = nullptr, side = nullptr;
             cudaMemPool_t pool = nullptr;
             try {
               CUDA_OK(cudaSetDevice(device));
               CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+              CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
               t_rank_stream = stream;
+              t_rank_side_stream = side;
               if (!env_flag("EPX_TEST_SHARED_POOL")) {  // 1: the default pool (the A/B)
                 cudaMemPoolProps props{};
                 props.allocType = cudaMemAllocationTypePinned;
@@ -121,7 +126,9 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
               rcs[r] = 1;
             }
             t_rank_stream = nullptr;
+            t_rank_side_stream = nullptr;
             t_rank_pool = nullptr;
+            if (side) cudaStreamDestroy(side);
             if (stream) cudaStreamDestroy(stream);
             if (pool) cudaMemPoolDestroy(pool);  // after the stream's frees completed
           });

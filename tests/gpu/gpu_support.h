@@ -50,8 +50,13 @@ int run_cuda_ranks(int num_ranks, const std::function<int(const Group&)>& body,
 // One GPU, R ranks (Group::cuda_shared_device; issue 8: the GPU tier at R = 4 and 8 on 1 GPU).
 // Forks one child (CUDA does not survive fork; the test process stays CUDA-free) that sets
 // CUDA_DEVICE_MAX_CONNECTIONS=32 and runs body(group) on R threads, rank r with its own
-// non-blocking stream, rank_stream(). `options.num_sms` 0 = SMs / R (co-residency, see
-// group.h). Returns 0 when every rank's body returned 0; an exception prints and counts as 1.
+// non-blocking stream, rank_stream(), and a non-blocking side stream, rank_side_stream(), both
+// made when the thread starts and kept for the whole run: with the per-thread streams the child
+// holds 3R streams, within the hardware queues the mode requires (min(32, 3R)). Streams made per
+// case would outnumber the queues after a few cases, and work on a stream that shares a queue
+// with a peer's waits behind that peer's spinning kernel. `options.num_sms` 0 = SMs / R
+// (co-residency, see group.h). Returns 0 when every rank's body returned 0; an exception prints
+// and counts as 1.
 // In this mode the helpers below (to_device, to_host_bytes, poison_allocator, device_allocator)
 // work on rank_stream() and never synchronise the device, since a device-wide wait would wait
 // for a peer's kernel spinning on this rank (see Group::cuda_shared_device); device memory comes
@@ -62,15 +67,20 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device,
                            GroupOptions options = {});
 // This thread's rank stream under run_cuda_ranks_one_gpu; nullptr elsewhere.
 cudaStream_t rank_stream();
+// This thread's side stream under run_cuda_ranks_one_gpu (work beside the rank stream, e.g. a
+// combine overlapped with a GEMM); nullptr elsewhere.
+cudaStream_t rank_side_stream();
 // The CUDA device of a group's rank (rank r under run_cuda_ranks, the shared device otherwise).
 int device_of(const Group& group);
 // `own` when this thread has no rank stream; else rank_stream() (bodies shared by both modes).
 inline cudaStream_t stream_or(cudaStream_t own) { return rank_stream() ? rank_stream() : own; }
-// The stream a test rank works on: under run_cuda_ranks_one_gpu the rank's own stream, else one
-// created here with `flags` (cudaStreamCreateWithFlags) and destroyed with this object.
+// The stream a test rank works on: `given` (by default rank_stream(); rank_side_stream() for a
+// second stream) where it is not null, else one created here with `flags`
+// (cudaStreamCreateWithFlags) and destroyed with this object.
 class RankStream {
  public:
-  explicit RankStream(unsigned flags = cudaStreamDefault) : stream_(rank_stream()) {
+  explicit RankStream(unsigned flags = cudaStreamDefault, cudaStream_t given = rank_stream())
+      : stream_(given) {
     if (!stream_) {
       CUDA_OK(cudaStreamCreateWithFlags(&own_, flags));
       stream_ = own_;

@@ -190,29 +190,33 @@ std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want, con
 }
 
 // One rank's set-up for a case: a Buffer of its shape, the GEMM's device memory, the main stream
-// (the rank stream under one-GPU mode), a side stream for the combine, the fork / join events.
+// and a side stream for the combine (under one-GPU mode the rank's two streams, kept for the whole
+// run: gpu_support.h), the fork / join events.
 struct Rig {
   Rig(const Group& g, const OverlapCase& oc)
       : r(g.rank()),
         dev(gpu_testing::device_of(g)),
         main(main_stream.get()),
+        side(side_stream.get()),
         buf(g, oc.c.p.moe_shape(), ll_only()),
         gemm(make_gemm_io(oc.c.p, oc.form, dev)) {
-    CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   }
   ~Rig() {
     cudaEventDestroy(fork);
     cudaEventDestroy(join);
-    cudaStreamDestroy(side);
   }
   Rig(const Rig&) = delete;
   Rig& operator=(const Rig&) = delete;
 
   // The overlapped combine of `io` on the side stream, overlapped with the GEMM on the main one;
   // the hook on the side stream, then the main stream joins. Returns the combine's result (out
-  // valid once the main stream is synchronised).
+  // valid once the main stream is synchronised). Without `out`, a poisoned one is allocated here
+  // before the GEMM is enqueued (the result holds it), so that the host does not wait between
+  // enqueueing the GEMM and the send: the poison allocator waits for the rank stream, and inside
+  // ll_combine that wait held the send back until the GEMM was done while the peers' sends spun
+  // for this rank's routing (O2; docs/design.md §10: one-GPU R = 4 case 3).
   LlCombineResult overlapped(const OverlapCase& oc, const RankInputs& io, const LlDispatchResult& d,
                              const TensorView& out = {}) {
     LlCombineArgs a = combine_args(io, d.handle, side);
@@ -222,7 +226,11 @@ struct Rig {
       a.zero_copy = true;
       a.y = {};
     }
-    a.out = out;
+    Tensor own;
+    if (!out.defined())
+      own = gpu_testing::poison_allocator()(DType::kBF16, {d.handle.num_tokens, oc.c.p.hidden},
+                                            Device::cuda(dev));
+    a.out = out.defined() ? out : own;
     a.return_recv_hook = oc.c.hook;
     LlCombineOverlap o;
     o.signals = gemm.signals;
@@ -234,6 +242,7 @@ struct Rig {
     launch_gemm(gemm, dst, oc.c.p, main, fork);
     CUDA_OK(cudaStreamWaitEvent(side, fork, 0));
     LlCombineResult res = buf.ll_combine(a, gpu_testing::poison_allocator());
+    if (own.defined()) res.out = own;
     if (res.hook) res.hook();
     CUDA_OK(cudaEventRecord(join, side));
     CUDA_OK(cudaStreamWaitEvent(main, join, 0));
@@ -242,8 +251,8 @@ struct Rig {
 
   const int r, dev;
   RankStream main_stream{cudaStreamNonBlocking};
-  const cudaStream_t main;
-  cudaStream_t side = nullptr;
+  RankStream side_stream{cudaStreamNonBlocking, gpu_testing::rank_side_stream()};
+  const cudaStream_t main, side;
   cudaEvent_t fork = nullptr, join = nullptr;
   Buffer buf;
   GemmIo gemm;

@@ -410,7 +410,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   }
 
   // O4. Pairs with step 5 of every rank's receive.
-  const uint32_t share = p.recv_ctas / S + (static_cast<int>(blockIdx.x) < p.recv_ctas % S);
+  const uint32_t share = ll_overlap_ready_share(p.recv_ctas, S, static_cast<int>(blockIdx.x));
   if (static_cast<int>(threadIdx.x) < R) {
     fence_acq_rel_sys();
     red_add_relaxed_sys(&g.sync(symm.peers[threadIdx.x])->combine_ready[q][me], share);

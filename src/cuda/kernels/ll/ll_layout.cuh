@@ -112,6 +112,12 @@ struct LlSync {
   uint32_t combine_routed[2][kMaxRanks];
 };
 
+// CTA `cta` of an overlapped send of S CTAs: its share of C in combine_ready (C / S, + 1 for the
+// first C % S CTAs), so the S shares add up to the C a plain send's CTAs add (1 <= S <= C).
+EPX_LL_HD uint32_t ll_overlap_ready_share(int recv_ctas, int send_ctas, int cta) {
+  return static_cast<uint32_t>(recv_ctas / send_ctas + (cta < recv_ctas % send_ctas ? 1 : 0));
+}
+
 // enable_shrink (docs/semantics.md §2.6): bit p = rank p masked. Written by the mask kernel
 // (ll_update_mask / ll_clean_mask, stream-ordered), by ll_clean on the host (the ranks its
 // barriers missed) and by this rank's ll waits that time out (atomicOr); read by every ll CTA.

@@ -1,0 +1,66 @@
+// The CTA-count rules of the cuda overlapped ll combine (docs/design.md §7.6; kernels/ll/
+// combine.cuh O4, cuda/tuning.h), host code run without a GPU: the send's S CTAs lie in [1, C]
+// (C: the receive's CTAs); the S CTAs' shares of combine_ready add up to C, what a plain send's C
+// CTAs add, so the receive's e * C wait and every later combine's hold whichever form each
+// combine took; and where ranks share one GPU, the library's admission (ranks x S below the SMs)
+// is exactly the co-residency the ranks' waits need: however far each rank got, a rank whose GEMM
+// is still running finds a free SM for it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/kernels/ll/ll_layout.cuh"
+#include "cuda/tuning.h"
+
+namespace epx::detail {
+namespace {
+
+TEST(LlCtas, SendCtasLieWithinTheReceiveCtas) {
+  for (int C = 1; C <= kLlMaxCtas; ++C)
+    for (const int64_t block_rows : {int64_t{0}, int64_t{1}, int64_t{64}})
+      for (int requested = 0; requested <= kLlMaxCtas + 2; ++requested) {
+        const int S = resolve_ll_overlap_ctas(block_rows, requested, C);
+        ASSERT_GE(S, 1) << "C " << C << " requested " << requested;
+        ASSERT_LE(S, C) << "C " << C << " requested " << requested;
+        if (requested >= 1 && requested <= C) ASSERT_EQ(S, requested) << "C " << C;
+        if (requested == 0) ASSERT_EQ(S, std::min(C, block_rows > 0 ? 3 : 32)) << "C " << C;
+      }
+}
+
+TEST(LlCtas, ReadySharesAddUpToTheReceiveCtas) {
+  for (int C = 1; C <= kLlMaxCtas; ++C)
+    for (int S = 1; S <= C; ++S) {
+      uint32_t sum = 0, lo = UINT32_MAX, hi = 0;
+      for (int i = 0; i < S; ++i) {
+        const uint32_t share = ll_overlap_ready_share(C, S, i);
+        sum += share;
+        lo = std::min(lo, share);
+        hi = std::max(hi, share);
+      }
+      ASSERT_EQ(sum, static_cast<uint32_t>(C)) << "C " << C << " S " << S;
+      ASSERT_GE(lo, 1u) << "C " << C << " S " << S;  // every send CTA releases its rows
+      ASSERT_LE(hi - lo, 1u) << "C " << C << " S " << S;
+    }
+}
+
+// R ranks on one GPU of `sms` SMs, each with receives of C CTAs (the mode bounds C by its num_sms:
+// SMs / R, or a given one with R x max(2, num_sms) <= SMs; so R C <= SMs) and sends of S <= C CTAs.
+// A send spins until its own GEMM's signals, a receive (after its rank's send) until every rank's
+// send is done: with k ranks receiving and R - k still sending, k C + (R - k) S SMs spin, and a
+// GEMM still running needs one more (its CTAs never wait, one SM finishes it). The admission must
+// hold exactly when every k < R leaves that SM.
+TEST(LlCtas, SharedGpuAdmissionIsCoResidency) {
+  for (int R = 1; R <= 8; ++R)
+    for (int sms = 2 * R; sms <= 200; ++sms)
+      for (int C = 1; C <= std::min(kLlMaxCtas, sms / R); ++C)
+        for (int S = 1; S <= C; ++S) {
+          bool runnable = true;
+          for (int k = 0; k < R; ++k) runnable = runnable && k * C + (R - k) * S < sms;
+          ASSERT_EQ(ll_overlap_fits_shared_gpu(R, S, sms), runnable)
+              << "R " << R << " SMs " << sms << " C " << C << " S " << S;
+        }
+}
+
+}  // namespace
+}  // namespace epx::detail
