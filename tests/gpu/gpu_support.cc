@@ -145,6 +145,15 @@ int run_cuda_ranks_one_gpu(int num_ranks, int device, const std::function<int(co
       std::chrono::minutes(5));
 }
 
+void trace_step(const Group& group, const char* step) {
+  static const bool on = env_flag("EPX_TEST_TRACE");
+  if (!on) return;
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "[trace %9.1f ms] rank %d: %s\n", ms, group.rank(), step);
+}
+
 Allocator device_allocator() {
   cudaStream_t stream = rank_stream();
   if (!stream) return default_allocator();

@@ -97,6 +97,10 @@ class RankStream {
   cudaStream_t own_ = nullptr;
   cudaStream_t stream_ = nullptr;
 };
+// EPX_TEST_TRACE=1: prints "[trace <ms> ms] rank <r>: <step>" (ms since the process's first
+// step), so a one-GPU run that times out or faults shows which rank was at which step.
+void trace_step(const Group& group, const char* step);
+
 // default_allocator(), except under run_cuda_ranks_one_gpu: stream-ordered allocations from the
 // rank's own pool / cudaFreeAsync on rank_stream() for cuda tensors (cudaFree would synchronise
 // the device).

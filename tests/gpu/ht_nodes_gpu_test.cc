@@ -87,9 +87,64 @@ void widen(std::vector<testing::HtCombineRankInput>& y, const HtCase& c, uint64_
   }
 }
 
-// One case on `buf`: exact dispatch, cached dispatch of new x, combine (weights, biases).
-// `order_changed` is set when the node-first combine differs from the one-node one somewhere.
-int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& order_changed) {
+// The combine of the dispatch that made `handle` (N rows of y, T tokens), with the weights and
+// biases `y` has, against the oracle's.
+int64_t check_combine(const Group& g, Buffer& buf, const HtCase& c, const HtHandle& handle,
+                      int64_t N, int64_t T, const testing::HtCombineRankInput& y,
+                      const HtExpectedCombine& want, const Allocator& alloc,
+                      const std::string& ctx) {
+  const int r = g.rank(), dev = buf.device().index;
+  gpu_testing::trace_step(g, "combine");
+  HtCombineArgs ca;
+  const Tensor yd = to_device(y.y, DType::kBF16, {N, c.hidden}, dev);
+  Tensor yw, b0, b1;
+  ca.y = yd;
+  ca.handle = &handle;
+  if (c.weights) ca.topk_weights = yw = to_device(y.topk_weights, DType::kF32, {N, c.top_k}, dev);
+  ca.stream = gpu_testing::rank_stream();
+  if (y.has_bias0) ca.bias0 = b0 = to_device(y.bias0, DType::kBF16, {T, c.hidden}, dev);
+  if (y.has_bias1) ca.bias1 = b1 = to_device(y.bias1, DType::kBF16, {T, c.hidden}, dev);
+  HtCombineResult cr = buf.ht_combine(ca, alloc);
+  gpu_testing::trace_step(g, "combine returned");
+  int64_t bad = mismatches("combine out", ctx, r, cr.out, want.out);
+  // (Without weights both are empty: a combined_topk_weights returned anyway differs.)
+  return bad + mismatches("combined_topk_weights", ctx, r, cr.combined_topk_weights,
+                          want.combined_topk_weights);
+}
+
+// The cpu backend of the same topology against the oracle, every rank (so cuda equals it).
+int64_t check_cpu_backend(const HtCase& c, const testing::HtProblem& p,
+                          const std::vector<testing::HtRankInput>& in,
+                          const std::vector<testing::HtCombineRankInput>& yin,
+                          const std::string& ctx) {
+  std::string why;
+  auto cpu = gpu_testing::cpu_backend_ht(c, in, yin, &why);
+  if (!cpu) {
+    std::fprintf(stderr, "%s: the cpu backend did not run: %s\n", ctx.c_str(), why.c_str());
+    return 1;
+  }
+  int64_t bad = 0;
+  for (int q = 0; q < c.num_ranks; ++q)
+    for (const std::string& what :
+         gpu_testing::cpu_backend_differences(c, *cpu, q, testing::ht_oracle_dispatch(p, in, q),
+                                              testing::ht_oracle_combine(p, in, yin, q))) {
+      std::fprintf(stderr, "%s: cpu backend's %s of rank %d differs\n", ctx.c_str(),
+                   what.c_str(), q);
+      ++bad;
+    }
+  return bad;
+}
+
+// How far run_case goes: the exact dispatch (with the layout), then the cached dispatch, then the
+// combine. The stage tests below run each prefix in a process of its own, so a failure that
+// poisons the device (a sticky CUDA error) names the first stage that has it.
+enum class Stage { kDispatch, kCached, kCombine };
+
+// One case on `buf`: exact dispatch, cached dispatch of new x, combine (weights, biases), up to
+// `last`. `order_changed` is set when the node-first combine differs from the one-node one
+// somewhere.
+int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& order_changed,
+                 Stage last = Stage::kCombine) {
   const int r = g.rank(), dev = buf.device().index;
   const std::string ctx = c.describe() + " nodes of " + std::to_string(c.ranks_per_node);
   const testing::HtProblem p = c.problem();
@@ -108,6 +163,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& 
   const Stream stream = gpu_testing::rank_stream();
   int64_t bad = 0;
 
+  gpu_testing::trace_step(g, "layout");
   HtLayout lay = buf.ht_layout(d.topk, stream, alloc);
   const testing::HtExpectedLayout lw =
       testing::ht_oracle_layout(p, in[r].topk_idx, in[r].num_tokens);
@@ -123,6 +179,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& 
   if (c.weights) a.topk_weights = d.weights;
   a.expert_alignment = c.alignment;
   a.stream = stream;
+  gpu_testing::trace_step(g, "exact dispatch");
   HtDispatchResult res = buf.ht_dispatch(a, alloc);
   if (res.recv_x.shape[0] != w.num_recv_tokens) {
     std::fprintf(stderr, "[rank %d] %s: N = %lld, expected %lld\n", r, ctx.c_str(),
@@ -147,7 +204,8 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& 
                     w.is_token_in_rank);
   if (res.handle.num_recv_tokens != w.num_recv_tokens) ++bad;
 
-  {  // Cached dispatch of new x, the same routing.
+  if (last != Stage::kDispatch) {  // Cached dispatch of new x, the same routing.
+    gpu_testing::trace_step(g, "cached dispatch");
     const auto in2 = gpu_testing::make_ht_inputs(c, /*salt=*/1);
     const HtExpectedDispatch w2 = testing::ht_oracle_dispatch(p, in2, r);
     const Inputs d2 = upload(c, in2[r], dev);
@@ -160,45 +218,12 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& 
     bad += mismatches("cached recv_x", ctx, r, cr.recv_x, w2.recv_x);
     if (c.fp8) bad += mismatches("cached recv_x_scales", ctx, r, cr.recv_x_scales, w2.recv_scales);
   }
-
-  HtCombineArgs ca;
-  const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv_tokens, c.hidden}, dev);
-  Tensor yw, b0, b1;
-  ca.y = y;
-  ca.handle = &res.handle;
-  if (c.weights)
-    ca.topk_weights = yw =
-        to_device(yin[r].topk_weights, DType::kF32, {w.num_recv_tokens, c.top_k}, dev);
-  ca.stream = stream;
-  if (yin[r].has_bias0)
-    ca.bias0 = b0 = to_device(yin[r].bias0, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
-  if (yin[r].has_bias1)
-    ca.bias1 = b1 = to_device(yin[r].bias1, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
-  HtCombineResult cr = buf.ht_combine(ca, alloc);
-  bad += mismatches("combine out", ctx, r, cr.out, want_c.out);
-  // (Without weights both are empty: a combined_topk_weights returned anyway differs.)
-  bad += mismatches("combined_topk_weights", ctx, r, cr.combined_topk_weights,
-                    want_c.combined_topk_weights);
+  if (last == Stage::kCombine)
+    bad += check_combine(g, buf, c, res.handle, w.num_recv_tokens, in[r].num_tokens, yin[r],
+                         want_c, alloc, ctx);
   buf.check();
-
   // The cpu backend of the same topology equals the oracle (so cuda equals it); rank 0 runs it.
-  if (r == 0) {
-    std::string why;
-    auto cpu = gpu_testing::cpu_backend_ht(c, in, yin, &why);
-    if (!cpu) {
-      std::fprintf(stderr, "%s: the cpu backend did not run: %s\n", ctx.c_str(), why.c_str());
-      ++bad;
-    } else {
-      for (int q = 0; q < c.num_ranks; ++q)
-        for (const std::string& what : gpu_testing::cpu_backend_differences(
-                 c, *cpu, q, testing::ht_oracle_dispatch(p, in, q),
-                 testing::ht_oracle_combine(p, in, yin, q))) {
-          std::fprintf(stderr, "%s: cpu backend's %s of rank %d differs\n", ctx.c_str(),
-                       what.c_str(), q);
-          ++bad;
-        }
-    }
-  }
+  if (last == Stage::kCombine && r == 0) bad += check_cpu_backend(c, p, in, yin, ctx);
   if (bad) std::fprintf(stderr, "[rank %d] FAIL %s: %lld mismatches\n", r, ctx.c_str(),
                         static_cast<long long>(bad));
   return bad;
@@ -250,17 +275,15 @@ uint64_t test_seed() {
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
-class HtNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
-
-TEST_P(HtNodesOneGpu, MatchesOracleAndCpuBackend) {
-  EPX_REQUIRE_GPUS(1);
-  const auto [N, G] = GetParam();
+// Random cases at N x G (two hidden sizes, three cases each on one buffer) through run_case up
+// to `last`; with the combine, some case must change a result by the node-first order.
+int run_topology(int N, int G, Stage last) {
   const uint64_t seed = test_seed();
   std::fprintf(stderr, "HtNodesOneGpu %dx%d seed %llu\n", N, G,
                static_cast<unsigned long long>(seed));
   GroupOptions o;
   o.ranks_per_node = G;
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, [&](const Group& g) {
+  return gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, [&](const Group& g) {
     int64_t bad = 0;
     bool order_changed = false;
     for (int64_t hidden : {int64_t{512}, int64_t{1024}}) {
@@ -275,25 +298,52 @@ TEST_P(HtNodesOneGpu, MatchesOracleAndCpuBackend) {
         HtCase c = cases[i];
         c.top_k = cases[0].top_k;  // the buffer's shape
         c.num_experts = cases[0].num_experts;
-        bad += run_case(g, buf, c, /*wide=*/i % 2 == 1, order_changed);
+        bad += run_case(g, buf, c, /*wide=*/i % 2 == 1, order_changed, last);
       }
     }
     // A case where the node-first order must change a result (so a flat combine would fail).
-    if (!order_changed) {
+    if (last == Stage::kCombine && !order_changed) {
       std::fprintf(stderr, "[rank %d] no case where the node-first order changed a result\n",
                    g.rank());
       ++bad;
     }
     return bad == 0 ? 0 : 1;
   }, o);
-  EXPECT_EQ(rc, 0);
 }
 
+class HtNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HtNodesOneGpu, MatchesOracleAndCpuBackend) {
+  EPX_REQUIRE_GPUS(1);
+  const auto [N, G] = GetParam();
+  EXPECT_EQ(run_topology(N, G, Stage::kCombine), 0);
+}
+
+// 2 x 1: every node-local ht of one rank (no node-local count exchange, no peer in a node-local
+// kernel); the others: node-local groups of 2 and 4.
 INSTANTIATE_TEST_SUITE_P(Topologies, HtNodesOneGpu,
-                         ::testing::Values(std::pair{2, 2}, std::pair{2, 4}, std::pair{4, 2}),
+                         ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
+                                           std::pair{4, 2}),
                          [](const auto& info) {
                            return std::to_string(info.param.first) + "x" +
                                   std::to_string(info.param.second);
+                         });
+
+// The first stages of run_case alone at 2 x 2, each in a process of its own: a sticky device
+// error (a faulting kernel fails every later CUDA call of every rank) cannot come from a stage
+// that did not run, so the first failing stage of Dispatch, Cached, Topologies/2x2 names it.
+class HtNodesOneGpuStages : public ::testing::TestWithParam<Stage> {};
+
+TEST_P(HtNodesOneGpuStages, MatchOracle) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(run_topology(2, 2, GetParam()), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, HtNodesOneGpuStages,
+                         ::testing::Values(Stage::kDispatch, Stage::kCached),
+                         [](const auto& info) {
+                           return std::string(info.param == Stage::kDispatch ? "Dispatch"
+                                                                            : "Cached");
                          });
 
 // What is not built across nodes on cuda raises Unsupported naming the mode, never a flat run.

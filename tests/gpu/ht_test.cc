@@ -58,20 +58,6 @@ const Path kPaths[] = {{"default", 0, false}, {"zero-copy", 0, true}, {"32 SMs",
 // The path's zero_copy, for the dispatches of the tests below (set before the ranks fork).
 bool g_zero_copy = false;
 
-// EPX_TEST_TRACE=1: each rank prints when it enters each step of run_case (ms since the first
-// stamp of the process), to see which rank was where when a one-GPU run times out.
-void stamp(const Group& g, const char* step) {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_TEST_TRACE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  if (!on) return;
-  static const auto t0 = std::chrono::steady_clock::now();
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "[trace %9.1f ms] rank %d: %s\n", ms, g.rank(), step);
-}
-
 // Runs `body` on R forked ranks (one GPU each) under each path, a group per path
 // (num_sms > 0: that SM count for every path instead); returns the failing runs.
 int run_paths(int R, const std::function<int(const Group&)>& body, int num_sms = 0) {
@@ -199,7 +185,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   int64_t bad = 0;
 
   // Layout (local).
-  stamp(g, "layout");
+  gpu_testing::trace_step(g, "layout");
   HtLayout lay = buf.ht_layout(d.topk, gpu_testing::rank_stream(), alloc);
   bad +=
       compare("num_tokens_per_rank", ctx, r, lay.num_tokens_per_rank, lay_want.num_tokens_per_rank);
@@ -208,7 +194,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   bad += compare("is_token_in_rank", ctx, r, lay.is_token_in_rank, lay_want.is_token_in_rank);
 
   // Exact dispatch.
-  stamp(g, "exact dispatch");
+  gpu_testing::trace_step(g, "exact dispatch");
   HtDispatchResult res = buf.ht_dispatch(d.args(c), alloc);
   if (res.recv_x.shape[0] != w.num_recv_tokens) {
     std::fprintf(stderr, "[rank %d] %s: N = %lld, expected %lld\n", r, ctx.c_str(),
@@ -230,7 +216,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
       compare("handle.is_token_in_rank", ctx, r, res.handle.is_token_in_rank, w.is_token_in_rank);
 
   // Cached dispatch of new x (same routing).
-  stamp(g, "cached dispatch");
+  gpu_testing::trace_step(g, "cached dispatch");
   {
     const auto in2 = make_ht_inputs(c, /*salt=*/1);
     const HtExpectedDispatch want2 = testing::ht_oracle_dispatch(p, in2, r);
@@ -248,7 +234,7 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
   }
 
   // Combine.
-  stamp(g, "combine inputs");
+  gpu_testing::trace_step(g, "combine inputs");
   HtCombineArgs ca;
   const Tensor y = to_device(yin[r].y, DType::kBF16, {w.num_recv_tokens, c.hidden}, dev);
   const Tensor yw = to_device(yin[r].topk_weights, DType::kF32, {w.num_recv_tokens, c.top_k}, dev);
@@ -261,16 +247,16 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool with_cpu_bac
     ca.bias0 = b0 = to_device(yin[r].bias0, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
   if (yin[r].has_bias1)
     ca.bias1 = b1 = to_device(yin[r].bias1, DType::kBF16, {in[r].num_tokens, c.hidden}, dev);
-  stamp(g, "combine launch");
+  gpu_testing::trace_step(g, "combine launch");
   HtCombineResult cr = buf.ht_combine(ca, alloc);
-  stamp(g, "combine returned");
+  gpu_testing::trace_step(g, "combine returned");
   bad += compare("combine out", ctx, r, cr.out, want_c.out);
   bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
                  want_c.combined_topk_weights);
   buf.check();
 
   // Zero-copy combine: y written into ht_combine_buffer, the peers read it from there.
-  stamp(g, "zero-copy combine");
+  gpu_testing::trace_step(g, "zero-copy combine");
   {
     const TensorView view = buf.ht_combine_buffer(res.handle);
     if (view.shape[0] != w.num_recv_tokens || view.shape[1] != c.hidden) {
@@ -1043,7 +1029,7 @@ TEST(HtGpu, ZeroCopyViewSurvivesAFastPeer) {
       ca.handle = &res.handle;
       HtCombineResult cr = buf.ht_combine(ca, gpu_testing::poison_allocator(0xAB));
       bad += compare("combine out", ctx, r, cr.out, want_c.out);
-      stamp(g, "combine compared");
+      gpu_testing::trace_step(g, "combine compared");
       bad += compare("combined_topk_weights", ctx, r, cr.combined_topk_weights,
                      want_c.combined_topk_weights);
       buf.check();
