@@ -102,6 +102,7 @@ target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
 add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/src/cuda/tuning.cc ${PROJECT_SOURCE_DIR}/src/cuda/ht.cu
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu
+            ${PROJECT_SOURCE_DIR}/src/cuda/ht_nodes.cu ${PROJECT_SOURCE_DIR}/tests/gpu/ht_nodes_gpu_test.cc
             ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc)
 target_include_directories(epx_diagnostics_check
                            PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES> ${PROJECT_SOURCE_DIR}

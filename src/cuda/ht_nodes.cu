@@ -16,6 +16,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ht/nodes.cuh"
 #include "cuda/launch.h"
+#include "cuda/tuning.h"
 #include "transport/device_copy_rail.h"
 #include "transport/transport.h"
 
@@ -87,6 +88,17 @@ int vector_bytes_of(uint64_t acc) {
   for (int b : {16, 8, 4, 2})
     if (acc % b == 0) return b;
   return 1;
+}
+
+// Diagnostics builds (set_ht_nodes_step_sync): the stream synchronised after `step`, a CUDA error
+// raised naming it. Nothing in the default build.
+void step_done(cudaStream_t stream, const char* step) {
+#ifdef EPX_DIAGNOSTICS
+  if (ht_nodes_step_sync()) EPX_CUDA_CHECK(cudaStreamSynchronize(stream), step);
+#else
+  (void)stream;
+  (void)step;
+#endif
 }
 
 template <typename V>
@@ -184,7 +196,9 @@ TensorView CudaHtNodes::combine_buffer(const HtHandle&) const {
 }
 
 HtLayout CudaHtNodes::layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) {
-  return ht_->layout_of(topk_idx, stream, alloc, group_.size(), shape_.num_experts);
+  HtLayout out = ht_->layout_of(topk_idx, stream, alloc, group_.size(), shape_.num_experts);
+  step_done(static_cast<cudaStream_t>(stream), "ht_layout");
+  return out;
 }
 
 // One rail leg, `bytes` each way per other node m: the send at send_base + i * send_stride, the
@@ -279,9 +293,11 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
   // Pack and the rail leg (a rank whose call differs in dtypes or weights sends another size:
   // the rail raises Internal naming both).
   pack(args, chunk, stream);
+  step_done(stream, "ht_dispatch: pack");
   exchange(cached ? "ht_dispatch (cached, rail)" : "ht_dispatch (rail)",
            static_cast<size_t>(chunk.bytes), send_slot(0), slot_bytes_, recv_slot(0), slot_bytes_,
            stream);
+  step_done(stream, "ht_dispatch: rail");
 
   // One node-local dispatch per source node, in node order.
   std::vector<HtDispatchResult> blocks(N);
@@ -304,6 +320,7 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
       if (weights) a.topk_weights = view(c + chunk.weights_off, DType::kF32, C, K, device_);
     }
     blocks[m] = ht_->dispatch(a, alloc);
+    step_done(stream, "ht_dispatch: node-local dispatch");
   }
 
   // The outputs: the blocks in node order.
@@ -351,6 +368,7 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
     }
     first += n;
   }
+  step_done(stream, "ht_dispatch: outputs");
   if (cached) {
     res.handle = *args.handle;
   } else {
@@ -385,10 +403,12 @@ void CudaHtNodes::finish_handle(const HtDispatchArgs& args,
   cp.ranks_per_node = G;
   launch_kernel(ht_nodes_columns_kernel, 1, kHtNodesThreads, 0, stream, false,
                 "ht_dispatch: count columns", cp);
+  step_done(stream, "ht_dispatch: count columns");
   const size_t cols_bytes = align16(size_t{4} * R * G);
   // (One send buffer for every node: the same columns go to each.)
   exchange("ht_dispatch (rail, counts)", size_t{4} * R * G, reinterpret_cast<char*>(cols_), 0,
            recv_cols_, cols_bytes, stream);
+  step_done(stream, "ht_dispatch: rail (counts)");
   const Device dev = Device::cuda(device_);
   h.rank_prefix_matrix = alloc(DType::kI32, {R, R}, dev);
   h.is_token_in_rank = alloc(DType::kBool, {T, R}, dev);
@@ -415,6 +435,7 @@ void CudaHtNodes::finish_handle(const HtDispatchArgs& args,
   p.send_pos = h.send_pos.ptr<int32_t>();
   launch_kernel(ht_nodes_handle_kernel, 1, kHtNodesThreads, 0, stream, false,
                 "ht_dispatch: handle", p);
+  step_done(stream, "ht_dispatch: handle");
 }
 
 HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator& alloc) {
@@ -451,10 +472,12 @@ HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator&
       out_w = reinterpret_cast<float*>(c + weights_off);
     }
     ht_->combine_partial(a, out, weights ? out_w : nullptr);
+    step_done(stream, "ht_combine: node-local combine");
     first += rows;
   }
   exchange("ht_combine (rail)", weights_off + (weights ? C * K * 4 : 0), send_slot(0),
            slot_bytes_, recv_slot(0), slot_bytes_, stream);
+  step_done(stream, "ht_combine: rail");
   HtCombineResult res;
   const Device dev = Device::cuda(device_);
   res.out = alloc(DType::kBF16, {h.num_tokens, H}, dev);
@@ -473,6 +496,7 @@ HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator&
   p.combined_weights = weights ? res.combined_topk_weights.ptr<float>() : nullptr;
   launch_kernel(ht_nodes_add_kernel, std::max(1, ht_->tuning().num_sms), kHtNodesThreads, 0,
                 stream, false, "ht_combine: partials", p);
+  step_done(stream, "ht_combine: partials");
   return res;
 }
 

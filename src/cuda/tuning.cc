@@ -13,6 +13,7 @@ std::atomic<int> g_ablation{0};
 std::atomic<int> g_num_sms_override{0};
 std::atomic<int> g_dispatch_send_percent{0};
 std::atomic<int> g_combine_send_percent{0};
+std::atomic<bool> g_ht_nodes_step_sync{false};
 }  // namespace
 
 void set_ht_ablation(int bits) {
@@ -20,6 +21,12 @@ void set_ht_ablation(int bits) {
 }
 int ht_ablation() {
   return g_ablation.load();
+}
+void set_ht_nodes_step_sync(bool on) {
+  g_ht_nodes_step_sync = on;
+}
+bool ht_nodes_step_sync() {
+  return g_ht_nodes_step_sync.load();
 }
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent) {
   g_num_sms_override = num_sms;

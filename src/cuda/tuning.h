@@ -89,6 +89,11 @@ enum HtAblate : int {
 // HtAblate bits applied to every ht launch in this process while non-zero.
 void set_ht_ablation(int bits);
 int ht_ablation();
+// The cuda ht across nodes (ht_nodes.cu) synchronises its stream after each of its steps and
+// raises a CUDA error naming the step: a sticky device fault then names the step that made it
+// (one-GPU mode, where every rank's next sync fails alike).
+void set_ht_nodes_step_sync(bool on);
+bool ht_nodes_step_sync();
 // Values > 0 replace the SM count and the senders' share (percent) of the CTAs for buffers
 // created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);

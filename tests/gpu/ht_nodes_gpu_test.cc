@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -19,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/tuning.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "gpu_support.h"
@@ -27,6 +29,15 @@
 
 namespace epx {
 namespace {
+
+#ifdef EPX_DIAGNOSTICS
+// EPX_TEST_STEP_SYNC=1 in a diagnostics build: the ht across nodes synchronises after each of its
+// steps, so a device fault raises naming the step that made it (set_ht_nodes_step_sync).
+const bool kStepSync = [] {
+  if (std::getenv("EPX_TEST_STEP_SYNC") != nullptr) detail::set_ht_nodes_step_sync(true);
+  return true;
+}();
+#endif
 
 using gpu_testing::HtCase;
 using gpu_testing::to_device;
