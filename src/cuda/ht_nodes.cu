@@ -91,11 +91,16 @@ int vector_bytes_of(uint64_t acc) {
 }
 
 // Diagnostics builds (set_ht_nodes_step_sync): the stream synchronised after `step`, a CUDA error
-// raised naming it. Nothing in the default build.
-void step_done(cudaStream_t stream, const char* step) {
+// raised naming it, then a barrier of the group, so no rank starts the next step before every
+// rank's is known clean (the first step that fails is the one whose kernel faulted). Nothing in
+// the default build.
+void step_done(const Group& group, cudaStream_t stream, const char* step) {
 #ifdef EPX_DIAGNOSTICS
-  if (ht_nodes_step_sync()) EPX_CUDA_CHECK(cudaStreamSynchronize(stream), step);
+  if (!ht_nodes_step_sync()) return;
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream), step);
+  group.transport()->barrier(step);
 #else
+  (void)group;
   (void)stream;
   (void)step;
 #endif
@@ -197,7 +202,7 @@ TensorView CudaHtNodes::combine_buffer(const HtHandle&) const {
 
 HtLayout CudaHtNodes::layout(const TensorView& topk_idx, Stream stream, const Allocator& alloc) {
   HtLayout out = ht_->layout_of(topk_idx, stream, alloc, group_.size(), shape_.num_experts);
-  step_done(static_cast<cudaStream_t>(stream), "ht_layout");
+  step_done(group_, static_cast<cudaStream_t>(stream), "ht_layout");
   return out;
 }
 
@@ -293,11 +298,11 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
   // Pack and the rail leg (a rank whose call differs in dtypes or weights sends another size:
   // the rail raises Internal naming both).
   pack(args, chunk, stream);
-  step_done(stream, "ht_dispatch: pack");
+  step_done(group_, stream, "ht_dispatch: pack");
   exchange(cached ? "ht_dispatch (cached, rail)" : "ht_dispatch (rail)",
            static_cast<size_t>(chunk.bytes), send_slot(0), slot_bytes_, recv_slot(0), slot_bytes_,
            stream);
-  step_done(stream, "ht_dispatch: rail");
+  step_done(group_, stream, "ht_dispatch: rail");
 
   // One node-local dispatch per source node, in node order.
   std::vector<HtDispatchResult> blocks(N);
@@ -320,7 +325,7 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
       if (weights) a.topk_weights = view(c + chunk.weights_off, DType::kF32, C, K, device_);
     }
     blocks[m] = ht_->dispatch(a, alloc);
-    step_done(stream, "ht_dispatch: node-local dispatch");
+    step_done(group_, stream, "ht_dispatch: node-local dispatch");
   }
 
   // The outputs: the blocks in node order.
@@ -368,7 +373,7 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
     }
     first += n;
   }
-  step_done(stream, "ht_dispatch: outputs");
+  step_done(group_, stream, "ht_dispatch: outputs");
   if (cached) {
     res.handle = *args.handle;
   } else {
@@ -403,12 +408,12 @@ void CudaHtNodes::finish_handle(const HtDispatchArgs& args,
   cp.ranks_per_node = G;
   launch_kernel(ht_nodes_columns_kernel, 1, kHtNodesThreads, 0, stream, false,
                 "ht_dispatch: count columns", cp);
-  step_done(stream, "ht_dispatch: count columns");
+  step_done(group_, stream, "ht_dispatch: count columns");
   const size_t cols_bytes = align16(size_t{4} * R * G);
   // (One send buffer for every node: the same columns go to each.)
   exchange("ht_dispatch (rail, counts)", size_t{4} * R * G, reinterpret_cast<char*>(cols_), 0,
            recv_cols_, cols_bytes, stream);
-  step_done(stream, "ht_dispatch: rail (counts)");
+  step_done(group_, stream, "ht_dispatch: rail (counts)");
   const Device dev = Device::cuda(device_);
   h.rank_prefix_matrix = alloc(DType::kI32, {R, R}, dev);
   h.is_token_in_rank = alloc(DType::kBool, {T, R}, dev);
@@ -435,7 +440,7 @@ void CudaHtNodes::finish_handle(const HtDispatchArgs& args,
   p.send_pos = h.send_pos.ptr<int32_t>();
   launch_kernel(ht_nodes_handle_kernel, 1, kHtNodesThreads, 0, stream, false,
                 "ht_dispatch: handle", p);
-  step_done(stream, "ht_dispatch: handle");
+  step_done(group_, stream, "ht_dispatch: handle");
 }
 
 HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator& alloc) {
@@ -472,12 +477,12 @@ HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator&
       out_w = reinterpret_cast<float*>(c + weights_off);
     }
     ht_->combine_partial(a, out, weights ? out_w : nullptr);
-    step_done(stream, "ht_combine: node-local combine");
+    step_done(group_, stream, "ht_combine: node-local combine");
     first += rows;
   }
   exchange("ht_combine (rail)", weights_off + (weights ? C * K * 4 : 0), send_slot(0),
            slot_bytes_, recv_slot(0), slot_bytes_, stream);
-  step_done(stream, "ht_combine: rail");
+  step_done(group_, stream, "ht_combine: rail");
   HtCombineResult res;
   const Device dev = Device::cuda(device_);
   res.out = alloc(DType::kBF16, {h.num_tokens, H}, dev);
@@ -496,7 +501,7 @@ HtCombineResult CudaHtNodes::combine(const HtCombineArgs& args, const Allocator&
   p.combined_weights = weights ? res.combined_topk_weights.ptr<float>() : nullptr;
   launch_kernel(ht_nodes_add_kernel, std::max(1, ht_->tuning().num_sms), kHtNodesThreads, 0,
                 stream, false, "ht_combine: partials", p);
-  step_done(stream, "ht_combine: partials");
+  step_done(group_, stream, "ht_combine: partials");
   return res;
 }
 
