@@ -234,6 +234,7 @@ void CudaHtNodes::pack(const HtDispatchArgs& args, const HtNodesChunk& chunk,
     p.num_scales = static_cast<int>(args.x_scales.shape[1]);
   }
   if (args.handle != nullptr) {
+    p.cached = 1;
     p.in_rank = args.handle->is_token_in_rank.ptr<const bool>();
   } else {
     p.topk_idx = args.topk_idx.data;

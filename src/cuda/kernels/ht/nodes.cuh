@@ -70,7 +70,8 @@ struct HtNodesPackParams {
   int topk_is_i64;
   const float* weights;  // [T, K] or null
   int64_t weights_stride0, weights_stride1;
-  const bool* in_rank;  // cached: [T, R] the handle's is_token_in_rank
+  int cached;           // the handle's routing (in_rank), no ids or weights in the chunks
+  const bool* in_rank;  // cached: [T, R] the handle's is_token_in_rank (null when T = 0)
   int num_tokens, max_tokens, top_k, num_experts, num_nodes, node, ranks_per_node;
   int32_t* own_ids;  // [T, K] (not cached)
   char* chunks;      // (N - 1) chunks, `chunk_stride` bytes apart, slot other_index(m, n)
@@ -92,7 +93,9 @@ __global__ void __launch_bounds__(kHtNodesThreads) ht_nodes_pack_kernel(HtNodesP
   const int lane = threadIdx.x & 31, K = p.top_k, n = p.node, G = p.ranks_per_node;
   const int e_node = p.num_experts / p.num_nodes;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  const bool cached = p.in_rank != nullptr;
+  // From the call, never from in_rank: a cached call with T = 0 has a null in_rank, and taking
+  // it for an exact one wrote ids at the chunks' absent ids_off (-1).
+  const bool cached = p.cached != 0;
   for (int64_t t = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); t < p.max_tokens;
        t += warps) {
     const bool real = t < p.num_tokens;
