@@ -107,12 +107,37 @@ void step_done(const Group& group, cudaStream_t stream, const char* step) {
 }
 
 template <typename V>
-void launch_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream) {
-  launch_kernel(ht_nodes_pack_kernel<V>, grid, kHtNodesThreads, 0, stream, false,
-                "ht_dispatch: pack", p);
+void launch_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream, const char* what) {
+  launch_kernel(ht_nodes_pack_kernel<V>, grid, kHtNodesThreads, 0, stream, false, what, p);
 }
 
 }  // namespace
+
+Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix) {
+  const int64_t serial = agreed_serial(group);
+  GroupOptions o;
+  o.timeout = group.timeout();
+  o.num_sms = group.options().num_sms;  // every rank of every node stays co-resident
+  const int node = topology.node_of(group.rank());
+  return Group::cuda_shared_device(topology.local_of(group.rank()), topology.ranks_per_node,
+                                   cat(prefix, serial, "-node-", node),
+                                   group.transport()->device().index, o);
+}
+
+void launch_nodes_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream,
+                       const char* what) {
+  const int vb = vector_bytes_of(reinterpret_cast<uint64_t>(p.x) |
+                                 static_cast<uint64_t>(p.x_stride) |
+                                 static_cast<uint64_t>(p.row_bytes) |
+                                 static_cast<uint64_t>(p.chunk_stride));
+  switch (vb) {
+    case 16: launch_pack<uint4>(p, grid, stream, what); break;
+    case 8: launch_pack<uint2>(p, grid, stream, what); break;
+    case 4: launch_pack<uint32_t>(p, grid, stream, what); break;
+    case 2: launch_pack<uint16_t>(p, grid, stream, what); break;
+    default: launch_pack<uint8_t>(p, grid, stream, what); break;
+  }
+}
 
 struct CudaHtNodes::State {
   std::vector<HtHandle> handles;     // [N]: the node-local dispatch's handle of source node m
@@ -138,14 +163,8 @@ CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buf
             topology_.ranks_per_node,
             " ranks) is built for virtual nodes, ranks that share one GPU "
             "(Group::cuda_shared_device); expected such a group");
-  const int R = group.size(), N = topology_.num_nodes, G = topology_.ranks_per_node;
-  const int64_t serial = agreed_serial(group);
-  GroupOptions o;
-  o.timeout = group.timeout();
-  o.num_sms = group.options().num_sms;  // every rank of every node stays co-resident
-  node_group_ = Group::cuda_shared_device(topology_.local_of(group.rank()), G,
-                                          cat("epx-ht-nodes-", serial, "-node-", node_), device_,
-                                          o);
+  const int R = group.size(), N = topology_.num_nodes;
+  node_group_ = make_virtual_node_group(group, topology_, "epx-ht-nodes-");
   ht_ = std::make_unique<CudaHt>(*node_group_, node_shape(shape, N), buffer_id);
   const NodesScratch s = NodesScratch::make(shape, R, N);
   slot_bytes_ = s.slot;
@@ -257,17 +276,7 @@ void CudaHtNodes::pack(const HtDispatchArgs& args, const HtNodesChunk& chunk,
   p.chunks = send_slot(0);
   p.chunk_stride = static_cast<int64_t>(slot_bytes_);
   p.chunk = chunk;
-  const int grid = std::max(1, ht_->tuning().num_sms);
-  const int vb = vector_bytes_of(reinterpret_cast<uint64_t>(p.x) |
-                                 static_cast<uint64_t>(p.x_stride) |
-                                 static_cast<uint64_t>(p.row_bytes) | slot_bytes_);
-  switch (vb) {
-    case 16: launch_pack<uint4>(p, grid, stream); break;
-    case 8: launch_pack<uint2>(p, grid, stream); break;
-    case 4: launch_pack<uint32_t>(p, grid, stream); break;
-    case 2: launch_pack<uint16_t>(p, grid, stream); break;
-    default: launch_pack<uint8_t>(p, grid, stream); break;
-  }
+  launch_nodes_pack(p, std::max(1, ht_->tuning().num_sms), stream, "ht_dispatch: pack");
 }
 
 HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocator& alloc) {

@@ -37,7 +37,18 @@
 namespace epx::detail {
 
 class SymmetricMemory;
-struct HtNodesChunk;  // kernels/ht/nodes.cuh
+struct HtNodesChunk;       // kernels/ht/nodes.cuh
+struct HtNodesPackParams;  // kernels/ht/nodes.cuh
+
+// Shared with the ll across nodes (ll_nodes.cu):
+// Collective: this rank's node group, a Group::cuda_shared_device over its node's ranks ranked by
+// local index (the parent's timeout and num_sms, so every rank of every node stays co-resident),
+// its rendezvous name `prefix` + a serial every rank agrees on (rank 0's draw, allgathered).
+Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix);
+// The pack kernel (kernels/ht/nodes.cuh) at the widest vector that x, its stride, row_bytes and
+// chunk_stride allow.
+void launch_nodes_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream,
+                       const char* what);
 
 // Symmetric bytes per rank of the hierarchical ht (N > 1 nodes of R / N ranks).
 size_t cuda_ht_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes);
