@@ -87,7 +87,8 @@ LlCombineResult CudaBuffer::ll_combine(const LlCombineArgs& args, const Allocato
   return ll_ ? cuda_ll_combine(*ll_, args, alloc) : ll_nodes_->combine(args, alloc);
 }
 TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle& handle) {
-  if (!ll_) ll_nodes_->unsupported("ll_next_combine_buffer: the zero-copy combine");
+  if (!ll_)
+    ll_nodes_->unsupported("ll_next_combine_buffer: the zero-copy combine", "ll_combine with y");
   return cuda_ll_next_combine_buffer(*ll_, handle);
 }
 void CudaBuffer::ll_clean() {
@@ -95,15 +96,15 @@ void CudaBuffer::ll_clean() {
   if (ll_nodes_) ll_nodes_->clean();
 }
 void CudaBuffer::ll_update_mask(int rank, bool mask, Stream stream) {
-  if (!ll_) ll_nodes_->unsupported("ll_update_mask: the rank masks");
+  if (!ll_) ll_nodes_->unsupported("ll_update_mask: the rank masks", "one node");
   cuda_ll_update_mask(*ll_, rank, mask, stream);
 }
 void CudaBuffer::ll_query_mask(const TensorView& mask_status, Stream stream) {
-  if (!ll_) ll_nodes_->unsupported("ll_query_mask: the rank masks");
+  if (!ll_) ll_nodes_->unsupported("ll_query_mask: the rank masks", "one node");
   cuda_ll_query_mask(*ll_, mask_status, stream);
 }
 void CudaBuffer::ll_clean_mask(Stream stream) {
-  if (!ll_) ll_nodes_->unsupported("ll_clean_mask: the rank masks");
+  if (!ll_) ll_nodes_->unsupported("ll_clean_mask: the rank masks", "one node");
   cuda_ll_clean_mask(*ll_, stream);
 }
 void CudaBuffer::reset() {

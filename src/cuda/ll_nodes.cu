@@ -45,9 +45,9 @@ struct CudaLlNodes::State {
 
 size_t cuda_ll_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes) {
   return cuda_ll_layout_bytes(node_shape(shape, num_nodes), num_ranks / num_nodes) +
-         static_cast<size_t>(LlNodesLayout::make(shape.max_tokens_per_rank, shape.hidden,
-                                                 shape.top_k, num_nodes)
-                                 .total) +
+         static_cast<size_t>(
+             LlNodesLayout::make(shape.max_tokens_per_rank, shape.hidden, shape.top_k, num_nodes)
+                 .total) +
          device_copy_rail_bytes();
 }
 
@@ -59,7 +59,8 @@ CudaLlNodes::CudaLlNodes(const Group& group, const MoeShape& shape, uint64_t buf
       node_(topology_.node_of(group.rank())),
       device_(group.transport()->device().index) {
   EPX_CHECK(group.transport()->ranks_share_device(), ErrorCode::kUnsupported, "Buffer: ll ",
-            where(), " is built for virtual nodes, ranks that share one GPU "
+            where(),
+            " is built for virtual nodes, ranks that share one GPU "
             "(Group::cuda_shared_device); expected such a group");
   EPX_CHECK(topology_.num_nodes <= kLlNodesMaxNodes, ErrorCode::kUnsupported, "Buffer: ll ",
             where(), ": at most ", kLlNodesMaxNodes, " nodes are built");
@@ -80,12 +81,13 @@ CudaLlNodes::~CudaLlNodes() {
 }
 
 std::string CudaLlNodes::where() const {
-  return cat("across nodes on cuda (", topology_.num_nodes, " nodes of ",
-             topology_.ranks_per_node, " ranks)");
+  return cat("across nodes on cuda (", topology_.num_nodes, " nodes of ", topology_.ranks_per_node,
+             " ranks)");
 }
 
-void CudaLlNodes::unsupported(const char* what) const {
-  throw_error(ErrorCode::kUnsupported, cat(what, " ", where(), " is not built"));
+void CudaLlNodes::unsupported(const char* what, const char* expected) const {
+  throw_error(ErrorCode::kUnsupported,
+              cat(what, " ", where(), " is not built; expected ", expected));
 }
 
 size_t CudaLlNodes::bytes() const {
@@ -111,17 +113,16 @@ const CudaLlNodes::State& CudaLlNodes::state_of(const LlHandle& h, const char* o
   EPX_CHECK_ARG(h.buffer_id == buffer_id_, op, ": argument 'handle' comes from buffer ",
                 h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
   const auto* st = static_cast<const State*>(h.backend_state.get());
-  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(topology_.num_nodes),
-                op, ": argument 'handle' carries no across-node routing, expected the handle of "
+  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(topology_.num_nodes), op,
+                ": argument 'handle' carries no across-node routing, expected the handle of "
                 "an ll_dispatch of this buffer");
   return *st;
 }
 
 // ht's pack (kernels/ht/nodes.cuh): per other node m, C slots of (x's row when x is given,
 // weights when given) and the ids renumbered to m's experts; own_ids_ for this node.
-void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx,
-                       const TensorView& weights, int64_t num_tokens, cudaStream_t stream,
-                       const char* what) {
+void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx, const TensorView& weights,
+                       int64_t num_tokens, cudaStream_t stream, const char* what) {
   HtNodesPackParams p{};
   HtNodesChunk chunk;
   if (x.defined()) {
@@ -169,10 +170,11 @@ void CudaLlNodes::exchange(const char* what, size_t bytes, cudaStream_t stream) 
 }
 
 LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
-  if (args.return_recv_hook) unsupported("ll_dispatch: return_recv_hook");
-  if (args.use_nvfp4) unsupported("ll_dispatch: use_nvfp4");
+  if (args.return_recv_hook)
+    unsupported("ll_dispatch: return_recv_hook", "return_recv_hook = false");
+  if (args.use_nvfp4) unsupported("ll_dispatch: use_nvfp4", "use_nvfp4 = false");
   if (args.dispatch_wait_recv_cost_stats.defined())
-    unsupported("ll_dispatch: dispatch_wait_recv_cost_stats");
+    unsupported("ll_dispatch: dispatch_wait_recv_cost_stats", "no tensor");
   DeviceGuard guard(device_);
   const int N = topology_.num_nodes, G = topology_.ranks_per_node, R = group_.size();
   const int K = shape_.top_k, L = shape_.num_experts / R;
@@ -210,8 +212,8 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
   }
   res.recv_count = alloc(DType::kI32, {L}, dev);
   allocate_ll_handle(
-      res.handle,
-      [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, dev); }, L, R, RT);
+      res.handle, [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, dev); }, L, R,
+      RT);
   res.handle.max_tokens = C;
   res.handle.hidden = H;
   res.handle.num_experts = shape_.num_experts;
@@ -248,12 +250,13 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
 
 LlCombineResult CudaLlNodes::combine(const LlCombineArgs& args, const Allocator& alloc) {
   const char* op = "ll_combine";
-  if (args.zero_copy) unsupported("ll_combine: zero_copy");
-  if (args.return_recv_hook) unsupported("ll_combine: return_recv_hook");
-  if (args.use_logfmt) unsupported("ll_combine: use_logfmt");
-  if (args.overlap) unsupported("ll_combine: overlap");
+  if (args.zero_copy) unsupported("ll_combine: zero_copy", "zero_copy = false");
+  if (args.return_recv_hook)
+    unsupported("ll_combine: return_recv_hook", "return_recv_hook = false");
+  if (args.use_logfmt) unsupported("ll_combine: use_logfmt", "use_logfmt = false");
+  if (args.overlap) unsupported("ll_combine: overlap", "no overlap");
   if (args.combine_wait_recv_cost_stats.defined())
-    unsupported("ll_combine: combine_wait_recv_cost_stats");
+    unsupported("ll_combine: combine_wait_recv_cost_stats", "no tensor");
   const LlHandle& h = *args.handle;
   const State& st = state_of(h, op);
   DeviceGuard guard(device_);

@@ -59,8 +59,8 @@ class CudaLlNodes {
 
   LlDispatchResult dispatch(const LlDispatchArgs& args, const Allocator& alloc);
   LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
-  // Unsupported (naming the operation): zero-copy, the rank masks.
-  [[noreturn]] void unsupported(const char* what) const;
+  // Unsupported: "<what> across nodes on cuda (...) is not built; expected <expected>".
+  [[noreturn]] void unsupported(const char* what, const char* expected) const;
 
  private:
   struct State;  // LlHandle::backend_state: the N node-local handles
@@ -70,9 +70,7 @@ class CudaLlNodes {
             int64_t num_tokens, cudaStream_t stream, const char* what);
   void exchange(const char* what, size_t bytes, cudaStream_t stream);
   char* send_slot(int i) const { return scratch_ + i * layout_.slot; }
-  char* recv_slot(int i) const {
-    return scratch_ + (topology_.num_nodes - 1 + i) * layout_.slot;
-  }
+  char* recv_slot(int i) const { return scratch_ + (topology_.num_nodes - 1 + i) * layout_.slot; }
   std::string where() const;  // "across nodes on cuda (N nodes of G ranks)"
 
   Group group_;

@@ -19,9 +19,9 @@ TEST(LlNodesLayout, PartsAlignedDisjointAndInsideTheirSlots) {
         for (int N : {2, 3, 4, 16}) {
           const LlNodesLayout x = LlNodesLayout::make(C, H, K, N);
           SCOPED_TRACE(testing::Message() << "C " << C << " H " << H << " K " << K << " N " << N);
-          for (int64_t v : {x.dispatch_ids_off, x.dispatch_bytes, x.route_weights_off,
-                            x.route_bytes, x.partial_bytes, x.slot, x.own_off, x.own_ids_off,
-                            x.total})
+          for (int64_t v :
+               {x.dispatch_ids_off, x.dispatch_bytes, x.route_weights_off, x.route_bytes,
+                x.partial_bytes, x.slot, x.own_off, x.own_ids_off, x.total})
             EXPECT_EQ(v % 16, 0);
           // Dispatch chunk: rows [C, 2H] bf16, then ids [C, K] i32 (ht's pack layout).
           EXPECT_EQ(x.dispatch_rows_off, 0);

@@ -27,11 +27,11 @@ inline constexpr int kLlNodesThreads = 512;
 inline constexpr int kLlNodesMaxNodes = 16;
 
 struct LlNodesBlock {
-  const uint8_t* x;              // [L, G * C] rows of row_bytes
-  const uint32_t* scales;        // storage [L, cols, G * C] of 4-byte scales, or null
-  const int32_t* count;          // [L]
-  const int32_t* src_info;       // [L, G * C]
-  const int64_t* layout_range;   // [L, G]
+  const uint8_t* x;             // [L, G * C] rows of row_bytes
+  const uint32_t* scales;       // storage [L, cols, G * C] of 4-byte scales, or null
+  const int32_t* count;         // [L]
+  const int32_t* src_info;      // [L, G * C]
+  const int64_t* layout_range;  // [L, G]
 };
 
 struct LlNodesAssembleParams {
@@ -83,14 +83,13 @@ struct LlNodesRestageParams {
   int64_t layout_stride;
   int block, ranks_per_node, num_local_experts;
   int64_t hidden;
-  uint16_t* comb_y;     // [L, G * C, H] contiguous
+  uint16_t* comb_y;    // [L, G * C, H] contiguous
   int64_t block_rows;  // G * C
 };
 
 // One CTA per local expert at a time; V: 16-byte vectors where y allows, else single elements.
 template <typename V>
-__global__ void __launch_bounds__(kLlNodesThreads)
-    ll_nodes_restage_kernel(LlNodesRestageParams p) {
+__global__ void __launch_bounds__(kLlNodesThreads) ll_nodes_restage_kernel(LlNodesRestageParams p) {
   const int G = p.ranks_per_node;
   constexpr int64_t kPer = sizeof(V) / 2;
   const int64_t nv = p.hidden / kPer;
