@@ -196,20 +196,19 @@ void CudaHtNodes::check() {
 // rank posts to a rail not yet reset.
 void CudaHtNodes::reset() {
   ht_->reset();
-  Transport& t = *group_.transport();
-  t.resync("reset (ht across nodes)", t.all_members(), 2 * group_.timeout());
-  rail_->reset();
-  t.barrier("reset (ht across nodes, done)");
+  nodes_reset_rail(group_, *rail_, "reset (ht across nodes)", "reset (ht across nodes, done)");
+}
+
+void nodes_reset_rail(const Group& group, RailTransport& rail, const char* what,
+                      const char* done) {
+  Transport& t = *group.transport();
+  t.resync(what, t.all_members(), 2 * group.timeout());
+  rail.reset();
+  t.barrier(done);
 }
 
 const CudaHtNodes::State& CudaHtNodes::state_of(const HtHandle& h, const char* op) const {
-  EPX_CHECK_ARG(h.buffer_id == buffer_id_, op, ": argument 'handle' comes from buffer ",
-                h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
-  const auto* st = static_cast<const State*>(h.backend_state.get());
-  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(topology_.num_nodes),
-                op, ": argument 'handle' carries no across-node routing, expected the handle of "
-                "an ht_dispatch of this buffer");
-  return *st;
+  return nodes_state_of<State>(h, buffer_id_, topology_.num_nodes, op, "ht_dispatch");
 }
 
 TensorView CudaHtNodes::combine_buffer(const HtHandle&) const {
@@ -225,18 +224,23 @@ HtLayout CudaHtNodes::layout(const TensorView& topk_idx, Stream stream, const Al
   return out;
 }
 
-// One rail leg, `bytes` each way per other node m: the send at send_base + i * send_stride, the
-// receive at recv_base + i * recv_stride, i = other_index(m, n).
-void CudaHtNodes::exchange(const char* what, size_t bytes, char* send_base, size_t send_stride,
-                           char* recv_base, size_t recv_stride, cudaStream_t stream) {
+void nodes_exchange(RailTransport& rail, const Topology& topology, int node, const char* what,
+                    size_t bytes, char* send_base, size_t send_stride, char* recv_base,
+                    size_t recv_stride, cudaStream_t stream) {
   std::vector<RailChunk> sends, recvs;
-  for (int m = 0; m < topology_.num_nodes; ++m) {
-    if (m == node_) continue;
-    const int i = Topology::other_index(m, node_);
+  for (int m = 0; m < topology.num_nodes; ++m) {
+    if (m == node) continue;
+    const int i = Topology::other_index(m, node);
     sends.push_back({m, send_base + i * send_stride, bytes});
     recvs.push_back({m, recv_base + i * recv_stride, bytes});
   }
-  rail_->exchange(what, sends, recvs, stream);
+  rail.exchange(what, sends, recvs, stream);
+}
+
+void CudaHtNodes::exchange(const char* what, size_t bytes, char* send_base, size_t send_stride,
+                           char* recv_base, size_t recv_stride, cudaStream_t stream) {
+  nodes_exchange(*rail_, topology_, node_, what, bytes, send_base, send_stride, recv_base,
+                 recv_stride, stream);
 }
 
 void CudaHtNodes::pack(const HtDispatchArgs& args, const HtNodesChunk& chunk,

@@ -103,20 +103,12 @@ void CudaLlNodes::check() {
 // group past it, the rail's reset and a closing barrier (as CudaHtNodes::reset).
 void CudaLlNodes::clean() {
   cuda_ll_clean(*ll_);
-  Transport& t = *group_.transport();
-  t.resync("ll_clean (ll across nodes)", t.all_members(), 2 * group_.timeout());
-  rail_->reset();
-  t.barrier("ll_clean (ll across nodes, done)");
+  nodes_reset_rail(group_, *rail_, "ll_clean (ll across nodes)",
+                   "ll_clean (ll across nodes, done)");
 }
 
 const CudaLlNodes::State& CudaLlNodes::state_of(const LlHandle& h, const char* op) const {
-  EPX_CHECK_ARG(h.buffer_id == buffer_id_, op, ": argument 'handle' comes from buffer ",
-                h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
-  const auto* st = static_cast<const State*>(h.backend_state.get());
-  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(topology_.num_nodes), op,
-                ": argument 'handle' carries no across-node routing, expected the handle of "
-                "an ll_dispatch of this buffer");
-  return *st;
+  return nodes_state_of<State>(h, buffer_id_, topology_.num_nodes, op, "ll_dispatch");
 }
 
 // ht's pack (kernels/ht/nodes.cuh): per other node m, C slots of (x's row when x is given,
@@ -157,16 +149,9 @@ void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx, const Te
   launch_nodes_pack(p, grid_, stream, what);
 }
 
-// One rail leg, `bytes` each way per other node m, send slot to receive slot other_index(m, n).
 void CudaLlNodes::exchange(const char* what, size_t bytes, cudaStream_t stream) {
-  std::vector<RailChunk> sends, recvs;
-  for (int m = 0; m < topology_.num_nodes; ++m) {
-    if (m == node_) continue;
-    const int i = Topology::other_index(m, node_);
-    sends.push_back({m, send_slot(i), bytes});
-    recvs.push_back({m, recv_slot(i), bytes});
-  }
-  rail_->exchange(what, sends, recvs, stream);
+  nodes_exchange(*rail_, topology_, node_, what, bytes, send_slot(0), layout_.slot, recv_slot(0),
+                 layout_.slot, stream);
 }
 
 LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocator& alloc) {

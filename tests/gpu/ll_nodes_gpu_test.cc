@@ -85,29 +85,13 @@ bool widen(const LlCase& c, LlBatch& b, std::mt19937_64& rng) {
   return testing::oracle_ll_combine_all(flat, b.in, b.y) != b.want_out;
 }
 
-Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int dev,
-                   int64_t* stride) {
-  *stride = padded ? H + 64 : H;
-  std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
-  for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
-  return gpu_testing::to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, dev);
-}
-
-Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int dev) {
-  if (i32) {
-    std::vector<int32_t> v(topk.begin(), topk.end());
-    return gpu_testing::to_device(v, DType::kI32, {T, K}, dev);
-  }
-  return gpu_testing::to_device(topk, DType::kI64, {T, K}, dev);
-}
-
 // One case on this rank (its own Buffer): every batch's dispatch, then every combine; "" or the
 // first failure.
 std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const Group& g,
                      cudaStream_t stream) {
   const LlProblem& p = c.p;
-  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = gpu_testing::device_of(g);
-  const int64_t H = p.hidden, RT = p.rows_per_expert();
+  const int r = g.rank(), L = p.num_local_experts(), dev = gpu_testing::device_of(g);
+  const int64_t H = p.hidden;
   Buffer buf(g, p.moe_shape(), ll_only());
   std::string err;
   auto fail = [&](const std::string& where, const std::string& what) {
@@ -124,18 +108,7 @@ std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const
     std::vector<LlDispatchResult> d(nb);
     for (int b = 0; b < nb; ++b) {
       const LlBatch& bt = batches[iter * nb + b];
-      const LlRankInput& in = bt.in[r];
-      const int64_t T = in.num_tokens;
-      int64_t stride = H;
-      keep.push_back(upload_rows(in.x, T, H, c.padded, dev, &stride));
-      LlDispatchArgs a;
-      a.x = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
-      a.x.strides[0] = stride;
-      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
-      a.topk_idx = keep.back();
-      a.use_fp8 = p.use_fp8;
-      a.round_scale = p.round_scale;
-      a.use_ue8m0 = p.use_ue8m0;
+      LlDispatchArgs a = gpu_testing::ll_dispatch_inputs(c, bt.in[r], dev, keep);
       if (c.stats) {
         stats[b] = gpu_testing::to_device(bt.stats0[r], DType::kI32, {L}, dev);
         a.cumulative_local_expert_recv_stats = stats[b];
@@ -161,18 +134,9 @@ std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const
     std::vector<LlCombineResult> cr(nb);
     for (int b = 0; b < nb; ++b) {
       const LlBatch& bt = batches[iter * nb + b];
-      const LlRankInput& in = bt.in[r];
-      const int64_t T = in.num_tokens;
-      LlCombineArgs a;
+      const int64_t T = bt.in[r].num_tokens;
+      LlCombineArgs a = gpu_testing::ll_combine_inputs(c, bt.in[r], &bt.y[r], dev, keep);
       a.handle = &d[b].handle;
-      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
-      a.topk_idx = keep.back();
-      keep.push_back(gpu_testing::to_device(in.topk_weights, DType::kF32, {T, K}, dev));
-      a.topk_weights = keep.back();
-      int64_t stride = H;
-      keep.push_back(upload_rows(bt.y[r], L * RT, H, c.padded, dev, &stride));
-      a.y = TensorView::contiguous(keep.back().data, DType::kBF16, {L, RT, H}, Device::cuda(dev));
-      a.y.strides = {RT * stride, stride, 1};
       if (c.out_given) {
         keep.push_back(gpu_testing::device_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H},
                                                        Device::cuda(dev)));
