@@ -22,6 +22,8 @@
 //     rail chunk for m -> rail -> out = bf16(own + the other nodes' partials, nodes ascending).
 // Not built here (Unsupported naming the mode and "across nodes on cuda"): worst-case dispatch,
 // zero-copy dispatch and combine, ht_combine_buffer.
+// CUDA graphs: the cached dispatch and the combine are stream-ordered and capturable; the exact
+// dispatch (host waits) is Unsupported on a capturing stream, raised before anything is enqueued.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -286,20 +286,38 @@ uint64_t test_seed() {
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
-// Random cases at N x G (two hidden sizes, three cases each on one buffer; cases 1 and 2 with
-// order-sensitive y) through run_case up to `last`; with the combine, some case must change a
-// result by the node-first order on some rank (a rank may see none: case i gives rank i % R no
-// tokens), so that a flat combine would fail the comparison there.
-int run_topology(int N, int G, Stage last) {
+// The N x G ranks on one GPU, each running `body` with the run's seed (fresh unless
+// EPX_TEST_SEED is set; printed): its mismatches, and `order_changed` set where the node-first
+// order changed a result it checked. With `need_order_change` some rank must have seen one (a
+// rank may see none: case i gives rank i % R no tokens), so that a flat combine would fail.
+int run_ranks(const char* suite, int N, int G, bool need_order_change,
+              const std::function<int64_t(const Group&, uint64_t, bool&)>& body) {
   const uint64_t seed = test_seed();
-  std::fprintf(stderr, "HtNodesOneGpu %dx%d seed %llu\n", N, G,
+  std::fprintf(stderr, "%s %dx%d seed %llu\n", suite, N, G,
                static_cast<unsigned long long>(seed));
   GroupOptions o;
   o.ranks_per_node = G;
   std::atomic<int> ranks_order_changed{0};
   const int rc = gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, [&](const Group& g) {
-    int64_t bad = 0;
     bool order_changed = false;
+    const int64_t bad = body(g, seed, order_changed);
+    if (order_changed) ranks_order_changed.fetch_add(1);
+    return bad == 0 ? 0 : 1;
+  }, o);
+  if (need_order_change && ranks_order_changed.load() == 0) {
+    std::fprintf(stderr, "%s %dx%d: no result changed by the node-first order\n", suite, N, G);
+    return 1;
+  }
+  return rc;
+}
+
+// Random cases at N x G (two hidden sizes, three cases each on one buffer; cases 1 and 2 with
+// order-sensitive y) through run_case up to `last`; with the combine, some case must change a
+// result by the node-first order.
+int run_topology(int N, int G, Stage last) {
+  return run_ranks("HtNodesOneGpu", N, G, last == Stage::kCombine,
+                   [&](const Group& g, uint64_t seed, bool& order_changed) {
+    int64_t bad = 0;
     for (int64_t hidden : {int64_t{512}, int64_t{1024}}) {
       const std::vector<HtCase> cases = random_cases(N, G, hidden, seed + hidden, 3);
       Buffer buf(g, shape_of(cases[0], 200));
@@ -315,14 +333,8 @@ int run_topology(int N, int G, Stage last) {
         bad += run_case(g, buf, c, /*wide=*/i >= 1, order_changed, last);
       }
     }
-    if (order_changed) ranks_order_changed.fetch_add(1);
-    return bad == 0 ? 0 : 1;
-  }, o);
-  if (last == Stage::kCombine && ranks_order_changed.load() == 0) {
-    std::fprintf(stderr, "%dx%d: no case where the node-first order changed a result\n", N, G);
-    return 1;
-  }
-  return rc;
+    return bad;
+  });
 }
 
 class HtNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
@@ -358,6 +370,219 @@ INSTANTIATE_TEST_SUITE_P(Stages, HtNodesOneGpuStages,
                          [](const auto& info) {
                            return std::string(info.param == Stage::kDispatch ? "Dispatch"
                                                                             : "Cached");
+                         });
+
+// ---- CUDA graphs ------------------------------------------------------------------------------
+
+// `fn` enqueued on `stream` under a thread-local capture; the capture is ended whatever `fn`
+// raises (the stream must not stay capturing), and the graph returned (null when the capture
+// was invalidated; the CUDA error cleared).
+cudaGraph_t capture(cudaStream_t stream, const std::function<void()>& fn) {
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t graph = nullptr;
+  try {
+    fn();
+  } catch (...) {
+    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) (void)cudaGetLastError();
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return graph;
+}
+
+// An exact dispatch on a capturing stream: Unsupported naming the capture, raised before it
+// allocates or enqueues anything (the capture stays valid and its graph empty). Mismatches.
+int64_t exact_under_capture(const Group& g, Buffer& buf, const HtDispatchArgs& a) {
+  const int r = g.rank();
+  int64_t allocations = 0, bad = 0;
+  const Allocator counting = [&](DType, const std::vector<int64_t>&, Device) -> Tensor {
+    ++allocations;
+    throw Error(ErrorCode::kInternal, "an output allocated under capture");
+  };
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    (void)buf.ht_dispatch(a, counting);
+    std::fprintf(stderr, "[rank %d] exact dispatch under capture: no error\n", r);
+    ++bad;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kUnsupported ||
+        std::string(e.what()).find("captured into a CUDA graph") == std::string::npos) {
+      std::fprintf(stderr, "[rank %d] exact dispatch under capture: %s\n", r, e.what());
+      ++bad;
+    }
+  }
+  cudaGraph_t graph = nullptr;
+  size_t nodes = 0;
+  if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) {
+    (void)cudaGetLastError();
+    std::fprintf(stderr, "[rank %d] the refused exact dispatch invalidated the capture\n", r);
+    ++bad;
+  }
+  if (graph != nullptr) {
+    CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    cudaGraphDestroy(graph);
+  }
+  if (allocations != 0 || nodes != 0) {
+    std::fprintf(stderr, "[rank %d] the refused exact dispatch allocated %lld, enqueued %zu\n",
+                 r, static_cast<long long>(allocations), nodes);
+    ++bad;
+  }
+  return bad;
+}
+
+// Case c at its topology: the exact dispatch eagerly (the handle), an exact dispatch under capture
+// refused, then {cached dispatch of x, combine of y (weights, bias0)} run once eagerly (the
+// arena records the outputs) and captured on the rank stream; each replay gets new x, scales, y,
+// weights and bias in the captured input buffers (odd replays order-sensitive y), poisoned
+// outputs (and intermediates), and every element of the cached recv_x (scales), the combine's
+// out and combined_topk_weights against the oracle of the new inputs with the handle's routing.
+// Then the whole case eagerly again (the rail and the node-local ht still in step).
+int64_t graph_case(const Group& g, const HtCase& c, int num_replays, bool& order_changed) {
+  const int r = g.rank();
+  const int64_t H = c.hidden, K = c.top_k;
+  const std::string ctx = c.describe() + " nodes of " + std::to_string(c.ranks_per_node);
+  Buffer buf(g, shape_of(c, 200));
+  const int dev = buf.device().index;
+  const testing::HtProblem p = c.problem();
+  const auto in = gpu_testing::make_ht_inputs(c);
+  const Allocator alloc = gpu_testing::poison_allocator(0xAB);
+  const Inputs d = upload(c, in[r], dev);
+  const auto stream = gpu_testing::rank_stream();
+  HtDispatchArgs a;
+  a.x = d.x;
+  if (c.fp8) a.x_scales = d.scales;
+  a.topk_idx = d.topk;
+  a.topk_weights = d.weights;
+  a.stream = stream;
+  const HtDispatchResult res = buf.ht_dispatch(a, alloc);
+  const int64_t T = in[r].num_tokens, N = res.handle.num_recv_tokens;
+  int64_t bad = 0;
+  if (N != testing::ht_oracle_num_recv_tokens(p, in, r)) {
+    std::fprintf(stderr, "[rank %d] %s: N = %lld differs from the oracle's\n", r, ctx.c_str(),
+                 static_cast<long long>(N));
+    return 1;
+  }
+  bad += exact_under_capture(g, buf, a);
+  buf.check();
+
+  // The captured input buffers, then the sequence: eagerly (arena recording), then captured.
+  auto in_x = gpu_testing::make_ht_inputs(c, /*salt=*/1);
+  auto yin = gpu_testing::make_combine_inputs(c, in, /*weights=*/true, /*bias0=*/true,
+                                              /*bias1=*/false, /*salt=*/1);
+  const Inputs dx = upload(c, in_x[r], dev);
+  const Tensor y = to_device(yin[r].y, DType::kBF16, {N, H}, dev);
+  const Tensor yw = to_device(yin[r].topk_weights, DType::kF32, {N, K}, dev);
+  const Tensor bias = to_device(yin[r].bias0, DType::kBF16, {T, H}, dev);
+  gpu_testing::Arena arena(alloc);
+  HtDispatchResult cached;
+  HtCombineResult combined;
+  auto enqueue = [&] {
+    HtDispatchArgs ac;
+    ac.x = dx.x;
+    if (c.fp8) ac.x_scales = dx.scales;
+    ac.handle = &res.handle;
+    ac.stream = stream;
+    cached = buf.ht_dispatch(ac, arena.allocator());
+    HtCombineArgs ca;
+    ca.y = y;
+    ca.topk_weights = yw;
+    ca.bias0 = bias;
+    ca.handle = &res.handle;
+    ca.stream = stream;
+    combined = buf.ht_combine(ca, arena.allocator());
+  };
+  auto check_outputs = [&](const std::string& when) {
+    const HtExpectedDispatch w = testing::ht_oracle_dispatch(p, in_x, r);
+    const HtExpectedCombine wc = testing::ht_oracle_combine(p, in, yin, r);
+    testing::HtProblem flat = p;
+    flat.ranks_per_node = 0;
+    if (testing::ht_oracle_combine(flat, in, yin, r).out != wc.out) order_changed = true;
+    const std::string cx = ctx + ", " + when;
+    int64_t n = mismatches("cached recv_x", cx, r, cached.recv_x, w.recv_x);
+    if (c.fp8) n += mismatches("cached recv_x_scales", cx, r, cached.recv_x_scales, w.recv_scales);
+    n += mismatches("combine out", cx, r, combined.out, wc.out);
+    return n + mismatches("combined_topk_weights", cx, r, combined.combined_topk_weights,
+                          wc.combined_topk_weights);
+  };
+  enqueue();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  buf.check();
+  bad += check_outputs("eager");
+  arena.replay();
+  cudaGraph_t graph = capture(stream, enqueue);
+  if (graph == nullptr) {
+    std::fprintf(stderr, "[rank %d] %s: the capture was invalidated\n", r, ctx.c_str());
+    return bad + 1;
+  }
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < num_replays; ++rep) {
+    const uint64_t salt = 2 + rep;
+    in_x = gpu_testing::make_ht_inputs(c, salt);
+    yin = gpu_testing::make_combine_inputs(c, in, true, true, false, salt);
+    if (rep % 2 == 1) widen(yin, c, c.seed + salt);
+    const testing::HtRankInput& xr = in_x[r];
+    gpu_testing::upload_on_rank_stream(dx.x.data, xr.x.data(), xr.x.size(), stream);
+    if (c.fp8)
+      gpu_testing::upload_on_rank_stream(dx.scales.data, xr.scales.data(), xr.scales.size(),
+                                         stream);
+    gpu_testing::upload_on_rank_stream(y.data, yin[r].y.data(), yin[r].y.size() * 2, stream);
+    gpu_testing::upload_on_rank_stream(yw.data, yin[r].topk_weights.data(),
+                                       yin[r].topk_weights.size() * 4, stream);
+    gpu_testing::upload_on_rank_stream(bias.data, yin[r].bias0.data(), yin[r].bias0.size() * 2,
+                                       stream);
+    for (const Tensor& t : arena.tensors)  // a replay that writes nothing shows
+      if (t.nbytes() > 0) CUDA_OK(cudaMemsetAsync(t.data, 0xA0 + rep, t.nbytes(), stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    bad += check_outputs("graph replay " + std::to_string(rep));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  bool eager_order_changed = false;
+  bad += run_case(g, buf, c, /*wide=*/true, eager_order_changed);
+  if (bad) std::fprintf(stderr, "[rank %d] FAIL graph %s: %lld mismatches\n", r, ctx.c_str(),
+                        static_cast<long long>(bad));
+  return bad;
+}
+
+// Two random cases of N x G (hidden 512 and 1024, weights given, a rank without tokens), 6
+// replays each; across nodes some replay must change a result by the node-first order on some
+// rank. N = 1: the one-node CudaHt (its cached dispatch and combine captured, its exact dispatch
+// refused under capture), the same checks.
+int run_graph_topology(int N, int G) {
+  return run_ranks("HtNodesOneGpuGraph", N, G, /*need_order_change=*/N > 1,
+                   [&](const Group& g, uint64_t seed, bool& order_changed) {
+    int64_t bad = 0;
+    for (int64_t hidden : {int64_t{512}, int64_t{1024}}) {
+      const int i = hidden == 512 ? 1 : 2;  // case i: rank i % R has no tokens
+      HtCase c = random_cases(N, G, hidden, seed + hidden, 3)[i];
+      c.weights = true;
+      bad += graph_case(g, c, /*num_replays=*/6, order_changed);
+    }
+    return bad;
+  });
+}
+
+class HtNodesOneGpuGraph : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HtNodesOneGpuGraph, CachedDispatchAndCombineReplay) {
+  EPX_REQUIRE_GPUS(1);
+  const auto [N, G] = GetParam();
+  EXPECT_EQ(run_graph_topology(N, G), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, HtNodesOneGpuGraph,
+                         ::testing::Values(std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" +
+                                  std::to_string(info.param.second);
                          });
 
 // What is not built across nodes on cuda raises Unsupported naming the mode, never a flat run.
