@@ -3,6 +3,7 @@
 #include "cuda/cuda_buffer.h"
 
 #include "core/check.h"
+#include "core/cuda_runtime_shim.h"
 #include "cuda/a2a.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ht.h"
@@ -67,6 +68,15 @@ HtLayout CudaBuffer::ht_layout(const TensorView& topk_idx, Stream stream, const 
 }
 HtDispatchResult CudaBuffer::ht_dispatch(const HtDispatchArgs& args, const Allocator& alloc) {
   require_ht("ht_dispatch");
+  // The exact dispatch waits on the host for the count exchange (across nodes: one per source
+  // node), which a capture only records: refused before any launch on either path, so the
+  // capture and the buffer stay usable.
+  EPX_CHECK(args.handle != nullptr || args.num_worst_tokens > 0 ||
+                !cuda_stream_is_capturing(args.stream, device_),
+            ErrorCode::kUnsupported, "ht_dispatch: the exact dispatch waits on the host for the "
+            "count exchange and cannot run while its stream (", args.stream, ") is being "
+            "captured into a CUDA graph; expected it eagerly, and a cached dispatch (handle) or, "
+            "on one node, worst-case mode (num_worst_tokens > 0) under capture");
   return ht_ ? ht_->dispatch(args, alloc) : ht_nodes_->dispatch(args, alloc);
 }
 HtCombineResult CudaBuffer::ht_combine(const HtCombineArgs& args, const Allocator& alloc) {

@@ -32,7 +32,6 @@
 
 #include "core/agree.h"
 #include "core/check.h"
-#include "core/cuda_runtime_shim.h"
 #include "core/env.h"
 #include "core/validate.h"
 #include "cuda/cuda_check.h"
@@ -334,14 +333,6 @@ HtDispatchResult CudaHt::dispatch(const HtDispatchArgs& args, const Allocator& a
             " tokens, expected at most max_tokens_per_rank = ", shape_.max_tokens_per_rank);
   check_outside_region(args.x, "ht_dispatch", "x");
   check_outside_region(args.x_scales, "ht_dispatch", "x_scales");
-  // Exact mode waits on the host for the count exchange, which a capture only records: refused
-  // before any launch, so the capture and the buffer stay usable.
-  EPX_CHECK(args.handle != nullptr || args.num_worst_tokens > 0 ||
-                !cuda_stream_is_capturing(args.stream, dev_.device()),
-            ErrorCode::kUnsupported, "ht_dispatch: the exact dispatch waits on the host for the "
-            "count exchange and cannot run while its stream (", args.stream, ") is being "
-            "captured into a CUDA graph; expected it eagerly, and worst-case mode "
-            "(num_worst_tokens > 0) or a cached dispatch (handle) under capture");
   HtDispatchResult res;
   // The plan: the routing (the count exchange's, or the cached handle's), then what moves where.
   res.handle = args.handle != nullptr

@@ -3,8 +3,8 @@
 // caller's stream; the host waits only where the node-local exact dispatch does (its count
 // exchange, once per source node). So the cached dispatch and the combine can be captured into a
 // CUDA graph (the rail's and the node-local ht's exchange numbers live on the device: a replay is
-// the next exchange), and an exact dispatch on a capturing stream raises Unsupported before it
-// enqueues or allocates anything.
+// the next exchange); an exact dispatch on a capturing stream is refused before it gets here
+// (CudaBuffer::ht_dispatch).
 #include "cuda/ht_nodes.h"
 
 #include <cuda_runtime.h>
@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "core/check.h"
-#include "core/cuda_runtime_shim.h"
 #include "core/validate.h"
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/ht/nodes.cuh"
@@ -303,14 +302,6 @@ HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocat
             " tokens, expected at most max_tokens_per_rank = ", C);
   auto stream = static_cast<cudaStream_t>(args.stream);
   const bool cached = args.handle != nullptr;
-  // The exact dispatch waits on the host for each node-local count exchange, which a capture
-  // only records: refused before any launch, so the capture and the buffer stay usable.
-  EPX_CHECK(cached || !cuda_stream_is_capturing(args.stream, device_), ErrorCode::kUnsupported,
-            "ht_dispatch: the exact dispatch across nodes (", N, " nodes of ",
-            topology_.ranks_per_node, " ranks) waits on the host for the node-local count "
-            "exchanges and cannot run while its stream (", args.stream, ") is being captured "
-            "into a CUDA graph; expected it eagerly, and a cached dispatch (handle = its handle) "
-            "under capture");
   const State* cached_state = cached ? &state_of(*args.handle, "ht_dispatch") : nullptr;
   EPX_CHECK_ARG(!cached || args.handle->num_tokens == T, "ht_dispatch: x has ", T,
                 " tokens but the cached handle was made for ", args.handle->num_tokens);
