@@ -49,8 +49,9 @@ struct GroupOptions {
   // cpu backend runs ht and ll hierarchically (tokens cross between nodes once per node, over the
   // "rail" between equal local ranks; combines reduce inside each node first, in the order of
   // docs/semantics.md §1.6 / §2.3); a2a is the same on every topology. The cuda backend runs ht
-  // across nodes only for Group::cuda_shared_device ("virtual nodes" on one GPU; ll there is
-  // Unsupported); cuda groups with a GPU per rank refuse more than one node (Unsupported).
+  // and ll across nodes only for Group::cuda_shared_device ("virtual nodes" on one GPU; ll without
+  // hooks, NVFP4, zero-copy, LogFMT or overlap there, else Unsupported); cuda groups with a GPU
+  // per rank refuse more than one node (Unsupported).
   int ranks_per_node = 0;
 };
 

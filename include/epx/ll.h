@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 
 #include "epx/tensor.h"
@@ -42,6 +43,9 @@ struct LlHandle {
   int64_t num_tokens = 0;  // T on this rank at dispatch
   int slot = 0;            // double-buffer half used by this dispatch
   uint64_t buffer_id = 0;
+  // Backend-private state the dispatch left for the combine of this handle (cuda across nodes:
+  // the node-local handles); null otherwise.
+  std::shared_ptr<const void> backend_state;
 };
 
 // Waits for and finishes the receive half of an operation sent with return_recv_hook.

@@ -74,9 +74,6 @@ size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Bac
                 "Buffer::bytes_needed: 'ranks_per_node' is ", ranks_per_node,
                 ", expected 0 (one node) or a divisor of num_ranks = ", num_ranks);
   const int nodes = ranks_per_node == 0 ? 1 : num_ranks / ranks_per_node;
-  EPX_CHECK(backend == Backend::kCpu || nodes == 1 || mode != Mode::kLl,
-            ErrorCode::kUnsupported, "Buffer::bytes_needed: ll across ", nodes,
-            " nodes on cuda is not built (docs/design.md §13.1)");
   detail::validate_shape(shape, num_ranks, "Buffer::bytes_needed");
   const bool cpu = backend == Backend::kCpu;
   if (mode != Mode::kA2a)
@@ -87,7 +84,7 @@ size_t Buffer::bytes_needed(Mode mode, const MoeShape& shape, int num_ranks, Bac
                  : detail::cuda_ht_bytes(shape, num_ranks, nodes);
     case Mode::kLl:
       return cpu ? detail::cpu_ll_bytes(shape, num_ranks, nodes)
-                 : detail::cuda_ll_bytes(shape, num_ranks);
+                 : detail::cuda_ll_bytes(shape, num_ranks, nodes);
     case Mode::kA2a: break;
   }
   detail::throw_error(ErrorCode::kInvalidArgument,

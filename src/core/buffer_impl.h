@@ -128,7 +128,8 @@ size_t cpu_a2a_bytes(const A2aShape& shape, int num_ranks);
 // cuda ht on num_nodes > 1 (virtual nodes of one GPU): the node-local region of R / N ranks, the
 // rail chunks and the rail's control words (src/cuda/ht_nodes.h).
 size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks, int num_nodes = 1);
-size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks);
+// cuda ll on num_nodes > 1 likewise (src/cuda/ll_nodes.h).
+size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks, int num_nodes = 1);
 size_t cuda_a2a_bytes(const A2aShape& shape, int num_ranks);
 
 }  // namespace epx::detail

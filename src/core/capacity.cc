@@ -151,7 +151,7 @@ void check_buffer_capacity(const MoeShape& s, int num_ranks, Mode mode, Backend 
   } else {
     check_bounds(
         ll_bounds(s, num_ranks, num_nodes),
-        [&] { return cpu ? cpu_ll_bytes(s, num_ranks, num_nodes) : cuda_ll_bytes(s, num_ranks); },
+        [&] { return cpu ? cpu_ll_bytes(s, num_ranks, num_nodes) : cuda_ll_bytes(s, num_ranks, num_nodes); },
         op,
         cat("shape.max_tokens_per_rank = ", s.max_tokens_per_rank, ", shape.hidden = ", s.hidden,
             " and shape.num_experts = ", s.num_experts),

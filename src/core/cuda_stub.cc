@@ -52,7 +52,7 @@ int cuda_ll_num_ctas(const Group&, const MoeShape&) {
   throw_error(ErrorCode::kUnsupported, cat("Buffer: ", kNoCuda));
 }
 size_t cuda_ht_bytes(const MoeShape&, int, int) { throw_error(ErrorCode::kUnsupported, cat("bytes_needed(ht, cuda): ", kNoCuda)); }
-size_t cuda_ll_bytes(const MoeShape&, int) { throw_error(ErrorCode::kUnsupported, cat("bytes_needed(ll, cuda): ", kNoCuda)); }
+size_t cuda_ll_bytes(const MoeShape&, int, int) { throw_error(ErrorCode::kUnsupported, cat("bytes_needed(ll, cuda): ", kNoCuda)); }
 size_t cuda_a2a_bytes(const A2aShape&, int) { throw_error(ErrorCode::kUnsupported, cat("workspace_bytes(cuda): ", kNoCuda)); }
 
 }  // namespace epx::detail

@@ -9,6 +9,7 @@
 #include "cuda/ht.h"
 #include "cuda/ht_nodes.h"
 #include "cuda/ll.h"
+#include "cuda/ll_nodes.h"
 
 namespace epx::detail {
 
@@ -19,33 +20,33 @@ CudaBuffer::CudaBuffer(const Group& group, const MoeShape& shape, const BufferCo
   EPX_CHECK(R <= kMaxHtRanks, ErrorCode::kUnsupported, "Buffer: the group has ", R,
             " ranks; the cuda ht kernels support at most ", kMaxHtRanks);
   device_ = group.transport()->device().index;
-  EPX_CHECK(!config.enable_ll || group.num_nodes() == 1, ErrorCode::kUnsupported,
-            "Buffer: ll (config.enable_ll) across nodes on cuda (", group.num_nodes(),
-            " nodes of ", group.ranks_per_node(),
-            " ranks) is not built; expected enable_ll = false or one node (the cpu backend runs "
-            "ll across nodes)");
   // Each collective, in this order on every rank.
   if (config.enable_ht && group.num_nodes() > 1)
     ht_nodes_ = std::make_unique<CudaHtNodes>(group, shape, id);
   else if (config.enable_ht)
     ht_ = std::make_unique<CudaHt>(group, shape, id);
-  if (config.enable_ll) ll_ = cuda_ll_create(group, shape, config.enable_shrink);
+  if (config.enable_ll && group.num_nodes() > 1)
+    ll_nodes_ = std::make_unique<CudaLlNodes>(group, shape, id);
+  else if (config.enable_ll)
+    ll_ = cuda_ll_create(group, shape, config.enable_shrink);
 }
 
 CudaBuffer::~CudaBuffer() {
   ht_.reset();  // then ll_, as the members go
   ht_nodes_.reset();
+  ll_nodes_.reset();
 }
 
 size_t CudaBuffer::bytes_allocated() const {
   return (ht_ ? ht_->bytes() : 0) + (ht_nodes_ ? ht_nodes_->bytes() : 0) +
-         cuda_ll_allocated(ll_.get());
+         cuda_ll_allocated(ll_.get()) + (ll_nodes_ ? ll_nodes_->bytes() : 0);
 }
 
 void CudaBuffer::check() {
   if (ht_) ht_->require_usable("check");
   if (ht_nodes_) ht_nodes_->require_usable("check");
   if (ll_) cuda_ll_check(*ll_);
+  if (ll_nodes_) ll_nodes_->check();
   if (ht_) ht_->check();
   if (ht_nodes_) ht_nodes_->check();
 }
@@ -87,32 +88,40 @@ TensorView CudaBuffer::ht_combine_buffer(const HtHandle& handle) const {
   return ht_ ? ht_->combine_buffer(handle) : ht_nodes_->combine_buffer(handle);
 }
 
-// ll: validated by epx::Buffer (enable_ll, so ll_ exists); the mode lives in ll.cu.
+// ll: validated by epx::Buffer (enable_ll, so ll_ or ll_nodes_ exists); the mode lives in ll.cu
+// (one node) or ll_nodes.cu (across nodes).
 LlDispatchResult CudaBuffer::ll_dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
-  return cuda_ll_dispatch(*ll_, args, alloc, id);
+  return ll_ ? cuda_ll_dispatch(*ll_, args, alloc, id) : ll_nodes_->dispatch(args, alloc);
 }
 LlCombineResult CudaBuffer::ll_combine(const LlCombineArgs& args, const Allocator& alloc) {
-  return cuda_ll_combine(*ll_, args, alloc);
+  return ll_ ? cuda_ll_combine(*ll_, args, alloc) : ll_nodes_->combine(args, alloc);
 }
 TensorView CudaBuffer::ll_next_combine_buffer(const LlHandle& handle) {
+  if (!ll_)
+    ll_nodes_->unsupported("ll_next_combine_buffer: the zero-copy combine", "ll_combine with y");
   return cuda_ll_next_combine_buffer(*ll_, handle);
 }
 void CudaBuffer::ll_clean() {
-  cuda_ll_clean(*ll_);
+  if (ll_) cuda_ll_clean(*ll_);
+  if (ll_nodes_) ll_nodes_->clean();
 }
 void CudaBuffer::ll_update_mask(int rank, bool mask, Stream stream) {
+  if (!ll_) ll_nodes_->unsupported("ll_update_mask: the rank masks", "one node");
   cuda_ll_update_mask(*ll_, rank, mask, stream);
 }
 void CudaBuffer::ll_query_mask(const TensorView& mask_status, Stream stream) {
+  if (!ll_) ll_nodes_->unsupported("ll_query_mask: the rank masks", "one node");
   cuda_ll_query_mask(*ll_, mask_status, stream);
 }
 void CudaBuffer::ll_clean_mask(Stream stream) {
+  if (!ll_) ll_nodes_->unsupported("ll_clean_mask: the rank masks", "one node");
   cuda_ll_clean_mask(*ll_, stream);
 }
 void CudaBuffer::reset() {
   if (ht_) ht_->reset();
   if (ht_nodes_) ht_nodes_->reset();
   if (ll_) cuda_ll_clean(*ll_);
+  if (ll_nodes_) ll_nodes_->clean();
 }
 
 // ---- factories and sizing ----------------------------------------------------------------------
@@ -134,7 +143,8 @@ size_t cuda_ht_bytes(const MoeShape& shape, int num_ranks, int num_nodes) {
                         num_ranks)
       .total_bytes;
 }
-size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks) {
+size_t cuda_ll_bytes(const MoeShape& shape, int num_ranks, int num_nodes) {
+  if (num_nodes > 1) return cuda_ll_nodes_bytes(shape, num_ranks, num_nodes);
   return cuda_ll_layout_bytes(shape, num_ranks);
 }
 size_t cuda_a2a_bytes(const A2aShape& shape, int num_ranks) {

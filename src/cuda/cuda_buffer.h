@@ -1,7 +1,7 @@
 // src/cuda/cuda_buffer.h — the cuda backend behind epx::Buffer: a shell over the mode objects it
 // owns, CudaHt (src/cuda/ht.h, ht.cu; when BufferConfig::enable_ht; across nodes CudaHtNodes,
-// ht_nodes.h, over a node-local CudaHt) and CudaLl (src/cuda/ll.cu; when enable_ll, one node
-// only), each with its symmetric region, its device-error record and its launchers.
+// ht_nodes.h, over a node-local CudaHt) and CudaLl (src/cuda/ll.cu; when enable_ll; across
+// nodes CudaLlNodes, ll_nodes.h, over a node-local CudaLl), each with its symmetric region, its device-error record and its launchers.
 //
 // Errors found on the device (timeouts, out-of-range expert ids, worst-case overflow) are raised
 // by the next host call on the buffer or by check().
@@ -17,7 +17,8 @@ namespace epx::detail {
 
 class CudaHt;       // src/cuda/ht.h
 class CudaHtNodes;  // src/cuda/ht_nodes.h
-class CudaLl;  // src/cuda/ll.cu
+class CudaLl;       // src/cuda/ll.cu
+class CudaLlNodes;  // src/cuda/ll_nodes.h
 
 class CudaBuffer final : public BufferImpl {
  public:
@@ -53,7 +54,9 @@ class CudaBuffer final : public BufferImpl {
   std::unique_ptr<CudaHt> ht_;  // enable_ht on one node: the ht mode (ht.cu)
   // enable_ht across nodes (virtual nodes of one GPU, Group::cuda_shared_device): ht_nodes.cu
   std::unique_ptr<CudaHtNodes> ht_nodes_;
-  std::shared_ptr<CudaLl> ll_;  // enable_ll: the ll mode (ll.cu)
+  std::shared_ptr<CudaLl> ll_;  // enable_ll on one node: the ll mode (ll.cu)
+  // enable_ll across nodes (virtual nodes of one GPU): ll_nodes.cu
+  std::unique_ptr<CudaLlNodes> ll_nodes_;
 };
 
 }  // namespace epx::detail

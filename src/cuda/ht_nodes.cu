@@ -110,12 +110,37 @@ void step_done(const Group& group, cudaStream_t stream, const char* step) {
 }
 
 template <typename V>
-void launch_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream) {
-  launch_kernel(ht_nodes_pack_kernel<V>, grid, kHtNodesThreads, 0, stream, false,
-                "ht_dispatch: pack", p);
+void launch_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream, const char* what) {
+  launch_kernel(ht_nodes_pack_kernel<V>, grid, kHtNodesThreads, 0, stream, false, what, p);
 }
 
 }  // namespace
+
+Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix) {
+  const int64_t serial = agreed_serial(group);
+  GroupOptions o;
+  o.timeout = group.timeout();
+  o.num_sms = group.options().num_sms;  // every rank of every node stays co-resident
+  const int node = topology.node_of(group.rank());
+  return Group::cuda_shared_device(topology.local_of(group.rank()), topology.ranks_per_node,
+                                   cat(prefix, serial, "-node-", node),
+                                   group.transport()->device().index, o);
+}
+
+void launch_nodes_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream,
+                       const char* what) {
+  const int vb = vector_bytes_of(reinterpret_cast<uint64_t>(p.x) |
+                                 static_cast<uint64_t>(p.x_stride) |
+                                 static_cast<uint64_t>(p.row_bytes) |
+                                 static_cast<uint64_t>(p.chunk_stride));
+  switch (vb) {
+    case 16: launch_pack<uint4>(p, grid, stream, what); break;
+    case 8: launch_pack<uint2>(p, grid, stream, what); break;
+    case 4: launch_pack<uint32_t>(p, grid, stream, what); break;
+    case 2: launch_pack<uint16_t>(p, grid, stream, what); break;
+    default: launch_pack<uint8_t>(p, grid, stream, what); break;
+  }
+}
 
 struct CudaHtNodes::State {
   std::vector<HtHandle> handles;     // [N]: the node-local dispatch's handle of source node m
@@ -141,14 +166,8 @@ CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buf
             topology_.ranks_per_node,
             " ranks) is built for virtual nodes, ranks that share one GPU "
             "(Group::cuda_shared_device); expected such a group");
-  const int R = group.size(), N = topology_.num_nodes, G = topology_.ranks_per_node;
-  const int64_t serial = agreed_serial(group);
-  GroupOptions o;
-  o.timeout = group.timeout();
-  o.num_sms = group.options().num_sms;  // every rank of every node stays co-resident
-  node_group_ = Group::cuda_shared_device(topology_.local_of(group.rank()), G,
-                                          cat("epx-ht-nodes-", serial, "-node-", node_), device_,
-                                          o);
+  const int R = group.size(), N = topology_.num_nodes;
+  node_group_ = make_virtual_node_group(group, topology_, "epx-ht-nodes-");
   ht_ = std::make_unique<CudaHt>(*node_group_, node_shape(shape, N), buffer_id);
   const NodesScratch s = NodesScratch::make(shape, R, N);
   slot_bytes_ = s.slot;
@@ -180,20 +199,19 @@ void CudaHtNodes::check() {
 // rank posts to a rail not yet reset.
 void CudaHtNodes::reset() {
   ht_->reset();
-  Transport& t = *group_.transport();
-  t.resync("reset (ht across nodes)", t.all_members(), 2 * group_.timeout());
-  rail_->reset();
-  t.barrier("reset (ht across nodes, done)");
+  nodes_reset_rail(group_, *rail_, "reset (ht across nodes)", "reset (ht across nodes, done)");
+}
+
+void nodes_reset_rail(const Group& group, RailTransport& rail, const char* what,
+                      const char* done) {
+  Transport& t = *group.transport();
+  t.resync(what, t.all_members(), 2 * group.timeout());
+  rail.reset();
+  t.barrier(done);
 }
 
 const CudaHtNodes::State& CudaHtNodes::state_of(const HtHandle& h, const char* op) const {
-  EPX_CHECK_ARG(h.buffer_id == buffer_id_, op, ": argument 'handle' comes from buffer ",
-                h.buffer_id, ", expected one made by this buffer (", buffer_id_, ")");
-  const auto* st = static_cast<const State*>(h.backend_state.get());
-  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(topology_.num_nodes),
-                op, ": argument 'handle' carries no across-node routing, expected the handle of "
-                "an ht_dispatch of this buffer");
-  return *st;
+  return nodes_state_of<State>(h, buffer_id_, topology_.num_nodes, op, "ht_dispatch");
 }
 
 TensorView CudaHtNodes::combine_buffer(const HtHandle&) const {
@@ -209,18 +227,23 @@ HtLayout CudaHtNodes::layout(const TensorView& topk_idx, Stream stream, const Al
   return out;
 }
 
-// One rail leg, `bytes` each way per other node m: the send at send_base + i * send_stride, the
-// receive at recv_base + i * recv_stride, i = other_index(m, n).
-void CudaHtNodes::exchange(const char* what, size_t bytes, char* send_base, size_t send_stride,
-                           char* recv_base, size_t recv_stride, cudaStream_t stream) {
+void nodes_exchange(RailTransport& rail, const Topology& topology, int node, const char* what,
+                    size_t bytes, char* send_base, size_t send_stride, char* recv_base,
+                    size_t recv_stride, cudaStream_t stream) {
   std::vector<RailChunk> sends, recvs;
-  for (int m = 0; m < topology_.num_nodes; ++m) {
-    if (m == node_) continue;
-    const int i = Topology::other_index(m, node_);
+  for (int m = 0; m < topology.num_nodes; ++m) {
+    if (m == node) continue;
+    const int i = Topology::other_index(m, node);
     sends.push_back({m, send_base + i * send_stride, bytes});
     recvs.push_back({m, recv_base + i * recv_stride, bytes});
   }
-  rail_->exchange(what, sends, recvs, stream);
+  rail.exchange(what, sends, recvs, stream);
+}
+
+void CudaHtNodes::exchange(const char* what, size_t bytes, char* send_base, size_t send_stride,
+                           char* recv_base, size_t recv_stride, cudaStream_t stream) {
+  nodes_exchange(*rail_, topology_, node_, what, bytes, send_base, send_stride, recv_base,
+                 recv_stride, stream);
 }
 
 void CudaHtNodes::pack(const HtDispatchArgs& args, const HtNodesChunk& chunk,
@@ -260,17 +283,7 @@ void CudaHtNodes::pack(const HtDispatchArgs& args, const HtNodesChunk& chunk,
   p.chunks = send_slot(0);
   p.chunk_stride = static_cast<int64_t>(slot_bytes_);
   p.chunk = chunk;
-  const int grid = std::max(1, ht_->tuning().num_sms);
-  const int vb = vector_bytes_of(reinterpret_cast<uint64_t>(p.x) |
-                                 static_cast<uint64_t>(p.x_stride) |
-                                 static_cast<uint64_t>(p.row_bytes) | slot_bytes_);
-  switch (vb) {
-    case 16: launch_pack<uint4>(p, grid, stream); break;
-    case 8: launch_pack<uint2>(p, grid, stream); break;
-    case 4: launch_pack<uint32_t>(p, grid, stream); break;
-    case 2: launch_pack<uint16_t>(p, grid, stream); break;
-    default: launch_pack<uint8_t>(p, grid, stream); break;
-  }
+  launch_nodes_pack(p, std::max(1, ht_->tuning().num_sms), stream, "ht_dispatch: pack");
 }
 
 HtDispatchResult CudaHtNodes::dispatch(const HtDispatchArgs& args, const Allocator& alloc) {

@@ -33,13 +33,46 @@
 #include <optional>
 
 #include "core/buffer_impl.h"
+#include "core/check.h"
 #include "cuda/ht.h"
 #include "transport/rail.h"
 
 namespace epx::detail {
 
 class SymmetricMemory;
-struct HtNodesChunk;  // kernels/ht/nodes.cuh
+struct HtNodesChunk;       // kernels/ht/nodes.cuh
+struct HtNodesPackParams;  // kernels/ht/nodes.cuh
+
+// Shared with the ll across nodes (ll_nodes.cu):
+// Collective: this rank's node group, a Group::cuda_shared_device over its node's ranks ranked by
+// local index (the parent's timeout and num_sms, so every rank of every node stays co-resident),
+// its rendezvous name `prefix` + a serial every rank agrees on (rank 0's draw, allgathered).
+Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix);
+// The pack kernel (kernels/ht/nodes.cuh) at the widest vector that x, its stride, row_bytes and
+// chunk_stride allow.
+void launch_nodes_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream, const char* what);
+// One rail leg of rank `node`, `bytes` each way per other node m: the send at send_base + i *
+// send_stride, the receive at recv_base + i * recv_stride, i = other_index(m, node).
+void nodes_exchange(RailTransport& rail, const Topology& topology, int node, const char* what,
+                    size_t bytes, char* send_base, size_t send_stride, char* recv_base,
+                    size_t recv_stride, cudaStream_t stream);
+// After the node-local reset on every rank: a resync of the whole group, the rail's (local)
+// reset, and a closing barrier so no rank posts to a rail not yet reset (named `what`, `done`).
+void nodes_reset_rail(const Group& group, RailTransport& rail, const char* what,
+                      const char* done);
+// The across-node state a dispatch left in a handle (HtHandle / LlHandle::backend_state): its
+// N node-local handles (InvalidArgument naming `op` for a handle of another buffer or without).
+template <typename State, typename Handle>
+const State& nodes_state_of(const Handle& h, uint64_t buffer_id, int num_nodes, const char* op,
+                            const char* dispatch) {
+  EPX_CHECK_ARG(h.buffer_id == buffer_id, op, ": argument 'handle' comes from buffer ", h.buffer_id,
+                ", expected one made by this buffer (", buffer_id, ")");
+  const auto* st = static_cast<const State*>(h.backend_state.get());
+  EPX_CHECK_ARG(st != nullptr && st->handles.size() == static_cast<size_t>(num_nodes), op,
+                ": argument 'handle' carries no across-node routing, expected the handle of an ",
+                dispatch, " of this buffer");
+  return *st;
+}
 
 // Symmetric bytes per rank of the hierarchical ht (N > 1 nodes of R / N ranks).
 size_t cuda_ht_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes);
@@ -85,7 +118,7 @@ class CudaHtNodes {
   Topology topology_;
   int node_ = 0, device_ = 0;
   std::optional<Group> node_group_;  // this node's ranks, ranked by local index
-  std::unique_ptr<CudaHt> ht_;  // the node-local ht over node_group_
+  std::unique_ptr<CudaHt> ht_;       // the node-local ht over node_group_
   std::unique_ptr<RailTransport> rail_;
   // Scratch (one allocation of this node's transport): send slots [N - 1], receive slots
   // [N - 1] of slot_bytes_ (a dispatch chunk or a combine partial), then own_ (this node's

@@ -159,7 +159,10 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   size_t bytes() const { return dev_.bytes(); }
   void check();
   LlDispatchResult dispatch(const LlDispatchArgs& args, const Allocator& alloc, uint64_t id);
-  LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
+  // `partial` (CudaLlNodes; the plain form without hook): the float32 sums into it, [T, H]
+  // contiguous, instead of an out.
+  LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc,
+                          float* partial = nullptr);
   TensorView next_combine_buffer(const LlHandle& handle);
   void clean();
   // The rank mask's kernel (kernels/ll/mask.cuh) on `stream`: op, and its rank or output.
@@ -508,7 +511,8 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   return res;
 }
 
-LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& alloc) {
+LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& alloc,
+                                float* partial) {
   const char* op = "ll_combine";
   require_usable(op);
   const LlHandle& h = *args.handle;
@@ -525,7 +529,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   std::exception_ptr failed;
   if (args.out.defined()) {
     static_cast<TensorView&>(res.out) = args.out;
-  } else {
+  } else if (!partial) {
     try {
       res.out = allocate(alloc, DType::kBF16, {T, H}, op, "out");
     } catch (...) {
@@ -551,7 +555,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.topk_is_i64 = args.topk_idx.dtype == DType::kI64;
   p.weights = args.topk_weights.ptr<float>();
   p.weights_stride = args.topk_weights.strides[0];
-  if (!failed) {
+  if (!failed && !partial) {
     p.out = res.out.ptr<uint16_t>();
     p.out_stride = res.out.strides[0];
     p.out_vec16 = aligned16(res.out.data) && (res.out.strides[0] * 2) % 16 == 0;
@@ -563,6 +567,14 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.slot = slot;
   p.rank = group_.rank();
   fill_launch_common(p, kOpLlCombine);
+  if (partial) {
+    p.out_f32 = partial;
+    p.out_stride = H;
+    p.phases = kLlPhaseBoth;
+    launch_kernel(ll::combine<kLlCombinePlain, true>, num_ctas_, kLlThreads, 0, stream, p.pdl,
+                  op, p);
+    return res;
+  }
   if (args.overlap) return combine_overlapped(args, p, std::move(res), failed);
 
   // LogFMT's shared memory is dynamic (kernels/ll/logfmt.cuh), below the 48 KB default limit.
@@ -725,6 +737,9 @@ LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const 
 }
 LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc) {
   return ll.combine(args, alloc);
+}
+void cuda_ll_combine_f32(CudaLl& ll, const LlCombineArgs& args, float* out) {
+  ll.combine(args, Allocator{}, out);
 }
 TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle) {
   return ll.next_combine_buffer(handle);

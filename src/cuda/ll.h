@@ -20,6 +20,9 @@ void cuda_ll_check(CudaLl& ll);
 LlDispatchResult cuda_ll_dispatch(CudaLl& ll, const LlDispatchArgs& args, const Allocator& alloc,
                                   uint64_t buffer_id);
 LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const Allocator& alloc);
+// The plain combine (copy or zero-copy; no hook, LogFMT or overlap) with the float32 sums,
+// unrounded, into `out` [T, H] (contiguous, 16-byte aligned): CudaLlNodes' partials.
+void cuda_ll_combine_f32(CudaLl& ll, const LlCombineArgs& args, float* out);
 TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
 void cuda_ll_clean(CudaLl& ll);
 // The rank mask (docs/semantics.md §2.6), stream-ordered on `stream`.

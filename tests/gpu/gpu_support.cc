@@ -17,6 +17,7 @@
 #include "core/numeric.h"
 #include "epx/error.h"
 #include "support/harness.h"
+#include "support/ll_cases.h"
 #include "support/routing.h"
 #include "transport/transport.h"
 
@@ -221,6 +222,55 @@ Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
   h.data = keep.back().data();
   h.device = Device::cpu();
   return h;
+}
+
+Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
+                   int64_t* stride) {
+  *stride = padded ? H + 64 : H;
+  std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
+  for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
+  return to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, device);
+}
+
+Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device) {
+  if (i32)
+    return to_device(std::vector<int32_t>(topk.begin(), topk.end()), DType::kI32, {T, K}, device);
+  return to_device(topk, DType::kI64, {T, K}, device);
+}
+
+LlDispatchArgs ll_dispatch_inputs(const testing::LlCase& c, const testing::LlRankInput& in,
+                                  int device, std::vector<Tensor>& keep) {
+  const int64_t T = in.num_tokens, H = c.p.hidden;
+  int64_t stride = H;
+  keep.push_back(upload_rows(in.x, T, H, c.padded, device, &stride));
+  LlDispatchArgs a;
+  a.x = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(device));
+  a.x.strides[0] = stride;
+  keep.push_back(upload_topk(in.topk_idx, T, c.p.top_k, c.topk_i32, device));
+  a.topk_idx = keep.back();
+  a.use_fp8 = c.p.use_fp8;
+  a.round_scale = c.p.round_scale;
+  a.use_ue8m0 = c.p.use_ue8m0;
+  return a;
+}
+
+LlCombineArgs ll_combine_inputs(const testing::LlCase& c, const testing::LlRankInput& in,
+                                const std::vector<uint16_t>* y, int device,
+                                std::vector<Tensor>& keep) {
+  const int64_t T = in.num_tokens, H = c.p.hidden, RT = c.p.rows_per_expert();
+  const int K = c.p.top_k, L = c.p.num_local_experts();
+  LlCombineArgs a;
+  keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, device));
+  a.topk_idx = keep.back();
+  keep.push_back(to_device(in.topk_weights, DType::kF32, {T, K}, device));
+  a.topk_weights = keep.back();
+  if (y != nullptr) {
+    int64_t stride = H;
+    keep.push_back(upload_rows(*y, L * RT, H, c.padded, device, &stride));
+    a.y = TensorView::contiguous(keep.back().data, DType::kBF16, {L, RT, H}, Device::cuda(device));
+    a.y.strides = {RT * stride, stride, 1};
+  }
+  return a;
 }
 
 LlDispatchResult host_ll_dispatch(const LlDispatchResult& d,

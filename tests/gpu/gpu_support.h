@@ -19,6 +19,11 @@
 #include "epx/ll.h"
 #include "epx/tensor.h"
 
+namespace epx::testing {
+struct LlCase;
+struct LlRankInput;
+}  // namespace epx::testing
+
 namespace epx::gpu_testing {
 
 // GPUs visible to CUDA, counted in a throw-away child process (0 when CUDA fails there).
@@ -136,6 +141,20 @@ std::vector<T> to_host(const TensorView& t) {
 // A host tensor with t's shape and strides over a copy of its whole storage, which `keep` holds
 // (every tensor `keep` holds stays valid as long as `keep`: it only grows).
 Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep);
+// ll test inputs on `device`: rows [n, H] of 16-bit values with row stride H, or H + 64 when
+// `padded` (the stride in *stride), as a flat tensor; topk ids [T, K] as int32 or int64.
+Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
+                   int64_t* stride);
+Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device);
+// One rank's ll inputs of case c uploaded (`keep` holds the tensors): the dispatch's x (padded
+// when c.padded), topk_idx (int32 when c.topk_i32) and c.p's fp8 options (not NVFP4's); the
+// combine's topk_idx and topk_weights, and y [L, R * T_max, H] (padded when c.padded) unless
+// `y` is null (zero-copy).
+LlDispatchArgs ll_dispatch_inputs(const testing::LlCase& c, const testing::LlRankInput& in,
+                                  int device, std::vector<Tensor>& keep);
+LlCombineArgs ll_combine_inputs(const testing::LlCase& c, const testing::LlRankInput& in,
+                                const std::vector<uint16_t>* y, int device,
+                                std::vector<Tensor>& keep);
 // An ll dispatch result with every tensor copied to the host (host_copy), for the oracle checks.
 LlDispatchResult host_ll_dispatch(const LlDispatchResult& d,
                                   std::vector<std::vector<uint8_t>>& keep);

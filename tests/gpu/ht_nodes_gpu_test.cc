@@ -613,9 +613,6 @@ TEST(HtNodesOneGpuLimits, UnbuiltPathsAreUnsupported) {
     c.num_experts = 4;
     c.num_tokens = {8, 8};
     MoeShape shape = shape_of(c, 8);
-    BufferConfig ll;
-    ll.enable_ll = true;
-    expect_unsupported("ll Buffer", [&] { Buffer b(g, shape, ll); }, "across nodes on cuda");
     Buffer buf(g, shape);
     const auto in = gpu_testing::make_ht_inputs(c);
     const Inputs d = upload(c, in[g.rank()], buf.device().index);

@@ -44,6 +44,8 @@ using gpu_testing::host_ll_dispatch;
 using gpu_testing::RankStream;
 using gpu_testing::run_cuda_ranks;
 using gpu_testing::to_host_bytes;
+using gpu_testing::upload_rows;
+using gpu_testing::upload_topk;
 using testing::LlExpectedDispatch;
 using testing::LlProblem;
 using testing::LlRankInput;
@@ -62,25 +64,6 @@ Case random_case(int R, uint64_t seed) {
 
 using gpu_testing::poison_allocator;
 
-// Rows [n, H] of 16-bit values uploaded with row stride H (or H + 64 when padded).
-Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
-                   int64_t* stride) {
-  *stride = padded ? H + 64 : H;
-  std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
-  for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
-  Tensor t =
-      gpu_testing::to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, device);
-  return t;
-}
-
-Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device) {
-  if (i32) {
-    std::vector<int32_t> v(topk.begin(), topk.end());
-    return gpu_testing::to_device(v, DType::kI32, {T, K}, device);
-  }
-  return gpu_testing::to_device(topk, DType::kI64, {T, K}, device);
-}
-
 std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want,
                       const TensorView& out) {
   std::vector<std::vector<uint8_t>> keep;
@@ -98,7 +81,7 @@ BufferConfig ll_only() {
 std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Group& g,
                      cudaStream_t stream) {
   const LlProblem& p = c.p;
-  const int r = g.rank(), K = p.top_k, L = p.num_local_experts(), dev = gpu_testing::device_of(g);
+  const int r = g.rank(), L = p.num_local_experts(), dev = gpu_testing::device_of(g);
   const int64_t H = p.hidden, RT = p.rows_per_expert();
   Buffer buf(g, p.moe_shape(), ll_only());
   const Allocator alloc = poison_allocator();
@@ -114,18 +97,7 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
     std::vector<Tensor> stats(nb);
     std::vector<LlDispatchResult> d(nb);
     for (int b = 0; b < nb; ++b) {
-      const LlRankInput& in = bs[b]->in[r];
-      const int64_t T = in.num_tokens;
-      int64_t stride = H;
-      keep.push_back(upload_rows(in.x, T, H, c.padded, dev, &stride));
-      LlDispatchArgs a;
-      a.x = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
-      a.x.strides[0] = stride;
-      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
-      a.topk_idx = keep.back();
-      a.use_fp8 = p.use_fp8;
-      a.round_scale = p.round_scale;
-      a.use_ue8m0 = p.use_ue8m0;
+      LlDispatchArgs a = gpu_testing::ll_dispatch_inputs(c, bs[b]->in[r], dev, keep);
       a.use_nvfp4 = p.use_nvfp4;
       if (p.use_nvfp4 && c.seed % 2) {  // g as a device tensor (element 0 read) or a host value
         keep.push_back(gpu_testing::to_device(std::vector<float>{p.global_scale, -1.0f},
@@ -165,14 +137,11 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
     // Combine every batch, then run the hooks.
     std::vector<LlCombineResult> cr(nb);
     for (int b = 0; b < nb; ++b) {
-      const LlRankInput& in = bs[b]->in[r];
-      const int64_t T = in.num_tokens;
-      LlCombineArgs a;
+      const int64_t T = bs[b]->in[r].num_tokens;
+      LlCombineArgs a = gpu_testing::ll_combine_inputs(c, bs[b]->in[r],
+                                                       c.zero_copy ? nullptr : &bs[b]->y[r], dev,
+                                                       keep);
       a.handle = &d[b].handle;
-      keep.push_back(upload_topk(in.topk_idx, T, K, c.topk_i32, dev));
-      a.topk_idx = keep.back();
-      keep.push_back(gpu_testing::to_device(in.topk_weights, DType::kF32, {T, K}, dev));
-      a.topk_weights = keep.back();
       const size_t y_bytes = bs[b]->y[r].size() * 2;
       if (c.zero_copy) {
         TensorView v = buf.ll_next_combine_buffer(d[b].handle);
@@ -181,11 +150,6 @@ std::string run_rank(const Case& c, const std::vector<Batch>& batches, const Gro
           fail("next_combine_buffer", "view is " + v.describe());
         gpu_testing::upload_on_rank_stream(v.data, bs[b]->y[r].data(), y_bytes, stream);
         a.zero_copy = true;
-      } else {
-        int64_t stride = H;
-        keep.push_back(upload_rows(bs[b]->y[r], L * RT, H, c.padded, dev, &stride));
-        a.y = TensorView::contiguous(keep.back().data, DType::kBF16, {L, RT, H}, Device::cuda(dev));
-        a.y.strides = {RT * stride, stride, 1};
       }
       if (c.out_given) {
         keep.push_back(gpu_testing::device_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H},

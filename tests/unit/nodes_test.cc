@@ -135,9 +135,6 @@ TEST(NodesBuffer, BytesNeededIsWhatIsAllocated) {
   expect_error([&] { (void)Buffer::bytes_needed(Mode::kHt, shape, 8, Backend::kCpu, 3); },
                ErrorCode::kInvalidArgument, {"'ranks_per_node' is 3", "divisor of num_ranks = 8"},
                "bytes_needed 3");
-  expect_error([&] { (void)Buffer::bytes_needed(Mode::kLl, shape, 8, Backend::kCuda, 4); },
-               ErrorCode::kUnsupported, {"ll across 2 nodes on cuda", "not built"},
-               "bytes_needed cuda");
 }
 
 // ---- the combine order, by hand ----------------------------------------------------------------

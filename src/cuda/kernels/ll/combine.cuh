@@ -81,6 +81,9 @@ struct LlCombineParams {
   const float* weights;  // [T, K] f32, row stride weights_stride elements
   int64_t weights_stride;
   uint16_t* out;  // [T, H] bf16, row stride out_stride elements (or null)
+  // kF32Out (the node-local combine of the ll across nodes, src/cuda/ll_nodes.cu): the sums
+  // unrounded, [T, H] float32, row stride out_stride elements, 16-byte aligned; `out` unused.
+  float* out_f32;
   int64_t out_stride;
   int32_t out_vec16;
   int32_t num_tokens;  // T
@@ -464,8 +467,9 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
   return __shfl_sync(0xffffffffu, m, 0);
 }
 
-// Steps 4-7 and the finish. False when a wait failed.
-template <int kMode>
+// Steps 4-7 and the finish. False when a wait failed. kF32Out: step 7 stores the float32 sums
+// (out_f32) instead of rounding them (plain form only).
+template <int kMode, bool kF32Out>
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   constexpr bool kLogfmt = kMode == kLlCombineLogfmt;
   constexpr int kSlots = kLlCombineTokens * kLlMaxTopK;
@@ -655,7 +659,11 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           ll_reduce8<kLlLoadBatch>(
               K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
               [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
-          if (p.out) {
+          if constexpr (kF32Out) {
+            auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride + 8 * v);
+            o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+          } else if (p.out) {
             const uint4 packed = f32_to_bf16_vec<uint4>(acc);
             ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
           }
@@ -704,8 +712,9 @@ namespace epx::ll {
 
 // The ll combine kernel, one instantiation per form (LlCombineMode; profilers show one name,
 // epx::ll::combine, hook or not): p.phases selects the send half (the call with a hook), the
-// receive half (the hook) or both (no hook).
-template <int kMode>
+// receive half (the hook) or both (no hook). kF32Out (plain only): float32 out, unrounded (the
+// partials of the ll across nodes); the bf16 instantiations' code is unchanged by it.
+template <int kMode, bool kF32Out = false>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombineParams p) {
   using namespace detail;
   pdl_begin(p.pdl);
@@ -719,7 +728,8 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
       ll_combine_send<kMode>(p, e);
     }
   }
-  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode>(p, e);
+  static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
+  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out>(p, e);
 }
 
 }  // namespace epx::ll

@@ -1,0 +1,91 @@
+// src/cuda/ll_nodes.h — CudaLlNodes, the cuda backend's ll across nodes (docs/design.md §13.1),
+// built for "virtual nodes" as CudaHtNodes (ht_nodes.h): a Group::cuda_shared_device group with
+// ranks_per_node < R, every rank a thread on one GPU, the rail the device-copy rail.
+//
+// Rank (n, g) of N nodes x G ranks owns a node-local CudaLl (ll.cu) over its node's G ranks with
+// E / N experts (the ll kernels of one node, unchanged but for the combine's float32-out
+// instantiation), the rail, and a scratch allocation (ll_nodes_layout.h).
+//
+//   ll_dispatch
+//     pack (ht's, kernels/ht/nodes.cuh): per other node m a chunk of C = T_max token slots (token
+//     t's bf16 row when it selects an expert of m, its ids renumbered to m's experts, -1
+//     elsewhere) -> rail to (m, g) -> one node-local dispatch per source node m = 0 .. N - 1 (m =
+//     n: this rank's tokens, ids renumbered; fp8 quantised there from the bf16 rows, per row, as
+//     the source would) -> assemble (kernels/ll/nodes.cuh): per local expert, block m's rows
+//     behind the earlier blocks' = semantics §2's order (source rank, then token).
+//   ll_combine (copy mode)
+//     pack: this rank's ids renumbered and weights per other node -> rail -> per source node m:
+//     y's block m restaged into the node-local combine buffer, a node-local zero-copy combine
+//     with float32 out (m = n: this rank's partial; else (m, g)'s tokens' partial into the rail
+//     chunk for m) -> rail -> add: bf16(own + the partials of the nodes each token reached,
+//     ascending): the cpu backend's order.
+// Not built here (Unsupported naming the option and "across nodes on cuda"): return_recv_hook,
+// use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer), use_logfmt,
+// overlap, combine_wait_recv_cost_stats, the rank masks (enable_shrink, Buffer refuses it).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "core/buffer_impl.h"
+#include "cuda/ll_nodes_layout.h"
+#include "transport/rail.h"
+
+namespace epx::detail {
+
+class CudaLl;
+class SymmetricMemory;
+
+// Symmetric bytes per rank of the hierarchical ll (N > 1 nodes of R / N ranks).
+size_t cuda_ll_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes);
+
+class CudaLlNodes {
+ public:
+  // Collective over the group (the node group, the node-local CudaLl, the rail, the scratch).
+  // The group shares one GPU (else Unsupported).
+  CudaLlNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id);
+  ~CudaLlNodes();
+  CudaLlNodes(const CudaLlNodes&) = delete;
+  CudaLlNodes& operator=(const CudaLlNodes&) = delete;
+
+  size_t bytes() const;
+  // Raises what the rail or a node-local kernel recorded.
+  void check();
+  // Collective: the node-local ll (ll_clean) and the rail start over.
+  void clean();
+
+  LlDispatchResult dispatch(const LlDispatchArgs& args, const Allocator& alloc);
+  LlCombineResult combine(const LlCombineArgs& args, const Allocator& alloc);
+  // Unsupported: "<what> across nodes on cuda (...) is not built; expected <expected>".
+  [[noreturn]] void unsupported(const char* what, const char* expected) const;
+
+ private:
+  struct State;  // LlHandle::backend_state: the N node-local handles
+  const State& state_of(const LlHandle& h, const char* op) const;
+  // Pack kernel: rows (dispatch) or weights (combine) with renumbered ids per other node.
+  void pack(const TensorView& x, const TensorView& topk_idx, const TensorView& weights,
+            int64_t num_tokens, cudaStream_t stream, const char* what);
+  void exchange(const char* what, size_t bytes, cudaStream_t stream);
+  char* send_slot(int i) const { return scratch_ + i * layout_.slot; }
+  char* recv_slot(int i) const { return scratch_ + (topology_.num_nodes - 1 + i) * layout_.slot; }
+  std::string where() const;  // "across nodes on cuda (N nodes of G ranks)"
+
+  Group group_;
+  MoeShape shape_;
+  uint64_t buffer_id_ = 0;
+  Topology topology_;
+  int node_ = 0, device_ = 0, grid_ = 1;
+  LlNodesLayout layout_;
+  std::optional<Group> node_group_;
+  std::shared_ptr<CudaLl> ll_;  // the node-local ll over node_group_
+  std::unique_ptr<RailTransport> rail_;
+  std::shared_ptr<SymmetricMemory> memory_;
+  char* scratch_ = nullptr;
+  float* own_ = nullptr;
+  int32_t* own_ids_ = nullptr;
+};
+
+}  // namespace epx::detail

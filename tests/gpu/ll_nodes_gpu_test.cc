@@ -1,0 +1,388 @@
+// tests/gpu/ll_nodes_gpu_test.cc — the cuda ll across nodes on one GPU ("virtual nodes":
+// Group::cuda_shared_device with GroupOptions::ranks_per_node, docs/design.md §13.1), every
+// output compared bit for bit with the oracle of that topology (tests/support/oracle_ll.h, whose
+// combine takes the node-first order of src/cpu/ll_combine.cc), which the cpu backend of the same
+// topology must equal too (so cuda equals the cpu backend).
+//
+// Cases are ll_cases.h's random ones with what this first version builds: no hooks, no
+// zero-copy, no LogFMT, no NVFP4 (fp8, round_scale, UE8M0, stats, a given out, padded rows,
+// two batches in flight and two rounds on one buffer stay drawn). Outputs come from the
+// poisoning allocator (rows left unwritten show); y rows past the counts are NaN. Half the
+// batches take y of values from 2^-24 to 2^24 (either sign) and weights 1, whose float32 sums
+// depend on their order: each topology must have a result that the node-first order changes.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "gpu/gpu_support.h"
+#include "support/harness.h"
+#include "support/ht_inputs.h"
+#include "support/ll_cases.h"
+#include "support/oracle_ll.h"
+
+namespace epx {
+namespace {
+
+using gpu_testing::host_copy;
+using gpu_testing::host_ll_dispatch;
+using testing::LlBatch;
+using testing::LlCase;
+using testing::LlProblem;
+using testing::LlRankInput;
+
+BufferConfig ll_only() {
+  BufferConfig c;
+  c.enable_ht = false;
+  c.enable_ll = true;
+  return c;
+}
+
+uint64_t test_seed() {
+  if (const char* v = std::getenv("EPX_TEST_SEED")) return std::strtoull(v, nullptr, 10);
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+// A random case of ll_cases.h at N x G, the options this version builds.
+LlCase nodes_case(int N, int G, uint64_t seed) {
+  LlCase c = testing::random_ll_case(N * G, seed, 0.3);
+  c.p.ranks_per_node = G;
+  c.hook = c.reverse_hooks = c.zero_copy = false;
+  c.p.use_logfmt = false;
+  c.p.use_nvfp4 = false;
+  c.p.global_scale = 1.0f;
+  return c;
+}
+
+// y of order-sensitive values (rows below the counts; NaN past them stays) and weights 1, the
+// expected out recomputed. True when the node-first order changes some element of some rank's out.
+bool widen(const LlCase& c, LlBatch& b, std::mt19937_64& rng) {
+  const LlProblem& p = c.p;
+  const int L = p.num_local_experts();
+  const int64_t RT = p.rows_per_expert(), H = p.hidden;
+  for (int r = 0; r < p.num_ranks; ++r)
+    for (int l = 0; l < L; ++l) {
+      const int64_t n = b.want[r].recv_count[l];
+      const std::vector<uint16_t> rows = testing::wide_bf16(n, H, rng);
+      std::copy(rows.begin(), rows.end(), b.y[r].begin() + l * RT * H);
+    }
+  // Weights 1 (or 0 where the id is -1): terms of opposite sign cancel exactly, so the
+  // grouping decides whether the small ones survive.
+  for (LlRankInput& in : b.in)
+    for (size_t i = 0; i < in.topk_idx.size(); ++i) in.topk_weights[i] = in.topk_idx[i] < 0 ? 0 : 1;
+  b.want_out = testing::oracle_ll_combine_all(p, b.in, b.y);
+  LlProblem flat = p;
+  flat.ranks_per_node = 0;
+  return testing::oracle_ll_combine_all(flat, b.in, b.y) != b.want_out;
+}
+
+// One case on this rank (its own Buffer): every batch's dispatch, then every combine; "" or the
+// first failure.
+std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const Group& g,
+                     cudaStream_t stream) {
+  const LlProblem& p = c.p;
+  const int r = g.rank(), L = p.num_local_experts(), dev = gpu_testing::device_of(g);
+  const int64_t H = p.hidden;
+  Buffer buf(g, p.moe_shape(), ll_only());
+  std::string err;
+  auto fail = [&](const std::string& where, const std::string& what) {
+    if (err.empty() && !what.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + what;
+  };
+  if (buf.bytes_allocated() !=
+      Buffer::bytes_needed(Mode::kLl, p.moe_shape(), p.num_ranks, Backend::kCuda, p.ranks_per_node))
+    fail("memory", "bytes_allocated differs from bytes_needed");
+  const Allocator alloc = gpu_testing::poison_allocator();
+  const int nb = c.num_batches;
+  for (int iter = 0; iter < c.num_iters && err.empty(); ++iter) {
+    std::vector<Tensor> keep;
+    std::vector<Tensor> stats(nb);
+    std::vector<LlDispatchResult> d(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlBatch& bt = batches[iter * nb + b];
+      LlDispatchArgs a = gpu_testing::ll_dispatch_inputs(c, bt.in[r], dev, keep);
+      if (c.stats) {
+        stats[b] = gpu_testing::to_device(bt.stats0[r], DType::kI32, {L}, dev);
+        a.cumulative_local_expert_recv_stats = stats[b];
+      }
+      a.stream = stream;
+      d[b] = buf.ll_dispatch(a, alloc);
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    for (int b = 0; b < nb; ++b) {
+      const LlBatch& bt = batches[iter * nb + b];
+      const std::string where = "iter " + std::to_string(iter) + " batch " + std::to_string(b);
+      std::vector<std::vector<uint8_t>> hk;
+      fail(where + " dispatch",
+           testing::check_ll_dispatch(p, bt.want[r], host_ll_dispatch(d[b], hk)));
+      if (!c.stats) continue;
+      const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats[b]);
+      for (int l = 0; l < L; ++l)
+        if (got[l] != bt.stats0[r][l] + bt.want[r].recv_count[l])
+          fail(where + " stats", "cumulative_local_expert_recv_stats[" + std::to_string(l) +
+                                     "] = " + std::to_string(got[l]));
+    }
+    std::vector<LlCombineResult> cr(nb);
+    for (int b = 0; b < nb; ++b) {
+      const LlBatch& bt = batches[iter * nb + b];
+      const int64_t T = bt.in[r].num_tokens;
+      LlCombineArgs a = gpu_testing::ll_combine_inputs(c, bt.in[r], &bt.y[r], dev, keep);
+      a.handle = &d[b].handle;
+      if (c.out_given) {
+        keep.push_back(gpu_testing::device_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H},
+                                                       Device::cuda(dev)));
+        CUDA_OK(cudaMemsetAsync(keep.back().data, 0xFF, keep.back().nbytes(), stream));
+        a.out = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(dev));
+      }
+      a.stream = stream;
+      cr[b] = buf.ll_combine(a, alloc);
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    buf.check();
+    for (int b = 0; b < nb; ++b) {
+      std::vector<std::vector<uint8_t>> hk;
+      fail("iter " + std::to_string(iter) + " batch " + std::to_string(b) + " combine",
+           testing::check_ll_combine(p, batches[iter * nb + b].want_out[r],
+                                     host_copy(cr[b].out, hk)));
+    }
+  }
+  return err;
+}
+
+// The cpu backend of the same topology, every rank a thread, against the oracle; "" or the first
+// failure (so cuda, equal to the oracle, equals the cpu backend).
+std::string run_cpu_backend(const LlCase& c, const std::vector<LlBatch>& batches) {
+  const LlProblem& p = c.p;
+  std::vector<std::string> errs(p.num_ranks);
+  GroupOptions o;
+  o.ranks_per_node = p.ranks_per_node;
+  testing::run_threads(
+      p.num_ranks,
+      [&](const Group& g) {
+        const int r = g.rank(), K = p.top_k, L = p.num_local_experts();
+        const int64_t H = p.hidden, RT = p.rows_per_expert();
+        Buffer buf(g, p.moe_shape(), ll_only());
+        for (size_t i = 0; i < batches.size() && errs[r].empty(); ++i) {
+          LlRankInput in = batches[i].in[r];
+          const int64_t T = in.num_tokens;
+          LlDispatchArgs a;
+          a.x = TensorView::contiguous(in.x.data(), DType::kBF16, {T, H});
+          a.topk_idx = TensorView::contiguous(in.topk_idx.data(), DType::kI64, {T, K});
+          a.use_fp8 = p.use_fp8;
+          a.round_scale = p.round_scale;
+          a.use_ue8m0 = p.use_ue8m0;
+          LlDispatchResult d = buf.ll_dispatch(a, testing::poison_allocator(0xAB));
+          errs[r] = testing::check_ll_dispatch(p, batches[i].want[r], d);
+          std::vector<uint16_t> y = batches[i].y[r];
+          LlCombineArgs ca;
+          ca.handle = &d.handle;
+          ca.topk_idx = a.topk_idx;
+          ca.topk_weights = TensorView::contiguous(in.topk_weights.data(), DType::kF32, {T, K});
+          ca.y = TensorView::contiguous(y.data(), DType::kBF16, {L, RT, H});
+          LlCombineResult cr = buf.ll_combine(ca, testing::poison_allocator(0xAB));
+          if (errs[r].empty())
+            errs[r] = testing::check_ll_combine(p, batches[i].want_out[r], cr.out);
+        }
+      },
+      o);
+  for (int r = 0; r < p.num_ranks; ++r)
+    if (!errs[r].empty()) return "cpu backend rank " + std::to_string(r) + ": " + errs[r];
+  return "";
+}
+
+// `count` random cases at N x G on one GPU; the odd cases with uniform routing and K >= 8, every
+// batch of odd index (a case's only batch in the odd cases) with order-sensitive y.
+int run_topology(int N, int G, int count) {
+  const uint64_t seed = test_seed();
+  std::fprintf(stderr, "LlNodesOneGpu %dx%d seed %llu\n", N, G,
+               static_cast<unsigned long long>(seed));
+  std::vector<LlCase> cases;
+  std::vector<std::vector<LlBatch>> data;
+  bool order_changed = false;
+  int bad = 0;
+  for (int i = 0; i < count; ++i) {
+    cases.push_back(nodes_case(N, G, seed + i));
+    if (i % 2 == 1) {  // tokens whose selections span nodes (for the order-sensitive y)
+      cases.back().routing = testing::Routing::kUniform;
+      cases.back().p.top_k = std::max(cases.back().p.top_k, 8);
+    }
+    data.push_back(testing::make_ll_batches(cases.back()));
+    std::mt19937_64 rng(seed * 31 + i);
+    for (size_t b = 1; b < data.back().size(); b += 2)
+      order_changed |= widen(cases.back(), data.back()[b], rng);
+    if (data.back().size() == 1 && i % 2 == 1)
+      order_changed |= widen(cases.back(), data.back()[0], rng);
+    const std::string cpu = run_cpu_backend(cases.back(), data.back());
+    if (!cpu.empty()) {
+      std::fprintf(stderr, "case %d (%s): %s\n", i, cases.back().describe().c_str(), cpu.c_str());
+      ++bad;
+    }
+  }
+  if (!order_changed) {
+    std::fprintf(stderr, "%dx%d: no case where the node-first order changes a result\n", N, G);
+    ++bad;
+  }
+  GroupOptions o;
+  o.ranks_per_node = G;
+  // Every rank's ll CTAs and rail CTAs co-resident with room to spare (the H200 has 132 SMs).
+  o.num_sms = std::max(1, 96 / (N * G));
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
+      N * G, 0,
+      [&](const Group& g) {
+        const gpu_testing::RankStream rs(cudaStreamNonBlocking);
+        int failed = 0;
+        for (size_t i = 0; i < cases.size() && failed < 3; ++i) {
+          std::string err;
+          try {
+            err = run_rank(cases[i], data[i], g, rs.get());
+          } catch (const std::exception& e) {
+            err = std::string("exception: ") + e.what();
+          }
+          if (!err.empty()) {
+            std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(),
+                         err.c_str());
+            ++failed;  // three diagnoses are enough; the peers time out
+          }
+        }
+        return failed;
+      },
+      o);
+  return bad + rc;
+}
+
+class LlNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(LlNodesOneGpu, MatchesOracleAndCpuBackend) {
+  EPX_REQUIRE_GPUS(1);
+  const auto [N, G] = GetParam();
+  EXPECT_EQ(run_topology(N, G, 8), 0);
+}
+
+// 2 x 1: node-local ll of one rank; the others: node-local groups of 2 and 4.
+INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpu,
+                         ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
+                                           std::pair{4, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" +
+                                  std::to_string(info.param.second);
+                         });
+
+// Every option this version does not build raises Unsupported naming it and "across nodes on
+// cuda", before any communication (so no rank waits for a peer).
+TEST(LlNodesOneGpuLimits, UnbuiltOptionsAreUnsupported) {
+  EPX_REQUIRE_GPUS(1);
+  GroupOptions o;
+  o.ranks_per_node = 1;
+  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
+      2, 0,
+      [&](const Group& g) {
+        int bad = 0;
+        auto expect_unsupported = [&](const char* what, const std::function<void()>& f,
+                                      const char* name) {
+          try {
+            f();
+            std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
+            ++bad;
+          } catch (const Error& e) {
+            const std::string m = e.what();
+            if (e.code() != ErrorCode::kUnsupported || m.find(name) == std::string::npos ||
+                m.find("across nodes on cuda") == std::string::npos) {
+              std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
+              ++bad;
+            }
+          }
+        };
+        const int dev = gpu_testing::device_of(g);
+        const MoeShape shape{128, 2, 4, 8};
+        Buffer buf(g, shape, ll_only());
+        const int64_t T = 4, H = 128, K = 2, L = 2, RT = 16;
+        std::vector<uint16_t> xs(T * H, 0x3F80);
+        std::vector<int64_t> ids = {0, 3, 1, 2, 2, -1, 3, 0};
+        const Tensor x = gpu_testing::to_device(xs, DType::kBF16, {T, H}, dev);
+        const Tensor topk = gpu_testing::to_device(ids, DType::kI64, {T, K}, dev);
+        const Tensor w =
+            gpu_testing::to_device(std::vector<float>(T * K, 0.5f), DType::kF32, {T, K}, dev);
+        const Tensor y = gpu_testing::to_device(std::vector<uint16_t>(L * RT * H, 0x3F80),
+                                                DType::kBF16, {L, RT, H}, dev);
+        const Tensor wait =
+            gpu_testing::to_device(std::vector<int64_t>(2, 0), DType::kI64, {2}, dev);
+        const Allocator alloc = gpu_testing::poison_allocator();
+        LlDispatchArgs a;
+        a.x = x;
+        a.topk_idx = topk;
+        a.use_fp8 = false;
+        a.stream = gpu_testing::rank_stream();
+        LlDispatchArgs hook = a;
+        hook.return_recv_hook = true;
+        expect_unsupported(
+            "dispatch hook", [&] { buf.ll_dispatch(hook, alloc); }, "return_recv_hook");
+        LlDispatchArgs fp4 = a;
+        fp4.use_nvfp4 = true;
+        fp4.global_scale = 1.0f;
+        expect_unsupported(
+            "nvfp4", [&] { buf.ll_dispatch(fp4, alloc); }, "use_nvfp4");
+        LlDispatchArgs ws = a;
+        ws.dispatch_wait_recv_cost_stats = wait;
+        expect_unsupported(
+            "dispatch wait stats", [&] { buf.ll_dispatch(ws, alloc); },
+            "dispatch_wait_recv_cost_stats");
+        LlDispatchResult d = buf.ll_dispatch(a, alloc);
+        expect_unsupported(
+            "next combine buffer", [&] { buf.ll_next_combine_buffer(d.handle); },
+            "ll_next_combine_buffer");
+        LlCombineArgs ca;
+        ca.y = y;
+        ca.topk_idx = topk;
+        ca.topk_weights = w;
+        ca.handle = &d.handle;
+        ca.stream = a.stream;
+        LlCombineArgs ch = ca;
+        ch.return_recv_hook = true;
+        expect_unsupported(
+            "combine hook", [&] { buf.ll_combine(ch, alloc); }, "return_recv_hook");
+        LlCombineArgs lf = ca;
+        lf.use_logfmt = true;
+        expect_unsupported(
+            "logfmt", [&] { buf.ll_combine(lf, alloc); }, "use_logfmt");
+        LlCombineArgs cw = ca;
+        cw.combine_wait_recv_cost_stats = wait;
+        expect_unsupported(
+            "combine wait stats", [&] { buf.ll_combine(cw, alloc); },
+            "combine_wait_recv_cost_stats");
+        const Tensor signals =
+            gpu_testing::to_device(std::vector<int32_t>(L, 1), DType::kI32, {L}, dev);
+        LlCombineArgs ov = ca;
+        ov.overlap = LlCombineOverlap{};
+        ov.overlap->signals = signals;
+        expect_unsupported(
+            "overlap", [&] { buf.ll_combine(ov, alloc); }, "overlap");
+        // The plain combine still runs after them: out = 0.5 y + 0.5 y = 1.0, token 2 (one
+        // selection) 0.5.
+        const LlCombineResult cr = buf.ll_combine(ca, alloc);
+        CUDA_OK(cudaStreamSynchronize(gpu_testing::rank_stream()));
+        buf.check();
+        const std::vector<uint16_t> out = gpu_testing::to_host<uint16_t>(cr.out);
+        for (int64_t i = 0; i < T * H; ++i) {
+          if (out[i] == (i / H == 2 ? 0x3F00 : 0x3F80)) continue;
+          std::fprintf(stderr, "[rank %d] combine out[%lld] = 0x%04x\n", g.rank(),
+                       static_cast<long long>(i), out[i]);
+          ++bad;
+          break;
+        }
+        return bad;
+      },
+      o);
+  EXPECT_EQ(rc, 0);
+}
+
+}  // namespace
+}  // namespace epx
