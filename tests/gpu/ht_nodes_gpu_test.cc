@@ -15,10 +15,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "cuda/tuning.h"
 #include "epx/buffer.h"
@@ -297,14 +300,24 @@ int run_ranks(const char* suite, int N, int G, bool need_order_change,
                static_cast<unsigned long long>(seed));
   GroupOptions o;
   o.ranks_per_node = G;
-  std::atomic<int> ranks_order_changed{0};
+  // The ranks run as threads of a child process (run_cuda_ranks_one_gpu forks): their count of
+  // order changes lives in a page shared with it, not in this process's memory.
+  void* page = mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) {
+    std::perror("mmap");
+    return 1;
+  }
+  auto* ranks_order_changed = new (page) std::atomic<int>(0);
   const int rc = gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, [&](const Group& g) {
     bool order_changed = false;
     const int64_t bad = body(g, seed, order_changed);
-    if (order_changed) ranks_order_changed.fetch_add(1);
+    if (order_changed) ranks_order_changed->fetch_add(1);
     return bad == 0 ? 0 : 1;
   }, o);
-  if (need_order_change && ranks_order_changed.load() == 0) {
+  const int changed = ranks_order_changed->load();
+  munmap(page, sizeof(std::atomic<int>));
+  if (need_order_change && changed == 0) {
     std::fprintf(stderr, "%s %dx%d: no result changed by the node-first order\n", suite, N, G);
     return 1;
   }
