@@ -9,6 +9,7 @@
 // synchronise the device that the ranks share).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -164,9 +165,11 @@ int64_t run_case(const Group& g, Buffer& buf, const HtCase& c, bool wide, bool& 
   const testing::HtProblem p = c.problem();
   const auto in = gpu_testing::make_ht_inputs(c);
   const HtExpectedDispatch w = testing::ht_oracle_dispatch(p, in, r);
-  // The combine takes weights where the dispatch did (a case without exercises both paths).
+  // The combine takes weights where the dispatch did (a case without exercises both paths). With
+  // wide y every rank has a bias: at one rank per node a sum of two rows alone is the same in
+  // either order, the bias first makes it three terms.
   auto yin = gpu_testing::make_combine_inputs(c, in, /*weights=*/c.weights, /*bias0=*/r % 2 == 0,
-                                              /*bias1=*/c.seed % 2 == 0, /*salt=*/5);
+                                              /*bias1=*/wide || c.seed % 2 == 0, /*salt=*/5);
   if (wide) widen(yin, c, c.seed);
   const HtExpectedCombine want_c = testing::ht_oracle_combine(p, in, yin, r);
   testing::HtProblem flat = p;
@@ -284,6 +287,16 @@ std::vector<HtCase> random_cases(int N, int G, int64_t hidden, uint64_t seed, in
   return cases;
 }
 
+// Routing under which the node-first order can change a combine: a token reaches at least 4
+// experts, spread over every rank (at top_k 1, all to one rank, or a rank left empty — all of
+// them at R = 2 — no token's sum may have the terms from two nodes that the order needs).
+void order_sensitive(HtCase& c) {
+  c.top_k = std::max(c.top_k, 4);
+  c.num_experts = std::max(c.num_experts, c.num_ranks * 2);
+  if (c.routing == testing::Routing::kAllToOne || c.routing == testing::Routing::kEmptyRank)
+    c.routing = testing::Routing::kUniform;
+}
+
 uint64_t test_seed() {
   if (const char* v = std::getenv("EPX_TEST_SEED")) return std::strtoull(v, nullptr, 10);
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -324,15 +337,20 @@ int run_ranks(const char* suite, int N, int G, bool need_order_change,
   return rc;
 }
 
-// Random cases at N x G (two hidden sizes, three cases each on one buffer; cases 1 and 2 with
-// order-sensitive y) through run_case up to `last`; with the combine, some case must change a
-// result by the node-first order.
+// Random cases at N x G (two hidden sizes, three cases each on one buffer, all with case 1's top_k
+// and experts; cases 1 and 2 routed by order_sensitive, with order-sensitive y) through
+// run_case up to `last`; with the combine, some case must change a result by the node-first
+// order.
 int run_topology(int N, int G, Stage last) {
   return run_ranks("HtNodesOneGpu", N, G, last == Stage::kCombine,
                    [&](const Group& g, uint64_t seed, bool& order_changed) {
     int64_t bad = 0;
     for (int64_t hidden : {int64_t{512}, int64_t{1024}}) {
-      const std::vector<HtCase> cases = random_cases(N, G, hidden, seed + hidden, 3);
+      std::vector<HtCase> cases = random_cases(N, G, hidden, seed + hidden, 3);
+      order_sensitive(cases[1]);  // (at 2 x 1 only rank 1's order differs: case 2 gives it tokens)
+      order_sensitive(cases[2]);
+      cases[0].top_k = cases[1].top_k;  // the buffer's shape, which every case takes
+      cases[0].num_experts = cases[1].num_experts;
       Buffer buf(g, shape_of(cases[0], 200));
       if (buf.bytes_allocated() !=
           Buffer::bytes_needed(Mode::kHt, shape_of(cases[0], 200), N * G, Backend::kCuda, G)) {
@@ -577,6 +595,7 @@ int run_graph_topology(int N, int G) {
       const int i = hidden == 512 ? 1 : 2;  // case i: rank i % R has no tokens
       HtCase c = random_cases(N, G, hidden, seed + hidden, 3)[i];
       c.weights = true;
+      order_sensitive(c);
       bad += graph_case(g, c, /*num_replays=*/6, order_changed);
     }
     return bad;
