@@ -48,6 +48,11 @@
 #             beside it) and its pytest
 #   main      scripts/run.sh (the README's main job: the demo on every GPU, epx-bench --check)
 #
+# Host-timed steps (ab's DeepEP harness, profile, peer, overhead) run pinned: `taskset -c` to
+# cores $EPX_PIN_FIRST (default 1) .. +P-1 for P processes, as engines pin theirs; unpinned, the
+# host time per call varies by tens of µs between processes on the GPU machine (docs/perf.md
+# §4.3). EPX_PIN=0 runs them unpinned.
+#
 # Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # (never NVLink multicast on the shared hosts). Logs: $OUT (default /tmp/epx-out), one per step,
 # plus env.log. Each step prints its status and duration (and its result rows or failure lines);
@@ -122,6 +127,18 @@ skip() {
 }
 
 have_gpu() { [ "$G" -ge 1 ]; }
+
+# pinned P CMD...: CMD on P cores from $EPX_PIN_FIRST (see the header), or as is with EPX_PIN=0
+# or without taskset.
+pinned() {
+  local p=$1 first=${EPX_PIN_FIRST:-1}
+  shift
+  if [ "${EPX_PIN:-1}" = 0 ] || ! command -v taskset >/dev/null; then
+    "$@"
+  else
+    taskset -c "$first-$((first + p - 1))" "$@"
+  fi
+}
 
 do_build() {
   step build 1200 "" bash -c 'source scripts/common.sh && epx_setup_env && epx_configure_and_build' ||
@@ -250,7 +267,7 @@ batch_ab() {
     for side in "$rev" head; do
       root=.
       [ "$side" = head ] || root="$dir.src"
-      step "ab.peer.$side.$round" 150 "" bash "$root/bench/peer_deepep.sh" "$tests" 1 \
+      step "ab.peer.$side.$round" 150 "" pinned 1 bash "$root/bench/peer_deepep.sh" "$tests" 1 \
         test_low_latency.py || continue
       grep -E "avg_t|send/recv" "$OUT/ab.peer.$side.$round.log" | sed "s/^/  [$side] /"
     done
@@ -259,11 +276,11 @@ batch_ab() {
 
 batch_profile() {
   # shellcheck disable=SC2086
-  step profile.kernels 300 "^(op|ll|ht|a2a|profile)" "$EPX_PYTHON" bench/profile_kernels.py \
-    ${EPX_PROFILE_ARGS:-}
+  step profile.kernels 300 "^(op|ll|ht|a2a|profile)" pinned 1 "$EPX_PYTHON" \
+    bench/profile_kernels.py ${EPX_PROFILE_ARGS:-}
   # shellcheck disable=SC2086
-  step profile.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^ht" "$EPX_PYTHON" \
-    bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
+  step profile.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^ht" pinned 1 \
+    "$EPX_PYTHON" bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
 }
 
 batch_peer() {
@@ -279,10 +296,11 @@ DeepEP checkout (bench/peer_deepep.sh)"
     step peer.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
     self=$EPX_DEEPEP_SRC
   fi
-  step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" env EPX_DEEPEP_SELF="$self" \
+  step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" pinned "${EPX_PEER_PROCS:-1}" \
+    env EPX_DEEPEP_SELF="$self" \
     bash bench/peer_deepep.sh "$tests" "${EPX_PEER_PROCS:-1}"
   if [ -n "$self" ]; then
-    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" "$EPX_PYTHON" \
+    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" pinned 1 "$EPX_PYTHON" \
       bench/engine_timing.py --tokens 128 --experts 288 --peer "$self"
   fi
 }
@@ -305,11 +323,13 @@ batch_trace() {
 
 batch_overhead() {
   local rows="^T=|^\||skipped"
-  step overhead.cuda_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --device cuda \
+  step overhead.cuda_tiny 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
+    --device cuda \
     --iters 3000 --parts --alloc-ab --breakdown 10
-  step overhead.cuda_decode 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py \
+  step overhead.cuda_decode 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 --max-tokens 128
-  step overhead.cpu_tiny 200 "$rows" "$EPX_PYTHON" tests/python/bench_overhead.py --iters 3000 \
+  step overhead.cpu_tiny 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
+    --iters 3000 \
     --parts --alloc-ab --breakdown 10
   step overhead.pytest 240 "passed|failed" "$EPX_PYTHON" -m pytest -q -rs \
     tests/python/test_overhead_script.py
