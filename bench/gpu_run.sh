@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2046  # $(pin N): a command prefix, split into words on purpose
 # bench/gpu_run.sh — the GPU machine's batches, the same for a developer at a GPU and for a device
 # run: one build (scripts/common.sh's, $EPX_BUILD_DIR, default build/; the tests, the GPU
 # benchmarks, epx-bench and the Python extension), then the named batches in the order given.
@@ -128,15 +129,15 @@ skip() {
 
 have_gpu() { [ "$G" -ge 1 ]; }
 
-# pinned P CMD...: CMD on P cores from $EPX_PIN_FIRST (see the header), or as is with EPX_PIN=0
-# or without taskset.
-pinned() {
-  local p=$1 first=${EPX_PIN_FIRST:-1}
-  shift
+# pin P: the command prefix that pins a step's command to P cores from $EPX_PIN_FIRST (see the
+# header; `step` runs its command under `timeout`, so the prefix is a program, not a function):
+# `taskset -c A-B`, or `env` with EPX_PIN=0 or without taskset. Used unquoted: $(pin 1) CMD...
+pin() {
+  local first=${EPX_PIN_FIRST:-1}
   if [ "${EPX_PIN:-1}" = 0 ] || ! command -v taskset >/dev/null; then
-    "$@"
+    echo env
   else
-    taskset -c "$first-$((first + p - 1))" "$@"
+    echo "taskset -c $first-$((first + $1 - 1))"
   fi
 }
 
@@ -267,7 +268,7 @@ batch_ab() {
     for side in "$rev" head; do
       root=.
       [ "$side" = head ] || root="$dir.src"
-      step "ab.peer.$side.$round" 150 "" pinned 1 bash "$root/bench/peer_deepep.sh" "$tests" 1 \
+      step "ab.peer.$side.$round" 150 "" $(pin 1) bash "$root/bench/peer_deepep.sh" "$tests" 1 \
         test_low_latency.py || continue
       grep -E "avg_t|send/recv" "$OUT/ab.peer.$side.$round.log" | sed "s/^/  [$side] /"
     done
@@ -276,10 +277,10 @@ batch_ab() {
 
 batch_profile() {
   # shellcheck disable=SC2086
-  step profile.kernels 300 "^(op|ll|ht|a2a|profile)" pinned 1 "$EPX_PYTHON" \
+  step profile.kernels 300 "^(op|ll|ht|a2a|profile)" $(pin 1) "$EPX_PYTHON" \
     bench/profile_kernels.py ${EPX_PROFILE_ARGS:-}
   # shellcheck disable=SC2086
-  step profile.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^ht" pinned 1 \
+  step profile.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^ht" $(pin 1) \
     "$EPX_PYTHON" bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
 }
 
@@ -296,11 +297,11 @@ DeepEP checkout (bench/peer_deepep.sh)"
     step peer.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
     self=$EPX_DEEPEP_SRC
   fi
-  step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" pinned "${EPX_PEER_PROCS:-1}" \
+  step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" $(pin "${EPX_PEER_PROCS:-1}") \
     env EPX_DEEPEP_SELF="$self" \
     bash bench/peer_deepep.sh "$tests" "${EPX_PEER_PROCS:-1}"
   if [ -n "$self" ]; then
-    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" pinned 1 "$EPX_PYTHON" \
+    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" $(pin 1) "$EPX_PYTHON" \
       bench/engine_timing.py --tokens 128 --experts 288 --peer "$self"
   fi
 }
@@ -323,12 +324,12 @@ batch_trace() {
 
 batch_overhead() {
   local rows="^T=|^\||skipped"
-  step overhead.cuda_tiny 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
+  step overhead.cuda_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda \
     --iters 3000 --parts --alloc-ab --breakdown 10
-  step overhead.cuda_decode 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
+  step overhead.cuda_decode 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 --max-tokens 128
-  step overhead.cpu_tiny 200 "$rows" pinned 1 "$EPX_PYTHON" tests/python/bench_overhead.py \
+  step overhead.cpu_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --iters 3000 \
     --parts --alloc-ab --breakdown 10
   step overhead.pytest 240 "passed|failed" "$EPX_PYTHON" -m pytest -q -rs \
