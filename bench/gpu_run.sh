@@ -64,7 +64,7 @@ cd "$(dirname "$0")/.." || exit 2
 
 BATCHES="build tests pytest bench gpubench overlap ab profile peer trace overhead main"
 usage() {
-  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
 }
 [ $# -gt 0 ] || usage
