@@ -19,6 +19,11 @@
 //     with float32 out (m = n: this rank's partial; else (m, g)'s tokens' partial into the rail
 //     chunk for m) -> rail -> add: bf16(own + the partials of the nodes each token reached,
 //     ascending): the cpu backend's order.
+// CUDA graphs: both calls are capturable (no host wait; outputs and the node-local temporaries
+// from the caller's allocator, nothing else allocated). The rail's exchange numbers and the
+// node-local ll's per-slot epochs live on the device; the node-local slots (N dispatches per call,
+// the host's parity) are fixed at capture, alike on every rank, so a replay is each slot's next
+// operation everywhere (tests/gpu/ll_nodes_gpu_test.cc LlNodesOneGpuGraph).
 // Not built here (Unsupported naming the option and "across nodes on cuda"): return_recv_hook,
 // use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer), use_logfmt,
 // overlap, combine_wait_recv_cost_stats, the rank masks (enable_shrink, Buffer refuses it).

@@ -224,11 +224,17 @@ Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
   return h;
 }
 
-Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
-                   int64_t* stride) {
+std::vector<uint16_t> rows_image(const std::vector<uint16_t>& src, int64_t n, int64_t H,
+                                 bool padded, int64_t* stride) {
   *stride = padded ? H + 64 : H;
   std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
   for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
+  return data;
+}
+
+Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
+                   int64_t* stride) {
+  const std::vector<uint16_t> data = rows_image(src, n, H, padded, stride);
   return to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, device);
 }
 
@@ -433,6 +439,23 @@ Allocator poison_allocator(int byte) {
     }
     return t;
   };
+}
+
+cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& fn) {
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t graph = nullptr;
+  try {
+    fn();
+  } catch (...) {
+    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) (void)cudaGetLastError();
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return graph;
 }
 
 Allocator Arena::allocator() {

@@ -141,8 +141,11 @@ std::vector<T> to_host(const TensorView& t) {
 // A host tensor with t's shape and strides over a copy of its whole storage, which `keep` holds
 // (every tensor `keep` holds stays valid as long as `keep`: it only grows).
 Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep);
-// ll test inputs on `device`: rows [n, H] of 16-bit values with row stride H, or H + 64 when
-// `padded` (the stride in *stride), as a flat tensor; topk ids [T, K] as int32 or int64.
+// Rows [n, H] of 16-bit values laid out with row stride H, or H + 64 when `padded` (the stride in
+// *stride; the padding and an empty image's one row hold 0xDEAD): what upload_rows uploads.
+std::vector<uint16_t> rows_image(const std::vector<uint16_t>& src, int64_t n, int64_t H,
+                                 bool padded, int64_t* stride);
+// ll test inputs on `device`: rows_image as a flat tensor; topk ids [T, K] as int32 or int64.
 Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
                    int64_t* stride);
 Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device);
@@ -186,6 +189,11 @@ std::vector<int64_t> parse_int_list(const std::string& list);
 // after a kernel on another stream wrote (a legacy-stream memset is not ordered with
 // non-blocking streams).
 Allocator poison_allocator(int byte = 0xFF);
+
+// `fn` enqueued on `stream` under a thread-local capture; the capture is ended whatever `fn`
+// raises (the stream must not stay capturing), and the graph returned (null when the capture
+// was invalidated; the CUDA error cleared).
+cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& fn);
 
 // Hands out, in order, the tensors a first (eager) pass allocated from `base`, so a CUDA graph
 // captured from the same sequence of calls has its outputs at fixed addresses and nothing is

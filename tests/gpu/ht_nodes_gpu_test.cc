@@ -405,26 +405,6 @@ INSTANTIATE_TEST_SUITE_P(Stages, HtNodesOneGpuStages,
 
 // ---- CUDA graphs ------------------------------------------------------------------------------
 
-// `fn` enqueued on `stream` under a thread-local capture; the capture is ended whatever `fn`
-// raises (the stream must not stay capturing), and the graph returned (null when the capture
-// was invalidated; the CUDA error cleared).
-cudaGraph_t capture(cudaStream_t stream, const std::function<void()>& fn) {
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cudaGraph_t graph = nullptr;
-  try {
-    fn();
-  } catch (...) {
-    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) (void)cudaGetLastError();
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    throw;
-  }
-  if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return graph;
-}
-
 // An exact dispatch on a capturing stream: Unsupported naming the capture, raised before it
 // allocates or enqueues anything (the capture stays valid and its graph empty). Mismatches.
 int64_t exact_under_capture(const Group& g, Buffer& buf, const HtDispatchArgs& a) {
@@ -545,7 +525,7 @@ int64_t graph_case(const Group& g, const HtCase& c, int num_replays, bool& order
   buf.check();
   bad += check_outputs("eager");
   arena.replay();
-  cudaGraph_t graph = capture(stream, enqueue);
+  cudaGraph_t graph = gpu_testing::capture_graph(stream, enqueue);
   if (graph == nullptr) {
     std::fprintf(stderr, "[rank %d] %s: the capture was invalidated\n", r, ctx.c_str());
     return bad + 1;

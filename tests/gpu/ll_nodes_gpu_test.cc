@@ -10,6 +10,8 @@
 // poisoning allocator (rows left unwritten show); y rows past the counts are NaN. Half the
 // batches take y of values from 2^-24 to 2^24 (either sign) and weights 1, whose float32 sums
 // depend on their order: each topology must have a result that the node-first order changes.
+// LlNodesOneGpuGraph: {dispatch, combine} captured in a CUDA graph and replayed on new inputs
+// (new routing included), fp8 and bf16, checked as above at every replay and eagerly after.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -29,6 +31,7 @@
 #include "support/ht_inputs.h"
 #include "support/ll_cases.h"
 #include "support/oracle_ll.h"
+#include "support/routing.h"
 
 namespace epx {
 namespace {
@@ -47,9 +50,24 @@ BufferConfig ll_only() {
   return c;
 }
 
-uint64_t test_seed() {
-  if (const char* v = std::getenv("EPX_TEST_SEED")) return std::strtoull(v, nullptr, 10);
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+// The run's seed (fresh unless EPX_TEST_SEED is set), printed with the suite and the topology.
+uint64_t topology_seed(const char* suite, int N, int G) {
+  const char* v = std::getenv("EPX_TEST_SEED");
+  const uint64_t seed =
+      v != nullptr
+          ? std::strtoull(v, nullptr, 10)
+          : static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::fprintf(stderr, "%s %dx%d seed %llu\n", suite, N, G, static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+// body on the N x G ranks on one GPU; 0 when every rank's body returned 0.
+int run_ranks_one_gpu(int N, int G, const std::function<int(const Group&)>& body) {
+  GroupOptions o;
+  o.ranks_per_node = G;
+  // Every rank's ll CTAs and rail CTAs co-resident with room to spare (the H200 has 132 SMs).
+  o.num_sms = std::max(1, 96 / (N * G));
+  return gpu_testing::run_cuda_ranks_one_gpu(N * G, 0, body, o);
 }
 
 // A random case of ll_cases.h at N x G, the options this version builds.
@@ -158,9 +176,10 @@ std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const
   return err;
 }
 
-// The cpu backend of the same topology, every rank a thread, against the oracle; "" or the first
-// failure (so cuda, equal to the oracle, equals the cpu backend).
-std::string run_cpu_backend(const LlCase& c, const std::vector<LlBatch>& batches) {
+// The cpu backend of the same topology, every rank a thread, against the oracle (so cuda, equal
+// to the oracle, equals the cpu backend): 0, or 1 with the first failure printed after `label`.
+int cpu_backend_fails(const std::string& label, const LlCase& c,
+                      const std::vector<LlBatch>& batches) {
   const LlProblem& p = c.p;
   std::vector<std::string> errs(p.num_ranks);
   GroupOptions o;
@@ -194,17 +213,19 @@ std::string run_cpu_backend(const LlCase& c, const std::vector<LlBatch>& batches
         }
       },
       o);
-  for (int r = 0; r < p.num_ranks; ++r)
-    if (!errs[r].empty()) return "cpu backend rank " + std::to_string(r) + ": " + errs[r];
-  return "";
+  for (int r = 0; r < p.num_ranks; ++r) {
+    if (errs[r].empty()) continue;
+    std::fprintf(stderr, "%s (%s): cpu backend rank %d: %s\n", label.c_str(), c.describe().c_str(),
+                 r, errs[r].c_str());
+    return 1;
+  }
+  return 0;
 }
 
 // `count` random cases at N x G on one GPU; the odd cases with uniform routing and K >= 8, every
 // batch of odd index (a case's only batch in the odd cases) with order-sensitive y.
 int run_topology(int N, int G, int count) {
-  const uint64_t seed = test_seed();
-  std::fprintf(stderr, "LlNodesOneGpu %dx%d seed %llu\n", N, G,
-               static_cast<unsigned long long>(seed));
+  const uint64_t seed = topology_seed("LlNodesOneGpu", N, G);
   std::vector<LlCase> cases;
   std::vector<std::vector<LlBatch>> data;
   bool order_changed = false;
@@ -221,42 +242,30 @@ int run_topology(int N, int G, int count) {
       order_changed |= widen(cases.back(), data.back()[b], rng);
     if (data.back().size() == 1 && i % 2 == 1)
       order_changed |= widen(cases.back(), data.back()[0], rng);
-    const std::string cpu = run_cpu_backend(cases.back(), data.back());
-    if (!cpu.empty()) {
-      std::fprintf(stderr, "case %d (%s): %s\n", i, cases.back().describe().c_str(), cpu.c_str());
-      ++bad;
-    }
+    bad += cpu_backend_fails("case " + std::to_string(i), cases.back(), data.back());
   }
   if (!order_changed) {
     std::fprintf(stderr, "%dx%d: no case where the node-first order changes a result\n", N, G);
     ++bad;
   }
-  GroupOptions o;
-  o.ranks_per_node = G;
-  // Every rank's ll CTAs and rail CTAs co-resident with room to spare (the H200 has 132 SMs).
-  o.num_sms = std::max(1, 96 / (N * G));
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
-      N * G, 0,
-      [&](const Group& g) {
-        const gpu_testing::RankStream rs(cudaStreamNonBlocking);
-        int failed = 0;
-        for (size_t i = 0; i < cases.size() && failed < 3; ++i) {
-          std::string err;
-          try {
-            err = run_rank(cases[i], data[i], g, rs.get());
-          } catch (const std::exception& e) {
-            err = std::string("exception: ") + e.what();
-          }
-          if (!err.empty()) {
-            std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(),
-                         err.c_str());
-            ++failed;  // three diagnoses are enough; the peers time out
-          }
-        }
-        return failed;
-      },
-      o);
-  return bad + rc;
+  return bad + run_ranks_one_gpu(N, G, [&](const Group& g) {
+           const gpu_testing::RankStream rs(cudaStreamNonBlocking);
+           int failed = 0;
+           for (size_t i = 0; i < cases.size() && failed < 3; ++i) {
+             std::string err;
+             try {
+               err = run_rank(cases[i], data[i], g, rs.get());
+             } catch (const std::exception& e) {
+               err = std::string("exception: ") + e.what();
+             }
+             if (!err.empty()) {
+               std::fprintf(stderr, "case %zu (%s): %s\n", i, cases[i].describe().c_str(),
+                            err.c_str());
+               ++failed;  // three diagnoses are enough; the peers time out
+             }
+           }
+           return failed;
+         });
 }
 
 class LlNodesOneGpu : public ::testing::TestWithParam<std::pair<int, int>> {};
@@ -271,6 +280,217 @@ TEST_P(LlNodesOneGpu, MatchesOracleAndCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpu,
                          ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
                                            std::pair{4, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" +
+                                  std::to_string(info.param.second);
+                         });
+
+// ---- CUDA graphs ------------------------------------------------------------------------------
+
+constexpr int kGraphReplays = 8;
+
+// A graph case at N x G: K = 8 of E = 3R experts, T_max 48, H 512, T per rank fixed (a graph
+// bakes x's shape): rank seed % R none, rank (seed + 1) % R T_max. fp8 (round_scale and UE8M0
+// drawn) with stats, int32 ids and padded rows; bf16 with int64 ids and a given out.
+LlCase graph_case_of(int N, int G, bool fp8, uint64_t seed) {
+  const int R = N * G;
+  std::mt19937_64 rng(seed * 131 + 7);
+  LlCase c;
+  c.seed = seed;
+  c.p.num_ranks = R;
+  c.p.ranks_per_node = G;
+  c.p.max_tokens = 48;
+  c.p.hidden = 512;
+  c.p.top_k = 8;
+  c.p.num_experts = 3 * R;
+  const uint64_t scales = rng() % 3;  // fp8: plain scales, round_scale, round_scale and UE8M0
+  c.p.use_fp8 = fp8;
+  c.p.round_scale = fp8 && scales >= 1;
+  c.p.use_ue8m0 = fp8 && scales == 2;
+  c.stats = c.topk_i32 = c.padded = fp8;
+  c.out_given = !fp8;
+  for (int r = 0; r < R; ++r)
+    c.fixed_tokens.push_back(std::uniform_int_distribution<int64_t>(1, c.p.max_tokens)(rng));
+  c.fixed_tokens[seed % R] = 0;
+  c.fixed_tokens[(seed + 1) % R] = c.p.max_tokens;
+  return c;
+}
+
+// Batch 0 for the eager run the graph's outputs are recorded on, 1 .. kGraphReplays for the
+// replays, the last for the eager run after them. Routing: uniform on odd batches (whose y is
+// order-sensitive: widen), the kinds of all_routings() in turn on even ones; batches 2, 5, 8
+// keep the previous batch's topk_idx (new weights, x and y). Sets `order_changed` as widen.
+std::vector<LlBatch> graph_batches(LlCase& c, bool& order_changed) {
+  const std::vector<testing::Routing> kinds = testing::all_routings();
+  std::mt19937_64 rng(c.seed);
+  std::vector<LlBatch> v;
+  for (int i = 0; i < kGraphReplays + 2; ++i) {
+    c.routing = i % 2 == 1 ? testing::Routing::kUniform : kinds[(i / 2) % kinds.size()];
+    LlBatch b = testing::make_ll_batch(c, rng);
+    if (i % 3 == 2) {
+      for (size_t r = 0; r < b.in.size(); ++r) {
+        b.in[r].topk_idx = v.back().in[r].topk_idx;
+        b.in[r].topk_weights = testing::make_topk_weights(b.in[r].topk_idx, rng);
+      }
+      testing::finish_ll_batch(c, b, rng);
+    }
+    if (i % 2 == 1) order_changed |= widen(c, b, rng);
+    v.push_back(std::move(b));
+  }
+  return v;
+}
+
+// Case c on this rank's buffer: {dispatch, combine} run eagerly on batch 0 (the arena records the
+// outputs), captured on the rank stream, replayed on batches 1 .. kGraphReplays written into the
+// captured input buffers (x, topk_idx of both calls, weights, y, stats), every output poisoned
+// before each replay, then run eagerly on the last batch (outputs from the poisoning allocator):
+// every run's recv_x, scales, recv_count, src_info, layout_range, stats and out checked.
+// Failures (printed).
+int graph_case(const Group& g, Buffer& buf, const LlCase& c, const std::vector<LlBatch>& batches) {
+  const LlProblem& p = c.p;
+  const int r = g.rank(), dev = gpu_testing::device_of(g), L = p.num_local_experts();
+  const int64_t T = c.fixed_tokens[r], H = p.hidden, RT = p.rows_per_expert();
+  const std::string ctx = c.describe();
+  const cudaStream_t stream = gpu_testing::rank_stream();
+  std::vector<Tensor> keep;
+  LlDispatchArgs da = gpu_testing::ll_dispatch_inputs(c, batches[0].in[r], dev, keep);
+  da.stream = stream;
+  Tensor stats;
+  if (c.stats) {
+    stats = gpu_testing::to_device(batches[0].stats0[r], DType::kI32, {L}, dev);
+    da.cumulative_local_expert_recv_stats = stats;
+  }
+  LlCombineArgs ca =
+      gpu_testing::ll_combine_inputs(c, batches[0].in[r], &batches[0].y[r], dev, keep);
+  ca.stream = stream;
+  Tensor out;
+  if (c.out_given) {
+    out = gpu_testing::device_allocator()(DType::kBF16, {std::max<int64_t>(T, 1), H},
+                                          Device::cuda(dev));
+    ca.out = TensorView::contiguous(out.data, DType::kBF16, {T, H}, Device::cuda(dev));
+  }
+  // New inputs into the captured buffers (the layouts ll_dispatch_inputs / ll_combine_inputs
+  // made).
+  auto upload = [&](const LlBatch& b) {
+    const LlRankInput& in = b.in[r];
+    int64_t stride = 0;
+    const std::vector<uint16_t> x = gpu_testing::rows_image(in.x, T, H, c.padded, &stride);
+    gpu_testing::upload_on_rank_stream(da.x.data, x.data(), x.size() * 2, stream);
+    const std::vector<int32_t> ids32(in.topk_idx.begin(), in.topk_idx.end());
+    for (void* ids : {da.topk_idx.data, ca.topk_idx.data}) {
+      if (c.topk_i32) {
+        gpu_testing::upload_on_rank_stream(ids, ids32.data(), ids32.size() * 4, stream);
+      } else {
+        gpu_testing::upload_on_rank_stream(ids, in.topk_idx.data(), in.topk_idx.size() * 8, stream);
+      }
+    }
+    gpu_testing::upload_on_rank_stream(ca.topk_weights.data, in.topk_weights.data(),
+                                       in.topk_weights.size() * 4, stream);
+    const std::vector<uint16_t> y = gpu_testing::rows_image(b.y[r], L * RT, H, c.padded, &stride);
+    gpu_testing::upload_on_rank_stream(ca.y.data, y.data(), y.size() * 2, stream);
+    if (c.stats) gpu_testing::upload_on_rank_stream(stats.data, b.stats0[r].data(), L * 4, stream);
+  };
+  LlDispatchResult d;
+  LlCombineResult cr;
+  auto round = [&](const Allocator& alloc) {
+    d = buf.ll_dispatch(da, alloc);
+    LlCombineArgs a = ca;
+    a.handle = &d.handle;
+    cr = buf.ll_combine(a, alloc);
+  };
+  int bad = 0;
+  auto verify = [&](const LlBatch& b, const std::string& when) {
+    std::string err;
+    try {
+      CUDA_OK(cudaStreamSynchronize(stream));
+      buf.check();
+      std::vector<std::vector<uint8_t>> hk;
+      err = testing::check_ll_dispatch(p, b.want[r], gpu_testing::host_ll_dispatch(d, hk));
+      if (c.stats) {
+        const std::vector<int32_t> got = gpu_testing::to_host<int32_t>(stats);
+        for (int l = 0; l < L && err.empty(); ++l)
+          if (got[l] != b.stats0[r][l] + b.want[r].recv_count[l])
+            err = "cumulative_local_expert_recv_stats[" + std::to_string(l) +
+                  "] = " + std::to_string(got[l]);
+      }
+      if (err.empty())
+        err = testing::check_ll_combine(p, b.want_out[r], gpu_testing::host_copy(cr.out, hk));
+    } catch (const std::exception& e) {
+      err = std::string("exception: ") + e.what();
+    }
+    if (err.empty()) return;
+    std::fprintf(stderr, "[rank %d] %s, %s: %s\n", r, ctx.c_str(), when.c_str(), err.c_str());
+    ++bad;
+  };
+
+  gpu_testing::Arena arena(gpu_testing::poison_allocator(0xAB));
+  upload(batches[0]);
+  round(arena.allocator());
+  verify(batches[0], "eager");
+  arena.replay();
+  cudaGraph_t graph = gpu_testing::capture_graph(stream, [&] { round(arena.allocator()); });
+  if (graph == nullptr) {
+    std::fprintf(stderr, "[rank %d] %s: the capture was invalidated\n", r, ctx.c_str());
+    return bad + 1;
+  }
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 1; rep <= kGraphReplays; ++rep) {  // all of them: the peers replay too
+    upload(batches[rep]);
+    for (const Tensor& t : arena.tensors)  // a replay that writes nothing shows
+      if (t.nbytes() > 0) CUDA_OK(cudaMemsetAsync(t.data, 0xA0 + rep, t.nbytes(), stream));
+    if (c.out_given) CUDA_OK(cudaMemsetAsync(out.data, 0xA0 + rep, out.nbytes(), stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    verify(batches[rep], "graph replay " + std::to_string(rep));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  // Eagerly after the replays: the node-local ll and the rail still in step.
+  upload(batches.back());
+  if (c.out_given) CUDA_OK(cudaMemsetAsync(out.data, 0xFF, out.nbytes(), stream));
+  round(gpu_testing::poison_allocator());
+  verify(batches.back(), "eager after the replays");
+  return bad;
+}
+
+// The fp8 and the bf16 graph case at N x G on one buffer per rank, every batch also through the
+// cpu backend of the topology (which the oracle must match); across nodes some replay must change
+// a result by the node-first order.
+int run_graph_topology(int N, int G) {
+  const uint64_t seed = topology_seed("LlNodesOneGpuGraph", N, G);
+  std::vector<LlCase> cases;
+  std::vector<std::vector<LlBatch>> data;
+  bool order_changed = false;
+  int bad = 0;
+  for (bool fp8 : {true, false}) {
+    cases.push_back(graph_case_of(N, G, fp8, seed + (fp8 ? 0 : 1)));
+    data.push_back(graph_batches(cases.back(), order_changed));
+    bad += cpu_backend_fails(fp8 ? "fp8 graph case" : "bf16 graph case", cases.back(), data.back());
+  }
+  if (N > 1 && !order_changed) {
+    std::fprintf(stderr, "%dx%d: no replay where the node-first order changes a result\n", N, G);
+    ++bad;
+  }
+  return bad + run_ranks_one_gpu(N, G, [&](const Group& g) {
+           Buffer buf(g, cases[0].p.moe_shape(), ll_only());
+           int failed = 0;  // every case on every rank: the peers wait for it
+           for (size_t i = 0; i < cases.size(); ++i)
+             failed += graph_case(g, buf, cases[i], data[i]);
+           return failed;
+         });
+}
+
+class LlNodesOneGpuGraph : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(LlNodesOneGpuGraph, DispatchAndCombineReplay) {
+  EPX_REQUIRE_GPUS(1);
+  const auto [N, G] = GetParam();
+  EXPECT_EQ(run_graph_topology(N, G), 0);
+}
+
+// 1 x 4: the one-node CudaLl on the shared GPU, the same checks.
+INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpuGraph,
+                         ::testing::Values(std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}),
                          [](const auto& info) {
                            return std::to_string(info.param.first) + "x" +
                                   std::to_string(info.param.second);
