@@ -43,7 +43,10 @@
 #             with DeepEP itself, in the same run
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
-#             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy
+#             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy,
+#             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
+#             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
+#             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -307,10 +310,12 @@ DeepEP checkout (bench/peer_deepep.sh)"
 }
 
 batch_trace() {
-  local T="$B-trace"
+  local T="$B-trace" targets="epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench"
+  # The overlap bench exists where the main build found cuBLAS.
+  [ -x "$B/bench/epx_ll_overlap_bench" ] && targets="$targets epx_ll_overlap_bench"
   step trace.build 900 "" bash -c "cmake -S . -B '$T' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
     -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON -DEPX_BUILD_PYTHON=OFF && cmake --build '$T' -j $(nproc) \
-    --target epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench" || { tail -40 "$OUT/trace.build.log"; return 1; }
+    --target $targets" || { tail -40 "$OUT/trace.build.log"; return 1; }
   local rows="^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)"
   step trace.ht_t1 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
     --tokens 1 --sms 16
@@ -320,6 +325,13 @@ batch_trace() {
     --tokens 128,1 --iters 20
   step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" --trace \
     --sms 16
+  if [ -x "$T/bench/epx_ll_overlap_bench" ]; then
+    # shellcheck disable=SC2086
+    step trace.overlap 300 "^\[trace|^\|" "$T/bench/epx_ll_overlap_bench" --trace --ranks 1 \
+      --sms 3,16,32 ${EPX_OVERLAP_ARGS:-}
+  else
+    skip trace.overlap "epx_ll_overlap_bench was not built (no cuBLAS in the CUDA toolkit)"
+  fi
 }
 
 batch_overhead() {

@@ -45,6 +45,7 @@
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "bench/bench_common.cuh"
+#include "bench/trace_clock.cuh"
 #include "gpu/gpu_support.h"
 #include "support/oracle_ll.h"
 #include "support/routing.h"
@@ -391,50 +392,8 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
 // ---- --trace (EPX_LL_TRACE builds) ---------------------------------------------------------
 
 #ifdef EPX_LL_TRACE
-// %globaltimer resolution and the SM clock (one thread, 2 ms): out = {dt ns, dclk, smallest
-// step ns, distinct values seen}.
-__global__ void clock_probe_kernel(unsigned long long* out) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  const long long c0 = clock64();
-  unsigned long long prev = t0, min_step = ~0ull, changes = 0;
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t != prev) {
-      if (t - prev < min_step) min_step = t - prev;
-      prev = t;
-      ++changes;
-    }
-  } while (t - t0 < 2000000ull);
-  const long long c1 = clock64();
-  out[0] = t - t0;
-  out[1] = static_cast<unsigned long long>(c1 - c0);
-  out[2] = min_step;
-  out[3] = changes;
-}
-
-struct TraceClock {
-  double ns_per_clk = 0, step_ns = 0, mean_step_ns = 0;
-  bool hybrid = false;  // %globaltimer too coarse: offsets = CTA entry (globaltimer) + clock64
-};
-
-TraceClock probe_clock(int dev) {
-  unsigned long long* d = nullptr;
-  CK(cudaMalloc(&d, 4 * sizeof(unsigned long long)));
-  unsigned long long h[4] = {};
-  for (int i = 0; i < 2; ++i) {  // the first one warms up
-    clock_probe_kernel<<<1, 1>>>(d);
-    CK(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost));
-  }
-  CK(cudaFree(d));
-  TraceClock c;
-  c.ns_per_clk = h[1] ? static_cast<double>(h[0]) / static_cast<double>(h[1]) : 0;
-  c.step_ns = static_cast<double>(h[2]);
-  c.mean_step_ns = h[3] ? static_cast<double>(h[0]) / static_cast<double>(h[3]) : 0;
-  c.hybrid = c.mean_step_ns > 100;
-  (void)dev;
-  return c;
-}
+using bench::probe_clock;
+using bench::TraceClock;
 
 const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "freed wait (1)",
@@ -456,7 +415,8 @@ const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "range table",
                                                          "+ids/rows (6,V)",
                                                          "pulls+reduce (7)",
-                                                         "exit"};
+                                                         "exit",
+                                                         "routed wait (O2)"};
 
 struct PhaseStat {
   std::vector<double> lo, mid, hi, n;  // per sample

@@ -769,6 +769,9 @@ int cuda_ll_num_ctas(const Group& group, const MoeShape& shape) {
 uint64_t* ll_trace_buffer(int device) {
   return g_ll_traces.newest(device);
 }
+uint64_t* ll_trace_buffer_of_thread() {
+  return g_ll_traces.newest_of_thread();
+}
 #endif
 
 }  // namespace epx::detail

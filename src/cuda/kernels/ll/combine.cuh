@@ -370,6 +370,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   if (!wait_ranks(
           g.sync(symm.local)->combine_routed[q], R, 0, [&](int) { return e; }, p.wait, kWaitReady))
     return false;
+  EPX_LL_STAMP(p, 1, kTrCRouted);
   if (static_cast<int>(threadIdx.x) < R) {
     const int d = threadIdx.x;
     const int32_t theirs = ld_landed<int32_t>(g.comb_format(symm.peers[d], q));
@@ -392,11 +393,14 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
     const int64_t nb = (n + block - 1) / block;
     for (int64_t b = ((static_cast<int>(blockIdx.x) - l) % S + S) % S; b < nb; b += S) {
       const int64_t r0 = b * block, r1 = min(n, r0 + block);
+      EPX_LL_ITEM_DECL(item);
       for (int64_t c0 = r0; c0 < r1; c0 += kLlThreads) {
         const int rows = static_cast<int>(min(static_cast<int64_t>(kLlThreads), r1 - c0));
         if (static_cast<int>(threadIdx.x) < rows)
           s_dst[threadIdx.x] = ll_overlap_dest(p, ranges, l, c0 + threadIdx.x, s_skip);
+        EPX_LL_ITEM_NOW(item, wait, c0 == r0);
         if (threadIdx.x == 0) s_ok = c0 != r0 || ll_overlap_wait_signal(p, l, b);
+        EPX_LL_ITEM_NOW(item, seen, c0 == r0);
         __syncthreads();  // the block's rows were stored: y loads after the acquire
         if (!s_ok) return false;
         ll_copy16(rows * nv, kLlCopyBatch, [&](int64_t i, uint4** dst) {
@@ -409,8 +413,10 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
         });
         __syncthreads();  // s_dst is rewritten by the next chunk
       }
+      EPX_LL_ITEM_PUT(p, item, l * p.blocks + b);
     }
   }
+  EPX_LL_STAMP(p, 1, kTrCSendCopy);
 
   // O4. Pairs with step 5 of every rank's receive.
   const uint32_t share = ll_overlap_ready_share(p.recv_ctas, S, static_cast<int>(blockIdx.x));
@@ -418,6 +424,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
     fence_acq_rel_sys();
     red_add_relaxed_sys(&g.sync(symm.peers[threadIdx.x])->combine_ready[q][me], share);
   }
+  EPX_LL_STAMP(p, 1, kTrCSignal);
   return true;
 }
 

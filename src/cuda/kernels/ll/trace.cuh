@@ -12,6 +12,14 @@
 // that is interleaved with another (scan / copy in the dispatch receive, row resolution /
 // pulls in the combine) and stores the previous real stamp + that sum, so the printed offsets
 // read as if the steps had run one after the other.
+//
+// The overlapped combine's send (combine.cuh O1-O4, docs/design.md §7.6) also stamps each of its
+// items (l, b) — one block of rows of local expert l, taken by one CTA — behind the phase words:
+//   items[i] = {cta + 1, wait, seen, stored}   i = l * blocks + b (the item's signal), i < 4096
+// thread 0's %globaltimer when it starts waiting for the item's signal, when it saw it reached,
+// and after the barrier that ends the item's last chunk (every row's stores issued); cta + 1 = 0:
+// the item was not sent in this launch. Its phases (op 1): kTrCEntry, kTrCRouted (after O2),
+// kTrCSendCopy (after O3, every item of the CTA), kTrCSignal (after O4).
 #pragma once
 
 #include <cstdint>
@@ -39,8 +47,9 @@ enum LlDispatchPhase : int {
 // Combine phases (op 1).
 enum LlCombinePhase : int {
   kTrCEntry = 0,  // send half entry
-  kTrCSendCopy,   // after step 1 (copy mode: the rows for the peers) and step 2
-  kTrCSignal,     // after step 3 (combine_ready releases)
+  kTrCSendCopy,   // after step 1 (copy mode: the rows for the peers) and step 2; overlapped
+                  // send: after O3 (the CTA's items)
+  kTrCSignal,     // after step 3 (combine_ready releases); overlapped send: after O4
   kTrCRecvEntry,  // receive half entry
   kTrCPrefix,     // after step 4 (per-expert counts of the tokens before the chunk); by default
                   // (steps 4 and 5 overlapped) after the barrier that ends both
@@ -49,12 +58,17 @@ enum LlCombinePhase : int {
   kTrCIds,        // V: + time in step 6 (ids, rows, sources) over all chunks
   kTrCPull,       // after step 7 over all chunks (real; = kTrCIds + pull/reduce time)
   kTrCExit,       // every CTA: leaving the receive half (or the send kernel)
+  kTrCRouted,     // overlapped send: after O2 (combine_routed of every rank)
   kTrCNum
 };
 static_assert(kTrDNum <= kLlTracePhases && kTrCNum <= kLlTracePhases);
 
-// uint64 words of the buffer: {ns, clock} per (op, phase, cta).
-inline constexpr size_t kLlTraceWords = size_t{2} * kLlTraceOps * kLlTracePhases * 128;
+// uint64 words of the buffer: {ns, clock} per (op, phase, cta), then the overlapped send's items
+// (kLlTraceItemWords each, from word kLlTraceItemBase).
+inline constexpr size_t kLlTraceItemBase = size_t{2} * kLlTraceOps * kLlTracePhases * 128;
+inline constexpr int64_t kLlTraceItems = 4096;
+inline constexpr size_t kLlTraceItemWords = 4;
+inline constexpr size_t kLlTraceWords = kLlTraceItemBase + kLlTraceItemWords * kLlTraceItems;
 
 #if defined(EPX_LL_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
@@ -100,8 +114,28 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
                                   b_[1] + name##_clk);                                          \
     }                                                                                           \
   } while (0)
+// The overlapped send's item stamps: declare, take (thread 0, when `cond`), store item `i`.
+#define EPX_LL_ITEM_DECL(name) uint64_t name##_wait = 0, name##_seen = 0
+#define EPX_LL_ITEM_NOW(name, field, cond)                                         \
+  do {                                                                             \
+    if (threadIdx.x == 0 && (cond)) name##_##field = ::epx::detail::ll_trace_ns(); \
+  } while (0)
+#define EPX_LL_ITEM_PUT(params, name, i)                                                       \
+  do {                                                                                         \
+    if ((params).trace != nullptr && threadIdx.x == 0 && (i) < ::epx::detail::kLlTraceItems) { \
+      uint64_t* w_ = (params).trace + ::epx::detail::kLlTraceItemBase +                        \
+                     ::epx::detail::kLlTraceItemWords * static_cast<size_t>(i);                \
+      w_[0] = blockIdx.x + 1;                                                                  \
+      w_[1] = name##_wait;                                                                     \
+      w_[2] = name##_seen;                                                                     \
+      w_[3] = ::epx::detail::ll_trace_ns();                                                    \
+    }                                                                                          \
+  } while (0)
 #else
 #define EPX_LL_STAMP(params, op, phase) ((void)0)
+#define EPX_LL_ITEM_DECL(name) ((void)0)
+#define EPX_LL_ITEM_NOW(name, field, cond) ((void)0)
+#define EPX_LL_ITEM_PUT(params, name, i) ((void)0)
 #define EPX_LL_TRACE_DECL(name) ((void)0)
 #define EPX_LL_TRACE_BEGIN(name) ((void)0)
 #define EPX_LL_TRACE_END(name) ((void)0)
@@ -110,8 +144,10 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
 
 #if defined(EPX_LL_TRACE)
 // The trace buffer of the newest live CudaLl on `device` (device memory, kLlTraceWords uint64),
-// or null. Bench only (src/cuda/ll.cu).
+// or null; _of_thread: the newest the calling thread made (ranks sharing a GPU). Bench only
+// (src/cuda/ll.cu).
 uint64_t* ll_trace_buffer(int device);
+uint64_t* ll_trace_buffer_of_thread();
 #endif
 
 }  // namespace epx::detail
