@@ -143,6 +143,28 @@ void launch_combine(int mode, int ctas, size_t smem, cudaStream_t stream, const 
   }
 }
 
+// One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
+// use_fp8 / use_nvfp4; kShrink = symm.shrink (BufferConfig::enable_shrink, fixed per Buffer).
+template <bool kShrink>
+void launch_dispatch_form(int ctas, cudaStream_t stream, const char* what,
+                          const LlDispatchParams& p) {
+  if (p.use_nvfp4)
+    launch_kernel(ll::dispatch<kLlQuantNvfp4, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what,
+                  p);
+  else if (p.use_fp8)
+    launch_kernel(ll::dispatch<kLlQuantFp8, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what, p);
+  else
+    launch_kernel(ll::dispatch<kLlQuantBf16, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what,
+                  p);
+}
+
+void launch_dispatch(int ctas, cudaStream_t stream, const char* what, const LlDispatchParams& p) {
+  if (p.symm.shrink)
+    launch_dispatch_form<true>(ctas, stream, what, p);
+  else
+    launch_dispatch_form<false>(ctas, stream, what, p);
+}
+
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
 #endif
@@ -226,7 +248,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   DeviceGuard guard(dev_.device());
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, dev_.multiprocessors());
   pdl_ = pdl_usable(dev_.device(), group.transport()->ranks_share_device(),
-                    reinterpret_cast<const void*>(ll::dispatch));
+                    reinterpret_cast<const void*>(ll::dispatch<kLlQuantFp8, false>));
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   layout_ = LlLayout::make(shape, R);
@@ -493,12 +515,12 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
 
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
-    launch_kernel(ll::dispatch, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+    launch_dispatch(num_ctas_, stream, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
   p.phases = kLlPhaseSend;
-  launch_kernel(ll::dispatch, num_ctas_, kLlThreads, 0, stream, p.pdl, op, p);
+  launch_dispatch(num_ctas_, stream, op, p);
   dispatch_in_flight_[slot] = true;
   // The receive reads only epx's memory; the hook keeps the outputs it writes alive (the caller
   // keeps its stats tensors alive until the hook ran: the Python hook holds them).
@@ -506,7 +528,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   const int ctas = num_ctas_;
   res.hook =
       make_hook(true, slot, [p, ctas, stream, keep = std::make_shared<LlDispatchResult>(res)]() {
-        launch_kernel(ll::dispatch, ctas, kLlThreads, 0, stream, p.pdl, "ll_dispatch hook", p);
+        launch_dispatch(ctas, stream, "ll_dispatch hook", p);
       });
   return res;
 }

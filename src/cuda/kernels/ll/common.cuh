@@ -47,10 +47,15 @@ __device__ __forceinline__ unsigned char* ll_dyn_smem() {
   return ll_dyn_smem_bytes;
 }
 
+// kShrink (here and in ll_wait_ranks): false in a kernel instantiation that the host launches
+// only for groups without enable_shrink (symm.shrink == 0, the dispatch's), so the mask code is
+// not compiled in; true where symm.shrink decides at run time.
+//
 // The mask now (0 without enable_shrink), the same value for every thread of the CTA (block-wide:
 // every thread must call it).
+template <bool kShrink = true>
 __device__ __forceinline__ uint64_t ll_masked_uniform(const LlSymm& symm) {
-  if (!symm.shrink) return 0;  // uniform: a kernel argument
+  if (!kShrink || !symm.shrink) return 0;  // uniform: a kernel argument
   __shared__ uint64_t s_masked;
   __syncthreads();  // a previous call's value is read by every thread before it is replaced
   if (threadIdx.x == 0)
@@ -78,12 +83,12 @@ __device__ __forceinline__ bool ll_wait_or_mask(const LlSymm& symm, const uint32
 // failing (ll_wait_or_mask); this rank's own (me) fails as without it. False when a wait failed;
 // `wait_ns` as wait_ranks', with enable_shrink also for a peer masked while it was awaited (the
 // time until then).
-template <typename WantOf>
+template <bool kShrink = true, typename WantOf>
 __device__ __forceinline__ bool ll_wait_ranks(const LlSymm& symm, int me, const uint32_t* flag,
                                               uint64_t skip, WantOf want_of, const WaitContext& w,
                                               uint32_t what, int64_t* wait_ns = nullptr) {
   const int R = symm.layout.num_ranks;
-  if (!symm.shrink) return wait_ranks(flag, R, skip, want_of, w, what, wait_ns);
+  if (!kShrink || !symm.shrink) return wait_ranks(flag, R, skip, want_of, w, what, wait_ns);
   const int s = threadIdx.x;
   bool ok = true;
   if (s < R && !rank_skipped(skip, s)) {

@@ -93,6 +93,11 @@ struct LlDispatchParams {
 #endif
 };
 
+// The dispatch kernel's message formats (its template parameter kQuant; the host picks the one
+// of use_fp8 / use_nvfp4): each instantiation carries its format's code only, as the combine's
+// forms do (combine.cuh), so bf16 and fp8 pay nothing for NVFP4.
+enum LlQuant : int { kLlQuantBf16 = 0, kLlQuantFp8 = 1, kLlQuantNvfp4 = 2 };
+
 // The 8 bf16 of an input vector as float into f (zeros when !active) and their amax (core/numeric.h
 // order: NaN skipped), the lane's share of a quantisation group's or block's amax.
 __device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, float* f) {
@@ -193,6 +198,7 @@ __device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, ui
 }
 
 // Send steps 1-4. False when a wait failed (the CTA must leave).
+template <int kQuant, bool kShrink>
 __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   __shared__ int32_t s_ids[kLlMaxTopK];
   __shared__ int32_t s_dest[kLlMaxTopK];
@@ -227,24 +233,24 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank. Masked ranks
   // (enable_shrink) are skipped here and in steps 2-4: nothing is sent to them.
-  if (!ll_wait_ranks(
-          symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform(symm),
+  if (!ll_wait_ranks<kShrink>(
+          symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
           [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady))
     return false;
-  const uint64_t masked = ll_masked_uniform(symm);
+  const uint64_t masked = ll_masked_uniform<kShrink>(symm);
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
   // The NVFP4 global scale, read once (x_global_scale was written before this kernel).
-  const float gs = !p.use_nvfp4         ? 0.0f
-                   : p.global_scale_ptr ? __ldg(p.global_scale_ptr)
-                                        : p.global_scale;
+  const float gs = kQuant != kLlQuantNvfp4 ? 0.0f
+                   : p.global_scale_ptr    ? __ldg(p.global_scale_ptr)
+                                           : p.global_scale;
 
   // 2. Header.
   if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
     LlSourceHeader* h = g.header(symm.peers[threadIdx.x], q, me);
     h->num_tokens = p.num_tokens;
     h->format = ll_format(p);
-    h->global_scale_bits = p.use_nvfp4 ? __float_as_uint(gs) : 0u;
+    h->global_scale_bits = kQuant == kLlQuantNvfp4 ? __float_as_uint(gs) : 0u;
   }
 
   // 3. Tokens.
@@ -276,13 +282,13 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
     }
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
-    if (p.use_fp8 || p.use_nvfp4) {
+    if constexpr (kQuant != kLlQuantBf16) {
       // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (fp8) or 8 16-value
       // blocks (NVFP4) (nv is a multiple of 16, so a half-warp is active or not as a whole);
       // every lane takes part in the shuffles, so the loops below run per warp (`base`, the
       // warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
-        if (p.use_nvfp4)
+        if constexpr (kQuant == kLlQuantNvfp4)
           ll_send_nvfp4(p, raw, v, v < nv, mask, t, gs);
         else
           ll_send_fp8(p, raw, v, v < nv, mask, t);
@@ -331,6 +337,7 @@ struct LlRecvList {
 };
 
 // Lists token t of source s as entry `pos`: row `row` of local expert l.
+template <int kQuant>
 __device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRecvList& list,
                                                  int pos, int s, int64_t t, int l, int64_t row) {
   const LlLayout& g = p.symm.layout;
@@ -338,7 +345,7 @@ __device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRe
   const int64_t per_row = p.use_ue8m0 ? (g.num_groups + 3) / 4 : g.num_groups;
   list.msg[pos] = g.msg(p.symm.local, p.slot, s, t);
   list.lrow[pos] = l * RT + row;
-  if (p.use_nvfp4) {
+  if constexpr (kQuant == kLlQuantNvfp4) {
     const int64_t bytes = l * ll_nvfp4_scale_expert_bytes(RT, g.hidden) +
                           nvfp4_sf_offset(row, 0, g.hidden / kNvfp4Block);
     list.sbase[pos] = bytes / 4;
@@ -349,36 +356,39 @@ __device__ __forceinline__ void ll_recv_list_put(const LlDispatchParams& p, LlRe
 }
 
 // Bytes of one received row: e4m3 [H], e2m1 pairs [H/2] or bf16 [H].
+template <int kQuant>
 __device__ __forceinline__ int64_t ll_row_bytes(const LlDispatchParams& p) {
   const int64_t H = p.symm.layout.hidden;
-  return p.use_nvfp4 ? H / 2 : p.use_fp8 ? H : 2 * H;
+  return kQuant == kLlQuantNvfp4 ? H / 2 : kQuant == kLlQuantFp8 ? H : 2 * H;
 }
 
 // 16-byte scale vectors of one message (0 without scales or without recv_scales): fp8 4 f32
 // scales each, NVFP4 16 e4m3 scales (4 words) each.
+template <int kQuant>
 __device__ __forceinline__ int ll_scale_vectors(const LlDispatchParams& p) {
   const LlLayout& g = p.symm.layout;
-  if (!p.recv_scales) return 0;
-  if (p.use_nvfp4) return static_cast<int>((g.hidden / kNvfp4Block + 15) / 16);
-  return p.use_fp8 ? static_cast<int>((g.num_groups + 3) / 4) : 0;
+  if (kQuant == kLlQuantBf16 || !p.recv_scales) return 0;
+  if (kQuant == kLlQuantNvfp4) return static_cast<int>((g.hidden / kNvfp4Block + 15) / 16);
+  return static_cast<int>((g.num_groups + 3) / 4);
 }
 
 // The scale vector j of an entry (16 bytes of its message after the row) into recv_scales: fp8
 // groups 4j .. 4j + 3 column-major (f32) or packed into UE8M0 word j; NVFP4 words 4j .. 4j + 3
 // of the interleaved layout (word k is 512 bytes after word k - 1).
+template <int kQuant>
 __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p, int64_t sbase,
                                                       int j, const uint4& val) {
   const LlLayout& g = p.symm.layout;
   const int64_t RT = g.rows_per_expert;
   const int G = static_cast<int>(g.num_groups);
   const uint32_t w[4] = {val.x, val.y, val.z, val.w};
-  if (p.use_nvfp4) {
+  if constexpr (kQuant == kLlQuantNvfp4) {
     const int nvfp4_words = static_cast<int>(g.hidden / (4 * kNvfp4Block));
     auto* out = static_cast<uint32_t*>(p.recv_scales);
 #pragma unroll
     for (int c = 0; c < 4; ++c)
       if (4 * j + c < nvfp4_words) out[sbase + (4 * j + c) * 128] = w[c];
-  } else if (!p.use_ue8m0) {
+  } else if (!p.use_ue8m0) {  // fp8 (bf16 has no scale vectors)
     auto* out = static_cast<float*>(p.recv_scales);
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -401,6 +411,7 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 // vector is a load, a store and no index arithmetic (the copies are bound by instruction
 // latency, not by bytes: docs/perf.md §4.3). Scale vectors, in the last chunk only, are
 // scattered by ll_store_scale_vector. Then src_info.
+template <int kQuant>
 __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
                                          int total, int sub, int S) {
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
@@ -410,10 +421,10 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
       p.src_info[list.lrow[idx]] = list.tok[idx];
     }
   }
-  const int64_t row_bytes = ll_row_bytes(p);
+  const int64_t row_bytes = ll_row_bytes<kQuant>(p);
   const int nvx = static_cast<int>(row_bytes / 16);  // row vectors
   const int v0 = p.recv_x ? 0 : nvx;                 // first vector copied
-  const int nvm = nvx + ll_scale_vectors(p);         // end of the vectors copied
+  const int nvm = nvx + ll_scale_vectors<kQuant>(p);         // end of the vectors copied
   if (n_mine == 0 || nvm <= v0) return;
   constexpr int kChunk = 32 * kLlCopyBatch;
   const int chunks = (nvm - v0 + kChunk - 1) / kChunk;
@@ -435,7 +446,7 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
       if (v < nvx)
         *reinterpret_cast<uint4*>(dst + 512 * u) = val[u];
       else if (v < nvm)
-        ll_store_scale_vector(p, list.sbase[idx], v - nvx, val[u]);
+        ll_store_scale_vector<kQuant>(p, list.sbase[idx], v - nvx, val[u]);
     }
   }
 }
@@ -501,6 +512,7 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
 // and copies them with ONE ll_dispatch_copy_list round (rows and scales), so a CTA's units cost
 // one scan and one copy latency instead of one each (a list that would overflow is copied
 // first). layout_range comes from per-source counts (shared-memory adds: counts, never order).
+template <int kQuant>
 __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
                                                const LlRecvSources& srcs) {
   __shared__ LlRecvList list;
@@ -543,19 +555,19 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
         if (i >= n) break;
         if (filled + total[i] > kLlThreads) {  // copy what is listed first (n > 1: S = 1)
           __syncthreads();
-          ll_dispatch_copy_entries(p, list, filled, 0, 1);
+          ll_dispatch_copy_entries<kQuant>(p, list, filled, 0, 1);
           filled = 0;
           __syncthreads();  // the list is rewritten below
         }
         if (sel >> i & 1) {
-          ll_recv_list_put(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
+          ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
           atomicAdd(&s_cnt[i][s], 1);
         }
         filled += total[i];
         running[i] += total[i];
       }
       __syncthreads();
-      ll_dispatch_copy_entries(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
+      ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
       __syncthreads();  // the list is rewritten by the next group of entries
     }
     if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
@@ -575,13 +587,14 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
 // Receive finish, every CTA: tells every rank it does not mask that this CTA's reads of the
 // staging of slot q are done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send),
 // and advances its epoch word.
+template <bool kShrink>
 __device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, me = p.rank, q = p.slot;
   auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
   // (a barrier: the CTA's reads are done, so the fence below covers them: cumulativity)
-  const uint64_t masked = ll_masked_uniform(symm);
+  const uint64_t masked = ll_masked_uniform<kShrink>(symm);
   __syncthreads();
   signal_ranks(R, masked, freed);
   if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
@@ -607,6 +620,7 @@ __device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p
 }
 
 // Receive half. False when a wait failed.
+template <int kQuant, bool kShrink>
 __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
@@ -619,14 +633,14 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
     // Every source's tokens for this slot landed (pairs with step 4 of the send); CTA 0 times
     // each source's wait when asked to. A masked source (enable_shrink) counts as one without
     // tokens: not awaited, not read (layout_range count 0).
-    if (!ll_wait_ranks(
-            symm, p.rank, g.sync(symm.local)->dispatch_sent[q], ll_masked_uniform(symm),
+    if (!ll_wait_ranks<kShrink>(
+            symm, p.rank, g.sync(symm.local)->dispatch_sent[q], ll_masked_uniform<kShrink>(symm),
             [&](int) { return e * gridDim.x; }, p.wait, kWaitRows,
             blockIdx.x == 0 ? p.wait_stats : nullptr))
       return false;
-    if (symm.shrink && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
+    if (kShrink && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
       return false;
-    const uint64_t masked = ll_masked_uniform(symm);
+    const uint64_t masked = ll_masked_uniform<kShrink>(symm);
     EPX_LL_STAMP(p, 0, kTrDRecvWait);
     if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
       // Every source's format and NVFP4 global scale equal this rank's (its own header, written
@@ -656,11 +670,11 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
     }
     __syncthreads();
-    ll_dispatch_recv_units_onepass(p, srcs);
+    ll_dispatch_recv_units_onepass<kQuant>(p, srcs);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
-  ll_dispatch_finish(p, e);
+  ll_dispatch_finish<kShrink>(p, e);
   return true;
 }
 
@@ -674,17 +688,21 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
 
 namespace epx::ll {
 
-// The one ll dispatch kernel (profilers show one name per op, hook or not): p.phases selects
-// the send half (the call with a hook), the receive half (the hook) or both (no hook).
+// The ll dispatch kernel, one instantiation per form (profilers show one name per op, hook or
+// not): kQuant the message format (LlQuant, from p.use_fp8 / p.use_nvfp4), kShrink whether the
+// group has rank masks (BufferConfig::enable_shrink = p.symm.shrink; false: no mask code).
+// p.phases selects the send half (the call with a hook), the receive half (the hook) or both
+// (no hook).
+template <int kQuant, bool kShrink>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDispatchParams p) {
   using namespace detail;
   pdl_begin(p.pdl);
   const uint32_t e = ll_dispatch_epoch(p);
   if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
-    if (!ll_dispatch_send(p, e)) return;
+    if (!ll_dispatch_send<kQuant, kShrink>(p, e)) return;
   }
-  if (p.phases & kLlPhaseRecv) ll_dispatch_recv(p, e);
+  if (p.phases & kLlPhaseRecv) ll_dispatch_recv<kQuant, kShrink>(p, e);
 }
 
 }  // namespace epx::ll
