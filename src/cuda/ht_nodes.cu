@@ -116,6 +116,13 @@ void launch_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream, cons
 
 }  // namespace
 
+void require_virtual_nodes(const Group& group, const Topology& topology, const char* mode) {
+  EPX_CHECK(group.transport()->ranks_share_device(), ErrorCode::kUnsupported, "Buffer: ", mode,
+            " across nodes on cuda (", topology.num_nodes, " nodes of ", topology.ranks_per_node,
+            " ranks) is built for virtual nodes, ranks that share one GPU "
+            "(Group::cuda_shared_device); expected such a group");
+}
+
 Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix) {
   const int64_t serial = agreed_serial(group);
   GroupOptions o;
@@ -161,11 +168,7 @@ CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buf
       topology_(Topology::of(group)),
       node_(topology_.node_of(group.rank())),
       device_(group.transport()->device().index) {
-  EPX_CHECK(group.transport()->ranks_share_device(), ErrorCode::kUnsupported,
-            "Buffer: ht across nodes on cuda (", topology_.num_nodes, " nodes of ",
-            topology_.ranks_per_node,
-            " ranks) is built for virtual nodes, ranks that share one GPU "
-            "(Group::cuda_shared_device); expected such a group");
+  require_virtual_nodes(group, topology_, "ht");
   const int R = group.size(), N = topology_.num_nodes;
   node_group_ = make_virtual_node_group(group, topology_, "epx-ht-nodes-");
   ht_ = std::make_unique<CudaHt>(*node_group_, node_shape(shape, N), buffer_id);

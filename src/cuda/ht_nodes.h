@@ -44,6 +44,9 @@ struct HtNodesChunk;       // kernels/ht/nodes.cuh
 struct HtNodesPackParams;  // kernels/ht/nodes.cuh
 
 // Shared with the ll across nodes (ll_nodes.cu):
+// Unsupported unless the ranks of `group` share one GPU (the virtual nodes this path is built
+// for), naming `mode` ("ht", "ll") and the topology.
+void require_virtual_nodes(const Group& group, const Topology& topology, const char* mode);
 // Collective: this rank's node group, a Group::cuda_shared_device over its node's ranks ranked by
 // local index (the parent's timeout and num_sms, so every rank of every node stays co-resident),
 // its rendezvous name `prefix` + a serial every rank agrees on (rank 0's draw, allgathered).

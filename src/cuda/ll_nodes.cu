@@ -58,10 +58,7 @@ CudaLlNodes::CudaLlNodes(const Group& group, const MoeShape& shape, uint64_t buf
       topology_(Topology::of(group)),
       node_(topology_.node_of(group.rank())),
       device_(group.transport()->device().index) {
-  EPX_CHECK(group.transport()->ranks_share_device(), ErrorCode::kUnsupported, "Buffer: ll ",
-            where(),
-            " is built for virtual nodes, ranks that share one GPU "
-            "(Group::cuda_shared_device); expected such a group");
+  require_virtual_nodes(group, topology_, "ll");
   EPX_CHECK(topology_.num_nodes <= kLlNodesMaxNodes, ErrorCode::kUnsupported, "Buffer: ll ",
             where(), ": at most ", kLlNodesMaxNodes, " nodes are built");
   grid_ = group.options().num_sms > 0 ? group.options().num_sms : 16;

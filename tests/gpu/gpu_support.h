@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -210,6 +211,20 @@ struct Arena {
     next = 0;
   }
   Allocator allocator();
+};
+
+// 0 when f() raises Unsupported whose message holds every one of `words`; else 1, printed with
+// the rank and `what` (no error, another code, or the message).
+int expect_unsupported(int rank, const char* what, const std::function<void()>& f,
+                       std::initializer_list<const char*> words);
+
+// The test-name suffix of a (nodes, ranks per node) parameter: testing::topology_name's "NxG".
+struct TopologyParamName {
+  template <class Info>
+  std::string operator()(const Info& info) const {
+    return topology_suffix(info.param.first, info.param.second);
+  }
+  static std::string topology_suffix(int nodes, int per_node);
 };
 
 }  // namespace epx::gpu_testing

@@ -381,10 +381,7 @@ TEST_P(HtNodesOneGpu, MatchesOracleAndCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Topologies, HtNodesOneGpu,
                          ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
                                            std::pair{4, 2}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.first) + "x" +
-                                  std::to_string(info.param.second);
-                         });
+                         gpu_testing::TopologyParamName{});
 
 // The first stages of run_case alone at 2 x 2, each in a process of its own: a sticky device
 // error (a faulting kernel fails every later CUDA call of every rank) cannot come from a stage
@@ -416,17 +413,9 @@ int64_t exact_under_capture(const Group& g, Buffer& buf, const HtDispatchArgs& a
   };
   const auto stream = static_cast<cudaStream_t>(a.stream);
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  try {
-    (void)buf.ht_dispatch(a, counting);
-    std::fprintf(stderr, "[rank %d] exact dispatch under capture: no error\n", r);
-    ++bad;
-  } catch (const Error& e) {
-    if (e.code() != ErrorCode::kUnsupported ||
-        std::string(e.what()).find("captured into a CUDA graph") == std::string::npos) {
-      std::fprintf(stderr, "[rank %d] exact dispatch under capture: %s\n", r, e.what());
-      ++bad;
-    }
-  }
+  bad += gpu_testing::expect_unsupported(
+      r, "exact dispatch under capture", [&] { (void)buf.ht_dispatch(a, counting); },
+      {"captured into a CUDA graph"});
   cudaGraph_t graph = nullptr;
   size_t nodes = 0;
   if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) {
@@ -592,10 +581,7 @@ TEST_P(HtNodesOneGpuGraph, CachedDispatchAndCombineReplay) {
 
 INSTANTIATE_TEST_SUITE_P(Topologies, HtNodesOneGpuGraph,
                          ::testing::Values(std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.first) + "x" +
-                                  std::to_string(info.param.second);
-                         });
+                         gpu_testing::TopologyParamName{});
 
 // What is not built across nodes on cuda raises Unsupported naming the mode, never a flat run.
 TEST(HtNodesOneGpuLimits, UnbuiltPathsAreUnsupported) {
@@ -606,17 +592,7 @@ TEST(HtNodesOneGpuLimits, UnbuiltPathsAreUnsupported) {
     int bad = 0;
     auto expect_unsupported = [&](const char* what, const std::function<void()>& f,
                                   const char* words) {
-      try {
-        f();
-        std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
-        ++bad;
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::kUnsupported || std::string(e.what()).find(words) ==
-                                                       std::string::npos) {
-          std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
-          ++bad;
-        }
-      }
+      bad += gpu_testing::expect_unsupported(g.rank(), what, f, {words});
     };
     HtCase c;
     c.num_ranks = 2;

@@ -280,10 +280,7 @@ TEST_P(LlNodesOneGpu, MatchesOracleAndCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpu,
                          ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
                                            std::pair{4, 2}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.first) + "x" +
-                                  std::to_string(info.param.second);
-                         });
+                         gpu_testing::TopologyParamName{});
 
 // ---- CUDA graphs ------------------------------------------------------------------------------
 
@@ -491,10 +488,7 @@ TEST_P(LlNodesOneGpuGraph, DispatchAndCombineReplay) {
 // 1 x 4: the one-node CudaLl on the shared GPU, the same checks.
 INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpuGraph,
                          ::testing::Values(std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.first) + "x" +
-                                  std::to_string(info.param.second);
-                         });
+                         gpu_testing::TopologyParamName{});
 
 // Every option this version does not build raises Unsupported naming it and "across nodes on
 // cuda", before any communication (so no rank waits for a peer).
@@ -508,18 +502,7 @@ TEST(LlNodesOneGpuLimits, UnbuiltOptionsAreUnsupported) {
         int bad = 0;
         auto expect_unsupported = [&](const char* what, const std::function<void()>& f,
                                       const char* name) {
-          try {
-            f();
-            std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
-            ++bad;
-          } catch (const Error& e) {
-            const std::string m = e.what();
-            if (e.code() != ErrorCode::kUnsupported || m.find(name) == std::string::npos ||
-                m.find("across nodes on cuda") == std::string::npos) {
-              std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
-              ++bad;
-            }
-          }
+          bad += gpu_testing::expect_unsupported(g.rank(), what, f, {name, "across nodes on cuda"});
         };
         const int dev = gpu_testing::device_of(g);
         const MoeShape shape{128, 2, 4, 8};
