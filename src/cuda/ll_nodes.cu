@@ -287,15 +287,9 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
   auto called = std::make_shared<bool>(false);
   res.hook = [this, weak, generation = hooks_->generation, called, b, recv_args, alloc, keep,
               st]() {
-    const char* hop = "ll_dispatch hook";
     std::shared_ptr<Hooks> hooks = weak.lock();
-    EPX_CHECK_ARG(hooks != nullptr, hop,
-                  ": its Buffer was destroyed, expected the hook to be called while it lives");
-    EPX_CHECK_ARG(!*called, hop, ": called a second time, expected exactly one call per operation");
-    EPX_CHECK_ARG(hooks->generation == generation, hop,
-                  ": its operation was discarded by ll_clean, expected the hook to be called "
-                  "before ll_clean");
-    *called = true;
+    ll_hook_begin("ll_dispatch hook", hooks != nullptr, *called,
+                  hooks && hooks->generation != generation);
     hooks->in_flight[b] = false;
     DeviceGuard hguard(device_);
     receive(recv_args, b, alloc, keep.get(), *st);
