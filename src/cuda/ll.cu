@@ -398,6 +398,16 @@ Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<i
   return t;
 }
 
+void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded) {
+  EPX_CHECK_ARG(alive, op,
+                ": its Buffer was destroyed, expected the hook to be called while it lives");
+  EPX_CHECK_ARG(!called, op, ": called a second time, expected exactly one call per operation");
+  EPX_CHECK_ARG(!discarded, op,
+                ": its operation was discarded by ll_clean, expected the hook to be called "
+                "before ll_clean");
+  called = true;
+}
+
 // Wraps a receive launch into the hook handed to the caller: once only, not after ll_clean, not
 // after the Buffer was destroyed; frees its slot whatever happens.
 LlHook CudaLl::make_hook(bool is_dispatch, int slot, std::function<void()> launch) {
@@ -407,13 +417,7 @@ LlHook CudaLl::make_hook(bool is_dispatch, int slot, std::function<void()> launc
   return [weak, is_dispatch, slot, launch = std::move(launch), called, generation]() {
     const char* op = is_dispatch ? "ll_dispatch hook" : "ll_combine hook";
     std::shared_ptr<CudaLl> self = weak.lock();
-    EPX_CHECK_ARG(self != nullptr, op,
-                  ": its Buffer was destroyed, expected the hook to be called while it lives");
-    EPX_CHECK_ARG(!*called, op, ": called a second time, expected exactly one call per operation");
-    EPX_CHECK_ARG(self->generation_ == generation, op,
-                  ": its operation was discarded by ll_clean, expected the hook to be called "
-                  "before ll_clean");
-    *called = true;
+    ll_hook_begin(op, self != nullptr, *called, self && self->generation_ != generation);
     bool& in_flight =
         is_dispatch ? self->dispatch_in_flight_[slot] : self->combine_in_flight_[slot];
     in_flight = false;

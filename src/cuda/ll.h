@@ -25,6 +25,10 @@ LlCombineResult cuda_ll_combine(CudaLl& ll, const LlCombineArgs& args, const All
 void cuda_ll_combine_f32(CudaLl& ll, const LlCombineArgs& args, float* out);
 TensorView cuda_ll_next_combine_buffer(CudaLl& ll, const LlHandle& handle);
 void cuda_ll_clean(CudaLl& ll);
+// What a hook checks before it runs (docs/semantics.md §2.4; InvalidArgument naming `op`): its
+// Buffer still `alive`, not `called` before, not `discarded` by an ll_clean since its operation.
+// Sets `called`.
+void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded);
 // The rank mask (docs/semantics.md §2.6), stream-ordered on `stream`.
 void cuda_ll_update_mask(CudaLl& ll, int rank, bool mask, Stream stream);
 void cuda_ll_query_mask(CudaLl& ll, const TensorView& mask_status, Stream stream);

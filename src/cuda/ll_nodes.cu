@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -99,19 +101,27 @@ void CudaLlNodes::check() {
 // Every rank: the node-local ll_clean (collective over the node), then, with every rank of the
 // group past it, the rail's reset and a closing barrier (as CudaHtNodes::reset).
 void CudaLlNodes::clean() {
+  ++hooks_->generation;  // the hooks of dispatches before it refuse to run
+  hooks_->in_flight[0] = hooks_->in_flight[1] = false;
+  num_dispatches_ = 0;
   cuda_ll_clean(*ll_);
   nodes_reset_rail(group_, *rail_, "ll_clean (ll across nodes)",
                    "ll_clean (ll across nodes, done)");
 }
 
 const CudaLlNodes::State& CudaLlNodes::state_of(const LlHandle& h, const char* op) const {
+  const auto* st = static_cast<const State*>(h.backend_state.get());
+  EPX_CHECK_ARG(h.buffer_id != buffer_id_ || st == nullptr || !st->handles.empty(), op,
+                ": argument 'handle' is of an ll_dispatch whose hook was not called; expected "
+                "its hook called first");
   return nodes_state_of<State>(h, buffer_id_, topology_.num_nodes, op, "ll_dispatch");
 }
 
 // ht's pack (kernels/ht/nodes.cuh): per other node m, C slots of (x's row when x is given,
-// weights when given) and the ids renumbered to m's experts; own_ids_ for this node.
+// weights when given) and the ids renumbered to m's experts; own_ids for this node.
 void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx, const TensorView& weights,
-                       int64_t num_tokens, cudaStream_t stream, const char* what) {
+                       int64_t num_tokens, int32_t* own_ids, cudaStream_t stream,
+                       const char* what) {
   HtNodesPackParams p{};
   HtNodesChunk chunk;
   if (x.defined()) {
@@ -132,7 +142,7 @@ void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx, const Te
   p.topk_idx = topk_idx.data;
   p.topk_stride = topk_idx.strides[0];
   p.topk_is_i64 = topk_idx.dtype == DType::kI64;
-  p.own_ids = own_ids_;
+  p.own_ids = own_ids;
   p.num_tokens = static_cast<int>(num_tokens);
   p.max_tokens = static_cast<int>(shape_.max_tokens_per_rank);
   p.top_k = shape_.top_k;
@@ -146,87 +156,141 @@ void CudaLlNodes::pack(const TensorView& x, const TensorView& topk_idx, const Te
   launch_nodes_pack(p, grid_, stream, what);
 }
 
-void CudaLlNodes::exchange(const char* what, size_t bytes, cudaStream_t stream) {
-  nodes_exchange(*rail_, topology_, node_, what, bytes, send_slot(0), layout_.slot, recv_slot(0),
-                 layout_.slot, stream);
+void CudaLlNodes::exchange(const char* what, size_t bytes, char* recv, int64_t recv_stride,
+                           cudaStream_t stream) {
+  nodes_exchange(*rail_, topology_, node_, what, bytes, send_slot(0), layout_.slot, recv,
+                 recv_stride, stream);
 }
 
-LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
-  if (args.return_recv_hook)
-    unsupported("ll_dispatch: return_recv_hook", "return_recv_hook = false");
-  if (args.use_nvfp4) unsupported("ll_dispatch: use_nvfp4", "use_nvfp4 = false");
-  if (args.dispatch_wait_recv_cost_stats.defined())
-    unsupported("ll_dispatch: dispatch_wait_recv_cost_stats", "no tensor");
-  DeviceGuard guard(device_);
-  const int N = topology_.num_nodes, G = topology_.ranks_per_node, R = group_.size();
-  const int K = shape_.top_k, L = shape_.num_experts / R;
+void CudaLlNodes::receive(const LlDispatchArgs& args, int b, const Allocator& alloc,
+                          LlDispatchResult* res, State& st) {
+  const int N = topology_.num_nodes, K = shape_.top_k;
   const int64_t T = args.x.shape[0], C = shape_.max_tokens_per_rank, H = shape_.hidden;
-  const int64_t RT = R * C, BT = G * C;
+  char* chunks = batch(b);
   auto stream = static_cast<cudaStream_t>(args.stream);
-
-  pack(args.x, args.topk_idx, {}, T, stream, "ll_dispatch: pack");
-  exchange("ll_dispatch (rail)", static_cast<size_t>(layout_.dispatch_bytes), stream);
 
   // One node-local dispatch per source node, in node order.
   std::vector<LlDispatchResult> blocks(N);
   for (int m = 0; m < N; ++m) {
     LlDispatchArgs a = args;
+    a.return_recv_hook = false;
     if (m == node_) {
-      a.topk_idx = view(own_ids_, DType::kI32, T, K, device_);
+      a.topk_idx = view(chunks + layout_.batch_ids_off, DType::kI32, T, K, device_);
     } else {
-      char* c = recv_slot(Topology::other_index(m, node_));
+      char* c = chunks + Topology::other_index(m, node_) * layout_.dispatch_bytes;
       a.x = view(c + layout_.dispatch_rows_off, DType::kBF16, C, H, device_);
       a.topk_idx = view(c + layout_.dispatch_ids_off, DType::kI32, C, K, device_);
     }
     blocks[m] = cuda_ll_dispatch(*ll_, a, alloc, buffer_id_);
   }
+  for (const LlDispatchResult& blk : blocks) st.handles.push_back(blk.handle);
+  if (res == nullptr) return;
 
-  // The flat outputs (as CudaLl allocates them), then the blocks assembled into them.
-  LlDispatchResult res;
-  const Device dev = Device::cuda(device_);
-  res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, dev);
-  int64_t cols = 0;
-  if (args.use_fp8) {
-    cols = args.use_ue8m0 ? (H / 128 + 3) / 4 : H / 128;
-    res.recv_scales = alloc(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, dev);
-    res.recv_scales.shape = {L, RT, cols};
-    res.recv_scales.strides = {cols * RT, 1, RT};
+  // The blocks assembled into the flat outputs.
+  LlNodesAssembleParams p{};
+  for (int m = 0; m < N; ++m) {
+    const LlDispatchResult& blk = blocks[m];
+    p.blocks[m] = {static_cast<const uint8_t*>(blk.recv_x.data),
+                   static_cast<const uint32_t*>(blk.recv_scales.data),
+                   blk.recv_count.ptr<const int32_t>(), blk.handle.src_info.ptr<const int32_t>(),
+                   blk.handle.layout_range.ptr<const int64_t>()};
   }
-  res.recv_count = alloc(DType::kI32, {L}, dev);
-  allocate_ll_handle(
-      res.handle, [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, dev); }, L, R,
-      RT);
+  p.num_nodes = N;
+  p.ranks_per_node = topology_.ranks_per_node;
+  p.num_local_experts = static_cast<int>(res->recv_count.shape[0]);
+  p.scale_cols = args.use_fp8 ? static_cast<int>(res->recv_scales.shape[2]) : 0;
+  p.block_rows = topology_.ranks_per_node * C;
+  p.rows = group_.size() * C;
+  p.row_bytes = H * (args.use_fp8 ? 1 : 2);
+  p.x = static_cast<uint8_t*>(res->recv_x.data);
+  p.scales = static_cast<uint32_t*>(res->recv_scales.data);
+  p.count = res->recv_count.ptr<int32_t>();
+  p.src_info = res->handle.src_info.ptr<int32_t>();
+  p.layout_range = res->handle.layout_range.ptr<int64_t>();
+  launch_kernel(ll_nodes_assemble_kernel, grid_, kLlNodesThreads, 0, stream, false,
+                "ll_dispatch: outputs", p);
+}
+
+LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocator& alloc) {
+  const char* op = "ll_dispatch";
+  if (args.use_nvfp4) unsupported("ll_dispatch: use_nvfp4", "use_nvfp4 = false");
+  if (args.dispatch_wait_recv_cost_stats.defined())
+    unsupported("ll_dispatch: dispatch_wait_recv_cost_stats", "no tensor");
+  const int b = static_cast<int>(num_dispatches_ % 2);
+  EPX_CHECK_ARG(!hooks_->in_flight[b], op, ": dispatch batch ", b,
+                " still holds a dispatch whose hook was not called; expected at most two "
+                "dispatches waiting for their hooks (call the older hook first)");
+  DeviceGuard guard(device_);
+  const int R = group_.size(), L = shape_.num_experts / R;
+  const int64_t T = args.x.shape[0], C = shape_.max_tokens_per_rank, H = shape_.hidden;
+  const int64_t RT = R * C;
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  ++num_dispatches_;
+
+  // The send half: with the hook, x's rows into this batch (this node's dispatch reads them in
+  // the hook), then the pack and the rail leg into this batch's chunks.
+  LlDispatchArgs recv_args = args;
+  if (args.return_recv_hook) {
+    char* rows = batch(b) + layout_.batch_rows_off;
+    if (T > 0)
+      EPX_CUDA_CHECK(cudaMemcpy2DAsync(rows, H * 2, args.x.data, args.x.strides[0] * 2, H * 2, T,
+                                       cudaMemcpyDeviceToDevice, stream),
+                     op);
+    recv_args.x = view(rows, DType::kBF16, T, H, device_);
+  }
+  pack(args.x, args.topk_idx, {}, T,
+       reinterpret_cast<int32_t*>(batch(b) + layout_.batch_ids_off), stream, "ll_dispatch: pack");
+  exchange("ll_dispatch (rail)", static_cast<size_t>(layout_.dispatch_bytes), batch(b),
+           layout_.dispatch_bytes, stream);
+
+  // The flat outputs (as CudaLl allocates them). If the allocator fails, the node-local
+  // dispatches still run (collective over the node; nothing assembled), then the error.
+  LlDispatchResult res;
+  std::exception_ptr failed;
+  try {
+    const Device dev = Device::cuda(device_);
+    res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, dev);
+    if (args.use_fp8) {
+      const int64_t cols = args.use_ue8m0 ? (H / 128 + 3) / 4 : H / 128;
+      res.recv_scales = alloc(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, dev);
+      res.recv_scales.shape = {L, RT, cols};
+      res.recv_scales.strides = {cols * RT, 1, RT};
+    }
+    res.recv_count = alloc(DType::kI32, {L}, dev);
+    allocate_ll_handle(
+        res.handle, [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, dev); },
+        L, R, RT);
+  } catch (...) {
+    failed = std::current_exception();
+  }
   res.handle.max_tokens = C;
   res.handle.hidden = H;
   res.handle.num_experts = shape_.num_experts;
   res.handle.num_tokens = T;
   res.handle.buffer_id = buffer_id_;
-
-  LlNodesAssembleParams p{};
-  for (int m = 0; m < N; ++m) {
-    const LlDispatchResult& b = blocks[m];
-    p.blocks[m] = {static_cast<const uint8_t*>(b.recv_x.data),
-                   static_cast<const uint32_t*>(b.recv_scales.data),
-                   b.recv_count.ptr<const int32_t>(), b.handle.src_info.ptr<const int32_t>(),
-                   b.handle.layout_range.ptr<const int64_t>()};
-  }
-  p.num_nodes = N;
-  p.ranks_per_node = G;
-  p.num_local_experts = L;
-  p.scale_cols = static_cast<int>(cols);
-  p.block_rows = BT;
-  p.rows = RT;
-  p.row_bytes = H * (args.use_fp8 ? 1 : 2);
-  p.x = static_cast<uint8_t*>(res.recv_x.data);
-  p.scales = static_cast<uint32_t*>(res.recv_scales.data);
-  p.count = res.recv_count.ptr<int32_t>();
-  p.src_info = res.handle.src_info.ptr<int32_t>();
-  p.layout_range = res.handle.layout_range.ptr<int64_t>();
-  launch_kernel(ll_nodes_assemble_kernel, grid_, kLlNodesThreads, 0, stream, false,
-                "ll_dispatch: outputs", p);
   auto st = std::make_shared<State>();
-  for (const LlDispatchResult& b : blocks) st->handles.push_back(b.handle);
   res.handle.backend_state = st;
+
+  if (failed || !args.return_recv_hook) {
+    receive(recv_args, b, alloc, failed ? nullptr : &res, *st);
+    if (failed) std::rethrow_exception(failed);
+    return res;
+  }
+  // The hook: the receive, from epx's memory only (this batch's chunks, ids and rows); it keeps
+  // the outputs it writes alive, the caller the stats tensor.
+  hooks_->in_flight[b] = true;
+  std::weak_ptr<Hooks> weak = hooks_;
+  auto keep = std::make_shared<LlDispatchResult>(res);
+  auto called = std::make_shared<bool>(false);
+  res.hook = [this, weak, generation = hooks_->generation, called, b, recv_args, alloc, keep,
+              st]() {
+    std::shared_ptr<Hooks> hooks = weak.lock();
+    ll_hook_begin("ll_dispatch hook", hooks != nullptr, *called,
+                  hooks && hooks->generation != generation);
+    hooks->in_flight[b] = false;
+    DeviceGuard hguard(device_);
+    receive(recv_args, b, alloc, keep.get(), *st);
+  };
   return res;
 }
 
@@ -248,8 +312,9 @@ LlCombineResult CudaLlNodes::combine(const LlCombineArgs& args, const Allocator&
   auto stream = static_cast<cudaStream_t>(args.stream);
 
   // Leg 1: the routing and weights of this rank's tokens that reach each other node.
-  pack({}, args.topk_idx, args.topk_weights, T, stream, "ll_combine: pack");
-  exchange("ll_combine (rail, routing)", static_cast<size_t>(layout_.route_bytes), stream);
+  pack({}, args.topk_idx, args.topk_weights, T, own_ids_, stream, "ll_combine: pack");
+  exchange("ll_combine (rail, routing)", static_cast<size_t>(layout_.route_bytes), recv_slot(0),
+           layout_.slot, stream);
 
   // One node-local combine per source node: y's block m restaged into the node-local combine
   // buffer, reduced zero-copy into a float32 partial (this rank's own, or the rail chunk for m).
@@ -295,7 +360,8 @@ LlCombineResult CudaLlNodes::combine(const LlCombineArgs& args, const Allocator&
     cuda_ll_combine_f32(*ll_, a, out);
   }
   // Leg 2: the partials back to their sources.
-  exchange("ll_combine (rail, partials)", static_cast<size_t>(layout_.partial_bytes), stream);
+  exchange("ll_combine (rail, partials)", static_cast<size_t>(layout_.partial_bytes),
+           recv_slot(0), layout_.slot, stream);
 
   LlCombineResult res;
   if (args.out.defined()) {

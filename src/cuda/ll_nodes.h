@@ -13,6 +13,14 @@
 //     n: this rank's tokens, ids renumbered; fp8 quantised there from the bf16 rows, per row, as
 //     the source would) -> assemble (kernels/ll/nodes.cuh): per local expert, block m's rows
 //     behind the earlier blocks' = semantics §2's order (source rank, then token).
+//     return_recv_hook: the send half is the pack and the rail leg (plus a copy of x, which this
+//     node's dispatch reads in the hook: the hook reads only epx's memory, semantics §2.4); the
+//     hook runs the N node-local dispatches and the assembly. The rail leg waits for its
+//     partner's send half (the same call on (m, g), as a grouped ncclSend / ncclRecv would), not
+//     for any hook. Dispatch i uses batch i % 2 of the scratch (received chunks, ids, rows), so
+//     two dispatches may wait for their hooks, as on one node; a third into a busy batch, a second
+//     hook call, a hook after ll_clean and a combine through the handle of a dispatch whose hook
+//     was not called are InvalidArgument.
 //   ll_combine (copy mode)
 //     pack: this rank's ids renumbered and weights per other node -> rail -> per source node m:
 //     y's block m restaged into the node-local combine buffer, a node-local zero-copy combine
@@ -24,8 +32,8 @@
 // node-local ll's per-slot epochs live on the device; the node-local slots (N dispatches per call,
 // the host's parity) are fixed at capture, alike on every rank, so a replay is each slot's next
 // operation everywhere (tests/gpu/ll_nodes_gpu_test.cc LlNodesOneGpuGraph).
-// Not built here (Unsupported naming the option and "across nodes on cuda"): return_recv_hook,
-// use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer), use_logfmt,
+// Not built here (Unsupported naming the option and "across nodes on cuda"): ll_combine's
+// return_recv_hook, use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer), use_logfmt,
 // overlap, combine_wait_recv_cost_stats, the rank masks (enable_shrink, Buffer refuses it).
 #pragma once
 
@@ -69,11 +77,25 @@ class CudaLlNodes {
 
  private:
   struct State;  // LlHandle::backend_state: the N node-local handles
+  // What the dispatch hooks check (a hook holds it weakly: a destroyed buffer shows).
+  struct Hooks {
+    uint64_t generation = 0;             // bumped by clean(); older hooks refuse to run
+    bool in_flight[2] = {false, false};  // per dispatch batch: its hook not yet called
+  };
   const State& state_of(const LlHandle& h, const char* op) const;
-  // Pack kernel: rows (dispatch) or weights (combine) with renumbered ids per other node.
+  // Pack kernel: rows (dispatch) or weights (combine) with renumbered ids per other node into the
+  // send slots, this node's renumbered ids into `own_ids`.
   void pack(const TensorView& x, const TensorView& topk_idx, const TensorView& weights,
-            int64_t num_tokens, cudaStream_t stream, const char* what);
-  void exchange(const char* what, size_t bytes, cudaStream_t stream);
+            int64_t num_tokens, int32_t* own_ids, cudaStream_t stream, const char* what);
+  // The rail leg from the send slots into the N - 1 chunks at `recv`, `recv_stride` apart.
+  void exchange(const char* what, size_t bytes, char* recv, int64_t recv_stride,
+                cudaStream_t stream);
+  // The dispatch's receive: one node-local dispatch per source node m (this node's from `a`'s
+  // x and batch b's ids, the others' from batch b's chunks), then, with `res`, the assembly into
+  // its outputs; the node-local handles into `st`.
+  void receive(const LlDispatchArgs& a, int b, const Allocator& alloc, LlDispatchResult* res,
+               State& st);
+  char* batch(int b) const { return scratch_ + layout_.batch_off + b * layout_.batch_bytes; }
   char* send_slot(int i) const { return scratch_ + i * layout_.slot; }
   char* recv_slot(int i) const { return scratch_ + (topology_.num_nodes - 1 + i) * layout_.slot; }
   std::string where() const;  // "across nodes on cuda (N nodes of G ranks)"
@@ -91,6 +113,8 @@ class CudaLlNodes {
   char* scratch_ = nullptr;
   float* own_ = nullptr;
   int32_t* own_ids_ = nullptr;
+  uint64_t num_dispatches_ = 0;  // the batch of the next dispatch: its parity
+  std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
 };
 
 }  // namespace epx::detail

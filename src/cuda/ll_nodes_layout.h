@@ -19,8 +19,13 @@ struct LlNodesLayout {
   // The combine's second leg: the partial [C, H] f32.
   int64_t partial_bytes = 0;
   // One rail slot holds the largest of the three. The scratch: N - 1 send slots, N - 1 receive
-  // slots, this node's partial [C, H] f32, this node's ids [C, K] i32.
-  int64_t slot = 0, own_off = 0, own_ids_off = 0, total = 0;
+  // slots (the combine's), this node's partial [C, H] f32, this node's ids [C, K] i32 (the
+  // combine's), then two dispatch batches (dispatch i uses batch i % 2: two dispatches may wait
+  // for their hooks, docs/semantics.md §2.4) of batch_bytes each: the N - 1 received dispatch
+  // chunks (dispatch_bytes apart), this node's ids [C, K] i32 and this rank's rows [C, H] bf16
+  // (copied by a dispatch with the hook, whose own node-local dispatch runs in the hook).
+  int64_t slot = 0, own_off = 0, own_ids_off = 0;
+  int64_t batch_off = 0, batch_ids_off = 0, batch_rows_off = 0, batch_bytes = 0, total = 0;
 
   static int64_t align16(int64_t v) { return (v + 15) / 16 * 16; }
 
@@ -35,7 +40,11 @@ struct LlNodesLayout {
     x.slot = std::max({x.dispatch_bytes, x.route_bytes, x.partial_bytes});
     x.own_off = 2 * (num_nodes - 1) * x.slot;
     x.own_ids_off = x.own_off + x.partial_bytes;
-    x.total = x.own_ids_off + align16(C * K * 4);
+    x.batch_off = x.own_ids_off + align16(C * K * 4);
+    x.batch_ids_off = (num_nodes - 1) * x.dispatch_bytes;
+    x.batch_rows_off = x.batch_ids_off + align16(C * K * 4);
+    x.batch_bytes = x.batch_rows_off + align16(C * 2 * H);
+    x.total = x.batch_off + 2 * x.batch_bytes;
     return x;
   }
 };

@@ -4,9 +4,12 @@
 // combine takes the node-first order of src/cpu/ll_combine.cc), which the cpu backend of the same
 // topology must equal too (so cuda equals the cpu backend).
 //
-// Cases are ll_cases.h's random ones with what this first version builds: no hooks, no
-// zero-copy, no LogFMT, no NVFP4 (fp8, round_scale, UE8M0, stats, a given out, padded rows,
-// two batches in flight and two rounds on one buffer stay drawn). Outputs come from the
+// Cases are ll_cases.h's random ones with what this version builds: no zero-copy, no LogFMT, no
+// NVFP4, the hook on the dispatch only (fp8, round_scale, UE8M0, stats, a given out, padded rows,
+// two batches in flight and two rounds on one buffer stay drawn). With the hook, every input the
+// dispatch read is overwritten on the stream right after the call (its hook must read only epx's
+// memory), and the hooks run after every batch's send, in reverse order where the case says; every
+// other case has the hook, every fourth two batches in flight. Outputs come from the
 // poisoning allocator (rows left unwritten show); y rows past the counts are NaN. Half the
 // batches take y of values from 2^-24 to 2^24 (either sign) and weights 1, whose float32 sums
 // depend on their order: each topology must have a result that the node-first order changes.
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -74,7 +78,7 @@ int run_ranks_one_gpu(int N, int G, const std::function<int(const Group&)>& body
 LlCase nodes_case(int N, int G, uint64_t seed) {
   LlCase c = testing::random_ll_case(N * G, seed, 0.3);
   c.p.ranks_per_node = G;
-  c.hook = c.reverse_hooks = c.zero_copy = false;
+  c.zero_copy = false;
   c.p.use_logfmt = false;
   c.p.use_nvfp4 = false;
   c.p.global_scale = 1.0f;
@@ -126,14 +130,22 @@ std::string run_rank(const LlCase& c, const std::vector<LlBatch>& batches, const
     std::vector<LlDispatchResult> d(nb);
     for (int b = 0; b < nb; ++b) {
       const LlBatch& bt = batches[iter * nb + b];
+      const size_t inputs = keep.size();
       LlDispatchArgs a = gpu_testing::ll_dispatch_inputs(c, bt.in[r], dev, keep);
+      a.return_recv_hook = c.hook;
       if (c.stats) {
         stats[b] = gpu_testing::to_device(bt.stats0[r], DType::kI32, {L}, dev);
         a.cumulative_local_expert_recv_stats = stats[b];
       }
       a.stream = stream;
       d[b] = buf.ll_dispatch(a, alloc);
+      if (static_cast<bool>(d[b].hook) != c.hook) fail("dispatch", "hook presence is wrong");
+      if (c.hook)  // the inputs the call read (x, topk_idx), overwritten before the hook runs
+        for (size_t i = inputs; i < keep.size(); ++i)
+          CUDA_OK(cudaMemsetAsync(keep[i].data, 0xFF, keep[i].nbytes(), stream));
     }
+    if (c.hook)
+      for (int i = 0; i < nb; ++i) d[c.reverse_hooks ? nb - 1 - i : i].hook();
     CUDA_OK(cudaStreamSynchronize(stream));
     buf.check();
     for (int b = 0; b < nb; ++b) {
@@ -232,6 +244,11 @@ int run_topology(int N, int G, int count) {
   int bad = 0;
   for (int i = 0; i < count; ++i) {
     cases.push_back(nodes_case(N, G, seed + i));
+    if (i % 2 == 0) cases.back().hook = true;
+    if (i % 4 == 0) {  // two dispatches waiting for their hooks
+      cases.back().num_batches = 2;
+      cases.back().reverse_hooks = i % 8 == 0;
+    }
     if (i % 2 == 1) {  // tokens whose selections span nodes (for the order-sensitive y)
       cases.back().routing = testing::Routing::kUniform;
       cases.back().p.top_k = std::max(cases.back().p.top_k, 8);
@@ -490,100 +507,160 @@ INSTANTIATE_TEST_SUITE_P(Topologies, LlNodesOneGpuGraph,
                          ::testing::Values(std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}),
                          gpu_testing::TopologyParamName{});
 
+// ---- limits and misuse, at 2 x 1 ----------------------------------------------------------------
+
+// A tiny problem (E = 4 of R = 2, K = 2, H = 128, T = 4 of T_max 8; x and y all 1.0, weights
+// 0.5) on rank g's buffer, and a check that `f` raises `code` with every needle in its message.
+struct Tiny {
+  static constexpr int64_t T = 4, H = 128, K = 2, L = 2, RT = 16;
+  Tensor x, topk, w, y, wait;
+
+  explicit Tiny(int dev)
+      : x(gpu_testing::to_device(std::vector<uint16_t>(T * H, 0x3F80), DType::kBF16, {T, H}, dev)),
+        topk(gpu_testing::to_device(std::vector<int64_t>{0, 3, 1, 2, 2, -1, 3, 0}, DType::kI64,
+                                    {T, K}, dev)),
+        w(gpu_testing::to_device(std::vector<float>(T * K, 0.5f), DType::kF32, {T, K}, dev)),
+        y(gpu_testing::to_device(std::vector<uint16_t>(L * RT * H, 0x3F80), DType::kBF16,
+                                 {L, RT, H}, dev)),
+        wait(gpu_testing::to_device(std::vector<int64_t>(2, 0), DType::kI64, {2}, dev)) {}
+  static MoeShape shape() { return MoeShape{128, 2, 4, 8}; }
+  LlDispatchArgs dispatch(bool hook) const {
+    LlDispatchArgs a;
+    a.x = x;
+    a.topk_idx = topk;
+    a.use_fp8 = false;
+    a.return_recv_hook = hook;
+    a.stream = gpu_testing::rank_stream();
+    return a;
+  }
+  LlCombineArgs combine(const LlDispatchResult& d) const {
+    LlCombineArgs ca;
+    ca.y = y;
+    ca.topk_idx = topk;
+    ca.topk_weights = w;
+    ca.handle = &d.handle;
+    ca.stream = gpu_testing::rank_stream();
+    return ca;
+  }
+  // 0 when `out` is 0.5 y + 0.5 y = 1.0 but token 2's (one selection) 0.5, else 1 (printed).
+  static int check_out(const Group& g, const LlCombineResult& cr, const char* what) {
+    CUDA_OK(cudaStreamSynchronize(gpu_testing::rank_stream()));
+    const std::vector<uint16_t> out = gpu_testing::to_host<uint16_t>(cr.out);
+    for (int64_t i = 0; i < T * H; ++i) {
+      if (out[i] == (i / H == 2 ? 0x3F00 : 0x3F80)) continue;
+      std::fprintf(stderr, "[rank %d] %s: combine out[%lld] = 0x%04x\n", g.rank(), what,
+                   static_cast<long long>(i), out[i]);
+      return 1;
+    }
+    return 0;
+  }
+};
+
+int expect_error(const Group& g, const char* what, const std::function<void()>& f,
+                 ErrorCode code, std::initializer_list<const char*> needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    bool ok = e.code() == code;
+    for (const char* n : needles) ok = ok && m.find(n) != std::string::npos;
+    if (ok) return 0;
+    std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
+  return 1;
+}
+
+int run_two_ranks(const std::function<int(const Group&)>& body) {
+  GroupOptions o;
+  o.ranks_per_node = 1;
+  return gpu_testing::run_cuda_ranks_one_gpu(2, 0, body, o);
+}
+
 // Every option this version does not build raises Unsupported naming it and "across nodes on
 // cuda", before any communication (so no rank waits for a peer).
 TEST(LlNodesOneGpuLimits, UnbuiltOptionsAreUnsupported) {
   EPX_REQUIRE_GPUS(1);
-  GroupOptions o;
-  o.ranks_per_node = 1;
-  const int rc = gpu_testing::run_cuda_ranks_one_gpu(
-      2, 0,
-      [&](const Group& g) {
-        int bad = 0;
-        auto expect_unsupported = [&](const char* what, const std::function<void()>& f,
-                                      const char* name) {
-          bad += gpu_testing::expect_unsupported(g.rank(), what, f, {name, "across nodes on cuda"});
-        };
-        const int dev = gpu_testing::device_of(g);
-        const MoeShape shape{128, 2, 4, 8};
-        Buffer buf(g, shape, ll_only());
-        const int64_t T = 4, H = 128, K = 2, L = 2, RT = 16;
-        std::vector<uint16_t> xs(T * H, 0x3F80);
-        std::vector<int64_t> ids = {0, 3, 1, 2, 2, -1, 3, 0};
-        const Tensor x = gpu_testing::to_device(xs, DType::kBF16, {T, H}, dev);
-        const Tensor topk = gpu_testing::to_device(ids, DType::kI64, {T, K}, dev);
-        const Tensor w =
-            gpu_testing::to_device(std::vector<float>(T * K, 0.5f), DType::kF32, {T, K}, dev);
-        const Tensor y = gpu_testing::to_device(std::vector<uint16_t>(L * RT * H, 0x3F80),
-                                                DType::kBF16, {L, RT, H}, dev);
-        const Tensor wait =
-            gpu_testing::to_device(std::vector<int64_t>(2, 0), DType::kI64, {2}, dev);
-        const Allocator alloc = gpu_testing::poison_allocator();
-        LlDispatchArgs a;
-        a.x = x;
-        a.topk_idx = topk;
-        a.use_fp8 = false;
-        a.stream = gpu_testing::rank_stream();
-        LlDispatchArgs hook = a;
-        hook.return_recv_hook = true;
-        expect_unsupported(
-            "dispatch hook", [&] { buf.ll_dispatch(hook, alloc); }, "return_recv_hook");
-        LlDispatchArgs fp4 = a;
-        fp4.use_nvfp4 = true;
-        fp4.global_scale = 1.0f;
-        expect_unsupported(
-            "nvfp4", [&] { buf.ll_dispatch(fp4, alloc); }, "use_nvfp4");
-        LlDispatchArgs ws = a;
-        ws.dispatch_wait_recv_cost_stats = wait;
-        expect_unsupported(
-            "dispatch wait stats", [&] { buf.ll_dispatch(ws, alloc); },
-            "dispatch_wait_recv_cost_stats");
-        LlDispatchResult d = buf.ll_dispatch(a, alloc);
-        expect_unsupported(
-            "next combine buffer", [&] { buf.ll_next_combine_buffer(d.handle); },
-            "ll_next_combine_buffer");
-        LlCombineArgs ca;
-        ca.y = y;
-        ca.topk_idx = topk;
-        ca.topk_weights = w;
-        ca.handle = &d.handle;
-        ca.stream = a.stream;
-        LlCombineArgs ch = ca;
-        ch.return_recv_hook = true;
-        expect_unsupported(
-            "combine hook", [&] { buf.ll_combine(ch, alloc); }, "return_recv_hook");
-        LlCombineArgs lf = ca;
-        lf.use_logfmt = true;
-        expect_unsupported(
-            "logfmt", [&] { buf.ll_combine(lf, alloc); }, "use_logfmt");
-        LlCombineArgs cw = ca;
-        cw.combine_wait_recv_cost_stats = wait;
-        expect_unsupported(
-            "combine wait stats", [&] { buf.ll_combine(cw, alloc); },
-            "combine_wait_recv_cost_stats");
-        const Tensor signals =
-            gpu_testing::to_device(std::vector<int32_t>(L, 1), DType::kI32, {L}, dev);
-        LlCombineArgs ov = ca;
-        ov.overlap = LlCombineOverlap{};
-        ov.overlap->signals = signals;
-        expect_unsupported(
-            "overlap", [&] { buf.ll_combine(ov, alloc); }, "overlap");
-        // The plain combine still runs after them: out = 0.5 y + 0.5 y = 1.0, token 2 (one
-        // selection) 0.5.
-        const LlCombineResult cr = buf.ll_combine(ca, alloc);
-        CUDA_OK(cudaStreamSynchronize(gpu_testing::rank_stream()));
-        buf.check();
-        const std::vector<uint16_t> out = gpu_testing::to_host<uint16_t>(cr.out);
-        for (int64_t i = 0; i < T * H; ++i) {
-          if (out[i] == (i / H == 2 ? 0x3F00 : 0x3F80)) continue;
-          std::fprintf(stderr, "[rank %d] combine out[%lld] = 0x%04x\n", g.rank(),
-                       static_cast<long long>(i), out[i]);
-          ++bad;
-          break;
-        }
-        return bad;
-      },
-      o);
+  const int rc = run_two_ranks([&](const Group& g) {
+    const Tiny t(gpu_testing::device_of(g));
+    Buffer buf(g, Tiny::shape(), ll_only());
+    const Allocator alloc = gpu_testing::poison_allocator();
+    auto unsupported = [&](const char* what, const std::function<void()>& f, const char* name) {
+      return gpu_testing::expect_unsupported(g.rank(), what, f, {name, "across nodes on cuda"});
+    };
+    int bad = 0;
+    LlDispatchArgs fp4 = t.dispatch(false);
+    fp4.use_nvfp4 = true;
+    fp4.global_scale = 1.0f;
+    bad += unsupported("nvfp4", [&] { buf.ll_dispatch(fp4, alloc); }, "use_nvfp4");
+    LlDispatchArgs ws = t.dispatch(false);
+    ws.dispatch_wait_recv_cost_stats = t.wait;
+    bad += unsupported("dispatch wait stats", [&] { buf.ll_dispatch(ws, alloc); },
+                       "dispatch_wait_recv_cost_stats");
+    LlDispatchResult d = buf.ll_dispatch(t.dispatch(false), alloc);
+    bad += unsupported("next combine buffer", [&] { buf.ll_next_combine_buffer(d.handle); },
+                       "ll_next_combine_buffer");
+    const LlCombineArgs ca = t.combine(d);
+    LlCombineArgs ch = ca;
+    ch.return_recv_hook = true;
+    bad += unsupported("combine hook", [&] { buf.ll_combine(ch, alloc); }, "return_recv_hook");
+    LlCombineArgs lf = ca;
+    lf.use_logfmt = true;
+    bad += unsupported("logfmt", [&] { buf.ll_combine(lf, alloc); }, "use_logfmt");
+    LlCombineArgs cw = ca;
+    cw.combine_wait_recv_cost_stats = t.wait;
+    bad += unsupported("combine wait stats", [&] { buf.ll_combine(cw, alloc); },
+                       "combine_wait_recv_cost_stats");
+    const Tensor signals = gpu_testing::to_device(std::vector<int32_t>(Tiny::L, 1), DType::kI32,
+                                                  {Tiny::L}, gpu_testing::device_of(g));
+    LlCombineArgs ov = ca;
+    ov.overlap = LlCombineOverlap{};
+    ov.overlap->signals = signals;
+    bad += unsupported("overlap", [&] { buf.ll_combine(ov, alloc); }, "overlap");
+    // The plain combine still runs after them.
+    const LlCombineResult cr = buf.ll_combine(ca, alloc);
+    buf.check();
+    return bad + Tiny::check_out(g, cr, "after the refusals");
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+// The dispatch hook's misuse, each InvalidArgument before any communication: a third dispatch
+// while two wait for their hooks, a combine through a handle whose hook was not called, a hook
+// called twice, a hook after ll_clean; the buffer keeps working after each (outputs checked).
+TEST(LlNodesOneGpuLimits, DispatchHookMisuse) {
+  EPX_REQUIRE_GPUS(1);
+  const int rc = run_two_ranks([&](const Group& g) {
+    const Tiny t(gpu_testing::device_of(g));
+    Buffer buf(g, Tiny::shape(), ll_only());
+    const Allocator alloc = gpu_testing::poison_allocator();
+    auto invalid = [&](const char* what, const std::function<void()>& f,
+                       std::initializer_list<const char*> needles) {
+      return expect_error(g, what, f, ErrorCode::kInvalidArgument, needles);
+    };
+    int bad = 0;
+    LlDispatchResult d1 = buf.ll_dispatch(t.dispatch(true), alloc);
+    LlDispatchResult d2 = buf.ll_dispatch(t.dispatch(true), alloc);
+    bad += invalid("third dispatch", [&] { buf.ll_dispatch(t.dispatch(false), alloc); },
+                   {"ll_dispatch", "hook was not called", "at most two"});
+    bad += invalid("combine before the hook", [&] { buf.ll_combine(t.combine(d1), alloc); },
+                   {"ll_combine", "'handle'", "hook was not called"});
+    d1.hook();
+    bad += invalid("second hook call", [&] { d1.hook(); }, {"ll_dispatch hook", "second time"});
+    d2.hook();
+    bad += Tiny::check_out(g, buf.ll_combine(t.combine(d2), alloc), "batch 2");
+    bad += Tiny::check_out(g, buf.ll_combine(t.combine(d1), alloc), "batch 1");
+    LlDispatchResult d3 = buf.ll_dispatch(t.dispatch(true), alloc);
+    CUDA_OK(cudaStreamSynchronize(gpu_testing::rank_stream()));
+    buf.ll_clean();
+    bad += invalid("hook after ll_clean", [&] { d3.hook(); }, {"ll_dispatch hook", "ll_clean"});
+    LlDispatchResult d4 = buf.ll_dispatch(t.dispatch(true), alloc);
+    d4.hook();
+    bad += Tiny::check_out(g, buf.ll_combine(t.combine(d4), alloc), "after ll_clean");
+    buf.check();
+    return bad;
+  });
   EXPECT_EQ(rc, 0);
 }
 

@@ -21,7 +21,8 @@ TEST(LlNodesLayout, PartsAlignedDisjointAndInsideTheirSlots) {
           SCOPED_TRACE(testing::Message() << "C " << C << " H " << H << " K " << K << " N " << N);
           for (int64_t v :
                {x.dispatch_ids_off, x.dispatch_bytes, x.route_weights_off, x.route_bytes,
-                x.partial_bytes, x.slot, x.own_off, x.own_ids_off, x.total})
+                x.partial_bytes, x.slot, x.own_off, x.own_ids_off, x.batch_off, x.batch_ids_off,
+                x.batch_rows_off, x.batch_bytes, x.total})
             EXPECT_EQ(v % 16, 0);
           // Dispatch chunk: rows [C, 2H] bf16, then ids [C, K] i32 (ht's pack layout).
           EXPECT_EQ(x.dispatch_rows_off, 0);
@@ -35,12 +36,17 @@ TEST(LlNodesLayout, PartsAlignedDisjointAndInsideTheirSlots) {
           EXPECT_GE(x.slot, x.dispatch_bytes);
           EXPECT_GE(x.slot, x.route_bytes);
           EXPECT_GE(x.slot, x.partial_bytes);
-          // Scratch: 2 (N - 1) slots, own partial, own ids; nothing more than 15 bytes of padding
-          // per part.
+          // Scratch: 2 (N - 1) slots, own partial, own ids, then two dispatch batches of N - 1
+          // chunks, ids and rows; nothing more than 15 bytes of padding per part.
           EXPECT_EQ(x.own_off, 2 * (N - 1) * x.slot);
           EXPECT_GE(x.own_ids_off, x.own_off + C * H * 4);
-          EXPECT_GE(x.total, x.own_ids_off + C * K * 4);
-          EXPECT_LT(x.total, x.own_ids_off + C * K * 4 + 16);
+          EXPECT_GE(x.batch_off, x.own_ids_off + C * K * 4);
+          EXPECT_LT(x.batch_off, x.own_ids_off + C * K * 4 + 16);
+          EXPECT_EQ(x.batch_ids_off, (N - 1) * x.dispatch_bytes);
+          EXPECT_GE(x.batch_rows_off, x.batch_ids_off + C * K * 4);
+          EXPECT_GE(x.batch_bytes, x.batch_rows_off + C * 2 * H);
+          EXPECT_LT(x.batch_bytes, x.batch_rows_off + C * 2 * H + 16);
+          EXPECT_EQ(x.total, x.batch_off + 2 * x.batch_bytes);
           EXPECT_LT(x.slot, std::max({C * (2 * H + 4 * K), C * 8 * K, C * 4 * H}) + 32);
         }
 }
@@ -52,7 +58,10 @@ TEST(LlNodesLayout, DeepSeekShapeByHand) {
   EXPECT_EQ(x.route_bytes, 2 * 128 * 8 * 4);
   EXPECT_EQ(x.partial_bytes, 128 * 4 * 7168);
   EXPECT_EQ(x.slot, 3670016);
-  EXPECT_EQ(x.total, 2 * 3670016 + 3670016 + 128 * 8 * 4);
+  // Two batches of one received dispatch chunk, ids and rows [C, H] bf16.
+  const int64_t batch = x.dispatch_bytes + 128 * 8 * 4 + 128 * 2 * 7168;
+  EXPECT_EQ(x.batch_bytes, batch);
+  EXPECT_EQ(x.total, 2 * 3670016 + 3670016 + 128 * 8 * 4 + 2 * batch);
 }
 
 }  // namespace
