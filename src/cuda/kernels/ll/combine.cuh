@@ -194,14 +194,12 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
         int64_t count = range & 0xFFFFFFFF;
         if (begin + count > RT) count = begin < RT ? RT - begin : 0;
         const int64_t n_mine = count > sub ? (count - sub + S - 1) / S : 0;
-        ll_copy16(n_mine * nv, kLlCopyBatch,
-                  [&](int64_t i, uint4** dst) {
-                    const int64_t m = i / nv, v = i - m * nv;
-                    const int64_t row = begin + sub + m * S;
-                    *dst = reinterpret_cast<uint4*>(buf + (l * RT + row) * H + 8 * v);
-                    return ll_ld_input8(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v,
-                                        p.y_vec16);
-                  });
+        ll_copy_rows<false>(static_cast<int>(n_mine), static_cast<int>(nv), p.y_vec16,
+                            [&](int m, const uint16_t** src, uint4** dst) {
+                              const int64_t row = begin + sub + int64_t{m} * S;
+                              *src = p.y + l * p.y_stride0 + row * p.y_stride1;
+                              *dst = reinterpret_cast<uint4*>(buf + (l * RT + row) * H);
+                            });
       }
     }
   }
@@ -403,14 +401,13 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
         EPX_LL_ITEM_NOW(item, seen, c0 == r0);
         __syncthreads();  // the block's rows were stored: y loads after the acquire
         if (!s_ok) return false;
-        ll_copy16(rows * nv, kLlCopyBatch, [&](int64_t i, uint4** dst) {
-          const int64_t m = i / nv, v = i - m * nv, row = c0 + m;
-          const uintptr_t d = s_dst[m];
-          *dst = d ? reinterpret_cast<uint4*>(d) + v : nullptr;
-          if (!d) return uint4{};
-          if (p.zero_copy) return ld_landed<uint4>(own_y + (l * RT + row) * H + 8 * v);
-          return ll_ld8<true>(p.y + l * p.y_stride0 + row * p.y_stride1 + 8 * v, p.y_vec16);
-        });
+        ll_copy_rows<true>(rows, static_cast<int>(nv), p.zero_copy || p.y_vec16,
+                           [&](int m, const uint16_t** src, uint4** dst) {
+                             const int64_t row = c0 + m;
+                             *src = p.zero_copy ? own_y + (l * RT + row) * H
+                                                : p.y + l * p.y_stride0 + row * p.y_stride1;
+                             *dst = reinterpret_cast<uint4*>(s_dst[m]);
+                           });
         __syncthreads();  // s_dst is rewritten by the next chunk
       }
       EPX_LL_ITEM_PUT(p, item, l * p.blocks + b);
@@ -658,9 +655,11 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
         // (it ends with a barrier, as the loop below)
       } else {
-        for (int64_t i = threadIdx.x; i < n * nv; i += blockDim.x) {
-          const int tl = static_cast<int>(i / nv);
-          const int64_t v = i - tl * nv;
+        // Output vector (tl, v), tl * nv + v = threadIdx.x + j * blockDim.x: advanced without a
+        // division per vector (a 32-bit one when v wraps).
+        const int nvi = static_cast<int>(nv);
+        int tl = static_cast<int>(threadIdx.x) / nvi;
+        for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
           const uintptr_t* src = s_src + tl * K;
           float acc[8];
           ll_reduce8<kLlLoadBatch>(
@@ -673,6 +672,12 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           } else if (p.out) {
             const uint4 packed = f32_to_bf16_vec<uint4>(acc);
             ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
+          }
+          v += blockDim.x;
+          if (v >= nvi) {
+            const int wrap = v / nvi;
+            tl += wrap;
+            v -= wrap * nvi;
           }
         }
         __syncthreads();  // s_* are rewritten by the next group of tokens

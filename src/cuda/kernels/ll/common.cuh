@@ -149,23 +149,31 @@ __device__ __forceinline__ int64_t ll_topk_at(const void* topk, bool is_i64, int
                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(topk) + t * stride + k));
 }
 
-// Copy of n 16-byte vectors over the CTA: `item(i, &dst)` loads vector i and sets where it goes.
-// `batch` (<= kLlCopyBatch) loads per thread are in flight before their stores: a plain copy
-// loop with one is latency-bound.
-template <typename Item>
-__device__ __forceinline__ void ll_copy16(int64_t n, int batch, Item item) {
-  for (int64_t i0 = threadIdx.x; i0 < n; i0 += static_cast<int64_t>(batch) * blockDim.x) {
+// Copy of `rows` rows of nv 16-byte vectors (8 bf16 each) over the CTA's warps. Items are (row m,
+// chunk c) of 32 * kLlCopyBatch vectors, one warp each: `row(m, &src, &dst)` gives row m's source
+// and destination (null: not copied) once per item, then lane i loads vectors i, i + 32, ... of
+// the chunk together and stores them, so a lane's work per vector is a load and a store (an index
+// division per vector made these copies instruction-bound at ≈ 17 GB/s per CTA: docs/perf.md
+// §4.3). `vec16`: every source row is 16-byte aligned; kLanded as ll_ld8.
+template <bool kLanded, typename Row>
+__device__ __forceinline__ void ll_copy_rows(int rows, int nv, bool vec16, Row row) {
+  constexpr int kChunk = 32 * kLlCopyBatch;
+  const int chunks = (nv + kChunk - 1) / kChunk;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int w = threadIdx.x >> 5; w < rows * chunks; w += warps) {
+    const int m = w / chunks;
+    const int first = (w - m * chunks) * kChunk + lane;  // this lane's first vector
+    const uint16_t* src;
+    uint4* dst;
+    row(m, &src, &dst);
+    if (!dst) continue;
     uint4 val[kLlCopyBatch];
-    uint4* dst[kLlCopyBatch];
-#pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u) {
-      const int64_t i = i0 + static_cast<int64_t>(u) * blockDim.x;
-      dst[u] = nullptr;
-      if (u < batch && i < n) val[u] = item(i, &dst[u]);
-    }
 #pragma unroll
     for (int u = 0; u < kLlCopyBatch; ++u)
-      if (dst[u]) *dst[u] = val[u];
+      if (first + 32 * u < nv) val[u] = ll_ld8<kLanded>(src + 8 * int64_t{first + 32 * u}, vec16);
+#pragma unroll
+    for (int u = 0; u < kLlCopyBatch; ++u)
+      if (first + 32 * u < nv) dst[first + 32 * u] = val[u];
   }
 }
 
