@@ -472,18 +472,23 @@ Allocator Arena::allocator() {
   };
 }
 
-int expect_unsupported(int rank, const char* what, const std::function<void()>& f,
-                       std::initializer_list<const char*> words) {
+int expect_error(int rank, const char* what, const std::function<void()>& f, ErrorCode code,
+                 std::initializer_list<const char*> words) {
   try {
     f();
     std::fprintf(stderr, "[rank %d] %s: no error\n", rank, what);
     return 1;
   } catch (const Error& e) {
-    bool ok = e.code() == ErrorCode::kUnsupported;
+    bool ok = e.code() == code;
     for (const char* w : words) ok = ok && std::string(e.what()).find(w) != std::string::npos;
     if (!ok) std::fprintf(stderr, "[rank %d] %s: %s\n", rank, what, e.what());
     return ok ? 0 : 1;
   }
+}
+
+int expect_unsupported(int rank, const char* what, const std::function<void()>& f,
+                       std::initializer_list<const char*> words) {
+  return expect_error(rank, what, f, ErrorCode::kUnsupported, words);
 }
 
 std::string TopologyParamName::topology_suffix(int nodes, int per_node) {

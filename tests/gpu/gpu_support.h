@@ -213,8 +213,11 @@ struct Arena {
   Allocator allocator();
 };
 
-// 0 when f() raises Unsupported whose message holds every one of `words`; else 1, printed with
-// the rank and `what` (no error, another code, or the message).
+// 0 when f() raises an Error of `code` whose message holds every one of `words`; else 1, printed
+// with the rank and `what` (no error, another code, or the message).
+int expect_error(int rank, const char* what, const std::function<void()>& f, ErrorCode code,
+                 std::initializer_list<const char*> words);
+// expect_error with ErrorCode::kUnsupported.
 int expect_unsupported(int rank, const char* what, const std::function<void()>& f,
                        std::initializer_list<const char*> words);
 

@@ -556,22 +556,6 @@ struct Tiny {
   }
 };
 
-int expect_error(const Group& g, const char* what, const std::function<void()>& f,
-                 ErrorCode code, std::initializer_list<const char*> needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    bool ok = e.code() == code;
-    for (const char* n : needles) ok = ok && m.find(n) != std::string::npos;
-    if (ok) return 0;
-    std::fprintf(stderr, "[rank %d] %s: %s\n", g.rank(), what, e.what());
-    return 1;
-  }
-  std::fprintf(stderr, "[rank %d] %s: no error\n", g.rank(), what);
-  return 1;
-}
-
 int run_two_ranks(const std::function<int(const Group&)>& body) {
   GroupOptions o;
   o.ranks_per_node = 1;
@@ -637,7 +621,7 @@ TEST(LlNodesOneGpuLimits, DispatchHookMisuse) {
     const Allocator alloc = gpu_testing::poison_allocator();
     auto invalid = [&](const char* what, const std::function<void()>& f,
                        std::initializer_list<const char*> needles) {
-      return expect_error(g, what, f, ErrorCode::kInvalidArgument, needles);
+      return gpu_testing::expect_error(g.rank(), what, f, ErrorCode::kInvalidArgument, needles);
     };
     int bad = 0;
     LlDispatchResult d1 = buf.ll_dispatch(t.dispatch(true), alloc);
