@@ -161,22 +161,40 @@ size_t cuda_ht_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes) 
          NodesScratch::make(shape, num_ranks, num_nodes).total + device_copy_rail_bytes();
 }
 
-CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id)
+VirtualNodes::VirtualNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id,
+                           const char* mode, const char* prefix, int max_nodes)
     : group_(group),
       shape_(shape),
       buffer_id_(buffer_id),
       topology_(Topology::of(group)),
       node_(topology_.node_of(group.rank())),
       device_(group.transport()->device().index) {
-  require_virtual_nodes(group, topology_, "ht");
+  require_virtual_nodes(group, topology_, mode);
+  EPX_CHECK(max_nodes == 0 || topology_.num_nodes <= max_nodes, ErrorCode::kUnsupported,
+            "Buffer: ", mode, " ", where(), ": at most ", max_nodes, " nodes are built");
+  node_group_ = make_virtual_node_group(group, topology_, prefix);
+}
+
+std::string VirtualNodes::where() const {
+  return cat("across nodes on cuda (", topology_.num_nodes, " nodes of ", topology_.ranks_per_node,
+             " ranks)");
+}
+
+void VirtualNodes::open_scratch(size_t slot_bytes, size_t total_bytes) {
+  slot_bytes_ = slot_bytes;
+  rail_ = make_device_copy_rail(group_, topology_, slot_bytes);
+  memory_ = node_group_->transport()->allocate(total_bytes);  // zeroed
+  scratch_ = static_cast<char*>(memory_->local());
+}
+
+size_t VirtualNodes::shared_bytes() const { return memory_->bytes() + rail_->bytes_allocated(); }
+
+CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id)
+    : VirtualNodes(group, shape, buffer_id, "ht", "epx-ht-nodes-", 0) {
   const int R = group.size(), N = topology_.num_nodes;
-  node_group_ = make_virtual_node_group(group, topology_, "epx-ht-nodes-");
   ht_ = std::make_unique<CudaHt>(*node_group_, node_shape(shape, N), buffer_id);
   const NodesScratch s = NodesScratch::make(shape, R, N);
-  slot_bytes_ = s.slot;
-  rail_ = make_device_copy_rail(group, topology_, s.slot);
-  memory_ = node_group_->transport()->allocate(s.total);  // zeroed
-  scratch_ = static_cast<char*>(memory_->local());
+  open_scratch(s.slot, s.total);
   own_ = reinterpret_cast<float*>(scratch_ + s.own);
   own_w_ = reinterpret_cast<float*>(scratch_ + s.own_w);
   own_ids_ = reinterpret_cast<int32_t*>(scratch_ + s.own_ids);
@@ -184,13 +202,7 @@ CudaHtNodes::CudaHtNodes(const Group& group, const MoeShape& shape, uint64_t buf
   recv_cols_ = scratch_ + s.recv_cols;
 }
 
-CudaHtNodes::~CudaHtNodes() {
-  ht_.reset();  // its destruction barrier first: no node peer reads the scratch after it
-}
-
-size_t CudaHtNodes::bytes() const {
-  return ht_->bytes() + memory_->bytes() + rail_->bytes_allocated();
-}
+size_t CudaHtNodes::bytes() const { return ht_->bytes() + shared_bytes(); }
 
 void CudaHtNodes::check() {
   rail_->check();

@@ -54,34 +54,14 @@ size_t cuda_ll_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes) 
 }
 
 CudaLlNodes::CudaLlNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id)
-    : group_(group),
-      shape_(shape),
-      buffer_id_(buffer_id),
-      topology_(Topology::of(group)),
-      node_(topology_.node_of(group.rank())),
-      device_(group.transport()->device().index) {
-  require_virtual_nodes(group, topology_, "ll");
-  EPX_CHECK(topology_.num_nodes <= kLlNodesMaxNodes, ErrorCode::kUnsupported, "Buffer: ll ",
-            where(), ": at most ", kLlNodesMaxNodes, " nodes are built");
-  grid_ = group.options().num_sms > 0 ? group.options().num_sms : 16;
-  node_group_ = make_virtual_node_group(group, topology_, "epx-ll-nodes-");
+    : VirtualNodes(group, shape, buffer_id, "ll", "epx-ll-nodes-", kLlNodesMaxNodes),
+      grid_(group.options().num_sms > 0 ? group.options().num_sms : 16) {
   ll_ = cuda_ll_create(*node_group_, node_shape(shape, topology_.num_nodes), false);
   layout_ = LlNodesLayout::make(shape.max_tokens_per_rank, shape.hidden, shape.top_k,
                                 topology_.num_nodes);
-  rail_ = make_device_copy_rail(group, topology_, static_cast<size_t>(layout_.slot));
-  memory_ = node_group_->transport()->allocate(static_cast<size_t>(layout_.total));  // zeroed
-  scratch_ = static_cast<char*>(memory_->local());
+  open_scratch(static_cast<size_t>(layout_.slot), static_cast<size_t>(layout_.total));
   own_ = reinterpret_cast<float*>(scratch_ + layout_.own_off);
   own_ids_ = reinterpret_cast<int32_t*>(scratch_ + layout_.own_ids_off);
-}
-
-CudaLlNodes::~CudaLlNodes() {
-  ll_.reset();  // its destruction barrier first: no node peer reads the scratch after it
-}
-
-std::string CudaLlNodes::where() const {
-  return cat("across nodes on cuda (", topology_.num_nodes, " nodes of ", topology_.ranks_per_node,
-             " ranks)");
 }
 
 void CudaLlNodes::unsupported(const char* what, const char* expected) const {
@@ -90,7 +70,7 @@ void CudaLlNodes::unsupported(const char* what, const char* expected) const {
 }
 
 size_t CudaLlNodes::bytes() const {
-  return cuda_ll_allocated(ll_.get()) + memory_->bytes() + rail_->bytes_allocated();
+  return cuda_ll_allocated(ll_.get()) + shared_bytes();
 }
 
 void CudaLlNodes::check() {

@@ -45,24 +45,21 @@
 
 #include "core/buffer_impl.h"
 #include "cuda/ll_nodes_layout.h"
+#include "cuda/nodes.h"
 #include "transport/rail.h"
 
 namespace epx::detail {
 
 class CudaLl;
-class SymmetricMemory;
 
 // Symmetric bytes per rank of the hierarchical ll (N > 1 nodes of R / N ranks).
 size_t cuda_ll_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes);
 
-class CudaLlNodes {
+class CudaLlNodes : private VirtualNodes {
  public:
   // Collective over the group (the node group, the node-local CudaLl, the rail, the scratch).
   // The group shares one GPU (else Unsupported).
   CudaLlNodes(const Group& group, const MoeShape& shape, uint64_t buffer_id);
-  ~CudaLlNodes();
-  CudaLlNodes(const CudaLlNodes&) = delete;
-  CudaLlNodes& operator=(const CudaLlNodes&) = delete;
 
   size_t bytes() const;
   // Raises what the rail or a node-local kernel recorded.
@@ -96,21 +93,10 @@ class CudaLlNodes {
   void receive(const LlDispatchArgs& a, int b, const Allocator& alloc, LlDispatchResult* res,
                State& st);
   char* batch(int b) const { return scratch_ + layout_.batch_off + b * layout_.batch_bytes; }
-  char* send_slot(int i) const { return scratch_ + i * layout_.slot; }
-  char* recv_slot(int i) const { return scratch_ + (topology_.num_nodes - 1 + i) * layout_.slot; }
-  std::string where() const;  // "across nodes on cuda (N nodes of G ranks)"
 
-  Group group_;
-  MoeShape shape_;
-  uint64_t buffer_id_ = 0;
-  Topology topology_;
-  int node_ = 0, device_ = 0, grid_ = 1;
+  int grid_ = 1;
   LlNodesLayout layout_;
-  std::optional<Group> node_group_;
   std::shared_ptr<CudaLl> ll_;  // the node-local ll over node_group_
-  std::unique_ptr<RailTransport> rail_;
-  std::shared_ptr<SymmetricMemory> memory_;
-  char* scratch_ = nullptr;
   float* own_ = nullptr;
   int32_t* own_ids_ = nullptr;
   uint64_t num_dispatches_ = 0;  // the batch of the next dispatch: its parity
