@@ -8,14 +8,14 @@
 // instead of a CudaHt when the group spans nodes.
 //
 //   ht_dispatch (exact, cached)
-//     pack (kernels/ht/nodes.cuh) -> rail: chunk of C = max_tokens_per_rank token slots to every
-//     (m, g) -> one node-local dispatch per source node m = 0 .. N - 1, in node order (m = n: this
-//     rank's tokens; else the chunk received from (m, g)): block m of the outputs holds the rows
-//     of the sources (m, 0 .. G - 1), ordered (source, token), so the blocks concatenated are in
-//     the order of docs/semantics.md §1.2 with no reordering pass; exact mode waits on the host
-//     once per block (each node-local count exchange) -> the blocks copied into the outputs ->
-//     exact: this node's columns of the count matrix over the rail, the handle's
-//     rank_prefix_matrix, is_token_in_rank and send_pos (the flat ones).
+//     pack (kernels/ht/nodes_pack.cuh) -> rail: chunk of C = max_tokens_per_rank token slots to
+//     every (m, g) -> one node-local dispatch per source node m = 0 .. N - 1, in node order
+//     (m = n: this rank's tokens; else the chunk received from (m, g)): block m of the outputs
+//     holds the rows of the sources (m, 0 .. G - 1), ordered (source, token), so the blocks
+//     concatenated are in the order of docs/semantics.md §1.2 with no reordering pass; exact
+//     mode waits on the host once per block (each node-local count exchange) -> the blocks
+//     copied into the outputs -> exact: this node's columns of the count matrix over the rail,
+//     the handle's rank_prefix_matrix, is_token_in_rank and send_pos (the flat ones).
 //   ht_combine
 //     one node-local combine per source node m of y's block m, float32 out (no rounding): for
 //     m = n this rank's partial with the biases, else the partial of (m, g)'s tokens, into the
@@ -40,7 +40,7 @@
 
 namespace epx::detail {
 
-struct HtNodesChunk;  // kernels/ht/nodes.cuh
+struct HtNodesChunk;  // kernels/ht/nodes_pack.cuh
 
 // Symmetric bytes per rank of the hierarchical ht (N > 1 nodes of R / N ranks).
 size_t cuda_ht_nodes_bytes(const MoeShape& shape, int num_ranks, int num_nodes);

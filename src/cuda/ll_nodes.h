@@ -33,8 +33,9 @@
 // the host's parity) are fixed at capture, alike on every rank, so a replay is each slot's next
 // operation everywhere (tests/gpu/ll_nodes_gpu_test.cc LlNodesOneGpuGraph).
 // Not built here (Unsupported naming the option and "across nodes on cuda"): ll_combine's
-// return_recv_hook, use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer), use_logfmt,
-// overlap, combine_wait_recv_cost_stats, the rank masks (enable_shrink, Buffer refuses it).
+// return_recv_hook, use_nvfp4, dispatch_wait_recv_cost_stats, zero-copy (ll_next_combine_buffer),
+// use_logfmt, overlap, combine_wait_recv_cost_stats, the rank masks (enable_shrink, Buffer
+// refuses it).
 #pragma once
 
 #include <cuda_runtime.h>

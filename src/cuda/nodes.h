@@ -1,6 +1,7 @@
-// src/cuda/nodes.h — what the cuda ht and ll across virtual nodes share (ht_nodes.h, ll_nodes.h;
-// docs/design.md §13.1): the checks, the node group, the rail leg and reset, the handle's state, and
-// VirtualNodes, the base of CudaHtNodes and CudaLlNodes. Defined in ht_nodes.cu.
+// src/cuda/nodes.h — what the cuda ht and ll across virtual nodes share (ht_nodes.h,
+// ll_nodes.h; docs/design.md §13.1): the checks, the node group, the rail leg and reset, the
+// handle's state, and VirtualNodes, the base of CudaHtNodes and CudaLlNodes. Defined in
+// ht_nodes.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,8 +28,8 @@ void require_virtual_nodes(const Group& group, const Topology& topology, const c
 // local index (the parent's timeout and num_sms, so every rank of every node stays co-resident),
 // its rendezvous name `prefix` + a serial every rank agrees on (rank 0's draw, allgathered).
 Group make_virtual_node_group(const Group& group, const Topology& topology, const char* prefix);
-// The pack kernel (kernels/ht/nodes.cuh) at the widest vector that x, its stride, row_bytes and
-// chunk_stride allow.
+// The pack kernel (kernels/ht/nodes_pack.cuh) at the widest vector that x, its stride, row_bytes
+// and chunk_stride allow.
 void launch_nodes_pack(const HtNodesPackParams& p, int grid, cudaStream_t stream, const char* what);
 // One rail leg of rank `node`, `bytes` each way per other node m: the send at send_base + i *
 // send_stride, the receive at recv_base + i * recv_stride, i = other_index(m, node).
