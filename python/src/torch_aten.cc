@@ -11,6 +11,9 @@
 //             (the C++ calls torch.Tensor's own Python methods make), for plain tensors only;
 //             every other object is declined and read by the attribute path, so its results and
 //             messages stay that path's.
+//   view_of   an output that is a view of an allocation (the ll handle's two tensors share one
+//             block) -> the same ATen ops the attribute path calls through Python (reshape,
+//             view as bytes and as the dtype, as_strided), without the Python calls.
 // Only the C types of torch_aten_api.h leave this file. No CUDA-only call: the same source
 // builds against a CPU torch (at::empty selects the device's allocator and device guard).
 #include <ATen/ops/empty.h>
@@ -89,7 +92,31 @@ int view(PyObject* obj, EpxAtenView* out) {
   }
 }
 
-const EpxAtenApi kApi = {EPX_ATEN_API_VERSION, sizeof(EpxAtenApi), &allocate, &view};
+PyObject* view_of(PyObject* base, int32_t dtype, int32_t ndim, const int64_t* shape,
+                  const int64_t* strides, int64_t byte_offset) {
+  try {
+    if (!THPVariable_Check(base)) {
+      PyErr_Format(PyExc_TypeError, "view_of: expected a torch.Tensor, got %s",
+                   Py_TYPE(base)->tp_name);
+      return nullptr;
+    }
+    const at::Tensor& b = THPVariable_Unpack(base);
+    const c10::ScalarType st = g_scalar_type_of[dtype];
+    at::Tensor s = b;
+    if (st != b.scalar_type())  // one dtype view where base is flat (the ll handle's block)
+      s = b.dim() == 1 ? b.view(st) : b.reshape({-1}).view(c10::kByte).view(st);
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(st));
+    at::Tensor v = s.as_strided(at::IntArrayRef(shape, static_cast<size_t>(ndim)),
+                                at::IntArrayRef(strides, static_cast<size_t>(ndim)),
+                                (b.storage_offset() * b.element_size() + byte_offset) / elem);
+    return THPVariable_Wrap(std::move(v));
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+}
+
+const EpxAtenApi kApi = {EPX_ATEN_API_VERSION, sizeof(EpxAtenApi), &allocate, &view, &view_of};
 
 // The ScalarType of a torch.dtype object, or -1 (with a TypeError) for anything else.
 int dtype_scalar_type(PyObject* dtype) {

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define EPX_ATEN_API_CAPSULE "epx._epx_torch.aten_api"
-#define EPX_ATEN_API_VERSION 1
+#define EPX_ATEN_API_VERSION 2
 #define EPX_ATEN_MAX_DIMS 6  // epx::kMaxDims
 
 // A tensor as epx::TensorView holds it; codes as epx::DType and epx::DeviceType.
@@ -42,4 +42,11 @@ typedef struct EpxAtenApi {
   // other than strided, conj / neg / zero-tensor bits, dtypes epx lacks, devices other than cpu
   // and cuda, more than EPX_ATEN_MAX_DIMS dims), *out untouched. Never raises.
   int (*view)(PyObject* obj, EpxAtenView* out);
+  // Called with the GIL held. A view of the tensor `base` (one `allocate` made) as `dtype`
+  // (epx::DType) with `ndim` sizes and strides (in elements of `dtype`) starting `byte_offset`
+  // bytes after base's data: what the attribute path's base.reshape(-1).view(torch.uint8)
+  // .view(dtype) (for another dtype) then .as_strided(sizes, strides, offset) returns, as a new
+  // reference; NULL with the Python exception set when torch refuses it.
+  PyObject* (*view_of)(PyObject* base, int32_t dtype, int32_t ndim, const int64_t* shape,
+                       const int64_t* strides, int64_t byte_offset);
 } EpxAtenApi;

@@ -462,18 +462,24 @@ py::object to_torch(const Tensor& t, const std::shared_ptr<void>& fallback_owner
     }
   }
   // A view of the allocation with other shape, strides, offset or dtype.
-  py::object storage = py::reinterpret_borrow<py::object>(base);
-  if (t.dtype != ref->dtype) {
-    storage = storage.attr("reshape")(-1)
-                  .attr("view")(torch_dtype(DType::kU8))
-                  .attr("view")(torch_dtype(t.dtype));
-  }
   const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
   const int64_t offset_bytes = static_cast<char*>(t.data) - base_ptr;
   if (offset_bytes % elem != 0) {
     throw_epx(ErrorCode::kInternal, "to_torch: result view at byte offset " +
                                         std::to_string(offset_bytes) +
                                         " is not aligned to its element size");
+  }
+  if (const EpxAtenApi* a = aten()) {  // the same ops in C++ (≈ 4 µs less for a dtype change)
+    PyObject* v = a->view_of(base.ptr(), static_cast<int32_t>(t.dtype), t.ndim, t.shape.data(),
+                             t.strides.data(), offset_bytes);
+    if (v == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(v);
+  }
+  py::object storage = py::reinterpret_borrow<py::object>(base);
+  if (t.dtype != ref->dtype) {
+    storage = storage.attr("reshape")(-1)
+                  .attr("view")(torch_dtype(DType::kU8))
+                  .attr("view")(torch_dtype(t.dtype));
   }
   py::tuple sizes(t.ndim), strides(t.ndim);
   for (int i = 0; i < t.ndim; ++i) {
