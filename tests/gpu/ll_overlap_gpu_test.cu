@@ -142,8 +142,10 @@ struct RankInputs {
   Tensor x, topk, w, y;
 };
 
-RankInputs upload_inputs(const LlProblem& p, const LlBatch& b, int r, int dev,
-                         cudaStream_t stream) {
+// `odd_y`: y's rows H + 4 elements apart, 8 bytes off 16-byte alignment (the copies' scalar-load
+// path in the overlapped send and the plain combine's copy), else contiguous.
+RankInputs upload_inputs(const LlProblem& p, const LlBatch& b, int r, int dev, cudaStream_t stream,
+                         bool odd_y = false) {
   const testing::LlRankInput& in = b.in[r];
   const int64_t T = in.num_tokens, H = p.hidden;
   const int K = p.top_k, L = p.num_local_experts();
@@ -152,13 +154,26 @@ RankInputs upload_inputs(const LlProblem& p, const LlBatch& b, int r, int dev,
   io.x = alloc(DType::kBF16, {T, H}, Device::cuda(dev));
   io.topk = alloc(DType::kI64, {T, K}, Device::cuda(dev));
   io.w = alloc(DType::kF32, {T, K}, Device::cuda(dev));
-  io.y = alloc(DType::kBF16, {L, p.rows_per_expert(), H}, Device::cuda(dev));
+  const int64_t RT = p.rows_per_expert(), row = odd_y ? H + 4 : H;
+  io.y = alloc(DType::kBF16, {L, RT, row}, Device::cuda(dev));
+  io.y.shape = {L, RT, H};
+  io.y.strides = {RT * row, row, 1};
   gpu_testing::upload_on_rank_stream(io.x.data, in.x.data(), in.x.size() * 2, stream);
   gpu_testing::upload_on_rank_stream(io.topk.data, in.topk_idx.data(), in.topk_idx.size() * 8,
                                      stream);
   gpu_testing::upload_on_rank_stream(io.w.data, in.topk_weights.data(), in.topk_weights.size() * 4,
                                      stream);
   return io;
+}
+
+// y of batch b into io.y (its row stride).
+void upload_y(const RankInputs& io, const std::vector<uint16_t>& y, cudaStream_t stream) {
+  const int64_t H = io.y.shape[2], rows = io.y.shape[0] * io.y.shape[1];
+  CUDA_OK(cudaStreamSynchronize(stream));
+  if (rows > 0)
+    CUDA_OK(cudaMemcpy2DAsync(io.y.data, io.y.strides[1] * 2, y.data(), H * 2, H * 2, rows,
+                              cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
 }
 
 LlDispatchResult dispatch(Buffer& buf, const RankInputs& io, cudaStream_t stream) {
@@ -268,9 +283,9 @@ std::string run_rank(const OverlapCase& oc, const std::vector<LlBatch>& batches,
   for (size_t i = 0; i < batches.size(); ++i) {
     const LlBatch& b = batches[i];
     const std::string where = "rank " + std::to_string(r) + " batch " + std::to_string(i) + ": ";
-    RankInputs io = upload_inputs(p, b, r, rig.dev, rig.main);
+    RankInputs io = upload_inputs(p, b, r, rig.dev, rig.main, oc.c.padded);
     const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
-    gpu_testing::upload_on_rank_stream(io.y.data, b.y[r].data(), b.y[r].size() * 2, rig.main);
+    upload_y(io, b.y[r], rig.main);
     const LlCombineResult plain =
         rig.buf.ll_combine(combine_args(io, d.handle, rig.main), gpu_testing::poison_allocator());
     CUDA_OK(cudaStreamSynchronize(rig.main));
@@ -307,6 +322,7 @@ OverlapCase random_case(int R, uint64_t seed) {
   c.hook = rng() % 2;
   c.zero_copy = rng() % 2;
   c.num_iters = seed % 3 == 0 ? 2 : 1;
+  c.padded = seed % 4 == 1;  // y's rows off 16-byte alignment (upload_inputs)
   if (rng() % 2) {
     oc.form.block_rows = pick({1, 7, 64, c.p.rows_per_expert()});
     oc.form.parts = static_cast<int>(pick({1, 3, 7}));
@@ -484,8 +500,7 @@ TEST(LlOverlapErrors, DisagreementAndRecvCount) {
     RankInputs io = upload_inputs(p, batches[0], r, rig.dev, rig.main);
     LlDispatchResult d = dispatch(rig.buf, io, rig.main);
     upload_gemm(rig.gemm, p, oc.form, batches[0], r, rng, rig.main);
-    gpu_testing::upload_on_rank_stream(io.y.data, batches[0].y[r].data(),
-                                       batches[0].y[r].size() * 2, rig.main);
+    upload_y(io, batches[0].y[r], rig.main);
     // Every output from the rank's stream-ordered pool: the default allocator's cudaFree of a
     // dropped output synchronises the device, and with ranks sharing it the rank then waits for
     // its own combine, which waits for the peer whose API calls wait behind that free.
