@@ -191,6 +191,20 @@ def body_ll(ctx, seed):
 
     on, off = _on_and_off(run)
     assert on == off
+    # The handle's src_info and layout_range, two views of one allocation (to_torch's view
+    # branch: int32 at an offset, int64 reshaped), eagerly and under inference_mode: the same
+    # metadata and bytes both ways; eagerly both views of the block.
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            h = buf.ll_dispatch(x, idx, use_fp8=False).handle
+            got = []
+            for aten in (True, False):
+                views = _with_aten(aten, lambda: (h.src_info, h.layout_range))
+                for v in views:  # (inference_mode records no view base)
+                    assert inference or v._base.data_ptr() == views[1].data_ptr()
+                got.append([(_meta(v), v._base is None, v.data_ptr(), _snap(v)) for v in views])
+            assert got[0] == got[1]
+            assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
 
 
 def body_a2a(ctx, seed):
@@ -395,37 +409,6 @@ def test_view_cuda_same_as_attribute_path():
 def _meta(t):
     return (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), str(t.device),
             t.requires_grad, t.is_leaf, t.is_contiguous(), t.is_inference(), t.grad_fn)
-
-
-def body_handle_views(ctx, seed):
-    """The ll handle's src_info and layout_range, two views of one allocation (to_torch's view
-    branch: int32 at an offset, int64 reshaped), read with the ATen path and without, eagerly
-    and under inference_mode: the same metadata and bytes; eagerly both views of the block."""
-    R, r = ctx.world_size, ctx.rank
-    H, K, E, T_max, T = 256, 3, 2 * R, 8, 6
-    group = epx.Group.from_process_group(ctx.group)
-    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
-                     enable_ht=False, enable_ll=True)
-    g = ref.generator(seed, r)
-    x = ref.rand_bf16((T, H), g)
-    idx = ref.routing("uniform", T, K, E, R, g)
-    for inference in (False, True):
-        with torch.inference_mode(inference):
-            h = buf.ll_dispatch(x, idx, use_fp8=False).handle
-            got = []
-            for on in (True, False):
-                views = _with_aten(on, lambda: (h.src_info, h.layout_range))
-                for v in views:  # (inference_mode records no view base)
-                    assert inference or v._base.data_ptr() == views[1].data_ptr()
-                got.append([(_meta(v), v._base is None, v.data_ptr(), _snap(v)) for v in views])
-            assert got[0] == got[1]
-            assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
-
-
-@pytest.mark.parametrize("R", [1, 2], ids=lambda r: f"R{r}")
-def test_handle_views_same_on_and_off(R):
-    _require_aten()
-    get_pool(R).run(body_handle_views, _seed())
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 4), (2, 0, 3), (1, 2, 3, 4, 5, 6)],
