@@ -408,6 +408,12 @@ void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded) {
   called = true;
 }
 
+void ll_require_dispatch_slot(const char* op, int slot, bool in_flight) {
+  EPX_CHECK_ARG(!in_flight, op, ": dispatch slot ", slot,
+                " still holds a dispatch whose hook was not called; expected at most two "
+                "dispatches waiting for their hooks (call the older hook first)");
+}
+
 // Wraps a receive launch into the hook handed to the caller: once only, not after ll_clean, not
 // after the Buffer was destroyed; frees its slot whatever happens.
 LlHook CudaLl::make_hook(bool is_dispatch, int slot, std::function<void()> launch) {
@@ -433,9 +439,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   const char* op = "ll_dispatch";
   require_usable(op);
   const int slot = static_cast<int>(num_dispatches_ % 2);
-  EPX_CHECK_ARG(!dispatch_in_flight_[slot], op, ": dispatch slot ", slot,
-                " still holds a dispatch whose hook was not called; expected at most two "
-                "dispatches waiting for their hooks (call the older hook first)");
+  ll_require_dispatch_slot(op, slot, dispatch_in_flight_[slot]);
   DeviceGuard guard(dev_.device());
   const int R = group_.size(), L = layout_.num_local_experts;
   const int64_t H = layout_.hidden, G = layout_.num_groups, RT = layout_.rows_per_expert;

@@ -29,6 +29,9 @@ void cuda_ll_clean(CudaLl& ll);
 // Buffer still `alive`, not `called` before, not `discarded` by an ll_clean since its operation.
 // Sets `called`.
 void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded);
+// What a dispatch checks of the slot it takes (InvalidArgument naming `op`): its previous
+// dispatch, `slot` of two, does not still wait for its hook (`in_flight`).
+void ll_require_dispatch_slot(const char* op, int slot, bool in_flight);
 // The rank mask (docs/semantics.md §2.6), stream-ordered on `stream`.
 void cuda_ll_update_mask(CudaLl& ll, int rank, bool mask, Stream stream);
 void cuda_ll_query_mask(CudaLl& ll, const TensorView& mask_status, Stream stream);

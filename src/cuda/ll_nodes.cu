@@ -197,9 +197,7 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
   if (args.dispatch_wait_recv_cost_stats.defined())
     unsupported("ll_dispatch: dispatch_wait_recv_cost_stats", "no tensor");
   const int b = static_cast<int>(num_dispatches_ % 2);
-  EPX_CHECK_ARG(!hooks_->in_flight[b], op, ": dispatch batch ", b,
-                " still holds a dispatch whose hook was not called; expected at most two "
-                "dispatches waiting for their hooks (call the older hook first)");
+  ll_require_dispatch_slot(op, b, hooks_->in_flight[b]);
   DeviceGuard guard(device_);
   const int R = group_.size(), L = shape_.num_experts / R;
   const int64_t T = args.x.shape[0], C = shape_.max_tokens_per_rank, H = shape_.hidden;
