@@ -556,17 +556,11 @@ struct Tiny {
   }
 };
 
-int run_two_ranks(const std::function<int(const Group&)>& body) {
-  GroupOptions o;
-  o.ranks_per_node = 1;
-  return gpu_testing::run_cuda_ranks_one_gpu(2, 0, body, o);
-}
-
 // Every option this version does not build raises Unsupported naming it and "across nodes on
 // cuda", before any communication (so no rank waits for a peer).
 TEST(LlNodesOneGpuLimits, UnbuiltOptionsAreUnsupported) {
   EPX_REQUIRE_GPUS(1);
-  const int rc = run_two_ranks([&](const Group& g) {
+  const int rc = run_ranks_one_gpu(2, 1, [&](const Group& g) {
     const Tiny t(gpu_testing::device_of(g));
     Buffer buf(g, Tiny::shape(), ll_only());
     const Allocator alloc = gpu_testing::poison_allocator();
@@ -615,7 +609,7 @@ TEST(LlNodesOneGpuLimits, UnbuiltOptionsAreUnsupported) {
 // called twice, a hook after ll_clean; the buffer keeps working after each (outputs checked).
 TEST(LlNodesOneGpuLimits, DispatchHookMisuse) {
   EPX_REQUIRE_GPUS(1);
-  const int rc = run_two_ranks([&](const Group& g) {
+  const int rc = run_ranks_one_gpu(2, 1, [&](const Group& g) {
     const Tiny t(gpu_testing::device_of(g));
     Buffer buf(g, Tiny::shape(), ll_only());
     const Allocator alloc = gpu_testing::poison_allocator();
