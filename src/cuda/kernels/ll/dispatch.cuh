@@ -84,8 +84,8 @@ struct LlDispatchParams {
   int32_t* stats;            // optional [L], element stride stats_stride
   int64_t stats_stride;
   int64_t* wait_stats;  // optional [R] int64, contiguous: dispatch_wait_recv_cost_stats
-  int32_t phases;   // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
-  int32_t pdl;      // launched with programmatic dependent launch (cuda/launch.h)
+  int32_t phases;       // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
+  int32_t pdl;          // launched with programmatic dependent launch (cuda/launch.h)
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -329,7 +329,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
 // src_info), its first scale element (column-major) and its source token index.
 struct LlRecvList {
   const char* msg[kLlThreads];
-  int64_t lrow[kLlThreads];   // l * RT + row
+  int64_t lrow[kLlThreads];  // l * RT + row
   // (l * G) * RT + row (f32) or (l * ceil(G / 4)) * RT + row (UE8M0); NVFP4: the 32-bit word of
   // scales 0..3 of the row, (l * pad128(RT) * H/16 + nvfp4_sf_offset(row, 0)) / 4
   int64_t sbase[kLlThreads];
@@ -404,17 +404,20 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 }
 
 // The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
-// recv_x and its scale vectors (right after the row in the message) into recv_scales. Warps take
-// (entry, chunk) items, a chunk being kLlCopyBatch vectors per lane (32 * kLlCopyBatch vectors,
-// 4 KB) of the entry's vectors [v0, nvx + nsv): one warp-uniform division per item, then lane i
-// loads vectors i, i + 32, ... of the chunk together and stores them, so a lane's work per
-// vector is a load, a store and no index arithmetic (the copies are bound by instruction
-// latency, not by bytes: docs/perf.md §4.3). Scale vectors, in the last chunk only, are
-// scattered by ll_store_scale_vector. Then src_info.
+// recv_x and its scale vectors (right after the row in the message) into recv_scales.
+// Rows: warps take (entry, chunk) items, a chunk being kLlCopyBatch vectors per lane (32 *
+// kLlCopyBatch vectors, 4 KB): one warp-uniform division per item, then lane i loads vectors i,
+// i + 32, ... of the chunk together and stores them; a full chunk has no per-vector bounds.
+// Scales: thread i takes scale vectors i, i + blockDim.x, ... of the entries' (entry, vector)
+// list; its first load is issued before the row copies and stored after them, so the two
+// latencies overlap, and the scatter's code (ll_store_scale_vector) sits outside the unrolled
+// row loop: inlined once per vector it was most of the loop's instruction fetch (docs/perf.md
+// §4.3). src_info first.
 template <int kQuant>
 __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
                                          int total, int sub, int S) {
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
+  if (n_mine == 0) return;
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
       const int idx = sub + m * S;
@@ -423,31 +426,50 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   }
   const int64_t row_bytes = ll_row_bytes<kQuant>(p);
   const int nvx = static_cast<int>(row_bytes / 16);  // row vectors
-  const int v0 = p.recv_x ? 0 : nvx;                 // first vector copied
-  const int nvm = nvx + ll_scale_vectors<kQuant>(p);         // end of the vectors copied
-  if (n_mine == 0 || nvm <= v0) return;
-  constexpr int kChunk = 32 * kLlCopyBatch;
-  const int chunks = (nvm - v0 + kChunk - 1) / kChunk;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int items = n_mine * chunks;
-  for (int w = warp; w < items; w += kLlWarps) {
-    const int m = w / chunks;
+  const int nsv = ll_scale_vectors<kQuant>(p);       // scale vectors per entry
+  const int n_sc = n_mine * nsv;
+  auto scale_src = [&](int i, int64_t* sbase, int* j) {
+    const int m = i / nsv;
     const int idx = sub + m * S;
-    const int first = v0 + (w - m * chunks) * kChunk + lane;  // this lane's first vector
-    const char* src = list.msg[idx] + 16 * int64_t{first};
-    uint4 val[kLlCopyBatch];
+    *j = i - m * nsv;
+    *sbase = list.sbase[idx];
+    return list.msg[idx] + row_bytes + 16 * int64_t{*j};
+  };
+  int sj = 0;
+  int64_t sbase = 0;
+  uint4 sval{};
+  if (static_cast<int>(threadIdx.x) < n_sc)
+    sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
+  if (p.recv_x) {
+    constexpr int kChunk = 32 * kLlCopyBatch;
+    const int chunks = (nvx + kChunk - 1) / kChunk;
+    const int lane = threadIdx.x & 31;
+    for (int w = threadIdx.x >> 5; w < n_mine * chunks; w += kLlWarps) {
+      const int m = w / chunks;
+      const int idx = sub + m * S;
+      const int first = (w - m * chunks) * kChunk + lane;  // this lane's first vector
+      const char* src = list.msg[idx] + 16 * int64_t{first};
+      uint4* dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes) + first;
+      uint4 val[kLlCopyBatch];
+      if (first - lane + kChunk <= nvx) {  // a full chunk (warp-uniform)
 #pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u)
-      if (first + 32 * u < nvm) val[u] = ld_landed<uint4>(src + 512 * u);
-    uint8_t* dst = p.recv_x ? p.recv_x + list.lrow[idx] * row_bytes + 16 * int64_t{first} : nullptr;
+        for (int u = 0; u < kLlCopyBatch; ++u) val[u] = ld_landed<uint4>(src + 512 * u);
 #pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u) {
-      const int v = first + 32 * u;
-      if (v < nvx)
-        *reinterpret_cast<uint4*>(dst + 512 * u) = val[u];
-      else if (v < nvm)
-        ll_store_scale_vector<kQuant>(p, list.sbase[idx], v - nvx, val[u]);
+        for (int u = 0; u < kLlCopyBatch; ++u) dst[32 * u] = val[u];
+      } else {
+        const int left = nvx - first;  // vector first + 32u is in the row while 32u < left
+#pragma unroll
+        for (int u = 0; u < kLlCopyBatch; ++u)
+          if (32 * u < left) val[u] = ld_landed<uint4>(src + 512 * u);
+#pragma unroll
+        for (int u = 0; u < kLlCopyBatch; ++u)
+          if (32 * u < left) dst[32 * u] = val[u];
+      }
     }
+  }
+  for (int i = threadIdx.x; i < n_sc; i += blockDim.x) {
+    if (i != static_cast<int>(threadIdx.x)) sval = ld_landed<uint4>(scale_src(i, &sbase, &sj));
+    ll_store_scale_vector<kQuant>(p, sbase, sj, sval);
   }
 }
 
@@ -512,9 +534,11 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
 // and copies them with ONE ll_dispatch_copy_list round (rows and scales), so a CTA's units cost
 // one scan and one copy latency instead of one each (a list that would overflow is copied
 // first). layout_range comes from per-source counts (shared-memory adds: counts, never order).
+// `stats0`: thread i's stats element of unit i of the CTA's first group, read before the wait
+// (ll_dispatch_stats0), so the group's read-modify-write of stats waits for no load.
 template <int kQuant>
-__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
-                                               const LlRecvSources& srcs) {
+__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
+                                               int32_t stats0) {
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
   const LlLayout& g = p.symm.layout;
@@ -571,14 +595,19 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p,
       __syncthreads();  // the list is rewritten by the next group of entries
     }
     if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
-      const int i = threadIdx.x;
-      int64_t begin = 0;
+      // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
+      const int i = threadIdx.x, li = (u0 + i * C) / S;
+      int64_t begin = 0;  // ends as the expert's rows (= running[i])
       for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[l[i] * R + s] = (begin << 32) | s_cnt[i][s];
+        if (p.layout_range) p.layout_range[li * R + s] = (begin << 32) | s_cnt[i][s];
         begin += s_cnt[i][s];
       }
-      if (p.recv_count) p.recv_count[l[i]] = static_cast<int32_t>(running[i]);
-      if (p.stats) p.stats[l[i] * p.stats_stride] += static_cast<int32_t>(running[i]);
+      if (p.recv_count) p.recv_count[li] = static_cast<int32_t>(begin);
+      if (p.stats) {
+        const int32_t before =
+            u0 == static_cast<int>(blockIdx.x) ? stats0 : p.stats[li * p.stats_stride];
+        p.stats[li * p.stats_stride] = before + static_cast<int32_t>(begin);
+      }
     }
   }
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
@@ -619,6 +648,19 @@ __device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p
   return __syncthreads_and(ok) != 0;
 }
 
+// The stats element of unit threadIdx.x of this CTA's first group (units blockIdx.x + i * C,
+// i < n, as ll_dispatch_recv_units_onepass takes them) when that thread writes it (sub 0), else
+// 0. Read at the receive's start: the previous dispatch that wrote it is complete (stream order;
+// with PDL, after pdl_begin), and only this dispatch's units write it now.
+__device__ __forceinline__ int32_t ll_dispatch_stats0(const LlDispatchParams& p) {
+  const int S = p.units_per_expert, units = p.symm.layout.num_local_experts * S;
+  const int C = static_cast<int>(gridDim.x), u0 = static_cast<int>(blockIdx.x);
+  const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+  const int u = u0 + static_cast<int>(threadIdx.x) * C;
+  if (!p.stats || static_cast<int>(threadIdx.x) >= n || u0 % S != 0) return 0;
+  return p.stats[(u / S) * p.stats_stride];
+}
+
 // Receive half. False when a wait failed.
 template <int kQuant, bool kShrink>
 __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
@@ -630,6 +672,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
 
   if (static_cast<int>(blockIdx.x) < units) {
+    const int32_t stats0 = ll_dispatch_stats0(p);
     // Every source's tokens for this slot landed (pairs with step 4 of the send); CTA 0 times
     // each source's wait when asked to. A masked source (enable_shrink) counts as one without
     // tokens: not awaited, not read (layout_range count 0).
@@ -670,7 +713,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
     }
     __syncthreads();
-    ll_dispatch_recv_units_onepass<kQuant>(p, srcs);
+    ll_dispatch_recv_units_onepass<kQuant>(p, srcs, stats0);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
