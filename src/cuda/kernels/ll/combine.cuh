@@ -237,8 +237,9 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
 //       whose format differs (a plain combine) is reported (kDevErrLlCombineFormat) and gets no
 //       rows.
 //   O3. Items (l, b) with rows, b < ceil(n_l / block), expert-major (the GEMM's order): CTA i
-//       takes the blocks b = (i - l) mod S, + S, ... of each expert l (round robin across
-//       experts too). Per item and chunk of up to kLlThreads rows, thread m finds row m's
+//       takes the blocks b = (i - l) mod S, + S, ... of each expert l < L - 1 (round robin across
+//       experts too); every block of the last expert, which the GEMM finishes last, is split:
+//       CTA i takes its rows i, i + S, ... Per item and chunk of up to kLlThreads rows, thread m finds row m's
 //       destination: its source s (the block of layout_range holding it), t = src_info[l][row],
 //       k0 = the first k of route(s, q)[t] that selects expert r * L + l (none:
 //       kDevErrLlOverlapRoute, the row is not sent): land(s, q)[t][k0]. Meanwhile, before the
@@ -389,28 +390,37 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
     if (n == 0) continue;
     const int64_t block = p.block_rows > 0 ? p.block_rows : n;
     const int64_t nb = (n + block - 1) / block;
-    for (int64_t b = ((static_cast<int>(blockIdx.x) - l) % S + S) % S; b < nb; b += S) {
+    // The last expert's blocks (the GEMM finishes it last) go to every CTA, rows i, i + S, ...
+    // of each, so the tail after the last GEMM is 1/S of its push; the others round robin.
+    const bool split = l == L - 1;
+    const int64_t step = split ? S : 1;
+    for (int64_t b = split ? 0 : ((static_cast<int>(blockIdx.x) - l) % S + S) % S; b < nb;
+         b += split ? 1 : S) {
       const int64_t r0 = b * block, r1 = min(n, r0 + block);
+      const int64_t first = split ? r0 + blockIdx.x : r0;  // this CTA's rows: first + j * step
+      const int64_t mine = first < r1 ? (r1 - first + step - 1) / step : 0;
       EPX_LL_ITEM_DECL(item);
-      for (int64_t c0 = r0; c0 < r1; c0 += kLlThreads) {
-        const int rows = static_cast<int>(min(static_cast<int64_t>(kLlThreads), r1 - c0));
+      for (int64_t c0 = 0; c0 < mine; c0 += kLlThreads) {
+        const int rows = static_cast<int>(min(static_cast<int64_t>(kLlThreads), mine - c0));
+        auto row_of = [&](int m) { return first + (c0 + m) * step; };
         if (static_cast<int>(threadIdx.x) < rows)
-          s_dst[threadIdx.x] = ll_overlap_dest(p, ranges, l, c0 + threadIdx.x, s_skip);
-        EPX_LL_ITEM_NOW(item, wait, c0 == r0);
-        if (threadIdx.x == 0) s_ok = c0 != r0 || ll_overlap_wait_signal(p, l, b);
-        EPX_LL_ITEM_NOW(item, seen, c0 == r0);
+          s_dst[threadIdx.x] = ll_overlap_dest(p, ranges, l, row_of(threadIdx.x), s_skip);
+        EPX_LL_ITEM_NOW(item, wait, c0 == 0);
+        if (threadIdx.x == 0) s_ok = c0 != 0 || ll_overlap_wait_signal(p, l, b);
+        EPX_LL_ITEM_NOW(item, seen, c0 == 0);
         __syncthreads();  // the block's rows were stored: y loads after the acquire
         if (!s_ok) return false;
         ll_copy_rows<true>(rows, static_cast<int>(nv), p.zero_copy || p.y_vec16,
                            [&](int m, const uint16_t** src, uint4** dst) {
-                             const int64_t row = c0 + m;
+                             const int64_t row = row_of(m);
                              *src = p.zero_copy ? own_y + (l * RT + row) * H
                                                 : p.y + l * p.y_stride0 + row * p.y_stride1;
                              *dst = reinterpret_cast<uint4*>(s_dst[m]);
                            });
         __syncthreads();  // s_dst is rewritten by the next chunk
       }
-      EPX_LL_ITEM_PUT(p, item, l * p.blocks + b);
+      // (a split item: the record of whichever of its CTAs writes last)
+      if (mine > 0) EPX_LL_ITEM_PUT(p, item, l * p.blocks + b);
     }
   }
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
