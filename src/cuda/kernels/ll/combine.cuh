@@ -239,9 +239,9 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
 //   O3. Items (l, b) with rows, b < ceil(n_l / block), expert-major (the GEMM's order): CTA i
 //       takes the blocks b = (i - l) mod S, + S, ... of each expert l < L - 1 (round robin across
 //       experts too); every block of the last expert, which the GEMM finishes last, is split:
-//       CTA i takes its rows i, i + S, ... Per item and chunk of up to kLlThreads rows, thread m finds row m's
-//       destination: its source s (the block of layout_range holding it), t = src_info[l][row],
-//       k0 = the first k of route(s, q)[t] that selects expert r * L + l (none:
+//       CTA i takes its rows i, i + S, ... Per item and chunk of up to kLlThreads rows, thread m
+//       finds row m's destination: its source s (the block of layout_range holding it), t =
+//       src_info[l][row], k0 = the first k of route(s, q)[t] that selects expert r * L + l (none:
 //       kDevErrLlOverlapRoute, the row is not sent): land(s, q)[t][k0]. Meanwhile, before the
 //       item's first chunk, thread 0 waits until the item's signal is reached
 //       (ld.acquire.gpu with __nanosleep, bounded by the group timeout: Timeout naming l, b, the
