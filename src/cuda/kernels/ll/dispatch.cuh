@@ -405,9 +405,7 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 
 // The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
 // recv_x and its scale vectors (right after the row in the message) into recv_scales.
-// Rows: warps take (entry, chunk) items, a chunk being kLlCopyBatch vectors per lane (32 *
-// kLlCopyBatch vectors, 4 KB): one warp-uniform division per item, then lane i loads vectors i,
-// i + 32, ... of the chunk together and stores them; a full chunk has no per-vector bounds.
+// Rows: ll_copy_rows (a warp per (entry, 4 KB chunk); messages are 16-byte aligned).
 // Scales: thread i takes scale vectors i, i + blockDim.x, ... of the entries' (entry, vector)
 // list; its first load is issued before the row copies and stored after them, so the two
 // latencies overlap, and the scatter's code (ll_store_scale_vector) sits outside the unrolled
@@ -441,31 +439,11 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   if (static_cast<int>(threadIdx.x) < n_sc)
     sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
   if (p.recv_x) {
-    constexpr int kChunk = 32 * kLlCopyBatch;
-    const int chunks = (nvx + kChunk - 1) / kChunk;
-    const int lane = threadIdx.x & 31;
-    for (int w = threadIdx.x >> 5; w < n_mine * chunks; w += kLlWarps) {
-      const int m = w / chunks;
+    ll_copy_rows<true>(n_mine, nvx, true, [&](int m, const uint16_t** src, uint4** dst) {
       const int idx = sub + m * S;
-      const int first = (w - m * chunks) * kChunk + lane;  // this lane's first vector
-      const char* src = list.msg[idx] + 16 * int64_t{first};
-      uint4* dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes) + first;
-      uint4 val[kLlCopyBatch];
-      if (first - lane + kChunk <= nvx) {  // a full chunk (warp-uniform)
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) val[u] = ld_landed<uint4>(src + 512 * u);
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) dst[32 * u] = val[u];
-      } else {
-        const int left = nvx - first;  // vector first + 32u is in the row while 32u < left
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u)
-          if (32 * u < left) val[u] = ld_landed<uint4>(src + 512 * u);
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u)
-          if (32 * u < left) dst[32 * u] = val[u];
-      }
-    }
+      *src = reinterpret_cast<const uint16_t*>(list.msg[idx]);  // 16-byte vectors of any format
+      *dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes);
+    });
   }
   for (int i = threadIdx.x; i < n_sc; i += blockDim.x) {
     if (i != static_cast<int>(threadIdx.x)) sval = ld_landed<uint4>(scale_src(i, &sbase, &sj));
