@@ -186,7 +186,7 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
     for (int u = blockIdx.x; u < L * S; u += gridDim.x) {
       const int l = u / S, sub = u - l * S;
       for (int s = 0; s < R; ++s) {
-        if (s == me && !p.copy_own) continue;  // read straight from y by this rank's pulls
+        if (s == me && !p.copy_own) continue;   // read straight from y by this rank's pulls
         if (rank_skipped(masked, s)) continue;  // a masked source pulls nothing from here
         const int64_t range =
             __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
@@ -325,8 +325,8 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   const int me = p.rank, q = p.slot, S = gridDim.x;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   auto* s_range = reinterpret_cast<long long*>(ll_dyn_smem());  // [L, R]
-  auto* s_dst = reinterpret_cast<uintptr_t*>(s_range + L * R);    // [kLlThreads]
-  auto rows_of = [&](const long long* ranges) {                   // n_l (ranges: the expert's [R])
+  auto* s_dst = reinterpret_cast<uintptr_t*>(s_range + L * R);  // [kLlThreads]
+  auto rows_of = [&](const long long* ranges) {                 // n_l (ranges: the expert's [R])
     int64_t n = 0;
     for (int s = 0; s < R; ++s) {
       const int64_t range = ranges[s];
@@ -494,7 +494,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   __shared__ uintptr_t s_src[kSlots];
   __shared__ float s_w[kSlots];
   __shared__ int s_ok;
-  __shared__ uint64_t s_masked;  // the ranks this CTA skips (after its waits)
+  __shared__ uint64_t s_masked;                // the ranks this CTA skips (after its waits)
   uintptr_t* const s_mrow = ll_logfmt_rows();  // use_logfmt: the rows' meta words (0: skipped)
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
@@ -548,57 +548,71 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     };
     // 6a. A group's ids (out-of-range ones reported and dropped) and weights, threads `first`,
     // `first + stride`, ... (the weights of dropped selections are zeroed in 6c).
+    auto put_group = [&](int64_t c0, int i, int64_t id, float w) {
+      if (id < -1 || id >= E) {
+        record_error(p.wait, kDevErrBadExpert, -1, (c0 + i / K) * 64 + i % K, id);
+        id = -1;
+      }
+      s_ids[i] = static_cast<int32_t>(id);
+      s_w[i] = w;
+    };
+    auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };
     auto load_group = [&](int64_t c0, int n, int first, int stride) {
       for (int i = first; i < n * K; i += stride) {
         const int tl = i / K, k = i - tl * K;
-        int64_t id = id_at(c0 + tl, k);
-        if (id < -1 || id >= E) {
-          record_error(p.wait, kDevErrBadExpert, -1, (c0 + tl) * 64 + k, id);
-          id = -1;
-        }
-        s_ids[i] = static_cast<int32_t>(id);
-        s_w[i] = __ldg(p.weights + (c0 + tl) * p.weights_stride + k);
+        put_group(c0, i, id_at(c0 + tl, k), weight_at(c0 + tl, k));
       }
     };
     // 5. The begin / count of this rank's block in every expert: comb_layout(d, q)[l][r] of the
-    // expert's rank d (its own handle for d = r; 0 for a rank in `masked`: not read), threads
-    // `first`, `first + stride`, ...
-    auto load_ranges = [&](int first, int stride, uint64_t masked) {
-      constexpr int kBatch = 8;  // loads in flight per thread (one round trip at E <= 8 * stride)
-      for (int i0 = first; i0 < E; i0 += kBatch * stride) {
+    // expert's rank d (0 for a rank in `masked`: not read), threads `first`, `first + stride`,
+    // ...: `own` the experts of this rank (its own handle, an input: read before the wait),
+    // else the peers' (after it).
+    auto load_ranges = [&](int first, int stride, uint64_t masked, bool own) {
+      constexpr int kBatch = 8;  // loads in flight per thread (one round trip at n <= 8 * stride)
+      const int n = own ? L : E - L;  // this pass's experts: j -> expert_of(j)
+      auto expert_of = [&](int j) { return own ? me * L + j : j < me * L ? j : j + L; };
+      for (int j0 = first; j0 < n; j0 += kBatch * stride) {
         long long v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          const int i = i0 + u * stride;
-          if (i >= E) break;
-          const int d = i / L, l = i - d * L;
-          v[u] = d == me ? __ldg(reinterpret_cast<const long long*>(p.layout_range) +
-                                 l * p.layout_stride + me)
+          const int j = j0 + u * stride;
+          if (j >= n) break;
+          const int i = expert_of(j), d = i / L, l = i - d * L;
+          v[u] = own ? __ldg(reinterpret_cast<const long long*>(p.layout_range) +
+                             l * p.layout_stride + me)
                  : rank_skipped(masked, d)
                      ? 0
                      : ld_landed<long long>(g.comb_layout(symm.peers[d], q) + l * R + me);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
-          if (i0 + u * stride < E) s_range[i0 + u * stride] = v[u];
+          if (j0 + u * stride < n) s_range[expert_of(j0 + u * stride)] = v[u];
       }
     };
     const int n_first =
         static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - t_begin));
-    // Warp 0 waits for the peers (step 5, pairs with step 3 of every peer) and reads the
-    // ranges while warps 1.. count (step 4) and load the first group's ids and weights (6a):
-    // the wait and the remote round trip of the ranges overlap the local work.
+    // Warp 0 reads this rank's ranges, waits for the peers (step 5, pairs with step 3 of every
+    // peer) and reads theirs, while warps 1.. count (step 4) and load the first group's ids and
+    // weights (6a), the group's first element issued with the counted rows' ids (one round trip
+    // for both): the wait and the ranges' round trips overlap the local work.
     if (threadIdx.x < 32) {
+      load_ranges(threadIdx.x, 32, 0, true);
       const bool ok =
           ll_combine_wait_ready<kMode>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
       const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
-      if (ok) load_ranges(threadIdx.x, 32, masked);
+      if (ok) load_ranges(threadIdx.x, 32, masked, false);
       if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
       EPX_LL_STAMP(p, 1, kTrCRange);
     } else {
-      count_before(threadIdx.x - 32, blockDim.x - 32);
-      load_group(t_begin, n_first, threadIdx.x - 32, blockDim.x - 32);
+      const int i = static_cast<int>(threadIdx.x) - 32, stride = blockDim.x - 32;
+      int64_t id = -1;
+      float w = 0.0f;
+      if (i < n_first * K)
+        id = id_at(t_begin + i / K, i % K), w = weight_at(t_begin + i / K, i % K);
+      count_before(i, stride);
+      if (i < n_first * K) put_group(t_begin, i, id, w);
+      load_group(t_begin, n_first, i + stride, stride);
     }
     __syncthreads();
     EPX_LL_STAMP(p, 1, kTrCPrefix);

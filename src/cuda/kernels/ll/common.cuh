@@ -154,7 +154,10 @@ __device__ __forceinline__ int64_t ll_topk_at(const void* topk, bool is_i64, int
 // and destination (null: not copied) once per item, then lane i loads vectors i, i + 32, ... of
 // the chunk together and stores them, so a lane's work per vector is a load and a store (an index
 // division per vector made these copies instruction-bound at ≈ 17 GB/s per CTA: docs/perf.md
-// §4.3). `vec16`: every source row is 16-byte aligned; kLanded as ll_ld8.
+// §4.3); a full chunk has no per-vector bounds. `vec16`: every source row is 16-byte aligned
+// (uniform); else each vector is loaded by ll_ld8's scalar path, one at a time, outside the
+// unrolled loop (inlined per vector it would put ≈ 8 times its code between the stores: the
+// instruction fetch that the dispatch's copy paid, §4.3). kLanded as ll_ld8.
 template <bool kLanded, typename Row>
 __device__ __forceinline__ void ll_copy_rows(int rows, int nv, bool vec16, Row row) {
   constexpr int kChunk = 32 * kLlCopyBatch;
@@ -162,18 +165,36 @@ __device__ __forceinline__ void ll_copy_rows(int rows, int nv, bool vec16, Row r
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int w = threadIdx.x >> 5; w < rows * chunks; w += warps) {
     const int m = w / chunks;
-    const int first = (w - m * chunks) * kChunk + lane;  // this lane's first vector
+    const int c0 = (w - m * chunks) * kChunk;  // the chunk's first vector
     const uint16_t* src;
     uint4* dst;
     row(m, &src, &dst);
     if (!dst) continue;
+    if (!vec16) {
+      const int end = min(nv, c0 + kChunk);
+#pragma unroll 1
+      for (int v = c0 + lane; v < end; v += 32)
+        dst[v] = ll_ld8<kLanded>(src + 8 * int64_t{v}, false);
+      continue;
+    }
+    const uint4* s4 = reinterpret_cast<const uint4*>(src) + c0 + lane;
+    uint4* d4 = dst + c0 + lane;
     uint4 val[kLlCopyBatch];
+    if (c0 + kChunk <= nv) {
 #pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u)
-      if (first + 32 * u < nv) val[u] = ll_ld8<kLanded>(src + 8 * int64_t{first + 32 * u}, vec16);
+      for (int u = 0; u < kLlCopyBatch; ++u)
+        val[u] = kLanded ? ld_landed<uint4>(s4 + 32 * u) : __ldg(s4 + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kLlCopyBatch; ++u)
-      if (first + 32 * u < nv) dst[first + 32 * u] = val[u];
+      for (int u = 0; u < kLlCopyBatch; ++u) d4[32 * u] = val[u];
+    } else {
+      const int left = nv - c0 - lane;  // vector c0 + lane + 32u is in the row while 32u < left
+#pragma unroll
+      for (int u = 0; u < kLlCopyBatch; ++u)
+        if (32 * u < left) val[u] = kLanded ? ld_landed<uint4>(s4 + 32 * u) : __ldg(s4 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kLlCopyBatch; ++u)
+        if (32 * u < left) d4[32 * u] = val[u];
+    }
   }
 }
 
@@ -208,8 +229,7 @@ __device__ __forceinline__ void ll_reduce8(int K, const uintptr_t* src, const fl
 // For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the
 // CTA in thread order (pos[i]) and the number of threads with it set (total[i]); one barrier
 // pair for all n.
-__device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n,
-                                                    int (&pos)[kLlUnitGroup],
+__device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n, int (&pos)[kLlUnitGroup],
                                                     int (&total)[kLlUnitGroup]) {
   __shared__ int s_warp[kLlUnitGroup][kLlWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -28,7 +28,9 @@
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
 //   b, b + C, ... in groups of up to kLlUnitGroup that share each scan and copy round (more than
 //   one only when L > C). A unit waits dispatch_sent[q][s] >= e * C for every s, then over the
-//   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time:
+//   concatenation "source 0's tokens t < T_0, source 1's, ..." in order, 512 entries at a time
+//   (when R * T_max <= 512: every source's T_max slots in order, one round, each slot's T_s read
+//   with its routing row, the slots t >= T_s left out; LlRecvSources):
 //   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
 //   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
 //   is written by warps taking 4 KB chunks of a message each (ll_dispatch_copy_entries):
@@ -405,9 +407,7 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 
 // The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
 // recv_x and its scale vectors (right after the row in the message) into recv_scales.
-// Rows: warps take (entry, chunk) items, a chunk being kLlCopyBatch vectors per lane (32 *
-// kLlCopyBatch vectors, 4 KB): one warp-uniform division per item, then lane i loads vectors i,
-// i + 32, ... of the chunk together and stores them; a full chunk has no per-vector bounds.
+// Rows: ll_copy_rows (a warp per (entry, 4 KB chunk); messages are 16-byte aligned).
 // Scales: thread i takes scale vectors i, i + blockDim.x, ... of the entries' (entry, vector)
 // list; its first load is issued before the row copies and stored after them, so the two
 // latencies overlap, and the scatter's code (ll_store_scale_vector) sits outside the unrolled
@@ -441,31 +441,11 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   if (static_cast<int>(threadIdx.x) < n_sc)
     sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
   if (p.recv_x) {
-    constexpr int kChunk = 32 * kLlCopyBatch;
-    const int chunks = (nvx + kChunk - 1) / kChunk;
-    const int lane = threadIdx.x & 31;
-    for (int w = threadIdx.x >> 5; w < n_mine * chunks; w += kLlWarps) {
-      const int m = w / chunks;
+    ll_copy_rows<true>(n_mine, nvx, true, [&](int m, const uint16_t** src, uint4** dst) {
       const int idx = sub + m * S;
-      const int first = (w - m * chunks) * kChunk + lane;  // this lane's first vector
-      const char* src = list.msg[idx] + 16 * int64_t{first};
-      uint4* dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes) + first;
-      uint4 val[kLlCopyBatch];
-      if (first - lane + kChunk <= nvx) {  // a full chunk (warp-uniform)
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) val[u] = ld_landed<uint4>(src + 512 * u);
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u) dst[32 * u] = val[u];
-      } else {
-        const int left = nvx - first;  // vector first + 32u is in the row while 32u < left
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u)
-          if (32 * u < left) val[u] = ld_landed<uint4>(src + 512 * u);
-#pragma unroll
-        for (int u = 0; u < kLlCopyBatch; ++u)
-          if (32 * u < left) dst[32 * u] = val[u];
-      }
-    }
+      *src = reinterpret_cast<const uint16_t*>(list.msg[idx]);  // 16-byte vectors of any format
+      *dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes);
+    });
   }
   for (int i = threadIdx.x; i < n_sc; i += blockDim.x) {
     if (i != static_cast<int>(threadIdx.x)) sval = ld_landed<uint4>(scale_src(i, &sbase, &sj));
@@ -506,13 +486,20 @@ __device__ __forceinline__ uint32_t ll_row_selects(const int32_t* row, int K,
   return sel;
 }
 
-// The receive's view of the concatenated token list "source 0's tokens, source 1's, ..." (= the
-// row order within every expert): entry j is token j - first[s] of source s.
+// The receive's view of the entries: the concatenated token list "source 0's tokens, source 1's,
+// ..." (= the row order within every expert), entry j being token j - first[s] of source s; or,
+// when one scan round covers every source's T_max slots (R * T_max <= kLlThreads), the slots
+// themselves: entry j is slot j % T_max of source j / T_max, a token when that is below the
+// source's count, read with the entry's routing row (one round trip for both; the slots' order
+// is the concatenation's, so the compaction lists the same rows).
 struct LlRecvSources {
-  int64_t first[kMaxRanks + 1];  // entries before source s
+  int64_t slot;          // > 0: the slot view, T_max slots per source
+  uint64_t masked;       // the slot view: sources read as empty (enable_shrink)
+  const int64_t* first;  // the concatenation: entries before source s (shared, [R + 1])
+  int64_t total;         // entries
 };
 
-// Which of the group's experts entry j (< first[R]) selects (bit i: experts[i], once however
+// Which of the group's experts entry j (< srcs.total) selects (bit i: experts[i], once however
 // often its row lists it); *s / *t its source and token. A routing row's ids are loaded once.
 __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
                                                     const LlRecvSources& srcs, int64_t j,
@@ -521,10 +508,19 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
   const LlLayout& g = p.symm.layout;
   const int K = g.top_k;
   int src = 0;
-  while (j >= srcs.first[src + 1]) ++src;
+  if (srcs.slot > 0) {
+    src = static_cast<int>(j / srcs.slot);
+  } else {
+    while (j >= srcs.first[src + 1]) ++src;
+  }
   *s = src;
-  *t = j - srcs.first[src];
-  return ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, experts, n, K % 4 == 0);
+  *t = j - (srcs.slot > 0 ? src * srcs.slot : srcs.first[src]);
+  const int32_t tokens = srcs.slot > 0 && !rank_skipped(srcs.masked, src)
+                             ? ld_landed<int32_t>(&g.header(p.symm.local, p.slot, src)->num_tokens)
+                             : 0;
+  const uint32_t sel =
+      ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, experts, n, K % 4 == 0);
+  return srcs.slot == 0 || *t < tokens ? sel : 0;
 }
 
 // The receive's units, one pass over the sources: a CTA takes its units in groups of up to
@@ -546,7 +542,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
   const int me = p.rank, S = p.units_per_expert;
   const int units = L * S;
   const int C = static_cast<int>(gridDim.x);
-  const int64_t NT = srcs.first[R];
+  const int64_t NT = srcs.total;
   EPX_LL_TRACE_DECL(scan);
   for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
     // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
@@ -697,22 +693,31 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       const int64_t theirs = word(s), mine = word(p.rank);
       if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
     }
-    // Every source's token count, read once (in parallel) for all units.
-    __shared__ int32_t s_tokens[kMaxRanks];
-    if (threadIdx.x < R) {
-      const int32_t n = rank_skipped(masked, threadIdx.x)
-                            ? 0
-                            : ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
-      s_tokens[threadIdx.x] =
-          n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
+    LlRecvSources srcs{0, masked, nullptr, 0};
+    if (static_cast<int64_t>(R) * g.max_tokens <= static_cast<int64_t>(blockDim.x)) {
+      srcs.slot = g.max_tokens;  // the slot view: the counts are read with the routing rows
+      srcs.total = R * g.max_tokens;
+    } else {
+      // Every source's token count, read once (in parallel) for all units.
+      __shared__ int32_t s_tokens[kMaxRanks];
+      __shared__ int64_t s_first[kMaxRanks + 1];
+      if (threadIdx.x < R) {
+        const int32_t n =
+            rank_skipped(masked, threadIdx.x)
+                ? 0
+                : ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
+        s_tokens[threadIdx.x] =
+            n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        s_first[0] = 0;
+        for (int s = 0; s < R; ++s) s_first[s + 1] = s_first[s] + s_tokens[s];
+      }
+      __syncthreads();
+      srcs.first = s_first;
+      srcs.total = s_first[R];
     }
-    __syncthreads();
-    __shared__ LlRecvSources srcs;
-    if (threadIdx.x == 0) {
-      srcs.first[0] = 0;
-      for (int s = 0; s < R; ++s) srcs.first[s + 1] = srcs.first[s] + s_tokens[s];
-    }
-    __syncthreads();
     ll_dispatch_recv_units_onepass<kQuant>(p, srcs, stats0);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
