@@ -188,7 +188,7 @@ int run_ranks(int R, bool one_gpu, const std::function<int(const Group&)>& body,
 // Runs `cases` on R forked GPU ranks, or on R ranks sharing GPU 0 when `one_gpu` (one group; one
 // Buffer per case). Returns the number of failing cases over all ranks; failures are printed.
 int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vector<Batch>>& data,
-              bool one_gpu = false) {
+              bool one_gpu = false, GroupOptions options = {}) {
   const auto body = [&](const Group& g) {
     const RankStream rs(cudaStreamNonBlocking);
     const cudaStream_t stream = rs.get();
@@ -207,7 +207,7 @@ int run_cases(int R, const std::vector<Case>& cases, const std::vector<std::vect
     }
     return bad;
   };
-  return run_ranks(R, one_gpu, body);
+  return run_ranks(R, one_gpu, body, options);
 }
 
 // ---- random and fixed cases ---------------------------------------------------------------
@@ -270,6 +270,35 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   std::vector<std::vector<Batch>> data;
   for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
+// Few CTAs and many experts (kernels/ll/dispatch.cuh, the receive's units): C = 1 (one CTA takes
+// every expert, its lists overflowing 512 entries) and 3 (units in groups of kLlUnitGroup) with
+// T_max = 1024 and K = 16, at R = 1 and one-GPU R = 2 (the concatenated view); and E = 288 on the
+// default C (more experts than CTAs; the slot view at R = 1).
+TEST(LlGpuCtas, FewCtasAndManyExpertsMatchOracle) {
+  EPX_REQUIRE_GPUS(1);
+  for (const int R : {1, 2}) {
+    for (const int sms : {1, 3, 0}) {
+      std::vector<Case> cases;
+      Case c;
+      c.p = sms > 0 ? testing::LlProblem{R, 1024, 256, 16, 32 * R, true, false, false}
+                    : testing::LlProblem{R, 128, 7168, 8, 288, true, true, false};
+      c.fixed_tokens.assign(R, sms > 0 ? 1024 : 128);
+      if (R > 1) c.fixed_tokens[1] = sms > 0 ? 517 : 77;
+      c.stats = true;
+      c.hook = sms == 3;
+      c.num_iters = 2;
+      c.seed = 900000 + 10 * R + sms;
+      cases.push_back(c);
+      GroupOptions options;
+      options.num_sms = sms;
+      std::vector<std::vector<Batch>> data;
+      for (const Case& k : cases) data.push_back(testing::make_ll_batches(k));
+      EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true, options), 0)
+          << "R = " << R << ", num_sms = " << sms;
+    }
+  }
 }
 
 // use_logfmt (docs/semantics.md §2.3.1) against the oracle, whose LogFMT is the independent
