@@ -213,7 +213,9 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
                           "; call ll_clean() or reset() on every rank to reset it"));
   }
   Tensor allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
-                  const char* op, const char* name) const;
+                  const char* op, const char* name) const {
+    return allocate_ll_output(alloc, dev_.device(), dtype, shape, op, name);
+  }
   LlHook make_hook(bool is_dispatch, int slot, std::function<void()> launch);
   LlCombineResult combine_overlapped(const LlCombineArgs& args, LlCombineParams p,
                                      LlCombineResult res, std::exception_ptr failed);
@@ -379,13 +381,13 @@ void CudaLl::check() {
   }
 }
 
-Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<int64_t>& shape,
-                        const char* op, const char* name) const {
-  Tensor t = alloc(dtype, shape, Device::cuda(dev_.device()));
+Tensor allocate_ll_output(const Allocator& alloc, int device, DType dtype,
+                          const std::vector<int64_t>& shape, const char* op, const char* name) {
+  Tensor t = alloc(dtype, shape, Device::cuda(device));
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   bool ok = t.dtype == dtype && t.ndim == static_cast<int>(shape.size()) && t.is_contiguous() &&
-            t.device == Device::cuda(dev_.device()) && (n == 0 || (t.data && aligned16(t.data)));
+            t.device == Device::cuda(device) && (n == 0 || (t.data && aligned16(t.data)));
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.shape[i] == shape[i];
   if (!ok) {
     std::string dims;
@@ -393,9 +395,35 @@ Tensor CudaLl::allocate(const Allocator& alloc, DType dtype, const std::vector<i
     throw_error(ErrorCode::kInvalidArgument,
                 cat(op, ": the allocator returned ", t.describe(), " for '", name,
                     "', expected a contiguous 16-byte aligned ", dtype_name(dtype), "[", dims,
-                    "] on cuda:", dev_.device()));
+                    "] on cuda:", device));
   }
   return t;
+}
+
+void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Allocator& alloc, int device,
+                                  const LlDispatchArgs& args, int L, int R, int64_t RT,
+                                  int64_t H, const char* op) {
+  auto get = [&](DType dtype, const std::vector<int64_t>& shape, const char* name) {
+    return allocate_ll_output(alloc, device, dtype, shape, op, name);
+  };
+  if (args.use_nvfp4) {
+    res.recv_x = get(DType::kU8, ll_nvfp4_x_storage(L, RT, H), "recv_x");
+    res.recv_scales = get(DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), "recv_scales");
+    set_ll_nvfp4_views(res.recv_x, res.recv_scales);
+  } else {
+    res.recv_x = get(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, "recv_x");
+  }
+  if (args.use_fp8) {
+    const int64_t G = H / 128, cols = args.use_ue8m0 ? (G + 3) / 4 : G;
+    res.recv_scales =
+        get(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, "recv_scales");
+    res.recv_scales.shape = {L, RT, cols};
+    res.recv_scales.strides = {cols * RT, 1, RT};
+  }
+  res.recv_count = get(DType::kI32, {L}, "recv_count");
+  allocate_ll_handle(
+      res.handle, [&](DType dt, const std::vector<int64_t>& s) { return get(dt, s, "handle"); },
+      L, R, RT);
 }
 
 void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded) {
@@ -442,7 +470,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   ll_require_dispatch_slot(op, slot, dispatch_in_flight_[slot]);
   DeviceGuard guard(dev_.device());
   const int R = group_.size(), L = layout_.num_local_experts;
-  const int64_t H = layout_.hidden, G = layout_.num_groups, RT = layout_.rows_per_expert;
+  const int64_t H = layout_.hidden, RT = layout_.rows_per_expert;
   const int64_t T = args.x.shape[0];
   auto stream = static_cast<cudaStream_t>(args.stream);
   ++num_dispatches_;
@@ -452,29 +480,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   LlDispatchResult res;
   std::exception_ptr failed;
   try {
-    if (args.use_nvfp4) {
-      res.recv_x = allocate(alloc, DType::kU8, ll_nvfp4_x_storage(L, RT, H), op, "recv_x");
-      res.recv_scales =
-          allocate(alloc, DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), op, "recv_scales");
-      set_ll_nvfp4_views(res.recv_x, res.recv_scales);
-    } else {
-      res.recv_x =
-          allocate(alloc, args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, op, "recv_x");
-    }
-    if (args.use_fp8) {
-      const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
-      res.recv_scales = allocate(alloc, args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT},
-                                 op, "recv_scales");
-      res.recv_scales.shape = {L, RT, cols};
-      res.recv_scales.strides = {cols * RT, 1, RT};
-    }
-    res.recv_count = allocate(alloc, DType::kI32, {L}, op, "recv_count");
-    allocate_ll_handle(
-        res.handle,
-        [&](DType dt, const std::vector<int64_t>& s) {
-          return allocate(alloc, dt, s, op, "handle");
-        },
-        L, R, RT);
+    allocate_ll_dispatch_outputs(res, alloc, dev_.device(), args, L, R, RT, H, op);
   } catch (...) {
     failed = std::current_exception();
   }

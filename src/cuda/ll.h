@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/buffer_impl.h"
 
@@ -37,5 +38,15 @@ void cuda_ll_update_mask(CudaLl& ll, int rank, bool mask, Stream stream);
 void cuda_ll_query_mask(CudaLl& ll, const TensorView& mask_status, Stream stream);
 void cuda_ll_clean_mask(CudaLl& ll, Stream stream);
 size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
+// A tensor from `alloc` on cuda:`device`, checked: `dtype`, `shape`, contiguous and 16-byte
+// aligned, else InvalidArgument naming `op` and the output `name`.
+Tensor allocate_ll_output(const Allocator& alloc, int device, DType dtype,
+                          const std::vector<int64_t>& shape, const char* op, const char* name);
+// A dispatch's outputs into `res` (recv_x, recv_scales as args' format wants them, recv_count,
+// the handle's tensors; L local experts, R ranks, RT rows per expert, H), each through
+// allocate_ll_output.
+void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Allocator& alloc, int device,
+                                  const LlDispatchArgs& args, int L, int R, int64_t RT,
+                                  int64_t H, const char* op);
 
 }  // namespace epx::detail

@@ -221,23 +221,12 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
   exchange("ll_dispatch (rail)", static_cast<size_t>(layout_.dispatch_bytes), batch(b),
            layout_.dispatch_bytes, stream);
 
-  // The flat outputs (as CudaLl allocates them). If the allocator fails, the node-local
+  // The flat outputs (CudaLl's, checked the same way). If the allocator fails, the node-local
   // dispatches still run (collective over the node; nothing assembled), then the error.
   LlDispatchResult res;
   std::exception_ptr failed;
   try {
-    const Device dev = Device::cuda(device_);
-    res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, dev);
-    if (args.use_fp8) {
-      const int64_t cols = args.use_ue8m0 ? (H / 128 + 3) / 4 : H / 128;
-      res.recv_scales = alloc(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, dev);
-      res.recv_scales.shape = {L, RT, cols};
-      res.recv_scales.strides = {cols * RT, 1, RT};
-    }
-    res.recv_count = alloc(DType::kI32, {L}, dev);
-    allocate_ll_handle(
-        res.handle, [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, dev); },
-        L, R, RT);
+    allocate_ll_dispatch_outputs(res, alloc, device_, args, L, R, RT, H, "ll_dispatch");
   } catch (...) {
     failed = std::current_exception();
   }
