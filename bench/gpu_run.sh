@@ -33,7 +33,9 @@
 #             and this tree's, alternately, two rounds each (R = the visible GPUs, --tokens
 #             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
 #             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
-#             (the base's extension built in its tree), alternately: its kernel rows
+#             (the base's extension built in its tree, this tree's bench/peer_deepep.sh with
+#             EPX_REPO), alternately: its kernel rows; EPX_DEEPEP_ARGS: more arguments for the
+#             DeepEP scripts (ab, peer; e.g. "--num-tokens 32")
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -269,10 +271,10 @@ batch_ab() {
   local root
   for round in 1 2; do
     for side in "$rev" head; do
-      root=.
-      [ "$side" = head ] || root="$dir.src"
-      step "ab.peer.$side.$round" 150 "" $(pin 1) bash "$root/bench/peer_deepep.sh" "$tests" 1 \
-        test_low_latency.py || continue
+      root=$(pwd)
+      [ "$side" = head ] || root=$(cd "$dir.src" && pwd)
+      step "ab.peer.$side.$round" 150 "" $(pin 1) env EPX_REPO="$root" bash bench/peer_deepep.sh \
+        "$tests" 1 test_low_latency.py || continue
       grep -E "avg_t|send/recv" "$OUT/ab.peer.$side.$round.log" | sed "s/^/  [$side] /"
     done
   done

@@ -12,9 +12,12 @@
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
 # checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
-# way (a run of DeepEP that fails counts too).
+# way (a run of DeepEP that fails counts too). EPX_DEEPEP_ARGS: more arguments for every script,
+# both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
+# (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "${EPX_REPO:-$(dirname "$0")/..}" && pwd)
+read -r -a extra <<< "${EPX_DEEPEP_ARGS:-}"
 dir=$(cd "${1:?usage: peer_deepep.sh DEEPEP_TESTS_DIR [NUM_PROCESSES] [SCRIPT...]}" && pwd)
 n=${2:-1}
 shift $(( $# >= 2 ? 2 : 1 ))
@@ -30,14 +33,14 @@ failed=0
 for s in "${scripts[@]}"; do
   if [ -n "${EPX_DEEPEP_SELF:-}" ]; then
     t0=$(date +%s)
-    echo "== $s --num-processes $n (deep_ep = DeepEP itself, $EPX_DEEPEP_SELF)"
-    (cd "$dir" && PYTHONPATH="$EPX_DEEPEP_SELF" "$py" "$s" --num-processes "$n")
+    echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = DeepEP itself, $EPX_DEEPEP_SELF)"
+    (cd "$dir" && PYTHONPATH="$EPX_DEEPEP_SELF" "$py" "$s" --num-processes "$n" "${extra[@]}")
     rc=$?
     echo "== $s with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
   fi
   t0=$(date +%s)
-  echo "== $s --num-processes $n (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
-  (cd "$dir" && "$py" "$s" --num-processes "$n")
+  echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
+  (cd "$dir" && "$py" "$s" --num-processes "$n" "${extra[@]}")
   rc=$?
   echo "== $s: exit $rc ($(( $(date +%s) - t0 )) s)"
   [ $rc -eq 0 ] || failed=$((failed + 1))
