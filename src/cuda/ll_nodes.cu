@@ -226,7 +226,7 @@ LlDispatchResult CudaLlNodes::dispatch(const LlDispatchArgs& args, const Allocat
   LlDispatchResult res;
   std::exception_ptr failed;
   try {
-    allocate_ll_dispatch_outputs(res, alloc, device_, args, L, R, RT, H, "ll_dispatch");
+    allocate_ll_dispatch_outputs(res, alloc, device_, args, L, R, RT, H, op);
   } catch (...) {
     failed = std::current_exception();
   }
