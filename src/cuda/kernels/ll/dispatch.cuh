@@ -569,26 +569,30 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
       int pos[kLlUnitGroup], total[kLlUnitGroup];
       ll_block_scan_group(sel, n, pos, total);
       EPX_LL_TRACE_END(scan);
-      int filled = 0;  // entries listed, uniform
+      // Units [start, stop) are listed and copied together; a unit whose entries would overflow
+      // the list starts the next copy (n > 1 then, so S = 1). One copy call site: inlined once per
+      // unit, the copy's code sat three times between the scan and the copy every call runs.
+      for (int start = 0; start < n;) {
+        int filled = 0, stop = n;  // entries listed, uniform
 #pragma unroll
-      for (int i = 0; i < kLlUnitGroup; ++i) {
-        if (i >= n) break;
-        if (filled + total[i] > kLlThreads) {  // copy what is listed first (n > 1: S = 1)
-          __syncthreads();
-          ll_dispatch_copy_entries<kQuant>(p, list, filled, 0, 1);
-          filled = 0;
-          __syncthreads();  // the list is rewritten below
+        for (int i = 0; i < kLlUnitGroup; ++i) {
+          if (i < start || i >= stop) continue;
+          if (filled > 0 && filled + total[i] > kLlThreads) {
+            stop = i;
+            continue;
+          }
+          if (sel >> i & 1) {
+            ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
+            atomicAdd(&s_cnt[i][s], 1);
+          }
+          filled += total[i];
+          running[i] += total[i];
         }
-        if (sel >> i & 1) {
-          ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
-          atomicAdd(&s_cnt[i][s], 1);
-        }
-        filled += total[i];
-        running[i] += total[i];
+        __syncthreads();
+        ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
+        __syncthreads();  // the list is rewritten by the next units or group of entries
+        start = stop;
       }
-      __syncthreads();
-      ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
-      __syncthreads();  // the list is rewritten by the next group of entries
     }
     if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
       // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
