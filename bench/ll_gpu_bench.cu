@@ -18,7 +18,8 @@
 // --trace (a build with -DEPX_LL_TRACE=ON): after the timings of each T, dispatch + combine
 // eagerly back to back (no hook, then with hooks) and print, per rank, per kernel phase
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
-// entry of that launch (medians over the traced iterations), and each kernel's span.
+// entry of that launch (medians over the traced iterations), and each kernel's span; under a
+// phase whose max is 1 us or more past its median, the CTAs most often among the 8 latest.
 // --trace-only skips the timing rows and baselines. --sms takes a list (32,64,128): the whole run
 // once per value (one line per T and C at the end, "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
@@ -29,6 +30,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +40,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/kernels/ll/trace.cuh"
@@ -420,7 +423,13 @@ const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
 
 struct PhaseStat {
   std::vector<double> lo, mid, hi, n;  // per sample
+  // Per CTA: the samples in which it was among the kTraceSlowest latest at this phase, and the
+  // sum of its offsets (us) over the samples that reached it.
+  std::array<int, 128> slow{};
+  std::array<double, 128> sum{};
+  std::array<int, 128> seen{};
 };
+constexpr int kTraceSlowest = 8;
 
 // Offsets (us) of one op's phases in the stamps `h` of its newest launch(es).
 void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const TraceClock& clk,
@@ -443,6 +452,7 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
   double last = 0;
   for (int ph = 0; ph < phases; ++ph) {
     std::vector<double> v;
+    std::vector<std::pair<double, int>> by_cta;
     for (int c = 0; c < 128; ++c) {
       if (ns(ph, c) < ref) continue;  // not reached in this launch (0 or an older launch)
       double off;
@@ -455,8 +465,15 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
               static_cast<double>(static_cast<int64_t>(ck(ph, c) - ck(a, c))) * clk.ns_per_clk;
       }
       v.push_back(off / 1e3);
+      by_cta.emplace_back(off / 1e3, c);
+      st[ph].sum[c] += off / 1e3;
+      ++st[ph].seen[c];
     }
     if (v.empty()) continue;
+    const size_t top = std::min<size_t>(kTraceSlowest, by_cta.size());
+    std::partial_sort(by_cta.begin(), by_cta.begin() + top, by_cta.end(),
+                      [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t i = 0; i < top; ++i) ++st[ph].slow[by_cta[i].second];
     std::sort(v.begin(), v.end());
     st[ph].lo.push_back(v.front());
     st[ph].mid.push_back(v[v.size() / 2]);
@@ -465,6 +482,26 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
     last = std::max(last, v.back());
   }
   span.push_back(last);
+}
+
+// A phase with a tail (max - median CTA >= 1 us): which CTAs are late, and whether always the
+// same ones: the CTAs among the kTraceSlowest latest in most samples, with the number of samples
+// and their mean offset (us).
+std::string trace_slowest(const PhaseStat& p, int samples) {
+  std::vector<int> ctas;
+  for (int c = 0; c < 128; ++c)
+    if (p.slow[c] > 0) ctas.push_back(c);
+  std::sort(ctas.begin(), ctas.end(), [&](int a, int b) {
+    return p.slow[a] != p.slow[b] ? p.slow[a] > p.slow[b] : a < b;
+  });
+  if (ctas.size() > 2 * kTraceSlowest) ctas.resize(2 * kTraceSlowest);
+  std::string txt = "      latest CTAs (samples of " + std::to_string(samples) + ", mean us):";
+  char item[64];
+  for (int c : ctas) {
+    std::snprintf(item, sizeof item, " %d (%d, %.2f)", c, p.slow[c], p.sum[c] / p.seen[c]);
+    txt += item;
+  }
+  return txt + "\n";
 }
 
 // Dispatch + combine eagerly back to back, `o.warmup` pairs, the newest pair's stamps; 5 samples.
@@ -519,6 +556,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
                     op == 0 ? kDispatchPhaseNames[ph] : kCombinePhaseNames[ph], median(p.lo),
                     median(p.mid), median(p.hi), median(p.n));
       txt += line;
+      if (median(p.hi) - median(p.mid) >= 1.0) txt += trace_slowest(p, samples);
     }
     std::snprintf(line, sizeof line, "    %-24s %8.2f\n", "SPAN (first entry..last)",
                   median(span[op]));
