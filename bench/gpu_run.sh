@@ -43,6 +43,11 @@
 #             EPX_DEEPEP_SRC a DeepEP checkout); with EPX_DEEPEP_SRC, DeepEP is built there
 #             (bench/build_deepep.sh) and each script and bench/engine_timing.py --peer also run
 #             with DeepEP itself, in the same run
+#   sweep     issue 26's method over T: DeepEP's test_low_latency.py at --num-tokens in
+#             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = 1, pinned, two rounds, through the
+#             drop-in and (with EPX_DEEPEP_SRC, built as for `peer`) through DeepEP itself in the
+#             same process order; then one table of both (bench/deepep_sweep_table.py): kernel
+#             rows, hooked rows, L2-flushed event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
 #             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy,
@@ -67,7 +72,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap ab profile peer trace overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace overhead main"
 usage() {
   sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -311,6 +316,30 @@ DeepEP checkout (bench/peer_deepep.sh)"
   fi
 }
 
+batch_sweep() {
+  local tests=${EPX_DEEPEP_TESTS:-}
+  [ -n "$tests" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || tests=$EPX_DEEPEP_SRC/tests
+  if [ -z "$tests" ]; then
+    skip sweep "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to \
+a DeepEP checkout (bench/peer_deepep.sh)"
+    return
+  fi
+  local self="" round T logs=()
+  if [ -n "${EPX_DEEPEP_SRC:-}" ] &&
+    step sweep.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
+    self=$EPX_DEEPEP_SRC
+  fi
+  for round in 1 2; do
+    for T in ${EPX_SWEEP_TOKENS:-1 32 128 256}; do
+      step "sweep.T$T.$round" 300 "" $(pin 1) env EPX_DEEPEP_SELF="$self" \
+        EPX_DEEPEP_ARGS="--num-tokens $T${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
+        bash bench/peer_deepep.sh "$tests" 1 test_low_latency.py
+      logs+=("$OUT/sweep.T$T.$round.log")
+    done
+  done
+  "$EPX_PYTHON" bench/deepep_sweep_table.py "${logs[@]}" | tee "$OUT/sweep.table.md"
+}
+
 batch_trace() {
   local T="$B-trace" targets="epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench"
   # The overlap bench exists where the main build found cuBLAS.
@@ -358,7 +387,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace)
+      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else

@@ -12,7 +12,8 @@
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
 # checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
-# way (a run of DeepEP that fails counts too). EPX_DEEPEP_ARGS: more arguments for every script,
+# way (its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T = 1 at R = 1,
+# whose token count must be a multiple of 4). EPX_DEEPEP_ARGS: more arguments for every script,
 # both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
 # (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail

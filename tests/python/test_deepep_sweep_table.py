@@ -1,0 +1,68 @@
+"""bench/deepep_sweep_table.py (the table of `bench/gpu_run.sh sweep`): rows per (T, library) with
+every round side by side, a library whose run printed nothing shown as "—" with its exit line."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "deepep_sweep_table.py")
+
+
+def run_log(tokens, lib, numbers, exit_code=0):
+    """The lines bench/peer_deepep.sh prints around one run of test_low_latency.py."""
+    who = "DeepEP itself, /x/DeepEP" if lib == "DeepEP" else "epx.compat.deep_ep"
+    lines = [f"== test_low_latency.py --num-processes 1 --num-tokens {tokens} (deep_ep = {who})"]
+    if numbers:
+        pair, pair_min, d, c, ds, dr, cs, cr = numbers
+        lines += [
+            f"[rank 0] Dispatch + combine bandwidth: 1.0 GB/s, avg_t={pair} us, "
+            f"min_t={pair_min} us, max_t=999.00 us",
+            f"[rank 0] Dispatch bandwidth: 1.0 GB/s, avg_t={d} us | "
+            f"Combine bandwidth: 2.0 GB/s, avg_t={c} us",
+            f"[rank 0] Dispatch send/recv time: {ds} + {dr} us | "
+            f"Combine send/recv time: {cs} + {cr} us",
+        ]
+    suffix = " with DeepEP itself" if lib == "DeepEP" else ""
+    lines.append(f"== test_low_latency.py{suffix}: exit {exit_code} (12 s)")
+    return lines
+
+
+def test_table_of_two_rounds(tmp_path):
+    logs = []
+    for rnd, base in ((1, 0.0), (2, 0.5)):
+        for tokens in (1, 128):
+            lines = []
+            if tokens == 1:  # DeepEP refuses the shape: no numbers, exit 1
+                lines += run_log(tokens, "DeepEP", None, exit_code=1)
+            else:
+                lines += run_log(tokens, "DeepEP", (241.93 + base, 68.8, 17.73, 21.27, 11.75,
+                                                    8.49, 16.22, 9.68))
+            lines += run_log(tokens, "epx", (40.0 + base, 38.0, 13.03 + base, 11.16, 5.54, 10.84,
+                                             12.11, 11.55))
+            p = tmp_path / f"sweep.T{tokens}.{rnd}.log"
+            p.write_text("noise before\n" + "\n".join(lines) + "\n")
+            logs.append(str(p))
+    r = subprocess.run([sys.executable, SCRIPT] + logs, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0].startswith("| T | library | dispatch row | combine row |")
+    rows = [ln for ln in out if ln.startswith("| 1 ") or ln.startswith("| 128 ")]
+    assert rows == [
+        "| 1 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
+        "12.11 + 11.55 / 12.11 + 11.55 | 40.0 (38.0) / 40.5 (38.0) |",
+        "| 1 | DeepEP | — / — | — / — | — / — | — / — | — / — |",
+        "| 128 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
+        "12.11 + 11.55 / 12.11 + 11.55 | 40.0 (38.0) / 40.5 (38.0) |",
+        "| 128 | DeepEP | 17.73 / 17.73 | 21.27 / 21.27 | 11.75 + 8.49 / 11.75 + 8.49 | "
+        "16.22 + 9.68 / 16.22 + 9.68 | 241.9 (68.8) / 242.4 (68.8) |",
+    ], "\n".join(out)
+    fails = [ln for ln in out if ln.startswith("T = ")]
+    assert fails == ["T = 1, DeepEP: test_low_latency.py with DeepEP itself: exit 1 (12 s)"] * 2
+
+
+def test_usage_without_logs():
+    r = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "deepep_sweep_table.py LOG" in r.stderr
