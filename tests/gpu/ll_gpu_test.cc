@@ -228,7 +228,8 @@ TEST_P(LlGpu, RandomCasesMatchOracle) {
 }
 
 // Edge shapes: DeepSeek-like H with T = T_max on every rank and two batches in flight (every
-// routing), K > E (rows end in -1), T_max = 1024 with K = 16 and different T per rank.
+// routing), K > E (rows end in -1), T_max = 1024 with K = 16 and different T per rank, rows wider
+// than the send's prefetch (H = 16512).
 TEST_P(LlGpu, FixedCasesMatchOracle) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(R);
@@ -267,6 +268,16 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   big.zero_copy = true;
   big.seed = seed++;
   cases.push_back(big);
+  // Rows wider than the send's prefetch (kLlXPrefetch vectors of 8 per thread of 512: H <= 16384
+  // at most), fp8 with UE8M0 scales and bf16: the rest of each row is loaded in the send's loop.
+  Case wide;
+  wide.p = {R, 5, 16512, 8, 8 * R, true, true, true};
+  wide.seed = seed++;
+  cases.push_back(wide);
+  wide.p = {R, 5, 16512, 8, 8 * R, false, false, false};
+  wide.hook = true;
+  wide.seed = seed++;
+  cases.push_back(wide);
   std::vector<std::vector<Batch>> data;
   for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data), 0);

@@ -52,8 +52,8 @@ std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_
 
 // NVFP4 edge cases on R ranks (both tiers): DeepSeek's H with two batches in flight, rows per
 // expert not a multiple of 128 (a partial tile) with K > E, H = 128 (two scale words a row),
-// saturating (g = 5000) and flushing (g = 1e-3) global scales, every routing once; g as a tensor
-// on odd seeds, a host value on even ones.
+// saturating (g = 5000) and flushing (g = 1e-3) global scales, every routing once, rows wider than
+// the cuda send's prefetch (H = 16512); g as a tensor on odd seeds, a host value on even ones.
 std::vector<LlCase> nvfp4_ll_cases(int R, uint64_t seed);
 
 // New random inputs for every rank (T per rank from c.fixed_tokens or random), then
