@@ -294,46 +294,43 @@ batch_profile() {
     "$EPX_PYTHON" bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
 }
 
-batch_peer() {
-  local tests=${EPX_DEEPEP_TESTS:-}
-  [ -n "$tests" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || tests=$EPX_DEEPEP_SRC/tests
-  if [ -z "$tests" ]; then
-    skip peer "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to a \
-DeepEP checkout (bench/peer_deepep.sh)"
-    return
+# deepep_inputs BATCH: DeepEP's tests/ into DEEPEP_TESTS and, with EPX_DEEPEP_SRC, DeepEP built
+# there (step BATCH.build_deepep) into DEEPEP_SELF (empty when not built); status 1 (the batch
+# skipped) when neither EPX_DEEPEP_TESTS nor EPX_DEEPEP_SRC names them.
+deepep_inputs() {
+  DEEPEP_TESTS=${EPX_DEEPEP_TESTS:-}
+  DEEPEP_SELF=""
+  [ -n "$DEEPEP_TESTS" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || DEEPEP_TESTS=$EPX_DEEPEP_SRC/tests
+  if [ -z "$DEEPEP_TESTS" ]; then
+    skip "$1" "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to \
+a DeepEP checkout (bench/peer_deepep.sh)"
+    return 1
   fi
-  local self=""
   if [ -n "${EPX_DEEPEP_SRC:-}" ] &&
-    step peer.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
-    self=$EPX_DEEPEP_SRC
+    step "$1.build_deepep" 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
+    DEEPEP_SELF=$EPX_DEEPEP_SRC
   fi
+}
+
+batch_peer() {
+  deepep_inputs peer || return 0
   step peer 540 "^== |passed|failed|Error|bandwidth|send/recv" $(pin "${EPX_PEER_PROCS:-1}") \
-    env EPX_DEEPEP_SELF="$self" \
-    bash bench/peer_deepep.sh "$tests" "${EPX_PEER_PROCS:-1}"
-  if [ -n "$self" ]; then
+    env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
+    bash bench/peer_deepep.sh "$DEEPEP_TESTS" "${EPX_PEER_PROCS:-1}"
+  if [ -n "$DEEPEP_SELF" ]; then
     step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" $(pin 1) "$EPX_PYTHON" \
-      bench/engine_timing.py --tokens 128 --experts 288 --peer "$self"
+      bench/engine_timing.py --tokens 128 --experts 288 --peer "$DEEPEP_SELF"
   fi
 }
 
 batch_sweep() {
-  local tests=${EPX_DEEPEP_TESTS:-}
-  [ -n "$tests" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || tests=$EPX_DEEPEP_SRC/tests
-  if [ -z "$tests" ]; then
-    skip sweep "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to \
-a DeepEP checkout (bench/peer_deepep.sh)"
-    return
-  fi
-  local self="" round T logs=()
-  if [ -n "${EPX_DEEPEP_SRC:-}" ] &&
-    step sweep.build_deepep 400 "" bash bench/build_deepep.sh "$EPX_DEEPEP_SRC"; then
-    self=$EPX_DEEPEP_SRC
-  fi
+  deepep_inputs sweep || return 0
+  local round T logs=()
   for round in 1 2; do
     for T in ${EPX_SWEEP_TOKENS:-1 32 128 256}; do
-      step "sweep.T$T.$round" 300 "" $(pin 1) env EPX_DEEPEP_SELF="$self" \
+      step "sweep.T$T.$round" 300 "" $(pin 1) env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
         EPX_DEEPEP_ARGS="--num-tokens $T${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
-        bash bench/peer_deepep.sh "$tests" 1 test_low_latency.py
+        bash bench/peer_deepep.sh "$DEEPEP_TESTS" 1 test_low_latency.py
       logs+=("$OUT/sweep.T$T.$round.log")
     done
   done

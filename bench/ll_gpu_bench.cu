@@ -94,7 +94,6 @@ void stage(const Group& g, const char* what, int64_t v = -1) {
 
 // ---- inputs --------------------------------------------------------------------------------
 
-// Finite bf16 in [-2, 2) from a hash of the index (device fill of large buffers).
 // Instruction-cache evictor for the "cold" graph rows: 4^7 = 16384 straight-line FMAs (≈ 256 KB
 // of SASS, more than an SM's instruction caches hold), one warp on each SM, no memory traffic
 // (`sink` is written only for a value the chain never takes): the ll call after it fetches its
@@ -109,6 +108,7 @@ __global__ void evict_icache_kernel(float* sink, float a) {
 }
 #undef EPX_EVICT4
 
+// Finite bf16 in [-2, 2) from a hash of the index (device fill of large buffers).
 __global__ void fill_bf16_kernel(uint16_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {

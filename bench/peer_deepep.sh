@@ -13,7 +13,7 @@
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
 # checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
 # way (its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T = 1 at R = 1,
-# whose token count must be a multiple of 4). EPX_DEEPEP_ARGS: more arguments for every script,
+# where it requires R * T_max to be a multiple of 4). EPX_DEEPEP_ARGS: more arguments for every script,
 # both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
 # (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail
