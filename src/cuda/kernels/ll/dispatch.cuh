@@ -589,8 +589,10 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
           running[i] += total[i];
         }
         __syncthreads();
+        EPX_LL_STAMP(p, 0, kTrDListed);
         ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
         __syncthreads();  // the list is rewritten by the next units or group of entries
+        EPX_LL_STAMP(p, 0, kTrDCopied);
         start = stop;
       }
     }

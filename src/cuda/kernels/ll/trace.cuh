@@ -40,7 +40,9 @@ enum LlDispatchPhase : int {
   kTrDRecvEntry,  // receive half entry (hook kernel entry, or right after the signal)
   kTrDRecvWait,   // after the dispatch_sent wait (units only)
   kTrDScan,       // V: + time in the routing scans / compactions
-  kTrDCopy,       // after the row copies (real; = kTrDScan + copy time)
+  kTrDListed,     // the CTA's last unit group listed (its rows' entries in shared memory, barrier)
+  kTrDCopied,     // the same group's copy call returned (barrier): src_info, rows, scales
+  kTrDCopy,       // after every unit group (rows copied, layout_range / recv_count / stats)
   kTrDExit,       // every CTA: leaving the receive half (or the send kernel)
   kTrDNum
 };
