@@ -13,7 +13,8 @@
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
 # checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
 # way (its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T = 1 at R = 1,
-# where it requires R * T_max to be a multiple of 4). EPX_DEEPEP_ARGS: more arguments for every script,
+# where it requires R * T_max to be a multiple of 4; a DIR without an importable deep_ep exits 2
+# before any script). EPX_DEEPEP_ARGS: more arguments for every script,
 # both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
 # (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail
@@ -27,15 +28,25 @@ scripts=("$@")
 py=${EPX_PYTHON:-}
 [ -n "$py" ] || { [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3 || py=python3; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+self=""
+if [ -n "${EPX_DEEPEP_SELF:-}" ]; then
+  # Absolute (each script runs from DEEPEP_TESTS_DIR), and importable: a DeepEP that is not built
+  # there is a set-up error, not one of the shapes DeepEP refuses.
+  self=$(cd "$EPX_DEEPEP_SELF" && pwd) || exit 2
+  (cd / && PYTHONPATH="$self" "$py" -c 'import deep_ep') || {
+    echo "peer_deepep.sh: EPX_DEEPEP_SELF=$EPX_DEEPEP_SELF holds no importable deep_ep (bench/build_deepep.sh)" >&2
+    exit 2
+  }
+fi
 # The one-step opt-in of the README, as an engine's launcher would run it.
 shim=$(PYTHONPATH="$repo/python" "$py" -m epx.compat.shim) || exit 1
 export PYTHONPATH="$shim:$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=0
 for s in "${scripts[@]}"; do
-  if [ -n "${EPX_DEEPEP_SELF:-}" ]; then
+  if [ -n "$self" ]; then
     t0=$(date +%s)
-    echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = DeepEP itself, $EPX_DEEPEP_SELF)"
-    (cd "$dir" && PYTHONPATH="$EPX_DEEPEP_SELF" "$py" "$s" --num-processes "$n" "${extra[@]}")
+    echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = DeepEP itself, $self)"
+    (cd "$dir" && PYTHONPATH="$self" "$py" "$s" --num-processes "$n" "${extra[@]}")
     rc=$?
     echo "== $s with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
   fi
