@@ -23,12 +23,15 @@
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
 // entry of that launch (medians over the traced iterations), and each kernel's span; under a
 // phase whose max is 1 us or more past its median, the CTAs most often among the 8 latest.
-// --trace-only skips the timing rows and baselines. --sms takes a list (32,64,128): the whole run
+// --trace-only skips the timing rows and baselines. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
+// after each T's row, the same row once per ll ablation (cuda/tuning.h LlAblate: one stage of the
+// kernels left out, outputs wrong, waits intact), so the difference to the full row bounds what
+// that stage costs there. --sms takes a list (32,64,128): the whole run
 // once per value (one line per T and C at the end, "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
-//                         [--sms C[,C..]] [--trace] [--trace-only]
+//                         [--sms C[,C..]] [--trace] [--trace-only] [--ablate]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -79,6 +82,7 @@ struct Options {
   int sms = 0;
   bool trace = false;
   bool trace_only = false;
+  bool ablate = false;  // diagnostics builds: rows with each LlAblate bit
 };
 
 // Progress on stderr, both ranks, with the time since start: a stalled stage shows.
@@ -700,6 +704,30 @@ int run_rank(const Group& g, const Options& o) {
           rows.push_back(run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o));
           if (r == 0) print_row(rows.back());
         }
+#ifdef EPX_DIAGNOSTICS
+        if (o.ablate && !o.trace_only) {
+          // The bit is process-wide (every rank thread's launches): set and cleared between
+          // barriers, so all ranks' ops of one row run with the same bits.
+          const std::pair<int, const char*> ablations[] = {
+              {detail::kLlAblateSendRows, "send rows"},
+              {detail::kLlAblateRecvList, "recv list+copy"},
+              {detail::kLlAblateRecvCopy, "recv copy"},
+              {detail::kLlAblateCombinePull, "combine pull"}};
+          for (const auto& [bit, name] : ablations) {
+            g.transport()->barrier("bench: ablation on");
+            if (r == 0) detail::set_ll_ablation(bit);
+            g.transport()->barrier("bench: ablation set");
+            const Row w = run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o);
+            g.transport()->barrier("bench: ablation row");
+            if (r == 0) {
+              detail::set_ll_ablation(0);
+              std::printf("  without %s (ablation %d, outputs wrong):\n", name, bit);
+              print_row(w);
+            }
+          }
+          g.transport()->barrier("bench: ablation off");
+        }
+#endif
 #ifdef EPX_LL_TRACE
         if (o.trace) {
           stage(g, "trace T", T);
@@ -808,12 +836,15 @@ int main(int argc, char** argv) {
       o.trace = true;
     } else if (a == "--trace-only") {
       o.trace = o.trace_only = true;
+    } else if (a == "--ablate") {
+      o.ablate = true;
     } else {
       std::printf(
           "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
-          "[--sms C[,C..]] [--trace] [--trace-only]\n"
+          "[--sms C[,C..]] [--trace] [--trace-only] [--ablate]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
-          "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON)\n",
+          "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON);\n"
+          "  --ablate: rows without one kernel stage each (needs -DEPX_DIAGNOSTICS=ON)\n",
           argv[0]);
       return a == "--help" ? 0 : 2;
     }
@@ -828,6 +859,12 @@ int main(int argc, char** argv) {
     std::printf("epx_ll_gpu_bench: needs %d GPUs, %d visible; nothing to do\n", o.ranks, gpus);
     return 0;
   }
+#ifndef EPX_DIAGNOSTICS
+  if (o.ablate) {
+    std::printf("epx_ll_gpu_bench: --ablate needs a build with -DEPX_DIAGNOSTICS=ON\n");
+    return 2;
+  }
+#endif
 #ifndef EPX_LL_TRACE
   if (o.trace) {
     std::printf("epx_ll_gpu_bench: --trace needs a build with -DEPX_LL_TRACE=ON\n");

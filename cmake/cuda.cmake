@@ -98,12 +98,13 @@ target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
 # not part of `all`): `cmake --build build --target epx_diagnostics_check`, which scripts/test.sh
 # runs so that code keeps compiling while the default build leaves it out; with the GPU
 # benchmarks' EPX_DIAGNOSTICS code (bench/ht_gpu_bench.cc --ablate --send-pct,
-# bench/ht_onegpu_bench.cc --bits).
+# bench/ht_onegpu_bench.cc --bits, bench/ll_gpu_bench.cu --ablate).
 add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/src/cuda/tuning.cc ${PROJECT_SOURCE_DIR}/src/cuda/ht.cu
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_nodes.cu ${PROJECT_SOURCE_DIR}/tests/gpu/ht_nodes_gpu_test.cc
-            ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc)
+            ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc
+            ${PROJECT_SOURCE_DIR}/src/cuda/ll.cu ${PROJECT_SOURCE_DIR}/bench/ll_gpu_bench.cu)
 target_include_directories(epx_diagnostics_check
                            PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES> ${PROJECT_SOURCE_DIR}
                            ${PROJECT_SOURCE_DIR}/tests)

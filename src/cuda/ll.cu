@@ -198,6 +198,9 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
     p.symm = symm_;
     p.wait = dev_.wait_context(op);
     p.pdl = pdl_;
+#ifdef EPX_DIAGNOSTICS
+    p.ablate = ll_ablation();
+#endif
 #ifdef EPX_LL_TRACE
     p.trace = trace_;
 #endif

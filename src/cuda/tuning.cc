@@ -10,6 +10,7 @@ namespace epx::detail {
 #ifdef EPX_DIAGNOSTICS
 namespace {
 std::atomic<int> g_ablation{0};
+std::atomic<int> g_ll_ablation{0};
 std::atomic<int> g_num_sms_override{0};
 std::atomic<int> g_dispatch_send_percent{0};
 std::atomic<int> g_combine_send_percent{0};
@@ -21,6 +22,12 @@ void set_ht_ablation(int bits) {
 }
 int ht_ablation() {
   return g_ablation.load();
+}
+void set_ll_ablation(int bits) {
+  g_ll_ablation = bits;
+}
+int ll_ablation() {
+  return g_ll_ablation.load();
 }
 void set_ht_nodes_step_sync(bool on) {
   g_ht_nodes_step_sync = on;

@@ -97,11 +97,25 @@ bool ht_nodes_step_sync();
 // Values > 0 replace the SM count and the senders' share (percent) of the CTAs for buffers
 // created afterwards in this process.
 void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_send_percent);
-// Whether HtAblate bit `bit` is set in `bits` (false in the library's default build, where
-// neither exists).
+// The same for ll (epx_ll_gpu_bench --ablate): one stage of the ll kernels left out, so that a
+// benchmark row without it bounds what the stage costs there. The waits, counters and epochs still
+// run, so the ops still complete.
+enum LlAblate : int {
+  kLlAblateSendRows = 1,     // dispatch send: no message rows (routing rows and headers still)
+  kLlAblateRecvList = 2,     // dispatch receive: scan and counts only (no list, no copies)
+  kLlAblateRecvCopy = 4,     // dispatch receive: listed, src_info written, no row / scale copies
+  kLlAblateCombinePull = 8,  // combine receive: rows resolved, no pulls, no reduce, no output
+};
+// LlAblate bits applied to every ll launch in this process while non-zero.
+void set_ll_ablation(int bits);
+int ll_ablation();
+// Whether HtAblate / LlAblate bit `bit` is set in `bits` (false in the library's default build,
+// where neither exists).
 #define EPX_HT_ABLATED(bits, bit) (((bits) & (bit)) != 0)
+#define EPX_LL_ABLATED(bits, bit) (((bits) & (bit)) != 0)
 #else
 #define EPX_HT_ABLATED(bits, bit) false
+#define EPX_LL_ABLATED(bits, bit) false
 #endif
 
 }  // namespace epx::detail

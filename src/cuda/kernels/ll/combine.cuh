@@ -98,6 +98,9 @@ struct LlCombineParams {
   int64_t* stash_ids;
   float* stash_w;
   int32_t pdl;  // launched with programmatic dependent launch (cuda/launch.h)
+#ifdef EPX_DIAGNOSTICS
+  int32_t ablate;  // LlAblate bits (cuda/tuning.h, diagnostics builds only)
+#endif
   // Optional [R] int64, contiguous: combine_wait_recv_cost_stats (the receive half adds to it).
   int64_t* wait_stats;
   // Overlap (LlCombineOverlap): the send half is ll_combine_send_overlap on S CTAs; the receive
@@ -682,7 +685,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         // Output vector (tl, v), tl * nv + v = threadIdx.x + j * blockDim.x: advanced without a
         // division per vector (a 32-bit one when v wraps).
         const int nvi = static_cast<int>(nv);
-        int tl = static_cast<int>(threadIdx.x) / nvi;
+        // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
+        int tl = EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull) ? n
+                                                               : static_cast<int>(threadIdx.x) / nvi;
         for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
           const uintptr_t* src = s_src + tl * K;
           float acc[8];

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "core/numeric.h"
+#include "cuda/tuning.h"
 #include "cuda/kernels/ll/ll_layout.cuh"
 #include "cuda/kernels/ll/trace.cuh"
 #include "cuda/kernels/sync.cuh"

@@ -88,6 +88,9 @@ struct LlDispatchParams {
   int64_t* wait_stats;  // optional [R] int64, contiguous: dispatch_wait_recv_cost_stats
   int32_t phases;       // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
   int32_t pdl;          // launched with programmatic dependent launch (cuda/launch.h)
+#ifdef EPX_DIAGNOSTICS
+  int32_t ablate;  // LlAblate bits (cuda/tuning.h, diagnostics builds only)
+#endif
   LlSymm symm;
   WaitContext wait;
 #ifdef EPX_LL_TRACE
@@ -282,6 +285,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       const int d = i / K, k = i - d * K;
       if (!rank_skipped(masked, d)) g.topk(symm.peers[d], q, me)[t * K + k] = s_ids[k];
     }
+    if (EPX_LL_ABLATED(p.ablate, kLlAblateSendRows)) mask = 0;
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
     if constexpr (kQuant != kLlQuantBf16) {
@@ -427,7 +431,8 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   const int64_t row_bytes = ll_row_bytes<kQuant>(p);
   const int nvx = static_cast<int>(row_bytes / 16);  // row vectors
   const int nsv = ll_scale_vectors<kQuant>(p);       // scale vectors per entry
-  const int n_sc = n_mine * nsv;
+  const bool copy = !EPX_LL_ABLATED(p.ablate, kLlAblateRecvCopy);
+  const int n_sc = copy ? n_mine * nsv : 0;
   auto scale_src = [&](int i, int64_t* sbase, int* j) {
     const int m = i / nsv;
     const int idx = sub + m * S;
@@ -440,7 +445,7 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   uint4 sval{};
   if (static_cast<int>(threadIdx.x) < n_sc)
     sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
-  if (p.recv_x) {
+  if (p.recv_x && copy) {
     ll_copy_rows<true>(n_mine, nvx, true, [&](int m, const uint16_t** src, uint4** dst) {
       const int idx = sub + m * S;
       *src = reinterpret_cast<const uint16_t*>(list.msg[idx]);  // 16-byte vectors of any format
@@ -582,7 +587,8 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
             continue;
           }
           if (sel >> i & 1) {
-            ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
+            if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList))
+              ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
             atomicAdd(&s_cnt[i][s], 1);
           }
           filled += total[i];
@@ -590,7 +596,8 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
         }
         __syncthreads();
         EPX_LL_STAMP(p, 0, kTrDListed);
-        ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
+        if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList))
+          ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
         __syncthreads();  // the list is rewritten by the next units or group of entries
         EPX_LL_STAMP(p, 0, kTrDCopied);
         start = stop;
