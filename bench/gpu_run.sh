@@ -54,6 +54,10 @@
 #             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
 #             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
+#   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
+#             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
+#             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
+#             rows, the receive's list and copy, its copy, the combine's pulls; cuda/tuning.h)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -72,7 +76,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace ablate overhead main"
 usage() {
   sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -362,6 +366,15 @@ batch_trace() {
   fi
 }
 
+batch_ablate() {
+  local D="$B-diag"
+  step ablate.build 600 "" bash -c "cmake -S . -B '$D' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
+    -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$D' -j $(nproc) \
+    --target epx_ll_gpu_bench" || { tail -40 "$OUT/ablate.build.log"; return 1; }
+  step ablate.ll 240 "^ +T \||^ +(1|128) \||without" "$D/bench/epx_ll_gpu_bench" --ranks "$G" \
+    --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
+}
+
 batch_overhead() {
   local rows="^T=|^\||skipped"
   step overhead.cuda_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
@@ -384,7 +397,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace)
+      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | ablate)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else
