@@ -58,6 +58,7 @@
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
 #             rows, the receive's list and copy, its copy, the combine's pulls; cuda/tuning.h)
+#             and with each candidate variant (outputs exact: the bench's check runs under it)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -371,8 +372,8 @@ batch_ablate() {
   step ablate.build 600 "" bash -c "cmake -S . -B '$D' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
     -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$D' -j $(nproc) \
     --target epx_ll_gpu_bench" || { tail -40 "$OUT/ablate.build.log"; return 1; }
-  step ablate.ll 240 "^ +T \||^ +(1|128) \||without" "$D/bench/epx_ll_gpu_bench" --ranks "$G" \
-    --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
+  step ablate.ll 240 "^ +T \||^ +(1|128) \||without|variant|^check" "$D/bench/epx_ll_gpu_bench" \
+    --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
 }
 
 batch_overhead() {

@@ -26,7 +26,7 @@
 // --trace-only skips the timing rows and baselines. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
 // after each T's row, the same row once per ll ablation (cuda/tuning.h LlAblate: one stage of the
 // kernels left out, outputs wrong, waits intact), so the difference to the full row bounds what
-// that stage costs there. --sms takes a list (32,64,128): the whole run
+// that stage costs there, and once per variant (outputs exact: the check runs again under each). --sms takes a list (32,64,128): the whole run
 // once per value (one line per T and C at the end, "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
@@ -692,6 +692,22 @@ int run_rank(const Group& g, const Options& o) {
       if (f && r == 0) std::printf("check FAILED\n");
       failures += f;
       stage(g, "check done, failures", failures);
+#ifdef EPX_DIAGNOSTICS
+      if (o.ablate) {
+        // The variants keep the outputs exact: the same check under each.
+        g.transport()->barrier("bench: variant check on");
+        if (r == 0) detail::set_ll_ablation(detail::kLlVariantOwnPrefetch);
+        g.transport()->barrier("bench: variant check set");
+        const int fv = check_once(buf, g, s);
+        g.transport()->barrier("bench: variant check done");
+        if (r == 0) {
+          detail::set_ll_ablation(0);
+          std::printf("check with variant %d (own-row prefetch): %s\n",
+                      static_cast<int>(detail::kLlVariantOwnPrefetch), fv ? "FAILED" : "ok");
+        }
+        failures += fv;
+      }
+#endif
     }
     fill_combine_buffers(buf, g, cap);
     Tensor y_user = device_bf16({L, R * cap, kHidden}, 123 + r, r);
@@ -709,10 +725,11 @@ int run_rank(const Group& g, const Options& o) {
           // The bit is process-wide (every rank thread's launches): set and cleared between
           // barriers, so all ranks' ops of one row run with the same bits.
           const std::pair<int, const char*> ablations[] = {
-              {detail::kLlAblateSendRows, "send rows"},
-              {detail::kLlAblateRecvList, "recv list+copy"},
-              {detail::kLlAblateRecvCopy, "recv copy"},
-              {detail::kLlAblateCombinePull, "combine pull"}};
+              {detail::kLlAblateSendRows, "without send rows"},
+              {detail::kLlAblateRecvList, "without recv list+copy"},
+              {detail::kLlAblateRecvCopy, "without recv copy"},
+              {detail::kLlAblateCombinePull, "without combine pull"},
+              {detail::kLlVariantOwnPrefetch, "variant: own-row prefetch (outputs checked above)"}};
           for (const auto& [bit, name] : ablations) {
             g.transport()->barrier("bench: ablation on");
             if (r == 0) detail::set_ll_ablation(bit);
@@ -721,7 +738,7 @@ int run_rank(const Group& g, const Options& o) {
             g.transport()->barrier("bench: ablation row");
             if (r == 0) {
               detail::set_ll_ablation(0);
-              std::printf("  without %s (ablation %d, outputs wrong):\n", name, bit);
+              std::printf("  %s (bit %d):\n", name, bit);
               print_row(w);
             }
           }
