@@ -161,6 +161,22 @@ do_build() {
     { tail -40 "$OUT/build.log"; return 1; }
 }
 
+# side_build NAME LIMIT SRC DIR TARGETS [CMAKE_OPTION...]: step NAME, a Release CUDA build of the
+# source tree SRC in DIR (the extra builds: ab's base, trace, ablate; options that differ from the
+# main build's, so never in it), only TARGETS (space-separated); the log's tail on failure.
+side_build() {
+  local name=$1 limit=$2 src=$3 dir=$4 targets=$5
+  shift 5
+  # shellcheck disable=SC2016  # $1.. expand in the inner shell
+  step "$name" "$limit" "" bash -c 'src=$1 dir=$2 targets=$3 gen=$4 jobs=$5
+    shift 5
+    # shellcheck disable=SC2086  # gen and targets: lists of words
+    cmake -S "$src" -B "$dir" $gen -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON "$@" &&
+      cmake --build "$dir" -j "$jobs" --target $targets' \
+    side_build "$src" "$dir" "$targets" "$GEN" "$(nproc)" "$@" ||
+    { tail -40 "$OUT/$name.log"; return 1; }
+}
+
 # gtest NAME BINARY FILTER [VAR=VALUE...]: one bounded run of a GPU test binary.
 GTEST_SHOW='^\[  (PASSED|FAILED|SKIPPED) \]|^\[  FAILED  \]'
 gtest() {
@@ -261,9 +277,8 @@ batch_ab() {
   fi
   local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-}
   [ -z "$tests" ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
-  step ab.build 600 "" bash -c "cmake -S '$dir.src' -B '$dir' $GEN -DCMAKE_BUILD_TYPE=Release \
-    -DEPX_WITH_CUDA=ON -DEPX_BUILD_PYTHON=$py -DPython3_EXECUTABLE='$EPX_PYTHON' >/dev/null && \
-    cmake --build '$dir' -j $(nproc) --target $targets" || return 1
+  side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
+    -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
   local round side bin
   for round in 1 2; do
     for side in "$rev" head; do
@@ -346,9 +361,8 @@ batch_trace() {
   local T="$B-trace" targets="epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench"
   # The overlap bench exists where the main build found cuBLAS.
   [ -x "$B/bench/epx_ll_overlap_bench" ] && targets="$targets epx_ll_overlap_bench"
-  step trace.build 900 "" bash -c "cmake -S . -B '$T' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
-    -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON -DEPX_BUILD_PYTHON=OFF && cmake --build '$T' -j $(nproc) \
-    --target $targets" || { tail -40 "$OUT/trace.build.log"; return 1; }
+  side_build trace.build 900 . "$T" "$targets" -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON \
+    -DEPX_BUILD_PYTHON=OFF || return 1
   local rows="^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)"
   step trace.ht_t1 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
     --tokens 1 --sms 16
@@ -369,9 +383,8 @@ batch_trace() {
 
 batch_ablate() {
   local D="$B-diag"
-  step ablate.build 600 "" bash -c "cmake -S . -B '$D' $GEN -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON \
-    -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF >/dev/null && cmake --build '$D' -j $(nproc) \
-    --target epx_ll_gpu_bench" || { tail -40 "$OUT/ablate.build.log"; return 1; }
+  side_build ablate.build 600 . "$D" epx_ll_gpu_bench -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF ||
+    return 1
   step ablate.ll 240 "^ +T \||^ +(1|128) \||without|variant|^check" "$D/bench/epx_ll_gpu_bench" \
     --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
 }

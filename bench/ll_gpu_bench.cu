@@ -26,8 +26,9 @@
 // --trace-only skips the timing rows and baselines. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
 // after each T's row, the same row once per ll ablation (cuda/tuning.h LlAblate: one stage of the
 // kernels left out, outputs wrong, waits intact), so the difference to the full row bounds what
-// that stage costs there, and once per variant (outputs exact: the check runs again under each). --sms takes a list (32,64,128): the whole run
-// once per value (one line per T and C at the end, "sweep" lines).
+// that stage costs there, and once per variant (outputs exact: the check runs again under each).
+// --sms takes a list (32,64,128): the whole run once per value (one line per T and C at the end,
+// "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
@@ -142,6 +143,36 @@ Allocator caching_allocator() {
     return it->second;
   };
 }
+
+#ifdef EPX_DIAGNOSTICS
+// The LlAblate bits --ablate runs with (cuda/tuning.h): ablations (outputs wrong) and variants
+// (outputs exact: the check runs again under each).
+struct LlBits {
+  int bits;
+  const char* name;
+  bool exact;
+};
+constexpr LlBits kLlBitRows[] = {
+    {detail::kLlAblateSendRows, "without send rows", false},
+    {detail::kLlAblateRecvList, "without recv list+copy", false},
+    {detail::kLlAblateRecvCopy, "without recv copy", false},
+    {detail::kLlAblateCombinePull, "without combine pull", false},
+    {detail::kLlVariantOwnPrefetch, "variant: own-row prefetch", true}};
+
+// f() with LlAblate `bits` on every rank thread's launches. The setting is process-wide, so it is
+// set and cleared between barriers: all ranks' ops inside f run with the bits, none outside.
+template <typename F>
+auto with_ll_bits(const Group& g, int bits, F f) {
+  g.transport()->barrier("bench: ll bits on");
+  if (g.rank() == 0) detail::set_ll_ablation(bits);
+  g.transport()->barrier("bench: ll bits set");
+  auto v = f();
+  g.transport()->barrier("bench: ll bits done");
+  if (g.rank() == 0) detail::set_ll_ablation(0);
+  g.transport()->barrier("bench: ll bits off");
+  return v;
+}
+#endif
 
 // ---- the check -----------------------------------------------------------------------------
 
@@ -693,18 +724,11 @@ int run_rank(const Group& g, const Options& o) {
       failures += f;
       stage(g, "check done, failures", failures);
 #ifdef EPX_DIAGNOSTICS
-      if (o.ablate) {
-        // The variants keep the outputs exact: the same check under each.
-        g.transport()->barrier("bench: variant check on");
-        if (r == 0) detail::set_ll_ablation(detail::kLlVariantOwnPrefetch);
-        g.transport()->barrier("bench: variant check set");
-        const int fv = check_once(buf, g, s);
-        g.transport()->barrier("bench: variant check done");
-        if (r == 0) {
-          detail::set_ll_ablation(0);
-          std::printf("check with variant %d (own-row prefetch): %s\n",
-                      static_cast<int>(detail::kLlVariantOwnPrefetch), fv ? "FAILED" : "ok");
-        }
+      for (const LlBits& b : kLlBitRows) {
+        if (!o.ablate || !b.exact) continue;
+        const int fv = with_ll_bits(g, b.bits, [&] { return check_once(buf, g, s); });
+        if (r == 0)
+          std::printf("check with %s (bit %d): %s\n", b.name, b.bits, fv ? "FAILED" : "ok");
         failures += fv;
       }
 #endif
@@ -721,28 +745,16 @@ int run_rank(const Group& g, const Options& o) {
           if (r == 0) print_row(rows.back());
         }
 #ifdef EPX_DIAGNOSTICS
-        if (o.ablate && !o.trace_only) {
-          // The bit is process-wide (every rank thread's launches): set and cleared between
-          // barriers, so all ranks' ops of one row run with the same bits.
-          const std::pair<int, const char*> ablations[] = {
-              {detail::kLlAblateSendRows, "without send rows"},
-              {detail::kLlAblateRecvList, "without recv list+copy"},
-              {detail::kLlAblateRecvCopy, "without recv copy"},
-              {detail::kLlAblateCombinePull, "without combine pull"},
-              {detail::kLlVariantOwnPrefetch, "variant: own-row prefetch (outputs checked above)"}};
-          for (const auto& [bit, name] : ablations) {
-            g.transport()->barrier("bench: ablation on");
-            if (r == 0) detail::set_ll_ablation(bit);
-            g.transport()->barrier("bench: ablation set");
-            const Row w = run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o);
-            g.transport()->barrier("bench: ablation row");
-            if (r == 0) {
-              detail::set_ll_ablation(0);
-              std::printf("  %s (bit %d):\n", name, bit);
-              print_row(w);
-            }
+        for (const LlBits& b : kLlBitRows) {
+          if (!o.ablate || o.trace_only) break;
+          const Row w = with_ll_bits(g, b.bits, [&] {
+            return run_tokens(buf, g, T, y_user, s, *scratch, nccl_send, nccl_recv, src, o);
+          });
+          if (r == 0) {
+            std::printf("  %s (bit %d%s):\n", b.name, b.bits,
+                        b.exact ? ", outputs checked" : ", outputs wrong");
+            print_row(w);
           }
-          g.transport()->barrier("bench: ablation off");
         }
 #endif
 #ifdef EPX_LL_TRACE

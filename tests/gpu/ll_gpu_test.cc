@@ -268,8 +268,8 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   big.zero_copy = true;
   big.seed = seed++;
   cases.push_back(big);
-  // Rows wider than the send's prefetch (kLlXPrefetch vectors of 8 per thread of 512: H <= 16384
-  // at most), fp8 with UE8M0 scales and bf16: the rest of each row is loaded in the send's loop.
+  // Rows wider than the send's prefetch (kLlXPrefetch = 2 vectors of 8 per thread of 512: H <=
+  // 8192), fp8 with UE8M0 scales and bf16: the rest of each row is loaded in the send's loop.
   Case wide;
   wide.p = {R, 5, 16512, 8, 8 * R, true, true, true};
   wide.seed = seed++;

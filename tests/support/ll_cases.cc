@@ -87,8 +87,8 @@ std::vector<LlCase> nvfp4_ll_cases(int R, uint64_t seed) {
     c = add({R, 64, 256, 4, 4 * R}, routing, i % 2 ? 1.0f : 2688.0f / 64.0f);
     c->hook = i++ % 2 == 0;
   }
-  // Rows wider than the cuda dispatch send's prefetch (kLlXPrefetch vectors of 8 per thread of
-  // 512: H <= 16384 at most): the rest of each row is loaded in the send's loop.
+  // Rows wider than the cuda dispatch send's prefetch (kLlXPrefetch = 2 vectors of 8 per thread
+  // of 512: H <= 8192): the rest of each row is loaded in the send's loop.
   c = add({R, 5, 16512, 8, 8 * R}, Routing::kUniform, 2688.0f / 256.0f);
   c->hook = true;
   return cases;

@@ -499,9 +499,9 @@ __device__ void ll_combine_prefetch_own(const LlCombineParams& p, int64_t t, con
     const int64_t j = s_cnt[id];
     if (j >= (range & 0xFFFFFFFF) || (range >> 32) + j >= RT) continue;  // the reduce reports it
     const int64_t row = (range >> 32) + j;
-    const char* base =
-        p.zero_copy ? reinterpret_cast<const char*>(g.comb_y(p.symm.local, p.slot) + (l * RT + row) * H)
-                    : reinterpret_cast<const char*>(p.y + l * p.y_stride0 + row * p.y_stride1);
+    const uint16_t* y = p.zero_copy ? g.comb_y(p.symm.local, p.slot) + (l * RT + row) * H
+                                    : p.y + l * p.y_stride0 + row * p.y_stride1;
+    const char* base = reinterpret_cast<const char*>(y);
     for (int64_t off = 128 * int64_t{lane}; off < 2 * H; off += 32 * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
   }
@@ -723,8 +723,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         // division per vector (a 32-bit one when v wraps).
         const int nvi = static_cast<int>(nv);
         // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
-        int tl = EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull) ? n
-                                                               : static_cast<int>(threadIdx.x) / nvi;
+        int tl = static_cast<int>(threadIdx.x) / nvi;
+        if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
         for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
           const uintptr_t* src = s_src + tl * K;
           float acc[8];
