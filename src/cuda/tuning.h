@@ -105,9 +105,8 @@ enum LlAblate : int {
   kLlAblateRecvList = 2,     // dispatch receive: scan and counts only (no list, no copies)
   kLlAblateRecvCopy = 4,     // dispatch receive: listed, src_info written, no row / scale copies
   kLlAblateCombinePull = 8,  // combine receive: rows resolved, no pulls, no reduce, no output
-  // Variants (outputs exact; candidates measured before one becomes the only path):
-  kLlVariantOwnPrefetch = 16,  // plain combine: this rank's own rows of a CTA's first token
-                               // prefetched into L2 right after step 4 (docs/perf.md §5 item 26)
+  // Variants (bits 16 and up; outputs exact, the bench's check runs under each): candidates
+  // measured before one becomes the only path, then deleted (none at present).
 };
 // LlAblate bits applied to every ll launch in this process while non-zero.
 void set_ll_ablation(int bits);

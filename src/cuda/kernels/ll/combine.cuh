@@ -475,39 +475,6 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
   return ok;
 }
 
-#ifdef EPX_DIAGNOSTICS
-// Variant kLlVariantOwnPrefetch (diagnostics builds; docs/perf.md §5 item 26), warps 1.. of a CTA
-// with tokens, right after step 4: the rows of the chunk's first token t that this rank's own
-// experts hold need no peer's table (this rank's layout_range is an input, s_cnt its count of
-// earlier tokens), so they are prefetched into L2 before the waits, ranges and ids that precede
-// the reduce. A hint only: the reduce's loads and results are unchanged.
-__device__ void ll_combine_prefetch_own(const LlCombineParams& p, int64_t t, const int32_t* s_cnt) {
-  // The counting warps' shared-memory adds are done (named barrier 1: warps 1.. only; warp 0 is
-  // waiting for the peers meanwhile).
-  asm volatile("bar.sync 1, %0;" ::"r"(static_cast<int>(blockDim.x) - 32) : "memory");
-  const LlLayout& g = p.symm.layout;
-  const int K = g.top_k, L = g.num_local_experts, me = p.rank;
-  const int64_t H = g.hidden, RT = g.rows_per_expert;
-  const int warp = static_cast<int>(threadIdx.x >> 5) - 1, warps = (blockDim.x >> 5) - 1;
-  const int lane = threadIdx.x & 31;
-  for (int k = warp; k < K; k += warps) {
-    const int64_t id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
-    if (id < static_cast<int64_t>(me) * L || id >= static_cast<int64_t>(me + 1) * L) continue;
-    const int l = static_cast<int>(id - static_cast<int64_t>(me) * L);
-    const long long range =
-        __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + me);
-    const int64_t j = s_cnt[id];
-    if (j >= (range & 0xFFFFFFFF) || (range >> 32) + j >= RT) continue;  // the reduce reports it
-    const int64_t row = (range >> 32) + j;
-    const uint16_t* y = p.zero_copy ? g.comb_y(p.symm.local, p.slot) + (l * RT + row) * H
-                                    : p.y + l * p.y_stride0 + row * p.y_stride1;
-    const char* base = reinterpret_cast<const char*>(y);
-    for (int64_t off = 128 * int64_t{lane}; off < 2 * H; off += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
-  }
-}
-#endif
-
 // The mask now, read by lane 0 and shuffled to the warp (warp-uniform; 0 without enable_shrink).
 __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
   if (!symm.shrink) return 0;
@@ -647,10 +614,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
       if (i < n_first * K)
         id = id_at(t_begin + i / K, i % K), w = weight_at(t_begin + i / K, i % K);
       count_before(i, stride);
-#ifdef EPX_DIAGNOSTICS
-      if (kMode == kLlCombinePlain && EPX_LL_ABLATED(p.ablate, kLlVariantOwnPrefetch))
-        ll_combine_prefetch_own(p, t_begin, s_cnt);
-#endif
       if (i < n_first * K) put_group(t_begin, i, id, w);
       load_group(t_begin, n_first, i + stride, stride);
     }
