@@ -30,8 +30,9 @@
 #   ab        a same-run A/B of the ll kernels: epx_ll_gpu_bench built from the commit
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
-#             and this tree's, alternately, two rounds each (R = the visible GPUs, --tokens
-#             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
+#             and this tree's, alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
+#             visible GPUs, --tokens 128,1, E = $EPX_AB_EXPERTS, default 256): one labelled
+#             line per T; with
 #             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
 #             (the base's extension built in its tree, this tree's bench/peer_deepep.sh with
 #             EPX_REPO), alternately: its kernel rows; EPX_DEEPEP_ARGS: more arguments for the
@@ -280,7 +281,7 @@ batch_ab() {
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
   local round side bin
-  for round in 1 2; do
+  for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
     for side in "$rev" head; do
       bin="$B/bench/epx_ll_gpu_bench"
       [ "$side" = head ] || bin="$dir/bench/epx_ll_gpu_bench"
@@ -294,7 +295,7 @@ batch_ab() {
   # DeepEP's own harness through each tree's drop-in (the kernel rows engines compare), the two
   # trees alternately.
   local root
-  for round in 1 2; do
+  for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
     for side in "$rev" head; do
       root=$(pwd)
       [ "$side" = head ] || root=$(cd "$dir.src" && pwd)

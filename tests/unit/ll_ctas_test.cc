@@ -62,5 +62,34 @@ TEST(LlCtas, SharedGpuAdmissionIsCoResidency) {
         }
 }
 
+// The plain combine's token slices (kernels/ll/ll_layout.cuh ll_combine_slices): at T <= C / 2 a
+// token's nv output vectors go to P CTAs; the T * P CTAs fit in C, the P slices a CTA computes
+// from its index tile [0, nv) exactly, and each keeps kLlCombineSliceVectors vectors; above C / 2,
+// or where a row is narrower than two slices, one CTA per token (P = 1).
+TEST(LlCtas, CombineSlicesTileEachTokensVectors) {
+  for (int C = 1; C <= kLlMaxCtas; ++C)
+    for (int64_t T = 0; T <= C + 1; ++T)
+      for (const int64_t nv : {16, 255, 256, 896, 2064}) {
+        const int P = ll_combine_slices(T, C, nv);
+        ASSERT_GE(P, 1) << "C " << C << " T " << T << " nv " << nv;
+        if (T == 0 || 2 * T > C || nv < 2 * kLlCombineSliceVectors) {
+          ASSERT_EQ(P, 1) << "C " << C << " T " << T << " nv " << nv;
+          continue;
+        }
+        ASSERT_LE(T * P, C) << "C " << C << " T " << T << " nv " << nv;
+        ASSERT_TRUE(P == C / T || P == nv / kLlCombineSliceVectors)
+            << "C " << C << " T " << T << " nv " << nv << " P " << P;
+        int64_t next = 0;  // the slices as the kernel computes them, in order
+        for (int s = 0; s < P; ++s) {
+          const int64_t begin = static_cast<int>(nv) * s / P;
+          const int64_t end = static_cast<int>(nv) * (s + 1) / P;
+          ASSERT_EQ(begin, next) << "C " << C << " T " << T << " nv " << nv << " slice " << s;
+          ASSERT_GE(end - begin, kLlCombineSliceVectors) << "C " << C << " T " << T << " nv " << nv;
+          next = end;
+        }
+        ASSERT_EQ(next, nv) << "C " << C << " T " << T << " nv " << nv;
+      }
+}
+
 }  // namespace
 }  // namespace epx::detail

@@ -23,7 +23,9 @@
 //   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
 //   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.
 // receive half (kLlPhaseRecv: the hook, or the second half without one), the source:
-//   Tokens in C contiguous chunks. A CTA with tokens:
+//   Tokens in C contiguous chunks of whole rows; at T <= C / 2 (not use_logfmt), P CTAs per
+//   token, each reducing one slice of its output vectors (ll_combine_slices; steps 4-6 are then
+//   the same in the token's P CTAs). A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
 //   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt or
 //      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0
@@ -504,9 +506,17 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
   const int me = p.rank, q = p.slot;
   const int64_t H = g.hidden, RT = g.rows_per_expert, T = p.num_tokens;
-  const int64_t chunk = (T + gridDim.x - 1) / gridDim.x;
-  const int64_t t_begin = min(static_cast<int64_t>(blockIdx.x) * chunk, T);
+  const int64_t nv = H / 8;
+  // Tokens [t_begin, t_end) of this CTA, their vectors [v_begin, v_begin + v_count): whole rows,
+  // or at small T one slice of one token (ll_combine_slices; the logfmt form keeps whole rows).
+  const int P = kLogfmt ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
+  const int64_t chunk = P > 1 ? 1 : (T + gridDim.x - 1) / gridDim.x;
+  const int cta = static_cast<int>(blockIdx.x), slice = P > 1 ? cta % P : 0;  // 32-bit divisions
+  const int64_t t_begin = min(static_cast<int64_t>(P > 1 ? cta / P : cta) * chunk, T);
   const int64_t t_end = min(t_begin + chunk, T);
+  const int v_begin = P > 1 ? static_cast<int>(nv) * slice / P : 0;
+  const int v_count =
+      P > 1 ? static_cast<int>(nv) * (slice + 1) / P - v_begin : static_cast<int>(nv);
   auto id_at = [&](int64_t t, int k) {
     return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
   };
@@ -621,7 +631,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     EPX_LL_STAMP(p, 1, kTrCPrefix);
     if (!s_ok) return false;
 
-    const int64_t nv = H / 8;
     for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
       const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
       // 6. Ids and weights (the first group's already loaded), then rows token by
@@ -682,9 +691,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
         ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
         // (it ends with a barrier, as the loop below)
       } else {
-        // Output vector (tl, v), tl * nv + v = threadIdx.x + j * blockDim.x: advanced without a
-        // division per vector (a 32-bit one when v wraps).
-        const int nvi = static_cast<int>(nv);
+        // Output vector (tl, v_begin + v), tl * v_count + v = threadIdx.x + j * blockDim.x:
+        // advanced without a division per vector (a 32-bit one when v wraps).
+        const int nvi = v_count;
         // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
         int tl = static_cast<int>(threadIdx.x) / nvi;
         if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
@@ -692,15 +701,18 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
           const uintptr_t* src = s_src + tl * K;
           float acc[8];
           ll_reduce8<kLlLoadBatch>(
-              K, src, s_w + tl * K, [&](int k) { return ll_ld_expert_row8(src[k], v); },
+              K, src, s_w + tl * K,
+              [&](int k) { return ll_ld_expert_row8(src[k], v_begin + v); },
               [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
           if constexpr (kF32Out) {
-            auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride + 8 * v);
+            auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride +
+                                                8 * (v_begin + v));
             o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
           } else if (p.out) {
             const uint4 packed = f32_to_bf16_vec<uint4>(acc);
-            ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * v, packed, p.out_vec16 != 0);
+            ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * (v_begin + v), packed,
+                   p.out_vec16 != 0);
           }
           v += blockDim.x;
           if (v >= nvi) {

@@ -82,8 +82,25 @@ inline constexpr int kLlIdBatch = 8;    // ids of a routing row loaded together
 inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K kept in registers
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
 inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded together per thread
+// Combine at T <= C / 2: each token's output vectors split over P CTAs (ll_combine_slices), each
+// slice at least this many 16-byte vectors.
+inline constexpr int kLlCombineSliceVectors = 128;
 inline constexpr int kLlUnitGroup = 4;       // dispatch receive: units a CTA takes at once
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
+// The plain and overlapped combine's CTAs per token (P): 1 while T > C / 2 (CTA b reduces tokens
+// [b * ceil(T / C), ...), whole rows); below, CTA b reduces slice b % P of token b / P's nv output
+// vectors ([nv * (b % P) / P, nv * (b % P + 1) / P)), P = C / T capped so a slice keeps
+// kLlCombineSliceVectors vectors: a token's K rows are pulled by P SMs instead of one, in one
+// round of loads per thread (docs/design.md §7.3). Each vector is still reduced by one thread in
+// the same order, so the output bits do not depend on P.
+EPX_LL_HD int ll_combine_slices(int64_t num_tokens, int ctas, int64_t nv) {
+  if (num_tokens <= 0 || 2 * num_tokens > ctas) return 1;
+  const int by_ctas = ctas / static_cast<int>(num_tokens);  // 32-bit: T <= C / 2 here
+  const int64_t by_width = nv / kLlCombineSliceVectors;
+  const int p = by_width < by_ctas ? static_cast<int>(by_width) : by_ctas;
+  return p > 1 ? p : 1;
+}
+
 // Which halves one launch of epx::ll::dispatch / epx::ll::combine runs (LlDispatchParams::phases,
 // LlCombineParams::phases): both without a hook; with one, the call runs the send and the hook
 // the receive — the same kernel, so profilers show one name per op.
