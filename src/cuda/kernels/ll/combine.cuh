@@ -23,9 +23,9 @@
 //   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
 //   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.
 // receive half (kLlPhaseRecv: the hook, or the second half without one), the source:
-//   Tokens in C contiguous chunks of whole rows; at T <= C / 2 (not use_logfmt), P CTAs per
-//   token, each reducing one slice of its output vectors (ll_combine_slices; steps 4-6 are then
-//   the same in the token's P CTAs). A CTA with tokens:
+//   Tokens in C contiguous chunks of whole rows; at T <= C / 2 (not use_logfmt, not
+//   enable_shrink), P CTAs per token, each reducing one slice of its output vectors
+//   (ll_combine_slices; steps 4-6 are then the same in the token's P CTAs). A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
 //   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt or
 //      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0
@@ -508,8 +508,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   const int64_t H = g.hidden, RT = g.rows_per_expert, T = p.num_tokens;
   const int64_t nv = H / 8;
   // Tokens [t_begin, t_end) of this CTA, their vectors [v_begin, v_begin + v_count): whole rows,
-  // or at small T one slice of one token (ll_combine_slices; the logfmt form keeps whole rows).
-  const int P = kLogfmt ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
+  // or at small T one slice of one token (ll_combine_slices). Whole rows in the logfmt form, and
+  // with enable_shrink: each CTA reads the mask after its own waits, so a token's P CTAs could
+  // see different masks and one output row mix the two (one CTA per token needs no agreement).
+  const int P = kLogfmt || symm.shrink ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
   const int64_t chunk = P > 1 ? 1 : (T + gridDim.x - 1) / gridDim.x;
   const int cta = static_cast<int>(blockIdx.x), slice = P > 1 ? cta % P : 0;  // 32-bit divisions
   const int64_t t_begin = min(static_cast<int64_t>(P > 1 ? cta / P : cta) * chunk, T);

@@ -87,12 +87,12 @@ inline constexpr int kLlLoadBatch = 8;      // combine: expert rows loaded toget
 inline constexpr int kLlCombineSliceVectors = 128;
 inline constexpr int kLlUnitGroup = 4;       // dispatch receive: units a CTA takes at once
 inline constexpr int kLlCopyBatch = 8;      // row copies: 16-byte loads in flight per thread
-// The plain and overlapped combine's CTAs per token (P): 1 while T > C / 2 (CTA b reduces tokens
-// [b * ceil(T / C), ...), whole rows); below, CTA b reduces slice b % P of token b / P's nv output
-// vectors ([nv * (b % P) / P, nv * (b % P + 1) / P)), P = C / T capped so a slice keeps
-// kLlCombineSliceVectors vectors: a token's K rows are pulled by P SMs instead of one, in one
-// round of loads per thread (docs/design.md §7.3). Each vector is still reduced by one thread in
-// the same order, so the output bits do not depend on P.
+// The plain and overlapped combine's CTAs per token (P; 1 with enable_shrink, combine.cuh): 1
+// while T > C / 2 (CTA b reduces tokens [b * ceil(T / C), ...), whole rows); below, CTA b reduces
+// slice b % P of token b / P's nv output vectors ([nv * (b % P) / P, nv * (b % P + 1) / P)), P =
+// C / T capped so a slice keeps kLlCombineSliceVectors vectors: a token's K rows are pulled by P
+// SMs instead of one, in one round of loads per thread (docs/design.md §7.3). Each vector is still
+// reduced by one thread in the same order, so the output bits do not depend on P.
 EPX_LL_HD int ll_combine_slices(int64_t num_tokens, int ctas, int64_t nv) {
   if (num_tokens <= 0 || 2 * num_tokens > ctas) return 1;
   const int by_ctas = ctas / static_cast<int>(num_tokens);  // 32-bit: T <= C / 2 here
