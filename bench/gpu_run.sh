@@ -32,11 +32,11 @@
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
 #             and this tree's, alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
 #             visible GPUs, --tokens 128,1, E = $EPX_AB_EXPERTS, default 256): one labelled
-#             line per T; with
-#             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
-#             (the base's extension built in its tree, this tree's bench/peer_deepep.sh with
-#             EPX_REPO), alternately: its kernel rows; EPX_DEEPEP_ARGS: more arguments for the
-#             DeepEP scripts (ab, peer; e.g. "--num-tokens 32")
+#             line per T; with EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each
+#             tree's drop-in (the base's extension built in its tree, this tree's
+#             bench/peer_deepep.sh with EPX_REPO), alternately: its kernel rows;
+#             EPX_DEEPEP_ARGS: more arguments for the DeepEP scripts (ab, peer; e.g.
+#             "--num-tokens 32")
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own

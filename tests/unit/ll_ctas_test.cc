@@ -62,7 +62,7 @@ TEST(LlCtas, SharedGpuAdmissionIsCoResidency) {
         }
 }
 
-// The plain combine's token slices (kernels/ll/ll_layout.cuh ll_combine_slices): at T <= C / 2 a
+// The combine's token slices (kernels/ll/ll_layout.cuh ll_combine_slices): at T <= C / 2 a
 // token's nv output vectors go to P CTAs; the T * P CTAs fit in C, the P slices a CTA computes
 // from its index tile [0, nv) exactly, and each keeps kLlCombineSliceVectors vectors; above C / 2,
 // or where a row is narrower than two slices, one CTA per token (P = 1).
@@ -77,8 +77,8 @@ TEST(LlCtas, CombineSlicesTileEachTokensVectors) {
           continue;
         }
         ASSERT_LE(T * P, C) << "C " << C << " T " << T << " nv " << nv;
-        ASSERT_TRUE(P == C / T || P == nv / kLlCombineSliceVectors)
-            << "C " << C << " T " << T << " nv " << nv << " P " << P;
+        ASSERT_EQ(P, std::min<int64_t>(C / T, nv / kLlCombineSliceVectors))
+            << "C " << C << " T " << T << " nv " << nv;
         int64_t next = 0;  // the slices as the kernel computes them, in order
         for (int s = 0; s < P; ++s) {
           const int64_t begin = static_cast<int>(nv) * s / P;
