@@ -51,7 +51,8 @@
 #             rows, hooked rows, L2-flushed event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
-#             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T = 1, 128), the one-GPU proxy,
+#             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T in $EPX_TRACE_TOKENS,
+#             default 128,1; E = $EPX_TRACE_EXPERTS, default 256), the one-GPU proxy,
 #             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
 #             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
@@ -369,8 +370,8 @@ batch_trace() {
     --tokens 1 --sms 16
   step trace.ht_t4096 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
     --tokens 4096 --sms 16
-  step trace.ll 120 "^\[trace|^ +(1|128) " "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
-    --tokens 128,1 --iters 20
+  step trace.ll 120 "^\[trace|^ +[0-9]+ \|" "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
+    --tokens "${EPX_TRACE_TOKENS:-128,1}" --experts "${EPX_TRACE_EXPERTS:-256}" --iters 20
   step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" --trace \
     --sms 16
   if [ -x "$T/bench/epx_ll_overlap_bench" ]; then
