@@ -63,9 +63,10 @@ TEST(LlCtas, SharedGpuAdmissionIsCoResidency) {
 }
 
 // The combine's token slices (kernels/ll/ll_layout.cuh ll_combine_slices): at T <= C / 2 a
-// token's nv output vectors go to P CTAs; the T * P CTAs fit in C, the P slices a CTA computes
-// from its index tile [0, nv) exactly, and each keeps kLlCombineSliceVectors vectors; above C / 2,
-// or where a row is narrower than two slices, one CTA per token (P = 1).
+// token's nv output vectors go to P CTAs; the T * P CTAs fit in C, the P slices
+// (ll_combine_slice_begin, as the kernel takes them) tile [0, nv) exactly, and each keeps
+// kLlCombineSliceVectors vectors; above C / 2, or where a row is narrower than two slices, one
+// CTA per token (P = 1).
 TEST(LlCtas, CombineSlicesTileEachTokensVectors) {
   for (int C = 1; C <= kLlMaxCtas; ++C)
     for (int64_t T = 0; T <= C + 1; ++T)
@@ -81,8 +82,8 @@ TEST(LlCtas, CombineSlicesTileEachTokensVectors) {
             << "C " << C << " T " << T << " nv " << nv;
         int64_t next = 0;  // the slices as the kernel computes them, in order
         for (int s = 0; s < P; ++s) {
-          const int64_t begin = static_cast<int>(nv) * s / P;
-          const int64_t end = static_cast<int>(nv) * (s + 1) / P;
+          const int64_t begin = ll_combine_slice_begin(static_cast<int>(nv), s, P);
+          const int64_t end = ll_combine_slice_begin(static_cast<int>(nv), s + 1, P);
           ASSERT_EQ(begin, next) << "C " << C << " T " << T << " nv " << nv << " slice " << s;
           ASSERT_GE(end - begin, kLlCombineSliceVectors) << "C " << C << " T " << T << " nv " << nv;
           next = end;

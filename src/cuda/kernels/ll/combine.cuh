@@ -516,9 +516,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   const int cta = static_cast<int>(blockIdx.x), slice = P > 1 ? cta % P : 0;  // 32-bit divisions
   const int64_t t_begin = min(static_cast<int64_t>(P > 1 ? cta / P : cta) * chunk, T);
   const int64_t t_end = min(t_begin + chunk, T);
-  const int v_begin = P > 1 ? static_cast<int>(nv) * slice / P : 0;
-  const int v_count =
-      P > 1 ? static_cast<int>(nv) * (slice + 1) / P - v_begin : static_cast<int>(nv);
+  const int v_begin = P > 1 ? ll_combine_slice_begin(static_cast<int>(nv), slice, P) : 0;
+  const int v_count = P > 1 ? ll_combine_slice_begin(static_cast<int>(nv), slice + 1, P) - v_begin
+                            : static_cast<int>(nv);
   auto id_at = [&](int64_t t, int k) {
     return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
   };

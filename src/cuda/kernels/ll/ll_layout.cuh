@@ -100,6 +100,10 @@ EPX_LL_HD int ll_combine_slices(int64_t num_tokens, int ctas, int64_t nv) {
   const int p = by_width < by_ctas ? static_cast<int>(by_width) : by_ctas;
   return p > 1 ? p : 1;
 }
+// The first of slice `slice`'s vectors (of P slices of nv); slice P gives nv.
+EPX_LL_HD int ll_combine_slice_begin(int nv, int slice, int P) {
+  return nv * slice / P;
+}
 
 // Which halves one launch of epx::ll::dispatch / epx::ll::combine runs (LlDispatchParams::phases,
 // LlCombineParams::phases): both without a hook; with one, the call runs the send and the hook
