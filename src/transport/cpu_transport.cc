@@ -158,7 +158,11 @@ class CpuTransportBase : public Transport {
   }
 
   // wait_all's wait: returns the members p whose slots[p] had not reached `target` when
-  // `timeout` expired (0: none). Throws Internal when a peer aborted.
+  // `timeout` expired (0: none). Throws Internal when a peer aborted before every member arrived.
+  // An abort seen after the members' slots were read may be a later one: a peer that arrived,
+  // left and aborted its next step. The slots are read again after the acquire of aborted_by
+  // (which makes every arrival before that abort visible), so a wait that completed before the
+  // abort returns as completed.
   uint64_t wait_members(const char* what, const ArriveSlot* slots, uint64_t members,
                         uint64_t target, std::chrono::milliseconds timeout) {
     ControlBlock* c = control_;
@@ -174,6 +178,7 @@ class CpuTransportBase : public Transport {
       if (missing == 0) return 0;
       int32_t aborted = c->aborted_by.load(std::memory_order_acquire);
       if (aborted != 0) {
+        if (behind() == 0) return 0;
         throw_error(ErrorCode::kInternal,
                     cat(what, ": rank ", aborted - 1, " aborted the collective (",
                         std::string(c->abort_message, strnlen(c->abort_message, 511)), ")"));
