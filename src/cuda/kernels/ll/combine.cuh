@@ -19,6 +19,8 @@
 //      disagree on overlap raise InvalidArgument instead of timing out).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
 //      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
+//      When the receive half runs in the same launch, its last kMaxRanks threads issue these
+//      after the receive's first barrier (ll_combine_recv), so the fence holds no busy warp.
 //   overlap (LlCombineOverlap; docs/design.md §7.6): the send half is ll_combine_send_overlap
 //   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
 //   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.

@@ -44,7 +44,9 @@
 //   saw it reached to wait_stats[s] (atomicAdd; one wait per source per call: every unit waits
 //   for the same counters at about the same time, so CTA 0's wait stands for all of them).
 //   Every CTA then releases +1 into dispatch_freed[q][r] on every rank (its reads of the staging
-//   are done: the senders may overwrite it once all C did) and sets its epoch word to e.
+//   are done: the senders may overwrite it once all C did; a CTA with units from its last
+//   kMaxRanks threads right after its last copies, beside its layout writes) and sets its epoch
+//   word to e.
 // Rank mask (enable_shrink, common.cuh): the send skips the ranks this rank masks in steps 1-4
 // (no wait, nothing written, no signal), and a step-1 wait that times out masks its rank; the
 // receive neither waits for nor reads a masked source (0 tokens: layout_range count 0) and
