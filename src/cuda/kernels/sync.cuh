@@ -187,14 +187,15 @@ __device__ __forceinline__ bool rank_skipped(uint64_t skip_mask, int p) {
   return (skip_mask >> p) & 1u;
 }
 
-// Thread p < num_ranks (bit p of skip_mask clear) releases this CTA's earlier stores to rank p:
-// *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's stores
-// (cumulativity).
+// Thread first + p, p < num_ranks (bit p of skip_mask clear), releases this CTA's earlier stores
+// to rank p: *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's
+// stores (cumulativity). `first` > 0: threads that the work after the call leaves idle, so the
+// fence holds no warp that has work.
 template <typename CounterOf>
 __device__ __forceinline__ void signal_ranks(int num_ranks, uint64_t skip_mask,
-                                             CounterOf counter_of) {
-  const int p = threadIdx.x;
-  if (p < num_ranks && !rank_skipped(skip_mask, p)) {
+                                             CounterOf counter_of, int first = 0) {
+  const int p = static_cast<int>(threadIdx.x) - first;
+  if (p >= 0 && p < num_ranks && !rank_skipped(skip_mask, p)) {
     fence_acq_rel_sys();
     red_add_relaxed_sys(counter_of(p), 1u);
   }

@@ -19,6 +19,8 @@
 //      disagree on overlap raise InvalidArgument instead of timing out).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
 //      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
+//      When the receive half runs in the same launch, its last kMaxRanks threads issue these
+//      after the receive's first barrier (ll_combine_recv), so the fence holds no busy warp.
 //   overlap (LlCombineOverlap; docs/design.md §7.6): the send half is ll_combine_send_overlap
 //   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
 //   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.
@@ -157,9 +159,21 @@ __device__ __forceinline__ void ll_combine_publish_routed(const LlCombineParams&
   }
 }
 
-// Steps 1-3 (kMode: plain or LogFMT).
+// Step 3: threads first + d release +1 into combine_ready[q][r] of every rank d not in `masked`
+// (after a barrier that follows the send's stores).
+__device__ __forceinline__ void ll_combine_signal_ready(const LlCombineParams& p, uint64_t masked,
+                                                        int first) {
+  const LlLayout& g = p.symm.layout;
+  signal_ranks(
+      g.num_ranks, masked,
+      [&](int d) { return &g.sync(p.symm.peers[d])->combine_ready[p.slot][p.rank]; }, first);
+}
+
+// Steps 1-3 (kMode: plain or LogFMT); returns the mask the send used. `defer` (the receive half
+// runs in the same launch): step 3's releases are left to ll_combine_recv, which issues them from
+// warps its steps 4-5 leave idle, so their fence overlaps the receive's first steps.
 template <int kMode>
-__device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
+__device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool defer) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, me = p.rank, q = p.slot;
@@ -224,8 +238,10 @@ __device__ void ll_combine_send(const LlCombineParams& p, uint32_t e) {
   __syncthreads();
   if (blockIdx.x == 0) ll_combine_publish_routed(p, e);
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
-  signal_ranks(R, masked, [&](int d) { return &g.sync(symm.peers[d])->combine_ready[q][me]; });
+  if (defer) return masked;
+  ll_combine_signal_ready(p, masked, 0);
   EPX_LL_STAMP(p, 1, kTrCSignal);
+  return masked;
 }
 
 // ---- the overlapped send (LlCombineOverlap; docs/design.md §7.6) -----------------------------
@@ -488,8 +504,14 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
 
 // Steps 4-7 and the finish. False when a wait failed. kF32Out: step 7 stores the float32 sums
 // (out_f32) instead of rounding them (plain form only).
+// `deferred` (the send half ran in this launch and left step 3 to the receive): the last
+// kMaxRanks threads release it with `send_masked` after the receive's first barrier, so only
+// their warps wait for the fence: in steps 4-5 warp 0 reads ranges and waits, and thread 32 + i
+// counts the chunk's earlier tokens i, i + 480, ... and loads the first group's ids, which leaves
+// warps 14-15 idle while the chunk starts at token <= 416.
 template <int kMode, bool kF32Out>
-__device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
+__device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool deferred,
+                                uint64_t send_masked) {
   constexpr bool kLogfmt = kMode == kLlCombineLogfmt;
   constexpr int kSlots = kLlCombineTokens * kLlMaxTopK;
   __shared__ int32_t s_cnt[kLlMaxExperts];      // tokens so far per expert (step 4, 6)
@@ -527,10 +549,16 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
   const uint64_t masked0 = ll_masked_uniform(symm);
   if (threadIdx.x == 0) s_masked = masked0;  // CTAs without tokens: read at the finish
 
+  auto signal_deferred = [&]() {
+    if (!deferred) return;
+    ll_combine_signal_ready(p, send_masked, static_cast<int>(blockDim.x) - kMaxRanks);
+    EPX_LL_STAMP(p, 1, kTrCSignal);  // (thread 0: when the last warps issued it)
+  };
   if (t_begin < t_end) {
     // 4. The counts of the tokens before the chunk, per expert.
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
     __syncthreads();
+    signal_deferred();
     auto count_before = [&](int64_t first, int64_t stride) {
       for (int64_t t = first; t < t_begin; t += stride) {
         if (K <= kLlPrefixTopK) {
@@ -728,7 +756,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e) {
     }
     EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
     EPX_LL_STAMP(p, 1, kTrCPull);
-  } else if (blockIdx.x == 0) {
+  } else {
+    signal_deferred();
+  }
+  if (t_begin >= t_end && blockIdx.x == 0) {
     // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
     if (threadIdx.x < 32) {
       const bool ok = ll_combine_wait_ready<kMode>(p, e, nullptr, masked0);
@@ -775,16 +806,19 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
   pdl_begin(p.pdl);
   const uint32_t e = ll_combine_epoch(p);
   if constexpr (kMode == kLlCombineLogfmt) ll_logfmt_load_table();
+  bool deferred = false;  // step 3 left to the receive half (ll_combine_send)
+  uint64_t send_masked = 0;
   if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 1, kTrCEntry);
     if constexpr (kMode == kLlCombineOverlap) {
       ll_combine_send_overlap(p, e);
     } else {
-      ll_combine_send<kMode>(p, e);
+      deferred = (p.phases & kLlPhaseRecv) != 0;
+      send_masked = ll_combine_send<kMode>(p, e, deferred);
     }
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
-  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out>(p, e);
+  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out>(p, e, deferred, send_masked);
 }
 
 }  // namespace epx::ll

@@ -44,7 +44,9 @@
 //   saw it reached to wait_stats[s] (atomicAdd; one wait per source per call: every unit waits
 //   for the same counters at about the same time, so CTA 0's wait stands for all of them).
 //   Every CTA then releases +1 into dispatch_freed[q][r] on every rank (its reads of the staging
-//   are done: the senders may overwrite it once all C did) and sets its epoch word to e.
+//   are done: the senders may overwrite it once all C did; a CTA with units from its last
+//   kMaxRanks threads right after its last copies, beside its layout writes) and sets its epoch
+//   word to e.
 // Rank mask (enable_shrink, common.cuh): the send skips the ranks this rank masks in steps 1-4
 // (no wait, nothing written, no signal), and a step-1 wait that times out masks its rank; the
 // receive neither waits for nor reads a masked source (0 tokens: layout_range count 0) and
@@ -528,6 +530,20 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
   return srcs.slot == 0 || *t < tokens ? sel : 0;
 }
 
+// The receive's freed releases (pairs with step 1 of the send): threads first + d tell every rank
+// d not masked that this CTA's reads of the staging of slot q are done (+1 into
+// dispatch_freed[q][r] there). Block-wide (the mask read is a barrier when kShrink; without it the
+// caller's barrier after the CTA's last reads comes first): the fence covers those reads.
+template <bool kShrink>
+__device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams& p, int first) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const uint64_t masked = ll_masked_uniform<kShrink>(symm);
+  signal_ranks(
+      g.num_ranks, masked,
+      [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[p.slot][p.rank]; }, first);
+}
+
 // The receive's units, one pass over the sources: a CTA takes its units in groups of up to
 // kLlUnitGroup (units u, u + C, ...: more than one only when L > C, e.g. R = 1, E = 288 on 128
 // CTAs, and then S = 1), compacts the concatenated list for all of them at once, 512 entries at a
@@ -537,7 +553,10 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
 // first). layout_range comes from per-source counts (shared-memory adds: counts, never order).
 // `stats0`: thread i's stats element of unit i of the CTA's first group, read before the wait
 // (ll_dispatch_stats0), so the group's read-modify-write of stats waits for no load.
-template <int kQuant>
+// After the last group's copies the freed releases go out from the last kMaxRanks threads
+// (ll_dispatch_release_freed) while threads < n write the group's layout: the releases' fence
+// waits for the CTA's row stores, which the layout writes need not wait for.
+template <int kQuant, bool kShrink>
 __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
                                                int32_t stats0) {
   __shared__ LlRecvList list;
@@ -603,6 +622,8 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
         start = stop;
       }
     }
+    if (u0 + kLlUnitGroup * C >= units)  // the CTA's last group: its staging reads are done
+      ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
     if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
       // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
       const int i = threadIdx.x, li = (u0 + i * C) / S;
@@ -622,20 +643,17 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
 }
 
-// Receive finish, every CTA: tells every rank it does not mask that this CTA's reads of the
-// staging of slot q are done (+1 into dispatch_freed[q][r] there; pairs with step 1 of the send),
-// and advances its epoch word.
+// Receive finish, every CTA: a CTA without units releases its freed flags here (one with units
+// did after its copies), and every CTA advances its epoch word.
 template <bool kShrink>
-__device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e) {
+__device__ __forceinline__ void ll_dispatch_finish(const LlDispatchParams& p, uint32_t e,
+                                                   bool released) {
   const LlSymm& symm = p.symm;
-  const LlLayout& g = symm.layout;
-  const int R = g.num_ranks, me = p.rank, q = p.slot;
-  auto freed = [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[q][me]; };
-  // (a barrier: the CTA's reads are done, so the fence below covers them: cumulativity)
-  const uint64_t masked = ll_masked_uniform<kShrink>(symm);
-  __syncthreads();
-  signal_ranks(R, masked, freed);
-  if (threadIdx.x == 0) g.state(symm.local)->dispatch_epoch[q][blockIdx.x] = e;
+  if (!released) {
+    __syncthreads();  // (nothing read, but every CTA releases once per dispatch)
+    ll_dispatch_release_freed<kShrink>(p, 0);
+  }
+  if (threadIdx.x == 0) symm.layout.state(symm.local)->dispatch_epoch[p.slot][blockIdx.x] = e;
   EPX_LL_STAMP(p, 0, kTrDExit);
 }
 
@@ -731,11 +749,11 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       srcs.first = s_first;
       srcs.total = s_first[R];
     }
-    ll_dispatch_recv_units_onepass<kQuant>(p, srcs, stats0);
+    ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 
-  ll_dispatch_finish<kShrink>(p, e);
+  ll_dispatch_finish<kShrink>(p, e, static_cast<int>(blockIdx.x) < units);
   return true;
 }
 
