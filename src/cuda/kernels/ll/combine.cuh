@@ -758,15 +758,15 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     EPX_LL_STAMP(p, 1, kTrCPull);
   } else {
     signal_deferred();
-  }
-  if (t_begin >= t_end && blockIdx.x == 0) {
-    // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
-    if (threadIdx.x < 32) {
-      const bool ok = ll_combine_wait_ready<kMode>(p, e, nullptr, masked0);
-      if (threadIdx.x == 0) s_ok = ok;
+    if (blockIdx.x == 0) {
+      // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
+      if (threadIdx.x < 32) {
+        const bool ok = ll_combine_wait_ready<kMode>(p, e, nullptr, masked0);
+        if (threadIdx.x == 0) s_ok = ok;
+      }
+      __syncthreads();
+      if (!s_ok) return false;
     }
-    __syncthreads();
-    if (!s_ok) return false;
   }
 
   // Finish (see the file comment): pairs with the same code on every peer, the ranks this CTA
