@@ -61,6 +61,14 @@
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
 #             rows, the receive's list and copy, its copy, the combine's pulls; cuda/tuning.h)
 #             and with each candidate variant (outputs exact: the bench's check runs under it)
+#   ncu       Nsight Compute's warp-state sampling of the ll kernels (skipped without ncu):
+#             epx_ll_gpu_bench --ranks 1 at T in $EPX_NCU_TOKENS (default "128 1"), E =
+#             $EPX_AB_EXPERTS (default 256), one dispatch and one combine launch profiled
+#             (WarpStateStats, SourceCounters, sampling every 32 cycles, --cache-control none, ncu's
+#             locked base clocks); each report's SASS listing as CSV (ncu_ll_tT.csv; the build has
+#             -lineinfo, so the .ncu-rep also maps them to source lines) and one table of the stall
+#             reasons' shares with the top instructions (bench/ncu_stalls.py; docs/perf.md §5
+#             item 32)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -391,6 +399,28 @@ batch_ablate() {
     --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
 }
 
+batch_ncu() {
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  if [ ! -x "$ncu" ]; then
+    skip ncu "Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin"
+    return 0
+  fi
+  local t rep csvs=()
+  for t in ${EPX_NCU_TOKENS:-128 1}; do
+    rep="$OUT/ncu_ll_t$t"
+    step "ncu.ll_t$t" 240 "" "$ncu" -k regex:'^(dispatch|combine)' --launch-skip 8 \
+      --launch-count 2 --cache-control none --section WarpStateStats --section SourceCounters \
+      --warp-sampling-interval 0 -f -o "$rep" "$B/bench/epx_ll_gpu_bench" --ranks 1 \
+      --experts "${EPX_AB_EXPERTS:-256}" --tokens "$t" --iters 5 || continue
+    # shellcheck disable=SC2016  # expanded by the inner shell
+    step "ncu.ll_t$t.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
+      --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
+  done
+  [ ${#csvs[@]} -gt 0 ] || return 1
+  step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12
+}
+
 batch_overhead() {
   local rows="^T=|^\||skipped"
   step overhead.cuda_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
@@ -413,7 +443,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | ablate)
+      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | ablate | ncu)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else

@@ -1,0 +1,78 @@
+"""bench/ncu_stalls.py (the table of `bench/gpu_run.sh ncu`): per kernel the share of each stall
+reason in its warp samples, a listing ncu repeats counted once, the top instructions in address
+order with their largest reasons."""
+
+import csv
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "ncu_stalls.py")
+REASONS = ["barrier", "wait", "long_sb", "short_sb", "imc", "no_inst", "membar", "selected",
+           "math"]
+
+
+def kernel_rows(name, instrs):
+    """The rows of one kernel in ncu's `--page source --print-source sass --csv` layout; instrs:
+    [(sass, {reason: samples})]."""
+    hdr = (["Address", "Source", "Warp Stall Sampling (All Samples)",
+            "Warp Stall Sampling (Not-issued Samples)", "# Samples"]
+           + ["stall_" + r for r in REASONS] + ["stall_" + r + " (Not Issued)" for r in REASONS])
+    rows = [["Kernel Name", name], hdr]
+    for i, (sass, per) in enumerate(instrs):
+        total = sum(per.values())
+        rows.append([hex(0x7F0000 + 16 * i), sass, str(total), "0", str(total)]
+                    + [str(per.get(r, 0)) for r in REASONS] + ["0"] * len(REASONS))
+    return rows
+
+
+def run(tmp_path, rows, *args):
+    p = tmp_path / "k.csv"
+    with open(p, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    r = subprocess.run([sys.executable, SCRIPT, str(p)] + list(args), capture_output=True,
+                       text=True, timeout=60)
+    return p, r
+
+
+def test_shares_top_and_repeats(tmp_path):
+    disp = kernel_rows("void epx::ll::dispatch<(int)1, (bool)0>(epx::detail::LlDispatchParams)", [
+        ("LDC R1, c[0x0][0x28]", {"no_inst": 10}),
+        ("ULDC.64 UR14, c[0x0][0x2b0]", {"imc": 30, "no_inst": 2}),
+        ("B2R.RESULT RZ, P0", {"barrier": 50, "wait": 3}),
+        ("ERRBAR", {"membar": 5}),
+    ])
+    comb = kernel_rows("void epx::ll::combine<(int)0, (bool)0>(epx::detail::LlCombineParams)", [
+        ("IMAD.U32 R18, R48, 0x10000, RZ", {"long_sb": 60, "math": 20}),
+        ("UMOV UR5, 0x400", {"barrier": 20}),
+    ])
+    p, r = run(tmp_path, disp + comb + disp, "--top", "2")  # the dispatch listed twice
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0].startswith("| file | kernel | samples | barrier | wait | long scoreboard |")
+    table = [ln for ln in out if ln.startswith(f"| {p} |")]
+    assert table == [
+        f"| {p} | epx::ll::dispatch<(int)1, (bool)0> | 100 | 50.0 | 3.0 | 0.0 | 0.0 | 30.0 | "
+        "12.0 | 5.0 | 0.0 | 0.0 |",
+        f"| {p} | epx::ll::combine<(int)0, (bool)0> | 100 | 20.0 | 0.0 | 60.0 | 0.0 | 0.0 | 0.0 | "
+        "0.0 | 0.0 | 20.0 |",
+    ], r.stdout
+    # The dispatch's two largest instructions, in address order, with their reasons.
+    i = out.index(f"{p}: epx::ll::dispatch<(int)1, (bool)0>, the 2 instructions with the most "
+                  "samples")
+    assert out[i + 1].split()[:3] == ["1", "32", "ULDC.64"]
+    assert out[i + 1].endswith("imc 30, no_inst 2")
+    assert out[i + 2].split()[:3] == ["2", "53", "B2R.RESULT"]
+    assert out[i + 2].endswith("barrier 50, wait 3")
+    assert sum(ln.startswith(f"{p}: ") for ln in out) == 2
+
+
+def test_kernel_filter_and_no_samples(tmp_path):
+    comb = kernel_rows("void epx::ll::combine<(int)0, (bool)0>(x)", [("EXIT", {"selected": 4})])
+    _, r = run(tmp_path, comb, "--kernel", "dispatch")
+    assert r.returncode == 1
+    assert "no kernel with warp samples" in r.stderr
+    _, r = run(tmp_path, comb, "--kernel", "combine")
+    assert r.returncode == 0, r.stderr
+    assert "| 4 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 100.0 | 0.0 |" in r.stdout
