@@ -65,10 +65,10 @@
 #             epx_ll_gpu_bench --ranks 1 at T in $EPX_NCU_TOKENS (default "128 1"), E =
 #             $EPX_AB_EXPERTS (default 256), one dispatch and one combine launch profiled
 #             (WarpStateStats, SourceCounters, sampling every 32 cycles, --cache-control none, ncu's
-#             locked base clocks); each report's SASS listing as CSV (ncu_ll_tT.csv; the build has
-#             -lineinfo, so the .ncu-rep also maps them to source lines) and one table of the stall
-#             reasons' shares with the top instructions (bench/ncu_stalls.py; docs/perf.md §5
-#             item 32)
+#             locked base clocks); each report's SASS listing as CSV (ncu_ll_tT.csv), the kernels'
+#             disassembly with source lines (ncu_ll.disasm: the build has -lineinfo) and one table
+#             of the stall reasons' shares with the top instructions and source lines
+#             (bench/ncu_stalls.py; docs/perf.md §5 item 32)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -406,6 +406,18 @@ batch_ncu() {
     skip ncu "Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin"
     return 0
   fi
+  # The ll kernels' disassembly with source lines (the build has -lineinfo), for the table's
+  # --lines: every cubin of the benchmark, the functions epx::ll::dispatch / combine kept.
+  local cu tmp lines=()
+  cu=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  step ncu.disasm 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&
+    for c in *.cubin; do "$2/nvdisasm" -gi -c "$c"; done |
+    awk "/^[[:space:]]*\\.text\\./ { keep = /ll8dispatch|ll7combine/ } keep" > "$4" && [ -s "$4" ]' \
+    _ "$tmp" "$cu" "$(realpath "$B/bench/epx_ll_gpu_bench")" "$OUT/ncu_ll.disasm" &&
+    lines=(--lines "$OUT/ncu_ll.disasm")
+  rm -rf "$tmp"
   local t rep csvs=()
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     rep="$OUT/ncu_ll_t$t"
@@ -418,7 +430,7 @@ batch_ncu() {
       --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
   done
   [ ${#csvs[@]} -gt 0 ] || return 1
-  step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12
+  step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
 }
 
 batch_overhead() {

@@ -4,7 +4,7 @@ ncu`; docs/perf.md §5 item 32).
 
     ncu --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o R ...
     ncu --import R.ncu-rep --page source --print-source sass --csv > R.csv
-    python3 bench/ncu_stalls.py R.csv [R2.csv ...] [--top N] [--kernel REGEX]
+    python3 bench/ncu_stalls.py R.csv [R2.csv ...] [--top N] [--kernel REGEX] [--lines D.txt]
 
 Per kernel of each CSV (its "Kernel Name" rows start a kernel's instructions; a listing repeated
 with the same samples, as ncu 2025.3 exports one per profiled launch, is shown once): one row with
@@ -12,6 +12,11 @@ the share of every stall reason in all the kernel's warp samples (barrier, wait,
 scoreboard, constant-cache miss "imc", no instruction, membar, the rest as "other"), then the N
 instructions with the most samples (index, SASS, samples, their three largest reasons). A sample is
 one warp seen at one instruction, so a reason's share is the share of warp time it took.
+
+--lines: `nvdisasm -gi -c` of the profiled binary's cubins (the build has -lineinfo): each kernel
+is matched to its function there by its instructions, its top instructions get their source line
+(innermost, and the outermost call site after "<-"), and the N source lines with the most samples
+are listed as well.
 """
 import argparse
 import csv
@@ -50,6 +55,54 @@ def as_int(text):
         return 0
 
 
+FUNC = re.compile(r"^\s*\.text\.(\S+):\s*$")
+LOC = re.compile(r'//## File "([^"]+)", line (\d+)')
+INSTR = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def parse_disasm(path):
+    """{function: [(opcode, innermost "file:line", outermost "file:line")]} of `nvdisasm -gi`."""
+    funcs, cur, block, fresh = {}, None, [], False
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = FUNC.match(line)
+            if m:
+                name, k = m.group(1), 1
+                while name in funcs:  # the same function in another cubin: its own entry
+                    name, k = f"{m.group(1)}#{k}", k + 1
+                cur = funcs[name] = []
+                block, fresh = [], False
+                continue
+            m = LOC.search(line)
+            if m:
+                loc = f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}"
+                block = [loc] if not fresh else block + [loc]
+                fresh = True
+                continue
+            m = INSTR.search(line)
+            if m and cur is not None:
+                fresh = False
+                cur.append((m.group(2), block[0] if block else "?", block[-1] if block else "?"))
+    return funcs
+
+
+def opcode(sass):
+    """The opcode of ncu's SASS text (`@!P0  BRA 0x...` -> `BRA`)."""
+    parts = sass.split()
+    while parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return parts[0] if parts else ""
+
+
+def match_function(rows, funcs):
+    """The disassembled function whose instructions are the kernel's (count and opcodes), or None."""
+    ops = [opcode(r.get("Source", "")) for r in rows]
+    for name, instrs in funcs.items():
+        if len(instrs) == len(ops) and all(a == b[0] for a, b in zip(ops, instrs)):
+            return instrs
+    return None
+
+
 def reasons(row):
     """{reason: samples} of one instruction (the all-samples columns `stall_*`)."""
     return {k[6:]: as_int(v) for k, v in row.items()
@@ -71,11 +124,14 @@ def short_name(kernel):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--top", type=int, default=12, help="instructions listed per kernel")
     ap.add_argument("--kernel", default="", help="only kernels whose name matches this regex")
+    ap.add_argument("--lines", default="", help="nvdisasm -gi -c output of the profiled cubins")
     a = ap.parse_args(argv)
+    funcs = parse_disasm(a.lines) if a.lines else {}
     heads = [TITLES.get(s, s) for s in SHOWN] + ["other"]
     print("| file | kernel | samples | " + " | ".join(heads) + " |")
     print("|---|---|---|" + "---|" * len(heads))
@@ -102,14 +158,29 @@ def main(argv=None):
               "collected?)", file=sys.stderr)
         return 1
     for path, kernel, rows in tops:
+        src = match_function(rows, funcs) if funcs else None
+        if funcs and src is None:
+            print(f"\n{path}: {short_name(kernel)}: no function of {a.lines} has its instructions")
         print(f"\n{path}: {short_name(kernel)}, the {a.top} instructions with the most samples")
         order = sorted(range(len(rows)), key=lambda i: -as_int(rows[i].get(SAMPLES)))[:a.top]
         for i in sorted(order):
             r = rows[i]
             top3 = Counter(reasons(r)).most_common(3)
             why = ", ".join(f"{k} {v}" for k, v in top3 if v)
+            where = f"  {src[i][1]} <- {src[i][2]}" if src else ""
             print(f"  {i:5d}  {as_int(r.get(SAMPLES)):6d}  {r.get('Source', '').strip()[:64]:64s}"
-                  f"  {why}")
+                  f"  {why}{where}")
+        if src:
+            per_line, per_why = Counter(), {}
+            for r, (_, inner, outer) in zip(rows, src):
+                n = as_int(r.get(SAMPLES))
+                per_line[(inner, outer)] += n
+                per_why.setdefault((inner, outer), Counter()).update(reasons(r))
+            total = sum(per_line.values()) or 1
+            print(f"{path}: {short_name(kernel)}, the {a.top} source lines with the most samples")
+            for (inner, outer), n in per_line.most_common(a.top):
+                why = ", ".join(f"{k} {v}" for k, v in per_why[(inner, outer)].most_common(2) if v)
+                print(f"  {100.0 * n / total:5.1f} %  {inner} <- {outer}  {why}")
     return 0
 
 

@@ -76,3 +76,53 @@ def test_kernel_filter_and_no_samples(tmp_path):
     _, r = run(tmp_path, comb, "--kernel", "combine")
     assert r.returncode == 0, r.stderr
     assert "| 4 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 100.0 | 0.0 |" in r.stdout
+
+
+def test_source_lines_from_nvdisasm(tmp_path):
+    instrs = [
+        ("LDC R1, c[0x0][0x28]", {"no_inst": 10}),
+        ("ULDC.64 UR14, c[0x0][0x2b0]", {"imc": 30}),
+        ("@!P0  BRA 0x7f0040", {"barrier": 40}),
+        ("B2R.RESULT RZ, P0", {"barrier": 50, "wait": 3}),
+    ]
+    rows = kernel_rows("void epx::ll::dispatch<(int)1, (bool)0>(x)", instrs)
+    # nvdisasm -gi -c: a function's section label, frames innermost first (the last one the call
+    # site), then the instructions they cover; another function that must not match.
+    disasm = tmp_path / "ll.disasm"
+    disasm.write_text("\n".join([
+        "\t.section\t.text._ZN3epx2ll7combineE,\"ax\",@progbits",
+        ".text._ZN3epx2ll7combineE:",
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        ".text._ZN3epx2ll8dispatchE:",
+        '\t//## File "/src/cuda/kernels/sync.cuh", line 90 inlined at '
+        '"/src/cuda/kernels/ll/dispatch.cuh", line 780',
+        '\t//## File "/src/cuda/kernels/ll/dispatch.cuh", line 780',
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        "        /*0010*/                   ULDC.64 UR14, c[0x0][0x2b0] ;",
+        ".L_x_12:",
+        '\t//## File "/src/cuda/kernels/sync.cuh", line 230 inlined at '
+        '"/src/cuda/kernels/ll/dispatch.cuh", line 700',
+        '\t//## File "/src/cuda/kernels/ll/dispatch.cuh", line 700',
+        "        /*0020*/              @!P0 BRA `(.L_x_13) ;",
+        "        /*0030*/                   B2R.RESULT RZ, P0 ;",
+    ]) + "\n")
+    p, r = run(tmp_path, rows, "--top", "2", "--lines", str(disasm))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    i = out.index(f"{p}: epx::ll::dispatch<(int)1, (bool)0>, the 2 instructions with the most "
+                  "samples")
+    assert out[i + 1].split()[:3] == ["2", "40", "@!P0"]
+    assert out[i + 1].endswith("barrier 40  sync.cuh:230 <- dispatch.cuh:700")
+    assert out[i + 2].endswith("barrier 50, wait 3  sync.cuh:230 <- dispatch.cuh:700")
+    j = out.index(f"{p}: epx::ll::dispatch<(int)1, (bool)0>, the 2 source lines with the most "
+                  "samples")
+    assert out[j + 1].split() == ["69.9", "%", "sync.cuh:230", "<-", "dispatch.cuh:700",
+                                  "barrier", "90,", "wait", "3"]
+    assert out[j + 2].split() == ["30.1", "%", "sync.cuh:90", "<-", "dispatch.cuh:780", "imc",
+                                  "30,", "no_inst", "10"]
+    # Without a matching function the listing says so and keeps the instructions.
+    other = tmp_path / "other.disasm"
+    other.write_text(".text._Z1fv:\n        /*0000*/                   EXIT ;\n")
+    _, r = run(tmp_path, rows, "--top", "1", "--lines", str(other))
+    assert r.returncode == 0, r.stderr
+    assert "no function of" in r.stdout
