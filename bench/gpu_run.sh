@@ -87,7 +87,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace ablate overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace ablate ncu overhead main"
 usage() {
   sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
