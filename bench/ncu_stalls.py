@@ -7,7 +7,7 @@ ncu`; docs/perf.md §5 item 32).
     python3 bench/ncu_stalls.py R.csv [R2.csv ...] [--top N] [--kernel REGEX] [--lines D.txt]
 
 Per kernel of each CSV (its "Kernel Name" rows start a kernel's instructions; a listing repeated
-with the same samples, as ncu 2025.3 exports one per profiled launch, is shown once): one row with
+with the same samples, as ncu 2025.3 exported each one twice, is shown once): one row with
 the share of every stall reason in all the kernel's warp samples (barrier, wait, long and short
 scoreboard, constant-cache miss "imc", no instruction, membar, the rest as "other"), then the N
 instructions with the most samples (index, SASS, samples, their three largest reasons). A sample is
@@ -142,7 +142,7 @@ def main(argv=None):
             if a.kernel and not re.search(a.kernel, kernel):
                 continue
             total, per = summary(rows)
-            # The same listing with the same samples again (ncu 2025.3 repeats it): shown once.
+            # The same listing with the same samples again (ncu 2025.3 exported it twice): once.
             key = (path, kernel, total, tuple(sorted(per.items())))
             if total == 0 or key in seen:
                 continue
