@@ -126,3 +126,18 @@ def test_source_lines_from_nvdisasm(tmp_path):
     _, r = run(tmp_path, rows, "--top", "1", "--lines", str(other))
     assert r.returncode == 0, r.stderr
     assert "no function of" in r.stdout
+
+
+def test_real_export(tmp_path):
+    """The first 8 instructions of each listing of a real export (ncu 2025.3.1, run 94 of
+    docs/perf.md, `--page source --print-source sass --csv`; every listing there twice)."""
+    data = os.path.join(ROOT, "tests", "python", "data", "ncu_ll_sass_sample.csv")
+    r = subprocess.run([sys.executable, SCRIPT, data, "--top", "1"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    table = [ln.split(" | ")[1:5] for ln in r.stdout.splitlines() if ln.startswith(f"| {data}")]
+    # samples 833 / 889 (each listing counted once), imc 651 / 705 of them
+    assert table == [["epx::ll::dispatch<(int)1, (bool)0>", "833", "0.0", "2.8"],
+                     ["epx::ll::combine<(int)0, (bool)0>", "889", "0.0", "2.4"]], r.stdout
+    assert "| 78.2 |" in r.stdout.splitlines()[2] and "| 79.3 |" in r.stdout.splitlines()[3]
+    assert "ULDC.64 UR10, c[0x0][0x308]" in r.stdout
