@@ -109,11 +109,11 @@ def reasons(row):
             if k.startswith("stall_") and "Not Issued" not in k}
 
 
-def summary(rows):
-    """(total samples, Counter of samples per reason) over a kernel's instructions."""
+def summary(stalls):
+    """(total samples, Counter of samples per reason) over a kernel's instructions' reasons."""
     per = Counter()
-    for r in rows:
-        per.update(reasons(r))
+    for st in stalls:
+        per.update(st)
     return sum(per.values()), per
 
 
@@ -136,46 +136,44 @@ def main(argv=None):
     print("| file | kernel | samples | " + " | ".join(heads) + " |")
     print("|---|---|---|" + "---|" * len(heads))
     tops, seen = [], set()
-    found = False
     for path in a.csv:
         for kernel, rows in parse(path):
             if a.kernel and not re.search(a.kernel, kernel):
                 continue
-            total, per = summary(rows)
+            stalls = [reasons(r) for r in rows]  # an instruction's samples: the sum of its reasons
+            total, per = summary(stalls)
             # The same listing with the same samples again (ncu 2025.3 exported it twice): once.
             key = (path, kernel, total, tuple(sorted(per.items())))
             if total == 0 or key in seen:
                 continue
             seen.add(key)
-            found = True
             shares = [100.0 * per.get(s, 0) / total for s in SHOWN]
             other = 100.0 - sum(shares)
             cells = " | ".join(f"{x:.1f}" for x in shares + [other])
             print(f"| {path} | {short_name(kernel)} | {total} | {cells} |")
-            tops.append((path, kernel, rows))
-    if not found:
+            tops.append((path, kernel, rows, stalls))
+    if not tops:
         print("no kernel with warp samples in " + ", ".join(a.csv) + " (was SourceCounters "
               "collected?)", file=sys.stderr)
         return 1
-    for path, kernel, rows in tops:
+    for path, kernel, rows, stalls in tops:
         src = match_function(rows, funcs) if funcs else None
         if funcs and src is None:
             print(f"\n{path}: {short_name(kernel)}: no function of {a.lines} has its instructions")
         print(f"\n{path}: {short_name(kernel)}, the {a.top} instructions with the most samples")
-        order = sorted(range(len(rows)), key=lambda i: -as_int(rows[i].get(SAMPLES)))[:a.top]
+        samples = [sum(st.values()) for st in stalls]
+        order = sorted(range(len(rows)), key=lambda i: -samples[i])[:a.top]
         for i in sorted(order):
-            r = rows[i]
-            top3 = Counter(reasons(r)).most_common(3)
+            top3 = Counter(stalls[i]).most_common(3)
             why = ", ".join(f"{k} {v}" for k, v in top3 if v)
             where = f"  {src[i][1]} <- {src[i][2]}" if src else ""
-            print(f"  {i:5d}  {as_int(r.get(SAMPLES)):6d}  {r.get('Source', '').strip()[:64]:64s}"
+            print(f"  {i:5d}  {samples[i]:6d}  {rows[i].get('Source', '').strip()[:64]:64s}"
                   f"  {why}{where}")
         if src:
             per_line, per_why = Counter(), {}
-            for r, (_, inner, outer) in zip(rows, src):
-                n = as_int(r.get(SAMPLES))
+            for n, st, (_, inner, outer) in zip(samples, stalls, src):
                 per_line[(inner, outer)] += n
-                per_why.setdefault((inner, outer), Counter()).update(reasons(r))
+                per_why.setdefault((inner, outer), Counter()).update(st)
             total = sum(per_line.values()) or 1
             print(f"{path}: {short_name(kernel)}, the {a.top} source lines with the most samples")
             for (inner, outer), n in per_line.most_common(a.top):
