@@ -209,7 +209,8 @@ std::string check_out(const LlProblem& p, const std::vector<uint16_t>& want, con
 // run: gpu_support.h), the fork / join events.
 struct Rig {
   Rig(const Group& g, const OverlapCase& oc)
-      : r(g.rank()),
+      : group(g),
+        r(g.rank()),
         dev(gpu_testing::device_of(g)),
         main(main_stream.get()),
         side(side_stream.get()),
@@ -254,9 +255,12 @@ struct Rig {
     o.num_sms = oc.num_sms;
     if (oc.check_count) o.recv_count = d.recv_count;
     a.overlap = o;
+    trace("overlapped: out allocated");
     launch_gemm(gemm, dst, oc.c.p, main, fork);
     CUDA_OK(cudaStreamWaitEvent(side, fork, 0));
+    trace("overlapped: GEMM enqueued");
     LlCombineResult res = buf.ll_combine(a, gpu_testing::poison_allocator());
+    trace("overlapped: ll_combine returned");
     if (own.defined()) res.out = own;
     if (res.hook) res.hook();
     CUDA_OK(cudaEventRecord(join, side));
@@ -264,6 +268,10 @@ struct Rig {
     return res;
   }
 
+  // EPX_TEST_TRACE=1: the step's host time on stderr (gpu_testing::trace_step).
+  void trace(const char* step) const { gpu_testing::trace_step(group, step); }
+
+  const Group& group;
   const int r, dev;
   RankStream main_stream{cudaStreamNonBlocking};
   RankStream side_stream{cudaStreamNonBlocking, gpu_testing::rank_side_stream()};
@@ -426,6 +434,7 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
   options.timeout = std::chrono::milliseconds(2000);
   auto body = [&](const Group& g) {
     Rig rig(g, oc);
+    rig.trace("rig built");
     const int r = rig.r;
     std::mt19937_64 rng(5 + r);
     const int skip = testing::first_signal_with_rows(batches[0].want[0].recv_count,
@@ -434,10 +443,14 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
     int bad = 0;
     {
       RankInputs io = upload_inputs(p, batches[0], r, rig.dev, rig.main);
+      rig.trace("inputs uploaded");
       const LlDispatchResult d = dispatch(rig.buf, io, rig.main);
+      rig.trace("dispatch returned");
       upload_gemm(rig.gemm, p, oc.form, batches[0], r, rng, rig.main, r == 0 ? skip : -1);
+      rig.trace("GEMM inputs uploaded");
       rig.overlapped(oc, io, d);
       CUDA_OK(cudaStreamSynchronize(rig.main));
+      rig.trace("synchronised");
       try {
         rig.buf.check();
         std::fprintf(stderr, "rank %d: no Timeout\n", r);
