@@ -23,6 +23,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -268,8 +270,21 @@ struct Rig {
     return res;
   }
 
-  // EPX_TEST_TRACE=1: the step's host time on stderr (gpu_testing::trace_step).
-  void trace(const char* step) const { gpu_testing::trace_step(group, step); }
+  // A step's host time, kept for print_steps() (the process's clock, so the ranks' threads
+  // compare) and with EPX_TEST_TRACE=1 also on stderr (gpu_testing::trace_step).
+  void trace(const char* step) {
+    static const auto t0 = std::chrono::steady_clock::now();
+    steps.emplace_back(
+        step,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    gpu_testing::trace_step(group, step);
+  }
+  void print_steps() const {
+    for (const auto& [step, ms] : steps)
+      std::fprintf(stderr, "rank %d at %9.1f ms: %s\n", r, ms, step);
+  }
+
+  std::vector<std::pair<const char*, double>> steps;
 
   const Group& group;
   const int r, dev;
@@ -432,6 +447,9 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
   const LlProblem& p = oc.c.p;
   GroupOptions options;
   options.timeout = std::chrono::milliseconds(2000);
+  // Set by a rank whose first round went wrong: then every rank prints its steps' host times at
+  // its end (docs/design.md §10: which rank's which step was late).
+  std::atomic<bool> wrong{false};
   auto body = [&](const Group& g) {
     Rig rig(g, oc);
     rig.trace("rig built");
@@ -465,6 +483,7 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
           ++bad;
         }
       }
+      if (bad > 0) wrong = true;
     }
     rig.buf.ll_clean();
     RankInputs io = upload_inputs(p, batches[1], r, rig.dev, rig.main);
@@ -478,6 +497,8 @@ TEST(LlOverlapErrors, SignalNeverRaisedTimesOutThenCleanRecovers) {
       std::fprintf(stderr, "rank %d after ll_clean: %s\n", r, e.c_str());
       ++bad;
     }
+    rig.trace("second round checked");
+    if (wrong || bad > 0) rig.print_steps();
     return bad;
   };
   EXPECT_EQ(two ? gpu_testing::run_cuda_ranks(2, body, options)
