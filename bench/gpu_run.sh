@@ -31,12 +31,13 @@
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
 #             and this tree's, alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
-#             visible GPUs, --tokens 128,1, E = $EPX_AB_EXPERTS, default 256): one labelled
-#             line per T; with EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each
-#             tree's drop-in (the base's extension built in its tree, this tree's
-#             bench/peer_deepep.sh with EPX_REPO), alternately: its kernel rows;
-#             EPX_DEEPEP_ARGS: more arguments for the DeepEP scripts (ab, peer; e.g.
-#             "--num-tokens 32")
+#             visible GPUs, --tokens $EPX_AB_TOKENS, default 128,1, E = $EPX_AB_EXPERTS, default
+#             256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
+#             test_low_latency.py through each tree's drop-in (the base's extension built in its
+#             tree, this tree's bench/peer_deepep.sh with EPX_REPO), alternately, at each
+#             --num-tokens of $EPX_AB_PEER_TOKENS (space-separated; default: the script's own):
+#             its kernel rows; EPX_DEEPEP_ARGS: more arguments for the DeepEP scripts (ab, peer;
+#             e.g. "--num-tokens 32")
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -295,22 +296,26 @@ batch_ab() {
       bin="$B/bench/epx_ll_gpu_bench"
       [ "$side" = head ] || bin="$dir/bench/epx_ll_gpu_bench"
       step "ab.$side.$round" 120 "" "$bin" --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" \
-        --tokens 128,1 --iters 30 || continue
+        --tokens "${EPX_AB_TOKENS:-128,1}" --iters 30 || continue
       grep -E "^ +T \|" "$OUT/ab.$side.$round.log" | head -1 | sed "s/^/  [$side] /"
-      grep -E "^ +(1|128) \|" "$OUT/ab.$side.$round.log" | head -2 | sed "s/^/  [$side] /"
+      grep -E "^ +[0-9]+ \|" "$OUT/ab.$side.$round.log" | sed "s/^/  [$side] /"
     done
   done
   [ -n "$tests" ] || return 0
   # DeepEP's own harness through each tree's drop-in (the kernel rows engines compare), the two
   # trees alternately.
-  local root
-  for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
-    for side in "$rev" head; do
-      root=$(pwd)
-      [ "$side" = head ] || root=$(cd "$dir.src" && pwd)
-      step "ab.peer.$side.$round" 150 "" $(pin 1) env EPX_REPO="$root" bash bench/peer_deepep.sh \
-        "$tests" 1 test_low_latency.py || continue
-      grep -E "avg_t|send/recv" "$OUT/ab.peer.$side.$round.log" | sed "s/^/  [$side] /"
+  local root t name args label
+  for t in ${EPX_AB_PEER_TOKENS:--}; do  # "-": the script's own token count
+    for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
+      for side in "$rev" head; do
+        root=$(pwd)
+        [ "$side" = head ] || root=$(cd "$dir.src" && pwd)
+        name="ab.peer.$side.$round" args=${EPX_DEEPEP_ARGS:-} label=$side
+        [ "$t" = - ] || { name="$name.t$t" args="$args --num-tokens $t" label="$side T=$t"; }
+        step "$name" 150 "" $(pin 1) env EPX_REPO="$root" EPX_DEEPEP_ARGS="$args" \
+          bash bench/peer_deepep.sh "$tests" 1 test_low_latency.py || continue
+        grep -E "avg_t|send/recv" "$OUT/$name.log" | sed "s/^/  [$label] /"
+      done
     done
   done
 }
