@@ -35,9 +35,9 @@
 #             256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
 #             test_low_latency.py through each tree's drop-in (the base's extension built in its
 #             tree, this tree's bench/peer_deepep.sh with EPX_REPO), alternately, at each
-#             --num-tokens of $EPX_AB_PEER_TOKENS (space-separated; default: the script's own):
-#             its kernel rows; EPX_DEEPEP_ARGS: more arguments for the DeepEP scripts (ab, peer;
-#             e.g. "--num-tokens 32")
+#             --num-tokens of $EPX_AB_PEER_TOKENS (default: the script's own; after
+#             EPX_DEEPEP_ARGS, so it wins): its kernel rows; EPX_DEEPEP_ARGS: more arguments for
+#             the DeepEP scripts (ab, peer; e.g. "--num-tokens 32"). Lists: commas or spaces
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -290,22 +290,27 @@ batch_ab() {
   [ -z "$tests" ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
-  local round side bin
+  local round side bin toks ntoks
+  toks=${EPX_AB_TOKENS:-128,1}
+  toks=${toks// /,}  # commas or spaces
+  ntoks=$(tr ',' '\n' <<<"$toks" | grep -c .)
   for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
     for side in "$rev" head; do
       bin="$B/bench/epx_ll_gpu_bench"
       [ "$side" = head ] || bin="$dir/bench/epx_ll_gpu_bench"
       step "ab.$side.$round" 120 "" "$bin" --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" \
-        --tokens "${EPX_AB_TOKENS:-128,1}" --iters 30 || continue
+        --tokens "$toks" --iters 30 || continue
       grep -E "^ +T \|" "$OUT/ab.$side.$round.log" | head -1 | sed "s/^/  [$side] /"
-      grep -E "^ +[0-9]+ \|" "$OUT/ab.$side.$round.log" | sed "s/^/  [$side] /"
+      # each row as measured (the benchmark prints them again, sorted, in its closing table)
+      grep -E "^ +[0-9]+ \|" "$OUT/ab.$side.$round.log" | head -n "$ntoks" | sed "s/^/  [$side] /"
     done
   done
   [ -n "$tests" ] || return 0
   # DeepEP's own harness through each tree's drop-in (the kernel rows engines compare), the two
   # trees alternately.
   local root t name args label
-  for t in ${EPX_AB_PEER_TOKENS:--}; do  # "-": the script's own token count
+  local peer_tokens=${EPX_AB_PEER_TOKENS:--}  # "-": the script's own token count
+  for t in ${peer_tokens//,/ }; do
     for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
       for side in "$rev" head; do
         root=$(pwd)
