@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Where a kernel's code goes, by function and source line, from its PTX (docs/perf.md §5 item 36).
+Needs no GPU: a kernel's instruction count is a proxy for the code its warps fetch, which DeepEP's
+harness runs cold.
+
+    nvcc <the build's flags> -arch=sm_90 -ptx -lineinfo -x cu src/cuda/ll.cu -o ll.ptx
+    python3 bench/ptx_size.py ll.ptx [--kernel REGEX] [--top N]
+
+For every `.entry` whose (mangled or demangled) name matches REGEX: its PTX instruction count, then
+the N functions and the N source lines (file:line) holding the most instructions. An instruction
+belongs to the function and line of the `.loc` before it: the innermost inlined function
+(`function_name` of the `.loc`, the mangled names held in `.debug_str`), or the kernel itself.
+PTX is before ptxas (SASS counts differ: `readelf -S` of a `-cubin` gives a kernel's bytes), but
+the shares say which source is where the code is.
+"""
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+
+LOC = re.compile(r"\.loc\s+(\d+)\s+(\d+)\s+\d+(?:,\s*function_name\s+(\$L__info_string\d+))?")
+FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"')
+ENTRY = re.compile(r"^(?:\.\w+\s+)*\.entry\s+([A-Za-z0-9_$]+)")
+INFO = re.compile(r"^(\$L__info_string\d+):\s*$")
+
+
+def info_strings(lines):
+    """{label: string} of the `.debug_str` section (`.b8` byte lists ending in 0)."""
+    out, label, data = {}, None, []
+    for line in lines:
+        m = INFO.match(line.strip())
+        if m:
+            label, data = m.group(1), []
+            continue
+        s = line.strip()
+        if label and s.startswith(".b8"):
+            data += [int(b) for b in s[3:].replace(" ", "").split(",") if b]
+            if data and data[-1] == 0:
+                out[label] = bytes(data[:-1]).decode("ascii", "replace")
+                label = None
+    return out
+
+
+def demangle(names):
+    """{mangled: readable} through c++filt when there is one; the name up to its parameters."""
+    names = sorted(set(names))
+    plain = {n: n for n in names}
+    if not names or shutil.which("c++filt") is None:
+        return plain
+    r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    if r.returncode != 0:
+        return plain
+    for n, d in zip(names, r.stdout.splitlines()):
+        depth, cut = 0, len(d)
+        for i, ch in enumerate(d):  # the first '(' outside template brackets
+            if ch == "<":
+                depth += 1
+            elif ch == ">":
+                depth -= 1
+            elif ch == "(" and depth == 0 and i > 0:
+                cut = i
+                break
+        plain[n] = d[:cut]
+    return plain
+
+
+def is_instruction(s):
+    return bool(s) and not (s.startswith("//") or s.startswith(".") or s.endswith(":")
+                            or s in ("{", "}") or s.startswith("$") or s.startswith(")")
+                            or s.startswith("("))
+
+
+def kernels(lines):
+    """[(name, [(file, line, function label or None)] per instruction)] of every entry."""
+    out, cur, where = [], None, (None, None, None)
+    body = False
+    for line in lines:
+        m = ENTRY.match(line)
+        if m:
+            cur = (m.group(1), [])
+            out.append(cur)
+            where, body = (None, None, None), False
+            continue
+        if cur is None:
+            continue
+        s = line.strip()
+        if s == "{" and not body:
+            body = True
+            continue
+        if not body:
+            continue
+        if line.startswith("}"):
+            cur, body = None, False
+            continue
+        m = LOC.search(s)
+        if s.startswith(".loc") and m:
+            where = (int(m.group(1)), int(m.group(2)), m.group(3))
+            continue
+        if is_instruction(s):
+            cur[1].append(where)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ptx")
+    ap.add_argument("--kernel", default="", help="regex on the mangled or demangled name")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    with open(args.ptx) as f:
+        lines = f.read().split("\n")
+    files = {int(m.group(1)): m.group(2) for m in map(FILE.match, lines) if m}
+    infos = info_strings(lines)
+    ks = kernels(lines)
+    names = demangle([k for k, _ in ks] + list(infos.values()))
+    pattern = re.compile(args.kernel)
+    shown = 0
+    for kernel, instrs in ks:
+        if not (pattern.search(kernel) or pattern.search(names.get(kernel, kernel))):
+            continue
+        shown += 1
+        total = len(instrs)
+        print(f"== {names.get(kernel, kernel)} ({kernel}): {total} PTX instructions")
+        if total == 0:
+            continue
+        by_fn = Counter(names.get(infos.get(fn), infos.get(fn)) if fn else "(the kernel)"
+                        for _, _, fn in instrs)
+        by_line = Counter(f"{files.get(f, '?').split('/')[-1]}:{ln}" if f else "?"
+                          for f, ln, _ in instrs)
+        print("  by function:")
+        for fn, n in by_fn.most_common(args.top):
+            print(f"    {n:6d} {100.0 * n / total:5.1f} %  {fn}")
+        print("  by source line:")
+        for ln, n in by_line.most_common(args.top):
+            print(f"    {n:6d} {100.0 * n / total:5.1f} %  {ln}")
+    if shown == 0:
+        print(f"no kernel matches {args.kernel!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""bench/ptx_size.py (docs/perf.md §5 item 36): a kernel's PTX instructions counted per inlined
+function and per source line, from the `.loc` before each instruction."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "ptx_size.py")
+
+
+def b8(s):
+    return ".b8 " + ",".join(str(c) for c in s.encode()) + ",0"
+
+
+# Two kernels; the first has 3 instructions of its own (lines 10, 11), 2 of `_Z4helpv` inlined
+# (b.cuh:5) and a label, directives and comments that are not instructions.
+PTX = "\n".join([
+    "//",
+    ".version 8.8",
+    ".visible .entry _Z3fooPi(",
+    "\t.param .u64 _Z3fooPi_param_0",
+    ")",
+    "{",
+    "\t.reg .b32 \t%r<4>;",
+    "\t.loc\t1 10 0",
+    "\tld.param.u64 \t%rd1, [_Z3fooPi_param_0];",
+    "\tmov.u32 \t%r1, %tid.x;",
+    "\t.loc\t2 5 3, function_name $L__info_string0, inlined_at 1 11 2",
+    "\tadd.s32 \t%r2, %r1, 1;",
+    "$L__BB0_1:",
+    "\t// a comment",
+    "\t@%p1 bra \t$L__BB0_1;",
+    "\t.loc\t1 11 0",
+    "\tret;",
+    "",
+    "}",
+    ".entry _Z3barv(",
+    ")",
+    "{",
+    "\t.loc\t1 20 0",
+    "\tret;",
+    "",
+    "}",
+    "\t.file\t1 \"/src/a.cu\"",
+    "\t.file\t2 \"/src/b.cuh\"",
+    "\t.section\t.debug_str",
+    "\t{",
+    "$L__info_string0:",
+    b8("_Z4helpv"),
+    "\t}",
+])
+
+
+def run(tmp_path, *args):
+    p = tmp_path / "k.ptx"
+    p.write_text(PTX)
+    return subprocess.run([sys.executable, SCRIPT, str(p)] + list(args), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_counts_by_function_and_line(tmp_path):
+    r = run(tmp_path, "--kernel", "foo")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "_Z3fooPi): 5 PTX instructions" in out
+    assert "_Z3barv" not in out
+    fn = out.split("by function:")[1].split("by source line:")[0]
+    rows = {line.split("%", 1)[1].strip(): int(line.split()[0])
+            for line in fn.strip().splitlines()}
+    assert rows["(the kernel)"] == 3
+    helper = [k for k in rows if "help" in k]
+    assert len(helper) == 1 and rows[helper[0]] == 2
+    lines = out.split("by source line:")[1]
+    got = {line.split("%", 1)[1].strip(): int(line.split()[0])
+           for line in lines.strip().splitlines()}
+    assert got == {"a.cu:10": 2, "b.cuh:5": 2, "a.cu:11": 1}
+
+
+def test_every_kernel_and_no_match(tmp_path):
+    r = run(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "_Z3fooPi): 5 PTX" in r.stdout and "_Z3barv): 1 PTX" in r.stdout
+    r = run(tmp_path, "--kernel", "nothing")
+    assert r.returncode == 1 and "no kernel matches" in r.stderr
