@@ -30,7 +30,8 @@
 #   ab        a same-run A/B of the ll kernels: epx_ll_gpu_bench built from the commit
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
-#             and this tree's, alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
+#             and this tree's; first both trees' ll kernels' SASS bytes (ab.size, with cuobjdump:
+#             bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
 #             visible GPUs, --tokens $EPX_AB_TOKENS, default 128,1, E = $EPX_AB_EXPERTS, default
 #             256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
 #             test_low_latency.py through each tree's drop-in (the base's extension built in its
@@ -271,6 +272,24 @@ batch_overlap() {
     ${EPX_OVERLAP_ARGS:-}
 }
 
+# ab_sizes SIDE BINARY: the SASS bytes of the ll dispatch and combine kernels in BINARY's cubins
+# (code that DeepEP's harness runs cold: docs/perf.md §5 item 36), one line per kernel.
+ab_sizes() {
+  local side=$1 bin cu
+  bin=$(realpath "$2")
+  cu=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
+  if [ ! -x "$cu/cuobjdump" ]; then
+    skip "ab.size.$side" "no cuobjdump beside nvcc"
+    return 0
+  fi
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  step "ab.size.$side" 60 "" bash -c 'tmp=$(mktemp -d) && cd "$tmp" &&
+    "$1/cuobjdump" -xelf all "$2" > /dev/null && "$3" "$4" --cubin ./*.cubin \
+      --kernel "^_ZN3epx2ll(8dispatch|7combine)"; rc=$?; rm -rf "$tmp"; exit $rc' \
+    _ "$cu" "$bin" "$EPX_PYTHON" "$(pwd)/bench/ptx_size.py" &&
+    sed "s/^/  [$side] /" "$OUT/ab.size.$side.log"
+}
+
 batch_ab() {
   local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev
   rm -rf "$dir.src" && mkdir -p "$dir.src"
@@ -290,6 +309,8 @@ batch_ab() {
   [ -z "$tests" ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  ab_sizes "$rev" "$dir/bench/epx_ll_gpu_bench"
+  ab_sizes head "$B/bench/epx_ll_gpu_bench"
   local round side bin toks ntoks
   toks=${EPX_AB_TOKENS:-128,1}
   toks=${toks// /,}  # commas or spaces

@@ -5,17 +5,22 @@ harness runs cold.
 
     nvcc <the build's flags> -arch=sm_90 -ptx -lineinfo -x cu src/cuda/ll.cu -o ll.ptx
     python3 bench/ptx_size.py ll.ptx [--kernel REGEX] [--top N]
+    python3 bench/ptx_size.py --cubin A.cubin [B.cubin ...] [--kernel REGEX]
 
 For every `.entry` whose (mangled or demangled) name matches REGEX: its PTX instruction count, then
 the N functions and the N source lines (file:line) holding the most instructions. An instruction
 belongs to the function and line of the `.loc` before it: the innermost inlined function
 (`function_name` of the `.loc`, the mangled names held in `.debug_str`), or the kernel itself.
-PTX is before ptxas (SASS counts differ: `readelf -S` of a `-cubin` gives a kernel's bytes), but
-the shares say which source is where the code is.
+PTX is before ptxas (SASS counts differ), but the shares say which source is where the code is.
+
+--cubin: the SASS bytes of every matching kernel (its `.text.<name>` section), by name, in each
+cubin (`nvcc -cubin`, or `cuobjdump -xelf all` of a binary; `bench/gpu_run.sh ab` prints both
+trees').
 """
 import argparse
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -103,13 +108,62 @@ def kernels(lines):
     return out
 
 
+def cubin_texts(path):
+    """[(kernel, bytes)] of the `.text.<kernel>` sections of an ELF64 little-endian file."""
+    with open(path, "rb") as f:
+        elf = f.read()
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def section(i):  # (name offset, file offset, size)
+        name, _, _, _, off, size = struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize)
+        return name, off, size
+
+    strtab = section(shstrndx)[1]
+    out = []
+    for i in range(shnum):
+        name_off, _, size = section(i)
+        end = elf.index(b"\0", strtab + name_off)
+        name = elf[strtab + name_off:end].decode("ascii", "replace")
+        if name.startswith(".text.") and size > 0:
+            out.append((name[len(".text."):], size))
+    return out
+
+
+def main_cubin(paths, kernel):
+    pattern = re.compile(kernel)
+    try:
+        per = [(p, cubin_texts(p)) for p in paths]
+    except (OSError, ValueError, struct.error) as e:
+        print(f"ptx_size.py: {e}", file=sys.stderr)
+        return 2
+    names = demangle([k for _, ks in per for k, _ in ks])
+    shown = 0
+    for path, ks in per:
+        for k, size in sorted(ks, key=lambda ks_: names.get(ks_[0], ks_[0])):
+            if pattern.search(k) or pattern.search(names.get(k, k)):
+                print(f"{size:8d} B  {names.get(k, k)}  ({path.split('/')[-1]})")
+                shown += 1
+    if shown == 0:
+        print(f"no kernel matches {kernel!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ptx")
+    ap.add_argument("files", nargs="+", help="one PTX file, or cubins with --cubin")
     ap.add_argument("--kernel", default="", help="regex on the mangled or demangled name")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--cubin", action="store_true", help="the files are cubins: SASS bytes")
     args = ap.parse_args(argv)
-    with open(args.ptx) as f:
+    if args.cubin:
+        return main_cubin(args.files, args.kernel)
+    if len(args.files) != 1:
+        ap.error("one PTX file (several only with --cubin)")
+    with open(args.files[0]) as f:
         lines = f.read().split("\n")
     files = {int(m.group(1)): m.group(2) for m in map(FILE.match, lines) if m}
     infos = info_strings(lines)

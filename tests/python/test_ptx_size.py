@@ -83,3 +83,42 @@ def test_every_kernel_and_no_match(tmp_path):
     assert "_Z3fooPi): 5 PTX" in r.stdout and "_Z3barv): 1 PTX" in r.stdout
     r = run(tmp_path, "--kernel", "nothing")
     assert r.returncode == 1 and "no kernel matches" in r.stderr
+
+
+def elf(sections):
+    """A minimal ELF64 little-endian file whose section headers name `sections` [(name, size)]
+    (sizes only: no data), after a null section and before the section-name table."""
+    import struct
+    names = b"\0" + b"".join(n.encode() + b"\0" for n, _ in sections) + b".shstrtab\0"
+    shoff = 64 + len(names)
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", head, 0x28, shoff)
+    struct.pack_into("<HHH", head, 0x3A, 64, len(sections) + 2, len(sections) + 1)
+    shdrs = bytearray(64)  # the null section
+    pos = 1
+    for n, size in sections:
+        shdrs += struct.pack("<IIQQQQ", pos, 1, 6, 0, 0, size) + bytes(24)
+        pos += len(n) + 1
+    shdrs += struct.pack("<IIQQQQ", pos, 3, 0, 0, 64, len(names)) + bytes(24)
+    return bytes(head) + names + bytes(shdrs)
+
+
+def test_cubin_text_sizes(tmp_path):
+    p = tmp_path / "k.cubin"
+    p.write_bytes(elf([(".text._Z3fooPi", 1536), (".nv.info._Z3fooPi", 40),
+                       (".text._Z3barv", 256), (".text._Z3emptyv", 0)]))
+    r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(p)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.strip().splitlines()]
+    assert [(x[0], x[1]) for x in rows] == [("256", "B"), ("1536", "B")]  # by name
+    assert "foo" in r.stdout and "bar" in r.stdout and "empty" not in r.stdout
+    r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(p), "--kernel", "bar"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.count(" B ") == 1 and "bar" in r.stdout
+    bad = tmp_path / "x.cubin"
+    bad.write_bytes(b"not an elf")
+    r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(bad)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "not a 64-bit little-endian ELF" in r.stderr
