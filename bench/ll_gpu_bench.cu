@@ -15,7 +15,10 @@
 //           alone, combine alone (zero_copy, one handle), and dispatch + combine pairs;
 //   cold    the same graphs of dispatch alone and combine alone with an instruction-cache
 //           evictor kernel before each call (its own time subtracted): each call fetches its code
-//           from L2, as between an engine's GEMMs (columns cold_d, cold_c).
+//           from L2, as between an engine's GEMMs (columns cold_d, cold_c);
+//   flushed hook mode's receives again, events around each hook, with L2 flushed between the send
+//           and the hook (a 128 MB memset, as a GEMM between them in DeepEP's harness): code and
+//           staging come from HBM (columns fl_rcv, fl_crcv; compare recv, crecv).
 // Before timing, one T = 128 round on a buffer with T_max = 128 (the standard workload's memory)
 // is checked bit for bit against the oracle.
 // --trace (a build with -DEPX_LL_TRACE=ON): after the timings of each T, dispatch + combine
@@ -294,6 +297,7 @@ struct Row {
   double send = 0, recv = 0, csend = 0, crecv = 0;
   double g_disp = 0, g_comb = 0, g_both = 0, g_hook = 0;
   double cold_disp = 0, cold_comb = 0;  // graph, each call after evict_icache_kernel
+  double flushed_recv = 0, flushed_crecv = 0;  // events around the hooks, L2 flushed before each
   double nvl_disp_mb = 0, nvl_comb_mb = 0, ceiling = 0, nccl = 0;
 };
 
@@ -390,6 +394,33 @@ Row run_tokens(Buffer& buf, const Group& g, int64_t T, const Tensor& y_user, cud
     tcr.push_back(elapsed(5 * i + 3, 5 * i + 4));
   }
   buf.check();
+  // Flushed: the same hooked sequence with L2 flushed between each send and its hook.
+  constexpr size_t kFlushBytes = size_t{128} << 20;  // > the 50 MB L2 of an H100 / H200
+  void* flush = nullptr;
+  CK(cudaMalloc(&flush, kFlushBytes));
+  std::vector<double> tfr, tfcr;
+  for (int i = 0; i < n; ++i) {
+    keep[i] = buf.ll_dispatch(dh, alloc);
+    CK(cudaMemsetAsync(flush, i & 0xFF, kFlushBytes, s));
+    CK(cudaEventRecord(ev[5 * i], s));
+    keep[i].hook();
+    CK(cudaEventRecord(ev[5 * i + 1], s));
+    ch.handle = &keep[i].handle;
+    LlCombineResult c = buf.ll_combine(ch, alloc);
+    CK(cudaMemsetAsync(flush, i & 0xFF, kFlushBytes, s));
+    CK(cudaEventRecord(ev[5 * i + 2], s));
+    c.hook();
+    CK(cudaEventRecord(ev[5 * i + 3], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  for (int i = o.warmup; i < n; ++i) {
+    tfr.push_back(elapsed(5 * i, 5 * i + 1));
+    tfcr.push_back(elapsed(5 * i + 2, 5 * i + 3));
+  }
+  CK(cudaFree(flush));
+  buf.check();
+  row.flushed_recv = median(tfr);
+  row.flushed_crecv = median(tfcr);
   row.disp = median(td);
   row.comb = median(tc);
   row.both = median(tb);
@@ -646,17 +677,19 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
 void print_header() {
   std::printf(
       "%5s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s | %7s %7s | %6s "
-      "%6s\n",
+      "%6s | %6s %7s\n",
       "T", "disp", "comb", "c_copy", "d+c", "send", "recv", "csend", "crecv", "g_disp", "g_comb",
-      "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl", "cold_d", "cold_c");
+      "g_d+c", "g_hook", "NVL_d", "NVL_c", "ceiling", "nccl", "cold_d", "cold_c", "fl_rcv",
+      "fl_crcv");
 }
 void print_row(const Row& w) {
   std::printf(
       "%5lld | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f %6.1f | %6.1f %6.1f %6.1f "
-      "%6.1f | %6.2f %6.2f | %7.1f %7.1f | %6.1f %6.1f\n",
+      "%6.1f | %6.2f %6.2f | %7.1f %7.1f | %6.1f %6.1f | %6.1f %7.1f\n",
       static_cast<long long>(w.tokens), w.disp, w.comb, w.comb_copy, w.both, w.send,
       w.recv, w.csend, w.crecv, w.g_disp, w.g_comb, w.g_both, w.g_hook, w.nvl_disp_mb,
-      w.nvl_comb_mb, w.ceiling, w.nccl, w.cold_disp, w.cold_comb);
+      w.nvl_comb_mb, w.ceiling, w.nccl, w.cold_disp, w.cold_comb, w.flushed_recv,
+      w.flushed_crecv);
   std::fflush(stdout);
 }
 
