@@ -30,10 +30,10 @@
 #   ab        a same-run A/B of the ll kernels: epx_ll_gpu_bench built from the commit
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
-#             and this tree's; first both trees' ll kernels' SASS bytes (ab.size, with cuobjdump:
-#             bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS rounds each (default 2; R = the
-#             visible GPUs, --tokens $EPX_AB_TOKENS, default 128,1, E = $EPX_AB_EXPERTS, default
-#             256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
+#             and this tree's; first both trees' ll kernels' SASS bytes (ab.size, with
+#             cuobjdump: bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS
+#             rounds each (default 2; R = the visible GPUs, --tokens $EPX_AB_TOKENS, default
+#             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
 #             test_low_latency.py through each tree's drop-in (the base's extension built in its
 #             tree, this tree's bench/peer_deepep.sh with EPX_REPO), alternately, at each
 #             --num-tokens of $EPX_AB_PEER_TOKENS (default: the script's own; after
