@@ -33,8 +33,8 @@
 #             and this tree's; first both trees' ll kernels' SASS bytes (ab.size, with
 #             cuobjdump: bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS
 #             rounds each (default 2; R = the visible GPUs, --tokens $EPX_AB_TOKENS, default
-#             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with EPX_DEEPEP_TESTS also DeepEP's
-#             test_low_latency.py through each tree's drop-in (the base's extension built in its
+#             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
+#             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in (the base's extension built in its
 #             tree, this tree's bench/peer_deepep.sh with EPX_REPO), alternately, at each
 #             --num-tokens of $EPX_AB_PEER_TOKENS (default: the script's own; after
 #             EPX_DEEPEP_ARGS, so it wins): its kernel rows; EPX_DEEPEP_ARGS: more arguments for
