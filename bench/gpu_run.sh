@@ -34,8 +34,9 @@
 #             cuobjdump: bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS
 #             rounds each (default 2; R = the visible GPUs, --tokens $EPX_AB_TOKENS, default
 #             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
-#             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in (the base's extension built in its
-#             tree, this tree's bench/peer_deepep.sh with EPX_REPO), alternately, at each
+#             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
+#             (the base's extension built in its tree, this tree's bench/peer_deepep.sh with
+#             EPX_REPO), alternately, at each
 #             --num-tokens of $EPX_AB_PEER_TOKENS (default: the script's own; after
 #             EPX_DEEPEP_ARGS, so it wins): its kernel rows; EPX_DEEPEP_ARGS: more arguments for
 #             the DeepEP scripts (ab, peer; e.g. "--num-tokens 32"). Lists: commas or spaces
@@ -155,6 +156,9 @@ skip() {
 }
 
 have_gpu() { [ "$G" -ge 1 ]; }
+
+# The CUDA toolkit's bin directory (nvcc's, else /usr/local/cuda/bin): cuobjdump and nvdisasm.
+cuda_bin() { dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"; }
 
 # pin P: the command prefix that pins a step's command to P cores from $EPX_PIN_FIRST (see the
 # header; `step` runs its command under `timeout`, so the prefix is a program, not a function):
@@ -277,7 +281,7 @@ batch_overlap() {
 ab_sizes() {
   local side=$1 bin cu
   bin=$(realpath "$2")
-  cu=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
+  cu=$(cuda_bin)
   if [ ! -x "$cu/cuobjdump" ]; then
     skip "ab.size.$side" "no cuobjdump beside nvcc"
     return 0
@@ -440,7 +444,7 @@ batch_ncu() {
   # The ll kernels' disassembly with source lines (the build has -lineinfo), for the table's
   # --lines: every cubin of the benchmark, the functions epx::ll::dispatch / combine kept.
   local cu tmp lines=()
-  cu=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
+  cu=$(cuda_bin)
   tmp=$(mktemp -d)
   # shellcheck disable=SC2016  # expanded by the inner shell
   step ncu.disasm 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&

@@ -132,6 +132,11 @@ def cubin_texts(path):
     return out
 
 
+def selected(pattern, names, kernel):
+    """Whether --kernel's pattern matches the kernel's mangled or readable name."""
+    return bool(pattern.search(kernel) or pattern.search(names.get(kernel, kernel)))
+
+
 def main_cubin(paths, kernel):
     pattern = re.compile(kernel)
     try:
@@ -143,7 +148,7 @@ def main_cubin(paths, kernel):
     shown = 0
     for path, ks in per:
         for k, size in sorted(ks, key=lambda ks_: names.get(ks_[0], ks_[0])):
-            if pattern.search(k) or pattern.search(names.get(k, k)):
+            if selected(pattern, names, k):
                 print(f"{size:8d} B  {names.get(k, k)}  ({path.split('/')[-1]})")
                 shown += 1
     if shown == 0:
@@ -172,7 +177,7 @@ def main(argv=None):
     pattern = re.compile(args.kernel)
     shown = 0
     for kernel, instrs in ks:
-        if not (pattern.search(kernel) or pattern.search(names.get(kernel, kernel))):
+        if not selected(pattern, names, kernel):
             continue
         shown += 1
         total = len(instrs)

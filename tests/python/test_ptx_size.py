@@ -2,6 +2,7 @@
 function and per source line, from the `.loc` before each instruction."""
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -88,7 +89,6 @@ def test_every_kernel_and_no_match(tmp_path):
 def elf(sections):
     """A minimal ELF64 little-endian file whose section headers name `sections` [(name, size)]
     (sizes only: no data), after a null section and before the section-name table."""
-    import struct
     names = b"\0" + b"".join(n.encode() + b"\0" for n, _ in sections) + b".shstrtab\0"
     shoff = 64 + len(names)
     head = bytearray(64)
