@@ -229,9 +229,11 @@ __device__ __forceinline__ void ll_reduce8(int K, const uintptr_t* src, const fl
 
 // For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the
 // CTA in thread order (pos[i]) and the number of threads with it set (total[i]); one barrier
-// pair for all n.
+// pair for all n. The warps' counts are scanned across the lanes (lane w holds warp w's count;
+// four shuffle steps), not summed by every thread from shared memory.
 __device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n, int (&pos)[kLlUnitGroup],
                                                     int (&total)[kLlUnitGroup]) {
+  static_assert(kLlWarps <= 32, "one lane per warp's count");
   __shared__ int s_warp[kLlUnitGroup][kLlWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t b[kLlUnitGroup];
@@ -245,12 +247,15 @@ __device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n, int (
   for (int i = 0; i < kLlUnitGroup; ++i) {
     int before = 0, all = 0;
     if (i < n) {
+      int c = lane < kLlWarps ? s_warp[i][lane] : 0;  // inclusive over lanes <= this one
 #pragma unroll
-      for (int w = 0; w < kLlWarps; ++w) {
-        const int c = s_warp[i][w];
-        before += w < warp ? c : 0;
-        all += c;
+      for (int d = 1; d < kLlWarps; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, c, d);
+        if (lane >= d) c += u;
       }
+      all = __shfl_sync(0xffffffffu, c, kLlWarps - 1);
+      before = __shfl_sync(0xffffffffu, c, warp > 0 ? warp - 1 : 0);
+      if (warp == 0) before = 0;
     }
     pos[i] = before + __popc(b[i] & ((1u << lane) - 1u));
     total[i] = all;
