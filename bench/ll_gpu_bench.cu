@@ -26,7 +26,9 @@
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
 // entry of that launch (medians over the traced iterations), and each kernel's span; under a
 // phase whose max is 1 us or more past its median, the CTAs most often among the 8 latest.
-// --trace-only skips the timing rows and baselines. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
+// --trace-only skips the timing rows and baselines; --trace-ctas (implies --trace-only) adds one
+// line per CTA and op: its SM ids over the samples, its listed rows (dispatch receive) and its
+// mean offsets at the receive's late phases, to tell an SM's lateness from its work's. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
 // after each T's row, the same row once per ll ablation (cuda/tuning.h LlAblate: one stage of the
 // kernels left out, outputs wrong, waits intact), so the difference to the full row bounds what
 // that stage costs there, and once per variant (outputs exact: the check runs again under each).
@@ -35,7 +37,7 @@
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
-//                         [--sms C[,C..]] [--trace] [--trace-only] [--ablate]
+//                         [--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--ablate]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -86,6 +88,7 @@ struct Options {
   int sms = 0;
   bool trace = false;
   bool trace_only = false;
+  bool trace_ctas = false;
   bool ablate = false;  // diagnostics builds: rows with each LlAblate bit
 };
 
@@ -619,8 +622,13 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
   std::vector<double> span[2], gap;
   std::vector<uint64_t> h(kLlTraceWords);
   const int samples = 5, pairs = std::max(o.warmup, 3);
+  // Per op and CTA: its SM in each sample (-1: no stamp) and its count (kLlTraceSmSlot).
+  std::vector<std::array<int, 5>> sm[2] = {std::vector<std::array<int, 5>>(128),
+                                           std::vector<std::array<int, 5>>(128)};
+  std::vector<int64_t> count[2] = {std::vector<int64_t>(128), std::vector<int64_t>(128)};
   for (int smp = 0; smp < samples; ++smp) {
     g.transport()->barrier("bench: trace");
+    CK(cudaMemsetAsync(dbuf, 0, h.size() * sizeof(uint64_t), s));  // no stale SM slots
     for (int i = 0; i < pairs; ++i) {
       LlDispatchResult d = buf.ll_dispatch(da, alloc);
       if (hook) d.hook();
@@ -633,6 +641,13 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     uint64_t ref[2] = {0, 0};
     for (int op = 0; op < 2; ++op) trace_sample(h, op, hook, clk, st[op], span[op], &ref[op]);
     if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+    for (int op = 0; op < 2; ++op)
+      for (int c = 0; c < 128; ++c) {
+        const uint64_t* w = h.data() + 2 * ((static_cast<size_t>(op) * kLlTracePhases +
+                                             kLlTraceSmSlot) * 128 + c);
+        sm[op][c][smp] = static_cast<int>(w[0]) - 1;  // -1: no stamp (SM + 1 is stored)
+        count[op][c] = static_cast<int64_t>(w[1]);
+      }
   }
   buf.check();
   std::string txt;
@@ -663,6 +678,32 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
   std::snprintf(line, sizeof line, "  combine first entry - dispatch first entry: %.2f us\n",
                 median(gap));
   txt += line;
+  if (!o.trace_ctas) return txt;
+  // One line per CTA and op (mean offsets over the samples that reached the phase, us).
+  const int dph[3] = {kTrDListed, kTrDCopied, kTrDExit};
+  const int cph[3] = {kTrCIds, kTrCPull, kTrCExit};
+  for (int op = 0; op < 2; ++op) {
+    const int* ph = op == 0 ? dph : cph;
+    for (int c = 0; c < 128; ++c) {
+      std::string sms;
+      for (int smp = 0; smp < samples; ++smp) {
+        if (sm[op][c][smp] < 0) continue;
+        sms += (sms.empty() ? "" : ",") + std::to_string(sm[op][c][smp]);
+      }
+      if (sms.empty()) continue;
+      auto mean = [&](int phase) {
+        const PhaseStat& p = st[op][phase];
+        return p.seen[c] > 0 ? p.sum[c] / p.seen[c] : -1.0;
+      };
+      std::snprintf(line, sizeof line,
+                    "  cta T=%lld %s %s %3d sm=%s rows=%lld %s=%.2f %s=%.2f exit=%.2f\n",
+                    static_cast<long long>(T), hook ? "hook" : "fused",
+                    op == 0 ? "dispatch" : "combine", c, sms.c_str(),
+                    static_cast<long long>(count[op][c]), op == 0 ? "listed" : "ids", mean(ph[0]),
+                    op == 0 ? "copied" : "pulled", mean(ph[1]), mean(ph[2]));
+      txt += line;
+    }
+  }
   return txt;
 }
 #endif
@@ -890,12 +931,14 @@ int main(int argc, char** argv) {
       o.trace = true;
     } else if (a == "--trace-only") {
       o.trace = o.trace_only = true;
+    } else if (a == "--trace-ctas") {
+      o.trace = o.trace_only = o.trace_ctas = true;
     } else if (a == "--ablate") {
       o.ablate = true;
     } else {
       std::printf(
           "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
-          "[--sms C[,C..]] [--trace] [--trace-only] [--ablate]\n"
+          "[--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--ablate]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON);\n"
           "  --ablate: rows without one kernel stage each (needs -DEPX_DIAGNOSTICS=ON)\n",

@@ -545,6 +545,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
   };
   EPX_LL_STAMP(p, 1, kTrCRecvEntry);
+  EPX_LL_TRACE_SM(p, 1, 0);
   EPX_LL_TRACE_DECL(ids);
   const uint64_t masked0 = ll_masked_uniform(symm);
   if (threadIdx.x == 0) s_masked = masked0;  // CTAs without tokens: read at the finish

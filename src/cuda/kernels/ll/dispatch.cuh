@@ -568,6 +568,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
   const int C = static_cast<int>(gridDim.x);
   const int64_t NT = srcs.total;
   EPX_LL_TRACE_DECL(scan);
+  EPX_LL_TRACE_COUNT(rows);
   for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
     // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
     const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
@@ -617,6 +618,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
         EPX_LL_STAMP(p, 0, kTrDListed);
         if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList))
           ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
+        EPX_LL_TRACE_ADD(rows, filled > sub ? (filled - sub + S - 1) / S : 0);
         __syncthreads();  // the list is rewritten by the next units or group of entries
         EPX_LL_STAMP(p, 0, kTrDCopied);
         start = stop;
@@ -641,6 +643,7 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
     }
   }
   EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+  EPX_LL_TRACE_SM(p, 0, rows_n);
 }
 
 // Receive finish, every CTA: a CTA without units releases its freed flags here (one with units

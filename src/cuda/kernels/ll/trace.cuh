@@ -63,7 +63,11 @@ enum LlCombinePhase : int {
   kTrCRouted,     // overlapped send: after O2 (combine_routed of every rank)
   kTrCNum
 };
-static_assert(kTrDNum <= kLlTracePhases && kTrCNum <= kLlTracePhases);
+// Not a time: the last phase slot of each op holds {%smid + 1, rows} of the CTA's newest launch
+// (EPX_LL_TRACE_SM; rows: the dispatch receive's listed rows, 0 in the combine), so the reader
+// can tell whether a late CTA is late for its SM or for its work.
+inline constexpr int kLlTraceSmSlot = kLlTracePhases - 1;
+static_assert(kTrDNum <= kLlTraceSmSlot && kTrCNum <= kLlTraceSmSlot);
 
 // uint64 words of the buffer: {ns, clock} per (op, phase, cta), then the overlapped send's items
 // (kLlTraceItemWords each, from word kLlTraceItemBase).
@@ -88,6 +92,17 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
 // A real stamp.
 #define EPX_LL_STAMP(params, op, phase) \
   ::epx::detail::ll_trace_put((params).trace, op, phase, ::epx::detail::ll_trace_ns(), clock64())
+// The CTA's SM + 1 (0: no stamp) and a count (thread 0's `count`) into the op's kLlTraceSmSlot.
+#define EPX_LL_TRACE_SM(params, op, count)                                                  \
+  do {                                                                                      \
+    uint32_t sm_;                                                                           \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                                        \
+    ::epx::detail::ll_trace_put((params).trace, op, ::epx::detail::kLlTraceSmSlot, sm_ + 1, \
+                                static_cast<uint64_t>(count));                              \
+  } while (0)
+// A per-CTA count for EPX_LL_TRACE_SM (thread 0's value is stored).
+#define EPX_LL_TRACE_COUNT(name) int64_t name##_n = 0
+#define EPX_LL_TRACE_ADD(name, v) (name##_n += (v))
 // Accumulators for a virtual phase (declare, start, stop, then store base + sum).
 #define EPX_LL_TRACE_DECL(name) uint64_t name##_ns = 0, name##_clk = 0, name##_t0 = 0, name##_c0 = 0
 #define EPX_LL_TRACE_BEGIN(name)                \
@@ -135,6 +150,9 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
   } while (0)
 #else
 #define EPX_LL_STAMP(params, op, phase) ((void)0)
+#define EPX_LL_TRACE_SM(params, op, count) ((void)0)
+#define EPX_LL_TRACE_COUNT(name) ((void)0)
+#define EPX_LL_TRACE_ADD(name, v) ((void)0)
 #define EPX_LL_ITEM_DECL(name) ((void)0)
 #define EPX_LL_ITEM_NOW(name, field, cond) ((void)0)
 #define EPX_LL_ITEM_PUT(params, name, i) ((void)0)
