@@ -28,10 +28,11 @@
 // phase whose max is 1 us or more past its median, the CTAs most often among the 8 latest.
 // --trace-only skips the timing rows and baselines; --trace-ctas (implies --trace-only) adds one
 // line per CTA and op: its SM ids over the samples, its listed rows (dispatch receive) and its
-// mean offsets at the receive's late phases, to tell an SM's lateness from its work's. --ablate (a build with -DEPX_DIAGNOSTICS=ON):
-// after each T's row, the same row once per ll ablation (cuda/tuning.h LlAblate: one stage of the
-// kernels left out, outputs wrong, waits intact), so the difference to the full row bounds what
-// that stage costs there, and once per variant (outputs exact: the check runs again under each).
+// mean offsets at the receive's late phases, to tell an SM's lateness from its work's.
+// --ablate (a build with -DEPX_DIAGNOSTICS=ON): after each T's row, the same row once per ll
+// ablation (cuda/tuning.h LlAblate: one stage of the kernels left out, outputs wrong, waits
+// intact), so the difference to the full row bounds what that stage costs there, and once per
+// variant (outputs exact: the check runs again under each).
 // --sms takes a list (32,64,128): the whole run once per value (one line per T and C at the end,
 // "sweep" lines).
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
