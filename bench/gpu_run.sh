@@ -55,7 +55,9 @@
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
 #             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T in $EPX_TRACE_TOKENS,
-#             default 128,1; E = $EPX_TRACE_EXPERTS, default 256), the one-GPU proxy,
+#             default 128,1; E = $EPX_TRACE_EXPERTS, default 256; more arguments in
+#             $EPX_TRACE_LL_ARGS, e.g. --trace-ctas: one line per CTA, summarised by
+#             bench/trace_ctas.py: copy time against rows and SM), the one-GPU proxy,
 #             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
 #             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
@@ -413,8 +415,14 @@ batch_trace() {
     --tokens 1 --sms 16
   step trace.ht_t4096 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
     --tokens 4096 --sms 16
+  # shellcheck disable=SC2086
   step trace.ll 120 "^\[trace|^ +[0-9]+ \|" "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
-    --tokens "${EPX_TRACE_TOKENS:-128,1}" --experts "${EPX_TRACE_EXPERTS:-256}" --iters 20
+    --tokens "${EPX_TRACE_TOKENS:-128,1}" --experts "${EPX_TRACE_EXPERTS:-256}" --iters 20 \
+    ${EPX_TRACE_LL_ARGS:-}
+  if grep -q "^  cta T=" "$OUT/trace.ll.log"; then  # --trace-ctas: the copy per CTA, summarised
+    step trace.ctas 60 "" "$EPX_PYTHON" bench/trace_ctas.py "$OUT/trace.ll.log" &&
+      cat "$OUT/trace.ctas.log"
+  fi
   step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" --trace \
     --sms 16
   if [ -x "$T/bench/epx_ll_overlap_bench" ]; then
