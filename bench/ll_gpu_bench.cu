@@ -541,10 +541,10 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
   const int recv_entry =
       op == 0 ? static_cast<int>(kTrDRecvEntry) : static_cast<int>(kTrCRecvEntry);
   auto ns = [&](int ph, int c) {
-    return h[2 * ((static_cast<size_t>(op) * kLlTracePhases + ph) * 128 + c)];
+    return h[ll_trace_word(op, ph, c)];
   };
   auto ck = [&](int ph, int c) {
-    return h[2 * ((static_cast<size_t>(op) * kLlTracePhases + ph) * 128 + c) + 1];
+    return h[ll_trace_word(op, ph, c) + 1];
   };
   uint64_t ref = ~0ull;
   for (int c = 0; c < 128; ++c)
@@ -622,10 +622,11 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
   std::vector<PhaseStat> st[2] = {std::vector<PhaseStat>(kTrDNum), std::vector<PhaseStat>(kTrCNum)};
   std::vector<double> span[2], gap;
   std::vector<uint64_t> h(kLlTraceWords);
-  const int samples = 5, pairs = std::max(o.warmup, 3);
+  constexpr int samples = 5;
+  const int pairs = std::max(o.warmup, 3);
   // Per op and CTA: its SM in each sample (-1: no stamp) and its count (kLlTraceSmSlot).
-  std::vector<std::array<int, 5>> sm[2] = {std::vector<std::array<int, 5>>(128),
-                                           std::vector<std::array<int, 5>>(128)};
+  std::vector<std::array<int, samples>> sm[2] = {std::vector<std::array<int, samples>>(128),
+                                                 std::vector<std::array<int, samples>>(128)};
   std::vector<int64_t> count[2] = {std::vector<int64_t>(128), std::vector<int64_t>(128)};
   for (int smp = 0; smp < samples; ++smp) {
     g.transport()->barrier("bench: trace");
@@ -644,8 +645,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
     for (int op = 0; op < 2; ++op)
       for (int c = 0; c < 128; ++c) {
-        const uint64_t* w = h.data() + 2 * ((static_cast<size_t>(op) * kLlTracePhases +
-                                             kLlTraceSmSlot) * 128 + c);
+        const uint64_t* w = h.data() + ll_trace_word(op, kLlTraceSmSlot, c);
         sm[op][c][smp] = static_cast<int>(w[0]) - 1;  // -1: no stamp (SM + 1 is stored)
         count[op][c] = static_cast<int64_t>(w[1]);
       }

@@ -75,12 +75,17 @@ inline constexpr size_t kLlTraceItemBase = size_t{2} * kLlTraceOps * kLlTracePha
 inline constexpr int64_t kLlTraceItems = 4096;
 inline constexpr size_t kLlTraceItemWords = 4;
 inline constexpr size_t kLlTraceWords = kLlTraceItemBase + kLlTraceItemWords * kLlTraceItems;
+// The first word ({ns, clock}) of (op, phase, cta): where the kernels write and the readers read
+// (constexpr: device code calls it under --expt-relaxed-constexpr, cmake/cuda.cmake).
+inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
+  return 2 * ((static_cast<size_t>(op) * kLlTracePhases + phase) * 128 + cta);
+}
 
 #if defined(EPX_LL_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
                                              uint64_t clk) {
   if (buf == nullptr || threadIdx.x != 0 || blockIdx.x >= 128) return;
-  uint64_t* w = buf + 2 * ((static_cast<size_t>(op) * kLlTracePhases + phase) * 128 + blockIdx.x);
+  uint64_t* w = buf + ll_trace_word(op, phase, blockIdx.x);
   w[0] = ns;
   w[1] = clk;
 }
@@ -124,9 +129,7 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
   do {                                                                                          \
     if ((params).trace != nullptr && threadIdx.x == 0 && blockIdx.x < 128) {                    \
       const uint64_t* b_ =                                                                      \
-          (params).trace +                                                                      \
-          2 * ((static_cast<size_t>(op) * ::epx::detail::kLlTracePhases + (base_phase)) * 128 + \
-               blockIdx.x);                                                                     \
+          (params).trace + ::epx::detail::ll_trace_word(op, base_phase, blockIdx.x);            \
       ::epx::detail::ll_trace_put((params).trace, op, phase, b_[0] + name##_ns,                 \
                                   b_[1] + name##_clk);                                          \
     }                                                                                           \
