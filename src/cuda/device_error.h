@@ -70,6 +70,10 @@ enum DeviceErrorCode : uint32_t {
   // ll overlapped combine: source `peer`'s topk_idx row a (its token) does not select expert b,
   // which the dispatch delivered to this rank: not the dispatch's topk_idx. The row is not sent.
   kDevErrLlOverlapRoute = 36,
+  // ll combine (row map): topk_idx[a / 64][a % 64] selects expert b, which the dispatch that made
+  // the handle did not deliver there from this rank (peer = the expert's rank): not the
+  // dispatch's topk_idx. The selection is skipped.
+  kDevErrLlCombineNotSent = 37,
   // device-copy rail: the partner (peer) posted another exchange than this rank's (ranks out of
   // step). a = the partner's leg tag << 32 | its exchange number, b = this rank's, the same way.
   kDevErrRailStep = 48,

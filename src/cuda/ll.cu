@@ -127,20 +127,34 @@ void check_ll_supported(const Group& group, const MoeShape& shape) {
 // limit).
 DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap>));
 
-// One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode).
-void launch_combine(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
-                    const LlCombineParams& p) {
+// One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode),
+// with the row map (kDirect) or the prefix counts.
+template <bool kDirect>
+void launch_combine_form(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
+                         const LlCombineParams& p) {
   switch (mode) {
     case kLlCombineLogfmt:
-      launch_kernel(ll::combine<kLlCombineLogfmt>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
+      launch_kernel(ll::combine<kLlCombineLogfmt, false, kDirect>, ctas, kLlThreads, smem, stream,
+                    p.pdl, what, p);
       break;
     case kLlCombineOverlap:
-      launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what,
-                    p);
-      break;
+      if constexpr (!kDirect) {
+        launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what,
+                      p);
+        break;
+      }
+      [[fallthrough]];
     default:
-      launch_kernel(ll::combine<kLlCombinePlain>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
+      launch_kernel(ll::combine<kLlCombinePlain, false, kDirect>, ctas, kLlThreads, smem, stream,
+                    p.pdl, what, p);
   }
+}
+void launch_combine(int mode, bool direct, int ctas, size_t smem, cudaStream_t stream,
+                    const char* what, const LlCombineParams& p) {
+  if (direct && mode != kLlCombineOverlap)
+    launch_combine_form<true>(mode, ctas, smem, stream, what, p);
+  else
+    launch_combine_form<false>(mode, ctas, smem, stream, what, p);
 }
 
 // One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
@@ -242,6 +256,14 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   uint64_t generation_ = 0;  // bumped by ll_clean; older hooks refuse to run
   bool dispatch_in_flight_[2] = {false, false};
   bool combine_in_flight_[2] = {false, false};
+  // Dispatches made by this object (never reset: LlHandle::serial), and per slot the serial of
+  // the dispatch whose row map the slot holds (0 after ll_clean, which zeroes the maps): a
+  // combine reads the row map only through that dispatch's handle (combine_direct).
+  uint64_t dispatch_serial_ = 0;
+  uint64_t slot_serial_[2] = {0, 0};
+  bool combine_direct(const LlHandle& h) const {
+    return h.serial != 0 && h.serial == slot_serial_[h.slot];
+  }
 #ifdef EPX_LL_TRACE
   uint64_t* trace_ = nullptr;  // trace.cuh: kLlTraceWords, zeroed
 #endif
@@ -379,6 +401,12 @@ void CudaLl::check() {
                       e.a % 64, "] more often than rank ", e.peer, " received from rank ", e.rank,
                       "; expected the topk_idx of the dispatch that made 'handle' (that selection "
                       "was skipped)"));
+    case kDevErrLlCombineNotSent:
+      throw_error(ErrorCode::kInvalidArgument,
+                  cat(op, ": argument 'topk_idx' selects expert ", e.b, " at [", e.a / 64, ", ",
+                      e.a % 64, "], which the dispatch that made 'handle' did not deliver to rank ",
+                      e.peer, " for this token; expected the topk_idx of that dispatch (that "
+                      "selection was skipped)"));
     default:
       DeviceObject::raise_common(e, shape_.num_experts);  // out-of-range expert ids, unknown codes
   }
@@ -493,6 +521,7 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   res.handle.num_tokens = T;
   res.handle.slot = slot;
   res.handle.buffer_id = buffer_id;
+  res.handle.serial = slot_serial_[slot] = ++dispatch_serial_;
 
   LlDispatchParams p{};
   p.x = static_cast<const uint16_t*>(args.x.data);
@@ -610,8 +639,12 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
     p.out_f32 = partial;
     p.out_stride = H;
     p.phases = kLlPhaseBoth;
-    launch_kernel(ll::combine<kLlCombinePlain, true>, num_ctas_, kLlThreads, 0, stream, p.pdl,
-                  op, p);
+    if (combine_direct(h))
+      launch_kernel(ll::combine<kLlCombinePlain, true, true>, num_ctas_, kLlThreads, 0, stream,
+                    p.pdl, op, p);
+    else
+      launch_kernel(ll::combine<kLlCombinePlain, true>, num_ctas_, kLlThreads, 0, stream, p.pdl,
+                    op, p);
     return res;
   }
   if (args.overlap) return combine_overlapped(args, p, std::move(res), failed);
@@ -621,7 +654,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   const int mode = args.use_logfmt ? kLlCombineLogfmt : kLlCombinePlain;
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
-    launch_combine(mode, num_ctas_, smem, stream, op, p);
+    launch_combine(mode, combine_direct(h), num_ctas_, smem, stream, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
@@ -633,7 +666,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.copy_own = 1;
   p.stash_ids = stash_ids_ + stash;
   p.stash_w = stash_w_ + stash;
-  launch_combine(mode, num_ctas_, smem, stream, op, p);
+  launch_combine(mode, false, num_ctas_, smem, stream, op, p);
   combine_in_flight_[slot] = true;
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -649,10 +682,16 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   pr.topk_stride = shape_.top_k;
   pr.weights = p.stash_w;
   pr.weights_stride = shape_.top_k;
-  // The hook keeps an allocated out alive; a given out must stay alive until it ran.
+  // The hook keeps an allocated out alive; a given out must stay alive until it ran. It reads
+  // the row map when the slot still holds the handle's (decided when it runs: a dispatch into
+  // the slot may come between the call and its hook). make_hook runs it only while this object
+  // lives.
   const int ctas = num_ctas_;
-  res.hook = make_hook(false, slot, [pr, ctas, mode, smem, stream, keep = res.out]() {
-    launch_combine(mode, ctas, smem, stream, "ll_combine hook", pr);
+  const uint64_t serial = h.serial;
+  res.hook = make_hook(false, slot, [this, pr, ctas, mode, smem, stream, serial, slot,
+                                     keep = res.out]() {
+    const bool direct = serial != 0 && serial == slot_serial_[slot];
+    launch_combine(mode, direct, ctas, smem, stream, "ll_combine hook", pr);
   });
   return res;
 }
@@ -694,7 +733,7 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
   p.recv_ctas = num_ctas_;
   p.stash_w = stash_w_ + static_cast<size_t>(slot) * shape_.max_tokens_per_rank * K;
   p.phases = kLlPhaseSend;
-  launch_combine(kLlCombineOverlap, S, smem, stream, op, p);
+  launch_combine(kLlCombineOverlap, false, S, smem, stream, op, p);
 
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -708,14 +747,14 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
   pr.weights_stride = K;
   const int ctas = num_ctas_;
   if (failed || !args.return_recv_hook) {
-    launch_combine(kLlCombineOverlap, ctas, 0, stream, op, pr);
+    launch_combine(kLlCombineOverlap, false, ctas, 0, stream, op, pr);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
   combine_in_flight_[slot] = true;
   // The hook keeps an allocated out alive; a given out must stay alive until it ran.
   res.hook = make_hook(false, slot, [pr, ctas, stream, keep = res.out]() {
-    launch_combine(kLlCombineOverlap, ctas, 0, stream, "ll_combine hook", pr);
+    launch_combine(kLlCombineOverlap, false, ctas, 0, stream, "ll_combine hook", pr);
   });
   return res;
 }
@@ -734,6 +773,7 @@ TensorView CudaLl::next_combine_buffer(const LlHandle& handle) {
 void CudaLl::clean() {
   auto host_reset = [this] {
     num_dispatches_ = 0;
+    slot_serial_[0] = slot_serial_[1] = 0;
     ++generation_;
     for (int q = 0; q < 2; ++q) dispatch_in_flight_[q] = combine_in_flight_[q] = false;
   };

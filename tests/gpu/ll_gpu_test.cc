@@ -283,6 +283,35 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   EXPECT_EQ(run_cases(R, cases, data), 0);
 }
 
+// Three dispatches before their combines (no hooks): the third reuses the first one's slot, so
+// the first combine reads the prefix counts and range tables (its slot's row map is the third
+// dispatch's by then) and the other two the row map (kernels/ll/combine.cuh, kDirect); fp8 and
+// copy mode, bf16 with zero_copy, LogFMT with duplicated experts in a row.
+std::vector<Case> three_batch_cases(int R, uint64_t seed) {
+  std::vector<Case> cases;
+  for (int v = 0; v < 3; ++v) {
+    Case c;
+    c.p = {R, 32, 512, 8, 8 * R, v != 1, false, false};
+    c.p.use_logfmt = v == 2;
+    c.routing = v == 2 ? Routing::kDuplicates : Routing::kUniform;
+    c.num_batches = 3;
+    c.num_iters = 2;
+    c.zero_copy = v == 1;
+    c.seed = seed + v;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+TEST_P(LlGpu, ThreeBatchesBeforeTheirCombinesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  const std::vector<Case> cases = three_batch_cases(R, 510000 + 10 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
+  EXPECT_EQ(run_cases(R, cases, data), 0);
+}
+
 // Few CTAs and many experts (kernels/ll/dispatch.cuh, the receive's units): C = 1 (one CTA takes
 // every expert, its lists overflowing 512 entries) and 3 (units in groups of kLlUnitGroup) with
 // T_max = 1024 and K = 16, at R = 1 and one-GPU R = 2 (the concatenated view); and E = 288 on the
@@ -383,6 +412,15 @@ TEST_P(LlOneGpu, RandomCasesMatchOracle) {
     cases.push_back(random_case(R, 7000 * R + i));
     data.push_back(testing::make_ll_batches(cases.back()));
   }
+  EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
+}
+
+TEST_P(LlOneGpu, ThreeBatchesBeforeTheirCombinesMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  const std::vector<Case> cases = three_batch_cases(R, 520000 + 10 * R);
+  std::vector<std::vector<Batch>> data;
+  for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data, /*one_gpu=*/true), 0);
 }
 
@@ -938,6 +976,95 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDropped) {
 TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDroppedOneGpu) {
   EPX_REQUIRE_GPUS(1);
   EXPECT_EQ(bad_expert_case(true), 0);
+}
+
+// A combine whose topk_idx is not the dispatch's: rank 0 moves one selection of token 3 to an
+// expert the dispatch did not deliver it to (another rank's, so the rank that checks it waited
+// for it), rank 1 passes its own. check() raises InvalidArgument on rank 0 naming 'topk_idx' and
+// the expert; the other selections are summed (token 3 without the moved one, compared with the
+// oracle of the routing without it), and a checked round on a new Buffer afterwards is exact.
+// Two GPUs, or (one_gpu) two ranks sharing GPU 0.
+int combine_route_mismatch_case(bool one_gpu) {
+  const Case c = small_case(2, 61);
+  const std::vector<Batch> clean = testing::make_ll_batches(c);
+  const int K = c.p.top_k, E = c.p.num_experts, L = E / 2;
+  std::mt19937_64 rng(62);
+  Batch b = testing::make_ll_batch(c, rng);
+  // Token 3 of rank 0: its selection k = 1 moves to an expert of the other rank than its own.
+  std::vector<int64_t>& row = b.in[0].topk_idx;
+  const int64_t was = row[3 * K + 1];
+  int64_t moved = was < 0 ? 0 : ((was / L + 1) % 2) * L + (was % L);
+  for (int k = 0; k < K; ++k)
+    if (row[3 * K + k] == moved) moved = (moved + 1) % E;  // not already in the row
+  Batch dropped = b;  // the routing the outputs follow: the selection dropped
+  dropped.in[0].topk_idx[3 * K + 1] = -1;
+  testing::finish_ll_batch(c, dropped, rng);
+  const auto body = [&](const Group& g) {
+    const int r = g.rank(), dev = one_gpu ? 0 : r;
+    const int64_t H = c.p.hidden, T = 11;
+    int failures = 0;
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+      ++failures;
+    };
+    std::optional<RankStream> rs(std::in_place);
+    const cudaStream_t stream = rs->get();
+    Buffer buf(g, c.p.moe_shape(), ll_only());
+    Tensor x = gpu_testing::to_device(dropped.in[r].x, DType::kBF16, {T, H}, dev);
+    Tensor topk = upload_topk(dropped.in[r].topk_idx, T, K, false, dev);
+    Tensor w = gpu_testing::to_device(dropped.in[r].topk_weights, DType::kF32, {T, K}, dev);
+    LlDispatchArgs da;
+    da.x = x;
+    da.topk_idx = topk;
+    da.use_fp8 = c.p.use_fp8;
+    da.stream = stream;
+    LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
+    std::vector<int64_t> ids = dropped.in[r].topk_idx;
+    if (r == 0) ids[3 * K + 1] = moved;
+    Tensor ctopk = upload_topk(ids, T, K, false, dev);
+    TensorView v = buf.ll_next_combine_buffer(d.handle);
+    gpu_testing::upload_on_rank_stream(v.data, dropped.y[r].data(), dropped.y[r].size() * 2,
+                                       stream);
+    LlCombineArgs ca;
+    ca.topk_idx = ctopk;
+    ca.topk_weights = w;
+    ca.handle = &d.handle;
+    ca.zero_copy = true;
+    ca.stream = stream;
+    LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
+    CUDA_OK(cudaStreamSynchronize(stream));
+    try {
+      buf.check();
+      if (r == 0) fail("check() after the combine did not raise");
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      if (r != 0 || e.code() != ErrorCode::kInvalidArgument ||
+          m.find("'topk_idx'") == std::string::npos ||
+          m.find("expert " + std::to_string(moved) + " at [3, 1]") == std::string::npos)
+        fail("unexpected error: " + m);
+    }
+    std::vector<std::vector<uint8_t>> keep;
+    std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_ll_dispatch(d, keep));
+    if (!err.empty()) fail("dispatch: " + err);
+    err = check_out(c.p, dropped.want_out[r], cr.out);
+    if (!err.empty()) fail("combine without the moved selection: " + err);
+    rs.reset();
+    const RankStream s2;
+    err = run_rank(c, clean, g, s2.get());
+    if (!err.empty()) fail("clean case after the error: " + err);
+    return failures;
+  };
+  return run_ranks(2, one_gpu, body);
+}
+
+TEST(LlGpuErrors, CombineRouteNotTheDispatchsIsInvalidArgument) {
+  EPX_REQUIRE_GPUS(2);
+  EXPECT_EQ(combine_route_mismatch_case(false), 0);
+}
+
+TEST(LlGpuErrors, CombineRouteNotTheDispatchsIsInvalidArgumentOneGpu) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(combine_route_mismatch_case(true), 0);
 }
 
 // A peer that never calls ll_dispatch: the waiting rank's kernel gives up after the group

@@ -509,7 +509,7 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
 // their warps wait for the fence: in steps 4-5 warp 0 reads ranges and waits, and thread 32 + i
 // counts the chunk's earlier tokens i, i + 480, ... and loads the first group's ids, which leaves
 // warps 14-15 idle while the chunk starts at token <= 416.
-template <int kMode, bool kF32Out>
+template <int kMode, bool kF32Out, bool kDirect>
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool deferred,
                                 uint64_t send_masked) {
   constexpr bool kLogfmt = kMode == kLlCombineLogfmt;
@@ -555,7 +555,157 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     ll_combine_signal_ready(p, send_masked, static_cast<int>(blockDim.x) - kMaxRanks);
     EPX_LL_STAMP(p, 1, kTrCSignal);  // (thread 0: when the last warps issued it)
   };
-  if (t_begin < t_end) {
+  auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };
+  // Step 6: the source of a selection of expert id whose row is `row` of the expert's block (d =
+  // id / L, l = id % L): comb_y(d, q)[l][row] (the caller's y for d = r in copy mode without
+  // use_logfmt; *mrow its meta words with use_logfmt), or with overlap land(r, q)[t][k0].
+  auto source_of = [&](int id, int64_t row, int64_t t, int k0, uintptr_t* mrow) -> uintptr_t {
+    const int d = id / L, l = id - d * L;
+    if constexpr (kMode == kLlCombineOverlap) {
+      return reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + (t * K + k0) * H);
+    } else {
+      if (d == me && !p.zero_copy && !kLogfmt)
+        return reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
+               (p.y_vec16 ? 0 : 1);
+      if constexpr (kLogfmt)
+        *mrow = reinterpret_cast<uintptr_t>(g.comb_meta(symm.peers[d], q) +
+                                            (l * RT + row) * g.num_groups);
+      return reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
+    }
+  };
+  // 7. Tokens [c0, c0 + n) of a group, their sources and weights in s_src / s_w (/ s_mrow); ends
+  // with a barrier (s_* are rewritten by the next group).
+  auto reduce_group = [&](int64_t c0, int n) {
+    if constexpr (kLogfmt) {
+      ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
+      // (it ends with a barrier, as the loop below)
+    } else {
+      // Output vector (tl, v_begin + v), tl * v_count + v = threadIdx.x + j * blockDim.x:
+      // advanced without a division per vector (a 32-bit one when v wraps).
+      const int nvi = v_count;
+      // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
+      int tl = static_cast<int>(threadIdx.x) / nvi;
+      if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
+      for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
+        const uintptr_t* src = s_src + tl * K;
+        float acc[8];
+        ll_reduce8<kLlLoadBatch>(
+            K, src, s_w + tl * K,
+            [&](int k) { return ll_ld_expert_row8(src[k], v_begin + v); },
+            [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
+        if constexpr (kF32Out) {
+          auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride +
+                                              8 * (v_begin + v));
+          o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+          o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        } else if (p.out) {
+          const uint4 packed = f32_to_bf16_vec<uint4>(acc);
+          ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * (v_begin + v), packed,
+                 p.out_vec16 != 0);
+        }
+        v += blockDim.x;
+        if (v >= nvi) {
+          const int wrap = v / nvi;
+          tl += wrap;
+          v -= wrap * nvi;
+        }
+      }
+      __syncthreads();  // s_* are rewritten by the next group of tokens
+    }
+  };
+  if (kDirect && t_begin < t_end) {
+    // 4-6 with the row map (kDirect): each selection's row is the entry (t, k0) of this rank's
+    // row map of slot q, stored by the expert's rank in its dispatch receive (k0: the first k of
+    // the expert in t's row). In the first group warp 0 waits for the peers (step 5) while
+    // threads 32 + i resolve selection i: its id, weight and entry in one round trip; a peer's
+    // entry is used before the wait only when it is already this dispatch's (the rows are read
+    // after the barrier). After the barrier the rest is resolved again (a duplicate, mapped at its
+    // first k; a peer's entry not yet seen; with enable_shrink a peer's selection, once the mask
+    // is known); an entry of another dispatch is reported (kDevErrLlCombineNotSent) and skipped.
+    static_assert(kSlots <= kLlThreads - 32, "one selection per thread");
+    signal_deferred();
+    const uint64_t* rmap = g.row_map(symm.local, q);
+    const auto* depoch = reinterpret_cast<const volatile uint32_t*>(
+        &g.state(symm.local)->dispatch_epoch[q][blockIdx.x]);
+    // The first pass of selection i of the group at c0; true: resolve it after the barrier.
+    auto resolve = [&](int64_t c0, int i, bool early) {
+      const int64_t t = c0 + i / K;
+      const int k = i - (i / K) * K;
+      int64_t id = id_at(t, k);
+      const float w = weight_at(t, k);
+      const uint64_t entry = ld_relaxed_sys(rmap + t * K + k);
+      const uint32_t de = *depoch;
+      if (id < -1 || id >= E) {
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, id);
+        id = -1;
+      }
+      s_ids[i] = static_cast<int32_t>(id);
+      uintptr_t src = 0, mrow = 0;
+      bool later = false;
+      if (id >= 0) {
+        const int d = static_cast<int>(id) / L;
+        later = !ll_row_entry_is(entry, static_cast<int32_t>(id), de) ||
+                (early && symm.shrink && d != me);
+        if (!later && (early || !rank_skipped(s_masked, d)))
+          src = source_of(static_cast<int>(id), entry & 0xFFFFFFFF, t, k, &mrow);
+      }
+      s_src[i] = src;
+      if constexpr (kLogfmt) s_mrow[i] = mrow;
+      s_w[i] = src || later ? w : 0.0f;
+      return later;
+    };
+    // The second pass (after the barrier: the group's ids and the mask are in shared memory).
+    auto resolve_late = [&](int64_t c0, int i) {
+      const int64_t t = c0 + i / K;
+      const int k = i - (i / K) * K;
+      const int* ids = s_ids + (i / K) * K;
+      const int id = ids[k], d = id / L;
+      int k0 = 0;
+      while (ids[k0] != id) ++k0;
+      uintptr_t src = 0, mrow = 0;
+      if (!rank_skipped(s_masked, d)) {
+        const uint64_t entry = ld_relaxed_sys(rmap + t * K + k0);
+        if (ll_row_entry_is(entry, id, *depoch))
+          src = source_of(id, entry & 0xFFFFFFFF, t, k0, &mrow);
+        else
+          record_error(p.wait, kDevErrLlCombineNotSent, d, t * 64 + k, id);
+      }
+      s_src[i] = src;
+      if constexpr (kLogfmt) s_mrow[i] = mrow;
+      if (!src) s_w[i] = 0.0f;
+    };
+    for (int64_t c0 = t_begin; c0 < t_end; c0 += kLlCombineTokens) {
+      const int n = static_cast<int>(min(static_cast<int64_t>(kLlCombineTokens), t_end - c0));
+      const bool early = c0 == t_begin;
+      EPX_LL_TRACE_BEGIN(ids);
+      int i = static_cast<int>(threadIdx.x) - (early ? 32 : 0);
+      bool later = false;
+      if (i < 0) {
+        // Warp 0, first group: step 5 (pairs with step 3 of every peer).
+        const bool ok =
+            ll_combine_wait_ready<kMode>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+        EPX_LL_STAMP(p, 1, kTrCReadyWait);
+        const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
+        if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
+        EPX_LL_STAMP(p, 1, kTrCRange);
+      } else if (i < n * K) {
+        later = resolve(c0, i, early);
+      }
+      const bool again = __syncthreads_or(later);
+      if (early) {
+        EPX_LL_STAMP(p, 1, kTrCPrefix);
+        if (!s_ok) return false;
+      }
+      if (again) {
+        if (later) resolve_late(c0, i);
+        __syncthreads();
+      }
+      EPX_LL_TRACE_END(ids);
+      reduce_group(c0, n);
+    }
+    EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
+    EPX_LL_STAMP(p, 1, kTrCPull);
+  } else if (t_begin < t_end) {
     // 4. The counts of the tokens before the chunk, per expert.
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
     __syncthreads();
@@ -600,7 +750,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       s_ids[i] = static_cast<int32_t>(id);
       s_w[i] = w;
     };
-    auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };
     auto load_group = [&](int64_t c0, int n, int first, int stride) {
       for (int i = first; i < n * K; i += stride) {
         const int tl = i / K, k = i - tl * K;
@@ -692,24 +841,10 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
           const int64_t j = s_row[tl * K + k0];
           const int64_t range = s_range[id];
           const int64_t begin = range >> 32, count = range & 0xFFFFFFFF;
-          const int d = id / L, l = id - d * L;
-          if (j >= count || begin + j >= RT) {
-            record_error(p.wait, kDevErrLlCombineRows, d, (c0 + tl) * 64 + k, id);
-          } else if constexpr (kMode == kLlCombineOverlap) {
-            src =
-                reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + ((c0 + tl) * K + k0) * H);
-          } else {
-            const int64_t row = begin + j;
-            if (d == me && !p.zero_copy && !kLogfmt) {
-              src = reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
-                    (p.y_vec16 ? 0 : 1);
-            } else {
-              src = reinterpret_cast<uintptr_t>(g.comb_y(symm.peers[d], q) + (l * RT + row) * H);
-              if constexpr (kLogfmt)
-                mrow = reinterpret_cast<uintptr_t>(g.comb_meta(symm.peers[d], q) +
-                                                   (l * RT + row) * g.num_groups);
-            }
-          }
+          if (j >= count || begin + j >= RT)
+            record_error(p.wait, kDevErrLlCombineRows, id / L, (c0 + tl) * 64 + k, id);
+          else
+            src = source_of(id, begin + j, c0 + tl, k0, &mrow);
         }
         s_src[i] = src;
         if constexpr (kLogfmt) s_mrow[i] = mrow;
@@ -717,43 +852,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       }
       __syncthreads();
       EPX_LL_TRACE_END(ids);
-      // 7.
-      if constexpr (kLogfmt) {
-        ll_logfmt_reduce(symm, c0, n, s_src, s_mrow, s_w, p.out, p.out_stride, p.out_vec16 != 0);
-        // (it ends with a barrier, as the loop below)
-      } else {
-        // Output vector (tl, v_begin + v), tl * v_count + v = threadIdx.x + j * blockDim.x:
-        // advanced without a division per vector (a 32-bit one when v wraps).
-        const int nvi = v_count;
-        // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
-        int tl = static_cast<int>(threadIdx.x) / nvi;
-        if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
-        for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
-          const uintptr_t* src = s_src + tl * K;
-          float acc[8];
-          ll_reduce8<kLlLoadBatch>(
-              K, src, s_w + tl * K,
-              [&](int k) { return ll_ld_expert_row8(src[k], v_begin + v); },
-              [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
-          if constexpr (kF32Out) {
-            auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride +
-                                                8 * (v_begin + v));
-            o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-          } else if (p.out) {
-            const uint4 packed = f32_to_bf16_vec<uint4>(acc);
-            ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * (v_begin + v), packed,
-                   p.out_vec16 != 0);
-          }
-          v += blockDim.x;
-          if (v >= nvi) {
-            const int wrap = v / nvi;
-            tl += wrap;
-            v -= wrap * nvi;
-          }
-        }
-        __syncthreads();  // s_* are rewritten by the next group of tokens
-      }
+      reduce_group(c0, n);
     }
     EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
     EPX_LL_STAMP(p, 1, kTrCPull);
@@ -800,8 +899,11 @@ namespace epx::ll {
 // The ll combine kernel, one instantiation per form (LlCombineMode; profilers show one name,
 // epx::ll::combine, hook or not): p.phases selects the send half (the call with a hook), the
 // receive half (the hook) or both (no hook). kF32Out (plain only): float32 out, unrounded (the
-// partials of the ll across nodes); the bf16 instantiations' code is unchanged by it.
-template <int kMode, bool kF32Out = false>
+// partials of the ll across nodes); the bf16 instantiations' code is unchanged by it. kDirect
+// (plain and LogFMT): steps 4-6 read each selection's row from the row map, which the handle's
+// dispatch wrote (the host's choice: the slot's last dispatch made the handle; else the prefix
+// counts and range tables).
+template <int kMode, bool kF32Out = false, bool kDirect = false>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombineParams p) {
   using namespace detail;
   pdl_begin(p.pdl);
@@ -819,7 +921,8 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
     }
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
-  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out>(p, e, deferred, send_masked);
+  static_assert(!kDirect || kMode != kLlCombineOverlap, "the overlapped form reads land");
+  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out, kDirect>(p, e, deferred, send_masked);
 }
 
 }  // namespace epx::ll

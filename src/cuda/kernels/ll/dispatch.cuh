@@ -32,7 +32,9 @@
 //   (when R * T_max <= 512: every source's T_max slots in order, one round, each slot's T_s read
 //   with its routing row, the slots t >= T_s left out; LlRecvSources):
 //   (s, t) selects expert r * L + l (once, however often its row lists it) -> row = rows so far
-//   (an ordered block-wide compaction); the unit's share of rows (entries i = sub, sub + S, ...)
+//   (an ordered block-wide compaction), and row_map(s, q)[t][k0] = ll_row_entry(row, expert, e)
+//   is stored on source s (k0: the first k of t's routing row listing the expert; s's combine
+//   finds its rows there); the unit's share of rows (entries i = sub, sub + S, ...)
 //   is written by warps taking 4 KB chunks of a message each (ll_dispatch_copy_entries):
 //     recv_x[l][row] = msg bytes, recv_scales[l][g][row] (f32, or UE8M0 bytes packed 4 per int32
 //     [l][g / 4][row]) = scales, src_info[l][row] = t; NVFP4: recv_x[l][row] = the e2m1 pairs,
@@ -462,12 +464,13 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
 
 // Which of the n experts `experts[i]` the K ids of a staged routing row list (bit i), kLlIdBatch
 // ids at a time (independent loads: one latency per batch); `vec4` (K % 4 == 0, the row 16-byte
-// aligned): as int4 loads.
+// aligned): as int4 loads. *first: bits 5i .. 5i + 4 the first k that lists experts[i] (K <= 32).
 __device__ __forceinline__ uint32_t ll_row_selects(const int32_t* row, int K,
                                                    const int32_t (&experts)[kLlUnitGroup], int n,
-                                                   bool vec4) {
+                                                   bool vec4, uint32_t* first) {
   static_assert(kLlIdBatch % 4 == 0, "int4 batches");
-  uint32_t sel = 0;
+  static_assert(kLlMaxTopK <= 32 && kLlUnitGroup * 5 <= 32, "first k: 5 bits per unit");
+  uint32_t sel = 0, firsts = 0;
   for (int k0 = 0; k0 < K; k0 += kLlIdBatch) {
     int32_t id[kLlIdBatch];
     if (vec4) {
@@ -484,12 +487,17 @@ __device__ __forceinline__ uint32_t ll_row_selects(const int32_t* row, int K,
 #pragma unroll
     for (int i = 0; i < kLlUnitGroup; ++i) {
       if (i >= n) break;
-      bool hit = false;
+      int f = -1;
 #pragma unroll
-      for (int k = 0; k < kLlIdBatch; ++k) hit |= id[k] == experts[i];
-      sel |= static_cast<uint32_t>(hit) << i;
+      for (int k = kLlIdBatch - 1; k >= 0; --k)
+        if (id[k] == experts[i]) f = k;
+      if (f >= 0 && !(sel >> i & 1)) {
+        sel |= 1u << i;
+        firsts |= static_cast<uint32_t>(k0 + f) << (5 * i);
+      }
     }
   }
+  *first = firsts;
   return sel;
 }
 
@@ -507,11 +515,12 @@ struct LlRecvSources {
 };
 
 // Which of the group's experts entry j (< srcs.total) selects (bit i: experts[i], once however
-// often its row lists it); *s / *t its source and token. A routing row's ids are loaded once.
+// often its row lists it); *s / *t its source and token, *first the first k of each
+// (ll_row_selects). A routing row's ids are loaded once.
 __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
                                                     const LlRecvSources& srcs, int64_t j,
                                                     const int32_t (&experts)[kLlUnitGroup], int n,
-                                                    int* s, int64_t* t) {
+                                                    int* s, int64_t* t, uint32_t* first) {
   const LlLayout& g = p.symm.layout;
   const int K = g.top_k;
   int src = 0;
@@ -526,7 +535,7 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
                              ? ld_landed<int32_t>(&g.header(p.symm.local, p.slot, src)->num_tokens)
                              : 0;
   const uint32_t sel =
-      ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, experts, n, K % 4 == 0);
+      ll_row_selects(g.topk(p.symm.local, p.slot, src) + *t * K, K, experts, n, K % 4 == 0, first);
   return srcs.slot == 0 || *t < tokens ? sel : 0;
 }
 
@@ -558,11 +567,11 @@ __device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams
 // waits for the CTA's row stores, which the layout writes need not wait for.
 template <int kQuant, bool kShrink>
 __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
-                                               int32_t stats0) {
+                                               int32_t stats0, uint32_t e) {
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
   const LlLayout& g = p.symm.layout;
-  const int R = g.num_ranks, L = g.num_local_experts;
+  const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k;
   const int me = p.rank, S = p.units_per_expert;
   const int units = L * S;
   const int C = static_cast<int>(gridDim.x);
@@ -590,7 +599,8 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
       const int64_t j = base + threadIdx.x;
       int s = 0;
       int64_t t = 0;
-      const uint32_t sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t) : 0;
+      uint32_t first = 0;
+      const uint32_t sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t, &first) : 0;
       int pos[kLlUnitGroup], total[kLlUnitGroup];
       ll_block_scan_group(sel, n, pos, total);
       EPX_LL_TRACE_END(scan);
@@ -607,8 +617,15 @@ __device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
             continue;
           }
           if (sel >> i & 1) {
-            if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList))
-              ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], running[i] + pos[i]);
+            if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) {
+              const int64_t row = running[i] + pos[i];
+              ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], row);
+              // Where the token landed, into source s's row map (its combine's rows; the
+              // unit's first CTA: its S CTAs list the same rows).
+              if (sub == 0)
+                st_relaxed_sys(g.row_map(p.symm.peers[s], p.slot) + t * K + (first >> (5 * i) & 31),
+                               ll_row_entry(row, expert[i], e));
+            }
             atomicAdd(&s_cnt[i][s], 1);
           }
           filled += total[i];
@@ -752,7 +769,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
       srcs.first = s_first;
       srcs.total = s_first[R];
     }
-    ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0);
+    ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0, e);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   }
 

@@ -7,6 +7,11 @@
 //   state     LlState                          local only: abort / error claim, per-slot epochs
 //                                              and finished-CTA counters
 //   sync      LlSync                           written by peers (column p by rank p): the flags
+//   row map, slot 0 and slot 1:                written by the experts' ranks (their dispatch
+//     uint64 [T_max, K]                        receives): entry (t, k) = where this rank's token
+//                                              t landed for selection k, ll_row_entry (the first
+//                                              k of each distinct expert of t only); read by this
+//                                              rank's combine (combine.cuh, kDirect)
 //   mask      LlMask                           local only: the ranks this rank masks
 //                                              (enable_shrink; kept by ll_clean)
 //   dispatch staging, slot 0 and slot 1:       what every source sent to this rank
@@ -34,9 +39,9 @@
 //                                              row's groups encoded in place (logfmt.h layout)
 //     land    bf16 [T_max, K, H]               overlap: y(t, k0) pushed by the expert's rank,
 //                                              k0 = the first k of each distinct expert of t
-// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * (2H + 4G) + T_max * K * (2H + 4)): at
+// Bytes per rank ≈ 2 * (R * T_max * (4K + msg) + L * RT * (2H + 4G) + T_max * K * (2H + 12)): at
 // EP2, T_max = 128, H = 7168, E = 256 that is 7.4 MB of staging + 954 MB of combine buffers +
-// 29.4 MB of landing rows.
+// 29.4 MB of landing rows + 16 KB of row maps.
 //
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
@@ -146,6 +151,21 @@ struct LlMask {
   unsigned long long masked;
 };
 
+// A row map entry (layout above): the row of the expert's [RT] block (bits 0-31), the expert (bits
+// 32-43) and the low 20 bits of the dispatch's epoch of the slot (bits 44-63), so a combine tells
+// an entry of its handle's dispatch from an older one (a selection that dispatch did not deliver).
+inline constexpr uint32_t kLlRowEpochMask = 0xFFFFF;
+static_assert(kLlMaxExperts <= 4096, "row map entries hold the expert in 12 bits");
+EPX_LL_HD uint64_t ll_row_entry(int64_t row, int32_t expert, uint32_t epoch) {
+  return static_cast<uint64_t>(row) | static_cast<uint64_t>(expert) << 32 |
+         static_cast<uint64_t>(epoch & kLlRowEpochMask) << 44;
+}
+// Whether `entry` is expert's row in the dispatch of epoch `epoch` (then the row is its low word).
+EPX_LL_HD bool ll_row_entry_is(uint64_t entry, int32_t expert, uint32_t epoch) {
+  return entry >> 32 == (static_cast<uint64_t>(epoch & kLlRowEpochMask) << 12 |
+                         static_cast<uint64_t>(expert));
+}
+
 struct LlSourceHeader {
   int32_t num_tokens;
   int32_t format;              // use_fp8 | round_scale << 1 | use_nvfp4 << 2
@@ -160,7 +180,7 @@ EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {
 struct LlLayout {
   int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
   int64_t max_tokens = 0, hidden = 0, num_groups = 0, rows_per_expert = 0, msg_bytes = 0;
-  size_t state_off = 0, sync_off = 0, mask_off = 0;
+  size_t state_off = 0, sync_off = 0, row_map_off[2] = {}, mask_off = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
   size_t comb_layout_off = 0, comb_format_off = 0, comb_route_off = 0, comb_meta_off = 0,
@@ -199,6 +219,10 @@ struct LlLayout {
     off += ll_round_up(sizeof(LlState), 256);
     g.sync_off = off;
     off += ll_round_up(sizeof(LlSync), 256);
+    for (int q = 0; q < 2; ++q) {
+      g.row_map_off[q] = off;
+      off += ll_round_up(8 * T * g.top_k, 256);
+    }
     g.mask_off = off;
     off += ll_round_up(sizeof(LlMask), 256);
     for (int q = 0; q < 2; ++q) {
@@ -213,13 +237,16 @@ struct LlLayout {
     return g;
   }
 
-  // state + sync: what ll_clean zeroes (not the mask).
+  // state + sync + row map: what ll_clean zeroes (not the mask).
   EPX_LL_HD size_t control_bytes() const { return mask_off; }
 
   EPX_LL_HD LlState* state(char* base) const {
     return reinterpret_cast<LlState*>(base + state_off);
   }
   EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + sync_off); }
+  EPX_LL_HD uint64_t* row_map(char* base, int slot) const {
+    return reinterpret_cast<uint64_t*>(base + row_map_off[slot]);
+  }
   EPX_LL_HD unsigned long long* mask(char* base) const {
     return &reinterpret_cast<LlMask*>(base + mask_off)->masked;
   }
