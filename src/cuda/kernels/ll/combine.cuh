@@ -16,7 +16,9 @@
 //      q) and comb_meta(r, q) (from y, or in place with zero_copy; logfmt.cuh), same units.
 //   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q); then
 //      combine_routed[q][r] = e on every rank (what an overlapped peer waits for, so ranks that
-//      disagree on overlap raise InvalidArgument instead of timing out).
+//      disagree on overlap raise InvalidArgument instead of timing out). With the receive half in
+//      the same launch combine_routed goes out with step 3's releases (one fence), and with
+//      kDirect no layout is copied (no receive reads it: every rank reads its row map).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
 //      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
 //      When the receive half runs in the same launch, its last kMaxRanks threads issue these
@@ -136,11 +138,13 @@ __device__ __forceinline__ int32_t ll_combine_format(const LlCombineParams& p) {
   return p.use_logfmt | p.overlap << 1;
 }
 
-// Step 2 (CTA 0): handle.layout_range -> comb_layout(r, q), the format word -> comb_format.
-__device__ void ll_combine_publish_layout(const LlCombineParams& p) {
+// Step 2 (CTA 0): handle.layout_range -> comb_layout(r, q) (not with `format_only`: a combine
+// whose receives all read the row map), the format word -> comb_format.
+__device__ void ll_combine_publish_layout(const LlCombineParams& p, bool format_only = false) {
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts;
   if (threadIdx.x == 0) *g.comb_format(p.symm.local, p.slot) = ll_combine_format(p);
+  if (format_only) return;
   int64_t* layout = g.comb_layout(p.symm.local, p.slot);
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
     const int l = i / R, s = i - l * R;
@@ -160,19 +164,25 @@ __device__ __forceinline__ void ll_combine_publish_routed(const LlCombineParams&
 }
 
 // Step 3: threads first + d release +1 into combine_ready[q][r] of every rank d not in `masked`
-// (after a barrier that follows the send's stores).
+// (after a barrier that follows the send's stores). `routed` (CTA 0 with the receive in the same
+// launch): the same threads also store step 2's combine_routed[q][r] = e on every rank d, after
+// the same fence.
 __device__ __forceinline__ void ll_combine_signal_ready(const LlCombineParams& p, uint64_t masked,
-                                                        int first) {
+                                                        int first, bool routed = false,
+                                                        uint32_t e = 0) {
   const LlLayout& g = p.symm.layout;
-  signal_ranks(
-      g.num_ranks, masked,
-      [&](int d) { return &g.sync(p.symm.peers[d])->combine_ready[p.slot][p.rank]; }, first);
+  const int d = static_cast<int>(threadIdx.x) - first;
+  if (d < 0 || d >= g.num_ranks || (!routed && rank_skipped(masked, d))) return;
+  LlSync* sync = g.sync(p.symm.peers[d]);
+  fence_acq_rel_sys();
+  if (routed) st_relaxed_sys(&sync->combine_routed[p.slot][p.rank], e);
+  if (!rank_skipped(masked, d)) red_add_relaxed_sys(&sync->combine_ready[p.slot][p.rank], 1u);
 }
 
 // Steps 1-3 (kMode: plain or LogFMT); returns the mask the send used. `defer` (the receive half
 // runs in the same launch): step 3's releases are left to ll_combine_recv, which issues them from
 // warps its steps 4-5 leave idle, so their fence overlaps the receive's first steps.
-template <int kMode>
+template <int kMode, bool kDirect>
 __device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool defer) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
@@ -233,12 +243,15 @@ __device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool d
       p.stash_w[i] = p.weights[t * p.weights_stride + k];
     }
   }
-  if (blockIdx.x == 0) ll_combine_publish_layout(p);
+  // With the receive in this launch, kDirect: no receive reads comb_layout (every rank's combine
+  // reads the row map: the ranks follow one sequence of calls), and combine_routed goes out with
+  // the deferred ready signal (one fence for both, on warps with no work).
+  if (blockIdx.x == 0) ll_combine_publish_layout(p, kDirect && defer);
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
-  if (blockIdx.x == 0) ll_combine_publish_routed(p, e);
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
   if (defer) return masked;
+  if (blockIdx.x == 0) ll_combine_publish_routed(p, e);
   ll_combine_signal_ready(p, masked, 0);
   EPX_LL_STAMP(p, 1, kTrCSignal);
   return masked;
@@ -552,7 +565,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
 
   auto signal_deferred = [&]() {
     if (!deferred) return;
-    ll_combine_signal_ready(p, send_masked, static_cast<int>(blockDim.x) - kMaxRanks);
+    ll_combine_signal_ready(p, send_masked, static_cast<int>(blockDim.x) - kMaxRanks,
+                            blockIdx.x == 0, e);
     EPX_LL_STAMP(p, 1, kTrCSignal);  // (thread 0: when the last warps issued it)
   };
   auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };
@@ -917,7 +931,7 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
       ll_combine_send_overlap(p, e);
     } else {
       deferred = (p.phases & kLlPhaseRecv) != 0;
-      send_masked = ll_combine_send<kMode>(p, e, deferred);
+      send_masked = ll_combine_send<kMode, kDirect>(p, e, deferred);
     }
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
