@@ -17,12 +17,13 @@
 //   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q); then
 //      combine_routed[q][r] = e on every rank (what an overlapped peer waits for, so ranks that
 //      disagree on overlap raise InvalidArgument instead of timing out). With the receive half in
-//      the same launch combine_routed goes out with step 3's releases (one fence), and with
-//      kDirect no layout is copied (no receive reads it: every rank reads its row map).
+//      the same launch the last kMaxRanks threads of CTA 0 do step 2 after the send's barrier and
+//      store combine_routed with step 3's releases (one fence; CTA 0's other warps go on).
 //   3. Every CTA: release +1 into combine_ready[q][r] of every rank, this one included (with
 //      use_logfmt the receive reads this rank's rows from comb_y(r, q), encoded by every CTA).
-//      When the receive half runs in the same launch, its last kMaxRanks threads issue these
-//      after the receive's first barrier (ll_combine_recv), so the fence holds no busy warp.
+//      When the receive half runs in the same launch, its last kMaxRanks threads issue these as
+//      it starts (ll_combine_recv), so the fence holds no busy warp until the receive's next
+//      barrier.
 //   overlap (LlCombineOverlap; docs/design.md §7.6): the send half is ll_combine_send_overlap
 //   below, on S CTAs: it pushes each block of y, once its GEMM signal is reached, into
 //   land(s, q)[t][k0] of its source s, and adds C in shares to combine_ready.
@@ -138,15 +139,15 @@ __device__ __forceinline__ int32_t ll_combine_format(const LlCombineParams& p) {
   return p.use_logfmt | p.overlap << 1;
 }
 
-// Step 2 (CTA 0): handle.layout_range -> comb_layout(r, q) (not with `format_only`: a combine
-// whose receives all read the row map), the format word -> comb_format.
-__device__ void ll_combine_publish_layout(const LlCombineParams& p, bool format_only = false) {
+// Step 2 (CTA 0, threads first, first + 1, ..., `count` of them): handle.layout_range ->
+// comb_layout(r, q), the format word -> comb_format.
+__device__ void ll_combine_publish_layout(const LlCombineParams& p, int first, int count) {
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts;
-  if (threadIdx.x == 0) *g.comb_format(p.symm.local, p.slot) = ll_combine_format(p);
-  if (format_only) return;
+  if (static_cast<int>(threadIdx.x) == first)
+    *g.comb_format(p.symm.local, p.slot) = ll_combine_format(p);
   int64_t* layout = g.comb_layout(p.symm.local, p.slot);
-  for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+  for (int i = static_cast<int>(threadIdx.x) - first; i < L * R; i += count) {
     const int l = i / R, s = i - l * R;
     layout[i] = __ldg(reinterpret_cast<const long long*>(p.layout_range) + l * p.layout_stride + s);
   }
@@ -182,7 +183,7 @@ __device__ __forceinline__ void ll_combine_signal_ready(const LlCombineParams& p
 // Steps 1-3 (kMode: plain or LogFMT); returns the mask the send used. `defer` (the receive half
 // runs in the same launch): step 3's releases are left to ll_combine_recv, which issues them from
 // warps its steps 4-5 leave idle, so their fence overlaps the receive's first steps.
-template <int kMode, bool kDirect>
+template <int kMode>
 __device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool defer) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
@@ -243,10 +244,10 @@ __device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool d
       p.stash_w[i] = p.weights[t * p.weights_stride + k];
     }
   }
-  // With the receive in this launch, kDirect: no receive reads comb_layout (every rank's combine
-  // reads the row map: the ranks follow one sequence of calls), and combine_routed goes out with
-  // the deferred ready signal (one fence for both, on warps with no work).
-  if (blockIdx.x == 0) ll_combine_publish_layout(p, kDirect && defer);
+  // With the receive in this launch, step 2 goes to the warps that issue the deferred ready
+  // releases (ll_combine_recv): the layout copy, combine_routed and the releases behind one fence
+  // on warps with no other work, so CTA 0's receive starts with the other CTAs'.
+  if (blockIdx.x == 0 && !defer) ll_combine_publish_layout(p, 0, blockDim.x);
   // 3. Pairs with step 5 of every peer's receive.
   __syncthreads();
   EPX_LL_STAMP(p, 1, kTrCSendCopy);
@@ -376,7 +377,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
 
   // O1.
   if (blockIdx.x == 0) {
-    ll_combine_publish_layout(p);
+    ll_combine_publish_layout(p, 0, blockDim.x);
     int32_t* route = g.comb_route(symm.local, q);
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(p.num_tokens) * K; i += blockDim.x) {
       const int64_t t = i / K;
@@ -518,10 +519,11 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
 // Steps 4-7 and the finish. False when a wait failed. kF32Out: step 7 stores the float32 sums
 // (out_f32) instead of rounding them (plain form only).
 // `deferred` (the send half ran in this launch and left step 3 to the receive): the last
-// kMaxRanks threads release it with `send_masked` after the receive's first barrier, so only
-// their warps wait for the fence: in steps 4-5 warp 0 reads ranges and waits, and thread 32 + i
-// counts the chunk's earlier tokens i, i + 480, ... and loads the first group's ids, which leaves
-// warps 14-15 idle while the chunk starts at token <= 416.
+// kMaxRanks threads release it with `send_masked` first (in CTA 0 after step 2), so only their
+// warps wait for the fence while the others start: in steps 4-5 warp 0 reads ranges and waits,
+// and thread 32 + i counts the chunk's earlier tokens i, i + 480, ... and loads the first group's
+// ids (kDirect: resolves selection i), which leaves warps 14-15 idle while the chunk starts at
+// token <= 416.
 template <int kMode, bool kF32Out, bool kDirect>
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool deferred,
                                 uint64_t send_masked) {
@@ -565,10 +567,17 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
 
   auto signal_deferred = [&]() {
     if (!deferred) return;
-    ll_combine_signal_ready(p, send_masked, static_cast<int>(blockDim.x) - kMaxRanks,
-                            blockIdx.x == 0, e);
+    const int first = static_cast<int>(blockDim.x) - kMaxRanks;  // the last two warps
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) >= first) {
+      // Step 2 (ll_combine_send), then a barrier of these warps: the fence below covers every
+      // one of their stores.
+      ll_combine_publish_layout(p, first, kMaxRanks);
+      asm volatile("bar.sync 1, %0;" ::"n"(kMaxRanks) : "memory");
+    }
+    ll_combine_signal_ready(p, send_masked, first, blockIdx.x == 0, e);
     EPX_LL_STAMP(p, 1, kTrCSignal);  // (thread 0: when the last warps issued it)
   };
+  signal_deferred();
   auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };
   // Step 6: the source of a selection of expert id whose row is `row` of the expert's block (d =
   // id / L, l = id % L): comb_y(d, q)[l][row] (the caller's y for d = r in copy mode without
@@ -637,7 +646,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     // first k; a peer's entry not yet seen; with enable_shrink a peer's selection, once the mask
     // is known); an entry of another dispatch is reported (kDevErrLlCombineNotSent) and skipped.
     static_assert(kSlots <= kLlThreads - 32, "one selection per thread");
-    signal_deferred();
     const uint64_t* rmap = g.row_map(symm.local, q);
     const auto* depoch = reinterpret_cast<const volatile uint32_t*>(
         &g.state(symm.local)->dispatch_epoch[q][blockIdx.x]);
@@ -723,7 +731,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     // 4. The counts of the tokens before the chunk, per expert.
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_cnt[i] = 0;
     __syncthreads();
-    signal_deferred();
     auto count_before = [&](int64_t first, int64_t stride) {
       for (int64_t t = first; t < t_begin; t += stride) {
         if (K <= kLlPrefixTopK) {
@@ -871,7 +878,6 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     EPX_LL_STAMP_V(p, 1, kTrCIds, kTrCRange, ids);
     EPX_LL_STAMP(p, 1, kTrCPull);
   } else {
-    signal_deferred();
     if (blockIdx.x == 0) {
       // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
       if (threadIdx.x < 32) {
@@ -931,7 +937,7 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
       ll_combine_send_overlap(p, e);
     } else {
       deferred = (p.phases & kLlPhaseRecv) != 0;
-      send_masked = ll_combine_send<kMode, kDirect>(p, e, deferred);
+      send_masked = ll_combine_send<kMode>(p, e, deferred);
     }
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
