@@ -666,7 +666,11 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   p.copy_own = 1;
   p.stash_ids = stash_ids_ + stash;
   p.stash_w = stash_w_ + stash;
-  launch_combine(mode, false, num_ctas_, smem, stream, op, p);
+  // Both halves from one instantiation (one profiler name per op, as DeepEP's harness expects):
+  // the row map's when the slot holds the handle's now; the hook re-checks (a dispatch into the
+  // slot may come between the call and its hook, and then it takes the prefix counts).
+  const bool direct = combine_direct(h);
+  launch_combine(mode, direct, num_ctas_, smem, stream, op, p);
   combine_in_flight_[slot] = true;
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -682,16 +686,14 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   pr.topk_stride = shape_.top_k;
   pr.weights = p.stash_w;
   pr.weights_stride = shape_.top_k;
-  // The hook keeps an allocated out alive; a given out must stay alive until it ran. It reads
-  // the row map when the slot still holds the handle's (decided when it runs: a dispatch into
-  // the slot may come between the call and its hook). make_hook runs it only while this object
-  // lives.
+  // The hook keeps an allocated out alive; a given out must stay alive until it ran. make_hook
+  // runs it only while this object lives.
   const int ctas = num_ctas_;
   const uint64_t serial = h.serial;
-  res.hook = make_hook(false, slot, [this, pr, ctas, mode, smem, stream, serial, slot,
+  res.hook = make_hook(false, slot, [this, pr, ctas, mode, smem, stream, serial, slot, direct,
                                      keep = res.out]() {
-    const bool direct = serial != 0 && serial == slot_serial_[slot];
-    launch_combine(mode, direct, ctas, smem, stream, "ll_combine hook", pr);
+    launch_combine(mode, direct && serial == slot_serial_[slot], ctas, smem, stream,
+                   "ll_combine hook", pr);
   });
   return res;
 }
