@@ -823,49 +823,46 @@ Case small_case(int R, uint64_t seed) {
   return c;
 }
 
-// Out-of-range expert ids are found on the device and raised as InvalidArgument by the next
-// call (check()); the selection is dropped, the collective completes and the buffer stays usable.
-// Ids E and -7 on rank 0: InvalidArgument from ll_dispatch and from ll_combine (check()), the
-// outputs are the oracle's with those selections dropped, then a clean case on a new Buffer.
-// Two GPUs, or (one_gpu) two ranks sharing GPU 0.
-int bad_expert_case(bool one_gpu) {
-  const Case c = small_case(2, 31);
+// Rank 0 passes `dispatch_ids` to ll_dispatch and `combine_ids` to a zero_copy ll_combine, rank
+// 1 its routing of `dropped`; after each call check() raises InvalidArgument on rank 0 naming
+// 'topk_idx', the operation and every needle of that call, or raises nothing when the call has
+// no needles (and never on rank 1); both outputs are `dropped`'s oracle; then a clean case of `c`
+// on a new Buffer. Two GPUs, or (one_gpu) two ranks sharing GPU 0.
+int routing_error_case(bool one_gpu, const Case& c, const Batch& dropped,
+                       const std::vector<int64_t>& dispatch_ids,
+                       const std::vector<int64_t>& combine_ids,
+                       const std::vector<std::string>& dispatch_needles,
+                       const std::vector<std::string>& combine_needles) {
   const std::vector<Batch> clean = testing::make_ll_batches(c);
-  std::mt19937_64 rng(32);
-  Batch dropped = testing::make_ll_batch(c, rng);
   const int K = c.p.top_k;
-  dropped.in[0].topk_idx[3 * K + 2] = -1;
-  dropped.in[0].topk_idx[9 * K + 0] = -1;
-  // What rank 0's routing means once the bad ids are dropped.
-  testing::finish_ll_batch(c, dropped, rng);
-  Batch bad = dropped;  // what rank 0 passes
-  bad.in[0].topk_idx[3 * K + 2] = c.p.num_experts;
-  bad.in[0].topk_idx[9 * K + 0] = -7;
   const auto body = [&](const Group& g) {
     const int r = g.rank(), dev = one_gpu ? 0 : r;
-    const int64_t H = c.p.hidden, T = 11;
+    const int64_t H = c.p.hidden, T = dropped.in[r].num_tokens;
     int failures = 0;
     auto fail = [&](const std::string& what) {
       std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
       ++failures;
     };
-    auto expect_invalid = [&](Buffer& buf, const char* op) {
+    auto expect = [&](Buffer& buf, const char* op, const std::vector<std::string>& needles) {
+      const bool raise = r == 0 && !needles.empty();
       try {
         buf.check();
-        if (r == 0) fail(std::string("check() after ") + op + " did not raise");
+        if (raise) fail(std::string("check() after ") + op + " did not raise");
       } catch (const Error& e) {
         const std::string m = e.what();
-        if (r != 0 || e.code() != ErrorCode::kInvalidArgument ||
-            m.find("'topk_idx'") == std::string::npos || m.find(op) == std::string::npos)
-          fail("unexpected error: " + m);
+        bool ok = raise && e.code() == ErrorCode::kInvalidArgument &&
+                  m.find("'topk_idx'") != std::string::npos && m.find(op) != std::string::npos;
+        for (const std::string& n : needles) ok = ok && m.find(n) != std::string::npos;
+        if (!ok) fail("unexpected error: " + m);
       }
     };
     std::optional<RankStream> rs(std::in_place);
     const cudaStream_t stream = rs->get();
     Buffer buf(g, c.p.moe_shape(), ll_only());
-    Tensor x = gpu_testing::to_device(bad.in[r].x, DType::kBF16, {T, H}, dev);
-    Tensor topk = upload_topk(bad.in[r].topk_idx, T, K, false, dev);
-    Tensor w = gpu_testing::to_device(bad.in[r].topk_weights, DType::kF32, {T, K}, dev);
+    Tensor x = gpu_testing::to_device(dropped.in[r].x, DType::kBF16, {T, H}, dev);
+    Tensor topk = upload_topk(r == 0 ? dispatch_ids : dropped.in[r].topk_idx, T, K, false, dev);
+    Tensor ctopk = upload_topk(r == 0 ? combine_ids : dropped.in[r].topk_idx, T, K, false, dev);
+    Tensor w = gpu_testing::to_device(dropped.in[r].topk_weights, DType::kF32, {T, K}, dev);
     LlDispatchArgs da;
     da.x = x;
     da.topk_idx = topk;
@@ -873,24 +870,24 @@ int bad_expert_case(bool one_gpu) {
     da.stream = stream;
     LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
     CUDA_OK(cudaStreamSynchronize(stream));
-    expect_invalid(buf, "ll_dispatch");
+    expect(buf, "ll_dispatch", dispatch_needles);
     std::vector<std::vector<uint8_t>> keep;
     std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_ll_dispatch(d, keep));
-    if (!err.empty()) fail("dispatch with dropped selections: " + err);
+    if (!err.empty()) fail("dispatch: " + err);
     TensorView v = buf.ll_next_combine_buffer(d.handle);
     gpu_testing::upload_on_rank_stream(v.data, dropped.y[r].data(), dropped.y[r].size() * 2,
                                        stream);
     LlCombineArgs ca;
-    ca.topk_idx = topk;
+    ca.topk_idx = ctopk;
     ca.topk_weights = w;
     ca.handle = &d.handle;
     ca.zero_copy = true;
     ca.stream = stream;
     LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
     CUDA_OK(cudaStreamSynchronize(stream));
-    expect_invalid(buf, "ll_combine");
+    expect(buf, "ll_combine", combine_needles);
     err = check_out(c.p, dropped.want_out[r], cr.out);
-    if (!err.empty()) fail("combine with dropped selections: " + err);
+    if (!err.empty()) fail("combine: " + err);
     rs.reset();
     // A clean case on a new buffer (and, with GPUs of their own, a new stream) afterwards.
     const RankStream s2;
@@ -899,6 +896,25 @@ int bad_expert_case(bool one_gpu) {
     return failures;
   };
   return run_ranks(2, one_gpu, body);
+}
+
+// Out-of-range expert ids are found on the device and raised as InvalidArgument by the next
+// call (check()); the selection is dropped, the collective completes and the buffer stays usable.
+// Ids E and -7 on rank 0: InvalidArgument from ll_dispatch and from ll_combine (check()), the
+// outputs are the oracle's with those selections dropped, then a clean case on a new Buffer.
+int bad_expert_case(bool one_gpu) {
+  const Case c = small_case(2, 31);
+  std::mt19937_64 rng(32);
+  Batch dropped = testing::make_ll_batch(c, rng);
+  const int K = c.p.top_k;
+  dropped.in[0].topk_idx[3 * K + 2] = -1;
+  dropped.in[0].topk_idx[9 * K + 0] = -1;
+  // What rank 0's routing means once the bad ids are dropped.
+  testing::finish_ll_batch(c, dropped, rng);
+  std::vector<int64_t> bad = dropped.in[0].topk_idx;  // what rank 0 passes
+  bad[3 * K + 2] = c.p.num_experts;
+  bad[9 * K + 0] = -7;
+  return routing_error_case(one_gpu, c, dropped, bad, bad, {"'topk_idx'"}, {"'topk_idx'"});
 }
 
 // Ranks that disagree on use_nvfp4, then on the NVFP4 global scale (a device tensor on rank 0, a
@@ -983,78 +999,23 @@ TEST(LlGpuErrors, BadExpertIdIsInvalidArgumentAndDroppedOneGpu) {
 // for it), rank 1 passes its own. check() raises InvalidArgument on rank 0 naming 'topk_idx' and
 // the expert; the other selections are summed (token 3 without the moved one, compared with the
 // oracle of the routing without it), and a checked round on a new Buffer afterwards is exact.
-// Two GPUs, or (one_gpu) two ranks sharing GPU 0.
 int combine_route_mismatch_case(bool one_gpu) {
   const Case c = small_case(2, 61);
-  const std::vector<Batch> clean = testing::make_ll_batches(c);
   const int K = c.p.top_k, E = c.p.num_experts, L = E / 2;
   std::mt19937_64 rng(62);
-  Batch b = testing::make_ll_batch(c, rng);
+  Batch dropped = testing::make_ll_batch(c, rng);
   // Token 3 of rank 0: its selection k = 1 moves to an expert of the other rank than its own.
-  std::vector<int64_t>& row = b.in[0].topk_idx;
-  const int64_t was = row[3 * K + 1];
+  const int64_t was = dropped.in[0].topk_idx[3 * K + 1];
   int64_t moved = was < 0 ? 0 : ((was / L + 1) % 2) * L + (was % L);
   for (int k = 0; k < K; ++k)
-    if (row[3 * K + k] == moved) moved = (moved + 1) % E;  // not already in the row
-  Batch dropped = b;  // the routing the outputs follow: the selection dropped
+    if (dropped.in[0].topk_idx[3 * K + k] == moved) moved = (moved + 1) % E;  // not in the row
+  // The routing the outputs follow: the selection dropped.
   dropped.in[0].topk_idx[3 * K + 1] = -1;
   testing::finish_ll_batch(c, dropped, rng);
-  const auto body = [&](const Group& g) {
-    const int r = g.rank(), dev = one_gpu ? 0 : r;
-    const int64_t H = c.p.hidden, T = 11;
-    int failures = 0;
-    auto fail = [&](const std::string& what) {
-      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
-      ++failures;
-    };
-    std::optional<RankStream> rs(std::in_place);
-    const cudaStream_t stream = rs->get();
-    Buffer buf(g, c.p.moe_shape(), ll_only());
-    Tensor x = gpu_testing::to_device(dropped.in[r].x, DType::kBF16, {T, H}, dev);
-    Tensor topk = upload_topk(dropped.in[r].topk_idx, T, K, false, dev);
-    Tensor w = gpu_testing::to_device(dropped.in[r].topk_weights, DType::kF32, {T, K}, dev);
-    LlDispatchArgs da;
-    da.x = x;
-    da.topk_idx = topk;
-    da.use_fp8 = c.p.use_fp8;
-    da.stream = stream;
-    LlDispatchResult d = buf.ll_dispatch(da, poison_allocator());
-    std::vector<int64_t> ids = dropped.in[r].topk_idx;
-    if (r == 0) ids[3 * K + 1] = moved;
-    Tensor ctopk = upload_topk(ids, T, K, false, dev);
-    TensorView v = buf.ll_next_combine_buffer(d.handle);
-    gpu_testing::upload_on_rank_stream(v.data, dropped.y[r].data(), dropped.y[r].size() * 2,
-                                       stream);
-    LlCombineArgs ca;
-    ca.topk_idx = ctopk;
-    ca.topk_weights = w;
-    ca.handle = &d.handle;
-    ca.zero_copy = true;
-    ca.stream = stream;
-    LlCombineResult cr = buf.ll_combine(ca, poison_allocator());
-    CUDA_OK(cudaStreamSynchronize(stream));
-    try {
-      buf.check();
-      if (r == 0) fail("check() after the combine did not raise");
-    } catch (const Error& e) {
-      const std::string m = e.what();
-      if (r != 0 || e.code() != ErrorCode::kInvalidArgument ||
-          m.find("'topk_idx'") == std::string::npos ||
-          m.find("expert " + std::to_string(moved) + " at [3, 1]") == std::string::npos)
-        fail("unexpected error: " + m);
-    }
-    std::vector<std::vector<uint8_t>> keep;
-    std::string err = testing::check_ll_dispatch(c.p, dropped.want[r], host_ll_dispatch(d, keep));
-    if (!err.empty()) fail("dispatch: " + err);
-    err = check_out(c.p, dropped.want_out[r], cr.out);
-    if (!err.empty()) fail("combine without the moved selection: " + err);
-    rs.reset();
-    const RankStream s2;
-    err = run_rank(c, clean, g, s2.get());
-    if (!err.empty()) fail("clean case after the error: " + err);
-    return failures;
-  };
-  return run_ranks(2, one_gpu, body);
+  std::vector<int64_t> ids = dropped.in[0].topk_idx;
+  ids[3 * K + 1] = moved;
+  return routing_error_case(one_gpu, c, dropped, dropped.in[0].topk_idx, ids, {},
+                            {"expert " + std::to_string(moved) + " at [3, 1]"});
 }
 
 TEST(LlGpuErrors, CombineRouteNotTheDispatchsIsInvalidArgument) {
