@@ -567,6 +567,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
 
   auto signal_deferred = [&]() {
     if (!deferred) return;
+    static_assert(kMaxRanks % 32 == 0 && kMaxRanks < kLlThreads, "whole warps signal");
     const int first = static_cast<int>(blockDim.x) - kMaxRanks;  // the last two warps
     if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) >= first) {
       // Step 2 (ll_combine_send), then a barrier of these warps: the fence below covers every
