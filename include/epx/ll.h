@@ -43,7 +43,7 @@ struct LlHandle {
   int64_t num_tokens = 0;  // T on this rank at dispatch
   int slot = 0;            // double-buffer half used by this dispatch
   uint64_t buffer_id = 0;
-  uint64_t serial = 0;  // cuda: this dispatch's number on its Buffer (which state the combine reads)
+  uint64_t serial = 0;  // cuda: this dispatch's number on its Buffer (what its combine may read)
   // Backend-private state the dispatch left for the combine of this handle (cuda across nodes:
   // the node-local handles); null otherwise.
   std::shared_ptr<const void> backend_state;

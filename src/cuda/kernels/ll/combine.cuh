@@ -943,7 +943,8 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
   static_assert(!kDirect || kMode != kLlCombineOverlap, "the overlapped form reads land");
-  if (p.phases & kLlPhaseRecv) ll_combine_recv<kMode, kF32Out, kDirect>(p, e, deferred, send_masked);
+  if (p.phases & kLlPhaseRecv)
+    ll_combine_recv<kMode, kF32Out, kDirect>(p, e, deferred, send_masked);
 }
 
 }  // namespace epx::ll
