@@ -127,34 +127,27 @@ void check_ll_supported(const Group& group, const MoeShape& shape) {
 // limit).
 DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap>));
 
-// One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode),
-// with the row map (kDirect) or the prefix counts.
+// One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode):
+// plain and LogFMT with the row map (`direct`, kDirect) or the prefix counts; the overlapped
+// form reads neither.
 template <bool kDirect>
-void launch_combine_form(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
+void launch_combine_rows(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
                          const LlCombineParams& p) {
-  switch (mode) {
-    case kLlCombineLogfmt:
-      launch_kernel(ll::combine<kLlCombineLogfmt, false, kDirect>, ctas, kLlThreads, smem, stream,
-                    p.pdl, what, p);
-      break;
-    case kLlCombineOverlap:
-      if constexpr (!kDirect) {
-        launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what,
-                      p);
-        break;
-      }
-      [[fallthrough]];
-    default:
-      launch_kernel(ll::combine<kLlCombinePlain, false, kDirect>, ctas, kLlThreads, smem, stream,
-                    p.pdl, what, p);
-  }
+  if (mode == kLlCombineLogfmt)
+    launch_kernel(ll::combine<kLlCombineLogfmt, false, kDirect>, ctas, kLlThreads, smem, stream,
+                  p.pdl, what, p);
+  else
+    launch_kernel(ll::combine<kLlCombinePlain, false, kDirect>, ctas, kLlThreads, smem, stream,
+                  p.pdl, what, p);
 }
 void launch_combine(int mode, bool direct, int ctas, size_t smem, cudaStream_t stream,
                     const char* what, const LlCombineParams& p) {
-  if (direct && mode != kLlCombineOverlap)
-    launch_combine_form<true>(mode, ctas, smem, stream, what, p);
+  if (mode == kLlCombineOverlap)
+    launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
+  else if (direct)
+    launch_combine_rows<true>(mode, ctas, smem, stream, what, p);
   else
-    launch_combine_form<false>(mode, ctas, smem, stream, what, p);
+    launch_combine_rows<false>(mode, ctas, smem, stream, what, p);
 }
 
 // One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
@@ -258,11 +251,11 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   bool combine_in_flight_[2] = {false, false};
   // Dispatches made by this object (never reset: LlHandle::serial), and per slot the serial of
   // the dispatch whose row map the slot holds (0 after ll_clean, which zeroes the maps): a
-  // combine reads the row map only through that dispatch's handle (combine_direct).
+  // combine reads the row map only through that dispatch's handle (slot_holds).
   uint64_t dispatch_serial_ = 0;
   uint64_t slot_serial_[2] = {0, 0};
-  bool combine_direct(const LlHandle& h) const {
-    return h.serial != 0 && h.serial == slot_serial_[h.slot];
+  bool slot_holds(uint64_t serial, int slot) const {
+    return serial != 0 && serial == slot_serial_[slot];
   }
 #ifdef EPX_LL_TRACE
   uint64_t* trace_ = nullptr;  // trace.cuh: kLlTraceWords, zeroed
@@ -639,7 +632,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
     p.out_f32 = partial;
     p.out_stride = H;
     p.phases = kLlPhaseBoth;
-    if (combine_direct(h))
+    if (slot_holds(h.serial, slot))
       launch_kernel(ll::combine<kLlCombinePlain, true, true>, num_ctas_, kLlThreads, 0, stream,
                     p.pdl, op, p);
     else
@@ -654,7 +647,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   const int mode = args.use_logfmt ? kLlCombineLogfmt : kLlCombinePlain;
   if (failed || !args.return_recv_hook) {
     p.phases = kLlPhaseBoth;
-    launch_combine(mode, combine_direct(h), num_ctas_, smem, stream, op, p);
+    launch_combine(mode, slot_holds(h.serial, slot), num_ctas_, smem, stream, op, p);
     if (failed) std::rethrow_exception(failed);
     return res;
   }
@@ -669,8 +662,7 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   // Both halves from one instantiation (one profiler name per op, as DeepEP's harness expects):
   // the row map's when the slot holds the handle's now; the hook re-checks (a dispatch into the
   // slot may come between the call and its hook, and then it takes the prefix counts).
-  const bool direct = combine_direct(h);
-  launch_combine(mode, direct, num_ctas_, smem, stream, op, p);
+  launch_combine(mode, slot_holds(h.serial, slot), num_ctas_, smem, stream, op, p);
   combine_in_flight_[slot] = true;
   LlCombineParams pr = p;
   pr.phases = kLlPhaseRecv;
@@ -689,11 +681,11 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   // The hook keeps an allocated out alive; a given out must stay alive until it ran. make_hook
   // runs it only while this object lives.
   const int ctas = num_ctas_;
+  // (A serial the slot no longer holds never comes back: the check now is the call's too.)
   const uint64_t serial = h.serial;
-  res.hook = make_hook(false, slot, [this, pr, ctas, mode, smem, stream, serial, slot, direct,
+  res.hook = make_hook(false, slot, [this, pr, ctas, mode, smem, stream, serial, slot,
                                      keep = res.out]() {
-    launch_combine(mode, direct && serial == slot_serial_[slot], ctas, smem, stream,
-                   "ll_combine hook", pr);
+    launch_combine(mode, slot_holds(serial, slot), ctas, smem, stream, "ll_combine hook", pr);
   });
   return res;
 }

@@ -559,6 +559,14 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   auto id_at = [&](int64_t t, int k) {
     return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, k);
   };
+  // Selection (t, k)'s id `id` as the receive uses it: one outside [-1, E) is reported and -1.
+  auto checked_id = [&](int64_t t, int k, int64_t id) {
+    if (id < -1 || id >= E) {
+      record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, id);
+      id = -1;
+    }
+    return static_cast<int32_t>(id);
+  };
   EPX_LL_STAMP(p, 1, kTrCRecvEntry);
   EPX_LL_TRACE_SM(p, 1, 0);
   EPX_LL_TRACE_DECL(ids);
@@ -654,23 +662,19 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     auto resolve = [&](int64_t c0, int i, bool early) {
       const int64_t t = c0 + i / K;
       const int k = i - (i / K) * K;
-      int64_t id = id_at(t, k);
+      const int64_t raw = id_at(t, k);
       const float w = weight_at(t, k);
       const uint64_t entry = ld_relaxed_sys(rmap + t * K + k);
       const uint32_t de = *depoch;
-      if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + k, id);
-        id = -1;
-      }
-      s_ids[i] = static_cast<int32_t>(id);
+      const int32_t id = checked_id(t, k, raw);
+      s_ids[i] = id;
       uintptr_t src = 0, mrow = 0;
       bool later = false;
       if (id >= 0) {
-        const int d = static_cast<int>(id) / L;
-        later = !ll_row_entry_is(entry, static_cast<int32_t>(id), de) ||
-                (early && symm.shrink && d != me);
+        const int d = id / L;
+        later = !ll_row_entry_is(entry, id, de) || (early && symm.shrink && d != me);
         if (!later && (early || !rank_skipped(s_masked, d)))
-          src = source_of(static_cast<int>(id), entry & 0xFFFFFFFF, t, k, &mrow);
+          src = source_of(id, ll_row_entry_row(entry), t, k, &mrow);
       }
       s_src[i] = src;
       if constexpr (kLogfmt) s_mrow[i] = mrow;
@@ -689,7 +693,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       if (!rank_skipped(s_masked, d)) {
         const uint64_t entry = ld_relaxed_sys(rmap + t * K + k0);
         if (ll_row_entry_is(entry, id, *depoch))
-          src = source_of(id, entry & 0xFFFFFFFF, t, k0, &mrow);
+          src = source_of(id, ll_row_entry_row(entry), t, k0, &mrow);
         else
           record_error(p.wait, kDevErrLlCombineNotSent, d, t * 64 + k, id);
       }
@@ -765,11 +769,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     // 6a. A group's ids (out-of-range ones reported and dropped) and weights, threads `first`,
     // `first + stride`, ... (the weights of dropped selections are zeroed in 6c).
     auto put_group = [&](int64_t c0, int i, int64_t id, float w) {
-      if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, (c0 + i / K) * 64 + i % K, id);
-        id = -1;
-      }
-      s_ids[i] = static_cast<int32_t>(id);
+      s_ids[i] = checked_id(c0 + i / K, i % K, id);
       s_w[i] = w;
     };
     auto load_group = [&](int64_t c0, int n, int first, int stride) {

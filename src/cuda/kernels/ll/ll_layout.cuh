@@ -160,10 +160,13 @@ EPX_LL_HD uint64_t ll_row_entry(int64_t row, int32_t expert, uint32_t epoch) {
   return static_cast<uint64_t>(row) | static_cast<uint64_t>(expert) << 32 |
          static_cast<uint64_t>(epoch & kLlRowEpochMask) << 44;
 }
-// Whether `entry` is expert's row in the dispatch of epoch `epoch` (then the row is its low word).
+// Whether `entry` is expert's row in the dispatch of epoch `epoch` (then ll_row_entry_row is it).
 EPX_LL_HD bool ll_row_entry_is(uint64_t entry, int32_t expert, uint32_t epoch) {
   return entry >> 32 == (static_cast<uint64_t>(epoch & kLlRowEpochMask) << 12 |
                          static_cast<uint64_t>(expert));
+}
+EPX_LL_HD int64_t ll_row_entry_row(uint64_t entry) {
+  return static_cast<int64_t>(entry & 0xFFFFFFFFu);
 }
 
 struct LlSourceHeader {
