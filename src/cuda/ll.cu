@@ -124,30 +124,41 @@ void check_ll_supported(const Group& group, const MoeShape& shape) {
 }
 
 // The overlapped combine's dynamic shared memory (its send's; LogFMT's is under the default
-// limit).
-DynSmemKernel g_ll_combine_smem(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap>));
+// limit), both instantiations (kShrink).
+DynSmemKernel g_ll_combine_smem[2] = {
+    DynSmemKernel(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap, false>)),
+    DynSmemKernel(reinterpret_cast<const void*>(ll::combine<kLlCombineOverlap, true>))};
 
 // One launch of the combine instantiation of `mode` (kernels/ll/combine.cuh, LlCombineMode):
 // plain and LogFMT with the row map (`direct`, kDirect) or the prefix counts; the overlapped
-// form reads neither.
-template <bool kDirect>
+// form reads neither. kShrink = symm.shrink (BufferConfig::enable_shrink, fixed per Buffer).
+template <bool kShrink, bool kDirect>
 void launch_combine_rows(int mode, int ctas, size_t smem, cudaStream_t stream, const char* what,
                          const LlCombineParams& p) {
   if (mode == kLlCombineLogfmt)
-    launch_kernel(ll::combine<kLlCombineLogfmt, false, kDirect>, ctas, kLlThreads, smem, stream,
-                  p.pdl, what, p);
+    launch_kernel(ll::combine<kLlCombineLogfmt, kShrink, false, kDirect>, ctas, kLlThreads, smem,
+                  stream, p.pdl, what, p);
   else
-    launch_kernel(ll::combine<kLlCombinePlain, false, kDirect>, ctas, kLlThreads, smem, stream,
-                  p.pdl, what, p);
+    launch_kernel(ll::combine<kLlCombinePlain, kShrink, false, kDirect>, ctas, kLlThreads, smem,
+                  stream, p.pdl, what, p);
+}
+template <bool kShrink>
+void launch_combine_form(int mode, bool direct, int ctas, size_t smem, cudaStream_t stream,
+                         const char* what, const LlCombineParams& p) {
+  if (mode == kLlCombineOverlap)
+    launch_kernel(ll::combine<kLlCombineOverlap, kShrink>, ctas, kLlThreads, smem, stream, p.pdl,
+                  what, p);
+  else if (direct)
+    launch_combine_rows<kShrink, true>(mode, ctas, smem, stream, what, p);
+  else
+    launch_combine_rows<kShrink, false>(mode, ctas, smem, stream, what, p);
 }
 void launch_combine(int mode, bool direct, int ctas, size_t smem, cudaStream_t stream,
                     const char* what, const LlCombineParams& p) {
-  if (mode == kLlCombineOverlap)
-    launch_kernel(ll::combine<kLlCombineOverlap>, ctas, kLlThreads, smem, stream, p.pdl, what, p);
-  else if (direct)
-    launch_combine_rows<true>(mode, ctas, smem, stream, what, p);
+  if (p.symm.shrink)
+    launch_combine_form<true>(mode, direct, ctas, smem, stream, what, p);
   else
-    launch_combine_rows<false>(mode, ctas, smem, stream, what, p);
+    launch_combine_form<false>(mode, direct, ctas, smem, stream, what, p);
 }
 
 // One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
@@ -275,10 +286,11 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   // The overlapped send's dynamic shared memory is allowed here, once, before any ll kernel of
   // this Buffer runs, rather than at a first overlapped call. Where it does not fit, the
   // overlapped call raises Unsupported. (LogFMT's instantiation stays under the default limit.)
-  const DynSmemFacts facts = g_ll_combine_smem.facts("Buffer");
+  DynSmemKernel& overlap_kernel = g_ll_combine_smem[enable_shrink ? 1 : 0];
+  const DynSmemFacts facts = overlap_kernel.facts("Buffer");
   const size_t overlap_smem = ll_overlap_smem_bytes(layout_);
   if (facts.static_smem + overlap_smem <= static_cast<size_t>(facts.optin))
-    g_ll_combine_smem.allow(static_cast<int>(overlap_smem), "Buffer");
+    overlap_kernel.allow(static_cast<int>(overlap_smem), "Buffer");
   const size_t stash = 2 * static_cast<size_t>(shape.max_tokens_per_rank) * shape.top_k;
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_ids_), stash * sizeof(int64_t)),
                  "Buffer");
@@ -632,12 +644,15 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
     p.out_f32 = partial;
     p.out_stride = H;
     p.phases = kLlPhaseBoth;
+    // The ll across nodes' node-local group, created without enable_shrink (ll_nodes.cu).
+    EPX_CHECK(!symm_.shrink, ErrorCode::kInternal, op,
+              ": float32 partials on a group with enable_shrink");
     if (slot_holds(h.serial, slot))
-      launch_kernel(ll::combine<kLlCombinePlain, true, true>, num_ctas_, kLlThreads, 0, stream,
-                    p.pdl, op, p);
+      launch_kernel(ll::combine<kLlCombinePlain, false, true, true>, num_ctas_, kLlThreads, 0,
+                    stream, p.pdl, op, p);
     else
-      launch_kernel(ll::combine<kLlCombinePlain, true>, num_ctas_, kLlThreads, 0, stream, p.pdl,
-                    op, p);
+      launch_kernel(ll::combine<kLlCombinePlain, false, true>, num_ctas_, kLlThreads, 0, stream,
+                    p.pdl, op, p);
     return res;
   }
   if (args.overlap) return combine_overlapped(args, p, std::move(res), failed);
@@ -710,7 +725,7 @@ LlCombineResult CudaLl::combine_overlapped(const LlCombineArgs& args, LlCombineP
                 " ranks share one GPU of ", dev_.multiprocessors(),
                 " SMs, expected ranks x send CTAs below that (the GEMMs need SMs too)");
   const size_t smem = ll_overlap_smem_bytes(layout_);
-  const DynSmemFacts facts = g_ll_combine_smem.facts(op);
+  const DynSmemFacts facts = g_ll_combine_smem[symm_.shrink ? 1 : 0].facts(op);
   EPX_CHECK(facts.static_smem + smem <= static_cast<size_t>(facts.optin), ErrorCode::kUnsupported,
             op, ": the overlapped send needs ", facts.static_smem + smem,
             " bytes of shared memory per CTA for L * R = ", layout_.num_local_experts * R,

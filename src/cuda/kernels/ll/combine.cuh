@@ -129,9 +129,11 @@ struct LlCombineParams {
 #endif
 };
 
-// The combine kernel's instantiations (epx::ll::combine<kMode>): each form's code only, so the
-// plain combine carries no LogFMT or overlap code (its registers, shared memory and instruction
-// footprint as before those forms existed). The host picks the one matching use_logfmt / overlap.
+// The combine kernel's instantiations (epx::ll::combine<kMode, ...>): each form's code only, so
+// the plain combine carries no LogFMT or overlap code (its registers, shared memory and
+// instruction footprint as before those forms existed). The host picks the one matching
+// use_logfmt / overlap, and kShrink = symm.shrink as the dispatch's (common.cuh: without
+// enable_shrink no mask code is compiled in).
 enum LlCombineMode : int { kLlCombinePlain = 0, kLlCombineLogfmt = 1, kLlCombineOverlap = 2 };
 
 // This combine's format word: what every rank compares (kDevErrLlCombineFormat).
@@ -183,14 +185,14 @@ __device__ __forceinline__ void ll_combine_signal_ready(const LlCombineParams& p
 // Steps 1-3 (kMode: plain or LogFMT); returns the mask the send used. `defer` (the receive half
 // runs in the same launch): step 3's releases are left to ll_combine_recv, which issues them from
 // warps its steps 4-5 leave idle, so their fence overlaps the receive's first steps.
-template <int kMode>
+template <int kMode, bool kShrink>
 __device__ uint64_t ll_combine_send(const LlCombineParams& p, uint32_t e, bool defer) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, me = p.rank, q = p.slot;
   const int64_t H = g.hidden, RT = g.rows_per_expert;
   uint16_t* buf = g.comb_y(symm.local, q);
-  const uint64_t masked = ll_masked_uniform(symm);
+  const uint64_t masked = ll_masked_uniform<kShrink>(symm);
 
   if constexpr (kMode == kLlCombineLogfmt) {
     const int S = p.units_per_expert;
@@ -479,7 +481,7 @@ __device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
 // this rank with use_logfmt: its encoded rows come from every CTA of its send half), each peer's
 // use_logfmt compared with this rank's; `wait_ns` (optional) as in step 5 (with enable_shrink
 // also for a peer masked while awaited). False when a wait failed (on every lane).
-template <int kMode>
+template <int kMode, bool kShrink>
 __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int64_t* wait_ns,
                                       uint64_t masked) {
   const LlSymm& symm = p.symm;
@@ -492,7 +494,7 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
     if ((d == me && kMode == kLlCombinePlain) || rank_skipped(masked, d)) continue;
     const uint32_t* ready = g.sync(symm.local)->combine_ready[q] + d;
     bool arrived = true;
-    if (symm.shrink && d != me)
+    if (kShrink && symm.shrink && d != me)
       arrived = ll_wait_or_mask(symm, ready, e * gridDim.x, p.wait, kWaitRows, d);
     else
       ok = wait_flag<true>(ready, e * gridDim.x, p.wait, kWaitRows, d);
@@ -508,8 +510,9 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
 }
 
 // The mask now, read by lane 0 and shuffled to the warp (warp-uniform; 0 without enable_shrink).
+template <bool kShrink>
 __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
-  if (!symm.shrink) return 0;
+  if (!kShrink || !symm.shrink) return 0;
   uint64_t m = 0;
   if ((threadIdx.x & 31) == 0)
     m = *reinterpret_cast<volatile unsigned long long*>(symm.layout.mask(symm.local));
@@ -524,7 +527,7 @@ __device__ __forceinline__ uint64_t ll_masked_warp(const LlSymm& symm) {
 // and thread 32 + i counts the chunk's earlier tokens i, i + 480, ... and loads the first group's
 // ids (kDirect: resolves selection i), which leaves warps 14-15 idle while the chunk starts at
 // token <= 416.
-template <int kMode, bool kF32Out, bool kDirect>
+template <int kMode, bool kShrink, bool kF32Out, bool kDirect>
 __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool deferred,
                                 uint64_t send_masked) {
   constexpr bool kLogfmt = kMode == kLlCombineLogfmt;
@@ -540,6 +543,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   uintptr_t* const s_mrow = ll_logfmt_rows();  // use_logfmt: the rows' meta words (0: skipped)
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
+  const bool shrink = kShrink && symm.shrink;  // enable_shrink (false: no mask code)
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
   const int me = p.rank, q = p.slot;
   const int64_t H = g.hidden, RT = g.rows_per_expert, T = p.num_tokens;
@@ -548,7 +552,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   // or at small T one slice of one token (ll_combine_slices). Whole rows in the logfmt form, and
   // with enable_shrink: each CTA reads the mask after its own waits, so a token's P CTAs could
   // see different masks and one output row mix the two (one CTA per token needs no agreement).
-  const int P = kLogfmt || symm.shrink ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
+  const int P = kLogfmt || shrink ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
   const int64_t chunk = P > 1 ? 1 : (T + gridDim.x - 1) / gridDim.x;
   const int cta = static_cast<int>(blockIdx.x), slice = P > 1 ? cta % P : 0;  // 32-bit divisions
   const int64_t t_begin = min(static_cast<int64_t>(P > 1 ? cta / P : cta) * chunk, T);
@@ -570,7 +574,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   EPX_LL_STAMP(p, 1, kTrCRecvEntry);
   EPX_LL_TRACE_SM(p, 1, 0);
   EPX_LL_TRACE_DECL(ids);
-  const uint64_t masked0 = ll_masked_uniform(symm);
+  const uint64_t masked0 = ll_masked_uniform<kShrink>(symm);
   if (threadIdx.x == 0) s_masked = masked0;  // CTAs without tokens: read at the finish
 
   auto signal_deferred = [&]() {
@@ -672,7 +676,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       bool later = false;
       if (id >= 0) {
         const int d = id / L;
-        later = !ll_row_entry_is(entry, id, de) || (early && symm.shrink && d != me);
+        later = !ll_row_entry_is(entry, id, de) || (early && shrink && d != me);
         if (!later && (early || !rank_skipped(s_masked, d)))
           src = source_of(id, ll_row_entry_row(entry), t, k, &mrow);
       }
@@ -710,9 +714,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       if (i < 0) {
         // Warp 0, first group: step 5 (pairs with step 3 of every peer).
         const bool ok =
-            ll_combine_wait_ready<kMode>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+            ll_combine_wait_ready<kMode, kShrink>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
         EPX_LL_STAMP(p, 1, kTrCReadyWait);
-        const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
+        const uint64_t masked = ll_masked_warp<kShrink>(symm);  // with the ranks the waits masked
         if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
         EPX_LL_STAMP(p, 1, kTrCRange);
       } else if (i < n * K) {
@@ -813,9 +817,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     if (threadIdx.x < 32) {
       load_ranges(threadIdx.x, 32, 0, true);
       const bool ok =
-          ll_combine_wait_ready<kMode>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+          ll_combine_wait_ready<kMode, kShrink>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
-      const uint64_t masked = ll_masked_warp(symm);  // with the ranks the waits masked
+      const uint64_t masked = ll_masked_warp<kShrink>(symm);  // with the ranks the waits masked
       if (ok) load_ranges(threadIdx.x, 32, masked, false);
       if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
       EPX_LL_STAMP(p, 1, kTrCRange);
@@ -882,7 +886,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     if (blockIdx.x == 0) {
       // T = 0: no pulls, but the formats are compared too (step 5), so every rank reports.
       if (threadIdx.x < 32) {
-        const bool ok = ll_combine_wait_ready<kMode>(p, e, nullptr, masked0);
+        const bool ok = ll_combine_wait_ready<kMode, kShrink>(p, e, nullptr, masked0);
         if (threadIdx.x == 0) s_ok = ok;
       }
       __syncthreads();
@@ -899,8 +903,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
   // receive kernel holds one SM, not C, while a peer is late.
   if (blockIdx.x == 0 &&
-      !ll_wait_ranks(
-          symm, me, g.sync(symm.local)->combine_pulled[q], skip | ll_masked_uniform(symm),
+      !ll_wait_ranks<kShrink>(
+          symm, me, g.sync(symm.local)->combine_pulled[q], skip | ll_masked_uniform<kShrink>(symm),
           [&](int) { return e * gridDim.x; }, p.wait, kWaitBarrier))
     return false;
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
@@ -919,12 +923,13 @@ namespace epx::ll {
 
 // The ll combine kernel, one instantiation per form (LlCombineMode; profilers show one name,
 // epx::ll::combine, hook or not): p.phases selects the send half (the call with a hook), the
-// receive half (the hook) or both (no hook). kF32Out (plain only): float32 out, unrounded (the
+// receive half (the hook) or both (no hook). kShrink: symm.shrink (BufferConfig::enable_shrink;
+// false: no mask code, as the dispatch's). kF32Out (plain only): float32 out, unrounded (the
 // partials of the ll across nodes); the bf16 instantiations' code is unchanged by it. kDirect
 // (plain and LogFMT): steps 4-6 read each selection's row from the row map, which the handle's
 // dispatch wrote (the host's choice: the slot's last dispatch made the handle; else the prefix
 // counts and range tables).
-template <int kMode, bool kF32Out = false, bool kDirect = false>
+template <int kMode, bool kShrink, bool kF32Out = false, bool kDirect = false>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombineParams p) {
   using namespace detail;
   pdl_begin(p.pdl);
@@ -938,13 +943,13 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) combine(detail::LlCombi
       ll_combine_send_overlap(p, e);
     } else {
       deferred = (p.phases & kLlPhaseRecv) != 0;
-      send_masked = ll_combine_send<kMode>(p, e, deferred);
+      send_masked = ll_combine_send<kMode, kShrink>(p, e, deferred);
     }
   }
   static_assert(!kF32Out || kMode == kLlCombinePlain, "float32 out: the plain form only");
   static_assert(!kDirect || kMode != kLlCombineOverlap, "the overlapped form reads land");
   if (p.phases & kLlPhaseRecv)
-    ll_combine_recv<kMode, kF32Out, kDirect>(p, e, deferred, send_masked);
+    ll_combine_recv<kMode, kShrink, kF32Out, kDirect>(p, e, deferred, send_masked);
 }
 
 }  // namespace epx::ll
