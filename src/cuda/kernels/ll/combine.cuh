@@ -713,8 +713,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       bool later = false;
       if (i < 0) {
         // Warp 0, first group: step 5 (pairs with step 3 of every peer).
-        const bool ok =
-            ll_combine_wait_ready<kMode, kShrink>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+        const bool ok = ll_combine_wait_ready<kMode, kShrink>(
+            p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
         EPX_LL_STAMP(p, 1, kTrCReadyWait);
         const uint64_t masked = ll_masked_warp<kShrink>(symm);  // with the ranks the waits masked
         if (threadIdx.x == 0) s_ok = ok, s_masked = masked;
@@ -816,8 +816,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     // for both): the wait and the ranges' round trips overlap the local work.
     if (threadIdx.x < 32) {
       load_ranges(threadIdx.x, 32, 0, true);
-      const bool ok =
-          ll_combine_wait_ready<kMode, kShrink>(p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
+      const bool ok = ll_combine_wait_ready<kMode, kShrink>(
+          p, e, blockIdx.x == 0 ? p.wait_stats : nullptr, masked0);
       EPX_LL_STAMP(p, 1, kTrCReadyWait);
       const uint64_t masked = ll_masked_warp<kShrink>(symm);  // with the ranks the waits masked
       if (ok) load_ranges(threadIdx.x, 32, masked, false);
