@@ -510,7 +510,9 @@ const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "last group listed",
                                                           "its copy returned",
                                                           "units done (layout)",
-                                                          "exit"};
+                                                          "exit",
+                                                          "routed signal (fused)",
+                                                          "sent wait (fused)"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
                                                          "signal (3)",

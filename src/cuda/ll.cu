@@ -96,6 +96,8 @@ const char* ll_awaited(const DeviceErrorRecord& e) {
       return e.op == kOpLlDispatch
                  ? "the peer to finish reading the previous dispatch of this slot"
                  : "the peer to start this combine (its routing, for the overlapped send)";
+    case kWaitCounts:
+      return "the routing rows the peer sends";
     case kWaitRows:
       return e.op == kOpLlDispatch ? "the tokens the peer sends" : "the peer's expert outputs";
     case kWaitBarrier:

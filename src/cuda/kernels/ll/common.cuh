@@ -79,28 +79,68 @@ __device__ __forceinline__ bool ll_wait_or_mask(const LlSymm& symm, const uint32
       [&](const WaitContext&, uint32_t, int32_t, uint32_t, uint32_t) { atomicOr(mask, bit); });
 }
 
-// wait_ranks for the ll protocols (every thread of the CTA calls it): thread s < R, s not in
-// `skip`, waits local flag[s] >= want_of(s). With enable_shrink a peer's wait masks instead of
-// failing (ll_wait_or_mask); this rank's own (me) fails as without it. False when a wait failed;
-// `wait_ns` as wait_ranks', with enable_shrink also for a peer masked while it was awaited (the
-// time until then).
+// ---- teams: whole warps of the CTA that run one phase on their own barrier ---------------------
+//
+// The fused dispatch (dispatch.cuh: both halves in one launch, no enable_shrink) sends on warps
+// 0-7 while warps 8-15 store the routing rows, then scan and list the receive's rows; every other
+// phase of every ll kernel runs on the whole CTA (ll_team_all). A team is threads
+// [first, first + count) with hardware barrier `bar` (0, __syncthreads' own, for the whole CTA):
+// team code uses tid() and count where block code uses threadIdx.x and blockDim.x.
+struct LlTeam {
+  int first;
+  int count;
+  int bar;
+  __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x) - first; }
+  __device__ __forceinline__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(count) : "memory");
+  }
+  // A barrier of the team: whether `pred` held on all of its threads.
+  __device__ __forceinline__ bool all(bool pred) const {
+    int r;
+    asm volatile(
+        "{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbar.red.and.pred q, %2, %3, p;\n"
+        "\tselp.s32 %0, 1, 0, q;\n\t}"
+        : "=r"(r)
+        : "r"(static_cast<int>(pred)), "r"(bar), "r"(count)
+        : "memory");
+    return r != 0;
+  }
+};
+__device__ __forceinline__ LlTeam ll_team_all() {
+  return {0, static_cast<int>(blockDim.x), 0};
+}
+// `t` as values the compiler cannot follow back to the choice that made them, so code that runs
+// on either team is compiled once, not once per team.
+__device__ __forceinline__ LlTeam ll_team_opaque(LlTeam t) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(t.first));
+  asm volatile("mov.b32 %0, %0;" : "+r"(t.count));
+  asm volatile("mov.b32 %0, %0;" : "+r"(t.bar));
+  return t;
+}
+
+// wait_ranks for the ll protocols (every thread of `team` calls it): thread s < R of the team, s
+// not in `skip`, waits local flag[s] >= want_of(s). With enable_shrink a peer's wait masks instead
+// of failing (ll_wait_or_mask); this rank's own (me) fails as without it. False (on the whole
+// team) when a wait failed; `wait_ns` as wait_ranks', with enable_shrink also for a peer masked
+// while it was awaited (the time until then). Also the team's barrier that orders its later loads
+// after the acquires.
 template <bool kShrink = true, typename WantOf>
-__device__ __forceinline__ bool ll_wait_ranks(const LlSymm& symm, int me, const uint32_t* flag,
-                                              uint64_t skip, WantOf want_of, const WaitContext& w,
-                                              uint32_t what, int64_t* wait_ns = nullptr) {
+__device__ __forceinline__ bool ll_wait_ranks(const LlTeam& team, const LlSymm& symm, int me,
+                                              const uint32_t* flag, uint64_t skip, WantOf want_of,
+                                              const WaitContext& w, uint32_t what,
+                                              int64_t* wait_ns = nullptr) {
   const int R = symm.layout.num_ranks;
-  if (!kShrink || !symm.shrink) return wait_ranks(flag, R, skip, want_of, w, what, wait_ns);
-  const int s = threadIdx.x;
+  const int s = team.tid();
   bool ok = true;
   if (s < R && !rank_skipped(skip, s)) {
-    const uint64_t start = globaltimer_ns();
-    if (s == me)
+    const uint64_t start = wait_ns ? globaltimer_ns() : 0;
+    if (!kShrink || !symm.shrink || s == me)
       ok = wait_flag<true>(flag + s, want_of(s), w, what, s);
     else
       ll_wait_or_mask(symm, flag + s, want_of(s), w, what, s);
     if (ok && wait_ns) add_wait_ns(wait_ns + s, start);
   }
-  return __syncthreads_and(ok) != 0;
+  return team.all(ok);
 }
 
 // ---- loads and stores ----------------------------------------------------------------------
@@ -225,42 +265,43 @@ __device__ __forceinline__ void ll_reduce8(int K, const uintptr_t* src, const fl
   }
 }
 
-// ---- block-wide helpers (every thread of the CTA must call them) ------------------------------
+// ---- team-wide helpers (every thread of the team must call them) ------------------------------
 
 // For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the
-// CTA in thread order (pos[i]) and the number of threads with it set (total[i]); one barrier
+// team in thread order (pos[i]) and the number of its threads with it set (total[i]); one barrier
 // pair for all n. The warps' counts are scanned across the lanes (lane w holds warp w's count;
 // four shuffle steps), not summed by every thread from shared memory.
-__device__ __forceinline__ void ll_block_scan_group(uint32_t flags, int n, int (&pos)[kLlUnitGroup],
+__device__ __forceinline__ void ll_block_scan_group(const LlTeam& team, uint32_t flags, int n,
+                                                    int (&pos)[kLlUnitGroup],
                                                     int (&total)[kLlUnitGroup]) {
   static_assert(kLlWarps <= 32, "one lane per warp's count");
   __shared__ int s_warp[kLlUnitGroup][kLlWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = team.tid() >> 5, warps = team.count >> 5;
   uint32_t b[kLlUnitGroup];
 #pragma unroll
   for (int i = 0; i < kLlUnitGroup; ++i) {
     b[i] = i < n ? __ballot_sync(0xffffffffu, flags >> i & 1) : 0;
     if (lane == 0 && i < n) s_warp[i][warp] = __popc(b[i]);
   }
-  __syncthreads();
+  team.sync();
 #pragma unroll
   for (int i = 0; i < kLlUnitGroup; ++i) {
     int before = 0, all = 0;
     if (i < n) {
-      int c = lane < kLlWarps ? s_warp[i][lane] : 0;  // inclusive over lanes <= this one
+      int c = lane < warps ? s_warp[i][lane] : 0;  // inclusive over lanes <= this one
 #pragma unroll
       for (int d = 1; d < kLlWarps; d <<= 1) {
         const int u = __shfl_up_sync(0xffffffffu, c, d);
         if (lane >= d) c += u;
       }
-      all = __shfl_sync(0xffffffffu, c, kLlWarps - 1);
+      all = __shfl_sync(0xffffffffu, c, kLlWarps - 1);  // lanes >= warps add 0
       before = __shfl_sync(0xffffffffu, c, warp > 0 ? warp - 1 : 0);
       if (warp == 0) before = 0;
     }
     pos[i] = before + __popc(b[i] & ((1u << lane) - 1u));
     total[i] = all;
   }
-  __syncthreads();  // s_warp may be rewritten by the next call
+  team.sync();  // s_warp may be rewritten by the next call
 }
 
 }  // namespace epx::detail

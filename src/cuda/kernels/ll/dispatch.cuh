@@ -23,7 +23,8 @@
 //              then the e4m3 scales [H/16], 4 per 32-bit store (lanes 8i gather them);
 //              g is element 0 of x_global_scale (read once per CTA) or the host value;
 //        bf16: the row as is.
-//   4. Every CTA: release +1 into dispatch_sent[q][r] of every rank (self included).
+//   4. Every CTA: release +1 into dispatch_sent[q][r] and dispatch_routed[q][r] of every rank (self
+//      included; one fence).
 // receive half (kLlPhaseRecv: the hook, or the second half without one):
 //   Units (l, sub): local expert l, sub < S = max(1, C / L) CTAs sharing it; CTA b takes units
 //   b, b + C, ... in groups of up to kLlUnitGroup that share each scan and copy round (more than
@@ -49,6 +50,18 @@
 //   are done: the senders may overwrite it once all C did; a CTA with units from its last
 //   kMaxRanks threads right after its last copies, beside its layout writes) and sets its epoch
 //   word to e.
+// The fused launch (both halves, no enable_shrink) splits each CTA into two teams (LlTeam): warps
+// 0-7 run steps 1 and 3 without the routing rows (x quantised and sent by 256 threads) while
+// warps 8-15 (ll_dispatch_route) wait for dispatch_freed too, store the header (CTA 0) and the
+// CTA's routing rows, arrive at the barrier that warps 0-7 pass before step 4 (so step 4's
+// release covers the routing rows as well: a peer's hooked receive reads them after
+// dispatch_sent alone) and release +1 into dispatch_routed[q][r] of every rank at once. In the
+// receive, warps 8-15 wait dispatch_routed[q][s] >= e * C (the routing rows and headers, which
+// every CTA stores by ~1.5 us, long before its messages), then scan and list, 256 entries per
+// round; warps 0-7 wait dispatch_sent[q][s] >= e * C (the wait statistics time this one) and
+// then join every copy round (a barrier of all 16 warps per round, its entries in shared
+// memory), so the scan and the list overlap the quantisation, the stores and the flags' round
+// trip instead of following them. The rows, their order and every output are the same.
 // Rank mask (enable_shrink, common.cuh): the send skips the ranks this rank masks in steps 1-4
 // (no wait, nothing written, no signal), and a step-1 wait that times out masks its rank; the
 // receive neither waits for nor reads a masked source (0 tokens: layout_range count 0) and
@@ -198,17 +211,58 @@ __device__ __forceinline__ int32_t ll_format(const LlDispatchParams& p) {
   return p.use_fp8 | (p.round_scale << 1) | (p.use_nvfp4 << 2);
 }
 
-// Send step 4 (after __syncthreads): thread d < R, d not masked, releases the CTA's stores to
-// rank d, dispatch_sent[q][r] += 1 there.
-__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, uint64_t masked) {
-  const LlLayout& g = p.symm.layout;
-  signal_ranks(g.num_ranks, masked,
-               [&](int d) { return &g.sync(p.symm.peers[d])->dispatch_sent[p.slot][p.rank]; });
+// The fused launch's barrier between its halves' warps (LlTeam): the routing warps arrive once
+// their routing rows are stored, the sending warps wait there before step 4, so step 4's release
+// covers the routing rows too (the hooked receive reads them after dispatch_sent alone).
+inline constexpr int kLlBarRouted = 3;
+__device__ __forceinline__ void ll_bar_arrive_routed() {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kLlBarRouted), "n"(kLlThreads) : "memory");
+}
+__device__ __forceinline__ void ll_bar_sync_routed() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kLlBarRouted), "n"(kLlThreads) : "memory");
 }
 
-// Send steps 1-4. False when a wait failed (the CTA must leave).
+// Send step 4 (after the team's barrier): thread d < R of the team, d not masked, releases the
+// CTA's stores to rank d: dispatch_sent[q][r] += 1 there, and (`routed`: the routing rows were
+// stored by this team) dispatch_routed[q][r] += 1 behind the same fence.
+__device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, const LlTeam& team,
+                                                   uint64_t masked, bool routed) {
+  const LlLayout& g = p.symm.layout;
+  const int d = team.tid();
+  if (d >= g.num_ranks || rank_skipped(masked, d)) return;
+  LlSync* sync = g.sync(p.symm.peers[d]);
+  fence_acq_rel_sys();
+  if (routed) red_add_relaxed_sys(&sync->dispatch_routed[p.slot][p.rank], 1u);
+  red_add_relaxed_sys(&sync->dispatch_sent[p.slot][p.rank], 1u);
+}
+
+// The NVFP4 global scale g (element 0 of x_global_scale, written before this kernel, or the host
+// value); 0 in the other formats.
+template <int kQuant>
+__device__ __forceinline__ float ll_global_scale(const LlDispatchParams& p) {
+  return kQuant != kLlQuantNvfp4 ? 0.0f
+         : p.global_scale_ptr    ? __ldg(p.global_scale_ptr)
+                                 : p.global_scale;
+}
+
+// Step 2 (CTA 0, threads d < R of `team`, d not masked): the header into staging(d, q, r).
+template <int kQuant>
+__device__ __forceinline__ void ll_dispatch_header(const LlDispatchParams& p, const LlTeam& team,
+                                                   uint64_t masked, float gs) {
+  const int d = team.tid();
+  if (blockIdx.x != 0 || d >= p.symm.layout.num_ranks || rank_skipped(masked, d)) return;
+  LlSourceHeader* h = p.symm.layout.header(p.symm.peers[d], p.slot, p.rank);
+  h->num_tokens = p.num_tokens;
+  h->format = ll_format(p);
+  h->global_scale_bits = kQuant == kLlQuantNvfp4 ? __float_as_uint(gs) : 0u;
+}
+
+// Send steps 1-4 on `team`: the whole CTA, or (`split`, the fused launch) warps 0-7, while
+// ll_dispatch_route stores the header and the routing rows on warps 8-15 and step 4 waits for
+// them at kLlBarRouted. False when a wait failed (the team must leave its send).
 template <int kQuant, bool kShrink>
-__device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
+__device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const LlTeam& team,
+                                 bool split) {
   __shared__ int32_t s_ids[kLlMaxTopK];
   __shared__ int32_t s_dest[kLlMaxTopK];
   const LlSymm& symm = p.symm;
@@ -216,19 +270,18 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   const int R = g.num_ranks, K = g.top_k, L = g.num_local_experts, E = g.num_experts;
   const int me = p.rank, q = p.slot;
   const int64_t H = g.hidden;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, tid = team.tid(), nt = team.count;
   const int nv = static_cast<int>(H / 8);  // 8-element vectors per row
 
-  // This thread's first kLlXPrefetch vectors of x[t] (v = threadIdx.x + i * blockDim.x), loaded
-  // together before they are needed: the first token's before the step-1 wait (x is an input),
-  // later tokens' before their routing row is read. Vectors past the prefetch are loaded in
-  // the loop.
+  // This thread's first kLlXPrefetch vectors of x[t] (v = tid + i * nt), loaded together before
+  // they are needed: the first token's before the step-1 wait (x is an input), later tokens'
+  // before their routing row is read. Vectors past the prefetch are loaded in the loop.
   uint4 xpre[kLlXPrefetch];
   auto prefetch = [&](int64_t t) {
     const uint16_t* xrow = p.x + t * p.x_stride;
 #pragma unroll
     for (int i = 0; i < kLlXPrefetch; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
+      const int v = tid + i * nt;
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
   };
@@ -236,48 +289,40 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
   int64_t first_id = -1;
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) {
     prefetch(blockIdx.x);
-    if (static_cast<int>(threadIdx.x) < K)
-      first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, threadIdx.x);
+    if (tid < K)
+      first_id = ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, blockIdx.x, tid);
   }
 
   // 1. Pairs with the release in step "finish" of ll_dispatch_recv on every rank. Masked ranks
   // (enable_shrink) are skipped here and in steps 2-4: nothing is sent to them.
   if (!ll_wait_ranks<kShrink>(
-          symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
+          team, symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
           [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady))
     return false;
   const uint64_t masked = ll_masked_uniform<kShrink>(symm);
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
-  // The NVFP4 global scale, read once (x_global_scale was written before this kernel).
-  const float gs = kQuant != kLlQuantNvfp4 ? 0.0f
-                   : p.global_scale_ptr    ? __ldg(p.global_scale_ptr)
-                                           : p.global_scale;
-
-  // 2. Header.
-  if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
-    LlSourceHeader* h = g.header(symm.peers[threadIdx.x], q, me);
-    h->num_tokens = p.num_tokens;
-    h->format = ll_format(p);
-    h->global_scale_bits = kQuant == kLlQuantNvfp4 ? __float_as_uint(gs) : 0u;
-  }
+  const float gs = ll_global_scale<kQuant>(p);
+  // 2. Header; the routing rows' stores below (the fused launch: ll_dispatch_route does both).
+  if (!split) ll_dispatch_header<kQuant>(p, team, masked, gs);
+  const int route_n = split ? 0 : R * K;
 
   // 3. Tokens.
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (t != blockIdx.x) prefetch(t);
-    __syncthreads();  // the previous token's s_ids / s_dest are no longer read
-    if (threadIdx.x < K) {
+    team.sync();  // the previous token's s_ids / s_dest are no longer read
+    if (tid < K) {
       int64_t id = t == blockIdx.x
                        ? first_id
-                       : ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, threadIdx.x);
+                       : ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, tid);
       if (id < -1 || id >= E) {
-        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + threadIdx.x, id);
+        record_error(p.wait, kDevErrBadExpert, -1, t * 64 + tid, id);
         id = -1;
       }
-      s_ids[threadIdx.x] = static_cast<int32_t>(id);
-      s_dest[threadIdx.x] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
+      s_ids[tid] = static_cast<int32_t>(id);
+      s_dest[tid] = id >= 0 ? static_cast<int32_t>(id) / L : -1;
     }
-    __syncthreads();
+    team.sync();
     if (t == blockIdx.x) EPX_LL_STAMP(p, 0, kTrDRouted);
     uint64_t mask = 0;  // ranks t goes to
     for (int k = 0; k < K; ++k) {
@@ -285,7 +330,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       if (d >= 0) mask |= uint64_t{1} << d;
     }
     mask &= ~masked;
-    for (int i = threadIdx.x; i < R * K; i += blockDim.x) {
+    for (int i = tid; i < route_n; i += nt) {
       const int d = i / K, k = i - d * K;
       if (!rank_skipped(masked, d)) g.topk(symm.peers[d], q, me)[t * K + k] = s_ids[k];
     }
@@ -305,11 +350,10 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
-        const int base = static_cast<int>(threadIdx.x) - lane + i * static_cast<int>(blockDim.x);
+        const int base = tid - lane + i * nt;
         if (base < nv) quantise_and_send(xpre[i], base + lane);
       }
-      for (int base = static_cast<int>(threadIdx.x) - lane + kLlXPrefetch * blockDim.x; base < nv;
-           base += blockDim.x) {
+      for (int base = tid - lane + kLlXPrefetch * nt; base < nv; base += nt) {
         const int v = base + lane;
         quantise_and_send(v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
       }
@@ -317,20 +361,66 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e) {
       auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
-        const int v = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+        const int v = tid + i * nt;
         if (v < nv) send(xpre[i], v);
       }
-      for (int v = threadIdx.x + kLlXPrefetch * blockDim.x; v < nv; v += blockDim.x)
+      for (int v = tid + kLlXPrefetch * nt; v < nv; v += nt)
         send(ll_ld_input8(xrow + 8 * v, p.x_vec16), v);
     }
   }
 
-  // 4. Release this CTA's stores to every rank.
+  // 4. Release this CTA's stores to every rank (the fused launch: the routing warps' too).
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
-  __syncthreads();
+  if (split)
+    ll_bar_sync_routed();
+  else
+    team.sync();
   EPX_LL_STAMP(p, 0, kTrDSent);
-  ll_dispatch_signal(p, masked);
+  ll_dispatch_signal(p, team, masked, !split);
   EPX_LL_STAMP(p, 0, kTrDSignal);
+  return true;
+}
+
+// The fused launch's routing half (warps 8-15, beside ll_dispatch_send on warps 0-7; no
+// enable_shrink): step 1's wait as the send's, then step 2's header (CTA 0) and the routing rows
+// of the CTA's tokens (ids outside [-1, E) as -1; the send reports them) into topk(d, q, r) of
+// every rank d; arrives at kLlBarRouted (always: the send waits there) and releases +1 into
+// dispatch_routed[q][r] of every rank. False when its wait failed.
+template <int kQuant>
+__device__ bool ll_dispatch_route(const LlDispatchParams& p, uint32_t e, const LlTeam& team) {
+  const LlSymm& symm = p.symm;
+  const LlLayout& g = symm.layout;
+  const int R = g.num_ranks, K = g.top_k, E = g.num_experts;
+  const int me = p.rank, q = p.slot, tid = team.tid(), nt = team.count;
+  const int64_t T = p.num_tokens;
+  auto id_at = [&](int64_t t, int i) {  // entry i = d * K + k of token t's rows
+    return ll_topk_at(p.topk_idx, p.topk_is_i64, p.topk_stride, t, i - (i / K) * K);
+  };
+  // The first token's id of this thread's first entry, before the wait.
+  int64_t first_id = -1;
+  if (static_cast<int64_t>(blockIdx.x) < T && tid < R * K) first_id = id_at(blockIdx.x, tid);
+  const bool ok = ll_wait_ranks<false>(
+      team, symm, me, g.sync(symm.local)->dispatch_freed[q], 0,
+      [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady);
+  if (ok) {
+    ll_dispatch_header<kQuant>(p, team, 0, ll_global_scale<kQuant>(p));
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+      for (int i = tid; i < R * K; i += nt) {
+        int64_t id = t == blockIdx.x && i == tid ? first_id : id_at(t, i);
+        if (id < -1 || id >= E) id = -1;
+        g.topk(symm.peers[i / K], q, me)[t * K + i - (i / K) * K] = static_cast<int32_t>(id);
+      }
+    }
+    team.sync();  // the team's stores before its releases (cumulativity)
+  }
+  ll_bar_arrive_routed();
+  if (!ok) return false;
+  const int d = tid;
+  if (d < R) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(&g.sync(symm.peers[d])->dispatch_routed[q][me], 1u);
+  }
+  EPX_LL_STAMP(p, 0, kTrDRoutedSig);
   return true;
 }
 
@@ -555,112 +645,158 @@ __device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams
 
 // The receive's units, one pass over the sources: a CTA takes its units in groups of up to
 // kLlUnitGroup (units u, u + C, ...: more than one only when L > C, e.g. R = 1, E = 288 on 128
-// CTAs, and then S = 1), compacts the concatenated list for all of them at once, 512 entries at a
-// time (one load of each routing row, one block scan for the group), lists their rows together
-// and copies them with ONE ll_dispatch_copy_list round (rows and scales), so a CTA's units cost
-// one scan and one copy latency instead of one each (a list that would overflow is copied
-// first). layout_range comes from per-source counts (shared-memory adds: counts, never order).
-// `stats0`: thread i's stats element of unit i of the CTA's first group, read before the wait
-// (ll_dispatch_stats0), so the group's read-modify-write of stats waits for no load.
+// CTAs, and then S = 1), compacts the concatenated list for all of them at once, `team.count`
+// entries at a time (one load of each routing row, one scan for the group), lists their rows
+// together and copies them with ONE ll_dispatch_copy_entries round (rows and scales), so a CTA's
+// units cost one scan and one copy latency instead of one each (a list that would overflow is
+// copied first). layout_range comes from per-source counts (shared-memory adds: counts, never
+// order). `stats0`: thread i's stats element of unit i of the CTA's first group, read before the
+// wait (ll_dispatch_stats0), so the group's read-modify-write of stats waits for no load.
 // After the last group's copies the freed releases go out from the last kMaxRanks threads
 // (ll_dispatch_release_freed) while threads < n write the group's layout: the releases' fence
 // waits for the CTA's row stores, which the layout writes need not wait for.
+// Roles: `team` (the whole CTA, or warps 8-15 of the fused launch) scans and lists; every copy is
+// the whole CTA's: the team publishes the round (s_round) and meets the other warps at a barrier
+// (`follow`: warps 0-7 of the fused launch, which only copy the rounds they are given until the
+// team says it is done). `ok` false: a wait of this thread's team failed; the first barrier tells
+// every warp, and all leave (false).
 template <int kQuant, bool kShrink>
-__device__ void ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
-                                               int32_t stats0, uint32_t e) {
+__device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
+                                               int32_t stats0, uint32_t e, const LlTeam& team,
+                                               bool follow, bool split, bool ok) {
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
+  __shared__ int32_t s_round[2];  // entries listed (-1: done) and their `sub`
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k;
   const int me = p.rank, S = p.units_per_expert;
   const int units = L * S;
   const int C = static_cast<int>(gridDim.x);
+  const int tid = team.tid();
+  if (!ok && !follow) {
+    if (split) __syncthreads_and(false);  // the followers' first barrier
+    return false;
+  }
   const int64_t NT = srcs.total;
   EPX_LL_TRACE_DECL(scan);
   EPX_LL_TRACE_COUNT(rows);
-  for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
-    // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
-    const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
-    int l[kLlUnitGroup];
-    int32_t expert[kLlUnitGroup];
+  // The scanning team's place in its loops, kept across the copies: group u0 (units u0 + i * C <
+  // units, i < n; with n > 1, S = 1 (L * S > C): sub = 0), its scan round at `base`, and the
+  // units [start, n) of that round not listed yet.
+  int u0 = blockIdx.x, n = 0, sub = 0, start = 0;
+  bool in_group = false;
+  int64_t base = 0;
+  int l[kLlUnitGroup];
+  int32_t expert[kLlUnitGroup];
+  int64_t running[kLlUnitGroup] = {};
+  uint32_t sel = 0, first = 0;
+  int s = 0;
+  int64_t t = 0;
+  int pos[kLlUnitGroup] = {}, total[kLlUnitGroup] = {};
+#pragma unroll 1
+  for (;;) {
+    int filled = -1;  // the next round's entries (uniform in the team); -1: the team is done
+    // (read anew in every round, so the loop is compiled once, not once per role)
+    int lists = !follow;
+    asm volatile("mov.b32 %0, %0;" : "+r"(lists));
+#pragma unroll 1
+    while (lists && filled < 0 && u0 < units) {
+      if (!in_group) {
+        n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
 #pragma unroll
-    for (int i = 0; i < kLlUnitGroup; ++i) {
-      l[i] = (u0 + i * C) / S;
-      expert[i] = me * L + l[i];
-    }
-    const int sub = u0 - l[0] * S;
-    __syncthreads();  // threads < n read the previous group's s_cnt
-    for (int i = threadIdx.x; i < n * kMaxRanks; i += blockDim.x)
-      s_cnt[i / kMaxRanks][i % kMaxRanks] = 0;
-    __syncthreads();
-    int64_t running[kLlUnitGroup] = {};
-    for (int64_t base = 0; base < NT; base += blockDim.x) {
-      EPX_LL_TRACE_BEGIN(scan);
-      const int64_t j = base + threadIdx.x;
-      int s = 0;
-      int64_t t = 0;
-      uint32_t first = 0;
-      const uint32_t sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t, &first) : 0;
-      int pos[kLlUnitGroup], total[kLlUnitGroup];
-      ll_block_scan_group(sel, n, pos, total);
-      EPX_LL_TRACE_END(scan);
+        for (int i = 0; i < kLlUnitGroup; ++i) {
+          l[i] = (u0 + i * C) / S;
+          expert[i] = me * L + l[i];
+          running[i] = 0;
+        }
+        sub = u0 - l[0] * S;
+        team.sync();  // threads < n read the previous group's s_cnt
+        for (int i = tid; i < n * kMaxRanks; i += team.count)
+          s_cnt[i / kMaxRanks][i % kMaxRanks] = 0;
+        team.sync();
+        in_group = true;
+        base = -team.count;
+        start = n;
+      }
+      if (start >= n) {  // the group's next scan round
+        base += team.count;
+        if (base >= NT) {  // the group is listed and copied
+          if (u0 + kLlUnitGroup * C >= units)  // the CTA's last group: its staging reads are done
+            ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
+          if (sub == 0 && tid < n) {
+            // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in
+            // registers).
+            const int i = tid, li = (u0 + i * C) / S;
+            int64_t begin = 0;  // ends as the expert's rows (= running[i])
+            for (int src = 0; src < R; ++src) {
+              if (p.layout_range) p.layout_range[li * R + src] = (begin << 32) | s_cnt[i][src];
+              begin += s_cnt[i][src];
+            }
+            if (p.recv_count) p.recv_count[li] = static_cast<int32_t>(begin);
+            if (p.stats) {
+              const int32_t before =
+                  u0 == static_cast<int>(blockIdx.x) ? stats0 : p.stats[li * p.stats_stride];
+              p.stats[li * p.stats_stride] = before + static_cast<int32_t>(begin);
+            }
+          }
+          u0 += kLlUnitGroup * C;
+          in_group = false;
+          continue;
+        }
+        EPX_LL_TRACE_BEGIN(scan);
+        const int64_t j = base + tid;
+        sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t, &first) : 0;
+        ll_block_scan_group(team, sel, n, pos, total);
+        EPX_LL_TRACE_END(scan);
+        start = 0;
+      }
       // Units [start, stop) are listed and copied together; a unit whose entries would overflow
       // the list starts the next copy (n > 1 then, so S = 1). One copy call site: inlined once per
       // unit, the copy's code sat three times between the scan and the copy every call runs.
-      for (int start = 0; start < n;) {
-        int filled = 0, stop = n;  // entries listed, uniform
+      int stop = n;
+      filled = 0;
 #pragma unroll
-        for (int i = 0; i < kLlUnitGroup; ++i) {
-          if (i < start || i >= stop) continue;
-          if (filled > 0 && filled + total[i] > kLlThreads) {
-            stop = i;
-            continue;
-          }
-          if (sel >> i & 1) {
-            if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) {
-              const int64_t row = running[i] + pos[i];
-              ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], row);
-              // Where the token landed, into source s's row map (its combine's rows; the
-              // unit's first CTA: its S CTAs list the same rows).
-              if (sub == 0)
-                st_relaxed_sys(g.row_map(p.symm.peers[s], p.slot) + t * K + (first >> (5 * i) & 31),
-                               ll_row_entry(row, expert[i], e));
-            }
-            atomicAdd(&s_cnt[i][s], 1);
-          }
-          filled += total[i];
-          running[i] += total[i];
+      for (int i = 0; i < kLlUnitGroup; ++i) {
+        if (i < start || i >= stop) continue;
+        if (filled > 0 && filled + total[i] > kLlThreads) {
+          stop = i;
+          continue;
         }
-        __syncthreads();
-        EPX_LL_STAMP(p, 0, kTrDListed);
-        if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList))
-          ll_dispatch_copy_entries<kQuant>(p, list, filled, sub, S);  // n > 1: S = 1, sub = 0
-        EPX_LL_TRACE_ADD(rows, filled > sub ? (filled - sub + S - 1) / S : 0);
-        __syncthreads();  // the list is rewritten by the next units or group of entries
-        EPX_LL_STAMP(p, 0, kTrDCopied);
-        start = stop;
+        if (sel >> i & 1) {
+          if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) {
+            const int64_t row = running[i] + pos[i];
+            ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], row);
+            // Where the token landed, into source s's row map (its combine's rows; the unit's
+            // first CTA: its S CTAs list the same rows).
+            if (sub == 0)
+              st_relaxed_sys(g.row_map(p.symm.peers[s], p.slot) + t * K + (first >> (5 * i) & 31),
+                             ll_row_entry(row, expert[i], e));
+          }
+          atomicAdd(&s_cnt[i][s], 1);
+        }
+        filled += total[i];
+        running[i] += total[i];
       }
+      EPX_LL_TRACE_ADD(rows, filled > sub ? (filled - sub + S - 1) / S : 0);
+      if (EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) filled = 0;
+      start = stop;
     }
-    if (u0 + kLlUnitGroup * C >= units)  // the CTA's last group: its staging reads are done
-      ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
-    if (sub == 0 && static_cast<int>(threadIdx.x) < n) {
-      // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
-      const int i = threadIdx.x, li = (u0 + i * C) / S;
-      int64_t begin = 0;  // ends as the expert's rows (= running[i])
-      for (int s = 0; s < R; ++s) {
-        if (p.layout_range) p.layout_range[li * R + s] = (begin << 32) | s_cnt[i][s];
-        begin += s_cnt[i][s];
-      }
-      if (p.recv_count) p.recv_count[li] = static_cast<int32_t>(begin);
-      if (p.stats) {
-        const int32_t before =
-            u0 == static_cast<int>(blockIdx.x) ? stats0 : p.stats[li * p.stats_stride];
-        p.stats[li * p.stats_stride] = before + static_cast<int32_t>(begin);
-      }
-    }
+    if (lists && tid == 0) s_round[0] = filled, s_round[1] = sub;
+    // The round's copy, by every warp; the first barrier also tells whether every warp's waits
+    // held (a follower's or the team's).
+    if (!__syncthreads_and(ok)) return false;
+    const int round = s_round[0];
+    if (round < 0) break;
+    EPX_LL_STAMP(p, 0, kTrDListed);
+    ll_dispatch_copy_entries<kQuant>(p, list, round, s_round[1], S);  // n > 1: S = 1, sub = 0
+    __syncthreads();  // the list and s_round are rewritten by the next round
+    EPX_LL_STAMP(p, 0, kTrDCopied);
   }
-  EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
-  EPX_LL_TRACE_SM(p, 0, rows_n);
+  if (!follow) {  // (the trace: the scanning team's time and rows)
+    EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
+    EPX_LL_TRACE_SM(p, 0, rows_n);
+  }
+  return true;
 }
 
 // Receive finish, every CTA: a CTA without units releases its freed flags here (one with units
@@ -695,44 +831,55 @@ __device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p
   return __syncthreads_and(ok) != 0;
 }
 
-// The stats element of unit threadIdx.x of this CTA's first group (units blockIdx.x + i * C,
-// i < n, as ll_dispatch_recv_units_onepass takes them) when that thread writes it (sub 0), else
+// The stats element of unit tid of this CTA's first group (units blockIdx.x + i * C, i < n, as
+// ll_dispatch_recv_units_onepass takes them) when that thread of `team` writes it (sub 0), else
 // 0. Read at the receive's start: the previous dispatch that wrote it is complete (stream order;
 // with PDL, after pdl_begin), and only this dispatch's units write it now.
-__device__ __forceinline__ int32_t ll_dispatch_stats0(const LlDispatchParams& p) {
+__device__ __forceinline__ int32_t ll_dispatch_stats0(const LlDispatchParams& p,
+                                                      const LlTeam& team) {
   const int S = p.units_per_expert, units = p.symm.layout.num_local_experts * S;
   const int C = static_cast<int>(gridDim.x), u0 = static_cast<int>(blockIdx.x);
   const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
-  const int u = u0 + static_cast<int>(threadIdx.x) * C;
-  if (!p.stats || static_cast<int>(threadIdx.x) >= n || u0 % S != 0) return 0;
+  const int u = u0 + team.tid() * C;
+  if (!p.stats || team.tid() >= n || u0 % S != 0) return 0;
   return p.stats[(u / S) * p.stats_stride];
 }
 
-// Receive half. False when a wait failed.
+// Receive half on `team` (the CTA, or in the fused launch either half: warps 8-15 wait for the
+// routing rows, scan and list; warps 0-7 wait for the messages and join the copies). `ok` false:
+// this team's send half failed (fused launch). False when a wait failed.
 template <int kQuant, bool kShrink>
-__device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
+__device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e, const LlTeam& team,
+                                 bool split, bool ok) {
   const LlSymm& symm = p.symm;
   const LlLayout& g = symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts;
   const int q = p.slot, S = p.units_per_expert;
   const int units = L * S;
+  const int tid = team.tid();
+  const bool follow = split && team.first == 0;  // the fused launch's sending warps
   EPX_LL_STAMP(p, 0, kTrDRecvEntry);
 
   if (static_cast<int>(blockIdx.x) < units) {
-    const int32_t stats0 = ll_dispatch_stats0(p);
     // Every source's tokens for this slot landed (pairs with step 4 of the send); CTA 0 times
     // each source's wait when asked to. A masked source (enable_shrink) counts as one without
-    // tokens: not awaited, not read (layout_range count 0).
-    if (!ll_wait_ranks<kShrink>(
-            symm, p.rank, g.sync(symm.local)->dispatch_sent[q], ll_masked_uniform<kShrink>(symm),
-            [&](int) { return e * gridDim.x; }, p.wait, kWaitRows,
-            blockIdx.x == 0 ? p.wait_stats : nullptr))
-      return false;
-    if (kShrink && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
-      return false;
-    const uint64_t masked = ll_masked_uniform<kShrink>(symm);
-    EPX_LL_STAMP(p, 0, kTrDRecvWait);
-    if (blockIdx.x == 0 && threadIdx.x < R && !rank_skipped(masked, threadIdx.x)) {
+    // tokens: not awaited, not read (layout_range count 0). The fused launch's routing warps
+    // wait for the routing rows instead (dispatch_routed) and scan while its sending warps wait
+    // for the messages.
+    const int32_t stats0 = follow ? 0 : ll_dispatch_stats0(p, team);
+    const bool routing = split && !follow;  // the fused launch's scanning warps
+    if (ok)
+      ok = ll_wait_ranks<kShrink>(
+          team, symm, p.rank,
+          routing ? g.sync(symm.local)->dispatch_routed[q] : g.sync(symm.local)->dispatch_sent[q],
+          ll_masked_uniform<kShrink>(symm), [&](int) { return e * gridDim.x; }, p.wait,
+          routing ? kWaitCounts : kWaitRows,
+          !routing && blockIdx.x == 0 ? p.wait_stats : nullptr);
+    if (kShrink && ok && !ll_dispatch_recv_agree(p, e, min(units, static_cast<int>(gridDim.x))))
+      ok = false;
+    const uint64_t masked = ok ? ll_masked_uniform<kShrink>(symm) : 0;
+    EPX_LL_STAMP(p, 0, follow ? kTrDSentWait : kTrDRecvWait);
+    if (ok && !follow && blockIdx.x == 0 && tid < R && !rank_skipped(masked, tid)) {
       // Every source's format and NVFP4 global scale equal this rank's (its own header, written
       // by its send half, holds its g).
       auto word = [&](int s) {
@@ -740,37 +887,41 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e) {
         return static_cast<int64_t>(static_cast<uint32_t>(ld_landed<int32_t>(&h->format))) |
                static_cast<int64_t>(ld_landed<uint32_t>(&h->global_scale_bits)) << 32;
       };
-      const int s = threadIdx.x;
+      const int s = tid;
       const int64_t theirs = word(s), mine = word(p.rank);
       if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
     }
     LlRecvSources srcs{0, masked, nullptr, 0};
-    if (static_cast<int64_t>(R) * g.max_tokens <= static_cast<int64_t>(blockDim.x)) {
+    __shared__ int64_t s_first[kMaxRanks + 1];
+    if (static_cast<int64_t>(R) * g.max_tokens <= static_cast<int64_t>(team.count)) {
       srcs.slot = g.max_tokens;  // the slot view: the counts are read with the routing rows
       srcs.total = R * g.max_tokens;
-    } else {
+    } else if (ok && !follow) {
       // Every source's token count, read once (in parallel) for all units.
       __shared__ int32_t s_tokens[kMaxRanks];
-      __shared__ int64_t s_first[kMaxRanks + 1];
-      if (threadIdx.x < R) {
-        const int32_t n =
-            rank_skipped(masked, threadIdx.x)
-                ? 0
-                : ld_landed<int32_t>(&g.header(symm.local, q, threadIdx.x)->num_tokens);
-        s_tokens[threadIdx.x] =
-            n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
+      if (tid < R) {
+        const int32_t n = rank_skipped(masked, tid)
+                              ? 0
+                              : ld_landed<int32_t>(&g.header(symm.local, q, tid)->num_tokens);
+        s_tokens[tid] = n < 0 ? 0 : (n > g.max_tokens ? static_cast<int32_t>(g.max_tokens) : n);
       }
-      __syncthreads();
-      if (threadIdx.x == 0) {
+      team.sync();
+      if (tid == 0) {
         s_first[0] = 0;
         for (int s = 0; s < R; ++s) s_first[s + 1] = s_first[s] + s_tokens[s];
       }
-      __syncthreads();
+      team.sync();
       srcs.first = s_first;
       srcs.total = s_first[R];
     }
-    ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0, e);
+    if (!ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0, e, team, follow, split,
+                                                         ok))
+      return false;
     EPX_LL_STAMP(p, 0, kTrDCopy);
+  } else if (split && !__syncthreads_and(ok)) {
+    return false;  // (a CTA without units: both halves' waits)
+  } else if (!ok) {
+    return false;
   }
 
   ll_dispatch_finish<kShrink>(p, e, static_cast<int>(blockIdx.x) < units);
@@ -797,11 +948,23 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDisp
   using namespace detail;
   pdl_begin(p.pdl);
   const uint32_t e = ll_dispatch_epoch(p);
-  if (p.phases & kLlPhaseSend) {
+  // Both halves in one launch without enable_shrink: warps 0-7 send (and then wait for the
+  // messages) while warps 8-15 store the routing rows, wait for everyone's and scan and list;
+  // all 16 copy (ll_dispatch_route, ll_dispatch_recv). Otherwise every phase on the whole CTA.
+  const bool split = !kShrink && p.phases == kLlPhaseBoth;
+  const bool router = split && threadIdx.x >= kLlThreads / 2;
+  const LlTeam team = ll_team_opaque(!split ? ll_team_all()
+                                    : router ? LlTeam{kLlThreads / 2, kLlThreads / 2, 2}
+                                             : LlTeam{0, kLlThreads / 2, 1});
+  bool ok = true;
+  if (router) {
+    ok = ll_dispatch_route<kQuant>(p, e, team);
+  } else if (p.phases & kLlPhaseSend) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
-    if (!ll_dispatch_send<kQuant, kShrink>(p, e)) return;
+    ok = ll_dispatch_send<kQuant, kShrink>(p, e, team, split);
+    if (!split && !ok) return;
   }
-  if (p.phases & kLlPhaseRecv) ll_dispatch_recv<kQuant, kShrink>(p, e);
+  if (p.phases & kLlPhaseRecv) ll_dispatch_recv<kQuant, kShrink>(p, e, team, split, ok);
 }
 
 }  // namespace epx::ll

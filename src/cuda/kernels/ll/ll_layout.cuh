@@ -46,6 +46,10 @@
 // Flags (32-bit, never reset by the host; epochs count the operations of each slot):
 //   dispatch_sent[q][s]    += 1 by each of s's C dispatch CTAs once its rows for this rank in
 //                          slot q landed: e * C when the e-th dispatch of slot q is complete
+//   dispatch_routed[q][s]  += 1 by each of s's C dispatch CTAs once its routing rows (and CTA 0's
+//                          header) for this rank in slot q landed: e * C when every routing row
+//                          of the e-th dispatch of slot q is there (dispatch_sent covers them
+//                          too); the fused receive scans after it, copies after dispatch_sent
 //   dispatch_freed[q][d]   += 1 by each of d's C receive CTAs once it finished reading d's slot-q
 //                          staging: e * C after epoch e (a sender waits for (e - 1) * C on every
 //                          d before writing slot q again)
@@ -82,7 +86,8 @@ inline constexpr int kLlWarps = kLlThreads / 32;
 inline constexpr int kLlMaxCtas = 128;      // per kernel (auto tuning: see resolve_ll_ctas)
 inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in shared memory
 inline constexpr int kLlMaxTopK = 32;       // K
-inline constexpr int kLlXPrefetch = 2;  // dispatch: x vectors per thread loaded ahead (H <= 8192)
+inline constexpr int kLlXPrefetch = 2;  // dispatch: x vectors per thread loaded ahead (H <= 8192
+                                        // on the fused launch's 256 sending threads)
 inline constexpr int kLlIdBatch = 8;    // ids of a routing row loaded together
 inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K kept in registers
 inline constexpr int kLlCombineTokens = 8;  // tokens a combine CTA resolves at a time
@@ -132,6 +137,7 @@ struct LlState {
 
 struct LlSync {
   uint32_t dispatch_sent[2][kMaxRanks];
+  uint32_t dispatch_routed[2][kMaxRanks];
   uint32_t dispatch_freed[2][kMaxRanks];
   uint32_t combine_ready[2][kMaxRanks];
   uint32_t combine_pulled[2][kMaxRanks];

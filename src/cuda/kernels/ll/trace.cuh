@@ -2,7 +2,7 @@
 // EPX_LL_TRACE -> the EPX_LL_TRACE define). Without the define this header defines only no-op
 // macros: no code, no kernel parameter.
 //
-// With it, thread 0 of every CTA of the ll kernels stores, at each phase boundary below, a pair
+// With it, thread 0 (and 256) of every CTA of the ll kernels stores, at each phase boundary below, a pair
 // {%globaltimer ns, clock64} into a device buffer owned by CudaLl:
 //   stamps[op][phase][cta]   op 0 = dispatch, 1 = combine; kLlTracePhases x kLlMaxCtas pairs each
 // A phase a CTA does not reach (no tokens, not the last CTA, a failed wait) keeps the value the
@@ -44,6 +44,8 @@ enum LlDispatchPhase : int {
   kTrDCopied,     // the same group's copy call returned (barrier): src_info, rows, scales
   kTrDCopy,       // after every unit group (rows copied, layout_range / recv_count / stats)
   kTrDExit,       // every CTA: leaving the receive half (or the send kernel)
+  kTrDRoutedSig,  // fused launch, warps 8-15: their dispatch_routed releases issued (thread 256)
+  kTrDSentWait,   // fused launch, warps 0-7: after their dispatch_sent wait (units only)
   kTrDNum
 };
 // Combine phases (op 1).
@@ -84,7 +86,9 @@ inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
 #if defined(EPX_LL_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
                                              uint64_t clk) {
-  if (buf == nullptr || threadIdx.x != 0 || blockIdx.x >= 128) return;
+  // Thread 0, and thread 256 for the fused dispatch's warps 8-15 (where both run a phase, the
+  // later of two stamps a few cycles apart stays).
+  if (buf == nullptr || (threadIdx.x & 255) != 0 || blockIdx.x >= 128) return;
   uint64_t* w = buf + ll_trace_word(op, phase, blockIdx.x);
   w[0] = ns;
   w[1] = clk;
@@ -112,14 +116,14 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
 #define EPX_LL_TRACE_DECL(name) uint64_t name##_ns = 0, name##_clk = 0, name##_t0 = 0, name##_c0 = 0
 #define EPX_LL_TRACE_BEGIN(name)                \
   do {                                          \
-    if (threadIdx.x == 0) {                     \
+    if ((threadIdx.x & 255) == 0) {             \
       name##_t0 = ::epx::detail::ll_trace_ns(); \
       name##_c0 = clock64();                    \
     }                                           \
   } while (0)
 #define EPX_LL_TRACE_END(name)                               \
   do {                                                       \
-    if (threadIdx.x == 0) {                                  \
+    if ((threadIdx.x & 255) == 0) {                          \
       name##_ns += ::epx::detail::ll_trace_ns() - name##_t0; \
       name##_clk += clock64() - name##_c0;                   \
     }                                                        \
@@ -127,7 +131,7 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
 // Stores {base_ns + sum, base_clk + sum} where base is the real stamp `base_phase` of this CTA.
 #define EPX_LL_STAMP_V(params, op, phase, base_phase, name)                                     \
   do {                                                                                          \
-    if ((params).trace != nullptr && threadIdx.x == 0 && blockIdx.x < 128) {                    \
+    if ((params).trace != nullptr && (threadIdx.x & 255) == 0 && blockIdx.x < 128) {            \
       const uint64_t* b_ =                                                                      \
           (params).trace + ::epx::detail::ll_trace_word(op, base_phase, blockIdx.x);            \
       ::epx::detail::ll_trace_put((params).trace, op, phase, b_[0] + name##_ns,                 \
