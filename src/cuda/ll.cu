@@ -164,25 +164,29 @@ void launch_combine(int mode, bool direct, int ctas, size_t smem, cudaStream_t s
 }
 
 // One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
-// use_fp8 / use_nvfp4; kShrink = symm.shrink (BufferConfig::enable_shrink, fixed per Buffer).
-template <bool kShrink>
+// use_fp8 / use_nvfp4; kShrink = symm.shrink (BufferConfig::enable_shrink, fixed per Buffer);
+// kFused: both halves in this launch without enable_shrink.
+template <bool kShrink, bool kFused>
 void launch_dispatch_form(int ctas, cudaStream_t stream, const char* what,
                           const LlDispatchParams& p) {
   if (p.use_nvfp4)
-    launch_kernel(ll::dispatch<kLlQuantNvfp4, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what,
-                  p);
+    launch_kernel(ll::dispatch<kLlQuantNvfp4, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
+                  what, p);
   else if (p.use_fp8)
-    launch_kernel(ll::dispatch<kLlQuantFp8, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what, p);
+    launch_kernel(ll::dispatch<kLlQuantFp8, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
+                  what, p);
   else
-    launch_kernel(ll::dispatch<kLlQuantBf16, kShrink>, ctas, kLlThreads, 0, stream, p.pdl, what,
-                  p);
+    launch_kernel(ll::dispatch<kLlQuantBf16, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
+                  what, p);
 }
 
 void launch_dispatch(int ctas, cudaStream_t stream, const char* what, const LlDispatchParams& p) {
   if (p.symm.shrink)
-    launch_dispatch_form<true>(ctas, stream, what, p);
+    launch_dispatch_form<true, false>(ctas, stream, what, p);
+  else if (p.phases == kLlPhaseBoth)
+    launch_dispatch_form<false, true>(ctas, stream, what, p);
   else
-    launch_dispatch_form<false>(ctas, stream, what, p);
+    launch_dispatch_form<false, false>(ctas, stream, what, p);
 }
 
 #ifdef EPX_LL_TRACE
@@ -281,7 +285,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   DeviceGuard guard(dev_.device());
   num_ctas_ = resolve_ll_ctas(shape, R, group.options().num_sms, dev_.multiprocessors());
   pdl_ = pdl_usable(dev_.device(), group.transport()->ranks_share_device(),
-                    reinterpret_cast<const void*>(ll::dispatch<kLlQuantFp8, false>));
+                    reinterpret_cast<const void*>(ll::dispatch<kLlQuantFp8, false, true>));
   const int L = shape.num_experts / R;
   units_per_expert_ = std::max(1, num_ctas_ / std::max(1, L));
   layout_ = LlLayout::make(shape, R);

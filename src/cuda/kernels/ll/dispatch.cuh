@@ -698,7 +698,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
     int filled = -1;  // the next round's entries (uniform in the team); -1: the team is done
     // (read anew in every round, so the loop is compiled once, not once per role)
     int lists = !follow;
-    asm volatile("mov.b32 %0, %0;" : "+r"(lists));
+    if (split) asm volatile("mov.b32 %0, %0;" : "+r"(lists));
 #pragma unroll 1
     while (lists && filled < 0 && u0 < units) {
       if (!in_group) {
@@ -940,31 +940,34 @@ namespace epx::ll {
 
 // The ll dispatch kernel, one instantiation per form (profilers show one name per op, hook or
 // not): kQuant the message format (LlQuant, from p.use_fp8 / p.use_nvfp4), kShrink whether the
-// group has rank masks (BufferConfig::enable_shrink = p.symm.shrink; false: no mask code).
-// p.phases selects the send half (the call with a hook), the receive half (the hook) or both
-// (no hook).
-template <int kQuant, bool kShrink>
+// group has rank masks (BufferConfig::enable_shrink = p.symm.shrink; false: no mask code),
+// kFused the fused launch (both halves, no enable_shrink: the two teams above; the host's choice)
+// or not: p.phases selects the send half (the call with a hook), the receive half (the hook) or
+// both (enable_shrink without a hook), every phase on the whole CTA. Each carries only its own
+// code, so the hooked halves do not fetch the fused launch's.
+template <int kQuant, bool kShrink, bool kFused>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDispatchParams p) {
   using namespace detail;
+  static_assert(!(kFused && kShrink), "the fused launch has no rank masks");
   pdl_begin(p.pdl);
   const uint32_t e = ll_dispatch_epoch(p);
-  // Both halves in one launch without enable_shrink: warps 0-7 send (and then wait for the
-  // messages) while warps 8-15 store the routing rows, wait for everyone's and scan and list;
-  // all 16 copy (ll_dispatch_route, ll_dispatch_recv). Otherwise every phase on the whole CTA.
-  const bool split = !kShrink && p.phases == kLlPhaseBoth;
-  const bool router = split && threadIdx.x >= kLlThreads / 2;
-  const LlTeam team = ll_team_opaque(!split ? ll_team_all()
-                                    : router ? LlTeam{kLlThreads / 2, kLlThreads / 2, 2}
-                                             : LlTeam{0, kLlThreads / 2, 1});
+  // kFused: warps 0-7 send (and then wait for the messages) while warps 8-15 store the routing
+  // rows, wait for everyone's and scan and list; all 16 copy (ll_dispatch_route,
+  // ll_dispatch_recv). The team is opaque to the compiler, so the receive's code, which both
+  // teams run, is compiled once.
+  const bool router = kFused && threadIdx.x >= kLlThreads / 2;
+  const LlTeam team = !kFused ? ll_team_all()
+                      : ll_team_opaque(router ? LlTeam{kLlThreads / 2, kLlThreads / 2, 2}
+                                              : LlTeam{0, kLlThreads / 2, 1});
   bool ok = true;
   if (router) {
     ok = ll_dispatch_route<kQuant>(p, e, team);
-  } else if (p.phases & kLlPhaseSend) {
+  } else if (kFused || (p.phases & kLlPhaseSend)) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
-    ok = ll_dispatch_send<kQuant, kShrink>(p, e, team, split);
-    if (!split && !ok) return;
+    ok = ll_dispatch_send<kQuant, kShrink>(p, e, team, kFused);
+    if (!kFused && !ok) return;
   }
-  if (p.phases & kLlPhaseRecv) ll_dispatch_recv<kQuant, kShrink>(p, e, team, split, ok);
+  if (kFused || (p.phases & kLlPhaseRecv)) ll_dispatch_recv<kQuant, kShrink>(p, e, team, kFused, ok);
 }
 
 }  // namespace epx::ll
