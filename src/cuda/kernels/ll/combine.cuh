@@ -588,7 +588,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       asm volatile("bar.sync 1, %0;" ::"n"(kMaxRanks) : "memory");
     }
     ll_combine_signal_ready(p, send_masked, first, blockIdx.x == 0, e);
-    EPX_LL_STAMP(p, 1, kTrCSignal);  // (thread 0: when the last warps issued it)
+    EPX_LL_STAMP(p, 1, kTrCSignal);  // (threads 0 / 256: when the last warps issued it)
   };
   signal_deferred();
   auto weight_at = [&](int64_t t, int k) { return __ldg(p.weights + t * p.weights_stride + k); };

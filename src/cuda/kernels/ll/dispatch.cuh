@@ -212,14 +212,20 @@ __device__ __forceinline__ int32_t ll_format(const LlDispatchParams& p) {
 }
 
 // The fused launch's barrier between its halves' warps (LlTeam): the routing warps arrive once
-// their routing rows are stored, the sending warps wait there before step 4, so step 4's release
-// covers the routing rows too (the hooked receive reads them after dispatch_sent alone).
+// their routing rows are stored (or their wait failed), the sending warps wait there before step
+// 4 (or before leaving after a failed wait), so step 4's release covers the routing rows too (the
+// hooked receive reads them after dispatch_sent alone). ll_routed_ok(): whether the routing warps
+// stored them, written before the arrival, read after the wait (the barrier orders the two).
 inline constexpr int kLlBarRouted = 3;
 __device__ __forceinline__ void ll_bar_arrive_routed() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kLlBarRouted), "n"(kLlThreads) : "memory");
 }
 __device__ __forceinline__ void ll_bar_sync_routed() {
   asm volatile("bar.sync %0, %1;" ::"n"(kLlBarRouted), "n"(kLlThreads) : "memory");
+}
+__device__ __forceinline__ int& ll_routed_ok() {
+  __shared__ int s_ok;
+  return s_ok;
 }
 
 // Send step 4 (after the team's barrier): thread d < R of the team, d not masked, releases the
@@ -297,8 +303,10 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
   // (enable_shrink) are skipped here and in steps 2-4: nothing is sent to them.
   if (!ll_wait_ranks<kShrink>(
           team, symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
-          [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady))
+          [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady)) {
+    if (split) ll_bar_sync_routed();  // (the routing warps arrive in any case)
     return false;
+  }
   const uint64_t masked = ll_masked_uniform<kShrink>(symm);
   EPX_LL_STAMP(p, 0, kTrDFreed);
 
@@ -371,10 +379,12 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
 
   // 4. Release this CTA's stores to every rank (the fused launch: the routing warps' too).
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
-  if (split)
+  if (split) {
     ll_bar_sync_routed();
-  else
+    if (!ll_routed_ok()) return false;  // no release without the routing rows
+  } else {
     team.sync();
+  }
   EPX_LL_STAMP(p, 0, kTrDSent);
   ll_dispatch_signal(p, team, masked, !split);
   EPX_LL_STAMP(p, 0, kTrDSignal);
@@ -413,6 +423,7 @@ __device__ bool ll_dispatch_route(const LlDispatchParams& p, uint32_t e, const L
     }
     team.sync();  // the team's stores before its releases (cumulativity)
   }
+  if (tid == 0) ll_routed_ok() = ok;
   ll_bar_arrive_routed();
   if (!ok) return false;
   const int d = tid;

@@ -33,7 +33,8 @@ inline constexpr int kLlTraceOps = 2;
 enum LlDispatchPhase : int {
   kTrDEntry = 0,  // send half: kernel entry (the fused kernel: its entry)
   kTrDFreed,      // after step 1 (dispatch_freed wait)
-  kTrDRouted,     // default send: the CTA's first token's routing row loaded and shared
+  kTrDRouted,     // send: the CTA's first token's routing ids loaded and shared (its rows stored,
+                  // except in the fused launch: kTrDRoutedSig)
   kTrDStored,     // default send: thread 0 (warp 0) issued its last stores (before the barrier)
   kTrDSent,       // after step 3 (tokens stored) and the __syncthreads before the signal
   kTrDSignal,     // after step 4 (fence + red to every rank)
@@ -101,7 +102,8 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
 // A real stamp.
 #define EPX_LL_STAMP(params, op, phase) \
   ::epx::detail::ll_trace_put((params).trace, op, phase, ::epx::detail::ll_trace_ns(), clock64())
-// The CTA's SM + 1 (0: no stamp) and a count (thread 0's `count`) into the op's kLlTraceSmSlot.
+// The CTA's SM + 1 (0: no stamp) and a count (`count` of thread 0 or 256, the later) into the op's
+// kLlTraceSmSlot.
 #define EPX_LL_TRACE_SM(params, op, count)                                                  \
   do {                                                                                      \
     uint32_t sm_;                                                                           \
@@ -109,7 +111,7 @@ __device__ __forceinline__ uint64_t ll_trace_ns() {
     ::epx::detail::ll_trace_put((params).trace, op, ::epx::detail::kLlTraceSmSlot, sm_ + 1, \
                                 static_cast<uint64_t>(count));                              \
   } while (0)
-// A per-CTA count for EPX_LL_TRACE_SM (thread 0's value is stored).
+// A per-CTA count for EPX_LL_TRACE_SM (thread 0's or 256's value is stored).
 #define EPX_LL_TRACE_COUNT(name) int64_t name##_n = 0
 #define EPX_LL_TRACE_ADD(name, v) (name##_n += (v))
 // Accumulators for a virtual phase (declare, start, stop, then store base + sum).
