@@ -904,8 +904,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   // receive kernel holds one SM, not C, while a peer is late.
   if (blockIdx.x == 0 &&
       !ll_wait_ranks<kShrink>(
-          ll_team_all(), symm, me, g.sync(symm.local)->combine_pulled[q], skip | ll_masked_uniform<kShrink>(symm),
-          [&](int) { return e * gridDim.x; }, p.wait, kWaitBarrier))
+          ll_team_all(), symm, me, g.sync(symm.local)->combine_pulled[q],
+          skip | ll_masked_uniform<kShrink>(symm), [&](int) { return e * gridDim.x; }, p.wait,
+          kWaitBarrier))
     return false;
   if (threadIdx.x == 0) g.state(symm.local)->combine_epoch[q][blockIdx.x] = e;
   EPX_LL_STAMP(p, 1, kTrCExit);

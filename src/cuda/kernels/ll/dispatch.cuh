@@ -978,7 +978,8 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDisp
     ok = ll_dispatch_send<kQuant, kShrink>(p, e, team, kFused);
     if (!kFused && !ok) return;
   }
-  if (kFused || (p.phases & kLlPhaseRecv)) ll_dispatch_recv<kQuant, kShrink>(p, e, team, kFused, ok);
+  if (kFused || (p.phases & kLlPhaseRecv))
+    ll_dispatch_recv<kQuant, kShrink>(p, e, team, kFused, ok);
 }
 
 }  // namespace epx::ll

@@ -2,8 +2,8 @@
 // EPX_LL_TRACE -> the EPX_LL_TRACE define). Without the define this header defines only no-op
 // macros: no code, no kernel parameter.
 //
-// With it, thread 0 (and 256) of every CTA of the ll kernels stores, at each phase boundary below, a pair
-// {%globaltimer ns, clock64} into a device buffer owned by CudaLl:
+// With it, thread 0 (and 256) of every CTA of the ll kernels stores, at each phase boundary below,
+// a pair {%globaltimer ns, clock64} into a device buffer owned by CudaLl:
 //   stamps[op][phase][cta]   op 0 = dispatch, 1 = combine; kLlTracePhases x kLlMaxCtas pairs each
 // A phase a CTA does not reach (no tokens, not the last CTA, a failed wait) keeps the value the
 // reader cleared it to (0). The reader (bench/ll_gpu_bench.cu --trace) clears the buffer
@@ -36,7 +36,7 @@ enum LlDispatchPhase : int {
   kTrDRouted,     // send: the CTA's first token's routing ids loaded and shared (its rows stored,
                   // except in the fused launch: kTrDRoutedSig)
   kTrDStored,     // default send: thread 0 (warp 0) issued its last stores (before the barrier)
-  kTrDSent,       // after step 3 (tokens stored) and the __syncthreads before the signal
+  kTrDSent,       // after step 3 (tokens stored) and the barrier before the signal
   kTrDSignal,     // after step 4 (fence + red to every rank)
   kTrDRecvEntry,  // receive half entry (hook kernel entry, or right after the signal)
   kTrDRecvWait,   // after the dispatch_sent wait (units only)
