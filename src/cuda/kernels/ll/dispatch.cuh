@@ -426,11 +426,8 @@ __device__ bool ll_dispatch_route(const LlDispatchParams& p, uint32_t e, const L
   if (tid == 0) ll_routed_ok() = ok;
   ll_bar_arrive_routed();
   if (!ok) return false;
-  const int d = tid;
-  if (d < R) {
-    fence_acq_rel_sys();
-    red_add_relaxed_sys(&g.sync(symm.peers[d])->dispatch_routed[q][me], 1u);
-  }
+  signal_ranks(
+      R, 0, [&](int d) { return &g.sync(symm.peers[d])->dispatch_routed[q][me]; }, team.first);
   EPX_LL_STAMP(p, 0, kTrDRoutedSig);
   return true;
 }
