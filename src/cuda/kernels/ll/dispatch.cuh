@@ -266,9 +266,11 @@ __device__ __forceinline__ void ll_dispatch_header(const LlDispatchParams& p, co
 // Send steps 1-4 on `team`: the whole CTA, or (`split`, the fused launch) warps 0-7, while
 // ll_dispatch_route stores the header and the routing rows on warps 8-15 and step 4 waits for
 // them at kLlBarRouted. False when a wait failed (the team must leave its send).
-template <int kQuant, bool kShrink>
-__device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const LlTeam& team,
-                                 bool split) {
+template <int kQuant, bool kShrink, bool split>
+__device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const LlTeam& team) {
+  // Vectors of x a thread loads ahead: every vector of a row at H <= 8192 (the fused launch's 256
+  // sending threads load twice as many as the whole CTA's 512).
+  constexpr int kPrefetch = split ? 2 * kLlXPrefetch : kLlXPrefetch;
   __shared__ int32_t s_ids[kLlMaxTopK];
   __shared__ int32_t s_dest[kLlMaxTopK];
   const LlSymm& symm = p.symm;
@@ -282,11 +284,11 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
   // This thread's first kLlXPrefetch vectors of x[t] (v = tid + i * nt), loaded together before
   // they are needed: the first token's before the step-1 wait (x is an input), later tokens'
   // before their routing row is read. Vectors past the prefetch are loaded in the loop.
-  uint4 xpre[kLlXPrefetch];
+  uint4 xpre[kPrefetch];
   auto prefetch = [&](int64_t t) {
     const uint16_t* xrow = p.x + t * p.x_stride;
 #pragma unroll
-    for (int i = 0; i < kLlXPrefetch; ++i) {
+    for (int i = 0; i < kPrefetch; ++i) {
       const int v = tid + i * nt;
       xpre[i] = v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0};
     }
@@ -361,9 +363,17 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
         const int base = tid - lane + i * nt;
         if (base < nv) quantise_and_send(xpre[i], base + lane);
       }
-      for (int base = tid - lane + kLlXPrefetch * nt; base < nv; base += nt) {
+      // The rest through one quantising call site: the fused launch's further prefetched
+      // vectors first (selected, not indexed, so xpre stays in registers), then loads.
+      int i = kLlXPrefetch;
+      for (int base = tid - lane + kLlXPrefetch * nt; base < nv; base += nt, ++i) {
         const int v = base + lane;
-        quantise_and_send(v < nv ? ll_ld_input8(xrow + 8 * v, p.x_vec16) : uint4{0, 0, 0, 0}, v);
+        uint4 raw = uint4{0, 0, 0, 0};
+#pragma unroll
+        for (int j = kLlXPrefetch; j < kPrefetch; ++j)
+          if (i == j) raw = xpre[j];
+        if (i >= kPrefetch && v < nv) raw = ll_ld_input8(xrow + 8 * v, p.x_vec16);
+        quantise_and_send(raw, v);
       }
     } else {
       auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
@@ -372,14 +382,21 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
         const int v = tid + i * nt;
         if (v < nv) send(xpre[i], v);
       }
-      for (int v = tid + kLlXPrefetch * nt; v < nv; v += nt)
-        send(ll_ld_input8(xrow + 8 * v, p.x_vec16), v);
+      int i = kLlXPrefetch;
+      for (int v = tid + kLlXPrefetch * nt; v < nv; v += nt, ++i) {
+        uint4 raw = uint4{0, 0, 0, 0};
+#pragma unroll
+        for (int j = kLlXPrefetch; j < kPrefetch; ++j)
+          if (i == j) raw = xpre[j];
+        if (i >= kPrefetch) raw = ll_ld_input8(xrow + 8 * v, p.x_vec16);
+        send(raw, v);
+      }
     }
   }
 
   // 4. Release this CTA's stores to every rank (the fused launch: the routing warps' too).
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
-  if (split) {
+  if constexpr (split) {
     ll_bar_sync_routed();
     if (!ll_routed_ok()) return false;  // no release without the routing rows
   } else {
@@ -972,7 +989,7 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDisp
     ok = ll_dispatch_route<kQuant>(p, e, team);
   } else if (kFused || (p.phases & kLlPhaseSend)) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
-    ok = ll_dispatch_send<kQuant, kShrink>(p, e, team, kFused);
+    ok = ll_dispatch_send<kQuant, kShrink, kFused>(p, e, team);
     if (!kFused && !ok) return;
   }
   if (kFused || (p.phases & kLlPhaseRecv))
