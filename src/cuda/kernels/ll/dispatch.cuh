@@ -281,7 +281,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
   const int lane = threadIdx.x & 31, tid = team.tid(), nt = team.count;
   const int nv = static_cast<int>(H / 8);  // 8-element vectors per row
 
-  // This thread's first kLlXPrefetch vectors of x[t] (v = tid + i * nt), loaded together before
+  // This thread's first kPrefetch vectors of x[t] (v = tid + i * nt), loaded together before
   // they are needed: the first token's before the step-1 wait (x is an input), later tokens'
   // before their routing row is read. Vectors past the prefetch are loaded in the loop.
   uint4 xpre[kPrefetch];

@@ -86,8 +86,8 @@ inline constexpr int kLlWarps = kLlThreads / 32;
 inline constexpr int kLlMaxCtas = 128;      // per kernel (auto tuning: see resolve_ll_ctas)
 inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in shared memory
 inline constexpr int kLlMaxTopK = 32;       // K
-// dispatch: x vectors per thread loaded ahead (H <= 8192 on 512 threads; the fused launch's 256
-// sending threads load the rest of a row in the loop)
+// dispatch: x vectors per thread loaded ahead (H <= 8192 on 512 threads; twice as many on the
+// fused launch's 256 sending threads)
 inline constexpr int kLlXPrefetch = 2;
 inline constexpr int kLlIdBatch = 8;    // ids of a routing row loaded together
 inline constexpr int kLlPrefixTopK = 16;    // combine step 4: rows up to this K kept in registers
