@@ -263,14 +263,14 @@ __device__ __forceinline__ void ll_dispatch_header(const LlDispatchParams& p, co
   h->global_scale_bits = kQuant == kLlQuantNvfp4 ? __float_as_uint(gs) : 0u;
 }
 
-// Send steps 1-4 on `team`: the whole CTA, or (`split`, the fused launch) warps 0-7, while
+// Send steps 1-4 on `team`: the whole CTA, or (`kSplit`, the fused launch) warps 0-7, while
 // ll_dispatch_route stores the header and the routing rows on warps 8-15 and step 4 waits for
 // them at kLlBarRouted. False when a wait failed (the team must leave its send).
-template <int kQuant, bool kShrink, bool split>
+template <int kQuant, bool kShrink, bool kSplit>
 __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const LlTeam& team) {
   // Vectors of x a thread loads ahead: every vector of a row at H <= 8192 (the fused launch's 256
   // sending threads load twice as many as the whole CTA's 512).
-  constexpr int kPrefetch = split ? 2 * kLlXPrefetch : kLlXPrefetch;
+  constexpr int kPrefetch = kSplit ? 2 * kLlXPrefetch : kLlXPrefetch;
   __shared__ int32_t s_ids[kLlMaxTopK];
   __shared__ int32_t s_dest[kLlMaxTopK];
   const LlSymm& symm = p.symm;
@@ -306,7 +306,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
   if (!ll_wait_ranks<kShrink>(
           team, symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
           [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady)) {
-    if (split) ll_bar_sync_routed();  // (the routing warps arrive in any case)
+    if (kSplit) ll_bar_sync_routed();  // (the routing warps arrive in any case)
     return false;
   }
   const uint64_t masked = ll_masked_uniform<kShrink>(symm);
@@ -314,8 +314,8 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
 
   const float gs = ll_global_scale<kQuant>(p);
   // 2. Header; the routing rows' stores below (the fused launch: ll_dispatch_route does both).
-  if (!split) ll_dispatch_header<kQuant>(p, team, masked, gs);
-  const int route_n = split ? 0 : R * K;
+  if (!kSplit) ll_dispatch_header<kQuant>(p, team, masked, gs);
+  const int route_n = kSplit ? 0 : R * K;
 
   // 3. Tokens.
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
@@ -396,14 +396,14 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
 
   // 4. Release this CTA's stores to every rank (the fused launch: the routing warps' too).
   if (static_cast<int64_t>(blockIdx.x) < p.num_tokens) EPX_LL_STAMP(p, 0, kTrDStored);
-  if constexpr (split) {
+  if constexpr (kSplit) {
     ll_bar_sync_routed();
     if (!ll_routed_ok()) return false;  // no release without the routing rows
   } else {
     team.sync();
   }
   EPX_LL_STAMP(p, 0, kTrDSent);
-  ll_dispatch_signal(p, team, masked, !split);
+  ll_dispatch_signal(p, team, masked, !kSplit);
   EPX_LL_STAMP(p, 0, kTrDSignal);
   return true;
 }
