@@ -306,7 +306,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
   if (!ll_wait_ranks<kShrink>(
           team, symm, me, g.sync(symm.local)->dispatch_freed[q], ll_masked_uniform<kShrink>(symm),
           [&](int) { return (e - 1) * gridDim.x; }, p.wait, kWaitReady)) {
-    if (kSplit) ll_bar_sync_routed();  // (the routing warps arrive in any case)
+    if constexpr (kSplit) ll_bar_sync_routed();  // (the routing warps arrive in any case)
     return false;
   }
   const uint64_t masked = ll_masked_uniform<kShrink>(symm);
