@@ -308,6 +308,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   for (int p = 0; p < R; ++p) symm_.peers[p] = dev_.peer(p);
   symm_.layout = layout_;
   symm_.shrink = enable_shrink;
+  symm_.one_gpu = R == 1 || group.transport()->ranks_share_device();
 #ifdef EPX_LL_TRACE
   trace_ = g_ll_traces.create(dev_.device(), kLlTraceWords);
 #endif

@@ -55,6 +55,15 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
+// The release fence where every thread that acquires the flag runs on this GPU (`gpu`: one GPU
+// holds every rank's buffers; its acquires at system scope include this GPU's): gpu scope, else
+// system scope.
+__device__ __forceinline__ void fence_acq_rel(bool gpu) {
+  if (gpu)
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  else
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 // With a preceding fence_acq_rel_sys() in the same thread this is a release (PTX "release
 // pattern"); the fence is cumulative over stores ordered before it by __syncwarp/__syncthreads.
 __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
@@ -198,13 +207,14 @@ __device__ __forceinline__ bool rank_skipped(uint64_t skip_mask, int p) {
 // Thread first + p, p < num_ranks (bit p of skip_mask clear), releases this CTA's earlier stores
 // to rank p: *counter_of(p) += 1. Call after __syncthreads() so the fence covers every thread's
 // stores (cumulativity). `first` > 0: threads that the work after the call leaves idle, so the
-// fence holds no warp that has work.
+// fence holds no warp that has work. `one_gpu`: every rank is on this GPU (fence_acq_rel).
 template <typename CounterOf>
 __device__ __forceinline__ void signal_ranks(int num_ranks, uint64_t skip_mask,
-                                             CounterOf counter_of, int first = 0) {
+                                             CounterOf counter_of, int first = 0,
+                                             bool one_gpu = false) {
   const int p = static_cast<int>(threadIdx.x) - first;
   if (p >= 0 && p < num_ranks && !rank_skipped(skip_mask, p)) {
-    fence_acq_rel_sys();
+    fence_acq_rel(one_gpu);
     red_add_relaxed_sys(counter_of(p), 1u);
   }
 }

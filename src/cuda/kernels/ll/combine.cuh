@@ -161,7 +161,7 @@ __device__ __forceinline__ void ll_combine_publish_routed(const LlCombineParams&
   const LlSymm& symm = p.symm;
   const int d = threadIdx.x;
   if (d < symm.layout.num_ranks) {
-    fence_acq_rel_sys();
+    fence_acq_rel(symm.one_gpu);
     st_relaxed_sys(&symm.layout.sync(symm.peers[d])->combine_routed[p.slot][p.rank], e);
   }
 }
@@ -177,7 +177,7 @@ __device__ __forceinline__ void ll_combine_signal_ready(const LlCombineParams& p
   const int d = static_cast<int>(threadIdx.x) - first;
   if (d < 0 || d >= g.num_ranks || (!routed && rank_skipped(masked, d))) return;
   LlSync* sync = g.sync(p.symm.peers[d]);
-  fence_acq_rel_sys();
+  fence_acq_rel(p.symm.one_gpu);
   if (routed) st_relaxed_sys(&sync->combine_routed[p.slot][p.rank], e);
   if (!rank_skipped(masked, d)) red_add_relaxed_sys(&sync->combine_ready[p.slot][p.rank], 1u);
 }
@@ -465,7 +465,7 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   // O4. Pairs with step 5 of every rank's receive.
   const uint32_t share = ll_overlap_ready_share(p.recv_ctas, S, static_cast<int>(blockIdx.x));
   if (static_cast<int>(threadIdx.x) < R) {
-    fence_acq_rel_sys();
+    fence_acq_rel(symm.one_gpu);
     red_add_relaxed_sys(&g.sync(symm.peers[threadIdx.x])->combine_ready[q][me], share);
   }
   EPX_LL_STAMP(p, 1, kTrCSignal);
@@ -899,7 +899,7 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   auto pulled = [&](int d) { return &g.sync(symm.peers[d])->combine_pulled[q][me]; };
   __syncthreads();  // the CTA's pulls are done: the fence below covers them (cumulativity)
   const uint64_t skip = s_masked | rank_bit(me);
-  signal_ranks(R, skip, pulled);
+  signal_ranks(R, skip, pulled, 0, symm.one_gpu);
   // One CTA waits for the peers (the kernel ends only after it), the others leave: a hook's
   // receive kernel holds one SM, not C, while a peer is late.
   if (blockIdx.x == 0 &&

@@ -5,7 +5,7 @@
 // Signalling (sync.cuh vocabulary: signal_ranks / wait_ranks, this rank's bit skipped where it
 // does not signal itself):
 //   all threads: plain stores to rank p            -> __syncthreads()
-//   thread p:    fence_acq_rel_sys() + red_add_relaxed_sys(&sync(p)->X[q][rank], 1)   (release)
+//   thread p:    fence_acq_rel(one_gpu) + red_add_relaxed_sys(&sync(p)->X[q][rank], 1) (release)
 //   receiver:    thread s waits ld_acquire_sys(&sync(local)->X[q][s]) >= e * C
 //                -> __syncthreads() -> plain (L2) loads of what s wrote.
 // Every CTA adds exactly once per operation of slot q, so after the e-th it is e * C (mod 2^32,
@@ -28,6 +28,8 @@ struct LlSymm {
   char* peers[kMaxRanks];  // peers[rank] == local
   LlLayout layout;
   int32_t shrink;  // BufferConfig::enable_shrink: the rank mask applies, a timed-out wait masks
+  int32_t one_gpu;  // every rank's buffers on this GPU (R = 1, or ranks sharing one device): the
+                    // releases' fences at gpu scope (sync.cuh fence_acq_rel)
 };
 
 // ---- the rank mask (enable_shrink, docs/semantics.md §2.6) -------------------------------------

@@ -237,7 +237,7 @@ __device__ __forceinline__ void ll_dispatch_signal(const LlDispatchParams& p, co
   const int d = team.tid();
   if (d >= g.num_ranks || rank_skipped(masked, d)) return;
   LlSync* sync = g.sync(p.symm.peers[d]);
-  fence_acq_rel_sys();
+  fence_acq_rel(p.symm.one_gpu);
   if (routed) red_add_relaxed_sys(&sync->dispatch_routed[p.slot][p.rank], 1u);
   red_add_relaxed_sys(&sync->dispatch_sent[p.slot][p.rank], 1u);
 }
@@ -444,7 +444,8 @@ __device__ bool ll_dispatch_route(const LlDispatchParams& p, uint32_t e, const L
   ll_bar_arrive_routed();
   if (!ok) return false;
   signal_ranks(
-      R, 0, [&](int d) { return &g.sync(symm.peers[d])->dispatch_routed[q][me]; }, team.first);
+      R, 0, [&](int d) { return &g.sync(symm.peers[d])->dispatch_routed[q][me]; }, team.first,
+      symm.one_gpu);
   EPX_LL_STAMP(p, 0, kTrDRoutedSig);
   return true;
 }
@@ -665,7 +666,8 @@ __device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams
   const uint64_t masked = ll_masked_uniform<kShrink>(symm);
   signal_ranks(
       g.num_ranks, masked,
-      [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[p.slot][p.rank]; }, first);
+      [&](int d) { return &g.sync(symm.peers[d])->dispatch_freed[p.slot][p.rank]; }, first,
+      symm.one_gpu);
 }
 
 // The receive's units, one pass over the sources: a CTA takes its units in groups of up to
@@ -849,7 +851,7 @@ __device__ __forceinline__ bool ll_dispatch_recv_agree(const LlDispatchParams& p
   bool ok = true;
   __syncthreads();  // every thread's mask updates before the release below (cumulativity)
   if (threadIdx.x == 0) {
-    fence_acq_rel_sys();
+    fence_acq_rel(p.symm.one_gpu);
     red_add_relaxed_sys(waited, 1u);
     ok = wait_flag<true>(waited, e * n, p.wait, kWaitBarrier, p.rank);
   }
