@@ -624,6 +624,9 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
     p.y_stride1 = args.y.strides[1];
     p.y_vec16 = aligned16(args.y.data) && (args.y.strides[0] * 2) % 16 == 0 &&
                 (args.y.strides[1] * 2) % 16 == 0;
+    // The receive's pulls read 16-byte vectors only: this rank's rows of an unaligned y go
+    // through comb_y as the peers' (kernels/ll/combine.cuh, copy_own).
+    p.copy_own = !p.y_vec16;
   }
   p.zero_copy = args.zero_copy;
   p.use_logfmt = args.use_logfmt;

@@ -225,16 +225,16 @@ Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep) {
 }
 
 std::vector<uint16_t> rows_image(const std::vector<uint16_t>& src, int64_t n, int64_t H,
-                                 bool padded, int64_t* stride) {
-  *stride = padded ? H + 64 : H;
+                                 bool padded, int64_t* stride, int64_t pad) {
+  *stride = padded ? H + pad : H;
   std::vector<uint16_t> data(std::max<int64_t>(n, 1) * *stride, 0xDEAD);
   for (int64_t i = 0; i < n; ++i) std::copy_n(src.begin() + i * H, H, data.begin() + i * *stride);
   return data;
 }
 
 Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
-                   int64_t* stride) {
-  const std::vector<uint16_t> data = rows_image(src, n, H, padded, stride);
+                   int64_t* stride, int64_t pad) {
+  const std::vector<uint16_t> data = rows_image(src, n, H, padded, stride, pad);
   return to_device(data, DType::kBF16, {static_cast<int64_t>(data.size())}, device);
 }
 
@@ -271,8 +271,11 @@ LlCombineArgs ll_combine_inputs(const testing::LlCase& c, const testing::LlRankI
   keep.push_back(to_device(in.topk_weights, DType::kF32, {T, K}, device));
   a.topk_weights = keep.back();
   if (y != nullptr) {
+    // unaligned_y: a row stride of H + 1, so y's rows are not 16-byte aligned (the combine
+    // routes this rank's rows through its buffer: kernels/ll/combine.cuh copy_own).
     int64_t stride = H;
-    keep.push_back(upload_rows(*y, L * RT, H, c.padded, device, &stride));
+    keep.push_back(
+        upload_rows(*y, L * RT, H, c.padded, device, &stride, c.unaligned_y ? 1 : 64));
     a.y = TensorView::contiguous(keep.back().data, DType::kBF16, {L, RT, H}, Device::cuda(device));
     a.y.strides = {RT * stride, stride, 1};
   }

@@ -142,13 +142,14 @@ std::vector<T> to_host(const TensorView& t) {
 // A host tensor with t's shape and strides over a copy of its whole storage, which `keep` holds
 // (every tensor `keep` holds stays valid as long as `keep`: it only grows).
 Tensor host_copy(const TensorView& t, std::vector<std::vector<uint8_t>>& keep);
-// Rows [n, H] of 16-bit values laid out with row stride H, or H + 64 when `padded` (the stride in
-// *stride; the padding and an empty image's one row hold 0xDEAD): what upload_rows uploads.
+// Rows [n, H] of 16-bit values laid out with row stride H, or H + pad when `padded` (the stride in
+// *stride; the padding and an empty image's one row hold 0xDEAD): what upload_rows uploads. An
+// odd pad leaves every other row not 16-byte aligned.
 std::vector<uint16_t> rows_image(const std::vector<uint16_t>& src, int64_t n, int64_t H,
-                                 bool padded, int64_t* stride);
+                                 bool padded, int64_t* stride, int64_t pad = 64);
 // ll test inputs on `device`: rows_image as a flat tensor; topk ids [T, K] as int32 or int64.
 Tensor upload_rows(const std::vector<uint16_t>& src, int64_t n, int64_t H, bool padded, int device,
-                   int64_t* stride);
+                   int64_t* stride, int64_t pad = 64);
 Tensor upload_topk(const std::vector<int64_t>& topk, int64_t T, int K, bool i32, int device);
 // One rank's ll inputs of case c uploaded (`keep` holds the tensors): the dispatch's x (padded
 // when c.padded), topk_idx (int32 when c.topk_i32) and c.p's fp8 options (not NVFP4's); the

@@ -278,6 +278,15 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   wide.hook = true;
   wide.seed = seed++;
   cases.push_back(wide);
+  // y's rows not 16-byte aligned (row stride H + 1), no hook, copy mode: this rank's rows go
+  // through its combine buffer, the pulls read aligned rows only (kernels/ll/combine.cuh
+  // copy_own); H = 7168: two output vectors per thread.
+  Case odd;
+  odd.p = {R, 7, 7168, 8, 16 * R, true, false, false};
+  odd.padded = odd.unaligned_y = true;
+  odd.num_batches = 2;
+  odd.seed = seed++;
+  cases.push_back(odd);
   std::vector<std::vector<Batch>> data;
   for (const Case& c : cases) data.push_back(testing::make_ll_batches(c));
   EXPECT_EQ(run_cases(R, cases, data), 0);
@@ -286,7 +295,8 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
 // Three dispatches before their combines (no hooks): the third reuses the first one's slot, so
 // the first combine reads the prefix counts and range tables (its slot's row map is the third
 // dispatch's by then) and the other two the row map (kernels/ll/combine.cuh, kDirect); fp8 and
-// copy mode, bf16 with zero_copy, LogFMT with duplicated experts in a row.
+// copy mode with y's rows not 16-byte aligned, bf16 with zero_copy, LogFMT with duplicated
+// experts in a row.
 std::vector<Case> three_batch_cases(int R, uint64_t seed) {
   std::vector<Case> cases;
   for (int v = 0; v < 3; ++v) {
@@ -297,6 +307,7 @@ std::vector<Case> three_batch_cases(int R, uint64_t seed) {
     c.num_batches = 3;
     c.num_iters = 2;
     c.zero_copy = v == 1;
+    c.padded = c.unaligned_y = v == 0;  // y's rows not 16-byte aligned (copy_own)
     c.seed = seed + v;
     cases.push_back(c);
   }

@@ -12,8 +12,9 @@ std::string LlCase::describe() const {
   return p.describe() + " routing=" + routing_name(routing) + (topk_i32 ? " topk_i32" : "") +
          (hook ? " hook" : "") + (reverse_hooks ? " reverse_hooks" : "") +
          (zero_copy ? " zero_copy" : "") + (out_given ? " out" : "") + (stats ? " stats" : "") +
-         (padded ? " padded" : "") + " batches=" + std::to_string(num_batches) +
-         " iters=" + std::to_string(num_iters) + " seed=" + std::to_string(seed);
+         (padded ? " padded" : "") + (padded && unaligned_y ? " unaligned_y" : "") +
+         " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
+         " seed=" + std::to_string(seed);
 }
 
 LlCase random_ll_case(int R, uint64_t seed, double two_iters) {

@@ -12,6 +12,8 @@
 //      dispatch. zero_copy: the caller already wrote comb_y(r, q) (ll_next_combine_buffer).
 //      With a hook (copy_own) also s = r, and topk_idx / topk_weights into the stash: the hook's
 //      receive reads nothing of the caller's (they may be dropped once the call returned).
+//      Without a hook copy_own is set where y's rows are not 16-byte aligned: s = r's rows go
+//      to comb_y(r, q) too, so step 7 reads only aligned rows.
 //      use_logfmt: instead every row of every source, s = r included, is encoded into comb_y(r,
 //      q) and comb_meta(r, q) (from y, or in place with zero_copy; logfmt.cuh), same units.
 //   2. CTA 0: handle.layout_range -> comb_layout(r, q), use_logfmt -> comb_format(r, q); then
@@ -32,17 +34,19 @@
 //   enable_shrink), P CTAs per token, each reducing one slice of its output vectors
 //   (ll_combine_slices; steps 4-6 are then the same in the token's P CTAs). A CTA with tokens:
 //   4. counts, per expert, the tokens before its chunk that select it (a row's duplicates once);
-//   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt or
-//      overlap), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank with T = 0
-//      does this in CTA 0 too, so every rank reports), then reads begin/count of its block in every
-//      expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for d = r); wait-cost
-//      statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has tokens whenever T >
-//      0) reads %globaltimer when its warp 0 starts waiting and adds, per peer d, the nanoseconds
-//      until it saw combine_ready[q][d] reached to wait_stats[d] (atomicAdd; nothing for d = r,
-//      whose rows are not waited for, and nothing when T = 0: no tokens, no wait);
+//   5. waits combine_ready[q][d] >= e * C for every peer d (and d = r with use_logfmt, overlap
+//      or copy_own), compares comb_format(d, q) with its own (kDevErrLlCombineFormat; a rank
+//      with T = 0 does this in CTA 0 too, so every rank reports), then reads begin/count of its
+//      block in every expert: comb_layout(d, q)[l][r] of the expert's rank d (its own handle for
+//      d = r); wait-cost statistics (docs/semantics.md §2.5; wait_stats non-null): CTA 0 (it has
+//      tokens whenever T > 0) reads %globaltimer when its warp 0 starts waiting and adds, per
+//      peer d, the nanoseconds until it saw combine_ready[q][d] reached to wait_stats[d]
+//      (atomicAdd; nothing for d = r, whose rows are not waited for, and nothing when T = 0: no
+//      tokens, no wait);
 //   6. per token of the chunk, in order, per k: j = the running count of its expert (duplicates
 //      of an expert in one row share the first one's j), row = begin + j; the source of y(t, k)
-//      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode without use_logfmt);
+//      is comb_y(d, q)[l][row] (or the caller's y for d = r in copy mode without use_logfmt
+//      and copy_own);
 //      overlap: land(r, q)[t][k0] (k0: the first k of t's row with that expert), wherever the
 //      expert lives (the row count is checked as above);
 //   7. EXACT ORDER of the cpu backend (src/cpu/ll_combine.cc, one node), token t, element c:
@@ -50,7 +54,8 @@
 //        for k = 0 .. K-1 with topk_idx[t][k] != -1:  acc = __fmaf_rn(w[t][k], f32(y(t, k)[c]),
 //        acc); out[t][c] = f32_to_bf16(acc)   (core/numeric.h, one rounding; the device uses the
 //        hardware conversion f32x2_to_bf16x2, the same bits)
-//      (threads take (token, 8-element vector) pairs; kLlLoadBatch rows loaded at once).
+//      (threads take (token, 8-element vector) pairs, two at a time: both vectors' kLlLoadBatch
+//      rows loaded at once, ll_reduce8_pair).
 //      use_logfmt: f32(y(t, k)[c]) is the LogFMT decoding of the pulled bytes (logfmt.cuh).
 //   Finish, every CTA: releases +1 into combine_pulled[q][r] on every peer (its pulls are done)
 //   and sets its epoch word to e; CTA 0 then waits combine_pulled[q][d] >= e * C for every peer
@@ -97,10 +102,13 @@ struct LlCombineParams {
   int32_t slot;        // q
   int32_t rank;        // r
   int32_t phases;      // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
+  // The rows this rank keeps go to comb_y(r, q) as the peers' do (step 1), and a receive in the
+  // same launch reads them there after its wait for this rank's combine_ready (step 5): with a
+  // hook, and where y's rows are not 16-byte aligned (step 7 reads only aligned rows).
   // Send half with a hook: every input the receive reads is copied into epx's memory, so the
-  // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: the rows
-  // this rank keeps go to comb_y(r, q) as the peers' do, the routing and weights [T, K] to
-  // stash_ids / stash_w (the hook's launch reads them there, and comb_layout(r, q)).
+  // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: its own
+  // rows by copy_own, the routing and weights [T, K] to stash_ids / stash_w (the hook's launch
+  // reads them there, and comb_layout(r, q)).
   int32_t copy_own;
   int64_t* stash_ids;
   float* stash_w;
@@ -472,9 +480,44 @@ __device__ bool ll_combine_send_overlap(const LlCombineParams& p, uint32_t e) {
   return true;
 }
 
-// 8 bf16 of y(t, k): `src` is a row pointer with bit 0 set when it is not 16-byte aligned.
-__device__ __forceinline__ uint4 ll_ld_expert_row8(uintptr_t src, int64_t v) {
-  return ll_ld8<true>(reinterpret_cast<const uint16_t*>(src & ~uintptr_t{1}) + 8 * v, !(src & 1));
+// Two combine output vectors at once (step 7, the plain form): acc[j] as ll_reduce8's for
+// vector j (bf16 rows; sources src_j, weights w_j; a source of 0 is skipped); `two` false: vector
+// 0 only, vector 1's code branched over (a thread's last, odd vector runs no more instructions
+// than ll_reduce8). Each batch's loads of both vectors are issued before either is reduced, so a
+// thread with two vectors waits one round of loads, not two. Each vector's fma order is
+// ll_reduce8's (the same bits).
+template <int kBatch, typename Load>
+__device__ __forceinline__ void ll_reduce8_pair(int K, bool two, const uintptr_t* src0,
+                                                const float* w0, const uintptr_t* src1,
+                                                const float* w1, Load load, float (&acc)[2][8]) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) acc[0][c] = acc[1][c] = 0.0f;
+  for (int kb = 0; kb < K; kb += kBatch) {
+    uint4 val[2][kBatch];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j == 1 && !two) break;
+      const uintptr_t* src = j ? src1 : src0;
+#pragma unroll
+      for (int kk = 0; kk < kBatch; ++kk)
+        if (kb + kk < K && src[kb + kk]) val[j][kk] = load(j, kb + kk);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j == 1 && !two) break;
+      const uintptr_t* src = j ? src1 : src0;
+      const float* w = j ? w1 : w0;
+#pragma unroll
+      for (int kk = 0; kk < kBatch; ++kk) {
+        if (kb + kk >= K || !src[kb + kk]) continue;
+        float f[8];
+        ll_bf16x8_to_f32(val[j][kk], f);
+        const float wk = w[kb + kk];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[j][c] = __fmaf_rn(wk, f[c], acc[j][c]);
+      }
+    }
+  }
 }
 
 // Step 5's wait, by warp 0: combine_ready[q][d] >= e * C for every peer d not in `masked` (and
@@ -491,7 +534,8 @@ __device__ bool ll_combine_wait_ready(const LlCombineParams& p, uint32_t e, int6
   const uint64_t wait_start = wait_ns ? globaltimer_ns() : 0;
   const int32_t mine = ll_combine_format(p);
   for (int d = threadIdx.x; d < g.num_ranks && ok; d += 32) {
-    if ((d == me && kMode == kLlCombinePlain) || rank_skipped(masked, d)) continue;
+    if ((d == me && kMode == kLlCombinePlain && !p.copy_own) || rank_skipped(masked, d))
+      continue;
     const uint32_t* ready = g.sync(symm.local)->combine_ready[q] + d;
     bool arrived = true;
     if (kShrink && symm.shrink && d != me)
@@ -600,9 +644,8 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
     if constexpr (kMode == kLlCombineOverlap) {
       return reinterpret_cast<uintptr_t>(g.comb_land(symm.local, q) + (t * K + k0) * H);
     } else {
-      if (d == me && !p.zero_copy && !kLogfmt)
-        return reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1) |
-               (p.y_vec16 ? 0 : 1);
+      if (d == me && !p.zero_copy && !p.copy_own && !kLogfmt)
+        return reinterpret_cast<uintptr_t>(p.y + l * p.y_stride0 + row * p.y_stride1);
       if constexpr (kLogfmt)
         *mrow = reinterpret_cast<uintptr_t>(g.comb_meta(symm.peers[d], q) +
                                             (l * RT + row) * g.num_groups);
@@ -617,34 +660,51 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
       // (it ends with a barrier, as the loop below)
     } else {
       // Output vector (tl, v_begin + v), tl * v_count + v = threadIdx.x + j * blockDim.x:
-      // advanced without a division per vector (a 32-bit one when v wraps).
+      // advanced without a division per vector (a 32-bit one when v wraps). A thread takes its
+      // vectors two at a time, both vectors' loads in flight together (ll_reduce8_pair).
       const int nvi = v_count;
-      // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
-      int tl = static_cast<int>(threadIdx.x) / nvi;
-      if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
-      for (int v = static_cast<int>(threadIdx.x) - tl * nvi; tl < n;) {
-        const uintptr_t* src = s_src + tl * K;
-        float acc[8];
-        ll_reduce8<kLlLoadBatch>(
-            K, src, s_w + tl * K,
-            [&](int k) { return ll_ld_expert_row8(src[k], v_begin + v); },
-            [](int, const uint4& val, float* f) { ll_bf16x8_to_f32(val, f); }, acc);
+      auto next = [&](int& t, int& v) {
+        v += blockDim.x;
+        if (v >= nvi) {
+          const int wrap = v / nvi;
+          t += wrap;
+          v -= wrap * nvi;
+        }
+      };
+      auto put = [&](int t, int v, const float* acc) {
         if constexpr (kF32Out) {
-          auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + tl) * p.out_stride +
+          auto* o = reinterpret_cast<float4*>(p.out_f32 + (c0 + t) * p.out_stride +
                                               8 * (v_begin + v));
           o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
           o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         } else if (p.out) {
           const uint4 packed = f32_to_bf16_vec<uint4>(acc);
-          ll_st8(p.out + (c0 + tl) * p.out_stride + 8 * (v_begin + v), packed,
+          ll_st8(p.out + (c0 + t) * p.out_stride + 8 * (v_begin + v), packed,
                  p.out_vec16 != 0);
         }
-        v += blockDim.x;
-        if (v >= nvi) {
-          const int wrap = v / nvi;
-          tl += wrap;
-          v -= wrap * nvi;
-        }
+      };
+      // (diagnostics: kLlAblateCombinePull leaves the pulls and the reduce out)
+      int tl = static_cast<int>(threadIdx.x) / nvi;
+      if (EPX_LL_ABLATED(p.ablate, kLlAblateCombinePull)) tl = n;
+      int v = static_cast<int>(threadIdx.x) - tl * nvi;
+      for (; tl < n;) {
+        int tl2 = tl, v2 = v;
+        next(tl2, v2);
+        const bool two = tl2 < n;
+        const uintptr_t* src = s_src + tl * K;
+        const uintptr_t* src2 = s_src + (two ? tl2 : tl) * K;
+        float acc[2][8];
+        ll_reduce8_pair<kLlLoadBatch>(
+            K, two, src, s_w + tl * K, src2, s_w + (two ? tl2 : tl) * K,
+            [&](int j, int k) {
+              return ld_landed<uint4>(reinterpret_cast<const uint4*>(j ? src2[k] : src[k]) +
+                                      v_begin + (j ? v2 : v));
+            },
+            acc);
+        put(tl, v, acc[0]);
+        if (two) put(tl2, v2, acc[1]);
+        tl = tl2, v = v2;
+        next(tl, v);
       }
       __syncthreads();  // s_* are rewritten by the next group of tokens
     }
