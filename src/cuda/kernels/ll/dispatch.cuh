@@ -683,142 +683,146 @@ __device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams
 // (ll_dispatch_release_freed) while threads < n write the group's layout: the releases' fence
 // waits for the CTA's row stores, which the layout writes need not wait for.
 // Roles: `team` (the whole CTA, or warps 8-15 of the fused launch) scans and lists; every copy is
-// the whole CTA's: the team publishes the round (s_round) and meets the other warps at a barrier
-// (`follow`: warps 0-7 of the fused launch, which only copy the rounds they are given until the
-// team says it is done). `ok` false: a wait of this thread's team failed; the first barrier tells
-// every warp, and all leave (false).
+// the whole CTA's (`follow`: warps 0-7 of the fused launch run the same loops without scanning or
+// listing: they learn NT at kLlBarRounds, which the team only arrives at, and each round's entries
+// and units from s_round at the round's barrier). `ok` false: a wait of this thread's team
+// failed; the next barrier of both tells every warp, and all leave (false).
+inline constexpr int kLlBarRounds = 4;
 template <int kQuant, bool kShrink>
 __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const LlRecvSources& srcs,
                                                int32_t stats0, uint32_t e, const LlTeam& team,
                                                bool follow, bool split, bool ok) {
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
-  __shared__ int32_t s_round[2];  // entries listed (-1: done) and their `sub`
+  __shared__ int32_t s_round[3];  // the round's entries, its `sub`, its units' end (stop)
+  __shared__ int64_t s_nt;        // NT for the followers (-1: the team's wait failed)
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k;
   const int me = p.rank, S = p.units_per_expert;
   const int units = L * S;
   const int C = static_cast<int>(gridDim.x);
   const int tid = team.tid();
-  if (!ok && !follow) {
-    if (split) __syncthreads_and(false);  // the followers' first barrier
-    return false;
+  // Whether this thread scans and lists, read anew where it is asked (volatile: the compiler
+  // cannot hoist it and compile the loops once per role).
+  auto lists = [&]() {
+    int v = !follow;
+    if (split) asm volatile("mov.b32 %0, %0;" : "+r"(v));
+    return v != 0;
+  };
+  if (split) {
+    if (!follow) {
+      if (tid == 0) s_nt = ok ? srcs.total : -1;
+      asm volatile("bar.arrive %0, %1;" ::"n"(kLlBarRounds), "n"(kLlThreads) : "memory");
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"n"(kLlBarRounds), "n"(kLlThreads) : "memory");
+    }
   }
-  const int64_t NT = srcs.total;
+  if (!ok && !follow) return false;  // (the followers see s_nt < 0)
+  const int64_t NT = follow ? s_nt : srcs.total;
+  if (NT < 0) return false;
   EPX_LL_TRACE_DECL(scan);
   EPX_LL_TRACE_COUNT(rows);
-  // The scanning team's place in its loops, kept across the copies: group u0 (units u0 + i * C <
-  // units, i < n; with n > 1, S = 1 (L * S > C): sub = 0), its scan round at `base`, and the
-  // units [start, n) of that round not listed yet.
-  int u0 = blockIdx.x, n = 0, sub = 0, start = 0;
-  bool in_group = false;
-  int64_t base = 0;
-  int l[kLlUnitGroup];
-  int32_t expert[kLlUnitGroup];
-  int64_t running[kLlUnitGroup] = {};
-  uint32_t sel = 0, first = 0;
-  int s = 0;
-  int64_t t = 0;
-  int pos[kLlUnitGroup] = {}, total[kLlUnitGroup] = {};
-#pragma unroll 1
-  for (;;) {
-    int filled = -1;  // the next round's entries (uniform in the team); -1: the team is done
-    // (read anew in every round, so the loop is compiled once, not once per role)
-    int lists = !follow;
-    if (split) asm volatile("mov.b32 %0, %0;" : "+r"(lists));
-#pragma unroll 1
-    while (lists && filled < 0 && u0 < units) {
-      if (!in_group) {
-        n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+  for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
+    // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
+    const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+    int l[kLlUnitGroup];
+    int32_t expert[kLlUnitGroup];
 #pragma unroll
-        for (int i = 0; i < kLlUnitGroup; ++i) {
-          l[i] = (u0 + i * C) / S;
-          expert[i] = me * L + l[i];
-          running[i] = 0;
-        }
-        sub = u0 - l[0] * S;
-        team.sync();  // threads < n read the previous group's s_cnt
-        for (int i = tid; i < n * kMaxRanks; i += team.count)
-          s_cnt[i / kMaxRanks][i % kMaxRanks] = 0;
-        team.sync();
-        in_group = true;
-        base = -team.count;
-        start = n;
-      }
-      if (start >= n) {  // the group's next scan round
-        base += team.count;
-        if (base >= NT) {  // the group is listed and copied
-          if (u0 + kLlUnitGroup * C >= units)  // the CTA's last group: its staging reads are done
-            ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
-          if (sub == 0 && tid < n) {
-            // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in
-            // registers).
-            const int i = tid, li = (u0 + i * C) / S;
-            int64_t begin = 0;  // ends as the expert's rows (= running[i])
-            for (int src = 0; src < R; ++src) {
-              if (p.layout_range) p.layout_range[li * R + src] = (begin << 32) | s_cnt[i][src];
-              begin += s_cnt[i][src];
-            }
-            if (p.recv_count) p.recv_count[li] = static_cast<int32_t>(begin);
-            if (p.stats) {
-              const int32_t before =
-                  u0 == static_cast<int>(blockIdx.x) ? stats0 : p.stats[li * p.stats_stride];
-              p.stats[li * p.stats_stride] = before + static_cast<int32_t>(begin);
-            }
-          }
-          u0 += kLlUnitGroup * C;
-          in_group = false;
-          continue;
-        }
+    for (int i = 0; i < kLlUnitGroup; ++i) {
+      l[i] = (u0 + i * C) / S;
+      expert[i] = me * L + l[i];
+    }
+    const int sub = u0 - l[0] * S;
+    if (lists()) {
+      team.sync();  // threads < n read the previous group's s_cnt
+      for (int i = tid; i < n * kMaxRanks; i += team.count)
+        s_cnt[i / kMaxRanks][i % kMaxRanks] = 0;
+      team.sync();
+    }
+    int64_t running[kLlUnitGroup] = {};
+    for (int64_t base = 0; base < NT; base += team.count) {
+      uint32_t sel = 0, first = 0;
+      int s = 0;
+      int64_t t = 0;
+      int pos[kLlUnitGroup] = {}, total[kLlUnitGroup] = {};
+      if (lists()) {
         EPX_LL_TRACE_BEGIN(scan);
         const int64_t j = base + tid;
         sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t, &first) : 0;
         ll_block_scan_group(team, sel, n, pos, total);
         EPX_LL_TRACE_END(scan);
-        start = 0;
       }
       // Units [start, stop) are listed and copied together; a unit whose entries would overflow
       // the list starts the next copy (n > 1 then, so S = 1). One copy call site: inlined once per
       // unit, the copy's code sat three times between the scan and the copy every call runs.
-      int stop = n;
-      filled = 0;
+      for (int start = 0; start < n;) {
+        if (lists()) {
+          int filled = 0, stop = n;  // entries listed, uniform
 #pragma unroll
-      for (int i = 0; i < kLlUnitGroup; ++i) {
-        if (i < start || i >= stop) continue;
-        if (filled > 0 && filled + total[i] > kLlThreads) {
-          stop = i;
-          continue;
-        }
-        if (sel >> i & 1) {
-          if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) {
-            const int64_t row = running[i] + pos[i];
-            ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], row);
-            // Where the token landed, into source s's row map (its combine's rows; the unit's
-            // first CTA: its S CTAs list the same rows).
-            if (sub == 0)
-              st_relaxed_sys(g.row_map(p.symm.peers[s], p.slot) + t * K + (first >> (5 * i) & 31),
-                             ll_row_entry(row, expert[i], e));
+          for (int i = 0; i < kLlUnitGroup; ++i) {
+            if (i < start || i >= stop) continue;
+            if (filled > 0 && filled + total[i] > kLlThreads) {
+              stop = i;
+              continue;
+            }
+            if (sel >> i & 1) {
+              if (!EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) {
+                const int64_t row = running[i] + pos[i];
+                ll_recv_list_put<kQuant>(p, list, filled + pos[i], s, t, l[i], row);
+                // Where the token landed, into source s's row map (its combine's rows; the
+                // unit's first CTA: its S CTAs list the same rows).
+                if (sub == 0)
+                  st_relaxed_sys(
+                      g.row_map(p.symm.peers[s], p.slot) + t * K + (first >> (5 * i) & 31),
+                      ll_row_entry(row, expert[i], e));
+              }
+              atomicAdd(&s_cnt[i][s], 1);
+            }
+            filled += total[i];
+            running[i] += total[i];
           }
-          atomicAdd(&s_cnt[i][s], 1);
+          EPX_LL_TRACE_ADD(rows, filled > sub ? (filled - sub + S - 1) / S : 0);
+          if (tid == 0) {
+            s_round[0] = EPX_LL_ABLATED(p.ablate, kLlAblateRecvList) ? 0 : filled;
+            s_round[2] = stop;
+          }
         }
-        filled += total[i];
-        running[i] += total[i];
+        // The round's copy, by every warp; in the fused launch the barrier also tells whether
+        // every warp's waits held.
+        if (split) {
+          if (!__syncthreads_and(ok)) return false;
+        } else {
+          __syncthreads();
+        }
+        EPX_LL_STAMP(p, 0, kTrDListed);
+        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S);  // n > 1: S = 1, sub = 0
+        start = s_round[2];
+        __syncthreads();  // the list and s_round are rewritten by the next round
+        EPX_LL_STAMP(p, 0, kTrDCopied);
       }
-      EPX_LL_TRACE_ADD(rows, filled > sub ? (filled - sub + S - 1) / S : 0);
-      if (EPX_LL_ABLATED(p.ablate, kLlAblateRecvList)) filled = 0;
-      start = stop;
     }
-    if (lists && tid == 0) s_round[0] = filled, s_round[1] = sub;
-    // The round's copy, by every warp; the first barrier also tells whether every warp's waits
-    // held (a follower's or the team's).
-    if (!__syncthreads_and(ok)) return false;
-    const int round = s_round[0];
-    if (round < 0) break;
-    EPX_LL_STAMP(p, 0, kTrDListed);
-    ll_dispatch_copy_entries<kQuant>(p, list, round, s_round[1], S);  // n > 1: S = 1, sub = 0
-    __syncthreads();  // the list and s_round are rewritten by the next round
-    EPX_LL_STAMP(p, 0, kTrDCopied);
+    if (lists()) {
+      if (u0 + kLlUnitGroup * C >= units)  // the CTA's last group: its staging reads are done
+        ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
+      if (sub == 0 && tid < n) {
+        // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
+        const int i = tid, li = (u0 + i * C) / S;
+        int64_t begin = 0;  // ends as the expert's rows (= running[i])
+        for (int src = 0; src < R; ++src) {
+          if (p.layout_range) p.layout_range[li * R + src] = (begin << 32) | s_cnt[i][src];
+          begin += s_cnt[i][src];
+        }
+        if (p.recv_count) p.recv_count[li] = static_cast<int32_t>(begin);
+        if (p.stats) {
+          const int32_t before =
+              u0 == static_cast<int>(blockIdx.x) ? stats0 : p.stats[li * p.stats_stride];
+          p.stats[li * p.stats_stride] = before + static_cast<int32_t>(begin);
+        }
+      }
+    }
   }
+  // Without rounds no barrier told the warps whether the others' waits held.
+  if (split && NT == 0 && !__syncthreads_and(ok)) return false;
   if (!follow) {  // (the trace: the scanning team's time and rows)
     EPX_LL_STAMP_V(p, 0, kTrDScan, kTrDRecvWait, scan);
     EPX_LL_TRACE_SM(p, 0, rows_n);
