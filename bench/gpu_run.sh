@@ -48,8 +48,9 @@
 #             (bench/build_deepep.sh) and each script and bench/engine_timing.py --peer also run
 #             with DeepEP itself, in the same run
 #   sweep     issue 26's method over T: DeepEP's test_low_latency.py at --num-tokens in
-#             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = 1, pinned, two rounds, through the
-#             drop-in and (with EPX_DEEPEP_SRC, built as for `peer`) through DeepEP itself in the
+#             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = 1, pinned, $EPX_SWEEP_ROUNDS rounds
+#             (default 2), through the drop-in and (with EPX_DEEPEP_SRC, built as for `peer`)
+#             through DeepEP itself in the
 #             same process order; then one table of both (bench/deepep_sweep_table.py): kernel
 #             rows, hooked rows, L2-flushed event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
@@ -393,7 +394,7 @@ batch_peer() {
 batch_sweep() {
   deepep_inputs sweep || return 0
   local round T logs=()
-  for round in 1 2; do
+  for round in $(seq "${EPX_SWEEP_ROUNDS:-2}"); do
     for T in ${EPX_SWEEP_TOKENS:-1 32 128 256}; do
       step "sweep.T$T.$round" 300 "" $(pin 1) env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
         EPX_DEEPEP_ARGS="--num-tokens $T${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
