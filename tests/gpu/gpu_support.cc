@@ -248,7 +248,7 @@ LlDispatchArgs ll_dispatch_inputs(const testing::LlCase& c, const testing::LlRan
                                   int device, std::vector<Tensor>& keep) {
   const int64_t T = in.num_tokens, H = c.p.hidden;
   int64_t stride = H;
-  keep.push_back(upload_rows(in.x, T, H, c.padded, device, &stride));
+  keep.push_back(upload_rows(in.x, T, H, c.padded, device, &stride, c.unaligned_x ? 1 : 64));
   LlDispatchArgs a;
   a.x = TensorView::contiguous(keep.back().data, DType::kBF16, {T, H}, Device::cuda(device));
   a.x.strides[0] = stride;

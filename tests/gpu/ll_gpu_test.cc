@@ -278,12 +278,13 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   wide.hook = true;
   wide.seed = seed++;
   cases.push_back(wide);
-  // y's rows not 16-byte aligned (row stride H + 1), no hook, copy mode: this rank's rows go
-  // through its combine buffer, the pulls read aligned rows only (kernels/ll/combine.cuh
-  // copy_own); H = 7168: two output vectors per thread.
+  // x's and y's rows not 16-byte aligned (row stride H + 1), no hook, copy mode: the fused
+  // dispatch's send loads x element by element (kernels/ll/dispatch.cuh, x_vec16 false: its
+  // prefetch and its loop); this rank's rows of y go through its combine buffer, the pulls read
+  // aligned rows only (kernels/ll/combine.cuh copy_own); H = 7168: two output vectors per thread.
   Case odd;
   odd.p = {R, 7, 7168, 8, 16 * R, true, false, false};
-  odd.padded = odd.unaligned_y = true;
+  odd.padded = odd.unaligned_y = odd.unaligned_x = true;
   odd.num_batches = 2;
   odd.seed = seed++;
   cases.push_back(odd);

@@ -13,6 +13,7 @@ std::string LlCase::describe() const {
          (hook ? " hook" : "") + (reverse_hooks ? " reverse_hooks" : "") +
          (zero_copy ? " zero_copy" : "") + (out_given ? " out" : "") + (stats ? " stats" : "") +
          (padded ? " padded" : "") + (padded && unaligned_y ? " unaligned_y" : "") +
+         (padded && unaligned_x ? " unaligned_x" : "") +
          " batches=" + std::to_string(num_batches) + " iters=" + std::to_string(num_iters) +
          " seed=" + std::to_string(seed);
 }

@@ -23,6 +23,8 @@ struct LlCase {
   bool out_given = false, stats = false, padded = false;
   // With padded: y's row stride H + 1 (its rows not 16-byte aligned) instead of H + 64.
   bool unaligned_y = false;
+  // With padded: x's row stride H + 1 (its rows not 16-byte aligned) instead of H + 64.
+  bool unaligned_x = false;
   int num_batches = 1;  // dispatches in flight together
   int num_iters = 1;    // dispatch + combine rounds on one buffer
   uint64_t seed = 0;
