@@ -279,9 +279,10 @@ TEST_P(LlGpu, FixedCasesMatchOracle) {
   wide.seed = seed++;
   cases.push_back(wide);
   // x's and y's rows not 16-byte aligned (row stride H + 1), no hook, copy mode: the fused
-  // dispatch's send loads x element by element (kernels/ll/dispatch.cuh, x_vec16 false: its
-  // prefetch and its loop); this rank's rows of y go through its combine buffer, the pulls read
-  // aligned rows only (kernels/ll/combine.cuh copy_own); H = 7168: two output vectors per thread.
+  // dispatch's send loads x element by element (kernels/ll/dispatch.cuh, x_vec16 false; at
+  // H = 7168 its prefetch holds the whole row); this rank's rows of y go through its combine
+  // buffer, the pulls read aligned rows only (kernels/ll/combine.cuh copy_own); H = 7168: two
+  // output vectors per thread.
   Case odd;
   odd.p = {R, 7, 7168, 8, 16 * R, true, false, false};
   odd.padded = odd.unaligned_y = odd.unaligned_x = true;
