@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/quant.h"
 #include "epx/a2a.h"
 #include "epx/buffer.h"
 
@@ -21,24 +22,71 @@ inline size_t align_up(size_t n, size_t alignment) {
   return (n + alignment - 1) / alignment * alignment;
 }
 
-// The ll handle's two tensors from ONE allocation (a torch allocation costs ≈ 2.5 us of host time
-// per dispatch, docs/perf.md §4.5): `alloc(dtype, shape)` makes the block, int64
-// [L*R + ceil(L*RT / 2)]; layout_range int64 [L, R] is its start, src_info int32 [L, RT] follows
-// (8-byte aligned); both views share the block's storage.
+// A contiguous `dtype` view of `shape` at byte `offset` of `block`, sharing its storage.
+inline Tensor carve(const Tensor& block, size_t offset, DType dtype,
+                    const std::vector<int64_t>& shape) {
+  Tensor t;
+  static_cast<TensorView&>(t) = TensorView::contiguous(
+      block.data ? static_cast<char*>(block.data) + offset : nullptr, dtype, shape, block.device);
+  t.storage = block.storage;
+  return t;
+}
+
+// An ll dispatch's outputs from TWO allocations, whatever the format: a torch allocation costs
+// ≈ 2.4 us of host time, and a dispatch makes its outputs before its launch, so each one is on the
+// path of an engine's host-bound decode step (docs/perf.md §4.5). `alloc(dtype, shape)` makes a
+// contiguous block.
+// - The data block: recv_x, then (fp8, NVFP4) recv_scales at the next 128-byte boundary. The
+//   expert GEMM reads both; either keeps the block alive.
+// - The handle block, int64 [L*R + ceil(L*RT / 2) + ceil(L / 2)]: layout_range int64 [L, R] at its
+//   start, src_info int32 [L, RT] after it, recv_count int32 [L] last (8-byte aligned each).
+// The formats' shapes and strides: docs/semantics.md §2.1 (fp8 scales column-major in the last two
+// dims; NVFP4 through set_ll_nvfp4_views).
 template <typename Alloc>
-void allocate_ll_handle(LlHandle& h, const Alloc& alloc, int64_t L, int64_t R, int64_t RT) {
-  const int64_t range_words = L * R;
-  Tensor block = alloc(DType::kI64, std::vector<int64_t>{range_words + (L * RT + 1) / 2});
-  h.layout_range = block;
-  h.layout_range.ndim = 2;
-  h.layout_range.shape = {L, R};
-  h.layout_range.strides = {R, 1};
-  h.src_info = block;
-  h.src_info.data = block.data ? static_cast<int64_t*>(block.data) + range_words : nullptr;
-  h.src_info.dtype = DType::kI32;
-  h.src_info.ndim = 2;
-  h.src_info.shape = {L, RT};
-  h.src_info.strides = {RT, 1};
+void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Alloc& alloc,
+                                  const LlDispatchArgs& args, int64_t L, int64_t R, int64_t RT,
+                                  int64_t H) {
+  auto bytes = [](DType dt, const std::vector<int64_t>& shape) {
+    size_t n = dtype_size(dt);
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+  };
+  const DType x_dtype =
+      args.use_nvfp4 ? DType::kU8 : args.use_fp8 ? DType::kF8E4M3 : DType::kBF16;
+  const std::vector<int64_t> x_shape =
+      args.use_nvfp4 ? ll_nvfp4_x_storage(L, RT, H) : std::vector<int64_t>{L, RT, H};
+  DType s_dtype = DType::kU8;
+  std::vector<int64_t> s_shape;
+  const int64_t cols = args.use_ue8m0 ? (H / 128 + 3) / 4 : H / 128;
+  if (args.use_nvfp4) {
+    s_dtype = DType::kF8E4M3;
+    s_shape = ll_nvfp4_scale_storage(L, RT, H);
+  } else if (args.use_fp8) {
+    s_dtype = args.use_ue8m0 ? DType::kI32 : DType::kF32;
+    s_shape = {L, cols, RT};
+  }
+  if (s_shape.empty()) {
+    res.recv_x = alloc(x_dtype, x_shape);
+  } else {
+    const size_t s_off = align_up(bytes(x_dtype, x_shape), 128);
+    const Tensor block =
+        alloc(DType::kU8, std::vector<int64_t>{static_cast<int64_t>(s_off + bytes(s_dtype, s_shape))});
+    res.recv_x = carve(block, 0, x_dtype, x_shape);
+    res.recv_scales = carve(block, s_off, s_dtype, s_shape);
+    if (args.use_nvfp4) {
+      set_ll_nvfp4_views(res.recv_x, res.recv_scales);
+    } else {
+      res.recv_scales.shape = {L, RT, cols};
+      res.recv_scales.strides = {cols * RT, 1, RT};
+    }
+  }
+  LlHandle& h = res.handle;
+  const int64_t range_words = L * R, info_words = (L * RT + 1) / 2;
+  const Tensor block =
+      alloc(DType::kI64, std::vector<int64_t>{range_words + info_words + (L + 1) / 2});
+  h.layout_range = carve(block, 0, DType::kI64, {L, R});
+  h.src_info = carve(block, 8 * range_words, DType::kI32, {L, RT});
+  res.recv_count = carve(block, 8 * (range_words + info_words), DType::kI32, {L});
 }
 
 class BufferImpl {

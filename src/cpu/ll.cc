@@ -411,7 +411,7 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
   const int R = group.size();
   const LlLayout lay(shape, R, topology_);
   const int L = lay.num_local_experts, K = lay.top_k;
-  const int64_t H = lay.hidden, G = lay.num_groups, RT = lay.rows_per_expert;
+  const int64_t H = lay.hidden, RT = lay.rows_per_expert;
   const int64_t T = args.x.shape[0];
   st.step.require_in_step("ll_dispatch", kLlReset);
   const int slot = static_cast<int>(st.num_dispatches % 2);
@@ -453,25 +453,10 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
 
   // Outputs, allocated now, filled by the receive half.
   LlDispatchResult res;
-  if (args.use_nvfp4) {
-    res.recv_x = alloc(DType::kU8, ll_nvfp4_x_storage(L, RT, H), Device::cpu());
-    res.recv_scales = alloc(DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), Device::cpu());
-    set_ll_nvfp4_views(res.recv_x, res.recv_scales);
-  } else {
-    res.recv_x = alloc(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, Device::cpu());
-  }
-  if (args.use_fp8) {
-    const int64_t cols = args.use_ue8m0 ? (G + 3) / 4 : G;
-    res.recv_scales =
-        alloc(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, Device::cpu());
-    res.recv_scales.shape = {L, RT, cols};
-    res.recv_scales.strides = {cols * RT, 1, RT};
-  }
-  res.recv_count = alloc(DType::kI32, {L}, Device::cpu());
-  allocate_ll_handle(
-      res.handle,
-      [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, Device::cpu()); }, L, R,
-      RT);
+  allocate_ll_dispatch_outputs(
+      res,
+      [&](DType dt, const std::vector<int64_t>& s) { return alloc(dt, s, Device::cpu()); }, args,
+      L, R, RT, H);
   res.handle.max_tokens = lay.max_tokens;
   res.handle.hidden = H;
   res.handle.num_experts = shape.num_experts;

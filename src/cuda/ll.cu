@@ -446,27 +446,13 @@ Tensor allocate_ll_output(const Allocator& alloc, int device, DType dtype,
 void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Allocator& alloc, int device,
                                   const LlDispatchArgs& args, int L, int R, int64_t RT,
                                   int64_t H, const char* op) {
-  auto get = [&](DType dtype, const std::vector<int64_t>& shape, const char* name) {
-    return allocate_ll_output(alloc, device, dtype, shape, op, name);
-  };
-  if (args.use_nvfp4) {
-    res.recv_x = get(DType::kU8, ll_nvfp4_x_storage(L, RT, H), "recv_x");
-    res.recv_scales = get(DType::kF8E4M3, ll_nvfp4_scale_storage(L, RT, H), "recv_scales");
-    set_ll_nvfp4_views(res.recv_x, res.recv_scales);
-  } else {
-    res.recv_x = get(args.use_fp8 ? DType::kF8E4M3 : DType::kBF16, {L, RT, H}, "recv_x");
-  }
-  if (args.use_fp8) {
-    const int64_t G = H / 128, cols = args.use_ue8m0 ? (G + 3) / 4 : G;
-    res.recv_scales =
-        get(args.use_ue8m0 ? DType::kI32 : DType::kF32, {L, cols, RT}, "recv_scales");
-    res.recv_scales.shape = {L, RT, cols};
-    res.recv_scales.strides = {cols * RT, 1, RT};
-  }
-  res.recv_count = get(DType::kI32, {L}, "recv_count");
-  allocate_ll_handle(
-      res.handle, [&](DType dt, const std::vector<int64_t>& s) { return get(dt, s, "handle"); },
-      L, R, RT);
+  allocate_ll_dispatch_outputs(
+      res,
+      [&](DType dtype, const std::vector<int64_t>& shape) {
+        return allocate_ll_output(alloc, device, dtype, shape, op,
+                                  dtype == DType::kI64 ? "handle and recv_count" : "recv_x");
+      },
+      args, L, R, RT, H);
 }
 
 void ll_hook_begin(const char* op, bool alive, bool& called, bool discarded) {

@@ -43,8 +43,8 @@ size_t cuda_ll_layout_bytes(const MoeShape& shape, int num_ranks);
 Tensor allocate_ll_output(const Allocator& alloc, int device, DType dtype,
                           const std::vector<int64_t>& shape, const char* op, const char* name);
 // A dispatch's outputs into `res` (recv_x, recv_scales as args' format wants them, recv_count,
-// the handle's tensors; L local experts, R ranks, RT rows per expert, H), each through
-// allocate_ll_output.
+// the handle's tensors; L local experts, R ranks, RT rows per expert, H): core/buffer_impl.h's two
+// blocks, each through allocate_ll_output.
 void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Allocator& alloc, int device,
                                   const LlDispatchArgs& args, int L, int R, int64_t RT,
                                   int64_t H, const char* op);

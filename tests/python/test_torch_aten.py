@@ -205,6 +205,21 @@ def body_ll(ctx, seed):
                 got.append([(_meta(v), v._base is None, v.data_ptr(), _snap(v)) for v in views])
             assert got[0] == got[1]
             assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
+    # Two allocations per dispatch whatever the format (core/buffer_impl.h): recv_x with its
+    # scales, the handle's block with recv_count; each tensor a view of its block, both paths.
+    def storage(t):
+        return getattr(t, "untyped_storage", t.storage)().data_ptr()
+
+    for fmt in ({"use_fp8": False}, {"use_fp8": True},
+                {"use_fp8": True, "round_scale": True, "use_ue8m0": True},
+                {"use_fp8": False, "use_nvfp4": True, "x_global_scale": 300.0}):
+        for aten in (True, False):
+            _epx._alloc_stats(True)
+            d = _with_aten(aten, lambda: buf.ll_dispatch(x, idx, **fmt))
+            assert _epx._alloc_stats(True)[0] == 2, (fmt, aten)
+            assert (storage(d.recv_count) == storage(d.handle.src_info) ==
+                    storage(d.handle.layout_range) != storage(d.recv_x)), (fmt, aten)
+            assert d.recv_scales is None or storage(d.recv_scales) == storage(d.recv_x)
 
 
 def body_a2a(ctx, seed):
