@@ -10,7 +10,8 @@ host columns only). For each T of --tokens and hook off / on it prints:
             once, mean / min over --iters pairs after --iters warm-up pairs (no hook)
   host      wall time of the Python calls of one pair (dispatch, combine; with the hook also the
             two hooks), median over the event-timed pairs (and per call below the table); "idle": the same with the device
-            synchronised before each pair (so no call waits for earlier work)
+            synchronised before each pair (so no call waits for earlier work); "host loop":
+            the host CPU's speed just before the event-timed pairs (host_loop_ms)
 --ht-tokens T[,T..] adds normal mode (ht) as DeepEP's test_intranode times it: a cached dispatch
 (with the handle) and a combine, each alone between CUDA events after one L2 flush, its host time,
 and the profiler's device rows (kernels and copies, mean per launch, launches per call).
@@ -49,6 +50,21 @@ def trace_events(prof):
         prof.export_chrome_trace(tmp.name)
         with open(tmp.name) as f:
             return json.load(f)["traceEvents"]
+
+
+def host_loop_ms():
+    """The host CPU's speed now: ms for a fixed pure-Python loop (20,000 integer multiply-adds),
+    median of 5. The GPU machines' CPU time per call varies up to 2x over seconds with nothing
+    else of ours running (docs/perf.md §4.5), and a host-bound event pair with it: each row
+    carries the speed of its window (≈ 0.95 ms at the H200 host's fastest)."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        s = 0
+        for i in range(20000):
+            s += i * i
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def flushed_event_times(fn, iters, device):
@@ -184,8 +200,9 @@ def run_module(rank, world, args, deep_ep):
             for _ in range(args.iters):
                 pair(hook)
             stamps = []
-            host, events = flushed_event_times(lambda: pair(hook, stamps), args.iters, device)
             key = "hook" if hook else "plain"
+            row[f"loop_{key}"] = host_loop_ms()
+            host, events = flushed_event_times(lambda: pair(hook, stamps), args.iters, device)
             row[f"host_{key}"] = statistics.median(host)
             row[f"calls_{key}"] = [statistics.median(c) * 1e6 for c in zip(*stamps)]
             if cuda:  # the same with the device idle before each pair: no wait for it inside
@@ -356,12 +373,15 @@ def main():
                   f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f} "
                   f"{row.get('idle_plain', float('nan')):>6.1f} "
                   f"{row.get('idle_hook', float('nan')):>7.1f}")
-    print("host per call, median us: dispatch / its hook / combine / its hook")
+    print("host per call, median us: dispatch / its hook / combine / its hook; host loop: ms "
+          "of host_loop_ms()'s fixed workload just before (lower: a faster host window)")
     for rank in sorted(results):
         for row in results[rank]:
             print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | no hook " +
-                  " / ".join(f"{v:.1f}" for v in row["calls_plain"]) + " | hook " +
-                  " / ".join(f"{v:.1f}" for v in row["calls_hook"]))
+                  " / ".join(f"{v:.1f}" for v in row["calls_plain"]) +
+                  f", host loop {row['loop_plain']:.2f} | hook " +
+                  " / ".join(f"{v:.1f}" for v in row["calls_hook"]) +
+                  f", host loop {row['loop_hook']:.2f}")
     for rank in sorted(results):
         for row in results[rank]:
             if "breakdown" in row:
