@@ -86,6 +86,8 @@ struct LlDispatchArgs {
   Stream stream = nullptr;
 };
 
+// Two allocations of `allocator` (docs/semantics.md §2.1): recv_x and recv_scales are views of
+// one block, the handle's tensors and recv_count of another (each Tensor's storage is its block's).
 struct LlDispatchResult {
   Tensor recv_x;       // see above
   Tensor recv_scales;  // fp8 and NVFP4 only

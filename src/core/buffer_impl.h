@@ -38,8 +38,9 @@ inline Tensor carve(const Tensor& block, size_t offset, DType dtype,
 // contiguous block.
 // - The data block: recv_x, then (fp8, NVFP4) recv_scales at the next 128-byte boundary. The
 //   expert GEMM reads both; either keeps the block alive.
-// - The handle block, int64 [L*R + ceil(L*RT / 2) + ceil(L / 2)]: layout_range int64 [L, R] at its
-//   start, src_info int32 [L, RT] after it, recv_count int32 [L] last (8-byte aligned each).
+// - The handle block, int64: layout_range int64 [L, R] at its start, src_info int32 [L, RT] right
+//   after it, recv_count int32 [L] at the next 128-byte boundary (a GEMM's masked_m, aligned as
+//   an allocation of its own would be for vector loads).
 // The formats' shapes and strides: docs/semantics.md §2.1 (fp8 scales column-major in the last two
 // dims; NVFP4 through set_ll_nvfp4_views).
 template <typename Alloc>
@@ -81,12 +82,12 @@ void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Alloc& alloc,
     }
   }
   LlHandle& h = res.handle;
-  const int64_t range_words = L * R, info_words = (L * RT + 1) / 2;
-  const Tensor block =
-      alloc(DType::kI64, std::vector<int64_t>{range_words + info_words + (L + 1) / 2});
+  const int64_t range_words = L * R;
+  const int64_t count_words = static_cast<int64_t>(align_up(range_words + (L * RT + 1) / 2, 16));
+  const Tensor block = alloc(DType::kI64, std::vector<int64_t>{count_words + (L + 1) / 2});
   h.layout_range = carve(block, 0, DType::kI64, {L, R});
   h.src_info = carve(block, 8 * range_words, DType::kI32, {L, RT});
-  res.recv_count = carve(block, 8 * (range_words + info_words), DType::kI32, {L});
+  res.recv_count = carve(block, 8 * count_words, DType::kI32, {L});
 }
 
 class BufferImpl {

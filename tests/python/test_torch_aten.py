@@ -219,7 +219,10 @@ def body_ll(ctx, seed):
             assert _epx._alloc_stats(True)[0] == 2, (fmt, aten)
             assert (storage(d.recv_count) == storage(d.handle.src_info) ==
                     storage(d.handle.layout_range) != storage(d.recv_x)), (fmt, aten)
-            assert d.recv_scales is None or storage(d.recv_scales) == storage(d.recv_x)
+            assert (d.recv_count.data_ptr() - storage(d.recv_count)) % 128 == 0
+            assert d.recv_scales is None or (
+                storage(d.recv_scales) == storage(d.recv_x) and
+                (d.recv_scales.data_ptr() - storage(d.recv_x)) % 128 == 0)
 
 
 def body_a2a(ctx, seed):
