@@ -74,23 +74,28 @@ double ns_per_iteration(int iters, const py::object& sync, int every, Body body)
 }
 
 double time_ll(const std::shared_ptr<Buffer>& b, py::handle x, py::handle topk_idx,
-               py::handle weights, bool use_fp8, int iters, const py::object& sync, int every) {
+               py::handle weights, bool use_fp8, int iters, const py::object& sync, int every,
+               bool hook) {
   CachingAllocator cache;
   const Allocator alloc = cache.allocator();
   LlDispatchArgs d;
   d.x = to_view(x, "x");
   d.topk_idx = to_view(topk_idx, "topk_idx");
   d.use_fp8 = use_fp8;
+  d.return_recv_hook = hook;
   LlCombineArgs c;
   c.topk_idx = d.topk_idx;
   c.topk_weights = to_view(weights, "topk_weights");
+  c.return_recv_hook = hook;
   return ns_per_iteration(iters, sync, every, [&] {
     LlDispatchResult r = b->ll_dispatch(d, alloc);
+    if (hook) r.hook();
     Tensor y = alloc(DType::kBF16, {r.recv_x.shape[0], r.recv_x.shape[1], r.recv_x.shape[2]},
                      r.recv_x.device);
     c.y = y;
     c.handle = &r.handle;
     LlCombineResult o = b->ll_combine(c, alloc);
+    if (hook) o.hook();
   });
 }
 
@@ -141,7 +146,7 @@ void bind_timing(py::module_& m) {
         "Outputs by a cached template's new_empty (True, default) or by torch.empty (False).");
   m.def("_time_ll_cpp", &time_ll, py::arg("buffer"), py::arg("x"), py::arg("topk_idx"),
         py::arg("topk_weights"), py::arg("use_fp8"), py::arg("iters"), py::arg("sync") = py::none(),
-        py::arg("every") = 0);
+        py::arg("every") = 0, py::arg("hook") = false);
   m.def("_time_ht_cpp", &time_ht, py::arg("buffer"), py::arg("x"), py::arg("topk_idx"),
         py::arg("iters"), py::arg("sync") = py::none(), py::arg("every") = 0);
   m.def("_time_a2a_cpp", &time_a2a, py::arg("a2a"), py::arg("topk_idx"), py::arg("payloads"),

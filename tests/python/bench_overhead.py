@@ -4,7 +4,9 @@ One rank (R = 1), tiny T, so the op itself is short; each pair of calls is timed
   cpp      the C++ op in a C++ loop (a caching allocator)        -- the op's own host cost
   epx      epx.Buffer / epx.A2a (torch tensors in and out)
   compat   epx.compat.deep_ep / epx.compat.flashinfer
-and the overhead per call is (python - cpp) / 2 (a dispatch and a combine per iteration).
+and the overhead per call is (python - cpp) / 2 (a dispatch and a combine per iteration; in the
+"+ hooks" row each with return_recv_hook and its hook called, so a call there is an op and its
+hook).
 
 --device cpu (default): a gloo group, the cpu backend, CPU tensors.
 --device cuda: an NCCL group of one rank on GPU 0, the cuda backend, CUDA tensors. The ops are
@@ -255,21 +257,29 @@ def main():
     group = epx.Group.from_process_group()
     buf = epx.Buffer(group, H, K, E, T_max, enable_ht=False, enable_ll=True)
     y = torch.zeros(E, T_max, H, dtype=torch.bfloat16, device=dev)
-    for fp8 in (False, True):
-        cpp = clock.cpp(
-            lambda n, s, e: epx._epx._time_ll_cpp(buf._native, x, idx, w, fp8, n, s, e), args.iters)
+    for fp8, hook in ((False, False), (True, False), (True, True)):
+        cpp = clock.cpp(lambda n, s, e: epx._epx._time_ll_cpp(buf._native, x, idx, w, fp8, n, s, e,
+                                                               hook), args.iters)
 
-        def epx_ll(fp8=fp8):  # bound now: --alloc-ab calls it after the loop
-            r = buf.ll_dispatch(x, idx, use_fp8=fp8)
-            buf.ll_combine(y, idx, w, r.handle)
+        def epx_ll(fp8=fp8, hook=hook):  # bound now: --alloc-ab calls it after the loop
+            r = buf.ll_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+            if hook:
+                r.hook()
+            c = buf.ll_combine(y, idx, w, r.handle, return_recv_hook=hook)
+            if hook:
+                c.hook()
 
         dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
 
-        def compat_ll(fp8=fp8):
-            r = dbuf.low_latency_dispatch(x, idx, T_max, E, use_fp8=fp8)
-            dbuf.low_latency_combine(y, idx, w, r[2])
+        def compat_ll(fp8=fp8, hook=hook):
+            r = dbuf.low_latency_dispatch(x, idx, T_max, E, use_fp8=fp8, return_recv_hook=hook)
+            if hook:
+                r[4]()
+            c = dbuf.low_latency_combine(y, idx, w, r[2], return_recv_hook=hook)
+            if hook:
+                c[2]()
 
-        name = "ll fp8" if fp8 else "ll bf16"
+        name = ("ll fp8" if fp8 else "ll bf16") + (" + hooks" if hook else "")
         epx_fns[name] = (epx_ll, args.iters)
         rows.append((name, cpp, clock.timed(epx_ll, args.iters, name),
                      clock.timed(compat_ll, args.iters)))

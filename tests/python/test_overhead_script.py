@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPS = ("ll bf16", "ll fp8", "a2a bf16", "ht bf16")
+OPS = ("ll bf16", "ll fp8", "ll fp8 + hooks", "a2a bf16", "ht bf16")
 
 
 def run_overhead(*flags):
