@@ -52,8 +52,7 @@ void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Alloc& alloc,
     for (int64_t d : shape) n *= static_cast<size_t>(d);
     return n;
   };
-  const DType x_dtype =
-      args.use_nvfp4 ? DType::kU8 : args.use_fp8 ? DType::kF8E4M3 : DType::kBF16;
+  const DType x_dtype = args.use_nvfp4 ? DType::kU8 : args.use_fp8 ? DType::kF8E4M3 : DType::kBF16;
   const std::vector<int64_t> x_shape =
       args.use_nvfp4 ? ll_nvfp4_x_storage(L, RT, H) : std::vector<int64_t>{L, RT, H};
   DType s_dtype = DType::kU8;
@@ -70,8 +69,8 @@ void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Alloc& alloc,
     res.recv_x = alloc(x_dtype, x_shape);
   } else {
     const size_t s_off = align_up(bytes(x_dtype, x_shape), 128);
-    const Tensor block =
-        alloc(DType::kU8, std::vector<int64_t>{static_cast<int64_t>(s_off + bytes(s_dtype, s_shape))});
+    const int64_t total = static_cast<int64_t>(s_off + bytes(s_dtype, s_shape));
+    const Tensor block = alloc(DType::kU8, std::vector<int64_t>{total});
     res.recv_x = carve(block, 0, x_dtype, x_shape);
     res.recv_scales = carve(block, s_off, s_dtype, s_shape);
     if (args.use_nvfp4) {
