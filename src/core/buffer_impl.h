@@ -48,9 +48,7 @@ void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Alloc& alloc,
                                   const LlDispatchArgs& args, int64_t L, int64_t R, int64_t RT,
                                   int64_t H) {
   auto bytes = [](DType dt, const std::vector<int64_t>& shape) {
-    size_t n = dtype_size(dt);
-    for (int64_t d : shape) n *= static_cast<size_t>(d);
-    return n;
+    return TensorView::contiguous(nullptr, dt, shape).nbytes();
   };
   const DType x_dtype = args.use_nvfp4 ? DType::kU8 : args.use_fp8 ? DType::kF8E4M3 : DType::kBF16;
   const std::vector<int64_t> x_shape =

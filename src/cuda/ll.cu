@@ -449,8 +449,11 @@ void allocate_ll_dispatch_outputs(LlDispatchResult& res, const Allocator& alloc,
   allocate_ll_dispatch_outputs(
       res,
       [&](DType dtype, const std::vector<int64_t>& shape) {
+        // The blocks: the handle's (int64), recv_x alone (bf16) or with its scales (uint8).
         return allocate_ll_output(alloc, device, dtype, shape, op,
-                                  dtype == DType::kI64 ? "handle and recv_count" : "recv_x");
+                                  dtype == DType::kI64  ? "handle and recv_count"
+                                  : dtype == DType::kU8 ? "recv_x and recv_scales"
+                                                        : "recv_x");
       },
       args, L, R, RT, H);
 }
