@@ -512,7 +512,9 @@ const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "units done (layout)",
                                                           "exit",
                                                           "routed signal (fused)",
-                                                          "sent wait (fused)"};
+                                                          "sent wait (fused)",
+                                                          "scan start",
+                                                          "list end"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
                                                          "signal (3)",

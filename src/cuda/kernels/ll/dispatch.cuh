@@ -746,6 +746,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
       int64_t t = 0;
       int pos[kLlUnitGroup] = {}, total[kLlUnitGroup] = {};
       if (lists()) {
+        if (base == 0 && u0 == static_cast<int>(blockIdx.x)) EPX_LL_STAMP(p, 0, kTrDScanStart);
         EPX_LL_TRACE_BEGIN(scan);
         const int64_t j = base + tid;
         sel = j < NT ? ll_recv_selects(p, srcs, j, expert, n, &s, &t, &first) : 0;
@@ -786,6 +787,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
             s_round[0] = EPX_LL_ABLATED(p.ablate, kLlAblateRecvList) ? 0 : filled;
             s_round[2] = stop;
           }
+          EPX_LL_STAMP(p, 0, kTrDListEnd);
         }
         // The round's copy, by every warp; in the fused launch the barrier also tells whether
         // every warp's waits held.

@@ -26,7 +26,7 @@
 
 namespace epx::detail {
 
-inline constexpr int kLlTracePhases = 16;
+inline constexpr int kLlTracePhases = 18;
 inline constexpr int kLlTraceOps = 2;
 
 // Dispatch phases (op 0).
@@ -47,6 +47,8 @@ enum LlDispatchPhase : int {
   kTrDExit,       // every CTA: leaving the receive half (or the send kernel)
   kTrDRoutedSig,  // fused launch, warps 8-15: their dispatch_routed releases issued (thread 256)
   kTrDSentWait,   // fused launch, warps 0-7: after their dispatch_sent wait (units only)
+  kTrDScanStart,  // the listing team's first scan round begins (units only)
+  kTrDListEnd,    // the listing team's last round listed, before the copy's barrier
   kTrDNum
 };
 // Combine phases (op 1).
