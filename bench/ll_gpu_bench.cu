@@ -29,6 +29,9 @@
 // --trace-only skips the timing rows and baselines; --trace-ctas (implies --trace-only) adds one
 // line per CTA and op: its SM ids over the samples, its listed rows (dispatch receive) and its
 // mean offsets at the receive's late phases, to tell an SM's lateness from its work's.
+// --trace-warm (implies --trace-only): the traced dispatch follows the previous dispatch instead
+// of a combine, so its code is in the SMs' instruction caches; a phase much shorter than in
+// --trace is one that pays for fetching its code (docs/perf.md §5 items 52-54).
 // --ablate (a build with -DEPX_DIAGNOSTICS=ON): after each T's row, the same row once per ll
 // ablation (cuda/tuning.h LlAblate: one stage of the kernels left out, outputs wrong, waits
 // intact), so the difference to the full row bounds what that stage costs there, and once per
@@ -38,7 +41,8 @@
 // --experts E (default 256, a multiple of R): e.g. --ranks 1 --experts 128 gives one GPU the
 // receive work of one EP2 rank (128 local experts, ~8 rows each at T = 128): a one-GPU proxy.
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
-//                         [--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--ablate]
+//                         [--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas]
+//                         [--trace-warm] [--ablate]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -90,6 +94,7 @@ struct Options {
   bool trace = false;
   bool trace_only = false;
   bool trace_ctas = false;
+  bool trace_warm = false;
   bool ablate = false;  // diagnostics builds: rows with each LlAblate bit
 };
 
@@ -638,6 +643,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     for (int i = 0; i < pairs; ++i) {
       LlDispatchResult d = buf.ll_dispatch(da, alloc);
       if (hook) d.hook();
+      if (o.trace_warm && i + 1 < pairs) continue;  // the next dispatch follows a dispatch
       ca.handle = &d.handle;
       LlCombineResult c = buf.ll_combine(ca, alloc);
       if (hook) c.hook();
@@ -663,6 +669,12 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
                 r, static_cast<long long>(T),
                 hook ? "hook mode (send kernel + hook kernel)" : "one kernel per op", samples);
   txt += line;
+  if (o.trace_warm) {
+    std::snprintf(line, sizeof line,
+                  "  --trace-warm: the traced dispatch follows a dispatch (its code fetched), "
+                  "not a combine\n");
+    txt += line;
+  }
   for (int op = 0; op < 2; ++op) {
     const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
     std::snprintf(line, sizeof line, "  %s\n", op == 0 ? "dispatch (fp8)" : "combine (zero_copy)");
@@ -938,12 +950,14 @@ int main(int argc, char** argv) {
       o.trace = o.trace_only = true;
     } else if (a == "--trace-ctas") {
       o.trace = o.trace_only = o.trace_ctas = true;
+    } else if (a == "--trace-warm") {
+      o.trace = o.trace_only = o.trace_warm = true;
     } else if (a == "--ablate") {
       o.ablate = true;
     } else {
       std::printf(
           "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
-          "[--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--ablate]\n"
+          "[--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--trace-warm] [--ablate]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON);\n"
           "  --ablate: rows without one kernel stage each (needs -DEPX_DIAGNOSTICS=ON)\n",
