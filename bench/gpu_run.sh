@@ -62,6 +62,14 @@
 #             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
 #             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
+#   htrace    the ll kernels' phases inside DeepEP's harness: a copy of this tree built with
+#             -DEPX_LL_TRACE=ON and its Python extension ($EPX_BUILD_DIR-htrace), DeepEP's
+#             test_low_latency.py (EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC/tests) through that tree's
+#             drop-in at each --num-tokens of $EPX_HTRACE_TOKENS (default 128) with
+#             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a device sync at each next call),
+#             then epx_ll_gpu_bench --trace-file over the newest 20 records per mode: the script
+#             ends with its profiled calls (no hook, then hook), so those are the launches its
+#             kernel rows time (docs/perf.md §5 item 56)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -93,7 +101,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace ablate ncu overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace htrace ablate ncu overhead main"
 usage() {
   sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -435,6 +443,25 @@ batch_trace() {
   fi
 }
 
+batch_htrace() {
+  deepep_inputs htrace || return 0
+  local dir="$B-htrace" t dump
+  rm -rf "$dir.src" && mkdir -p "$dir.src"
+  # This tree as it is (its extension is built into the copy's python/epx), without builds.
+  tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$dir.src"
+  side_build htrace.build 900 "$dir.src" "$dir" "epx_ll_gpu_bench _epx" -DEPX_LL_TRACE=ON \
+    -DEPX_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  for t in ${EPX_HTRACE_TOKENS:-128}; do
+    dump=/tmp/epx-htrace.t$t
+    rm -f "$dump.rank"*
+    step "htrace.peer.t$t" 300 "avg_t|send/recv" $(pin 1) env EPX_REPO="$(cd "$dir.src" && pwd)" \
+      EPX_LL_TRACE_DUMP="$dump" EPX_DEEPEP_ARGS="--num-tokens $t${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
+      bash bench/peer_deepep.sh "$DEEPEP_TESTS" 1 test_low_latency.py
+    step "htrace.t$t" 120 "" "$dir/bench/epx_ll_gpu_bench" --trace-file "$dump.rank0" \
+      --trace-last 20 && cat "$OUT/htrace.t$t.log"
+  done
+}
+
 batch_ablate() {
   local D="$B-diag"
   side_build ablate.build 600 . "$D" epx_ll_gpu_bench -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF ||
@@ -499,7 +526,7 @@ if do_build; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | ablate | ncu)
+      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | htrace | ablate | ncu)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else

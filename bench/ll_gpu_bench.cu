@@ -32,6 +32,10 @@
 // --trace-warm (implies --trace-only): the traced dispatch follows the previous dispatch instead
 // of a combine, so its code is in the SMs' instruction caches; a phase much shorter than in
 // --trace is one that pays for fetching its code (docs/perf.md §5 items 52-54).
+// --trace-file PATH (same build): no run; the phase table of the records that EPX_LL_TRACE_DUMP
+// made another program's dispatch calls write (kernels/ll/trace.cuh LlTraceRecord), per mode over
+// its newest --trace-last N (default 20): e.g. DeepEP's harness through the drop-in, whose
+// launches follow its own calls, GEMMs and host gaps, not this bench's loop.
 // --ablate (a build with -DEPX_DIAGNOSTICS=ON): after each T's row, the same row once per ll
 // ablation (cuda/tuning.h LlAblate: one stage of the kernels left out, outputs wrong, waits
 // intact), so the difference to the full row bounds what that stage costs there, and once per
@@ -43,6 +47,7 @@
 // Usage: epx_ll_gpu_bench [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N]
 //                         [--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas]
 //                         [--trace-warm] [--ablate]
+//        epx_ll_gpu_bench --trace-file PATH [--trace-last N]
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -95,6 +100,8 @@ struct Options {
   bool trace_only = false;
   bool trace_ctas = false;
   bool trace_warm = false;
+  std::string trace_file;  // --trace-file: print EPX_LL_TRACE_DUMP records, run nothing
+  int trace_last = 20;     // --trace-last: the newest records per mode it reads
   bool ablate = false;  // diagnostics builds: rows with each LlAblate bit
 };
 
@@ -615,6 +622,40 @@ std::string trace_slowest(const PhaseStat& p, int samples) {
   return txt + "\n";
 }
 
+// The phase table of both ops from their samples' statistics (trace_sample), the spans and the
+// combine's first entry after the dispatch's.
+std::string trace_report(const std::vector<PhaseStat> (&st)[2],
+                         const std::vector<double> (&span)[2], const std::vector<double>& gap,
+                         int samples) {
+  using namespace epx::detail;
+  std::string txt;
+  char line[256];
+  for (int op = 0; op < 2; ++op) {
+    const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
+    std::snprintf(line, sizeof line, "  %s\n", op == 0 ? "dispatch" : "combine");
+    txt += line;
+    for (int ph = 0; ph < phases; ++ph) {
+      const PhaseStat& p = st[op][ph];
+      if (p.mid.empty()) continue;
+      std::snprintf(line, sizeof line, "    %-24s %8.2f %8.2f %8.2f  (%3.0f)\n",
+                    op == 0 ? kDispatchPhaseNames[ph] : kCombinePhaseNames[ph], median(p.lo),
+                    median(p.mid), median(p.hi), median(p.n));
+      txt += line;
+      if (median(p.hi) - median(p.mid) >= 1.0) txt += trace_slowest(p, samples);
+    }
+    if (span[op].empty()) continue;
+    std::snprintf(line, sizeof line, "    %-24s %8.2f\n", "SPAN (first entry..last)",
+                  median(span[op]));
+    txt += line;
+  }
+  if (!gap.empty()) {
+    std::snprintf(line, sizeof line, "  combine first entry - dispatch first entry: %.2f us\n",
+                  median(gap));
+    txt += line;
+  }
+  return txt;
+}
+
 // Dispatch + combine eagerly back to back, `o.warmup` pairs, the newest pair's stamps; 5 samples.
 std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s, bool hook,
                          const TraceClock& clk, const Options& o) {
@@ -661,40 +702,18 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
       }
   }
   buf.check();
-  std::string txt;
   char line[256];
   std::snprintf(line, sizeof line,
                 "\n[trace] rank %d, T=%lld, %s, us from the first CTA entry of the op "
                 "(min / median / max over CTAs, CTAs; medians of %d samples)\n",
                 r, static_cast<long long>(T),
                 hook ? "hook mode (send kernel + hook kernel)" : "one kernel per op", samples);
-  txt += line;
-  if (o.trace_warm) {
-    std::snprintf(line, sizeof line,
-                  "  --trace-warm: the traced dispatch follows a dispatch (its code fetched), "
-                  "not a combine\n");
-    txt += line;
-  }
-  for (int op = 0; op < 2; ++op) {
-    const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
-    std::snprintf(line, sizeof line, "  %s\n", op == 0 ? "dispatch (fp8)" : "combine (zero_copy)");
-    txt += line;
-    for (int ph = 0; ph < phases; ++ph) {
-      const PhaseStat& p = st[op][ph];
-      if (p.mid.empty()) continue;
-      std::snprintf(line, sizeof line, "    %-24s %8.2f %8.2f %8.2f  (%3.0f)\n",
-                    op == 0 ? kDispatchPhaseNames[ph] : kCombinePhaseNames[ph], median(p.lo),
-                    median(p.mid), median(p.hi), median(p.n));
-      txt += line;
-      if (median(p.hi) - median(p.mid) >= 1.0) txt += trace_slowest(p, samples);
-    }
-    std::snprintf(line, sizeof line, "    %-24s %8.2f\n", "SPAN (first entry..last)",
-                  median(span[op]));
-    txt += line;
-  }
-  std::snprintf(line, sizeof line, "  combine first entry - dispatch first entry: %.2f us\n",
-                median(gap));
-  txt += line;
+  std::string txt = line;
+  if (o.trace_warm)
+    txt +=
+        "  --trace-warm: the traced dispatch follows a dispatch (its code fetched), not a "
+        "combine\n";
+  txt += trace_report(st, span, gap, samples);
   if (!o.trace_ctas) return txt;
   // One line per CTA and op (mean offsets over the samples that reached the phase, us).
   const int dph[3] = {kTrDListed, kTrDCopied, kTrDExit};
@@ -722,6 +741,75 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     }
   }
   return txt;
+}
+
+// --trace-file PATH: the records EPX_LL_TRACE_DUMP wrote (kernels/ll/trace.cuh LlTraceRecord: the
+// stamps of dispatch calls made by another program, e.g. DeepEP's harness through the drop-in),
+// one table per mode (hook or not) over its newest `last` records; 2 when the file is unreadable.
+int trace_file(const std::string& path, int last) {
+  using namespace epx::detail;
+  struct Record {
+    LlTraceRecord head;
+    std::vector<uint64_t> words;
+  };
+  std::vector<Record> recs;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    std::printf("epx_ll_gpu_bench: cannot open --trace-file '%s'\n", path.c_str());
+    return 2;
+  }
+  for (;;) {
+    Record rec{};
+    if (std::fread(&rec.head, sizeof rec.head, 1, f) != 1) break;
+    bool ok = std::memcmp(rec.head.magic, "EPXT", 4) == 0 && rec.head.words == kLlTraceItemBase;
+    if (ok) {
+      rec.words.resize(rec.head.words);
+      ok = std::fread(rec.words.data(), sizeof(uint64_t), rec.words.size(), f) == rec.words.size();
+    }
+    if (!ok) {
+      std::printf(
+          "epx_ll_gpu_bench: '%s': record %zu is not an EPX_LL_TRACE_DUMP record of this "
+          "build (%zu phase words)\n",
+          path.c_str(), recs.size() + 1, static_cast<size_t>(kLlTraceItemBase));
+      std::fclose(f);
+      return 2;
+    }
+    recs.push_back(std::move(rec));
+  }
+  std::fclose(f);
+  // The clock of this machine's GPU 0 (the records' machine, as the harness ran there).
+  const TraceClock clk = gpu_testing::visible_gpus() > 0 ? probe_clock(0) : TraceClock{};
+  for (int hook = 0; hook < 2; ++hook) {
+    std::vector<const Record*> mine;
+    for (const Record& rec : recs)
+      if (rec.head.hook == hook) mine.push_back(&rec);
+    if (mine.empty()) continue;
+    if (static_cast<int>(mine.size()) > last) mine.erase(mine.begin(), mine.end() - last);
+    std::vector<PhaseStat> st[2] = {std::vector<PhaseStat>(kTrDNum),
+                                    std::vector<PhaseStat>(kTrCNum)};
+    std::vector<double> span[2], gap;
+    int64_t t_lo = INT64_MAX, t_hi = 0;
+    for (const Record* rec : mine) {
+      uint64_t ref[2] = {0, 0};
+      for (int op = 0; op < 2; ++op)
+        trace_sample(rec->words, op, hook != 0, clk, st[op], span[op], &ref[op]);
+      if (ref[0] && ref[1] > ref[0]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+      t_lo = std::min(t_lo, rec->head.tokens);
+      t_hi = std::max(t_hi, rec->head.tokens);
+    }
+    std::printf(
+        "\n[trace-file] %s: rank %d, T=%lld..%lld, %s, dispatch calls %llu..%llu (%zu records, "
+        "each with the combine after it), us from the first CTA entry of the op (min / median / "
+        "max over CTAs, CTAs; medians over the records)\n",
+        path.c_str(), mine.front()->head.rank, static_cast<long long>(t_lo),
+        static_cast<long long>(t_hi), hook ? "hook mode" : "one kernel per op",
+        static_cast<unsigned long long>(mine.front()->head.call),
+        static_cast<unsigned long long>(mine.back()->head.call), mine.size());
+    std::fputs(trace_report(st, span, gap, static_cast<int>(mine.size())).c_str(), stdout);
+  }
+  if (recs.empty()) std::printf("epx_ll_gpu_bench: '%s' holds no records\n", path.c_str());
+  std::fflush(stdout);
+  return recs.empty() ? 2 : 0;
 }
 #endif
 
@@ -952,19 +1040,33 @@ int main(int argc, char** argv) {
       o.trace = o.trace_only = o.trace_ctas = true;
     } else if (a == "--trace-warm") {
       o.trace = o.trace_only = o.trace_warm = true;
+    } else if (a == "--trace-file") {
+      o.trace_file = next();
+    } else if (a == "--trace-last") {
+      o.trace_last = std::max(1, std::atoi(next().c_str()));
     } else if (a == "--ablate") {
       o.ablate = true;
     } else {
       std::printf(
           "usage: %s [--ranks R] [--experts E] [--tokens 1,32,128,256,512] [--iters N] "
           "[--sms C[,C..]] [--trace] [--trace-only] [--trace-ctas] [--trace-warm] [--ablate]\n"
+          "       %s --trace-file PATH [--trace-last N]\n"
           "  ll dispatch/combine timings of the cuda backend vs the NVLink ceiling and NCCL;\n"
           "  --trace: per-phase CTA timestamps (needs a build with -DEPX_LL_TRACE=ON);\n"
+          "  --trace-file: the phase table of EPX_LL_TRACE_DUMP's records (same build);\n"
           "  --ablate: rows without one kernel stage each (needs -DEPX_DIAGNOSTICS=ON)\n",
-          argv[0]);
+          argv[0], argv[0]);
       return a == "--help" ? 0 : 2;
     }
   }
+#ifdef EPX_LL_TRACE
+  if (!o.trace_file.empty()) return trace_file(o.trace_file, o.trace_last);
+#else
+  if (!o.trace_file.empty()) {
+    std::printf("epx_ll_gpu_bench: --trace-file needs a build with -DEPX_LL_TRACE=ON\n");
+    return 2;
+  }
+#endif
   if (o.ranks < 1 || g_experts < o.ranks || g_experts % o.ranks != 0) {
     std::printf("epx_ll_gpu_bench: --experts %d must be a positive multiple of --ranks %d\n",
                 g_experts, o.ranks);

@@ -88,6 +88,17 @@ int env_torch_bridge() {
                     "where epx._epx_torch is built), 0 (through torch's Python methods)");
 }
 
+std::string env_ll_trace_dump() {
+  const char* v = env_value("EPX_LL_TRACE_DUMP");
+  return v ? std::string(v) : std::string();
+}
+
+int64_t env_ll_trace_from() {
+  return env_int(
+      "EPX_LL_TRACE_FROM", 1, kMaxLlTraceFrom, 1,
+      cat("an integer 1..", kMaxLlTraceFrom, " (the first dispatch to record; unset: 1)"));
+}
+
 void check_environment(const char* op) {
   try {
     (void)env_default_timeout();
@@ -95,6 +106,7 @@ void check_environment(const char* op) {
     (void)env_pdl();
     (void)env_one_gpu_side_streams();
     (void)env_torch_bridge();
+    (void)env_ll_trace_from();
   } catch (const Error& e) {
     rethrow_with_op(e, op);
   }

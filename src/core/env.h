@@ -19,6 +19,9 @@
 //                    Python methods even where epx._epx_torch (the ATen path, python/src/
 //                    torch_aten.cc) is built; 1 or unset: through ATen there (read by
 //                    epx/_torch.py at import through _epx; checked here at group creation)
+//   EPX_LL_TRACE_DUMP  profiling builds (-DEPX_LL_TRACE=ON) only: a path; every ll dispatch's phase
+//                    stamps are appended to <path>.rank<r> (kernels/ll/trace.cuh LlTraceRecord)
+//   EPX_LL_TRACE_FROM  with it: the first dispatch of a buffer to record, 1..10^15 (unset: 1)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode: 1..32 (8 when unset, as
 //                    CUDA); checked when that mode's group is created
 //   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
@@ -37,6 +40,7 @@ namespace epx::detail {
 inline constexpr int64_t kDefaultTimeoutMs = kDefaultGroupTimeoutMs;  // epx/group.h
 inline constexpr int64_t kMaxTimeoutMs = kMaxGroupTimeoutMs;
 inline constexpr int kMaxNumSms = kMaxGroupNumSms;
+inline constexpr int64_t kMaxLlTraceFrom = 1000000000000000;  // EPX_LL_TRACE_FROM
 
 // Each throws InvalidArgument naming the variable when its value is out of range.
 std::chrono::milliseconds env_default_timeout();
@@ -46,6 +50,8 @@ std::string env_cuda_module_loading();  // CUDA_MODULE_LOADING as set ("" when u
 int env_pdl();                          // EPX_PDL: -1 unset or empty, 1 when "1", 0 when "0"
 bool env_one_gpu_side_streams();        // EPX_ONE_GPU_SIDE_STREAMS == "1"
 int env_torch_bridge();                 // EPX_TORCH_BRIDGE: -1 unset or empty, 1 or 0
+std::string env_ll_trace_dump();        // EPX_LL_TRACE_DUMP ("" when unset)
+int64_t env_ll_trace_from();            // EPX_LL_TRACE_FROM (1 when unset)
 
 // Reads every EPX_* variable above and throws InvalidArgument for the first invalid one, its
 // message starting with `op` (the group constructor). Called at every group creation.

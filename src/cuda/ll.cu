@@ -39,11 +39,13 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/agree.h"
 #include "core/buffer_impl.h"
@@ -191,6 +193,66 @@ void launch_dispatch(int ctas, cudaStream_t stream, const char* what, const LlDi
 
 #ifdef EPX_LL_TRACE
 TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench only)
+
+// EPX_LL_TRACE_DUMP (kernels/ll/trace.cuh LlTraceRecord): a buffer's dispatch calls from
+// EPX_LL_TRACE_FROM on, each call's stamps (its hooks' and the next combine's with them) written
+// once the next dispatch call (or the buffer's end) finds them complete.
+class LlTraceDump {
+ public:
+  void open(int rank) {
+    const std::string path = env_ll_trace_dump();
+    if (path.empty()) return;
+    const std::string file = cat(path, ".rank", rank);
+    f_ = std::fopen(file.c_str(), "ab");
+    EPX_CHECK(f_ != nullptr, ErrorCode::kInvalidArgument,
+              "Buffer: environment variable EPX_LL_TRACE_DUMP is '", path, "', but '", file,
+              "' cannot be opened for appending");
+    from_ = static_cast<uint64_t>(env_ll_trace_from());
+    rank_ = rank;
+  }
+  // Before dispatch call `call` (1-based) is launched on `stream`: the previous recorded call's
+  // stamps out, then the stamps cleared for this one.
+  void before_dispatch(uint64_t* buf, cudaStream_t stream, uint64_t call, bool hook, int64_t T) {
+    if (f_ == nullptr) return;
+    flush(buf);
+    if (call < from_) return;
+    EPX_CUDA_CHECK(cudaMemsetAsync(buf, 0, kLlTraceItemBase * sizeof(uint64_t), stream),
+                   "ll_dispatch");
+    rec_ = LlTraceRecord{{'E', 'P', 'X', 'T'},
+                         static_cast<uint32_t>(kLlTraceItemBase),
+                         call,
+                         hook ? 1 : 0,
+                         rank_,
+                         T};
+    pending_ = true;
+  }
+  // The pending record, after a device synchronisation; at the buffer's end too (no throwing:
+  // a failure leaves the record out).
+  void flush(uint64_t* buf) noexcept {
+    if (f_ == nullptr || !pending_) return;
+    pending_ = false;
+    std::vector<uint64_t> h(kLlTraceItemBase);
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
+            cudaSuccess)
+      return;
+    std::fwrite(&rec_, sizeof rec_, 1, f_);
+    std::fwrite(h.data(), sizeof(uint64_t), h.size(), f_);
+    std::fflush(f_);
+  }
+  void close(uint64_t* buf) noexcept {
+    flush(buf);
+    if (f_ != nullptr) std::fclose(f_);
+    f_ = nullptr;
+  }
+
+ private:
+  std::FILE* f_ = nullptr;
+  uint64_t from_ = 1;
+  int32_t rank_ = 0;
+  bool pending_ = false;
+  LlTraceRecord rec_{};
+};
 #endif
 
 }  // namespace
@@ -276,6 +338,7 @@ class CudaLl : public std::enable_shared_from_this<CudaLl> {
   }
 #ifdef EPX_LL_TRACE
   uint64_t* trace_ = nullptr;  // trace.cuh: kLlTraceWords, zeroed
+  LlTraceDump trace_dump_;     // EPX_LL_TRACE_DUMP
 #endif
 };
 
@@ -310,6 +373,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   symm_.shrink = enable_shrink;
   symm_.one_gpu = R == 1 || group.transport()->ranks_share_device();
 #ifdef EPX_LL_TRACE
+  trace_dump_.open(group.rank());  // (may throw: before the buffer it would leak)
   trace_ = g_ll_traces.create(dev_.device(), kLlTraceWords);
 #endif
 }
@@ -319,6 +383,7 @@ CudaLl::~CudaLl() {
     if (stash_ids_) cudaFree(stash_ids_);
     if (stash_w_) cudaFree(stash_w_);
 #ifdef EPX_LL_TRACE
+    trace_dump_.close(trace_);
     g_ll_traces.destroy(dev_.device(), trace_);
 #endif
   });
@@ -506,6 +571,9 @@ LlDispatchResult CudaLl::dispatch(const LlDispatchArgs& args, const Allocator& a
   const int64_t T = args.x.shape[0];
   auto stream = static_cast<cudaStream_t>(args.stream);
   ++num_dispatches_;
+#ifdef EPX_LL_TRACE
+  trace_dump_.before_dispatch(trace_, stream, num_dispatches_, args.return_recv_hook, T);
+#endif
 
   // Outputs. If the allocator fails, still run the collective (no outputs written) so the peers
   // complete, then report.

@@ -67,6 +67,10 @@ const std::vector<BadValue>& bad_values() {
       {"EPX_PDL", "1 ", "expected 1"},
       {"EPX_PDL", "true", "expected 1"},
       {"EPX_ONE_GPU_SIDE_STREAMS", "yes", "expected 1 (the one-GPU test mode"},
+      {"EPX_LL_TRACE_FROM", "0", "expected an integer 1..1000000000000000 (the first"},
+      {"EPX_LL_TRACE_FROM", "-1", "expected an integer 1..1000000000000000"},
+      {"EPX_LL_TRACE_FROM", "1000000000000001", "expected an integer 1..1000000000000000"},
+      {"EPX_LL_TRACE_FROM", "10k", "expected an integer 1..1000000000000000"},
   };
   return v;
 }
@@ -74,7 +78,7 @@ const std::vector<BadValue>& bad_values() {
 TEST(Env, DefaultsWhenUnsetOrEmpty) {
   for (const char* name :
        {"EPX_TIMEOUT_MS", "EPX_NUM_SMS", "EPX_PDL", "EPX_ONE_GPU_SIDE_STREAMS",
-        "CUDA_DEVICE_MAX_CONNECTIONS"}) {
+        "CUDA_DEVICE_MAX_CONNECTIONS", "EPX_LL_TRACE_DUMP", "EPX_LL_TRACE_FROM"}) {
     for (std::optional<std::string> v :
          {std::optional<std::string>(), std::optional<std::string>("")}) {
       ScopedEnv e(name, v);
@@ -83,6 +87,8 @@ TEST(Env, DefaultsWhenUnsetOrEmpty) {
       EXPECT_EQ(env_pdl(), -1) << name;
       EXPECT_FALSE(env_one_gpu_side_streams()) << name;
       EXPECT_EQ(env_cuda_device_max_connections(), 8) << name;
+      EXPECT_EQ(env_ll_trace_dump(), "") << name;
+      EXPECT_EQ(env_ll_trace_from(), 1) << name;
       EXPECT_NO_THROW(check_environment("test")) << name;
     }
   }
@@ -128,6 +134,14 @@ TEST(Env, ValidValuesAtTheEdgesOfTheirRanges) {
   {
     ScopedEnv e("CUDA_DEVICE_MAX_CONNECTIONS", std::string("32"));
     EXPECT_EQ(env_cuda_device_max_connections(), 32);
+  }
+  {
+    ScopedEnv e("EPX_LL_TRACE_DUMP", std::string("/tmp/ll trace"));
+    EXPECT_EQ(env_ll_trace_dump(), "/tmp/ll trace");  // any path, as given
+  }
+  {
+    ScopedEnv e("EPX_LL_TRACE_FROM", std::string("1000000000000000"));
+    EXPECT_EQ(env_ll_trace_from(), kMaxLlTraceFrom);
   }
 }
 

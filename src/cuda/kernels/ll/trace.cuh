@@ -86,6 +86,21 @@ inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
   return 2 * ((static_cast<size_t>(op) * kLlTracePhases + phase) * 128 + cta);
 }
 
+// EPX_LL_TRACE_DUMP=<path> (trace builds; src/cuda/ll.cu): the phase words [0, kLlTraceItemBase)
+// of every dispatch call, with its hooks' and the next combine's, appended to <path>.rank<r> as
+// one record each (this header, then the words), so that launches inside another program's loop
+// (DeepEP's harness) can be traced; `epx_ll_gpu_bench --trace-file <path>.rank<r>` summarises
+// them. EPX_LL_TRACE_FROM=<n>: from the n-th dispatch of the buffer (1-based; default 1). Each
+// record costs a device synchronisation at the next dispatch call (or at the buffer's end).
+struct LlTraceRecord {
+  char magic[4];   // "EPXT"
+  uint32_t words;  // kLlTraceItemBase
+  uint64_t call;   // the buffer's n-th dispatch
+  int32_t hook;    // return_recv_hook
+  int32_t rank;
+  int64_t tokens;  // T
+};
+
 #if defined(EPX_LL_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
                                              uint64_t clk) {
