@@ -66,7 +66,7 @@
 #             -DEPX_LL_TRACE=ON and its Python extension ($EPX_BUILD_DIR-htrace), DeepEP's
 #             test_low_latency.py (EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC/tests) through that tree's
 #             drop-in at each --num-tokens of $EPX_HTRACE_TOKENS (default 128) with
-#             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a device sync at each next call),
+#             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a stream sync at each next call),
 #             then epx_ll_gpu_bench --trace-file over the newest 20 records per mode: the script
 #             ends with its profiled calls (no hook, then hook), so those are the launches its
 #             kernel rows time (docs/perf.md §5 item 56)

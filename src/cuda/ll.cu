@@ -196,7 +196,9 @@ TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench o
 
 // EPX_LL_TRACE_DUMP (kernels/ll/trace.cuh LlTraceRecord): a buffer's dispatch calls from
 // EPX_LL_TRACE_FROM on, each call's stamps (its hooks' and the next combine's with them) written
-// once the next dispatch call (or the buffer's end) finds them complete.
+// once the next dispatch call (or the buffer's end) finds them complete: it synchronises the
+// streams those calls used, not the device (ranks sharing a GPU would wait for each other). Calls
+// on a capturing stream are not recorded.
 class LlTraceDump {
  public:
   void open(int rank) {
@@ -215,26 +217,34 @@ class LlTraceDump {
   void before_dispatch(uint64_t* buf, cudaStream_t stream, uint64_t call, bool hook, int64_t T) {
     if (f_ == nullptr) return;
     flush(buf);
-    if (call < from_) return;
+    if (call < from_ || capturing(stream)) return;
     EPX_CUDA_CHECK(cudaMemsetAsync(buf, 0, kLlTraceItemBase * sizeof(uint64_t), stream),
                    "ll_dispatch");
-    rec_ = LlTraceRecord{{'E', 'P', 'X', 'T'},
-                         static_cast<uint32_t>(kLlTraceItemBase),
-                         call,
-                         hook ? 1 : 0,
-                         rank_,
-                         T};
+    std::memcpy(rec_.magic, "EPXT", 4);
+    rec_.words = static_cast<uint32_t>(kLlTraceItemBase);
+    rec_.call = call;
+    rec_.hook = hook ? 1 : 0;
+    rec_.rank = rank_;
+    rec_.tokens = T;
     pending_ = true;
+    used(stream);
   }
-  // The pending record, after a device synchronisation; at the buffer's end too (no throwing:
-  // a failure leaves the record out).
+  // A combine of the pending call (its stamps go with it) on `stream`.
+  void before_combine(cudaStream_t stream) {
+    if (pending_) used(stream);
+  }
+  // The pending record, once its streams are done; at the buffer's end too (no throwing: a
+  // failure leaves the record out).
   void flush(uint64_t* buf) noexcept {
     if (f_ == nullptr || !pending_) return;
     pending_ = false;
+    bool ok = true;
+    for (int i = 0; i < num_streams_; ++i)
+      ok = cudaStreamSynchronize(streams_[i]) == cudaSuccess && ok;
+    num_streams_ = 0;
     std::vector<uint64_t> h(kLlTraceItemBase);
-    if (cudaDeviceSynchronize() != cudaSuccess ||
-        cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
-            cudaSuccess)
+    if (!ok || cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
+                   cudaSuccess)
       return;
     std::fwrite(&rec_, sizeof rec_, 1, f_);
     std::fwrite(h.data(), sizeof(uint64_t), h.size(), f_);
@@ -247,11 +257,22 @@ class LlTraceDump {
   }
 
  private:
+  static bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
+  }
+  void used(cudaStream_t stream) {
+    for (int i = 0; i < num_streams_; ++i)
+      if (streams_[i] == stream) return;
+    if (num_streams_ < 4) streams_[num_streams_++] = stream;
+  }
   std::FILE* f_ = nullptr;
   uint64_t from_ = 1;
   int32_t rank_ = 0;
   bool pending_ = false;
   LlTraceRecord rec_{};
+  cudaStream_t streams_[4] = {};
+  int num_streams_ = 0;
 };
 #endif
 
@@ -661,6 +682,9 @@ LlCombineResult CudaLl::combine(const LlCombineArgs& args, const Allocator& allo
   DeviceGuard guard(dev_.device());
   const int64_t H = layout_.hidden, T = h.num_tokens;
   auto stream = static_cast<cudaStream_t>(args.stream);
+#ifdef EPX_LL_TRACE
+  trace_dump_.before_combine(stream);
+#endif
 
   LlCombineResult res;
   std::exception_ptr failed;

@@ -91,7 +91,8 @@ inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
 // one record each (this header, then the words), so that launches inside another program's loop
 // (DeepEP's harness) can be traced; `epx_ll_gpu_bench --trace-file <path>.rank<r>` summarises
 // them. EPX_LL_TRACE_FROM=<n>: from the n-th dispatch of the buffer (1-based; default 1). Each
-// record costs a device synchronisation at the next dispatch call (or at the buffer's end).
+// record costs a synchronisation of its calls' streams at the next dispatch call (or at the
+// buffer's end); calls captured into a CUDA graph are not recorded.
 struct LlTraceRecord {
   char magic[4];   // "EPXT"
   uint32_t words;  // kLlTraceItemBase
