@@ -69,7 +69,8 @@
 #             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a stream sync at each next call),
 #             then epx_ll_gpu_bench --trace-file over the newest 20 records per mode: the script
 #             ends with its profiled calls (no hook, then hook), so those are the launches its
-#             kernel rows time (docs/perf.md §5 item 56)
+#             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them
+#             (docs/perf.md §5 item 56)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -459,6 +460,9 @@ batch_htrace() {
       bash bench/peer_deepep.sh "$DEEPEP_TESTS" 1 test_low_latency.py
     step "htrace.t$t" 120 "" "$dir/bench/epx_ll_gpu_bench" --trace-file "$dump.rank0" \
       --trace-last 20 && cat "$OUT/htrace.t$t.log"
+    # The same build's own loop beside it (E = 288 as the script's default).
+    step "htrace.bench.t$t" 120 "^\[trace|^  [a-z]|^    [a-z+]" "$dir/bench/epx_ll_gpu_bench" \
+      --trace-only --ranks 1 --tokens "$t" --experts 288 --iters 20
   done
 }
 
