@@ -602,6 +602,16 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
   span.push_back(last);
 }
 
+// Both ops of one launch pair's stamps `h` (trace_sample), and the combine's first entry after the
+// dispatch's into `gap`.
+void trace_pair(const std::vector<uint64_t>& h, bool hook, const TraceClock& clk,
+                std::vector<PhaseStat> (&st)[2], std::vector<double> (&span)[2],
+                std::vector<double>& gap) {
+  uint64_t ref[2] = {0, 0};
+  for (int op = 0; op < 2; ++op) trace_sample(h, op, hook, clk, st[op], span[op], &ref[op]);
+  if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+}
+
 // A phase with a tail (max - median CTA >= 1 us): which CTAs are late, and whether always the
 // same ones: the CTAs among the kTraceSlowest latest in most samples, with the number of samples
 // and their mean offset (us).
@@ -691,9 +701,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaMemcpy(h.data(), dbuf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-    uint64_t ref[2] = {0, 0};
-    for (int op = 0; op < 2; ++op) trace_sample(h, op, hook, clk, st[op], span[op], &ref[op]);
-    if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+    trace_pair(h, hook, clk, st, span, gap);
     for (int op = 0; op < 2; ++op)
       for (int c = 0; c < 128; ++c) {
         const uint64_t* w = h.data() + ll_trace_word(op, kLlTraceSmSlot, c);
@@ -790,10 +798,7 @@ int trace_file(const std::string& path, int last) {
     std::vector<double> span[2], gap;
     int64_t t_lo = INT64_MAX, t_hi = 0;
     for (const Record* rec : mine) {
-      uint64_t ref[2] = {0, 0};
-      for (int op = 0; op < 2; ++op)
-        trace_sample(rec->words, op, hook != 0, clk, st[op], span[op], &ref[op]);
-      if (ref[0] && ref[1] > ref[0]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
+      trace_pair(rec->words, hook != 0, clk, st, span, gap);
       t_lo = std::min(t_lo, rec->head.tokens);
       t_hi = std::max(t_hi, rec->head.tokens);
     }

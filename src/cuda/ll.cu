@@ -239,9 +239,8 @@ class LlTraceDump {
     if (f_ == nullptr || !pending_) return;
     pending_ = false;
     bool ok = true;
-    for (int i = 0; i < num_streams_; ++i)
-      ok = cudaStreamSynchronize(streams_[i]) == cudaSuccess && ok;
-    num_streams_ = 0;
+    for (cudaStream_t s : streams_) ok = cudaStreamSynchronize(s) == cudaSuccess && ok;
+    streams_.clear();
     std::vector<uint64_t> h(kLlTraceItemBase);
     if (!ok || cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
                    cudaSuccess)
@@ -262,17 +261,15 @@ class LlTraceDump {
     return cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
   }
   void used(cudaStream_t stream) {
-    for (int i = 0; i < num_streams_; ++i)
-      if (streams_[i] == stream) return;
-    if (num_streams_ < 4) streams_[num_streams_++] = stream;
+    if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end())
+      streams_.push_back(stream);
   }
   std::FILE* f_ = nullptr;
   uint64_t from_ = 1;
   int32_t rank_ = 0;
   bool pending_ = false;
   LlTraceRecord rec_{};
-  cudaStream_t streams_[4] = {};
-  int num_streams_ = 0;
+  std::vector<cudaStream_t> streams_;  // the pending call's (dispatch, hooks, combine)
 };
 #endif
 
