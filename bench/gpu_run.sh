@@ -461,7 +461,7 @@ batch_htrace() {
     step "htrace.t$t" 120 "" "$dir/bench/epx_ll_gpu_bench" --trace-file "$dump.rank0" \
       --trace-last 20 && cat "$OUT/htrace.t$t.log"
     # The same build's own loop beside it (E = 288 as the script's default).
-    step "htrace.bench.t$t" 120 "^\[trace|^  [a-z]|^    [a-z+]" "$dir/bench/epx_ll_gpu_bench" \
+    step "htrace.bench.t$t" 120 "^\[trace|^  [a-z]|^    [a-zA-Z+]" "$dir/bench/epx_ll_gpu_bench" \
       --trace-only --ranks 1 --tokens "$t" --experts 288 --iters 20
   done
 }

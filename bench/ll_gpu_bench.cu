@@ -24,8 +24,10 @@
 // --trace (a build with -DEPX_LL_TRACE=ON): after the timings of each T, dispatch + combine
 // eagerly back to back (no hook, then with hooks) and print, per rank, per kernel phase
 // (src/cuda/kernels/ll/trace.cuh), min / median / max over CTAs of the stamp minus the first CTA
-// entry of that launch (medians over the traced iterations), and each kernel's span; under a
-// phase whose max is 1 us or more past its median, the CTAs most often among the 8 latest.
+// entry of that launch (medians over the traced iterations), each kernel's span and its SM clock
+// (clock64 ticks per %globaltimer ns over each CTA's kernel, median CTA: whether the launches ran
+// at the clock a spin measures); under a phase whose max is 1 us or more past its median, the
+// CTAs most often among the 8 latest.
 // --trace-only skips the timing rows and baselines; --trace-ctas (implies --trace-only) adds one
 // line per CTA and op: its SM ids over the samples, its listed rows (dispatch receive) and its
 // mean offsets at the receive's late phases, to tell an SM's lateness from its work's.
@@ -35,7 +37,8 @@
 // --trace-file PATH (same build): no run; the phase table of the records that EPX_LL_TRACE_DUMP
 // made another program's dispatch calls write (kernels/ll/trace.cuh LlTraceRecord), per mode over
 // its newest --trace-last N (default 20): e.g. DeepEP's harness through the drop-in, whose
-// launches follow its own calls, GEMMs and host gaps, not this bench's loop.
+// launches follow its own calls, GEMMs and host gaps, not this bench's loop; with the GPU's idle
+// time before each dispatch (its first CTA entry after the previous call's combine's last stamp).
 // --ablate (a build with -DEPX_DIAGNOSTICS=ON): after each T's row, the same row once per ll
 // ablation (cuda/tuning.h LlAblate: one stage of the kernels left out, outputs wrong, waits
 // intact), so the difference to the full row bounds what that stage costs there, and once per
@@ -549,9 +552,14 @@ struct PhaseStat {
 };
 constexpr int kTraceSlowest = 8;
 
-// Offsets (us) of one op's phases in the stamps `h` of its newest launch(es).
+// Offsets (us) of one op's phases in the stamps `h` of its newest launch(es), and into `mhz` the
+// median CTA's SM clock over its kernel (clock64 ticks / %globaltimer ns from its entry to its
+// exit in one launch: the receive kernel's in hook mode; CTAs there for >= 2 us), which tells
+// whether a program's launches ran at the clock `clk` measured in a spin (not where the timer is
+// coarse).
 void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const TraceClock& clk,
-                  std::vector<PhaseStat>& st, std::vector<double>& span, uint64_t* ref_out) {
+                  std::vector<PhaseStat>& st, std::vector<double>& span, std::vector<double>& mhz,
+                  uint64_t* ref_out) {
   using namespace epx::detail;
   const int phases = op == 0 ? static_cast<int>(kTrDNum) : static_cast<int>(kTrCNum);
   const int recv_entry =
@@ -600,15 +608,30 @@ void trace_sample(const std::vector<uint64_t>& h, int op, bool hook, const Trace
     last = std::max(last, v.back());
   }
   span.push_back(last);
+  if (clk.hybrid) return;
+  const int from = hook ? recv_entry : 0;
+  const int to = op == 0 ? static_cast<int>(kTrDExit) : static_cast<int>(kTrCExit);
+  std::vector<double> rate;
+  for (int c = 0; c < 128; ++c) {
+    if (ns(from, c) < ref || ns(to, c) < ns(from, c) + 2000) continue;
+    const auto ticks = static_cast<int64_t>(ck(to, c) - ck(from, c));
+    if (ticks > 0)
+      rate.push_back(1e3 * static_cast<double>(ticks) /
+                     static_cast<double>(ns(to, c) - ns(from, c)));
+  }
+  if (rate.empty()) return;
+  std::sort(rate.begin(), rate.end());
+  mhz.push_back(rate[rate.size() / 2]);
 }
 
 // Both ops of one launch pair's stamps `h` (trace_sample), and the combine's first entry after the
 // dispatch's into `gap`.
 void trace_pair(const std::vector<uint64_t>& h, bool hook, const TraceClock& clk,
                 std::vector<PhaseStat> (&st)[2], std::vector<double> (&span)[2],
-                std::vector<double>& gap) {
+                std::vector<double> (&mhz)[2], std::vector<double>& gap) {
   uint64_t ref[2] = {0, 0};
-  for (int op = 0; op < 2; ++op) trace_sample(h, op, hook, clk, st[op], span[op], &ref[op]);
+  for (int op = 0; op < 2; ++op)
+    trace_sample(h, op, hook, clk, st[op], span[op], mhz[op], &ref[op]);
   if (ref[0] && ref[1]) gap.push_back((static_cast<double>(ref[1]) - ref[0]) / 1e3);
 }
 
@@ -632,11 +655,11 @@ std::string trace_slowest(const PhaseStat& p, int samples) {
   return txt + "\n";
 }
 
-// The phase table of both ops from their samples' statistics (trace_sample), the spans and the
-// combine's first entry after the dispatch's.
+// The phase table of both ops from their samples' statistics (trace_sample), the spans, the SM
+// clocks and the combine's first entry after the dispatch's.
 std::string trace_report(const std::vector<PhaseStat> (&st)[2],
-                         const std::vector<double> (&span)[2], const std::vector<double>& gap,
-                         int samples) {
+                         const std::vector<double> (&span)[2], const std::vector<double> (&mhz)[2],
+                         const std::vector<double>& gap, int samples) {
   using namespace epx::detail;
   std::string txt;
   char line[256];
@@ -656,6 +679,12 @@ std::string trace_report(const std::vector<PhaseStat> (&st)[2],
     if (span[op].empty()) continue;
     std::snprintf(line, sizeof line, "    %-24s %8.2f\n", "SPAN (first entry..last)",
                   median(span[op]));
+    txt += line;
+    if (mhz[op].empty()) continue;
+    std::snprintf(line, sizeof line,
+                  "    SM clock, entry..exit     %8.0f MHz (median CTA; samples %.0f..%.0f)\n",
+                  median(mhz[op]), *std::min_element(mhz[op].begin(), mhz[op].end()),
+                  *std::max_element(mhz[op].begin(), mhz[op].end()));
     txt += line;
   }
   if (!gap.empty()) {
@@ -680,7 +709,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
   LlCombineArgs ca = wl.ca;
   ca.return_recv_hook = hook;
   std::vector<PhaseStat> st[2] = {std::vector<PhaseStat>(kTrDNum), std::vector<PhaseStat>(kTrCNum)};
-  std::vector<double> span[2], gap;
+  std::vector<double> span[2], mhz[2], gap;
   std::vector<uint64_t> h(kLlTraceWords);
   constexpr int samples = 5;
   const int pairs = std::max(o.warmup, 3);
@@ -701,7 +730,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaMemcpy(h.data(), dbuf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-    trace_pair(h, hook, clk, st, span, gap);
+    trace_pair(h, hook, clk, st, span, mhz, gap);
     for (int op = 0; op < 2; ++op)
       for (int c = 0; c < 128; ++c) {
         const uint64_t* w = h.data() + ll_trace_word(op, kLlTraceSmSlot, c);
@@ -721,7 +750,7 @@ std::string trace_tokens(Buffer& buf, const Group& g, int64_t T, cudaStream_t s,
     txt +=
         "  --trace-warm: the traced dispatch follows a dispatch (its code fetched), not a "
         "combine\n";
-  txt += trace_report(st, span, gap, samples);
+  txt += trace_report(st, span, mhz, gap, samples);
   if (!o.trace_ctas) return txt;
   // One line per CTA and op (mean offsets over the samples that reached the phase, us).
   const int dph[3] = {kTrDListed, kTrDCopied, kTrDExit};
@@ -795,12 +824,31 @@ int trace_file(const std::string& path, int last) {
     if (static_cast<int>(mine.size()) > last) mine.erase(mine.begin(), mine.end() - last);
     std::vector<PhaseStat> st[2] = {std::vector<PhaseStat>(kTrDNum),
                                     std::vector<PhaseStat>(kTrCNum)};
-    std::vector<double> span[2], gap;
+    std::vector<double> span[2], mhz[2], gap;
     int64_t t_lo = INT64_MAX, t_hi = 0;
+    // The GPU idle before each dispatch: its first CTA entry after the previous call's combine's
+    // latest stamp (consecutive calls only; the dump's stream sync at each call is in it).
+    std::vector<double> idle;
+    auto stamps = [](const Record& r, int op, bool last) {
+      uint64_t v = last ? 0 : ~0ull;
+      for (int ph = 0; ph < kLlTraceSmSlot; ++ph)
+        for (unsigned c = 0; c < 128; ++c) {
+          const uint64_t ns = r.words[ll_trace_word(op, ph, c)];
+          if (ns != 0) v = last ? std::max(v, ns) : std::min(v, ns);
+        }
+      return v;
+    };
+    const Record* prev = nullptr;
     for (const Record* rec : mine) {
-      trace_pair(rec->words, hook != 0, clk, st, span, gap);
+      trace_pair(rec->words, hook != 0, clk, st, span, mhz, gap);
       t_lo = std::min(t_lo, rec->head.tokens);
       t_hi = std::max(t_hi, rec->head.tokens);
+      if (prev != nullptr && rec->head.call == prev->head.call + 1) {
+        const uint64_t end = stamps(*prev, 1, true), begin = stamps(*rec, 0, false);
+        if (end != 0 && begin != ~0ull && begin > end)
+          idle.push_back(static_cast<double>(begin - end) / 1e3);
+      }
+      prev = rec;
     }
     std::printf(
         "\n[trace-file] %s: rank %d, T=%lld..%lld, %s, dispatch calls %llu..%llu (%zu records, "
@@ -810,7 +858,12 @@ int trace_file(const std::string& path, int last) {
         static_cast<long long>(t_hi), hook ? "hook mode" : "one kernel per op",
         static_cast<unsigned long long>(mine.front()->head.call),
         static_cast<unsigned long long>(mine.back()->head.call), mine.size());
-    std::fputs(trace_report(st, span, gap, static_cast<int>(mine.size())).c_str(), stdout);
+    std::fputs(trace_report(st, span, mhz, gap, static_cast<int>(mine.size())).c_str(), stdout);
+    if (!idle.empty())
+      std::printf(
+          "  GPU idle before a dispatch (its first entry - the previous combine's latest "
+          "stamp): median %.1f us, min %.1f (%zu calls)\n",
+          median(idle), *std::min_element(idle.begin(), idle.end()), idle.size());
   }
   if (recs.empty()) std::printf("epx_ll_gpu_bench: '%s' holds no records\n", path.c_str());
   std::fflush(stdout);
