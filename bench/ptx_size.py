@@ -16,13 +16,24 @@ PTX is before ptxas (SASS counts differ), but the shares say which source is whe
 --cubin: the SASS bytes of every matching kernel (its `.text.<name>` section), by name, in each
 cubin (`nvcc -cubin`, or `cuobjdump -xelf all` of a binary; `bench/gpu_run.sh ab` prints both
 trees').
+
+--cubin --sass: also each matching kernel's SASS instructions, counted per opcode (with its
+modifiers, e.g. LDG.E.STRONG.SYS), from `nvdisasm -c` ($NVDISASM, else on PATH, else
+/usr/local/cuda/bin). A machine without the CUDA toolkit's disassembler can use Debian's
+(`nvidia-cuda-toolkit` 11.8 in bookworm's non-free component: `apt-get download` it and
+`dpkg -x` the package, no install): that nvdisasm predates the ELF header that CUDA 12.8+ writes,
+so the cubin is disassembled from a copy whose header is rewritten to the older form (the
+sections, and so the SASS, are unchanged). `--listing` prints the disassembly of the matching
+kernels as well.
 """
 import argparse
+import os
 import re
 import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 LOC = re.compile(r"\.loc\s+(\d+)\s+(\d+)\s+\d+(?:,\s*function_name\s+(\$L__info_string\d+))?")
@@ -132,15 +143,77 @@ def cubin_texts(path):
     return out
 
 
+def legacy_header(elf):
+    """The cubin with its ELF header in the form before CUDA 12.8 (OS ABI 0x33, ABI version 7,
+    e_flags = SM | 0x500 | SM << 16, SM from bits 8-15 of the newer e_flags), which older
+    nvdisasm reads; an older cubin is returned as it is."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF file")
+    if elf[8] < 8:
+        return elf
+    sm = (struct.unpack_from("<I", elf, 48)[0] >> 8) & 0xFF
+    out = bytearray(elf)
+    out[7], out[8] = 0x33, 7
+    struct.pack_into("<I", out, 48, sm | 0x500 | sm << 16)
+    return bytes(out)
+
+
+SECTION = re.compile(r"^//-+ \.text\.(\S+) -+$")
+SASS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass_kernels(text):
+    """{kernel: [(opcode with modifiers, line)]} of `nvdisasm -c` output."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = SECTION.match(line.strip())
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = SASS.match(line)
+        if m and cur is not None:
+            cur.append((m.group(1), line.strip()))
+    return out
+
+
+def nvdisasm():
+    for cand in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"),
+                 "/usr/local/cuda/bin/nvdisasm"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def disassemble(path):
+    """`nvdisasm -c` of the cubin, retried on a legacy-header copy when this nvdisasm predates
+    the cubin's header."""
+    tool = nvdisasm()
+    if tool is None:
+        raise OSError("no nvdisasm: set NVDISASM, or put the CUDA toolkit's bin on PATH")
+    r = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=False)
+    if r.returncode == 0:
+        return r.stdout
+    with open(path, "rb") as f:
+        elf = f.read()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(legacy_header(elf))
+        tmp.flush()
+        r2 = subprocess.run([tool, "-c", tmp.name], capture_output=True, text=True, check=False)
+    if r2.returncode != 0:
+        raise OSError(f"{path}: nvdisasm failed: {(r.stderr or r2.stderr).strip()}")
+    return r2.stdout
+
+
 def selected(pattern, names, kernel):
     """Whether --kernel's pattern matches the kernel's mangled or readable name."""
     return bool(pattern.search(kernel) or pattern.search(names.get(kernel, kernel)))
 
 
-def main_cubin(paths, kernel):
+def main_cubin(paths, kernel, sass=False, top=15, listing=False):
     pattern = re.compile(kernel)
     try:
         per = [(p, cubin_texts(p)) for p in paths]
+        code = {p: sass_kernels(disassemble(p)) for p in paths} if sass else {}
     except (OSError, ValueError, struct.error) as e:
         print(f"ptx_size.py: {e}", file=sys.stderr)
         return 2
@@ -148,9 +221,20 @@ def main_cubin(paths, kernel):
     shown = 0
     for path, ks in per:
         for k, size in sorted(ks, key=lambda ks_: names.get(ks_[0], ks_[0])):
-            if selected(pattern, names, k):
-                print(f"{size:8d} B  {names.get(k, k)}  ({path.split('/')[-1]})")
-                shown += 1
+            if not selected(pattern, names, k):
+                continue
+            print(f"{size:8d} B  {names.get(k, k)}  ({path.split('/')[-1]})")
+            shown += 1
+            if not sass:
+                continue
+            instrs = code[path].get(k, [])
+            ops = Counter(op for op, _ in instrs)
+            print(f"    {len(instrs)} SASS instructions; most frequent opcodes:")
+            for op, n in ops.most_common(top):
+                print(f"      {n:6d} {op}")
+            if listing:
+                for _, line in instrs:
+                    print(f"      {line}")
     if shown == 0:
         print(f"no kernel matches {kernel!r}", file=sys.stderr)
         return 1
@@ -163,9 +247,15 @@ def main(argv=None):
     ap.add_argument("--kernel", default="", help="regex on the mangled or demangled name")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--cubin", action="store_true", help="the files are cubins: SASS bytes")
+    ap.add_argument("--sass", action="store_true",
+                    help="with --cubin: SASS instructions per opcode (nvdisasm)")
+    ap.add_argument("--listing", action="store_true", help="with --sass: the disassembly too")
     args = ap.parse_args(argv)
+    if (args.sass or args.listing) and not args.cubin:
+        ap.error("--sass and --listing need --cubin")
     if args.cubin:
-        return main_cubin(args.files, args.kernel)
+        return main_cubin(args.files, args.kernel, args.sass or args.listing, args.top,
+                          args.listing)
     if len(args.files) != 1:
         ap.error("one PTX file (several only with --cubin)")
     with open(args.files[0]) as f:

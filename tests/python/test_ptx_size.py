@@ -122,3 +122,88 @@ def test_cubin_text_sizes(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(bad)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "not a 64-bit little-endian ELF" in r.stderr
+
+
+def load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ptx_size", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_legacy_header():
+    mod = load_script()
+    new = bytearray(elf([(".text._Z3fooPi", 64)]))
+    new[7], new[8] = 0x41, 8  # the header CUDA 12.8+ writes: ABI version 8, SM in bits 8-15
+    struct.pack_into("<I", new, 48, 0x06005A04)
+    old = mod.legacy_header(bytes(new))
+    assert old[7] == 0x33 and old[8] == 7
+    assert struct.unpack_from("<I", old, 48)[0] == 0x5A055A  # SM 90, virtual SM 90
+    assert old[:7] == bytes(new[:7]) and old[9:48] == bytes(new[9:48]) and old[52:] == new[52:]
+    older = bytes(old)
+    assert mod.legacy_header(older) == older  # already the older form
+    try:
+        mod.legacy_header(b"not an elf at all")
+        raise AssertionError("accepted a non-ELF file")
+    except ValueError:
+        pass
+
+
+# What `nvdisasm -c` prints (abridged): a section banner per kernel, then numbered instructions,
+# some predicated, with labels and directives between them.
+LISTING = "\n".join([
+    "\t.headerflags\t@\"EF_CUDA_SM90\"",
+    "//--------------------- .text._Z3fooPi --------------------------",
+    "\t.section\t.text._Z3fooPi,\"ax\",@progbits",
+    "_Z3fooPi:",
+    "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+    "        /*0010*/              @!P0 LDG.E.STRONG.SYS R3, [R2.64] ;",
+    "        /*0020*/                   CCTL.IVALL ;",
+    ".L_x_0:",
+    "        /*0030*/               @P0 LDG.E.STRONG.SYS R3, [R2.64] ;",
+    "        /*0040*/              @!UP0 BRA `(.L_x_0) ;",
+    "        /*0050*/                   EXIT ;",
+    "//--------------------- .text._Z3barv --------------------------",
+    "        /*0000*/                   EXIT ;",
+])
+
+
+def test_sass_opcodes_through_a_legacy_header(tmp_path):
+    cubin = bytearray(elf([(".text._Z3fooPi", 96), (".text._Z3barv", 16)]))
+    cubin[8] = 8
+    struct.pack_into("<I", cubin, 48, 0x06005A04)
+    p = tmp_path / "k.cubin"
+    p.write_bytes(bytes(cubin))
+    listing = tmp_path / "listing.txt"
+    listing.write_text(LISTING)
+    calls = tmp_path / "calls"
+    # An nvdisasm that, like an older one, refuses the newer header and reads the older one.
+    fake = tmp_path / "nvdisasm"
+    fake.write_text("\n".join([
+        f"#!{sys.executable}",
+        "import sys",
+        f"open({str(calls)!r}, 'a').write('x')",
+        "elf = open(sys.argv[-1], 'rb').read()",
+        "if elf[8] != 7:",
+        "    sys.exit('nvdisasm fatal : Elf file does not contain Cuda architecture information')",
+        f"sys.stdout.write(open({str(listing)!r}).read())",
+    ]))
+    fake.chmod(0o755)
+    env = dict(os.environ, NVDISASM=str(fake))
+    r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(p), "--sass", "--kernel", "foo"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert calls.read_text() == "xx"  # refused once, then read from the rewritten copy
+    assert "96 B" in r.stdout and "bar" not in r.stdout
+    assert "6 SASS instructions" in r.stdout
+    ops = r.stdout.split("most frequent opcodes:")[1]
+    counts = {line.split()[1]: int(line.split()[0]) for line in ops.strip().splitlines()}
+    assert counts == {"LDG.E.STRONG.SYS": 2, "LDC": 1, "CCTL.IVALL": 1, "BRA": 1, "EXIT": 1}
+    r = subprocess.run([sys.executable, SCRIPT, "--cubin", str(p), "--listing", "--kernel",
+                        "bar"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "1 SASS instructions" in r.stdout and "/*0000*/" in r.stdout
+    r = subprocess.run([sys.executable, SCRIPT, str(p), "--sass"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--sass and --listing need --cubin" in r.stderr
