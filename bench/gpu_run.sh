@@ -69,8 +69,9 @@
 #             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a stream sync at each next call),
 #             then epx_ll_gpu_bench --trace-file over the newest 20 records per mode: the script
 #             ends with its profiled calls (no hook, then hook), so those are the launches its
-#             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them
-#             (docs/perf.md §5 item 56)
+#             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them;
+#             nvidia-smi's SM clock, power and P-state every 100 ms during the harness
+#             (htrace.smi.t<T>.log) (docs/perf.md §5 item 56)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -455,9 +456,24 @@ batch_htrace() {
   for t in ${EPX_HTRACE_TOKENS:-128}; do
     dump=/tmp/epx-htrace.t$t
     rm -f "$dump.rank"*
+    # The SM clock and power as nvidia-smi samples them (every 100 ms) while the harness runs,
+    # beside the clock each traced launch ran at (--trace-file's "SM clock" rows).
+    local smi=""
+    if command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,pstate,utilization.gpu \
+        --format=csv -lms 100 > "$OUT/htrace.smi.t$t.log" 2>&1 &
+      smi=$!
+    fi
     step "htrace.peer.t$t" 300 "avg_t|send/recv" $(pin 1) env EPX_REPO="$(cd "$dir.src" && pwd)" \
       EPX_LL_TRACE_DUMP="$dump" EPX_DEEPEP_ARGS="--num-tokens $t${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
       bash bench/peer_deepep.sh "$DEEPEP_TESTS" 1 test_low_latency.py
+    if [ -n "$smi" ]; then
+      kill "$smi" 2> /dev/null
+      wait "$smi" 2> /dev/null
+      # The SM clocks seen, by how often (MHz), and the P-states.
+      echo "htrace.smi.t$t: SM MHz (samples): $(awk -F', ' 'NR > 1 {print $2}' \
+        "$OUT/htrace.smi.t$t.log" | sort | uniq -c | sort -rn | head -8 | tr -s ' \n' ' ')"
+    fi
     step "htrace.t$t" 120 "" "$dir/bench/epx_ll_gpu_bench" --trace-file "$dump.rank0" \
       --trace-last 20 && cat "$OUT/htrace.t$t.log"
     # The same build's own loop beside it (E = 288 as the script's default).
