@@ -6,7 +6,8 @@
 #
 #   bash bench/gpu_run.sh BATCH [BATCH...]        e.g.  bash bench/gpu_run.sh tests bench
 #
-#   build     only the build (every batch builds first, once)
+#   build     only the build (every batch builds first, once; htrace alone skips it: it builds
+#             its own tree)
 #   tests     the GPU GoogleTest tier, each binary bounded ($EPX_TEST_LIMIT s, default 400):
 #             R = 1 and the one-GPU multi-rank tests (R = 2, 4, 8 on one GPU) of every binary;
 #             ht: HtGpu.OneRank*, HtGpu.WorstCaseGraphReplaysOneRank, Ranks/HtOneGpu.*, then
@@ -542,7 +543,22 @@ batch_main() {
   step main 540 "^== |^(ht|ll|a2a)\.|check:|PASS|FAIL" bash scripts/run.sh
 }
 
-if do_build; then
+# Whether a batch given uses the main build (every one but htrace, which builds its own tree).
+needs_main_build() {
+  local b
+  for b in "$@"; do [ "$b" = htrace ] || return 0; done
+  return 1
+}
+
+main_build() {
+  if needs_main_build "$@"; then
+    do_build
+  else
+    skip build "the batches given build their own trees (htrace)"
+  fi
+}
+
+if main_build "$@"; then
   for b in "$@"; do
     case $b in
       build) ;;
