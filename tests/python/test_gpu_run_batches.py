@@ -22,3 +22,12 @@ def test_described_accepted_and_defined():
     loop = re.search(r"case \$b in(.*?)esac", text, re.DOTALL).group(1)
     runs = set(re.findall(r"[a-z]+", loop.split(")", 2)[1])) | {"build"}
     assert set(accepted) <= runs, set(accepted) - runs
+
+
+def test_readme_names_every_batch():
+    text = open(SCRIPT).read()
+    accepted = re.search(r'^BATCHES="([^"]*)"', text, re.MULTILINE).group(1).split()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    part = readme.split("bash bench/gpu_run.sh BATCH...", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z]+)`", part))
+    assert set(accepted) <= named, set(accepted) - named
