@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The table of a DeepEP `test_low_latency.py` token sweep (`bash bench/gpu_run.sh sweep`): one
-row per (T, library) with the rows the script prints, every round of the sweep side by side.
+row per (R, T, library) with the rows the script prints (rank 0's), every round of the sweep side
+by side.
 
     python3 bench/deepep_sweep_table.py LOG [LOG...]
 
 Each LOG is one `bench/peer_deepep.sh` run of test_low_latency.py (with EPX_DEEPEP_SELF: DeepEP
-itself first, then epx's drop-in), its --num-tokens read from the run's "== ..." header line. The
+itself first, then epx's drop-in), its --num-processes (R) and --num-tokens read from the run's
+"== ..." header line. The
 columns: dispatch and combine kernel rows (`bench_kineto`), the hooked send + receive rows, and the
 L2-flushed dispatch + combine event time, mean (min); "—" where a library's run printed no
 numbers (it failed or refused the shape: its exit line is listed below the table). µs throughout.
@@ -13,7 +15,8 @@ numbers (it failed or refused the shape: its exit line is listed below the table
 import re
 import sys
 
-HEADER = re.compile(r"^== (\S+) .*?--num-tokens (\d+).*\(deep_ep = (.*)\)$")
+HEADER = re.compile(
+    r"^== (\S+) --num-processes (\d+) .*?--num-tokens (\d+).*\(deep_ep = (.*)\)$")
 EXIT = re.compile(r"^== (\S+)( with DeepEP itself)?: exit (\d+)")
 PAIR = re.compile(r"Dispatch \+ combine bandwidth: .*avg_t=([\d.]+) us, min_t=([\d.]+) us")
 ROWS = re.compile(r"Dispatch bandwidth: .*avg_t=([\d.]+) us \| Combine bandwidth: .*avg_t=([\d.]+) us")
@@ -24,14 +27,14 @@ COLUMNS = ("dispatch row", "combine row", "hooked dispatch send + receive",
 
 
 def parse(lines):
-    """[(tokens, library, {column: text}, exit_line)] of one log, in order."""
+    """[((ranks, tokens), library, {column: text}, exit_line)] of one log, in order."""
     runs, cur = [], None
     for line in lines:
         line = line.rstrip("\n")
         m = HEADER.match(line)
         if m:
-            lib = "DeepEP" if m.group(3).startswith("DeepEP itself") else "epx"
-            cur = (int(m.group(2)), lib, {}, None)
+            lib = "DeepEP" if m.group(4).startswith("DeepEP itself") else "epx"
+            cur = ((int(m.group(2)), int(m.group(3))), lib, {}, None)
             runs.append(cur)
             continue
         if cur is None:
@@ -58,20 +61,20 @@ def parse(lines):
 
 def table(paths):
     """The markdown table (and the failed runs' exit lines) of the logs at `paths`."""
-    rounds = {}  # (tokens, library) -> [{column: text}] in log order
+    rounds = {}  # ((ranks, tokens), library) -> [{column: text}] in log order
     failures = []
     for path in paths:
         with open(path, errors="replace") as f:
-            for tokens, lib, cols, exit_line in parse(f):
-                rounds.setdefault((tokens, lib), []).append(cols)
+            for shape, lib, cols, exit_line in parse(f):
+                rounds.setdefault((shape, lib), []).append(cols)
                 if exit_line:
-                    failures.append(f"T = {tokens}, {lib}: {exit_line}")
-    out = ["| T | library | " + " | ".join(COLUMNS) + " |",
-           "|---|---|" + "---|" * len(COLUMNS)]
+                    failures.append(f"R = {shape[0]}, T = {shape[1]}, {lib}: {exit_line}")
+    out = ["| R | T | library | " + " | ".join(COLUMNS) + " |",
+           "|---|---|---|" + "---|" * len(COLUMNS)]
     order = {"epx": 0, "DeepEP": 1}
-    for tokens, lib in sorted(rounds, key=lambda k: (k[0], order.get(k[1], 2))):
-        cells = [" / ".join(r.get(c, "—") for r in rounds[(tokens, lib)]) for c in COLUMNS]
-        out.append(f"| {tokens} | {lib} | " + " | ".join(cells) + " |")
+    for shape, lib in sorted(rounds, key=lambda k: (k[0], order.get(k[1], 2))):
+        cells = [" / ".join(r.get(c, "—") for r in rounds[(shape, lib)]) for c in COLUMNS]
+        out.append(f"| {shape[0]} | {shape[1]} | {lib} | " + " | ".join(cells) + " |")
     return "\n".join(out + [""] + failures)
 
 

@@ -49,11 +49,12 @@
 #             (bench/build_deepep.sh) and each script and bench/engine_timing.py --peer also run
 #             with DeepEP itself, in the same run
 #   sweep     issue 26's method over T: DeepEP's test_low_latency.py at --num-tokens in
-#             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = 1, pinned, $EPX_SWEEP_ROUNDS rounds
-#             (default 2), through the drop-in and (with EPX_DEEPEP_SRC, built as for `peer`)
-#             through DeepEP itself in the
-#             same process order; then one table of both (bench/deepep_sweep_table.py): kernel
-#             rows, hooked rows, L2-flushed event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
+#             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = $EPX_SWEEP_PROCS processes (default
+#             1; one GPU each: EP2 is EPX_SWEEP_PROCS=2 on two GPUs), pinned, $EPX_SWEEP_ROUNDS
+#             rounds (default 2), through the drop-in and (with EPX_DEEPEP_SRC, built as for
+#             `peer`) through DeepEP itself in the same process order; then one table of both
+#             (bench/deepep_sweep_table.py, rank 0's rows): kernel rows, hooked rows, L2-flushed
+#             event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
 #             that change the kernels, so never the main build) and the benchmarks' --trace:
 #             per-CTA phase stamps of ht (T = 1, 4096, 16 SMs), ll (T in $EPX_TRACE_TOKENS,
@@ -403,13 +404,18 @@ batch_peer() {
 }
 
 batch_sweep() {
+  local procs=${EPX_SWEEP_PROCS:-1}
+  if [ "$procs" -gt "$G" ]; then
+    skip sweep "EPX_SWEEP_PROCS=$procs needs $procs GPUs, $G visible"
+    return 0
+  fi
   deepep_inputs sweep || return 0
   local round T logs=()
   for round in $(seq "${EPX_SWEEP_ROUNDS:-2}"); do
     for T in ${EPX_SWEEP_TOKENS:-1 32 128 256}; do
-      step "sweep.T$T.$round" 300 "" $(pin 1) env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
+      step "sweep.T$T.$round" 300 "" $(pin "$procs") env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
         EPX_DEEPEP_ARGS="--num-tokens $T${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
-        bash bench/peer_deepep.sh "$DEEPEP_TESTS" 1 test_low_latency.py
+        bash bench/peer_deepep.sh "$DEEPEP_TESTS" "$procs" test_low_latency.py
       logs+=("$OUT/sweep.T$T.$round.log")
     done
   done

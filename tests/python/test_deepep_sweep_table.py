@@ -1,5 +1,5 @@
-"""bench/deepep_sweep_table.py (the table of `bench/gpu_run.sh sweep`): rows per (T, library) with
-every round side by side, a library whose run printed nothing shown as "—" with its exit line."""
+"""bench/deepep_sweep_table.py (the table of `bench/gpu_run.sh sweep`): rows per (R, T, library)
+with every round side by side, a library whose run printed nothing shown as "—" with its exit line."""
 
 import os
 import subprocess
@@ -9,12 +9,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "bench", "deepep_sweep_table.py")
 
 
-def run_log(tokens, lib, numbers, exit_code=0):
+def run_log(tokens, lib, numbers, exit_code=0, ranks=1):
     """The lines bench/peer_deepep.sh prints around one run of test_low_latency.py."""
     who = "DeepEP itself, /x/DeepEP" if lib == "DeepEP" else "epx.compat.deep_ep"
-    lines = [f"== test_low_latency.py --num-processes 1 --num-tokens {tokens} (deep_ep = {who})"]
+    lines = [f"== test_low_latency.py --num-processes {ranks} --num-tokens {tokens} "
+             f"(deep_ep = {who})"]
     if numbers:
         pair, pair_min, d, c, ds, dr, cs, cr = numbers
+        if ranks > 1:  # another rank's lines first: only rank 0's are read
+            lines.append("[rank 1] Dispatch bandwidth: 1.0 GB/s, avg_t=99.0 us | "
+                         "Combine bandwidth: 2.0 GB/s, avg_t=99.0 us")
         lines += [
             f"[rank 0] Dispatch + combine bandwidth: 1.0 GB/s, avg_t={pair} us, "
             f"min_t={pair_min} us, max_t=999.00 us",
@@ -47,19 +51,31 @@ def test_table_of_two_rounds(tmp_path):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
-    assert out[0].startswith("| T | library | dispatch row | combine row |")
-    rows = [ln for ln in out if ln.startswith("| 1 ") or ln.startswith("| 128 ")]
+    assert out[0].startswith("| R | T | library | dispatch row | combine row |")
+    rows = [ln for ln in out if ln.startswith("| 1 | ")]
     assert rows == [
-        "| 1 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
+        "| 1 | 1 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
         "12.11 + 11.55 / 12.11 + 11.55 | 40.0 (38.0) / 40.5 (38.0) |",
-        "| 1 | DeepEP | — / — | — / — | — / — | — / — | — / — |",
-        "| 128 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
+        "| 1 | 1 | DeepEP | — / — | — / — | — / — | — / — | — / — |",
+        "| 1 | 128 | epx | 13.03 / 13.53 | 11.16 / 11.16 | 5.54 + 10.84 / 5.54 + 10.84 | "
         "12.11 + 11.55 / 12.11 + 11.55 | 40.0 (38.0) / 40.5 (38.0) |",
-        "| 128 | DeepEP | 17.73 / 17.73 | 21.27 / 21.27 | 11.75 + 8.49 / 11.75 + 8.49 | "
+        "| 1 | 128 | DeepEP | 17.73 / 17.73 | 21.27 / 21.27 | 11.75 + 8.49 / 11.75 + 8.49 | "
         "16.22 + 9.68 / 16.22 + 9.68 | 241.9 (68.8) / 242.4 (68.8) |",
     ], "\n".join(out)
-    fails = [ln for ln in out if ln.startswith("T = ")]
-    assert fails == ["T = 1, DeepEP: test_low_latency.py with DeepEP itself: exit 1 (12 s)"] * 2
+    fails = [ln for ln in out if ln.startswith("R = ")]
+    assert fails == [
+        "R = 1, T = 1, DeepEP: test_low_latency.py with DeepEP itself: exit 1 (12 s)"] * 2
+
+
+def test_two_ranks_rank0_rows(tmp_path):
+    p = tmp_path / "sweep.T128.1.log"
+    p.write_text("\n".join(run_log(128, "epx", (45.0, 41.0, 14.1, 17.2, 6.0, 9.0, 7.0, 11.0),
+                                    ranks=2)) + "\n")
+    r = subprocess.run([sys.executable, SCRIPT, str(p)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 2 | ")]
+    assert rows == ["| 2 | 128 | epx | 14.1 | 17.2 | 6.0 + 9.0 | 7.0 + 11.0 | 45.0 (41.0) |"]
 
 
 def test_usage_without_logs():
