@@ -23,6 +23,7 @@
 #   gpubench  the per-mode GPU benchmarks (bench/*_gpu_bench*): ht T = 4096 at 16, 24, 32 SMs,
 #             ll T in 1..512, a2a (R = the visible GPUs, NCCL and ceiling rows), the one-GPU ht
 #             proxy (epx_ht_onegpu_bench), ll at one-GPU R = 2, 4, 8 (epx_ll_onegpu_bench), and
+#             epx_sync_probe (what each primitive of the ll kernels' fixed chain costs alone),
 #             with >= 2 GPUs epx_store_probe
 #   overlap   epx_ll_overlap_bench: the ll combine overlapped with a cuBLAS down GEMM (T = 128,
 #             H = 7168, I = 2048, K = 8, 32 local experts; R = 1 and one-GPU R = 2; send SMs 3, 8,
@@ -65,15 +66,16 @@
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
 #             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
 #   htrace    the ll kernels' phases inside DeepEP's harness: a copy of this tree built with
-#             -DEPX_LL_TRACE=ON and its Python extension ($EPX_BUILD_DIR-htrace), DeepEP's
-#             test_low_latency.py (EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC/tests) through that tree's
-#             drop-in at each --num-tokens of $EPX_HTRACE_TOKENS (default 128) with
-#             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a stream sync at each next call),
+#             -DEPX_LL_TRACE=ON and its Python extension ($EPX_BUILD_DIR-htrace); first that
+#             build's epx_sync_probe (what each primitive of the fixed chain costs alone); then
+#             DeepEP's test_low_latency.py (EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC/tests) through that
+#             tree's drop-in at each --num-tokens of $EPX_HTRACE_TOKENS (default 128) with
+#             EPX_LL_TRACE_DUMP (every dispatch call's stamps; a stream sync at each next call)
+#             and nvidia-smi's SM clock, power and P-state every 100 ms (htrace.smi.t<T>.log),
 #             then epx_ll_gpu_bench --trace-file over the newest 20 records per mode: the script
 #             ends with its profiled calls (no hook, then hook), so those are the launches its
-#             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them;
-#             nvidia-smi's SM clock, power and P-state every 100 ms during the harness
-#             (htrace.smi.t<T>.log) (docs/perf.md §5 item 56)
+#             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them
+#             (docs/perf.md §5 items 56-57)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -274,6 +276,7 @@ batch_gpubench() {
   step gpubench.a2a 150 "$rows" "$B/bench/epx_a2a_gpu_bench" --ranks "$G" --iters 20
   step gpubench.ht_onegpu 150 "dispatch|combine" "$B/bench/epx_ht_onegpu_bench" --sms 16
   step gpubench.ll_onegpu 150 "^\|" "$B/bench/epx_ll_onegpu_bench" --ranks 2,4,8
+  step gpubench.sync_probe 120 "." "$B/bench/epx_sync_probe"
   if [ "$G" -ge 2 ]; then
     step gpubench.store_probe 60 "." "$B/bench/epx_store_probe" --ctas 128 --tokens-per-cta 1
   else
@@ -458,8 +461,10 @@ batch_htrace() {
   rm -rf "$dir.src" && mkdir -p "$dir.src"
   # This tree as it is (its extension is built into the copy's python/epx), without builds.
   tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$dir.src"
-  side_build htrace.build 900 "$dir.src" "$dir" "epx_ll_gpu_bench _epx" -DEPX_LL_TRACE=ON \
-    -DEPX_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  side_build htrace.build 900 "$dir.src" "$dir" "epx_ll_gpu_bench _epx epx_sync_probe" \
+    -DEPX_LL_TRACE=ON -DEPX_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  # What the chain's primitives cost alone on this GPU (the phases' yardstick).
+  step htrace.sync_probe 120 "." "$dir/bench/epx_sync_probe"
   for t in ${EPX_HTRACE_TOKENS:-128}; do
     dump=/tmp/epx-htrace.t$t
     rm -f "$dump.rank"*

@@ -68,7 +68,9 @@ def demangle(names):
     r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
     if r.returncode != 0:
         return plain
+    anon = "(anonymous namespace)"
     for n, d in zip(names, r.stdout.splitlines()):
+        d = d.replace(anon, "{anon}")  # not the parameters' '('
         depth, cut = 0, len(d)
         for i, ch in enumerate(d):  # the first '(' outside template brackets
             if ch == "<":
@@ -78,7 +80,7 @@ def demangle(names):
             elif ch == "(" and depth == 0 and i > 0:
                 cut = i
                 break
-        plain[n] = d[:cut]
+        plain[n] = d[:cut].replace("{anon}", anon)
     return plain
 
 

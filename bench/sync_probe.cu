@@ -1,0 +1,397 @@
+// bench/sync_probe.cu — a diagnostic for issue 26 (not a test, not in ctest): what the primitives
+// of the ll kernels' fixed chain cost on this GPU, each alone, so that a phase of the traces
+// (docs/perf.md §5 items 52-56) can be set against the sum of its dependent steps. One GPU.
+//
+// Each row is timed inside its kernel with clock64 (SM cycles) and %globaltimer (ns) and printed
+// in both, beside the SM clock they imply:
+//   alu        one thread: a chain of 4096 dependent 32-bit integer multiply-adds (cycles each)
+//   shfl       one warp: a chain of 1024 dependent __shfl_xor_sync
+//   smem       one thread: a pointer chase through 1024 shared-memory words (with each hop's
+//              address arithmetic, as in real code)
+//   l2 <load>  one thread: a pointer chase through 2048 lines of a 4 MB buffer written by the
+//              previous kernel (L2-resident), each hop one load of the form ld_landed (ld.cg),
+//              ld.relaxed.gpu, ld.acquire.gpu or ld.acquire.sys (the ll polls)
+//   hbm        the same with ld.cg through a 2 GB buffer (beyond L2; TLB misses included), each
+//              launch going on where the previous one stopped (lines not visited before)
+//   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
+//              (one team of the fused dispatch), all arriving together: cycles per barrier
+//   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
+//              CTA), __syncthreads, then thread 0 times fence.acq_rel.<scope> (what every ll
+//              release pays before its red.add: the CTA's stores acknowledged)
+//   flag       the ll grid flag: C CTAs each fence.acq_rel.gpu + red.add.relaxed.sys one counter
+//              (after __syncthreads), then thread 0 polls it with ld.acquire.sys until it holds
+//              C * epoch; per CTA, from the latest CTA's red to this CTA seeing the count (the
+//              "flag seen" stamps of the traces), median and max over CTAs
+// Rows: the median over `--iters` launches (after one warm-up), of the median CTA where several.
+//   epx_sync_probe [--ctas C] [--iters I]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/gpu_support.h"
+
+namespace {
+
+constexpr int kThreads = 512;
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// out[0..1]: {ns, cycles} of the timed region (or per CTA: out + 2 * blockIdx.x).
+__device__ __forceinline__ void put(uint64_t* out, uint64_t ns, int64_t clk) {
+  out[0] = ns;
+  out[1] = static_cast<uint64_t>(clk);
+}
+
+__global__ void alu_kernel(uint64_t* out, uint32_t seed, uint32_t* sink) {
+  uint32_t a = seed;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+#pragma unroll 64
+  for (int i = 0; i < 4096; ++i) asm volatile("mad.lo.u32 %0, %0, 3, %1;" : "+r"(a) : "r"(i));
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  put(out, t1 - t0, c1 - c0);
+  *sink = a;
+}
+
+__global__ void shfl_kernel(uint64_t* out, uint32_t seed, uint32_t* sink) {
+  uint32_t a = seed + threadIdx.x;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+#pragma unroll 16
+  for (int i = 0; i < 1024; ++i) a = __shfl_xor_sync(0xffffffffu, a, 1 + (i & 15)) + 1;
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  if (threadIdx.x == 0) {
+    put(out, t1 - t0, c1 - c0);
+    *sink = a;
+  }
+}
+
+__global__ void smem_kernel(uint64_t* out, const uint32_t* perm, uint32_t* sink) {
+  __shared__ uint32_t next[1024];
+  for (int i = threadIdx.x; i < 1024; i += blockDim.x) next[i] = perm[i];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  uint32_t j = 0;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+  for (int i = 0; i < 1024; ++i) j = *static_cast<volatile uint32_t*>(&next[j]);
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  put(out, t1 - t0, c1 - c0);
+  *sink = j;
+}
+
+enum Load : int { kLdCg = 0, kLdRelaxedGpu, kLdAcquireGpu, kLdAcquireSys, kLoads };
+const char* const kLoadNames[kLoads] = {"ld.cg (ld_landed)", "ld.relaxed.gpu", "ld.acquire.gpu",
+                                        "ld.acquire.sys"};
+
+template <int kLoad>
+__device__ __forceinline__ uint64_t load_next(const uint64_t* p) {
+  uint64_t v;
+  if constexpr (kLoad == kLdCg) {
+    v = __ldcg(p);
+  } else if constexpr (kLoad == kLdRelaxedGpu) {
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  } else if constexpr (kLoad == kLdAcquireGpu) {
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  }
+  return v;
+}
+
+// The chain: word 0 of line i holds the index of the next line (each line 256 bytes apart).
+template <int kLoad>
+__global__ void chase_kernel(uint64_t* out, const uint64_t* lines, uint64_t start, int hops,
+                             uint64_t* sink) {
+  uint64_t j = start;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+  for (int i = 0; i < hops; ++i) j = load_next<kLoad>(lines + 32 * j);
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  put(out, t1 - t0, c1 - c0);
+  *sink = j;
+}
+
+// Writes the chain (the L2-resident case: this kernel's stores are what the chase then reads).
+__global__ void chain_write_kernel(uint64_t* lines, const uint64_t* next, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    lines[32 * i] = next[i];
+}
+
+template <bool kNamed>
+__global__ void bar_kernel(uint64_t* out) {
+  constexpr int kBars = 1024;
+  if (kNamed && threadIdx.x >= 256) return;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+#pragma unroll 8  // (fully unrolled, 16 KB of code would time its fetch)
+  for (int i = 0; i < kBars; ++i) {
+    if constexpr (kNamed)
+      asm volatile("bar.sync 2, 256;" ::: "memory");
+    else
+      __syncthreads();
+  }
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  if (threadIdx.x == 0) put(out, t1 - t0, c1 - c0);
+}
+
+template <bool kSys>
+__global__ void fence_kernel(uint64_t* out, uint4* dst, int64_t bytes_per_cta) {
+  uint4* mine = dst + blockIdx.x * (bytes_per_cta / 16);
+  for (int64_t i = threadIdx.x; i < bytes_per_cta / 16; i += blockDim.x)
+    mine[i] = make_uint4(static_cast<uint32_t>(i), blockIdx.x, 1u, 2u);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+  if constexpr (kSys)
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  else
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  put(out + 2 * blockIdx.x, t1 - t0, c1 - c0);
+}
+
+// out per CTA: {red issued (ns), count seen (ns)}.
+__global__ void flag_kernel(uint64_t* out, uint32_t* counter, uint32_t want) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const uint64_t t_red = now_ns();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  uint32_t v = 0;
+  const uint64_t give_up = t_red + 100000000ull;  // 100 ms: a probe never hangs
+  do {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  } while (static_cast<int32_t>(v - want) < 0 && now_ns() < give_up);
+  const uint64_t t_seen = now_ns();
+  out[2 * blockIdx.x] = t_red;
+  out[2 * blockIdx.x + 1] = static_cast<int32_t>(v - want) < 0 ? 0 : t_seen;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Timed {
+  std::vector<double> ns, clk;
+};
+
+void row(const char* name, const Timed& t, double per, const char* unit) {
+  const double ns = median(t.ns), clk = median(t.clk);
+  std::printf("%-34s %10.1f ns %10.0f cycles %10.2f ns / %-9s %8.1f cycles / %-9s %6.0f MHz\n",
+              name, ns, clk, ns / per, unit, clk / per, unit, ns > 0 ? 1e3 * clk / ns : 0.0);
+}
+
+// A random cycle through n items (item i -> next[i]), as indices.
+std::vector<uint64_t> random_cycle(int64_t n, uint32_t seed) {
+  std::vector<uint64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin() + 1, order.end(), rng);  // the chase starts at item 0
+  std::vector<uint64_t> next(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) next[order[i]] = order[(i + 1) % n];
+  return next;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int ctas = 128, iters = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "--ctas" || a == "--iters") && i + 1 < argc) {
+      const int v = std::atoi(argv[++i]);
+      if (v < 1 || v > (a == "--ctas" ? 1024 : 10000)) {
+        std::printf("epx_sync_probe: %s %d is out of range\n", a.c_str(), v);
+        return 2;
+      }
+      (a == "--ctas" ? ctas : iters) = v;
+    } else {
+      std::printf("usage: epx_sync_probe [--ctas C] [--iters I]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  if (n < 1) {
+    std::printf("epx_sync_probe: no GPU visible\n");
+    return 0;
+  }
+  CUDA_OK(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("epx_sync_probe: %s, %d SMs, %d CTAs of %d threads where a row uses a grid, %d "
+              "launches per row (medians)\n",
+              prop.name, prop.multiProcessorCount, ctas, kThreads, iters);
+
+  uint64_t *out = nullptr, *sink = nullptr;
+  uint32_t* sink32 = nullptr;
+  CUDA_OK(cudaMalloc(&out, 2 * sizeof(uint64_t) * 1024));
+  CUDA_OK(cudaMalloc(&sink, sizeof(uint64_t)));
+  CUDA_OK(cudaMalloc(&sink32, sizeof(uint32_t)));
+  std::vector<uint64_t> h(2 * 1024);
+  auto fetch = [&](int words) {
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(h.data(), out, sizeof(uint64_t) * words, cudaMemcpyDeviceToHost));
+  };
+  // One launch's {ns, cycles} (word 0, 1) into t, after a warm-up launch.
+  auto timed = [&](auto launch) {
+    Timed t;
+    launch();
+    fetch(2);
+    for (int i = 0; i < iters; ++i) {
+      launch();
+      fetch(2);
+      t.ns.push_back(static_cast<double>(h[0]));
+      t.clk.push_back(static_cast<double>(h[1]));
+    }
+    return t;
+  };
+
+  row("alu: dependent mad.lo.u32",
+      timed([&] { alu_kernel<<<1, 1>>>(out, 7u, sink32); }), 4096, "op");
+  row("shfl: dependent __shfl_xor_sync",
+      timed([&] { shfl_kernel<<<1, 32>>>(out, 7u, sink32); }), 1024, "shuffle");
+  {
+    const std::vector<uint64_t> next = random_cycle(1024, 1);
+    std::vector<uint32_t> perm(next.begin(), next.end());
+    uint32_t* dperm = nullptr;
+    CUDA_OK(cudaMalloc(&dperm, sizeof(uint32_t) * perm.size()));
+    CUDA_OK(cudaMemcpy(dperm, perm.data(), sizeof(uint32_t) * perm.size(),
+                       cudaMemcpyHostToDevice));
+    row("smem: dependent ld.shared",
+        timed([&] { smem_kernel<<<1, kThreads>>>(out, dperm, sink32); }), 1024, "load");
+    CUDA_OK(cudaFree(dperm));
+  }
+
+  // Pointer chases: lines 256 bytes apart, a random cycle through them.
+  auto chase = [&](int64_t lines_n, bool l2, int hops) {
+    const std::vector<uint64_t> next = random_cycle(lines_n, 2);
+    uint64_t *lines = nullptr, *dnext = nullptr;
+    CUDA_OK(cudaMalloc(&lines, 256 * static_cast<size_t>(lines_n)));
+    CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * next.size()));
+    CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(),
+                       cudaMemcpyHostToDevice));
+    auto write = [&] { chain_write_kernel<<<256, 256>>>(lines, dnext, lines_n); };
+    write();
+    CUDA_OK(cudaDeviceSynchronize());
+    char name[64];
+    auto one = [&](auto kernel, int load) {
+      std::snprintf(name, sizeof name, "%s: %s", l2 ? "l2" : "hbm", kLoadNames[load]);
+      uint64_t start = 0;
+      row(name, timed([&] {
+            if (l2) write();  // the lines in L2, as the staging a receive reads
+            kernel<<<1, 1>>>(out, lines, start, hops, sink);
+            if (!l2) {  // beyond L2: the next launch goes on to lines not read yet
+              CUDA_OK(cudaDeviceSynchronize());
+              CUDA_OK(cudaMemcpy(&start, sink, sizeof start, cudaMemcpyDeviceToHost));
+            }
+          }),
+          hops, "hop");
+    };
+    one(chase_kernel<kLdCg>, kLdCg);
+    if (l2) {
+      one(chase_kernel<kLdRelaxedGpu>, kLdRelaxedGpu);
+      one(chase_kernel<kLdAcquireGpu>, kLdAcquireGpu);
+      one(chase_kernel<kLdAcquireSys>, kLdAcquireSys);
+    }
+    CUDA_OK(cudaFree(lines));
+    CUDA_OK(cudaFree(dnext));
+  };
+  chase(int64_t{1} << 14, true, 2048);  // 4 MB
+  chase(int64_t{1} << 23, false, 2048);  // 2 GB
+
+  row("bar512: __syncthreads, 512 threads", timed([&] { bar_kernel<false><<<1, kThreads>>>(out); }),
+      1024, "barrier");
+  row("bar256: bar.sync 2, 256 threads", timed([&] { bar_kernel<true><<<1, kThreads>>>(out); }),
+      1024, "barrier");
+
+  // Fences after the CTA's stores: per launch the median CTA.
+  {
+    const int64_t sizes[] = {0, 1024, 8192, 57344};
+    uint4* dst = nullptr;
+    CUDA_OK(cudaMalloc(&dst, static_cast<size_t>(57344) * ctas));
+    for (int sys = 0; sys < 2; ++sys) {
+      for (int64_t bytes : sizes) {
+        Timed t;
+        for (int i = 0; i <= iters; ++i) {
+          if (sys)
+            fence_kernel<true><<<ctas, kThreads>>>(out, dst, bytes);
+          else
+            fence_kernel<false><<<ctas, kThreads>>>(out, dst, bytes);
+          fetch(2 * ctas);
+          if (i == 0) continue;  // warm-up
+          std::vector<double> ns, clk;
+          for (int c = 0; c < ctas; ++c) {
+            ns.push_back(static_cast<double>(h[2 * c]));
+            clk.push_back(static_cast<double>(h[2 * c + 1]));
+          }
+          t.ns.push_back(median(ns));
+          t.clk.push_back(median(clk));
+        }
+        char name[64];
+        std::snprintf(name, sizeof name, "fence.acq_rel.%s after %lld B/CTA", sys ? "sys" : "gpu",
+                      static_cast<long long>(bytes));
+        row(name, t, 1, "fence");
+      }
+    }
+    CUDA_OK(cudaFree(dst));
+  }
+
+  // The grid flag: from the latest CTA's red to each CTA seeing the count.
+  {
+    uint32_t* counter = nullptr;
+    CUDA_OK(cudaMalloc(&counter, sizeof(uint32_t)));
+    CUDA_OK(cudaMemset(counter, 0, sizeof(uint32_t)));
+    std::vector<double> med, mx;
+    int lost = 0;
+    for (int i = 0; i <= iters; ++i) {
+      flag_kernel<<<ctas, kThreads>>>(out, counter, static_cast<uint32_t>(ctas) * (i + 1));
+      fetch(2 * ctas);
+      if (i == 0) continue;
+      uint64_t last_red = 0;
+      for (int c = 0; c < ctas; ++c) last_red = std::max(last_red, h[2 * c]);
+      std::vector<double> after;
+      for (int c = 0; c < ctas; ++c) {
+        if (h[2 * c + 1] == 0) {
+          ++lost;
+          continue;
+        }
+        after.push_back(h[2 * c + 1] > last_red ? static_cast<double>(h[2 * c + 1] - last_red)
+                                                : 0.0);
+      }
+      med.push_back(median(after));
+      mx.push_back(after.empty() ? 0 : *std::max_element(after.begin(), after.end()));
+    }
+    std::printf("%-34s %10.1f ns (median CTA) %10.1f ns (latest CTA)%s\n",
+                "flag: latest red -> count seen", median(med), median(mx),
+                lost ? "  (some CTAs never saw the count: co-residency?)" : "");
+    CUDA_OK(cudaFree(counter));
+  }
+  CUDA_OK(cudaFree(out));
+  CUDA_OK(cudaFree(sink));
+  CUDA_OK(cudaFree(sink32));
+  return 0;
+}
