@@ -233,8 +233,7 @@ int main(int argc, char** argv) {
     }
   }
   int n = 0;
-  CUDA_OK(cudaGetDeviceCount(&n));
-  if (n < 1) {
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
     std::printf("epx_sync_probe: no GPU visible\n");
     return 0;
   }
