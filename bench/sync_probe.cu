@@ -240,9 +240,10 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("epx_sync_probe: %s, %d SMs, %d CTAs of %d threads where a row uses a grid, %d "
-              "launches per row (medians)\n",
-              prop.name, prop.multiProcessorCount, ctas, kThreads, iters);
+  std::printf(
+      "epx_sync_probe: %s, %d SMs, %d CTAs of %d threads where a row uses a grid, %d "
+      "launches per row (medians)\n",
+      prop.name, prop.multiProcessorCount, ctas, kThreads, iters);
 
   uint64_t *out = nullptr, *sink = nullptr;
   uint32_t* sink32 = nullptr;
@@ -269,17 +270,16 @@ int main(int argc, char** argv) {
     return t;
   };
 
-  row("alu: dependent mad.lo.u32",
-      timed([&] { alu_kernel<<<1, 1>>>(out, 7u, sink32); }), 4096, "op");
-  row("shfl: dependent __shfl_xor_sync",
-      timed([&] { shfl_kernel<<<1, 32>>>(out, 7u, sink32); }), 1024, "shuffle");
+  row("alu: dependent mad.lo.u32", timed([&] { alu_kernel<<<1, 1>>>(out, 7u, sink32); }), 4096,
+      "op");
+  row("shfl: dependent __shfl_xor_sync", timed([&] { shfl_kernel<<<1, 32>>>(out, 7u, sink32); }),
+      1024, "shuffle");
   {
     const std::vector<uint64_t> next = random_cycle(1024, 1);
     std::vector<uint32_t> perm(next.begin(), next.end());
     uint32_t* dperm = nullptr;
     CUDA_OK(cudaMalloc(&dperm, sizeof(uint32_t) * perm.size()));
-    CUDA_OK(cudaMemcpy(dperm, perm.data(), sizeof(uint32_t) * perm.size(),
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dperm, perm.data(), sizeof(uint32_t) * perm.size(), cudaMemcpyHostToDevice));
     row("smem: dependent ld.shared",
         timed([&] { smem_kernel<<<1, kThreads>>>(out, dperm, sink32); }), 1024, "load");
     CUDA_OK(cudaFree(dperm));
@@ -291,8 +291,7 @@ int main(int argc, char** argv) {
     uint64_t *lines = nullptr, *dnext = nullptr;
     CUDA_OK(cudaMalloc(&lines, 256 * static_cast<size_t>(lines_n)));
     CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * next.size()));
-    CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(),
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
     auto write = [&] { chain_write_kernel<<<256, 256>>>(lines, dnext, lines_n); };
     write();
     CUDA_OK(cudaDeviceSynchronize());
@@ -319,7 +318,7 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaFree(lines));
     CUDA_OK(cudaFree(dnext));
   };
-  chase(int64_t{1} << 14, true, 2048);  // 4 MB
+  chase(int64_t{1} << 14, true, 2048);   // 4 MB
   chase(int64_t{1} << 23, false, 2048);  // 2 GB
 
   row("bar512: __syncthreads, 512 threads", timed([&] { bar_kernel<false><<<1, kThreads>>>(out); }),
