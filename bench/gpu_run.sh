@@ -84,9 +84,11 @@
 #   ncu       Nsight Compute's warp-state sampling of the ll kernels (skipped without ncu):
 #             epx_ll_gpu_bench --ranks 1 at T in $EPX_NCU_TOKENS (default "128 1"), E =
 #             $EPX_AB_EXPERTS (default 256), one dispatch and one combine launch profiled
-#             (WarpStateStats, SourceCounters, sampling every 32 cycles, --cache-control none, ncu's
-#             locked base clocks); each report's SASS listing as CSV (ncu_ll_tT.csv), the kernels'
-#             disassembly with source lines (ncu_ll.disasm: the build has -lineinfo) and one table
+#             (WarpStateStats, SourceCounters, sampling every 32 cycles, --cache-control none,
+#             --clock-control none: the clocks as the GPU runs them; SpeedOfLight: the SM
+#             frequency and duration it saw, printed); each report's SASS listing as CSV
+#             (ncu_ll_tT.csv), the kernels' disassembly with source lines (ncu_ll.disasm: the
+#             build has -lineinfo) and one table
 #             of the stall reasons' shares with the top instructions and source lines
 #             (bench/ncu_stalls.py; docs/perf.md §5 item 32)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
@@ -524,10 +526,15 @@ batch_ncu() {
   local t rep csvs=()
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     rep="$OUT/ncu_ll_t$t"
+    # --clock-control none: the GPU's clocks as they are (ncu's default locks them to base;
+    # the machines' rules leave clocks alone); SpeedOfLight reports the SM frequency it saw.
     step "ncu.ll_t$t" 240 "" "$ncu" -k regex:'^(dispatch|combine)' --launch-skip 8 \
-      --launch-count 2 --cache-control none --section WarpStateStats --section SourceCounters \
+      --launch-count 2 --cache-control none --clock-control none --section SpeedOfLight \
+      --section WarpStateStats --section SourceCounters \
       --warp-sampling-interval 0 -f -o "$rep" "$B/bench/epx_ll_gpu_bench" --ranks 1 \
       --experts "${EPX_AB_EXPERTS:-256}" --tokens "$t" --iters 5 || continue
+    "$ncu" --import "$rep.ncu-rep" --page details --section SpeedOfLight 2>&1 |
+      grep -E "^  [a-z_]+.*\(|SM Frequency|Duration" | head -12
     # shellcheck disable=SC2016  # expanded by the inner shell
     step "ncu.ll_t$t.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
       --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
