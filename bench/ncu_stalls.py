@@ -2,8 +2,8 @@
 """Where a kernel's warps stall, from Nsight Compute's warp-state sampling (`bash bench/gpu_run.sh
 ncu`; docs/perf.md §5 item 32).
 
-    ncu --clock-control none --section WarpStateStats --section SourceCounters \
-        --warp-sampling-interval 0 -o R ...
+    ncu --clock-control none --section WarpStateStats --section SourceCounters
+        --warp-sampling-interval 0 -o R ...   (one command)
     ncu --import R.ncu-rep --page source --print-source sass --csv > R.csv
     python3 bench/ncu_stalls.py R.csv [R2.csv ...] [--top N] [--kernel REGEX] [--lines D.txt]
 
