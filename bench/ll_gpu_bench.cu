@@ -37,8 +37,9 @@
 // --trace-file PATH (same build): no run; the phase table of the records that EPX_LL_TRACE_DUMP
 // made another program's dispatch calls write (kernels/ll/trace.cuh LlTraceRecord), per mode over
 // its newest --trace-last N (default 20): e.g. DeepEP's harness through the drop-in, whose
-// launches follow its own calls, GEMMs and host gaps, not this bench's loop; with the GPU's idle
-// time before each dispatch (its first CTA entry after the previous call's combine's last stamp).
+// launches follow its own calls, GEMMs and host gaps, not this bench's loop; with the GPU's gap
+// before each dispatch (its first CTA entry after the previous call's combine's last stamp) and
+// the part of it that the dump's own work made (LlTraceRecord::dump_ns).
 // --ablate (a build with -DEPX_DIAGNOSTICS=ON): after each T's row, the same row once per ll
 // ablation (cuda/tuning.h LlAblate: one stage of the kernels left out, outputs wrong, waits
 // intact), so the difference to the full row bounds what that stage costs there, and once per
@@ -798,7 +799,8 @@ int trace_file(const std::string& path, int last) {
   for (;;) {
     Record rec{};
     if (std::fread(&rec.head, sizeof rec.head, 1, f) != 1) break;
-    bool ok = std::memcmp(rec.head.magic, "EPXT", 4) == 0 && rec.head.words == kLlTraceItemBase;
+    bool ok = std::memcmp(rec.head.magic, kLlTraceMagic, 4) == 0 &&
+              rec.head.words == kLlTraceItemBase;
     if (ok) {
       rec.words.resize(rec.head.words);
       ok = std::fread(rec.words.data(), sizeof(uint64_t), rec.words.size(), f) == rec.words.size();
@@ -826,9 +828,11 @@ int trace_file(const std::string& path, int last) {
                                     std::vector<PhaseStat>(kTrCNum)};
     std::vector<double> span[2], mhz[2], gap;
     int64_t t_lo = INT64_MAX, t_hi = 0;
-    // The GPU idle before each dispatch: its first CTA entry after the previous call's combine's
-    // latest stamp (consecutive calls only; the dump's stream sync at each call is in it).
-    std::vector<double> idle;
+    // The GPU's gap before each dispatch: its first CTA entry after the previous call's
+    // combine's latest stamp (consecutive calls only), and the part of it that the dump's own
+    // work after finding that call done took (LlTraceRecord::dump_ns).
+    std::vector<double> idle, dumped, rest;
+    int left_out = 0;
     auto stamps = [](const Record& r, int op, bool last) {
       uint64_t v = last ? 0 : ~0ull;
       for (int ph = 0; ph < kLlTraceSmSlot; ++ph)
@@ -845,8 +849,15 @@ int trace_file(const std::string& path, int last) {
       t_hi = std::max(t_hi, rec->head.tokens);
       if (prev != nullptr && rec->head.call == prev->head.call + 1) {
         const uint64_t end = stamps(*prev, 1, true), begin = stamps(*rec, 0, false);
-        if (end != 0 && begin != ~0ull && begin > end)
-          idle.push_back(static_cast<double>(begin - end) / 1e3);
+        if (end != 0 && begin != ~0ull && begin > end) {
+          const double gap_us = static_cast<double>(begin - end) / 1e3;
+          const double dump_us = static_cast<double>(rec->head.dump_ns) / 1e3;
+          idle.push_back(gap_us);
+          dumped.push_back(dump_us);
+          rest.push_back(gap_us - dump_us);
+        } else {
+          ++left_out;  // unstamped, or the dispatch began before the combine's last stamp
+        }
       }
       prev = rec;
     }
@@ -859,11 +870,16 @@ int trace_file(const std::string& path, int last) {
         static_cast<unsigned long long>(mine.front()->head.call),
         static_cast<unsigned long long>(mine.back()->head.call), mine.size());
     std::fputs(trace_report(st, span, mhz, gap, static_cast<int>(mine.size())).c_str(), stdout);
-    if (!idle.empty())
+    if (!idle.empty() || left_out > 0)
       std::printf(
-          "  GPU idle before a dispatch (its first entry - the previous combine's latest "
-          "stamp): median %.1f us, min %.1f (%zu calls)\n",
-          median(idle), *std::min_element(idle.begin(), idle.end()), idle.size());
+          "  GPU gap before a dispatch (its first CTA entry - the previous call's combine's last "
+          "stamp): median %.1f us (min %.1f); of it the dump's own copy, write and clearing: "
+          "median %.1f us; the rest: median %.1f us (min %.1f); %zu calls, %d pairs left out "
+          "(unstamped or overlapping)\n",
+          median(idle), idle.empty() ? 0.0 : *std::min_element(idle.begin(), idle.end()),
+          median(dumped), median(rest),
+          rest.empty() ? 0.0 : *std::min_element(rest.begin(), rest.end()), idle.size(),
+          left_out);
   }
   if (recs.empty()) std::printf("epx_ll_gpu_bench: '%s' holds no records\n", path.c_str());
   std::fflush(stdout);

@@ -23,8 +23,9 @@ modifiers, e.g. LDG.E.STRONG.SYS), from `nvdisasm -c` ($NVDISASM, else on PATH, 
 (`nvidia-cuda-toolkit` 11.8 in bookworm's non-free component: `apt-get download` it and
 `dpkg -x` the package, no install): that nvdisasm predates the ELF header that CUDA 12.8+ writes,
 so the cubin is disassembled from a copy whose header is rewritten to the older form (the
-sections, and so the SASS, are unchanged). `--listing` prints the disassembly of the matching
-kernels as well.
+sections, and so the SASS, are unchanged); an nvdisasm older than the cubin prints nothing for
+the instructions it cannot decode, counted per kernel from the gaps in the addresses. `--listing`
+prints the disassembly of the matching kernels as well.
 """
 import argparse
 import os
@@ -161,21 +162,29 @@ def legacy_header(elf):
 
 
 SECTION = re.compile(r"^//-+ \.text\.(\S+) -+$")
-SASS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
+SASS = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 def sass_kernels(text):
-    """{kernel: [(opcode with modifiers, line)]} of `nvdisasm -c` output."""
-    out, cur = {}, None
+    """({kernel: [(opcode with modifiers, line)]}, {kernel: instructions not printed}) of
+    `nvdisasm -c` output. An nvdisasm older than the cubin leaves out the instructions it cannot
+    decode: the 16-byte slots missing between two printed addresses."""
+    out, skipped, cur, last = {}, {}, None, None
     for line in text.splitlines():
         m = SECTION.match(line.strip())
         if m:
-            cur = out.setdefault(m.group(1), [])
+            cur, last = out.setdefault(m.group(1), []), None
+            skipped.setdefault(m.group(1), 0)
+            name = m.group(1)
             continue
         m = SASS.match(line)
         if m and cur is not None:
-            cur.append((m.group(1), line.strip()))
-    return out
+            addr = int(m.group(1), 16)
+            if last is not None and addr > last + 16:
+                skipped[name] += (addr - last) // 16 - 1
+            last = addr
+            cur.append((m.group(2), line.strip()))
+    return out, skipped
 
 
 def nvdisasm():
@@ -215,7 +224,7 @@ def main_cubin(paths, kernel, sass=False, top=15, listing=False):
     pattern = re.compile(kernel)
     try:
         per = [(p, cubin_texts(p)) for p in paths]
-        code = {p: sass_kernels(disassemble(p)) for p in paths} if sass else {}
+        code = {p: sass_kernels(disassemble(p)) for p in paths} if sass else {}  # (ops, skipped)
     except (OSError, ValueError, struct.error) as e:
         print(f"ptx_size.py: {e}", file=sys.stderr)
         return 2
@@ -229,9 +238,11 @@ def main_cubin(paths, kernel, sass=False, top=15, listing=False):
             shown += 1
             if not sass:
                 continue
-            instrs = code[path].get(k, [])
+            instrs = code[path][0].get(k, [])
+            missing = code[path][1].get(k, 0)
             ops = Counter(op for op, _ in instrs)
-            print(f"    {len(instrs)} SASS instructions; most frequent opcodes:")
+            note = f" (+{missing} this nvdisasm did not decode)" if missing else ""
+            print(f"    {len(instrs)} SASS instructions{note}; most frequent opcodes:")
             for op, n in ops.most_common(top):
                 print(f"      {n:6d} {op}")
             if listing:

@@ -5,14 +5,15 @@
 // Each row is timed inside its kernel with clock64 (SM cycles) and %globaltimer (ns) and printed
 // in both, beside the SM clock they imply:
 //   alu        one thread: a chain of 4096 dependent 32-bit integer multiply-adds (cycles each)
-//   shfl       one warp: a chain of 1024 dependent __shfl_xor_sync
+//   shfl       one warp: a chain of 1024 dependent __shfl_xor_sync, each with one add
 //   smem       one thread: a pointer chase through 1024 shared-memory words (with each hop's
 //              address arithmetic, as in real code)
 //   l2 <load>  one thread: a pointer chase through 2048 lines of a 4 MB buffer written by the
 //              previous kernel (L2-resident), each hop one load of the form ld_landed (ld.cg),
 //              ld.relaxed.gpu, ld.acquire.gpu or ld.acquire.sys (the ll polls)
-//   hbm        the same with ld.cg through a 2 GB buffer (beyond L2; TLB misses included), each
-//              launch going on where the previous one stopped (lines not visited before)
+//   hbm        the same with ld.cg through a 2 GB buffer (beyond L2, which a 512 MB write
+//              flushes first; TLB misses included), each launch going on where the previous one
+//              stopped (lines not visited before)
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -20,8 +21,11 @@
 //              release pays before its red.add: the CTA's stores acknowledged)
 //   flag       the ll grid flag: C CTAs each fence.acq_rel.gpu + red.add.relaxed.sys one counter
 //              (after __syncthreads), then thread 0 polls it with ld.acquire.sys until it holds
-//              C * epoch; per CTA, from the latest CTA's red to this CTA seeing the count (the
-//              "flag seen" stamps of the traces), median and max over CTAs
+//              C * epoch; per CTA, from the latest CTA's red (timed after its fence) to this CTA
+//              seeing the count (the "flag seen" stamps of the traces), median and max over CTAs
+// The grid rows (fence, flag) hold one CTA per SM as the ll kernels do (a dynamic shared-memory
+// request of more than half an SM's). Short rows are read in cycles: %globaltimer steps (printed
+// first, with the SM clock of a 2 ms spin) are too coarse for them; ns = cycles / that clock.
 // Rows: the median over `--iters` launches (after one warm-up), of the median CTA where several.
 //   epx_sync_probe [--ctas C] [--iters I]
 #include <cuda_runtime.h>
@@ -35,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/trace_clock.cuh"
 #include "gpu/gpu_support.h"
 
 namespace {
@@ -174,8 +179,8 @@ __global__ void fence_kernel(uint64_t* out, uint4* dst, int64_t bytes_per_cta) {
 __global__ void flag_kernel(uint64_t* out, uint32_t* counter, uint32_t want) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  const uint64_t t_red = now_ns();
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  const uint64_t t_red = now_ns();  // after the fence: the red's own issue
   asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
   uint32_t v = 0;
   const uint64_t give_up = t_red + 100000000ull;  // 100 ms: a probe never hangs
@@ -197,10 +202,17 @@ struct Timed {
   std::vector<double> ns, clk;
 };
 
+epx::bench::TraceClock g_clock;  // the SM clock of a 2 ms spin and the %globaltimer step
+
+// One row: the region's median cycles and timer ns, per `unit` in cycles and in ns at the spin's
+// clock, and the clock the timer implies where the region spans >= 20 timer steps.
 void row(const char* name, const Timed& t, double per, const char* unit) {
   const double ns = median(t.ns), clk = median(t.clk);
-  std::printf("%-34s %10.1f ns %10.0f cycles %10.2f ns / %-9s %8.1f cycles / %-9s %6.0f MHz\n",
-              name, ns, clk, ns / per, unit, clk / per, unit, ns > 0 ? 1e3 * clk / ns : 0.0);
+  char mhz[32] = "-";
+  if (ns >= 20 * std::max(g_clock.mean_step_ns, 1.0))
+    std::snprintf(mhz, sizeof mhz, "%.0f", 1e3 * clk / ns);
+  std::printf("%-36s %9.0f cycles %9.1f ns | %8.1f cycles %8.1f ns / %-8s | timer MHz %s\n", name,
+              clk, ns, clk / per, clk * g_clock.ns_per_clk / per, unit, mhz);
 }
 
 // A random cycle through n items (item i -> next[i]), as indices.
@@ -240,10 +252,22 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  g_clock = epx::bench::probe_clock(0);
   std::printf(
-      "epx_sync_probe: %s, %d SMs, %d CTAs of %d threads where a row uses a grid, %d "
-      "launches per row (medians)\n",
-      prop.name, prop.multiProcessorCount, ctas, kThreads, iters);
+      "epx_sync_probe: %s, %d SMs, %d CTAs of %d threads (one per SM) where a row uses a grid, "
+      "%d launches per row (medians); SM clock %.0f MHz (a 2 ms spin), %%globaltimer steps of "
+      "%.0f ns (mean %.0f)\n",
+      prop.name, prop.multiProcessorCount, ctas, kThreads, iters,
+      g_clock.ns_per_clk > 0 ? 1e3 / g_clock.ns_per_clk : 0.0, g_clock.step_ns,
+      g_clock.mean_step_ns);
+  // More than half an SM's shared memory per CTA: the grid rows' CTAs one per SM, as ll's.
+  const int one_per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor / 2 + 1024);
+  CUDA_OK(cudaFuncSetAttribute(fence_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               one_per_sm));
+  CUDA_OK(cudaFuncSetAttribute(fence_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               one_per_sm));
+  CUDA_OK(
+      cudaFuncSetAttribute(flag_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, one_per_sm));
 
   uint64_t *out = nullptr, *sink = nullptr;
   uint32_t* sink32 = nullptr;
@@ -294,6 +318,13 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
     auto write = [&] { chain_write_kernel<<<256, 256>>>(lines, dnext, lines_n); };
     write();
+    if (!l2) {  // the written lines out of L2 (50 MB on an H200): a 512 MB write after them
+      void* scratch = nullptr;
+      CUDA_OK(cudaMalloc(&scratch, size_t{512} << 20));
+      CUDA_OK(cudaMemset(scratch, 1, size_t{512} << 20));
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaFree(scratch));
+    }
     CUDA_OK(cudaDeviceSynchronize());
     char name[64];
     auto one = [&](auto kernel, int load) {
@@ -336,9 +367,9 @@ int main(int argc, char** argv) {
         Timed t;
         for (int i = 0; i <= iters; ++i) {
           if (sys)
-            fence_kernel<true><<<ctas, kThreads>>>(out, dst, bytes);
+            fence_kernel<true><<<ctas, kThreads, one_per_sm>>>(out, dst, bytes);
           else
-            fence_kernel<false><<<ctas, kThreads>>>(out, dst, bytes);
+            fence_kernel<false><<<ctas, kThreads, one_per_sm>>>(out, dst, bytes);
           fetch(2 * ctas);
           if (i == 0) continue;  // warm-up
           std::vector<double> ns, clk;
@@ -366,7 +397,8 @@ int main(int argc, char** argv) {
     std::vector<double> med, mx;
     int lost = 0;
     for (int i = 0; i <= iters; ++i) {
-      flag_kernel<<<ctas, kThreads>>>(out, counter, static_cast<uint32_t>(ctas) * (i + 1));
+      flag_kernel<<<ctas, kThreads, one_per_sm>>>(out, counter,
+                                                  static_cast<uint32_t>(ctas) * (i + 1));
       fetch(2 * ctas);
       if (i == 0) continue;
       uint64_t last_red = 0;
@@ -383,7 +415,7 @@ int main(int argc, char** argv) {
       med.push_back(median(after));
       mx.push_back(after.empty() ? 0 : *std::max_element(after.begin(), after.end()));
     }
-    std::printf("%-34s %10.1f ns (median CTA) %10.1f ns (latest CTA)%s\n",
+    std::printf("%-36s %9.1f ns (median CTA, timer) %9.1f ns (latest CTA)%s\n",
                 "flag: latest red -> count seen", median(med), median(mx),
                 lost ? "  (some CTAs never saw the count: co-residency?)" : "");
     CUDA_OK(cudaFree(counter));

@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -201,6 +202,7 @@ TraceBuffers g_ll_traces;  // ll_trace_buffer: the newest live CudaLl's (bench o
 // on a capturing stream are not recorded.
 class LlTraceDump {
  public:
+  using Clock = std::chrono::steady_clock;
   void open(int rank) {
     const std::string path = env_ll_trace_dump();
     if (path.empty()) return;
@@ -216,16 +218,19 @@ class LlTraceDump {
   // stamps out, then the stamps cleared for this one.
   void before_dispatch(uint64_t* buf, cudaStream_t stream, uint64_t call, bool hook, int64_t T) {
     if (f_ == nullptr) return;
-    flush(buf);
+    const std::optional<Clock::time_point> done = flush(buf);
     if (call < from_ || capturing(stream)) return;
     EPX_CUDA_CHECK(cudaMemsetAsync(buf, 0, kLlTraceItemBase * sizeof(uint64_t), stream),
                    "ll_dispatch");
-    std::memcpy(rec_.magic, "EPXT", 4);
+    std::memcpy(rec_.magic, kLlTraceMagic, 4);
     rec_.words = static_cast<uint32_t>(kLlTraceItemBase);
     rec_.call = call;
     rec_.hook = hook ? 1 : 0;
     rec_.rank = rank_;
     rec_.tokens = T;
+    rec_.dump_ns = done ? std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - *done)
+                              .count()
+                        : 0;
     pending_ = true;
     used(stream);
   }
@@ -234,20 +239,23 @@ class LlTraceDump {
     if (pending_) used(stream);
   }
   // The pending record, once its streams are done; at the buffer's end too (no throwing: a
-  // failure leaves the record out).
-  void flush(uint64_t* buf) noexcept {
-    if (f_ == nullptr || !pending_) return;
+  // failure leaves the record out). Returns when its streams were found done (none pending: no
+  // value).
+  std::optional<Clock::time_point> flush(uint64_t* buf) noexcept {
+    if (f_ == nullptr || !pending_) return std::nullopt;
     pending_ = false;
     bool ok = true;
     for (cudaStream_t s : streams_) ok = cudaStreamSynchronize(s) == cudaSuccess && ok;
     streams_.clear();
+    const Clock::time_point done = Clock::now();
     std::vector<uint64_t> h(kLlTraceItemBase);
     if (!ok || cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
                    cudaSuccess)
-      return;
+      return done;
     std::fwrite(&rec_, sizeof rec_, 1, f_);
     std::fwrite(h.data(), sizeof(uint64_t), h.size(), f_);
     std::fflush(f_);
+    return done;
   }
   void close(uint64_t* buf) noexcept {
     flush(buf);

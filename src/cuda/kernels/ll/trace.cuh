@@ -92,15 +92,20 @@ inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
 // (DeepEP's harness) can be traced; `epx_ll_gpu_bench --trace-file <path>.rank<r>` summarises
 // them. EPX_LL_TRACE_FROM=<n>: from the n-th dispatch of the buffer (1-based; default 1). Each
 // record costs a synchronisation of its calls' streams at the next dispatch call (or at the
-// buffer's end); calls captured into a CUDA graph are not recorded.
+// buffer's end), then the copy and file write of its words; calls captured into a CUDA graph are
+// not recorded.
 struct LlTraceRecord {
-  char magic[4];   // "EPXT"
-  uint32_t words;  // kLlTraceItemBase
-  uint64_t call;   // the buffer's n-th dispatch
-  int32_t hook;    // return_recv_hook
+  char magic[4];    // "EPX2"
+  uint32_t words;   // kLlTraceItemBase
+  uint64_t call;    // the buffer's n-th dispatch
+  int32_t hook;     // return_recv_hook
   int32_t rank;
-  int64_t tokens;  // T
+  int64_t tokens;   // T
+  int64_t dump_ns;  // host ns from the previous record's streams found done to this dispatch's
+                    // launch: the dump's own copy, write and clearing (0 when none preceded it),
+                    // the part of the GPU's gap before this dispatch that the dump made
 };
+inline constexpr char kLlTraceMagic[4] = {'E', 'P', 'X', '2'};
 
 #if defined(EPX_LL_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ void ll_trace_put(uint64_t* buf, int op, int phase, uint64_t ns,
