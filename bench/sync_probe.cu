@@ -23,10 +23,13 @@
 //              (after __syncthreads), then thread 0 polls it with ld.acquire.sys until it holds
 //              C * epoch; per CTA, from the latest CTA's red (timed after its fence) to this CTA
 //              seeing the count (the "flag seen" stamps of the traces), median and max over CTAs
-// The grid rows (fence, flag) hold one CTA per SM as the ll kernels do (a dynamic shared-memory
-// request of more than half an SM's). Short rows are read in cycles: %globaltimer steps (printed
-// first, with the SM clock of a 2 ms spin) are too coarse for them; ns = cycles / that clock.
-// Rows: the median over `--iters` launches (after one warm-up), of the median CTA where several.
+//   flags      the same without an atomic: each CTA releases its own flag word, every CTA's
+//              threads c < C poll flag c, then meet at a barrier (from the latest CTA's store)
+// The grid rows (fence, flag, flags) hold one CTA per SM as the ll kernels do (a dynamic
+// shared-memory request of more than half an SM's). Short rows are read in cycles: %globaltimer
+// steps (printed first, with the SM clock of a 2 ms spin) are too coarse for them; ns = cycles /
+// that clock. Rows: the median over `--iters` launches (after one warm-up), of the median CTA where
+// several.
 //   epx_sync_probe [--ctas C] [--iters I]
 #include <cuda_runtime.h>
 
@@ -192,6 +195,34 @@ __global__ void flag_kernel(uint64_t* out, uint32_t* counter, uint32_t want) {
   out[2 * blockIdx.x + 1] = static_cast<int32_t>(v - want) < 0 ? 0 : t_seen;
 }
 
+// The alternative without an atomic: CTA b releases its own word flags[b] = epoch (fence +
+// relaxed store, one 32-byte sector per flag), then threads c < C of every CTA poll flags[c]
+// (ld.acquire.sys) and the CTA meets at a barrier. out per CTA: {flag stored (ns), all seen (ns)}.
+__global__ void flags_kernel(uint64_t* out, uint32_t* flags, uint32_t epoch) {
+  __shared__ uint64_t s_signal;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    s_signal = now_ns();
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(flags + 8 * blockIdx.x), "r"(epoch)
+                 : "memory");
+  }
+  bool ok = true;
+  if (threadIdx.x < gridDim.x) {
+    const uint32_t* f = flags + 8 * threadIdx.x;
+    const uint64_t give_up = now_ns() + 100000000ull;  // 100 ms: a probe never hangs
+    uint32_t v = 0;
+    do {
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
+    } while (static_cast<int32_t>(v - epoch) < 0 && (ok = now_ns() < give_up));
+  }
+  ok = __syncthreads_and(ok);
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = s_signal;
+    out[2 * blockIdx.x + 1] = ok ? now_ns() : 0;
+  }
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -268,6 +299,8 @@ int main(int argc, char** argv) {
                                one_per_sm));
   CUDA_OK(
       cudaFuncSetAttribute(flag_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, one_per_sm));
+  CUDA_OK(
+      cudaFuncSetAttribute(flags_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, one_per_sm));
 
   uint64_t *out = nullptr, *sink = nullptr;
   uint32_t* sink32 = nullptr;
@@ -389,36 +422,49 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaFree(dst));
   }
 
-  // The grid flag: from the latest CTA's red to each CTA seeing the count.
-  {
-    uint32_t* counter = nullptr;
-    CUDA_OK(cudaMalloc(&counter, sizeof(uint32_t)));
-    CUDA_OK(cudaMemset(counter, 0, sizeof(uint32_t)));
+  // The grid flag: from the latest CTA's signal to each CTA seeing every signal. `launch(i)`
+  // runs launch i (epoch i + 1); per CTA out = {signalled (ns), all seen (ns, 0: never)}.
+  auto grid_flag = [&](const char* name, auto launch) {
     std::vector<double> med, mx;
     int lost = 0;
     for (int i = 0; i <= iters; ++i) {
-      flag_kernel<<<ctas, kThreads, one_per_sm>>>(out, counter,
-                                                  static_cast<uint32_t>(ctas) * (i + 1));
+      launch(i);
       fetch(2 * ctas);
       if (i == 0) continue;
-      uint64_t last_red = 0;
-      for (int c = 0; c < ctas; ++c) last_red = std::max(last_red, h[2 * c]);
+      uint64_t last = 0;
+      for (int c = 0; c < ctas; ++c) last = std::max(last, h[2 * c]);
       std::vector<double> after;
       for (int c = 0; c < ctas; ++c) {
         if (h[2 * c + 1] == 0) {
           ++lost;
           continue;
         }
-        after.push_back(h[2 * c + 1] > last_red ? static_cast<double>(h[2 * c + 1] - last_red)
-                                                : 0.0);
+        after.push_back(h[2 * c + 1] > last ? static_cast<double>(h[2 * c + 1] - last) : 0.0);
       }
       med.push_back(median(after));
       mx.push_back(after.empty() ? 0 : *std::max_element(after.begin(), after.end()));
     }
-    std::printf("%-36s %9.1f ns (median CTA, timer) %9.1f ns (latest CTA)%s\n",
-                "flag: latest red -> count seen", median(med), median(mx),
-                lost ? "  (some CTAs never saw the count: co-residency?)" : "");
+    std::printf("%-36s %9.1f ns (median CTA, timer) %9.1f ns (latest CTA)%s\n", name, median(med),
+                median(mx), lost ? "  (some CTAs never saw it: not co-resident?)" : "");
+  };
+  {
+    uint32_t* counter = nullptr;
+    CUDA_OK(cudaMalloc(&counter, sizeof(uint32_t)));
+    CUDA_OK(cudaMemset(counter, 0, sizeof(uint32_t)));
+    grid_flag("flag: latest red -> count seen", [&](int i) {
+      flag_kernel<<<ctas, kThreads, one_per_sm>>>(out, counter,
+                                                  static_cast<uint32_t>(ctas) * (i + 1));
+    });
     CUDA_OK(cudaFree(counter));
+  }
+  if (ctas <= kThreads) {
+    uint32_t* flags = nullptr;
+    CUDA_OK(cudaMalloc(&flags, 32 * static_cast<size_t>(ctas)));
+    CUDA_OK(cudaMemset(flags, 0, 32 * static_cast<size_t>(ctas)));
+    grid_flag("flags: latest store -> all seen", [&](int i) {
+      flags_kernel<<<ctas, kThreads, one_per_sm>>>(out, flags, static_cast<uint32_t>(i + 1));
+    });
+    CUDA_OK(cudaFree(flags));
   }
   CUDA_OK(cudaFree(out));
   CUDA_OK(cudaFree(sink));
