@@ -799,8 +799,8 @@ int trace_file(const std::string& path, int last) {
   for (;;) {
     Record rec{};
     if (std::fread(&rec.head, sizeof rec.head, 1, f) != 1) break;
-    bool ok = std::memcmp(rec.head.magic, kLlTraceMagic, 4) == 0 &&
-              rec.head.words == kLlTraceItemBase;
+    bool ok =
+        std::memcmp(rec.head.magic, kLlTraceMagic, 4) == 0 && rec.head.words == kLlTraceItemBase;
     if (ok) {
       rec.words.resize(rec.head.words);
       ok = std::fread(rec.words.data(), sizeof(uint64_t), rec.words.size(), f) == rec.words.size();
@@ -878,8 +878,7 @@ int trace_file(const std::string& path, int last) {
           "(unstamped or overlapping)\n",
           median(idle), idle.empty() ? 0.0 : *std::min_element(idle.begin(), idle.end()),
           median(dumped), median(rest),
-          rest.empty() ? 0.0 : *std::min_element(rest.begin(), rest.end()), idle.size(),
-          left_out);
+          rest.empty() ? 0.0 : *std::min_element(rest.begin(), rest.end()), idle.size(), left_out);
   }
   if (recs.empty()) std::printf("epx_ll_gpu_bench: '%s' holds no records\n", path.c_str());
   std::fflush(stdout);

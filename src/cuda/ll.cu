@@ -228,9 +228,9 @@ class LlTraceDump {
     rec_.hook = hook ? 1 : 0;
     rec_.rank = rank_;
     rec_.tokens = T;
-    rec_.dump_ns = done ? std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - *done)
-                              .count()
-                        : 0;
+    rec_.dump_ns =
+        done ? std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - *done).count()
+             : 0;
     pending_ = true;
     used(stream);
   }

@@ -95,10 +95,10 @@ inline constexpr size_t ll_trace_word(int op, int phase, unsigned cta) {
 // buffer's end), then the copy and file write of its words; calls captured into a CUDA graph are
 // not recorded.
 struct LlTraceRecord {
-  char magic[4];    // "EPX2"
-  uint32_t words;   // kLlTraceItemBase
-  uint64_t call;    // the buffer's n-th dispatch
-  int32_t hook;     // return_recv_hook
+  char magic[4];   // "EPX2"
+  uint32_t words;  // kLlTraceItemBase
+  uint64_t call;   // the buffer's n-th dispatch
+  int32_t hook;    // return_recv_hook
   int32_t rank;
   int64_t tokens;   // T
   int64_t dump_ns;  // host ns from the previous record's streams found done to this dispatch's
