@@ -9,8 +9,9 @@
 //   smem       one thread: a pointer chase through 1024 shared-memory words (with each hop's
 //              address arithmetic, as in real code)
 //   l2 <load>  one thread: a pointer chase through 2048 lines of a 4 MB buffer written by the
-//              previous kernel (L2-resident), each hop one load of the form ld_landed (ld.cg),
-//              ld.relaxed.gpu, ld.acquire.gpu or ld.acquire.sys (the ll polls)
+//              previous kernel (L2-resident), each hop one 32-bit load through the kernels' own
+//              helpers (cuda/kernels/sync.cuh): ld_landed (ld.cg), ld_relaxed_sys,
+//              ld_acquire_gpu or ld_acquire_sys (the ll polls)
 //   hbm        the same with ld.cg through a 2 GB buffer (beyond L2, which a 512 MB write
 //              flushes first; TLB misses included), each launch going on where the previous one
 //              stopped (lines not visited before)
@@ -43,16 +44,24 @@
 #include <vector>
 
 #include "bench/trace_clock.cuh"
+#include "cuda/kernels/sync.cuh"
 #include "gpu/gpu_support.h"
 
 namespace {
 
 constexpr int kThreads = 512;
 
+// The kernels' own primitives (cuda/kernels/sync.cuh), so each row times what they run.
+using epx::detail::fence_acq_rel;
+using epx::detail::ld_acquire_gpu;
+using epx::detail::ld_acquire_sys;
+using epx::detail::ld_landed;
+using epx::detail::ld_relaxed_sys;
+using epx::detail::red_add_relaxed_sys;
+using epx::detail::seq_reached;
+using epx::detail::st_relaxed_sys;
 __device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+  return epx::detail::globaltimer_ns();
 }
 
 // out[0..1]: {ns, cycles} of the timed region (or per CTA: out + 2 * blockIdx.x).
@@ -102,33 +111,31 @@ __global__ void smem_kernel(uint64_t* out, const uint32_t* perm, uint32_t* sink)
   *sink = j;
 }
 
-enum Load : int { kLdCg = 0, kLdRelaxedGpu, kLdAcquireGpu, kLdAcquireSys, kLoads };
-const char* const kLoadNames[kLoads] = {"ld.cg (ld_landed)", "ld.relaxed.gpu", "ld.acquire.gpu",
-                                        "ld.acquire.sys"};
+enum Load : int { kLdCg = 0, kLdRelaxedSys, kLdAcquireGpu, kLdAcquireSys, kLoads };
+const char* const kLoadNames[kLoads] = {"ld_landed (ld.cg)", "ld_relaxed_sys", "ld_acquire_gpu",
+                                        "ld_acquire_sys"};
 
 template <int kLoad>
-__device__ __forceinline__ uint64_t load_next(const uint64_t* p) {
-  uint64_t v;
-  if constexpr (kLoad == kLdCg) {
-    v = __ldcg(p);
-  } else if constexpr (kLoad == kLdRelaxedGpu) {
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  } else if constexpr (kLoad == kLdAcquireGpu) {
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  } else {
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  }
-  return v;
+__device__ __forceinline__ uint32_t load_next(const uint32_t* p) {
+  if constexpr (kLoad == kLdCg)
+    return ld_landed<uint32_t>(p);
+  else if constexpr (kLoad == kLdRelaxedSys)
+    return ld_relaxed_sys(p);
+  else if constexpr (kLoad == kLdAcquireGpu)
+    return ld_acquire_gpu(p);
+  else
+    return ld_acquire_sys(p);
 }
 
-// The chain: word 0 of line i holds the index of the next line (each line 256 bytes apart).
+// The chain: word 0 of line i holds the index of the next line (each line 256 bytes, 64 words,
+// apart; 32-bit words as the kernels' flags).
 template <int kLoad>
-__global__ void chase_kernel(uint64_t* out, const uint64_t* lines, uint64_t start, int hops,
+__global__ void chase_kernel(uint64_t* out, const uint32_t* lines, uint64_t start, int hops,
                              uint64_t* sink) {
-  uint64_t j = start;
+  uint32_t j = static_cast<uint32_t>(start);
   const uint64_t t0 = now_ns();
   const int64_t c0 = clock64();
-  for (int i = 0; i < hops; ++i) j = load_next<kLoad>(lines + 32 * j);
+  for (int i = 0; i < hops; ++i) j = load_next<kLoad>(lines + 64 * static_cast<size_t>(j));
   const int64_t c1 = clock64();
   const uint64_t t1 = now_ns();
   put(out, t1 - t0, c1 - c0);
@@ -136,10 +143,10 @@ __global__ void chase_kernel(uint64_t* out, const uint64_t* lines, uint64_t star
 }
 
 // Writes the chain (the L2-resident case: this kernel's stores are what the chase then reads).
-__global__ void chain_write_kernel(uint64_t* lines, const uint64_t* next, int64_t n) {
+__global__ void chain_write_kernel(uint32_t* lines, const uint64_t* next, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    lines[32 * i] = next[i];
+    lines[64 * i] = static_cast<uint32_t>(next[i]);
 }
 
 template <bool kNamed>
@@ -169,10 +176,7 @@ __global__ void fence_kernel(uint64_t* out, uint4* dst, int64_t bytes_per_cta) {
   if (threadIdx.x != 0) return;
   const uint64_t t0 = now_ns();
   const int64_t c0 = clock64();
-  if constexpr (kSys)
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-  else
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  fence_acq_rel(!kSys);
   const int64_t c1 = clock64();
   const uint64_t t1 = now_ns();
   put(out + 2 * blockIdx.x, t1 - t0, c1 - c0);
@@ -182,17 +186,17 @@ __global__ void fence_kernel(uint64_t* out, uint4* dst, int64_t bytes_per_cta) {
 __global__ void flag_kernel(uint64_t* out, uint32_t* counter, uint32_t want) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  fence_acq_rel(true);
   const uint64_t t_red = now_ns();  // after the fence: the red's own issue
-  asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  red_add_relaxed_sys(counter, 1u);
   uint32_t v = 0;
   const uint64_t give_up = t_red + 100000000ull;  // 100 ms: a probe never hangs
   do {
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-  } while (static_cast<int32_t>(v - want) < 0 && now_ns() < give_up);
+    v = ld_acquire_sys(counter);
+  } while (!seq_reached(v, want) && now_ns() < give_up);
   const uint64_t t_seen = now_ns();
   out[2 * blockIdx.x] = t_red;
-  out[2 * blockIdx.x + 1] = static_cast<int32_t>(v - want) < 0 ? 0 : t_seen;
+  out[2 * blockIdx.x + 1] = seq_reached(v, want) ? t_seen : 0;
 }
 
 // The alternative without an atomic: CTA b releases its own word flags[b] = epoch (fence +
@@ -202,10 +206,9 @@ __global__ void flags_kernel(uint64_t* out, uint32_t* flags, uint32_t epoch) {
   __shared__ uint64_t s_signal;
   __syncthreads();
   if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    fence_acq_rel(true);
     s_signal = now_ns();
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(flags + 8 * blockIdx.x), "r"(epoch)
-                 : "memory");
+    st_relaxed_sys(flags + 8 * blockIdx.x, epoch);
   }
   bool ok = true;
   if (threadIdx.x < gridDim.x) {
@@ -213,8 +216,8 @@ __global__ void flags_kernel(uint64_t* out, uint32_t* flags, uint32_t epoch) {
     const uint64_t give_up = now_ns() + 100000000ull;  // 100 ms: a probe never hangs
     uint32_t v = 0;
     do {
-      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
-    } while (static_cast<int32_t>(v - epoch) < 0 && (ok = now_ns() < give_up));
+      v = ld_acquire_sys(f);
+    } while (!seq_reached(v, epoch) && (ok = now_ns() < give_up));
   }
   ok = __syncthreads_and(ok);
   if (threadIdx.x == 0) {
@@ -345,7 +348,8 @@ int main(int argc, char** argv) {
   // Pointer chases: lines 256 bytes apart, a random cycle through them.
   auto chase = [&](int64_t lines_n, bool l2, int hops) {
     const std::vector<uint64_t> next = random_cycle(lines_n, 2);
-    uint64_t *lines = nullptr, *dnext = nullptr;
+    uint32_t* lines = nullptr;
+    uint64_t* dnext = nullptr;
     CUDA_OK(cudaMalloc(&lines, 256 * static_cast<size_t>(lines_n)));
     CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * next.size()));
     CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
@@ -375,7 +379,7 @@ int main(int argc, char** argv) {
     };
     one(chase_kernel<kLdCg>, kLdCg);
     if (l2) {
-      one(chase_kernel<kLdRelaxedGpu>, kLdRelaxedGpu);
+      one(chase_kernel<kLdRelaxedSys>, kLdRelaxedSys);
       one(chase_kernel<kLdAcquireGpu>, kLdAcquireGpu);
       one(chase_kernel<kLdAcquireSys>, kLdAcquireSys);
     }
