@@ -833,12 +833,13 @@ int trace_file(const std::string& path, int last) {
     // work after finding that call done took (LlTraceRecord::dump_ns).
     std::vector<double> idle, dumped, rest;
     int left_out = 0;
-    auto stamps = [](const Record& r, int op, bool last) {
-      uint64_t v = last ? 0 : ~0ull;
+    // An op's earliest (or latest) stamp of a record (0 stamps: not reached).
+    auto stamps = [](const Record& r, int op, bool latest) {
+      uint64_t v = latest ? 0 : ~0ull;
       for (int ph = 0; ph < kLlTraceSmSlot; ++ph)
         for (unsigned c = 0; c < 128; ++c) {
           const uint64_t ns = r.words[ll_trace_word(op, ph, c)];
-          if (ns != 0) v = last ? std::max(v, ns) : std::min(v, ns);
+          if (ns != 0) v = latest ? std::max(v, ns) : std::min(v, ns);
         }
       return v;
     };

@@ -169,21 +169,21 @@ def sass_kernels(text):
     """({kernel: [(opcode with modifiers, line)]}, {kernel: instructions not printed}) of
     `nvdisasm -c` output. An nvdisasm older than the cubin leaves out the instructions it cannot
     decode: the 16-byte slots missing between two printed addresses."""
-    out, skipped, cur, last = {}, {}, None, None
+    out, skipped, name, last = {}, {}, None, None
     for line in text.splitlines():
         m = SECTION.match(line.strip())
         if m:
-            cur, last = out.setdefault(m.group(1), []), None
-            skipped.setdefault(m.group(1), 0)
-            name = m.group(1)
+            name, last = m.group(1), None
+            out.setdefault(name, [])
+            skipped.setdefault(name, 0)
             continue
         m = SASS.match(line)
-        if m and cur is not None:
+        if m and name is not None:
             addr = int(m.group(1), 16)
             if last is not None and addr > last + 16:
                 skipped[name] += (addr - last) // 16 - 1
             last = addr
-            cur.append((m.group(2), line.strip()))
+            out[name].append((m.group(2), line.strip()))
     return out, skipped
 
 
