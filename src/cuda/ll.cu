@@ -213,6 +213,7 @@ class LlTraceDump {
               "' cannot be opened for appending");
     from_ = static_cast<uint64_t>(env_ll_trace_from());
     rank_ = rank;
+    host_.resize(kLlTraceItemBase);
   }
   // Before dispatch call `call` (1-based) is launched on `stream`: the previous recorded call's
   // stamps out, then the stamps cleared for this one.
@@ -248,12 +249,11 @@ class LlTraceDump {
     for (cudaStream_t s : streams_) ok = cudaStreamSynchronize(s) == cudaSuccess && ok;
     streams_.clear();
     const Clock::time_point done = Clock::now();
-    std::vector<uint64_t> h(kLlTraceItemBase);
-    if (!ok || cudaMemcpy(h.data(), buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
-                   cudaSuccess)
+    if (!ok || cudaMemcpy(host_.data(), buf, host_.size() * sizeof(uint64_t),
+                          cudaMemcpyDeviceToHost) != cudaSuccess)
       return done;
     std::fwrite(&rec_, sizeof rec_, 1, f_);
-    std::fwrite(h.data(), sizeof(uint64_t), h.size(), f_);
+    std::fwrite(host_.data(), sizeof(uint64_t), host_.size(), f_);
     std::fflush(f_);
     return done;
   }
@@ -278,6 +278,7 @@ class LlTraceDump {
   bool pending_ = false;
   LlTraceRecord rec_{};
   std::vector<cudaStream_t> streams_;  // the pending call's (dispatch, hooks, combine)
+  std::vector<uint64_t> host_;  // a record's words (sized when a dump is open)
 };
 #endif
 
