@@ -278,7 +278,7 @@ class LlTraceDump {
   bool pending_ = false;
   LlTraceRecord rec_{};
   std::vector<cudaStream_t> streams_;  // the pending call's (dispatch, hooks, combine)
-  std::vector<uint64_t> host_;  // a record's words (sized when a dump is open)
+  std::vector<uint64_t> host_;         // a record's words (sized when a dump is open)
 };
 #endif
 
