@@ -15,11 +15,12 @@
 //   hbm        the same with ld.cg through a 2 GB buffer (beyond L2, which a 512 MB write
 //              flushes first; TLB misses included), each launch going on where the previous one
 //              stopped (lines not visited before)
-//   tlb <P>    the l2 chase with one line per 2 MB page over P pages (8 ... 4096): the cost of a
-//              translation that misses each TLB level, the lines in L2
-//   tlb first touch   one CTA reads a line of each of 64 (or 4096) other pages, then its thread 0
-//              chases through 8 new pages' L2-resident lines: cold, or 4 us after a
-//              prefetch.global.L2 / a load of each (whether a prefetch warms the translation)
+//   tlb <P>    the l2 chase with one line per 2 MB page over P pages (8 ... 16384, up to 32 GB):
+//              the cost of a translation that misses each TLB level, the lines in L2
+//   tlb first touch   one CTA reads a line of each of 64 (or 8192) other pages, then its thread 0
+//              reaches 8 new pages' L2-resident lines: loads (a chase) or stores and a
+//              fence.acq_rel.gpu; cold, or 4 us after a prefetch.L2 / a load of each (whether a
+//              prefetch warms the translation), or after the prefetch and 32 other pages
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -132,15 +133,16 @@ __device__ __forceinline__ uint32_t load_next(const uint32_t* p) {
     return ld_acquire_sys(p);
 }
 
-// The chain: word 0 of line i holds the index of the next line (lines `stride` 32-bit words
-// apart: 64, 256 bytes, in the l2 and hbm rows; 32-bit words as the kernels' flags).
-template <int kLoad>
+// The chain: word 0 of line i holds the index of the next line (lines kStride 32-bit words
+// apart: 64, 256 bytes, in the l2 and hbm rows, kPageStride in the tlb rows; 32-bit words as the
+// kernels' flags). A compile-time stride: each hop's address is one multiply-add.
+template <int kLoad, uint64_t kStride = 64>
 __global__ void chase_kernel(uint64_t* out, const uint32_t* lines, uint64_t start, int hops,
-                             uint64_t* sink, uint64_t stride = 64) {
+                             uint64_t* sink) {
   uint32_t j = static_cast<uint32_t>(start);
   const uint64_t t0 = now_ns();
   const int64_t c0 = clock64();
-  for (int i = 0; i < hops; ++i) j = load_next<kLoad>(lines + stride * j);
+  for (int i = 0; i < hops; ++i) j = load_next<kLoad>(lines + kStride * j);
   const int64_t c1 = clock64();
   const uint64_t t1 = now_ns();
   put(out, t1 - t0, c1 - c0);
@@ -155,38 +157,60 @@ __global__ void chain_write_kernel(uint32_t* lines, const uint64_t* next, int64_
     lines[stride * i] = static_cast<uint32_t>(next[i]);
 }
 
-// A CTA's first touch of pages (the ll receive's first store into an output, its first row-map
-// store): all threads of the CTA first read one line of each of `sweep` other pages (this SM's
-// translations of the targets gone), then thread 0 warms the 8 target pages (kWarm 1:
-// prefetch.global.L2 of each line; 2: a load of each, waited for; 0: nothing), spins 4 us, and
-// times a chase through the 8 target lines (each visited once).
-template <int kWarm>
-__global__ void tlb_touch_kernel(uint64_t* out, const uint32_t* pages, uint64_t stride, int sweep,
-                                 const uint32_t* targets, uint32_t* sink) {
+// The tlb rows' buffer: one line per 2 MB page (the pages of a large cudaMalloc; +256 bytes per
+// page so the lines do not share L2 sets): kTlbPages pages for the ladder and the sweeps, then 8
+// target pages, then 32 more that the "then 32 other pages" rows touch between warm-up and use.
+constexpr uint64_t kPageStride = ((uint64_t{2} << 20) + 256) / sizeof(uint32_t);
+constexpr int64_t kTlbPages = 16384;  // 32 GB
+constexpr int64_t kTlbTargets = kTlbPages, kTlbOthers = kTlbPages + 8, kTlbAlloc = kTlbPages + 40;
+
+// A CTA's first touch of 8 pages (the ll receive's first access to an output or a row map): all
+// threads first read one line of each of `sweep` other pages (this SM's translations of the
+// targets gone), then thread 0 warms the 8 target pages (kWarm 1: prefetch.L2 of each line, as
+// branch warm-pages; 2: a load of each, waited for; 3: the prefetch, then all threads read one
+// line of each of 32 other pages, as the send touches its own between the warm-up and the
+// receive; 0: nothing), waits 4 us, and times either a chase through the 8 targets' lines (each
+// visited once) or (kStore) a store to each and the fence that waits for them, as the receive's
+// end waits for its stores.
+template <int kWarm, bool kStore>
+__global__ void tlb_touch_kernel(uint64_t* out, const uint32_t* pages, int sweep, uint32_t* sink) {
+  uint32_t* targets = const_cast<uint32_t*>(pages) + kPageStride * kTlbTargets;
   uint32_t acc = 0;
   for (int i = threadIdx.x; i < sweep; i += blockDim.x)
-    acc += ld_landed<uint32_t>(pages + stride * i);
+    acc += ld_landed<uint32_t>(pages + kPageStride * i);
   __syncthreads();
   if (threadIdx.x == 0) {
-    if constexpr (kWarm == 1) {
+    if constexpr (kWarm == 1 || kWarm == 3) {
       for (int i = 0; i < 8; ++i)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(targets + stride * i) : "memory");
+        asm volatile("prefetch.L2 [%0];" ::"l"(targets + kPageStride * i) : "memory");
     } else if constexpr (kWarm == 2) {
-      for (int i = 0; i < 8; ++i) acc += ld_landed<uint32_t>(targets + stride * i);
+      for (int i = 0; i < 8; ++i) acc += ld_landed<uint32_t>(targets + kPageStride * i);
     }
+  }
+  if constexpr (kWarm == 3) {
+    if (threadIdx.x < 32)
+      acc += ld_landed<uint32_t>(pages + kPageStride * (kTlbOthers + threadIdx.x));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
     const uint64_t spin = now_ns() + 4000;
     while (now_ns() < spin) {
     }
     uint32_t j = 0;
     const uint64_t t0 = now_ns();
     const int64_t c0 = clock64();
-    for (int i = 0; i < 8; ++i) j = ld_landed<uint32_t>(targets + stride * j);
+    if constexpr (kStore) {
+      for (int i = 0; i < 8; ++i) targets[kPageStride * i + 1] = acc;  // word 1: not the chain's
+      fence_acq_rel(true);
+    } else {
+      for (int i = 0; i < 8; ++i) j = ld_landed<uint32_t>(targets + kPageStride * j);
+    }
     const int64_t c1 = clock64();
     const uint64_t t1 = now_ns();
     put(out, t1 - t0, c1 - c0);
     acc += j;
   }
-  if (acc == 0xffffffffu) *sink = acc;  // (keeps the sweep's loads)
+  if (acc == 0xffffffffu) *sink = acc;  // (keeps the loads)
 }
 
 template <bool kNamed>
@@ -409,7 +433,7 @@ int main(int argc, char** argv) {
       uint64_t start = 0;
       row(name, timed([&] {
             if (l2) write();  // the lines in L2, as the staging a receive reads
-            kernel<<<1, 1>>>(out, lines, start, hops, sink, 64);
+            kernel<<<1, 1>>>(out, lines, start, hops, sink);
             if (!l2) {  // beyond L2: the next launch goes on to lines not read yet
               CUDA_OK(cudaDeviceSynchronize());
               CUDA_OK(cudaMemcpy(&start, sink, sizeof start, cudaMemcpyDeviceToHost));
@@ -429,58 +453,52 @@ int main(int argc, char** argv) {
   chase(int64_t{1} << 14, true, 2048);   // 4 MB
   chase(int64_t{1} << 23, false, 2048);  // 2 GB
 
-  // Address translation: the same L2-resident chase with one line per 2 MB page (the pages of a
-  // large cudaMalloc; +256 bytes per page so the lines do not share L2 sets), over P pages. Past
-  // the reach of a TLB level every hop misses there and pays the next level (or the page walk);
-  // the data stay in L2 throughout.
+  // Address translation: the L2-resident chase with one line per 2 MB page over P pages,
+  // max(2048, 2P) hops (every page at least twice). Past the reach of a TLB level every hop
+  // misses there and pays the next level (or the page walk); the lines stay in L2.
   {
-    constexpr uint64_t kPageStride = ((uint64_t{2} << 20) + 256) / sizeof(uint32_t);
-    constexpr int64_t kMaxPages = 4096;  // 8 GB, and 8 more pages for the first-touch rows
     uint32_t* pages = nullptr;
     uint64_t* dnext = nullptr;
-    if (cudaMalloc(&pages, sizeof(uint32_t) * kPageStride * (kMaxPages + 8)) != cudaSuccess) {
-      CUDA_OK(cudaGetLastError());  // clears the failed allocation's error
-      std::printf("tlb: rows left out (no 8 GB free)\n");
+    if (cudaMalloc(&pages, sizeof(uint32_t) * kPageStride * kTlbAlloc) != cudaSuccess) {
+      (void)cudaGetLastError();  // (clears the failed allocation's error)
+      std::printf("tlb: rows left out (no %lld GB free)\n",
+                  static_cast<long long>(kTlbAlloc * kPageStride * 4 >> 30));
     } else {
-      CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * kMaxPages));
-      for (int64_t p : {8, 32, 128, 512, 1024, 2048, 4096}) {
+      CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * kTlbPages));
+      for (int64_t p : {8, 16, 32, 64, 128, 512, 2048, 8192, 16384}) {
         const std::vector<uint64_t> next = random_cycle(p, 3);
         CUDA_OK(
             cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
+        const int hops = static_cast<int>(std::max<int64_t>(2048, 2 * p));
         char name[64];
-        std::snprintf(name, sizeof name, "tlb: ld.cg, 1 line per 2 MB page, %lld pages",
-                      static_cast<long long>(p));
+        std::snprintf(name, sizeof name, "tlb: %lld pages (2 MB apart)", static_cast<long long>(p));
         row(name, timed([&] {
               chain_write_kernel<<<64, 256>>>(pages, dnext, p, kPageStride);
-              chase_kernel<kLdCg><<<1, 1>>>(out, pages, 0, 2048, sink, kPageStride);
+              chase_kernel<kLdCg, kPageStride><<<1, 1>>>(out, pages, 0, hops, sink);
             }),
-            2048, "hop");
+            hops, "hop");
       }
-      // First touch: 8 pages after `sweep` others, cold or warmed 4 us before.
-      uint32_t* targets = pages + kPageStride * kMaxPages;
+      // First touch: the 8 targets' chain written once (L2-resident; the sweep evicts the
+      // translations its writer left), then per row 8 pages after `sweep` others.
       const std::vector<uint64_t> next = random_cycle(8, 4);
       CUDA_OK(
           cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
-      const char* const warm_names[3] = {"cold", "after prefetch.global.L2", "after a load"};
-      for (int sweep : {64, 4096}) {
-        for (int warm = 0; warm < 3; ++warm) {
-          char name[96];
-          std::snprintf(name, sizeof name, "tlb first touch: 8 pages after %d others, %s", sweep,
-                        warm_names[warm]);
-          row(name, timed([&] {
-                chain_write_kernel<<<1, 32>>>(targets, dnext, 8, kPageStride);
-                if (warm == 0)
-                  tlb_touch_kernel<0>
-                      <<<1, kThreads>>>(out, pages, kPageStride, sweep, targets, sink32);
-                else if (warm == 1)
-                  tlb_touch_kernel<1>
-                      <<<1, kThreads>>>(out, pages, kPageStride, sweep, targets, sink32);
-                else
-                  tlb_touch_kernel<2>
-                      <<<1, kThreads>>>(out, pages, kPageStride, sweep, targets, sink32);
-              }),
-              8, "page");
-        }
+      chain_write_kernel<<<1, 32>>>(pages + kPageStride * kTlbTargets, dnext, 8, kPageStride);
+      CUDA_OK(cudaDeviceSynchronize());
+      auto touch = [&](const char* what, int sweep, auto kernel) {
+        char name[112];
+        std::snprintf(name, sizeof name, "tlb first touch: 8 pages after %d others, %s", sweep,
+                      what);
+        row(name, timed([&] { kernel<<<1, kThreads>>>(out, pages, sweep, sink32); }), 8, "page");
+      };
+      for (int sweep : {64, 8192}) {
+        touch("load, cold", sweep, tlb_touch_kernel<0, false>);
+        touch("load, after prefetch.L2", sweep, tlb_touch_kernel<1, false>);
+        touch("load, after a load", sweep, tlb_touch_kernel<2, false>);
+        touch("load, after prefetch.L2 then 32 other pages", sweep, tlb_touch_kernel<3, false>);
+        touch("store + fence, cold", sweep, tlb_touch_kernel<0, true>);
+        touch("store + fence, after prefetch.L2", sweep, tlb_touch_kernel<1, true>);
+        touch("store + fence, after a load", sweep, tlb_touch_kernel<2, true>);
       }
       CUDA_OK(cudaFree(dnext));
       CUDA_OK(cudaFree(pages));
