@@ -309,7 +309,7 @@ void row(const char* name, const Timed& t, double per, const char* unit) {
   char mhz[32] = "-";
   if (ns >= 20 * std::max(g_clock.mean_step_ns, 1.0))
     std::snprintf(mhz, sizeof mhz, "%.0f", 1e3 * clk / ns);
-  std::printf("%-36s %9.0f cycles %9.1f ns | %8.1f cycles %8.1f ns / %-8s | timer MHz %s\n", name,
+  std::printf("%-72s %9.0f cycles %9.1f ns | %8.1f cycles %8.1f ns / %-8s | timer MHz %s\n", name,
               clk, ns, clk / per, clk * g_clock.ns_per_clk / per, unit, mhz);
 }
 
@@ -564,7 +564,7 @@ int main(int argc, char** argv) {
       med.push_back(median(after));
       mx.push_back(after.empty() ? 0 : *std::max_element(after.begin(), after.end()));
     }
-    std::printf("%-36s %9.1f ns (median CTA, timer) %9.1f ns (latest CTA)%s\n", name, median(med),
+    std::printf("%-72s %9.1f ns (median CTA, timer) %9.1f ns (latest CTA)%s\n", name, median(med),
                 median(mx), lost ? "  (some CTAs never saw it: not co-resident?)" : "");
   };
   {
