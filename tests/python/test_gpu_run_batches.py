@@ -9,11 +9,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "bench", "gpu_run.sh")
 
 
+def accepted_batches(text):
+    """The batch names the script accepts on its command line (its BATCHES list)."""
+    return re.search(r'^BATCHES="([^"]*)"', text, re.MULTILINE).group(1).split()
+
+
 def test_described_accepted_and_defined():
     text = open(SCRIPT).read()
     header = text.split("\nset -uo pipefail", 1)[0]
     described = re.findall(r"^#   ([a-z]+)\s{2,}\S", header, re.MULTILINE)
-    accepted = re.search(r'^BATCHES="([^"]*)"', text, re.MULTILINE).group(1).split()
+    accepted = accepted_batches(text)
     defined = set(re.findall(r"^batch_([a-z]+)\(\)", text, re.MULTILINE)) | {"build"}
     assert described, "no batch descriptions found in the header"
     assert sorted(described) == sorted(accepted), (described, accepted)
@@ -26,7 +31,7 @@ def test_described_accepted_and_defined():
 
 def test_readme_names_every_batch():
     text = open(SCRIPT).read()
-    accepted = re.search(r'^BATCHES="([^"]*)"', text, re.MULTILINE).group(1).split()
+    accepted = accepted_batches(text)
     readme = open(os.path.join(ROOT, "README.md")).read()
     part = readme.split("bash bench/gpu_run.sh BATCH...", 1)[1].split("\n\n", 1)[0]
     named = set(re.findall(r"`([a-z]+)`", part))
