@@ -1,5 +1,5 @@
-"""Private to :mod:`epx.compat.deep_ep` (import the names from there): DeepEP's ``Config`` and
-``EventOverlap``, and the CUDA event the drop-in's ``async_finish`` records."""
+"""Private to :mod:`epx.compat.deep_ep` (import the names from there): DeepEP's ``Config``,
+``EventHandle`` (also the event the drop-in's ``async_finish`` records) and ``EventOverlap``."""
 
 import torch
 
@@ -72,15 +72,22 @@ class Config:
                 f"{self.num_max_rdma_chunked_recv_tokens})")
 
 
-class _CudaEvent:
-    """A torch.cuda.Event recorded on the current stream (DeepEP's EventHandle)."""
+class EventHandle:
+    """DeepEP's ``EventHandle`` (``deep_ep.utils`` / ``deep_ep.buffer``; engines such as
+    Megatron-LM pass ``EventOverlap(EventHandle())`` as ``previous_event``): records an event on
+    the current CUDA stream when made; ``current_stream_wait()`` makes the current stream wait
+    for it. Where CUDA is not in use (the cpu backend, whose ops are synchronous) there is
+    nothing to record: it holds no event and the wait returns at once."""
 
     def __init__(self):
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream())
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
 
     def current_stream_wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class EventOverlap:

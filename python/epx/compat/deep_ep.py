@@ -26,7 +26,9 @@ How it differs, and why:
 * Streams. epx runs on the caller's current stream (no separate communication stream):
   ``previous_event`` is waited on first, ``async_finish`` returns an event recorded after the op,
   ``allocate_on_comm_stream`` is accepted and has nothing to change, ``get_comm_stream()``
-  returns the current stream (None on CPU). On CPU every op is synchronous.
+  returns the current stream (None on CPU). On CPU every op is synchronous. ``EventHandle``
+  (DeepEP's, importable from ``deep_ep.utils``, as Megatron-LM does, and ``deep_ep.buffer``)
+  records an event on the current stream, none where CUDA is not in use.
 * Nodes. As DeepEP, a group that spans nodes runs normal mode (and low latency) across them: on
   epx's hierarchical path (docs/design.md §13; the cpu backend only for now, the cuda backend
   raises Unsupported at the first op). The node size: ``Buffer(..., ranks_per_node=n)`` (an epx
@@ -125,7 +127,7 @@ from .. import _epx, _torch, errors
 from ..buffer import Buffer as _EpxBuffer
 from ..buffer import LlCombineOverlap, _overlap_arg
 from ..group import Group as _EpxGroup
-from ._deep_ep_types import Config, EventOverlap, _align, _CudaEvent
+from ._deep_ep_types import Config, EventHandle, EventOverlap, _align
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -421,7 +423,7 @@ class Buffer:
         """An EventOverlap recorded on the current CUDA stream (static, as DeepEP's; no event
         where CUDA is not initialised, e.g. on the cpu backend)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return EventOverlap(_CudaEvent())
+            return EventOverlap(EventHandle())
         return EventOverlap(None)
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
@@ -647,7 +649,7 @@ class Buffer:
 
     def _event(self, async_finish, tensors):
         if async_finish and self._device.startswith("cuda"):
-            return EventOverlap(_CudaEvent(), tensors)
+            return EventOverlap(EventHandle(), tensors)
         return EventOverlap(None, tensors if async_finish else None)
 
     # ---- normal mode (epx ht) ----------------------------------------------------------------
