@@ -97,7 +97,10 @@ class _ProcessGroupComm:
 
     def allgather(self, obj):
         out = [None] * self.Get_size()
-        dist.all_gather_object(out, obj, group=self.pg)
+        # Outside any torch.inference_mode() of the caller: all_gather_object's tensors are
+        # written by gloo's worker thread, where inference tensors may not be updated.
+        with torch.inference_mode(False):
+            dist.all_gather_object(out, obj, group=self.pg)
         return out
 
 

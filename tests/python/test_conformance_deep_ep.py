@@ -1342,6 +1342,17 @@ def test_engine_auto_mode_switching(cpool):
     cpool.run(body_engine_auto, _seed())
 
 
+def body_engine_auto_inference(ctx, seed):
+    """The engine's alternation of prefill and decode under torch.inference_mode(), where SGLang
+    runs its model (the drop-in's buffers created and their shapes agreed inside it)."""
+    with torch.inference_mode():
+        body_engine_auto(ctx, seed)
+
+
+def test_engine_auto_mode_switching_inference_mode(cpool124):
+    cpool124.run(body_engine_auto_inference, _seed())
+
+
 def _run_tbo(pool, name, mutate):
     out = pool.run(body_engine_tbo, _seed(), name, mutate)
     if mutate == "drop":  # garbage took over some dropped input's memory (else: vacuous)
@@ -1373,7 +1384,7 @@ def test_comm_instead_of_group(cpool):
 # ---- GPU twins: the same bodies with CUDA tensors, one rank -------------------------------
 
 GPU_BODIES = [(body_intranode, ()), (body_token_in_rank_only, ()), (body_low_latency, ()),
-              (body_engine_auto, ()), (body_every_kwarg, ()), (body_comm, ())] + \
+              (body_engine_auto, ()), (body_engine_auto_inference, ()), (body_every_kwarg, ()), (body_comm, ())] + \
     [(body_engine_tbo, (name, mutate)) for name in TBO_SEQUENCES
      for mutate in ("drop", "overwrite")]
 

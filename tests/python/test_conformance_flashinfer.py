@@ -150,11 +150,11 @@ def _step_inputs(seed, step, R, E, nvfp4, dummy):
     return inputs, counts
 
 
-def body_engine_sequence(ctx, seed, variant, steps=3):
+def body_engine_sequence(ctx, seed, variant, steps=3, comm_class=EngineComm):
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = L * R
     nvfp4, sanitise, dummy, in_ws, use_output = VARIANTS[variant]
-    comm = EngineComm(ctx.group)
+    comm = comm_class(ctx.group)
     dispatch_bytes = (H // 2 + H // 16 if nvfp4 else H * 2) + K * 4 + K * 4  # as the engines
     ws = fi.moe_a2a_get_workspace_size_per_rank(
         ep_size=R, max_num_tokens=MAX_TOKENS,
@@ -543,3 +543,17 @@ def test_gpu_nvfp4_block_scale_interleave():
     sf = torch.randint(0, 256, (2, 200, 13), generator=g, dtype=torch.uint8)
     out = fi.nvfp4_block_scale_interleave(sf.cuda())
     assert out.is_cuda and torch.equal(out.cpu(), fi.nvfp4_block_scale_interleave(sf))
+
+
+def body_engine_sequence_inference(ctx, seed, variant):
+    """The engine's sequence, MoeAlltoAll's construction included, under torch.inference_mode()
+    (as engines serve), over FlashInfer's TorchDistBackend: its exchanges write tensors from
+    gloo's worker thread, where inference tensors may not be updated."""
+    with torch.inference_mode():
+        return body_engine_sequence(ctx, seed, variant, comm_class=fi.TorchDistBackend)
+
+
+@pytest.mark.parametrize("variant", ["sglang_bf16_in_workspace_dummy",
+                                     "vllm_nvfp4_sanitised_output"])
+def test_engine_sequence_inference_mode(pool, variant):
+    assert pool.run(body_engine_sequence_inference, _seed(), variant) == [3] * pool.world_size

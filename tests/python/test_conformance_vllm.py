@@ -1146,6 +1146,18 @@ def test_vllm_ll_dual_batch_overlap(vpool):
     vpool.run(body_ll_dbo, _seed())
 
 
+def body_inference_mode(ctx, seed, body):
+    """vLLM's model runner serves under torch.inference_mode(): the whole sequence (the Buffer's
+    lazy creation and its agreement exchanges included) inside it."""
+    with torch.inference_mode():
+        return body(ctx, seed)
+
+
+@pytest.mark.parametrize("body", [body_ht, body_ll], ids=["ht", "ll"])
+def test_vllm_inference_mode(vpool, body):
+    vpool.run(body_inference_mode, _seed(), body)
+
+
 # ---- GPU twins: the same bodies with CUDA tensors (NCCL pools, one GPU per rank; the Buffer
 # gets a gloo group, as vLLM's cpu_group) ----------------------------------------------------
 

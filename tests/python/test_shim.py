@@ -58,17 +58,18 @@ def test_deep_ep():
     out = _run("""
         import deep_ep
         import epx.compat.deep_ep as d
-        from deep_ep import Buffer, Config, EventOverlap, topk_idx_t
+        from deep_ep import Buffer, Config, EventHandle, EventOverlap, topk_idx_t
         from deep_ep.buffer import Buffer as B2
         from deep_ep.utils import EventOverlap as E2
         import deep_ep.buffer, deep_ep.utils
         assert deep_ep.__file__.startswith(%r), deep_ep.__file__
         print(Buffer is d.Buffer, Config is d.Config, EventOverlap is d.EventOverlap,
               topk_idx_t is d.topk_idx_t, B2 is d.Buffer, E2 is d.EventOverlap,
-              deep_ep.buffer.Config is d.Config, sorted(deep_ep.__all__))
+              deep_ep.buffer.Config is d.Config, EventHandle is d.EventHandle,
+              sorted(deep_ep.__all__))
         """ % shim.DIRECTORY)
-    assert out.split() == ["True"] * 7 + ["['Buffer',", "'Config',", "'EventOverlap',",
-                                          "'topk_idx_t']"]
+    assert out.split() == ["True"] * 8 + ["['Buffer',", "'Config',", "'EventHandle',",
+                                          "'EventOverlap',", "'topk_idx_t']"]
 
 
 def test_flashinfer_minimal_engine_imports():

@@ -6,6 +6,7 @@ bootstraps the epx group through and :class:`TorchDistBackend` (over a torch Pro
 objects: plain values and the torch.distributed calls of TorchDistBackend.
 """
 
+import torch
 import torch.distributed as dist
 
 from .. import errors
@@ -130,7 +131,10 @@ class TorchDistBackend(CommBackend):
 
     def allgather(self, data):
         out = [None] * self.Get_size()
-        dist.all_gather_object(out, data, group=self.group)
+        # Outside any torch.inference_mode() of the caller: all_gather_object's tensors are
+        # written by gloo's worker thread, where inference tensors may not be updated.
+        with torch.inference_mode(False):
+            dist.all_gather_object(out, data, group=self.group)
         return out
 
     def barrier(self):

@@ -27,7 +27,8 @@ How it differs, and why:
   ``previous_event`` is waited on first, ``async_finish`` returns an event recorded after the op,
   ``allocate_on_comm_stream`` is accepted and has nothing to change, ``get_comm_stream()``
   returns the current stream (None on CPU). On CPU every op is synchronous. ``EventHandle``
-  (DeepEP's, importable from ``deep_ep.utils``, as Megatron-LM does, and ``deep_ep.buffer``)
+  (DeepEP's, importable from ``deep_ep.utils``, as Megatron-LM does, ``deep_ep.buffer`` and, as
+  DeepEP 2.x exports it, ``deep_ep``)
   records an event on the current stream, none where CUDA is not in use.
 * Nodes. As DeepEP, a group that spans nodes runs normal mode (and low latency) across them: on
   epx's hierarchical path (docs/design.md §13; the cpu backend only for now, the cuda backend
@@ -530,9 +531,13 @@ class Buffer:
             rows = [[int(v) for v in row] for row in self._comm.allgather(values)]
         else:
             on_gpu = self._nccl_group()
-            mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
-            parts = [torch.empty_like(mine) for _ in range(self.group_size)]
-            dist.all_gather(parts, mine, group=self.group)
+            # Scratch tensors of our own, never inference tensors: gloo writes the received
+            # parts on its worker thread, outside the caller's torch.inference_mode().
+            with torch.inference_mode(False):
+                mine = torch.tensor(values, dtype=torch.int64,
+                                    device=device if on_gpu else "cpu")
+                parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+                dist.all_gather(parts, mine, group=self.group)
             rows = [[int(v) for v in row] for row in torch.stack(parts).tolist()]  # one sync
         errors.check_agreement(op, [(name, [row[i] for row in rows])
                                     for i, (name, _) in enumerate(fields)])

@@ -7,8 +7,9 @@ on PYTHONPATH:
 (``python3 -m epx.compat.shim`` prints the directory; from a source checkout, run it with
 ``PYTHONPATH=python`` already set, which the line keeps.)
 
-* ``deep_ep``: :mod:`epx.compat.deep_ep` (Buffer, Config, EventOverlap, topk_idx_t), also as
-  ``deep_ep.buffer`` and ``deep_ep.utils`` (DeepEP V1's modules).
+* ``deep_ep``: :mod:`epx.compat.deep_ep` (Buffer, Config, EventHandle, EventOverlap, topk_idx_t;
+  EventHandle at the top level as DeepEP 2.x exports it), also as ``deep_ep.buffer`` and
+  ``deep_ep.utils`` (DeepEP V1's modules).
 * ``flashinfer``: where a real FlashInfer is installed further down sys.path (or through another
   import finder, e.g. an editable install), that package is loaded under the name
   ``flashinfer`` and only the MoE all-to-all names of ``flashinfer.comm``,
