@@ -1384,7 +1384,8 @@ def test_comm_instead_of_group(cpool):
 # ---- GPU twins: the same bodies with CUDA tensors, one rank -------------------------------
 
 GPU_BODIES = [(body_intranode, ()), (body_token_in_rank_only, ()), (body_low_latency, ()),
-              (body_engine_auto, ()), (body_engine_auto_inference, ()), (body_every_kwarg, ()), (body_comm, ())] + \
+              (body_engine_auto, ()), (body_engine_auto_inference, ()), (body_every_kwarg, ()),
+              (body_comm, ())] + \
     [(body_engine_tbo, (name, mutate)) for name in TBO_SEQUENCES
      for mutate in ("drop", "overwrite")]
 

@@ -96,6 +96,7 @@ from conftest import get_pool, gpu_skip_reason
 
 # ---- deepep.py's import blocks, through the shim (README: the one-step opt-in) -----------------
 
+_BEFORE = set(sys.modules)
 sys.path.insert(0, shim.DIRECTORY)
 try:
     import deep_ep  # the shim: epx's drop-in under DeepEP's name
@@ -117,6 +118,9 @@ try:
     from deep_ep import Config as DeepEPConfig  # deepep/utils.py of PR #2500
 finally:
     sys.path.remove(shim.DIRECTORY)
+    for _name in set(sys.modules) - _BEFORE:  # no shim left behind for other tests' imports
+        if _name == "deep_ep" or _name.startswith("deep_ep."):
+            del sys.modules[_name]
 
 D = 128          # model dim (hidden): get_hidden_bytes = 256
 F_EXPERT = 32    # moe_inter_dim
@@ -485,7 +489,7 @@ class _DeepEPModule:
         hidden_states = _before_combine(state, hidden_states)
         out = _call_op(_CombineOp, self.dev(hidden_states), state.handle_id)
         log["combine"] = self.trace[-1]
-        return out.cpu()
+        return out if self.cfg.deferred else out.cpu()  # deferred: read after sync_combine()
 
 
 _MOD = None  # the current process's replayed deepep.py (set by each body)
@@ -768,6 +772,7 @@ def _replay_moe(m, cfg, x_BLD, p, layer, step, group, num_experts, log):
     out = _shared(p, x)
     if cfg.deferred:
         m.sync_combine()
+        routed = routed.cpu()
     return (out + routed).reshape(bs, slen, dim)
 
 
@@ -960,15 +965,6 @@ class _Run:
             kind, buffer, raw, handle_id = log["dispatch"]
             assert kind == "dispatch" and buffer is _MOD.buffer, what
             ht._check_recv(self.view, rec["inputs"], raw, E, 1, what + " dispatch")
-            num = log["num"]
-            if self.cfg.comm == "ops":  # torch.tensor(list, dtype=int32, device="cpu")
-                assert num.dtype == torch.int32 and num.device.type == "cpu", what
-                assert handle_id.dtype == torch.int64 and handle_id.device.type == "cpu", what
-                assert list(handle_id.shape) == [1], what
-            else:  # torch.tensor(list, device=x.device)
-                assert num.dtype == torch.int64 and num.device == torch.device(
-                    self.ctx.device), what
-            assert num.tolist() == raw[3], what
             if self.cfg.permute == "multihot":  # its counts, from the map, match the list
                 assert log["state"].tokens_per_expert.tolist() == raw[3], what
             state, want_state = log["state"], rec["states"][r]
@@ -1089,9 +1085,7 @@ def body_training(ctx, seed, flavor, ac=False, steps=(1, 2)):
         assert (b.num_nvl_bytes, b.num_rdma_bytes) == m.wanted_bytes(ctx.group, 2 * D)
         assert b.num_rdma_bytes == 0  # one node
         if m.cfg.comm == "fused_a2a":
-            assert Buffer.num_sms == PR_NUM_SMS
-            assert m.pr_dispatcher.dispatch_config.num_sms == PR_NUM_SMS
-            assert m.pr_dispatcher.combine_config.num_max_nvl_chunked_recv_tokens == 256
+            assert Buffer.num_sms == PR_NUM_SMS, seed
     finally:
         _finish()
 

@@ -130,7 +130,7 @@ from ..buffer import LlCombineOverlap, _overlap_arg
 from ..group import Group as _EpxGroup
 from ._deep_ep_types import Config, EventHandle, EventOverlap, _align
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 #: dtype of topk_idx in DeepEP.
 topk_idx_t = torch.int64
