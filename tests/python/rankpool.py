@@ -133,7 +133,10 @@ class RankPool:
             (results if ok else failures)[rank] = out
         if failures:
             text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{text}")
+            # The arguments (every body's first is its seed) name the failing case even where a
+            # bare assert in the rank process carries no message.
+            raise AssertionError(f"{fn.__name__}{tuple(args)!r} failed on ranks "
+                                 f"{sorted(failures)}:\n{text}")
         return [results[r] for r in range(self.world_size)]
 
     def close(self):
