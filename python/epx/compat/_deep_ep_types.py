@@ -73,11 +73,12 @@ class Config:
 
 
 class EventHandle:
-    """DeepEP's ``EventHandle`` (``deep_ep.utils`` / ``deep_ep.buffer``; engines such as
-    Megatron-LM pass ``EventOverlap(EventHandle())`` as ``previous_event``): records an event on
-    the current CUDA stream when made; ``current_stream_wait()`` makes the current stream wait
-    for it. Where CUDA is not in use (the cpu backend, whose ops are synchronous) there is
-    nothing to record: it holds no event and the wait returns at once."""
+    """DeepEP's ``EventHandle`` (``deep_ep``, ``deep_ep.utils``, ``deep_ep.buffer``; training
+    frameworks such as Megatron-LM and torchtitan pass ``EventOverlap(EventHandle())`` as
+    ``previous_event``): records an event on the current CUDA stream when made;
+    ``current_stream_wait()`` makes the current stream wait for it. Where CUDA is not in use (the
+    cpu backend, whose ops are synchronous) there is nothing to record: it holds no event and the
+    wait returns at once."""
 
     def __init__(self):
         self.event = None

@@ -27,9 +27,9 @@ How it differs, and why:
   ``previous_event`` is waited on first, ``async_finish`` returns an event recorded after the op,
   ``allocate_on_comm_stream`` is accepted and has nothing to change, ``get_comm_stream()``
   returns the current stream (None on CPU). On CPU every op is synchronous. ``EventHandle``
-  (DeepEP's, importable from ``deep_ep.utils``, as Megatron-LM does, ``deep_ep.buffer`` and, as
-  DeepEP 2.x exports it, ``deep_ep``)
-  records an event on the current stream, none where CUDA is not in use.
+  (DeepEP's; importable from ``deep_ep.utils`` as Megatron-LM does, from ``deep_ep.buffer``, and
+  from ``deep_ep`` as DeepEP 2.x exports it) records an event on the current stream, none where
+  CUDA is not in use.
 * Nodes. As DeepEP, a group that spans nodes runs normal mode (and low latency) across them: on
   epx's hierarchical path (docs/design.md §13; the cpu backend only for now, the cuda backend
   raises Unsupported at the first op). The node size: ``Buffer(..., ranks_per_node=n)`` (an epx
