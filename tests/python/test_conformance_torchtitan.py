@@ -546,6 +546,15 @@ def _sync_comm_stream(buffer):
     torch.cuda.synchronize()
 
 
+def _after_op(buffer, event, async_finish, sync_comm_stream):
+    """What fused_a2a.py does after each of its four calls: wait on the returned event when
+    async_finish, then _sync_comm_stream when asked."""
+    if async_finish:
+        event.current_stream_wait()
+    if sync_comm_stream:
+        _sync_comm_stream(buffer)
+
+
 class _FusedDispatch(torch.autograd.Function):
     """fused_a2a.FusedDispatch (PR #2500)."""
 
@@ -567,10 +576,7 @@ class _FusedDispatch(torch.autograd.Function):
             num_tokens_per_expert=per_expert, previous_event=event, async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream, num_worst_tokens=num_worst_tokens)
         recv_x, recv_indices, recv_probs, per_expert_list, handle, after = out
-        if async_finish:
-            after.current_stream_wait()
-        if sync_comm_stream:
-            _sync_comm_stream(buffer)
+        _after_op(buffer, after, async_finish, sync_comm_stream)
         m.trace.append(("dispatch", buffer, out, None))
         ctx.group, ctx.handle = group, handle
         ctx.async_finish, ctx.allocate_on_comm_stream = async_finish, allocate_on_comm_stream
@@ -588,10 +594,7 @@ class _FusedDispatch(torch.autograd.Function):
             grad_output.contiguous(), ctx.handle, topk_weights=grad_probs.float(),
             previous_event=previous_event, async_finish=ctx.async_finish,
             allocate_on_comm_stream=ctx.allocate_on_comm_stream)
-        if ctx.async_finish:
-            after.current_stream_wait()
-        if ctx.sync_comm_stream:
-            _sync_comm_stream(buffer)
+        _after_op(buffer, after, ctx.async_finish, ctx.sync_comm_stream)
         m.trace.append(("dispatch.backward", buffer, ctx.handle, (grad_x, grad_token_probs)))
         return grad_x, None, grad_token_probs, None, None, None, None, None, None, None
 
@@ -609,10 +612,7 @@ class _FusedCombine(torch.autograd.Function):
                              previous_event=previous_event,
                              allocate_on_comm_stream=allocate_on_comm_stream)
         combined_x, _, after = out
-        if async_finish:
-            after.current_stream_wait()
-        if sync_comm_stream:
-            _sync_comm_stream(buffer)
+        _after_op(buffer, after, async_finish, sync_comm_stream)
         m.trace.append(("combine", buffer, handle, out))
         ctx.handle, ctx.group = handle, group
         ctx.async_finish, ctx.allocate_on_comm_stream = async_finish, allocate_on_comm_stream
@@ -627,10 +627,7 @@ class _FusedCombine(torch.autograd.Function):
         out = buffer.dispatch(grad_output.contiguous(), handle=ctx.handle,
                               previous_event=previous_event, async_finish=ctx.async_finish,
                               allocate_on_comm_stream=ctx.allocate_on_comm_stream)
-        if ctx.async_finish:
-            out[5].current_stream_wait()
-        if ctx.sync_comm_stream:
-            _sync_comm_stream(buffer)
+        _after_op(buffer, out[5], ctx.async_finish, ctx.sync_comm_stream)
         m.trace.append(("combine.backward", buffer, ctx.handle, out))
         return out[0], None, None, None, None, None
 

@@ -332,27 +332,32 @@ class _DualBatch:
     def switch_to_compute(self):
         self.set_stream(self.compute_stream if self.cuda else None)
 
+    def _handover(self, i, to_comm, yield_first):
+        """Micro-batch i leaves one stream for the other (compute -> comm when `to_comm`): its
+        work so far recorded in its "done" event, the other micro-batch's turn first when
+        `yield_first`, then the other stream made current and made to wait for that event."""
+        if not self.cuda:
+            if yield_first:
+                self.cpu_yield(i)
+            return
+        if to_comm:
+            src, dst, done = self.compute_stream, self.comm_stream, self.compute_done[i]
+        else:
+            src, dst, done = self.comm_stream, self.compute_stream, self.comm_done[i]
+        done.record(src)
+        if yield_first:
+            self.cpu_yield(i)
+        torch.cuda.set_stream(dst)
+        dst.wait_event(done)
+
     def switch_to_compute_sync(self, i):
-        if self.cuda:
-            self.comm_done[i].record(self.comm_stream)
-            torch.cuda.set_stream(self.compute_stream)
-            self.compute_stream.wait_event(self.comm_done[i])
+        self._handover(i, to_comm=False, yield_first=False)
 
     def yield_and_switch_from_compute_to_comm(self, i):
-        if self.cuda:
-            self.compute_done[i].record(self.compute_stream)
-        self.cpu_yield(i)
-        if self.cuda:
-            torch.cuda.set_stream(self.comm_stream)
-            self.comm_stream.wait_event(self.compute_done[i])
+        self._handover(i, to_comm=True, yield_first=True)
 
     def yield_and_switch_from_comm_to_compute(self, i):
-        if self.cuda:
-            self.comm_done[i].record(self.comm_stream)
-        self.cpu_yield(i)
-        if self.cuda:
-            torch.cuda.set_stream(self.compute_stream)
-            self.compute_stream.wait_event(self.comm_done[i])
+        self._handover(i, to_comm=False, yield_first=True)
 
     def maybe_run_recv_hook(self, i):
         hook, self.hooks[i] = self.hooks[i], None
