@@ -345,6 +345,7 @@ class _DeepEPModule:
         self.handle_cache = {}
         self.counter = 0
         self.pending = None
+        self.deferred_out = None
         self.made = []
         self.trace = []
 
@@ -466,6 +467,11 @@ class _DeepEPModule:
         if self.pending is not None:
             self.pending.current_stream_wait()
             self.pending = None
+        if self.deferred_out is not None:  # the combine op's output, read after the wait
+            out, host = self.deferred_out
+            with torch.no_grad():
+                host.copy_(out)
+            self.deferred_out = None
 
     # dispatch_tokens / combine_tokens (the local parts on the CPU; the collectives on the device)
     def dispatch_tokens(self, hidden_states, sel, top, L, num_experts, group, sbe, log):
@@ -476,20 +482,18 @@ class _DeepEPModule:
         per_rank, per_rdma_rank, per_expert, in_rank, _ = layout
         log.update(layout=layout, topk_idx=sel, topk_weights=top.detach())
         recv_x, recv_idx, recv_scores, num, handle_id = _call_op(
-            _DispatchOp, self.dev(hidden_states), self.dev(sel), self.dev(top), per_rank,
-            per_rdma_rank, in_rank, per_expert)
+            _DispatchOp, hidden_states, sel, top, per_rank, per_rdma_rank, in_rank, per_expert)
         log.update(dispatch=self.trace[-1], num=num, handle_id=handle_id)
-        state = _after_dispatch(self.cfg, recv_x.cpu(), recv_idx.cpu(), recv_scores.cpu(),
-                                num.to("cpu"), L, sbe)
+        state = _after_dispatch(self.cfg, recv_x, recv_idx, recv_scores, num, L, sbe)
         state.handle_id = handle_id
         log["state"] = state
         return state.hidden, state.tokens_per_expert, state
 
     def combine_tokens(self, hidden_states, state, log):
         hidden_states = _before_combine(state, hidden_states)
-        out = _call_op(_CombineOp, self.dev(hidden_states), state.handle_id)
+        out = _call_op(_CombineOp, hidden_states, state.handle_id)
         log["combine"] = self.trace[-1]
-        return out if self.cfg.deferred else out.cpu()  # deferred: read after sync_combine()
+        return out  # deferred: filled by sync_combine()
 
 
 _MOD = None  # the current process's replayed deepep.py (set by each body)
@@ -503,36 +507,56 @@ def _call_op(fn, *args):
     return fn.apply(*args, setup)
 
 
+def _to_host(ts):
+    return tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in ts)
+
+
+def _to_dev(ts):
+    return tuple(_MOD.dev(t) if isinstance(t, torch.Tensor) else t for t in ts)
+
+
+# The replayed ops take and return the model's CPU tensors and move them to the device and back
+# inside (torchtitan's ops see CUDA tensors throughout). So every autograd node of the replay is a
+# CPU node, run by the thread that calls backward in the reference's order: a node whose incoming
+# gradient is a CUDA tensor runs on the autograd engine's device thread, beside the CPU thread, and
+# the bf16 sums of a tensor's gradients (h's: the residual, the router, the shared experts, the
+# dispatch's backward) would then add in whichever order they arrive.
+
 class _DispatchOp(torch.autograd.Function):
     """torch.ops.deepep.dispatch with its register_autograd (replayed, see the docstring)."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, per_rank, per_rdma_rank, in_rank, per_expert,
                 setup):
-        out = _MOD.dispatch_impl(x, topk_idx, topk_weights, per_rank, per_rdma_rank, in_rank,
-                                 per_expert)
+        out = _MOD.dispatch_impl(*_to_dev((x, topk_idx, topk_weights)), per_rank, per_rdma_rank,
+                                 in_rank, per_expert)
         if setup:
             _MOD.dispatch_setup(ctx, x, out[4])
-        return out
+        return _to_host(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        return _MOD.dispatch_backward(ctx, *grads) + (None,)
+        return _to_host(_MOD.dispatch_backward(ctx, *_to_dev(grads))) + (None,)
 
 
 class _CombineOp(torch.autograd.Function):
-    """torch.ops.deepep.combine with its register_autograd (replayed)."""
+    """torch.ops.deepep.combine with its register_autograd (replayed). With the deferred wait the
+    output is read after sync_combine(): the op returns a CPU tensor that sync_combine() fills."""
 
     @staticmethod
     def forward(ctx, x, handle_id, setup):
-        out = _MOD.combine_impl(x, handle_id)
+        m = _MOD
+        out = m.combine_impl(m.dev(x), handle_id)
         if setup:
-            _MOD.combine_setup(ctx, handle_id)
-        return out
+            m.combine_setup(ctx, handle_id)
+        if m.cfg.deferred:
+            m.deferred_out = (out, torch.empty(out.shape, dtype=out.dtype))
+            return m.deferred_out[1]
+        return out.cpu()
 
     @staticmethod
     def backward(ctx, grad):
-        return _MOD.combine_backward(ctx, grad) + (None,)
+        return _to_host(_MOD.combine_backward(ctx, _MOD.dev(grad))) + (None,)
 
 
 # ---- PR #2500: fused_a2a.py and deepep/utils.py's dispatcher, replayed ------------------------
@@ -563,6 +587,7 @@ class _FusedDispatch(torch.autograd.Function):
                 allocate_on_comm_stream=False, use_cuda_num_token_per_expert=False,
                 num_worst_tokens=0, sync_comm_stream=False):
         m = _MOD
+        x, token_indices, token_probs = _to_dev((x, token_indices, token_probs))
         previous_event = m.event() if async_finish else None
         buffer = m.get_buffer(group, m.get_hidden_bytes(x))
         layout = buffer.get_dispatch_layout(
@@ -582,12 +607,13 @@ class _FusedDispatch(torch.autograd.Function):
         ctx.async_finish, ctx.allocate_on_comm_stream = async_finish, allocate_on_comm_stream
         ctx.sync_comm_stream = sync_comm_stream
         tokens_per_expert = torch.tensor(per_expert_list, device=x.device)
-        return recv_x, recv_indices, recv_probs, tokens_per_expert, handle
+        return recv_x.cpu(), recv_indices.cpu(), recv_probs.cpu(), tokens_per_expert, handle
 
     @staticmethod
     def backward(ctx, grad_output, grad_indices, grad_probs, grad_tokens_per_expert,
                  grad_handle):
         m = _MOD
+        grad_output, grad_probs = _to_dev((grad_output, grad_probs))
         buffer = m.get_buffer(ctx.group, m.get_hidden_bytes(grad_output))
         previous_event = m.event() if ctx.async_finish else None
         grad_x, grad_token_probs, after = buffer.combine(
@@ -596,7 +622,7 @@ class _FusedDispatch(torch.autograd.Function):
             allocate_on_comm_stream=ctx.allocate_on_comm_stream)
         _after_op(buffer, after, ctx.async_finish, ctx.sync_comm_stream)
         m.trace.append(("dispatch.backward", buffer, ctx.handle, (grad_x, grad_token_probs)))
-        return grad_x, None, grad_token_probs, None, None, None, None, None, None, None
+        return grad_x.cpu(), None, grad_token_probs.cpu(), None, None, None, None, None, None, None
 
 
 class _FusedCombine(torch.autograd.Function):
@@ -606,6 +632,7 @@ class _FusedCombine(torch.autograd.Function):
     def forward(ctx, x, group, handle, async_finish=False, allocate_on_comm_stream=False,
                 sync_comm_stream=False):
         m = _MOD
+        x = m.dev(x)
         previous_event = m.event() if async_finish else None
         buffer = m.get_buffer(group, m.get_hidden_bytes(x))
         out = buffer.combine(x, handle=handle, async_finish=async_finish,
@@ -617,11 +644,12 @@ class _FusedCombine(torch.autograd.Function):
         ctx.handle, ctx.group = handle, group
         ctx.async_finish, ctx.allocate_on_comm_stream = async_finish, allocate_on_comm_stream
         ctx.sync_comm_stream = sync_comm_stream
-        return combined_x, None
+        return combined_x.cpu(), None
 
     @staticmethod
     def backward(ctx, grad_output, previous_event=None):
         m = _MOD
+        grad_output = m.dev(grad_output)
         previous_event = m.event() if ctx.async_finish else None
         buffer = m.get_buffer(ctx.group, m.get_hidden_bytes(grad_output))
         out = buffer.dispatch(grad_output.contiguous(), handle=ctx.handle,
@@ -629,7 +657,7 @@ class _FusedCombine(torch.autograd.Function):
                               allocate_on_comm_stream=ctx.allocate_on_comm_stream)
         _after_op(buffer, out[5], ctx.async_finish, ctx.sync_comm_stream)
         m.trace.append(("combine.backward", buffer, ctx.handle, out))
-        return out[0], None, None, None, None, None
+        return out[0].cpu(), None, None, None, None, None
 
 
 class _PrDispatcher:
@@ -660,11 +688,10 @@ class _PrDispatcher:
             self.token_probs = self.token_probs.float()
         m = self.m
         recv_x, indices, probs, tokens_per_expert, handle = _FusedDispatch.apply(
-            m.dev(hidden_states).contiguous(), m.dev(self.token_indices),
-            m.dev(self.token_probs), self.num_experts, group, async_finish,
-            allocate_on_comm_stream, False, 0, self.sync_comm_stream)
+            hidden_states.contiguous(), self.token_indices, self.token_probs, self.num_experts,
+            group, async_finish, allocate_on_comm_stream, False, 0, self.sync_comm_stream)
         self.handle, self.tokens_per_expert = handle, tokens_per_expert
-        self.dispatched_indices, self.dispatched_probs = indices.cpu(), probs.cpu()
+        self.dispatched_indices, self.dispatched_probs = indices, probs
         num_recv_tokens = torch.sum(tokens_per_expert)
         if num_recv_tokens.device.type != "cpu":  # the manager's async device-to-host copy
             s = _PrDispatcher.cuda_dtoh_stream
@@ -677,16 +704,15 @@ class _PrDispatcher:
             s.synchronize()  # maybe_cpu_sync
         else:
             self.num_recv_tokens = num_recv_tokens
-        return recv_x.cpu()
+        return recv_x
 
     def token_combine(self, hidden_states, group, async_finish=True,
                       allocate_on_comm_stream=True):
-        out, _ = _FusedCombine.apply(self.m.dev(hidden_states), group, self.handle,
-                                     async_finish, allocate_on_comm_stream,
-                                     self.sync_comm_stream)
+        out, _ = _FusedCombine.apply(hidden_states, group, self.handle, async_finish,
+                                     allocate_on_comm_stream, self.sync_comm_stream)
         self.handle = self.tokens_per_expert = self.dispatched_indices = None
         self.dispatched_probs = self.num_recv_tokens = None
-        return out.cpu()
+        return out
 
 
 # ---- the model: MoE blocks as DeepEPMoE / MoE.forward drive the dispatch ----------------------
@@ -769,7 +795,6 @@ def _replay_moe(m, cfg, x_BLD, p, layer, step, group, num_experts, log):
     out = _shared(p, x)
     if cfg.deferred:
         m.sync_combine()
-        routed = routed.cpu()
     return (out + routed).reshape(bs, slen, dim)
 
 
