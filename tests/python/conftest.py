@@ -5,6 +5,9 @@ CPU tier: ranks are spawned processes joined by gloo; epx runs its cpu backend. 
 built without CUDA.
 """
 
+import contextlib
+import sys
+
 import pytest
 
 from rankpool import RankPool
@@ -38,6 +41,25 @@ def pytest_collection_modifyitems(config, items):
             reason = reason or gpu_skip_reason(1)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@contextlib.contextmanager
+def deep_ep_shim_on_path():
+    """The imports inside see epx's shim directory first on sys.path (the README's one-step
+    opt-in), so ``import deep_ep`` is the shim; afterwards the path is restored and every
+    ``deep_ep`` module the block imported is dropped from sys.modules (rank pools and other tests
+    share the process)."""
+    import epx.compat.shim as shim
+
+    before = set(sys.modules)
+    sys.path.insert(0, shim.DIRECTORY)
+    try:
+        yield
+    finally:
+        sys.path.remove(shim.DIRECTORY)
+        for name in set(sys.modules) - before:
+            if name == "deep_ep" or name.startswith("deep_ep."):
+                del sys.modules[name]
 
 
 def get_pool(world_size, backend="gloo"):

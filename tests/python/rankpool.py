@@ -33,6 +33,18 @@ class RankContext:
         self.device = device
         self.cache = {}  # per-pool scratch that bodies may reuse (e.g. a Buffer)
 
+    def subgroup(self, size):
+        """This rank's group when the world is split into groups of `size` consecutive ranks (an
+        engine's EP groups beside data-parallel replicas); made once per pool and size, every
+        rank creating every group in the same order, as torch.distributed requires."""
+        import torch.distributed as dist
+        key = ("subgroup", size)
+        if key not in self.cache:
+            groups = [dist.new_group(list(range(g, g + size)))
+                      for g in range(0, self.world_size, size)]
+            self.cache[key] = groups[self.rank // size]
+        return self.cache[key]
+
 
 def _worker(rank, world_size, init_file, backend, cmd_queue, result_queue):
     os.environ["EPX_TIMEOUT_MS"] = str(RANK_EPX_TIMEOUT_MS)

@@ -45,7 +45,6 @@ graph capture of the flex dispatcher (its DeepEP path is documented as not graph
 """
 
 import random
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -57,13 +56,11 @@ import epx.compat.deep_ep as epx_deep_ep
 import epx.compat.shim as shim
 import reference as ref
 import test_deep_ep_ht as ht
-from conftest import get_pool, gpu_skip_reason
+from conftest import deep_ep_shim_on_path, get_pool, gpu_skip_reason
 
 # ---- fused_a2a.py's import block, through the shim (README: the one-step opt-in) ---------------
 
-_BEFORE = set(sys.modules)
-sys.path.insert(0, shim.DIRECTORY)
-try:
+with deep_ep_shim_on_path():
     import deep_ep  # the shim: epx's drop-in under DeepEP's name
     import deep_ep.utils
     try:
@@ -73,11 +70,6 @@ try:
     except ImportError as e:  # Megatron then sets HAVE_DEEP_EP = False
         IMPORT_ERROR = e
         Buffer, EventOverlap, EventHandle = deep_ep.Buffer, deep_ep.utils.EventOverlap, None
-finally:
-    sys.path.remove(shim.DIRECTORY)
-    for _name in set(sys.modules) - _BEFORE:  # no shim left behind for other tests' imports
-        if _name == "deep_ep" or _name.startswith("deep_ep."):
-            del sys.modules[_name]
 
 H = 256  # == ht.H (its checks are reused)
 assert H == ht.H
@@ -237,12 +229,13 @@ def _initialize_metadata(routing_map, probs, tp, ep, num_local_experts):
     return spread(routing_map), spread(probs)
 
 
-def _indices_to_multihot(indices, probs, num_local_experts):
+def _indices_to_multihot(indices, probs, num_local_experts, dtype=torch.float):
     """_DeepepManager._indices_to_multihot: received (indices [N, K] local or -1, probs [N, K])
-    -> (routing map [N, L] bool, probs [N, L] float32)."""
+    -> (routing map [N, L] bool, probs [N, L] float32). torchtitan's deepep.py has the same code
+    with the probs [N, L] in the received probs' dtype (`dtype`; its replay calls this one)."""
     n = indices.shape[0]
     multihot = torch.zeros(n, num_local_experts, dtype=torch.long)
-    multihot_probs = torch.zeros(n, num_local_experts, dtype=torch.float)
+    multihot_probs = torch.zeros(n, num_local_experts, dtype=dtype)
     valid = indices != -1
     rows = torch.arange(n).repeat_interleave(valid.sum(dim=1))
     cols = indices[valid]
@@ -635,23 +628,12 @@ def body_buffer_reuse(ctx, seed, async_finish):
         _reset()
 
 
-def _ep_groups(ctx, size):
-    """Megatron's TP x EP groups as subgroups of the world: consecutive ranks, `size` each (every
-    rank creates every group, in order, as torch.distributed requires)."""
-    key = ("megatron-ep", size)
-    if key not in ctx.cache:
-        groups = [dist.new_group(list(range(g, g + size)))
-                  for g in range(0, ctx.world_size, size)]
-        ctx.cache[key] = groups[ctx.rank // size]
-    return ctx.cache[key]
-
-
 def body_ep_subgroups(ctx, seed, size, async_finish):
     """The flex dispatcher's group is the TP x EP group, a subgroup of the world (data-parallel
     replicas beside it): concurrent layers in disjoint subgroups, get_buffer's group rule (a
     Buffer per group), exact results per subgroup."""
     R, r = ctx.world_size, ctx.rank
-    group = _ep_groups(ctx, size)
+    group = ctx.subgroup(size)  # Megatron's TP x EP group
     sub_r = dist.get_rank(group)
     assert group.size() == size and sub_r == r % size
     _reset()

@@ -79,7 +79,6 @@ inference mode.
 
 import contextlib
 import random
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -91,14 +90,13 @@ import torch.utils.checkpoint
 import epx.compat.deep_ep as epx_deep_ep
 import epx.compat.shim as shim
 import reference as ref
+import test_conformance_megatron as megatron
 import test_deep_ep_ht as ht
-from conftest import get_pool, gpu_skip_reason
+from conftest import deep_ep_shim_on_path, get_pool, gpu_skip_reason
 
 # ---- deepep.py's import blocks, through the shim (README: the one-step opt-in) -----------------
 
-_BEFORE = set(sys.modules)
-sys.path.insert(0, shim.DIRECTORY)
-try:
+with deep_ep_shim_on_path():
     import deep_ep  # the shim: epx's drop-in under DeepEP's name
     import deep_ep.utils
     try:  # 36a4b69 .. b5852826^: Buffer from deep_ep, the events from deep_ep.utils
@@ -116,11 +114,6 @@ try:
         TOP_IMPORT_ERROR = e
         TopBuffer = TopEventHandle = TopEventOverlap = None
     from deep_ep import Config as DeepEPConfig  # deepep/utils.py of PR #2500
-finally:
-    sys.path.remove(shim.DIRECTORY)
-    for _name in set(sys.modules) - _BEFORE:  # no shim left behind for other tests' imports
-        if _name == "deep_ep" or _name.startswith("deep_ep."):
-            del sys.modules[_name]
 
 D = 128          # model dim (hidden): get_hidden_bytes = 256
 F_EXPERT = 32    # moe_inter_dim
@@ -210,16 +203,9 @@ def _titan_routing(sel, top):
 
 def _indices_to_multihot(indices, scores, num_local_experts):
     """deepep.py (36a4b69) / PR #2500 fused_indices_to_multihot: received (local idx or -1,
-    scores) [N, K] -> (routing map bool [N, L], scores [N, L] of the scores' dtype)."""
-    n = indices.shape[0]
-    routing = torch.zeros(n, num_local_experts, dtype=torch.long)
-    multihot = torch.zeros(n, num_local_experts, dtype=scores.dtype)
-    mask = indices != -1
-    rows = torch.arange(n).repeat_interleave(mask.sum(dim=1))
-    cols = indices[mask]
-    routing[rows, cols] = 1
-    multihot[rows, cols] = scores[mask]
-    return routing.bool(), multihot
+    scores) [N, K] -> (routing map bool [N, L], scores [N, L] of the scores' dtype): Megatron-LM's
+    _indices_to_multihot, which the Megatron replay has."""
+    return megatron._indices_to_multihot(indices, scores, num_local_experts, scores.dtype)
 
 
 def _permute_multihot(tokens, routing_map, scores):
@@ -1118,22 +1104,11 @@ def body_training(ctx, seed, flavor, ac=False, steps=(1, 2)):
         _finish()
 
 
-def _ep_group(ctx, size):
-    """torchtitan's EP mesh dimension as subgroups of the world (consecutive ranks); every rank
-    creates every group, in order."""
-    key = ("torchtitan-ep", size)
-    if key not in ctx.cache:
-        groups = [dist.new_group(list(range(g, g + size)))
-                  for g in range(0, ctx.world_size, size)]
-        ctx.cache[key] = groups[ctx.rank // size]
-    return ctx.cache[key]
-
-
 def body_ep_subgroups(ctx, seed, size):
     """EP groups smaller than the world (data-parallel replicas beside them): a training step on
     each subgroup concurrently, then a layer on the world group, for which get_buffer's group
     rule makes a second Buffer; a larger hidden size (a model with a wider dim) a third."""
-    group = _ep_group(ctx, size)
+    group = ctx.subgroup(size)  # torchtitan's EP mesh dimension
     sub_r = dist.get_rank(group)
     assert group.size() == size and sub_r == ctx.rank % size
     m = _start("2026-02", ctx.device)

@@ -77,7 +77,6 @@ Buffer), CUDA graphs, and real rank failures under fault tolerance.
 
 import contextlib
 import random
-import sys
 import threading
 import weakref
 
@@ -87,12 +86,11 @@ import torch.distributed as dist
 
 import epx
 import epx.compat.deep_ep as compat_deep_ep
-import epx.compat.shim as shim
 import reference as ref
 import test_conformance_deep_ep as dconf
 import test_deep_ep_ht as ht
 import test_deep_ep_ll as ll
-from conftest import get_pool
+from conftest import deep_ep_shim_on_path, get_pool
 
 HT_H = ht.H            # 256: bf16 rows of 512 bytes (vLLM's HT hidden-size rounding unit)
 LL_H = 2048            # the smallest of DeepEPLLPrepareAndFinalize.SUPPORTED_HIDDEN_SIZES
@@ -116,17 +114,9 @@ def _num_experts(R):
 
 
 def _import_deep_ep():
-    """``import deep_ep`` as vLLM does, with epx's shim directory first on the path; the path and
-    sys.modules are restored afterwards (the pool's processes are shared with other tests)."""
-    before = set(sys.modules)
-    sys.path.insert(0, shim.DIRECTORY)
-    try:
+    """``import deep_ep`` as vLLM does, through epx's shim (conftest.deep_ep_shim_on_path)."""
+    with deep_ep_shim_on_path():
         import deep_ep as mod
-    finally:
-        sys.path.remove(shim.DIRECTORY)
-        for name in set(sys.modules) - before:
-            if name == "deep_ep" or name.startswith("deep_ep."):
-                del sys.modules[name]
     assert mod.Buffer is compat_deep_ep.Buffer, f"deep_ep is {mod.__file__}, not epx's shim"
     return mod
 
@@ -418,59 +408,27 @@ class _Ctx:
         self.id = i
 
 
-def _dbo_yield():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.yield_(ctx.id)
+def _dbo_call(method, with_id=True):
+    """vLLM's dbo_<name> functions: nothing (None) outside a micro-batch thread; inside, the
+    dual batch's method, given the micro-batch's id where vLLM's passes it."""
+    def call(*args):
+        ctx = _ub()
+        if ctx is None:
+            return None
+        fn = getattr(ctx.dual, method)
+        return fn(ctx.id, *args) if with_id else fn(*args)
+    return call
 
 
-def _dbo_maybe_run_recv_hook():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.maybe_run_recv_hook(ctx.id)
-
-
-def _dbo_register_recv_hook(hook):
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.register_recv_hook(ctx.id, hook)
-
-
-def _dbo_get_previous_event(func):
-    ctx = _ub()
-    if ctx is not None:
-        return ctx.dual.previous_event(func)
-    return None
-
-
-def _dbo_yield_and_switch_from_compute_to_comm():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.yield_and_switch_from_compute_to_comm(ctx.id)
-
-
-def _dbo_yield_and_switch_from_comm_to_compute():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.yield_and_switch_from_comm_to_compute(ctx.id)
-
-
-def _dbo_switch_to_compute_sync():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.switch_to_compute_sync(ctx.id)
-
-
-def _dbo_switch_to_comm():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.switch_to_comm()
-
-
-def _dbo_switch_to_compute():
-    ctx = _ub()
-    if ctx is not None:
-        ctx.dual.switch_to_compute()
+_dbo_yield = _dbo_call("yield_")
+_dbo_maybe_run_recv_hook = _dbo_call("maybe_run_recv_hook")
+_dbo_register_recv_hook = _dbo_call("register_recv_hook")
+_dbo_get_previous_event = _dbo_call("previous_event", with_id=False)
+_dbo_yield_and_switch_from_compute_to_comm = _dbo_call("yield_and_switch_from_compute_to_comm")
+_dbo_yield_and_switch_from_comm_to_compute = _dbo_call("yield_and_switch_from_comm_to_compute")
+_dbo_switch_to_compute_sync = _dbo_call("switch_to_compute_sync")
+_dbo_switch_to_comm = _dbo_call("switch_to_comm", with_id=False)
+_dbo_switch_to_compute = _dbo_call("switch_to_compute", with_id=False)
 
 
 # ==== the experts (stand-ins) and the modular kernel ============================================
@@ -588,9 +546,24 @@ def _moe_layer(pf, experts, hidden_states, topk_weights, topk_ids, num_experts,
     return output
 
 
+class _Finalizes:
+    """finalize_async / finalize of both DeepEP prepare-finalize classes: the class's _finalize,
+    asynchronous (returns the receiver) or not."""
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input):
+        return self._finalize(output, fused_expert_output, topk_weights, topk_ids,
+                              apply_router_weight_on_input, True)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input):
+        self._finalize(output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, False)
+
+
 # ==== DeepEPHTPrepareAndFinalize (prepare_finalize/deepep_ht.py) ================================
 
-class _VllmHt:
+class _VllmHt(_Finalizes):
     def __init__(self, deep_ep, buffer, num_dispatchers, rank_expert_offset, quant):
         self.deep_ep = deep_ep
         self.buffer = buffer
@@ -697,20 +670,10 @@ class _VllmHt:
         output.copy_(combined_x, non_blocking=True)
         return None
 
-    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
-                       apply_router_weight_on_input):
-        return self._finalize(output, fused_expert_output, topk_weights, topk_ids,
-                              apply_router_weight_on_input, True)
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input):
-        self._finalize(output, fused_expert_output, topk_weights, topk_ids,
-                       apply_router_weight_on_input, False)
-
 
 # ==== DeepEPLLPrepareAndFinalize (prepare_finalize/deepep_ll.py) ================================
 
-class _VllmLl:
+class _VllmLl(_Finalizes):
     def __init__(self, buffer, max_tokens_per_rank, num_dispatchers, use_fp8_dispatch,
                  use_ue8m0_dispatch):
         self.buffer = buffer
@@ -768,16 +731,6 @@ class _VllmLl:
             zero_copy=False, return_recv_hook=do_recv_hook, out=output)
         assert (recv_hook is not None) == do_recv_hook
         return recv_hook, lambda: None
-
-    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
-                       apply_router_weight_on_input):
-        return self._finalize(output, fused_expert_output, topk_weights, topk_ids,
-                              apply_router_weight_on_input, True)
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input):
-        self._finalize(output, fused_expert_output, topk_weights, topk_ids,
-                       apply_router_weight_on_input, False)
 
 
 # ==== inputs and references =====================================================================
