@@ -503,6 +503,20 @@ class _ExpertTokensMetadata:
         return _ExpertTokensMetadata(cpu.to(device, non_blocking=True), cpu)
 
 
+def _hook_then_receiver(ret):
+    """What FusedMoEModularKernel does with an async prepare's or finalize's result (a receiver,
+    or (hook, receiver)): the hook runs at once, or under DBO is registered for the other
+    micro-batch, which runs while this one yields. Returns the receiver."""
+    hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
+    if hook is not None:
+        if _dbo_enabled():
+            _dbo_register_recv_hook(hook)
+            _dbo_yield()
+        else:
+            hook()
+    return receiver
+
+
 def _moe_layer(pf, experts, hidden_states, topk_weights, topk_ids, num_experts,
                apply_router_weight_on_input, finalize_async, on_prepared):
     """FusedMoEModularKernel.apply with an async-capable prepare/finalize: _prepare (hook at once,
@@ -511,16 +525,8 @@ def _moe_layer(pf, experts, hidden_states, topk_weights, topk_ids, num_experts,
     releases use). on_prepared(receiver's result) checks what prepare delivered."""
     output = torch.full_like(hidden_states, float("nan"))  # torch.empty_like in vLLM
     _dbo_maybe_run_recv_hook()
-    ret = pf.prepare_async(hidden_states, topk_weights, topk_ids, num_experts,
-                           apply_router_weight_on_input)
-    hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
-    if hook is not None:
-        if _dbo_enabled():
-            _dbo_register_recv_hook(hook)
-            _dbo_yield()
-        else:
-            hook()
-    prepared = receiver()
+    prepared = _hook_then_receiver(pf.prepare_async(hidden_states, topk_weights, topk_ids,
+                                                    num_experts, apply_router_weight_on_input))()
     on_prepared(prepared)
     a1q, a1q_scale, meta, expert_ids, expert_weights = prepared
     ids = topk_ids if expert_ids is None else expert_ids
@@ -533,14 +539,7 @@ def _moe_layer(pf, experts, hidden_states, topk_weights, topk_ids, num_experts,
         # half must not have left anything behind in it (the normal-mode combine was given the
         # weighted copy, so this changes nothing there).
         fused_out.fill_(float("nan"))
-        hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
-        if hook is not None:
-            if _dbo_enabled():
-                _dbo_register_recv_hook(hook)
-                _dbo_yield()
-            else:
-                hook()
-        receiver()
+        _hook_then_receiver(ret)()
     else:
         pf.finalize(output, fused_out, weights, ids, apply_router_weight_on_input)
     return output
