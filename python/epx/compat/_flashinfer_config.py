@@ -3,13 +3,14 @@ a MoeAlltoAll is made with -- :class:`Mapping` (the rank layout; FlashInfer's
 ``flashinfer.comm.mapping``), :class:`MnnvlConfig`, the :class:`CommBackend` interface it
 bootstraps the epx group through and :class:`TorchDistBackend` (over a torch ProcessGroup), and
 :func:`is_mnnvl_fabric_supported` (FlashInfer's ``flashinfer.comm.mnnvl``). No tensors, no epx
-objects: plain values and the torch.distributed calls of TorchDistBackend.
+objects: plain values and the torch.distributed calls of TorchDistBackend (epx.Group's own over a
+ProcessGroup, group.py's _ProcessGroupComm, and a barrier).
 """
 
-import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..group import _ProcessGroupComm
 
 
 class Mapping:
@@ -117,25 +118,14 @@ class CommBackend:
         raise NotImplementedError
 
 
-class TorchDistBackend(CommBackend):
-    """CommBackend over a torch ProcessGroup (default: the default group)."""
+class TorchDistBackend(_ProcessGroupComm, CommBackend):
+    """CommBackend over a torch ProcessGroup (default: the default group): Get_rank, Get_size and
+    allgather as epx.Group makes them over a ProcessGroup (outside the caller's inference mode),
+    and barrier."""
 
     def __init__(self, group=None):
         self.group = group if group is not None else dist.group.WORLD
-
-    def Get_rank(self):
-        return dist.get_rank(self.group)
-
-    def Get_size(self):
-        return dist.get_world_size(self.group)
-
-    def allgather(self, data):
-        out = [None] * self.Get_size()
-        # Outside any torch.inference_mode() of the caller: all_gather_object's tensors are
-        # written by gloo's worker thread, where inference tensors may not be updated.
-        with torch.inference_mode(False):
-            dist.all_gather_object(out, data, group=self.group)
-        return out
+        super().__init__(self.group)
 
     def barrier(self):
         dist.barrier(group=self.group)
