@@ -6,8 +6,8 @@
 #
 #   bash bench/gpu_run.sh BATCH [BATCH...]        e.g.  bash bench/gpu_run.sh tests bench
 #
-#   build     only the build (every batch builds first, once; htrace alone skips it: it builds
-#             its own tree)
+#   build     only the build (every batch builds first, once; htrace and probe alone skip it:
+#             they build their own trees)
 #   tests     the GPU GoogleTest tier, each binary bounded ($EPX_TEST_LIMIT s, default 400):
 #             R = 1 and the one-GPU multi-rank tests (R = 2, 4, 8 on one GPU) of every binary;
 #             ht: HtGpu.OneRank*, HtGpu.WorstCaseGraphReplaysOneRank, Ranks/HtOneGpu.*, then
@@ -76,6 +76,11 @@
 #             ends with its profiled calls (no hook, then hook), so those are the launches its
 #             kernel rows time; and the same build's --trace-only (R = 1, E = 288) beside them
 #             (docs/perf.md §5 items 56-57)
+#   probe     the diagnostics of the ll kernels' parts alone, in a build of their own
+#             ($EPX_BUILD_DIR-probe, those two targets only; no main build needed):
+#             epx_sync_probe (each primitive of the fixed chain, and the SM's instruction issue
+#             and fetch) and epx_send_probe (the dispatch's send half alone, the production code;
+#             docs/perf.md §5 item 59)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -109,7 +114,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace htrace ablate ncu overhead main"
+BATCHES="build tests pytest bench gpubench overlap ab profile peer sweep trace htrace probe ablate ncu overhead main"
 usage() {
   sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
@@ -496,6 +501,14 @@ batch_htrace() {
   done
 }
 
+batch_probe() {
+  local D="$B-probe"
+  side_build probe.build 600 . "$D" "epx_sync_probe epx_send_probe" -DEPX_BUILD_PYTHON=OFF ||
+    return 1
+  step probe.sync 180 "." "$D/bench/epx_sync_probe"
+  step probe.send 180 "." "$D/bench/epx_send_probe"
+}
+
 batch_ablate() {
   local D="$B-diag"
   side_build ablate.build 600 . "$D" epx_ll_gpu_bench -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=OFF ||
@@ -561,18 +574,18 @@ batch_main() {
   step main 540 "^== |^(ht|ll|a2a)\.|check:|PASS|FAIL" bash scripts/run.sh
 }
 
-# The main build, unless no batch given uses it (htrace builds its own tree).
+# The main build, unless no batch given uses it (htrace and probe build their own trees).
 main_build() {
   local b
-  for b in "$@"; do [ "$b" = htrace ] || { do_build; return; }; done
-  skip build "the batches given build their own trees (htrace)"
+  for b in "$@"; do [ "$b" = htrace ] || [ "$b" = probe ] || { do_build; return; }; done
+  skip build "the batches given build their own trees (htrace, probe)"
 }
 
 if main_build "$@"; then
   for b in "$@"; do
     case $b in
       build) ;;
-      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | htrace | ablate | ncu)
+      peer | sweep | pytest | profile | overhead | main | tests | bench | gpubench | overlap | ab | trace | htrace | probe | ablate | ncu)
         if have_gpu || [ "$b" = main ]; then
           "batch_$b"
         else

@@ -22,6 +22,12 @@
 //              reaches 8 new pages' L2-resident lines: loads (a chase) or stores and a
 //              fence.acq_rel.gpu; cold, or 4 us after a prefetch.L2 / a load of each (whether a
 //              prefetch warms the translation), or after the prefetch and 32 other pages
+//   ifetch     1 warp, then 1, 2 and 4 warps per scheduler (4, 8, 16 warps) of one CTA, each
+//              running independent fma.rn.f32 (no dependency stall): a loop of 64-instruction
+//              bodies (the issue rate, its code in the L0 cache) against 1,024 and 4,096 of them
+//              straight-line (16 and 64 KB of code, each instruction fetched once per pass), right
+//              after a 256 KB evictor on every SM and again: cycles per instruction per warp, what
+//              code run once (the ll phases' straight-line stretches) pays for its fetch
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -226,6 +232,45 @@ __global__ void tlb_touch_kernel(uint64_t* out, const uint32_t* pages, int sweep
     acc += j;
   }
   settle(acc, sink);  // (keeps the loads)
+}
+
+// Instruction issue and fetch: the first `warps` warps of one CTA (warp w on scheduler w % 4)
+// each run N independent fma.rn.f32 (8 accumulators: no dependency stall, so at best one per
+// cycle per scheduler), either as a loop (kN / 64 laps of a 64-instruction body, in the
+// scheduler's L0 cache after the first lap) or straight-line (kN instructions, 16 B each, every
+// one fetched once per pass), twice in one launch: pass 0 right after a launch of the evictor
+// (another instantiation of this kernel, 256 KB of straight-line code, on every SM: this code is
+// out of the SMs' instruction caches, in L2), pass 1 the same code again. out[2 * (pass * 16 + w)] = the warp's
+// cycles.
+template <bool kStraight, int kN, int kSalt = 0>
+__global__ void __launch_bounds__(kThreads, 1)
+    ifetch_kernel(uint64_t* out, float m, float c, float* sink, int warps) {
+  const int w = static_cast<int>(threadIdx.x) / 32;
+  if (w >= warps) return;
+  float a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = static_cast<float>(threadIdx.x + j + kSalt);
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    __syncwarp();
+    const int64_t c0 = clock64();
+    if constexpr (kStraight) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) a[i & 7] = fmaf(a[i & 7], m, c);
+    } else {
+#pragma unroll 1
+      for (int o = 0; o < kN / 64; ++o) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) a[i & 7] = fmaf(a[i & 7], m, c);
+      }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += a[j];
+    settle(s, sink);
+    const int64_t c1 = clock64();
+    if ((threadIdx.x & 31) == 0) out[2 * (pass * 16 + w)] = static_cast<uint64_t>(c1 - c0);
+  }
 }
 
 template <bool kNamed>
@@ -522,6 +567,52 @@ int main(int argc, char** argv) {
       CUDA_OK(cudaFree(dnext));
       CUDA_OK(cudaFree(pages));
     }
+  }
+
+  // Instruction issue and fetch (ifetch_kernel): cycles per instruction per warp, the median
+  // warp of the median launch, with 1 warp, 1, 2 and 4 warps per scheduler.
+  {
+    float* fsink = nullptr;
+    CUDA_OK(cudaMalloc(&fsink, sizeof(float)));
+    const int sms = prop.multiProcessorCount;
+    for (int warps : {1, 4, 8, 16}) {
+      auto per_instr = [&](const char* what, int n, int pass, auto evict, auto launch) {
+        Timed t;
+        for (int i = 0; i <= iters; ++i) {
+          evict();
+          launch();
+          fetch(64);
+          if (i == 0) continue;  // warm-up
+          std::vector<double> clk;
+          for (int wi = 0; wi < warps; ++wi)
+            clk.push_back(static_cast<double>(h[2 * (pass * 16 + wi)]));
+          t.clk.push_back(median(clk));
+          t.ns.push_back(median(clk) * g_clock.ns_per_clk);
+        }
+        char name[96];
+        std::snprintf(name, sizeof name, "ifetch: %d warp%s, %s", warps, warps > 1 ? "s" : "",
+                      what);
+        row(name, t, n, "instr");
+      };
+      auto none = [] {};
+      per_instr("loop of 64 x 64 fma (L0-resident)", 4096, 1, none, [&] {
+        ifetch_kernel<false, 4096><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
+      });
+      auto evict = [&] {  // 256 KB of other code on every SM
+        ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
+      };
+      auto straight16 = [&] {
+        ifetch_kernel<true, 1024><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
+      };
+      auto straight64 = [&] {
+        ifetch_kernel<true, 4096><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
+      };
+      per_instr("1024 fma straight (16 KB), after the evictor", 1024, 0, evict, straight16);
+      per_instr("1024 fma straight (16 KB), again", 1024, 1, evict, straight16);
+      per_instr("4096 fma straight (64 KB), after the evictor", 4096, 0, evict, straight64);
+      per_instr("4096 fma straight (64 KB), again", 4096, 1, evict, straight64);
+    }
+    CUDA_OK(cudaFree(fsink));
   }
 
   row("bar512: __syncthreads, 512 threads", timed([&] { bar_kernel<false><<<1, kThreads>>>(out); }),

@@ -1,0 +1,328 @@
+// bench/send_probe.cu — a diagnostic for issue 26 (not a test, not in ctest): the ll dispatch's
+// send half alone, the production code (kernels/ll/dispatch.cuh: ll_dispatch_send, and in one
+// form ll_dispatch_route) in a kernel of its own, so that its time can be set apart from the
+// receive it overlaps in the real launch (docs/perf.md §5 item 59). One GPU, R = 1.
+//
+// Each launch sends T = C tokens from C CTAs of 512 threads (one token per CTA, as the fused
+// dispatch at T <= 128), H = 7168, K = 8, E = 288, fresh random x and routing ids; the flags are
+// cleared before every launch, so step 1's freed wait passes at once. Forms:
+//   fused, other team idle     warps 0-7 send (kSplit: 256 sending threads, 3.5 vectors each);
+//                              warps 8-15 arrive at the routed barrier and leave
+//   fused, other team polls    the same, warps 8-15's first thread then polls a word with
+//                              ld.acquire.sys (as the routing team's flag waits do) until warp 0
+//                              stores it after its signal, the team at its barrier meanwhile
+//   fused, production routing  warps 8-15 run ll_dispatch_route (routing rows, routed signal) and
+//                              then the receive's dispatch_routed wait, as in the real launch
+//   whole CTA                  the hooked send: all 16 warps send (1.75 vectors each) and store
+//                              the routing rows
+// in fp8 (the quantising send) and bf16 (the same stores of twice the bytes, no arithmetic), and
+// with every routing id -1 (no message: the send's waits, barriers and signal only). The phase
+// stamps are the trace build's (EPX_LL_TRACE, defined here for this file's kernels only):
+// per CTA, clock64 cycles from its entry to each phase (kernels/ll/trace.cuh), printed in µs at
+// the SM clock of a 2 ms spin: the median CTA, and the latest CTA's signal. Rows: the median over
+// `--iters` launches (after one warm-up). The fp8 and bf16 messages of the last launch are checked
+// against the host's quantiser (core/numeric.h) and x.
+//   epx_send_probe [--iters I]
+#define EPX_LL_TRACE 1
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/trace_clock.cuh"
+#include "core/numeric.h"
+#include "cuda/kernels/ll/dispatch.cuh"
+#include "gpu/gpu_support.h"
+
+namespace {
+
+using namespace epx::detail;
+
+constexpr int64_t kH = 7168;
+constexpr int kK = 8, kE = 288, kTMax = 128;
+
+enum Form : int { kIdle = 0, kPolls, kRouting, kWhole, kForms };
+const char* const kFormNames[kForms] = {"fused, other team idle", "fused, other team polls",
+                                        "fused, production routing", "whole CTA (hooked send)"};
+
+// Sets *done once the send's signal is out (the polling form's end).
+__device__ __forceinline__ void set_done(uint32_t* done, uint32_t epoch) {
+  st_relaxed_sys(done, epoch);
+}
+
+template <int kQuant, int kForm>
+__global__ void __launch_bounds__(kLlThreads, 1)
+    send_kernel(LlDispatchParams p, uint32_t* done, uint32_t epoch) {
+  const uint32_t e = 1;  // the flags are cleared before each launch: step 1 waits for 0
+  const bool other = kForm != kWhole && threadIdx.x >= kLlThreads / 2;
+  const LlTeam team = kForm == kWhole ? ll_team_all()
+                      : ll_team_opaque(other ? LlTeam{kLlThreads / 2, kLlThreads / 2, 2}
+                                             : LlTeam{0, kLlThreads / 2, 1});
+  if (kForm == kWhole) {
+    EPX_LL_STAMP(p, 0, kTrDEntry);
+    ll_dispatch_send<kQuant, false, false>(p, e, team);
+    return;
+  }
+  if (!other) {
+    EPX_LL_STAMP(p, 0, kTrDEntry);
+    const bool ok = ll_dispatch_send<kQuant, false, true>(p, e, team);
+    if (kForm == kPolls && ok && threadIdx.x == 0) set_done(done + blockIdx.x, epoch);
+    return;
+  }
+  if (kForm == kRouting) {
+    if (!ll_dispatch_route<kQuant>(p, e, team)) return;
+    const LlSymm& symm = p.symm;
+    ll_wait_ranks<false>(
+        team, symm, p.rank, symm.layout.sync(symm.local)->dispatch_routed[p.slot], 0,
+        [&](int) { return e * gridDim.x; }, p.wait, kWaitCounts);
+    EPX_LL_STAMP(p, 0, kTrDRecvWait);
+    return;
+  }
+  if (team.tid() == 0) ll_routed_ok() = true;
+  ll_bar_arrive_routed();
+  if (kForm == kPolls) {
+    if (team.tid() == 0) {
+      const uint64_t give_up = globaltimer_ns() + 10000000ull;  // 10 ms: a probe never hangs
+      while (!seq_reached(ld_acquire_sys(done + blockIdx.x), epoch) && globaltimer_ns() < give_up) {
+      }
+    }
+    team.sync();
+  }
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 30;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--iters" && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+      if (iters < 1 || iters > 10000) {
+        std::printf("epx_send_probe: --iters %d is out of range\n", iters);
+        return 2;
+      }
+    } else {
+      std::printf("usage: epx_send_probe [--iters I]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+    std::printf("epx_send_probe: no GPU visible\n");
+    return 0;
+  }
+  CUDA_OK(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  const epx::bench::TraceClock clock = epx::bench::probe_clock(0);
+  const double us_per_clk = clock.ns_per_clk / 1e3;
+
+  epx::MoeShape shape;
+  shape.hidden = kH;
+  shape.top_k = kK;
+  shape.num_experts = kE;
+  shape.max_tokens_per_rank = kTMax;
+  const LlLayout g = LlLayout::make(shape, 1);
+  char* base = nullptr;
+  CUDA_OK(cudaMalloc(&base, g.total_bytes));
+  CUDA_OK(cudaMemset(base, 0, g.total_bytes));
+  DeviceErrorRecord* err = nullptr;
+  uint64_t* trace = nullptr;
+  uint32_t* done = nullptr;
+  uint16_t* x = nullptr;
+  int64_t *ids = nullptr, *no_ids = nullptr;
+  CUDA_OK(cudaMalloc(&err, sizeof(DeviceErrorRecord)));
+  CUDA_OK(cudaMemset(err, 0, sizeof(DeviceErrorRecord)));
+  CUDA_OK(cudaMalloc(&trace, sizeof(uint64_t) * kLlTraceWords));
+  CUDA_OK(cudaMalloc(&done, sizeof(uint32_t) * kTMax));
+  CUDA_OK(cudaMemset(done, 0, sizeof(uint32_t) * kTMax));
+  CUDA_OK(cudaMalloc(&x, sizeof(uint16_t) * kTMax * kH));
+  CUDA_OK(cudaMalloc(&ids, sizeof(int64_t) * kTMax * kK));
+  CUDA_OK(cudaMalloc(&no_ids, sizeof(int64_t) * kTMax * kK));
+  std::vector<int64_t> minus(kTMax * kK, -1);
+  CUDA_OK(cudaMemcpy(no_ids, minus.data(), sizeof(int64_t) * minus.size(), cudaMemcpyHostToDevice));
+
+  std::mt19937_64 rng(26);
+  std::vector<uint16_t> hx(kTMax * kH);
+  std::vector<int64_t> hids(kTMax * kK);
+  auto fresh_inputs = [&] {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& v : hx) v = bf16_bits(nd(rng));
+    std::vector<int64_t> e(kE);
+    for (int t = 0; t < kTMax; ++t) {
+      for (int i = 0; i < kE; ++i) e[i] = i;
+      for (int k = 0; k < kK; ++k) {  // K distinct experts
+        std::uniform_int_distribution<int> pick(k, kE - 1);
+        std::swap(e[k], e[pick(rng)]);
+        hids[t * kK + k] = e[k];
+      }
+    }
+    CUDA_OK(cudaMemcpy(x, hx.data(), sizeof(uint16_t) * hx.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(ids, hids.data(), sizeof(int64_t) * hids.size(), cudaMemcpyHostToDevice));
+  };
+
+  LlDispatchParams p{};
+  p.x = x;
+  p.x_stride = kH;
+  p.topk_stride = kK;
+  p.topk_is_i64 = 1;
+  p.x_vec16 = 1;
+  p.slot = 0;
+  p.rank = 0;
+  p.units_per_expert = 1;
+  p.phases = kLlPhaseBoth;
+  p.symm.local = base;
+  p.symm.peers[0] = base;
+  p.symm.layout = g;
+  p.symm.shrink = 0;
+  p.symm.one_gpu = 1;
+  p.wait.state = &g.state(base)->dev;
+  p.wait.error = err;
+  p.wait.timeout_ns = 1000000000ull;
+  p.wait.rank = 0;
+  p.trace = trace;
+
+  std::printf(
+      "epx_send_probe: %s, R = 1, H = %lld, K = %d, E = %d, one token per CTA, %d launches per "
+      "row (medians); SM clock %.0f MHz (a 2 ms spin); µs after the CTA's entry, median CTA\n",
+      prop.name, static_cast<long long>(kH), kK, kE, iters,
+      clock.ns_per_clk > 0 ? 1e3 / clock.ns_per_clk : 0.0);
+  std::printf("%-44s %4s %5s | %7s %7s %7s %7s %7s | %7s %7s | %9s\n", "form", "fmt", "C",
+              "freed", "routed", "stored", "sent", "signal", "rt-sig", "rt-wait", "latest-sig");
+
+  std::vector<uint64_t> h(kLlTraceItemBase);
+  uint32_t epoch = 0;
+  auto run = [&](int quant, int form, int ctas, bool messages) {
+    p.use_fp8 = quant == kLlQuantFp8;
+    p.num_tokens = ctas;
+    p.topk_idx = messages ? static_cast<const void*>(ids) : static_cast<const void*>(no_ids);
+    std::vector<std::vector<double>> ph(kTrDNum);
+    std::vector<double> latest;
+    for (int i = 0; i <= iters; ++i) {
+      fresh_inputs();
+      CUDA_OK(cudaMemset(base, 0, g.control_bytes()));  // the flags: step 1 passes at once
+      CUDA_OK(cudaMemset(trace, 0, sizeof(uint64_t) * kLlTraceItemBase));
+      ++epoch;
+      auto launch = [&](auto kernel) { kernel<<<ctas, kLlThreads>>>(p, done, epoch); };
+#define EPX_PROBE_FORMS(Q)                                \
+  switch (form) {                                         \
+    case kIdle: launch(send_kernel<Q, kIdle>); break;     \
+    case kPolls: launch(send_kernel<Q, kPolls>); break;   \
+    case kRouting: launch(send_kernel<Q, kRouting>); break; \
+    default: launch(send_kernel<Q, kWhole>); break;       \
+  }
+      if (quant == kLlQuantFp8) {
+        EPX_PROBE_FORMS(kLlQuantFp8)
+      } else {
+        EPX_PROBE_FORMS(kLlQuantBf16)
+      }
+#undef EPX_PROBE_FORMS
+      CUDA_OK(cudaGetLastError());
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(h.data(), trace, sizeof(uint64_t) * h.size(), cudaMemcpyDeviceToHost));
+      if (i == 0) continue;  // warm-up
+      std::vector<std::vector<double>> per(kTrDNum);
+      double last = 0;
+      for (int c = 0; c < ctas; ++c) {
+        const uint64_t c0 = h[ll_trace_word(0, kTrDEntry, c) + 1];
+        for (int ph_i = 1; ph_i < kTrDNum; ++ph_i) {
+          const uint64_t ci = h[ll_trace_word(0, ph_i, c) + 1];
+          if (ci != 0 && c0 != 0) per[ph_i].push_back(static_cast<double>(ci - c0) * us_per_clk);
+        }
+        const uint64_t s = h[ll_trace_word(0, kTrDSignal, c)];
+        last = std::max(last, static_cast<double>(s));
+      }
+      // The latest CTA's signal after the first CTA's entry (%globaltimer: across SMs).
+      uint64_t first = ~0ull;
+      for (int c = 0; c < ctas; ++c) {
+        const uint64_t e0 = h[ll_trace_word(0, kTrDEntry, c)];
+        if (e0 != 0) first = std::min(first, e0);
+      }
+      if (first != ~0ull && last > 0) latest.push_back((last - static_cast<double>(first)) / 1e3);
+      for (int ph_i = 1; ph_i < kTrDNum; ++ph_i)
+        if (!per[ph_i].empty()) ph[ph_i].push_back(median(per[ph_i]));
+    }
+    auto col = [&](int phase) {
+      char b[16];
+      if (ph[phase].empty())
+        std::snprintf(b, sizeof b, "%7s", "-");
+      else
+        std::snprintf(b, sizeof b, "%7.2f", median(ph[phase]));
+      return std::string(b);
+    };
+    char name[64];
+    std::snprintf(name, sizeof name, "%s%s", kFormNames[form], messages ? "" : ", ids -1");
+    std::printf("%-44s %4s %5d | %s %s %s %s %s | %s %s | %9.2f\n", name,
+                quant == kLlQuantFp8 ? "fp8" : "bf16", ctas, col(kTrDFreed).c_str(),
+                col(kTrDRouted).c_str(), col(kTrDStored).c_str(), col(kTrDSent).c_str(),
+                col(kTrDSignal).c_str(), col(kTrDRoutedSig).c_str(), col(kTrDRecvWait).c_str(),
+                median(latest));
+  };
+
+  // The last launch's message of token 0 against the host's quantiser (core/numeric.h
+  // quantize_row_fp8: the semantics' bytes and scales) or, in bf16, against x.
+  auto check = [&](int quant) {
+    std::vector<unsigned char> msg(static_cast<size_t>(g.msg_bytes));
+    CUDA_OK(cudaMemcpy(msg.data(), g.msg(base, 0, 0, 0), msg.size(), cudaMemcpyDeviceToHost));
+    std::vector<unsigned char> want(static_cast<size_t>(g.msg_bytes), 0);
+    size_t bytes = 2 * kH;
+    if (quant == kLlQuantFp8) {
+      std::vector<float> scales(kH / 128);
+      quantize_row_fp8(hx.data(), kH, false, want.data(), scales.data());
+      std::memcpy(want.data() + kH, scales.data(), 4 * scales.size());
+      bytes = kH + 4 * scales.size();
+    } else {
+      std::memcpy(want.data(), hx.data(), bytes);
+    }
+    const bool same = std::memcmp(msg.data(), want.data(), bytes) == 0;
+    std::printf("check: the %s message of token 0 (%zu bytes) %s\n",
+                quant == kLlQuantFp8 ? "fp8" : "bf16", bytes,
+                same ? "matches the host's" : "DIFFERS from the host's");
+    return same;
+  };
+
+  bool ok = true;
+  for (int quant : {kLlQuantFp8, kLlQuantBf16}) {
+    for (int ctas : {1, 128}) {
+      for (int form = 0; form < kForms; ++form) run(quant, form, ctas, true);
+      run(quant, kIdle, ctas, false);
+    }
+    run(quant, kIdle, 1, true);  // the message checked is this launch's
+    ok = check(quant) && ok;
+  }
+  DeviceErrorRecord rec{};
+  CUDA_OK(cudaMemcpy(&rec, err, sizeof rec, cudaMemcpyDeviceToHost));
+  if (rec.code != 0) {
+    std::printf("device error record: code %u, peer %d (a wait timed out or an id was refused)\n",
+                rec.code, rec.peer);
+    ok = false;
+  }
+  CUDA_OK(cudaFree(base));
+  CUDA_OK(cudaFree(err));
+  CUDA_OK(cudaFree(trace));
+  CUDA_OK(cudaFree(done));
+  CUDA_OK(cudaFree(x));
+  CUDA_OK(cudaFree(ids));
+  CUDA_OK(cudaFree(no_ids));
+  return ok ? 0 : 1;
+}
