@@ -52,11 +52,6 @@ enum Form : int { kIdle = 0, kPolls, kRouting, kWhole, kForms };
 const char* const kFormNames[kForms] = {"fused, other team idle", "fused, other team polls",
                                         "fused, production routing", "whole CTA (hooked send)"};
 
-// Sets *done once the send's signal is out (the polling form's end).
-__device__ __forceinline__ void set_done(uint32_t* done, uint32_t epoch) {
-  st_relaxed_sys(done, epoch);
-}
-
 template <int kQuant, int kForm>
 __global__ void __launch_bounds__(kLlThreads, 1)
     send_kernel(LlDispatchParams p, uint32_t* done, uint32_t epoch) {
@@ -73,7 +68,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if (!other) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
     const bool ok = ll_dispatch_send<kQuant, false, true>(p, e, team);
-    if (kForm == kPolls && ok && threadIdx.x == 0) set_done(done + blockIdx.x, epoch);
+    // The polling form's end: the send's signal is out.
+    if (kForm == kPolls && ok && threadIdx.x == 0) st_relaxed_sys(done + blockIdx.x, epoch);
     return;
   }
   if (kForm == kRouting) {
@@ -101,12 +97,6 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 }  // namespace
@@ -167,7 +157,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> hids(kTMax * kK);
   auto fresh_inputs = [&] {
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (auto& v : hx) v = bf16_bits(nd(rng));
+    for (auto& v : hx) v = f32_to_bf16(nd(rng));
     std::vector<int64_t> e(kE);
     for (int t = 0; t < kTMax; ++t) {
       for (int i = 0; i < kE; ++i) e[i] = i;
