@@ -508,17 +508,16 @@ batch_probe() {
   side_build probe.build 600 . "$D" "epx_sync_probe epx_send_probe" -DEPX_BUILD_PYTHON=OFF ||
     return 1
   step probe.sync 180 "." "$D/bench/epx_sync_probe"
+  if [ -n "$base" ] && [ ! -f "$base/bench/send_probe.cu" ]; then
+    skip probe.base "EPX_PROBE_BASE '$base' is not a source tree with bench/send_probe.cu"
+    base=""
+  fi
   if [ -z "$base" ]; then
     step probe.send 180 "." "$D/bench/epx_send_probe"
     return
   fi
   # EPX_PROBE_BASE (a source tree with the probes): its send probe beside this tree's, twice each,
   # alternately (a kernel change's effect on the send alone).
-  if [ ! -f "$base/bench/send_probe.cu" ]; then
-    skip probe.base "EPX_PROBE_BASE '$base' is not a source tree with bench/send_probe.cu"
-    step probe.send 180 "." "$D/bench/epx_send_probe"
-    return
-  fi
   side_build probe.base.build 600 "$base" "$D-base" epx_send_probe -DEPX_BUILD_PYTHON=OFF ||
     return 1
   local round

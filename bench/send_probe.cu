@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_common.cuh"
 #include "bench/trace_clock.cuh"
 #include "core/numeric.h"
 #include "cuda/kernels/ll/dispatch.cuh"
@@ -44,6 +45,7 @@
 namespace {
 
 using namespace epx::detail;
+using epx::bench::median;
 
 constexpr int64_t kH = 7168;
 constexpr int kK = 8, kE = 288, kTMax = 128;
@@ -93,12 +95,6 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   }
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -116,8 +112,7 @@ int main(int argc, char** argv) {
       return a == "--help" ? 0 : 2;
     }
   }
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+  if (epx::gpu_testing::visible_gpus() == 0) {
     std::printf("epx_send_probe: no GPU visible\n");
     return 0;
   }
@@ -231,24 +226,21 @@ int main(int argc, char** argv) {
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(h.data(), trace, sizeof(uint64_t) * h.size(), cudaMemcpyDeviceToHost));
       if (i == 0) continue;  // warm-up
+      // Per CTA each phase's cycles after its entry; and (%globaltimer: across SMs) the first
+      // CTA's entry and the latest CTA's signal.
       std::vector<std::vector<double>> per(kTrDNum);
-      double last = 0;
+      uint64_t first = ~0ull, last = 0;
       for (int c = 0; c < ctas; ++c) {
         const uint64_t c0 = h[ll_trace_word(0, kTrDEntry, c) + 1];
         for (int ph_i = 1; ph_i < kTrDNum; ++ph_i) {
           const uint64_t ci = h[ll_trace_word(0, ph_i, c) + 1];
           if (ci != 0 && c0 != 0) per[ph_i].push_back(static_cast<double>(ci - c0) * us_per_clk);
         }
-        const uint64_t s = h[ll_trace_word(0, kTrDSignal, c)];
-        last = std::max(last, static_cast<double>(s));
-      }
-      // The latest CTA's signal after the first CTA's entry (%globaltimer: across SMs).
-      uint64_t first = ~0ull;
-      for (int c = 0; c < ctas; ++c) {
         const uint64_t e0 = h[ll_trace_word(0, kTrDEntry, c)];
         if (e0 != 0) first = std::min(first, e0);
+        last = std::max(last, h[ll_trace_word(0, kTrDSignal, c)]);
       }
-      if (first != ~0ull && last > 0) latest.push_back((last - static_cast<double>(first)) / 1e3);
+      if (first != ~0ull && last > first) latest.push_back(static_cast<double>(last - first) / 1e3);
       for (int ph_i = 1; ph_i < kTrDNum; ++ph_i)
         if (!per[ph_i].empty()) ph[ph_i].push_back(median(per[ph_i]));
     }

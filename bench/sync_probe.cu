@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_common.cuh"
 #include "bench/trace_clock.cuh"
 #include "cuda/kernels/sync.cuh"
 #include "gpu/gpu_support.h"
@@ -67,6 +68,7 @@ namespace {
 constexpr int kThreads = 512;
 
 // The kernels' own primitives (cuda/kernels/sync.cuh), so each row times what they run.
+using epx::bench::median;
 using epx::detail::fence_acq_rel;
 using epx::detail::ld_acquire_gpu;
 using epx::detail::ld_acquire_sys;
@@ -360,11 +362,6 @@ __global__ void flags_kernel(uint64_t* out, uint32_t* flags, uint32_t epoch) {
   }
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 struct Timed {
   std::vector<double> ns, clk;
@@ -412,8 +409,7 @@ int main(int argc, char** argv) {
       return a == "--help" ? 0 : 2;
     }
   }
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+  if (epx::gpu_testing::visible_gpus() == 0) {
     std::printf("epx_sync_probe: no GPU visible\n");
     return 0;
   }
