@@ -22,16 +22,25 @@
 // the SM clock of a 2 ms spin: the median CTA, and the latest CTA's signal. Rows: the median over
 // `--iters` launches (after one warm-up). The fp8 and bf16 messages of the last launch are checked
 // against the host's quantiser (core/numeric.h) and x.
+// The staging (messages, routing rows, flags) lies in cudaMalloc memory for every row above; the
+// fp8 rows are then repeated with it where the production's lies: in an ncclMemAlloc allocation
+// (cuMem) through its own address, and in a registered NCCL window (a one-rank communicator,
+// transport/nccl_transport.cc, as Group::cuda makes it) through its LSA pointer, the address the
+// ll kernels use for every rank, this one included.
 //   epx_send_probe [--iters I]
 #define EPX_LL_TRACE 1
 
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,6 +50,7 @@
 #include "core/numeric.h"
 #include "cuda/kernels/ll/dispatch.cuh"
 #include "gpu/gpu_support.h"
+#include "transport/nccl_transport.h"
 
 namespace {
 
@@ -176,12 +186,17 @@ int main(int argc, char** argv) {
   p.rank = 0;
   p.units_per_expert = 1;
   p.phases = kLlPhaseBoth;
-  p.symm.local = base;
-  p.symm.peers[0] = base;
+  char* staging = base;  // where the rows below put the staging (use_staging)
+  auto use_staging = [&](char* at) {
+    staging = at;
+    p.symm.local = at;
+    p.symm.peers[0] = at;
+    p.wait.state = &g.state(at)->dev;
+  };
+  use_staging(base);
   p.symm.layout = g;
   p.symm.shrink = 0;
   p.symm.one_gpu = 1;
-  p.wait.state = &g.state(base)->dev;
   p.wait.error = err;
   p.wait.timeout_ns = 1000000000ull;
   p.wait.rank = 0;
@@ -205,7 +220,7 @@ int main(int argc, char** argv) {
     std::vector<double> latest;
     for (int i = 0; i <= iters; ++i) {
       fresh_inputs();
-      CUDA_OK(cudaMemset(base, 0, g.control_bytes()));  // the flags: step 1 passes at once
+      CUDA_OK(cudaMemset(staging, 0, g.control_bytes()));  // the flags: step 1 passes at once
       CUDA_OK(cudaMemset(trace, 0, sizeof(uint64_t) * kLlTraceItemBase));
       ++epoch;
       auto launch = [&](auto kernel) { kernel<<<ctas, kLlThreads>>>(p, done, epoch); };
@@ -265,7 +280,7 @@ int main(int argc, char** argv) {
   // quantize_row_fp8: the semantics' bytes and scales) or, in bf16, against x.
   auto check = [&](int quant) {
     std::vector<unsigned char> msg(static_cast<size_t>(g.msg_bytes));
-    CUDA_OK(cudaMemcpy(msg.data(), g.msg(base, 0, 0, 0), msg.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(msg.data(), g.msg(staging, 0, 0, 0), msg.size(), cudaMemcpyDeviceToHost));
     std::vector<unsigned char> want(static_cast<size_t>(g.msg_bytes), 0);
     size_t bytes = 2 * kH;
     if (quant == kLlQuantFp8) {
@@ -284,6 +299,7 @@ int main(int argc, char** argv) {
   };
 
   bool ok = true;
+  std::printf("staging: cudaMalloc\n");
   for (int quant : {kLlQuantFp8, kLlQuantBf16}) {
     for (int ctas : {1, 128}) {
       for (int form = 0; form < kForms; ++form) run(quant, form, ctas, true);
@@ -291,6 +307,33 @@ int main(int argc, char** argv) {
     }
     run(quant, kIdle, 1, true);  // the message checked is this launch's
     ok = check(quant) && ok;
+  }
+  // The fp8 rows again with the staging where the production's lies (the file's header).
+  auto fp8_rows = [&] {
+    for (int ctas : {1, 128})
+      for (int form = 0; form < kForms; ++form) run(kLlQuantFp8, form, ctas, true);
+    run(kLlQuantFp8, kIdle, 1, true);
+    ok = check(kLlQuantFp8) && ok;
+  };
+  void* cumem = nullptr;
+  if (ncclMemAlloc(&cumem, g.total_bytes) == ncclSuccess) {
+    CUDA_OK(cudaMemset(cumem, 0, g.total_bytes));
+    std::printf("staging: ncclMemAlloc, its own address\n");
+    use_staging(static_cast<char*>(cumem));
+    fp8_rows();
+    ncclMemFree(cumem);
+  } else {
+    std::printf("staging: ncclMemAlloc failed: its rows are left out\n");
+  }
+  try {
+    auto transport = make_nccl_transport(0, 1, nccl_new_unique_id(), 0,
+                                         std::chrono::milliseconds(30000));
+    auto window = transport->allocate(static_cast<size_t>(g.total_bytes));
+    std::printf("staging: a registered NCCL window, its LSA pointer (the production's)\n");
+    use_staging(static_cast<char*>(window->local()));
+    fp8_rows();
+  } catch (const std::exception& ex) {
+    std::printf("staging: no NCCL window (%s): its rows are left out\n", ex.what());
   }
   DeviceErrorRecord rec{};
   CUDA_OK(cudaMemcpy(&rec, err, sizeof rec, cudaMemcpyDeviceToHost));
