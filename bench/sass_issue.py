@@ -1,21 +1,26 @@
 #!/usr/bin/env python3
-"""One warp's in-order issue over a range of SASS, as a model (docs/perf.md §5 item 60): what a
-stretch of straight-line code costs when its only limits are its dependencies and one issue per
-cycle. Needs no GPU.
+"""Warps' in-order issue over a range of SASS on one scheduler, as a model (docs/perf.md §5 item 60):
+what a stretch of straight-line code costs when its only limits are its dependencies, one issue a
+cycle per scheduler and the throughput of the pipe each instruction needs. Needs no GPU.
 
     python3 bench/ptx_size.py --cubin ll.cubin --sass --listing --kernel 'dispatch<1, false, true>' > l.txt
-    python3 bench/sass_issue.py l.txt 0x4430 0x5030 [--loads-ready] [--verbose]
+    python3 bench/sass_issue.py l.txt 0x4430 0x5030 [--warps W] [--loads-ready] [--verbose]
 
-Each instruction in [LO, HI) (listing addresses), in listing order, issues at the later of one
-cycle after the previous one and the cycle its source registers and predicates are ready; its
-destinations are ready LATENCY cycles after it issues. Branches fall through: the range is read as
-the path that runs straight through it (take a range without the slow paths' calls, or read the
-total as an upper bound of that path). --loads-ready: global loads' results are ready at once (data
-loaded ahead, as the send's prefetched x). Latencies in cycles: the dependent-chain rows of
-epx_sync_probe on the H200 (§5 item 57: ALU 4.2, shuffle 30.6, shared-memory hop 29.1) where
-measured, published figures for the rest (MUFU 18, constant load 20, conversions 6). Not modelled:
-other warps on the scheduler, instruction fetch, register-bank conflicts, the memory pipes'
-queues: a measured time above the model's is time the dependencies do not explain.
+W warps (default 1) each run the instructions in [LO, HI) (listing addresses) in listing order on
+one of the SM's four schedulers. Each cycle the scheduler issues at most one instruction: that of
+the warp that issued least recently among those whose next instruction has its source registers
+and predicates ready and its pipe free; its destinations are ready LATENCY cycles later, and its
+pipe is held 32 / lanes cycles (the CUDA C++ Programming Guide's throughput table for compute
+capability 9.0: float add / mul / fma on two 16-lane halves, IMAD on one of them, the integer,
+compare, min / max, select and logic instructions on 16 lanes, shuffles on 8, conversions, MUFU
+and leading-zero counts on 4). Branches fall through: the range is read as the path that runs
+straight through it (take a range without the slow paths' calls, or read the total as an upper
+bound of that path). --loads-ready: global loads' results are ready at once (data loaded ahead,
+as the send's prefetched x). Latencies in cycles: epx_sync_probe's dependent chains on the H200
+(§5 item 57: ALU 4.2, shuffle 30.6, shared-memory hop 29.1) where measured, published figures for
+the rest (MUFU 18, constant load 20, conversions 6). Not modelled: other code on the same
+scheduler, instruction fetch, register-bank conflicts, the memory pipes' queues and caches' misses:
+a measured time above the model's is time that dependencies and pipe throughput do not explain.
 """
 import argparse
 import re
@@ -117,25 +122,81 @@ def parse(lines, lo, hi):
     return out
 
 
-def model(instrs, loads_ready=False):
-    """(cycles, per-instruction (issue cycle, stall)), and stall cycles by the waiting opcode."""
-    ready, trace, stalls = {}, [], {}
-    t = -1
-    for _, opcode, srcs, dsts in instrs:
-        base = opcode.split(".")[0]
-        earliest = t + 1
-        need = max([ready.get(r, 0) for r in srcs] + [0])
-        issue = max(earliest, need)
-        stall = issue - earliest
-        lat = LATENCY.get(base, ALU)
-        if loads_ready and base in ("LDG", "LD"):
-            lat = 1
-        for d in dsts:
-            ready[d] = issue + lat
-        stalls[base] = stalls.get(base, 0) + stall
-        trace.append((issue, stall))
-        t = issue
-    return t + 1, trace, stalls
+# The pipe each opcode issues to, and the cycles it holds it per warp instruction on one of the
+# SM's four schedulers (32 / lanes per scheduler; the CUDA C++ Programming Guide's throughput table
+# for compute capability 9.0, per SM per clock: 32-bit float add/mul/fma 128, integer add, multiply-
+# add, shift, logic, compare, min/max 64, shuffle 32, conversions, MUFU, leading zeros 16). Float
+# fma-class instructions take either of the two fma halves (heavy or lite, 2 cycles each), IMAD
+# only the heavy one.
+PIPE = {
+    "FFMA": ("fma", 2), "FMUL": ("fma", 2), "FADD": ("fma", 2),
+    "IMAD": ("fmaheavy", 2),
+    "F2FP": ("conv", 8), "F2F": ("conv", 8), "I2F": ("conv", 8), "F2I": ("conv", 8),
+    "FRND": ("conv", 8),
+    "MUFU": ("xu", 8), "FLO": ("xu", 8), "POPC": ("xu", 8), "BREV": ("xu", 8),
+    "SHFL": ("shfl", 4),
+}
+MEM = {"LDG", "LD", "STG", "ST", "LDS", "STS", "LDL", "STL", "LDC", "ATOMG", "ATOM", "ATOMS",
+       "RED", "REDG", "CCTL", "MEMBAR", "FENCE"}
+ONE = {"BRA", "BSSY", "BSYNC", "BAR", "EXIT", "CALL", "RET", "WARPSYNC", "NOP", "YIELD", "BMOV",
+       "DEPBAR", "PREEXIT", "ERRBAR", "CGAERRBAR", "NANOSLEEP", "B2R", "S2R", "S2UR", "CS2R"}
+
+
+def pipe_of(opcode):
+    """(pipe, cycles held) of an opcode: the table above, the memory pipe, branch and uniform
+    instructions (1 cycle), else the 16-lane integer / compare / logic pipe (2 cycles)."""
+    base = opcode.split(".")[0]
+    if opcode.startswith("IMAD.WIDE"):
+        return "fmaheavy", 4
+    if base in PIPE:
+        return PIPE[base]
+    if base in MEM:
+        return "mem", 1
+    if base in ONE:
+        return "branch", 1
+    if base.startswith("U"):
+        return "uniform", 1
+    return "alu", 2
+
+
+def model(instrs, loads_ready=False, warps=1):
+    """`warps` warps run the range on one scheduler: each cycle the scheduler issues at most one
+    instruction, of the warp that issued least recently among those whose next instruction has
+    its operands ready and its pipe free. Returns (cycles until the last warp's last issue + 1,
+    per-instruction (issue cycle, stall) of warp 0, stall cycles of warp 0 by the waiting
+    opcode)."""
+    n = len(instrs)
+    ready = [{} for _ in range(warps)]
+    pc = [0] * warps
+    last = [-1] * warps
+    busy = {}  # pipe -> first free cycle
+    trace, stalls = [], {}
+    cycle = 0
+    while min(pc) < n:
+        order = sorted((w for w in range(warps) if pc[w] < n), key=lambda w: (last[w], w))
+        for w in order:
+            _, opcode, srcs, dsts = instrs[pc[w]]
+            if max([ready[w].get(r, 0) for r in srcs] + [0]) > cycle:
+                continue
+            pipe, hold = pipe_of(opcode)
+            units = ["fmaheavy", "fmalite"] if pipe == "fma" else [pipe]
+            unit = min(units, key=lambda u: busy.get(u, 0))
+            if busy.get(unit, 0) > cycle:
+                continue
+            busy[unit] = cycle + hold
+            base = opcode.split(".")[0]
+            lat = 1 if loads_ready and base in ("LDG", "LD") else LATENCY.get(base, ALU)
+            for d in dsts:
+                ready[w][d] = cycle + lat
+            if w == 0:
+                earliest = last[0] + 1
+                trace.append((cycle, cycle - earliest))
+                stalls[base] = stalls.get(base, 0) + cycle - earliest
+            last[w] = cycle
+            pc[w] += 1
+            break
+        cycle += 1
+    return max(last) + 1, trace, stalls
 
 
 def main(argv=None):
@@ -145,6 +206,8 @@ def main(argv=None):
     ap.add_argument("hi", help="end address (hex, not included)")
     ap.add_argument("--loads-ready", action="store_true",
                     help="global loads' results ready at once (data loaded ahead)")
+    ap.add_argument("--warps", type=int, default=1,
+                    help="warps running the range together on one scheduler (default 1)")
     ap.add_argument("--verbose", action="store_true", help="every instruction's issue cycle")
     a = ap.parse_args(argv)
     with open(a.listing) as f:
@@ -152,14 +215,17 @@ def main(argv=None):
     if not instrs:
         print("no instructions in [%s, %s)" % (a.lo, a.hi), file=sys.stderr)
         return 1
-    cycles, trace, stalls = model(instrs, a.loads_ready)
+    if not 1 <= a.warps <= 16:
+        print("--warps %d: expected 1..16" % a.warps, file=sys.stderr)
+        return 2
+    cycles, trace, stalls = model(instrs, a.loads_ready, a.warps)
     if a.verbose:
         for (addr, opcode, _, _), (issue, stall) in zip(instrs, trace):
             print("%6d %+5d  %04x  %s" % (issue, stall, addr, opcode))
-    print("%d instructions, %d cycles (%.2f per instruction)" % (len(instrs), cycles,
-                                                                 cycles / len(instrs)))
+    print("%d instructions, %d warp(s), %d cycles (%.2f per instruction of a warp)" % (
+        len(instrs), a.warps, cycles, cycles / len(instrs)))
     top = sorted(stalls.items(), key=lambda kv: -kv[1])[:8]
-    print("stall cycles by the waiting opcode: " +
+    print("warp 0's stall cycles by the waiting opcode: " +
           ", ".join("%s %d" % kv for kv in top if kv[1] > 0))
     return 0
 
