@@ -80,9 +80,9 @@
 #             ($EPX_BUILD_DIR-probe, those two targets only; no main build needed):
 #             epx_sync_probe (each primitive of the fixed chain, and the SM's instruction issue
 #             and fetch) and epx_send_probe (the dispatch's send half alone, the production code;
-#             docs/perf.md §5 item 59); with EPX_PROBE_BASE (another source tree, e.g. main's
-#             `git archive` in peers/base-main) that tree's epx_send_probe too, the two alternately,
-#             two rounds
+#             docs/perf.md §5 item 59); with EPX_PROBE_BASE (other source trees, space-separated,
+#             e.g. main's `git archive` in peers/base-main) each tree's epx_send_probe too, all
+#             alternately, EPX_PROBE_ROUNDS rounds (default 2)
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
@@ -504,25 +504,32 @@ batch_htrace() {
 }
 
 batch_probe() {
-  local D="$B-probe" base=${EPX_PROBE_BASE:-}
+  local D="$B-probe" bases=() t i round
   side_build probe.build 600 . "$D" "epx_sync_probe epx_send_probe" -DEPX_BUILD_PYTHON=OFF ||
     return 1
   step probe.sync 180 "." "$D/bench/epx_sync_probe"
-  if [ -n "$base" ] && [ ! -f "$base/bench/send_probe.cu" ]; then
-    skip probe.base "EPX_PROBE_BASE '$base' is not a source tree with bench/send_probe.cu"
-    base=""
-  fi
-  if [ -z "$base" ]; then
+  # EPX_PROBE_BASE: source trees with the probes (space-separated), each one's send probe beside
+  # this tree's, alternately, EPX_PROBE_ROUNDS rounds (a kernel change's effect on the send alone).
+  for t in ${EPX_PROBE_BASE:-}; do
+    if [ -f "$t/bench/send_probe.cu" ]; then
+      bases+=("$t")
+    else
+      skip probe.base "EPX_PROBE_BASE '$t' is not a source tree with bench/send_probe.cu"
+    fi
+  done
+  if [ ${#bases[@]} -eq 0 ]; then
     step probe.send 180 "." "$D/bench/epx_send_probe"
     return
   fi
-  # EPX_PROBE_BASE (a source tree with the probes): its send probe beside this tree's, twice each,
-  # alternately (a kernel change's effect on the send alone).
-  side_build probe.base.build 600 "$base" "$D-base" epx_send_probe -DEPX_BUILD_PYTHON=OFF ||
-    return 1
-  local round
-  for round in 1 2; do
-    step "probe.send.base.$round" 180 "." "$D-base/bench/epx_send_probe"
+  for i in "${!bases[@]}"; do
+    echo "== probe.base$((i + 1)): ${bases[$i]}"
+    side_build "probe.base$((i + 1)).build" 600 "${bases[$i]}" "$D-base$((i + 1))" \
+      epx_send_probe -DEPX_BUILD_PYTHON=OFF || return 1
+  done
+  for round in $(seq "${EPX_PROBE_ROUNDS:-2}"); do
+    for i in "${!bases[@]}"; do
+      step "probe.send.base$((i + 1)).$round" 180 "." "$D-base$((i + 1))/bench/epx_send_probe"
+    done
     step "probe.send.head.$round" 180 "." "$D/bench/epx_send_probe"
   done
 }

@@ -18,7 +18,8 @@ straight through it (take a range without the slow paths' calls, or read the tot
 bound of that path). --loads-ready: global loads' results are ready at once (data loaded ahead,
 as the send's prefetched x). Latencies in cycles: epx_sync_probe's dependent chains on the H200
 (§5 item 57: ALU 4.2, shuffle 30.6, shared-memory hop 29.1) where measured, published figures for
-the rest (MUFU 18, constant load 20, conversions 6). Not modelled: other code on the same
+the rest (MUFU 18, constant load 20, conversions 6); redux.sync as a shuffle until
+epx_sync_probe's redux row measures it. Not modelled: other code on the same
 scheduler, instruction fetch, register-bank conflicts, the memory pipes' queues and caches' misses:
 a measured time above the model's is time that dependencies and pipe throughput do not explain.
 """
@@ -31,7 +32,7 @@ REG = re.compile(r"\b(U?R\d+|U?P[0-6])\b")
 ZERO = {"RZ", "PT", "URZ", "UPT"}
 
 LATENCY = {
-    "SHFL": 30, "LDS": 29, "MUFU": 18, "LDC": 20, "ULDC": 6, "S2R": 20, "S2UR": 20,
+    "SHFL": 30, "REDUX": 30, "LDS": 29, "MUFU": 18, "LDC": 20, "ULDC": 6, "S2R": 20, "S2UR": 20,
     "LDG": 400, "LD": 400, "LDL": 30,
     "F2FP": 6, "F2F": 6, "I2F": 6, "F2I": 6, "FRND": 6, "FLO": 6, "POPC": 6, "FCHK": 6,
 }
@@ -134,7 +135,7 @@ PIPE = {
     "F2FP": ("conv", 8), "F2F": ("conv", 8), "I2F": ("conv", 8), "F2I": ("conv", 8),
     "FRND": ("conv", 8),
     "MUFU": ("xu", 8), "FLO": ("xu", 8), "POPC": ("xu", 8), "BREV": ("xu", 8),
-    "SHFL": ("shfl", 4),
+    "SHFL": ("shfl", 4), "REDUX": ("shfl", 4),
 }
 MEM = {"LDG", "LD", "STG", "ST", "LDS", "STS", "LDL", "STL", "LDC", "ATOMG", "ATOM", "ATOMS",
        "RED", "REDG", "CCTL", "MEMBAR", "FENCE"}

@@ -6,6 +6,8 @@
 // in both, beside the SM clock they imply:
 //   alu        one thread: a chain of 4096 dependent 32-bit integer multiply-adds (cycles each)
 //   shfl       one warp: a chain of 1024 dependent __shfl_xor_sync, each with one add
+//   redux      the same with __reduce_max_sync (redux.sync.max.u32: a warp's maximum in one
+//              instruction, where a butterfly takes 5 shuffles, 4 for a half-warp's group)
 //   smem       one thread: a pointer chase through 1024 shared-memory words (with each hop's
 //              address arithmetic, as in real code)
 //   l2 <load>  one thread: a pointer chase through 2048 lines of a 4 MB buffer written by the
@@ -113,6 +115,21 @@ __global__ void shfl_kernel(uint64_t* out, uint32_t seed, uint32_t* sink) {
   const int64_t c0 = clock64();
 #pragma unroll 16
   for (int i = 0; i < 1024; ++i) a = __shfl_xor_sync(0xffffffffu, a, 1 + (i & 15)) + 1;
+  settle(a, sink);
+  const int64_t c1 = clock64();
+  const uint64_t t1 = now_ns();
+  if (threadIdx.x == 0) {
+    put(out, t1 - t0, c1 - c0);
+    *sink = a;
+  }
+}
+
+__global__ void redux_kernel(uint64_t* out, uint32_t seed, uint32_t* sink) {
+  uint32_t a = seed + threadIdx.x;
+  const uint64_t t0 = now_ns();
+  const int64_t c0 = clock64();
+#pragma unroll 16
+  for (int i = 0; i < 1024; ++i) a = __reduce_max_sync(0xffffffffu, a) + threadIdx.x;
   settle(a, sink);
   const int64_t c1 = clock64();
   const uint64_t t1 = now_ns();
@@ -464,6 +481,8 @@ int main(int argc, char** argv) {
       "op");
   row("shfl: dependent __shfl_xor_sync", timed([&] { shfl_kernel<<<1, 32>>>(out, 7u, sink32); }),
       1024, "shuffle");
+  row("redux: dependent __reduce_max_sync",
+      timed([&] { redux_kernel<<<1, 32>>>(out, 7u, sink32); }), 1024, "reduce");
   {
     const std::vector<uint64_t> next = random_cycle(1024, 1);
     std::vector<uint32_t> perm(next.begin(), next.end());
