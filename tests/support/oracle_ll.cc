@@ -71,6 +71,9 @@ uint8_t e2m1_code(float v) {
   static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   if (std::isnan(v)) return 0;
   const float a = std::fabs(v);
+  // Saturating: past 6 the nearest is 6 (the distances below tie for +-inf, and for huge values,
+  // whose float differences with 4 and with 6 round to the same number).
+  if (a > 6.0f) return static_cast<uint8_t>(7 | (std::signbit(v) ? 8 : 0));
   int best = 0;
   for (int c = 1; c < 8; ++c) {
     const float d = std::fabs(a - kMag[c]), db = std::fabs(a - kMag[best]);
