@@ -29,9 +29,11 @@
 //              bodies (the issue rate, its code in the L0 cache) against 1,024 and 4,096 of them
 //              straight-line (16 and 64 KB of code, each instruction fetched once per pass), right
 //              after a 256 KB evictor on every SM and again: cycles per instruction per warp, what
-//              code run once (the ll phases' straight-line stretches) pays for its fetch; with 16
-//              warps also 4 KB blocks, and two teams of 8 warps each on its own block (4 or 16
-//              KB), as the fused dispatch's teams run two code paths on the same schedulers
+//              code run once (the ll phases' straight-line stretches) pays for its fetch; with 8
+//              and 16 warps also 4 KB blocks, and two teams of half the warps each on its own
+//              block (4 or 16 KB), as the fused dispatch's teams run two code paths on the same
+//              schedulers; with 1 and 8 warps a dependent chain (one accumulator), looped and
+//              straight-line, again: whether fetch adds to code that stalls on its operands
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -263,10 +265,12 @@ __global__ void tlb_touch_kernel(uint64_t* out, const uint32_t* pages, int sweep
 // (another instantiation of this kernel, 256 KB of straight-line code, on every SM: this code is
 // out of the SMs' instruction caches, in L2), pass 1 the same code again. out[2 * (pass * 16 + w)] = the warp's
 // cycles.
-// kTeams = 2: warps 8-15 run a second straight-line block of the same size (other operands,
-// so other code) beside warps 0-7's, as the fused ll dispatch's two teams run two code paths on
-// the same schedulers: whether each scheduler's L0 cache holds both.
-template <bool kStraight, int kN, int kSalt = 0, int kTeams = 1>
+// kTeams = 2: the second half of the warps runs a second straight-line block of the same size
+// (other operands, so other code) beside the first half's, as the fused ll dispatch's two teams
+// run two code paths on the same schedulers: whether each scheduler's L0 cache holds both.
+// kDep: one accumulator, so every fma waits for the one before (a dependent chain, as most of the
+// ll send's instructions): whether fetching code run once adds to a warp that stalls anyway.
+template <bool kStraight, int kN, int kSalt = 0, int kTeams = 1, bool kDep = false>
 __global__ void __launch_bounds__(kThreads, 1)
     ifetch_kernel(uint64_t* out, float m, float c, float* sink, int warps) {
   const int w = static_cast<int>(threadIdx.x) / 32;
@@ -279,18 +283,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     const int64_t c0 = clock64();
     if constexpr (kStraight) {
-      if (kTeams == 2 && w >= 8) {
+      if (kTeams == 2 && w >= warps / 2) {
 #pragma unroll
-        for (int i = 0; i < kN; ++i) a[i & 7] = fmaf(a[i & 7], c, m);
+        for (int i = 0; i < kN; ++i) a[kDep ? 0 : i & 7] = fmaf(a[kDep ? 0 : i & 7], c, m);
       } else {
 #pragma unroll
-        for (int i = 0; i < kN; ++i) a[i & 7] = fmaf(a[i & 7], m, c);
+        for (int i = 0; i < kN; ++i) a[kDep ? 0 : i & 7] = fmaf(a[kDep ? 0 : i & 7], m, c);
       }
     } else {
 #pragma unroll 1
       for (int o = 0; o < kN / 64; ++o) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) a[i & 7] = fmaf(a[i & 7], m, c);
+        for (int i = 0; i < 64; ++i) a[kDep ? 0 : i & 7] = fmaf(a[kDep ? 0 : i & 7], m, c);
       }
     }
     float s = 0.0f;
@@ -636,17 +640,27 @@ int main(int argc, char** argv) {
       per_instr("1024 fma straight (16 KB), again", 1024, 1, evict, straight16);
       per_instr("4096 fma straight (64 KB), after the evictor", 4096, 0, evict, straight64);
       per_instr("4096 fma straight (64 KB), again", 4096, 1, evict, straight64);
-      if (warps == 16) {  // the fused dispatch's case: two teams of 8 warps, two code paths
+      if (warps == 1 || warps == 8) {  // dependent chains (kDep): one warp, 2 per scheduler
+        per_instr("dependent fma, loop of 64 x 64 (L0-resident)", 4096, 1, none, [&] {
+          ifetch_kernel<false, 4096, 0, 1, true><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink,
+                                                                   warps);
+        });
+        per_instr("dependent fma, 1024 straight (16 KB), again", 1024, 1, evict, [&] {
+          ifetch_kernel<true, 1024, 0, 1, true><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink,
+                                                                  warps);
+        });
+      }
+      if (warps == 8 || warps == 16) {  // the fused dispatch's case: two teams, two code paths
         per_instr("256 fma straight (4 KB), again", 256, 1, evict, [&] {
           ifetch_kernel<true, 256><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
         });
-        per_instr("two teams of 8, each its own 256 fma straight (2 x 4 KB), again", 256, 1, evict,
+        per_instr("two teams, each its own 256 fma straight (2 x 4 KB), again", 256, 1, evict,
                   [&] {
                     ifetch_kernel<true, 256, 0, 2><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink,
                                                                     warps);
                   });
-        per_instr("two teams of 8, each its own 1024 fma straight (2 x 16 KB), again", 1024, 1,
-                  evict, [&] {
+        per_instr("two teams, each its own 1024 fma straight (2 x 16 KB), again", 1024, 1, evict,
+                  [&] {
                     ifetch_kernel<true, 1024, 0, 2><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink,
                                                                      warps);
                   });
