@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Warps' in-order issue over a range of SASS on one scheduler, as a model (docs/perf.md §5 item 60):
+"""Warps' in-order issue over a range of SASS on one scheduler, a model (docs/perf.md §5 item 60):
 what a stretch of straight-line code costs when its only limits are its dependencies, one issue a
 cycle per scheduler and the throughput of the pipe each instruction needs. Needs no GPU.
 

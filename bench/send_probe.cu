@@ -46,6 +46,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -165,7 +166,8 @@ int main(int argc, char** argv) {
   std::shared_ptr<Transport> transport;
   std::shared_ptr<SymmetricMemory> window;
   try {
-    transport = make_nccl_transport(0, 1, nccl_new_unique_id(), 0, std::chrono::milliseconds(30000));
+    transport =
+        make_nccl_transport(0, 1, nccl_new_unique_id(), 0, std::chrono::milliseconds(30000));
     window = transport->allocate(static_cast<size_t>(g.total_bytes));
     stagings.push_back({"NCCL window", static_cast<char*>(window->local())});
   } catch (const std::exception& ex) {
@@ -394,17 +396,8 @@ int main(int argc, char** argv) {
   window.reset();
   transport.reset();
   if (cumem) ncclMemFree(cumem);
-  CUDA_OK(cudaFree(base));
-  CUDA_OK(cudaFree(err));
-  CUDA_OK(cudaFree(trace));
-  CUDA_OK(cudaFree(done));
-  CUDA_OK(cudaFree(x));
-  CUDA_OK(cudaFree(ids));
-  CUDA_OK(cudaFree(no_ids));
-  CUDA_OK(cudaFree(recv_x));
-  CUDA_OK(cudaFree(recv_scales));
-  CUDA_OK(cudaFree(recv_count));
-  CUDA_OK(cudaFree(src_info));
-  CUDA_OK(cudaFree(layout_range));
+  for (void* d : std::initializer_list<void*>{base, err, trace, done, x, ids, no_ids, recv_x,
+                                              recv_scales, recv_count, src_info, layout_range})
+    CUDA_OK(cudaFree(d));
   return ok ? 0 : 1;
 }

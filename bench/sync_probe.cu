@@ -263,8 +263,8 @@ __global__ void tlb_touch_kernel(uint64_t* out, const uint32_t* pages, int sweep
 // scheduler's L0 cache after the first lap) or straight-line (kN instructions, 16 B each, every
 // one fetched once per pass), twice in one launch: pass 0 right after a launch of the evictor
 // (another instantiation of this kernel, 256 KB of straight-line code, on every SM: this code is
-// out of the SMs' instruction caches, in L2), pass 1 the same code again. out[2 * (pass * 16 + w)] = the warp's
-// cycles.
+// out of the SMs' instruction caches, in L2), pass 1 the same code again.
+// out[2 * (pass * 16 + w)] = the warp's cycles.
 // kTeams = 2: the second half of the warps runs a second straight-line block of the same size
 // (other operands, so other code) beside the first half's, as the fused ll dispatch's two teams
 // run two code paths on the same schedulers: whether each scheduler's L0 cache holds both.

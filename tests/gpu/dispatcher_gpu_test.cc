@@ -35,8 +35,8 @@ namespace {
 
 using gpu_testing::diff_bytes;
 using gpu_testing::logical_bytes;
-using gpu_testing::make_x;
 using gpu_testing::storage_bytes;
+using testing::make_x;
 
 // ---- the Dispatcher on cuda vs on cpu
 // -------------------------------------------------------------

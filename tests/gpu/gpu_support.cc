@@ -348,44 +348,6 @@ std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want
   return what + buf;
 }
 
-std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng) {
-  using detail::f32_to_bf16;
-  std::vector<uint16_t> x = testing::make_bf16(T, H, rng);
-  std::uniform_int_distribution<int> bit(0, 1);
-  for (int64_t t = 0; t < T; ++t) {
-    uint16_t* row = x.data() + t * H;
-    switch (t % 9) {
-      case 0:
-        std::fill(row, row + H, uint16_t{0});
-        break;
-      case 1:  // huge: exponents near the top, some +-inf
-        for (int64_t h = 0; h < H; ++h)
-          row[h] =
-              static_cast<uint16_t>((bit(rng) << 15) | (0xFC + (rng() % 3)) << 7 | (rng() & 0x7F));
-        row[rng() % H] = 0x7F80;
-        row[rng() % H] = 0xFF80;
-        break;
-      case 2:  // tiny: subnormal and smallest normals (amax below the 1e-4 floor)
-        for (int64_t h = 0; h < H; ++h)
-          row[h] = static_cast<uint16_t>((bit(rng) << 15) | ((rng() % 3) << 7) | (rng() & 0x7F));
-        break;
-      case 3:  // NaNs in a normal row
-        for (int i = 0; i < 5; ++i) row[rng() % H] = (i % 2) ? 0x7FC0 : 0xFFC1;
-        break;
-      case 4:  // random bit patterns: every class of value
-        for (int64_t h = 0; h < H; ++h) row[h] = static_cast<uint16_t>(rng());
-        break;
-      case 5:  // mixed groups: a zero group, one huge value, -0.0
-        std::fill(row, row + std::min<int64_t>(H, 16), uint16_t{0x8000});
-        row[H - 1] = f32_to_bf16(3.0e5f);
-        break;
-      default:
-        break;  // random normal rows
-    }
-  }
-  return x;
-}
-
 double graph_replays_us(const Group& group, cudaStream_t stream, cudaGraphExec_t exec,
                         int replays) {
   group.transport()->barrier("graph replays");

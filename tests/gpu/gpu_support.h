@@ -172,9 +172,6 @@ std::vector<uint8_t> logical_bytes(const TensorView& t);
 // "" when equal, else where the first difference is and how many bytes differ.
 std::string diff_bytes(const std::string& what, const std::vector<uint8_t>& want,
                        const std::vector<uint8_t>& got);
-// [T, H] bf16: random rows plus, by row index, adversarial kinds (zeros, huge incl. +-inf, tiny
-// and subnormal, NaN, random bit patterns, mixed groups) for the quantisation paths.
-std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng);
 
 // The benches' graph rows: after a group barrier, two warm-up replays of `exec`; after another
 // barrier, `replays` replays back to back between two CUDA events; their microseconds (all of

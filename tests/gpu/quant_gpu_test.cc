@@ -68,8 +68,8 @@ using gpu_testing::poison_allocator;
 
 using gpu_testing::diff_bytes;
 using gpu_testing::logical_bytes;
-using gpu_testing::make_x;
 using gpu_testing::storage_bytes;
+using testing::make_x;
 
 // ---- inputs ----------------------------------------------------------------------------------
 

@@ -132,43 +132,6 @@ std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_
   return v;
 }
 
-std::vector<uint16_t> make_ll_x(int64_t rows, int64_t cols, std::mt19937_64& rng) {
-  std::vector<uint16_t> v = make_bf16(rows, cols, rng);
-  for (int64_t t = 0; t < rows; ++t) {
-    uint16_t* row = v.data() + t * cols;
-    switch (t % 10) {
-      case 0:  // zeros, +0 and -0
-        for (int64_t h = 0; h < cols; ++h) row[h] = h % 3 ? 0 : 0x8000;
-        break;
-      case 1:  // huge: exponents near the top, with +inf and -inf
-        for (int64_t h = 0; h < cols; ++h)
-          row[h] =
-              static_cast<uint16_t>((rng() % 2) << 15 | (0xFC + rng() % 3) << 7 | (rng() & 0x7F));
-        row[rng() % cols] = 0x7F80;
-        row[rng() % cols] = 0xFF80;
-        break;
-      case 2:  // subnormal and the smallest normal bf16 values (amax under the scale's floor)
-        for (int64_t h = 0; h < cols; ++h)
-          row[h] = static_cast<uint16_t>((rng() % 2) << 15 | (rng() % 2) << 7 | (rng() & 0x7F));
-        break;
-      case 3:  // NaNs among normal values
-        for (int i = 0; i < 5; ++i) row[rng() % cols] = i % 2 ? 0x7FC0 : 0xFFC1;
-        break;
-      case 4:  // every bit pattern
-        for (int64_t h = 0; h < cols; ++h) row[h] = static_cast<uint16_t>(rng());
-        break;
-      case 5:  // a group of NaNs only, then one of NaN and -0 only
-        for (int64_t h = 0; h < std::min<int64_t>(cols, 128); ++h) row[h] = h % 3 ? 0x7FC0 : 0xFFC1;
-        for (int64_t h = 128; h < std::min<int64_t>(cols, 256); ++h)
-          row[h] = h % 2 ? 0x7FC0 : 0x8000;
-        break;
-      default:
-        break;
-    }
-  }
-  return v;
-}
-
 LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng) {
   const LlProblem& p = c.p;
   const int R = p.num_ranks, L = p.num_local_experts();
@@ -181,7 +144,7 @@ LlBatch make_ll_batch(const LlCase& c, std::mt19937_64& rng) {
                     : pick == 0             ? 0
                     : pick == 1             ? p.max_tokens
                                 : std::uniform_int_distribution<int64_t>(0, p.max_tokens)(rng);
-    in.x = make_ll_x(in.num_tokens, H, rng);
+    in.x = make_x(in.num_tokens, H, rng, /*nan_groups=*/true);
     const int target = std::uniform_int_distribution<int>(0, p.num_experts - 1)(rng);
     in.topk_idx = make_topk_idx(c.routing, in.num_tokens, p.top_k, p.num_experts, R, rng, target);
     in.topk_weights = make_topk_weights(in.topk_idx, rng);

@@ -54,12 +54,6 @@ LlCase random_ll_case(int R, uint64_t seed, double two_iters);
 // value; raw groups with one magnitude, a value >= 1, NaN or Inf, all zeros.
 std::vector<uint16_t> make_logfmt_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng);
 
-// The dispatch's x rows [rows, cols] (cols % 128 == 0): random normal rows of random scale, and
-// by row index special ones: zeros (+0 and -0), huge values with +inf and -inf, bf16 subnormals,
-// NaNs among normal values, every bit pattern at random, and a 128-channel group of NaNs only
-// followed by one of NaN and -0 only (their amax is +0: no value counts).
-std::vector<uint16_t> make_ll_x(int64_t rows, int64_t cols, std::mt19937_64& rng);
-
 // NVFP4 edge cases on R ranks (both tiers): DeepSeek's H with two batches in flight, rows per
 // expert not a multiple of 128 (a partial tile) with K > E, H = 128 (two scale words a row),
 // saturating (g = 5000) and flushing (g = 1e-3) global scales, every routing once, rows wider than

@@ -106,6 +106,51 @@ std::vector<uint16_t> make_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng
   return v;
 }
 
+std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng, bool nan_groups) {
+  using detail::f32_to_bf16;
+  std::vector<uint16_t> x = make_bf16(T, H, rng);
+  std::uniform_int_distribution<int> bit(0, 1);
+  for (int64_t t = 0; t < T; ++t) {
+    uint16_t* row = x.data() + t * H;
+    switch (t % 9) {
+      case 0:
+        std::fill(row, row + H, uint16_t{0});
+        break;
+      case 1:  // huge: exponents near the top, some +-inf
+        for (int64_t h = 0; h < H; ++h)
+          row[h] =
+              static_cast<uint16_t>((bit(rng) << 15) | (0xFC + (rng() % 3)) << 7 | (rng() & 0x7F));
+        row[rng() % H] = 0x7F80;
+        row[rng() % H] = 0xFF80;
+        break;
+      case 2:  // tiny: subnormal and smallest normals (amax below the 1e-4 floor)
+        for (int64_t h = 0; h < H; ++h)
+          row[h] = static_cast<uint16_t>((bit(rng) << 15) | ((rng() % 3) << 7) | (rng() & 0x7F));
+        break;
+      case 3:  // NaNs in a normal row
+        for (int i = 0; i < 5; ++i) row[rng() % H] = (i % 2) ? 0x7FC0 : 0xFFC1;
+        break;
+      case 4:  // random bit patterns: every class of value
+        for (int64_t h = 0; h < H; ++h) row[h] = static_cast<uint16_t>(rng());
+        break;
+      case 5:  // mixed groups: a zero group, one huge value, -0.0
+        std::fill(row, row + std::min<int64_t>(H, 16), uint16_t{0x8000});
+        row[H - 1] = f32_to_bf16(3.0e5f);
+        break;
+      case 6:  // nan_groups: a group of NaNs only, then one of NaN and -0 only (amax +0)
+        if (!nan_groups) break;
+        for (int64_t h = 0; h < std::min<int64_t>(H, 128); ++h)
+          row[h] = h % 3 ? uint16_t{0x7FC0} : uint16_t{0xFFC1};
+        for (int64_t h = 128; h < std::min<int64_t>(H, 256); ++h)
+          row[h] = h % 2 ? uint16_t{0x7FC0} : uint16_t{0x8000};
+        break;
+      default:
+        break;  // random normal rows
+    }
+  }
+  return x;
+}
+
 std::vector<uint8_t> make_bytes(size_t n, std::mt19937_64& rng) {
   std::vector<uint8_t> v(n);
   for (auto& b : v) b = static_cast<uint8_t>(rng());

@@ -29,6 +29,11 @@ std::vector<int64_t> make_topk_idx(Routing routing, int64_t num_tokens, int top_
 std::vector<float> make_topk_weights(const std::vector<int64_t>& topk_idx, std::mt19937_64& rng);
 // n random bf16 values (bit patterns), normal(0, 1) times a random per-row magnitude.
 std::vector<uint16_t> make_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng);
+// [T, H] bf16: make_bf16's rows plus, by row index (t % 9), adversarial kinds for the
+// quantisation paths: zeros, huge incl. +-inf, tiny and subnormal, NaN, random bit patterns, mixed
+// groups (-0, one huge value); with nan_groups also a group of NaNs only followed by one of NaN and
+// -0 only (their amax is +0: no value counts).
+std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng, bool nan_groups = false);
 // n random bytes.
 std::vector<uint8_t> make_bytes(size_t n, std::mt19937_64& rng);
 
