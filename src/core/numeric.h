@@ -120,22 +120,41 @@ EPX_HD uint8_t f32_to_fp8_e4m3(float f) {
 // the hardware cvt.rn.satfinite.e4m3x2.f32 (one instruction instead of ~40 branchy ones per
 // value: the ll fp8 send was bound by the emulation, docs/perf.md §6); f32_to_fp8_e4m3 is
 // its emulation (GPU test NumericGpu.HardwareFp8ConversionMatchesEmulationOnEveryFloat: all 2^32
-// inputs). NaN is forced to 0x7F as above whatever the hardware makes of its sign.
+// inputs). NaN is forced to 0x7F as above whatever the hardware makes of its sign
+// (fp8_nan_bytes_to_7f).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// The hardware's two bytes in the low half of a 32-bit word, as it makes them (NaN's sign kept).
+__device__ __forceinline__ uint32_t f32x2_to_fp8x2_e4m3_hw(float lo, float hi) {
+  uint32_t r;
+  asm("{\n\t.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %1, %2;\n\tmov.b32 %0, {q, 0};\n\t}"
+      : "=r"(r)
+      : "f"(hi), "f"(lo));
+  return r;
+}
+// Every e4m3 NaN byte of w (0x7F or 0xFF) as 0x7F. With .satfinite a finite input never becomes
+// either (the largest finite byte is 0x7E), so they are exactly the NaNs; adding 1 to a byte's
+// low 7 bits carries into its bit 7 for them alone, and that bit clears the sign: three integer
+// instructions per word instead of a compare and a select per value.
+__device__ __forceinline__ uint32_t fp8_nan_bytes_to_7f(uint32_t w) {
+  return w & ~(((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u);
+}
+#endif
 EPX_HD uint16_t f32x2_to_fp8x2_e4m3(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  if (lo != lo) r = static_cast<uint16_t>((r & 0xFF00u) | 0x7Fu);
-  if (hi != hi) r = static_cast<uint16_t>((r & 0x00FFu) | 0x7F00u);
-  return r;
+  return static_cast<uint16_t>(fp8_nan_bytes_to_7f(f32x2_to_fp8x2_e4m3_hw(lo, hi)));
 #else
   return static_cast<uint16_t>(f32_to_fp8_e4m3(lo) | (f32_to_fp8_e4m3(hi) << 8));
 #endif
 }
 
-// Four values packed little endian (byte i = e4m3 of the i-th argument).
+// Four values packed little endian (byte i = e4m3 of the i-th argument); on the device one NaN
+// fix-up for the word.
 EPX_HD uint32_t f32x4_to_fp8x4_e4m3(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return fp8_nan_bytes_to_7f(f32x2_to_fp8x2_e4m3_hw(a, b) | f32x2_to_fp8x2_e4m3_hw(c, d) << 16);
+#else
   return f32x2_to_fp8x2_e4m3(a, b) | static_cast<uint32_t>(f32x2_to_fp8x2_e4m3(c, d)) << 16;
+#endif
 }
 
 // sizeof(V) / 2 floats rounded to bf16 and packed little endian into a V (16-bit element i =

@@ -2,8 +2,8 @@
 // The cuda kernels convert float32 to fp8 e4m3 with the hardware instruction
 // (f32x2_to_fp8x2_e4m3: cvt.rn.satfinite.e4m3x2.f32 on sm_89+) while the cpu backend uses
 // f32_to_fp8_e4m3; bit-exact results need the two to agree on every input, so every one of the
-// 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair; the
-// same for float32 -> bf16 (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
+// 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair (and in
+// every byte of the four-value form, f32x4_to_fp8x4_e4m3); the same for float32 -> bf16 (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +22,16 @@ struct Fp8Pair {
   __device__ static uint32_t hw(float lo, float hi) { return detail::f32x2_to_fp8x2_e4m3(lo, hi); }
   __device__ static uint32_t sw(float lo, float hi) {
     return detail::f32_to_fp8_e4m3(lo) | detail::f32_to_fp8_e4m3(hi) << 8;
+  }
+};
+// The quad form (f32x4_to_fp8x4_e4m3: one NaN fix-up for the word) with each pair in both
+// orders, so each of its four bytes sees every input over all patterns.
+struct Fp8Quad {
+  __device__ static uint32_t hw(float lo, float hi) {
+    return detail::f32x4_to_fp8x4_e4m3(lo, hi, hi, lo);
+  }
+  __device__ static uint32_t sw(float lo, float hi) {
+    return Fp8Pair::sw(lo, hi) | Fp8Pair::sw(hi, lo) << 16;
   }
 };
 struct Bf16Pair {
@@ -106,6 +116,12 @@ TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
   if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<Fp8Pair>), "");
+}
+
+TEST(NumericGpu, HardwareFp8QuadConversionMatchesEmulationOnEveryFloat) {
+  EPX_REQUIRE_GPUS(1);
+  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  EXPECT_EQ(exhaustive(compare_pairs<Fp8Quad>), "");
 }
 
 }  // namespace

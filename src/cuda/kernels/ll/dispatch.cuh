@@ -120,8 +120,11 @@ struct LlDispatchParams {
 // forms do (combine.cuh), so bf16 and fp8 pay nothing for NVFP4.
 enum LlQuant : int { kLlQuantBf16 = 0, kLlQuantFp8 = 1, kLlQuantNvfp4 = 2 };
 
-// The 8 bf16 of an input vector as float into f (zeros when !active) and their amax (core/numeric.h
-// order: NaN skipped), the lane's share of a quantisation group's or block's amax.
+// The 8 bf16 of an input vector as float into f (zeros when !active) and their amax, the lane's
+// share of a quantisation group's or block's amax. core/numeric.h's amax (index order, NaN
+// skipped, from 0) is the largest |x_i| that is not NaN, or +0: the same value in any order, so
+// a tree of fmaxf (max.f32 returns its non-NaN operand), ended with 0 for an all-NaN vector
+// (|x| maps -0 to +0, as the reference's comparisons never store -0).
 __device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, float* f) {
   if (active) {
     ll_bf16x8_to_f32(raw, f);
@@ -129,31 +132,31 @@ __device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, f
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = 0.0f;
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float a = f[i] < 0 ? -f[i] : f[i];
-    amax = a > amax ? a : amax;
-  }
-  return amax;
+  const float a01 = fmaxf(fabsf(f[0]), fabsf(f[1])), a23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
+  const float a45 = fmaxf(fabsf(f[4]), fabsf(f[5])), a67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
+  return fmaxf(fmaxf(fmaxf(a01, a23), fmaxf(a45, a67)), 0.0f);
+}
+
+// The larger of two amax values (neither NaN nor -0: ll_vector_amax's), as the reference's
+// "a > amax ? a : amax".
+__device__ __forceinline__ float ll_amax_join(float a, float b) {
+  return fmaxf(a, b);
 }
 
 // fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
 // (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
 // 8 elements of vector v of token t (amax in core/numeric.h order, scale =
 // fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
-// msg(d, q, r, t) of every rank d in `mask`.
+// msg(d, q, r, t) of every rank d in `mask` (at byte `off` = msg_offset(q, r, t) of rank d).
 __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
-                                            bool active, uint64_t mask, int64_t t) {
+                                            bool active, uint64_t mask, size_t off) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
   float amax = ll_vector_amax(raw, active, f);
 #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-    amax = o > amax ? o : amax;
-  }
+  for (int lanes = 8; lanes > 0; lanes >>= 1)
+    amax = ll_amax_join(amax, __shfl_xor_sync(0xffffffffu, amax, lanes));
   const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
   const float inv = 1.0f / scale;
   uint2 packed;
@@ -161,8 +164,7 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
   packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   if (!active) return;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
-    const int d = __ffsll(static_cast<long long>(m)) - 1;
-    char* msg = g.msg(p.symm.peers[d], p.slot, p.rank, t);
+    char* msg = p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off;
     *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
     if ((threadIdx.x & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
   }
@@ -172,15 +174,14 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
 // per 8 lanes); every lane of the warp calls it (shuffles). Quantises the 8 elements of vector v
 // of token t with core/quant.h's formula and stores their 4 bytes of e2m1 pairs, and lane 8i the
 // 4 scales of lanes 8i .. 8i + 7 (one 32-bit word), into msg(d, q, r, t) of every rank d in
-// `mask`.
+// `mask` (at byte `off` of rank d, as ll_send_fp8).
 __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const uint4& raw, int v,
-                                              bool active, uint64_t mask, int64_t t, float gs) {
+                                              bool active, uint64_t mask, size_t off, float gs) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
   float amax = ll_vector_amax(raw, active, f);
-  const float o = __shfl_xor_sync(0xffffffffu, amax, 1);
-  amax = o > amax ? o : amax;
+  amax = ll_amax_join(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   const Nvfp4Scale s = nvfp4_block_scale(amax, gs);
   const uint32_t packed = nvfp4_pack8(f, s.inv);
   // Lane 8i gathers the scales of blocks 4i .. 4i + 3 of the warp (lanes 8i, +2, +4, +6).
@@ -190,20 +191,19 @@ __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const u
                            __shfl_down_sync(0xffffffffu, sf, 6) << 24;
   if (!active) return;
   for (uint64_t m = mask; m != 0; m &= m - 1) {
-    const int d = __ffsll(static_cast<long long>(m)) - 1;
-    char* msg = g.msg(p.symm.peers[d], p.slot, p.rank, t);
+    char* msg = p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off;
     *reinterpret_cast<uint32_t*>(msg + 4 * v) = packed;
     if ((threadIdx.x & 7) == 0) *reinterpret_cast<uint32_t*>(msg + H / 2 + v / 2) = sf_word;
   }
 }
 
-// bf16 step 3 of one vector: vector v of token t into msg(d, q, r, t) of every rank d in `mask`.
+// bf16 step 3 of one vector: vector v of token t into msg(d, q, r, t) of every rank d in `mask`
+// (at byte `off` of rank d, as ll_send_fp8).
 __device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const uint4& raw, int v,
-                                             uint64_t mask, int64_t t) {
-  for (uint64_t m = mask; m != 0; m &= m - 1) {
-    const int d = __ffsll(static_cast<long long>(m)) - 1;
-    *reinterpret_cast<uint4*>(p.symm.layout.msg(p.symm.peers[d], p.slot, p.rank, t) + 16 * v) = raw;
-  }
+                                             uint64_t mask, size_t off) {
+  for (uint64_t m = mask; m != 0; m &= m - 1)
+    *reinterpret_cast<uint4*>(p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off +
+                              16 * v) = raw;
 }
 
 // The format word of a header (LlSourceHeader::format).
@@ -347,6 +347,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
     if (EPX_LL_ABLATED(p.ablate, kLlAblateSendRows)) mask = 0;
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
+    const size_t off = g.msg_offset(q, me, t);  // t's message on every destination
     if constexpr (kQuant != kLlQuantBf16) {
       // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (fp8) or 8 16-value
       // blocks (NVFP4) (nv is a multiple of 16, so a half-warp is active or not as a whole);
@@ -354,9 +355,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
       // warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
         if constexpr (kQuant == kLlQuantNvfp4)
-          ll_send_nvfp4(p, raw, v, v < nv, mask, t, gs);
+          ll_send_nvfp4(p, raw, v, v < nv, mask, off, gs);
         else
-          ll_send_fp8(p, raw, v, v < nv, mask, t);
+          ll_send_fp8(p, raw, v, v < nv, mask, off);
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
@@ -376,7 +377,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
         quantise_and_send(raw, v);
       }
     } else {
-      auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, t); };
+      auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, off); };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
         const int v = tid + i * nt;

@@ -269,8 +269,14 @@ struct LlLayout {
   EPX_LL_HD int32_t* topk(char* base, int slot, int src) const {
     return reinterpret_cast<int32_t*>(staging(base, slot, src) + src_topk_off);
   }
+  // Token t's message from `src` in slot `slot`: at msg_offset bytes from any rank's base (the
+  // offsets are the same on every rank, so a sender adds it to each destination's base).
+  EPX_LL_HD size_t msg_offset(int slot, int src, int64_t t) const {
+    return dispatch_off[slot] + static_cast<size_t>(src) * src_bytes + src_msgs_off +
+           static_cast<size_t>(t) * msg_bytes;
+  }
   EPX_LL_HD char* msg(char* base, int slot, int src, int64_t t) const {
-    return staging(base, slot, src) + src_msgs_off + static_cast<size_t>(t) * msg_bytes;
+    return base + msg_offset(slot, src, t);
   }
   EPX_LL_HD int64_t* comb_layout(char* base, int slot) const {
     return reinterpret_cast<int64_t*>(base + combine_off[slot] + comb_layout_off);
