@@ -642,7 +642,9 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
   const int K = g.top_k;
   int src = 0;
   if (srcs.slot > 0) {
-    src = static_cast<int>(j / srcs.slot);
+    // The slot view holds R * T_max <= kLlThreads entries: a 32-bit division, inlined (a 64-bit
+    // one is a call of ≈ 70 instructions on every scan round's critical path).
+    src = static_cast<int>(static_cast<uint32_t>(j) / static_cast<uint32_t>(srcs.slot));
   } else {
     while (j >= srcs.first[src + 1]) ++src;
   }
