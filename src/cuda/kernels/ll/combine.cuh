@@ -597,7 +597,9 @@ __device__ bool ll_combine_recv(const LlCombineParams& p, uint32_t e, bool defer
   // with enable_shrink: each CTA reads the mask after its own waits, so a token's P CTAs could
   // see different masks and one output row mix the two (one CTA per token needs no agreement).
   const int P = kLogfmt || shrink ? 1 : ll_combine_slices(T, static_cast<int>(gridDim.x), nv);
-  const int64_t chunk = P > 1 ? 1 : (T + gridDim.x - 1) / gridDim.x;
+  // T is an int32: a 32-bit division, inlined (a 64-bit one is a call before the first wait).
+  const int64_t chunk =
+      P > 1 ? 1 : (static_cast<uint32_t>(T) + gridDim.x - 1) / gridDim.x;
   const int cta = static_cast<int>(blockIdx.x), slice = P > 1 ? cta % P : 0;  // 32-bit divisions
   const int64_t t_begin = min(static_cast<int64_t>(P > 1 ? cta / P : cta) * chunk, T);
   const int64_t t_end = min(t_begin + chunk, T);
