@@ -143,13 +143,34 @@ __device__ __forceinline__ float ll_amax_join(float a, float b) {
   return fmaxf(a, b);
 }
 
+// Where step 3 stores token t's message: at byte `off` = msg_offset(q, r, t) of every rank d in
+// the token's mask (never empty), the first rank's address computed once per token (what every
+// vector stores to at R = 1, and first in general), the others' per vector.
+struct LlSendDests {
+  char* first;    // peers[the mask's lowest rank] + off
+  uint64_t more;  // the mask without that rank
+  size_t off;
+};
+__device__ __forceinline__ LlSendDests ll_send_dests(const LlDispatchParams& p, uint64_t mask,
+                                                     size_t off) {
+  return {p.symm.peers[__ffsll(static_cast<long long>(mask)) - 1] + off, mask & (mask - 1), off};
+}
+// put(message address) for every destination of `d`.
+template <typename Put>
+__device__ __forceinline__ void ll_for_dests(const LlDispatchParams& p, const LlSendDests& d,
+                                             Put put) {
+  put(d.first);
+  for (uint64_t m = d.more; m != 0; m &= m - 1)
+    put(p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + d.off);
+}
+
 // fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
 // (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
 // 8 elements of vector v of token t (amax in core/numeric.h order, scale =
 // fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
-// msg(d, q, r, t) of every rank d in `mask` (at byte `off` = msg_offset(q, r, t) of rank d).
+// the message of every destination in `dests`.
 __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
-                                            bool active, uint64_t mask, size_t off) {
+                                            bool active, const LlSendDests& dests) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
@@ -163,20 +184,19 @@ __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uin
   packed.x = f32x4_to_fp8x4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
   packed.y = f32x4_to_fp8x4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
   if (!active) return;
-  for (uint64_t m = mask; m != 0; m &= m - 1) {
-    char* msg = p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off;
+  ll_for_dests(p, dests, [&](char* msg) {
     *reinterpret_cast<uint2*>(msg + 8 * v) = packed;
     if ((threadIdx.x & 15) == 0) *reinterpret_cast<float*>(msg + H + 4 * (v / 16)) = scale;
-  }
+  });
 }
 
 // NVFP4 step 3 of one vector: lanes 2i and 2i + 1 hold one 16-value block (`active` is uniform
 // per 8 lanes); every lane of the warp calls it (shuffles). Quantises the 8 elements of vector v
 // of token t with core/quant.h's formula and stores their 4 bytes of e2m1 pairs, and lane 8i the
-// 4 scales of lanes 8i .. 8i + 7 (one 32-bit word), into msg(d, q, r, t) of every rank d in
-// `mask` (at byte `off` of rank d, as ll_send_fp8).
+// 4 scales of lanes 8i .. 8i + 7 (one 32-bit word), into the message of every destination in
+// `dests`.
 __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const uint4& raw, int v,
-                                              bool active, uint64_t mask, size_t off, float gs) {
+                                              bool active, const LlSendDests& dests, float gs) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
@@ -190,20 +210,18 @@ __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const u
                            __shfl_down_sync(0xffffffffu, sf, 4) << 16 |
                            __shfl_down_sync(0xffffffffu, sf, 6) << 24;
   if (!active) return;
-  for (uint64_t m = mask; m != 0; m &= m - 1) {
-    char* msg = p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off;
+  ll_for_dests(p, dests, [&](char* msg) {
     *reinterpret_cast<uint32_t*>(msg + 4 * v) = packed;
     if ((threadIdx.x & 7) == 0) *reinterpret_cast<uint32_t*>(msg + H / 2 + v / 2) = sf_word;
-  }
+  });
 }
 
-// bf16 step 3 of one vector: vector v of token t into msg(d, q, r, t) of every rank d in `mask`
-// (at byte `off` of rank d, as ll_send_fp8).
+// bf16 step 3 of one vector: vector v of token t into the message of every destination in
+// `dests`.
 __device__ __forceinline__ void ll_send_bf16(const LlDispatchParams& p, const uint4& raw, int v,
-                                             uint64_t mask, size_t off) {
-  for (uint64_t m = mask; m != 0; m &= m - 1)
-    *reinterpret_cast<uint4*>(p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + off +
-                              16 * v) = raw;
+                                             const LlSendDests& dests) {
+  ll_for_dests(p, dests,
+               [&](char* msg) { *reinterpret_cast<uint4*>(msg + 16 * v) = raw; });
 }
 
 // The format word of a header (LlSourceHeader::format).
@@ -347,7 +365,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
     if (EPX_LL_ABLATED(p.ablate, kLlAblateSendRows)) mask = 0;
     if (mask == 0) continue;
     const uint16_t* xrow = p.x + t * p.x_stride;
-    const size_t off = g.msg_offset(q, me, t);  // t's message on every destination
+    const LlSendDests dests = ll_send_dests(p, mask, g.msg_offset(q, me, t));
     if constexpr (kQuant != kLlQuantBf16) {
       // Lanes 0-15 and 16-31 of a warp each hold one 128-channel group (fp8) or 8 16-value
       // blocks (NVFP4) (nv is a multiple of 16, so a half-warp is active or not as a whole);
@@ -355,9 +373,9 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
       // warp's first vector, is warp-uniform).
       auto quantise_and_send = [&](const uint4& raw, int v) {
         if constexpr (kQuant == kLlQuantNvfp4)
-          ll_send_nvfp4(p, raw, v, v < nv, mask, off, gs);
+          ll_send_nvfp4(p, raw, v, v < nv, dests, gs);
         else
-          ll_send_fp8(p, raw, v, v < nv, mask, off);
+          ll_send_fp8(p, raw, v, v < nv, dests);
       };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
@@ -377,7 +395,7 @@ __device__ bool ll_dispatch_send(const LlDispatchParams& p, uint32_t e, const Ll
         quantise_and_send(raw, v);
       }
     } else {
-      auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, mask, off); };
+      auto send = [&](const uint4& raw, int v) { ll_send_bf16(p, raw, v, dests); };
 #pragma unroll
       for (int i = 0; i < kLlXPrefetch; ++i) {
         const int v = tid + i * nt;
