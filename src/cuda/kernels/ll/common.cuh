@@ -272,7 +272,10 @@ __device__ __forceinline__ void ll_reduce8(int K, const uintptr_t* src, const fl
 // For each i < n (uniform, <= kLlUnitGroup): the exclusive prefix of bit i of `flags` over the
 // team in thread order (pos[i]) and the number of its threads with it set (total[i]); one barrier
 // pair for all n. The warps' counts are scanned across the lanes (lane w holds warp w's count;
-// four shuffle steps), not summed by every thread from shared memory.
+// four shuffle steps), not summed by every thread from shared memory. The kLlUnitGroup scans run
+// together, step by step, with no branch on n between them (a unit i >= n scans zeros): each is a
+// chain of dependent shuffles, and one after another (a branch each) they took ≈ 260 cycles a
+// unit of the listing's chain (bench/sass_issue.py), together ≈ 210.
 __device__ __forceinline__ void ll_block_scan_group(const LlTeam& team, uint32_t flags, int n,
                                                     int (&pos)[kLlUnitGroup],
                                                     int (&total)[kLlUnitGroup]) {
@@ -282,25 +285,26 @@ __device__ __forceinline__ void ll_block_scan_group(const LlTeam& team, uint32_t
   uint32_t b[kLlUnitGroup];
 #pragma unroll
   for (int i = 0; i < kLlUnitGroup; ++i) {
-    b[i] = i < n ? __ballot_sync(0xffffffffu, flags >> i & 1) : 0;
-    if (lane == 0 && i < n) s_warp[i][warp] = __popc(b[i]);
+    b[i] = __ballot_sync(0xffffffffu, i < n && (flags >> i & 1));
+    if (lane == 0) s_warp[i][warp] = __popc(b[i]);
   }
   team.sync();
+  int c[kLlUnitGroup];  // inclusive over lanes <= this one
+#pragma unroll
+  for (int i = 0; i < kLlUnitGroup; ++i) c[i] = lane < warps ? s_warp[i][lane] : 0;
+#pragma unroll
+  for (int d = 1; d < kLlWarps; d <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kLlUnitGroup; ++i) {
+      const int u = __shfl_up_sync(0xffffffffu, c[i], d);
+      if (lane >= d) c[i] += u;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kLlUnitGroup; ++i) {
-    int before = 0, all = 0;
-    if (i < n) {
-      int c = lane < warps ? s_warp[i][lane] : 0;  // inclusive over lanes <= this one
-#pragma unroll
-      for (int d = 1; d < kLlWarps; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, c, d);
-        if (lane >= d) c += u;
-      }
-      all = __shfl_sync(0xffffffffu, c, kLlWarps - 1);  // lanes >= warps add 0
-      before = __shfl_sync(0xffffffffu, c, warp > 0 ? warp - 1 : 0);
-      if (warp == 0) before = 0;
-    }
-    pos[i] = before + __popc(b[i] & ((1u << lane) - 1u));
+    const int all = __shfl_sync(0xffffffffu, c[i], kLlWarps - 1);  // lanes >= warps add 0
+    const int before = __shfl_sync(0xffffffffu, c[i], warp > 0 ? warp - 1 : 0);
+    pos[i] = (warp > 0 ? before : 0) + __popc(b[i] & ((1u << lane) - 1u));
     total[i] = all;
   }
   team.sync();  // s_warp may be rewritten by the next call

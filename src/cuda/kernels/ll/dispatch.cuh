@@ -655,7 +655,7 @@ struct LlRecvSources {
 __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
                                                     const LlRecvSources& srcs, int64_t j,
                                                     const int32_t (&experts)[kLlUnitGroup], int n,
-                                                    int* s, int64_t* t, uint32_t* first) {
+                                                    int* s, int32_t* t, uint32_t* first) {
   const LlLayout& g = p.symm.layout;
   const int K = g.top_k;
   int src = 0;
@@ -667,7 +667,11 @@ __device__ __forceinline__ uint32_t ll_recv_selects(const LlDispatchParams& p,
     while (j >= srcs.first[src + 1]) ++src;
   }
   *s = src;
-  *t = j - (srcs.slot > 0 ? src * srcs.slot : srcs.first[src]);
+  *t = static_cast<int32_t>(j - (srcs.slot > 0 ? src * srcs.slot : srcs.first[src]));
+  // The slot's token count and its routing row in one round trip: t (< T_max) and the count are
+  // compared in 32 bits, at the end, so no instruction needs the count before the row's loads are
+  // issued (a 64-bit t had ptxas sign-extend the count right after its load: two L2 round trips
+  // in turn).
   const int32_t tokens = srcs.slot > 0 && !rank_skipped(srcs.masked, src)
                              ? ld_landed<int32_t>(&g.header(p.symm.local, p.slot, src)->num_tokens)
                              : 0;
@@ -764,7 +768,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
     for (int64_t base = 0; base < NT; base += team.count) {
       uint32_t sel = 0, first = 0;
       int s = 0;
-      int64_t t = 0;
+      int32_t t = 0;
       int pos[kLlUnitGroup] = {}, total[kLlUnitGroup] = {};
       if (lists()) {
         if (base == 0 && u0 == static_cast<int>(blockIdx.x)) EPX_LL_STAMP(p, 0, kTrDScanStart);
