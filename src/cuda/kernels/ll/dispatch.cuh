@@ -937,17 +937,20 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e, const Ll
       ok = false;
     const uint64_t masked = ok ? ll_masked_uniform<kShrink>(symm) : 0;
     EPX_LL_STAMP(p, 0, follow ? kTrDSentWait : kTrDRecvWait);
-    if (ok && !follow && blockIdx.x == 0 && tid < R && !rank_skipped(masked, tid)) {
-      // Every source's format and NVFP4 global scale equal this rank's (its own header, written
-      // by its send half, holds its g).
+    // Every source's format and NVFP4 global scale equal this rank's (its own header, written by
+    // its send half, holds its g): CTA 0's threads s < R load the two words now, while the
+    // staging is this dispatch's, and compare them after the copies (compared here, their round
+    // trip held CTA 0's listing back).
+    const bool check = ok && !follow && blockIdx.x == 0 && tid < R && !rank_skipped(masked, tid);
+    int64_t theirs = 0, mine = 0;
+    if (check) {
       auto word = [&](int s) {
         const LlSourceHeader* h = g.header(symm.local, q, s);
         return static_cast<int64_t>(static_cast<uint32_t>(ld_landed<int32_t>(&h->format))) |
                static_cast<int64_t>(ld_landed<uint32_t>(&h->global_scale_bits)) << 32;
       };
-      const int s = tid;
-      const int64_t theirs = word(s), mine = word(p.rank);
-      if (theirs != mine) record_error(p.wait, kDevErrLlFormat, s, theirs, mine);
+      theirs = word(tid);
+      mine = word(p.rank);
     }
     LlRecvSources srcs{0, masked, nullptr, 0};
     __shared__ int64_t s_first[kMaxRanks + 1];
@@ -975,6 +978,7 @@ __device__ bool ll_dispatch_recv(const LlDispatchParams& p, uint32_t e, const Ll
     if (!ll_dispatch_recv_units_onepass<kQuant, kShrink>(p, srcs, stats0, e, team, follow, split,
                                                          ok))
       return false;
+    if (check && theirs != mine) record_error(p.wait, kDevErrLlFormat, tid, theirs, mine);
     EPX_LL_STAMP(p, 0, kTrDCopy);
   } else if (split && !__syncthreads_and(ok)) {
     return false;  // (a CTA without units: both halves' waits)
