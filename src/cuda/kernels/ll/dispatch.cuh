@@ -164,20 +164,31 @@ __device__ __forceinline__ void ll_for_dests(const LlDispatchParams& p, const Ll
     put(p.symm.peers[__ffsll(static_cast<long long>(m)) - 1] + d.off);
 }
 
+// The largest of the amax values of lanes 0-15, on those lanes, and of lanes 16-31, on those:
+// two warp-wide redux.sync maxima, each with the other half's lanes at 0, in place of a 4-round
+// shuffle butterfly. The values are ll_vector_amax's (never NaN, never negative: -0 excluded),
+// whose bit patterns order as unsigned integers as the floats order, so the integer maximum is
+// the float one (the same bits as ll_amax_join's).
+__device__ __forceinline__ float ll_half_warp_amax(float amax) {
+  const uint32_t bits = __float_as_uint(amax);
+  const bool high = (threadIdx.x & 16) != 0;
+  const uint32_t lo = __reduce_max_sync(0xffffffffu, high ? 0u : bits);
+  const uint32_t hi = __reduce_max_sync(0xffffffffu, high ? bits : 0u);
+  return __uint_as_float(high ? hi : lo);
+}
+
 // fp8 step 3 of one vector: lanes 0-15 and 16-31 of a warp each hold one 128-channel group
-// (`active` is uniform per half-warp); every lane of the warp calls it (shuffles). Quantises the
-// 8 elements of vector v of token t (amax in core/numeric.h order, scale =
-// fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's scale, into
-// the message of every destination in `dests`.
+// (`active` is uniform per half-warp); every lane of the warp calls it (warp-wide reductions,
+// ll_half_warp_amax). Quantises the 8 elements of vector v of token t (amax in core/numeric.h
+// order, scale = fp8_scale_from_amax) and stores the bytes, and lane 0 of the half-warp the group's
+// scale, into the message of every destination in `dests`.
 __device__ __forceinline__ void ll_send_fp8(const LlDispatchParams& p, const uint4& raw, int v,
                                             bool active, const LlSendDests& dests) {
   const LlLayout& g = p.symm.layout;
   const int64_t H = g.hidden;
   float f[8];
   float amax = ll_vector_amax(raw, active, f);
-#pragma unroll
-  for (int lanes = 8; lanes > 0; lanes >>= 1)
-    amax = ll_amax_join(amax, __shfl_xor_sync(0xffffffffu, amax, lanes));
+  amax = ll_half_warp_amax(amax);
   const float scale = fp8_scale_from_amax(amax, p.round_scale != 0);
   const float inv = 1.0f / scale;
   uint2 packed;
