@@ -17,11 +17,11 @@ and leading-zero counts on 4). Branches fall through: the range is read as the p
 straight through it (take a range without the slow paths' calls, or read the total as an upper
 bound of that path). --loads-ready: global loads' results are ready at once (data loaded ahead,
 as the send's prefetched x). Latencies in cycles: epx_sync_probe's dependent chains on the H200
-(§5 item 57: ALU 4.2, shuffle 30.6, shared-memory hop 29.1) where measured, published figures for
-the rest (MUFU 18, constant load 20, conversions 6); redux.sync as a shuffle until
-epx_sync_probe's redux row measures it. Not modelled: other code on the same
-scheduler, instruction fetch, register-bank conflicts, the memory pipes' queues and caches' misses:
-a measured time above the model's is time that dependencies and pipe throughput do not explain.
+(§5 item 57: ALU 4.2, shuffle 30.6, shared-memory hop 29.1; item 59: redux.sync 47.4) where
+measured, published figures for the rest (MUFU 18, constant load 20, conversions 6). Not
+modelled: other code on the same scheduler, instruction fetch (item 59: not a cost of code run
+once), register-bank conflicts, the memory pipes' queues and caches' misses: a measured time above
+the model's is time that dependencies and pipe throughput do not explain.
 """
 import argparse
 import re
@@ -32,7 +32,7 @@ REG = re.compile(r"\b(U?R\d+|U?P[0-6])\b")
 ZERO = {"RZ", "PT", "URZ", "UPT"}
 
 LATENCY = {
-    "SHFL": 30, "REDUX": 30, "LDS": 29, "MUFU": 18, "LDC": 20, "ULDC": 6, "S2R": 20, "S2UR": 20,
+    "SHFL": 30, "REDUX": 47, "LDS": 29, "MUFU": 18, "LDC": 20, "ULDC": 6, "S2R": 20, "S2UR": 20,
     "LDG": 400, "LD": 400, "LDL": 30,
     "F2FP": 6, "F2F": 6, "I2F": 6, "F2I": 6, "FRND": 6, "FLO": 6, "POPC": 6, "FCHK": 6,
 }
