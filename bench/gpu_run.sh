@@ -142,9 +142,20 @@ if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
 else
   G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 fi
-{ date -u; git log -1 --oneline 2>/dev/null; echo "batches: $*"; echo "GPUs visible: $G"
+# The files this run builds, as a git tree id: a copied checkout may carry another commit's .git
+# (its HEAD is then not these files), and `git rev-parse <commit>^{tree}` names the commit whose
+# files they are. A throw-away index, so the checkout's own is not touched.
+tree_id() {
+  local idx
+  idx=$(mktemp -u)
+  GIT_INDEX_FILE=$idx git add -A . 2>/dev/null && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null
+  rm -f "$idx"
+}
+TREE=$(tree_id)
+{ date -u; git log -1 --oneline 2>/dev/null; echo "files: tree ${TREE:-unknown}"
+  echo "batches: $*"; echo "GPUs visible: $G"
   nvidia-smi -L; nvidia-smi topo -m; echo "cores: $(nproc)"; } > "$OUT/env.log" 2>&1
-echo "== gpu_run.sh $* — $G GPU(s), build $B, logs $OUT"
+echo "== gpu_run.sh $* — $G GPU(s), build $B, logs $OUT, files: tree ${TREE:-unknown}"
 T0=$(date +%s)
 results=()
 failed=()
