@@ -4,6 +4,7 @@ described."""
 
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_run.sh")
@@ -36,3 +37,40 @@ def test_readme_names_every_batch():
     part = readme.split("bash bench/gpu_run.sh BATCH...", 1)[1].split("\n\n", 1)[0]
     named = set(re.findall(r"`([a-z]+)`", part))
     assert set(accepted) <= named, set(accepted) - named
+
+
+def tree_id(repo):
+    """gpu_run.sh's tree_id, run alone in `repo`."""
+    text = open(SCRIPT).read()
+    func = re.search(r"^tree_id\(\) \{.*?^\}", text, re.MULTILINE | re.DOTALL).group(0)
+    return subprocess.run(["bash", "-c", func + "\ntree_id"], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_tree_id_names_the_files_not_head(tmp_path):
+    """env.log's "files: tree" is the commit's tree for that commit's files, another id when the
+    files differ from HEAD (a checkout copied with another commit's .git), and the checkout's own
+    index is left as it was."""
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big.bin").write_text("not part of the tree\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    assert tree_id(tmp_path) == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.txt").write_text("two\n")
+    (tmp_path / "b.txt").write_text("new\n")
+    status = git("status", "--porcelain")
+    changed = tree_id(tmp_path)
+    assert changed and changed != git("rev-parse", "HEAD^{tree}")
+    assert git("status", "--porcelain") == status  # the index is untouched
+    git("add", "-A")
+    git("commit", "-qm", "second")
+    assert changed == git("rev-parse", "HEAD^{tree}")
