@@ -3,7 +3,8 @@
 // (f32x2_to_fp8x2_e4m3: cvt.rn.satfinite.e4m3x2.f32 on sm_89+) while the cpu backend uses
 // f32_to_fp8_e4m3; bit-exact results need the two to agree on every input, so every one of the
 // 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair (and in
-// every byte of the four-value form, f32x4_to_fp8x4_e4m3); the same for float32 -> bf16 (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
+// every byte of the four-value form, f32x4_to_fp8x4_e4m3); the same for float32 -> bf16
+// (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

@@ -137,12 +137,6 @@ __device__ __forceinline__ float ll_vector_amax(const uint4& raw, bool active, f
   return fmaxf(fmaxf(fmaxf(a01, a23), fmaxf(a45, a67)), 0.0f);
 }
 
-// The larger of two amax values (neither NaN nor -0: ll_vector_amax's), as the reference's
-// "a > amax ? a : amax".
-__device__ __forceinline__ float ll_amax_join(float a, float b) {
-  return fmaxf(a, b);
-}
-
 // Where step 3 stores token t's message: at byte `off` = msg_offset(q, r, t) of every rank d in
 // the token's mask (never empty), the first rank's address computed once per token (what every
 // vector stores to at R = 1, and first in general), the others' per vector.
@@ -168,7 +162,7 @@ __device__ __forceinline__ void ll_for_dests(const LlDispatchParams& p, const Ll
 // two warp-wide redux.sync maxima, each with the other half's lanes at 0, in place of a 4-round
 // shuffle butterfly. The values are ll_vector_amax's (never NaN, never negative: -0 excluded),
 // whose bit patterns order as unsigned integers as the floats order, so the integer maximum is
-// the float one (the same bits as ll_amax_join's).
+// the float one (the same bits as an fmaxf of the two).
 __device__ __forceinline__ float ll_half_warp_amax(float amax) {
   const uint32_t bits = __float_as_uint(amax);
   const bool high = (threadIdx.x & 16) != 0;
@@ -212,7 +206,8 @@ __device__ __forceinline__ void ll_send_nvfp4(const LlDispatchParams& p, const u
   const int64_t H = g.hidden;
   float f[8];
   float amax = ll_vector_amax(raw, active, f);
-  amax = ll_amax_join(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  // The pair's larger amax (neither is NaN or -0: the reference's "a > amax ? a : amax").
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   const Nvfp4Scale s = nvfp4_block_scale(amax, gs);
   const uint32_t packed = nvfp4_pack8(f, s.inv);
   // Lane 8i gathers the scales of blocks 4i .. 4i + 3 of the warp (lanes 8i, +2, +4, +6).
