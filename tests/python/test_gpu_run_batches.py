@@ -74,3 +74,20 @@ def test_tree_id_names_the_files_not_head(tmp_path):
     git("add", "-A")
     git("commit", "-qm", "second")
     assert changed == git("rev-parse", "HEAD^{tree}")
+
+
+def test_peer_trees_are_ignored(tmp_path):
+    """`peers/` (DeepEP's sources, a base tree for `ab`, one-off scripts: carried to the GPU
+    machine, never committed) is ignored by the repository's own .gitignore, not only by a
+    checkout's .git/info/exclude: the GPU machine's copy has no such exclude, and env.log's tree
+    id would then count the carried trees as files. Checked in a fresh repository holding only
+    that .gitignore, so no local exclude answers for it."""
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text(open(os.path.join(ROOT, ".gitignore")).read())
+    for path in ("peers/deepep-src/tests/test_low_latency.py", "peers/base-main/CMakeLists.txt",
+                 "peers/cmd.sh"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=tmp_path)
+        assert ignored.returncode == 0, path
+    kept = subprocess.run(["git", "check-ignore", "-q", "--no-index", "src/peers.cc"],
+                          cwd=tmp_path)
+    assert kept.returncode == 1
