@@ -64,7 +64,10 @@
 #             bench/trace_ctas.py: copy time against rows and SM), the one-GPU proxy,
 #             and the overlapped combine's timeline against the GEMMs (epx_ll_overlap_bench
 #             --trace --ranks 1 --sms 3,16,32, then EPX_OVERLAP_ARGS: per expert GEMM end, signal
-#             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6)
+#             seen, rows stored; the tail after the last GEMM; docs/design.md §7.6).
+#             EPX_TRACE_PARTS (default "ht ll overlap"; ht: the two ht benches): the parts run
+#             and built; "ll" alone builds epx_ll_gpu_bench only and, given alone, skips the main
+#             build, which it does not use
 #   htrace    the ll kernels' phases inside DeepEP's harness: a copy of this tree built with
 #             -DEPX_LL_TRACE=ON and its Python extension ($EPX_BUILD_DIR-htrace); first that
 #             build's epx_sync_probe (what each primitive of the fixed chain costs alone); then
@@ -445,27 +448,50 @@ batch_sweep() {
   "$EPX_PYTHON" bench/deepep_sweep_table.py "${logs[@]}" | tee "$OUT/sweep.table.md"
 }
 
+# trace_parts: EPX_TRACE_PARTS as " part part ... " (for matching " part ").
+trace_parts() { echo " ${EPX_TRACE_PARTS:-ht ll overlap} "; }
+
 batch_trace() {
-  local T="$B-trace" targets="epx_ht_gpu_bench epx_ll_gpu_bench epx_ht_onegpu_bench"
+  local T="$B-trace" parts targets="" p
+  parts=$(trace_parts)
+  for p in $parts; do
+    case $p in
+      ht | ll | overlap) ;;
+      *) skip trace "EPX_TRACE_PARTS: unknown part '$p' (ht, ll, overlap)"; return 0 ;;
+    esac
+  done
+  [[ $parts == *" ht "* ]] && targets="epx_ht_gpu_bench epx_ht_onegpu_bench"
+  [[ $parts == *" ll "* ]] && targets="$targets epx_ll_gpu_bench"
   # The overlap bench exists where the main build found cuBLAS.
-  [ -x "$B/bench/epx_ll_overlap_bench" ] && targets="$targets epx_ll_overlap_bench"
+  [[ $parts == *" overlap "* ]] && [ -x "$B/bench/epx_ll_overlap_bench" ] &&
+    targets="$targets epx_ll_overlap_bench"
+  if [ -z "$targets" ]; then
+    skip trace "nothing to build for EPX_TRACE_PARTS='${EPX_TRACE_PARTS:-}'"
+    return 0
+  fi
   side_build trace.build 900 . "$T" "$targets" -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON \
     -DEPX_BUILD_PYTHON=OFF || return 1
   local rows="^\[trace|graph of 10|empty kernel|16 B per|zero-copy, graph\)"
-  step trace.ht_t1 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
-    --tokens 1 --sms 16
-  step trace.ht_t4096 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
-    --tokens 4096 --sms 16
-  # shellcheck disable=SC2086
-  step trace.ll 120 "^\[trace|^ +[0-9]+ \|" "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
-    --tokens "${EPX_TRACE_TOKENS:-128,1}" --experts "${EPX_TRACE_EXPERTS:-256}" --iters 20 \
-    ${EPX_TRACE_LL_ARGS:-}
-  if grep -q "^  cta T=" "$OUT/trace.ll.log"; then  # --trace-ctas: the copy per CTA, summarised
-    step trace.ctas 60 "" "$EPX_PYTHON" bench/trace_ctas.py "$OUT/trace.ll.log" &&
-      cat "$OUT/trace.ctas.log"
+  if [[ $parts == *" ht "* ]]; then
+    step trace.ht_t1 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
+      --tokens 1 --sms 16
+    step trace.ht_t4096 120 "$rows" "$T/bench/epx_ht_gpu_bench" --trace --ranks "$G" --iters 20 \
+      --tokens 4096 --sms 16
   fi
-  step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" --trace \
-    --sms 16
+  if [[ $parts == *" ll "* ]]; then
+    # shellcheck disable=SC2086
+    step trace.ll 120 "^\[trace|^ +[0-9]+ \|" "$T/bench/epx_ll_gpu_bench" --trace --ranks "$G" \
+      --tokens "${EPX_TRACE_TOKENS:-128,1}" --experts "${EPX_TRACE_EXPERTS:-256}" --iters 20 \
+      ${EPX_TRACE_LL_ARGS:-}
+    if grep -q "^  cta T=" "$OUT/trace.ll.log"; then  # --trace-ctas: the copy per CTA, summarised
+      step trace.ctas 60 "" "$EPX_PYTHON" bench/trace_ctas.py "$OUT/trace.ll.log" &&
+        cat "$OUT/trace.ctas.log"
+    fi
+  fi
+  [[ $parts == *" ht "* ]] &&
+    step trace.ht_onegpu 150 "^\[trace|dispatch|combine" "$T/bench/epx_ht_onegpu_bench" \
+      --trace --sms 16
+  [[ $parts == *" overlap "* ]] || return 0
   if [ -x "$T/bench/epx_ll_overlap_bench" ]; then
     # shellcheck disable=SC2086
     step trace.overlap 300 "^\[trace|^\|" "$T/bench/epx_ll_overlap_bench" --trace --ranks 1 \
@@ -610,11 +636,18 @@ batch_main() {
   step main 540 "^== |^(ht|ll|a2a)\.|check:|PASS|FAIL" bash scripts/run.sh
 }
 
-# The main build, unless no batch given uses it (htrace and probe build their own trees).
+# The main build, unless no batch given uses it (htrace and probe build their own trees, and so
+# does trace with EPX_TRACE_PARTS=ll).
 main_build() {
   local b
-  for b in "$@"; do [ "$b" = htrace ] || [ "$b" = probe ] || { do_build; return; }; done
-  skip build "the batches given build their own trees (htrace, probe)"
+  for b in "$@"; do
+    case "$b" in
+      htrace | probe) ;;
+      trace) [ "$(trace_parts)" = " ll " ] || { do_build; return; } ;;
+      *) do_build; return ;;
+    esac
+  done
+  skip build "the batches given build their own trees (htrace, probe, trace of ll alone)"
 }
 
 if main_build "$@"; then

@@ -91,3 +91,28 @@ def test_peer_trees_are_ignored(tmp_path):
     kept = subprocess.run(["git", "check-ignore", "-q", "--no-index", "src/peers.cc"],
                           cwd=tmp_path)
     assert kept.returncode == 1
+
+
+def test_main_build_skipped_only_where_no_batch_uses_it():
+    """The main build runs unless every batch given builds its own tree: htrace, probe, and
+    trace with EPX_TRACE_PARTS=ll (ll's trace alone: no benchmark of the main build)."""
+    text = open(SCRIPT).read()
+    funcs = [re.search(r"^%s\(\) \{.*?^\}" % name, text, re.MULTILINE | re.DOTALL).group(0)
+             for name in ("main_build",)]
+    funcs.append(re.search(r"^trace_parts\(\) \{.*\}$", text, re.MULTILINE).group(0))
+    stubs = "do_build() { echo BUILD; }\nskip() { echo SKIP; }\n"
+
+    def run(batches, parts=None):
+        env = {k: v for k, v in os.environ.items() if k != "EPX_TRACE_PARTS"}
+        if parts is not None:
+            env["EPX_TRACE_PARTS"] = parts
+        script = stubs + "\n".join(funcs) + "\nmain_build " + " ".join(batches)
+        return subprocess.run(["bash", "-c", script], env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    assert run(["trace"]) == "BUILD"  # default parts: ht and the overlap bench's cuBLAS check
+    assert run(["trace"], "ll") == "SKIP"
+    assert run(["trace"], "ll ht") == "BUILD"
+    assert run(["trace", "ab"], "ll") == "BUILD"
+    assert run(["htrace", "probe"]) == "SKIP"
+    assert run(["probe", "tests"]) == "BUILD"
