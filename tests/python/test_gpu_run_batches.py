@@ -97,9 +97,8 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
     """The main build runs unless every batch given builds its own tree: htrace, probe, and
     trace with EPX_TRACE_PARTS=ll (ll's trace alone: no benchmark of the main build)."""
     text = open(SCRIPT).read()
-    funcs = [re.search(r"^%s\(\) \{.*?^\}" % name, text, re.MULTILINE | re.DOTALL).group(0)
-             for name in ("main_build",)]
-    funcs.append(re.search(r"^trace_parts\(\) \{.*\}$", text, re.MULTILINE).group(0))
+    funcs = [re.search(r"^main_build\(\) \{.*?^\}", text, re.MULTILINE | re.DOTALL).group(0),
+             re.search(r"^trace_parts\(\) \{.*\}$", text, re.MULTILINE).group(0)]
     stubs = "do_build() { echo BUILD; }\nskip() { echo SKIP; }\n"
 
     def run(batches, parts=None):
