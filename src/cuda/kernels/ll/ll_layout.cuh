@@ -260,8 +260,12 @@ struct LlLayout {
   EPX_LL_HD unsigned long long* mask(char* base) const {
     return &reinterpret_cast<LlMask*>(base + mask_off)->masked;
   }
+  // Source src's staging block in slot `slot`, in bytes from any rank's base.
+  EPX_LL_HD size_t staging_offset(int slot, int src) const {
+    return dispatch_off[slot] + static_cast<size_t>(src) * src_bytes;
+  }
   EPX_LL_HD char* staging(char* base, int slot, int src) const {
-    return base + dispatch_off[slot] + static_cast<size_t>(src) * src_bytes;
+    return base + staging_offset(slot, src);
   }
   EPX_LL_HD LlSourceHeader* header(char* base, int slot, int src) const {
     return reinterpret_cast<LlSourceHeader*>(staging(base, slot, src));
@@ -272,8 +276,7 @@ struct LlLayout {
   // Token t's message from `src` in slot `slot`: at msg_offset bytes from any rank's base (the
   // offsets are the same on every rank, so a sender adds it to each destination's base).
   EPX_LL_HD size_t msg_offset(int slot, int src, int64_t t) const {
-    return dispatch_off[slot] + static_cast<size_t>(src) * src_bytes + src_msgs_off +
-           static_cast<size_t>(t) * msg_bytes;
+    return staging_offset(slot, src) + src_msgs_off + static_cast<size_t>(t) * msg_bytes;
   }
   EPX_LL_HD char* msg(char* base, int slot, int src, int64_t t) const {
     return base + msg_offset(slot, src, t);
