@@ -155,7 +155,18 @@ tree_id() {
   rm -f "$idx"
 }
 TREE=$(tree_id)
-{ date -u; git log -1 --oneline 2>/dev/null; echo "files: tree ${TREE:-unknown}"
+# The copy's .git HEAD, and whether these files are its (its tree is $1): a copy may carry an
+# older .git, whose HEAD then names no commit of this run.
+head_line() {
+  local head
+  head=$(git log -1 --oneline 2>/dev/null) || { echo "head: none"; return; }
+  if [ -n "$1" ] && [ "$(git rev-parse 'HEAD^{tree}' 2>/dev/null)" = "$1" ]; then
+    echo "head: $head (these files)"
+  else
+    echo "head: $head (not these files: see the tree below)"
+  fi
+}
+{ date -u; head_line "$TREE"; echo "files: tree ${TREE:-unknown}"
   echo "batches: $*"; echo "GPUs visible: $G"
   nvidia-smi -L; nvidia-smi topo -m; echo "cores: $(nproc)"; } > "$OUT/env.log" 2>&1
 echo "== gpu_run.sh $* — $G GPU(s), build $B, logs $OUT, files: tree ${TREE:-unknown}"

@@ -76,6 +76,36 @@ def test_tree_id_names_the_files_not_head(tmp_path):
     assert changed == git("rev-parse", "HEAD^{tree}")
 
 
+def test_head_line_says_whether_head_is_these_files(tmp_path):
+    """env.log's "head:" line names the copy's .git HEAD and says whether the files are its: a
+    copied checkout may carry an older .git, whose HEAD then names no commit of the run."""
+    text = open(SCRIPT).read()
+    funcs = "\n".join(re.search(r"^%s\(\) \{.*?^\}" % name, text, re.MULTILINE | re.DOTALL)
+                      .group(0) for name in ("tree_id", "head_line"))
+
+    def head_line(repo):
+        return subprocess.run(["bash", "-c", funcs + '\nhead_line "$(tree_id)"'], cwd=repo,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = git("log", "-1", "--oneline")
+    assert head_line(tmp_path) == "head: %s (these files)" % head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert head_line(tmp_path) == "head: %s (not these files: see the tree below)" % head
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=empty, check=True)
+    assert head_line(empty) == "head: none"
+
+
 def test_peer_trees_are_ignored(tmp_path):
     """`peers/` (DeepEP's sources, a base tree for `ab`, one-off scripts: carried to the GPU
     machine, never committed) is ignored by the repository's own .gitignore, not only by a
