@@ -113,9 +113,10 @@
 #
 # Every process gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # (never NVLink multicast on the shared hosts). Logs: $OUT (default /tmp/epx-out), one per step,
-# plus env.log. Each step prints its status and duration (and its result rows or failure lines);
-# the end, a table of all steps. Exit status: 0 when every step passed (skips count as passed), 1
-# when any failed or timed out, 2 on a usage error.
+# plus env.log (the date, the checkout's HEAD and whether these files are its, the files' git
+# tree id, the GPUs and cores). Each step prints its status and duration (and its result rows or
+# failure lines); the end, a table of all steps. Exit status: 0 when every step passed (skips
+# count as passed), 1 when any failed or timed out, 2 on a usage error.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -155,8 +156,9 @@ tree_id() {
   rm -f "$idx"
 }
 TREE=$(tree_id)
-# The copy's .git HEAD, and whether these files are its (its tree is $1): a copy may carry an
-# older .git, whose HEAD then names no commit of this run.
+# env.log's head line: the checkout's .git HEAD and whether these files are that commit's ($1:
+# their tree id); a copied checkout may carry an older .git, whose HEAD is then no commit of
+# this run (the tree id names the files).
 head_line() {
   local head
   head=$(git log -1 --oneline 2>/dev/null) || { echo "head: none"; return; }
