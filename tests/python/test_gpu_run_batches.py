@@ -47,15 +47,22 @@ def tree_id(repo):
                           capture_output=True, text=True).stdout.strip()
 
 
+def git_in(repo):
+    """git(*args) in `repo` (an identity given, output stripped)."""
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+    return git
+
+
 def test_tree_id_names_the_files_not_head(tmp_path):
     """env.log's "files: tree" is the commit's tree for that commit's files, another id when the
     files differ from HEAD (a checkout copied with another commit's .git), and the checkout's own
     index is left as it was."""
 
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True,
-                              text=True).stdout.strip()
+    git = git_in(tmp_path)
 
     git("init", "-q")
     (tmp_path / "a.txt").write_text("one\n")
@@ -87,10 +94,7 @@ def test_head_line_says_whether_head_is_these_files(tmp_path):
         return subprocess.run(["bash", "-c", funcs + '\nhead_line "$(tree_id)"'], cwd=repo,
                               check=True, capture_output=True, text=True).stdout.strip()
 
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True,
-                              text=True).stdout.strip()
+    git = git_in(tmp_path)
 
     git("init", "-q")
     (tmp_path / "a.txt").write_text("one\n")
