@@ -39,12 +39,17 @@ def test_readme_names_every_batch():
     assert set(accepted) <= named, set(accepted) - named
 
 
+def script_function(name):
+    """The text of gpu_run.sh's multi-line shell function `name` (from `name() {` to the `}`
+    that starts a line)."""
+    text = open(SCRIPT).read()
+    return re.search(r"^%s\(\) \{.*?^\}" % name, text, re.MULTILINE | re.DOTALL).group(0)
+
+
 def tree_id(repo):
     """gpu_run.sh's tree_id, run alone in `repo`."""
-    text = open(SCRIPT).read()
-    func = re.search(r"^tree_id\(\) \{.*?^\}", text, re.MULTILINE | re.DOTALL).group(0)
-    return subprocess.run(["bash", "-c", func + "\ntree_id"], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["bash", "-c", script_function("tree_id") + "\ntree_id"], cwd=repo,
+                          check=True, capture_output=True, text=True).stdout.strip()
 
 
 def git_in(repo):
@@ -86,9 +91,7 @@ def test_tree_id_names_the_files_not_head(tmp_path):
 def test_head_line_says_whether_head_is_these_files(tmp_path):
     """env.log's "head:" line names the copy's .git HEAD and says whether the files are its: a
     copied checkout may carry an older .git, whose HEAD then names no commit of the run."""
-    text = open(SCRIPT).read()
-    funcs = "\n".join(re.search(r"^%s\(\) \{.*?^\}" % name, text, re.MULTILINE | re.DOTALL)
-                      .group(0) for name in ("tree_id", "head_line"))
+    funcs = script_function("tree_id") + "\n" + script_function("head_line")
 
     def head_line(repo):
         return subprocess.run(["bash", "-c", funcs + '\nhead_line "$(tree_id)"'], cwd=repo,
@@ -131,7 +134,7 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
     """The main build runs unless every batch given builds its own tree: htrace, probe, and
     trace with EPX_TRACE_PARTS=ll (ll's trace alone: no benchmark of the main build)."""
     text = open(SCRIPT).read()
-    funcs = [re.search(r"^main_build\(\) \{.*?^\}", text, re.MULTILINE | re.DOTALL).group(0),
+    funcs = [script_function("main_build"),
              re.search(r"^trace_parts\(\) \{.*\}$", text, re.MULTILINE).group(0)]
     stubs = "do_build() { echo BUILD; }\nskip() { echo SKIP; }\n"
 
