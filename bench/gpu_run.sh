@@ -635,12 +635,12 @@ batch_overhead() {
   local rows="^T=|^\||skipped"
   step overhead.cuda_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda \
-    --iters 3000 --parts --alloc-ab --breakdown 10
+    --iters 3000 --parts --alloc-ab --breakdown 10 --primitives 15
   step overhead.cuda_decode 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --device cuda --iters 1000 --tokens 128 --hidden 7168 --experts 256 --max-tokens 128
   step overhead.cpu_tiny 200 "$rows" $(pin 1) "$EPX_PYTHON" tests/python/bench_overhead.py \
     --iters 3000 \
-    --parts --alloc-ab --breakdown 10
+    --parts --alloc-ab --breakdown 10 --primitives 15
   step overhead.pytest 240 "passed|failed" "$EPX_PYTHON" -m pytest -q -rs \
     tests/python/test_overhead_script.py
 }

@@ -25,6 +25,11 @@ the output allocations; ll_breakdown), docs/perf.md §4.5; where the torch bridg
 loaded (epx._epx_torch, docs/design.md §12), once with it ("ATen") and once with the attribute
 path and new_empty ("attrs"), interleaved in every round of the same process.
 
+--primitives ROUNDS: the host operations an ll pair is made of, one at a time (µs per call, best
+of ROUNDS interleaved rounds, less an empty lambda's call), beside a fixed pure-Python workload
+(100 integer multiply-adds): which calls a host makes dearer than its Python speed explains
+(docs/perf.md §4.5).
+
     PYTHONPATH=python /usr/bin/python3 tests/python/bench_overhead.py [--iters N] [--device cuda]
 """
 
@@ -209,6 +214,75 @@ def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
     return out
 
 
+def primitives(dev, x, idx, w, T_max, E, rounds, n=2000):
+    """µs per call of each host operation an ll pair through the drop-in is made of (the Python
+    checks, the stream look-up, the extension's tensor views and allocations, torch's own
+    allocation and kernel launch, the result objects), best of `rounds` interleaved rounds of n
+    calls, less an empty lambda's call; the first row is a fixed pure-Python workload, the unit
+    of the host's Python speed."""
+    from epx import _torch
+    from epx.compat import _deep_ep_types
+    dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+    r = dbuf.low_latency_dispatch(x, idx, T_max, E, use_fp8=False)
+    native, buf = r[2]._handle, r[2]._buffer
+    bf16 = _torch.CODE_OF[torch.bfloat16]
+    cuda_index = x.get_device() if x.is_cuda else -1
+    z = torch.zeros(8, dtype=torch.int32, device=dev)
+    tf_len = getattr(torch._C, "_len_torch_function_stack", None)
+    not_x = frozenset((torch.uint8,))
+
+    def nothing():
+        return None
+
+    def workload():
+        s = 0
+        for i in range(100):
+            s += i * i
+
+    ops = [("pure Python: 100 integer multiply-adds (the unit)", workload),
+           ("one more Python call (of an empty function)", lambda: nothing()),
+           ("isinstance(x, Tensor) and x.dim()", lambda: isinstance(x, torch.Tensor) and x.dim()),
+           ("x.dtype in a frozenset", lambda: x.dtype in not_x),
+           ("x.shape[1]", lambda: x.shape[1]),
+           ("x.is_cuda", lambda: x.is_cuda),
+           ("x.get_device()", lambda: x.get_device()),
+           ("_torch.device_key(x)", lambda: _torch.device_key(x)),
+           ("_torch.stream_of(x)", lambda: _torch.stream_of(x)),
+           ("pybind11 call, no arguments (_epx._torch_aten_active)", _epx._torch_aten_active),
+           ("pybind11 call + ATen view of x (_epx._aten_view)", lambda: _epx._aten_view(x)),
+           ("pybind11 call + to_view of x (_epx._tensor_view)",
+            lambda: _epx._tensor_view(x, "x")),
+           ("an output through the torch bridge (_epx._torch_empty, 8 x 256 bf16)",
+            lambda: _epx._torch_empty(bf16, [8, 256], cuda_index)),
+           ("torch.empty((8, 256), bf16, device)",
+            lambda: torch.empty((8, 256), dtype=torch.bfloat16, device=dev)),
+           ("x.new_empty((8, 256))", lambda: x.new_empty((8, 256))),
+           ("a torch kernel launch (z.zero_(), 8 int32)", z.zero_),
+           ("the drop-in's handle (_LlHandle)",
+            lambda: deep_ep._LlHandle(native, buf, dbuf._ll_tail)),
+           ("EventOverlap()", _deep_ep_types.EventOverlap)]
+    if tf_len is not None:
+        ops.append(("torch._C._len_torch_function_stack()", tf_len))
+    empty = lambda: None  # noqa: E731
+
+    def loop(fn):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
+
+    best = [float("inf")] * len(ops)
+    floor = float("inf")
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for _ in range(rounds):
+        floor = min(floor, loop(empty))
+        for i, (_, fn) in enumerate(ops):
+            best[i] = min(best[i], loop(fn))
+            sync()
+    del r, dbuf
+    return [(name, b - floor) for (name, _), b in zip(ops, best)], floor
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
@@ -230,6 +304,9 @@ def main():
     parser.add_argument("--parts", action="store_true",
                         help="also time the parts of the ll bf16 row (wrapper, stream look-up, "
                         "torch.empty of its outputs' shapes)")
+    parser.add_argument("--primitives", type=int, default=0, metavar="ROUNDS",
+                        help="also time the host operations an ll pair is made of, one at a time "
+                        "(best of ROUNDS rounds), beside a fixed pure-Python workload")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -286,6 +363,8 @@ def main():
         if args.parts and not fp8:
             parts = ll_parts(clock, buf, x, idx, w, y, args.iters)
 
+    if args.primitives:
+        prims, floor = primitives(dev, x, idx, w, T_max, E, args.primitives)
     if args.breakdown:
         breakdown = ll_breakdown(clock, dev, x, idx, w, y, T_max, E, args.iters, args.breakdown)
 
@@ -384,6 +463,13 @@ def main():
         print("|---|---|")
         for name, us in parts:
             print(f"| {name} | {us:.1f} |")
+    if args.primitives:
+        unit = prims[0][1]
+        print(f"| host operation (best of {args.primitives} rounds; an empty lambda's call, "
+              f"{floor:.3f} us, taken off) | us per call | in units of row 1 |")
+        print("|---|---|---|")
+        for name, us in prims:
+            print(f"| {name} | {us:.3f} | {us / unit:.3f} |")
     dist.destroy_process_group()
 
 

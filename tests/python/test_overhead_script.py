@@ -50,6 +50,30 @@ def test_overhead_script_runs_on_the_cpu_backend():
         assert f"| {layer}" in out, (layer, out)
 
 
+
+def test_overhead_script_times_the_host_primitives():
+    out, _ = run_overhead("--primitives", "1")
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    head = next(i for i, line in enumerate(lines) if line.startswith("| host operation"))
+    rows = {}
+    for line in lines[head + 1:]:  # the separator row does not start with "| "
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3:
+            break
+        rows[cells[0]] = (float(cells[1]), float(cells[2]))
+    # Every operation of the pair has its row; the unit row is 1 of itself and takes time.
+    for name in ("pure Python: 100 integer multiply-adds (the unit)", "_torch.stream_of(x)",
+                 "pybind11 call + ATen view of x (_epx._aten_view)",
+                 "an output through the torch bridge (_epx._torch_empty, 8 x 256 bf16)",
+                 "torch.empty((8, 256), bf16, device)", "the drop-in's handle (_LlHandle)",
+                 "EventOverlap()"):
+        assert name in rows, (name, out)
+    unit_us, unit = rows["pure Python: 100 integer multiply-adds (the unit)"]
+    assert unit_us > 0 and unit == 1.0, out
+    # An allocation costs more than the empty lambda taken off every row.
+    assert rows["torch.empty((8, 256), bf16, device)"][0] > 0, out
+
+
 @pytest.mark.gpu  # skipped with the reason where there is no GPU (conftest.py)
 def test_overhead_script_runs_on_the_cuda_backend():
     out, rows = run_overhead("--device", "cuda", "--every", "8")
