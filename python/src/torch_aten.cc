@@ -11,12 +11,15 @@
 //             (the C++ calls torch.Tensor's own Python methods make), for plain tensors only;
 //             every other object is declined and read by the attribute path, so its results and
 //             messages stay that path's.
-//   view_of   an output that is a view of an allocation (the ll handle's two tensors share one
-//             block) -> the same ATen ops the attribute path calls through Python (reshape,
-//             view as bytes and as the dtype, as_strided), without the Python calls.
+//   view_of   an output that lies in an allocation (the ll dispatch's outputs share two blocks)
+//             -> a tensor of that dtype, shape, strides and offset on the allocation's storage,
+//             made directly (one TensorImpl, no dispatcher call): the bytes and metadata the
+//             attribute path's reshape / view / as_strided give, but not an autograd view (its
+//             _base is None), as a tensor DeepEP allocates on its own would be.
 // Only the C types of torch_aten_api.h leave this file. No CUDA-only call: the same source
 // builds against a CPU torch (at::empty selects the device's allocator and device guard).
 #include <ATen/ops/empty.h>
+#include <c10/core/TensorImpl.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -102,14 +105,38 @@ PyObject* view_of(PyObject* base, int32_t dtype, int32_t ndim, const int64_t* sh
     }
     const at::Tensor& b = THPVariable_Unpack(base);
     const c10::ScalarType st = g_scalar_type_of[dtype];
-    at::Tensor s = b;
-    if (st != b.scalar_type())  // one dtype view where base is flat (the ll handle's block)
-      s = b.dim() == 1 ? b.view(st) : b.reshape({-1}).view(c10::kByte).view(st);
     const int64_t elem = static_cast<int64_t>(c10::elementSize(st));
-    at::Tensor v = s.as_strided(at::IntArrayRef(shape, static_cast<size_t>(ndim)),
-                                at::IntArrayRef(strides, static_cast<size_t>(ndim)),
-                                (b.storage_offset() * b.element_size() + byte_offset) / elem);
-    return THPVariable_Wrap(std::move(v));
+    const int64_t first = b.storage_offset() * static_cast<int64_t>(b.element_size()) + byte_offset;
+    // The tensor's bytes must lie in the allocation (as_strided's check; the shapes are epx's
+    // own, so this only catches a bug).
+    bool bad = first < 0 || first % elem != 0, empty = false;
+    int64_t end = first + elem;  // one past the last byte it reaches
+    for (int32_t i = 0; i < ndim; ++i) {
+      if (shape[i] < 0 || strides[i] < 0)
+        bad = true;
+      else if (shape[i] == 0)
+        empty = true;
+      else
+        end += (shape[i] - 1) * strides[i] * elem;
+    }
+    const int64_t bytes = static_cast<int64_t>(b.storage().nbytes());
+    if (bad || (!empty && end > bytes)) {
+      PyErr_Format(PyExc_RuntimeError,
+                   "view_of: a view at byte %lld, element size %lld, ending at byte %lld does not "
+                   "fit its allocation of %lld bytes (an epx bug)",
+                   static_cast<long long>(first), static_cast<long long>(elem),
+                   static_cast<long long>(end), static_cast<long long>(bytes));
+      return nullptr;
+    }
+    // One TensorImpl on the block's storage with the block's dispatch keys (device, autograd,
+    // inference): ≈ 0.8 µs less per output than view(dtype) + as_strided through the dispatcher
+    // (docs/perf.md §4.5).
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(b.storage()), b.key_set(),
+                                                     c10::scalarTypeToTypeMeta(st));
+    impl->set_sizes_and_strides(at::IntArrayRef(shape, static_cast<size_t>(ndim)),
+                                at::IntArrayRef(strides, static_cast<size_t>(ndim)));
+    impl->set_storage_offset(first / elem);
+    return THPVariable_Wrap(at::Tensor(std::move(impl)));
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
     return nullptr;

@@ -13,6 +13,7 @@ both; EPX_TORCH_BRIDGE=0, a bad value, a module that does not import and a modul
 another torch fall back (subprocesses) with one logged reason and no warning.
 """
 
+import gc
 import os
 import random
 import subprocess
@@ -191,25 +192,41 @@ def body_ll(ctx, seed):
 
     on, off = _on_and_off(run)
     assert on == off
-    # The handle's src_info and layout_range, two views of one allocation (to_torch's view
+    # The handle's src_info and layout_range, two tensors in one allocation (to_torch's view
     # branch: int32 at an offset, int64 reshaped), eagerly and under inference_mode: the same
-    # metadata and bytes both ways; eagerly both views of the block.
+    # metadata, storage and bytes both ways. The attribute path makes them autograd views of the
+    # block (eagerly: inference_mode records no view base); the ATen path makes plain tensors on
+    # its storage (view_of: no _base), which need no more (their dtypes take no gradient).
+    def storage(t):
+        return getattr(t, "untyped_storage", t.storage)().data_ptr()
+
     for inference in (False, True):
         with torch.inference_mode(inference):
             h = buf.ll_dispatch(x, idx, use_fp8=False).handle
             got = []
             for aten in (True, False):
                 views = _with_aten(aten, lambda: (h.src_info, h.layout_range))
-                for v in views:  # (inference_mode records no view base)
-                    assert inference or v._base.data_ptr() == views[1].data_ptr()
-                got.append([(_meta(v), v._base is None, v.data_ptr(), _snap(v)) for v in views])
+                for v in views:
+                    if aten or inference:
+                        assert v._base is None
+                    else:
+                        assert v._base.data_ptr() == views[1].data_ptr()
+                    assert v.is_inference() == inference
+                got.append([(_meta(v), v.data_ptr(), storage(v), _snap(v)) for v in views])
             assert got[0] == got[1]
             assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
+    # A tensor view_of made keeps its block alive: the values stay once the dispatch's results
+    # are gone and new blocks of the same size were handed out.
+    d = buf.ll_dispatch(x, idx, use_fp8=False)
+    kept = [d.handle.src_info, d.handle.layout_range, d.recv_count]
+    want = [t.clone() for t in kept]
+    del d
+    gc.collect()
+    junk = [buf.ll_dispatch(x, torch.roll(idx, 1, 0), use_fp8=False) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(kept, want))
+    del junk
     # Two allocations per dispatch whatever the format (core/buffer_impl.h): recv_x with its
-    # scales, the handle's block with recv_count; each tensor a view of its block, both paths.
-    def storage(t):
-        return getattr(t, "untyped_storage", t.storage)().data_ptr()
-
+    # scales, the handle's block with recv_count; each tensor on its block's storage, both paths.
     for fmt in ({"use_fp8": False}, {"use_fp8": True},
                 {"use_fp8": True, "round_scale": True, "use_ue8m0": True},
                 {"use_fp8": False, "use_nvfp4": True, "x_global_scale": 300.0}):
