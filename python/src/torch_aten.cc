@@ -19,6 +19,7 @@
 // Only the C types of torch_aten_api.h leave this file. No CUDA-only call: the same source
 // builds against a CPU torch (at::empty selects the device's allocator and device guard).
 #include <ATen/ops/empty.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
