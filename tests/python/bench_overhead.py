@@ -214,7 +214,7 @@ def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
     return out
 
 
-def primitives(dev, x, idx, w, T_max, E, rounds, n=2000):
+def primitives(dev, x, idx, T_max, E, rounds, n=2000):
     """µs per call of each host operation an ll pair through the drop-in is made of (the Python
     checks, the stream look-up, the extension's tensor views and allocations, torch's own
     allocation and kernel launch, the result objects), best of `rounds` interleaved rounds of n
@@ -364,7 +364,7 @@ def main():
             parts = ll_parts(clock, buf, x, idx, w, y, args.iters)
 
     if args.primitives:
-        prims, floor = primitives(dev, x, idx, w, T_max, E, args.primitives)
+        prims, floor = primitives(dev, x, idx, T_max, E, args.primitives)
     if args.breakdown:
         breakdown = ll_breakdown(clock, dev, x, idx, w, y, T_max, E, args.iters, args.breakdown)
 
