@@ -41,7 +41,10 @@
 #             EPX_REPO), alternately, at each
 #             --num-tokens of $EPX_AB_PEER_TOKENS (default: the script's own; after
 #             EPX_DEEPEP_ARGS, so it wins): its kernel rows; EPX_DEEPEP_ARGS: more arguments for
-#             the DeepEP scripts (ab, peer; e.g. "--num-tokens 32"). Lists: commas or spaces
+#             the DeepEP scripts (ab, peer; e.g. "--num-tokens 32"). Lists: commas or spaces.
+#             EPX_AB_OVERHEAD=N (default 0): also the ll pair's host time layer by layer
+#             (bench_overhead.py --breakdown at T = 128, H = 7168) through each tree's drop-in,
+#             the trees alternately in N processes each
 #   profile   bench/profile_kernels.py (torch.profiler kernel times of ll / ht / a2a) and
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
@@ -363,8 +366,8 @@ batch_ab() {
     }
     git archive "$rev" | tar -x -C "$dir.src"
   fi
-  local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-}
-  [ -z "$tests" ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
+  local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-} overhead=${EPX_AB_OVERHEAD:-0}
+  [ -z "$tests" ] && [ "$overhead" = 0 ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
   ab_sizes "$rev" "$dir/bench/epx_ll_gpu_bench"
@@ -384,6 +387,7 @@ batch_ab() {
       grep -E "^ +[0-9]+ \|" "$OUT/ab.$side.$round.log" | head -n "$ntoks" | sed "s/^/  [$side] /"
     done
   done
+  [ "$overhead" = 0 ] || ab_overhead "$rev" "$dir.src" "$overhead"
   [ -n "$tests" ] || return 0
   # DeepEP's own harness through each tree's drop-in (the kernel rows engines compare), the two
   # trees alternately.
@@ -400,6 +404,27 @@ batch_ab() {
           bash bench/peer_deepep.sh "$tests" 1 test_low_latency.py || continue
         grep -E "avg_t|send/recv" "$OUT/$name.log" | sed "s/^/  [$label] /"
       done
+    done
+  done
+}
+
+# ab_overhead REV SRC N: the ll pair's host time through each tree's drop-in (this tree's
+# bench_overhead.py --breakdown with the tree's own package first on PYTHONPATH; the harness's
+# shape, E = $EPX_AB_EXPERTS), the trees alternately in N processes each, pinned. The harness's
+# event pair follows each process's host speed (docs/perf.md §4.5, runs 166-167); this
+# alternates the trees within seconds, so it ranks their host code.
+ab_overhead() {
+  local rev=$1 src=$2 n=$3 round side pp name
+  for round in $(seq "$n"); do
+    for side in "$rev" head; do
+      pp=$PWD/python
+      [ "$side" = head ] || pp=$(cd "$src" && pwd)/python
+      name="ab.overhead.$side.$round"
+      step "$name" 240 "" $(pin 1) env PYTHONPATH="$pp" "$EPX_PYTHON" \
+        tests/python/bench_overhead.py --device cuda --iters 300 --repeats 2 --breakdown 5 \
+        --tokens 128 --hidden 7168 --experts "${EPX_AB_EXPERTS:-256}" --max-tokens 128 || continue
+      grep -E "^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)|C\+\+ op)" \
+        "$OUT/$name.log" | sed "s/^/  [$side] /"
     done
   done
 }
