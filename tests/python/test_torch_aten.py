@@ -326,6 +326,65 @@ def body_deep_ep(ctx, seed):
     assert on == off
 
 
+def body_ll_views(ctx, seed):
+    """The ll dispatch's outputs that view_of makes (fp8 recv_x, recv_count, src_info,
+    layout_range, in their two blocks) on the rank's device, both paths, eagerly and under
+    inference_mode: the same metadata, storage and bytes; the ATen path's have no _base. Kept
+    alive by nothing but themselves, they still hold their values."""
+    R, r = ctx.world_size, ctx.rank
+    H, K, E, T_max, T = 256, 3, 2 * R, 8, 6
+    group = epx.Group.from_process_group(ctx.group)
+    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
+                     enable_ht=False, enable_ll=True)
+    g = ref.generator(seed, r)
+    x = ref.rand_bf16((T, H), g).to(ctx.device)
+    idx = ref.routing("uniform", T, K, E, R, g).to(ctx.device)
+
+    def storage(t):
+        return getattr(t, "untyped_storage", t.storage)().data_ptr()
+
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            got = []
+            for aten in (True, False):
+                d = _with_aten(aten, lambda: buf.ll_dispatch(x, idx, use_fp8=True))
+                rows = (d.recv_count.tolist(), R * T_max)
+                views = _with_aten(aten, lambda: (d.recv_x, d.recv_count, d.handle.src_info,
+                                                  d.handle.layout_range))
+                for v in views:
+                    assert v.device == ctx.device and v.is_inference() == inference
+                    if aten:
+                        assert v._base is None
+                assert storage(views[1]) == storage(views[2]) == storage(views[3])
+                got.append([(_meta(v)[1:], v.data_ptr() - storage(v), _snap(v, rows))
+                            for v in views])
+            assert got[0] == got[1]
+    d = buf.ll_dispatch(x, idx, use_fp8=True)
+    kept = [d.recv_x, d.recv_count, d.handle.src_info, d.handle.layout_range]
+    rows = (d.recv_count.tolist(), R * T_max)
+    want = [_snap(t, rows) for t in kept]
+    del d
+    gc.collect()
+    junk = [buf.ll_dispatch(x, torch.roll(idx, 1, 0), use_fp8=True) for _ in range(3)]
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    assert [_snap(t, rows) for t in kept] == want
+    del junk
+    return True
+
+
+@pytest.mark.parametrize("R", [1, 2], ids=lambda r: f"R{r}")
+def test_ll_views_same_on_and_off(R):
+    _require_aten()
+    assert get_pool(R).run(body_ll_views, _seed()) == [True] * R
+
+
+@pytest.mark.gpu  # skipped with the reason where there is no GPU (conftest.py)
+def test_ll_views_cuda_same_on_and_off(gpu_pool):
+    _require_aten()
+    assert gpu_pool.run(body_ll_views, _seed()) == [True] * gpu_pool.world_size
+
+
 @pytest.mark.parametrize("body", [body_ht, body_ll, body_a2a, body_dispatcher, body_deep_ep],
                          ids=lambda b: b.__name__[5:])
 @pytest.mark.parametrize("R", [1, 2, 4], ids=lambda r: f"R{r}")
