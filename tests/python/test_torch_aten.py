@@ -150,15 +150,27 @@ def body_ht(ctx, seed):
     assert on == off
 
 
-def body_ll(ctx, seed):
-    R, r = ctx.world_size, ctx.rank
+def _storage(t):
+    """The address of t's storage (its allocation)."""
+    return getattr(t, "untyped_storage", t.storage)().data_ptr()
+
+
+def _ll_setup(ctx, seed):
+    """A rank's ll buffer and its tokens on the rank's device: (H, K, E, T_max, T), the buffer,
+    the generator, x [T, H] and topk_idx [T, K] (made in that order)."""
+    R = ctx.world_size
     H, K, E, T_max, T = 256, 3, 2 * R, 8, 6
-    group = epx.Group.from_process_group(ctx.group)
-    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
-                     enable_ht=False, enable_ll=True)
-    g = ref.generator(seed, r)
-    x = ref.rand_bf16((T, H), g)
-    idx = ref.routing("uniform", T, K, E, R, g)
+    buf = epx.Buffer(epx.Group.from_process_group(ctx.group), hidden=H, top_k=K, num_experts=E,
+                     max_tokens_per_rank=T_max, enable_ht=False, enable_ll=True)
+    g = ref.generator(seed, ctx.rank)
+    x = ref.rand_bf16((T, H), g).to(ctx.device)
+    idx = ref.routing("uniform", T, K, E, R, g).to(ctx.device)
+    return (H, K, E, T_max, T), buf, g, x, idx
+
+
+def body_ll(ctx, seed):
+    R = ctx.world_size
+    (H, K, E, T_max, T), buf, g, x, idx = _ll_setup(ctx, seed)
     w = ref.rand_weights(T, K, g)
     y = ref.rand_bf16((E // R, R * T_max, H), g)
 
@@ -197,9 +209,6 @@ def body_ll(ctx, seed):
     # metadata, storage and bytes both ways. The attribute path makes them autograd views of the
     # block (eagerly: inference_mode records no view base); the ATen path makes plain tensors on
     # its storage (view_of: no _base), which need no more (their dtypes take no gradient).
-    def storage(t):
-        return getattr(t, "untyped_storage", t.storage)().data_ptr()
-
     for inference in (False, True):
         with torch.inference_mode(inference):
             h = buf.ll_dispatch(x, idx, use_fp8=False).handle
@@ -212,7 +221,7 @@ def body_ll(ctx, seed):
                     else:
                         assert v._base.data_ptr() == views[1].data_ptr()
                     assert v.is_inference() == inference
-                got.append([(_meta(v), v.data_ptr(), storage(v), _snap(v)) for v in views])
+                got.append([(_meta(v), v.data_ptr(), _storage(v), _snap(v)) for v in views])
             assert got[0] == got[1]
             assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
     # A tensor view_of made keeps its block alive: the values stay once the dispatch's results
@@ -234,12 +243,12 @@ def body_ll(ctx, seed):
             _epx._alloc_stats(True)
             d = _with_aten(aten, lambda: buf.ll_dispatch(x, idx, **fmt))
             assert _epx._alloc_stats(True)[0] == 2, (fmt, aten)
-            assert (storage(d.recv_count) == storage(d.handle.src_info) ==
-                    storage(d.handle.layout_range) != storage(d.recv_x)), (fmt, aten)
-            assert (d.recv_count.data_ptr() - storage(d.recv_count)) % 128 == 0
+            assert (_storage(d.recv_count) == _storage(d.handle.src_info) ==
+                    _storage(d.handle.layout_range) != _storage(d.recv_x)), (fmt, aten)
+            assert (d.recv_count.data_ptr() - _storage(d.recv_count)) % 128 == 0
             assert d.recv_scales is None or (
-                storage(d.recv_scales) == storage(d.recv_x) and
-                (d.recv_scales.data_ptr() - storage(d.recv_x)) % 128 == 0)
+                _storage(d.recv_scales) == _storage(d.recv_x) and
+                (d.recv_scales.data_ptr() - _storage(d.recv_x)) % 128 == 0)
 
 
 def body_a2a(ctx, seed):
@@ -331,18 +340,8 @@ def body_ll_views(ctx, seed):
     layout_range, in their two blocks) on the rank's device, both paths, eagerly and under
     inference_mode: the same metadata, storage and bytes; the ATen path's have no _base. Kept
     alive by nothing but themselves, they still hold their values."""
-    R, r = ctx.world_size, ctx.rank
-    H, K, E, T_max, T = 256, 3, 2 * R, 8, 6
-    group = epx.Group.from_process_group(ctx.group)
-    buf = epx.Buffer(group, hidden=H, top_k=K, num_experts=E, max_tokens_per_rank=T_max,
-                     enable_ht=False, enable_ll=True)
-    g = ref.generator(seed, r)
-    x = ref.rand_bf16((T, H), g).to(ctx.device)
-    idx = ref.routing("uniform", T, K, E, R, g).to(ctx.device)
-
-    def storage(t):
-        return getattr(t, "untyped_storage", t.storage)().data_ptr()
-
+    R = ctx.world_size
+    (_, _, _, T_max, _), buf, _, x, idx = _ll_setup(ctx, seed)
     for inference in (False, True):
         with torch.inference_mode(inference):
             got = []
@@ -355,8 +354,8 @@ def body_ll_views(ctx, seed):
                     assert v.device == ctx.device and v.is_inference() == inference
                     if aten:
                         assert v._base is None
-                assert storage(views[1]) == storage(views[2]) == storage(views[3])
-                got.append([(_meta(v)[1:], v.data_ptr() - storage(v), _snap(v, rows))
+                assert _storage(views[1]) == _storage(views[2]) == _storage(views[3])
+                got.append([(_meta(v)[1:], v.data_ptr() - _storage(v), _snap(v, rows))
                             for v in views])
             assert got[0] == got[1]
     d = buf.ll_dispatch(x, idx, use_fp8=True)
