@@ -423,7 +423,9 @@ ab_overhead() {
       step "$name" 240 "" $(pin 1) env PYTHONPATH="$pp" "$EPX_PYTHON" \
         tests/python/bench_overhead.py --device cuda --iters 300 --repeats 2 --breakdown 5 \
         --tokens 128 --hidden 7168 --experts "${EPX_AB_EXPERTS:-256}" --max-tokens 128 || continue
-      grep -E "^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)|C\+\+ op)" \
+      # (the T= line names the torch bridge's path: the columns are ATen's and the attribute
+      # path's only where both trees loaded their ATen module)
+      grep -E "^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)|C\+\+ op)" \
         "$OUT/$name.log" | sed "s/^/  [$side] /"
     done
   done

@@ -157,14 +157,14 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
 def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
     """ab with EPX_AB_OVERHEAD=N: bench_overhead.py --breakdown through the base tree's package
     and then this tree's, N times, each process with only that tree's python/ on PYTHONPATH, and
-    the layers of each printed with its side's label."""
+    its torch bridge line and layers printed with its side's label."""
     src = tmp_path / "base.src"
     (src / "python").mkdir(parents=True)
     out = tmp_path / "out"
     out.mkdir()
     # step NAME LIMIT SHOW CMD...: records the command's PYTHONPATH and leaves a log with rows.
     stubs = ('step() { local name=$1; shift 3; for a in "$@"; do case $a in PYTHONPATH=*) '
-             'echo "$name $a";; esac; done; printf "| compat pair (x) | 1.0 |\\n| other | 2 |\\n"'
+             'echo "$name $a";; esac; done; printf "T=1 bridge\\n| compat pair (x) | 1.0 |\\n| other | 2 |\\n"'
              ' > "$OUT/$name.log"; }\npin() { echo env; }\n')
     script = stubs + script_function("ab_overhead") + f"\nab_overhead base {src} 2"
     env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3")
@@ -172,7 +172,9 @@ def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
                        capture_output=True, text=True)
     lines = r.stdout.strip().splitlines()
     base, head = f"PYTHONPATH={src}/python", f"PYTHONPATH={ROOT}/python"
-    assert lines == [f"ab.overhead.base.1 {base}", "  [base] | compat pair (x) | 1.0 |",
-                     f"ab.overhead.head.1 {head}", "  [head] | compat pair (x) | 1.0 |",
-                     f"ab.overhead.base.2 {base}", "  [base] | compat pair (x) | 1.0 |",
-                     f"ab.overhead.head.2 {head}", "  [head] | compat pair (x) | 1.0 |"], lines
+    want = []
+    for n in (1, 2):
+        for side, path in (("base", base), ("head", head)):
+            want += [f"ab.overhead.{side}.{n} {path}", f"  [{side}] T=1 bridge",
+                     f"  [{side}] | compat pair (x) | 1.0 |"]
+    assert lines == want, lines

@@ -50,7 +50,6 @@ def test_overhead_script_runs_on_the_cpu_backend():
         assert f"| {layer}" in out, (layer, out)
 
 
-
 def test_overhead_script_times_the_host_primitives():
     out, _ = run_overhead("--primitives", "1")
     lines = [line for line in out.splitlines() if line.startswith("| ")]
