@@ -425,8 +425,9 @@ ab_overhead() {
         --tokens 128 --hidden 7168 --experts "${EPX_AB_EXPERTS:-256}" --max-tokens 128 || continue
       # (the T= line names the torch bridge's path: the columns are ATen's and the attribute
       # path's only where both trees loaded their ATen module)
-      grep -E "^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)|C\+\+ op)" \
+      grep -E "^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings)" \
         "$OUT/$name.log" | sed "s/^/  [$side] /"
+      grep -E "^\| (output allocations \(us\)|C\+\+ op)" "$OUT/$name.log" | sed "s/^/  [$side] /"
     done
   done
 }

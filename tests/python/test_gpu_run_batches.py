@@ -164,8 +164,10 @@ def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
     out.mkdir()
     # step NAME LIMIT SHOW CMD...: records the command's PYTHONPATH and leaves a log with rows.
     stubs = ('step() { local name=$1; shift 3; for a in "$@"; do case $a in PYTHONPATH=*) '
-             'echo "$name $a";; esac; done; printf "T=1 bridge\\n| compat pair (x) | 1.0 |\\n| other | 2 |\\n"'
-             ' > "$OUT/$name.log"; }\npin() { echo env; }\n')
+             'echo "$name $a";; esac; done; '
+             'printf "T=1 bridge\\n| compat pair (x) | 1.0 |\\n| other | 2 |\\n" '
+             '> "$OUT/$name.log"; }\n'
+             'pin() { echo env; }\n')
     script = stubs + script_function("ab_overhead") + f"\nab_overhead base {src} 2"
     env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3")
     r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
