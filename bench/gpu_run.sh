@@ -415,6 +415,8 @@ batch_ab() {
 # alternates the trees within seconds, so it ranks their host code.
 ab_overhead() {
   local rev=$1 src=$2 n=$3 round side pp name
+  local rows='^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)'
+  rows+='|C\+\+ op)'
   for round in $(seq "$n"); do
     for side in "$rev" head; do
       pp=$PWD/python
@@ -425,9 +427,7 @@ ab_overhead() {
         --tokens 128 --hidden 7168 --experts "${EPX_AB_EXPERTS:-256}" --max-tokens 128 || continue
       # (the T= line names the torch bridge's path: the columns are ATen's and the attribute
       # path's only where both trees loaded their ATen module)
-      grep -E "^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings)" \
-        "$OUT/$name.log" | sed "s/^/  [$side] /"
-      grep -E "^\| (output allocations \(us\)|C\+\+ op)" "$OUT/$name.log" | sed "s/^/  [$side] /"
+      grep -E "$rows" "$OUT/$name.log" | sed "s/^/  [$side] /"
     done
   done
 }

@@ -214,12 +214,13 @@ def ll_breakdown(clock, dev, x, idx, w, y, T_max, E, iters, rounds):
     return out
 
 
-def primitives(dev, x, idx, T_max, E, rounds, n=2000):
+def primitives(clock, dev, x, idx, T_max, E, rounds, n=2000):
     """µs per call of each host operation an ll pair through the drop-in is made of (the Python
     checks, the stream look-up, the extension's tensor views and allocations, torch's own
     allocation and kernel launch, the result objects), best of `rounds` interleaved rounds of n
-    calls, less an empty lambda's call; the first row is a fixed pure-Python workload, the unit
-    of the host's Python speed."""
+    calls (clock.run: on CUDA in chunks with an untimed synchronisation after each, so the
+    launch queue never fills), less an empty lambda's call; the first row is a fixed pure-Python
+    workload, the unit of the host's Python speed."""
     from epx import _torch
     from epx.compat import _deep_ep_types
     dbuf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
@@ -264,21 +265,12 @@ def primitives(dev, x, idx, T_max, E, rounds, n=2000):
     if tf_len is not None:
         ops.append(("torch._C._len_torch_function_stack()", tf_len))
     empty = lambda: None  # noqa: E731
-
-    def loop(fn):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - start) / n * 1e6
-
     best = [float("inf")] * len(ops)
     floor = float("inf")
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(rounds):
-        floor = min(floor, loop(empty))
+        floor = min(floor, clock.run(empty, n))
         for i, (_, fn) in enumerate(ops):
-            best[i] = min(best[i], loop(fn))
-            sync()
+            best[i] = min(best[i], clock.run(fn, n))
     del r, dbuf
     return [(name, b - floor) for (name, _), b in zip(ops, best)], floor
 
@@ -364,7 +356,7 @@ def main():
             parts = ll_parts(clock, buf, x, idx, w, y, args.iters)
 
     if args.primitives:
-        prims, floor = primitives(dev, x, idx, T_max, E, args.primitives)
+        prims, floor = primitives(clock, dev, x, idx, T_max, E, args.primitives)
     if args.breakdown:
         breakdown = ll_breakdown(clock, dev, x, idx, w, y, T_max, E, args.iters, args.breakdown)
 
