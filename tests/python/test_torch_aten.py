@@ -224,16 +224,6 @@ def body_ll(ctx, seed):
                 got.append([(_meta(v), v.data_ptr(), _storage(v), _snap(v)) for v in views])
             assert got[0] == got[1]
             assert got[0][0][0][1] == torch.int32 and got[0][1][0][1] == torch.int64
-    # A tensor view_of made keeps its block alive: the values stay once the dispatch's results
-    # are gone and new blocks of the same size were handed out.
-    d = buf.ll_dispatch(x, idx, use_fp8=False)
-    kept = [d.handle.src_info, d.handle.layout_range, d.recv_count]
-    want = [t.clone() for t in kept]
-    del d
-    gc.collect()
-    junk = [buf.ll_dispatch(x, torch.roll(idx, 1, 0), use_fp8=False) for _ in range(3)]
-    assert all(torch.equal(a, b) for a, b in zip(kept, want))
-    del junk
     # Two allocations per dispatch whatever the format (core/buffer_impl.h): recv_x with its
     # scales, the handle's block with recv_count; each tensor on its block's storage, both paths.
     for fmt in ({"use_fp8": False}, {"use_fp8": True},
@@ -358,6 +348,8 @@ def body_ll_views(ctx, seed):
                 got.append([(_meta(v)[1:], v.data_ptr() - _storage(v), _snap(v, rows))
                             for v in views])
             assert got[0] == got[1]
+    # A tensor view_of made keeps its block alive: the values stay once the dispatch's results
+    # are gone and new blocks of the same size were handed out.
     d = buf.ll_dispatch(x, idx, use_fp8=True)
     kept = [d.recv_x, d.recv_count, d.handle.src_info, d.handle.layout_range]
     rows = (d.recv_count.tolist(), R * T_max)
@@ -372,7 +364,7 @@ def body_ll_views(ctx, seed):
     return True
 
 
-@pytest.mark.parametrize("R", [1, 2], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("R", [1, 2, 4], ids=lambda r: f"R{r}")
 def test_ll_views_same_on_and_off(R):
     _require_aten()
     assert get_pool(R).run(body_ll_views, _seed()) == [True] * R
