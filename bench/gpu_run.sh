@@ -24,6 +24,7 @@
 #             ll T in 1..512, a2a (R = the visible GPUs, NCCL and ceiling rows), the one-GPU ht
 #             proxy (epx_ht_onegpu_bench), ll at one-GPU R = 2, 4, 8 (epx_ll_onegpu_bench), and
 #             epx_sync_probe (what each primitive of the ll kernels' fixed chain costs alone),
+#             epx_copy_probe (the ll dispatch receive's copy by expert and by message, alone),
 #             with >= 2 GPUs epx_store_probe
 #   overlap   epx_ll_overlap_bench: the ll combine overlapped with a cuBLAS down GEMM (T = 128,
 #             H = 7168, I = 2048, K = 8, 32 local experts; R = 1 and one-GPU R = 2; send SMs 3, 8,
@@ -316,6 +317,7 @@ batch_gpubench() {
   step gpubench.ht_onegpu 150 "dispatch|combine" "$B/bench/epx_ht_onegpu_bench" --sms 16
   step gpubench.ll_onegpu 150 "^\|" "$B/bench/epx_ll_onegpu_bench" --ranks 2,4,8
   step gpubench.sync_probe 120 "." "$B/bench/epx_sync_probe"
+  step gpubench.copy_probe 60 "." "$B/bench/epx_copy_probe"
   if [ "$G" -ge 2 ]; then
     step gpubench.store_probe 60 "." "$B/bench/epx_store_probe" --ctas 128 --tokens-per-cta 1
   else
