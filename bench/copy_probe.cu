@@ -1,9 +1,9 @@
 // bench/copy_probe.cu — a diagnostic (not a test, not in ctest): the ll dispatch receive's copy
 // at R = 1, E = 288, H = 7168 (fp8 rows of 7 KB), K = 8 distinct experts per token, C = 128 CTAs of
 // 512 threads, in two orders: by expert (the production's: a CTA takes experts b, b + C, ... and
-// copies their rows, warps taking 4 KB chunks, so a message is read once per row) and by message
-// (a CTA takes messages b, b + C, ... and loads each vector once, storing it into the message's
-// K rows). Phase 1 writes the messages (as the send does), a grid barrier, then phase 2 copies;
+// copies their rows with the production loop, ll_copy_rows: warps taking 4 KB chunks, so a message
+// is read once per row) and by message (a CTA takes messages b, b + C, ... and loads each vector
+// once, storing it into the message's K rows). Phase 1 writes the messages (as the send does), a grid barrier, then phase 2 copies;
 // each CTA stamps %globaltimer after the barrier, after its copy (a CTA barrier: its stores
 // issued) and after a fence (its stores done). Both orders get their row places from the host
 // (nothing is counted or listed inside the timed part): what is compared is the copy alone.
@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/ll/common.cuh"
 #include "gpu/gpu_support.h"
 
 constexpr int kThreads = 512, kK = 8, kRowBytes = 7168, kNv = kRowBytes / 16;
-constexpr int kBatch = 8, kChunk = 32 * kBatch;
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -86,27 +86,17 @@ __global__ void __launch_bounds__(kThreads, 1) probe(P p) {
   __syncthreads();
   const uint64_t t0 = now_ns();
   if (p.mode == 0) {
-    const int rows = s_n, chunks = (kNv + kChunk - 1) / kChunk;
-    const int lane = threadIdx.x & 31, warps = kThreads / 32;
-    for (int w = threadIdx.x >> 5; w < rows * chunks; w += warps) {
-      const int m = w / chunks, c0 = (w - m * chunks) * kChunk;
-      const uint4* s4 = p.msgs + int64_t(s_tok[m]) * kNv + c0 + lane;
-      uint4* d4 = p.recv + int64_t(s_dst[m]) * kNv + c0 + lane;
-      uint4 val[kBatch];
-      const int left = kNv - c0 - lane;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (32 * u < left) val[u] = __ldcg(s4 + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (32 * u < left) d4[32 * u] = val[u];
-    }
+    // The production loop (kernels/ll/common.cuh): warps take 4 KB chunks of a row.
+    epx::detail::ll_copy_rows<true>(s_n, kNv, true, [&](int m, const uint16_t** src, uint4** dst) {
+      *src = reinterpret_cast<const uint16_t*>(p.msgs + int64_t(s_tok[m]) * kNv);
+      *dst = p.recv + int64_t(s_dst[m]) * kNv;
+    });
   } else {
     // By message: messages t = b, b + C, ...: each vector loaded once, stored into K rows.
     for (int t = b; t < p.T; t += C) {
       if (t != b) rows_of(t);
       for (int v = threadIdx.x; v < kNv; v += kThreads) {
-        const uint4 x = __ldcg(p.msgs + int64_t(t) * kNv + v);
+        const uint4 x = epx::detail::ld_landed<uint4>(p.msgs + int64_t(t) * kNv + v);
 #pragma unroll
         for (int k = 0; k < kK; ++k) p.recv[dst[k] + v] = x;
       }
@@ -228,7 +218,8 @@ int run(int argc, char** argv) {
             const int64_t off = (int64_t(topk[t * kK + k]) * T + rowof[t * kK + k]) * kNv;
             CUDA_OK(cudaMemcpy(row.data(), recv + off, kNv * 16, cudaMemcpyDeviceToHost));
             for (int v = 0; v < kNv; ++v)
-              if (row[v].x != t * 7919u + v || row[v].y != epoch || row[v].w != unsigned(t ^ v)) {
+              if (row[v].x != t * 7919u + v || row[v].y != epoch || row[v].z != v * 3u ||
+                  row[v].w != unsigned(t ^ v)) {
                 ++bad;
                 break;
               }
