@@ -1115,8 +1115,11 @@ def body_every_kwarg(ctx, seed):
     g = ref.generator(seed, r, "bias")
     b0, b1 = ref.rand_bf16((mine["x"].shape[0], H), g), ref.rand_bf16((mine["x"].shape[0], H), g)
     recv_w = _fresh(want["recv_topk_weights"], dev)
+    # The combine's config names the SM budget of the dispatch that made the handle (the class's:
+    # that dispatch passed no config), as DeepEP's channel-count check requires.
     combine_kw = dict(topk_weights=recv_w, bias=(_fresh(b0, dev), _fresh(b1, dev)),
-                      config=deep_ep.Config(num_sms=22), previous_event=deep_ep.Buffer.capture(),
+                      config=deep_ep.Config(deep_ep.Buffer.num_sms, 4, 256),
+                      previous_event=deep_ep.Buffer.capture(),
                       async_finish=True, allocate_on_comm_stream=True)
     for k, v in combine_kw.items():
         res = call("combine", k, lambda: base.combine(x=_fresh(ys[r], dev), handle=handle,
@@ -1253,7 +1256,7 @@ def body_every_kwarg(ctx, seed):
                        num_max_rdma_chunked_recv_tokens=128)
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
             c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == \
-        (24, 8, 288, 12, 128)
+        (24, 8, 288, 12, 132)  # 128 rounded up to whole send chunks of 12, as DeepEP keeps it
     assert c.get_nvl_buffer_size_hint(H * 2, R) > 0 and c.get_rdma_buffer_size_hint(H * 2, R) == 0
     t = torch.ones(2)
     ev = deep_ep.EventOverlap(event=None, extra_tensors=(t,))
@@ -1291,8 +1294,13 @@ def body_comm(ctx, seed):
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E, K, T_max = _num_experts(R), 4, 8
     L = E // R
-    buf = deep_ep.Buffer(None, low_latency_mode=True, comm=_GroupComm(ctx.group))
+    buf = deep_ep.Buffer(None, num_nvl_bytes=1024, low_latency_mode=True,
+                         comm=_GroupComm(ctx.group))
     assert (buf.rank, buf.group_size) == (r, R)
+    # The raw buffer before any op: on the device CUDA offers (no ProcessGroup to ask).
+    raw = buf.get_local_buffer_tensor(torch.int32, offset=8)
+    want_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert raw.shape == (254,) and raw.device.type == want_dev and int(raw.abs().sum()) == 0
     for i in range(2):
         s = seed + i
         inputs = _engine_inputs(s, R, E, K, lambda src: 3 + 9 * i + 2 * src)

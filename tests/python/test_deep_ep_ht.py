@@ -256,6 +256,7 @@ def body_ht_errors(ctx, seed):
     ok = buf.dispatch(x, num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
     handle = ok[4]
     N = ok[0].shape[0]
+    n0 = deep_ep.Buffer.num_sms  # the SM budget of that dispatch (no config)
     fp8 = torch.zeros(5, H, dtype=torch.uint8, device=dev)
     if epx.has_fp8_dtype:
         fp8 = fp8.view(epx.fp8_dtype)
@@ -288,6 +289,24 @@ def body_ht_errors(ctx, seed):
             is_token_in_rank=torch.zeros(1, 1, dtype=torch.bool))),
         (epx.InvalidArgument, "config", lambda: buf.dispatch(
             x, num_tokens_per_expert=pe, topk_idx=idx, config={"num_sms": 20})),
+        # DeepEP's kernels take two SMs per channel: an odd or zero budget fails at the call.
+        (epx.InvalidArgument, "'config' has num_sms 23, expected an even number", lambda:
+            buf.dispatch(x, num_tokens_per_expert=pe, topk_idx=idx,
+                         config=deep_ep.Config(num_sms=23))),
+        (epx.InvalidArgument, "'config' has num_sms 0, expected an even number", lambda:
+            buf.dispatch(x, num_tokens_per_expert=pe, topk_idx=idx,
+                         config=deep_ep.Config(num_sms=0))),
+        # The combine and a cached dispatch keep the budget of the dispatch that made the handle
+        # (n0, the class's); DeepEP checks the channel count against the handle's.
+        (epx.InvalidArgument, f"'config' has num_sms {n0 + 4}, expected {n0}: the SM budget of "
+         "the dispatch that made 'handle'", lambda: buf.combine(
+             torch.zeros(N, H, dtype=torch.bfloat16, device=dev), handle,
+             config=deep_ep.Config(num_sms=n0 + 4))),
+        (epx.InvalidArgument, f"'config' has num_sms {n0 + 4}, expected {n0}", lambda:
+            buf.dispatch(x, handle=handle, config=deep_ep.Config(num_sms=n0 + 4))),
+        (epx.InvalidArgument, "'config' is a dict", lambda: buf.combine(
+            torch.zeros(N, H, dtype=torch.bfloat16, device=dev), handle,
+            config={"num_sms": 20})),
         (epx.InvalidArgument, "handle", lambda: buf.dispatch(x, handle=tuple(handle))),
         (epx.InvalidArgument, "takes no topk_idx", lambda: buf.dispatch(
             x, handle=handle, topk_idx=idx)),
@@ -394,7 +413,7 @@ def test_config():
     c = deep_ep.Config()
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
             c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == \
-        (20, 6, 256, 6, 256)
+        (20, 6, 256, 6, 258)  # the rdma receive ring rounded up to whole send chunks, as DeepEP
     c = deep_ep.Config(**{"num_sms": 24, "num_max_nvl_chunked_send_tokens": 8,
                           "num_max_nvl_chunked_recv_tokens": 512,
                           "num_max_rdma_chunked_send_tokens": 16,
@@ -403,8 +422,11 @@ def test_config():
     n = c.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert isinstance(n, int) and n > 0 and n % 128 == 0
     assert c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
-    with pytest.raises(epx.InvalidArgument, match="even"):
-        deep_ep.Config(num_sms=23)
+    # As DeepEP's Config: any num_sms >= 0 is kept; the call that uses it needs an even one
+    # (body_ht_errors).
+    assert deep_ep.Config(num_sms=23).num_sms == 23 and deep_ep.Config(num_sms=0).num_sms == 0
+    with pytest.raises(epx.InvalidArgument, match="num_sms"):
+        deep_ep.Config(num_sms=-2)
     with pytest.raises(epx.InvalidArgument, match="num_max_nvl_chunked_send_tokens"):
         deep_ep.Config(num_max_nvl_chunked_send_tokens=0)
 

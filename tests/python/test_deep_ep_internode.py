@@ -347,7 +347,8 @@ def test_node_size_rule_errors(R, explicit, local, match):
 def test_config_rdma_chunks_checked_as_deepep():
     c = deep_ep.Config(24, 8, 512, 16, 128)
     assert (c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (16, 128)
-    deep_ep.Config(24, 8, 512, 12, 20)  # 20 rounds up to 24: two chunks of 12
+    # 20 rounds up to 24 (two chunks of 12), kept rounded as DeepEP keeps it
+    assert deep_ep.Config(24, 8, 512, 12, 20).num_max_rdma_chunked_recv_tokens == 24
     with pytest.raises(epx.InvalidArgument, match="'num_max_rdma_chunked_send_tokens' is 16, "
                        "expected at most half of num_max_rdma_chunked_recv_tokens rounded up"):
         deep_ep.Config(24, 8, 512, 16, 16)

@@ -22,9 +22,9 @@ class Config:
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
                  num_max_rdma_chunked_recv_tokens=256):
         op = "Config"
-        self.num_sms = errors.check_int(op, "num_sms", num_sms, 1)
-        if num_sms % 2:
-            raise errors.invalid(op, f"argument 'num_sms' is {num_sms}, expected an even number")
+        # As DeepEP's Config: num_sms >= 0 here; the call that uses it needs an even number of at
+        # least 2 (deep_ep.py _config_sms).
+        self.num_sms = errors.check_int(op, "num_sms", num_sms, 0)
         self.num_max_nvl_chunked_send_tokens = errors.check_int(
             op, "num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
         self.num_max_nvl_chunked_recv_tokens = errors.check_int(
@@ -47,6 +47,7 @@ class Config:
                                  f"{rdma_send}, expected at most half of "
                                  f"num_max_rdma_chunked_recv_tokens rounded up to a multiple of "
                                  f"it ({rdma_recv})")
+        self.num_max_rdma_chunked_recv_tokens = rdma_recv  # kept rounded up, as DeepEP keeps it
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """A sizing hint in bytes (a multiple of 128) for Buffer(num_nvl_bytes=...): one chunk

@@ -65,9 +65,13 @@ How it differs, and why:
   ``topk_idx``, by ``is_token_in_rank`` alone, as DeepEP: each token goes once to each marked
   rank, received tokens carry no top-k (recv_topk_idx / recv_topk_weights None), the per-expert
   list is the sum over the ranks of ``num_tokens_per_expert`` (one all-reduce over the group).
-* SM budget: ``num_sms`` (class attribute, set_num_sms, Config.num_sms) is the SM budget of the
-  normal-mode kernels, handed to them through the epx group (a Config whose num_sms differs uses
-  another group). The low-latency kernels ignore it, as DeepEP's do: they take epx's own grid.
+* SM budget: ``num_sms`` (class attribute, set_num_sms, Config.num_sms; an even number of at
+  least 2 at the call, as DeepEP's kernels need) is the SM budget of a normal-mode dispatch,
+  handed to its kernels through the epx group (a dispatch whose num_sms differs from the
+  previous one's re-creates the normal-mode buffer, collectively). Its combine and a cached
+  dispatch through its handle run with that dispatch's budget; a config naming another num_sms
+  is refused (InvalidArgument), as DeepEP's check of the handle's channel count refuses it. The
+  low-latency kernels ignore it, as DeepEP's do: they take epx's own grid.
 * Lifetime: nothing the caller passes is read after the call returns. With
   ``return_recv_hook=True`` the send half copies what the receive needs (the combine's expert
   rows, topk_idx, topk_weights, the layout) into epx's memory, so the caller may drop or
@@ -147,11 +151,12 @@ def _backend_name():
 
 
 class _HtHandle(tuple):
-    """DeepEP's normal-mode handle; also carries the epx handle and the buffer that made it.
+    """DeepEP's normal-mode handle; also carries the epx handle, the buffer that made it and the
+    dispatch's SM budget (`num_sms`).
     One node: DeepEP's intranode 6-tuple. Across nodes (`rdma_prefix` given: the
     recv_rdma_rank_prefix_sum of this dispatch): its internode 10-tuple (module docstring)."""
 
-    def __new__(cls, native, buffer, rank, rdma_prefix=None):
+    def __new__(cls, native, buffer, rank, num_sms, rdma_prefix=None):
         if rdma_prefix is None:
             items = (native.rank_prefix_matrix, None, None, native.recv_src_idx,
                      native.is_token_in_rank, native.send_pos)
@@ -162,6 +167,7 @@ class _HtHandle(tuple):
         self = super().__new__(cls, items)
         self._handle = native
         self._buffer = buffer
+        self._num_sms = num_sms  # the dispatch's SM budget, which its combine keeps
         return self
 
 
@@ -286,6 +292,32 @@ def _fork_overlap(op, handle, packed_recv_count, comp_signal, block_m, threshold
 
 #: x dtypes the low-latency dispatch refuses (it quantises bf16 x itself): fp8 and uint8.
 _LL_NOT_X = frozenset((_torch.FP8_DTYPE, torch.uint8))
+
+
+def _config_sms(op, config):
+    """The SM budget of a normal-mode call: ``config.num_sms`` (a deep_ep.Config), else the
+    class's ``Buffer.num_sms``; an even number of at least 2, as DeepEP's kernels need (two SMs per
+    channel), else InvalidArgument."""
+    if config is None:
+        return Buffer.num_sms
+    if not isinstance(config, Config):
+        raise errors.invalid(op, f"argument 'config' is a {type(config).__name__}, expected "
+                             "deep_ep.Config")
+    n = config.num_sms
+    if n < 2 or n % 2:
+        raise errors.invalid(op, f"argument 'config' has num_sms {n}, expected an even number of "
+                             "at least 2 (DeepEP's kernels take two SMs per channel)")
+    return n
+
+
+def _same_sms(op, num_sms, handle):
+    """A combine or a cached dispatch runs with the SM budget of the dispatch that made `handle`
+    (DeepEP's checks its config's channel count against the handle's): InvalidArgument when its
+    config names another."""
+    if num_sms != handle._num_sms:
+        raise errors.invalid(op, f"argument 'config' has num_sms {num_sms}, expected "
+                             f"{handle._num_sms}: the SM budget of the dispatch that made "
+                             "'handle' (DeepEP requires the same channel count, num_sms / 2)")
 
 
 def _tensor(op, name, value, ndim=None):
@@ -449,7 +481,7 @@ class Buffer:
         if raw is None:
             device = self._device
             if device is None:  # no op yet: the group's kind of device
-                on_gpu = self._nccl_group() if self.group is not None else \
+                on_gpu = self._nccl_group() if self._comm is None else \
                     torch.cuda.is_available()
                 device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
             raw = torch.zeros(capacity, dtype=torch.uint8, device=device)
@@ -712,9 +744,7 @@ class Buffer:
         if x_scales is not None and not _torch.is_fp8(x_data):
             raise errors.invalid(op, f"argument 'x' is a tuple with scales but x[0] has dtype "
                                  f"{x_data.dtype}, expected {_torch.FP8_DTYPE} (fp8 e4m3)")
-        if config is not None and not isinstance(config, Config):
-            raise errors.invalid(op, f"argument 'config' is a {type(config).__name__}, expected "
-                                 "deep_ep.Config")
+        num_sms = _config_sms(op, config)
         errors.check_int(op, "expert_alignment", expert_alignment, 1)
         errors.check_int(op, "num_worst_tokens", num_worst_tokens, 0)
         device = self._begin(op, x_data, previous_event)
@@ -723,6 +753,8 @@ class Buffer:
 
         if handle is not None:  # cached mode
             native, buf = _ht_state(op, handle)
+            if config is not None:
+                _same_sms(op, num_sms, handle)
             if topk_idx is not None or topk_weights is not None:
                 raise errors.invalid(op, "cached dispatch (handle given) takes no topk_idx / "
                                      "topk_weights: the routing is the handle's")
@@ -756,7 +788,6 @@ class Buffer:
                                      f"{list(num_tokens_per_rdma_rank.shape)}, expected [{N}] "
                                      f"(a count per node: {N} nodes of {self.ranks_per_node} "
                                      "ranks)")
-        num_sms = config.num_sms if config is not None else Buffer.num_sms
         if topk_idx is None:
             if topk_weights is not None:
                 raise errors.invalid(op, "argument 'topk_weights' is given without 'topk_idx', "
@@ -775,7 +806,7 @@ class Buffer:
         r = buf.ht_dispatch(x_data, topk_idx, topk_weights, x_scales=x_scales,
                             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
         recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
-        new_handle = _HtHandle(r.handle, buf, self.rank,
+        new_handle = _HtHandle(r.handle, buf, self.rank, num_sms,
                                self._rdma_prefix(rows, device) if across else None)
         event = self._event(async_finish, (x, topk_idx, topk_weights, recv_x, r.recv_topk_idx,
                                            r.recv_topk_weights))
@@ -823,7 +854,7 @@ class Buffer:
                                     per_node)
         r = buf.ht_dispatch(x_data, routed, x_scales=x_scales, num_worst_tokens=num_worst_tokens)
         recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
-        new_handle = _HtHandle(r.handle, buf, self.rank,
+        new_handle = _HtHandle(r.handle, buf, self.rank, num_sms,
                                self._rdma_prefix(rows, device) if across else None)
         if num_worst_tokens > 0:
             per_expert = []  # DeepEP returns no list in worst-case mode
@@ -843,6 +874,8 @@ class Buffer:
         op = "combine"
         _tensor(op, "x", x, 2)
         native, buf = _ht_state(op, handle)
+        if config is not None:
+            _same_sms(op, _config_sms(op, config), handle)
         if bias is None:
             bias0 = bias1 = None
         elif isinstance(bias, torch.Tensor):
