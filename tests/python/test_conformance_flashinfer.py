@@ -446,7 +446,7 @@ FLASHINFER_SIGNATURES = {
                                                            "hidden_size dtype",
     "MoeAlltoAll.get_moe_workspace_size_per_rank": "ep_size top_k max_num_tokens hidden_size "
                                                    "extra_payload_bytes_per_token "
-                                                   "eplb_stats_num_experts",
+                                                   "eplb_stats_num_experts *backend",
     "MoeAlltoAll.get_workspace": "workspace_size_per_rank ep_rank ep_size max_num_tokens mapping "
                                  "eplb_stats_num_experts",
     "MoeAlltoAll.checkpoint_prepare": "",
@@ -455,7 +455,8 @@ FLASHINFER_SIGNATURES = {
                           "*backend",
     "moe_a2a_dispatch": "token_selected_experts input_payloads workspace metainfo "
                         "runtime_max_tokens_per_rank ep_rank ep_size top_k num_experts enable_pdl "
-                        "eplb_local_stats enable_rank_mask active_rank_mask *backend",
+                        "eplb_local_stats enable_rank_mask active_rank_mask *backend "
+                        "*recv_view_cache",
     "moe_a2a_combine": "payload local_num_tokens workspace metainfo runtime_max_tokens_per_rank "
                        "ep_rank ep_size top_k combine_payload_offset payload_in_workspace "
                        "output_dtype output_scales output_scalar_scale sf_layout output "
@@ -523,6 +524,11 @@ def test_static_workspace_size():
         fi.MoeAlltoAll.get_moe_workspace_size_per_rank(ep, k, t, h)
     assert fi.moe_a2a_get_workspace_size_per_rank(ep, t, 100, 200, eplb_stats_num_experts=256) \
         == fi.moe_a2a_get_workspace_size_per_rank(ep, t, 100, 200)
+    # The newest FlashInfer's backend= on the static sizing too: its default kernel choice.
+    assert fi.MoeAlltoAll.get_moe_workspace_size_per_rank(ep, k, t, h, extra,
+                                                          backend="trtllm") == n
+    with pytest.raises(epx.Unsupported, match="cake"):
+        fi.MoeAlltoAll.get_moe_workspace_size_per_rank(ep, k, t, h, backend="cake")
 
 
 # ---- GPU tier --------------------------------------------------------------------------------

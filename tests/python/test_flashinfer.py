@@ -113,6 +113,10 @@ def body_a2a_lazy_workspace(ctx, seed):
     R, r = ctx.world_size, ctx.rank
     E = R
     a2a = fi.MoeAlltoAll(_mapping(ctx), 6, K, E, hidden_size=H, backend=_backend(ctx))
+    # FlashInfer's attribute: the convenience size for hidden_size (epx sizes its own workspace
+    # from the payloads, as the docstring says).
+    assert a2a.workspace_size_per_rank == fi.MoeAlltoAll.get_moe_workspace_size_per_rank(
+        R, K, 6, H)
     for step, width in enumerate((8, 32)):
         inputs = []
         for s in range(R):
@@ -123,6 +127,29 @@ def body_a2a_lazy_workspace(ctx, seed):
         _check_recv(ctx, inputs, recv, 6, E, None, f"seed={seed} width={width}")
         ys = [ref.rand_bf16((R, 6, H), ref.generator(seed, d, step)) for d in range(R)]
         assert torch.equal(a2a.combine(ys[r], 6), ref.a2a_combine(inputs, ys, r, E, R))
+
+
+def body_a2a_sized_workspace(ctx, seed):
+    """A workspace of moe_a2a_get_workspace_size_per_rank's size for the dispatch bytes split into
+    odd-sized payloads (epx rounds each row up to 4 bytes) and the combine bytes given holds both:
+    the dispatch's rows and the combine of that width, exact."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E, M, C, widths = 2 * R, 4096, 64, (1, 3, 5)  # C bf16: 128 combine bytes per token
+    size = fi.moe_a2a_get_workspace_size_per_rank(R, M, sum(widths), 2 * C)
+    a2a = fi.MoeAlltoAll(_mapping(ctx), M, K, E, workspace_size_per_rank=size,
+                         backend=_backend(ctx))
+    assert a2a.workspace_size_per_rank == size
+    inputs = []
+    for s in range(R):
+        g = ref.generator(seed, s)
+        idx = ref.routing("uniform", 6, K, E, R, g).to(torch.int32)
+        inputs.append(dict(topk_idx=idx, payloads=[ref.rand_fp8_bits((6, w), g) for w in widths]))
+    idx, payloads = _on(inputs[r], dev)
+    recv = a2a.dispatch(idx, payloads, 6)
+    _check_recv(ctx, inputs, recv, 6, E, None, f"seed={seed}")
+    ys = [ref.rand_bf16((R, 6, C), ref.generator(seed, d, "y")) for d in range(R)]
+    out = a2a.combine(ys[r].to(dev), 6)
+    assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), seed
 
 
 def body_a2a_errors(ctx, seed):
@@ -178,6 +205,10 @@ def test_a2a_lazy_workspace(pool):
     pool.run(body_a2a_lazy_workspace, _seed())
 
 
+def test_a2a_sized_workspace(pool):
+    pool.run(body_a2a_sized_workspace, _seed())
+
+
 def test_a2a_errors(pool):
     pool.run(body_a2a_errors, _seed())
 
@@ -214,6 +245,18 @@ def test_workspace_size_per_rank():
     assert fi.moe_a2a_get_workspace_size_per_rank(R, 2 * T, D, C) > n
     with pytest.raises(epx.InvalidArgument, match="ep_size"):
         fi.moe_a2a_get_workspace_size_per_rank(0, T, D, C)
+    # Whatever the split of the dispatch bytes into up to 8 payloads (each row rounded up to 4
+    # bytes, each payload's region aligned), on either backend's layout.
+    rng = random.Random(7)
+    backends = ["cpu"] + (["cuda"] if epx.built_with_cuda else [])
+    for _ in range(400):
+        ep, t = rng.choice([1, 2, 4, 8]), rng.choice([1, 7, 128, 4096])
+        parts = [rng.choice([0, 1, 3, 5, 64, 1023, 14336]) for _ in range(rng.randint(1, 8))]
+        comb = rng.choice([0, 1, 127, 128, 14336])
+        for be in backends:
+            rows = [max((p + 3) // 4 * 4, 4) for p in parts]
+            need = epx.A2a.workspace_bytes(t, 1, ep, rows, max((comb + 3) // 4 * 4, 4), ep, be)
+            assert fi._workspace_size(ep, t, sum(parts), comb, be) >= need, (ep, t, parts, comb)
 
 
 def body_a2a_graph(ctx, seed, in_ws, num_replays=20):

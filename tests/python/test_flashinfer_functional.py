@@ -166,7 +166,11 @@ def body_functional_low_precision(ctx, seed):
                 y[:, :, 17] = -float("inf")
                 ys[d] = y.to(dtype)
         if api == "functional":
-            recv, off, _ = fi.moe_a2a_dispatch(idx, payloads, ws, meta, M, r, R, K, E)
+            # As the newest FlashInfer's callers do: an opaque view cache, left as it is.
+            views = {}
+            recv, off, _ = fi.moe_a2a_dispatch(idx, payloads, ws, meta, M, r, R, K, E,
+                                               recv_view_cache=views)
+            assert views == {}, what
         else:
             recv = moe.dispatch(idx, payloads, M)
         _check_recv(recv, inputs, r, E, R, M, what)
@@ -241,6 +245,8 @@ def body_functional_eplb(ctx, seed):
         fi.moe_a2a_dispatch(idx, x, ws, meta, 1, r, R, K, E,
                             eplb_local_stats=torch.zeros(reserve + 1, dtype=torch.int32,
                                                          device=dev))
+    with pytest.raises(epx.InvalidArgument, match="'recv_view_cache' is a list, expected a dict"):
+        fi.moe_a2a_dispatch(idx, x, ws, meta, 1, r, R, K, E, recv_view_cache=[])
     plain = _workspace(ctx, ws.shape[1])
     meta0 = fi.moe_a2a_initialize(plain, r, R, MAX_TOKENS, comm_backend=ctx.group)
     with pytest.raises(epx.InvalidArgument, match="eplb_local_stats"):

@@ -102,7 +102,7 @@ def _functional_mask(op, enable_rank_mask, active_rank_mask, ep_size, ep_rank):
 def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo,
                      runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
                      enable_pdl=None, eplb_local_stats=None, enable_rank_mask=False,
-                     active_rank_mask=None, *, backend=None):
+                     active_rank_mask=None, *, backend=None, recv_view_cache=None):
     """Collective (over the active ranks): :meth:`MoeAlltoAll.dispatch` in the context of
     ``metainfo``. -> ``(recv, combine_payload_offset, eplb_gathered_stats)``: the
     ``[ep_size, runtime_max_tokens_per_rank, ...]`` views, one per payload; the byte offset in
@@ -110,9 +110,14 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
     nothing there); ``[ep_size, n]`` int32 (row r = rank r's ``eplb_local_stats`` of ``n <=
     eplb_stats_num_experts`` entries) or None. ``top_k`` / ``num_experts`` may change between
     calls (the next dispatch re-creates epx's workspace, collectively). ``enable_pdl`` is
-    accepted (epx's PDL is EPX_PDL)."""
+    accepted (epx's PDL is EPX_PDL). ``recv_view_cache`` (FlashInfer's opaque cache of the
+    receive views: a dict or None) is accepted and left as it is: epx returns its own views,
+    made per call."""
     op = "moe_a2a_dispatch"
     check_kernel_backend(op, backend)
+    if recv_view_cache is not None and not isinstance(recv_view_cache, dict):
+        raise errors.invalid(op, f"argument 'recv_view_cache' is a "
+                             f"{type(recv_view_cache).__name__}, expected a dict or None")
     ctx = _context(op, workspace, metainfo, ep_rank, ep_size)
     moe = ctx.moe
     errors.check_int(op, "top_k", top_k, 1)

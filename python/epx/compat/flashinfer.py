@@ -215,9 +215,11 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
                                         combine_payload_size_per_token,
                                         eplb_stats_num_experts=0, *, backend=None):
     """Bytes per rank epx's a2a workspace takes for these payloads (on the cuda backend when it is
-    built and a GPU is present, else the cpu one), with room for the alignment of up to 8
-    separate payloads. ``eplb_stats_num_experts`` adds nothing: epx gathers the EPLB stats
-    through a separate small A2a (MoeAlltoAll._gather_eplb)."""
+    built and a GPU is present, else the cpu one), whatever the split of the dispatch bytes into
+    up to 8 payloads: each payload's row is rounded up to 4 bytes (at least 4), so the total is
+    counted with 4 bytes more per possible payload, and each payload's region aligned.
+    ``eplb_stats_num_experts`` adds nothing: epx gathers the EPLB stats through a separate small
+    A2a (MoeAlltoAll._gather_eplb)."""
     op = "moe_a2a_get_workspace_size_per_rank"
     check_kernel_backend(op, backend)
     errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
@@ -226,11 +228,19 @@ def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     errors.check_int(op, "total_dispatch_payload_size_per_token",
                      total_dispatch_payload_size_per_token, 0)
     errors.check_int(op, "combine_payload_size_per_token", combine_payload_size_per_token, 0)
-    num = _EpxA2a.workspace_bytes(max_num_tokens, 1, ep_size,
-                                  [max(_round4(total_dispatch_payload_size_per_token), 4)],
-                                  max(_round4(combine_payload_size_per_token), 4), ep_size,
-                                  _backend_name())
-    return num + 2 * _epx.kMaxA2aPayloads * 256
+    return _workspace_size(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                           combine_payload_size_per_token, _backend_name())
+
+
+def _workspace_size(ep_size, max_num_tokens, dispatch_bytes, combine_bytes, backend):
+    """moe_a2a_get_workspace_size_per_rank on `backend` ("cpu" / "cuda"): the most payloads, all
+    but one of the least row (4 bytes), the last with the rest and 4 bytes of rounding per
+    payload; then 256 bytes per payload for its region's alignment."""
+    P = _epx.kMaxA2aPayloads
+    rows = [4] * (P - 1) + [_round4(dispatch_bytes + 4 * P)]
+    num = _EpxA2a.workspace_bytes(max_num_tokens, 1, ep_size, rows,
+                                  max(_round4(combine_bytes), 4), ep_size, backend)
+    return num + P * 256
 
 
 def _check_backend(op, backend):
@@ -334,7 +344,7 @@ class MoeAlltoAll:
     @staticmethod
     def get_moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size,
                                         extra_payload_bytes_per_token=0,
-                                        eplb_stats_num_experts=0):
+                                        eplb_stats_num_experts=0, *, backend=None):
         """:func:`moe_a2a_get_workspace_size_per_rank` for 16-bit hidden states, int32 expert ids
         and float32 weights (top_k each) plus ``extra_payload_bytes_per_token``, and a 16-bit
         combine payload of ``hidden_size`` (FlashInfer's convenience sizing)."""
@@ -344,7 +354,7 @@ class MoeAlltoAll:
         errors.check_int(op, "extra_payload_bytes_per_token", extra_payload_bytes_per_token, 0)
         return moe_a2a_get_workspace_size_per_rank(
             ep_size, max_num_tokens, hidden_size * 2 + top_k * 8 + extra_payload_bytes_per_token,
-            hidden_size * 2, eplb_stats_num_experts)
+            hidden_size * 2, eplb_stats_num_experts, backend=backend)
 
     #: get_workspace's workspaces, one per (workspace_size_per_rank, ep_rank, ep_size,
     #: max_num_tokens, eplb_stats_num_experts, backend), as FlashInfer's class-level cache.
@@ -478,7 +488,13 @@ class MoeAlltoAll:
         self.max_num_tokens = max_num_tokens
         self.top_k = top_k
         self.num_experts = num_experts
-        self.workspace_size_per_rank = workspace_size_per_rank
+        # FlashInfer's attribute: the size given, else its convenience size for hidden_size.
+        # epx bounds its own workspace by a given size only (_ws_limit); without one it sizes it
+        # from the payloads (module docstring).
+        self._ws_limit = workspace_size_per_rank
+        self.workspace_size_per_rank = workspace_size_per_rank or \
+            self.get_moe_workspace_size_per_rank(self.ep_size, top_k, max_num_tokens, hidden_size,
+                                                 eplb_stats_num_experts=eplb_stats_num_experts)
         self.hidden_size = hidden_size
         if num_experts % self.ep_size:
             raise errors.invalid(op, f"num_experts = {num_experts}, expected a multiple of "
@@ -514,9 +530,7 @@ class MoeAlltoAll:
         """(workspace, metainfo) of the properties: a functional context whose MoeAlltoAll is
         this object (a weak proxy: the registry does not keep it alive; it ends with it)."""
         if self._handles is None:
-            size = self.workspace_size_per_rank or self.get_moe_workspace_size_per_rank(
-                self.ep_size, self.top_k, self.max_num_tokens, self.hidden_size,
-                eplb_stats_num_experts=self.eplb_stats_num_experts)
+            size = self.workspace_size_per_rank
             ws = _row_workspace(self.ep_size, size, self._device)
             n = self.eplb_stats_num_experts
             key = (ws.data_ptr(), str(ws.device), tuple(ws.shape), ws.stride(0), self.ep_rank,
@@ -561,7 +575,7 @@ class MoeAlltoAll:
 
     def _combine_bytes(self, payload_bytes):
         cap = None if self.hidden_size is None else self.hidden_size * 4
-        if self.workspace_size_per_rank is None:
+        if self._ws_limit is None:
             return cap
 
         def fits(c):
@@ -571,7 +585,7 @@ class MoeAlltoAll:
                                                self._group.backend)
             except errors.OutOfCapacity:
                 return False  # more than one allocation may take (1 TiB per rank)
-            return need <= self.workspace_size_per_rank
+            return need <= self._ws_limit
 
         if not fits(4):
             need = _EpxA2a.workspace_bytes(self.max_num_tokens, self.top_k, self.num_experts,
@@ -579,7 +593,7 @@ class MoeAlltoAll:
                                            self._group.backend)
             raise errors.out_of_capacity(
                 "MoeAlltoAll.dispatch", f"workspace_size_per_rank = "
-                f"{self.workspace_size_per_rank} bytes is too small for payloads of "
+                f"{self._ws_limit} bytes is too small for payloads of "
                 f"{payload_bytes} bytes per token; epx needs {need} bytes "
                 "(see moe_a2a_get_workspace_size_per_rank)")
         lo, hi = 4, (cap or 1 << 40)
