@@ -10,6 +10,7 @@ epx.Unsupported naming it); the NVFP4 scale layout against a hand-derived index 
 CPU tier: gloo rank pools (R = 1, 2, 4, 8), epx's cpu backend. The `gpu` cases run the same bodies
 on NCCL pools, one GPU per rank."""
 
+import dataclasses
 import inspect
 import random
 
@@ -150,7 +151,29 @@ def _step_inputs(seed, step, R, E, nvfp4, dummy):
     return inputs, counts
 
 
-def body_engine_sequence(ctx, seed, variant, steps=3, comm_class=EngineComm):
+class FlashInferMapping:
+    """What a real FlashInfer's Mapping offers epx's MoeAlltoAll (the shim leaves FlashInfer's own
+    Mapping in place): not epx's class."""
+
+    def __init__(self, rank, moe_ep_size):
+        self.rank, self.moe_ep_size, self.moe_ep_rank = rank, moe_ep_size, rank
+
+    def is_multi_node(self):
+        return False
+
+
+@dataclasses.dataclass
+class FlashInferMnnvlConfig:
+    """FlashInfer's MnnvlConfig dataclass (its fields), not epx's class."""
+    comm_backend: object = None
+    allocation_granularity: int = 0
+    fabric_page_size: int = 1 << 29
+
+
+def body_engine_sequence(ctx, seed, variant, steps=3, comm_class=EngineComm,
+                         flashinfer_own=False):
+    """`flashinfer_own`: the Mapping and MnnvlConfig are FlashInfer's own classes' stand-ins (a
+    real FlashInfer beside the shim), not epx's."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = L * R
     nvfp4, sanitise, dummy, in_ws, use_output = VARIANTS[variant]
@@ -160,11 +183,14 @@ def body_engine_sequence(ctx, seed, variant, steps=3, comm_class=EngineComm):
         ep_size=R, max_num_tokens=MAX_TOKENS,
         total_dispatch_payload_size_per_token=dispatch_bytes,
         combine_payload_size_per_token=H * 2)
-    mapping = fi.Mapping(rank=r, tp_size=R, moe_ep_size=R, world_size=R, gpus_per_node=8,
-                         pp_size=1, cp_size=1)
+    if flashinfer_own:
+        mapping, config = FlashInferMapping(r, R), FlashInferMnnvlConfig(comm_backend=comm)
+    else:
+        mapping = fi.Mapping(rank=r, tp_size=R, moe_ep_size=R, world_size=R, gpus_per_node=8,
+                             pp_size=1, cp_size=1)
+        config = fi.MnnvlConfig(comm_backend=comm)
     moe = fi.MoeAlltoAll(mapping=mapping, max_num_tokens=MAX_TOKENS, top_k=K, num_experts=E,
-                         workspace_size_per_rank=ws, mnnvl_config=fi.MnnvlConfig(
-                             comm_backend=comm), **_backend_kw(ctx))
+                         workspace_size_per_rank=ws, mnnvl_config=config, **_backend_kw(ctx))
     idx_payload = 2 if nvfp4 else 1
     checked = 0
     for step in range(steps):
@@ -237,6 +263,14 @@ def body_engine_sequence(ctx, seed, variant, steps=3, comm_class=EngineComm):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_engine_sequence(pool, variant):
     assert pool.run(body_engine_sequence, _seed(), variant) == [3] * pool.world_size
+
+
+def test_engine_sequence_flashinfer_objects(pool):
+    """A real FlashInfer's own Mapping and MnnvlConfig (the shim keeps them) drive epx's
+    MoeAlltoAll."""
+    variant = next(iter(VARIANTS))
+    assert pool.run(body_engine_sequence, _seed(), variant, 3, EngineComm, True) == \
+        [3] * pool.world_size
 
 
 def body_eplb(ctx, seed):

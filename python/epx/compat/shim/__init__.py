@@ -12,12 +12,12 @@ on PYTHONPATH:
   ``deep_ep.utils`` (DeepEP V1's modules).
 * ``flashinfer``: where a real FlashInfer is installed further down sys.path (or through another
   import finder, e.g. an editable install), that package is loaded under the name
-  ``flashinfer`` and only the MoE all-to-all names of ``flashinfer.comm``,
-  ``flashinfer.comm.trtllm_moe_alltoall``, ``flashinfer.comm.mapping`` (Mapping) and
-  ``flashinfer.comm.mnnvl`` (MnnvlConfig, is_mnnvl_fabric_supported) are replaced by epx's, when
-  those modules are first imported (flashinfer/__init__.py lists them). Everything else stays
-  FlashInfer's, CommBackend included (epx accepts any object with Get_rank / Get_size /
-  allgather). Without a real FlashInfer, a minimal ``flashinfer`` package offers
+  ``flashinfer`` and only the MoE all-to-all names of ``flashinfer.comm`` and
+  ``flashinfer.comm.trtllm_moe_alltoall`` are replaced by epx's, when those modules are first
+  imported (flashinfer/__init__.py lists them). Everything else stays FlashInfer's: Mapping,
+  MnnvlConfig, CommBackend and the MNNVL helpers, which the rest of FlashInfer uses (epx's
+  MoeAlltoAll reads moe_ep_rank / moe_ep_size of a Mapping and accepts any comm_backend with
+  Get_rank / Get_size / allgather). Without a real FlashInfer, a minimal ``flashinfer`` package offers
   ``nvfp4_block_scale_interleave`` and ``flashinfer.comm`` (+ ``.mapping``, ``.mnnvl``,
   ``.trtllm_moe_alltoall``) with every name :mod:`epx.compat.flashinfer` exports.
 """

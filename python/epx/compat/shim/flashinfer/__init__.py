@@ -17,13 +17,14 @@ _MOE_NAMES = ("MoeAlltoAll", "moe_a2a_active_rank_mask", "moe_a2a_combine", "moe
               "moe_a2a_get_workspace_size_per_rank", "moe_a2a_initialize",
               "moe_a2a_sanitize_expert_ids", "moe_a2a_wrap_payload_tensor_in_workspace")
 
-#: Per module of a real FlashInfer, the names epx replaces (values: epx.compat.flashinfer's).
+#: Per module of a real FlashInfer, the names epx replaces (values: epx.compat.flashinfer's): the
+#: MoE all-to-all alone. FlashInfer's Mapping, MnnvlConfig, CommBackend and MNNVL helpers stay its
+#: own, since the rest of FlashInfer uses them (its all-reduce calls Mapping methods epx's lacks);
+#: epx's MoeAlltoAll takes FlashInfer's Mapping (moe_ep_rank / moe_ep_size) and MnnvlConfig
+#: (comm_backend).
 _EPX_NAMES = {
-    "flashinfer.comm": _MOE_NAMES + ("Mapping",),
-    "flashinfer.comm.trtllm_moe_alltoall": _MOE_NAMES + ("MOE_A2A_RANK_MASK_WORDS", "Mapping",
-                                                         "MnnvlConfig"),
-    "flashinfer.comm.mapping": ("Mapping",),
-    "flashinfer.comm.mnnvl": ("MnnvlConfig", "is_mnnvl_fabric_supported"),
+    "flashinfer.comm": _MOE_NAMES,
+    "flashinfer.comm.trtllm_moe_alltoall": _MOE_NAMES + ("MOE_A2A_RANK_MASK_WORDS",),
 }
 
 _MARKER = "_epx_shim.py"  # a flashinfer package directory holding it is (a copy of) this shim
