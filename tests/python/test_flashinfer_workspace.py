@@ -180,8 +180,10 @@ def body_checkpoint(ctx, seed):
     idx = torch.zeros(1, K, dtype=torch.int32, device=dev)
     x = [torch.zeros(1, H, dtype=torch.bfloat16, device=dev)]
     y = torch.zeros(R, 1, H, dtype=torch.bfloat16, device=dev)
+    ids = torch.zeros(R, M, K, dtype=torch.int32, device=dev)
     for call in (lambda: moe.dispatch(idx, x, 1),
                  lambda: fi.moe_a2a_dispatch(idx, x, ws, meta, 1, r, R, K, E),
+                 lambda: fi.moe_a2a_sanitize_expert_ids(ids, ws, meta, r, -1),
                  lambda: moe.get_combine_payload_tensor_in_workspace(1, H, torch.bfloat16),
                  lambda: moe.combine(y, 1)):
         with pytest.raises(epx.InvalidArgument, match="checkpoint_restore"):

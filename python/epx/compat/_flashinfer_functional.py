@@ -193,6 +193,7 @@ def moe_a2a_sanitize_expert_ids(expert_ids, workspace, metainfo, ep_rank, invali
     op = "moe_a2a_sanitize_expert_ids"
     check_kernel_backend(op, backend)
     ctx = _context(op, workspace, metainfo, ep_rank)
+    ctx.moe._check_live(op)  # not between checkpoint_prepare and checkpoint_restore
     if isinstance(invalid_expert_id, bool) or not isinstance(invalid_expert_id, int) or \
             not -(1 << 31) <= invalid_expert_id < 1 << 31:
         raise errors.invalid(op, f"argument 'invalid_expert_id' is {invalid_expert_id!r}, "
