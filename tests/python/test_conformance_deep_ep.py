@@ -550,9 +550,12 @@ def body_low_latency(ctx, seed):
                     if zero_copy:
                         buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = \
                             simulated_gemm_x.to(dev)
-                    out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+                    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+                    # DeepEP's test passes simulated_gemm_x in both modes; a zero-copy combine
+                    # ignores x (its rows are in the buffer), so NaN there checks that it does.
+                    x = _fresh(simulated_gemm_x, dev)
                     combined_x, event, hook = buffer.low_latency_combine(
-                        _fresh(simulated_gemm_x, dev), topk_idx, topk_weights, handle,
+                        ll._unread(x) if zero_copy else x, topk_idx, topk_weights, handle,
                         use_logfmt=use_logfmt, async_finish=not return_recv_hook,
                         zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
                     hook() if return_recv_hook else event.current_stream_wait()
@@ -1195,8 +1198,11 @@ def body_every_kwarg(ctx, seed):
     for k, v in combine_ll_kw.items():
         if k == "zero_copy":
             lb.get_next_low_latency_combine_buffer(handle=handle).copy_(ys[r].to(dev))
+        x = _fresh(ys[r], dev)
+        if k == "zero_copy":
+            x = ll._unread(x)  # ignored: the rows were written into the buffer above
         res = call("low_latency_combine", k, lambda: lb.low_latency_combine(
-            x=_fresh(ys[r], dev), topk_idx=lidx, topk_weights=lw, handle=handle, **{k: v}))
+            x=x, topk_idx=lidx, topk_weights=lw, handle=handle, **{k: v}))
         if res is None:
             continue
         combined, ev, hook = res

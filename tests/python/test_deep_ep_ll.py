@@ -84,6 +84,12 @@ def _check_dispatch(ctx, inputs, res, E, T_max, use_fp8, round_scale, use_ue8m0,
             assert torch.equal(got, want[l]["x"]), (what, l)
 
 
+def _unread(t):
+    """The x of a zero_copy combine: NaN, not the buffer's view, so a combine that read x instead
+    of the rows written into the buffer would be caught."""
+    return torch.full_like(t, float("nan"))
+
+
 def _assert_combined(got, want, topk_idx, L, what, buf=None):
     """Bit-for-bit; on a mismatch say which tokens differ, how, and where their experts live,
     and first raise what the device reported (a timeout, a bad id) when `buf` is given."""
@@ -172,8 +178,8 @@ def body_ll_hook_zero_copy_out(ctx, seed):
     view = buf.get_next_low_latency_combine_buffer(ra[2])
     assert view.dtype == torch.bfloat16 and list(view.shape) == [L, R * T_max, H]
     view.copy_(ys[r].to(dev))
-    out, _, hook = buf.low_latency_combine(view, ad["topk_idx"], ad["topk_weights"], ra[2],
-                                           zero_copy=True, return_recv_hook=True)
+    out, _, hook = buf.low_latency_combine(_unread(view), ad["topk_idx"], ad["topk_weights"],
+                                           ra[2], zero_copy=True, return_recv_hook=True)
     assert callable(hook)
     hook()
     assert torch.equal(out.cpu(), ref.ll_combine(a, ys, r, E, R)), f"seed={seed} zero_copy"
@@ -342,9 +348,11 @@ def body_ll_logfmt(ctx, seed):
                 if zero_copy:
                     buf.get_next_low_latency_combine_buffer(handle).copy_(ys[r].to(dev))
                 out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+                x = ys[r].to(dev, copy=True)
                 combined, _, hook = buf.low_latency_combine(
-                    ys[r].to(dev, copy=True), mine["topk_idx"], mine["topk_weights"], handle,
-                    use_logfmt=True, zero_copy=zero_copy, return_recv_hook=hooked, out=out)
+                    _unread(x) if zero_copy else x, mine["topk_idx"], mine["topk_weights"],
+                    handle, use_logfmt=True, zero_copy=zero_copy, return_recv_hook=hooked,
+                    out=out)
                 if hooked:
                     hook()
                 assert combined is out, what
@@ -532,6 +540,7 @@ def body_ll_graph(ctx, seed, hooked, num_replays=20):
     idx = inputs[r]["topk_idx"].to(dev)
     w = inputs[r]["topk_weights"].to(dev)
     y = ys[r].to(dev)
+    y_unread = _unread(y)  # the zero-copy combine's x (its rows are in the buffer)
 
     def step():
         res = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=True, round_scale=True,
@@ -539,8 +548,8 @@ def body_ll_graph(ctx, seed, hooked, num_replays=20):
         if hooked:
             res[4]()
             buf.get_next_low_latency_combine_buffer(res[2]).copy_(y)
-        out, _, hook = buf.low_latency_combine(y, idx, w, res[2], zero_copy=hooked,
-                                               return_recv_hook=hooked)
+        out, _, hook = buf.low_latency_combine(y_unread if hooked else y, idx, w, res[2],
+                                               zero_copy=hooked, return_recv_hook=hooked)
         if hooked:
             hook()
         return res, out
@@ -719,8 +728,10 @@ def body_ll_shrink(ctx, seed):
                                              device=dev)
 
                             def combine():
+                                x = ys[r].to(dev)
                                 combined, event, hook = buf.low_latency_combine(
-                                    ys[r].to(dev), mine["topk_idx"], mine["topk_weights"],
+                                    _unread(x) if zero_copy else x, mine["topk_idx"],
+                                    mine["topk_weights"],
                                     res[2], async_finish=not return_recv_hook,
                                     zero_copy=zero_copy, return_recv_hook=return_recv_hook,
                                     out=out)
