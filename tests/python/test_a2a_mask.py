@@ -143,8 +143,9 @@ def body_dead_peer(ctx, seed):
 
 
 def test_dead_peer_then_survivors_continue(pool):
-    if pool.world_size >= 2:
-        pool.run(body_dead_peer, _seed())
+    if pool.world_size == 1:
+        pytest.skip("a dead peer needs a peer (R >= 2)")
+    pool.run(body_dead_peer, _seed())
 
 
 def body_validation(ctx):

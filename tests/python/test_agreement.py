@@ -2,7 +2,8 @@
 
 Geometry and options that differ across ranks — epx.Buffer (ht, ll), epx.A2a, epx.Dispatcher,
 epx.compat.deep_ep's lazily created buffers (low-latency and normal mode) — and per-call values
-that must agree (ht fp8 vs bf16, num_worst_tokens, expert_alignment; ll use_fp8 / round_scale)
+that must agree (ht fp8 vs bf16, num_worst_tokens, expert_alignment; ll use_fp8; ll round_scale
+is checked in C++, tests/unit/agreement_test.cc)
 raise InvalidArgument on EVERY rank, naming the field (for deep_ep: DeepEP's argument) and each
 rank's value; no wrong rows, no crash (the hidden 128 vs 65536 case once died of SIGBUS), no hang.
 Each body returns every rank's message; the test checks them all, then the object or group works
@@ -208,7 +209,10 @@ def body_ll_call(ctx):
     x, idx = _x(4, 128), _topk(4, R)
     msg = _message(lambda: buf.ll_dispatch(x, idx, use_fp8=not odd))
     buf.ll_clean()
-    assert buf.ll_dispatch(x, idx).recv_count.shape == (2,)
+    # Consistent again: every rank sends the same routing, so local expert l of rank r gets the
+    # tokens selecting expert 2r + l from each of the R ranks.
+    want = [R * int((idx == 2 * ctx.rank + l).any(1).sum()) for l in range(2)]
+    assert buf.ll_dispatch(x, idx).recv_count.tolist() == want
     return msg
 
 

@@ -444,6 +444,10 @@ def body_ll_graph(ctx, seed, quant, return_recv_hook, num_replays=10):
         for dst, src in zip((x, idx, w), _to(inputs[r], "cpu")):
             dst.copy_(src)
         y.copy_(ys[r])
+        for t in (out.x, out.x_scale, out.masked_m, res):  # poisoned: each replay writes them
+            if t is not None:
+                t.view(torch.uint8).fill_(0xA5) if t.element_size() == 1 else \
+                    t.fill_(float("nan") if t.is_floating_point() else -7)
         graph.replay()
         torch.cuda.synchronize(ctx.device)
         check(inputs, ys, out, res)

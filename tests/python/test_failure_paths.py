@@ -396,7 +396,8 @@ def body_straggler_then_reset(ctx, mode):
 
     def dispatch():
         if ll:
-            return buf.ll_dispatch(x, idx, use_fp8=False).recv_count.tolist()
+            r = buf.ll_dispatch(x, idx, use_fp8=False)
+            return r.recv_count.tolist(), r.recv_x[:, :4].float()
         return buf.ht_dispatch(x, idx).recv_x.float().sum().item()
 
     seen = []
@@ -421,9 +422,12 @@ def body_straggler_then_reset(ctx, mode):
     buf.reset()  # every rank, together
     got = dispatch()
     # Each rank receives the same rows from both ranks: 1s from rank 0, 2s from rank 1.
-    want = [4, 4] if ll else None
     if ll:
-        assert got == want, got
+        # Each local expert: two tokens from each source, rank 0's rows first.
+        counts, rows = got
+        assert counts == [4, 4], counts
+        want = torch.tensor([1.0, 1.0, 2.0, 2.0]).view(1, 4, 1).expand(2, 4, 128)
+        assert torch.equal(rows, want), rows[:, :, 0]
     else:
         assert got == 128 * 3.0 * 3, got  # 3 tokens from each rank (its 2 experts' tokens)
     return seen

@@ -356,7 +356,9 @@ def body_ll_views(ctx, seed):
     want = [_snap(t, rows) for t in kept]
     del d
     gc.collect()
-    junk = [buf.ll_dispatch(x, torch.roll(idx, 1, 0), use_fp8=True) for _ in range(3)]
+    # Other values and another routing, so the new blocks' bytes differ from the kept ones.
+    junk = [buf.ll_dispatch((x.float() + 1 + i).to(x.dtype), torch.roll(idx, 1 + i, 0),
+                            use_fp8=True) for i in range(3)]
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
     assert [_snap(t, rows) for t in kept] == want
