@@ -110,8 +110,9 @@ def _assert_combined(got, want, topk_idx, L, what, buf=None):
 
 
 def body_ll_roundtrip(ctx, seed):
-    """bf16 and fp8 (plain, round_scale, UE8M0) dispatch; combine; stats; handle; several
-    routings and T = 0 on a rank."""
+    """bf16 and fp8 (plain, round_scale, UE8M0) dispatch, bf16 also with round_scale and
+    use_ue8m0 set (they act on fp8 only, as in DeepEP); combine; stats; handle; several routings
+    and T = 0 on a rank."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = 4 * R
     L = E // R
@@ -124,7 +125,9 @@ def body_ll_roundtrip(ctx, seed):
     cases = [(kind, fp8, rs, ue) for kind in ref.ROUTINGS
              for fp8, rs, ue in ((False, False, False), (True, False, False))]
     cases += [("uniform", True, True, False), ("uniform", True, True, True),
-              ("duplicates", True, True, True)]
+              ("duplicates", True, True, True),
+              # bf16 with the fp8 scale options set (as some engines pass them): ignored, as DeepEP
+              ("uniform", False, True, True)]
     for i, (kind, use_fp8, round_scale, use_ue8m0) in enumerate(cases):
         what = f"seed={seed} case={i} kind={kind} fp8={use_fp8} rs={round_scale} ue={use_ue8m0}"
         s = seed + i

@@ -152,6 +152,41 @@ def body_a2a_sized_workspace(ctx, seed):
     assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), seed
 
 
+def body_a2a_shared_workspace(ctx, seed):
+    """Engines make one MoeAlltoAll per MoE layer with the same sizes (SGLang), and FlashInfer's
+    class-level cache gives them one workspace: epx's objects of one workspace share its group and
+    A2a (one NCCL communicator and one symmetric workspace, not one per layer). One object serving
+    layers of different payload lists (vLLM: NVFP4 layers' 4 payloads, a bf16 head's 3) keeps an
+    A2a per list instead of re-creating one at every switch. Layer after layer, every result
+    exact."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E, M = 2 * R, 6
+    size = fi.moe_a2a_get_workspace_size_per_rank(R, M, H * 2 + K * 8 + 32, H * 2)
+    layers = [fi.MoeAlltoAll(_mapping(ctx), M, K, E, workspace_size_per_rank=size,
+                             backend=_backend(ctx)) for _ in range(3)]
+    other = fi.MoeAlltoAll(_mapping(ctx), M + 1, K, E, workspace_size_per_rank=size,
+                           backend=_backend(ctx))
+    # (epx internals: the shared workspace object and its A2a per payload layout)
+    assert layers[0]._ws is layers[1]._ws is layers[2]._ws and other._ws is not layers[0]._ws
+    seen = {}
+    for step in range(6):
+        moe = layers[step % 3]
+        what = f"seed={seed} step={step}"
+        inputs = _inputs(seed + step, R, E, lambda src: M - src % 2)
+        n = 4 if step % 2 == 0 else 3  # alternating payload lists
+        for inp in inputs:
+            inp["payloads"] = inp["payloads"][:n]
+        idx, payloads = _on(inputs[r], dev)
+        recv = moe.dispatch(idx, payloads, M)
+        _check_recv(ctx, inputs, recv, M, E, None, what)
+        ys = [ref.rand_bf16((R, M, H), ref.generator(seed + step, d, "y")) for d in range(R)]
+        assert torch.equal(moe.combine(ys[r].to(dev), M).cpu(),
+                           ref.a2a_combine(inputs, ys, r, E, R)), what
+        a2a = moe._a2a
+        assert seen.setdefault(n, a2a) is a2a, what  # each list's A2a made once
+    assert len(layers[0]._ws.a2as) == 2
+
+
 def body_a2a_errors(ctx, seed):
     R, r = ctx.world_size, ctx.rank
     E = 2 * R
@@ -207,6 +242,10 @@ def test_a2a_lazy_workspace(pool):
 
 def test_a2a_sized_workspace(pool):
     pool.run(body_a2a_sized_workspace, _seed())
+
+
+def test_a2a_shared_workspace(pool):
+    pool.run(body_a2a_shared_workspace, _seed())
 
 
 def test_a2a_errors(pool):

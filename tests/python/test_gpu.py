@@ -86,6 +86,12 @@ def test_gpu_flashinfer_a2a(gpu_pool):
     gpu_pool.run(a2a.body_a2a_roundtrip, _seed())
 
 
+def test_gpu_flashinfer_shared_workspace(gpu_pool):
+    """MoeAlltoAll objects of one workspace share epx's group and A2a; one A2a per payload list
+    (test_flashinfer.body_a2a_shared_workspace)."""
+    gpu_pool.run(a2a.body_a2a_shared_workspace, _seed())
+
+
 def test_gpu_flashinfer_sized_workspace(gpu_pool):
     """moe_a2a_get_workspace_size_per_rank's size on the cuda layout holds odd-sized payloads and
     the combine (test_flashinfer.body_a2a_sized_workspace)."""

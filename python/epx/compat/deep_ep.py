@@ -124,6 +124,7 @@ How it differs, and why:
 
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -170,6 +171,12 @@ class _HtHandle(tuple):
         self._num_sms = num_sms  # the dispatch's SM budget, which its combine keeps
         return self
 
+    def __copy__(self):  # a handle is immutable: a copy is the handle itself
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 class _LlHandle(tuple):
     """DeepEP's low-latency handle (src_info, layout_range, T_max, hidden, num_experts); also
@@ -182,6 +189,12 @@ class _LlHandle(tuple):
         self = _tuple_new(cls, (native.src_info, native.layout_range) + tail)
         self._handle = native
         self._buffer = buffer
+        return self
+
+    def __copy__(self):  # a handle is immutable: a copy is the handle itself
+        return self
+
+    def __deepcopy__(self, memo):
         return self
 
 
@@ -330,6 +343,49 @@ def _tensor(op, name, value, ndim=None):
     return value
 
 
+class _Runtime:
+    """``Buffer.runtime``: the queries of DeepEP's C++ runtime object that callers read
+    (torchtitan's autotune asks get_num_rdma_ranks), answered from epx's node layout (module
+    docstring, "Nodes"): nodes are DeepEP's RDMA ranks, a rank's place in its node its NVL rank.
+    DeepEP's runtime internals (IPC handles, NVSHMEM ids, sync, the kernels' entry points) have
+    no epx counterpart: Unsupported naming them."""
+
+    def __init__(self, buffer):
+        self._buffer = weakref.ref(buffer)
+
+    def _b(self):
+        return self._buffer()
+
+    def is_available(self):
+        b = self._b()
+        return b is not None and not b._destroyed
+
+    def get_num_rdma_ranks(self):
+        return self._b().num_nodes
+
+    def get_rdma_rank(self):
+        b = self._b()
+        return b.rank // b.ranks_per_node
+
+    def get_root_rdma_rank(self, is_global):
+        b = self._b()
+        return b.rank % b.ranks_per_node if is_global else 0
+
+    def get_local_device_id(self):
+        device = self._b().get_comm_stream()
+        return device.device.index if device is not None else -1
+
+    def get_comm_stream(self):
+        return self._b().get_comm_stream()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise errors.unsupported(f"Buffer.runtime.{name}", "DeepEP's C++ runtime internals (IPC "
+                                 "handles, NVSHMEM ids, sync, its kernels' entry points) have no "
+                                 "epx counterpart; call the Buffer's methods")
+
+
 class Buffer:
     """DeepEP's communication buffer, on epx. Collective to create (as in DeepEP)."""
 
@@ -392,6 +448,8 @@ class Buffer:
         self._device = None     # 'cpu' / 'cuda:i' of the last op
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self._raw = {}          # use_rdma_buffer -> the raw byte buffer of get_local_buffer_tensor
+        #: DeepEP's C++ runtime object: its queries of the group's layout (_Runtime).
+        self.runtime = _Runtime(self)
 
     # ---- class-level API ---------------------------------------------------------------------
     @staticmethod
@@ -446,10 +504,18 @@ class Buffer:
         self._destroyed = True
 
     def get_comm_stream(self):
-        """epx runs on the caller's current stream: that stream (None for CPU tensors)."""
-        if self._device is not None and self._device.startswith("cuda"):
-            return torch.cuda.current_stream(torch.device(self._device))
+        """epx runs on the caller's current stream: that stream on the Buffer's device (its last
+        op's; before any, the group's kind of device), None on the CPU."""
+        device = self._device or self._default_device()
+        if device.startswith("cuda"):
+            return torch.cuda.current_stream(torch.device(device))
         return None
+
+    def _default_device(self):
+        """The device of a Buffer before its first op: the current GPU where its group runs on
+        GPUs (an NCCL ProcessGroup; with a communicator, where CUDA is available), else 'cpu'."""
+        on_gpu = self._nccl_group() if self._comm is None else torch.cuda.is_available()
+        return f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
 
     @staticmethod
     def capture():
@@ -479,11 +545,7 @@ class Buffer:
                                  f"{item} (the element size) at most {name} = {capacity}")
         raw = self._raw.get(bool(use_rdma_buffer))
         if raw is None:
-            device = self._device
-            if device is None:  # no op yet: the group's kind of device
-                on_gpu = self._nccl_group() if self._comm is None else \
-                    torch.cuda.is_available()
-                device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+            device = self._device or self._default_device()
             raw = torch.zeros(capacity, dtype=torch.uint8, device=device)
             self._raw[bool(use_rdma_buffer)] = raw
         count = (capacity - offset) // item
@@ -680,8 +742,11 @@ class Buffer:
     def _begin(self, op, t, previous_event):
         self._check_alive(op)
         self._device = _torch.device_key(t)
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        # As DeepEP (getattr(previous_event, 'event', None)): an object without an event to wait
+        # for is no dependency.
+        wait = getattr(previous_event, "current_stream_wait", None)
+        if wait is not None and getattr(previous_event, "event", None) is not None:
+            wait()
         return self._device
 
     def _event(self, async_finish, tensors):
@@ -732,7 +797,8 @@ class Buffer:
                 raise errors.invalid(op, f"argument 'x' is a tuple of {len(x)}, expected "
                                      "(fp8 x [T, H], scales)")
             x_data, x_scales = x
-            _tensor(op, "x[1] (scales)", x_scales, 2)
+            if x_scales is not None:  # (x, None): bf16 x, as DeepEP reads it
+                _tensor(op, "x[1] (scales)", x_scales, 2)
         else:
             x_data, x_scales = x, None
         _tensor(op, "x", x_data, 2)
@@ -939,6 +1005,8 @@ class Buffer:
             buf = self._ll_buffer(op, *key)
         # Without use_nvfp4, x_global_scale is not read (the forks accept it with fp8 and bf16).
         nvfp4 = {"use_nvfp4": True, "x_global_scale": x_global_scale} if use_nvfp4 else _NO_KW
+        if not use_fp8 and not use_nvfp4:  # as DeepEP: the scale options act on fp8 only
+            round_scale = use_ue8m0 = False
         recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
             bool(return_recv_hook), cumulative_local_expert_recv_stats, _torch.stream_of(x),

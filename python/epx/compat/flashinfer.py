@@ -30,6 +30,15 @@ How it maps, and what differs:
   with CUDA and torch sees a GPU, else cpu; the epx-only keyword ``backend="cpu"`` / ``"cuda"``
   overrides it. The tensors must then be on that backend's device (cpu tensors on a cuda
   MoeAlltoAll raise InvalidArgument naming the argument and the device expected).
+* One workspace, many objects: engines make one MoeAlltoAll per MoE layer with the same sizes,
+  and FlashInfer's class-level cache gives them one workspace. epx's objects with the same
+  workspace_size_per_rank (or hidden_size), ep_rank, ep_size, max_num_tokens,
+  eplb_stats_num_experts and device share one epx group and its A2as (the first one's
+  comm_backend makes the group) while any of them lives; their calls must not interleave (one
+  layer's dispatch -> combine, then the next's), as on FlashInfer's shared workspace. An object
+  keeps one A2a per payload list (number of payloads, top_k, num_experts), so layers of different
+  payloads (an NVFP4 model's 4, a bf16 head's 3) each reuse theirs. moe_a2a_initialize's contexts
+  have their own (the caller's workspace tensor is its own).
 * State machine: dispatch -> combine -> dispatch; anything else raises InvalidArgument (epx::A2a
   enforces it too). ``get_combine_payload_tensor_in_workspace`` is valid between dispatch and
   combine.
@@ -41,8 +50,9 @@ How it maps, and what differs:
   first, which is collective over the ranks it marks active (every one of them passes the same
   mask to the same dispatch); masks only shrink; combine's mask must equal its dispatch's. After
   a TimeoutError caused by a dead peer, the survivors' next dispatch with a mask without it
-  continues. A workspace re-created for larger payloads needs every rank (it is collective over
-  the whole group), so it raises Unsupported while a rank is masked off. ``dropped_counts()``
+  continues. An A2a created or re-created (a payload list's first use, larger payloads) needs
+  every rank (it is collective over the whole group), so it raises Unsupported while a rank is
+  masked off. ``dropped_counts()``
   (epx extension) returns (tokens, selections) the mask dropped from this rank's dispatches.
 * The functional API (``moe_a2a_initialize``, ``moe_a2a_dispatch``, ``moe_a2a_combine``,
   ``moe_a2a_sanitize_expert_ids``): ``moe_a2a_initialize(workspace, ...)`` (collective) creates a
@@ -322,9 +332,11 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
         # call passes its mask (enable_rank_mask=False: all ranks).
         on_gpu = workspace.is_cuda
         with torch.cuda.device(workspace.device) if on_gpu else contextlib.nullcontext():
-            moe = MoeAlltoAll(mapping, max_num_tokens, 1, ep_size, workspace.shape[1],
-                              mnnvl_config=cfg, enable_rank_mask=True,
-                              backend="cuda" if on_gpu else "cpu")
+            # Its own epx workspace, as the caller's workspace tensor is its own (not shared
+            # with MoeAlltoAll objects of the same sizes).
+            moe = MoeAlltoAll.__new__(MoeAlltoAll)
+            moe._setup(mapping, max_num_tokens, 1, ep_size, workspace.shape[1], None, cfg, 0,
+                       True, "cuda" if on_gpu else "cpu", share=False)
         moe._eplb_capacity, moe._eplb_exact = eplb_stats_num_experts, False
         moe._make_eplb_exchange()
         cid = next(_context_counter)
@@ -338,8 +350,25 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
     return metainfo
 
 
+class _Workspace:
+    """What the MoeAlltoAll objects of one FlashInfer workspace share (FlashInfer's class-level
+    cache gives every MoeAlltoAll of the same workspace_size_per_rank, ep_rank, ep_size,
+    max_num_tokens and eplb_stats_num_experts one workspace, and engines make one object per MoE
+    layer): the epx group, one epx A2a per payload layout (the number of payloads, top_k,
+    num_experts; its rows grow to the largest seen, so layers of different payloads each keep
+    theirs instead of re-creating one), the rank mask the group is in, and the EPLB stats'
+    exchange. An A2a entry is [A2a, row bytes, the mask applied to it]."""
+
+    def __init__(self, group, ep_size):
+        self.group = group
+        self.a2as = {}
+        self.active = [True] * ep_size
+        self.eplb = None  # (A2a, topk_idx to every rank, zero combine payload, mask applied)
+
+
 class MoeAlltoAll:
-    """FlashInfer's one-sided all-to-all for MoE, on epx a2a. Collective to create."""
+    """FlashInfer's one-sided all-to-all for MoE, on epx a2a. Collective to create (the first
+    object of a workspace; later objects of the same workspace share it, _Workspace)."""
 
     @staticmethod
     def get_moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size,
@@ -436,10 +465,12 @@ class MoeAlltoAll:
                                  "MoeAlltoAll idle (after combine)")
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        self._group.barrier()  # no rank still reads a peer's workspace
-        self._a2a = self._eplb_a2a = None
-        self._group.barrier()  # every rank has released its workspaces
-        self._group = None
+        ws = self._ws
+        ws.group.barrier()  # no rank still reads a peer's workspace
+        ws.eplb = None
+        ws.a2as = {key: [None, entry[1], None] for key, entry in ws.a2as.items()}
+        ws.group.barrier()  # every rank has released its workspaces
+        ws.group = None
 
     def checkpoint_restore(self, comm_backend):
         """Collective over every rank, after checkpoint_prepare (else nothing): a new group over
@@ -450,12 +481,13 @@ class MoeAlltoAll:
         if self._group is not None:
             return
         comm = _comm_of(op, comm_backend, self.ep_rank, self.ep_size, "comm_backend")
-        self._group = _EpxGroup.from_comm(comm, self._device)
-        self._active = [True] * self.ep_size
+        ws = self._ws
+        ws.group = _EpxGroup.from_comm(comm, self._device)
+        ws.active = [True] * self.ep_size
         self._state = "idle"
         self._eplb_gathered = self.recv_counts = None
-        if self._a2a_bytes:
-            self._create_a2a(self._a2a_bytes)
+        for key, entry in list(ws.a2as.items()):
+            self._create_a2a(key, entry[1])
         self._make_eplb_exchange()
 
     @property
@@ -464,9 +496,22 @@ class MoeAlltoAll:
         (row r = rank r's), between that dispatch and its combine; else None."""
         return self._eplb_gathered
 
+    #: The shared workspaces of the live objects (_Workspace), by FlashInfer's cache key and the
+    #: sizes epx's A2a depends on; an entry ends with its last object.
+    _WORKSPACES = weakref.WeakValueDictionary()
+
     def __init__(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank=None,
                  hidden_size=None, mnnvl_config=None, eplb_stats_num_experts=0,
                  enable_rank_mask=False, *, backend=None):
+        self._setup(mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank,
+                    hidden_size, mnnvl_config, eplb_stats_num_experts, enable_rank_mask, backend,
+                    share=True)
+
+    def _setup(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank,
+               hidden_size, mnnvl_config, eplb_stats_num_experts, enable_rank_mask, backend,
+               share):
+        """__init__; `share`: join the live objects' workspace of the same key (a functional
+        context, whose workspace tensor is its own, does not)."""
         op = "MoeAlltoAll"
         errors.check_int(op, "eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if not isinstance(mapping, Mapping) and not hasattr(mapping, "moe_ep_size"):
@@ -506,19 +551,23 @@ class MoeAlltoAll:
         self.enable_eplb = eplb_stats_num_experts > 0
         self._eplb_capacity = eplb_stats_num_experts  # stats entries the exchange holds
         self._eplb_exact = True  # stats must have exactly that many (functional API: up to)
-        self._eplb_a2a = None  # (A2a, topk_idx to every rank, zero combine payload)
         self._eplb_gathered = None
 
         comm = getattr(mnnvl_config, "comm_backend", None) if mnnvl_config is not None else None
         comm = _comm_of(op, comm, self.ep_rank, self.ep_size, "mnnvl_config.comm_backend")
         self._device = _device_of(_check_backend(op, backend))
-        self._group = _EpxGroup.from_comm(comm, self._device)
+        key = (self._ws_limit, hidden_size, self.ep_rank, self.ep_size, max_num_tokens,
+               eplb_stats_num_experts, str(self._device))
+        ws = MoeAlltoAll._WORKSPACES.get(key) if share else None
+        if ws is None or ws.group is None:
+            ws = _Workspace(_EpxGroup.from_comm(comm, self._device), self.ep_size)
+            if share:
+                MoeAlltoAll._WORKSPACES[key] = ws
+        self._ws = ws
         self._handles = None  # (workspace, metainfo) of the properties, made at first access
-        self._a2a = None
-        self._a2a_bytes = []
-        self._a2a_geometry = None  # (top_k, num_experts) the A2a was created for
+        self._layout = None  # the A2a layout (_Workspace.a2as key) of this object's last dispatch
+        self._dispatch_mask = None  # the mask of this object's last dispatch
         self.enable_rank_mask = bool(enable_rank_mask)
-        self._active = [True] * self.ep_size  # the mask applied (epx keeps it as state)
         self._state = "idle"  # idle -> dispatched -> idle
         self._runtime_max = 0
         self._num_tokens = 0
@@ -526,6 +575,22 @@ class MoeAlltoAll:
         self._make_eplb_exchange()
 
     # ---- internals ---------------------------------------------------------------------------
+    @property
+    def _group(self):
+        return self._ws.group
+
+    @property
+    def _a2a(self):
+        """The shared A2a of this object's last dispatch (None before one, or after
+        checkpoint_prepare)."""
+        entry = self._ws.a2as.get(self._layout)
+        return entry[0] if entry is not None else None
+
+    @property
+    def _active(self):
+        """The rank mask the group is in (epx keeps it as state; masks only shrink)."""
+        return self._ws.active
+
     def _handle(self):
         """(workspace, metainfo) of the properties: a functional context whose MoeAlltoAll is
         this object (a weak proxy: the registry does not keep it alive; it ends with it)."""
@@ -549,20 +614,20 @@ class MoeAlltoAll:
             raise errors.invalid(op, "called after checkpoint_prepare released the workspace, "
                                  "expected checkpoint_restore(comm_backend) first")
 
-    def _create_a2a(self, payload_bytes):
-        """Collective: the A2a for payload rows of these byte counts (rounded) and the current
-        top_k / num_experts."""
-        self._a2a = None
-        self._a2a = _EpxA2a(self._group, self.max_num_tokens, self.top_k, self.num_experts,
-                            payload_bytes, self._combine_bytes(payload_bytes))
-        self._a2a_bytes = payload_bytes
-        self._a2a_geometry = (self.top_k, self.num_experts)
-        return self._a2a
+    def _create_a2a(self, key, payload_bytes):
+        """Collective: the shared A2a of layout `key` (number of payloads, top_k, num_experts)
+        for payload rows of these byte counts (rounded), replacing the layout's smaller one."""
+        ws = self._ws
+        ws.a2as.pop(key, None)  # released before allocating the replacement
+        a2a = _EpxA2a(ws.group, self.max_num_tokens, key[1], key[2], payload_bytes,
+                      self._combine_bytes(payload_bytes))
+        ws.a2as[key] = [a2a, payload_bytes, [True] * self.ep_size]
+        return ws.a2as[key]
 
     def _make_eplb_exchange(self):
         """Collective: the EPLB stats' exchange (see _gather_eplb), made with the MoeAlltoAll
         (every rank active then), so that no gather ever needs a collective creation."""
-        if self._eplb_capacity == 0:
+        if self._eplb_capacity == 0 or self._ws.eplb is not None:
             return
         R = self.ep_size
         k = min(R, _MAX_A2A_TOP_K)
@@ -570,8 +635,9 @@ class MoeAlltoAll:
         a2a = _EpxA2a(self._group, g, k, R, [4 * self._eplb_capacity], 4)
         ids = torch.arange(g * k, dtype=torch.int32).view(g, k)
         ids[ids >= R] = -1
-        self._eplb_a2a = (a2a, ids.to(self._device),
-                          torch.zeros(R, g, 1, dtype=torch.float32, device=self._device))
+        self._ws.eplb = [a2a, ids.to(self._device),
+                         torch.zeros(R, g, 1, dtype=torch.float32, device=self._device),
+                         [True] * R]
 
     def _combine_bytes(self, payload_bytes):
         cap = None if self.hidden_size is None else self.hidden_size * 4
@@ -605,20 +671,18 @@ class MoeAlltoAll:
         return lo
 
     def _workspace(self, payloads):
-        """The A2a for these payloads: the current one when they fit (the per-call fast path),
-        else a new one sized for them (collective: every rank passes the same row sizes)."""
+        """The shared A2a entry of these payloads' layout (_Workspace): the layout's when they
+        fit (the per-call fast path), else a new one sized for them (collective: every rank
+        passes the same row sizes)."""
         try:
             payload_bytes = [p.element_size() * math.prod(p.shape[1:]) for p in payloads]
         except (AttributeError, TypeError):
             payload_bytes = None
-        a2a = self._a2a
-        if a2a is not None and self._a2a_geometry != (self.top_k, self.num_experts):
-            a2a = None  # the functional API's dispatch changed top_k / num_experts
-        if a2a is not None and payload_bytes is not None:
-            have = self._a2a_bytes
-            if len(have) == len(payload_bytes) and all(
-                    n <= h for n, h in zip(payload_bytes, have)):
-                return a2a
+        key = (len(payloads), self.top_k, self.num_experts)
+        entry = self._ws.a2as.get(key)
+        if entry is not None and payload_bytes is not None and all(
+                n <= h for n, h in zip(payload_bytes, entry[1])):
+            return entry
         if not all(self._active):
             raise errors.unsupported("MoeAlltoAll.dispatch", "payloads larger than the first "
                                      "dispatch's (or another top_k / num_experts) while ranks "
@@ -629,8 +693,8 @@ class MoeAlltoAll:
                 raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads[{i}]' "
                                      "must be a torch.Tensor [T, ...]")
         payload_bytes = [max(_round4(n), 4) for n in payload_bytes]
-        if a2a is not None and len(self._a2a_bytes) == len(payload_bytes):
-            payload_bytes = [max(n, h) for n, h in zip(payload_bytes, self._a2a_bytes)]
+        if entry is not None:
+            payload_bytes = [max(n, h) for n, h in zip(payload_bytes, entry[1])]
         if not 1 <= len(payload_bytes) <= _epx.kMaxA2aPayloads:
             raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads' has "
                                  f"{len(payload_bytes)} tensors, expected 1.."
@@ -642,7 +706,7 @@ class MoeAlltoAll:
                           [(f"the bytes per token of 'input_payloads[{i}]' (rounded up to 4, at "
                             "least the workspace's)", payload_bytes[i] if i < len(payload_bytes)
                             else 0) for i in range(_epx.kMaxA2aPayloads)])
-        return self._create_a2a(payload_bytes)
+        return self._create_a2a(key, payload_bytes)
 
     # ---- API ---------------------------------------------------------------------------------
     def _rank_mask(self, op, active_rank_mask):
@@ -717,7 +781,7 @@ class MoeAlltoAll:
         expert per rank), so every rank receives exactly one row from each. On the device and
         stream-ordered, so CUDA graphs capture it; it follows the rank mask (a masked-off rank's
         row is unspecified). Made with the MoeAlltoAll (_make_eplb_exchange)."""
-        a2a, to_all, zeros = self._eplb_a2a
+        a2a, to_all, zeros, _ = self._ws.eplb
         g, n = to_all.shape[0], stats.shape[0]
         rows = stats.to(device=to_all.device, dtype=torch.int32).view(1, n)
         if g > 1:
@@ -762,16 +826,19 @@ class MoeAlltoAll:
         if eplb_local_stats is not None:
             self._check_eplb(op, eplb_local_stats)
         input_payloads, widths = _pad_rows(input_payloads)
-        a2a = self._workspace(input_payloads)
-        if active != self._active:  # collective over the ranks it marks active
-            stream = _torch.stream_of(token_selected_experts)
-            a2a.set_active_ranks(active, stream=stream)
-            if self._eplb_a2a is not None:
-                self._eplb_a2a[0].set_active_ranks(active, stream=stream)
-            self._active = list(active)
-        elif self._state != "idle":
+        entry = self._workspace(input_payloads)
+        a2a, ws = entry[0], self._ws
+        if active == ws.active and self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
+        # A new mask (collective over the ranks it marks active), on each A2a as it is used.
+        stream = _torch.stream_of(token_selected_experts)
+        for applied, target in ((entry[2], a2a), (ws.eplb[3] if ws.eplb else None,
+                                                  ws.eplb[0] if ws.eplb else None)):
+            if applied is not None and applied != active:
+                target.set_active_ranks(active, stream=stream)
+                applied[:] = active
+        ws.active = list(active)
         gathered = None
         if eplb_local_stats is not None:
             gathered = self._gather_eplb(eplb_local_stats)
@@ -779,6 +846,8 @@ class MoeAlltoAll:
                                     runtime_max_tokens_per_rank, invalid_token_expert_id,
                                     expert_id_payload_index)
         recv = [v if w is None else _unpad_view(v, *w) for v, w in zip(recv, widths)]
+        self._layout, self._dispatch_mask = (len(input_payloads), self.top_k,
+                                             self.num_experts), list(active)
         self._state = "dispatched"
         self._eplb_gathered = gathered
         self._runtime_max = runtime_max_tokens_per_rank
@@ -832,7 +901,7 @@ class MoeAlltoAll:
         if self._state != "dispatched":
             raise errors.invalid(op, "called without a preceding dispatch; expected the order "
                                  "dispatch -> combine -> dispatch")
-        if mask() != self._active:
+        if mask() != self._dispatch_mask:
             raise errors.invalid(op, "argument 'active_rank_mask' differs from the mask of the "
                                  "preceding dispatch, expected the same mask")
         dtype = getattr(payload, "dtype", None)
