@@ -2,6 +2,7 @@
 backend, against reference.py. Bodies are device-generic (ctx.device): the GPU tier reuses them.
 """
 
+import copy
 import random
 
 import pytest
@@ -152,7 +153,11 @@ def body_ht_roundtrip(ctx, seed):
         x2 = _inputs(s + 1000, R, E, lambda src: inputs[src]["topk_idx"].shape[0], kind, fmt)
         for src in range(R):
             x2[src]["topk_idx"] = inputs[src]["topk_idx"]
-        res = buf.dispatch(_x_arg(x2[r], dev), handle=handle)
+        # As DeepEP reads them: (x, None) is bf16 x; a copied handle is the handle; a
+        # previous_event without an event is no dependency.
+        x_arg = (_x_arg(x2[r], dev), None) if fmt == "bf16" else _x_arg(x2[r], dev)
+        assert copy.copy(handle) is handle and copy.deepcopy(handle) is handle
+        res = buf.dispatch(x_arg, handle=copy.deepcopy(handle), previous_event=object())
         assert len(res) == 6 and res[1:5] == (None, None, None, None), what
         want2 = ref.ht_dispatch(x2, r, E, R)
         if fmt == "bf16":
@@ -332,7 +337,7 @@ def body_ht_errors(ctx, seed):
 
 def body_buffer_api(ctx, seed):
     """Constructor arguments and attributes, options epx cannot honour, destroy, capture,
-    get_comm_stream, the mask-buffer API without enable_shrink."""
+    get_comm_stream (before any op too), runtime, the mask-buffer API without enable_shrink."""
     R, r = ctx.world_size, ctx.rank
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=256 << 20, num_rdma_bytes=0,
                          low_latency_mode=False, num_qps_per_rank=24,
@@ -365,14 +370,26 @@ def body_buffer_api(ctx, seed):
     ev = buf.capture()
     assert isinstance(ev, deep_ep.EventOverlap)
     ev.current_stream_wait()
+    # get_comm_stream before any op: the stream of the group's device (None on the CPU).
+    fresh = deep_ep.Buffer(ctx.group)
     if ctx.device.type == "cpu":
-        assert buf.get_comm_stream() is None and ev.event is None
+        assert fresh.get_comm_stream() is None and ev.event is None
+    else:
+        assert fresh.get_comm_stream() == torch.cuda.current_stream(ctx.device)
+    # runtime: DeepEP's layout queries (one node here: one RDMA rank), internals Unsupported.
+    rt = buf.runtime
+    assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_root_rdma_rank(True),
+            rt.get_root_rdma_rank(False), rt.is_available()) == (1, 0, r, 0, True)
+    assert rt.get_local_device_id() == (ctx.device.index if ctx.device.type == "cuda" else -1)
+    with pytest.raises(epx.Unsupported, match="Buffer.runtime.get_local_ipc_handle"):
+        rt.get_local_ipc_handle()
 
     d = deep_ep.Buffer(ctx.group, explicitly_destroy=True, low_latency_mode=True)
     x = torch.zeros(2, H, dtype=torch.bfloat16, device=ctx.device)
     idx = torch.zeros(2, K, dtype=torch.int64, device=ctx.device)
     d.low_latency_dispatch(x, idx, 4, R, use_fp8=False)
     d.destroy()
+    assert d.runtime.is_available() is False
     with pytest.raises(epx.InvalidArgument, match="destroyed"):
         d.low_latency_dispatch(x, idx, 4, R, use_fp8=False)
 

@@ -4,6 +4,7 @@ Every rank regenerates every rank's inputs from the test's seed, so it knows wha
 outputs the caller provides are poisoned first; every valid element is compared bit for bit.
 """
 
+import copy
 import os
 import random
 import time
@@ -144,8 +145,10 @@ def body_ll_roundtrip(ctx, seed):
         expected_stats += torch.tensor([w["count"] for w in want])
         assert torch.equal(stats.cpu().to(torch.int64), expected_stats), what
         ys = [_y(s, d, L, R, T_max) for d in range(R)]
+        assert copy.copy(res[2]) is res[2] and copy.deepcopy(res[2]) is res[2]
         out, event, hook = buf.low_latency_combine(ys[r].to(dev), mine["topk_idx"].to(dev),
-                                                   mine["topk_weights"].to(dev), res[2])
+                                                   mine["topk_weights"].to(dev),
+                                                   copy.deepcopy(res[2]))
         assert hook is None and isinstance(event, deep_ep.EventOverlap)
         assert out.dtype == torch.bfloat16 and list(out.shape) == [mine["x"].shape[0], H]
         _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), mine["topk_idx"], L,
