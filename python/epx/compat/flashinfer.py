@@ -52,8 +52,8 @@ How it maps, and what differs:
   a TimeoutError caused by a dead peer, the survivors' next dispatch with a mask without it
   continues. An A2a created or re-created (a payload list's first use, larger payloads) needs
   every rank (it is collective over the whole group), so it raises Unsupported while a rank is
-  masked off. ``dropped_counts()``
-  (epx extension) returns (tokens, selections) the mask dropped from this rank's dispatches.
+  masked off. ``dropped_counts()`` (epx extension) returns (tokens, selections) the mask
+  dropped from this rank's dispatches.
 * The functional API (``moe_a2a_initialize``, ``moe_a2a_dispatch``, ``moe_a2a_combine``,
   ``moe_a2a_sanitize_expert_ids``): ``moe_a2a_initialize(workspace, ...)`` (collective) creates a
   context, a MoeAlltoAll over the group (the default torch.distributed group, or the epx-only
@@ -684,10 +684,10 @@ class MoeAlltoAll:
                 n <= h for n, h in zip(payload_bytes, entry[1])):
             return entry
         if not all(self._active):
-            raise errors.unsupported("MoeAlltoAll.dispatch", "payloads larger than the first "
-                                     "dispatch's (or another top_k / num_experts) while ranks "
-                                     "are masked off: re-creating the workspace is collective "
-                                     "over every rank")
+            raise errors.unsupported("MoeAlltoAll.dispatch", "a payload list's first use, "
+                                     "payloads larger than its workspace's, or another top_k / "
+                                     "num_experts while ranks are masked off: creating a "
+                                     "workspace is collective over every rank")
         for i, p in enumerate(payloads):
             if not isinstance(p, torch.Tensor) or p.dim() < 1:
                 raise errors.invalid("MoeAlltoAll.dispatch", f"argument 'input_payloads[{i}]' "
@@ -831,13 +831,13 @@ class MoeAlltoAll:
         if active == ws.active and self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
-        # A new mask (collective over the ranks it marks active), on each A2a as it is used.
+        # A new mask (collective over the ranks it marks active), on each A2a as it is used:
+        # this layout's and the EPLB exchange (entries [A2a, ..., the mask applied to it]).
         stream = _torch.stream_of(token_selected_experts)
-        for applied, target in ((entry[2], a2a), (ws.eplb[3] if ws.eplb else None,
-                                                  ws.eplb[0] if ws.eplb else None)):
-            if applied is not None and applied != active:
-                target.set_active_ranks(active, stream=stream)
-                applied[:] = active
+        for used in (entry, ws.eplb):
+            if used is not None and used[-1] != active:
+                used[0].set_active_ranks(active, stream=stream)
+                used[-1] = list(active)
         ws.active = list(active)
         gathered = None
         if eplb_local_stats is not None:
