@@ -92,6 +92,11 @@ def test_gpu_flashinfer_shared_workspace(gpu_pool):
     gpu_pool.run(a2a.body_a2a_shared_workspace, _seed())
 
 
+def test_gpu_flashinfer_any_dtype(gpu_pool):
+    """Payloads of any dtype travel as their bytes (test_flashinfer.body_a2a_any_dtype)."""
+    gpu_pool.run(a2a.body_a2a_any_dtype, _seed())
+
+
 def test_gpu_flashinfer_sized_workspace(gpu_pool):
     """moe_a2a_get_workspace_size_per_rank's size on the cuda layout holds odd-sized payloads and
     the combine (test_flashinfer.body_a2a_sized_workspace)."""

@@ -3,8 +3,8 @@ its MoeAlltoAll and the functional API share.
 
 * Rank masks: ``MOE_A2A_RANK_MASK_WORDS``, :func:`moe_a2a_active_rank_mask` (FlashInfer's CPU
   uint64 bitmask) and ``_mask_bools`` (any accepted mask -> ep_size bools).
-* Payload rows of any byte count: ``_pad_rows`` / ``_unpad_view`` (epx's a2a moves rows of a
-  multiple of 4 bytes), ``_round4``.
+* Payload rows of any byte count and dtype: ``_pad_rows`` / ``_unpad_view`` (epx's a2a moves
+  rows of a multiple of 4 bytes of its own dtypes; others travel as uint8 bytes), ``_round4``.
 * Low precision: ``_round_to_e4m3`` (the FP8 rounding of ``combine(use_low_precision=True)``,
   ``_LOW_PRECISION_DTYPES``) and :func:`nvfp4_block_scale_interleave` (epx's own,
   :mod:`epx.nvfp4`: the permutation in epx's C++ core, a kernel on CUDA tensors).
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .. import _epx, errors
+from .. import _epx, _torch, errors
 from ..nvfp4 import nvfp4_block_scale_interleave as _interleave
 
 MOE_A2A_RANK_MASK_WORDS = 1  # one uint64 word: up to 64 ranks (FlashInfer's ABI)
@@ -84,23 +84,30 @@ def _round_to_e4m3(x):
 
 
 def _pad_rows(payloads):
-    """epx's a2a moves rows of a multiple of 4 bytes; FlashInfer takes any (e.g. a uint8 [T, 1]).
-    -> (payloads with each other row copied into the first bytes of a zeroed uint8 [T,
-    round4(bytes)], per payload None or (dtype, trailing shape, bytes) to undo it)."""
+    """epx's a2a moves rows of a multiple of 4 bytes of its dtypes; FlashInfer moves any rows of
+    any dtype as bytes (e.g. a uint8 [T, 1], int8, float8_e5m2). -> (payloads with each other one
+    as uint8 rows [T, bytes], copied into the first bytes of a zeroed uint8 [T, round4(bytes)]
+    where bytes is not a multiple of 4; per payload None or (dtype, trailing shape, bytes) to
+    undo it)."""
     if not isinstance(payloads, (list, tuple)):
         return payloads, []
     out, widths = [], []
     for p in payloads:
-        n = p.element_size() * math.prod(p.shape[1:]) if isinstance(p, torch.Tensor) and \
-            p.dim() >= 1 else 0
-        if n % 4 == 0:
+        if not isinstance(p, torch.Tensor) or p.dim() < 1:
+            out.append(p)  # (refused with its name by the dispatch)
+            widths.append(None)
+            continue
+        n = p.element_size() * math.prod(p.shape[1:])
+        if n % 4 == 0 and p.dtype in _torch.CODE_OF:
             out.append(p)
             widths.append(None)
             continue
         rows = p.contiguous().view(p.shape[0], n // p.element_size()).view(torch.uint8)
-        padded = torch.zeros(p.shape[0], _round4(n), dtype=torch.uint8, device=p.device)
-        padded[:, :n] = rows
-        out.append(padded)
+        if n % 4:
+            padded = torch.zeros(p.shape[0], _round4(n), dtype=torch.uint8, device=p.device)
+            padded[:, :n] = rows
+            rows = padded
+        out.append(rows)
         widths.append((p.dtype, tuple(p.shape[1:]), n))
     return type(payloads)(out), widths
 
