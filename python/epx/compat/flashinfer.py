@@ -66,9 +66,10 @@ How it maps, and what differs:
   combine copies it from there). The data moves through epx's own workspace; the received views
   are views of it. ``top_k`` / ``num_experts`` may change between dispatches (the next one
   re-creates epx's workspace). The context lives while a metainfo tensor returned for it does.
-* Payload rows of any byte count (FlashInfer's test sends uint8 [T, 1] and bool rows): rows that
-  are not a multiple of 4 bytes travel padded (one copy into a zeroed uint8 [T, round4] tensor)
-  and come back as views of the padded rows.
+* Payload rows of any byte count and dtype (FlashInfer's test sends uint8 [T, 1] and bool rows):
+  rows that are not a multiple of 4 bytes travel padded (one copy into a zeroed uint8 [T,
+  round4] tensor) and come back as views of the padded rows (not contiguous); dtypes epx's a2a
+  does not name (int8, int16, float64, float8_e5m2, ...) travel as their bytes.
 * ``use_low_precision=True``: FlashInfer's FP8 combine, its result: every row rounded to FP8
   e4m3 (nearest, ties to even, saturating at +-448), the rounded values summed in float32 in
   ascending rank order, the sum rounded once to bfloat16 (the output dtype, whatever the
