@@ -232,6 +232,9 @@ def body_ll_errors(ctx, seed):
             x_global_scale=torch.ones(1))),
         (epx.InvalidArgument, "async_finish", lambda: buf.low_latency_dispatch(
             x, idx, T_max, E, async_finish=True, return_recv_hook=True)),
+        # use_ue8m0 without round_scale: refused in every format, as DeepEP asserts it.
+        (epx.InvalidArgument, "'use_ue8m0' is true", lambda: buf.low_latency_dispatch(
+            x, idx, T_max, E, use_fp8=False, use_ue8m0=True)),
         (epx.OutOfCapacity, "T_max", lambda: buf.low_latency_dispatch(
             torch.zeros(T_max + 1, H, dtype=torch.bfloat16),
             torch.zeros(T_max + 1, K, dtype=torch.int64), T_max, E)),

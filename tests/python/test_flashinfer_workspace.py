@@ -233,7 +233,66 @@ def body_masked_first_eplb(ctx, seed):
         assert torch.equal(out.cpu(), ref.a2a_combine(masked, ys, r, E, R)), (seed, step)
 
 
-_BODIES = [body_get_workspace, body_handles, body_checkpoint, body_masked_first_eplb]
+def body_shared_masked(ctx, seed):
+    """Two layers' objects sharing one workspace, of different payload lists (each list its own
+    A2a), after rank R - 1 stopped: the survivors' masked rounds through both layers are exact
+    (the mask reaches each list's A2a when it is next used); a full mask after that is refused at
+    once (masks only shrink), not sent to the stopped rank; a checkpoint round trip through one
+    layer leaves the other idle and working."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E, M = 2 * R, MAX_TOKENS
+    size = fi.moe_a2a_get_workspace_size_per_rank(R, M, H * 2 + 64, H * 4)
+    layers = [fi.MoeAlltoAll(_mapping(ctx), M, K, E, workspace_size_per_rank=size,
+                             enable_rank_mask=True, **_backend_kw(ctx)) for _ in range(2)]
+    assert layers[0]._ws is layers[1]._ws  # (epx internals: shared)
+    everyone = fi.moe_a2a_active_rank_mask(range(R), R)
+
+    def round_trip(i, step, mask, active):
+        moe = layers[i]
+        inputs = _inputs(seed, step, R, E, K, ref.ROUTINGS[step % len(ref.ROUTINGS)])
+        for inp in inputs:  # layer 1: one payload less (its own A2a)
+            inp["payloads"] = inp["payloads"][:len(inp["payloads"]) - i]
+        masked = _masked(inputs, active, E, R)
+        idx = inputs[r]["topk_idx"].to(dev)
+        recv = moe.dispatch(idx, [p.to(dev) for p in inputs[r]["payloads"]], M,
+                            active_rank_mask=mask)
+        _check_recv(recv, masked, r, E, R, M, f"layer={i} step={step}")
+        ys = _ys(seed, step, R, M, torch.bfloat16)
+        out = moe.combine(ys[r].to(dev), M, active_rank_mask=mask)
+        assert torch.equal(out.cpu(), ref.a2a_combine(masked, ys, r, E, R)), (seed, i, step)
+
+    for i in range(2):
+        round_trip(i, i, everyone, [True] * R)
+    # Layer 1 dispatched, then a checkpoint round trip through layer 0: layer 1 is idle again
+    # (its dispatch was dropped with the workspace) and works.
+    inputs = _inputs(seed, 5, R, E, K, "uniform")
+    layers[1].dispatch(inputs[r]["topk_idx"].to(dev),
+                       [p.to(dev) for p in inputs[r]["payloads"][:-1]], M,
+                       active_rank_mask=everyone)
+    layers[0].checkpoint_prepare()
+    with pytest.raises(epx.InvalidArgument, match="checkpoint_restore"):
+        layers[1].combine(_ys(seed, 5, R, M, torch.bfloat16)[r].to(dev), M,
+                          active_rank_mask=everyone)
+    layers[0].checkpoint_restore(EngineComm(ctx.group))
+    round_trip(1, 6, everyone, [True] * R)
+    if R == 1:
+        return
+    if r == R - 1:
+        return  # rank R - 1 "dies": it never calls again
+    active = [q != R - 1 for q in range(R)]
+    mask = fi.moe_a2a_active_rank_mask([q for q in range(R) if active[q]], R)
+    round_trip(0, 2, mask, active)
+    inputs = _inputs(seed, 3, R, E, K, "uniform")
+    with pytest.raises(epx.InvalidArgument, match=f"marks rank {R - 1} active, which was masked"):
+        layers[1].dispatch(inputs[r]["topk_idx"].to(dev),
+                           [p.to(dev) for p in inputs[r]["payloads"][:-1]], M,
+                           active_rank_mask=everyone)
+    round_trip(1, 3, mask, active)
+    round_trip(0, 4, mask, active)
+
+
+_BODIES = [body_get_workspace, body_handles, body_checkpoint, body_masked_first_eplb,
+           body_shared_masked]
 
 
 @pytest.mark.parametrize("body", _BODIES, ids=lambda b: b.__name__[len("body_"):])

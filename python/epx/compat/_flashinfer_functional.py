@@ -109,10 +109,10 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
     row ``ep_rank`` of ``workspace`` where the caller may write the combine payload (0: epx keeps
     nothing there); ``[ep_size, n]`` int32 (row r = rank r's ``eplb_local_stats`` of ``n <=
     eplb_stats_num_experts`` entries) or None. ``top_k`` / ``num_experts`` may change between
-    calls (the next dispatch re-creates epx's workspace, collectively). ``enable_pdl`` is
-    accepted (epx's PDL is EPX_PDL). ``recv_view_cache`` (FlashInfer's opaque cache of the
-    receive views: a dict or None) is accepted and left as it is: epx returns its own views,
-    made per call."""
+    calls (the first dispatch of each geometry creates its epx workspace, collectively).
+    ``enable_pdl`` is accepted (epx's PDL is EPX_PDL). ``recv_view_cache`` (FlashInfer's opaque
+    cache of the receive views: a dict or None) is accepted and left as it is: epx returns its
+    own views, made per call."""
     op = "moe_a2a_dispatch"
     check_kernel_backend(op, backend)
     if recv_view_cache is not None and not isinstance(recv_view_cache, dict):
@@ -131,7 +131,8 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
                              f"[local_num_tokens, top_k = {top_k}]")
     active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size,
                               ctx.ep_rank)
-    if moe._state != "idle" and active == moe._active:
+    moe._check_live(op)
+    if moe._state != "idle" and active == moe._dispatch_mask:
         raise errors.invalid(op, "called twice without moe_a2a_combine in between; expected "
                              "the order dispatch -> combine -> dispatch")
     moe._set_geometry(op, top_k, num_experts)
@@ -159,6 +160,7 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
     moe = ctx.moe
     active = _functional_mask(op, enable_rank_mask, active_rank_mask, ctx.ep_size,
                               ctx.ep_rank)
+    moe._check_live(op)
     if moe._state != "dispatched":
         raise errors.invalid(op, "called without a preceding moe_a2a_dispatch on this "
                              "workspace; expected the order dispatch -> combine -> dispatch")

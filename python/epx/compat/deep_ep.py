@@ -381,9 +381,15 @@ class _Runtime:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise errors.unsupported(f"Buffer.runtime.{name}", "DeepEP's C++ runtime internals (IPC "
-                                 "handles, NVSHMEM ids, sync, its kernels' entry points) have no "
-                                 "epx counterpart; call the Buffer's methods")
+        e = errors.unsupported(f"Buffer.runtime.{name}", "DeepEP's C++ runtime internals (IPC "
+                               "handles, NVSHMEM ids, sync, its kernels' entry points) have no "
+                               "epx counterpart; call the Buffer's methods")
+        raise _RuntimeUnsupported(str(e))
+
+
+class _RuntimeUnsupported(errors.Unsupported, AttributeError):
+    """Unsupported that is also an AttributeError, so hasattr(buffer.runtime, name) and
+    getattr(buffer.runtime, name, default) answer for DeepEP's runtime internals."""
 
 
 class Buffer:
@@ -743,10 +749,15 @@ class Buffer:
         self._check_alive(op)
         self._device = _torch.device_key(t)
         # As DeepEP (getattr(previous_event, 'event', None)): an object without an event to wait
-        # for is no dependency.
-        wait = getattr(previous_event, "current_stream_wait", None)
-        if wait is not None and getattr(previous_event, "event", None) is not None:
-            wait()
+        # for is no dependency; its event is awaited on the current stream.
+        event = getattr(previous_event, "event", None)
+        if event is not None:
+            wait = getattr(previous_event, "current_stream_wait", None) or \
+                getattr(event, "current_stream_wait", None)
+            if wait is not None:
+                wait()
+            else:  # a torch.cuda.Event
+                torch.cuda.current_stream().wait_event(event)
         return self._device
 
     def _event(self, async_finish, tensors):
@@ -1005,7 +1016,9 @@ class Buffer:
             buf = self._ll_buffer(op, *key)
         # Without use_nvfp4, x_global_scale is not read (the forks accept it with fp8 and bf16).
         nvfp4 = {"use_nvfp4": True, "x_global_scale": x_global_scale} if use_nvfp4 else _NO_KW
-        if not use_fp8 and not use_nvfp4:  # as DeepEP: the scale options act on fp8 only
+        if not use_fp8 and not use_nvfp4 and (round_scale or not use_ue8m0):
+            # As DeepEP: the scale options act on fp8 only (use_ue8m0 without round_scale is
+            # refused in every format, as DeepEP asserts it)
             round_scale = use_ue8m0 = False
         recv_x, scales, count, native, hook = buf._native.ll_dispatch(
             x, topk_idx, bool(use_fp8), bool(round_scale), bool(use_ue8m0),

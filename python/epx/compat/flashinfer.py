@@ -17,12 +17,16 @@ here.
 
 How it maps, and what differs:
 
-* The workspace: epx sizes it from the payloads. FlashInfer takes one byte count; epx creates its
-  A2a lazily at the first dispatch (collectively, every rank passes payloads of the same row
-  sizes), with the row bytes of that call's payloads, and re-creates it when a later dispatch
-  brings more payloads or longer rows. The combine capacity per token is ``hidden_size * 4``
-  (bf16 or float32 payloads) when ``hidden_size`` is given, capped by ``workspace_size_per_rank``
-  when that is given too; with only ``workspace_size_per_rank`` it is what fits in it.
+* The workspace: epx sizes it from the payloads. FlashInfer takes one byte count; epx creates an
+  A2a per payload list (number of payloads, top_k, num_experts) lazily at that list's first
+  dispatch (collectively, every rank passes payloads of the same row sizes), with the row bytes
+  of that call's payloads, and re-creates it when a later dispatch of the list brings longer
+  rows; a given ``workspace_size_per_rank`` bounds each list's A2a (so an object serving two
+  lists takes up to twice it). The combine capacity per token is ``hidden_size * 4`` (bf16 or
+  float32 payloads) when ``hidden_size`` is given, capped by ``workspace_size_per_rank`` when
+  that is given too; with only ``workspace_size_per_rank`` it is what fits in it. A CUDA graph
+  captured through an A2a that a later dispatch re-creates replays into freed memory: run every
+  layer (every object sharing the workspace) once with its largest payloads before capturing.
 * The group: ``mnnvl_config.comm_backend`` (anything with Get_rank / Get_size / allgather, e.g.
   :class:`TorchDistBackend`, FlashInfer's own, or an engine's CommBackend over a ProcessGroup)
   bootstraps the epx group; without it the default torch.distributed group is used. The backend
@@ -32,13 +36,14 @@ How it maps, and what differs:
   MoeAlltoAll raise InvalidArgument naming the argument and the device expected).
 * One workspace, many objects: engines make one MoeAlltoAll per MoE layer with the same sizes,
   and FlashInfer's class-level cache gives them one workspace. epx's objects with the same
-  workspace_size_per_rank (or hidden_size), ep_rank, ep_size, max_num_tokens,
+  workspace_size_per_rank and hidden_size, ep_rank, ep_size, max_num_tokens,
   eplb_stats_num_experts and device share one epx group and its A2as (the first one's
-  comm_backend makes the group) while any of them lives; their calls must not interleave (one
-  layer's dispatch -> combine, then the next's), as on FlashInfer's shared workspace. An object
-  keeps one A2a per payload list (number of payloads, top_k, num_experts), so layers of different
-  payloads (an NVFP4 model's 4, a bf16 head's 3) each reuse theirs. moe_a2a_initialize's contexts
-  have their own (the caller's workspace tensor is its own).
+  comm_backend makes the group; making an object is collective: the ranks agree to join the
+  live workspace or to make a new one) while any of them lives; their calls must not interleave
+  (one layer's dispatch -> combine, then the next's), as on FlashInfer's shared workspace. An
+  object keeps one A2a per payload list (number of payloads, top_k, num_experts), so layers of
+  different payloads (an NVFP4 model's 4, a bf16 head's 3) each reuse theirs.
+  moe_a2a_initialize's contexts have their own (the caller's workspace tensor is its own).
 * State machine: dispatch -> combine -> dispatch; anything else raises InvalidArgument (epx::A2a
   enforces it too). ``get_combine_payload_tensor_in_workspace`` is valid between dispatch and
   combine.
@@ -64,8 +69,9 @@ How it maps, and what differs:
   ``ep_rank`` is where the caller may write the combine payload
   (``moe_a2a_wrap_payload_tensor_in_workspace`` at ``combine_payload_offset``, which is 0; the
   combine copies it from there). The data moves through epx's own workspace; the received views
-  are views of it. ``top_k`` / ``num_experts`` may change between dispatches (the next one
-  re-creates epx's workspace). The context lives while a metainfo tensor returned for it does.
+  are views of it. ``top_k`` / ``num_experts`` may change between dispatches (the first of each
+  geometry creates its A2a, collectively). The context lives while a metainfo tensor returned for
+  it does.
 * Payload rows of any byte count and dtype (FlashInfer's test sends uint8 [T, 1] and bool rows):
   rows that are not a multiple of 4 bytes travel padded (one copy into a zeroed uint8 [T,
   round4] tensor) and come back as views of the padded rows (not contiguous); dtypes epx's a2a
@@ -365,6 +371,7 @@ class _Workspace:
         self.a2as = {}
         self.active = [True] * ep_size
         self.eplb = None  # (A2a, topk_idx to every rank, zero combine payload, mask applied)
+        self.restores = 0  # checkpoint_restore calls: each object's state is idle after one
 
 
 class MoeAlltoAll:
@@ -461,6 +468,7 @@ class MoeAlltoAll:
         op = "MoeAlltoAll.checkpoint_prepare"
         if self._group is None:
             return
+        self._check_live(op)
         if self._state != "idle":
             raise errors.invalid(op, "called between dispatch and combine, expected the "
                                  "MoeAlltoAll idle (after combine)")
@@ -485,8 +493,8 @@ class MoeAlltoAll:
         ws = self._ws
         ws.group = _EpxGroup.from_comm(comm, self._device)
         ws.active = [True] * self.ep_size
-        self._state = "idle"
-        self._eplb_gathered = self.recv_counts = None
+        ws.restores += 1
+        self._check_live(op)  # this object's state idle (and every other's at its next call)
         for key, entry in list(ws.a2as.items()):
             self._create_a2a(key, entry[1])
         self._make_eplb_exchange()
@@ -560,7 +568,14 @@ class MoeAlltoAll:
         key = (self._ws_limit, hidden_size, self.ep_rank, self.ep_size, max_num_tokens,
                eplb_stats_num_experts, str(self._device))
         ws = MoeAlltoAll._WORKSPACES.get(key) if share else None
-        if ws is None or ws.group is None:
+        if ws is not None and ws.group is None:
+            ws = None  # released by checkpoint_prepare
+        if share:
+            # Every rank joins, or every rank creates (collective): whether a rank still holds a
+            # live workspace of the key depends on when its own garbage collector ran.
+            if not all(comm.allgather(int(ws is not None))):
+                ws = None
+        if ws is None:
             ws = _Workspace(_EpxGroup.from_comm(comm, self._device), self.ep_size)
             if share:
                 MoeAlltoAll._WORKSPACES[key] = ws
@@ -570,6 +585,7 @@ class MoeAlltoAll:
         self._dispatch_mask = None  # the mask of this object's last dispatch
         self.enable_rank_mask = bool(enable_rank_mask)
         self._state = "idle"  # idle -> dispatched -> idle
+        self._restores = ws.restores
         self._runtime_max = 0
         self._num_tokens = 0
         self.recv_counts = None  # [ep_size] int32 of the last dispatch (epx extension)
@@ -611,9 +627,15 @@ class MoeAlltoAll:
         return self._handles
 
     def _check_live(self, op):
+        """InvalidArgument between checkpoint_prepare and checkpoint_restore; after a restore
+        (through any object of the shared workspace) this object's state is idle again."""
         if self._group is None:
             raise errors.invalid(op, "called after checkpoint_prepare released the workspace, "
                                  "expected checkpoint_restore(comm_backend) first")
+        if self._restores != self._ws.restores:
+            self._restores = self._ws.restores
+            self._state = "idle"
+            self._eplb_gathered = self.recv_counts = None
 
     def _create_a2a(self, key, payload_bytes):
         """Collective: the shared A2a of layout `key` (number of payloads, top_k, num_experts)
@@ -726,8 +748,8 @@ class MoeAlltoAll:
         return _mask_bools(op, active_rank_mask, self.ep_size, self.ep_rank)
 
     def _set_geometry(self, op, top_k, num_experts):
-        """The functional API's dispatch: top_k and num_experts come with every call; a change
-        re-creates the A2a at this dispatch (collective, as for larger payloads)."""
+        """The functional API's dispatch: top_k and num_experts come with every call; the first
+        dispatch of a geometry creates its A2a (collective, as for larger payloads)."""
         if (top_k, num_experts) == (self.top_k, self.num_experts):
             return
         errors.check_int(op, "top_k", top_k, 1)
@@ -742,13 +764,16 @@ class MoeAlltoAll:
 
     def reset_dropped_counts(self):
         """epx extension: zero the drop counters (see dropped_counts)."""
-        if self._a2a is not None:
-            self._a2a.reset_dropped_counts()
+        for entry in self._ws.a2as.values():
+            if entry[0] is not None:
+                entry[0].reset_dropped_counts()
 
     def dropped_counts(self):
         """epx extension: (tokens, selections) the rank mask dropped from this rank's
-        dispatches (include/epx/a2a.h, A2aDropCounts)."""
-        return (0, 0) if self._a2a is None else self._a2a.dropped_counts()
+        dispatches through the workspace (include/epx/a2a.h, A2aDropCounts): every object
+        sharing it (one per MoE layer) and every payload list counts."""
+        counts = [e[0].dropped_counts() for e in self._ws.a2as.values() if e[0] is not None]
+        return (sum(c[0] for c in counts), sum(c[1] for c in counts))
 
     def _check_eplb(self, op, stats):
         """eplb_local_stats checked before anything collective: an integer tensor of
@@ -800,6 +825,7 @@ class MoeAlltoAll:
         s sent here (nothing from masked-off ranks). ``enable_pdl`` is accepted (epx's PDL is
         EPX_PDL)."""
         op = "MoeAlltoAll.dispatch"
+        self._check_live(op)
         if self._state != "idle" and active_rank_mask is None:
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
@@ -827,11 +853,18 @@ class MoeAlltoAll:
         if eplb_local_stats is not None:
             self._check_eplb(op, eplb_local_stats)
         input_payloads, widths = _pad_rows(input_payloads)
-        entry = self._workspace(input_payloads)
-        a2a, ws = entry[0], self._ws
-        if active == ws.active and self._state != "idle":
+        ws = self._ws
+        back = [p for p in range(self.ep_size) if active[p] and not ws.active[p]]
+        if back:  # checked here: each A2a applies a new mask only when it is next used
+            raise errors.invalid(op, f"argument 'active_rank_mask' marks rank {back[0]} active, "
+                                 "which was masked off earlier; expected masks only to shrink "
+                                 "(a masked-off rank cannot rejoin: create a new group and "
+                                 "MoeAlltoAll to bring it back)")
+        if active == self._dispatch_mask and self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
+        entry = self._workspace(input_payloads)
+        a2a = entry[0]
         # A new mask (collective over the ranks it marks active), on each A2a as it is used:
         # this layout's and the EPLB exchange (entries [A2a, ..., the mask applied to it]).
         stream = _torch.stream_of(token_selected_experts)
