@@ -370,7 +370,7 @@ class _Workspace:
         self.group = group
         self.a2as = {}
         self.active = [True] * ep_size
-        self.eplb = None  # (A2a, topk_idx to every rank, zero combine payload, mask applied)
+        self.eplb = None  # [A2a, topk_idx to every rank, zero combine payload, mask applied]
         self.restores = 0  # checkpoint_restore calls: each object's state is idle after one
 
 
@@ -693,15 +693,14 @@ class MoeAlltoAll:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _workspace(self, payloads):
-        """The shared A2a entry of these payloads' layout (_Workspace): the layout's when they
-        fit (the per-call fast path), else a new one sized for them (collective: every rank
-        passes the same row sizes)."""
+    def _workspace(self, payloads, key):
+        """The shared A2a entry of layout `key` (_Workspace: these payloads' count, top_k,
+        num_experts): the layout's when they fit (the per-call fast path), else a new one sized
+        for them (collective: every rank passes the same row sizes)."""
         try:
             payload_bytes = [p.element_size() * math.prod(p.shape[1:]) for p in payloads]
         except (AttributeError, TypeError):
             payload_bytes = None
-        key = (len(payloads), self.top_k, self.num_experts)
         entry = self._ws.a2as.get(key)
         if entry is not None and payload_bytes is not None and all(
                 n <= h for n, h in zip(payload_bytes, entry[1])):
@@ -852,7 +851,6 @@ class MoeAlltoAll:
                                          f"= {self.max_num_tokens}")
         if eplb_local_stats is not None:
             self._check_eplb(op, eplb_local_stats)
-        input_payloads, widths = _pad_rows(input_payloads)
         ws = self._ws
         back = [p for p in range(self.ep_size) if active[p] and not ws.active[p]]
         if back:  # checked here: each A2a applies a new mask only when it is next used
@@ -863,7 +861,9 @@ class MoeAlltoAll:
         if active == self._dispatch_mask and self._state != "idle":
             raise errors.invalid(op, "called twice without combine in between; expected the "
                                  "order dispatch -> combine -> dispatch")
-        entry = self._workspace(input_payloads)
+        input_payloads, widths = _pad_rows(input_payloads)
+        layout = (len(input_payloads), self.top_k, self.num_experts)
+        entry = self._workspace(input_payloads, layout)
         a2a = entry[0]
         # A new mask (collective over the ranks it marks active), on each A2a as it is used:
         # this layout's and the EPLB exchange (entries [A2a, ..., the mask applied to it]).
@@ -880,8 +880,7 @@ class MoeAlltoAll:
                                     runtime_max_tokens_per_rank, invalid_token_expert_id,
                                     expert_id_payload_index)
         recv = [v if w is None else _unpad_view(v, *w) for v, w in zip(recv, widths)]
-        self._layout, self._dispatch_mask = (len(input_payloads), self.top_k,
-                                             self.num_experts), list(active)
+        self._layout, self._dispatch_mask = layout, list(active)
         self._state = "dispatched"
         self._eplb_gathered = gathered
         self._runtime_max = runtime_max_tokens_per_rank
