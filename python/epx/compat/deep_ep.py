@@ -151,7 +151,17 @@ def _backend_name():
     return "cuda" if _epx.built_with_cuda else "cpu"
 
 
-class _HtHandle(tuple):
+class _Handle(tuple):
+    """A handle is never changed: a copy (copy.copy, copy.deepcopy) is the handle itself."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _HtHandle(_Handle):
     """DeepEP's normal-mode handle; also carries the epx handle, the buffer that made it and the
     dispatch's SM budget (`num_sms`).
     One node: DeepEP's intranode 6-tuple. Across nodes (`rdma_prefix` given: the
@@ -171,14 +181,8 @@ class _HtHandle(tuple):
         self._num_sms = num_sms  # the dispatch's SM budget, which its combine keeps
         return self
 
-    def __copy__(self):  # a handle is immutable: a copy is the handle itself
-        return self
 
-    def __deepcopy__(self, memo):
-        return self
-
-
-class _LlHandle(tuple):
+class _LlHandle(_Handle):
     """DeepEP's low-latency handle (src_info, layout_range, T_max, hidden, num_experts); also
     carries the epx handle and the buffer that made it. `tail`: (T_max, hidden, num_experts) of
     the buffer when the caller has them (the handle's own, read from it otherwise)."""
@@ -189,12 +193,6 @@ class _LlHandle(tuple):
         self = _tuple_new(cls, (native.src_info, native.layout_range) + tail)
         self._handle = native
         self._buffer = buffer
-        return self
-
-    def __copy__(self):  # a handle is immutable: a copy is the handle itself
-        return self
-
-    def __deepcopy__(self, memo):
         return self
 
 
