@@ -445,9 +445,12 @@ def body_ll_graph(ctx, seed, quant, return_recv_hook, num_replays=10):
             dst.copy_(src)
         y.copy_(ys[r])
         for t in (out.x, out.x_scale, out.masked_m, res):  # poisoned: each replay writes them
-            if t is not None:
-                t.view(torch.uint8).fill_(0xA5) if t.element_size() == 1 else \
-                    t.fill_(float("nan") if t.is_floating_point() else -7)
+            if t is None:
+                continue
+            if t.element_size() == 1:  # fp8 / e2m1 bytes
+                t.view(torch.uint8).fill_(0xA5)
+            else:
+                t.fill_(float("nan") if t.is_floating_point() else -7)
         graph.replay()
         torch.cuda.synchronize(ctx.device)
         check(inputs, ys, out, res)
