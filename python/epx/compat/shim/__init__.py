@@ -17,8 +17,8 @@ on PYTHONPATH:
   imported (flashinfer/__init__.py lists them). Everything else stays FlashInfer's: Mapping,
   MnnvlConfig, CommBackend and the MNNVL helpers, which the rest of FlashInfer uses (epx's
   MoeAlltoAll reads moe_ep_rank / moe_ep_size of a Mapping and accepts any comm_backend with
-  Get_rank / Get_size / allgather). Without a real FlashInfer, a minimal ``flashinfer`` package offers
-  ``nvfp4_block_scale_interleave`` and ``flashinfer.comm`` (+ ``.mapping``, ``.mnnvl``,
+  Get_rank / Get_size / allgather). Without a real FlashInfer, a minimal ``flashinfer`` package
+  offers ``nvfp4_block_scale_interleave`` and ``flashinfer.comm`` (+ ``.mapping``, ``.mnnvl``,
   ``.trtllm_moe_alltoall``) with every name :mod:`epx.compat.flashinfer` exports.
 """
 
