@@ -2,6 +2,8 @@
 // cpu backend and the cuda kernels (host + device), so results agree bit for bit.
 //
 //   bf16:  round-to-nearest-even from float32; NaN -> 0x7FC0.
+//   fp16:  round-to-nearest-even from float32 (IEEE binary16: subnormals down to 2^-24, magnitudes
+//          from 65520 on and infinities to +-inf); NaN -> 0x7E00.
 //   fp8 e4m3fn: round-to-nearest-even, saturating to +-448 (inf and overflow saturate; NaN -> 0x7F).
 //   Quantisation of one 128-channel group of a token (docs/semantics.md §2.2):
 //     amax  = max(max_i |x_i|, 1e-4f)
@@ -18,6 +20,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_fp16.h>
 #define EPX_HD __host__ __device__ __forceinline__
 #else
 #define EPX_HD inline
@@ -72,6 +75,61 @@ EPX_HD uint32_t f32x2_to_bf16x2(float lo, float hi) {
   return r;
 #else
   return static_cast<uint32_t>(f32_to_bf16(lo)) | static_cast<uint32_t>(f32_to_bf16(hi)) << 16;
+#endif
+}
+
+// fp16 (IEEE binary16): s.eeeee.mmmmmmmmmm; e == 0: m * 2^-24; e == 31: inf (m == 0) or NaN.
+// Exact. On the device the hardware conversion (__half2float), whose NaN payload may differ: a
+// NaN in a sum makes the sum NaN, which f32_to_f16 writes as 0x7E00 either way.
+EPX_HD float f16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return bits_f32(sign | 0x7F800000u | (m << 13));  // inf, NaN
+  if (e == 0) return bits_f32(f32_bits(static_cast<float>(m) * bits_f32(0x33800000u)) | sign);
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));  // rebias 15 -> 127
+#endif
+}
+
+// Round-to-nearest-even (cvt.rn.f16.f32's rounding), NaN -> 0x7E00 whatever its sign and payload.
+EPX_HD uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7E00;          // NaN
+  if (a >= 0x477FF000u) return sign | 0x7C00;  // >= 65520, the tie of 65504 and 2^16: inf
+  if (a < 0x33000000u) return sign;            // < 2^-25, half the smallest subnormal: zero
+  if (a < 0x38800000u) {                       // < 2^-14: the subnormal grid q * 2^-24
+    // |f| = mant * 2^(e - 150), so q = mant * 2^(e - 126) rounded: shift by s = 126 - e.
+    const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t s = 126u - (a >> 23);  // 14..24
+    uint32_t q = mant >> s;
+    const uint32_t rem = mant & ((1u << s) - 1u), half = 1u << (s - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;  // q == 0x400: the smallest normal
+    return sign | static_cast<uint16_t>(q);
+  }
+  uint32_t h = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3FFu);  // rebias 127 -> 15
+  const uint32_t rem = a & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent
+  return sign | static_cast<uint16_t>(h);
+}
+
+// Two conversions at once: low half = fp16(lo), high half = fp16(hi). Device code uses the
+// hardware conversion (__floats2half2_rn: cvt.rn.f16x2.f32 on sm_80+); f32_to_f16 is its
+// emulation (GPU test NumericGpu.HardwareF16ConversionMatchesEmulationOnEveryFloat compares all
+// 2^32 inputs). NaN is forced to 0x7E00 as above (the hardware's NaN is 0x7FFF).
+EPX_HD uint32_t f32x2_to_f16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  std::memcpy(&r, &v, 4);
+  if (lo != lo) r = (r & 0xFFFF0000u) | 0x7E00u;
+  if (hi != hi) r = (r & 0x0000FFFFu) | 0x7E000000u;
+  return r;
+#else
+  return static_cast<uint32_t>(f32_to_f16(lo)) | static_cast<uint32_t>(f32_to_f16(hi)) << 16;
 #endif
 }
 
@@ -157,17 +215,22 @@ EPX_HD uint32_t f32x4_to_fp8x4_e4m3(float a, float b, float c, float d) {
 #endif
 }
 
-// sizeof(V) / 2 floats rounded to bf16 and packed little endian into a V (16-bit element i =
-// bf16(f[i])), two at a time.
-template <typename V>
-EPX_HD V f32_to_bf16_vec(const float* f) {
-  static_assert(sizeof(V) % 4 == 0, "f32_to_bf16_vec: V must hold whole bf16 pairs");
+// sizeof(V) / 2 floats rounded to bf16 (kF16: to fp16) and packed little endian into a V
+// (16-bit element i = the rounding of f[i]), two at a time.
+template <typename V, bool kF16 = false>
+EPX_HD V f32_to_16bit_vec(const float* f) {
+  static_assert(sizeof(V) % 4 == 0, "f32_to_16bit_vec: V must hold whole pairs");
   uint32_t w[sizeof(V) / 4];
   for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i)
-    w[i] = f32x2_to_bf16x2(f[2 * i], f[2 * i + 1]);
+    w[i] = kF16 ? f32x2_to_f16x2(f[2 * i], f[2 * i + 1]) : f32x2_to_bf16x2(f[2 * i], f[2 * i + 1]);
   V v;
   std::memcpy(&v, w, sizeof(V));
   return v;
+}
+
+template <typename V>
+EPX_HD V f32_to_bf16_vec(const float* f) {
+  return f32_to_16bit_vec<V>(f);
 }
 
 // Smallest power of two >= x (x > 0, finite, normal).

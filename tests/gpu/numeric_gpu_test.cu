@@ -4,13 +4,16 @@
 // f32_to_fp8_e4m3; bit-exact results need the two to agree on every input, so every one of the
 // 2^32 float32 bit patterns is converted both ways on the GPU, in both halves of the pair (and in
 // every byte of the four-value form, f32x4_to_fp8x4_e4m3); the same for float32 -> bf16
-// (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16).
+// (f32x2_to_bf16x2, cvt.rn.bf16x2.f32 on sm_80+, vs f32_to_bf16) and float32 -> fp16
+// (f32x2_to_f16x2, __floats2half2_rn, vs f32_to_f16); fp16 -> float32 (f16_to_f32,
+// __half2float on the device) against the host's decode on all 65536 codes.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "core/numeric.h"
 #include "gpu/gpu_support.h"
@@ -42,6 +45,20 @@ struct Bf16Pair {
            static_cast<uint32_t>(detail::f32_to_bf16(hi)) << 16;
   }
 };
+
+struct F16Pair {
+  __device__ static uint32_t hw(float lo, float hi) { return detail::f32x2_to_f16x2(lo, hi); }
+  __device__ static uint32_t sw(float lo, float hi) {
+    return static_cast<uint32_t>(detail::f32_to_f16(lo)) |
+           static_cast<uint32_t>(detail::f32_to_f16(hi)) << 16;
+  }
+};
+
+// Every fp16 code decoded on the device.
+__global__ void decode_f16(float* out) {
+  const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c < 65536) out[c] = detail::f16_to_f32(static_cast<uint16_t>(c));
+}
 
 // Pattern u goes into the low half and u ^ sign into the high half, so over all u each half sees
 // every input. Mismatches counted; the smallest mismatching pattern kept.
@@ -111,6 +128,30 @@ TEST(NumericGpu, HardwareBf16ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
   if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<Bf16Pair>), "");
+}
+
+TEST(NumericGpu, HardwareF16ConversionMatchesEmulationOnEveryFloat) {
+  EPX_REQUIRE_GPUS(1);
+  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  EXPECT_EQ(exhaustive(compare_pairs<F16Pair>), "");
+}
+
+TEST(NumericGpu, HardwareF16DecodeMatchesHostOnEveryCode) {
+  EPX_REQUIRE_GPUS(1);
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 65536 * sizeof(float)), cudaSuccess);
+  decode_f16<<<256, 256>>>(d);
+  std::vector<float> got(65536);
+  ASSERT_EQ(cudaMemcpy(got.data(), d, 65536 * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(d);
+  int bad = 0;
+  for (uint32_t c = 0; c < 65536; ++c) {
+    const float want = detail::f16_to_f32(static_cast<uint16_t>(c));
+    const bool same = want != want ? got[c] != got[c]  // NaN: any NaN (payloads may differ)
+                                   : detail::f32_bits(got[c]) == detail::f32_bits(want);
+    if (!same && ++bad <= 8) ADD_FAILURE() << "code 0x" << std::hex << c << ": " << got[c];
+  }
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {

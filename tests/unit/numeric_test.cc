@@ -1,7 +1,9 @@
 // core/numeric.h against scalar references written here from the format definitions (no bit
 // tricks shared with numeric.h): fp8 e4m3fn decode of all 256 codes; encode at every code, every
 // midpoint between neighbours (ties to even) and the floats just around them, saturation, inf,
-// NaN, subnormals and random floats; bf16 round-to-nearest-even against a double reference;
+// NaN, subnormals and random floats; bf16 round-to-nearest-even against a double reference; fp16
+// (IEEE binary16) decode of all 65536 codes and round-to-nearest-even at every code, every
+// midpoint and the floats around them, overflow to inf, subnormals and random floats;
 // quantize_row_fp8 against the formula of docs/semantics.md §2.2 computed in double (random rows,
 // all-zero rows, huge and tiny values, round_scale on and off, UE8M0 bytes).
 #include <gtest/gtest.h>
@@ -10,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/numeric.h"
@@ -126,19 +129,27 @@ TEST(Fp8E4m3, SubnormalsAndZero) {
   EXPECT_EQ(f32_to_fp8_e4m3(6.5f * std::ldexp(1.0f, -9)), 0x06);  // tie to even
 }
 
-TEST(Fp8E4m3, RandomFloatsMatchReference) {
-  std::mt19937_64 rng(1);
-  std::uniform_int_distribution<int> expo(-14, 10);
+// n random floats, half m * 2^e (m in [1, 2), e in [min_exp, max_exp]), half any bit pattern, a
+// third negated, through `got` and `want`: the number of differing codes (the first few reported).
+template <typename Got, typename Want>
+int64_t random_float_mismatches(uint64_t seed, int min_exp, int max_exp, int n, Got got,
+                                Want want) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> expo(min_exp, max_exp);
   std::uniform_real_distribution<float> mant(1.0f, 2.0f);
   int64_t mismatches = 0;
-  for (int i = 0; i < 200000; ++i) {
+  for (int i = 0; i < n; ++i) {
     float f = i % 2 ? std::ldexp(mant(rng), expo(rng)) : from_bits(static_cast<uint32_t>(rng()));
     if (i % 3 == 0) f = -f;
-    const uint8_t got = f32_to_fp8_e4m3(f), want = e4m3_encode_ref(f);
-    if (got != want && ++mismatches < 10)
-      ADD_FAILURE() << "f = " << f << " got 0x" << std::hex << int{got} << " want 0x" << int{want};
+    const unsigned g = got(f), w = want(f);
+    if (g != w && ++mismatches < 10)
+      ADD_FAILURE() << "f = " << f << " got 0x" << std::hex << g << " want 0x" << w;
   }
-  EXPECT_EQ(mismatches, 0);
+  return mismatches;
+}
+
+TEST(Fp8E4m3, RandomFloatsMatchReference) {
+  EXPECT_EQ(random_float_mismatches(1, -14, 10, 200000, f32_to_fp8_e4m3, e4m3_encode_ref), 0);
 }
 
 // ---- bf16 ----------------------------------------------------------------------------------
@@ -198,6 +209,112 @@ TEST(Bf16, EveryCodeRoundTrips) {
   }
 }
 
+// ---- fp16 (IEEE binary16) ------------------------------------------------------------------
+// Code s.eeeee.mmmmmmmmmm: e == 0 -> m * 2^-24; 0 < e < 31 -> (1024 + m) * 2^(e - 25); e == 31:
+// inf (m == 0) or NaN.
+double f16_value(uint16_t code) {
+  const int e = (code >> 10) & 31, m = code & 1023;
+  const double mag = e == 0    ? std::ldexp(m, -24)
+                     : e == 31 ? (m ? std::nan("") : std::numeric_limits<double>::infinity())
+                               : std::ldexp(1024 + m, e - 25);
+  return (code & 0x8000) ? -mag : mag;
+}
+
+// fp16 of f by value: the quantum of |f|'s binade is 2^(max(E, -14) - 10) (|f| in [2^E, 2^(E+1)));
+// |f| / quantum rounded to the nearest integer, ties to even (nearbyint's default mode), counts
+// codes from the binade's first: code = max(E + 14, 0) * 1024 + that count (a count of 2048
+// carries into the next binade; 1024 below 2^-14 is the smallest normal). Magnitudes of at least
+// 65520 (the midpoint of 65504 and 2^16, a tie to the even 2^16) and inf: inf. NaN: 0x7E00.
+uint16_t f16_ref(float f) {
+  if (std::isnan(f)) return 0x7E00;
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double a = std::fabs(static_cast<double>(f));
+  if (a >= 65520.0) return sign | 0x7C00;
+  if (a == 0.0) return sign;
+  int e;
+  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
+  const int binade = e - 1;
+  const double count = std::nearbyint(std::ldexp(a, 10 - std::max(binade, -14)));
+  return sign | static_cast<uint16_t>(std::max(binade + 14, 0) * 1024 + static_cast<int>(count));
+}
+
+TEST(F16, EveryCodeDecodesAndRoundTrips) {
+  for (uint32_t c = 0; c < 65536; ++c) {
+    const uint16_t code = static_cast<uint16_t>(c);
+    const float f = f16_to_f32(code);
+    const double want = f16_value(code);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(f)) << "code 0x" << std::hex << c;
+      EXPECT_EQ(f32_to_f16(f), 0x7E00) << "code 0x" << std::hex << c;
+      continue;
+    }
+    EXPECT_EQ(static_cast<double>(f), want) << "code 0x" << std::hex << c;
+    EXPECT_EQ(std::signbit(f), (c & 0x8000) != 0) << "code 0x" << std::hex << c;
+    EXPECT_EQ(f32_to_f16(f), c) << "code 0x" << std::hex << c;
+    EXPECT_EQ(f16_ref(f), c) << "reference, code 0x" << std::hex << c;
+  }
+  EXPECT_EQ(f16_to_f32(0x7BFF), 65504.0f);
+  EXPECT_EQ(f16_to_f32(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(f16_to_f32(0x0400), std::ldexp(1.0f, -14));  // smallest normal
+}
+
+TEST(F16, MidpointsTieToEvenAndNeighboursRoundToNearest) {
+  int checked = 0;
+  for (uint32_t c = 0; c < 0x7C00; ++c) {  // pairs (c, c + 1), c + 1 up to inf
+    const double lo = f16_value(static_cast<uint16_t>(c));
+    const double hi = c + 1 == 0x7C00 ? 65536.0 : f16_value(static_cast<uint16_t>(c + 1));
+    const float mid = static_cast<float>((lo + hi) / 2);
+    ASSERT_EQ(static_cast<double>(mid), (lo + hi) / 2) << "midpoint exact in float";
+    const uint32_t even = c % 2 == 0 ? c : c + 1;
+    for (float sign : {1.0f, -1.0f}) {
+      const uint32_t sbit = sign < 0 ? 0x8000 : 0;
+      const float below = std::nextafter(mid, 0.0f), above = std::nextafter(mid, 1e9f);
+      const float v = static_cast<float>(hi);
+      // c + 1 == 0x7C00: hi is 2^16, the overflow to inf (its neighbours are beyond the tie).
+      const std::pair<float, uint32_t> probes[] = {{mid, even},
+                                                   {below, c},
+                                                   {above, c + 1},
+                                                   {std::nextafter(v, 0.0f), c + 1},
+                                                   {std::nextafter(v, 1e9f), c + 1}};
+      for (const auto& [x, want] : probes) {
+        EXPECT_EQ(f32_to_f16(sign * x), sbit | want) << "f = " << sign * x;
+        EXPECT_EQ(f16_ref(sign * x), sbit | want) << "reference, f = " << sign * x;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 0x7C00 * 10);
+}
+
+TEST(F16, OverflowSubnormalsAndNan) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7BFF);
+  EXPECT_EQ(f32_to_f16(std::nextafter(65520.0f, 0.0f)), 0x7BFF);  // below the tie: 65504
+  for (float v : {65520.0f, 65536.0f, 1e5f, 131072.0f, 1e6f, 3.0e38f, inf}) {
+    EXPECT_EQ(f32_to_f16(v), 0x7C00) << v;
+    EXPECT_EQ(f32_to_f16(-v), 0xFC00) << -v;
+  }
+  EXPECT_EQ(f32_to_f16(0.0f), 0x0000);
+  EXPECT_EQ(f32_to_f16(-0.0f), 0x8000);
+  const float min_sub = std::ldexp(1.0f, -24);
+  EXPECT_EQ(f32_to_f16(min_sub / 2), 0x0000);  // the tie of 0 and 2^-24: 0 (even)
+  EXPECT_EQ(f32_to_f16(-min_sub / 2), 0x8000);
+  EXPECT_EQ(f32_to_f16(std::nextafter(min_sub / 2, 1.0f)), 0x0001);
+  EXPECT_EQ(f32_to_f16(1.5f * min_sub), 0x0002);         // tie: 2 (even)
+  EXPECT_EQ(f32_to_f16(2.5f * min_sub), 0x0002);         // tie: 2 (even)
+  EXPECT_EQ(f32_to_f16(1023.5f * min_sub), 0x0400);      // tie: the smallest normal
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -30)), 0x0000);  // far below: 0
+  EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::min()), 0x0000);
+  EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::quiet_NaN()), 0x7E00);
+  EXPECT_EQ(f32_to_f16(-std::numeric_limits<float>::quiet_NaN()), 0x7E00);
+  EXPECT_EQ(f32_to_f16(from_bits(0x7F800001u)), 0x7E00);  // signalling NaN
+}
+
+TEST(F16, RandomFloatsMatchReference) {
+  // Exponents around the subnormal (2^-24 .. 2^-14) and overflow (2^16) edges.
+  EXPECT_EQ(random_float_mismatches(4, -27, 17, 400000, f32_to_f16, f16_ref), 0);
+}
+
 // ---- quantisation (docs/semantics.md §2.2) -------------------------------------------------
 
 // scale = max(amax, 1e-4) / 448 in float32 (computed in double, rounded once: exact for a float
@@ -241,8 +358,13 @@ TEST(PairConversions, HostPathPacksTheSingleConversions) {
       EXPECT_EQ(f32x2_to_fp8x2_e4m3(lo, hi),
                 static_cast<uint16_t>(f32_to_fp8_e4m3(lo) | f32_to_fp8_e4m3(hi) << 8))
           << lo << ", " << hi;
+      EXPECT_EQ(f32x2_to_f16x2(lo, hi),
+                static_cast<uint32_t>(f32_to_f16(lo)) | static_cast<uint32_t>(f32_to_f16(hi)) << 16)
+          << lo << ", " << hi;
     }
   EXPECT_EQ(f32x2_to_bf16x2(1.0f, nan), 0x7FC03F80u);
+  EXPECT_EQ(f32x2_to_f16x2(1.0f, nan), 0x7E003C00u);
+  EXPECT_EQ(f32x2_to_f16x2(-nan, 65520.0f), 0x7C007E00u);
   EXPECT_EQ(f32x2_to_fp8x2_e4m3(-nan, 1.0f), 0x387Fu);
 }
 
