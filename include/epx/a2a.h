@@ -7,7 +7,8 @@
 //                        index order) that rank s sent to r; a token goes to a rank once
 //     recv_counts[R]     int32
 //   combine(y[R, M, H])  -> out[T, H]: out[t] = sum over distinct ranks d that t went to, in
-//                        ascending order, of y_d[r][slot_d(t)]; float32, one rounding
+//                        ascending order, of y_d[r][slot_d(t)]; in float32, rounded once to y's
+//                        dtype (bf16, f16 or f32; nearest, ties to even, f16 overflows to inf)
 // The call order is dispatch -> combine -> dispatch ...; anything else raises InvalidArgument.
 //
 // Fault tolerance (set_active_ranks): ranks marked inactive are skipped. A selection whose expert
@@ -97,13 +98,14 @@ class A2a {
   // Collective. Views stay valid until the next dispatch.
   A2aDispatchResult dispatch(const A2aDispatchArgs& args);
   // Local. [R, M, hidden] contiguous view of the workspace the MoE kernel writes into for
-  // combine(payload_in_workspace); hidden * element size <= combine_bytes_per_token, dtype bf16
-  // or f32. Write it after dispatch, before combine.
+  // combine(payload_in_workspace); hidden * element size <= combine_bytes_per_token, dtype bf16,
+  // f16 or f32. Write it after dispatch, before combine.
   TensorView combine_payload_view(int64_t runtime_max_tokens_per_rank, int64_t hidden,
                                   DType dtype);
-  // Collective. y: [R, M, H] bf16 or f32, stride(2) 1 (or the view above with
+  // Collective. y: [R, M, H] bf16, f16 or f32, stride(2) 1 (or the view above with
   // payload_in_workspace), M the preceding dispatch's, H and dtype equal on every rank. Returns
-  // out [T, H] in y's dtype, from `allocator`.
+  // out [T, H] in y's dtype, from `allocator` (docs/semantics.md §3.3: the sum in f32, in
+  // ascending rank order, rounded once).
   Tensor combine(const TensorView& y, int64_t runtime_max_tokens_per_rank,
                  bool payload_in_workspace = false, Stream stream = nullptr,
                  const Allocator& allocator = default_allocator());

@@ -92,8 +92,9 @@ TensorView A2a::combine_payload_view(int64_t runtime_max, int64_t hidden, DType 
   EPX_CHECK_ARG(runtime_max >= 0 && runtime_max <= impl_->shape.max_tokens_per_rank,
                 "a2a combine_payload_view: 'runtime_max_tokens_per_rank' is ", runtime_max,
                 ", expected 0..", impl_->shape.max_tokens_per_rank);
-  EPX_CHECK_ARG(dtype == DType::kBF16 || dtype == DType::kF32,
-                "a2a combine_payload_view: 'dtype' is ", dtype_name(dtype), ", expected bf16 or f32");
+  EPX_CHECK_ARG(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32,
+                "a2a combine_payload_view: 'dtype' is ", dtype_name(dtype),
+                ", expected bf16, f16 or f32");
   EPX_CHECK_ARG(hidden > 0 && static_cast<size_t>(hidden) * dtype_size(dtype) <=
                                   impl_->shape.combine_bytes_per_token,
                 "a2a combine_payload_view: 'hidden' is ", hidden, " (", hidden * dtype_size(dtype),

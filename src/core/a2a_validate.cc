@@ -123,7 +123,7 @@ void validate_a2a_combine(const A2aImpl& a, const TensorView& y, int64_t runtime
                 ": argument 'runtime_max_tokens_per_rank' is ", runtime_max,
                 ", expected the value of the preceding dispatch, ", a.last_runtime_max);
   check_defined(y, kCombineOp, "y");
-  check_dtype(y, kCombineOp, "y", {DType::kBF16, DType::kF32});
+  check_dtype(y, kCombineOp, "y", {DType::kBF16, DType::kF16, DType::kF32});
   check_shape(y, kCombineOp, "y", {R, runtime_max, -1});
   check_device(y, kCombineOp, "y", group_device(a));
   const int64_t H = y.shape[2];

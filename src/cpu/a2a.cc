@@ -46,7 +46,7 @@
 //   Views: recv_i = [R, M, payload_i.shape[1:]...] (payload_i's dtype) at recv_payload_i;
 //   recv_counts = int32 [R]. Valid until the next dispatch.
 //
-// combine (publish / barrier / pull / barrier), y [R, M, H] bf16 or f32, out [T, H] same dtype:
+// combine (publish / barrier / pull / barrier), y [R, M, H] bf16, f16 or f32, out [T, H] its dtype:
 //   1. unless payload_in_workspace (y already is the combine region), copy y into the combine
 //      region [R, M, hb]; header {H, dtype}.
 //   2. barrier; every rank checks H and dtype equal rank 0's (as in dispatch).
@@ -55,7 +55,7 @@
 //          float acc = 0.0f;
 //          for d = 0, 1, ..., R-1 (ascending), only where t went to d:
 //            acc += float(y_d[r][slot_d(t)][h]);   // y_d = rank d's combine region
-//          out[t][h] = dtype(y) == bf16 ? f32_to_bf16(acc) : acc;   // one rounding
+//          out[t][h] = round(acc) to dtype(y): f32_to_bf16, f32_to_f16 or acc;  // one rounding
 //      Tokens that went nowhere get +0.0. out comes from the caller's allocator.
 //   4. barrier (peers no longer read our combine region; the MoE kernel may write it again).
 //
@@ -411,6 +411,9 @@ Tensor CpuA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in
       if (dtype == DType::kBF16) {
         const auto* v = reinterpret_cast<const uint16_t*>(src);
         for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_f32(v[h]);
+      } else if (dtype == DType::kF16) {
+        const auto* v = reinterpret_cast<const uint16_t*>(src);
+        for (int64_t h = 0; h < H; ++h) acc[h] += f16_to_f32(v[h]);
       } else {
         const auto* v = reinterpret_cast<const float*>(src);
         for (int64_t h = 0; h < H; ++h) acc[h] += v[h];
@@ -419,6 +422,9 @@ Tensor CpuA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in
     if (dtype == DType::kBF16) {
       auto* o = out.ptr<uint16_t>() + t * H;
       for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
+    } else if (dtype == DType::kF16) {
+      auto* o = out.ptr<uint16_t>() + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] = f32_to_f16(acc[h]);
     } else {
       std::memcpy(out.ptr<float>() + t * H, acc.data(), hidden_bytes);
     }

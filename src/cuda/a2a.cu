@@ -119,8 +119,8 @@ class CudaA2a final : public A2aImpl {
  private:
   char* local() const { return dev_.local(); }
   A2aSymm symm() const;
-  template <typename V, bool kBf16>
-  void launch_combine(const A2aCombineParams& p, cudaStream_t stream);
+  template <A2aElem kElem>
+  void launch_combine(int vector_bytes, const A2aCombineParams& p, cudaStream_t stream);
 
   // The device, the workspace, the error record; closed first in ~CudaA2a.
   DeviceObject dev_;
@@ -296,9 +296,24 @@ A2aDispatchResult CudaA2a::dispatch(const A2aDispatchArgs& args) {
   return result;
 }
 
-template <typename V, bool kBf16>
-void CudaA2a::launch_combine(const A2aCombineParams& p, cudaStream_t stream) {
-  a2a_combine_kernel<V, kBf16><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+// The combine kernel for y's element type and the widest vector every address and row allows.
+template <A2aElem kElem>
+void CudaA2a::launch_combine(int vector_bytes, const A2aCombineParams& p, cudaStream_t stream) {
+  switch (vector_bytes) {
+    case 16:
+      a2a_combine_kernel<uint4, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+      break;
+    case 8:
+      a2a_combine_kernel<uint2, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+      break;
+    case 4:
+      a2a_combine_kernel<uint32_t, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+      break;
+    default:  // 2: one 16-bit element (f32 rows are 4-byte aligned)
+      if constexpr (kElemBytes<kElem> == 2)
+        a2a_combine_kernel<uint16_t, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+      break;
+  }
 }
 
 Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_in_workspace,
@@ -307,7 +322,6 @@ Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_i
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const int R = group.size(), me = group.rank();
   const int64_t H = y.shape[2], M = runtime_max;
-  const bool bf16 = y.dtype == DType::kBF16;
   const int64_t elem = static_cast<int64_t>(dtype_size(y.dtype));
   char* region = layout_.combine(local());
 
@@ -347,19 +361,16 @@ Tensor CudaA2a::combine(const TensorView& y, int64_t runtime_max, bool payload_i
   int vb = vector_bytes({reinterpret_cast<uint64_t>(p.y), static_cast<uint64_t>(p.y_stride0),
                          static_cast<uint64_t>(p.y_stride1), static_cast<uint64_t>(p.hidden_bytes),
                          reinterpret_cast<uint64_t>(p.out), reinterpret_cast<uint64_t>(region)});
-  if (!bf16) vb = std::max(vb, 4);  // f32 rows: 4-byte aligned (validated element type)
-  switch (vb) {
-    case 16:
-      bf16 ? launch_combine<uint4, true>(p, stream) : launch_combine<uint4, false>(p, stream);
+  vb = std::max(vb, static_cast<int>(elem));  // rows of whole elements (validated dtype)
+  switch (y.dtype) {
+    case DType::kBF16:
+      launch_combine<A2aElem::kBf16>(vb, p, stream);
       break;
-    case 8:
-      bf16 ? launch_combine<uint2, true>(p, stream) : launch_combine<uint2, false>(p, stream);
+    case DType::kF16:
+      launch_combine<A2aElem::kF16>(vb, p, stream);
       break;
-    case 4:
-      bf16 ? launch_combine<uint32_t, true>(p, stream) : launch_combine<uint32_t, false>(p, stream);
-      break;
-    default:
-      launch_combine<uint16_t, true>(p, stream);
+    default:  // f32 (validate_a2a_combine admits no other)
+      launch_combine<A2aElem::kF32>(vb, p, stream);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError(), "a2a combine");

@@ -271,7 +271,8 @@ A2aProblem random_config(std::mt19937_64& rng, int R, int c) {
   }
   const int64_t hs[] = {1, 2, 33, 128, 256, 7168};
   p.hidden = hs[c % 6];
-  p.combine_dtype = (c / 6) % 2 ? DType::kF32 : DType::kBF16;
+  const DType combine_dtypes[] = {DType::kBF16, DType::kF32, DType::kF16};
+  p.combine_dtype = combine_dtypes[(c / 6) % 3];  // each with every H of hs
   const size_t hb = static_cast<size_t>(p.hidden) * dtype_size(p.combine_dtype);
   p.combine_bytes_per_token = (hb + 3) / 4 * 4 + (pick(0, 3) == 0 ? 4 * pick(1, 16) : 0);
   const size_t budget = size_t{24} << 20;
@@ -748,6 +749,29 @@ TEST(A2aGpuWorkspace, BytesAllocatedMatchWorkspaceBytes) {
   EXPECT_EQ(rc, 0);
 }
 
+// f16 combine: the hand-worked sums of f16_sum_cases (overflow to +-inf, subnormal results, ties,
+// one rounding in rank order, NaN; tests/unit/a2a_test.cc checks the oracle's bits against the
+// hand values), with H giving rows of 34, 36, 40 and 48 bytes: the kernel's 2-, 4-, 8- and
+// 16-byte vector paths; copy, in-workspace and strided y.
+std::vector<Case> f16_sum_runs(int R) {
+  std::vector<Case> cases;
+  for (int64_t H : {17, 18, 20, 24}) {
+    Case k;
+    k.label = "f16 sums H=" + std::to_string(H);
+    const A2aProblem p = testing::f16_sum_problem(R, H);
+    k.problems = {p, p, p};
+    k.options = {{false}, {true}, {false, true, true}};
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+TEST_P(A2aGpu, F16SumsMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(R);
+  EXPECT_EQ(run_cases(R, f16_sum_runs(R)), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, A2aGpu, ::testing::Values(1, 2, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "R" + std::to_string(i.param);
@@ -761,6 +785,12 @@ TEST_P(A2aOneGpu, RandomMatchesOracle) {
   const int R = GetParam();
   EPX_REQUIRE_GPUS(1);
   EXPECT_EQ(run_cases(R, random_cases(R, 16, 20250800 + R), /*one_gpu=*/true), 0);
+}
+
+TEST_P(A2aOneGpu, F16SumsMatchOracle) {
+  const int R = GetParam();
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(run_cases(R, f16_sum_runs(R), /*one_gpu=*/true), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, A2aOneGpu, ::testing::Values(2, 4, 8),

@@ -193,7 +193,8 @@ A2aProblem random_config(std::mt19937_64& rng, int R) {
   }
   const int64_t hs[] = {1, 2, 33, 128, 256, 7168};
   p.hidden = hs[pick(0, 5)];
-  p.combine_dtype = pick(0, 1) ? DType::kBF16 : DType::kF32;
+  const DType combine_dtypes[] = {DType::kBF16, DType::kF16, DType::kF32};
+  p.combine_dtype = combine_dtypes[pick(0, 2)];
   const size_t hb = static_cast<size_t>(p.hidden) * dtype_size(p.combine_dtype);
   p.combine_bytes_per_token = (hb + 3) / 4 * 4 + (pick(0, 3) == 0 ? 4 * pick(1, 16) : 0);
   const size_t row_total = dispatch_bytes + p.combine_bytes_per_token;
@@ -201,6 +202,67 @@ A2aProblem random_config(std::mt19937_64& rng, int R) {
       1, static_cast<int64_t>(kMemoryBudget / (static_cast<size_t>(R * R) * row_total)));
   const int64_t want = pick(0, 4) == 0 ? pick(1, 256) : pick(1, 40);
   p.max_tokens_per_rank = std::min(want, budget_max);
+  return p;
+}
+
+const std::vector<F16SumCase>& f16_sum_cases() {
+  // Bits: 0x7BFF 65504, 0x7800 32768, 0x78E2 40000, 0x6800 2048, 0x6801 2050, 0x4C00 16,
+  // 0x4B80 15, 0x4800 8, 0x3C00 1, 0x1000 2^-11, 0x0200 2^-15, 0x0001 2^-24 (subnormals are
+  // multiples of it), 0x7C00 inf, 0x7E00 the NaN f32_to_f16 writes, 0x7D00 a signalling NaN.
+  static const std::vector<F16SumCase> cases = {
+      {"65504 + 16 = 65520, the tie of 65504 and 2^16: inf", {0x7BFF, 0x4C00, 0}, 0x7C00},
+      {"65504 + 15 = 65519: 65504", {0x7BFF, 0x4B80, 0}, 0x7BFF},
+      {"65504 + 8 = 65512: 65504", {0x7BFF, 0x4800, 0}, 0x7BFF},
+      {"32768 + 32768: inf", {0x7800, 0x7800, 0}, 0x7C00},
+      {"-40000 - 40000: -inf", {0xF8E2, 0xF8E2, 0}, 0xFC00},
+      {"-65504 - 16: -inf", {0xFBFF, 0xCC00, 0}, 0xFC00},
+      {"1 + 3 * 2^-24 (f32: 1 + 2^-22) - 1: 2^-22, subnormal", {0x3C00, 0x0003, 0xBC00}, 0x0004},
+      {"1 + 2^-11 + 2^-11, rounded once: 1 + 2^-10", {0x3C00, 0x1000, 0x1000}, 0x3C01},
+      {"5 + 7 subnormal quanta: 12 * 2^-24", {0x0005, 0x0007, 0}, 0x000C},
+      {"2^-15 + 2^-15: 2^-14, the smallest normal", {0x0200, 0x0200, 0}, 0x0400},
+      {"-(2^-24): subnormal", {0x8001, 0, 0}, 0x8001},
+      {"2048 + 1 = 2049, a tie: 2048 (even)", {0x6800, 0x3C00, 0}, 0x6800},
+      {"2050 + 1 = 2051, a tie: 2052 (even)", {0x6801, 0x3C00, 0}, 0x6802},
+      {"-0 - 0 - 0 from acc = +0: +0", {0x8000, 0x8000, 0x8000}, 0x0000},
+      {"a signalling NaN + 1: NaN", {0x7D00, 0x3C00, 0}, 0x7E00},
+      {"inf - inf: NaN", {0x7C00, 0xFC00, 0}, 0x7E00},
+      {"inf + 65504: inf", {0x7C00, 0x7BFF, 0}, 0x7C00},
+  };
+  return cases;
+}
+
+A2aProblem f16_sum_problem(int R, int64_t hidden) {
+  const std::vector<F16SumCase>& cases = f16_sum_cases();
+  A2aProblem p;
+  p.num_ranks = R;
+  p.top_k = R;
+  p.num_experts = R;  // expert d on rank d; every token selects all: it goes to every rank
+  p.max_tokens_per_rank = 2;
+  p.runtime_max = 2;  // one token per rank, one padding row
+  p.payloads = {{DType::kI32, {R}, Fill::kExpertIds}};
+  p.hidden = hidden;
+  p.combine_dtype = DType::kF16;
+  p.combine_bytes_per_token = static_cast<size_t>(hidden * 2 + 3) / 4 * 4;
+  p.num_tokens.assign(R, 1);
+  std::vector<int32_t> ids(R);
+  for (int d = 0; d < R; ++d) ids[d] = d;
+  std::vector<uint8_t> id_bytes(R * 4);
+  std::memcpy(id_bytes.data(), ids.data(), id_bytes.size());
+  const int64_t M = p.runtime_max;
+  for (int d = 0; d < R; ++d) {
+    p.topk_idx.push_back(ids);
+    p.payload.push_back({id_bytes});
+    // y_d [R, M, H]: row [r][0] (rank r's one token) holds column h's value for rank d (0 beyond
+    // the case's ranks; the columns after the cases cycle through them), padding rows 0x5555.
+    std::vector<uint16_t> y(static_cast<size_t>(R * M * hidden), 0x5555);
+    for (int r = 0; r < R; ++r)
+      for (int64_t h = 0; h < hidden; ++h) {
+        const F16SumCase& c = cases[h % static_cast<int64_t>(cases.size())];
+        y[(r * M) * hidden + h] = d < 3 ? c.y[d] : 0;
+      }
+    p.combine_y.emplace_back(y.size() * 2);
+    std::memcpy(p.combine_y.back().data(), y.data(), y.size() * 2);
+  }
   return p;
 }
 

@@ -13,6 +13,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "epx/a2a.h"
 #include "support/oracle_a2a.h"
@@ -43,5 +44,20 @@ A2aPayloadSpec random_payload(std::mt19937_64& rng, int K, bool allow_big);
 // A random configuration (no inputs yet) for R ranks.
 A2aProblem random_config(std::mt19937_64& rng, int R);
 CycleOptions random_options(std::mt19937_64& rng);
+
+// Hand-made f16 combine sums (docs/semantics.md §3.3): up to three ranks' values y[d] (bits), in
+// ascending rank order, and the f16 bits of the f32 sum rounded once, worked out by hand: sums
+// that overflow to +-inf or round to 65504, subnormal results, ties, a sum that differs when
+// rounded twice or summed out of order, NaN kept.
+struct F16SumCase {
+  const char* what;
+  uint16_t y[3];
+  uint16_t out;
+};
+const std::vector<F16SumCase>& f16_sum_cases();
+// An f16 combine on R ranks, one token per rank that goes to every rank; column h of every token
+// sums case h % size of f16_sum_cases() (ranks from 3 on add 0: the sum is the case's out for
+// R >= 3). Inputs complete (no fill_a2a_inputs); hidden >= the number of cases covers each.
+A2aProblem f16_sum_problem(int R, int64_t hidden);
 
 }  // namespace epx::testing

@@ -6,7 +6,8 @@
 // expert-id payload with invalid_expert_id (all K entries = invalid_expert_id).
 // Combine, for source rank r and its token t: acc = 0.0f, then for every rank d ascending that t
 // was sent to, acc += y_d[r][slot][h] where slot = how many of r's tokens before t were sent to d;
-// the result is rounded once to the combine dtype.
+// the result is rounded once to the combine dtype (bf16, f16: nearest, ties to even; numeric.h's
+// roundings, which tests/unit/numeric_test.cc checks against references of its own).
 // Rank mask (p.active): a token of s reaches r only when both are active and some valid id of the
 // token is on r; so inactive sources send nothing (recv_counts 0, all padding) and combine sums
 // active destinations only. Drops, for the caller's tokens: every valid id on an inactive rank is a
@@ -76,10 +77,12 @@ void fill_a2a_inputs(A2aProblem& p, const std::vector<Routing>& routing, std::mt
       }
       p.payload[rank].push_back(std::move(bytes));
     }
-    // y of this rank: [R, M, H], finite values everywhere.
+    // y of this rank: [R, M, H], values in every row. bf16, f32: finite; f16: the whole format
+    // (make_f16: sums that overflow, subnormals, rarely inf and NaN).
     std::vector<uint8_t> y(static_cast<size_t>(R * M * H) * p.combine_elem_bytes());
-    std::vector<uint16_t> b = make_bf16(R * M, H, rng);
-    if (p.combine_dtype == DType::kBF16) {
+    const std::vector<uint16_t> b =
+        p.combine_dtype == DType::kF16 ? make_f16(R * M, H, rng) : make_bf16(R * M, H, rng);
+    if (p.combine_dtype != DType::kF32) {
       if (!y.empty()) std::memcpy(y.data(), b.data(), y.size());  // M = 0: no rows
     } else {
       std::uniform_int_distribution<int> low(0, 0xFFFF);
@@ -115,10 +118,10 @@ bool delivered(const A2aProblem& p, int src, int64_t t, int dst) {
 }
 
 float load(const uint8_t* base, int64_t index, DType dtype) {
-  if (dtype == DType::kBF16) {
+  if (dtype != DType::kF32) {
     uint16_t v;
     std::memcpy(&v, base + index * 2, 2);
-    return detail::bf16_to_f32(v);
+    return dtype == DType::kBF16 ? detail::bf16_to_f32(v) : detail::f16_to_f32(v);
   }
   float v;
   std::memcpy(&v, base + index * 4, 4);
@@ -180,8 +183,9 @@ A2aExpected a2a_oracle(const A2aProblem& p, int r) {
       float acc = 0.0f;
       for (const auto& [d, slot] : sent)
         acc += load(p.combine_y[d].data(), (r * M + slot) * H + h, p.combine_dtype);
-      if (p.combine_dtype == DType::kBF16) {
-        const uint16_t v = detail::f32_to_bf16(acc);
+      if (p.combine_dtype != DType::kF32) {
+        const uint16_t v =
+            p.combine_dtype == DType::kBF16 ? detail::f32_to_bf16(acc) : detail::f32_to_f16(acc);
         std::memcpy(ex.combine_out.data() + (t * H + h) * 2, &v, 2);
       } else {
         std::memcpy(ex.combine_out.data() + (t * H + h) * 4, &acc, 4);

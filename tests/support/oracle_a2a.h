@@ -45,7 +45,7 @@ struct A2aProblem {
   std::optional<int32_t> invalid_expert_id;
   int expert_id_payload_index = -1;
   int64_t hidden = 1;                  // H of the combine payload
-  DType combine_dtype = DType::kBF16;  // bf16 or f32
+  DType combine_dtype = DType::kBF16;  // bf16, f16 or f32
   size_t combine_bytes_per_token = 0;  // configured size; 0 = hidden * element size
   // The rank mask the active ranks apply (A2a::set_active_ranks); empty = every rank active. The
   // oracle of a rank is defined only for an active rank.

@@ -106,6 +106,27 @@ std::vector<uint16_t> make_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng
   return v;
 }
 
+std::vector<uint16_t> make_f16(int64_t rows, int64_t cols, std::mt19937_64& rng) {
+  std::vector<uint16_t> v(static_cast<size_t>(rows * cols));
+  for (uint16_t& x : v) {
+    const uint32_t sign = rng() % 2 ? 0x8000u : 0u, mant = rng() & 0x3FFu;
+    const uint64_t kind = rng() % 256;
+    uint32_t exp = 0;  // biased: 0 subnormal, 31 inf / NaN
+    if (kind < 216) {
+      exp = 9 + rng() % 15;  // 2^-6 .. 2^8
+    } else if (kind < 228) {
+      exp = 30;  // 2^15 ..
+    } else if (kind < 252) {
+      exp = 0;
+    } else {
+      exp = 31;
+    }
+    const uint32_t m = exp != 31 ? mant : kind < 254 ? 0u : (mant | 1u);  // inf, or a NaN
+    x = static_cast<uint16_t>(sign | exp << 10 | m);
+  }
+  return v;
+}
+
 std::vector<uint16_t> make_x(int64_t T, int64_t H, std::mt19937_64& rng, bool nan_groups) {
   using detail::f32_to_bf16;
   std::vector<uint16_t> x = make_bf16(T, H, rng);

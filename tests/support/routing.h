@@ -29,6 +29,10 @@ std::vector<int64_t> make_topk_idx(Routing routing, int64_t num_tokens, int top_
 std::vector<float> make_topk_weights(const std::vector<int64_t>& topk_idx, std::mt19937_64& rng);
 // n random bf16 values (bit patterns), normal(0, 1) times a random per-row magnitude.
 std::vector<uint16_t> make_bf16(int64_t rows, int64_t cols, std::mt19937_64& rng);
+// rows x cols float16 bit patterns over the whole format, drawn per value: mostly ordinary
+// magnitudes (2^-6 .. 2^8), the top binade (32768 .. 65504: two of one sign overflow), subnormals
+// and zeros, and rarely +-inf or a NaN of any payload.
+std::vector<uint16_t> make_f16(int64_t rows, int64_t cols, std::mt19937_64& rng);
 // [T, H] bf16: make_bf16's rows plus, by row index (t % 9), adversarial kinds for the
 // quantisation paths: zeros, huge incl. +-inf, tiny and subnormal, NaN, random bit patterns, mixed
 // groups (-0, one huge value); with nan_groups also a group of NaNs only followed by one of NaN and

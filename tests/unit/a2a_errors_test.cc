@@ -267,9 +267,9 @@ TEST(A2aErrors, CombineArguments) {
        [&] {
          return f.a2a->combine(yv(DType::kI32, {1, M, H}), M);
        }},
-      {"y f16", "'y'",
+      {"y fp8", "'y'",
        [&] {
-         return f.a2a->combine(yv(DType::kF16, {1, M, H}), M);
+         return f.a2a->combine(yv(DType::kF8E4M3, {1, M, H}), M);
        }},
       {"y R mismatch", "'y'",
        [&] {
@@ -290,6 +290,10 @@ TEST(A2aErrors, CombineArguments) {
       {"H too big bf16", "'y'",
        [&] {
          return f.a2a->combine(yv(DType::kBF16, {1, M, H + 2}), M);
+       }},
+      {"H too big f16", "'y'",
+       [&] {
+         return f.a2a->combine(yv(DType::kF16, {1, M, H + 2}), M);
        }},
       {"H too big f32", "'y'",
        [&] {
@@ -323,8 +327,8 @@ TEST(A2aErrors, CombineArguments) {
   // combine_payload_view's own checks.
   expect_error([&] { f.a2a->combine_payload_view(9, H, DType::kBF16); }, IA,
                "'runtime_max_tokens_per_rank'", "view M > max");
-  expect_error([&] { f.a2a->combine_payload_view(M, H, DType::kI32); }, IA, "'dtype'",
-               "view dtype");
+  for (DType bad : {DType::kI32, DType::kF8E4M3, DType::kU8})
+    expect_error([&] { f.a2a->combine_payload_view(M, H, bad); }, IA, "'dtype'", "view dtype");
   expect_error([&] { f.a2a->combine_payload_view(M, H + 1, DType::kBF16); }, IA, "'hidden'",
                "view hidden");
   // Still in the after-dispatch state: a valid in-workspace combine works.
@@ -338,13 +342,15 @@ TEST(A2aErrors, CombineArguments) {
 TEST(A2aErrors, RanksDisagree) {
   struct Case {
     const char* needle;
-    int64_t m1;     // runtime_max of rank 1
-    int64_t cols1;  // bf16 columns of payload 0 on rank 1
-    int64_t h1;     // combine H of rank 1
+    int64_t m1;               // runtime_max of rank 1
+    int64_t cols1;            // bf16 columns of payload 0 on rank 1
+    int64_t h1;               // combine H of rank 1
+    DType y1 = DType::kBF16;  // combine dtype of rank 1 (f16: the same row bytes as bf16)
   };
   const Case cases[] = {{"'runtime_max_tokens_per_rank'", 5, 16, 32},
                         {"'payloads[0]'", 6, 14, 32},
-                        {"'y'", 6, 16, 30}};
+                        {"'y'", 6, 16, 30},
+                        {"the dtype of argument 'y'", 6, 16, 32, DType::kF16}};
   for (const Case& c : cases) {
     testing::run_threads(2, [&](const Group& g) {
       A2aShape s;
@@ -363,7 +369,7 @@ TEST(A2aErrors, RanksDisagree) {
         a.topk_idx = TensorView::contiguous(topk.data(), DType::kI32, {3, 1});
         a.payloads = {TensorView::contiguous(x.data(), DType::kBF16, {3, bad ? c.cols1 : 16})};
         a.runtime_max_tokens_per_rank = bad ? c.m1 : 6;
-        const bool dispatch_fails = attempt == 0 && c.h1 == 32;
+        const bool dispatch_fails = attempt == 0 && (c.m1 != 6 || c.cols1 != 16);
         if (dispatch_fails) {
           expect_error([&] { a2a.dispatch(a); }, ErrorCode::kInvalidArgument, c.needle,
                        "dispatch disagreement");
@@ -372,7 +378,7 @@ TEST(A2aErrors, RanksDisagree) {
         A2aDispatchResult res = a2a.dispatch(a);
         EXPECT_EQ(res.recv_counts.ptr<int32_t>()[0], g.rank() == 0 ? 1 : 2);
         const int64_t H = bad ? c.h1 : 32;
-        TensorView yv = TensorView::contiguous(y.data(), DType::kBF16, {2, 6, H});
+        TensorView yv = TensorView::contiguous(y.data(), bad ? c.y1 : DType::kBF16, {2, 6, H});
         if (attempt == 0) {
           expect_error([&] { a2a.combine(yv, 6); }, ErrorCode::kInvalidArgument, c.needle,
                        "combine disagreement");

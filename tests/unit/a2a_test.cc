@@ -90,6 +90,18 @@ struct Coverage {
       if (p.payload_bytes_per_token[i] > p.payloads[i].row_bytes()) ++hits["row < configured"];
       if (p.payloads[i].row_bytes() >= 3584) ++hits["big payload row"];
     }
+    if (p.combine_dtype == DType::kF16) add_f16_outputs(p);
+  }
+  // The kinds of f16 results the oracle expects on rank 0: overflow, subnormal, NaN.
+  void add_f16_outputs(const A2aProblem& p) {
+    const A2aExpected ex = testing::a2a_oracle(p, 0);
+    hits["f16 outputs"] += static_cast<int>(ex.combine_out.size() / 2);
+    for (size_t i = 0; i + 1 < ex.combine_out.size(); i += 2) {
+      const uint16_t v = static_cast<uint16_t>(ex.combine_out[i] | ex.combine_out[i + 1] << 8);
+      const uint16_t exp = v & 0x7C00, mant = v & 0x3FF;
+      if (exp == 0x7C00) ++hits[mant ? "f16 out NaN" : "f16 out +-inf"];
+      if (exp == 0 && mant) ++hits["f16 out subnormal"];
+    }
   }
   std::string str() const {
     std::string s;
@@ -131,7 +143,11 @@ TEST(A2aRandom, ThreadsMatchOracle) {
                           "payloads=7",
                           "payloads=8",
                           "combine bf16",
+                          "combine f16",
                           "combine f32",
+                          "f16 out +-inf",
+                          "f16 out subnormal",
+                          "f16 out NaN",
                           "in_ws",
                           "copy",
                           "strided y",
@@ -232,15 +248,42 @@ TEST(A2aRepeated, ManyCyclesOnTheSameObject) {
     config.invalid_expert_id = -1;
     config.max_tokens_per_rank = 48;
     config.hidden = 128;
-    config.combine_bytes_per_token = 128 * 4;  // room for bf16 and f32
+    config.combine_bytes_per_token = 128 * 4;  // room for bf16, f16 and f32
     std::vector<A2aProblem> problems;
     std::vector<CycleOptions> options;
     for (int c = 0; c < 12; ++c) {
-      config.combine_dtype = c % 3 == 2 ? DType::kF32 : DType::kBF16;
+      const DType combine_dtypes[] = {DType::kBF16, DType::kF16, DType::kF32};
+      config.combine_dtype = combine_dtypes[c % 3];
       problems.push_back(next_cycle(config, rng));
       options.push_back({c % 2 == 0, c % 4 == 1, c % 4 == 3});
     }
     run_on_threads(problems, options, "repeated R=" + std::to_string(R));
+  }
+}
+
+// f16 combine: the hand-worked sums of f16_sum_cases (overflow to +-inf, subnormal results, ties,
+// one rounding in rank order, NaN) on R ranks, every input path; H covers every case (the GPU
+// tier runs the same problems, whose H select each vector width of the cuda kernel). The oracle
+// must give the hand values (R >= 3: every case's ranks take part), the library the oracle's bits.
+TEST(A2aF16, HandWorkedSumsRoundOnce) {
+  const std::vector<testing::F16SumCase>& cases = testing::f16_sum_cases();
+  for (int R : {1, 2, 3, 4, 8}) {
+    for (int64_t H : {17, 18, 20, 24}) {
+      ASSERT_GE(H, static_cast<int64_t>(cases.size()));
+      const A2aProblem p = testing::f16_sum_problem(R, H);
+      for (int r = 0; R >= 3 && r < R; ++r) {
+        const A2aExpected ex = testing::a2a_oracle(p, r);
+        for (int64_t h = 0; h < H; ++h) {
+          const testing::F16SumCase& c = cases[h % static_cast<int64_t>(cases.size())];
+          uint16_t got;
+          std::memcpy(&got, ex.combine_out.data() + h * 2, 2);
+          EXPECT_EQ(got, c.out) << "oracle, R=" << R << " rank " << r << ": " << c.what;
+        }
+      }
+      run_on_threads({p, p, p}, {{false}, {true}, {false, true, true}},
+                     "f16 sums R=" + std::to_string(R) + " H=" + std::to_string(H));
+      if (HasFailure()) return;
+    }
   }
 }
 

@@ -15,8 +15,10 @@
 //        float acc = 0.0f;
 //        for d = 0..R-1 ascending with bit d of mask[t]:
 //          acc += float(y_d[r][slot[t][d]][h]);   // peer d's region, or y / the region for d = r
-//        out[t][h] = bf16 ? f32_to_bf16(acc) : acc;  // core/numeric.h, one rounding (on the
-//        device f32x2_to_bf16x2 where a vector holds pairs: the same bits)
+//        out[t][h] = round(acc) to y's element type kElem (core/numeric.h, one rounding):
+//          bf16: f32_to_bf16 (f32x2_to_bf16x2 where a vector holds pairs: the same bits),
+//          f16:  f32_to_f16 (the hardware's f32x2_to_f16x2, __floats2half2_rn: the same bits),
+//          f32:  acc
 //      Tokens are split into C contiguous chunks; a CTA walks (token, vector) pairs of its chunk
 //      with kReduceUnroll pairs in flight per thread (one load per pair and destination).
 // Rank mask (I = state.inactive_mask, the one the preceding dispatch used: set_active_ranks
@@ -38,6 +40,12 @@ namespace epx::detail {
 
 inline constexpr int kReduceUnroll = 4;
 
+// The element type of y and out (DType kBF16 / kF16 / kF32; the launcher maps one to the other).
+enum class A2aElem { kBf16, kF16, kF32 };
+
+template <A2aElem kElem>
+inline constexpr int kElemBytes = kElem == A2aElem::kF32 ? 4 : 2;
+
 struct A2aCombineParams {
   const char* y;         // copy mode: the caller's y; row [s][j] at s * y_stride0 + j * y_stride1
   int64_t y_stride0;     // bytes
@@ -55,33 +63,43 @@ struct A2aCombineParams {
   WaitContext wait;
 };
 
-template <typename V, bool kBf16>
-__device__ __forceinline__ void a2a_accumulate(float* acc, const V& v) {
-  if constexpr (kBf16) {
-    uint16_t h[sizeof(V) / 2];
-    memcpy(h, &v, sizeof(V));
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(V) / 2); ++i) acc[i] += bf16_to_f32(h[i]);
+// One 16-bit element of y widened to f32 (exact).
+template <A2aElem kElem>
+__device__ __forceinline__ float a2a_widen(uint16_t h) {
+  if constexpr (kElem == A2aElem::kBf16) {
+    return bf16_to_f32(h);
   } else {
+    return f16_to_f32(h);
+  }
+}
+
+template <typename V, A2aElem kElem>
+__device__ __forceinline__ void a2a_accumulate(float* acc, const V& v) {
+  if constexpr (kElem == A2aElem::kF32) {
     float f[sizeof(V) / 4];
     memcpy(f, &v, sizeof(V));
 #pragma unroll
     for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i) acc[i] += f[i];
+  } else {
+    uint16_t h[sizeof(V) / 2];
+    memcpy(h, &v, sizeof(V));
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(V) / 2); ++i) acc[i] += a2a_widen<kElem>(h[i]);
   }
 }
 
-template <typename V, bool kBf16>
+template <typename V, A2aElem kElem>
 __device__ __forceinline__ V a2a_round(const float* acc) {
   V v;
-  if constexpr (kBf16 && sizeof(V) % 4 == 0) {  // the hardware conversion, two at a time
-    v = f32_to_bf16_vec<V>(acc);
-  } else if constexpr (kBf16) {
-    uint16_t h[sizeof(V) / 2];
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(V) / 2); ++i) h[i] = f32_to_bf16(acc[i]);
-    memcpy(&v, h, sizeof(V));
-  } else {
+  if constexpr (kElem == A2aElem::kF32) {
     memcpy(&v, acc, sizeof(V));
+  } else if constexpr (sizeof(V) % 4 == 0) {  // the hardware conversions, two at a time
+    v = f32_to_16bit_vec<V, kElem == A2aElem::kF16>(acc);
+  } else {  // V = uint16_t: one element
+    const uint16_t h = kElem == A2aElem::kBf16
+                           ? f32_to_bf16(acc[0])
+                           : static_cast<uint16_t>(f32x2_to_f16x2(acc[0], 0.0f));  // hardware
+    memcpy(&v, &h, sizeof(V));
   }
   return v;
 }
@@ -122,9 +140,10 @@ __device__ void a2a_stage_y(const A2aCombineParams& p) {
   }
 }
 
-template <typename V, bool kBf16>
+template <typename V, A2aElem kElem>
 __global__ void __launch_bounds__(kA2aThreads) a2a_combine_kernel(A2aCombineParams p) {
-  constexpr int kElems = kBf16 ? sizeof(V) / 2 : sizeof(V) / 4;
+  static_assert(sizeof(V) % kElemBytes<kElem> == 0, "a2a combine: V must hold whole elements");
+  constexpr int kElems = sizeof(V) / kElemBytes<kElem>;
   const int R = p.num_ranks, me = p.rank;
   const A2aSymm& symm = p.symm;
   const A2aLayout& g = symm.layout;
@@ -205,12 +224,12 @@ __global__ void __launch_bounds__(kA2aThreads) a2a_combine_kernel(A2aCombinePara
       }
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u)
-        if ((m[u] >> d) & 1u) a2a_accumulate<V, kBf16>(acc[u], val[u]);
+        if ((m[u] >> d) & 1u) a2a_accumulate<V, kElem>(acc[u], val[u]);
     }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
       if (t[u] - t_begin >= num_rows) break;
-      *reinterpret_cast<V*>(p.out + t[u] * hb + vec[u] * sizeof(V)) = a2a_round<V, kBf16>(acc[u]);
+      *reinterpret_cast<V*>(p.out + t[u] * hb + vec[u] * sizeof(V)) = a2a_round<V, kElem>(acc[u]);
     }
   }
 }
