@@ -327,12 +327,15 @@ class A2a:
         code = _torch.CODE_OF.get(dtype)
         if code is None:
             raise errors.invalid("a2a combine_payload_view",
-                                 f"argument 'dtype' is {dtype}, expected bfloat16 or float32")
+                                 f"argument 'dtype' is {dtype}, expected bfloat16, float16 or "
+                                 "float32")
         return self._native.combine_payload_view(int(runtime_max_tokens_per_rank), int(hidden),
                                                  code)
 
     @_torch.plain_torch
     def combine(self, y, runtime_max_tokens_per_rank, payload_in_workspace=False):
-        """Collective. y [R, M, H] -> out [T, H]."""
+        """Collective. y [R, M, H] bf16, float16 or float32 -> out [T, H] of y's dtype: per token
+        the float32 sum of its rows in ascending rank order, rounded once (docs/semantics.md
+        §3.3)."""
         return self._native.combine(y, int(runtime_max_tokens_per_rank),
                                     bool(payload_in_workspace), _stream(y))

@@ -4,10 +4,12 @@ generators.
 Written from docs/semantics.md only, in plain torch (no epx code): every rank regenerates every
 rank's inputs from a seed, so each rank can compute what it must receive without communicating.
 
-Number formats (docs/semantics.md §2.2, docs/design.md §8): bf16 round-to-nearest-even (torch's
-.to(bfloat16)); fp8 e4m3fn encoded here by nearest-value search with ties to the even code,
-saturating at 448; float32 accumulations replayed in float64 with one rounding to float32 per step
-(exact for the products of bf16 by float32 used here).
+Number formats (docs/semantics.md §2.2, §3.3, docs/design.md §8): bf16 and float16
+round-to-nearest-even (torch's .to(bfloat16) / .to(float16): float16 overflows to +-inf, keeps
+subnormals; a NaN keeps its sign there, where epx writes 0x7E00); fp8 e4m3fn encoded here by
+nearest-value search with ties to the even code, saturating at 448; float32 accumulations replayed
+in float64 with one rounding to float32 per step (exact for the products of bf16 by float32 used
+here).
 """
 
 import math
@@ -501,7 +503,7 @@ def a2a_dispatch(inputs, rank, num_experts, num_ranks):
 
 def a2a_combine(inputs, ys, rank, num_experts, num_ranks):
     """out[t] = sum over distinct d that t went to, ascending, of y_d[rank][slot_d(t)], float32,
-    one rounding to y's dtype. ys[d] = [R, M, H] of rank d."""
+    one rounding to y's dtype (bf16, float16 or float32). ys[d] = [R, M, H] of rank d."""
     idx = inputs[rank]["topk_idx"]
     T = idx.shape[0]
     H = ys[0].shape[2]

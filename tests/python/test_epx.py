@@ -155,6 +155,19 @@ def body_native_a2a(ctx, seed):
     assert torch.equal(out, ref.a2a_combine(inputs, ys, r, E, R))
     with pytest.raises(epx.InvalidArgument, match="dtype"):
         a2a.combine_payload_view(M, H, torch.int8)
+    # float16 y through the binding, copied and in the workspace (K = 1: each token's row comes
+    # back as it is; sums: test_flashinfer.body_a2a_f16_combine).
+    for in_ws in (False, True):
+        a2a.dispatch(inputs[r]["topk_idx"], inputs[r]["payloads"], M)
+        ys = [(ref.rand_bf16((R, M, H), ref.generator(seed, d, "f16")) * 1e4).to(torch.float16)
+              for d in range(R)]
+        y = ys[r]
+        if in_ws:
+            y = a2a.combine_payload_view(M, H, torch.float16)
+            y.copy_(ys[r])
+        out = a2a.combine(y, M, payload_in_workspace=in_ws)
+        assert out.dtype == torch.float16
+        assert torch.equal(out, ref.a2a_combine(inputs, ys, r, E, R)), in_ws
 
 
 def body_group_nodes(ctx, seed):

@@ -1,6 +1,7 @@
 """epx.compat.flashinfer (MoeAlltoAll on epx a2a) on the cpu backend, against reference.py:
-multi-payload dispatch, sanitising padding rows, combine with and without payload_in_workspace,
-T = 0, the dispatch -> combine state machine, and bad inputs."""
+multi-payload dispatch, sanitising padding rows, combine with and without payload_in_workspace
+(bf16, float16 and float32 payloads; float16 sums that overflow, subnormal ones, NaN), T = 0,
+the dispatch -> combine state machine, and bad inputs."""
 
 import random
 
@@ -79,7 +80,9 @@ def body_a2a_roundtrip(ctx, seed):
         for j, (sanitise, in_ws, dtype) in enumerate(((None, False, torch.bfloat16),
                                                       (E + 5, True, torch.bfloat16),
                                                       (-1, False, torch.float32),
-                                                      (E, True, torch.float32))):
+                                                      (E, True, torch.float32),
+                                                      (E + 1, False, torch.float16),
+                                                      (None, True, torch.float16))):
             s = seed + 10 * i + j
             what = f"seed={s} kind={kind} sanitise={sanitise} in_ws={in_ws} dtype={dtype}"
             T_of = (lambda src: 0 if src == R - 1 else 3 + 4 * src % 10) if j == 1 else \
@@ -105,6 +108,87 @@ def body_a2a_roundtrip(ctx, seed):
             T = inputs[r]["topk_idx"].shape[0]
             assert out.dtype == dtype and list(out.shape) == [T, H], what
             assert torch.equal(out.cpu(), ref.a2a_combine(inputs, ys, r, E, R)), what
+
+
+def _f16_ys(g, R, M):
+    """y_d [R, M, H] float16 of one rank d, bit patterns over the whole format: ordinary values,
+    the top binade (32768 .. 65504: sums of two of one sign overflow), subnormals and zeros, and
+    rarely +-inf or a NaN; column 0 is 40000 (a token sent to two ranks overflows there) and
+    column 1 3 * 2^-24 (its sums are subnormal)."""
+    shape = (R, M, H)
+    kind = torch.randint(0, 128, shape, generator=g)
+    exp = torch.randint(9, 24, shape, generator=g)
+    exp = torch.where(kind >= 88, torch.full_like(exp, 30), exp)
+    exp = torch.where(kind >= 104, torch.zeros_like(exp), exp)
+    exp = torch.where(kind >= 124, torch.full_like(exp, 31), exp)
+    mant = torch.randint(0, 1024, shape, generator=g)
+    mant = torch.where((kind >= 124) & (kind < 126), torch.zeros_like(mant), mant)  # inf
+    mant = torch.where(kind >= 126, mant | 1, mant)  # NaN
+    bits = torch.randint(0, 2, shape, generator=g) * 0x8000 + exp * 1024 + mant
+    bits[:, :, 0] = 0x78E2
+    bits[:, :, 1] = 0x0003
+    return (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.float16)
+
+
+def _f16_bits_equal(got, want):
+    """got (epx's float16 out) bit for bit want (torch's rounding of the f32 sum), but NaN: NaN
+    where want is, written 0x7E00 (torch keeps a NaN's sign)."""
+    nan = want.isnan()
+    bits = got.view(torch.int16)
+    return torch.equal(got.isnan(), nan) and bool((bits[nan] == 0x7E00).all()) and \
+        torch.equal(bits[~nan], want.view(torch.int16)[~nan])
+
+
+def body_a2a_f16_combine(ctx, seed):
+    """float16 payloads (FlashInfer's half combine): the float32 sum in ascending rank order
+    rounded once to float16, against reference.py's float32 sum rounded by torch; overflow to
+    +-inf, subnormal results, inf and NaN; copy and in-workspace, output= and output_dtype=
+    float16 (a poisoned output must be overwritten), every routing."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E, max_tokens = 2 * R, 12
+    a2a = fi.MoeAlltoAll(_mapping(ctx), max_tokens, K, E, hidden_size=H, backend=_backend(ctx))
+    seen = {"inf": 0, "subnormal": 0, "nan": 0}
+    for step, kind in enumerate(ref.ROUTINGS):
+        s = seed + step
+        in_ws, how = step % 2 == 1, ("output", "output_dtype", None)[step % 3]
+        what = f"seed={s} kind={kind} in_ws={in_ws} {how}"
+        inputs = _inputs(s, R, E, lambda src: max_tokens - 2 * src % 7, kind)
+        M = max_tokens
+        idx, payloads = _on(inputs[r], dev)
+        a2a.dispatch(idx, payloads, M)
+        ys = [_f16_ys(ref.generator(s, d, "f16"), R, M) for d in range(R)]
+        T = inputs[r]["topk_idx"].shape[0]
+        kw = {}
+        if how == "output":
+            kw["output"] = torch.full((T, H), float("nan"), dtype=torch.float16, device=dev)
+        elif how == "output_dtype":
+            kw["output_dtype"] = torch.float16
+        if in_ws:
+            payload = a2a.get_combine_payload_tensor_in_workspace(M, H, torch.float16)
+            assert list(payload.shape) == [R, M, H] and payload.dtype == torch.float16, what
+            payload.copy_(ys[r].to(dev))
+            out = a2a.combine(payload, M, payload_in_workspace=True, **kw)
+        else:
+            out = a2a.combine(ys[r].to(dev), M, **kw)
+        if how == "output":
+            assert out is kw["output"], what
+        assert out.dtype == torch.float16 and list(out.shape) == [T, H], what
+        want = ref.a2a_combine(inputs, ys, r, E, R)
+        assert want.dtype == torch.float16, what
+        assert _f16_bits_equal(out.cpu(), want), what
+        seen["inf"] += int(want.isinf().sum())
+        seen["nan"] += int(want.isnan().sum())
+        tiny = (want != 0) & (want.abs() < 2.0 ** -14)
+        seen["subnormal"] += int(tiny.sum())
+    if R > 1:  # column 0 of a token sent to two ranks overflows; column 1 sums are subnormal
+        assert seen["inf"] > 0 and seen["subnormal"] > 0 and seen["nan"] > 0, seen
+    # Another output dtype (as FlashInfer, only with output_scales): refused before communicating.
+    a2a.dispatch(idx, payloads, M)
+    with pytest.raises(epx.InvalidArgument, match="output_dtype"):
+        a2a.combine(ys[r].to(dev), M, output_dtype=torch.bfloat16)
+    with pytest.raises(epx.InvalidArgument, match="'output'"):
+        a2a.combine(ys[r].to(dev), M, output=torch.empty(T, H, dtype=torch.bfloat16, device=dev))
+    assert _f16_bits_equal(a2a.combine(ys[r].to(dev), M).cpu(), want)
 
 
 def body_a2a_lazy_workspace(ctx, seed):
@@ -265,6 +349,10 @@ def body_a2a_errors(ctx, seed):
 
 def test_a2a_dispatch_combine(pool):
     pool.run(body_a2a_roundtrip, _seed())
+
+
+def test_a2a_f16_combine(pool):
+    pool.run(body_a2a_f16_combine, _seed())
 
 
 def test_a2a_lazy_workspace(pool):

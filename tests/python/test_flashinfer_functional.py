@@ -95,9 +95,11 @@ def body_functional_roundtrip(ctx, seed):
     steps = 0
     for K, E in ((3, 2 * R), (2, 4 * R)):
         for step, kind in enumerate(ref.ROUTINGS):
-            in_ws, use_out, dtype = step % 2 == 1, step % 3 == 0, \
-                (torch.bfloat16, torch.float32)[step % 2]
-            what = f"seed={seed} K={K} step={step} kind={kind} in_ws={in_ws} out={use_out}"
+            # Over the six routings: every dtype with and without in_ws, output= with each dtype.
+            in_ws, use_out, dtype = step % 2 == 1, step % 4 < 2, \
+                (torch.bfloat16, torch.float32, torch.float16)[step % 3]
+            what = (f"seed={seed} K={K} step={step} kind={kind} in_ws={in_ws} out={use_out} "
+                    f"dtype={dtype}")
             inputs = _inputs(seed + K, step, R, E, K, kind)
             mine = inputs[r]
             T = mine["topk_idx"].shape[0]
@@ -147,8 +149,7 @@ def body_functional_low_precision(ctx, seed):
                          mnnvl_config=fi.MnnvlConfig(comm_backend=ctx.group))
     cases = [(dtype, in_ws, api) for api in ("functional", "class")
              for dtype in (torch.bfloat16, torch.float16, torch.float32)
-             for in_ws in (False, True) if not (api == "class" and in_ws and
-                                                dtype == torch.float16)]
+             for in_ws in (False, True)]
     for step, (dtype, in_ws, api) in enumerate(cases):
         what = f"seed={seed} step={step} dtype={dtype} in_ws={in_ws} api={api}"
         inputs = _inputs(seed, step, R, E, K, ref.ROUTINGS[step % len(ref.ROUTINGS)])
@@ -194,6 +195,9 @@ def body_functional_low_precision(ctx, seed):
             out = moe.combine(payload, M, **kw)
         if "output" in kw:
             assert out is kw["output"], what
+        if in_ws and api == "class":  # rounded in place (an fp16 payload's as bf16 rows)
+            held = payload.view(torch.bfloat16) if dtype == torch.float16 else payload
+            assert torch.equal(held.cpu().to(torch.float32), _e4m3(ys[r])), what
         assert out.dtype == torch.bfloat16 and list(out.shape) == [T, H], what
         rounded = [_e4m3(y).to(torch.bfloat16) for y in ys]  # e4m3 values are bf16 values
         assert all(torch.equal(q.to(torch.float32), _e4m3(y)) for q, y in zip(rounded, ys))
@@ -213,8 +217,8 @@ def body_functional_low_precision(ctx, seed):
         moe.combine(y, 1, output=torch.empty(1, H, device=dev), use_low_precision=True)
     with pytest.raises(epx.InvalidArgument, match="dtype"):
         moe.combine(y.to(torch.int32), 1, use_low_precision=True)
-    with pytest.raises(epx.InvalidArgument, match="f16"):  # fp16: only with use_low_precision
-        moe.combine(y.to(torch.float16), 1)
+    with pytest.raises(epx.InvalidArgument, match="output_dtype"):  # fp16 out: without it
+        moe.combine(y.to(torch.float16), 1, output_dtype=torch.float16, use_low_precision=True)
     assert bool((moe.combine(y, 1, use_low_precision=True) == 0).all())
     return len(cases)
 

@@ -86,6 +86,12 @@ def test_gpu_flashinfer_a2a(gpu_pool):
     gpu_pool.run(a2a.body_a2a_roundtrip, _seed())
 
 
+def test_gpu_flashinfer_f16_combine(gpu_pool):
+    """float16 payloads: the f32 sum rounded once to float16 (overflow to +-inf, subnormals,
+    NaN), bit for bit with torch's rounding (test_flashinfer.body_a2a_f16_combine)."""
+    gpu_pool.run(a2a.body_a2a_f16_combine, _seed())
+
+
 def test_gpu_flashinfer_shared_workspace(gpu_pool):
     """MoeAlltoAll objects of one workspace share epx's group and A2a; one A2a per payload list
     (test_flashinfer.body_a2a_shared_workspace)."""

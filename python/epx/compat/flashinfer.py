@@ -22,11 +22,12 @@ How it maps, and what differs:
   dispatch (collectively, every rank passes payloads of the same row sizes), with the row bytes
   of that call's payloads, and re-creates it when a later dispatch of the list brings longer
   rows; a given ``workspace_size_per_rank`` bounds each list's A2a (so an object serving two
-  lists takes up to twice it). The combine capacity per token is ``hidden_size * 4`` (bf16 or
-  float32 payloads) when ``hidden_size`` is given, capped by ``workspace_size_per_rank`` when
-  that is given too; with only ``workspace_size_per_rank`` it is what fits in it. A CUDA graph
-  captured through an A2a that a later dispatch re-creates replays into freed memory: run every
-  layer (every object sharing the workspace) once with its largest payloads before capturing.
+  lists takes up to twice it). The combine capacity per token is ``hidden_size * 4`` (bf16,
+  float16 or float32 payloads) when ``hidden_size`` is given, capped by
+  ``workspace_size_per_rank`` when that is given too; with only ``workspace_size_per_rank`` it is
+  what fits in it. A CUDA graph captured through an A2a that a later dispatch re-creates replays
+  into freed memory: run every layer (every object sharing the workspace) once with its largest
+  payloads before capturing.
 * The group: ``mnnvl_config.comm_backend`` (anything with Get_rank / Get_size / allgather, e.g.
   :class:`TorchDistBackend`, FlashInfer's own, or an engine's CommBackend over a ProcessGroup)
   bootstraps the epx group; without it the default torch.distributed group is used. The backend
@@ -80,7 +81,8 @@ How it maps, and what differs:
   e4m3 (nearest, ties to even, saturating at +-448), the rounded values summed in float32 in
   ascending rank order, the sum rounded once to bfloat16 (the output dtype, whatever the
   payload's: bf16, fp16 or f32). epx moves the rounded rows in bfloat16 (f32 for an f32 payload
-  in epx's workspace), so the bytes on the wire are not halved as in FlashInfer.
+  in epx's workspace; an fp16 one's are written over it as bf16 rows), so the bytes on the wire
+  are not halved as in FlashInfer.
 * Multi-node NVLink: epx has no MNNVL fabric path of its own; :func:`is_mnnvl_fabric_supported`
   is False and ``MnnvlConfig``'s sizes are kept, unused. The cuda backend's memory is NCCL
   symmetric memory over the ranks of the group's NVLink (LSA) domain (docs/semantics.md §8.1).
@@ -126,8 +128,12 @@ payload_in_workspace)
 combine(output=t)                                 honoured: the result is copied into ``t``
                                                   ([T, H], the output's dtype, the payload's
                                                   device, contiguous) and ``t`` is returned
-combine(payload) of float16                       InvalidArgument without use_low_precision
-                                                  (epx's combine sums bf16 or f32 rows)
+combine(payload) of float16                       honoured: the f32 sum rounded once to
+                                                  float16 (nearest, ties to even; +-inf past
+                                                  65504), the output's dtype (output= /
+                                                  output_dtype= float16), as FlashInfer
+combine(payload) of float8_e4m3fn                 InvalidArgument without use_low_precision
+                                                  (epx's combine sums bf16, f16 or f32 rows)
 combine(output_dtype=d)                           honoured when ``d`` is the payload's dtype;
                                                   another ``d`` without ``output_scales`` is
                                                   InvalidArgument (as in FlashInfer)
@@ -906,23 +912,37 @@ class MoeAlltoAll:
                 output=None, *, use_low_precision=False, active_rank_mask=None,
                 enable_pdl=None):
         """Collective (over the active ranks). payload [ep_size, runtime_max, H] -> [T, H]: per
-        token the sum, in ascending rank order, of the rows the active ranks it went to return
-        (zeros when it went to none). With ``output``, the result is copied into it and it is
-        returned. ``output_scalar_scale`` and ``sf_layout`` only matter for quantised outputs
-        (``output_scales``), which raise Unsupported: FlashInfer produces them only on compute
-        capability >= 10.0 (docs/semantics.md §8.2).
+        token the sum, in float32 and ascending rank order, of the rows the active ranks it went
+        to return (zeros when it went to none), rounded once to the payload's dtype (bfloat16,
+        float16 or float32; nearest, ties to even; float16 sums past 65504 become +-inf). With
+        ``output``, the result is copied into it and it is returned. ``output_scalar_scale`` and
+        ``sf_layout`` only matter for quantised outputs (``output_scales``), which raise
+        Unsupported: FlashInfer produces them only on compute capability >= 10.0
+        (docs/semantics.md §8.2).
 
         ``use_low_precision=True`` (FlashInfer's FP8 combine): every row is first rounded to FP8
         e4m3 (nearest, ties to even, saturating at +-448), the rounded values are summed as
         above in float32 and the sum is rounded once to bfloat16, the output's dtype whatever the
         payload's (bf16, fp16 or f32). With ``payload_in_workspace`` the rows are rounded in
-        place. epx moves the rounded rows in bfloat16 (f32 for an f32 workspace payload): the
-        result is FlashInfer's, the bytes on the wire are not halved. ``enable_pdl`` is accepted
-        (epx's PDL is EPX_PDL)."""
+        place (an fp16 workspace payload's as bf16 rows written over it). epx moves the rounded
+        rows in bfloat16 (f32 for an f32 workspace payload): the result is FlashInfer's, the
+        bytes on the wire are not halved. ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
         op = "MoeAlltoAll.combine"
         return self._combine(op, lambda: self._rank_mask(op, active_rank_mask), payload,
                              runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
                              output_scales, output, use_low_precision)
+
+    def _workspace_as_bf16(self, op, payload, runtime_max_tokens_per_rank):
+        """The bf16 view of the bytes of ``payload``, a 16-bit get_combine_payload_tensor_in_
+        workspace view (checked as epx's in-workspace combine checks one, InvalidArgument)."""
+        M, hidden = int(runtime_max_tokens_per_rank), payload.shape[-1] if payload.dim() else 0
+        view = self._a2a.combine_payload_view(M, hidden, payload.dtype)
+        if payload.data_ptr() != view.data_ptr() or payload.shape != view.shape or \
+                not payload.is_contiguous():
+            raise errors.invalid(op, "payload_in_workspace=True but argument 'payload' does not "
+                                 "point into this rank's workspace, expected the view of "
+                                 "get_combine_payload_tensor_in_workspace")
+        return self._a2a.combine_payload_view(M, hidden, torch.bfloat16)
 
     def _combine(self, op, mask, payload, runtime_max_tokens_per_rank, payload_in_workspace,
                  output_dtype, output_scales, output, use_low_precision):
@@ -943,10 +963,6 @@ class MoeAlltoAll:
                 raise errors.invalid(op, f"argument 'payload' has dtype {dtype} with "
                                      "use_low_precision=True, expected bfloat16, float16 or "
                                      "float32")
-            if payload_in_workspace and dtype == torch.float16:
-                raise errors.invalid(op, "argument 'payload' is float16 with "
-                                     "payload_in_workspace=True, expected the bfloat16 or "
-                                     "float32 view of get_combine_payload_tensor_in_workspace")
             if output_dtype not in (None, torch.bfloat16):
                 raise errors.invalid(op, f"argument 'output_dtype' is {output_dtype} with "
                                      "use_low_precision=True, expected bfloat16 (the "
@@ -967,7 +983,12 @@ class MoeAlltoAll:
                                      f"{want} {dtype} tensor on {payload.device}")
         if use_low_precision:
             rows = _round_to_e4m3(payload)
-            if payload_in_workspace:  # bf16 or f32 (epx's workspace views): exact in place
+            if payload_in_workspace and payload.dtype == torch.float16:
+                # Summed as bf16 rows (exact; an f16 combine would round the sum to f16) written
+                # over the payload's bytes.
+                payload = self._workspace_as_bf16(op, payload, runtime_max_tokens_per_rank)
+                payload.copy_(rows)
+            elif payload_in_workspace:  # bf16 or f32: exact in place
                 payload.copy_(rows)
             else:
                 payload = rows.to(torch.bfloat16)  # exact: e4m3 values are bf16 values
