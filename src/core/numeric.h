@@ -221,8 +221,12 @@ template <typename V, bool kF16 = false>
 EPX_HD V f32_to_16bit_vec(const float* f) {
   static_assert(sizeof(V) % 4 == 0, "f32_to_16bit_vec: V must hold whole pairs");
   uint32_t w[sizeof(V) / 4];
-  for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i)
-    w[i] = kF16 ? f32x2_to_f16x2(f[2 * i], f[2 * i + 1]) : f32x2_to_bf16x2(f[2 * i], f[2 * i + 1]);
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i) {
+    if constexpr (kF16)
+      w[i] = f32x2_to_f16x2(f[2 * i], f[2 * i + 1]);
+    else
+      w[i] = f32x2_to_bf16x2(f[2 * i], f[2 * i + 1]);
+  }
   V v;
   std::memcpy(&v, w, sizeof(V));
   return v;

@@ -309,9 +309,11 @@ void CudaA2a::launch_combine(int vector_bytes, const A2aCombineParams& p, cudaSt
     case 4:
       a2a_combine_kernel<uint32_t, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
       break;
-    default:  // 2: one 16-bit element (f32 rows are 4-byte aligned)
+    default:  // 2: one 16-bit element (f32 rows are 4-byte aligned: the caller's max(vb, 4))
       if constexpr (kElemBytes<kElem> == 2)
         a2a_combine_kernel<uint16_t, kElem><<<num_ctas_, kA2aThreads, 0, stream>>>(p);
+      else
+        EPX_CHECK(false, ErrorCode::kInternal, "a2a combine: f32 rows with 2-byte vectors");
       break;
   }
 }

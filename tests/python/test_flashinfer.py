@@ -160,7 +160,9 @@ def body_a2a_f16_combine(ctx, seed):
         T = inputs[r]["topk_idx"].shape[0]
         kw = {}
         if how == "output":
-            kw["output"] = torch.full((T, H), float("nan"), dtype=torch.float16, device=dev)
+            # A NaN other than epx's 0x7E00, so an element left unwritten cannot pass as NaN.
+            kw["output"] = torch.full((T, H), 0x7D55, dtype=torch.int16,
+                                      device=dev).view(torch.float16)
         elif how == "output_dtype":
             kw["output_dtype"] = torch.float16
         if in_ws:
@@ -180,8 +182,10 @@ def body_a2a_f16_combine(ctx, seed):
         seen["nan"] += int(want.isnan().sum())
         tiny = (want != 0) & (want.abs() < 2.0 ** -14)
         seen["subnormal"] += int(tiny.sum())
-    if R > 1:  # column 0 of a token sent to two ranks overflows; column 1 sums are subnormal
-        assert seen["inf"] > 0 and seen["subnormal"] > 0 and seen["nan"] > 0, seen
+    # inf, NaN and subnormal rows reach the output at any R (R = 1: each token's one row, so
+    # only the rounding of single values; R > 1 also sums: column 0 of a token sent to two
+    # ranks overflows there, column 1's sums are subnormal).
+    assert seen["inf"] > 0 and seen["subnormal"] > 0 and seen["nan"] > 0, seen
     # Another output dtype (as FlashInfer, only with output_scales): refused before communicating.
     a2a.dispatch(idx, payloads, M)
     with pytest.raises(epx.InvalidArgument, match="output_dtype"):

@@ -129,9 +129,11 @@ combine(output=t)                                 honoured: the result is copied
                                                   ([T, H], the output's dtype, the payload's
                                                   device, contiguous) and ``t`` is returned
 combine(payload) of float16                       honoured: the f32 sum rounded once to
-                                                  float16 (nearest, ties to even; +-inf past
-                                                  65504), the output's dtype (output= /
-                                                  output_dtype= float16), as FlashInfer
+                                                  float16 (nearest, ties to even; +-inf from
+                                                  65520 on), the output's dtype (output= /
+                                                  output_dtype= float16), as FlashInfer, whose
+                                                  sum in top-k slot order can differ in the
+                                                  last bit where the order matters
 combine(payload) of float8_e4m3fn                 InvalidArgument without use_low_precision
                                                   (epx's combine sums bf16, f16 or f32 rows)
 combine(output_dtype=d)                           honoured when ``d`` is the payload's dtype;
@@ -914,7 +916,7 @@ class MoeAlltoAll:
         """Collective (over the active ranks). payload [ep_size, runtime_max, H] -> [T, H]: per
         token the sum, in float32 and ascending rank order, of the rows the active ranks it went
         to return (zeros when it went to none), rounded once to the payload's dtype (bfloat16,
-        float16 or float32; nearest, ties to even; float16 sums past 65504 become +-inf). With
+        float16 or float32; nearest, ties to even; float16 sums from 65520 on become +-inf). With
         ``output``, the result is copied into it and it is returned. ``output_scalar_scale`` and
         ``sf_layout`` only matter for quantised outputs (``output_scales``), which raise
         Unsupported: FlashInfer produces them only on compute capability >= 10.0
@@ -924,9 +926,11 @@ class MoeAlltoAll:
         e4m3 (nearest, ties to even, saturating at +-448), the rounded values are summed as
         above in float32 and the sum is rounded once to bfloat16, the output's dtype whatever the
         payload's (bf16, fp16 or f32). With ``payload_in_workspace`` the rows are rounded in
-        place (an fp16 workspace payload's as bf16 rows written over it). epx moves the rounded
-        rows in bfloat16 (f32 for an f32 workspace payload): the result is FlashInfer's, the
-        bytes on the wire are not halved. ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
+        place; an fp16 workspace payload's are written over it as bf16 rows, so that float16
+        tensor afterwards holds bf16 bit patterns: refill it before using it again. epx moves
+        the rounded rows in bfloat16 (f32 for an f32 workspace payload): the values are
+        FlashInfer's (e4m3 values sum exactly in float32), the bytes on the wire are not halved.
+        ``enable_pdl`` is accepted (epx's PDL is EPX_PDL)."""
         op = "MoeAlltoAll.combine"
         return self._combine(op, lambda: self._rank_mask(op, active_rank_mask), payload,
                              runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
@@ -937,10 +941,14 @@ class MoeAlltoAll:
         workspace view (checked as epx's in-workspace combine checks one, InvalidArgument)."""
         M, hidden = int(runtime_max_tokens_per_rank), payload.shape[-1] if payload.dim() else 0
         view = self._a2a.combine_payload_view(M, hidden, payload.dtype)
-        if payload.data_ptr() != view.data_ptr() or payload.shape != view.shape or \
-                not payload.is_contiguous():
+        if payload.data_ptr() != view.data_ptr():
             raise errors.invalid(op, "payload_in_workspace=True but argument 'payload' does not "
                                  "point into this rank's workspace, expected the view of "
+                                 "get_combine_payload_tensor_in_workspace")
+        if payload.shape != view.shape or not payload.is_contiguous():
+            raise errors.invalid(op, f"argument 'payload' is {list(payload.shape)} "
+                                 f"{payload.dtype} (contiguous: {payload.is_contiguous()}), "
+                                 f"expected the contiguous {list(view.shape)} view of "
                                  "get_combine_payload_tensor_in_workspace")
         return self._a2a.combine_payload_view(M, hidden, torch.bfloat16)
 

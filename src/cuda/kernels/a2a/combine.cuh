@@ -17,7 +17,8 @@
 //          acc += float(y_d[r][slot[t][d]][h]);   // peer d's region, or y / the region for d = r
 //        out[t][h] = round(acc) to y's element type kElem (core/numeric.h, one rounding):
 //          bf16: f32_to_bf16 (f32x2_to_bf16x2 where a vector holds pairs: the same bits),
-//          f16:  f32_to_f16 (the hardware's f32x2_to_f16x2, __floats2half2_rn: the same bits),
+//          f16:  f32_to_f16 (the hardware's f32x2_to_f16x2, __floats2half2_rn, which the GPU
+//                tier's NumericGpu.HardwareF16* checks against it on every input),
 //          f32:  acc
 //      Tokens are split into C contiguous chunks; a CTA walks (token, vector) pairs of its chunk
 //      with kReduceUnroll pairs in flight per thread (one load per pair and destination).
