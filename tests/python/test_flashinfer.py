@@ -338,6 +338,14 @@ def body_a2a_errors(ctx, seed):
         a2a.combine(y.to(torch.int32), 4)
     with pytest.raises(epx.InvalidArgument, match="does not point into"):
         a2a.combine(y, 4, payload_in_workspace=True)
+    # The low-precision combine rounds an in-workspace payload in place: a tensor that is not
+    # the workspace view is refused before anything is written into it.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        mine = (torch.arange(R * 4 * H, dtype=torch.float32).view(R, 4, H) * 0.37 + 0.011).to(dtype)
+        kept = mine.clone()
+        with pytest.raises(epx.InvalidArgument, match="does not point into"):
+            a2a.combine(mine, 4, payload_in_workspace=True, use_low_precision=True)
+        assert torch.equal(mine.view(torch.uint8), kept.view(torch.uint8)), dtype
     out = a2a.combine(y, 4)  # the state machine is back at "dispatched -> combine"
     assert out.shape == (4, H)
 

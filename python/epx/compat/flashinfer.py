@@ -936,9 +936,10 @@ class MoeAlltoAll:
                              runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
                              output_scales, output, use_low_precision)
 
-    def _workspace_as_bf16(self, op, payload, runtime_max_tokens_per_rank):
-        """The bf16 view of the bytes of ``payload``, a 16-bit get_combine_payload_tensor_in_
-        workspace view (checked as epx's in-workspace combine checks one, InvalidArgument)."""
+    def _checked_workspace_view(self, op, payload, runtime_max_tokens_per_rank):
+        """Checks that ``payload`` is this rank's get_combine_payload_tensor_in_workspace view
+        (as epx's in-workspace combine checks it, InvalidArgument), before the low-precision
+        combine rounds its rows in place. -> the bf16 view of its bytes."""
         M, hidden = int(runtime_max_tokens_per_rank), payload.shape[-1] if payload.dim() else 0
         view = self._a2a.combine_payload_view(M, hidden, payload.dtype)
         if payload.data_ptr() != view.data_ptr():
@@ -991,13 +992,13 @@ class MoeAlltoAll:
                                      f"{want} {dtype} tensor on {payload.device}")
         if use_low_precision:
             rows = _round_to_e4m3(payload)
-            if payload_in_workspace and payload.dtype == torch.float16:
-                # Summed as bf16 rows (exact; an f16 combine would round the sum to f16) written
-                # over the payload's bytes.
-                payload = self._workspace_as_bf16(op, payload, runtime_max_tokens_per_rank)
-                payload.copy_(rows)
-            elif payload_in_workspace:  # bf16 or f32: exact in place
-                payload.copy_(rows)
+            if payload_in_workspace:  # checked before its rows are written over
+                as_bf16 = self._checked_workspace_view(op, payload, runtime_max_tokens_per_rank)
+                if payload.dtype == torch.float16:
+                    # Summed as bf16 rows (exact; an f16 combine would round the sum to f16)
+                    # written over the payload's bytes.
+                    payload = as_bf16
+                payload.copy_(rows)  # bf16 or f32: exact in place
             else:
                 payload = rows.to(torch.bfloat16)  # exact: e4m3 values are bf16 values
         out = self._a2a.combine(payload, int(runtime_max_tokens_per_rank),
