@@ -78,25 +78,27 @@ __global__ void compare_pairs(unsigned long long* mismatches, unsigned int* firs
   if (bad) atomicAdd(mismatches, bad);
 }
 
-// The architecture this file's device code was compiled for (the hardware conversions need
-// sm_89+; below that the helpers fall back to the emulation and the comparison would be empty).
+// The architecture this file's device code was compiled for (each hardware conversion has its
+// lowest arch: e4m3 sm_89, bf16x2 sm_80, f16 any; below it the helper falls back to the
+// emulation and the comparison would be empty).
 __global__ void compiled_arch(int* arch) {
 #ifdef __CUDA_ARCH__
   *arch = __CUDA_ARCH__;
 #endif
 }
 
-// "" when the device code uses the hardware conversions, else the skip reason.
-std::string hardware_path_missing() {
+// "" when the device code uses the hardware conversion that needs sm_`need` (as 890), else the
+// skip reason.
+std::string hardware_path_missing(int need) {
   int* d = nullptr;
   int arch = 0;
   if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return "cudaMalloc failed";
   compiled_arch<<<1, 1>>>(d);
   cudaMemcpy(&arch, d, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(d);
-  if (arch >= 890) return "";
-  return "device code compiled for sm_" + std::to_string(arch / 10) +
-         ": the hardware conversions need sm_89+ (CMAKE_CUDA_ARCHITECTURES)";
+  if (arch >= need) return "";
+  return "device code compiled for sm_" + std::to_string(arch / 10) + ": the hardware conversion "
+         "needs sm_" + std::to_string(need / 10) + "+ (CMAKE_CUDA_ARCHITECTURES)";
 }
 
 // Runs `kernel` over all 2^32 patterns; "" or the failure.
@@ -126,13 +128,13 @@ std::string exhaustive(Kernel kernel) {
 
 TEST(NumericGpu, HardwareBf16ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
-  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = hardware_path_missing(800); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<Bf16Pair>), "");
 }
 
 TEST(NumericGpu, HardwareF16ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
-  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = hardware_path_missing(1); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<F16Pair>), "");
 }
 
@@ -156,13 +158,13 @@ TEST(NumericGpu, HardwareF16DecodeMatchesHostOnEveryCode) {
 
 TEST(NumericGpu, HardwareFp8ConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
-  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = hardware_path_missing(890); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<Fp8Pair>), "");
 }
 
 TEST(NumericGpu, HardwareFp8QuadConversionMatchesEmulationOnEveryFloat) {
   EPX_REQUIRE_GPUS(1);
-  if (const std::string why = hardware_path_missing(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = hardware_path_missing(890); !why.empty()) GTEST_SKIP() << why;
   EXPECT_EQ(exhaustive(compare_pairs<Fp8Quad>), "");
 }
 
