@@ -96,6 +96,7 @@ std::string hardware_path_missing(int need) {
   compiled_arch<<<1, 1>>>(d);
   cudaMemcpy(&arch, d, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(d);
+  if (arch == 0) return "the arch probe kernel did not run (no device code for this GPU?)";
   if (arch >= need) return "";
   return "device code compiled for sm_" + std::to_string(arch / 10) + ": the hardware conversion "
          "needs sm_" + std::to_string(need / 10) + "+ (CMAKE_CUDA_ARCHITECTURES)";

@@ -998,7 +998,7 @@ class MoeAlltoAll:
                     # Summed as bf16 rows (exact; an f16 combine would round the sum to f16)
                     # written over the payload's bytes.
                     payload = as_bf16
-                payload.copy_(rows)  # bf16 or f32: exact in place
+                payload.copy_(rows)  # exact: e4m3 values are bf16 and f32 values
             else:
                 payload = rows.to(torch.bfloat16)  # exact: e4m3 values are bf16 values
         out = self._a2a.combine(payload, int(runtime_max_tokens_per_rank),
