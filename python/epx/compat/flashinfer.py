@@ -936,10 +936,10 @@ class MoeAlltoAll:
                              runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
                              output_scales, output, use_low_precision)
 
-    def _checked_workspace_view(self, op, payload, runtime_max_tokens_per_rank):
+    def _check_workspace_view(self, op, payload, runtime_max_tokens_per_rank):
         """Checks that ``payload`` is this rank's get_combine_payload_tensor_in_workspace view
         (as epx's in-workspace combine checks it, InvalidArgument), before the low-precision
-        combine rounds its rows in place. -> the bf16 view of its bytes."""
+        combine rounds its rows in place."""
         M, hidden = int(runtime_max_tokens_per_rank), payload.shape[-1] if payload.dim() else 0
         view = self._a2a.combine_payload_view(M, hidden, payload.dtype)
         if payload.data_ptr() != view.data_ptr():
@@ -951,7 +951,6 @@ class MoeAlltoAll:
                                  f"{payload.dtype} (contiguous: {payload.is_contiguous()}), "
                                  f"expected the contiguous {list(view.shape)} view of "
                                  "get_combine_payload_tensor_in_workspace")
-        return self._a2a.combine_payload_view(M, hidden, torch.bfloat16)
 
     def _combine(self, op, mask, payload, runtime_max_tokens_per_rank, payload_in_workspace,
                  output_dtype, output_scales, output, use_low_precision):
@@ -993,11 +992,11 @@ class MoeAlltoAll:
         if use_low_precision:
             rows = _round_to_e4m3(payload)
             if payload_in_workspace:  # checked before its rows are written over
-                as_bf16 = self._checked_workspace_view(op, payload, runtime_max_tokens_per_rank)
+                self._check_workspace_view(op, payload, runtime_max_tokens_per_rank)
                 if payload.dtype == torch.float16:
                     # Summed as bf16 rows (exact; an f16 combine would round the sum to f16)
                     # written over the payload's bytes.
-                    payload = as_bf16
+                    payload = payload.view(torch.bfloat16)
                 payload.copy_(rows)  # exact: e4m3 values are bf16 and f32 values
             else:
                 payload = rows.to(torch.bfloat16)  # exact: e4m3 values are bf16 values
