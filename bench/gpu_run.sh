@@ -34,8 +34,9 @@
 #             $EPX_AB_BASE (default HEAD~1; `git archive` into $EPX_BUILD_DIR-ab.src, built in
 #             $EPX_BUILD_DIR-ab; or a source tree's directory, for a commit this checkout lacks)
 #             and this tree's; first both trees' ll kernels' SASS bytes (ab.size, with
-#             cuobjdump: bench/ptx_size.py --cubin), then the two alternately, $EPX_AB_ROUNDS
-#             rounds each (default 2; R = the visible GPUs, --tokens $EPX_AB_TOKENS, default
+#             cuobjdump: bench/ptx_size.py --cubin), then the two in turn, $EPX_AB_ROUNDS
+#             rounds each (default 2; the base first in odd rounds, this tree first in even
+#             ones: ab_sides; R = the visible GPUs, --tokens $EPX_AB_TOKENS, default
 #             128,1, E = $EPX_AB_EXPERTS, default 256): one labelled line per T; with
 #             EPX_DEEPEP_TESTS also DeepEP's test_low_latency.py through each tree's drop-in
 #             (the base's extension built in its tree, this tree's bench/peer_deepep.sh with
@@ -250,6 +251,14 @@ side_build() {
     { tail -40 "$OUT/$name.log"; return 1; }
 }
 
+# ab_sides REV ROUND: the order in which round ROUND of an A/B runs the two trees: the base first
+# in odd rounds, this tree first in even ones, so that an even number of rounds puts each tree
+# first as often (whatever the first process of a pair gains or loses over the second cancels in
+# the mean; docs/perf.md §5 item 70).
+ab_sides() {
+  if [ $(($2 % 2)) -eq 1 ]; then echo "$1 head"; else echo "head $1"; fi
+}
+
 # gtest NAME BINARY FILTER [VAR=VALUE...]: one bounded run of a GPU test binary.
 GTEST_SHOW='^\[  (PASSED|FAILED|SKIPPED) \]|^\[  FAILED  \]'
 gtest() {
@@ -379,7 +388,7 @@ batch_ab() {
   toks=${toks// /,}  # commas or spaces
   ntoks=$(tr ',' '\n' <<<"$toks" | grep -c .)
   for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
-    for side in "$rev" head; do
+    for side in $(ab_sides "$rev" "$round"); do
       bin="$B/bench/epx_ll_gpu_bench"
       [ "$side" = head ] || bin="$dir/bench/epx_ll_gpu_bench"
       step "ab.$side.$round" 120 "" "$bin" --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" \
@@ -397,7 +406,7 @@ batch_ab() {
   local peer_tokens=${EPX_AB_PEER_TOKENS:--}  # "-": the script's own token count
   for t in ${peer_tokens//,/ }; do
     for round in $(seq "${EPX_AB_ROUNDS:-2}"); do
-      for side in "$rev" head; do
+      for side in $(ab_sides "$rev" "$round"); do
         root=$(pwd)
         [ "$side" = head ] || root=$(cd "$dir.src" && pwd)
         name="ab.peer.$side.$round" args=${EPX_DEEPEP_ARGS:-} label=$side
@@ -420,7 +429,7 @@ ab_overhead() {
   local rows='^T=|^\| (compat pair|deep_ep layer|epx.Buffer layer|bindings|output allocations \(us\)'
   rows+='|C\+\+ op)'
   for round in $(seq "$n"); do
-    for side in "$rev" head; do
+    for side in $(ab_sides "$rev" "$round"); do
       pp=$PWD/python
       [ "$side" = head ] || pp=$(cd "$src" && pwd)/python
       name="ab.overhead.$side.$round"
