@@ -154,10 +154,20 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
     assert run(["probe", "tests"]) == "BUILD"
 
 
+def test_ab_sides_put_each_tree_first_in_every_other_round():
+    """ab's rounds: the base first in odd rounds, this tree ("head") first in even ones, so an even
+    number of rounds runs each tree first as often."""
+    script = script_function("ab_sides") + "\nfor r in 1 2 3 4; do ab_sides base $r; done"
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, check=True, capture_output=True,
+                       text=True)
+    assert r.stdout.splitlines() == ["base head", "head base", "base head", "head base"]
+
+
 def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
     """ab with EPX_AB_OVERHEAD=N: bench_overhead.py --breakdown through the base tree's package
-    and then this tree's, N times, each process with only that tree's python/ on PYTHONPATH, and
-    its torch bridge line and layers printed with its side's label."""
+    and this tree's in turn (the base first in odd rounds, this tree in even ones), N times, each
+    process with only that tree's python/ on PYTHONPATH, and its torch bridge line and layers
+    printed with its side's label."""
     src = tmp_path / "base.src"
     (src / "python").mkdir(parents=True)
     out = tmp_path / "out"
@@ -168,15 +178,16 @@ def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
              'printf "T=1 bridge\\n| compat pair (x) | 1.0 |\\n| other | 2 |\\n" '
              '> "$OUT/$name.log"; }\n'
              'pin() { echo env; }\n')
-    script = stubs + script_function("ab_overhead") + f"\nab_overhead base {src} 2"
+    script = (stubs + script_function("ab_sides") + "\n" + script_function("ab_overhead") +
+              f"\nab_overhead base {src} 2")
     env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3")
     r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
                        capture_output=True, text=True)
     lines = r.stdout.strip().splitlines()
     base, head = f"PYTHONPATH={src}/python", f"PYTHONPATH={ROOT}/python"
     want = []
-    for n in (1, 2):
-        for side, path in (("base", base), ("head", head)):
+    for n, order in ((1, (("base", base), ("head", head))), (2, (("head", head), ("base", base)))):
+        for side, path in order:
             want += [f"ab.overhead.{side}.{n} {path}", f"  [{side}] T=1 bridge",
                      f"  [{side}] | compat pair (x) | 1.0 |"]
     assert lines == want, lines
