@@ -393,7 +393,7 @@ CudaLl::CudaLl(const Group& group, const MoeShape& shape, bool enable_shrink)
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&stash_w_), stash * sizeof(float)),
                  "Buffer");
   // The region (collective; zeroed).
-  dev_.allocate_region(layout_.total_bytes, layout_.state_off + offsetof(LlState, dev));
+  dev_.allocate_region(layout_.total_bytes, kLlStateOff + offsetof(LlState, dev));
   symm_.local = local();
   for (int p = 0; p < R; ++p) symm_.peers[p] = dev_.peer(p);
   symm_.layout = layout_;

@@ -75,19 +75,40 @@
 
 namespace epx::detail {
 
+// Field order as LlDispatchParams' (dispatch.cuh): the first path's and the halves' fields, then
+// the region, then the hook's, the overlap's and the rest.
 struct LlCombineParams {
+  int32_t pdl;     // launched with programmatic dependent launch (cuda/launch.h)
+  int32_t phases;  // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
+  int32_t slot;    // q
+  int32_t rank;    // r
+  int32_t num_tokens;  // T
+  int32_t units_per_expert;  // S
+  int32_t zero_copy;   // y is comb_y(r, q)
+  int32_t use_logfmt;  // rows cross as LogFMT-10 (core/logfmt.h); equal on every rank
+  int32_t y_vec16;     // y rows 16-byte aligned
+  int32_t topk_is_i64;
+  int32_t out_vec16;
+  int32_t recv_ctas;  // C: the receive's CTAs (the shares of combine_ready)
+  // The rows this rank keeps go to comb_y(r, q) as the peers' do (step 1), and a receive in the
+  // same launch reads them there after its wait for this rank's combine_ready (step 5): with a
+  // hook, and where y's rows are not 16-byte aligned (step 7 reads only aligned rows).
+  // Send half with a hook: every input the receive reads is copied into epx's memory, so the
+  // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: its own
+  // rows by copy_own, the routing and weights [T, K] to stash_ids / stash_w (the hook's launch
+  // reads them there, and comb_layout(r, q)).
+  int32_t copy_own;
+  // Overlap (LlCombineOverlap): the send half is ll_combine_send_overlap on S CTAs; the receive
+  // reads land(r, q) and its routing from route(r, q) (topk_idx below points there), weights
+  // from stash_w.
+  int32_t overlap;
   // Expert side.
   const uint16_t* y;  // copy mode: the caller's [L, RT, H] bf16, strides y_stride0/1 (elements)
   int64_t y_stride0;
   int64_t y_stride1;
-  int32_t y_vec16;              // y rows 16-byte aligned
-  int32_t zero_copy;            // y is comb_y(r, q)
-  int32_t use_logfmt;           // rows cross as LogFMT-10 (core/logfmt.h); equal on every rank
   const int64_t* layout_range;  // this rank's handle.layout_range [L, R], row stride below
   int64_t layout_stride;
-  int32_t units_per_expert;  // S
   // Source side.
-  int32_t topk_is_i64;
   const void* topk_idx;  // [T, K], row stride topk_stride elements
   int64_t topk_stride;
   const float* weights;  // [T, K] f32, row stride weights_stride elements
@@ -97,31 +118,11 @@ struct LlCombineParams {
   // unrounded, [T, H] float32, row stride out_stride elements, 16-byte aligned; `out` unused.
   float* out_f32;
   int64_t out_stride;
-  int32_t out_vec16;
-  int32_t num_tokens;  // T
-  int32_t slot;        // q
-  int32_t rank;        // r
-  int32_t phases;      // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs
-  // The rows this rank keeps go to comb_y(r, q) as the peers' do (step 1), and a receive in the
-  // same launch reads them there after its wait for this rank's combine_ready (step 5): with a
-  // hook, and where y's rows are not 16-byte aligned (step 7 reads only aligned rows).
-  // Send half with a hook: every input the receive reads is copied into epx's memory, so the
-  // caller may drop or overwrite y, topk_idx and topk_weights once the call returned: its own
-  // rows by copy_own, the routing and weights [T, K] to stash_ids / stash_w (the hook's launch
-  // reads them there, and comb_layout(r, q)).
-  int32_t copy_own;
+  LlSymm symm;
   int64_t* stash_ids;
   float* stash_w;
-  int32_t pdl;  // launched with programmatic dependent launch (cuda/launch.h)
-#ifdef EPX_DIAGNOSTICS
-  int32_t ablate;  // LlAblate bits (cuda/tuning.h, diagnostics builds only)
-#endif
   // Optional [R] int64, contiguous: combine_wait_recv_cost_stats (the receive half adds to it).
   int64_t* wait_stats;
-  // Overlap (LlCombineOverlap): the send half is ll_combine_send_overlap on S CTAs; the receive
-  // reads land(r, q) and its routing from route(r, q) (topk_idx above points there), weights
-  // from stash_w.
-  int32_t overlap;
   const int32_t* signals;     // [L * blocks]: signal l * blocks + b covers block b of expert l
   int64_t block_rows;         // rows per block (0: the whole expert)
   int64_t blocks;             // signals per local expert
@@ -129,8 +130,9 @@ struct LlCombineParams {
   const int32_t* recv_count;  // optional [L]: compared with the handle (kDevErrLlOverlapCount)
   const int32_t* src_info;    // the handle's [L, RT], row stride src_info_stride
   int64_t src_info_stride;
-  int32_t recv_ctas;  // C: the receive's CTAs (the shares of combine_ready)
-  LlSymm symm;
+#ifdef EPX_DIAGNOSTICS
+  int32_t ablate;  // LlAblate bits (cuda/tuning.h, diagnostics builds only)
+#endif
   WaitContext wait;
 #ifdef EPX_LL_TRACE
   uint64_t* trace;  // trace.cuh (null: off)

@@ -22,14 +22,17 @@
 
 namespace epx::detail {
 
-// Every rank's region. Part of every ll params struct.
+// Every rank's region. Part of every ll params struct, after the fields its kernel's first path
+// reads, so that `local` (the epoch words and flags, at fixed offsets) shares a constant-cache
+// line with them, and the first peers (a send's destinations) with `local` (docs/design.md §7.3,
+// the parameters' lines).
 struct LlSymm {
   char* local;
-  char* peers[kMaxRanks];  // peers[rank] == local
-  LlLayout layout;
   int32_t shrink;  // BufferConfig::enable_shrink: the rank mask applies, a timed-out wait masks
   int32_t one_gpu;  // every rank's buffers on this GPU (R = 1, or ranks sharing one device): the
                     // releases' fences at gpu scope (sync.cuh fence_acq_rel)
+  char* peers[kMaxRanks];  // peers[rank] == local
+  LlLayout layout;
 };
 
 // ---- the rank mask (enable_shrink, docs/semantics.md §2.6) -------------------------------------

@@ -183,19 +183,28 @@ struct LlSourceHeader {
   int32_t pad[13];
 };
 
-EPX_LL_HD size_t ll_round_up(size_t v, size_t a) {
+EPX_LL_HD constexpr size_t ll_round_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;
 }
 
+// The state and the flags open every rank's region at fixed offsets, so a kernel reaches its
+// epoch words and flags from `local` alone: no layout field (a constant-cache line of the
+// kernel's parameters) on its first path.
+inline constexpr size_t kLlStateOff = 0;
+inline constexpr size_t kLlSyncOff = ll_round_up(sizeof(LlState), 256);
+
+// The dispatch's fields first, the combine's after them (docs/design.md §7.3, the parameters'
+// lines).
 struct LlLayout {
   int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
-  int64_t max_tokens = 0, hidden = 0, num_groups = 0, rows_per_expert = 0, msg_bytes = 0;
-  size_t state_off = 0, sync_off = 0, row_map_off[2] = {}, mask_off = 0;
+  int64_t hidden = 0, msg_bytes = 0, max_tokens = 0, num_groups = 0, rows_per_expert = 0;
   size_t src_topk_off = 0, src_msgs_off = 0, src_bytes = 0;  // within one source's block
   size_t dispatch_off[2] = {};
+  size_t row_map_off[2] = {};
+  size_t combine_off[2] = {};
   size_t comb_layout_off = 0, comb_format_off = 0, comb_route_off = 0, comb_meta_off = 0,
          comb_y_off = 0, comb_land_off = 0;  // within one combine slot
-  size_t combine_off[2] = {};
+  size_t mask_off = 0;
   size_t total_bytes = 0;
 
   // Host: the layout of `shape` on `num_ranks` ranks (shape already validated).
@@ -224,11 +233,7 @@ struct LlLayout {
     g.comb_y_off = ll_round_up(g.comb_meta_off + 4 * L * g.rows_per_expert * G, 256);
     g.comb_land_off = ll_round_up(g.comb_y_off + 2 * L * g.rows_per_expert * H, 256);
     const size_t comb_bytes = ll_round_up(g.comb_land_off + 2 * T * g.top_k * H, 256);
-    size_t off = 0;
-    g.state_off = off;
-    off += ll_round_up(sizeof(LlState), 256);
-    g.sync_off = off;
-    off += ll_round_up(sizeof(LlSync), 256);
+    size_t off = kLlSyncOff + ll_round_up(sizeof(LlSync), 256);  // after the state and flags
     for (int q = 0; q < 2; ++q) {
       g.row_map_off[q] = off;
       off += ll_round_up(8 * T * g.top_k, 256);
@@ -251,9 +256,9 @@ struct LlLayout {
   EPX_LL_HD size_t control_bytes() const { return mask_off; }
 
   EPX_LL_HD LlState* state(char* base) const {
-    return reinterpret_cast<LlState*>(base + state_off);
+    return reinterpret_cast<LlState*>(base + kLlStateOff);
   }
-  EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + sync_off); }
+  EPX_LL_HD LlSync* sync(char* base) const { return reinterpret_cast<LlSync*>(base + kLlSyncOff); }
   EPX_LL_HD uint64_t* row_map(char* base, int slot) const {
     return reinterpret_cast<uint64_t*>(base + row_map_off[slot]);
   }
