@@ -362,6 +362,22 @@ ab_sizes() {
     sed "s/^/  [$side] /" "$OUT/ab.size.$side.log"
 }
 
+# src_stamp DIR: one hash of every file's path and bytes under DIR (not their times).
+src_stamp() {
+  (cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40)
+}
+
+# ab_keep_build SRC DIR: keeps the build DIR of the last base only when SRC holds the same files,
+# else removes it. The base's sources come out of `git archive` / tar with their commit's times,
+# which may be older than a previous base's objects in DIR: ninja would then rebuild nothing and
+# run the previous base's binaries under this base's name (docs/perf.md §5 item 70, run 182).
+ab_keep_build() {
+  local stamp
+  stamp=$(src_stamp "$1")
+  [ "$(cat "$2/.epx-ab-src" 2>/dev/null)" = "$stamp" ] || rm -rf "$2"
+  mkdir -p "$2" && echo "$stamp" > "$2/.epx-ab-src.new"
+}
+
 batch_ab() {
   local base=${EPX_AB_BASE:-HEAD~1} dir="$B-ab" rev
   rm -rf "$dir.src" && mkdir -p "$dir.src"
@@ -379,8 +395,10 @@ batch_ab() {
   fi
   local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-} overhead=${EPX_AB_OVERHEAD:-0}
   [ -z "$tests" ] && [ "$overhead" = 0 ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
+  ab_keep_build "$dir.src" "$dir"
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  mv "$dir/.epx-ab-src.new" "$dir/.epx-ab-src"  # a build of these sources is complete
   ab_sizes "$rev" "$dir/bench/epx_ll_gpu_bench"
   ab_sizes head "$B/bench/epx_ll_gpu_bench"
   local round side bin toks ntoks

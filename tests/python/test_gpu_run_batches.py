@@ -191,3 +191,36 @@ def test_ab_overhead_alternates_the_trees_each_on_its_own_package(tmp_path):
             want += [f"ab.overhead.{side}.{n} {path}", f"  [{side}] T=1 bridge",
                      f"  [{side}] | compat pair (x) | 1.0 |"]
     assert lines == want, lines
+
+
+def test_ab_keeps_the_base_build_only_for_the_same_sources(tmp_path):
+    """ab's base build directory is reused only when the base's files are the ones it was built
+    from (their bytes, not their times: `git archive` gives a later base older times than the
+    previous base's objects, and ninja would then run the previous base's binaries)."""
+    src, build = tmp_path / "src", tmp_path / "build"
+    src.mkdir()
+    (src / "a.cu").write_text("one\n")
+    script = (script_function("src_stamp") + "\n" + script_function("ab_keep_build") +
+              f'\nab_keep_build {src} {build} && touch {build}/obj && '
+              f'mv {build}/.epx-ab-src.new {build}/.epx-ab-src')
+
+    def build_once():
+        subprocess.run(["bash", "-c", script], cwd=ROOT, check=True)
+    build_once()
+    assert (build / "obj").exists()
+    (build / "obj").write_text("kept")
+    os.utime(src / "a.cu", (0, 0))  # same bytes, another time: kept
+    build_once()
+    assert (build / "obj").read_text() == "kept"
+    (src / "a.cu").write_text("two\n")
+    os.utime(src / "a.cu", (0, 0))  # other bytes, an older time: removed and built again
+    build_once()
+    assert (build / "obj").read_text() == ""
+    # a build that never completed (no stamp moved in place) is not reused either
+    subprocess.run(["bash", "-c", script_function("src_stamp") + "\n" +
+                    script_function("ab_keep_build") + f"\nab_keep_build {src} {build}"],
+                   cwd=ROOT, check=True)
+    (build / "obj").write_text("partial")
+    (build / ".epx-ab-src").unlink()
+    build_once()
+    assert (build / "obj").read_text() == ""
