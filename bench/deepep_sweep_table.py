@@ -6,8 +6,8 @@ by side.
     python3 bench/deepep_sweep_table.py LOG [LOG...]
 
 Each LOG is one `bench/peer_deepep.sh` run of test_low_latency.py (with EPX_DEEPEP_SELF: DeepEP
-itself first, then epx's drop-in), its --num-processes (R) and --num-tokens read from the run's
-"== ..." header line. The
+itself and epx's drop-in, in either order), its --num-processes (R) and --num-tokens read from each
+run's "== ..." header line. The
 columns: dispatch and combine kernel rows (`bench_kineto`), the hooked send + receive rows, and the
 L2-flushed dispatch + combine event time, mean (min); "—" where a library's run printed no
 numbers (it failed or refused the shape: its exit line is listed below the table). µs throughout.

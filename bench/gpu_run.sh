@@ -58,7 +58,8 @@
 #             $EPX_SWEEP_TOKENS (default "1 32 128 256"), R = $EPX_SWEEP_PROCS processes (default
 #             1; one GPU each: EP2 is EPX_SWEEP_PROCS=2 on two GPUs), pinned, $EPX_SWEEP_ROUNDS
 #             rounds (default 2), through the drop-in and (with EPX_DEEPEP_SRC, built as for
-#             `peer`) through DeepEP itself in the same process order; then one table of both
+#             `peer`) through DeepEP itself, DeepEP first in odd rounds and the drop-in first in
+#             even ones; then one table of both
 #             (bench/deepep_sweep_table.py, rank 0's rows): kernel rows, hooked rows, L2-flushed
 #             event pair. Needs EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC
 #   trace     a second build ($EPX_BUILD_DIR-trace: -DEPX_LL_TRACE=ON -DEPX_HT_TRACE=ON, options
@@ -509,7 +510,9 @@ batch_sweep() {
   local round T logs=()
   for round in $(seq "${EPX_SWEEP_ROUNDS:-2}"); do
     for T in ${EPX_SWEEP_TOKENS:-1 32 128 256}; do
+      # DeepEP itself first in odd rounds, the drop-in first in even ones (as ab_sides).
       step "sweep.T$T.$round" 300 "" $(pin "$procs") env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
+        EPX_DEEPEP_SELF_AFTER=$(( 1 - round % 2 )) \
         EPX_DEEPEP_ARGS="--num-tokens $T${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}" \
         bash bench/peer_deepep.sh "$DEEPEP_TESTS" "$procs" test_low_latency.py
       logs+=("$OUT/sweep.T$T.$round.log")

@@ -11,10 +11,11 @@
 # extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
-# checkout built by bench/build_deepep.sh): each script runs first with DeepEP itself, the same
-# way (its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T = 1 at R = 1,
-# where it requires R * T_max to be a multiple of 4; a DIR without an importable deep_ep exits 2
-# before any script). EPX_DEEPEP_ARGS: more arguments for every script,
+# checkout built by bench/build_deepep.sh): each script runs also with DeepEP itself, the same
+# way, first (after the drop-in with EPX_DEEPEP_SELF_AFTER=1; bench/gpu_run.sh sweep alternates
+# the two by round); its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T =
+# 1 at R = 1, where it requires R * T_max to be a multiple of 4; a DIR without an importable
+# deep_ep exits 2 before any script. EPX_DEEPEP_ARGS: more arguments for every script,
 # both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
 # (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail
@@ -41,20 +42,25 @@ fi
 # The one-step opt-in of the README, as an engine's launcher would run it.
 shim=$(PYTHONPATH="$repo/python" "$py" -m epx.compat.shim) || exit 1
 export PYTHONPATH="$shim:$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# run_self SCRIPT: SCRIPT with DeepEP itself (EPX_DEEPEP_SELF), its exit status printed.
+run_self() {
+  local t0 rc
+  t0=$(date +%s)
+  echo "== $1 --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = DeepEP itself, $self)"
+  (cd "$dir" && PYTHONPATH="$self" "$py" "$1" --num-processes "$n" "${extra[@]}")
+  rc=$?
+  echo "== $1 with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
+}
+after=${EPX_DEEPEP_SELF_AFTER:-0}
 failed=0
 for s in "${scripts[@]}"; do
-  if [ -n "$self" ]; then
-    t0=$(date +%s)
-    echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = DeepEP itself, $self)"
-    (cd "$dir" && PYTHONPATH="$self" "$py" "$s" --num-processes "$n" "${extra[@]}")
-    rc=$?
-    echo "== $s with DeepEP itself: exit $rc ($(( $(date +%s) - t0 )) s)"
-  fi
+  [ -n "$self" ] && [ "$after" != 1 ] && run_self "$s"
   t0=$(date +%s)
   echo "== $s --num-processes $n${extra[*]:+ ${extra[*]}} (deep_ep = $(cd "$dir" && "$py" -c 'import deep_ep; print(deep_ep.Buffer.__module__)'))"
   (cd "$dir" && "$py" "$s" --num-processes "$n" "${extra[@]}")
   rc=$?
   echo "== $s: exit $rc ($(( $(date +%s) - t0 )) s)"
   [ $rc -eq 0 ] || failed=$((failed + 1))
+  [ -n "$self" ] && [ "$after" = 1 ] && run_self "$s"
 done
 exit $failed

@@ -67,6 +67,24 @@ def test_table_of_two_rounds(tmp_path):
         "R = 1, T = 1, DeepEP: test_low_latency.py with DeepEP itself: exit 1 (12 s)"] * 2
 
 
+def test_either_order_gives_one_table(tmp_path):
+    """gpu_run.sh sweep runs DeepEP itself first in odd rounds and the drop-in first in even ones:
+    the table does not depend on the order within a log."""
+    deepep = run_log(128, "DeepEP", (80.0, 70.0, 17.7, 21.3, 11.8, 8.5, 16.2, 9.7))
+    epx = run_log(128, "epx", (40.0, 38.0, 10.5, 7.5, 4.8, 9.4, 12.2, 8.8))
+    tables = []
+    for order in ((deepep, epx), (epx, deepep)):
+        p = tmp_path / "sweep.T128.1.log"
+        p.write_text("\n".join(order[0] + order[1]) + "\n")
+        r = subprocess.run([sys.executable, SCRIPT, str(p)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        tables.append([ln for ln in r.stdout.splitlines() if ln.startswith("| 1 | ")])
+    assert tables[0] == tables[1]
+    assert [ln.split(" | ")[2] for ln in tables[0]] == ["epx", "DeepEP"]
+    assert "| 10.5 | 7.5 |" in tables[0][0] and "| 17.7 | 21.3 |" in tables[0][1]
+
+
 def test_two_ranks_rank0_rows(tmp_path):
     p = tmp_path / "sweep.T128.1.log"
     p.write_text("\n".join(run_log(128, "epx", (45.0, 41.0, 14.1, 17.2, 6.0, 9.0, 7.0, 11.0),
