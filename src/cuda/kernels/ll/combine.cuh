@@ -75,8 +75,11 @@
 
 namespace epx::detail {
 
-// Field order as LlDispatchParams' (dispatch.cuh): the first path's and the halves' fields, then
-// the region, then the hook's, the overlap's and the rest.
+// Field order: the scalars the kernel's first path reads, then the routing and output pointers,
+// then the region (LlSymm), then the hook's, the overlap's and the rest. A fresh launch reads its
+// parameters through the constant cache, and each line it reads first is a miss on the reading
+// warp's path (docs/design.md §7.3, Parameters). LlDispatchParams keeps its own order: laid out
+// this way, its hooked send lost 0.25 µs (docs/perf.md §5 item 70, variant D).
 struct LlCombineParams {
   int32_t pdl;     // launched with programmatic dependent launch (cuda/launch.h)
   int32_t phases;  // kLlPhaseSend | kLlPhaseRecv: which halves this launch runs

@@ -22,10 +22,10 @@
 
 namespace epx::detail {
 
-// Every rank's region. Part of every ll params struct, after the fields its kernel's first path
-// reads, so that `local` (the epoch words and flags, at fixed offsets) shares a constant-cache
-// line with them, and the first peers (a send's destinations) with `local` (docs/design.md §7.3,
-// the parameters' lines).
+// Every rank's region. Part of every ll params struct; in LlCombineParams right after the fields
+// its first path reads, so that `local` (the epoch words and flags, at fixed offsets) shares a
+// constant-cache line with them, and the first peers with `local` (docs/design.md §7.3,
+// Parameters).
 struct LlSymm {
   char* local;
   int32_t shrink;  // BufferConfig::enable_shrink: the rank mask applies, a timed-out wait masks
