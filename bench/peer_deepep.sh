@@ -13,9 +13,9 @@
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
 # checkout built by bench/build_deepep.sh): each script also runs with DeepEP itself, the same
 # way: before the drop-in, or after it with EPX_DEEPEP_SELF_AFTER=1 (bench/gpu_run.sh sweep
-# alternates the two by round); its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T =
-# 1 at R = 1, where it requires R * T_max to be a multiple of 4; a DIR without an importable
-# deep_ep exits 2 before any script. EPX_DEEPEP_ARGS: more arguments for every script,
+# alternates the two by round); its exit status is printed, not counted: DeepEP refuses some
+# shapes, e.g. T = 1 at R = 1, where it requires R * T_max to be a multiple of 4; a DIR without an
+# importable deep_ep exits 2 before any script. EPX_DEEPEP_ARGS: more arguments for every script,
 # both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
 # (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail

@@ -193,8 +193,7 @@ EPX_LL_HD constexpr size_t ll_round_up(size_t v, size_t a) {
 inline constexpr size_t kLlStateOff = 0;
 inline constexpr size_t kLlSyncOff = ll_round_up(sizeof(LlState), 256);
 
-// The dispatch's fields first, the combine's after them (docs/design.md §7.3, the parameters'
-// lines).
+// The dispatch's fields first, the combine's after them (docs/design.md §7.3, Parameters).
 struct LlLayout {
   int32_t num_ranks = 1, num_local_experts = 1, top_k = 1, num_experts = 1;
   int64_t hidden = 0, msg_bytes = 0, max_tokens = 0, num_groups = 0, rows_per_expert = 0;
