@@ -45,12 +45,18 @@
 //              seeing the count (the "flag seen" stamps of the traces), median and max over CTAs
 //   flags      the same without an atomic: each CTA releases its own flag word, every CTA's
 //              threads c < C poll flag c, then meet at a barrier (from the latest CTA's store)
+//   neighbour  one CTA: thread 0's L2 chase (ld_landed, or __ldg as the send's x loads), or 8
+//              warps streaming 16-byte loads and stores, with no other thread on the SM, with a
+//              thread of warp 8 spinning on a flag with ld.acquire.sys (what wait_flag spins on:
+//              each spin an L1 invalidate, CCTL.IVALL), or with ld.relaxed.sys: whether an ll
+//              wait slows the other team's loads beside it (the fused dispatch's and the
+//              combine's); first, and alone with --neighbour-only
 // The grid rows (fence, flag, flags) hold one CTA per SM as the ll kernels do (a dynamic
 // shared-memory request of more than half an SM's). Short rows are read in cycles: %globaltimer
 // steps (printed first, with the SM clock of a 2 ms spin) are too coarse for them; ns = cycles /
 // that clock. Rows: the median over `--iters` launches (after one warm-up), of the median CTA where
 // several.
-//   epx_sync_probe [--ctas C] [--iters I]
+//   epx_sync_probe [--ctas C] [--iters I] [--neighbour-only]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -384,6 +390,64 @@ __global__ void flags_kernel(uint64_t* out, uint32_t* flags, uint32_t epoch) {
 }
 
 
+// Neighbour poll: whether a thread spinning on a flag, as every ll wait does (thread 0 of a team,
+// one load per round trip), slows the loads of the other warps on its SM. kPoll 0: no poller;
+// 1: ld.acquire.sys per spin (LDG.E.STRONG.SYS and CCTL.IVALL, an L1 invalidate, each time: what
+// wait_flag spins on); 2: ld.relaxed.sys per spin (no invalidate). The poller is thread 256
+// (warp 8) and spins until the workers' end (their release of `want` into *flag, 100 ms at
+// most). The workers, timed by thread 0: kWork 0, thread 0 chases `hops` L2-resident lines with
+// ld_landed (the receive's loads of landed rows); 1, the same chase through __ldg (the read-only
+// path of the send's x loads, through L1); 2, warps 0-7 stream: per round each thread loads 8
+// 16-byte vectors of `src` through __ldg, then stores them to `dst` (`hops` rounds over distinct
+// L2-resident lines; the send's and the copy's pattern), a barrier of the 256 threads after the
+// last round.
+template <int kPoll, int kWork>
+__global__ void neighbour_kernel(uint64_t* out, const uint32_t* lines, int hops, const uint4* src,
+                                 uint4* dst, uint32_t* flag, uint32_t want, uint64_t* sink) {
+  const int w = static_cast<int>(threadIdx.x) >> 5;
+  if (w == 8) {
+    if (kPoll != 0 && threadIdx.x == 256) {
+      const uint64_t give_up = now_ns() + 100000000ull;  // a probe never hangs
+      uint32_t v = 0;
+      do {
+        v = kPoll == 1 ? ld_acquire_sys(flag) : ld_relaxed_sys(flag);
+      } while (v != want && now_ns() < give_up);
+    }
+    return;
+  }
+  if (w > 8 || (kWork < 2 && threadIdx.x != 0)) return;
+  uint64_t t0 = 0;
+  int64_t c0 = 0;
+  if constexpr (kWork < 2) {
+    uint32_t j = 0;
+    t0 = now_ns();
+    c0 = clock64();
+    for (int i = 0; i < hops; ++i)
+      j = kWork == 0 ? ld_landed<uint32_t>(lines + 64 * j) : __ldg(lines + 64 * j);
+    settle(j, sink);
+    *sink = j;
+  } else {
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    t0 = now_ns();
+    c0 = clock64();
+    for (int r = 0; r < hops; ++r) {
+      uint4 v[8];
+      const int64_t base = (static_cast<int64_t>(r) * 8) * 256 + threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = __ldg(src + base + 256 * i);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dst[base + 256 * i] = v[i];
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  }
+  if (threadIdx.x == 0) {
+    const int64_t c1 = clock64();
+    const uint64_t t1 = now_ns();
+    put(out, t1 - t0, c1 - c0);
+    epx::detail::st_release_sys(flag, want);
+  }
+}
+
 struct Timed {
   std::vector<double> ns, clk;
 };
@@ -416,9 +480,12 @@ std::vector<uint64_t> random_cycle(int64_t n, uint32_t seed) {
 
 int main(int argc, char** argv) {
   int ctas = 128, iters = 20;
+  bool neighbour_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if ((a == "--ctas" || a == "--iters") && i + 1 < argc) {
+    if (a == "--neighbour-only") {
+      neighbour_only = true;
+    } else if ((a == "--ctas" || a == "--iters") && i + 1 < argc) {
       const int v = std::atoi(argv[++i]);
       if (v < 1 || v > (a == "--ctas" ? 1024 : 10000)) {
         std::printf("epx_sync_probe: %s %d is out of range\n", a.c_str(), v);
@@ -426,7 +493,7 @@ int main(int argc, char** argv) {
       }
       (a == "--ctas" ? ctas : iters) = v;
     } else {
-      std::printf("usage: epx_sync_probe [--ctas C] [--iters I]\n");
+      std::printf("usage: epx_sync_probe [--ctas C] [--iters I] [--neighbour-only]\n");
       return a == "--help" ? 0 : 2;
     }
   }
@@ -480,6 +547,71 @@ int main(int argc, char** argv) {
     }
     return t;
   };
+
+  // Neighbour poll: the workers' time with no poller, an acquiring one and a relaxed one on
+  // their SM, the three in turn per launch round (one CTA).
+  {
+    constexpr int64_t kLines = int64_t{1} << 14;  // 4 MB, L2-resident, 256 bytes apart
+    constexpr int kChaseHops = 2048, kRounds = 64;
+    constexpr int64_t kVecs = int64_t{kRounds} * 8 * 256;  // 8 MB of 16-byte vectors
+    const std::vector<uint64_t> next = random_cycle(kLines, 5);
+    uint32_t *lines = nullptr, *flag = nullptr;
+    uint64_t* dnext = nullptr;
+    uint4 *src = nullptr, *dst = nullptr;
+    CUDA_OK(cudaMalloc(&lines, 256 * static_cast<size_t>(kLines)));
+    CUDA_OK(cudaMalloc(&dnext, sizeof(uint64_t) * next.size()));
+    CUDA_OK(cudaMalloc(&src, sizeof(uint4) * kVecs));
+    CUDA_OK(cudaMalloc(&dst, sizeof(uint4) * kVecs));
+    CUDA_OK(cudaMalloc(&flag, sizeof(uint32_t)));
+    CUDA_OK(cudaMemset(flag, 0, sizeof(uint32_t)));
+    CUDA_OK(cudaMemcpy(dnext, next.data(), sizeof(uint64_t) * next.size(), cudaMemcpyHostToDevice));
+    uint32_t want = 0;
+    const char* const polls[3] = {"no poller", "ld.acquire.sys poller", "ld.relaxed.sys poller"};
+    const char* const works[3] = {"chase ld_landed", "chase __ldg", "stream 8 warps"};
+    for (int work = 0; work < 3; ++work) {
+      Timed t[3];
+      for (int i = 0; i <= iters; ++i) {
+        for (int poll = 0; poll < 3; ++poll) {
+          chain_write_kernel<<<256, 256>>>(lines, dnext, kLines);  // (every line in L2)
+          CUDA_OK(cudaMemset(src, 1, sizeof(uint4) * kVecs));
+          ++want;
+          const int hops = work < 2 ? kChaseHops : kRounds;
+          auto go = [&](auto kernel) {
+            kernel<<<1, kThreads>>>(out, lines, hops, src, dst, flag, want, sink);
+          };
+          if (work == 0)
+            poll == 0 ? go(neighbour_kernel<0, 0>)
+                      : poll == 1 ? go(neighbour_kernel<1, 0>) : go(neighbour_kernel<2, 0>);
+          else if (work == 1)
+            poll == 0 ? go(neighbour_kernel<0, 1>)
+                      : poll == 1 ? go(neighbour_kernel<1, 1>) : go(neighbour_kernel<2, 1>);
+          else
+            poll == 0 ? go(neighbour_kernel<0, 2>)
+                      : poll == 1 ? go(neighbour_kernel<1, 2>) : go(neighbour_kernel<2, 2>);
+          fetch(2);
+          if (i == 0) continue;  // warm-up
+          t[poll].ns.push_back(static_cast<double>(h[0]));
+          t[poll].clk.push_back(static_cast<double>(h[1]));
+        }
+      }
+      for (int poll = 0; poll < 3; ++poll) {
+        char name[96];
+        std::snprintf(name, sizeof name, "neighbour: %s, %s", works[work], polls[poll]);
+        row(name, t[poll], work < 2 ? kChaseHops : kRounds, work < 2 ? "hop" : "round");
+      }
+    }
+    CUDA_OK(cudaFree(lines));
+    CUDA_OK(cudaFree(dnext));
+    CUDA_OK(cudaFree(src));
+    CUDA_OK(cudaFree(dst));
+    CUDA_OK(cudaFree(flag));
+  }
+  if (neighbour_only) {
+    CUDA_OK(cudaFree(out));
+    CUDA_OK(cudaFree(sink));
+    CUDA_OK(cudaFree(sink32));
+    return 0;
+  }
 
   row("alu: dependent mad.lo.u32", timed([&] { alu_kernel<<<1, 1>>>(out, 7u, sink32); }), 4096,
       "op");
