@@ -553,7 +553,7 @@ int main(int argc, char** argv) {
   {
     constexpr int64_t kLines = int64_t{1} << 14;  // 4 MB, L2-resident, 256 bytes apart
     constexpr int kChaseHops = 2048, kRounds = 64;
-    constexpr int64_t kVecs = int64_t{kRounds} * 8 * 256;  // 8 MB of 16-byte vectors
+    constexpr int64_t kVecs = int64_t{kRounds} * 8 * 256;  // 2 MB of 16-byte vectors
     const std::vector<uint64_t> next = random_cycle(kLines, 5);
     uint32_t *lines = nullptr, *flag = nullptr;
     uint64_t* dnext = nullptr;
