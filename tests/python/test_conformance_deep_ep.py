@@ -1235,7 +1235,10 @@ def body_every_kwarg(ctx, seed):
     t = call("get_local_buffer_tensor", "use_rdma_buffer",
              lambda: raw.get_local_buffer_tensor(dtype=torch.bfloat16, size=torch.Size([2, 2]),
                                                  offset=8, use_rdma_buffer=True))
-    assert (t.shape, t.dtype, t.device.type) == ((2, 2), torch.bfloat16, torch.device(dev).type)
+    # Before any op the raw buffer is on the current GPU wherever CUDA is available (DeepEP's
+    # Buffer is a CUDA object, whatever its group's backend), else on the CPU.
+    before = "cuda" if torch.cuda.is_available() else "cpu"
+    assert (t.shape, t.dtype, t.device.type) == ((2, 2), torch.bfloat16, before)
     t.fill_(1.5)
     again = raw.get_local_buffer_tensor(torch.bfloat16, offset=8, use_rdma_buffer=True)
     assert again.numel() == 12 and again[:4].tolist() == [1.5] * 4 and again[4:].eq(0).all()

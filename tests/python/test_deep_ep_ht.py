@@ -370,12 +370,14 @@ def body_buffer_api(ctx, seed):
     ev = buf.capture()
     assert isinstance(ev, deep_ep.EventOverlap)
     ev.current_stream_wait()
-    # get_comm_stream before any op: the stream of the group's device (None on the CPU).
+    # get_comm_stream before any op: the current GPU's stream wherever CUDA is available, the
+    # group's backend regardless (DeepEP's Buffer is a CUDA object; vLLM gives it a gloo group),
+    # None without CUDA.
     fresh = deep_ep.Buffer(ctx.group)
-    if ctx.device.type == "cpu":
-        assert fresh.get_comm_stream() is None and ev.event is None
+    if torch.cuda.is_available():
+        assert fresh.get_comm_stream() == torch.cuda.current_stream()
     else:
-        assert fresh.get_comm_stream() == torch.cuda.current_stream(ctx.device)
+        assert fresh.get_comm_stream() is None and ev.event is None
     # runtime: DeepEP's layout queries (one node here: one RDMA rank), internals Unsupported.
     rt = buf.runtime
     assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_root_rdma_rank(True),

@@ -509,17 +509,17 @@ class Buffer:
 
     def get_comm_stream(self):
         """epx runs on the caller's current stream: that stream on the Buffer's device (its last
-        op's; before any, the group's kind of device), None on the CPU."""
+        op's; before any, the current GPU where CUDA is available), None on the CPU."""
         device = self._device or self._default_device()
         if device.startswith("cuda"):
             return torch.cuda.current_stream(torch.device(device))
         return None
 
     def _default_device(self):
-        """The device of a Buffer before its first op: the current GPU where its group runs on
-        GPUs (an NCCL ProcessGroup; with a communicator, where CUDA is available), else 'cpu'."""
-        on_gpu = self._nccl_group() if self._comm is None else torch.cuda.is_available()
-        return f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+        """The device of a Buffer before its first op: the current GPU where CUDA is available,
+        whatever the group's backend (DeepEP's Buffer lives there; vLLM hands it a gloo group),
+        else 'cpu'."""
+        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
     @staticmethod
     def capture():
