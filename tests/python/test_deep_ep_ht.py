@@ -4,6 +4,7 @@ backend, against reference.py. Bodies are device-generic (ctx.device): the GPU t
 
 import copy
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -378,6 +379,10 @@ def body_buffer_api(ctx, seed):
         assert fresh.get_comm_stream() == torch.cuda.current_stream()
     else:
         assert fresh.get_comm_stream() is None and ev.event is None
+        # The rule on a machine with CUDA, whatever the group (here a CPU one): the current GPU.
+        with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                mock.patch.object(torch.cuda, "current_device", return_value=3):
+            assert fresh._default_device() == "cuda:3"
     # runtime: DeepEP's layout queries (one node here: one RDMA rank), internals Unsupported.
     rt = buf.runtime
     assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_root_rdma_rank(True),
