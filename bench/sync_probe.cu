@@ -568,6 +568,11 @@ int main(int argc, char** argv) {
     uint32_t want = 0;
     const char* const polls[3] = {"no poller", "ld.acquire.sys poller", "ld.relaxed.sys poller"};
     const char* const works[3] = {"chase ld_landed", "chase __ldg", "stream 8 warps"};
+    using Neighbour = decltype(&neighbour_kernel<0, 0>);
+    const Neighbour kernels[3][3] = {  // [work][poll]
+        {neighbour_kernel<0, 0>, neighbour_kernel<1, 0>, neighbour_kernel<2, 0>},
+        {neighbour_kernel<0, 1>, neighbour_kernel<1, 1>, neighbour_kernel<2, 1>},
+        {neighbour_kernel<0, 2>, neighbour_kernel<1, 2>, neighbour_kernel<2, 2>}};
     for (int work = 0; work < 3; ++work) {
       Timed t[3];
       for (int i = 0; i <= iters; ++i) {
@@ -576,18 +581,7 @@ int main(int argc, char** argv) {
           CUDA_OK(cudaMemset(src, 1, sizeof(uint4) * kVecs));
           ++want;
           const int hops = work < 2 ? kChaseHops : kRounds;
-          auto go = [&](auto kernel) {
-            kernel<<<1, kThreads>>>(out, lines, hops, src, dst, flag, want, sink);
-          };
-          if (work == 0)
-            poll == 0 ? go(neighbour_kernel<0, 0>)
-                      : poll == 1 ? go(neighbour_kernel<1, 0>) : go(neighbour_kernel<2, 0>);
-          else if (work == 1)
-            poll == 0 ? go(neighbour_kernel<0, 1>)
-                      : poll == 1 ? go(neighbour_kernel<1, 1>) : go(neighbour_kernel<2, 1>);
-          else
-            poll == 0 ? go(neighbour_kernel<0, 2>)
-                      : poll == 1 ? go(neighbour_kernel<1, 2>) : go(neighbour_kernel<2, 2>);
+          kernels[work][poll]<<<1, kThreads>>>(out, lines, hops, src, dst, flag, want, sink);
           fetch(2);
           if (i == 0) continue;  // warm-up
           t[poll].ns.push_back(static_cast<double>(h[0]));
