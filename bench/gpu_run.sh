@@ -106,7 +106,10 @@
 #             (ncu_ll_tT.csv), the kernels' disassembly with source lines (ncu_ll.disasm: the
 #             build has -lineinfo) and one table
 #             of the stall reasons' shares with the top instructions and source lines
-#             (bench/ncu_stalls.py; docs/perf.md §5 item 32)
+#             (bench/ncu_stalls.py; docs/perf.md §5 item 32). EPX_NCU_HOOK=1 instead: the
+#             hooked receive halves of dispatch and combine as DeepEP's harness runs them
+#             (bench/ncu_hook.py: each hook after an 8192^2 matmul; --cache-control all), one
+#             launch each per T, with the Python extension's disassembly (item 72)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -672,6 +675,10 @@ batch_ncu() {
     lines=(--lines "$OUT/ncu_ll.disasm")
   rm -rf "$tmp"
   local t rep csvs=()
+  if [ "${EPX_NCU_HOOK:-0}" = 1 ]; then
+    batch_ncu_hook "$ncu"
+    return
+  fi
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     rep="$OUT/ncu_ll_t$t"
     # --clock-control none: the GPU's clocks as they are (ncu's default locks them to base;
@@ -689,6 +696,42 @@ batch_ncu() {
   done
   [ ${#csvs[@]} -gt 0 ] || return 1
   step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
+}
+
+# EPX_NCU_HOOK=1: the hooked receive halves as DeepEP's harness runs them (bench/ncu_hook.py: a
+# hooked pair after warm-up pairs, each hook after an 8192^2 matmul), one launch of each profiled
+# per T, with --cache-control all (every replay pass starts with flushed caches, as the harness's
+# hook starts after its matmul); the disassembly of the Python extension for the table's --lines.
+batch_ncu_hook() {
+  local ncu=$1 cu tmp lines=() t k rep csvs=() so w=4
+  cu=$(cuda_bin)
+  so=$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)
+  [ -n "$so" ] || { skip ncu.hook "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  step ncu.hook.disasm 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&
+    for c in *.cubin; do "$2/nvdisasm" -gi -c "$c"; done |
+    awk "/^[[:space:]]*\.text\./ { keep = /ll8dispatch|ll7combine/ } keep" > "$4" && [ -s "$4" ]' \
+    _ "$tmp" "$cu" "$(realpath "$so")" "$OUT/ncu_hook.disasm" &&
+    lines=(--lines "$OUT/ncu_hook.disasm")
+  rm -rf "$tmp"
+  for t in ${EPX_NCU_TOKENS:-128 1}; do
+    for k in dispatch combine; do
+      rep="$OUT/ncu_hook_${k}_t$t"
+      step "ncu.hook_${k}_t$t" 240 "ncu_hook:" "$ncu" -k regex:"^$k" --launch-skip $((2 * w + 1)) \
+        --launch-count 1 --cache-control all --clock-control none --section SpeedOfLight \
+        --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -f \
+        -o "$rep" "$EPX_PYTHON" bench/ncu_hook.py --tokens "$t" --warmup "$w" \
+        --experts "${EPX_AB_EXPERTS:-288}" || continue
+      "$ncu" --import "$rep.ncu-rep" --page details --section SpeedOfLight 2>&1 |
+        grep -E "^  [a-z_]+.*\(|SM Frequency|Duration" | head -12
+      # shellcheck disable=SC2016  # expanded by the inner shell
+      step "ncu.hook_${k}_t$t.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
+        --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
+    done
+  done
+  [ ${#csvs[@]} -gt 0 ] || return 1
+  step ncu.hook.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
 }
 
 batch_overhead() {
