@@ -662,6 +662,10 @@ batch_ncu() {
     skip ncu "Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin"
     return 0
   fi
+  if [ "${EPX_NCU_HOOK:-0}" = 1 ]; then
+    batch_ncu_hook "$ncu"
+    return
+  fi
   # The ll kernels' disassembly with source lines (the build has -lineinfo), for the table's
   # --lines: every cubin of the benchmark, the functions epx::ll::dispatch / combine kept.
   local cu tmp lines=()
@@ -675,10 +679,6 @@ batch_ncu() {
     lines=(--lines "$OUT/ncu_ll.disasm")
   rm -rf "$tmp"
   local t rep csvs=()
-  if [ "${EPX_NCU_HOOK:-0}" = 1 ]; then
-    batch_ncu_hook "$ncu"
-    return
-  fi
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     rep="$OUT/ncu_ll_t$t"
     # --clock-control none: the GPU's clocks as they are (ncu's default locks them to base;
