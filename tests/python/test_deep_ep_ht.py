@@ -12,6 +12,7 @@ import torch
 import epx
 import epx.compat.deep_ep as deep_ep
 import reference as ref
+from conftest import get_pool, gpu_skip_reason
 
 H = 256
 K = 4
@@ -423,6 +424,30 @@ def test_ht_errors(pool):
 
 def test_buffer_api(pool):
     pool.run(body_buffer_api, _seed())
+
+
+def body_fresh_buffer_on_cuda(ctx, seed):
+    """A Buffer on a gloo group (vLLM gives DeepEP its cpu_group) where CUDA is available: before
+    its first op it is on the current GPU, as DeepEP's (a CUDA object whatever the group)."""
+    assert str(torch.distributed.get_backend(ctx.group)).lower() == "gloo"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=64, num_rdma_bytes=32)
+    assert buf.get_comm_stream() == torch.cuda.current_stream(dev)
+    t = buf.get_local_buffer_tensor(torch.int32, offset=8)
+    assert t.device == dev and t.numel() == 14
+    r = buf.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
+    assert r.device == dev and r.numel() == 16
+    assert buf.runtime.get_local_device_id() == dev.index
+
+
+@pytest.mark.gpu
+def test_fresh_buffer_on_a_gloo_group_with_cuda():
+    """The GPU tier's half of body_buffer_api's device rule (the CPU tier patches torch.cuda): a
+    real GPU, a real gloo group."""
+    reason = gpu_skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    get_pool(1).run(body_fresh_buffer_on_cuda, _seed())
 
 
 # ---- module-level API (no ranks needed) ---------------------------------------------------------
