@@ -6,6 +6,7 @@ ncu`; docs/perf.md §5 item 32).
         --warp-sampling-interval 0 -o R ...   (one command)
     ncu --import R.ncu-rep --page source --print-source sass --csv > R.csv
     python3 bench/ncu_stalls.py R.csv [R2.csv ...] [--top N] [--kernel REGEX] [--lines D.txt]
+        [--span FILE:A-B ...]
 
 Per kernel of each CSV (its "Kernel Name" rows start a kernel's instructions; a listing repeated
 with the same samples, as ncu 2025.3 exported each one twice, is shown once): one row with
@@ -17,7 +18,9 @@ one warp seen at one instruction, so a reason's share is the share of warp time 
 --lines: `nvdisasm -gi -c` of the profiled binary's cubins (the build has -lineinfo): each kernel
 is matched to its function there by its instructions, its top instructions get their source line
 (innermost, and the outermost call site after "<-"), and the N source lines with the most samples
-are listed as well.
+are listed as well. --span FILE:A-B (repeatable, with --lines): the samples of the instructions
+whose innermost source line is in FILE's lines A..B, as a share of the kernel's, and their largest
+reasons (a phase's share: docs/perf.md §5 item 74).
 """
 import argparse
 import csv
@@ -131,7 +134,16 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="instructions listed per kernel")
     ap.add_argument("--kernel", default="", help="only kernels whose name matches this regex")
     ap.add_argument("--lines", default="", help="nvdisasm -gi -c output of the profiled cubins")
+    ap.add_argument("--span", action="append", default=[], metavar="FILE:A-B",
+                    help="with --lines: the samples of the instructions whose innermost source "
+                         "line is FILE's A..B, as a share of the kernel's (repeatable)")
     a = ap.parse_args(argv)
+    spans = []
+    for text in a.span:
+        m = re.fullmatch(r"(.+):(\d+)-(\d+)", text)
+        if not m or int(m.group(2)) > int(m.group(3)):
+            ap.error(f"--span {text!r}: expected FILE:A-B with A <= B")
+        spans.append((text, m.group(1), int(m.group(2)), int(m.group(3))))
     funcs = parse_disasm(a.lines) if a.lines else {}
     heads = [TITLES.get(s, s) for s in SHOWN] + ["other"]
     print("| file | kernel | samples | " + " | ".join(heads) + " |")
@@ -180,6 +192,16 @@ def main(argv=None):
             for (inner, outer), n in per_line.most_common(a.top):
                 why = ", ".join(f"{k} {v}" for k, v in per_why[(inner, outer)].most_common(2) if v)
                 print(f"  {100.0 * n / total:5.1f} %  {inner} <- {outer}  {why}")
+            for text, name, lo, hi in spans:
+                n, why = 0, Counter()
+                for k, st, (_, inner, _) in zip(samples, stalls, src):
+                    file, _, line = inner.rpartition(":")
+                    if file == name and line.isdigit() and lo <= int(line) <= hi:
+                        n += k
+                        why.update(st)
+                top3 = ", ".join(f"{k} {v}" for k, v in why.most_common(3) if v)
+                print(f"{path}: {short_name(kernel)}, span {text}: {n} of {total} samples "
+                      f"({100.0 * n / total:.1f} %)" + (f", {top3}" if top3 else ""))
     return 0
 
 

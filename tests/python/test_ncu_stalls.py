@@ -120,6 +120,16 @@ def test_source_lines_from_nvdisasm(tmp_path):
                                   "barrier", "90,", "wait", "3"]
     assert out[j + 2].split() == ["30.1", "%", "sync.cuh:90", "<-", "dispatch.cuh:780", "imc",
                                   "30,", "no_inst", "10"]
+    # --span: the instructions whose innermost line falls in a range, against the kernel's total.
+    p, r = run(tmp_path, rows, "--top", "1", "--lines", str(disasm), "--span", "sync.cuh:200-240",
+               "--span", "dispatch.cuh:1-999")
+    assert r.returncode == 0, r.stderr
+    kern = f"{p}: epx::ll::dispatch<(int)1, (bool)0>"
+    assert f"{kern}, span sync.cuh:200-240: 93 of 133 samples (69.9 %), barrier 90, wait 3" \
+        in r.stdout.splitlines()
+    assert f"{kern}, span dispatch.cuh:1-999: 0 of 133 samples (0.0 %)" in r.stdout.splitlines()
+    _, r = run(tmp_path, rows, "--lines", str(disasm), "--span", "sync.cuh:240-200")
+    assert r.returncode == 2 and "expected FILE:A-B" in r.stderr
     # Without a matching function the listing says so and keeps the instructions.
     other = tmp_path / "other.disasm"
     other.write_text(".text._Z1fv:\n        /*0000*/                   EXIT ;\n")
