@@ -655,6 +655,40 @@ batch_ablate() {
     --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
 }
 
+# ncu_disasm STEP BINARY FILE: the ll kernels' disassembly with source lines (the builds have
+# -lineinfo), for ncu_stalls.py's --lines: every cubin of BINARY, the functions
+# epx::ll::dispatch / combine kept, into FILE. Status 0 when FILE was written.
+ncu_disasm() {
+  local tmp rc
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  step "$1" 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&
+    for c in *.cubin; do "$2/nvdisasm" -gi -c "$c"; done |
+    awk "/^[[:space:]]*\\.text\\./ { keep = /ll8dispatch|ll7combine/ } keep" > "$4" && [ -s "$4" ]' \
+    _ "$tmp" "$(cuda_bin)" "$(realpath "$2")" "$3"
+  rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
+
+# ncu_sample NCU STEP REP SHOW ARGS...: step STEP runs NCU's warp-state sampling with ARGS (the
+# kernel filter, the launches, the cache control, then the command) into REP.ncu-rep, prints the
+# SM frequency and the duration ncu saw, and exports the SASS listing as REP.csv (status 0 when it
+# did). --clock-control none: the GPU's clocks as they are (ncu's default locks them to base; the
+# machines' rules leave clocks alone).
+ncu_sample() {
+  local ncu=$1 name=$2 rep=$3 show=$4
+  shift 4
+  step "$name" 240 "$show" "$ncu" --clock-control none --section SpeedOfLight \
+    --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -f -o "$rep" \
+    "$@" || return 1
+  "$ncu" --import "$rep.ncu-rep" --page details --section SpeedOfLight 2>&1 |
+    grep -E "^  [a-z_]+.*\(|SM Frequency|Duration" | head -12
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  step "$name.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
+    --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep"
+}
+
 batch_ncu() {
   local ncu
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -666,33 +700,14 @@ batch_ncu() {
     batch_ncu_hook "$ncu"
     return
   fi
-  # The ll kernels' disassembly with source lines (the build has -lineinfo), for the table's
-  # --lines: every cubin of the benchmark, the functions epx::ll::dispatch / combine kept.
-  local cu tmp lines=()
-  cu=$(cuda_bin)
-  tmp=$(mktemp -d)
-  # shellcheck disable=SC2016  # expanded by the inner shell
-  step ncu.disasm 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&
-    for c in *.cubin; do "$2/nvdisasm" -gi -c "$c"; done |
-    awk "/^[[:space:]]*\\.text\\./ { keep = /ll8dispatch|ll7combine/ } keep" > "$4" && [ -s "$4" ]' \
-    _ "$tmp" "$cu" "$(realpath "$B/bench/epx_ll_gpu_bench")" "$OUT/ncu_ll.disasm" &&
+  local lines=() t rep csvs=()
+  ncu_disasm ncu.disasm "$B/bench/epx_ll_gpu_bench" "$OUT/ncu_ll.disasm" &&
     lines=(--lines "$OUT/ncu_ll.disasm")
-  rm -rf "$tmp"
-  local t rep csvs=()
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     rep="$OUT/ncu_ll_t$t"
-    # --clock-control none: the GPU's clocks as they are (ncu's default locks them to base;
-    # the machines' rules leave clocks alone); SpeedOfLight reports the SM frequency it saw.
-    step "ncu.ll_t$t" 240 "" "$ncu" -k regex:'^(dispatch|combine)' --launch-skip 8 \
-      --launch-count 2 --cache-control none --clock-control none --section SpeedOfLight \
-      --section WarpStateStats --section SourceCounters \
-      --warp-sampling-interval 0 -f -o "$rep" "$B/bench/epx_ll_gpu_bench" --ranks 1 \
-      --experts "${EPX_AB_EXPERTS:-256}" --tokens "$t" --iters 5 || continue
-    "$ncu" --import "$rep.ncu-rep" --page details --section SpeedOfLight 2>&1 |
-      grep -E "^  [a-z_]+.*\(|SM Frequency|Duration" | head -12
-    # shellcheck disable=SC2016  # expanded by the inner shell
-    step "ncu.ll_t$t.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
-      --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
+    ncu_sample "$ncu" "ncu.ll_t$t" "$rep" "" -k regex:'^(dispatch|combine)' --launch-skip 8 \
+      --launch-count 2 --cache-control none "$B/bench/epx_ll_gpu_bench" --ranks 1 \
+      --experts "${EPX_AB_EXPERTS:-256}" --tokens "$t" --iters 5 && csvs+=("$rep.csv")
   done
   [ ${#csvs[@]} -gt 0 ] || return 1
   step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
@@ -703,31 +718,17 @@ batch_ncu() {
 # per T, with --cache-control all (every replay pass starts with flushed caches, as the harness's
 # hook starts after its matmul); the disassembly of the Python extension for the table's --lines.
 batch_ncu_hook() {
-  local ncu=$1 cu tmp lines=() t k rep csvs=() so w=4
-  cu=$(cuda_bin)
+  local ncu=$1 lines=() t k rep csvs=() so w=4
   so=$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)
   [ -n "$so" ] || { skip ncu.hook "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
-  tmp=$(mktemp -d)
-  # shellcheck disable=SC2016  # expanded by the inner shell
-  step ncu.hook.disasm 120 "" bash -c 'cd "$1" && "$2/cuobjdump" -xelf all "$3" > /dev/null &&
-    for c in *.cubin; do "$2/nvdisasm" -gi -c "$c"; done |
-    awk "/^[[:space:]]*\.text\./ { keep = /ll8dispatch|ll7combine/ } keep" > "$4" && [ -s "$4" ]' \
-    _ "$tmp" "$cu" "$(realpath "$so")" "$OUT/ncu_hook.disasm" &&
-    lines=(--lines "$OUT/ncu_hook.disasm")
-  rm -rf "$tmp"
+  ncu_disasm ncu.hook.disasm "$so" "$OUT/ncu_hook.disasm" && lines=(--lines "$OUT/ncu_hook.disasm")
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     for k in dispatch combine; do
       rep="$OUT/ncu_hook_${k}_t$t"
-      step "ncu.hook_${k}_t$t" 240 "ncu_hook:" "$ncu" -k regex:"^$k" --launch-skip $((2 * w + 1)) \
-        --launch-count 1 --cache-control all --clock-control none --section SpeedOfLight \
-        --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -f \
-        -o "$rep" "$EPX_PYTHON" bench/ncu_hook.py --tokens "$t" --warmup "$w" \
-        --experts "${EPX_AB_EXPERTS:-288}" || continue
-      "$ncu" --import "$rep.ncu-rep" --page details --section SpeedOfLight 2>&1 |
-        grep -E "^  [a-z_]+.*\(|SM Frequency|Duration" | head -12
-      # shellcheck disable=SC2016  # expanded by the inner shell
-      step "ncu.hook_${k}_t$t.export" 120 "" bash -c '"$1" --import "$2.ncu-rep" --page source \
-        --print-source sass --csv > "$2.csv"' _ "$ncu" "$rep" && csvs+=("$rep.csv")
+      ncu_sample "$ncu" "ncu.hook_${k}_t$t" "$rep" "ncu_hook:" -k regex:"^$k" \
+        --launch-skip $((2 * w + 1)) --launch-count 1 --cache-control all \
+        "$EPX_PYTHON" bench/ncu_hook.py --tokens "$t" --warmup "$w" \
+        --experts "${EPX_AB_EXPERTS:-288}" && csvs+=("$rep.csv")
     done
   done
   [ ${#csvs[@]} -gt 0 ] || return 1

@@ -138,6 +138,8 @@ def main(argv=None):
                     help="with --lines: the samples of the instructions whose innermost source "
                          "line is FILE's A..B, as a share of the kernel's (repeatable)")
     a = ap.parse_args(argv)
+    if a.span and not a.lines:
+        ap.error("--span needs --lines (the source lines come from the disassembly)")
     spans = []
     for text in a.span:
         m = re.fullmatch(r"(.+):(\d+)-(\d+)", text)

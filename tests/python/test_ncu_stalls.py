@@ -130,6 +130,8 @@ def test_source_lines_from_nvdisasm(tmp_path):
     assert f"{kern}, span dispatch.cuh:1-999: 0 of 133 samples (0.0 %)" in r.stdout.splitlines()
     _, r = run(tmp_path, rows, "--lines", str(disasm), "--span", "sync.cuh:240-200")
     assert r.returncode == 2 and "expected FILE:A-B" in r.stderr
+    _, r = run(tmp_path, rows, "--span", "sync.cuh:1-2")
+    assert r.returncode == 2 and "--span needs --lines" in r.stderr
     # Without a matching function the listing says so and keeps the instructions.
     other = tmp_path / "other.disasm"
     other.write_text(".text._Z1fv:\n        /*0000*/                   EXIT ;\n")
