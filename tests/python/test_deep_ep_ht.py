@@ -388,7 +388,10 @@ def body_buffer_api(ctx, seed):
     rt = buf.runtime
     assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_root_rdma_rank(True),
             rt.get_root_rdma_rank(False), rt.is_available()) == (1, 0, r, 0, True)
-    assert rt.get_local_device_id() == (ctx.device.index if ctx.device.type == "cuda" else -1)
+    # No op yet: the default device above (the current GPU wherever CUDA is available, so on a
+    # machine with a GPU this CPU-pool Buffer answers that GPU's index), else -1.
+    assert rt.get_local_device_id() == (torch.cuda.current_device()
+                                        if torch.cuda.is_available() else -1)
     with pytest.raises(epx.Unsupported, match="Buffer.runtime.get_local_ipc_handle"):
         rt.get_local_ipc_handle()
 
@@ -396,6 +399,9 @@ def body_buffer_api(ctx, seed):
     x = torch.zeros(2, H, dtype=torch.bfloat16, device=ctx.device)
     idx = torch.zeros(2, K, dtype=torch.int64, device=ctx.device)
     d.low_latency_dispatch(x, idx, 4, R, use_fp8=False)
+    # After an op: that op's device (-1 for the CPU).
+    assert d.runtime.get_local_device_id() == (ctx.device.index if ctx.device.type == "cuda"
+                                               else -1)
     d.destroy()
     assert d.runtime.is_available() is False
     with pytest.raises(epx.InvalidArgument, match="destroyed"):
