@@ -109,7 +109,8 @@
 #             (bench/ncu_stalls.py; docs/perf.md §5 item 32). EPX_NCU_HOOK=1 instead: the
 #             hooked receive halves of dispatch and combine as DeepEP's harness runs them
 #             (bench/ncu_hook.py: each hook after an 8192^2 matmul; --cache-control all), one
-#             launch each per T, with the Python extension's disassembly (item 72)
+#             launch each per T, with the Python extension's disassembly (item 72);
+#             EPX_NCU_HALVES="send recv" (default "recv"): the send halves too (item 75)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -717,18 +718,28 @@ batch_ncu() {
 # hooked pair after warm-up pairs, each hook after an 8192^2 matmul), one launch of each profiled
 # per T, with --cache-control all (every replay pass starts with flushed caches, as the harness's
 # hook starts after its matmul); the disassembly of the Python extension for the table's --lines.
+# EPX_NCU_HALVES: the halves sampled, "recv" (default), "send" or both; the last pair's send half
+# is launch 2 * W of its kernel name, its receive 2 * W + 1 (ncu_hook.py). A send half follows the
+# previous hook with no matmul between, as in the harness; ncu flushes the caches all the same.
 batch_ncu_hook() {
-  local ncu=$1 lines=() t k rep csvs=() so w=4
+  local ncu=$1 lines=() t k h name rep csvs=() so w=4 skip_n
   so=$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)
   [ -n "$so" ] || { skip ncu.hook "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
   ncu_disasm ncu.hook.disasm "$so" "$OUT/ncu_hook.disasm" && lines=(--lines "$OUT/ncu_hook.disasm")
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     for k in dispatch combine; do
-      rep="$OUT/ncu_hook_${k}_t$t"
-      ncu_sample "$ncu" "ncu.hook_${k}_t$t" "$rep" "ncu_hook:" -k regex:"^$k" \
-        --launch-skip $((2 * w + 1)) --launch-count 1 --cache-control all \
-        "$EPX_PYTHON" bench/ncu_hook.py --tokens "$t" --warmup "$w" \
-        --experts "${EPX_AB_EXPERTS:-288}" && csvs+=("$rep.csv")
+      for h in ${EPX_NCU_HALVES:-recv}; do
+        case $h in
+          recv) skip_n=$((2 * w + 1)) name="${k}_t$t" ;;
+          send) skip_n=$((2 * w)) name="${k}_send_t$t" ;;
+          *) skip ncu.hook "EPX_NCU_HALVES: '$h' is neither send nor recv"; continue ;;
+        esac
+        rep="$OUT/ncu_hook_$name"
+        ncu_sample "$ncu" "ncu.hook_$name" "$rep" "ncu_hook:" -k regex:"^$k" \
+          --launch-skip "$skip_n" --launch-count 1 --cache-control all \
+          "$EPX_PYTHON" bench/ncu_hook.py --tokens "$t" --warmup "$w" \
+          --experts "${EPX_AB_EXPERTS:-288}" && csvs+=("$rep.csv")
+      done
     done
   done
   [ ${#csvs[@]} -gt 0 ] || return 1

@@ -7,8 +7,10 @@ more, each as DeepEP's `test_low_latency.py` times the hook: dispatch (send half
 matmul, the hook (receive half), combine (send half), the matmul, the hook. So each receive half
 starts after a matmul has replaced the L2's contents and the SMs' caches, as in the harness's
 hooked rows. Launch order of the kernels named "dispatch": send, receive, send, receive, ...; the
-last pair's receive is launch 2 * warmup + 1 (what `ncu -k regex:^dispatch --launch-skip` takes;
-the same for "combine"). It prints that index and checks nothing: the tests compare the outputs.
+last pair's send half is launch 2 * warmup and its receive 2 * warmup + 1 (what `ncu -k
+regex:^dispatch --launch-skip` takes; the same for "combine"). Each send half follows the previous
+hook with no matmul between, as in the harness. It prints those indices and checks nothing: the
+tests compare the outputs.
 
     ncu -k regex:^dispatch --launch-skip $((2 * W + 1)) --launch-count 1 ... \\
         python bench/ncu_hook.py --tokens T --warmup W
@@ -71,8 +73,8 @@ def main():
             mat @ mat
             hook()
         torch.cuda.synchronize()
-        print(f"ncu_hook: T = {T}, E = {E}; the last receive halves are launch "
-              f"{2 * args.warmup + 1} of 'dispatch' and of 'combine'")
+        print(f"ncu_hook: T = {T}, E = {E}; the last send and receive halves are launches "
+              f"{2 * args.warmup} and {2 * args.warmup + 1} of 'dispatch' and of 'combine'")
         buf.destroy()
     finally:
         dist.destroy_process_group()
