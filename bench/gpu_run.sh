@@ -722,18 +722,21 @@ batch_ncu() {
 # is launch 2 * W of its kernel name, its receive 2 * W + 1 (ncu_hook.py). A send half follows the
 # previous hook with no matmul between, as in the harness; ncu flushes the caches all the same.
 batch_ncu_hook() {
-  local ncu=$1 lines=() t k h name rep csvs=() so w=4 skip_n
+  local ncu=$1 lines=() t k h name rep csvs=() so w=4 skip_n halves=${EPX_NCU_HALVES:-recv}
+  for h in $halves; do
+    case $h in
+      send | recv) ;;
+      *) skip ncu.hook "EPX_NCU_HALVES: '$h' is neither send nor recv"; return 0 ;;
+    esac
+  done
   so=$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)
   [ -n "$so" ] || { skip ncu.hook "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
   ncu_disasm ncu.hook.disasm "$so" "$OUT/ncu_hook.disasm" && lines=(--lines "$OUT/ncu_hook.disasm")
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     for k in dispatch combine; do
-      for h in ${EPX_NCU_HALVES:-recv}; do
-        case $h in
-          recv) skip_n=$((2 * w + 1)) name="${k}_t$t" ;;
-          send) skip_n=$((2 * w)) name="${k}_send_t$t" ;;
-          *) skip ncu.hook "EPX_NCU_HALVES: '$h' is neither send nor recv"; continue ;;
-        esac
+      for h in $halves; do
+        skip_n=$((2 * w + 1)) name="${k}_t$t"
+        [ "$h" = recv ] || skip_n=$((2 * w)) name="${k}_send_t$t"
         rep="$OUT/ncu_hook_$name"
         ncu_sample "$ncu" "ncu.hook_$name" "$rep" "ncu_hook:" -k regex:"^$k" \
           --launch-skip "$skip_n" --launch-count 1 --cache-control all \

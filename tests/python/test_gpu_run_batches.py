@@ -227,7 +227,7 @@ def test_ab_keeps_the_base_build_only_for_the_same_sources(tmp_path):
 def test_ncu_hook_samples_the_halves_asked_for(tmp_path):
     """ncu with EPX_NCU_HOOK=1: for each T and kernel name, the receive half (launch 2W + 1 of
     that name, W the warm-up pairs) by default, and with EPX_NCU_HALVES="send recv" the send half
-    (launch 2W) before it, each into its own report; an unknown half is a skip, not a sample."""
+    (launch 2W) before it, each into its own report; an unknown half is one skip and no sample."""
     out = tmp_path / "out"
     (tmp_path / "python" / "epx").mkdir(parents=True)
     (tmp_path / "python" / "epx" / "_epx.cpython-311-x86_64-linux-gnu.so").write_text("")
@@ -239,9 +239,10 @@ def test_ncu_hook_samples_the_halves_asked_for(tmp_path):
     script = stubs + script_function("batch_ncu_hook") + "\nbatch_ncu_hook ncu"
 
     def run(**env):
+        base = {k: v for k, v in os.environ.items() if k != "EPX_NCU_HALVES"}
         r = subprocess.run(["bash", "-c", script], cwd=tmp_path, check=False,
                            capture_output=True, text=True,
-                           env=dict(os.environ, OUT=str(out), EPX_PYTHON="python3",
+                           env=dict(base, OUT=str(out), EPX_PYTHON="python3",
                                     EPX_NCU_TOKENS="128 1", **env))
         return r.stdout.splitlines()
 
@@ -255,5 +256,5 @@ def test_ncu_hook_samples_the_halves_asked_for(tmp_path):
     both = [x for t in (128, 1) for k in ("dispatch", "combine")
             for x in (line(f"{k}_send_t{t}", 8), line(f"{k}_t{t}", 9))]
     assert run(EPX_NCU_HALVES="send recv") == both
-    assert run(EPX_NCU_HALVES="sent")[0] == ("skip ncu.hook: EPX_NCU_HALVES: 'sent' is neither "
-                                             "send nor recv")
+    assert run(EPX_NCU_HALVES="recv sent") == ["skip ncu.hook: EPX_NCU_HALVES: 'sent' is "
+                                               "neither send nor recv"]
