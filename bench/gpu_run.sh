@@ -735,8 +735,10 @@ batch_ncu_hook() {
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     for k in dispatch combine; do
       for h in $halves; do
-        skip_n=$((2 * w + 1)) name="${k}_t$t"
-        [ "$h" = recv ] || skip_n=$((2 * w)) name="${k}_send_t$t"
+        case $h in
+          recv) skip_n=$((2 * w + 1)) name="${k}_t$t" ;;
+          send) skip_n=$((2 * w)) name="${k}_send_t$t" ;;
+        esac
         rep="$OUT/ncu_hook_$name"
         ncu_sample "$ncu" "ncu.hook_$name" "$rep" "ncu_hook:" -k regex:"^$k" \
           --launch-skip "$skip_n" --launch-count 1 --cache-control all \
