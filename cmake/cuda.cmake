@@ -104,7 +104,8 @@ add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_nodes.cu ${PROJECT_SOURCE_DIR}/tests/gpu/ht_nodes_gpu_test.cc
             ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc
-            ${PROJECT_SOURCE_DIR}/src/cuda/ll.cu ${PROJECT_SOURCE_DIR}/bench/ll_gpu_bench.cu)
+            ${PROJECT_SOURCE_DIR}/src/cuda/ll.cu ${PROJECT_SOURCE_DIR}/src/cuda/ll_send.cu
+            ${PROJECT_SOURCE_DIR}/bench/ll_gpu_bench.cu)
 target_include_directories(epx_diagnostics_check
                            PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES> ${PROJECT_SOURCE_DIR}
                            ${PROJECT_SOURCE_DIR}/tests)

@@ -10,7 +10,8 @@
 //   construction  symmetric region (transport allocate: collective, zeroed; part of the Buffer's
 //                 collective construction, so no ll call ever allocates)
 //   ll_dispatch   outputs from the allocator; ONE kernel (send + receive), or with
-//                 return_recv_hook the send kernel now and the receive kernel when the hook runs
+//                 return_recv_hook the send kernel now (ll_send.cu: a module of its own, the
+//                 same kernel name) and the receive kernel when the hook runs
 //   ll_combine    out from the allocator (or the caller's); ONE kernel (publish + pull/reduce),
 //                 or with the hook the publish now and the pull/reduce when the hook runs;
 //                 with overlap (docs/design.md §7.6) the signal-driven send on S CTAs now and
@@ -62,6 +63,7 @@
 #include "cuda/kernels/ll/mask.cuh"
 #include "cuda/launch.h"
 #include "cuda/ll.h"
+#include "cuda/ll_send.h"
 #include "cuda/trace_buffers.h"
 #include "cuda/tuning.h"
 #include "transport/transport.h"
@@ -167,24 +169,22 @@ void launch_combine(int mode, bool direct, int ctas, size_t smem, cudaStream_t s
 }
 
 // One launch of the dispatch instantiation of p's form (kernels/ll/dispatch.cuh): LlQuant from
-// use_fp8 / use_nvfp4; kShrink = symm.shrink (BufferConfig::enable_shrink, fixed per Buffer);
-// kFused: both halves in this launch without enable_shrink.
+// use_fp8 / use_nvfp4 (ll_with_quant); kShrink = symm.shrink (BufferConfig::enable_shrink, fixed
+// per Buffer); kFused: both halves in this launch without enable_shrink. A hook's send half is
+// the send module's kernel of the same name (ll_send.cu).
 template <bool kShrink, bool kFused>
 void launch_dispatch_form(int ctas, cudaStream_t stream, const char* what,
                           const LlDispatchParams& p) {
-  if (p.use_nvfp4)
-    launch_kernel(ll::dispatch<kLlQuantNvfp4, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
-                  what, p);
-  else if (p.use_fp8)
-    launch_kernel(ll::dispatch<kLlQuantFp8, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
-                  what, p);
-  else
-    launch_kernel(ll::dispatch<kLlQuantBf16, kShrink, kFused>, ctas, kLlThreads, 0, stream, p.pdl,
-                  what, p);
+  ll_with_quant(p, [&](auto quant) {
+    launch_kernel(ll::dispatch<decltype(quant)::value, kShrink, kFused>, ctas, kLlThreads, 0,
+                  stream, p.pdl, what, p);
+  });
 }
 
 void launch_dispatch(int ctas, cudaStream_t stream, const char* what, const LlDispatchParams& p) {
-  if (p.symm.shrink)
+  if (p.phases == kLlPhaseSend)
+    launch_ll_dispatch_send(ctas, stream, what, p);
+  else if (p.symm.shrink)
     launch_dispatch_form<true, false>(ctas, stream, what, p);
   else if (p.phases == kLlPhaseBoth)
     launch_dispatch_form<false, true>(ctas, stream, what, p);

@@ -779,3 +779,59 @@ def test_ll_shrink_gpu(R):
     if reason:
         pytest.skip(reason)
     get_pool(R, "nccl").run(body_ll_shrink, _seed())
+
+
+# ---- profiler rows: one kernel name per op, hook or not (DeepEP's bench_kineto) ---------------
+
+def body_ll_hooked_kernel_names(ctx, seed, shrink, calls=4):
+    """GPU only: under torch.profiler, `calls` hooked fp8 dispatches and combines (each hook
+    called), the way DeepEP's bench_kineto times them with return_recv_hook. Its table matches
+    kernel rows by name, one name per op, so the two launches of each op (the send now, the
+    receive in the hook) must carry one kernel name: 2 * calls rows of one epx::ll::dispatch
+    name and 2 * calls of one epx::ll::combine name. The last call's outputs
+    are checked against reference.py."""
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 4 * R
+    L = E // R
+    T_max = 16
+    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True, enable_shrink=shrink)
+    inputs = _inputs(seed, R, E, lambda src: T_max - 2 - src % 3)
+    ys = [_y(seed, d, L, R, T_max) for d in range(R)]
+    x = inputs[r]["x"].to(dev)
+    idx = inputs[r]["topk_idx"].to(dev)
+    w = inputs[r]["topk_weights"].to(dev)
+    y = ys[r].to(dev)
+
+    def step():
+        res = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=True, return_recv_hook=True)
+        res[4]()
+        out, _, hook = buf.low_latency_combine(y, idx, w, res[2], return_recv_hook=True)
+        hook()
+        return res, out
+
+    step()  # warm-up: the first call sets up what the profiler should not see
+    torch.cuda.synchronize(dev)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            res, out = step()
+        torch.cuda.synchronize(dev)
+    rows = {}
+    for ev in prof.events():
+        if "epx::" in ev.name and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows[ev.name] = rows.get(ev.name, 0) + 1
+    what = f"seed={seed} shrink={shrink} rows={rows}"
+    dispatch = {k: n for k, n in rows.items() if "epx::ll::dispatch<" in k}
+    combine = {k: n for k, n in rows.items() if "epx::ll::combine<" in k}
+    assert len(dispatch) == 1 and list(dispatch.values()) == [2 * calls], what
+    assert len(combine) == 1 and list(combine.values()) == [2 * calls], what
+    what = f"seed={seed} shrink={shrink}"
+    _check_dispatch(ctx, inputs, res, E, T_max, True, False, False, what)
+    _assert_combined(out.cpu(), ref.ll_combine(inputs, ys, r, E, R), inputs[r]["topk_idx"], L,
+                     what, buf)
+    return len(dispatch) + len(combine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shrink", [False, True], ids=["plain", "enable_shrink"])
+def test_hooked_halves_one_kernel_name(gpu_pool, shrink):
+    assert gpu_pool.run(body_ll_hooked_kernel_names, _seed(), shrink) == [2] * gpu_pool.world_size

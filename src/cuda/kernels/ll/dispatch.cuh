@@ -6,7 +6,8 @@
 // e = state.dispatch_epoch[q][b] + 1 (CTA b's word, read at its start; advanced by CTA b at the
 // end of the receive half, so send and receive kernels of one dispatch agree on it).
 //
-// send half (epx::ll::dispatch with kLlPhaseSend: the call with a hook, or both halves):
+// send half (epx::ll::dispatch with kLlPhaseSend: the call with a hook, a kernel of its own
+// module, src/cuda/ll_send.cu; or both halves):
 //   1. Threads d < R wait dispatch_freed[q][d] >= (e - 1) * C: rank d finished reading its
 //      slot-q staging of the previous dispatch through q (normally long ago: a local flag read).
 //   2. CTA 0: header {T, format} into staging(d, q, src = r) on every rank d.
@@ -70,6 +71,8 @@
 // Outputs are plain device tensors from the caller's allocator; null outputs are skipped (the
 // host passes null when the allocator failed, so the collective still completes).
 #pragma once
+
+#include <type_traits>
 
 #include "core/quant.h"
 #include "cuda/kernels/ll/common.cuh"
@@ -1004,15 +1007,37 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
 
 }  // namespace epx::detail
 
+namespace epx::detail {
+
+// f(std::integral_constant<int, LlQuant>{}) for the message format p's options select
+// (use_nvfp4, else use_fp8, else bf16): the one place the host maps them to a kernel's kQuant.
+template <typename F>
+void ll_with_quant(const LlDispatchParams& p, F&& f) {
+  if (p.use_nvfp4)
+    f(std::integral_constant<int, kLlQuantNvfp4>{});
+  else if (p.use_fp8)
+    f(std::integral_constant<int, kLlQuantFp8>{});
+  else
+    f(std::integral_constant<int, kLlQuantBf16>{});
+}
+
+}  // namespace epx::detail
+
+// The hook's send half is a kernel of its own translation unit (src/cuda/ll_send.cu, which
+// defines EPX_LL_DISPATCH_SEND_MODULE and a send-only epx::ll::dispatch<kQuant, kShrink, false>
+// of the same name with internal linkage): its own module, so its code and registers do not
+// follow the receive's. Every other form is the kernel below.
+#ifndef EPX_LL_DISPATCH_SEND_MODULE
 namespace epx::ll {
 
 // The ll dispatch kernel, one instantiation per form (profilers show one name per op, hook or
 // not): kQuant the message format (LlQuant, from p.use_fp8 / p.use_nvfp4), kShrink whether the
 // group has rank masks (BufferConfig::enable_shrink = p.symm.shrink; false: no mask code),
 // kFused the fused launch (both halves, no enable_shrink: the two teams above; the host's choice)
-// or not: p.phases selects the send half (the call with a hook), the receive half (the hook) or
-// both (enable_shrink without a hook), every phase on the whole CTA. Each carries only its own
-// code, so the hooked halves do not fetch the fused launch's.
+// or not. Not fused, p.phases selects the halves, every phase on the whole CTA: the receive half
+// (the hook) or, with kShrink, both (no hook); the send half of a call with a hook is ll_send.cu's
+// kernel, so without kShrink this one holds no send code. Each carries only its own code, so the
+// hooked halves do not fetch the fused launch's.
 template <int kQuant, bool kShrink, bool kFused>
 __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDispatchParams p) {
   using namespace detail;
@@ -1030,7 +1055,7 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDisp
   bool ok = true;
   if (router) {
     ok = ll_dispatch_route<kQuant>(p, e, team);
-  } else if (kFused || (p.phases & kLlPhaseSend)) {
+  } else if (kFused || (kShrink && (p.phases & kLlPhaseSend))) {
     EPX_LL_STAMP(p, 0, kTrDEntry);
     ok = ll_dispatch_send<kQuant, kShrink, kFused>(p, e, team);
     if (!kFused && !ok) return;
@@ -1040,3 +1065,4 @@ __global__ void __launch_bounds__(detail::kLlThreads, 1) dispatch(detail::LlDisp
 }
 
 }  // namespace epx::ll
+#endif  // EPX_LL_DISPATCH_SEND_MODULE
