@@ -788,8 +788,8 @@ def body_ll_hooked_kernel_names(ctx, seed, shrink, calls=4):
     called), the way DeepEP's bench_kineto times them with return_recv_hook. Its table matches
     kernel rows by name, one name per op, so the two launches of each op (the send now, the
     receive in the hook) must carry one kernel name: 2 * calls rows of one epx::ll::dispatch
-    name and 2 * calls of one epx::ll::combine name. The last call's outputs
-    are checked against reference.py."""
+    name and 2 * calls of one epx::ll::combine name. The last call's outputs are checked
+    against reference.py."""
     R, r, dev = ctx.world_size, ctx.rank, ctx.device
     E = 4 * R
     L = E // R

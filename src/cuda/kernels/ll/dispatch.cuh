@@ -1005,10 +1005,6 @@ __device__ __forceinline__ uint32_t ll_dispatch_epoch(const LlDispatchParams& p)
   return *reinterpret_cast<const volatile uint32_t*>(&st->dispatch_epoch[p.slot][blockIdx.x]) + 1;
 }
 
-}  // namespace epx::detail
-
-namespace epx::detail {
-
 // f(std::integral_constant<int, LlQuant>{}) for the message format p's options select
 // (use_nvfp4, else use_fp8, else bf16): the one place the host maps them to a kernel's kQuant.
 template <typename F>
