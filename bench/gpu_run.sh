@@ -7,7 +7,8 @@
 #   bash bench/gpu_run.sh BATCH [BATCH...]        e.g.  bash bench/gpu_run.sh tests bench
 #
 #   build     only the build (every batch builds first, once; htrace and probe alone skip it:
-#             they build their own trees)
+#             they build their own trees; `ab` alone builds only the targets it runs: the ll
+#             bench, and the Python extension for EPX_DEEPEP_TESTS or EPX_AB_OVERHEAD)
 #   tests     the GPU GoogleTest tier, each binary bounded ($EPX_TEST_LIMIT s, default 400):
 #             R = 1 and the one-GPU multi-rank tests (R = 2, 4, 8 on one GPU) of every binary;
 #             ht: HtGpu.OneRank*, HtGpu.WorstCaseGraphReplaysOneRank, Ranks/HtOneGpu.*, then
@@ -235,9 +236,37 @@ pin() {
   fi
 }
 
+# ab_targets: what `ab` builds of a tree: the ll bench, and the Python extension when DeepEP's
+# harness (EPX_DEEPEP_TESTS) or the host-time rows (EPX_AB_OVERHEAD) run through the drop-in.
+ab_targets() {
+  if [ -z "${EPX_DEEPEP_TESTS:-}" ] && [ "${EPX_AB_OVERHEAD:-0}" = 0 ]; then
+    echo epx_ll_gpu_bench
+  else
+    echo "epx_ll_gpu_bench _epx"
+  fi
+}
+
+# main_targets BATCH...: the main build's targets for the batches given (empty: every target):
+# `ab` alone (with or without `build`) needs only ab_targets of this tree.
+main_targets() {
+  local b ab=0
+  for b in "$@"; do
+    case "$b" in
+      build) ;;
+      ab) ab=1 ;;
+      *) return 0 ;;
+    esac
+  done
+  [ "$ab" = 0 ] || ab_targets
+}
+
 do_build() {
-  step build 1200 "" bash -c 'source scripts/common.sh && epx_setup_env && epx_configure_and_build' ||
-    { tail -40 "$OUT/build.log"; return 1; }
+  local targets
+  targets=$(main_targets "$@")
+  [ -z "$targets" ] || echo "== build: only $targets (the batches given use no other target)"
+  # shellcheck disable=SC2016  # $1 is the inner shell's: the targets
+  step build 1200 "" bash -c 'source scripts/common.sh && epx_setup_env &&
+    epx_configure_and_build "$1"' _ "$targets" || { tail -40 "$OUT/build.log"; return 1; }
 }
 
 # side_build NAME LIMIT SRC DIR TARGETS [CMAKE_OPTION...]: step NAME, a Release CUDA build of the
@@ -398,8 +427,9 @@ batch_ab() {
     }
     git archive "$rev" | tar -x -C "$dir.src"
   fi
-  local py=OFF targets=epx_ll_gpu_bench tests=${EPX_DEEPEP_TESTS:-} overhead=${EPX_AB_OVERHEAD:-0}
-  [ -z "$tests" ] && [ "$overhead" = 0 ] || { py=ON; targets="epx_ll_gpu_bench _epx"; }
+  local py=OFF targets tests=${EPX_DEEPEP_TESTS:-} overhead=${EPX_AB_OVERHEAD:-0}
+  targets=$(ab_targets)
+  [[ " $targets " != *" _epx "* ]] || py=ON
   ab_keep_build "$dir.src" "$dir"
   side_build ab.build 600 "$dir.src" "$dir" "$targets" -DEPX_BUILD_PYTHON="$py" \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
@@ -776,8 +806,8 @@ main_build() {
   for b in "$@"; do
     case "$b" in
       htrace | probe) ;;
-      trace) [ "$(trace_parts)" = " ll " ] || { do_build; return; } ;;
-      *) do_build; return ;;
+      trace) [ "$(trace_parts)" = " ll " ] || { do_build "$@"; return; } ;;
+      *) do_build "$@"; return ;;
     esac
   done
   skip build "the batches given build their own trees (htrace, probe, trace of ll alone)"

@@ -56,7 +56,10 @@ epx_install_deps() {
   fi
 }
 
+# The build of this tree in EPX_BUILD_DIR (configured once); `cmake --build` of every target, or
+# of the space-separated targets in $1 when given (bench/gpu_run.sh: the ones its batches use).
 epx_configure_and_build() {
+  local targets=${1:-}
   local py=OFF
   epx_python_ready && [ -f python/CMakeLists.txt ] && py=ON
   local gen=()
@@ -68,5 +71,6 @@ epx_configure_and_build() {
   else
     cmake "$EPX_BUILD_DIR" -DEPX_WITH_CUDA="$EPX_WITH_CUDA" -DEPX_BUILD_PYTHON="$py" >/dev/null
   fi
-  cmake --build "$EPX_BUILD_DIR" -j "$(nproc)"
+  # shellcheck disable=SC2086  # targets: a list of words
+  cmake --build "$EPX_BUILD_DIR" -j "$(nproc)" ${targets:+--target $targets}
 }

@@ -154,6 +154,47 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
     assert run(["probe", "tests"]) == "BUILD"
 
 
+def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
+    """`ab` (with or without `build`) builds only this tree's ll bench, and its Python extension
+    where DeepEP's harness or the host-time rows run through the drop-in (what ab builds of the
+    base tree too); any other batch builds every target. epx_configure_and_build passes the
+    targets to `cmake --build` and builds all without them."""
+    funcs = script_function("ab_targets") + "\n" + script_function("main_targets")
+
+    def targets(batches, **env):
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("EPX_DEEPEP_TESTS", "EPX_AB_OVERHEAD")}
+        script = funcs + "\nmain_targets " + " ".join(batches)
+        return subprocess.run(["bash", "-c", script], env={**base, **env}, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert targets(["ab"]) == "epx_ll_gpu_bench"
+    assert targets(["build", "ab"], EPX_DEEPEP_TESTS="/x/tests") == "epx_ll_gpu_bench _epx"
+    assert targets(["ab"], EPX_AB_OVERHEAD="2") == "epx_ll_gpu_bench _epx"
+    assert targets(["ab"], EPX_AB_OVERHEAD="0") == "epx_ll_gpu_bench"
+    assert targets(["build"]) == ""
+    assert targets(["ab", "tests"]) == ""
+    assert targets(["pytest", "ab"]) == ""
+
+    # epx_configure_and_build with a stub cmake that records its arguments.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "cmake.log"
+    (bindir / "cmake").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (bindir / "cmake").chmod(0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "CMakeCache.txt").write_text("")
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "EPX_BUILD_DIR": str(build),
+           "EPX_WITH_CUDA": "OFF"}
+    script = ("source scripts/common.sh\nepx_python_ready() { return 1; }\n"
+              'epx_configure_and_build "a b"\nepx_configure_and_build')
+    subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True, capture_output=True)
+    builds = [ln for ln in log.read_text().splitlines() if ln.startswith("--build")]
+    assert len(builds) == 2, builds
+    assert builds[0].endswith("--target a b"), builds
+    assert "--target" not in builds[1], builds
+
 def test_ab_sides_put_each_tree_first_in_every_other_round():
     """ab's rounds: the base first in odd rounds, this tree ("head") first in even ones, so an even
     number of rounds runs each tree first as often."""
