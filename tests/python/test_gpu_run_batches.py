@@ -195,6 +195,7 @@ def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     assert builds[0].endswith("--target a b"), builds
     assert "--target" not in builds[1], builds
 
+
 def test_ab_sides_put_each_tree_first_in_every_other_round():
     """ab's rounds: the base first in odd rounds, this tree ("head") first in even ones, so an even
     number of rounds runs each tree first as often."""
