@@ -704,6 +704,20 @@ __device__ __forceinline__ void ll_dispatch_release_freed(const LlDispatchParams
       symm.one_gpu);
 }
 
+// Unit u's local expert: u / S, without the division where S = 1 (each unit its own expert; the
+// common case, and the only one where a CTA has more than one unit: S > 1 only where L * S <= C).
+__device__ __forceinline__ int ll_unit_expert(int u, int S) {
+  return S == 1 ? u : u / S;
+}
+// How many of units u0, u0 + C, ... (up to kLlUnitGroup) are below `units` (u0 < units), by
+// comparisons: min(kLlUnitGroup, ceil((units - u0) / C)) without a division by runtime values.
+__device__ __forceinline__ int ll_unit_group_size(int u0, int C, int units) {
+  int n = 1;
+#pragma unroll
+  for (int i = 1; i < kLlUnitGroup; ++i) n += u0 + i * C < units ? 1 : 0;
+  return n;
+}
+
 // The receive's units, one pass over the sources: a CTA takes its units in groups of up to
 // kLlUnitGroup (units u, u + C, ...: more than one only when L > C, e.g. R = 1, E = 288 on 128
 // CTAs, and then S = 1), compacts the concatenated list for all of them at once, `team.count`
@@ -758,12 +772,13 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
   EPX_LL_TRACE_COUNT(rows);
   for (int u0 = blockIdx.x; u0 < units; u0 += kLlUnitGroup * C) {
     // The group: units u0 + i * C < units, i < n. With n > 1, S = 1 (L * S > C): sub = 0.
-    const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+    const int n = ll_unit_group_size(u0, C, units);
     int l[kLlUnitGroup];
     int32_t expert[kLlUnitGroup];
+    const int l0 = ll_unit_expert(u0, S);
 #pragma unroll
     for (int i = 0; i < kLlUnitGroup; ++i) {
-      l[i] = (u0 + i * C) / S;
+      l[i] = S == 1 ? u0 + i * C : l0;  // (S > 1: n = 1)
       expert[i] = me * L + l[i];
     }
     const int sub = u0 - l[0] * S;
@@ -842,7 +857,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
         ll_dispatch_release_freed<kShrink>(p, static_cast<int>(blockDim.x) - kMaxRanks);
       if (sub == 0 && tid < n) {
         // Thread i: unit i's expert (computed, not indexed: l[] and running[] stay in registers).
-        const int i = tid, li = (u0 + i * C) / S;
+        const int i = tid, li = ll_unit_expert(u0 + i * C, S);
         int64_t begin = 0;  // ends as the expert's rows (= running[i])
         for (int src = 0; src < R; ++src) {
           if (p.layout_range) p.layout_range[li * R + src] = (begin << 32) | s_cnt[i][src];
@@ -906,10 +921,10 @@ __device__ __forceinline__ int32_t ll_dispatch_stats0(const LlDispatchParams& p,
                                                       const LlTeam& team) {
   const int S = p.units_per_expert, units = p.symm.layout.num_local_experts * S;
   const int C = static_cast<int>(gridDim.x), u0 = static_cast<int>(blockIdx.x);
-  const int n = min(kLlUnitGroup, (units - u0 + C - 1) / C);
+  const int n = ll_unit_group_size(u0, C, units);
   const int u = u0 + team.tid() * C;
-  if (!p.stats || team.tid() >= n || u0 % S != 0) return 0;
-  return p.stats[(u / S) * p.stats_stride];
+  if (!p.stats || team.tid() >= n || (S != 1 && u0 % S != 0)) return 0;
+  return p.stats[ll_unit_expert(u, S) * p.stats_stride];
 }
 
 // Receive half on `team` (the CTA, or in the fused launch either half: warps 8-15 wait for the
