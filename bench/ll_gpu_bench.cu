@@ -530,7 +530,9 @@ const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "routed signal (fused)",
                                                           "sent wait (fused)",
                                                           "scan start",
-                                                          "list end"};
+                                                          "list end",
+                                                          "NT seen (fused)",
+                                                          "copy barrier (fused)"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
                                                          "signal (3)",

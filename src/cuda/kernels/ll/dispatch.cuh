@@ -763,6 +763,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
       asm volatile("bar.arrive %0, %1;" ::"n"(kLlBarRounds), "n"(kLlThreads) : "memory");
     } else {
       asm volatile("bar.sync %0, %1;" ::"n"(kLlBarRounds), "n"(kLlThreads) : "memory");
+      EPX_LL_STAMP(p, 0, kTrDFollowNt);
     }
   }
   if (!ok && !follow) return false;  // (the followers see s_nt < 0)
@@ -841,6 +842,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
         // The round's copy, by every warp; in the fused launch the barrier also tells whether
         // every warp's waits held.
         if (split) {
+          if (follow) EPX_LL_STAMP(p, 0, kTrDFollowBar);
           if (!__syncthreads_and(ok)) return false;
         } else {
           __syncthreads();

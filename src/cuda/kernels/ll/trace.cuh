@@ -26,7 +26,7 @@
 
 namespace epx::detail {
 
-inline constexpr int kLlTracePhases = 18;
+inline constexpr int kLlTracePhases = 20;
 inline constexpr int kLlTraceOps = 2;
 
 // Dispatch phases (op 0).
@@ -49,6 +49,8 @@ enum LlDispatchPhase : int {
   kTrDSentWait,   // fused launch, warps 0-7: after their dispatch_sent wait (units only)
   kTrDScanStart,  // the listing team's first scan round begins (units only)
   kTrDListEnd,    // the listing team's last round listed, before the copy's barrier
+  kTrDFollowNt,   // fused launch, warps 0-7: past the barrier that tells them NT (units only)
+  kTrDFollowBar,  // fused launch, warps 0-7: at the copy's barrier of the last round, before it
   kTrDNum
 };
 // Combine phases (op 1).
