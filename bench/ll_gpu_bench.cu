@@ -532,7 +532,8 @@ const char* const kDispatchPhaseNames[detail::kTrDNum] = {"entry",
                                                           "scan start",
                                                           "list end",
                                                           "NT seen (fused)",
-                                                          "copy barrier (fused)"};
+                                                          "copy barrier (fused)",
+                                                          "team listed (fused)"};
 const char* const kCombinePhaseNames[detail::kTrCNum] = {"entry",
                                                          "send copy (1,2)",
                                                          "signal (3)",

@@ -838,6 +838,12 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
             s_round[2] = stop;
           }
           EPX_LL_STAMP(p, 0, kTrDListEnd);
+#ifdef EPX_LL_TRACE
+          if (split) {
+            team.sync();
+            EPX_LL_STAMP(p, 0, kTrDTeamListed);
+          }
+#endif
         }
         // The round's copy, by every warp; in the fused launch the barrier also tells whether
         // every warp's waits held.

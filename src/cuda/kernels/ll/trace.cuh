@@ -26,7 +26,7 @@
 
 namespace epx::detail {
 
-inline constexpr int kLlTracePhases = 20;
+inline constexpr int kLlTracePhases = 21;
 inline constexpr int kLlTraceOps = 2;
 
 // Dispatch phases (op 0).
@@ -51,6 +51,8 @@ enum LlDispatchPhase : int {
   kTrDListEnd,    // the listing team's last round listed, before the copy's barrier
   kTrDFollowNt,   // fused launch, warps 0-7: past the barrier that tells them NT (units only)
   kTrDFollowBar,  // fused launch, warps 0-7: at the copy's barrier of the last round, before it
+  kTrDTeamListed, // fused launch, warps 8-15: every one of them past its last list (a barrier of
+                  // theirs that trace builds alone add)
   kTrDNum
 };
 // Combine phases (op 1).
