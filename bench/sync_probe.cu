@@ -34,6 +34,10 @@
 //              block (4 or 16 KB), as the fused dispatch's teams run two code paths on the same
 //              schedulers; with 1 and 8 warps a dependent chain (one accumulator), looped and
 //              straight-line, again: whether fetch adds to code that stalls on its operands
+//   ijump      1 warp, 16 taken jumps, each over 2 KB of code it never runs, right after the
+//              evictor and again: cycles per jump, what a jump into code out of the SM's
+//              instruction caches costs (the fused dispatch's sending warps jump over the
+//              listing's code on their way to the copy)
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -309,6 +313,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     settle(s, sink);
     const int64_t c1 = clock64();
     if ((threadIdx.x & 31) == 0) out[2 * (pass * 16 + w)] = static_cast<uint64_t>(c1 - c0);
+  }
+}
+
+// Taken jumps into code not yet fetched: one warp runs kJ blocks of 8 independent fma, each
+// followed by a block of kGap fma (kGap * 16 B of code) that `skip` (true at run time, and opaque
+// per block, so the compiler keeps one path with the gaps in place) jumps over, twice in one
+// launch as ifetch_kernel: pass 0 right after the evictor, pass 1 again. Each jump lands past
+// what the fetch has streamed ahead, as the fused dispatch's sending warps jump over the
+// listing team's scan and list (docs/perf.md §5 item 79). out[2 * pass] = the warp's cycles.
+template <int kJ, int kGap>
+__global__ void __launch_bounds__(kThreads, 1)
+    ijump_kernel(uint64_t* out, float m, float c, float* sink, int skip) {
+  if (threadIdx.x >= 32) return;
+  float a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = static_cast<float>(threadIdx.x + j);
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    __syncwarp();
+    const int64_t c0 = clock64();
+#pragma unroll
+    for (int b = 0; b < kJ; ++b) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = fmaf(a[i], m, c);
+      int v = skip;
+      asm volatile("mov.b32 %0, %0;" : "+r"(v));
+      if (v == 0) {
+#pragma unroll
+        for (int i = 0; i < kGap; ++i) a[i & 7] = fmaf(a[i & 7], c, m);
+      }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += a[j];
+    settle(s, sink);
+    const int64_t c1 = clock64();
+    if (threadIdx.x == 0) out[2 * pass] = static_cast<uint64_t>(c1 - c0);
   }
 }
 
@@ -791,6 +832,25 @@ int main(int argc, char** argv) {
                                                                      warps);
                   });
       }
+    }
+    // Taken jumps (ijump_kernel): 16 jumps over 2 KB each, cold and again; the difference per
+    // jump is what a jump into code out of the SM's instruction caches costs.
+    auto evict = [&] {
+      ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
+    };
+    for (int pass : {0, 1}) {
+      Timed t;
+      for (int i = 0; i <= iters; ++i) {
+        evict();
+        ijump_kernel<16, 128><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, 1);
+        fetch(4);
+        if (i == 0) continue;  // warm-up
+        t.clk.push_back(static_cast<double>(h[2 * pass]));
+        t.ns.push_back(static_cast<double>(h[2 * pass]) * g_clock.ns_per_clk);
+      }
+      row(pass == 0 ? "ijump: 1 warp, 16 jumps over 2 KB each, after the evictor"
+                    : "ijump: 1 warp, 16 jumps over 2 KB each, again",
+          t, 16, "jump");
     }
     CUDA_OK(cudaFree(fsink));
   }
