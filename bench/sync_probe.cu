@@ -317,11 +317,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Taken jumps into code not yet fetched: one warp runs kJ blocks of 8 independent fma, each
-// followed by a block of kGap fma (kGap * 16 B of code) that `skip` (true at run time, and opaque
-// per block, so the compiler keeps one path with the gaps in place) jumps over, twice in one
-// launch as ifetch_kernel: pass 0 right after the evictor, pass 1 again. Each jump lands past
-// what the fetch has streamed ahead, as the fused dispatch's sending warps jump over the
-// listing team's scan and list (docs/perf.md §5 item 79). out[2 * pass] = the warp's cycles.
+// followed by a block of kGap fma (kGap * 16 B of code) that `skip` (true at run time, hidden from
+// the front end, so no version without the gaps is made: the SASS has the 16 branches 2.2 KB
+// apart, CUDA 13.0) jumps over, twice in one launch as ifetch_kernel: pass 0 right after the
+// evictor, pass 1 again. Each jump lands past what the fetch has streamed ahead, as the fused
+// dispatch's sending warps jump over the listing team's scan and list (docs/perf.md §5 item 79).
+// out[2 * pass] = the warp's cycles.
 template <int kJ, int kGap>
 __global__ void __launch_bounds__(kThreads, 1)
     ijump_kernel(uint64_t* out, float m, float c, float* sink, int skip) {
@@ -771,6 +772,9 @@ int main(int argc, char** argv) {
     float* fsink = nullptr;
     CUDA_OK(cudaMalloc(&fsink, sizeof(float)));
     const int sms = prop.multiProcessorCount;
+    auto evict = [&] {  // 256 KB of other code on every SM
+      ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
+    };
     for (int warps : {1, 4, 8, 16}) {
       auto per_instr = [&](const char* what, int n, int pass, auto evict, auto launch) {
         Timed t;
@@ -794,9 +798,6 @@ int main(int argc, char** argv) {
       per_instr("loop of 64 x 64 fma (L0-resident)", 4096, 1, none, [&] {
         ifetch_kernel<false, 4096><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
       });
-      auto evict = [&] {  // 256 KB of other code on every SM
-        ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
-      };
       auto straight16 = [&] {
         ifetch_kernel<true, 1024><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, warps);
       };
@@ -835,9 +836,6 @@ int main(int argc, char** argv) {
     }
     // Taken jumps (ijump_kernel): 16 jumps over 2 KB each, cold and again; the difference per
     // jump is what a jump into code out of the SM's instruction caches costs.
-    auto evict = [&] {
-      ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
-    };
     for (int pass : {0, 1}) {
       Timed t;
       for (int i = 0; i <= iters; ++i) {
