@@ -33,11 +33,11 @@
 //              and 16 warps also 4 KB blocks, and two teams of half the warps each on its own
 //              block (4 or 16 KB), as the fused dispatch's teams run two code paths on the same
 //              schedulers; with 1 and 8 warps a dependent chain (one accumulator), looped and
-//              straight-line, again: whether fetch adds to code that stalls on its operands
-//   ijump      1 warp, 16 taken jumps, each over 2 KB of code it never runs, right after the
-//              evictor and again: cycles per jump, what a jump into code out of the SM's
-//              instruction caches costs (the fused dispatch's sending warps jump over the
-//              listing's code on their way to the copy)
+//              straight-line, again: whether fetch adds to code that stalls on its operands;
+//              with 1 warp also 16 taken jumps (ijump_kernel), each over 2 KB of code it never
+//              runs, after the evictor and again: cycles per jump, what a jump into code out of
+//              the SM's instruction caches costs (the fused dispatch's sending warps jump over
+//              the listing's code on their way to the copy)
 //   bar512 / bar256   bar.sync of 512 threads (every warp of an ll CTA) / a named barrier of 256
 //              (one team of the fused dispatch), all arriving together: cycles per barrier
 //   fence <scope> <bytes>   C CTAs of 512 threads each store <bytes> (16-byte stores, the whole
@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // apart, CUDA 13.0) jumps over, twice in one launch as ifetch_kernel: pass 0 right after the
 // evictor, pass 1 again. Each jump lands past what the fetch has streamed ahead, as the fused
 // dispatch's sending warps jump over the listing team's scan and list (docs/perf.md §5 item 79).
-// out[2 * pass] = the warp's cycles.
+// out[2 * pass * 16] = the warp's cycles (ifetch_kernel's place for warp 0).
 template <int kJ, int kGap>
 __global__ void __launch_bounds__(kThreads, 1)
     ijump_kernel(uint64_t* out, float m, float c, float* sink, int skip) {
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < 8; ++j) s += a[j];
     settle(s, sink);
     const int64_t c1 = clock64();
-    if (threadIdx.x == 0) out[2 * pass] = static_cast<uint64_t>(c1 - c0);
+    if (threadIdx.x == 0) out[2 * pass * 16] = static_cast<uint64_t>(c1 - c0);
   }
 }
 
@@ -776,7 +776,8 @@ int main(int argc, char** argv) {
       ifetch_kernel<true, 16384, 1><<<sms, kThreads>>>(out + 128, 1.0001f, 0.5f, fsink, 16);
     };
     for (int warps : {1, 4, 8, 16}) {
-      auto per_instr = [&](const char* what, int n, int pass, auto evict, auto launch) {
+      auto per_instr = [&](const char* what, int n, int pass, auto evict, auto launch,
+                           const char* unit = "instr") {
         Timed t;
         for (int i = 0; i <= iters; ++i) {
           evict();
@@ -792,7 +793,7 @@ int main(int argc, char** argv) {
         char name[96];
         std::snprintf(name, sizeof name, "ifetch: %d warp%s, %s", warps, warps > 1 ? "s" : "",
                       what);
-        row(name, t, n, "instr");
+        row(name, t, n, unit);
       };
       auto none = [] {};
       per_instr("loop of 64 x 64 fma (L0-resident)", 4096, 1, none, [&] {
@@ -808,6 +809,12 @@ int main(int argc, char** argv) {
       per_instr("1024 fma straight (16 KB), again", 1024, 1, evict, straight16);
       per_instr("4096 fma straight (64 KB), after the evictor", 4096, 0, evict, straight64);
       per_instr("4096 fma straight (64 KB), again", 4096, 1, evict, straight64);
+      if (warps == 1) {  // taken jumps (ijump_kernel): the difference per jump, cold - again,
+                         // is what a jump into code out of the SM's instruction caches costs
+        auto jumps = [&] { ijump_kernel<16, 128><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, 1); };
+        per_instr("16 jumps over 2 KB each, after the evictor", 16, 0, evict, jumps, "jump");
+        per_instr("16 jumps over 2 KB each, again", 16, 1, evict, jumps, "jump");
+      }
       if (warps == 1 || warps == 8) {  // dependent chains (kDep): one warp, 2 per scheduler
         per_instr("dependent fma, loop of 64 x 64 (L0-resident)", 4096, 1, none, [&] {
           ifetch_kernel<false, 4096, 0, 1, true><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink,
@@ -833,22 +840,6 @@ int main(int argc, char** argv) {
                                                                      warps);
                   });
       }
-    }
-    // Taken jumps (ijump_kernel): 16 jumps over 2 KB each, cold and again; the difference per
-    // jump is what a jump into code out of the SM's instruction caches costs.
-    for (int pass : {0, 1}) {
-      Timed t;
-      for (int i = 0; i <= iters; ++i) {
-        evict();
-        ijump_kernel<16, 128><<<1, kThreads>>>(out, 1.0001f, 0.5f, fsink, 1);
-        fetch(4);
-        if (i == 0) continue;  // warm-up
-        t.clk.push_back(static_cast<double>(h[2 * pass]));
-        t.ns.push_back(static_cast<double>(h[2 * pass]) * g_clock.ns_per_clk);
-      }
-      row(pass == 0 ? "ijump: 1 warp, 16 jumps over 2 KB each, after the evictor"
-                    : "ijump: 1 warp, 16 jumps over 2 KB each, again",
-          t, 16, "jump");
     }
     CUDA_OK(cudaFree(fsink));
   }
