@@ -14,7 +14,8 @@
 #             ht: HtGpu.OneRank*, HtGpu.WorstCaseGraphReplaysOneRank, Ranks/HtOneGpu.*, then
 #             Ranks/HtOneGpu.SideStream* with EPX_ONE_GPU_SIDE_STREAMS=1; with >= 2 GPUs also the
 #             rest of ht (the multi-GPU cases; the other binaries' multi-GPU cases run in `*`).
-#             EPX_GTEST="gpu_ht_test=Ranks/HtOneGpu.*/R2 gpu_ll_gpu_test=*" runs only those;
+#             EPX_GTEST="gpu_ht_test=Ranks/HtOneGpu.*/R2 gpu_ll_gpu_test=*" runs only those
+#             (and, with no batch that needs more, the build makes only those binaries);
 #             EPX_GTEST_ARGS is added to every binary (e.g. --gtest_repeat=10).
 #   pytest    the GPU tier of pytest (-m gpu; R = 1, 2, 4, 8 as the GPUs allow); EPX_PYTEST_K: a
 #             -k selection, EPX_REPEAT: runs of it (one line each), EPX_TEST_GC=1 passes through
@@ -247,17 +248,26 @@ ab_targets() {
 }
 
 # main_targets BATCH...: the main build's targets for the batches given (empty: every target):
-# `ab` alone (with or without `build`) needs only ab_targets of this tree.
+# `ab` needs only ab_targets of this tree, `tests` with EPX_GTEST only the binaries it names; any
+# other batch (or `tests` without EPX_GTEST) builds every target.
 main_targets() {
-  local b ab=0
+  local b t ab=0 bins=()
   for b in "$@"; do
     case "$b" in
       build) ;;
       ab) ab=1 ;;
+      tests)
+        [ -n "${EPX_GTEST:-}" ] || return 0
+        for t in $EPX_GTEST; do bins+=("${t%%=*}"); done
+        ;;
       *) return 0 ;;
     esac
   done
-  [ "$ab" = 0 ] || ab_targets
+  local targets=()
+  # shellcheck disable=SC2207  # ab_targets: space-separated target names
+  [ "$ab" = 0 ] || targets=($(ab_targets))
+  targets+=("${bins[@]}")
+  echo "${targets[*]}"
 }
 
 do_build() {

@@ -157,13 +157,14 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
 def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     """`ab` (with or without `build`) builds only this tree's ll bench, and its Python extension
     where DeepEP's harness or the host-time rows run through the drop-in (what ab builds of the
-    base tree too); any other batch builds every target. epx_configure_and_build passes the
+    base tree too); `tests` with EPX_GTEST only the binaries it names; any other batch builds
+    every target. epx_configure_and_build passes the
     targets to `cmake --build` and builds all without them."""
     funcs = script_function("ab_targets") + "\n" + script_function("main_targets")
 
     def targets(batches, **env):
         base = {k: v for k, v in os.environ.items()
-                if k not in ("EPX_DEEPEP_TESTS", "EPX_AB_OVERHEAD")}
+                if k not in ("EPX_DEEPEP_TESTS", "EPX_AB_OVERHEAD", "EPX_GTEST")}
         script = funcs + "\nmain_targets " + " ".join(batches)
         return subprocess.run(["bash", "-c", script], env={**base, **env}, check=True,
                               capture_output=True, text=True).stdout.strip()
@@ -175,6 +176,11 @@ def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     assert targets(["build"]) == ""
     assert targets(["ab", "tests"]) == ""
     assert targets(["pytest", "ab"]) == ""
+    gtest = "gpu_ll_wait_stats_gpu_test=* gpu_ll_gpu_test=*-*Logfmt*"
+    assert targets(["tests"], EPX_GTEST=gtest) == "gpu_ll_wait_stats_gpu_test gpu_ll_gpu_test"
+    assert targets(["ab", "tests"], EPX_GTEST=gtest, EPX_DEEPEP_TESTS="/x/tests") == (
+        "epx_ll_gpu_bench _epx gpu_ll_wait_stats_gpu_test gpu_ll_gpu_test")
+    assert targets(["tests", "pytest"], EPX_GTEST=gtest) == ""
 
     # epx_configure_and_build with a stub cmake that records its arguments.
     bindir = tmp_path / "bin"
