@@ -248,8 +248,9 @@ ab_targets() {
 }
 
 # main_targets BATCH...: the main build's targets for the batches given (empty: every target):
-# `ab` needs only ab_targets of this tree, `tests` with EPX_GTEST only the binaries it names; any
-# other batch (or `tests` without EPX_GTEST) builds every target.
+# `ab` needs only ab_targets of this tree, `tests` with EPX_GTEST only the binaries it names,
+# `ncu` the ll bench (and with EPX_NCU_HOOK=1 the Python extension); any other batch (or `tests`
+# without EPX_GTEST) builds every target.
 main_targets() {
   local b t ab=0 bins=()
   for b in "$@"; do
@@ -260,6 +261,10 @@ main_targets() {
         [ -n "${EPX_GTEST:-}" ] || return 0
         for t in $EPX_GTEST; do bins+=("${t%%=*}"); done
         ;;
+      ncu)
+        bins+=(epx_ll_gpu_bench)
+        [ "${EPX_NCU_HOOK:-0}" != 1 ] || bins+=(_epx)
+        ;;
       *) return 0 ;;
     esac
   done
@@ -267,7 +272,11 @@ main_targets() {
   # shellcheck disable=SC2207  # ab_targets: space-separated target names
   [ "$ab" = 0 ] || targets=($(ab_targets))
   targets+=("${bins[@]}")
-  echo "${targets[*]}"
+  local out=() seen=" "
+  for t in "${targets[@]}"; do  # each target once
+    case "$seen" in *" $t "*) ;; *) out+=("$t") && seen="$seen$t " ;; esac
+  done
+  echo "${out[*]}"
 }
 
 do_build() {

@@ -157,14 +157,14 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
 def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     """`ab` (with or without `build`) builds only this tree's ll bench, and its Python extension
     where DeepEP's harness or the host-time rows run through the drop-in (what ab builds of the
-    base tree too); `tests` with EPX_GTEST only the binaries it names; any other batch builds
-    every target. epx_configure_and_build passes the
+    base tree too); `tests` with EPX_GTEST only the binaries it names, `ncu` the ll bench (and
+    the extension for the hooked halves); any other batch builds every target. epx_configure_and_build passes the
     targets to `cmake --build` and builds all without them."""
     funcs = script_function("ab_targets") + "\n" + script_function("main_targets")
 
     def targets(batches, **env):
         base = {k: v for k, v in os.environ.items()
-                if k not in ("EPX_DEEPEP_TESTS", "EPX_AB_OVERHEAD", "EPX_GTEST")}
+                if k not in ("EPX_DEEPEP_TESTS", "EPX_AB_OVERHEAD", "EPX_GTEST", "EPX_NCU_HOOK")}
         script = funcs + "\nmain_targets " + " ".join(batches)
         return subprocess.run(["bash", "-c", script], env={**base, **env}, check=True,
                               capture_output=True, text=True).stdout.strip()
@@ -181,6 +181,9 @@ def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     assert targets(["ab", "tests"], EPX_GTEST=gtest, EPX_DEEPEP_TESTS="/x/tests") == (
         "epx_ll_gpu_bench _epx gpu_ll_wait_stats_gpu_test gpu_ll_gpu_test")
     assert targets(["tests", "pytest"], EPX_GTEST=gtest) == ""
+    assert targets(["ncu"]) == "epx_ll_gpu_bench"
+    assert targets(["ncu"], EPX_NCU_HOOK="1") == "epx_ll_gpu_bench _epx"
+    assert targets(["ab", "ncu"]) == "epx_ll_gpu_bench"
 
     # epx_configure_and_build with a stub cmake that records its arguments.
     bindir = tmp_path / "bin"
