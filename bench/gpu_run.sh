@@ -259,7 +259,9 @@ main_targets() {
       ab) ab=1 ;;
       tests)
         [ -n "${EPX_GTEST:-}" ] || return 0
-        for t in $EPX_GTEST; do bins+=("${t%%=*}"); done
+        local words=()
+        read -ra words <<<"$EPX_GTEST"  # (no glob expansion of the filters)
+        for t in "${words[@]}"; do bins+=("${t%%=*}"); done
         ;;
       ncu)
         bins+=(epx_ll_gpu_bench)
@@ -325,8 +327,9 @@ gtest() {
 batch_tests() {
   local one='HtGpu.OneRank*:HtGpu.WorstCaseGraphReplaysOneRank:Ranks/HtOneGpu.*' t bin
   if [ -n "${EPX_GTEST:-}" ]; then
-    local i=0
-    for t in $EPX_GTEST; do
+    local i=0 words=()
+    read -ra words <<<"$EPX_GTEST"  # (no glob expansion of the filters)
+    for t in "${words[@]}"; do
       i=$((i + 1))
       gtest "$i.${t%%=*}" "${t%%=*}" "${t#*=}"
     done

@@ -154,12 +154,13 @@ def test_main_build_skipped_only_where_no_batch_uses_it():
     assert run(["probe", "tests"]) == "BUILD"
 
 
-def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
+def test_main_build_makes_only_the_targets_its_batches_run(tmp_path):
     """`ab` (with or without `build`) builds only this tree's ll bench, and its Python extension
     where DeepEP's harness or the host-time rows run through the drop-in (what ab builds of the
-    base tree too); `tests` with EPX_GTEST only the binaries it names, `ncu` the ll bench (and
-    the extension for the hooked halves); any other batch builds every target. epx_configure_and_build passes the
-    targets to `cmake --build` and builds all without them."""
+    base tree too); `tests` with EPX_GTEST only the binaries it names (its filters passed as given),
+    `ncu` the ll bench (and the extension for the hooked halves); any other batch builds every
+    target. epx_configure_and_build passes the targets to `cmake --build` and builds all without
+    them."""
     funcs = script_function("ab_targets") + "\n" + script_function("main_targets")
 
     def targets(batches, **env):
@@ -184,6 +185,15 @@ def test_ab_alone_builds_only_the_targets_it_runs(tmp_path):
     assert targets(["ncu"]) == "epx_ll_gpu_bench"
     assert targets(["ncu"], EPX_NCU_HOOK="1") == "epx_ll_gpu_bench _epx"
     assert targets(["ab", "ncu"]) == "epx_ll_gpu_bench"
+    # batch_tests passes each filter as given, even one that names a file of the working
+    # directory (a stub gtest prints its binary and filter).
+    (tmp_path / "gpu_x_test=a").write_text("")
+    script = ('gtest() { echo "$2 $3"; }\n' + script_function("batch_tests") +
+              f"\ncd {tmp_path}\nbatch_tests")
+    r = subprocess.run(["bash", "-c", script],
+                       env={**os.environ, "EPX_GTEST": "gpu_x_test=* gpu_y_test=A.*-*B*"},
+                       check=True, capture_output=True, text=True)
+    assert r.stdout.splitlines() == ["gpu_x_test *", "gpu_y_test A.*-*B*"]
 
     # epx_configure_and_build with a stub cmake that records its arguments.
     bindir = tmp_path / "bin"
