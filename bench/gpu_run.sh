@@ -252,31 +252,28 @@ ab_targets() {
 # `ncu` the ll bench (and with EPX_NCU_HOOK=1 the Python extension); any other batch (or `tests`
 # without EPX_GTEST) builds every target.
 main_targets() {
-  local b t ab=0 bins=()
+  local b t words=() targets=() out=()
   for b in "$@"; do
     case "$b" in
       build) ;;
-      ab) ab=1 ;;
+      ab)
+        read -ra words <<<"$(ab_targets)"
+        targets+=("${words[@]}")
+        ;;
       tests)
         [ -n "${EPX_GTEST:-}" ] || return 0
-        local words=()
         read -ra words <<<"$EPX_GTEST"  # (no glob expansion of the filters)
-        for t in "${words[@]}"; do bins+=("${t%%=*}"); done
+        for t in "${words[@]}"; do targets+=("${t%%=*}"); done
         ;;
       ncu)
-        bins+=(epx_ll_gpu_bench)
-        [ "${EPX_NCU_HOOK:-0}" != 1 ] || bins+=(_epx)
+        targets+=(epx_ll_gpu_bench)
+        [ "${EPX_NCU_HOOK:-0}" != 1 ] || targets+=(_epx)
         ;;
       *) return 0 ;;
     esac
   done
-  local targets=()
-  # shellcheck disable=SC2207  # ab_targets: space-separated target names
-  [ "$ab" = 0 ] || targets=($(ab_targets))
-  targets+=("${bins[@]}")
-  local out=() seen=" "
   for t in "${targets[@]}"; do  # each target once
-    case "$seen" in *" $t "*) ;; *) out+=("$t") && seen="$seen$t " ;; esac
+    case " ${out[*]} " in *" $t "*) ;; *) out+=("$t") ;; esac
   done
   echo "${out[*]}"
 }
