@@ -112,7 +112,9 @@
 #             hooked receive halves of dispatch and combine as DeepEP's harness runs them
 #             (bench/ncu_hook.py: each hook after an 8192^2 matmul; --cache-control all), one
 #             launch each per T, with the Python extension's disassembly (item 72);
-#             EPX_NCU_HALVES="send recv" (default "recv"): the send halves too (item 75)
+#             EPX_NCU_HALVES="send recv" (default "recv"): the send halves too (item 75).
+#             EPX_NCU_BYTES=1 instead: DRAM and L2 traffic of the fused dispatch and the combine
+#             as the harness's kernel rows run them (ncu_hook.py --fused; item 91)
 #   overhead  tests/python/bench_overhead.py --device cuda (the host cost of one Python call: tiny
 #             shape with the ll pair layer by layer (--breakdown), ll decode shape; the cpu backend
 #             beside it) and its pytest
@@ -267,7 +269,7 @@ main_targets() {
         ;;
       ncu)
         targets+=(epx_ll_gpu_bench)
-        [ "${EPX_NCU_HOOK:-0}" != 1 ] || targets+=(_epx)
+        [ "${EPX_NCU_HOOK:-0}" != 1 ] && [ "${EPX_NCU_BYTES:-0}" != 1 ] || targets+=(_epx)
         ;;
       *) return 0 ;;
     esac
@@ -750,6 +752,10 @@ batch_ncu() {
     batch_ncu_hook "$ncu"
     return
   fi
+  if [ "${EPX_NCU_BYTES:-0}" = 1 ]; then
+    batch_ncu_bytes "$ncu"
+    return
+  fi
   local lines=() t rep csvs=()
   ncu_disasm ncu.disasm "$B/bench/epx_ll_gpu_bench" "$OUT/ncu_ll.disasm" &&
     lines=(--lines "$OUT/ncu_ll.disasm")
@@ -798,6 +804,36 @@ batch_ncu_hook() {
   done
   [ ${#csvs[@]} -gt 0 ] || return 1
   step ncu.hook.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
+}
+
+# EPX_NCU_BYTES=1: the memory traffic of the fused dispatch and of the combine as the harness's
+# kernel rows run them (bench/ncu_hook.py --fused: pairs back to back after a matmul), one launch
+# of each per T: DRAM bytes read and written, L2 sectors read and written and their hit rates,
+# and the duration, with --cache-control none (the caches as the pairs before left them) and
+# --replay-mode application (every pass reruns the script, so no pass starts from a restore).
+NCU_BYTES_METRICS=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,\
+lts__t_sectors_op_write.sum,lts__t_sector_op_read_hit_rate.pct,\
+lts__t_sector_op_write_hit_rate.pct,gpu__time_duration.sum
+batch_ncu_bytes() {
+  local ncu=$1 t k rep w=4
+  [ -n "$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)" ] ||
+    { skip ncu.bytes "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
+  for t in ${EPX_NCU_TOKENS:-128 1}; do
+    for k in dispatch combine; do
+      rep="$OUT/ncu_bytes_${k}_t$t"
+      step "ncu.bytes_${k}_t$t" 300 "ncu_hook:" "$ncu" --clock-control none --cache-control none \
+        --replay-mode application --metrics "$NCU_BYTES_METRICS" -k regex:"^$k" \
+        --launch-skip $((w + 1)) --launch-count 1 -f -o "$rep" \
+        "$EPX_PYTHON" bench/ncu_hook.py --fused --tokens "$t" --warmup "$w" \
+        --experts "${EPX_AB_EXPERTS:-288}" || continue
+      "$ncu" --import "$rep.ncu-rep" --page raw --csv 2>&1 | tee "$rep.csv" |
+        "$EPX_PYTHON" -c 'import csv, sys
+rows = list(csv.reader(sys.stdin))
+for name, unit, value in zip(rows[0], rows[1], rows[2]):
+    if name.startswith(("dram__", "lts__", "gpu__time")):
+        print(f"  {name:40s} {value:>14s} {unit}")' || true
+    done
+  done
 }
 
 batch_overhead() {

@@ -14,6 +14,11 @@ tests compare the outputs.
 
     ncu -k regex:^dispatch --launch-skip $((2 * W + 1)) --launch-count 1 ... \\
         python bench/ncu_hook.py --tokens T --warmup W
+
+--fused: no hook, as the harness's kernel rows run (its `bench_kineto`): W pairs of a fused
+dispatch and a combine, the matmul, then two more pairs; the second of those follows a combine
+with its caches as the pairs leave them. Its dispatch and combine are launch W + 1 of their
+names (what `gpu_run.sh ncu` with EPX_NCU_BYTES=1 profiles, --cache-control none).
 """
 
 import argparse
@@ -35,6 +40,8 @@ def main():
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--warmup", type=int, default=4, help="hooked pairs before the last one")
     ap.add_argument("--gemm", type=int, default=8192, help="N of the matmul before each hook")
+    ap.add_argument("--fused", action="store_true",
+                    help="pairs without a hook, one matmul before the last two (see above)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ncu_hook.py: needs a GPU")
@@ -60,6 +67,20 @@ def main():
         stats = torch.zeros(E, dtype=torch.int32, device=device)
         mat = torch.randn(args.gemm, args.gemm, device=device)
         y = None
+        if args.fused:
+            for i in range(args.warmup + 2):
+                if i == args.warmup:
+                    mat @ mat
+                recv, _, handle, _, _ = buf.low_latency_dispatch(
+                    x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True)
+                if y is None:
+                    y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
+                buf.low_latency_combine(y, topk, w, handle)
+            torch.cuda.synchronize()
+            print(f"ncu_hook: T = {T}, E = {E}, fused; the pair after the matmul's first is "
+                  f"launch {args.warmup + 1} of 'dispatch' and of 'combine'")
+            buf.destroy()
+            return
         for _ in range(args.warmup + 1):
             recv, _, handle, _, hook = buf.low_latency_dispatch(
                 x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
