@@ -810,7 +810,8 @@ batch_ncu_hook() {
 # kernel rows run them (bench/ncu_hook.py --fused: pairs back to back after a matmul), one launch
 # of each per T: DRAM bytes read and written, L2 sectors read and written and their hit rates,
 # and the duration, with --cache-control none (the caches as the pairs before left them) and
-# --replay-mode application (every pass reruns the script, so no pass starts from a restore).
+# --replay-mode application (every pass reruns the script, so no pass starts from a restore);
+# then the dispatch again with no combines between the dispatches (dispatch_alone).
 NCU_BYTES_METRICS=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,\
 lts__t_sectors_op_write.sum,lts__t_sector_op_read_hit_rate.pct,\
 lts__t_sector_op_write_hit_rate.pct,gpu__time_duration.sum
@@ -819,12 +820,14 @@ batch_ncu_bytes() {
   [ -n "$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)" ] ||
     { skip ncu.bytes "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
   for t in ${EPX_NCU_TOKENS:-128 1}; do
-    for k in dispatch combine; do
+    for k in dispatch combine dispatch_alone; do
+      local extra=()
+      [ "$k" != dispatch_alone ] || extra=(--no-combine)
       rep="$OUT/ncu_bytes_${k}_t$t"
       step "ncu.bytes_${k}_t$t" 300 "ncu_hook:" "$ncu" --clock-control none --cache-control none \
-        --replay-mode application --metrics "$NCU_BYTES_METRICS" -k regex:"^$k" \
+        --replay-mode application --metrics "$NCU_BYTES_METRICS" -k regex:"^${k%_alone}" \
         --launch-skip $((w + 1)) --launch-count 1 -f -o "$rep" \
-        "$EPX_PYTHON" bench/ncu_hook.py --fused --tokens "$t" --warmup "$w" \
+        "$EPX_PYTHON" bench/ncu_hook.py --fused "${extra[@]}" --tokens "$t" --warmup "$w" \
         --experts "${EPX_AB_EXPERTS:-288}" || continue
       "$ncu" --import "$rep.ncu-rep" --page raw --csv 2>&1 | tee "$rep.csv" |
         "$EPX_PYTHON" -c 'import csv, sys

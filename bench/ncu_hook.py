@@ -19,6 +19,8 @@ tests compare the outputs.
 dispatch and a combine, the matmul, then two more pairs; the second of those follows a combine
 with its caches as the pairs leave them. Its dispatch and combine are launch W + 1 of their
 names (what `gpu_run.sh ncu` with EPX_NCU_BYTES=1 profiles, --cache-control none).
+--fused --no-combine: the same without the combines (dispatch W + 1 follows a dispatch): whether
+the dispatch's DRAM traffic needs the combine's working set in the L2 between them.
 """
 
 import argparse
@@ -42,6 +44,8 @@ def main():
     ap.add_argument("--gemm", type=int, default=8192, help="N of the matmul before each hook")
     ap.add_argument("--fused", action="store_true",
                     help="pairs without a hook, one matmul before the last two (see above)")
+    ap.add_argument("--no-combine", action="store_true",
+                    help="with --fused: dispatches only, no combine between them")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ncu_hook.py: needs a GPU")
@@ -73,12 +77,15 @@ def main():
                     mat @ mat
                 recv, _, handle, _, _ = buf.low_latency_dispatch(
                     x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True)
+                if args.no_combine:
+                    continue
                 if y is None:
                     y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
                 buf.low_latency_combine(y, topk, w, handle)
             torch.cuda.synchronize()
-            print(f"ncu_hook: T = {T}, E = {E}, fused; the pair after the matmul's first is "
-                  f"launch {args.warmup + 1} of 'dispatch' and of 'combine'")
+            what = "dispatches only" if args.no_combine else "pairs"
+            print(f"ncu_hook: T = {T}, E = {E}, fused {what}; the one after the matmul's first "
+                  f"is launch {args.warmup + 1} of 'dispatch' (and of 'combine')")
             buf.destroy()
             return
         for _ in range(args.warmup + 1):
