@@ -40,7 +40,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--warmup", type=int, default=4, help="hooked pairs before the last one")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="hooked pairs before the last one (--fused: pairs before the matmul)")
     ap.add_argument("--gemm", type=int, default=8192, help="N of the matmul before each hook")
     ap.add_argument("--fused", action="store_true",
                     help="pairs without a hook, one matmul before the last two (see above)")
@@ -83,9 +84,10 @@ def main():
                     y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
                 buf.low_latency_combine(y, topk, w, handle)
             torch.cuda.synchronize()
+            names = "'dispatch'" if args.no_combine else "'dispatch' and of 'combine'"
             what = "dispatches only" if args.no_combine else "pairs"
-            print(f"ncu_hook: T = {T}, E = {E}, fused {what}; the one after the matmul's first "
-                  f"is launch {args.warmup + 1} of 'dispatch' (and of 'combine')")
+            print(f"ncu_hook: T = {T}, E = {E}, fused {what}; the second after the matmul is "
+                  f"launch {args.warmup + 1} of {names}")
             buf.destroy()
             return
         for _ in range(args.warmup + 1):
