@@ -769,6 +769,11 @@ batch_ncu() {
   step ncu.table 60 "^\|" "$EPX_PYTHON" bench/ncu_stalls.py "${csvs[@]}" --top 12 "${lines[@]}"
 }
 
+# The Python extension the build made (python/epx/_epx.*.so), or nothing.
+epx_extension() {
+  find python/epx -maxdepth 1 -name '_epx.*.so' | head -1
+}
+
 # EPX_NCU_HOOK=1: the hooked receive halves as DeepEP's harness runs them (bench/ncu_hook.py: a
 # hooked pair after warm-up pairs, each hook after an 8192^2 matmul), one launch of each profiled
 # per T, with --cache-control all (every replay pass starts with flushed caches, as the harness's
@@ -784,7 +789,7 @@ batch_ncu_hook() {
       *) skip ncu.hook "EPX_NCU_HALVES: '$h' is neither send nor recv"; return 0 ;;
     esac
   done
-  so=$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)
+  so=$(epx_extension)
   [ -n "$so" ] || { skip ncu.hook "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
   ncu_disasm ncu.hook.disasm "$so" "$OUT/ncu_hook.disasm" && lines=(--lines "$OUT/ncu_hook.disasm")
   for t in ${EPX_NCU_TOKENS:-128 1}; do
@@ -817,7 +822,7 @@ lts__t_sectors_op_write.sum,lts__t_sector_op_read_hit_rate.pct,\
 lts__t_sector_op_write_hit_rate.pct,gpu__time_duration.sum
 batch_ncu_bytes() {
   local ncu=$1 t k rep w=4
-  [ -n "$(find python/epx -maxdepth 1 -name '_epx.*.so' | head -1)" ] ||
+  [ -n "$(epx_extension)" ] ||
     { skip ncu.bytes "python/epx/_epx.*.so not built (the build batch makes it)"; return 0; }
   for t in ${EPX_NCU_TOKENS:-128 1}; do
     for k in dispatch combine dispatch_alone; do

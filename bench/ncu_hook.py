@@ -88,22 +88,21 @@ def main():
             what = "dispatches only" if args.no_combine else "pairs"
             print(f"ncu_hook: T = {T}, E = {E}, fused {what}; the second after the matmul is "
                   f"launch {args.warmup + 1} of {names}")
-            buf.destroy()
-            return
-        for _ in range(args.warmup + 1):
-            recv, _, handle, _, hook = buf.low_latency_dispatch(
-                x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
-                return_recv_hook=True)
-            mat @ mat
-            hook()
-            if y is None:
-                y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
-            _, _, hook = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=True)
-            mat @ mat
-            hook()
-        torch.cuda.synchronize()
-        print(f"ncu_hook: T = {T}, E = {E}; the last send and receive halves are launches "
-              f"{2 * args.warmup} and {2 * args.warmup + 1} of 'dispatch' and of 'combine'")
+        else:
+            for _ in range(args.warmup + 1):
+                recv, _, handle, _, hook = buf.low_latency_dispatch(
+                    x, topk, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                    return_recv_hook=True)
+                mat @ mat
+                hook()
+                if y is None:
+                    y = torch.randn(recv[0].shape, generator=gen).to(torch.bfloat16).to(device)
+                _, _, hook = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=True)
+                mat @ mat
+                hook()
+            torch.cuda.synchronize()
+            print(f"ncu_hook: T = {T}, E = {E}; the last send and receive halves are launches "
+                  f"{2 * args.warmup} and {2 * args.warmup + 1} of 'dispatch' and of 'combine'")
         buf.destroy()
     finally:
         dist.destroy_process_group()

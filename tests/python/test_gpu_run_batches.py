@@ -297,7 +297,8 @@ def test_ncu_hook_samples_the_halves_asked_for(tmp_path):
              'echo "$name $(basename "$rep") $*" | sed "s/ --cache-control.*//"; }\n'
              'skip() { echo "skip $1: $2"; }\n'
              'step() { :; }\n')
-    script = stubs + script_function("batch_ncu_hook") + "\nbatch_ncu_hook ncu"
+    script = (stubs + script_function("epx_extension") + "\n" + script_function("batch_ncu_hook")
+              + "\nbatch_ncu_hook ncu")
 
     def run(**env):
         base = {k: v for k, v in os.environ.items() if k != "EPX_NCU_HALVES"}
