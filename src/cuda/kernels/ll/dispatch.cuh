@@ -558,17 +558,6 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 }
 
 #ifdef EPX_DIAGNOSTICS
-__device__ __forceinline__ uint64_t ll_ld_acquire_gpu64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ll_ld_relaxed_gpu64(const void* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Variant kLlVariantCopyShare (diagnostics builds; docs/perf.md §5 item 95). The rows of a CTA's
 // only copy round when they are shared (s_round[3]: the CTA's one group, one
 // scan round, one copy round, S = 1, at most kLlShareRows rows): warp w copies item w (item =
@@ -650,8 +639,9 @@ __device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uint32_t e
     if (found == 0) continue;
     uint32_t left = 0;
     if (v >= 0) {
-      const uint64_t w = ll_ld_acquire_gpu64(&st->share_n[q][v]);
-      const uint64_t cl = ll_ld_relaxed_gpu64(&st->share_claim[q][v]);
+      const uint64_t w = ld_acquire_gpu(&st->share_n[q][v]);
+      const uint64_t cl =
+          ld_relaxed_gpu(reinterpret_cast<const uint64_t*>(&st->share_claim[q][v]));
       if ((w >> 32) == e && static_cast<uint32_t>(cl) < static_cast<uint32_t>(w))
         left = static_cast<uint32_t>(w);
     }
@@ -671,8 +661,8 @@ __device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uint32_t e
         const uint32_t kk = __shfl_sync(0xffffffffu, static_cast<uint32_t>(got), 0);
         if (kk >= n_v) break;
         const int wi = warps + static_cast<int>(kk), mi = wi / chunks, c = wi - mi * chunks;
-        const uint64_t src = ll_ld_relaxed_gpu64(&st->share_row[q][victim][mi][0]);
-        const uint64_t dst = ll_ld_relaxed_gpu64(&st->share_row[q][victim][mi][1]);
+        const uint64_t src = ld_relaxed_gpu(&st->share_row[q][victim][mi][0]);
+        const uint64_t dst = ld_relaxed_gpu(&st->share_row[q][victim][mi][1]);
         ll_copy_chunk<true>(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint4*>(dst),
                             c * kChunk, nvx);
       }
