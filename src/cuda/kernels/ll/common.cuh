@@ -246,7 +246,8 @@ __device__ __forceinline__ void ll_copy_rows(int rows, int nv, bool vec16, Row r
 
 #ifdef EPX_DIAGNOSTICS
 // One item of ll_copy_rows (vec16): vectors [c0, c0 + 32 * kLlCopyBatch) of a row of nv, by the
-// calling warp (variant kLlVariantCopyShare).
+// calling warp (variant kLlVariantCopyShare). ll_copy_rows's partial-chunk branch, kept apart so
+// the default build's code stays as measured; one of the two goes when the variant is decided.
 template <bool kLanded>
 __device__ __forceinline__ void ll_copy_chunk(const uint16_t* src, uint4* dst, int c0, int nv) {
   const int lane = threadIdx.x & 31;
