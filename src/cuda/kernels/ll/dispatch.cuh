@@ -559,12 +559,12 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 
 #ifdef EPX_DIAGNOSTICS
 // Variant kLlVariantCopyShare (diagnostics builds; docs/perf.md §5 item 95). The rows of a CTA's
-// only copy round when they are shared (s_round[3]: the CTA's one group, one
-// scan round, one copy round, S = 1, at most kLlShareRows rows): warp w copies item w (item =
-// (row m, chunk c), w = m * chunks + c, as ll_copy_rows), and items from the warp count on are
-// taken by claims (share_claim, set to e << 32 before the copy's barrier) by this CTA's warps and
-// by any other CTA's warp left without work; the last warp publishes the rows and the number of
-// such items (share_n, a release). Each item is copied once, by whichever warp claimed it.
+// only copy round when they are shared (s_round[3]: the CTA's one group, one scan round, one copy
+// round, S = 1, at most kLlShareRows rows): warp w copies item w (item = (row m, chunk c), w = m *
+// chunks + c, as ll_copy_rows), and items from the warp count on are taken by claims (share_claim,
+// set to e << 32 before the copy's barrier) by this CTA's warps and by any other CTA's warp left
+// without work; the last warp publishes the rows and the number of such items (share_n, a release).
+// Each item is copied once, by whichever warp claimed it.
 inline constexpr int kLlShareScans = 2;  // scans of the other CTAs' numbers per warp
 template <int kQuant>
 __device__ void ll_dispatch_copy_shared(const LlDispatchParams& p, const LlRecvList& list,
@@ -998,7 +998,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
 #else
         constexpr bool share = false;
 #endif
-        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, share, e);
+        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, share, e);  // n > 1: S = 1
         start = s_round[2];
         __syncthreads();  // the list and s_round are rewritten by the next round
         EPX_LL_STAMP(p, 0, kTrDCopied);
