@@ -19,8 +19,8 @@ source scripts/common.sh
 epx_setup_env
 epx_install_deps
 epx_configure_and_build
-# The EPX_DIAGNOSTICS code (ablations, tuning overrides; CMakeLists.txt) compiled, not linked or
-# run, so it keeps compiling while the default build leaves it out.
+# The EPX_DIAGNOSTICS code (ablations, tuning overrides; CMakeLists.txt) compiled, the library's
+# part also linked, not run, so it keeps building while the default build leaves it out.
 if [ "$EPX_WITH_CUDA" = ON ]; then
   cmake --build "$EPX_BUILD_DIR" --target epx_diagnostics_check -j "$(nproc)"
 fi

@@ -614,7 +614,7 @@ __device__ void ll_dispatch_copy_shared(const LlDispatchParams& p, const LlRecvL
 // CTAs. Each scan: lanes 0-3 read the hint words; lane i takes the i-th CTA the hint names (the
 // first 32) and reads its number and claim counter (one round trip for all); the warp then
 // claims from those with items left, starting at a place that depends on the warp.
-__device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uint32_t e) {
+inline __device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uint32_t e) {
   constexpr int kChunk = 32 * kLlCopyBatch;
   LlState* st = p.symm.layout.state(p.symm.local);
   const int q = p.slot, b = static_cast<int>(blockIdx.x), C = static_cast<int>(gridDim.x);
