@@ -179,8 +179,7 @@ constexpr LlBits kLlBitRows[] = {
     {detail::kLlAblateSendRows, "without send rows", false},
     {detail::kLlAblateRecvList, "without recv list+copy", false},
     {detail::kLlAblateRecvCopy, "without recv copy", false},
-    {detail::kLlAblateCombinePull, "without combine pull", false},
-    {detail::kLlVariantCopyShare, "variant: copy shared", true}};
+    {detail::kLlAblateCombinePull, "without combine pull", false}};
 
 // f() with LlAblate `bits` on every rank thread's launches. The setting is process-wide, so it is
 // set and cleared between barriers: all ranks' ops inside f run with the bits, none outside.

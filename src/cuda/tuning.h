@@ -106,10 +106,7 @@ enum LlAblate : int {
   kLlAblateRecvCopy = 4,     // dispatch receive: listed, src_info written, no row / scale copies
   kLlAblateCombinePull = 8,  // combine receive: rows resolved, no pulls, no reduce, no output
   // Variants (bits 16 and up; outputs exact, the bench's check runs under each): candidates
-  // measured before one becomes the only path, then deleted.
-  // Dispatch receive: a CTA's copy items past its first round taken by claims, its own warps'
-  // and any other CTA's left without work (docs/perf.md §5 item 95; built, not measured).
-  kLlVariantCopyShare = 1 << 16,
+  // measured before one becomes the only path, then deleted (none at present).
 };
 // LlAblate bits applied to every ll launch in this process while non-zero.
 void set_ll_ablation(int bits);

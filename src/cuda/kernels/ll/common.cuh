@@ -244,26 +244,6 @@ __device__ __forceinline__ void ll_copy_rows(int rows, int nv, bool vec16, Row r
   }
 }
 
-#ifdef EPX_DIAGNOSTICS
-// One item of ll_copy_rows (vec16): vectors [c0, c0 + 32 * kLlCopyBatch) of a row of nv, by the
-// calling warp (variant kLlVariantCopyShare). ll_copy_rows's partial-chunk branch, kept apart so
-// the default build's code stays as measured; one of the two goes when the variant is decided.
-template <bool kLanded>
-__device__ __forceinline__ void ll_copy_chunk(const uint16_t* src, uint4* dst, int c0, int nv) {
-  const int lane = threadIdx.x & 31;
-  const uint4* s4 = reinterpret_cast<const uint4*>(src) + c0 + lane;
-  uint4* d4 = dst + c0 + lane;
-  const int left = nv - c0 - lane;
-  uint4 val[kLlCopyBatch];
-#pragma unroll
-  for (int u = 0; u < kLlCopyBatch; ++u)
-    if (32 * u < left) val[u] = kLanded ? ld_landed<uint4>(s4 + 32 * u) : __ldg(s4 + 32 * u);
-#pragma unroll
-  for (int u = 0; u < kLlCopyBatch; ++u)
-    if (32 * u < left) d4[32 * u] = val[u];
-}
-#endif
-
 // One combine output vector (docs/semantics.md §2.3): acc[c] = the fma chain over k = 0 .. K-1 in
 // order of w[k] * f_k[c], selections with src[k] == 0 skipped, from 0.0f; the caller rounds once.
 // load(k) fetches selection k's data (kBatch selections in flight), decode(k, data, f) makes its

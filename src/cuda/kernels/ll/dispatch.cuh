@@ -557,120 +557,6 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
   }
 }
 
-#ifdef EPX_DIAGNOSTICS
-// Variant kLlVariantCopyShare (diagnostics builds; docs/perf.md §5 item 95). The rows of a CTA's
-// only copy round when they are shared (s_round[3]: the CTA's one group, one scan round, one copy
-// round, S = 1, at most kLlShareRows rows): warp w copies item w (item = (row m, chunk c), w = m *
-// chunks + c, as ll_copy_rows), and items from the warp count on are taken by claims (share_claim,
-// set to e << 32 before the copy's barrier) by this CTA's warps and by any other CTA's warp left
-// without work; the last warp publishes the rows and the number of such items (share_n, a release).
-// Each item is copied once, by whichever warp claimed it.
-inline constexpr int kLlShareScans = 2;  // scans of the other CTAs' numbers per warp
-template <int kQuant>
-__device__ void ll_dispatch_copy_shared(const LlDispatchParams& p, const LlRecvList& list,
-                                        int n_mine, int nvx, int64_t row_bytes, uint32_t e) {
-  constexpr int kChunk = 32 * kLlCopyBatch;
-  LlState* st = p.symm.layout.state(p.symm.local);
-  const int q = p.slot, b = static_cast<int>(blockIdx.x);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int chunks = (nvx + kChunk - 1) / kChunk;
-  const int items = n_mine * chunks;
-  const int n_ovf = items > warps ? items - warps : 0;
-  const uint64_t tag = uint64_t{e} << 32;
-  auto copy_own = [&](int w) {
-    const int m = w / chunks, c = w - m * chunks;
-    ll_copy_chunk<true>(reinterpret_cast<const uint16_t*>(list.msg[m]),
-                        reinterpret_cast<uint4*>(p.recv_x + list.lrow[m] * row_bytes),
-                        c * kChunk, nvx);
-  };
-  if (warp == warps - 1) {
-    for (int m = lane; m < n_mine; m += 32) {
-      st->share_row[q][b][m][0] = reinterpret_cast<uint64_t>(list.msg[m]);
-      st->share_row[q][b][m][1] = reinterpret_cast<uint64_t>(p.recv_x + list.lrow[m] * row_bytes);
-    }
-    __syncwarp();
-    if (lane == 0) {
-      atomicAnd(&st->share_mask[q][(e + 1) & 1][b / 32], ~(1u << (b % 32)));
-      fence_acq_rel(true);  // every reader is a CTA of this kernel
-      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(&st->share_n[q][b]),
-                   "l"(tag | static_cast<uint64_t>(n_ovf))
-                   : "memory");
-      if (n_ovf > 0) atomicOr(&st->share_mask[q][e & 1][b / 32], 1u << (b % 32));
-    }
-    __syncwarp();
-  }
-  if (warp < items) copy_own(warp);
-#pragma unroll 1
-  while (n_ovf > 0) {
-    unsigned long long got = 0;
-    if (lane == 0) got = atomicAdd(&st->share_claim[q][b], 1ull);
-    const int kk = __shfl_sync(0xffffffffu, static_cast<int>(static_cast<uint32_t>(got)), 0);
-    if (kk >= n_ovf) break;
-    copy_own(warps + kk);
-  }
-}
-
-// The shared copy's second part (after the CTA's own items and its scales): items of the other
-// CTAs. Each scan: lanes 0-3 read the hint words; lane i takes the i-th CTA the hint names (the
-// first 32) and reads its number and claim counter (one round trip for all); the warp then
-// claims from those with items left, starting at a place that depends on the warp.
-inline __device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uint32_t e) {
-  constexpr int kChunk = 32 * kLlCopyBatch;
-  LlState* st = p.symm.layout.state(p.symm.local);
-  const int q = p.slot, b = static_cast<int>(blockIdx.x), C = static_cast<int>(gridDim.x);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int chunks = (nvx + kChunk - 1) / kChunk;
-  static_assert(kLlMaxCtas <= 4 * 32, "four hint words");
-  const int r = (b * warps + warp) & 31;
-#pragma unroll 1
-  for (int scan = 0; scan < kLlShareScans; ++scan) {
-    const uint32_t hint =
-        lane < (C + 31) / 32 ? ld_acquire_gpu(&st->share_mask[q][e & 1][lane]) : 0u;
-    int v = -1, found = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t mj = __shfl_sync(0xffffffffu, hint, j);
-      if (j == b / 32) mj &= ~(1u << (b % 32));
-      const int cnt = __popc(mj);
-      if (v < 0 && lane >= found && lane < found + cnt)
-        v = 32 * j + static_cast<int>(__fns(mj, 0, lane - found + 1));
-      found += cnt;
-    }
-    if (found == 0) continue;
-    uint32_t left = 0;
-    if (v >= 0) {
-      const uint64_t w = ld_acquire_gpu(&st->share_n[q][v]);
-      const uint64_t cl =
-          ld_relaxed_gpu(reinterpret_cast<const uint64_t*>(&st->share_claim[q][v]));
-      if ((w >> 32) == e && static_cast<uint32_t>(cl) < static_cast<uint32_t>(w))
-        left = static_cast<uint32_t>(w);
-    }
-    __syncwarp();  // the acquires above order every lane's row loads below
-    uint32_t mask = __ballot_sync(0xffffffffu, left != 0);
-    mask = r ? (mask >> r) | (mask << (32 - r)) : mask;
-#pragma unroll 1
-    while (mask) {
-      const int src_lane = (__ffs(mask) - 1 + r) & 31;
-      mask &= mask - 1;
-      const int victim = __shfl_sync(0xffffffffu, v, src_lane);
-      const uint32_t n_v = __shfl_sync(0xffffffffu, left, src_lane);
-#pragma unroll 1
-      for (;;) {
-        unsigned long long got = 0;
-        if (lane == 0) got = atomicAdd(&st->share_claim[q][victim], 1ull);
-        const uint32_t kk = __shfl_sync(0xffffffffu, static_cast<uint32_t>(got), 0);
-        if (kk >= n_v) break;
-        const int wi = warps + static_cast<int>(kk), mi = wi / chunks, c = wi - mi * chunks;
-        const uint64_t src = ld_relaxed_gpu(&st->share_row[q][victim][mi][0]);
-        const uint64_t dst = ld_relaxed_gpu(&st->share_row[q][victim][mi][1]);
-        ll_copy_chunk<true>(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint4*>(dst),
-                            c * kChunk, nvx);
-      }
-    }
-  }
-}
-#endif
-
 // The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
 // recv_x and its scale vectors (right after the row in the message) into recv_scales.
 // Rows: ll_copy_rows (a warp per (entry, 4 KB chunk); messages are 16-byte aligned).
@@ -681,11 +567,8 @@ inline __device__ void ll_dispatch_steal(const LlDispatchParams& p, int nvx, uin
 // §4.3). src_info first.
 template <int kQuant>
 __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
-                                         int total, int sub, int S, bool share, uint32_t e) {
+                                         int total, int sub, int S) {
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
-#ifdef EPX_DIAGNOSTICS
-  if (share && n_mine == 0) ll_dispatch_steal(p, static_cast<int>(ll_row_bytes<kQuant>(p) / 16), e);
-#endif
   if (n_mine == 0) return;
   if (p.src_info) {
     for (int m = threadIdx.x; m < n_mine; m += blockDim.x) {
@@ -710,11 +593,6 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   uint4 sval{};
   if (static_cast<int>(threadIdx.x) < n_sc)
     sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
-#ifdef EPX_DIAGNOSTICS
-  if (p.recv_x && copy && share) {
-    ll_dispatch_copy_shared<kQuant>(p, list, n_mine, nvx, row_bytes, e);
-  } else
-#endif
   if (p.recv_x && copy) {
     ll_copy_rows<true>(n_mine, nvx, true, [&](int m, const uint16_t** src, uint4** dst) {
       const int idx = sub + m * S;
@@ -726,11 +604,6 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
     if (i != static_cast<int>(threadIdx.x)) sval = ld_landed<uint4>(scale_src(i, &sbase, &sj));
     ll_store_scale_vector<kQuant>(p, sbase, sj, sval);
   }
-#ifdef EPX_DIAGNOSTICS
-  if (share) ll_dispatch_steal(p, nvx, e);  // (share: p.recv_x, the copy not ablated)
-#else
-  (void)share, (void)e;
-#endif
 }
 
 // Which of the n experts `experts[i]` the K ids of a staged routing row list (bit i), kLlIdBatch
@@ -869,8 +742,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
                                                bool follow, bool split, bool ok) {
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
-  // The round's entries, its `sub`, its units' end (stop); diagnostics: its copy shared or not.
-  __shared__ int32_t s_round[4];
+  __shared__ int32_t s_round[3];  // the round's entries, its `sub`, its units' end (stop)
   __shared__ int64_t s_nt;        // NT for the followers (-1: the team's wait failed)
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k;
@@ -964,17 +836,6 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
           if (tid == 0) {
             s_round[0] = EPX_LL_ABLATED(p.ablate, kLlAblateRecvList) ? 0 : filled;
             s_round[2] = stop;
-#ifdef EPX_DIAGNOSTICS
-            // kLlVariantCopyShare: the CTA's only copy round is shared (ll_dispatch_copy_shared).
-            const bool share = EPX_LL_ABLATED(p.ablate, kLlVariantCopyShare) &&
-                               u0 == static_cast<int>(blockIdx.x) &&
-                               u0 + kLlUnitGroup * C >= units && base + team.count >= NT &&
-                               start == 0 && stop == n && S == 1 && filled <= kLlShareRows &&
-                               p.recv_x && !EPX_LL_ABLATED(p.ablate, kLlAblateRecvCopy);
-            s_round[3] = share;
-            if (share)
-              g.state(p.symm.local)->share_claim[p.slot][blockIdx.x] = uint64_t{e} << 32;
-#endif
           }
           EPX_LL_STAMP(p, 0, kTrDListEnd);
 #ifdef EPX_LL_TRACE
@@ -993,12 +854,7 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
           __syncthreads();
         }
         EPX_LL_STAMP(p, 0, kTrDListed);
-#ifdef EPX_DIAGNOSTICS
-        const bool share = s_round[3] != 0;
-#else
-        constexpr bool share = false;
-#endif
-        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, share, e);  // n > 1: S = 1
+        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S);  // n > 1: S = 1, sub = 0
         start = s_round[2];
         __syncthreads();  // the list and s_round are rewritten by the next round
         EPX_LL_STAMP(p, 0, kTrDCopied);

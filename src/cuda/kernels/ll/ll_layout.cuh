@@ -84,7 +84,6 @@ namespace epx::detail {
 inline constexpr int kLlThreads = 512;  // every ll kernel: CTAs of 16 warps
 inline constexpr int kLlWarps = kLlThreads / 32;
 inline constexpr int kLlMaxCtas = 128;      // per kernel (auto tuning: see resolve_ll_ctas)
-inline constexpr int kLlShareRows = 32;   // kLlVariantCopyShare: rows a CTA's list holds
 inline constexpr int kLlMaxExperts = 2048;  // E: combine keeps [E] tables in shared memory
 inline constexpr int kLlMaxTopK = 32;       // K
 // dispatch: x vectors per thread loaded ahead (H <= 8192 on 512 threads; twice as many on the
@@ -135,19 +134,6 @@ struct LlState {
   // enable_shrink: per slot, the dispatch receive CTAs that finished their waits (+1 each per
   // dispatch: e * n after the e-th), so that all of them read the same mask (dispatch.cuh).
   uint32_t recv_waited[2];
-#ifdef EPX_DIAGNOSTICS
-  // Variant kLlVariantCopyShare (cuda/tuning.h; perf.md §5 item 95): the dispatch receive's
-  // shared copy items (dispatch.cuh, ll_dispatch_copy_shared), per slot
-  // and CTA: the number of items past the CTA's first round, tagged with the epoch (e << 32 | n),
-  // the claim counter (e << 32 | next), and the rows' source and destination.
-  uint64_t share_n[2][kLlMaxCtas];
-  unsigned long long share_claim[2][kLlMaxCtas];
-  uint64_t share_row[2][kLlMaxCtas][kLlShareRows][2];
-  // A hint of which CTAs published items, per slot and epoch parity: bit b of word b / 32 set
-  // by CTA b (atomicOr) after its number; CTA b clears its bit of the other parity (for the next
-  // call). A set bit is checked against share_n's epoch before any use.
-  uint32_t share_mask[2][2][kLlMaxCtas / 32];
-#endif
 };
 
 struct LlSync {
