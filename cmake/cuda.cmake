@@ -95,12 +95,14 @@ target_link_libraries(epx PUBLIC CUDA::cudart ${EPX_NCCL_LIBRARY}
                       "-Wl,--disable-new-dtags,-rpath,${EPX_NCCL_LIBDIR}")
 
 # The sources with EPX_DIAGNOSTICS code compiled with it (not part of `all`): `cmake --build build
-# --target epx_diagnostics_check`, which scripts/test.sh runs so that code keeps compiling while
+# --target epx_diagnostics_check`, which scripts/test.sh runs so that code keeps building while
 # the default build leaves it out. The library's sources (epx_diagnostics_src) are also linked
 # into one shared object (epx_diagnostics_link; unresolved symbols allowed), so that a symbol
 # defined by two of them fails here and not first in a diagnostics build on a GPU machine; the GPU
-# benchmarks' EPX_DIAGNOSTICS code (bench/ht_gpu_bench.cc --ablate --send-pct,
-# bench/ht_onegpu_bench.cc --bits, bench/ll_gpu_bench.cu --ablate) is compiled only.
+# benchmarks' EPX_DIAGNOSTICS code (epx_diagnostics_bench: bench/ht_gpu_bench.cc --ablate
+# --send-pct, bench/ht_onegpu_bench.cc --bits, bench/ll_gpu_bench.cu --ablate) is compiled only.
+# epx_diagnostics_check is a custom target over both: under Ninja an object library's compile
+# steps wait only for its dependencies' compile steps, not for their links.
 add_library(epx_diagnostics_src OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/src/cuda/tuning.cc ${PROJECT_SOURCE_DIR}/src/cuda/ht.cu
             ${PROJECT_SOURCE_DIR}/src/cuda/ht_dispatch.cu ${PROJECT_SOURCE_DIR}/src/cuda/ht_combine.cu
@@ -109,15 +111,16 @@ add_library(epx_diagnostics_src OBJECT EXCLUDE_FROM_ALL
 set_target_properties(epx_diagnostics_src PROPERTIES POSITION_INDEPENDENT_CODE ON)
 add_library(epx_diagnostics_link SHARED EXCLUDE_FROM_ALL $<TARGET_OBJECTS:epx_diagnostics_src>)
 set_target_properties(epx_diagnostics_link PROPERTIES LINKER_LANGUAGE CXX)
-add_library(epx_diagnostics_check OBJECT EXCLUDE_FROM_ALL
+add_library(epx_diagnostics_bench OBJECT EXCLUDE_FROM_ALL
             ${PROJECT_SOURCE_DIR}/tests/gpu/ht_nodes_gpu_test.cc
             ${PROJECT_SOURCE_DIR}/bench/ht_gpu_bench.cc ${PROJECT_SOURCE_DIR}/bench/ht_onegpu_bench.cc
             ${PROJECT_SOURCE_DIR}/bench/ll_gpu_bench.cu)
-add_dependencies(epx_diagnostics_check epx_diagnostics_link)
-foreach(t epx_diagnostics_src epx_diagnostics_check)
+foreach(t epx_diagnostics_src epx_diagnostics_bench)
   target_include_directories(${t} PRIVATE $<TARGET_PROPERTY:epx,INCLUDE_DIRECTORIES>
                                           ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/tests)
   target_compile_definitions(${t} PRIVATE $<TARGET_PROPERTY:epx,COMPILE_DEFINITIONS>
                                           EPX_DIAGNOSTICS=1)
   epx_cuda_target(${t})
 endforeach()
+add_custom_target(epx_diagnostics_check)
+add_dependencies(epx_diagnostics_check epx_diagnostics_link epx_diagnostics_bench)
