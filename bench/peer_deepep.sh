@@ -6,7 +6,12 @@
 #
 # DEEPEP_TESTS_DIR holds DeepEP's tests/ (test_low_latency.py, test_intranode.py, utils.py) taken
 # from a DeepEP checkout (e.g. `git show 567632d:tests/<file>` of github.com/deepseek-ai/DeepEP);
-# none of DeepEP lives in this repository. Scripts default to test_low_latency.py and
+# none of DeepEP lives in this repository. DeepEP 2.x keeps these scripts in tests/legacy/ and
+# their helpers in its package (deep_ep/utils/envs.py, math.py, testing.py, which import
+# deep_ep._C): for such a DIR (no utils.py in it) EPX_DEEPEP_UTILS names that checkout's
+# deep_ep/utils (default: DIR/../../deep_ep/utils where it exists), and the drop-in runs from a
+# temporary copy of the shim with DeepEP's helper modules added to its deep_ep.utils and a
+# stand-in deep_ep._C that only lets them import (a name used from it raises AttributeError). Scripts default to test_low_latency.py and
 # test_intranode.py; NUM_PROCESSES (default 1) is their --num-processes (one GPU each). Needs the
 # extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
@@ -41,6 +46,31 @@ if [ -n "${EPX_DEEPEP_SELF:-}" ]; then
 fi
 # The one-step opt-in of the README, as an engine's launcher would run it.
 shim=$(PYTHONPATH="$repo/python" "$py" -m epx.compat.shim) || exit 1
+utils=${EPX_DEEPEP_UTILS:-}
+if [ -z "$utils" ] && [ ! -e "$dir/utils.py" ] && [ -e "$dir/../../deep_ep/utils/testing.py" ]; then
+  utils="$dir/../../deep_ep/utils"
+fi
+if [ -n "$utils" ]; then
+  # DeepEP 2.x's helpers beside the shim's deep_ep.utils (its __init__ and event stay epx's).
+  utils=$(cd "$utils" && pwd) || exit 2
+  overlay=$(mktemp -d)
+  trap 'rm -rf "$overlay"' EXIT
+  cp -r "$shim/deep_ep" "$overlay/deep_ep"
+  for f in "$utils"/*.py; do
+    [ -e "$overlay/deep_ep/utils/$(basename "$f")" ] || cp "$f" "$overlay/deep_ep/utils/"
+  done
+  cat > "$overlay/deep_ep/_C.py" <<'PY'
+"""A stand-in for DeepEP's compiled deep_ep._C, written by epx's bench/peer_deepep.sh so that
+DeepEP 2.x's test helpers (deep_ep.utils.envs, .comm) import under epx's drop-in."""
+
+
+def __getattr__(name):
+    raise AttributeError(f"deep_ep._C.{name}: DeepEP's compiled module is not part of epx's "
+                         "drop-in (bench/peer_deepep.sh's stand-in only lets DeepEP's test "
+                         "helpers import)")
+PY
+  shim=$overlay
+fi
 export PYTHONPATH="$shim:$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # run_self SCRIPT: SCRIPT with DeepEP itself (EPX_DEEPEP_SELF), its exit status printed.
 run_self() {

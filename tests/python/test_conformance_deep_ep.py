@@ -982,9 +982,12 @@ DEEPEP_SIGNATURES = {
                         ("num_max_nvl_chunked_recv_tokens", 256),
                         ("num_max_rdma_chunked_send_tokens", 6),
                         ("num_max_rdma_chunked_recv_tokens", 256)],
-    # deep_ep/utils.py
+    # deep_ep/utils.py (DeepEP 2.x's deep_ep/utils/event.py, dd758ca: release_handle and the
+    # hook after the wait added)
     "EventOverlap.__init__": [("event", None), ("extra_tensors", None)],
-    "EventOverlap.current_stream_wait": [],
+    "EventOverlap.current_stream_wait": [("release_handle", False)],
+    "EventOverlap.register_hook_after_wait": [("hook_after_wait", REQUIRED)],
+    "EventOverlap.__call__": [("release_handle", False)],
 }
 DEEPEP_STATIC = ("is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_size_hint",
                  "get_dispatch_config", "get_combine_config")
@@ -1020,6 +1023,56 @@ def test_signatures_match_deepep():
             missing.append(f"{qual}: expected a staticmethod, as DeepEP's")
     assert not missing, "\n".join(missing)
     assert deep_ep.Buffer.num_sms == 20 and deep_ep.topk_idx_t is torch.int64
+
+
+def test_event_overlap_deepep2_additions():
+    """DeepEP 2.x's EventOverlap calls: the hook runs once, after the event's wait; release_handle
+    drops the event after the wait (the call form and the `with event(release_handle=True):` form);
+    a second hook before the wait, or a hook that is not callable, is InvalidArgument; a plain
+    `with` keeps the event."""
+    log = []
+
+    class Event:
+        def current_stream_wait(self):
+            log.append("wait")
+
+    ev = deep_ep.EventOverlap(Event())
+    ev.register_hook_after_wait(lambda: log.append("hook"))
+    with pytest.raises(epx.InvalidArgument, match="already registered"):
+        ev.register_hook_after_wait(lambda: None)
+    ev.current_stream_wait()
+    ev.current_stream_wait()
+    assert log == ["wait", "hook", "wait"] and ev.event is not None
+    ev.current_stream_wait(release_handle=True)
+    assert ev.event is None and log == ["wait", "hook", "wait", "wait"]
+    ev.current_stream_wait()  # nothing left to wait for, as on the cpu backend
+    assert log == ["wait", "hook", "wait", "wait"]
+
+    log.clear()
+    ev = deep_ep.EventOverlap(Event())
+    ev.register_hook_after_wait(lambda: log.append("hook"))
+    with ev(release_handle=True) as same:
+        assert same is ev
+        log.append("body")
+    assert log == ["body", "wait", "hook"] and ev.event is None
+    ev = deep_ep.EventOverlap(Event())
+    with ev:
+        pass
+    assert ev.event is not None and log == ["body", "wait", "hook", "wait"]
+    ev(release_handle=True)
+    with ev:
+        pass
+    with ev:  # the flag applies to one `with` only; the event is gone after the first
+        pass
+    assert ev.event is None and log == ["body", "wait", "hook", "wait", "wait"]
+    with pytest.raises(epx.InvalidArgument, match="hook_after_wait"):
+        deep_ep.EventOverlap(None).register_hook_after_wait(3)
+    # With no event (the cpu backend's) the hook still runs at the wait.
+    ev = deep_ep.EventOverlap(None)
+    ev.register_hook_after_wait(lambda: log.append("cpu hook"))
+    with ev:
+        pass
+    assert log[-1] == "cpu hook"
 
 
 def body_every_kwarg(ctx, seed):

@@ -72,6 +72,41 @@ def test_deep_ep():
                                           "'EventOverlap',", "'topk_idx_t']"]
 
 
+def test_deep_ep_2x_module_paths():
+    """DeepEP 2.x's paths of its legacy API (deep_ep.buffers.legacy, deep_ep.utils.event) are epx's;
+    its own ElasticBuffer API is absent the way engines probe for it: hasattr False, `from deep_ep
+    import ElasticBuffer` an ImportError, attribute access an AttributeError naming the legacy
+    Buffer."""
+    out = _run("""
+        import deep_ep
+        import epx.compat.deep_ep as d
+        from deep_ep.buffers.legacy import Buffer, Config, EventHandle, EventOverlap
+        from deep_ep.utils.event import EventOverlap as E2, EventHandle as H2
+        from deep_ep.utils import EventOverlap as E3
+        import deep_ep.buffers.legacy, deep_ep.utils.event
+        print(Buffer is d.Buffer, Config is d.Config, EventHandle is d.EventHandle,
+              EventOverlap is d.EventOverlap, E2 is d.EventOverlap, H2 is d.EventHandle,
+              E3 is d.EventOverlap)
+        for name in ("ElasticBuffer", "EPHandle", "get_physical_domain_size",
+                     "get_logical_domain_size"):
+            assert not hasattr(deep_ep, name), name
+            try:
+                getattr(deep_ep, name)
+            except AttributeError as e:
+                assert f"deep_ep.{name}" in str(e) and "deep_ep.Buffer" in str(e), str(e)
+        try:
+            from deep_ep import ElasticBuffer
+            print("imported")
+        except ImportError:
+            print("ImportError")
+        try:
+            deep_ep.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e), str(e)
+        """)
+    assert out.split() == ["True"] * 7 + ["ImportError"]
+
+
 def test_flashinfer_minimal_engine_imports():
     """No FlashInfer installed: an engine's import block (SGLang's / vLLM's names) resolves to
     epx's, and nvfp4_block_scale_interleave is epx's."""
@@ -221,5 +256,7 @@ def test_shim_packages_are_shipped(name):
     assert f"epx.compat.shim.{name}" in pkgs and "epx.compat.shim" in pkgs
     if name == "flashinfer":
         assert "epx.compat.shim.flashinfer.comm" in pkgs
+    else:  # DeepEP V1's deep_ep.utils and DeepEP 2.x's deep_ep.buffers / deep_ep.utils packages
+        assert {"epx.compat.shim.deep_ep.buffers", "epx.compat.shim.deep_ep.utils"} <= set(pkgs)
     setup_py = open(os.path.join(PYTHON_DIR, "setup.py")).read()
     assert 'find_packages(where=HERE, include=["epx", "epx.*"])' in setup_py

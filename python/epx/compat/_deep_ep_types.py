@@ -93,19 +93,54 @@ class EventHandle:
 
 
 class EventOverlap:
-    """An event (or None) plus tensors kept alive until it completes. ``with`` waits on exit."""
+    """An event (or None) plus tensors kept alive until it completes. ``with`` waits on exit.
+    DeepEP 2.x's additions to its legacy class are honoured too: ``current_stream_wait(
+    release_handle=True)`` drops the event after the wait, ``register_hook_after_wait(hook)`` runs
+    ``hook()`` once, after the next wait, and ``with event(release_handle=True):`` waits and then
+    drops it on exit."""
+
+    # Class defaults, set on an instance only when used (the ops make one per call).
+    hook_after_wait = None
+    _release_handle_by_call = False
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
 
-    def current_stream_wait(self):
-        """Makes the current stream wait for the event (nothing to wait for on CPU)."""
+    def current_stream_wait(self, release_handle=False):
+        """Makes the current stream wait for the event (nothing to wait for on CPU), then runs the
+        registered hook (once) and, with ``release_handle``, drops the event."""
         if self.event is not None:
             self.event.current_stream_wait()
+        hook = self.hook_after_wait
+        if hook is not None:
+            self.hook_after_wait = None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait):
+        """``hook_after_wait()`` runs once, after the next ``current_stream_wait`` (or ``with``
+        exit); one hook at a time, as DeepEP 2.x allows."""
+        op = "EventOverlap.register_hook_after_wait"
+        if not callable(hook_after_wait):
+            raise errors.invalid(op, f"argument 'hook_after_wait' is "
+                                 f"{type(hook_after_wait).__name__}, expected a callable")
+        if self.hook_after_wait is not None:
+            raise errors.invalid(op, "a hook is already registered on this EventOverlap, expected "
+                                 "none until the next current_stream_wait()")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle=False):
+        """``with event(release_handle=True):``: the same object, dropping its event on exit."""
+        self._release_handle_by_call = bool(release_handle)
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc_value, traceback):
-        self.current_stream_wait()
+        release = self._release_handle_by_call
+        if release:
+            self._release_handle_by_call = False
+        self.current_stream_wait(release_handle=release)

@@ -9,7 +9,9 @@ on PYTHONPATH:
 
 * ``deep_ep``: :mod:`epx.compat.deep_ep` (Buffer, Config, EventHandle, EventOverlap, topk_idx_t;
   EventHandle at the top level as DeepEP 2.x exports it), also as ``deep_ep.buffer`` and
-  ``deep_ep.utils`` (DeepEP V1's modules).
+  ``deep_ep.utils`` (DeepEP V1's modules) and as ``deep_ep.buffers.legacy`` and
+  ``deep_ep.utils.event`` (DeepEP 2.x's homes of the same legacy API). DeepEP 2.x's own
+  ElasticBuffer API is absent (``hasattr(deep_ep, "ElasticBuffer")`` is False).
 * ``flashinfer``: where a real FlashInfer is installed further down sys.path (or through another
   import finder, e.g. an editable install), that package is loaded under the name
   ``flashinfer`` and only the MoE all-to-all names of ``flashinfer.comm`` and
