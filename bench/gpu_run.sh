@@ -53,7 +53,8 @@
 #             bench/engine_timing.py (DeepEP-style timing through the drop-in, ll and ht T = 4096)
 #   peer      bench/peer_deepep.sh $EPX_DEEPEP_TESTS [$EPX_PEER_PROCS, default 1]: DeepEP's own
 #             test scripts against epx (skipped unless EPX_DEEPEP_TESTS names DeepEP's tests/ or
-#             EPX_DEEPEP_SRC a DeepEP checkout); with EPX_DEEPEP_SRC, DeepEP is built there
+#             EPX_DEEPEP_SRC a DeepEP checkout; DeepEP 2.x's V1 scripts: tests/legacy/, taken when
+#             there); with EPX_DEEPEP_SRC, DeepEP is built there
 #             (bench/build_deepep.sh) and each script and bench/engine_timing.py --peer also run
 #             with DeepEP itself, in the same run
 #   sweep     issue 26's method over T: DeepEP's test_low_latency.py at --num-tokens in
@@ -533,6 +534,8 @@ deepep_inputs() {
   DEEPEP_TESTS=${EPX_DEEPEP_TESTS:-}
   DEEPEP_SELF=""
   [ -n "$DEEPEP_TESTS" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || DEEPEP_TESTS=$EPX_DEEPEP_SRC/tests
+  # DeepEP 2.x keeps the V1 scripts in tests/legacy/ (peer_deepep.sh finds their helpers).
+  [ ! -e "$DEEPEP_TESTS/legacy/test_low_latency.py" ] || DEEPEP_TESTS=$DEEPEP_TESTS/legacy
   if [ -z "$DEEPEP_TESTS" ]; then
     skip "$1" "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to \
 a DeepEP checkout (bench/peer_deepep.sh)"

@@ -320,3 +320,24 @@ def test_ncu_hook_samples_the_halves_asked_for(tmp_path):
     assert run(EPX_NCU_HALVES="send recv") == both
     assert run(EPX_NCU_HALVES="recv sent") == ["skip ncu.hook: EPX_NCU_HALVES: 'sent' is "
                                                "neither send nor recv"]
+
+
+def test_deepep_inputs_finds_the_v1_scripts_in_either_layout(tmp_path):
+    """EPX_DEEPEP_SRC names a DeepEP checkout: its tests/ (V1) or, where DeepEP 2.x keeps the V1
+    scripts, its tests/legacy/ (bench/peer_deepep.sh then finds their helpers in the checkout)."""
+    def tests_dir(src, given=""):
+        code = ("skip() { echo SKIP; }\nstep() { return 1; }\n" + script_function("deepep_inputs")
+                + '\ndeepep_inputs peer && echo "TESTS=$DEEPEP_TESTS SELF=$DEEPEP_SELF" || true')
+        env = dict(os.environ, EPX_DEEPEP_SRC=str(src), EPX_DEEPEP_TESTS=given)
+        return subprocess.run(["bash", "-c", code], env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    (v1 / "tests").mkdir(parents=True)
+    (v1 / "tests" / "test_low_latency.py").write_text("")
+    (v2 / "tests" / "legacy").mkdir(parents=True)
+    (v2 / "tests" / "legacy" / "test_low_latency.py").write_text("")
+    assert tests_dir(v1) == f"TESTS={v1}/tests SELF="  # the build step failed: no DeepEP itself
+    assert tests_dir(v2) == f"TESTS={v2}/tests/legacy SELF="
+    assert tests_dir(v2, given=str(v2 / "tests")) == f"TESTS={v2}/tests/legacy SELF="
+    assert tests_dir("", given="") == "SKIP"
