@@ -12,6 +12,10 @@ host columns only). For each T of --tokens and hook off / on it prints:
             two hooks), median over the event-timed pairs (and per call below the table); "idle": the same with the device
             synchronised before each pair (so no call waits for earlier work); "host loop":
             the host CPU's speed just before the event-timed pairs (host_loop_ms)
+  cold      with --cold, the rows again as DeepEP 2.x's own harness takes them (bench_kineto of
+            deep_ep/utils/testing.py, dd758ca, with the barrier test_low_latency.py asks for):
+            before every pair a 256 MB zero_() (L2 flushed), ≈ 10 ms of GPU sleep and an
+            all_reduce, so each row is a call after a cold L2
 --ht-tokens T[,T..] adds normal mode (ht) as DeepEP's test_intranode times it: a cached dispatch
 (with the handle) and a combine, each alone between CUDA events after one L2 flush, its host time,
 and the profiler's device rows (kernels and copies, mean per launch, launches per call).
@@ -107,6 +111,25 @@ def profile_after_gemm(fn, iters, device, settle):
             if settle:
                 torch.cuda.synchronize()
             for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            prof.step()
+    return prof
+
+
+def profile_cold(fn, iters, device):
+    """torch.profiler (CUDA activity) over `iters` calls of fn(), each after a 256 MB zero_() that
+    flushes L2, ≈ 10 ms of GPU sleep and an all_reduce (DeepEP 2.x's `bench_kineto` with its
+    barrier), the second of two rounds kept."""
+    sched = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    one = torch.ones(1, device=device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                schedule=sched) as prof:
+        for _ in range(2):
+            for _ in range(iters):
+                torch.empty(int(256e6 // 4), dtype=torch.int, device=device).zero_()
+                torch.cuda._sleep(int(2e7))
+                dist.all_reduce(one)
                 fn()
             torch.cuda.synchronize()
             prof.step()
@@ -217,6 +240,10 @@ def run_module(rank, world, args, deep_ep):
                 row[f"events_{key}"] = events
                 prof = profile_after_gemm(lambda: pair(hook), args.iters, device, settle=False)
                 row[f"rows_{key}"] = kernel_rows(prof, ("dispatch", "combine"), 2 if hook else 1)
+                if args.cold:
+                    prof = profile_cold(lambda: pair(hook), args.iters, device)
+                    row[f"cold_{key}"] = kernel_rows(prof, ("dispatch", "combine"),
+                                                     2 if hook else 1)
         if args.breakdown and rank == 0:
             prof = cProfile.Profile()
             prof.enable()
@@ -320,6 +347,9 @@ def main():
     ap.add_argument("--peer", default="", metavar="DIR",
                     help="also DeepEP itself, from a checkout built by bench/build_deepep.sh "
                          "(ll rows; the same processes, after epx's)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also the rows as DeepEP 2.x's harness takes them (L2 flushed, GPU "
+                         "sleep and all_reduce before every pair)")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="cProfile's top N functions (by own time) of 200 pairs, rank 0")
     args = ap.parse_args()
@@ -382,6 +412,17 @@ def main():
                   f", host loop {row['loop_plain']:.2f} | hook " +
                   " / ".join(f"{v:.1f}" for v in row["calls_hook"]) +
                   f", host loop {row['loop_hook']:.2f}")
+    if args.cold and not args.cpu:
+        print("cold rows (each pair after an L2 flush, GPU sleep and all_reduce, as DeepEP 2.x's "
+              "bench_kineto): dispatch row, combine row | hooked dispatch, hooked combine; us")
+        for rank in sorted(results):
+            for row in results[rank]:
+                cp, ch = row.get("cold_plain", {}), row.get("cold_hook", {})
+                print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | "
+                      f"{fmt_rows(cp.get('dispatch', '-')):>13} "
+                      f"{fmt_rows(cp.get('combine', '-')):>12} | "
+                      f"{fmt_rows(ch.get('dispatch', '-')):>16} "
+                      f"{fmt_rows(ch.get('combine', '-')):>15}")
     for rank in sorted(results):
         for row in results[rank]:
             if "breakdown" in row:

@@ -553,8 +553,8 @@ batch_peer() {
     env EPX_DEEPEP_SELF="$DEEPEP_SELF" \
     bash bench/peer_deepep.sh "$DEEPEP_TESTS" "${EPX_PEER_PROCS:-1}"
   if [ -n "$DEEPEP_SELF" ]; then
-    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine" $(pin 1) "$EPX_PYTHON" \
-      bench/engine_timing.py --tokens 128 --experts 288 --peer "$DEEPEP_SELF"
+    step peer.engine_timing 300 "^ *(epx|DeepEP) |^module|^engine|^cold" $(pin 1) "$EPX_PYTHON" \
+      bench/engine_timing.py --tokens 128 --experts 288 --cold --peer "$DEEPEP_SELF"
   fi
 }
 
