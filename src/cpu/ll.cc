@@ -484,6 +484,19 @@ LlDispatchResult CpuBuffer::ll_dispatch(const LlDispatchArgs& args, const Alloca
 void CpuBuffer::ll_clean() {
   CpuLlState& st = state_of(ll_state_);
   if (!st.shrink) return reset_ll_state(resync("ll_clean"));
+  // With nobody masked (a rejoin: every rank called ll_clean_mask) the ranks may have passed
+  // different numbers of ll barriers: one that stopped calling while its peers masked it missed
+  // the barriers of their calls. A resync over every rank brings them to one barrier epoch, the
+  // new generation. If a rank does not come (it died), the resync times out on every live rank
+  // alike (none passes it, so their barrier epochs stay as they were) and the clean goes on as
+  // below, masking it.
+  if (st.masked == 0) {
+    try {
+      return reset_ll_state(resync("ll_clean"));
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kTimeout) throw;
+    }
+  }
   // Over the unmasked ranks, masking those that do not come within twice the timeout (a rank
   // may still be in an operation waiting for a rank only it does not mask yet): then none of
   // them runs an ll operation. The live ranks passed the same barriers (the ll barriers mask, they

@@ -346,6 +346,69 @@ TEST(LlMaskGpuUpdate, MaskedByItsPeersThenRejoins) {
   EXPECT_EQ(one_sided_case(2, false), 0);
 }
 
+// Rank m stops calling for a round (a stall, not a death): the others' dispatch waits one
+// timeout for it and masks it (their round is the one without m); m does not launch. Then every
+// rank unmasks everything and calls ll_clean, m having run fewer ll operations than its peers:
+// an exact round (vLLM's fault-tolerance retry through the DeepEP drop-in's
+// low_latency_clean_mask_buffer; the cpu tier's LlMask.StalledRankRejoinsAfterCleanMask).
+int stalled_case(int R, bool one_gpu) {
+  const int m = R - 1;
+  const testing::LlMaskScenario s = testing::make_ll_mask_scenario(R, 500 + R);
+  const uint64_t bit = uint64_t{1} << m;
+  std::mt19937_64 rng(501);
+  const LlBatch without_m = testing::make_ll_masked_batch(s.c, bit, bit, rng);
+  const LlBatch full = testing::make_ll_masked_batch(s.c, 0, 0, rng);
+  return run_ranks(R, one_gpu, [&](const Group& g) {
+    return guarded(g, [&](const Group& g, cudaStream_t stream) {
+      const int r = g.rank(), dev = gpu_testing::device_of(g);
+      const LlProblem& p = s.c.p;
+      const double timeout = std::chrono::duration<double>(g.timeout()).count();
+      Buffer buf(g, p.moe_shape(), shrink_config());
+      const Allocator alloc = gpu_testing::poison_allocator();
+      std::string err;
+      auto fail = [&](const std::string& where, const std::string& e) {
+        if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
+      };
+      auto round = [&](const LlBatch& b, bool hook, const char* what) {
+        const DeviceBatch in(s.c, b, r, dev);
+        const auto t0 = Clock::now();
+        LlDispatchResult d = buf.ll_dispatch(dispatch_args(s.c, in, hook, stream), alloc);
+        if (hook) d.hook();
+        LlCombineResult cr = buf.ll_combine(combine_args(in, d, hook, stream), alloc);
+        if (hook) cr.hook();
+        CUDA_OK(cudaStreamSynchronize(stream));
+        buf.check();
+        fail(std::string(what) + " dispatch", check_dispatch(p, b.want[r], d));
+        fail(std::string(what) + " combine", check_out(p, b.want_out[r], cr.out));
+        return seconds_since(t0);
+      };
+      round(full, false, "before the stall");
+      if (r != m) {
+        const double took = round(without_m, false, "without m");
+        if (took < 0.9 * timeout || took >= 2 * timeout + 5)
+          fail("without m", "took " + std::to_string(took) + " s, expected about one timeout");
+        fail("without m", testing::check_mask_status(query(buf, stream), bit));
+      }
+      buf.ll_clean_mask(stream);
+      buf.ll_clean();
+      fail("cleaned", testing::check_mask_status(query(buf, stream), 0));
+      round(full, true, "after ll_clean");
+      fail("after ll_clean", testing::check_mask_status(query(buf, stream), 0));
+      return err;
+    });
+  });
+}
+
+TEST(LlMaskOneGpuUpdate, StalledRankRejoinsAfterCleanMask) {
+  EPX_REQUIRE_GPUS(1);
+  EXPECT_EQ(stalled_case(4, true), 0);
+}
+
+TEST(LlMaskGpuUpdate, StalledRankRejoinsAfterCleanMask) {
+  EPX_REQUIRE_GPUS(2);
+  EXPECT_EQ(stalled_case(2, false), 0);
+}
+
 // Rank r masks every other rank (each its own view; no one waits), a round is captured in a
 // CUDA graph and replayed: masked results. Then ll_clean_mask + ll_clean on every rank and the
 // same graph replayed: the full results. The kernels read the mask at replay.

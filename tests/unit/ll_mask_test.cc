@@ -346,5 +346,55 @@ TEST(LlMask, MaskedByItsPeersThenRejoins) {
   for (const std::string& e : errors) EXPECT_EQ(e, "");
 }
 
+// Rank m stops calling for a round (a stall, not a death): the others' dispatch waits one
+// timeout for it and masks it, and their round is the one without m. Then every rank unmasks
+// everything and calls ll_clean, m having run fewer ll operations than its peers (on the cpu
+// backend: passed fewer barriers): the next round, hooks and zero-copy, is exact on every rank.
+// vLLM's fault-tolerance retry comes here through the DeepEP drop-in's
+// low_latency_clean_mask_buffer (docs/semantics.md §9).
+TEST(LlMask, StalledRankRejoinsAfterCleanMask) {
+  constexpr int R = 3, m = 1;
+  const testing::LlMaskScenario s = testing::make_ll_mask_scenario(R, 13);
+  const LlCase& c = s.c;
+  std::mt19937_64 rng(14);
+  const uint64_t bit = uint64_t{1} << m;
+  const LlBatch before = testing::make_ll_masked_batch(c, 0, 0, rng);
+  const LlBatch without_m = testing::make_ll_masked_batch(c, bit, bit, rng);
+  const LlBatch after = testing::make_ll_masked_batch(c, 0, 0, rng);
+  const double timeout_s = 1.0;  // mask_options()
+  std::vector<std::string> errors(R);
+  testing::run_threads(
+      R,
+      [&](const Group& g) {
+        const int r = g.rank();
+        Buffer buf(g, c.p.moe_shape(), shrink_config());
+        std::string err;
+        LlDispatchResult d0 = dispatch_step(buf, c, before, false, nullptr, err);
+        combine_step(buf, c, before, d0, false, false, err);
+        if (r != m) {
+          const auto t0 = Clock::now();
+          LlDispatchResult d1 = dispatch_step(buf, c, without_m, false, nullptr, err);
+          combine_step(buf, c, without_m, d1, false, false, err);
+          const double took = seconds_since(t0);
+          if (err.empty() && (took < 0.9 * timeout_s || took > 3 * timeout_s))
+            err = "the round without m took " + std::to_string(took) + " s, expected about one "
+                  "timeout";
+          const std::string mask = testing::check_mask_status(query(buf), bit);
+          if (err.empty() && !mask.empty()) err = "after the stall: " + mask;
+        }
+        buf.ll_clean_mask();
+        buf.ll_clean();
+        const std::string cleared = testing::check_mask_status(query(buf), 0);
+        if (err.empty() && !cleared.empty()) err = "after the clean: " + cleared;
+        LlDispatchResult d2 = dispatch_step(buf, c, after, true, nullptr, err);
+        combine_step(buf, c, after, d2, true, true, err);
+        const std::string still = testing::check_mask_status(query(buf), 0);
+        if (err.empty() && !still.empty()) err = "after the rejoined round: " + still;
+        errors[r] = err.empty() ? "" : "rank " + std::to_string(r) + ": " + err;
+      },
+      mask_options());
+  for (const std::string& e : errors) EXPECT_EQ(e, "");
+}
+
 }  // namespace
 }  // namespace epx
