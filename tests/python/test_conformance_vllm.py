@@ -69,15 +69,21 @@ test_deep_ep_ll._check_dispatch / _assert_combined. Inputs are fresh random (see
 message). vLLM's V1 calls use none of num_worst_tokens, cached dispatch, combine's topk_weights
 (None) and bias, zero_copy, use_logfmt, async_finish on the low-latency calls.
 
+A real fault under fault tolerance (test_vllm_ll_retry_after_fault): a rank stalls through a step,
+its peers' next dispatch waits one timeout and masks it, then every rank runs the retry's
+clean_buffers and the following steps are exact on every rank.
+
 Not replayed: vLLM's internode HT settings (num_rdma_bytes = the buffer size, num_qps_per_rank =
 num_sms // 2: more than one node), NVFP4 dispatch (VLLM_DEEPEPLL_NVFP4_DISPATCH, DeepEP's
 hybrid-ep fork), the EPLB routing tables (a mapping of ids before the calls, nothing new for the
-Buffer), CUDA graphs, and real rank failures under fault tolerance.
+Buffer), CUDA graphs, and a rank that dies (the retry then rebuilds vLLM's groups).
 """
 
 import contextlib
+import os
 import random
 import threading
+import time
 import weakref
 
 import pytest
@@ -1000,6 +1006,69 @@ def body_ll(ctx, seed):
                                                     device=ctx.device),
                                         torch.zeros(1, 1, dtype=torch.int64, device=ctx.device),
                                         LL_T_MAX, E)
+
+
+FAULT_TIMEOUT_S = 1.0  # the epx group's timeout in the fault-tolerance retry: what the fault costs
+
+
+def body_ll_retry_after_fault(ctx, seed):
+    """vLLM's fault-tolerance retry after a real fault (enable_fault_tolerance): one step of the
+    fault-tolerance model on every rank; then the last rank stalls through a step, whose
+    dispatch on the other ranks waits one group timeout for it and masks it (query_fault()
+    true, the mask exactly that rank, no exception); then, after a barrier (the retry command
+    reaches every worker), every rank runs the retry's clean_buffers (zero DeepEP's raw RDMA
+    buffer, low_latency_clean_mask_buffer) and the next step on every rank is exact again, every
+    output checked, with no rank masked and no fault seen."""
+    deep_ep = _import_deep_ep()
+    R, r, dev = ctx.world_size, ctx.rank, ctx.device
+    model = LL_MODELS[0]
+    assert model[5]  # the fault-tolerance model
+    stalled = R - 1
+    saved = os.environ.get("EPX_TIMEOUT_MS")
+    os.environ["EPX_TIMEOUT_MS"] = str(int(FAULT_TIMEOUT_S * 1000))
+    try:
+        manager, pfs, E = _ll_setup(ctx, deep_ep, model)
+
+        def step(n):
+            T_of = _tokens(seed, n, R, LL_T_MAX)
+            for layer in range(NUM_LAYERS):
+                what = f"seed={seed} step={n} layer={layer} T={[T_of(s) for s in range(R)]}"
+                inputs = _ll_inputs(ctx, seed, ("ft", n, layer), E, model, T_of, 0.0)
+                _ll_layer(ctx, pfs[layer], inputs, E, model, layer % 2 == 0, what)
+            assert not bool(manager.query_fault()), f"seed={seed} step={n}"
+            assert manager.query_active_mask().cpu().tolist() == [0] * R
+
+        step(0)  # creates the low-latency buffer (collectively) with the short timeout
+    finally:
+        if saved is None:
+            del os.environ["EPX_TIMEOUT_MS"]
+        else:
+            os.environ["EPX_TIMEOUT_MS"] = saved
+    buffer = manager.buffer
+    if r != stalled:  # the fault: the other ranks' next call finds the stalled rank absent
+        T = 3
+        x = torch.ones(T, LL_H, dtype=torch.bfloat16, device=dev)
+        topk = torch.arange(T * model[1], dtype=torch.int64).view(T, model[1]) % E
+        t0 = time.monotonic()
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk.to(dev), LL_T_MAX, E,
+                                                            use_fp8=False)
+        buffer.low_latency_combine(recv, topk.to(dev), torch.ones(T, model[1], device=dev),
+                                   handle)
+        took = time.monotonic() - t0
+        assert 0.9 * FAULT_TIMEOUT_S <= took < 2 * FAULT_TIMEOUT_S + 5, took
+        assert bool(manager.query_fault()), f"seed={seed}: the stalled rank was not masked"
+        assert manager.query_active_mask().cpu().tolist() == [int(p == stalled)
+                                                              for p in range(R)]
+    dist.barrier(group=ctx.group)  # the retry reaches every worker
+    manager.clean_buffers()
+    step(1)  # every rank again, exact
+    step(2)
+    manager.destroy()
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_vllm_ll_retry_after_fault(R):
+    get_pool(R).run(body_ll_retry_after_fault, _seed())
 
 
 def _split(T_of, u):

@@ -108,7 +108,10 @@ How it differs, and why:
   every rank makes that first call (engines do at warm-up; DeepEP's own --shrink-test stops a
   rank before it, which then times out its peers' first call), and a call that needs a new
   buffer while ranks are masked raises Unsupported; a rank cannot mask itself; an unmasked
-  rank takes part again after clean_low_latency_buffer on every rank that takes part.
+  rank takes part again after clean_low_latency_buffer on every rank that takes part;
+  low_latency_clean_mask_buffer, local in DeepEP, also resets the buffer collectively, so that
+  vLLM's fault-tolerance retry (every rank zeroes DeepEP's raw buffer, then cleans the mask)
+  brings the masked ranks back.
 * ``allow_nvlink_for_low_latency_mode=False`` is accepted with a warning (DeepEP's choice of its
   RDMA NICs within the node; epx's results are the same over NVLink), and
   ``get_local_buffer_tensor`` views a raw buffer of ``num_nvl_bytes`` / ``num_rdma_bytes`` that
@@ -1113,7 +1116,8 @@ class Buffer:
         (and clean_low_latency_buffer): nothing is sent to it, it is not waited for, its tokens
         and its experts' terms are left out (docs/semantics.md §2.6). Local, on the current
         stream. A rank cannot mask itself. An unmasked rank takes part again once every rank that
-        takes part called clean_low_latency_buffer()."""
+        takes part called clean_low_latency_buffer() (or low_latency_clean_mask_buffer(), which
+        resets the buffer too)."""
         op = "low_latency_update_mask_buffer"
         self._check_shrink(op)
         errors.check_int(op, "rank_to_mask", rank_to_mask)
@@ -1147,9 +1151,15 @@ class Buffer:
         mask_status.copy_(torch.tensor(bits, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        """Unmasks every rank (see low_latency_update_mask_buffer for taking part again)."""
+        """Unmasks every rank and, where the low-latency buffer exists, resets it collectively
+        (clean_low_latency_buffer's reset, over every rank), so that the ranks that were masked
+        take part again at the next call. DeepEP's call is local; its callers (vLLM's
+        fault-tolerance retry) make it on every rank after zeroing DeepEP's raw buffer, which
+        resets DeepEP's low-latency state and not epx's (docs/semantics.md §9). A rank that does
+        not make the call within twice the group's timeout is masked again."""
         op = "low_latency_clean_mask_buffer"
         self._check_shrink(op)
         self._mask_pending = 0
         if self._ll is not None:
             self._ll.ll_clean_mask()
+            self._ll.ll_clean()
