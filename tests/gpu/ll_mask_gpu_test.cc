@@ -284,6 +284,25 @@ LlBatch batch_with_views(const LlCase& c, const std::function<uint64_t(int)>& ma
   return b;
 }
 
+// One round of `b` on this rank (a dispatch and a combine, each hook called when `hook`),
+// synchronised and checked against b's expectations through fail(where, error); its seconds.
+double masked_round(Buffer& buf, const LlCase& c, const LlBatch& b, bool hook,
+                    cudaStream_t stream, const Allocator& alloc, const char* what,
+                    const std::function<void(const std::string&, const std::string&)>& fail) {
+  const int r = buf.group().rank();
+  const DeviceBatch in(c, b, r, gpu_testing::device_of(buf.group()));
+  const auto t0 = Clock::now();
+  LlDispatchResult d = buf.ll_dispatch(dispatch_args(c, in, hook, stream), alloc);
+  if (hook) d.hook();
+  LlCombineResult cr = buf.ll_combine(combine_args(in, d, hook, stream), alloc);
+  if (hook) cr.hook();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  buf.check();
+  fail(std::string(what) + " dispatch", check_dispatch(c.p, b.want[r], d));
+  fail(std::string(what) + " combine", check_out(c.p, b.want_out[r], cr.out));
+  return seconds_since(t0);
+}
+
 // Every rank but m masks m with ll_update_mask; m masks nobody. The others never wait for m and
 // get the outputs without it; m's waits for its maskers time out (they send it nothing) and
 // mask them, so it gets its own tokens and experts only. Then every rank unmasks everything and
@@ -298,10 +317,9 @@ int one_sided_case(int R, bool one_gpu) {
   const LlBatch full = testing::make_ll_masked_batch(s.c, 0, 0, rng);
   return run_ranks(R, one_gpu, [&](const Group& g) {
     return guarded(g, [&](const Group& g, cudaStream_t stream) {
-      const int r = g.rank(), dev = gpu_testing::device_of(g);
-      const LlProblem& p = s.c.p;
+      const int r = g.rank();
       const double timeout = std::chrono::duration<double>(g.timeout()).count();
-      Buffer buf(g, p.moe_shape(), shrink_config());
+      Buffer buf(g, s.c.p.moe_shape(), shrink_config());
       const Allocator alloc = gpu_testing::poison_allocator();
       std::string err;
       auto fail = [&](const std::string& where, const std::string& e) {
@@ -309,17 +327,7 @@ int one_sided_case(int R, bool one_gpu) {
       };
       if (r != m) buf.ll_update_mask(m, true, stream);
       auto round = [&](const LlBatch& b, bool hook, const char* what) {
-        const DeviceBatch in(s.c, b, r, dev);
-        const auto t0 = Clock::now();
-        LlDispatchResult d = buf.ll_dispatch(dispatch_args(s.c, in, hook, stream), alloc);
-        if (hook) d.hook();
-        LlCombineResult cr = buf.ll_combine(combine_args(in, d, hook, stream), alloc);
-        if (hook) cr.hook();
-        CUDA_OK(cudaStreamSynchronize(stream));
-        buf.check();
-        fail(std::string(what) + " dispatch", check_dispatch(p, b.want[r], d));
-        fail(std::string(what) + " combine", check_out(p, b.want_out[r], cr.out));
-        return seconds_since(t0);
+        return masked_round(buf, s.c, b, hook, stream, alloc, what, fail);
       };
       const double took = round(one_sided, false, "one-sided");
       // m waited one timeout for its maskers (in the dispatch; the combine waits for nobody).
@@ -360,27 +368,16 @@ int stalled_case(int R, bool one_gpu) {
   const LlBatch full = testing::make_ll_masked_batch(s.c, 0, 0, rng);
   return run_ranks(R, one_gpu, [&](const Group& g) {
     return guarded(g, [&](const Group& g, cudaStream_t stream) {
-      const int r = g.rank(), dev = gpu_testing::device_of(g);
-      const LlProblem& p = s.c.p;
+      const int r = g.rank();
       const double timeout = std::chrono::duration<double>(g.timeout()).count();
-      Buffer buf(g, p.moe_shape(), shrink_config());
+      Buffer buf(g, s.c.p.moe_shape(), shrink_config());
       const Allocator alloc = gpu_testing::poison_allocator();
       std::string err;
       auto fail = [&](const std::string& where, const std::string& e) {
         if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
       };
       auto round = [&](const LlBatch& b, bool hook, const char* what) {
-        const DeviceBatch in(s.c, b, r, dev);
-        const auto t0 = Clock::now();
-        LlDispatchResult d = buf.ll_dispatch(dispatch_args(s.c, in, hook, stream), alloc);
-        if (hook) d.hook();
-        LlCombineResult cr = buf.ll_combine(combine_args(in, d, hook, stream), alloc);
-        if (hook) cr.hook();
-        CUDA_OK(cudaStreamSynchronize(stream));
-        buf.check();
-        fail(std::string(what) + " dispatch", check_dispatch(p, b.want[r], d));
-        fail(std::string(what) + " combine", check_out(p, b.want_out[r], cr.out));
-        return seconds_since(t0);
+        return masked_round(buf, s.c, b, hook, stream, alloc, what, fail);
       };
       round(full, false, "before the stall");
       if (r != m) {
