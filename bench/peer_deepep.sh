@@ -6,23 +6,23 @@
 #
 # DEEPEP_TESTS_DIR holds DeepEP's tests/ (test_low_latency.py, test_intranode.py, utils.py) taken
 # from a DeepEP checkout (e.g. `git show 567632d:tests/<file>` of github.com/deepseek-ai/DeepEP);
-# none of DeepEP lives in this repository. DeepEP 2.x keeps these scripts in tests/legacy/ and
-# their helpers in its package (deep_ep/utils/envs.py, math.py, testing.py, which import
-# deep_ep._C): for such a DIR (no utils.py in it) EPX_DEEPEP_UTILS names that checkout's
-# deep_ep/utils (default: DIR/../../deep_ep/utils where it exists), and the drop-in runs from a
-# temporary copy of the shim with DeepEP's helper modules added to its deep_ep.utils and a
-# stand-in deep_ep._C that only lets them import (a name used from it raises AttributeError). Scripts default to test_low_latency.py and
-# test_intranode.py; NUM_PROCESSES (default 1) is their --num-processes (one GPU each). Needs the
-# extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
+# none of DeepEP lives in this repository. DeepEP 2.x keeps these scripts in tests/legacy/ and their
+# helpers in its package (deep_ep/utils/envs.py, math.py, testing.py, which import deep_ep._C): for
+# such a DIR (no utils.py in it) EPX_DEEPEP_UTILS names that checkout's deep_ep/utils (default:
+# DIR/../../deep_ep/utils where it exists), and the drop-in runs from a temporary copy of the shim
+# with DeepEP's helper modules added to its deep_ep.utils and a stand-in deep_ep._C that only lets
+# them import (a name used from it raises AttributeError). Scripts default to test_low_latency.py
+# and test_intranode.py; NUM_PROCESSES (default 1) is their --num-processes (one GPU each). Needs
+# the extension built with CUDA in python/epx (EPX_PYTHON: the Python to use; default
 # /opt/torch/.venv/bin/python3 where it exists, else python3). Each script's output goes to the
 # terminal; the exit status is the number of scripts that failed. EPX_DEEPEP_SELF=DIR (a DeepEP
-# checkout built by bench/build_deepep.sh): each script also runs with DeepEP itself, the same
-# way: before the drop-in, or after it with EPX_DEEPEP_SELF_AFTER=1 (bench/gpu_run.sh sweep
-# alternates the two by round); its exit status is printed, not counted: DeepEP refuses some
-# shapes, e.g. T = 1 at R = 1, where it requires R * T_max to be a multiple of 4; a DIR without an
-# importable deep_ep exits 2 before any script. EPX_DEEPEP_ARGS: more arguments for every script,
-# both runs (e.g. "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from
-# (default: this script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
+# checkout built by bench/build_deepep.sh): each script also runs with DeepEP itself, the same way:
+# before the drop-in, or after it with EPX_DEEPEP_SELF_AFTER=1 (bench/gpu_run.sh sweep alternates
+# the two by round); its exit status is printed, not counted: DeepEP refuses some shapes, e.g. T = 1
+# at R = 1, where it requires R * T_max to be a multiple of 4; a DIR without an importable deep_ep
+# exits 2 before any script. EPX_DEEPEP_ARGS: more arguments for every script, both runs (e.g.
+# "--num-tokens 32"). EPX_REPO: the epx tree whose python/ the drop-in comes from (default: this
+# script's; bench/gpu_run.sh ab runs its base tree's drop-in this way).
 set -uo pipefail
 repo=$(cd "${EPX_REPO:-$(dirname "$0")/..}" && pwd)
 read -r -a extra <<< "${EPX_DEEPEP_ARGS:-}"
