@@ -99,7 +99,12 @@
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
 #             rows, the receive's list and copy, its copy, the combine's pulls; cuda/tuning.h)
-#             and with each candidate variant (outputs exact: the bench's check runs under it)
+#             and with each candidate variant (outputs exact: the bench's check runs under it);
+#             then the same stages left out in the rows engines take: a copy of this tree built
+#             with -DEPX_DIAGNOSTICS=ON and its Python extension ($EPX_BUILD_DIR-diagpy), and
+#             bench/engine_timing.py --tokens 128 --cold (E as above) through that copy's drop-in,
+#             one pinned process per EPX_LL_ABLATE value of $EPX_ABLATE_BITS (default
+#             "0 1 2 4 8"; empty: this part skipped)
 #   ncu       Nsight Compute's warp-state sampling of the ll kernels (skipped without ncu):
 #             epx_ll_gpu_bench --ranks 1 at T in $EPX_NCU_TOKENS (default "128 1"), E =
 #             $EPX_AB_EXPERTS (default 256), one dispatch and one combine launch profiled
@@ -708,6 +713,18 @@ batch_ablate() {
     return 1
   step ablate.ll 240 "^ +T \||^ +(1|128) \||without|variant|^check" "$D/bench/epx_ll_gpu_bench" \
     --ranks "$G" --experts "${EPX_AB_EXPERTS:-256}" --tokens 128,1 --iters 30 --ablate
+  local bits_list=${EPX_ABLATE_BITS-0 1 2 4 8} E="$B-diagpy" bits
+  [ -n "$bits_list" ] || return 0
+  # The extension is built into the copy's python/epx: this tree's stays the default build's.
+  rm -rf "$E.src" && mkdir -p "$E.src"
+  tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$E.src"
+  side_build ablate.pybuild 900 "$E.src" "$E" _epx -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=ON \
+    -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  for bits in $bits_list; do
+    step "ablate.engine.b$bits" 300 "^ *epx |^cold|^engine" $(pin 1) env EPX_LL_ABLATE="$bits" \
+      PYTHONPATH="$(cd "$E.src" && pwd)/python" "$EPX_PYTHON" bench/engine_timing.py \
+      --tokens 128 --experts "${EPX_AB_EXPERTS:-256}" --cold
+  done
 }
 
 # ncu_disasm STEP BINARY FILE: the ll kernels' disassembly with source lines (the builds have

@@ -99,6 +99,13 @@ int64_t env_ll_trace_from() {
       cat("an integer 1..", kMaxLlTraceFrom, " (the first dispatch to record; unset: 1)"));
 }
 
+int env_ll_ablate() {
+  return static_cast<int>(env_int(
+      "EPX_LL_ABLATE", 0, kMaxLlAblate, 0,
+      cat("an integer 0..", kMaxLlAblate, " (LlAblate bits of a -DEPX_DIAGNOSTICS=ON build, "
+          "cuda/tuning.h; unset: 0)")));
+}
+
 void check_environment(const char* op) {
   try {
     (void)env_default_timeout();
@@ -107,6 +114,7 @@ void check_environment(const char* op) {
     (void)env_one_gpu_side_streams();
     (void)env_torch_bridge();
     (void)env_ll_trace_from();
+    (void)env_ll_ablate();
   } catch (const Error& e) {
     rethrow_with_op(e, op);
   }

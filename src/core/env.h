@@ -22,6 +22,8 @@
 //   EPX_LL_TRACE_DUMP  profiling builds (-DEPX_LL_TRACE=ON) only: a path; every ll dispatch's phase
 //                    stamps are appended to <path>.rank<r> (kernels/ll/trace.cuh LlTraceRecord)
 //   EPX_LL_TRACE_FROM  with it: the first dispatch of a buffer to record, 1..10^15 (unset: 1)
+//   EPX_LL_ABLATE    diagnostics builds (-DEPX_DIAGNOSTICS=ON) only: LlAblate bits (cuda/tuning.h)
+//                    applied to every ll launch of the process, 0..kMaxLlAblate (unset: 0)
 //   CUDA_DEVICE_MAX_CONNECTIONS  read (not set) by the one-GPU test mode: 1..32 (8 when unset, as
 //                    CUDA); checked when that mode's group is created
 //   CUDA_MODULE_LOADING          read (not set) by the one-GPU test mode, which needs EAGER
@@ -41,6 +43,7 @@ inline constexpr int64_t kDefaultTimeoutMs = kDefaultGroupTimeoutMs;  // epx/gro
 inline constexpr int64_t kMaxTimeoutMs = kMaxGroupTimeoutMs;
 inline constexpr int kMaxNumSms = kMaxGroupNumSms;
 inline constexpr int64_t kMaxLlTraceFrom = 1000000000000000;  // EPX_LL_TRACE_FROM
+inline constexpr int kMaxLlAblate = 0xFFFF;                     // EPX_LL_ABLATE
 
 // Each throws InvalidArgument naming the variable when its value is out of range.
 std::chrono::milliseconds env_default_timeout();
@@ -52,6 +55,7 @@ bool env_one_gpu_side_streams();        // EPX_ONE_GPU_SIDE_STREAMS == "1"
 int env_torch_bridge();                 // EPX_TORCH_BRIDGE: -1 unset or empty, 1 or 0
 std::string env_ll_trace_dump();        // EPX_LL_TRACE_DUMP ("" when unset)
 int64_t env_ll_trace_from();            // EPX_LL_TRACE_FROM (1 when unset)
+int env_ll_ablate();                    // EPX_LL_ABLATE: LlAblate bits (0 when unset)
 
 // Reads every EPX_* variable above and throws InvalidArgument for the first invalid one, its
 // message starting with `op` (the group constructor). Called at every group creation.

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <atomic>
 
+#include "core/env.h"
+
 namespace epx::detail {
 
 #ifdef EPX_DIAGNOSTICS
 namespace {
 std::atomic<int> g_ablation{0};
 std::atomic<int> g_ll_ablation{0};
+std::atomic<bool> g_ll_ablation_set{false};
 std::atomic<int> g_num_sms_override{0};
 std::atomic<int> g_dispatch_send_percent{0};
 std::atomic<int> g_combine_send_percent{0};
@@ -25,9 +28,13 @@ int ht_ablation() {
 }
 void set_ll_ablation(int bits) {
   g_ll_ablation = bits;
+  g_ll_ablation_set = true;
 }
 int ll_ablation() {
-  return g_ll_ablation.load();
+  // EPX_LL_ABLATE (read once, checked with the rest of the environment) until a caller sets the
+  // bits: a process that only makes calls, e.g. a Python one through the drop-in, ablates too.
+  static const int from_env = env_ll_ablate();
+  return g_ll_ablation_set.load() ? g_ll_ablation.load() : from_env;
 }
 void set_ht_nodes_step_sync(bool on) {
   g_ht_nodes_step_sync = on;

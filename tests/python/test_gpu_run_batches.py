@@ -341,3 +341,39 @@ def test_deepep_inputs_finds_the_v1_scripts_in_either_layout(tmp_path):
     assert tests_dir(v2) == f"TESTS={v2}/tests/legacy SELF="
     assert tests_dir(v2, given=str(v2 / "tests")) == f"TESTS={v2}/tests/legacy SELF="
     assert tests_dir("", given="") == "SKIP"
+
+
+def test_ablate_engine_rows_run_each_bit_through_the_diagnostics_copy(tmp_path):
+    """ablate's second part: after the bench's rows, a copy of the tree built with
+    -DEPX_DIAGNOSTICS=ON and its Python extension (never this tree's python/epx), then
+    engine_timing.py --cold once per EPX_ABLATE_BITS value, with EPX_LL_ABLATE set to it and only
+    the copy's python/ on PYTHONPATH; an empty EPX_ABLATE_BITS skips that part."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stubs = ('step() { local name=$1; shift 3; echo "STEP $name $*"; }\n'
+             'side_build() { echo "SIDE $1 $3 $4 $*"; }\n'
+             'pin() { echo env; }\n')
+
+    def run(bits):
+        script = stubs + script_function("batch_ablate") + "\nbatch_ablate"
+        env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3", B=str(tmp_path / "b"),
+                   G="1", EPX_AB_EXPERTS="288")
+        if bits is not None:
+            env["EPX_ABLATE_BITS"] = bits
+        r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
+                           capture_output=True, text=True)
+        return r.stdout.strip().splitlines()
+
+    lines = run("0 4")
+    copy = tmp_path / "b-diagpy"
+    sides = [line for line in lines if line.startswith("SIDE ")]
+    assert len(sides) == 2 and sides[0].split()[1:4] == ["ablate.build", ".", f"{tmp_path}/b-diag"]
+    assert sides[1].split()[1:4] == ["ablate.pybuild", f"{copy}.src", str(copy)]
+    assert "-DEPX_DIAGNOSTICS=ON" in sides[1] and "-DEPX_BUILD_PYTHON=ON" in sides[1]
+    assert (copy.parent / "b-diagpy.src" / "bench" / "engine_timing.py").exists()  # the copy
+    steps = [line for line in lines if line.startswith("STEP ablate.engine")]
+    assert [s.split()[1] for s in steps] == ["ablate.engine.b0", "ablate.engine.b4"]
+    for s, bits in zip(steps, ("0", "4")):
+        assert f"EPX_LL_ABLATE={bits} PYTHONPATH={copy}.src/python python3 " \
+               "bench/engine_timing.py --tokens 128 --experts 288 --cold" in s, s
+    assert not any(line.startswith("SIDE ablate.pybuild") for line in run(""))

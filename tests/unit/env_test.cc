@@ -71,6 +71,9 @@ const std::vector<BadValue>& bad_values() {
       {"EPX_LL_TRACE_FROM", "-1", "expected an integer 1..1000000000000000"},
       {"EPX_LL_TRACE_FROM", "1000000000000001", "expected an integer 1..1000000000000000"},
       {"EPX_LL_TRACE_FROM", "10k", "expected an integer 1..1000000000000000"},
+      {"EPX_LL_ABLATE", "65536", "expected an integer 0..65535 (LlAblate bits"},
+      {"EPX_LL_ABLATE", "-1", "expected an integer 0..65535"},
+      {"EPX_LL_ABLATE", "0x4", "expected an integer 0..65535"},
   };
   return v;
 }
@@ -78,7 +81,8 @@ const std::vector<BadValue>& bad_values() {
 TEST(Env, DefaultsWhenUnsetOrEmpty) {
   for (const char* name :
        {"EPX_TIMEOUT_MS", "EPX_NUM_SMS", "EPX_PDL", "EPX_ONE_GPU_SIDE_STREAMS",
-        "CUDA_DEVICE_MAX_CONNECTIONS", "EPX_LL_TRACE_DUMP", "EPX_LL_TRACE_FROM"}) {
+        "CUDA_DEVICE_MAX_CONNECTIONS", "EPX_LL_TRACE_DUMP", "EPX_LL_TRACE_FROM",
+        "EPX_LL_ABLATE"}) {
     for (std::optional<std::string> v :
          {std::optional<std::string>(), std::optional<std::string>("")}) {
       ScopedEnv e(name, v);
@@ -89,6 +93,7 @@ TEST(Env, DefaultsWhenUnsetOrEmpty) {
       EXPECT_EQ(env_cuda_device_max_connections(), 8) << name;
       EXPECT_EQ(env_ll_trace_dump(), "") << name;
       EXPECT_EQ(env_ll_trace_from(), 1) << name;
+      EXPECT_EQ(env_ll_ablate(), 0) << name;
       EXPECT_NO_THROW(check_environment("test")) << name;
     }
   }
@@ -142,6 +147,14 @@ TEST(Env, ValidValuesAtTheEdgesOfTheirRanges) {
   {
     ScopedEnv e("EPX_LL_TRACE_FROM", std::string("1000000000000000"));
     EXPECT_EQ(env_ll_trace_from(), kMaxLlTraceFrom);
+  }
+  {
+    ScopedEnv e("EPX_LL_ABLATE", std::string("65535"));
+    EXPECT_EQ(env_ll_ablate(), kMaxLlAblate);
+  }
+  {
+    ScopedEnv e("EPX_LL_ABLATE", std::string("6"));
+    EXPECT_EQ(env_ll_ablate(), 6);
   }
 }
 
