@@ -39,6 +39,8 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -321,8 +323,33 @@ def worker(rank, world, init_file, args, queue):
         device = torch.device("cuda", rank) if not args.cpu else torch.device("cpu")
         ht = run_ht(rank, world, args, device) if args.ht_tokens else []
         queue.put((rank, (ll, ht)))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))  # (collect(): the parent stops the run)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def collect(queue, procs):
+    """Every worker's (rank, results), or, when one failed (its exception, or an exit without
+    results), that failure printed, the other workers stopped and exit status 1: a worker that
+    raised never answers, and waiting for it would hang the run."""
+    both = {}
+    while len(both) < len(procs):
+        try:
+            rank, value = queue.get(timeout=1.0)
+        except Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if not dead:
+                continue
+            rank, value = procs.index(dead[0]), f"exited with status {dead[0].exitcode}"
+        if isinstance(value, str):  # a failure
+            print(f"engine_timing: rank {rank} failed: {value}", file=sys.stderr)
+            for p in procs:
+                p.terminate()
+            sys.exit(1)
+        both[rank] = value
+    return both
 
 
 def fmt_rows(r):
@@ -368,7 +395,7 @@ def main():
              for r in range(world)]
     for p in procs:
         p.start()
-    both = dict(queue.get() for _ in procs)
+    both = collect(queue, procs)
     for p in procs:
         p.join()
     results = {r: v[0] for r, v in both.items()}

@@ -102,7 +102,8 @@ void set_ht_tuning_override(int num_sms, int dispatch_send_percent, int combine_
 // run, so the ops still complete.
 enum LlAblate : int {
   kLlAblateSendRows = 1,     // dispatch send: no message rows (routing rows and headers still)
-  kLlAblateRecvList = 2,     // dispatch receive: scan and counts only (no list, no copies)
+  kLlAblateRecvList = 2,     // dispatch receive: scan and counts only (no list, no copies);
+                             // the combine then skips the selections it finds no row for
   kLlAblateRecvCopy = 4,     // dispatch receive: listed, src_info written, no row / scale copies
   kLlAblateCombinePull = 8,  // combine receive: rows resolved, no pulls, no reduce, no output
   // Variants (bits 16 and up; outputs exact, the bench's check runs under each): candidates
