@@ -358,6 +358,13 @@ def fmt_rows(r):
     return " + ".join(f"{v:.1f}" for v in r)
 
 
+def kernel_cells(plain, hook):
+    """The four kernel-row columns of a table line: the dispatch and combine rows without the
+    hook (`plain`), then with it (`hook`: send + receive)."""
+    return (f"{fmt_rows(plain.get('dispatch', '-')):>13} {fmt_rows(plain.get('combine', '-')):>12}"
+            f" | {fmt_rows(hook.get('dispatch', '-')):>16} {fmt_rows(hook.get('combine', '-')):>15}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,10 +429,7 @@ def main():
         for row in results[rank]:
             rp, rh = row.get("rows_plain", {}), row.get("rows_hook", {})
             ev = row.get("events_plain")
-            print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | "
-                  f"{fmt_rows(rp.get('dispatch', '-')):>13} "
-                  f"{fmt_rows(rp.get('combine', '-')):>12} | "
-                  f"{fmt_rows(rh.get('dispatch', '-')):>16} {fmt_rows(rh.get('combine', '-')):>15}"
+            print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | {kernel_cells(rp, rh)}"
                   f" | {(f'{ev[0]:.1f} / {ev[1]:.1f}' if ev else '-'):>16} | "
                   f"{row['host_plain']:>9.1f} {row['host_hook']:>7.1f} "
                   f"{row.get('idle_plain', float('nan')):>6.1f} "
@@ -444,12 +448,8 @@ def main():
               "bench_kineto): dispatch row, combine row | hooked dispatch, hooked combine; us")
         for rank in sorted(results):
             for row in results[rank]:
-                cp, ch = row.get("cold_plain", {}), row.get("cold_hook", {})
                 print(f"{row['module']:>6} {rank:>4} {row['T']:>5} | "
-                      f"{fmt_rows(cp.get('dispatch', '-')):>13} "
-                      f"{fmt_rows(cp.get('combine', '-')):>12} | "
-                      f"{fmt_rows(ch.get('dispatch', '-')):>16} "
-                      f"{fmt_rows(ch.get('combine', '-')):>15}")
+                      f"{kernel_cells(row.get('cold_plain', {}), row.get('cold_hook', {}))}")
     for rank in sorted(results):
         for row in results[rank]:
             if "breakdown" in row:

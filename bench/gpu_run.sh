@@ -637,12 +637,18 @@ batch_trace() {
   fi
 }
 
+# tree_copy DIR: DIR emptied, then this tree as it is (tracked or not) copied into it, without
+# builds, .git or peers/: the source of a side build whose Python extension (built into the
+# copy's python/epx) must not replace this tree's.
+tree_copy() {
+  rm -rf "$1" && mkdir -p "$1" &&
+    tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$1"
+}
+
 batch_htrace() {
   deepep_inputs htrace || return 0
   local dir="$B-htrace" t dump
-  rm -rf "$dir.src" && mkdir -p "$dir.src"
-  # This tree as it is (its extension is built into the copy's python/epx), without builds.
-  tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$dir.src"
+  tree_copy "$dir.src"  # (its extension is built into the copy's python/epx)
   side_build htrace.build 900 "$dir.src" "$dir" "epx_ll_gpu_bench _epx epx_sync_probe" \
     -DEPX_LL_TRACE=ON -DEPX_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
   # What the chain's primitives cost alone on this GPU (the phases' yardstick).
@@ -716,8 +722,7 @@ batch_ablate() {
   local bits_list=${EPX_ABLATE_BITS-0 1 2 4 8} E="$B-diagpy" bits
   [ -n "$bits_list" ] || return 0
   # The extension is built into the copy's python/epx: this tree's stays the default build's.
-  rm -rf "$E.src" && mkdir -p "$E.src"
-  tar --exclude='./build*' --exclude=./.git --exclude=./peers -cf - . | tar -x -C "$E.src"
+  tree_copy "$E.src"
   side_build ablate.pybuild 900 "$E.src" "$E" _epx -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=ON \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
   for bits in $bits_list; do

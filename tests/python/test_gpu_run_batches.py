@@ -355,7 +355,8 @@ def test_ablate_engine_rows_run_each_bit_through_the_diagnostics_copy(tmp_path):
              'pin() { echo env; }\n')
 
     def run(bits):
-        script = stubs + script_function("batch_ablate") + "\nbatch_ablate"
+        script = (stubs + script_function("tree_copy") + "\n" + script_function("batch_ablate")
+                  + "\nbatch_ablate")
         env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3", B=str(tmp_path / "b"),
                    G="1", EPX_AB_EXPERTS="288")
         if bits is not None:
