@@ -98,7 +98,7 @@
 #   ablate    a diagnostics build ($EPX_BUILD_DIR-diag: -DEPX_DIAGNOSTICS=ON, epx_ll_gpu_bench only)
 #             and epx_ll_gpu_bench --ablate (R = the visible GPUs, E = $EPX_AB_EXPERTS, default
 #             256, T = 128 and 1): each row again without one stage of the ll kernels (the send's
-#             rows, the receive's list and copy, its copy, the combine's pulls; cuda/tuning.h)
+#             rows, the receive's list and copy, its copy, its scales, the pulls; cuda/tuning.h)
 #             and with each candidate variant (outputs exact: the bench's check runs under it);
 #             then the same stages left out in the rows engines take: a copy of this tree built
 #             with -DEPX_DIAGNOSTICS=ON and its Python extension ($EPX_BUILD_DIR-diagpy), and

@@ -179,7 +179,9 @@ constexpr LlBits kLlBitRows[] = {
     {detail::kLlAblateSendRows, "without send rows", false},
     {detail::kLlAblateRecvList, "without recv list+copy", false},
     {detail::kLlAblateRecvCopy, "without recv copy", false},
-    {detail::kLlAblateCombinePull, "without combine pull", false}};
+    {detail::kLlAblateCombinePull, "without combine pull", false},
+    {detail::kLlAblateRecvScales, "without recv scales", false},
+    {detail::kLlVariantScaleRows, "variant: scales rows-fastest", true}};
 
 // f() with LlAblate `bits` on every rank thread's launches. The setting is process-wide, so it is
 // set and cleared between barriers: all ranks' ops inside f run with the bits, none outside.

@@ -106,8 +106,12 @@ enum LlAblate : int {
                              // the combine then skips the selections it finds no row for
   kLlAblateRecvCopy = 4,     // dispatch receive: listed, src_info written, no row / scale copies
   kLlAblateCombinePull = 8,  // combine receive: rows resolved, no pulls, no reduce, no output
-  // Variants (bits 16 and up; outputs exact, the bench's check runs under each): candidates
-  // measured before one becomes the only path, then deleted (none at present).
+  kLlAblateRecvScales = 16,  // dispatch receive: rows copied, no scale vectors loaded or stored
+  // Variants (bits 32 and up; outputs exact, the bench's check runs under each): candidates
+  // measured before one becomes the only path, then deleted.
+  // dispatch receive: a CTA's scale vectors taken entries-fastest (thread i: vector i / n of
+  // entry i % n), so a warp's stores meet adjacent rows' words of recv_scales, not one row's
+  kLlVariantScaleRows = 32,
 };
 // LlAblate bits applied to every ll launch in this process while non-zero.
 void set_ll_ablation(int bits);
