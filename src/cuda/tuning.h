@@ -112,6 +112,11 @@ enum LlAblate : int {
   // dispatch receive: a CTA's scale vectors taken entries-fastest (thread i: vector i / n of
   // entry i % n), so a warp's stores meet adjacent rows' words of recv_scales, not one row's
   kLlVariantScaleRows = 32,
+  // dispatch receive, fp8 with f32 scales, a CTA that copies whole experts (S = 1, one scan
+  // round, R * T_max % 8 == 0): thread i stores 4 rows' scales of one group as one 16-byte vector,
+  // lane pairs one full 32-byte sector, the rows past the expert's count in its last sector 0
+  // (undefined rows, semantics.md 2.1), instead of a 4-byte word per row and group
+  kLlVariantScaleSectors = 64,
 };
 // LlAblate bits applied to every ll launch in this process while non-zero.
 void set_ll_ablation(int bits);

@@ -565,9 +565,17 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 // latencies overlap, and the scatter's code (ll_store_scale_vector) sits outside the unrolled
 // row loop: inlined once per vector it was most of the loop's instruction fetch (docs/perf.md
 // §4.3). src_info first.
+// Diagnostics (kLlVariantScaleSectors): the round's units as runs of the list, {first entry,
+// entries} each, rows 0.. of their experts when `whole`.
+struct LlScaleRuns {
+  const int32_t (*run)[2];
+  int n;
+  bool whole;
+};
 template <int kQuant>
 __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
-                                         int total, int sub, int S) {
+                                         int total, int sub, int S,
+                                         [[maybe_unused]] const LlScaleRuns& runs) {
   const int n_mine = total > sub ? (total - sub + S - 1) / S : 0;
   if (n_mine == 0) return;
   if (p.src_info) {
@@ -589,16 +597,51 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
       m = i - *j * n_mine;
     } else {
       m = i / nsv;
-      *j = i - m * nsv;
     }
     const int idx = sub + m * S;
+    if (!rows_fastest) *j = i - m * nsv;
     *sbase = list.sbase[idx];
     return list.msg[idx] + row_bytes + 16 * int64_t{*j};
   };
+  [[maybe_unused]] bool sectors = false;
+#ifdef EPX_DIAGNOSTICS
+  // kLlVariantScaleSectors: item i of run u is (group g, 4-row slab a), a fastest, the slabs of a
+  // run's sectors (8 rows) in pairs; its 4 scales loaded before the row copies, stored after them.
+  const int64_t RT = p.symm.layout.rows_per_expert;
+  const int G = static_cast<int>(p.symm.layout.num_groups);
+  sectors = EPX_LL_ABLATED(p.ablate, kLlVariantScaleSectors) && copy &&
+            kQuant == kLlQuantFp8 && !p.use_ue8m0 && p.recv_scales && runs.whole && S == 1 &&
+            RT % 8 == 0;
+  int n_items = 0;
+  if (sectors)
+    for (int u = 0; u < runs.n; ++u) n_items += G * 2 * ((runs.run[u][1] + 7) / 8);
+  auto slab = [&](int i, float* v) {  // item i's 4 scales into v, its first one's address back
+    int u = 0, rem = i;
+    for (; u + 1 < runs.n; ++u) {
+      const int items_u = G * 2 * ((runs.run[u][1] + 7) / 8);
+      if (rem < items_u) break;
+      rem -= items_u;
+    }
+    const int slabs = 2 * ((runs.run[u][1] + 7) / 8);
+    const int g = rem / slabs, a = rem - g * slabs;
+    const int first = runs.run[u][0], count = runs.run[u][1];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int row = 4 * a + k;
+      v[k] = row < count ? ld_landed<float>(reinterpret_cast<const float*>(
+                               list.msg[first + row] + row_bytes + 4 * int64_t{g}))
+                         : 0.0f;
+    }
+    return static_cast<float*>(p.recv_scales) + list.sbase[first] + g * RT + 4 * a;
+  };
+  float sv[4] = {};
+  float* sdst = nullptr;
+  if (sectors && static_cast<int>(threadIdx.x) < n_items) sdst = slab(threadIdx.x, sv);
+#endif
   int sj = 0;
   int64_t sbase = 0;
   uint4 sval{};
-  if (static_cast<int>(threadIdx.x) < n_sc)
+  if (static_cast<int>(threadIdx.x) < n_sc && !sectors)
     sval = ld_landed<uint4>(scale_src(threadIdx.x, &sbase, &sj));
   if (p.recv_x && copy) {
     ll_copy_rows<true>(n_mine, nvx, true, [&](int m, const uint16_t** src, uint4** dst) {
@@ -607,6 +650,15 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
       *dst = reinterpret_cast<uint4*>(p.recv_x + list.lrow[idx] * row_bytes);
     });
   }
+#ifdef EPX_DIAGNOSTICS
+  if (sectors) {  // (the default build has no such branch)
+    for (int i = threadIdx.x; i < n_items; i += blockDim.x) {
+      if (i != static_cast<int>(threadIdx.x)) sdst = slab(i, sv);
+      *reinterpret_cast<float4*>(sdst) = make_float4(sv[0], sv[1], sv[2], sv[3]);
+    }
+    return;
+  }
+#endif
   for (int i = threadIdx.x; i < n_sc; i += blockDim.x) {
     if (i != static_cast<int>(threadIdx.x)) sval = ld_landed<uint4>(scale_src(i, &sbase, &sj));
     ll_store_scale_vector<kQuant>(p, sbase, sj, sval);
@@ -750,6 +802,9 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
   __shared__ LlRecvList list;
   __shared__ int32_t s_cnt[kLlUnitGroup][kMaxRanks];
   __shared__ int32_t s_round[3];  // the round's entries, its `sub`, its units' end (stop)
+#ifdef EPX_DIAGNOSTICS
+  __shared__ int32_t s_runs[kLlUnitGroup][2];  // LlScaleRuns of the round's units
+#endif
   __shared__ int64_t s_nt;        // NT for the followers (-1: the team's wait failed)
   const LlLayout& g = p.symm.layout;
   const int R = g.num_ranks, L = g.num_local_experts, K = g.top_k;
@@ -836,6 +891,9 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
               }
               atomicAdd(&s_cnt[i][s], 1);
             }
+#ifdef EPX_DIAGNOSTICS
+            if (tid == 0) s_runs[i - start][0] = filled, s_runs[i - start][1] = total[i];
+#endif
             filled += total[i];
             running[i] += total[i];
           }
@@ -861,7 +919,12 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
           __syncthreads();
         }
         EPX_LL_STAMP(p, 0, kTrDListed);
-        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S);  // n > 1: S = 1, sub = 0
+#ifdef EPX_DIAGNOSTICS
+        const LlScaleRuns runs{s_runs, s_round[2] - start, NT <= team.count};
+#else
+        const LlScaleRuns runs{nullptr, 0, false};
+#endif
+        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, runs);  // n > 1: S = 1, sub = 0
         start = s_round[2];
         __syncthreads();  // the list and s_round are rewritten by the next round
         EPX_LL_STAMP(p, 0, kTrDCopied);
