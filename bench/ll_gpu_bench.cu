@@ -181,7 +181,6 @@ constexpr LlBits kLlBitRows[] = {
     {detail::kLlAblateRecvCopy, "without recv copy", false},
     {detail::kLlAblateCombinePull, "without combine pull", false},
     {detail::kLlAblateRecvScales, "without recv scales", false},
-    {detail::kLlVariantScaleRows, "variant: scales rows-fastest", true},
     {detail::kLlVariantScaleSectors, "variant: scales by sector", true}};
 
 // f() with LlAblate `bits` on every rank thread's launches. The setting is process-wide, so it is

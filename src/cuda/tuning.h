@@ -109,9 +109,6 @@ enum LlAblate : int {
   kLlAblateRecvScales = 16,  // dispatch receive: rows copied, no scale vectors loaded or stored
   // Variants (bits 32 and up; outputs exact, the bench's check runs under each): candidates
   // measured before one becomes the only path, then deleted.
-  // dispatch receive: a CTA's scale vectors taken entries-fastest (thread i: vector i / n of
-  // entry i % n), so a warp's stores meet adjacent rows' words of recv_scales, not one row's
-  kLlVariantScaleRows = 32,
   // dispatch receive, fp8 with f32 scales, a CTA that copies whole experts (S = 1, one scan
   // round, R * T_max % 8 == 0): thread i stores 4 rows' scales of one group as one 16-byte vector,
   // lane pairs one full 32-byte sector, the rows past the expert's count in its last sector 0

@@ -589,17 +589,10 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   const int nsv = ll_scale_vectors<kQuant>(p);       // scale vectors per entry
   const bool copy = !EPX_LL_ABLATED(p.ablate, kLlAblateRecvCopy);
   const int n_sc = copy && !EPX_LL_ABLATED(p.ablate, kLlAblateRecvScales) ? n_mine * nsv : 0;
-  const bool rows_fastest = EPX_LL_ABLATED(p.ablate, kLlVariantScaleRows);
   auto scale_src = [&](int i, int64_t* sbase, int* j) {
-    int m;
-    if (rows_fastest) {
-      *j = i / n_mine;
-      m = i - *j * n_mine;
-    } else {
-      m = i / nsv;
-    }
+    const int m = i / nsv;
     const int idx = sub + m * S;
-    if (!rows_fastest) *j = i - m * nsv;
+    *j = i - m * nsv;
     *sbase = list.sbase[idx];
     return list.msg[idx] + row_bytes + 16 * int64_t{*j};
   };
