@@ -557,6 +557,14 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
   }
 }
 
+// Diagnostics (kLlVariantScaleSectors): the round's units as runs of the list, {first entry,
+// entries} each, rows 0.. of their experts when `whole` (one scan round).
+struct LlScaleRuns {
+  const int32_t (*run)[2];
+  int n;
+  bool whole;
+};
+
 // The list copy: entries sub, sub + S, ... < total of `list`, each message's row vectors into
 // recv_x and its scale vectors (right after the row in the message) into recv_scales.
 // Rows: ll_copy_rows (a warp per (entry, 4 KB chunk); messages are 16-byte aligned).
@@ -565,13 +573,6 @@ __device__ __forceinline__ void ll_store_scale_vector(const LlDispatchParams& p,
 // latencies overlap, and the scatter's code (ll_store_scale_vector) sits outside the unrolled
 // row loop: inlined once per vector it was most of the loop's instruction fetch (docs/perf.md
 // §4.3). src_info first.
-// Diagnostics (kLlVariantScaleSectors): the round's units as runs of the list, {first entry,
-// entries} each, rows 0.. of their experts when `whole`.
-struct LlScaleRuns {
-  const int32_t (*run)[2];
-  int n;
-  bool whole;
-};
 template <int kQuant>
 __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecvList& list,
                                          int total, int sub, int S,
@@ -602,9 +603,8 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   // run's sectors (8 rows) in pairs; its 4 scales loaded before the row copies, stored after them.
   const int64_t RT = p.symm.layout.rows_per_expert;
   const int G = static_cast<int>(p.symm.layout.num_groups);
-  sectors = EPX_LL_ABLATED(p.ablate, kLlVariantScaleSectors) && copy &&
-            kQuant == kLlQuantFp8 && !p.use_ue8m0 && p.recv_scales && runs.whole && S == 1 &&
-            RT % 8 == 0;
+  sectors = EPX_LL_ABLATED(p.ablate, kLlVariantScaleSectors) && n_sc > 0 &&
+            kQuant == kLlQuantFp8 && !p.use_ue8m0 && runs.whole && S == 1 && RT % 8 == 0;
   int n_items = 0;
   if (sectors)
     for (int u = 0; u < runs.n; ++u) n_items += G * 2 * ((runs.run[u][1] + 7) / 8);
@@ -917,7 +917,8 @@ __device__ bool ll_dispatch_recv_units_onepass(const LlDispatchParams& p, const 
 #else
         const LlScaleRuns runs{nullptr, 0, false};
 #endif
-        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, runs);  // n > 1: S = 1, sub = 0
+        // (n > 1: S = 1, sub = 0)
+        ll_dispatch_copy_entries<kQuant>(p, list, s_round[0], sub, S, runs);
         start = s_round[2];
         __syncthreads();  // the list and s_round are rewritten by the next round
         EPX_LL_STAMP(p, 0, kTrDCopied);
