@@ -104,7 +104,10 @@
 #             with -DEPX_DIAGNOSTICS=ON and its Python extension ($EPX_BUILD_DIR-diagpy), and
 #             bench/engine_timing.py --tokens 128 --cold (E as above) through that copy's drop-in,
 #             one pinned process per EPX_LL_ABLATE value of $EPX_ABLATE_BITS (default
-#             "0 1 2 4 8"; empty: this part skipped)
+#             "0 1 2 4 8"; empty: this part skipped; a value given again runs again, its steps
+#             named .2, .3, ...); where EPX_DEEPEP_TESTS or EPX_DEEPEP_SRC names DeepEP's tests,
+#             after each of those processes DeepEP's test_low_latency.py through the same copy's
+#             drop-in with the same value (--num-experts E: its kernel rows per value)
 #   ncu       Nsight Compute's warp-state sampling of the ll kernels (skipped without ncu):
 #             epx_ll_gpu_bench --ranks 1 at T in $EPX_NCU_TOKENS (default "128 1"), E =
 #             $EPX_AB_EXPERTS (default 256), one dispatch and one combine launch profiled
@@ -532,15 +535,22 @@ batch_profile() {
     "$EPX_PYTHON" bench/engine_timing.py --ht-tokens 4096 ${EPX_ENGINE_TIMING_ARGS:-}
 }
 
+# deepep_tests_dir: the directory of DeepEP's V1 test scripts, from EPX_DEEPEP_TESTS or
+# EPX_DEEPEP_SRC's tests/ (empty when neither is set); DeepEP 2.x keeps them in tests/legacy/
+# (peer_deepep.sh finds their helpers).
+deepep_tests_dir() {
+  local dir=${EPX_DEEPEP_TESTS:-}
+  [ -n "$dir" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || dir=$EPX_DEEPEP_SRC/tests
+  [ ! -e "$dir/legacy/test_low_latency.py" ] || dir=$dir/legacy
+  echo "$dir"
+}
+
 # deepep_inputs BATCH: DeepEP's tests/ into DEEPEP_TESTS and, with EPX_DEEPEP_SRC, DeepEP built
 # there (step BATCH.build_deepep) into DEEPEP_SELF (empty when not built); status 1 (the batch
 # skipped) when neither EPX_DEEPEP_TESTS nor EPX_DEEPEP_SRC names them.
 deepep_inputs() {
-  DEEPEP_TESTS=${EPX_DEEPEP_TESTS:-}
+  DEEPEP_TESTS=$(deepep_tests_dir)
   DEEPEP_SELF=""
-  [ -n "$DEEPEP_TESTS" ] || [ -z "${EPX_DEEPEP_SRC:-}" ] || DEEPEP_TESTS=$EPX_DEEPEP_SRC/tests
-  # DeepEP 2.x keeps the V1 scripts in tests/legacy/ (peer_deepep.sh finds their helpers).
-  [ ! -e "$DEEPEP_TESTS/legacy/test_low_latency.py" ] || DEEPEP_TESTS=$DEEPEP_TESTS/legacy
   if [ -z "$DEEPEP_TESTS" ]; then
     skip "$1" "set EPX_DEEPEP_TESTS to a directory holding DeepEP's tests/, or EPX_DEEPEP_SRC to \
 a DeepEP checkout (bench/peer_deepep.sh)"
@@ -725,10 +735,24 @@ batch_ablate() {
   tree_copy "$E.src"
   side_build ablate.pybuild 900 "$E.src" "$E" _epx -DEPX_DIAGNOSTICS=ON -DEPX_BUILD_PYTHON=ON \
     -DPython3_EXECUTABLE="$EPX_PYTHON" || return 1
+  local root tests args name n
+  root=$(cd "$E.src" && pwd)
+  tests=$(deepep_tests_dir)
+  args="--num-experts ${EPX_AB_EXPERTS:-256}${EPX_DEEPEP_ARGS:+ $EPX_DEEPEP_ARGS}"
+  declare -A seen=()
   for bits in $bits_list; do
-    step "ablate.engine.b$bits" 300 "^ *epx |^cold|^engine" $(pin 1) env EPX_LL_ABLATE="$bits" \
-      PYTHONPATH="$(cd "$E.src" && pwd)/python" "$EPX_PYTHON" bench/engine_timing.py \
+    # A value given again gets its round in its step's name (its log is not overwritten).
+    n=$(( ${seen[$bits]:-0} + 1 )) && seen[$bits]=$n
+    name=b$bits && [ "$n" = 1 ] || name=$name.$n
+    step "ablate.engine.$name" 300 "^ *epx |^cold|^engine" $(pin 1) env EPX_LL_ABLATE="$bits" \
+      PYTHONPATH="$root/python" "$EPX_PYTHON" bench/engine_timing.py \
       --tokens 128 --experts "${EPX_AB_EXPERTS:-256}" --cold
+    # DeepEP's own test_low_latency.py through the same copy's drop-in, where its tests are given.
+    [ -n "$tests" ] || continue
+    step "ablate.harness.$name" 150 "" $(pin 1) env EPX_LL_ABLATE="$bits" EPX_REPO="$root" \
+      EPX_DEEPEP_ARGS="$args" \
+      bash bench/peer_deepep.sh "$tests" 1 test_low_latency.py || continue
+    grep -E "avg_t|send/recv" "$OUT/ablate.harness.$name.log" | sed "s/^/  [bits $bits] /"
   done
 }
 

@@ -326,7 +326,8 @@ def test_deepep_inputs_finds_the_v1_scripts_in_either_layout(tmp_path):
     """EPX_DEEPEP_SRC names a DeepEP checkout: its tests/ (V1) or, where DeepEP 2.x keeps the V1
     scripts, its tests/legacy/ (bench/peer_deepep.sh then finds their helpers in the checkout)."""
     def tests_dir(src, given=""):
-        code = ("skip() { echo SKIP; }\nstep() { return 1; }\n" + script_function("deepep_inputs")
+        code = ("skip() { echo SKIP; }\nstep() { return 1; }\n" + script_function("deepep_tests_dir")
+                + "\n" + script_function("deepep_inputs")
                 + '\ndeepep_inputs peer && echo "TESTS=$DEEPEP_TESTS SELF=$DEEPEP_SELF" || true')
         env = dict(os.environ, EPX_DEEPEP_SRC=str(src), EPX_DEEPEP_TESTS=given)
         return subprocess.run(["bash", "-c", code], env=env, check=True, capture_output=True,
@@ -354,11 +355,12 @@ def test_ablate_engine_rows_run_each_bit_through_the_diagnostics_copy(tmp_path):
              'side_build() { echo "SIDE $1 $3 $4 $*"; }\n'
              'pin() { echo env; }\n')
 
-    def run(bits):
-        script = (stubs + script_function("tree_copy") + "\n" + script_function("batch_ablate")
-                  + "\nbatch_ablate")
+    def run(bits, **more):
+        script = (stubs + script_function("tree_copy") + "\n" + script_function("deepep_tests_dir")
+                  + "\n" + script_function("batch_ablate") + "\nbatch_ablate")
         env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3", B=str(tmp_path / "b"),
-                   G="1", EPX_AB_EXPERTS="288")
+                   G="1", EPX_AB_EXPERTS="288", EPX_DEEPEP_TESTS="", EPX_DEEPEP_SRC="")
+        env.update(more)
         if bits is not None:
             env["EPX_ABLATE_BITS"] = bits
         r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
@@ -378,3 +380,45 @@ def test_ablate_engine_rows_run_each_bit_through_the_diagnostics_copy(tmp_path):
         assert f"EPX_LL_ABLATE={bits} PYTHONPATH={copy}.src/python python3 " \
                "bench/engine_timing.py --tokens 128 --experts 288 --cold" in s, s
     assert not any(line.startswith("SIDE ablate.pybuild") for line in run(""))
+    assert not any(line.startswith("STEP ablate.harness") for line in lines)  # no DeepEP tests
+
+
+def test_ablate_runs_deepep_harness_per_bit_and_names_repeated_bits_apart(tmp_path):
+    """With DeepEP's tests given, ablate runs DeepEP's test_low_latency.py after each
+    engine_timing.py process, through the diagnostics copy's drop-in (EPX_REPO) with the same
+    EPX_LL_ABLATE and --num-experts E; a value given again gets .2, .3, ... in its steps' names,
+    so no log overwrites another."""
+    out = tmp_path / "out"
+    out.mkdir()
+    tests = tmp_path / "deepep" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_low_latency.py").write_text("")
+    stubs = ('step() { local name=$1; shift 3; echo "STEP $name $*"; }\n'
+             'side_build() { :; }\npin() { echo env; }\n')
+    script = (stubs + script_function("tree_copy") + "\n" + script_function("deepep_tests_dir")
+              + "\n" + script_function("batch_ablate") + "\nbatch_ablate")
+
+    def run(**more):
+        env = dict(os.environ, OUT=str(out), EPX_PYTHON="python3", B=str(tmp_path / "b"), G="1",
+                   EPX_AB_EXPERTS="288", EPX_ABLATE_BITS="0 64 0", EPX_DEEPEP_TESTS="",
+                   EPX_DEEPEP_SRC="", EPX_DEEPEP_ARGS="")
+        env.update(more)
+        r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
+                           capture_output=True, text=True)
+        return [line for line in r.stdout.splitlines() if line.startswith("STEP ablate.")]
+
+    copy = f"{tmp_path}/b-diagpy.src"
+    steps = run(EPX_DEEPEP_TESTS=str(tests))
+    assert [s.split()[1] for s in steps] == [
+        "ablate.ll", "ablate.engine.b0", "ablate.harness.b0", "ablate.engine.b64",
+        "ablate.harness.b64", "ablate.engine.b0.2", "ablate.harness.b0.2"]
+    for s, bits in zip(steps[2::2], ("0", "64", "0")):
+        assert s.endswith(f"env EPX_LL_ABLATE={bits} EPX_REPO={copy} EPX_DEEPEP_ARGS=--num-experts "
+                          f"288 bash bench/peer_deepep.sh {tests} 1 test_low_latency.py"), s
+    # DeepEP 2.x's layout (tests/legacy/), found from the checkout; more script arguments kept.
+    legacy = tmp_path / "v2" / "tests" / "legacy"
+    legacy.mkdir(parents=True)
+    (legacy / "test_low_latency.py").write_text("")
+    steps = run(EPX_DEEPEP_SRC=str(tmp_path / "v2"), EPX_DEEPEP_ARGS="--num-tokens 32")
+    assert steps[2].endswith(f"EPX_DEEPEP_ARGS=--num-experts 288 --num-tokens 32 bash "
+                             f"bench/peer_deepep.sh {legacy} 1 test_low_latency.py"), steps[2]
