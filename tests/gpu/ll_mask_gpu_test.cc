@@ -137,6 +137,15 @@ struct DoneFlag {
   }
 };
 
+// A rank's first failure, "rank r where: e" (later ones are dropped; "" while none).
+struct FirstFailure {
+  int rank;
+  std::string err;
+  void operator()(const std::string& where, const std::string& e) {
+    if (err.empty() && !e.empty()) err = "rank " + std::to_string(rank) + " " + where + ": " + e;
+  }
+};
+
 // Runs body(g, stream) on every rank, printing a failure (and an exception as one); 0 or 1.
 int guarded(const Group& g, const std::function<std::string(const Group&, cudaStream_t)>& body) {
   const RankStream rs(cudaStreamNonBlocking);
@@ -161,10 +170,7 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
   Buffer buf(g, p.moe_shape(), shrink_config());
   const Allocator alloc = gpu_testing::poison_allocator();
   const double timeout = std::chrono::duration<double>(g.timeout()).count();
-  std::string err;
-  auto fail = [&](const std::string& where, const std::string& e) {
-    if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
-  };
+  FirstFailure fail{r, ""};
   int round = 0, step = 0;
   // After `step` of `round`, which took `took` seconds: the waits it should have had, the mask
   // read back; nothing raised.
@@ -174,7 +180,7 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
     fail(where, testing::check_mask_status(query(buf, stream), s.plan.masked(round, step)));
     buf.check();  // nothing to raise: with enable_shrink a timeout masks
   };
-  for (; round < testing::kLlMaskRounds && err.empty(); ++round) {
+  for (; round < testing::kLlMaskRounds && fail.err.empty(); ++round) {
     const std::string where = "round " + std::to_string(round);
     const LlBatch& b = s.rounds[round];
     const bool hook = s.hook(round);
@@ -221,7 +227,7 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
     done.set();
   else
     done.wait();
-  return err;
+  return fail.err;
 }
 
 // Forked ranks (one GPU each) skip the death at ll_clean: the live ranks' ll_clean barrier then
@@ -286,9 +292,8 @@ LlBatch batch_with_views(const LlCase& c, const std::function<uint64_t(int)>& ma
 
 // One round of `b` on this rank (a dispatch and a combine, each hook called when `hook`),
 // synchronised and checked against b's expectations through fail(where, error); its seconds.
-double masked_round(Buffer& buf, const LlCase& c, const LlBatch& b, bool hook,
-                    cudaStream_t stream, const Allocator& alloc, const char* what,
-                    const std::function<void(const std::string&, const std::string&)>& fail) {
+double masked_round(Buffer& buf, const LlCase& c, const LlBatch& b, bool hook, cudaStream_t stream,
+                    const Allocator& alloc, const char* what, FirstFailure& fail) {
   const int r = buf.group().rank();
   const DeviceBatch in(c, b, r, gpu_testing::device_of(buf.group()));
   const auto t0 = Clock::now();
@@ -321,10 +326,7 @@ int one_sided_case(int R, bool one_gpu) {
       const double timeout = std::chrono::duration<double>(g.timeout()).count();
       Buffer buf(g, s.c.p.moe_shape(), shrink_config());
       const Allocator alloc = gpu_testing::poison_allocator();
-      std::string err;
-      auto fail = [&](const std::string& where, const std::string& e) {
-        if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
-      };
+      FirstFailure fail{r, ""};
       if (r != m) buf.ll_update_mask(m, true, stream);
       auto round = [&](const LlBatch& b, bool hook, const char* what) {
         return masked_round(buf, s.c, b, hook, stream, alloc, what, fail);
@@ -339,7 +341,7 @@ int one_sided_case(int R, bool one_gpu) {
       fail("cleaned", testing::check_mask_status(query(buf, stream), 0));
       buf.ll_clean();
       round(full, true, "after ll_clean");
-      return err;
+      return fail.err;
     });
   });
 }
@@ -372,10 +374,7 @@ int stalled_case(int R, bool one_gpu) {
       const double timeout = std::chrono::duration<double>(g.timeout()).count();
       Buffer buf(g, s.c.p.moe_shape(), shrink_config());
       const Allocator alloc = gpu_testing::poison_allocator();
-      std::string err;
-      auto fail = [&](const std::string& where, const std::string& e) {
-        if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
-      };
+      FirstFailure fail{r, ""};
       auto round = [&](const LlBatch& b, bool hook, const char* what) {
         return masked_round(buf, s.c, b, hook, stream, alloc, what, fail);
       };
@@ -391,7 +390,7 @@ int stalled_case(int R, bool one_gpu) {
       fail("cleaned", testing::check_mask_status(query(buf, stream), 0));
       round(full, true, "after ll_clean");
       fail("after ll_clean", testing::check_mask_status(query(buf, stream), 0));
-      return err;
+      return fail.err;
     });
   });
 }
@@ -424,10 +423,7 @@ int graph_case(int R, bool one_gpu) {
       const int r = g.rank(), dev = gpu_testing::device_of(g);
       const LlProblem& p = s.c.p;
       Buffer buf(g, p.moe_shape(), shrink_config());
-      std::string err;
-      auto fail = [&](const std::string& where, const std::string& e) {
-        if (err.empty() && !e.empty()) err = "rank " + std::to_string(r) + " " + where + ": " + e;
-      };
+      FirstFailure fail{r, ""};
       for (int q = 0; q < R; ++q)
         if (q != r) buf.ll_update_mask(q, true, stream);
       // Inputs and outputs at fixed addresses: y is rewritten per expectation (the counts, hence
@@ -471,7 +467,7 @@ int graph_case(int R, bool one_gpu) {
       check(full, "unmasked replay");
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
-      return err;
+      return fail.err;
     });
   });
 }

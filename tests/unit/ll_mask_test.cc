@@ -62,6 +62,11 @@ std::vector<int32_t> query(const Buffer& buf) {
   return m;
 }
 
+// Keeps the first failure: err = prefix + e when err is still empty and e is not.
+void keep_first(std::string& err, const std::string& prefix, const std::string& e) {
+  if (err.empty() && !e.empty()) err = prefix + e;
+}
+
 // A dispatch of `b` on this rank (hook: the call, then the hook), its outputs checked against
 // b's expectations into `err`. `stats` (optional, [R]) gets its wait costs.
 LlDispatchResult dispatch_step(Buffer& buf, const LlCase& c, const LlBatch& b, bool hook,
@@ -81,7 +86,7 @@ LlDispatchResult dispatch_step(Buffer& buf, const LlCase& c, const LlBatch& b, b
   LlDispatchResult d = buf.ll_dispatch(a, testing::poison_allocator(0xA5));
   if (hook) d.hook();
   const std::string e = testing::check_ll_dispatch(p, b.want[r], d);
-  if (err.empty() && !e.empty()) err = "dispatch: " + e;
+  keep_first(err, "dispatch: ", e);
   return d;
 }
 
@@ -108,7 +113,7 @@ void combine_step(Buffer& buf, const LlCase& c, const LlBatch& b, const LlDispat
   LlCombineResult cr = buf.ll_combine(a, testing::poison_allocator(0xA5));
   if (hook) cr.hook();
   const std::string e = testing::check_ll_combine(p, b.want_out[r], cr.out);
-  if (err.empty() && !e.empty()) err = "combine: " + e;
+  keep_first(err, "combine: ", e);
 }
 
 // ---- arguments ---------------------------------------------------------------------------------
@@ -186,9 +191,7 @@ TEST(LlMask, UpdateQueryClean) {
     const int r = g.rank(), other = (r + 1) % 3, third = (r + 2) % 3;
     Buffer buf(g, p.moe_shape(), shrink_config());
     std::string& err = errors[r];
-    auto note = [&](const std::string& e) {
-      if (err.empty() && !e.empty()) err = e;
-    };
+    auto note = [&](const std::string& e) { keep_first(err, "", e); };
     buf.ll_update_mask(other, true);
     note(testing::check_mask_status(query(buf), uint64_t{1} << other));
     // Every other element of a [6] tensor: stride 2; the elements between stay untouched.
@@ -223,10 +226,9 @@ std::string run_dead_peers_rank(const testing::LlMaskScenario& s, const Group& g
     const std::string where = "rank " + std::to_string(r) + " round " + std::to_string(round);
     // Step `step` took `took` seconds (the waits it should have) and left the mask it should.
     auto check_step = [&](int step, double took) {
-      const std::string t = s.plan.check_time(round, step, took, timeout, 2);
-      if (err.empty() && !t.empty()) err = where + " " + t;
-      const std::string m = testing::check_mask_status(query(buf), s.plan.masked(round, step));
-      if (err.empty() && !m.empty()) err = where + " step " + std::to_string(step) + ": " + m;
+      keep_first(err, where + " ", s.plan.check_time(round, step, took, timeout, 2));
+      keep_first(err, where + " step " + std::to_string(step) + ": ",
+                 testing::check_mask_status(query(buf), s.plan.masked(round, step)));
     };
     const testing::LlBatch& b = s.rounds[round];
     if (s.plan.stopped(r, round, 0)) break;
@@ -334,8 +336,7 @@ TEST(LlMask, MaskedByItsPeersThenRejoins) {
         LlDispatchResult d = dispatch_step(buf, c, one_sided, false, nullptr, err);
         combine_step(buf, c, one_sided, d, true, false, err);
         if (seconds_since(t0) > 0.9) err += " (one-sided round waited a timeout)";
-        const std::string mask = testing::check_mask_status(query(buf), view(r).masked_dispatch);
-        if (err.empty() && !mask.empty()) err = mask;
+        keep_first(err, "", testing::check_mask_status(query(buf), view(r).masked_dispatch));
         buf.ll_clean_mask();
         buf.ll_clean();
         LlDispatchResult d2 = dispatch_step(buf, c, full, true, nullptr, err);
@@ -379,17 +380,14 @@ TEST(LlMask, StalledRankRejoinsAfterCleanMask) {
           if (err.empty() && (took < 0.9 * timeout_s || took > 3 * timeout_s))
             err = "the round without m took " + std::to_string(took) + " s, expected about one "
                   "timeout";
-          const std::string mask = testing::check_mask_status(query(buf), bit);
-          if (err.empty() && !mask.empty()) err = "after the stall: " + mask;
+          keep_first(err, "after the stall: ", testing::check_mask_status(query(buf), bit));
         }
         buf.ll_clean_mask();
         buf.ll_clean();
-        const std::string cleared = testing::check_mask_status(query(buf), 0);
-        if (err.empty() && !cleared.empty()) err = "after the clean: " + cleared;
+        keep_first(err, "after the clean: ", testing::check_mask_status(query(buf), 0));
         LlDispatchResult d2 = dispatch_step(buf, c, after, true, nullptr, err);
         combine_step(buf, c, after, d2, true, true, err);
-        const std::string still = testing::check_mask_status(query(buf), 0);
-        if (err.empty() && !still.empty()) err = "after the rejoined round: " + still;
+        keep_first(err, "after the rejoined round: ", testing::check_mask_status(query(buf), 0));
         errors[r] = err.empty() ? "" : "rank " + std::to_string(r) + ": " + err;
       },
       mask_options());

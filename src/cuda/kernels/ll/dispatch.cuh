@@ -605,17 +605,14 @@ __device__ void ll_dispatch_copy_entries(const LlDispatchParams& p, const LlRecv
   const int G = static_cast<int>(p.symm.layout.num_groups);
   sectors = EPX_LL_ABLATED(p.ablate, kLlVariantScaleSectors) && n_sc > 0 &&
             kQuant == kLlQuantFp8 && !p.use_ue8m0 && runs.whole && S == 1 && RT % 8 == 0;
+  auto slabs_of = [&](int u) { return 2 * ((runs.run[u][1] + 7) / 8); };  // run u's 4-row slabs
   int n_items = 0;
   if (sectors)
-    for (int u = 0; u < runs.n; ++u) n_items += G * 2 * ((runs.run[u][1] + 7) / 8);
+    for (int u = 0; u < runs.n; ++u) n_items += G * slabs_of(u);
   auto slab = [&](int i, float* v) {  // item i's 4 scales into v, its first one's address back
     int u = 0, rem = i;
-    for (; u + 1 < runs.n; ++u) {
-      const int items_u = G * 2 * ((runs.run[u][1] + 7) / 8);
-      if (rem < items_u) break;
-      rem -= items_u;
-    }
-    const int slabs = 2 * ((runs.run[u][1] + 7) / 8);
+    for (; u + 1 < runs.n && rem >= G * slabs_of(u); ++u) rem -= G * slabs_of(u);
+    const int slabs = slabs_of(u);
     const int g = rem / slabs, a = rem - g * slabs;
     const int first = runs.run[u][0], count = runs.run[u][1];
 #pragma unroll
